@@ -1,0 +1,215 @@
+"""One configuration object for the whole engine: what the user asked for,
+resolved against the model folder and the device, and shipped to every worker."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from raylm.model.arch_config import ArchConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "data" / "default_model"
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def detect_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(requested: str | torch.dtype, config_dtype: str | None, device: str) -> torch.dtype:
+    """Turn the user's dtype (or "auto") into a torch dtype for this device.
+
+    "auto" follows the checkpoint, except: float16 on CPU becomes bfloat16
+    (CPU float16 matmuls are emulated and slow, and bf16 keeps fp32's range),
+    and a float32 checkpoint on CUDA runs in bfloat16, as serving engines do,
+    because fp32 halves throughput for no practical accuracy gain at inference.
+    """
+    if isinstance(requested, torch.dtype):
+        dtype = requested
+    elif requested == "auto":
+        dtype = _DTYPES.get(str(config_dtype or "float32").replace("torch.", ""), torch.float32)
+        if device == "cpu" and dtype == torch.float16:
+            dtype = torch.bfloat16
+        if device == "cuda" and dtype == torch.float32:
+            dtype = torch.bfloat16
+        return dtype
+    else:
+        if requested not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {requested!r}")
+        dtype = _DTYPES[requested]
+    if device == "cpu" and dtype == torch.float16:
+        raise ValueError("dtype float16 is not supported on CPU; use bfloat16 or float32")
+    return dtype
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    tokenizer: str
+    dtype: torch.dtype
+    seed: int
+    max_model_len: int
+    arch: ArchConfig
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    # An explicit KV budget in bytes; None sizes it from the device (see Worker).
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    # Decided after profiling, identical on every rank.
+    num_blocks: int | None = None
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    async_scheduling: bool = False
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | type | None = None
+    ray_address: str | None = None
+    ray_placement_strategy: str = "PACK"
+    ray_placement_timeout: float = 60.0
+    ray_step_transport: str = "cgraph"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device: str = "cpu"
+    # Torch threads per worker on CPU; None = all cores of the bundle.
+    num_threads: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def create_engine_config(
+    model: str | None = None,
+    tokenizer: str | None = None,
+    dtype: str | torch.dtype = "auto",
+    seed: int = 0,
+    max_model_len: int | None = None,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    distributed_executor_backend: str | type | None = None,
+    enable_prefix_caching: bool = True,
+    block_size: int = 16,
+    kv_cache_memory_bytes: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    max_num_batched_tokens: int | None = None,
+    max_num_seqs: int = 256,
+    enable_chunked_prefill: bool = True,
+    async_scheduling: bool = False,
+    device: str | None = None,
+    num_threads: int | None = None,
+    ray_address: str | None = None,
+    ray_placement_strategy: str = "PACK",
+    ray_placement_timeout: float = 60.0,
+    ray_step_transport: str = "cgraph",
+) -> EngineConfig:
+    """Validate the user's settings against the model folder and the device."""
+    model_dir = str(model) if model else str(DEFAULT_MODEL_DIR)
+    arch = ArchConfig.from_model_dir(model_dir)
+    device = device or detect_device()
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    torch_dtype = resolve_dtype(dtype, arch.dtype, device)
+
+    if max_model_len is None:
+        max_model_len = arch.max_position_embeddings
+    elif not isinstance(max_model_len, int) or max_model_len < 1:
+        raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
+    elif max_model_len > arch.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
+            f"({arch.max_position_embeddings})"
+        )
+    for name, value in (("tensor_parallel_size", tensor_parallel_size), ("pipeline_parallel_size", pipeline_parallel_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = max(8192, max_num_seqs) if enable_chunked_prefill else max(max_model_len, 8192)
+    if max_num_batched_tokens < 1:
+        raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+    if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
+            f"({max_model_len}) when chunked prefill is off"
+        )
+    if kv_cache_memory_bytes is not None and kv_cache_memory_bytes <= 0:
+        raise ValueError(f"kv_cache_memory_bytes must be > 0, got {kv_cache_memory_bytes}")
+
+    env = {k: v for k, v in os.environ.items() if k.startswith("RAYLM_")}
+    return EngineConfig(
+        model_config=ModelConfig(
+            model=model_dir,
+            tokenizer=str(tokenizer) if tokenizer else model_dir,
+            dtype=torch_dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            arch=arch,
+        ),
+        cache_config=CacheConfig(
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            enable_chunked_prefill=enable_chunked_prefill,
+            async_scheduling=async_scheduling,
+        ),
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            distributed_executor_backend=distributed_executor_backend,
+            ray_address=ray_address,
+            ray_placement_strategy=ray_placement_strategy,
+            ray_placement_timeout=ray_placement_timeout,
+            ray_step_transport=ray_step_transport,
+        ),
+        device=device,
+        num_threads=num_threads,
+        env=env,
+    )

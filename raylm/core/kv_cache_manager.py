@@ -1,0 +1,173 @@
+"""Paged KV-cache blocks with prefix caching.
+
+A request's KV cache is a list of fixed-size blocks (its block table). A block
+that is full is identified by a hash chained over the tokens of every block
+before it, so two requests with the same prefix share those blocks. Blocks
+whose last user finished are not wiped: they sit in an LRU free queue, still
+findable by hash, until a new allocation needs the space.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from raylm.core.request import Request
+
+
+@dataclass
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    # Python's tuple-of-int hash is deterministic (no per-process salt), and
+    # chaining the parent's hash makes a block's identity include its prefix.
+    return hash((parent_hash, token_ids))
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        # Blocks nobody uses, least recently freed first (evicted first).
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[int, KVCacheBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def allocate(self, n: int) -> list[KVCacheBlock]:
+        assert n <= len(self.free_queue)
+        out = []
+        for _ in range(n):
+            _, block = self.free_queue.popitem(last=False)
+            if block.block_hash is not None:
+                # Evicting a cached block: it can no longer be found by hash.
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: list[KVCacheBlock]) -> None:
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def register(self, block: KVCacheBlock, block_hash: int) -> None:
+        block.block_hash = block_hash
+        # If another block already holds this content keep the first one;
+        # this one is simply not findable (it is freed like any other).
+        self.cached.setdefault(block_hash, block)
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Number of a request's leading blocks already registered in the cache.
+        self.num_registered: dict[str, int] = {}
+        self.prefix_queries = 0  # tokens looked up
+        self.prefix_hits = 0  # tokens found
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks / self.num_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def _update_block_hashes(self, request: Request) -> None:
+        hashes = request.block_hashes
+        bs = self.block_size
+        while (len(hashes) + 1) * bs <= request.num_tokens:
+            start = len(hashes) * bs
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tuple(request.all_token_ids[start : start + bs])))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of a new request: (blocks, number of tokens)."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        # Always leave at least one token to compute: its logits start decoding.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVCacheBlock] | None = None
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens; returns the new block ids,
+        or None (and changes nothing) when the pool cannot hold them."""
+        computed_blocks = computed_blocks or []
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        num_tokens_after = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        num_needed = -(-num_tokens_after // self.block_size) - len(blocks) - len(computed_blocks)
+        # Cached blocks about to be reused are counted as free until touched.
+        reusable = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - reusable:
+            if not blocks:
+                del self.req_blocks[request.request_id]
+            return None
+        self.pool.touch(computed_blocks)
+        blocks.extend(computed_blocks)
+        new_blocks = self.pool.allocate(max(num_needed, 0))
+        blocks.extend(new_blocks)
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request, blocks, num_tokens_after)
+        return [b.block_id for b in computed_blocks + new_blocks]
+
+    def _register_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        # A block is registered once every token in it will have been computed
+        # by the end of this step; attention writes a step's K/V before any
+        # query of that step reads it, so a request scheduled later can share it.
+        self._update_block_hashes(request)
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        start = self.num_registered.get(request.request_id, 0)
+        for i in range(start, num_full):
+            if blocks[i].block_hash is None:
+                self.pool.register(blocks[i], request.block_hashes[i])
+        self.num_registered[request.request_id] = max(start, num_full)
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_registered.pop(request.request_id, None)
+        # Tail blocks first, so a shared prefix outlives the request's own suffix in the LRU.
+        self.pool.free(list(reversed(blocks)))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        if self.pool.num_free_blocks != self.num_blocks:
+            return False
+        self.pool.reset_prefix_cache()
+        return True

@@ -1,0 +1,248 @@
+"""Continuous batching under a token budget, with chunked prefill and
+preemption by recompute.
+
+There is no separate prefill or decode phase: every running request simply
+wants `num_tokens - num_computed_tokens` more tokens computed (a whole prompt,
+a chunk of it, or the one token sampled last step), and each step hands out a
+token budget, running requests first, then waiting ones. `num_computed_tokens`
+advances when a request is scheduled, so a request whose step is still in
+flight (pipeline parallel, async scheduling) has nothing left to schedule and
+is naturally skipped until its sampled token arrives.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from raylm.config import CacheConfig, SchedulerConfig
+from raylm.core.kv_cache_manager import KVCacheManager
+from raylm.core.outputs import EngineCoreOutput
+from raylm.core.request import Request, RequestStatus
+from raylm.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, max_model_len: int):
+        self.config = scheduler_config
+        self.max_model_len = max_model_len
+        assert cache_config.num_blocks is not None, "the KV cache must be sized before scheduling"
+        self.kv_cache_manager = KVCacheManager(
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Requests the workers still hold state for and must be told to drop.
+        self.finished_req_ids: set[str] = set()
+        # Requests whose next step must be sent in full (new, or resumed after preemption).
+        self._needs_full_send: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        self._needs_full_send.add(request.request_id)
+
+    def abort_requests(self, request_ids) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            aborted.append(request)
+        return aborted
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+        self._needs_full_send.discard(request.request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step --------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        preempted_now = False
+
+        # Running requests first, oldest first; the newest is the preemption victim.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(num_new, self.max_model_len - request.num_computed_tokens)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+                if block_ids is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim, num_scheduled, new_block_ids)
+                preempted_now = True
+                if victim is request:
+                    break
+            if block_ids is None:
+                break
+            num_scheduled[request.request_id] = num_new
+            new_block_ids[request.request_id] = block_ids
+            budget -= num_new
+            i += 1
+
+        # Then waiting requests, unless we just had to preempt (no room anyway).
+        while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed_blocks, num_cached = [], 0
+            if request.num_computed_tokens == 0:
+                computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_cached
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
+            if block_ids is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            new_block_ids[request.request_id] = block_ids
+            budget -= num_new
+
+        return self._make_output(num_scheduled, new_block_ids)
+
+    def _preempt(self, request: Request, num_scheduled: dict, new_block_ids: dict) -> None:
+        """Free a request's blocks and put it back in front of the queue; it will
+        be recomputed from its prompt and the tokens it already generated."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if request.request_id in num_scheduled:
+            # Scheduled earlier in this same step: undo it.
+            num_scheduled.pop(request.request_id)
+            new_block_ids.pop(request.request_id)
+        self.waiting.appendleft(request)
+        self._needs_full_send.add(request.request_id)
+        logger.debug("preempted %s (KV cache full)", request.request_id)
+
+    def _make_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]]) -> SchedulerOutput:
+        new_reqs, cached_reqs = [], []
+        for rid, n in num_scheduled.items():
+            request = self.requests[rid]
+            if rid in self._needs_full_send:
+                self._needs_full_send.discard(rid)
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=rid,
+                        prompt_token_ids=request.prompt_token_ids,
+                        output_token_ids=list(request.output_token_ids),
+                        sampling_params=request.sampling_params,
+                        block_ids=self.kv_cache_manager.get_block_ids(rid),
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+            else:
+                cached_reqs.append(
+                    CachedRequestData(
+                        req_id=rid,
+                        new_token_ids=request.unsent_token_ids,
+                        new_block_ids=new_block_ids[rid],
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+            request.unsent_token_ids = []
+            request.num_computed_tokens += n
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = set()
+        return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs = []
+        for rid, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while its step was in flight
+            prompt_lps = runner_output.prompt_logprobs.get(rid, [])
+            new_tokens = []
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                new_tokens.append(token_id)
+                if self._check_stop(request):
+                    break
+            if not new_tokens and not prompt_lps:
+                continue
+            logprobs = runner_output.logprobs.get(rid)
+            out = EngineCoreOutput(
+                request_id=rid,
+                new_token_ids=new_tokens,
+                new_logprobs=[logprobs] if logprobs is not None and new_tokens else [],
+                new_prompt_logprobs=prompt_lps,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            )
+            if request.is_finished:
+                out.finish_reason = request.status.value
+                out.stop_reason = request.stop_reason
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, request: Request) -> bool:
+        params = request.sampling_params
+        status = None
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last == request.eos_token_id:
+                status = RequestStatus.FINISHED_STOPPED
+            elif last in params.stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+        if status is None and (
+            (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens)
+            or request.num_tokens >= self.max_model_len
+        ):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is None:
+            return False
+        self._finish(request, status)
+        return True
+
+    def stats(self) -> dict:
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "kv_cache_usage": self.kv_cache_manager.usage,
+            "prefix_cache_hit_rate": self.kv_cache_manager.prefix_cache_hit_rate,
+            "num_preemptions": self.num_preemptions,
+        }

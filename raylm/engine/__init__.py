@@ -1,0 +1,2 @@
+"""The engine: LLM (offline), the engine core's step loop, request intake
+(validation, tokenization) and output assembly (detokenization, stop strings)."""

@@ -1,0 +1,89 @@
+"""Request intake: validate and tokenize a prompt, finish its SamplingParams.
+
+Everything a user can get wrong is caught here, before the request reaches the
+engine core, and reported as a ValueError naming the field, so one bad request
+never disturbs the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from raylm.config import ModelConfig
+from raylm.core.request import Request
+from raylm.sampling_params import SamplingParams
+
+
+@dataclass
+class ProcessedPrompt:
+    prompt: str | None
+    prompt_token_ids: list[int]
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any):
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        eos = tokenizer.eos_token_id
+        if eos is None:
+            arch_eos = model_config.arch.eos_token_id
+            eos = arch_eos[0] if isinstance(arch_eos, list) else arch_eos
+        self.eos_token_id = eos
+        # Extra end-of-sequence ids from the config (e.g. chat models list several).
+        arch_eos = model_config.arch.eos_token_id
+        self.extra_eos_ids = {t for t in (arch_eos if isinstance(arch_eos, list) else [arch_eos]) if t is not None} - {eos}
+
+    def process_prompt(self, prompt: Any) -> ProcessedPrompt:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                processed = ProcessedPrompt(prompt.get("prompt"), list(ids))
+            elif "prompt" in prompt:
+                return self.process_prompt(prompt["prompt"])
+            else:
+                raise ValueError("prompt dict must have 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            if prompt == "":
+                raise ValueError("prompt must not be empty")
+            processed = ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
+        else:
+            raise ValueError(f"prompt must be a str or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+        ids = processed.prompt_token_ids
+        if not ids:
+            raise ValueError("prompt must not be empty (no prompt tokens)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if t < 0 or t >= vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        max_len = self.model_config.max_model_len
+        if len(ids) > max_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens, longer than max_model_len ({max_len})"
+            )
+        return processed
+
+    def finish_params(self, params: SamplingParams) -> SamplingParams:
+        params = params.clone()
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids contains ids outside the vocabulary [0, {vocab}): {bad}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab:
+                raise ValueError(f"{name} must be <= the vocabulary size ({vocab}), got {value}")
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            # EOS counts as a stop token for min_tokens masking; with
+            # ignore_eos it must stay sampleable.
+            stop_ids |= {self.eos_token_id} | self.extra_eos_ids
+            params.stop_token_ids = sorted(set(params.stop_token_ids) | self.extra_eos_ids)
+        stop_ids.discard(None)
+        params.all_stop_token_ids = stop_ids
+        return params
+
+    def make_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> Request:
+        return Request(request_id, prompt.prompt_token_ids, params, self.eos_token_id)

@@ -1,0 +1,153 @@
+"""`LLM`: offline batch generation with vLLM's interface."""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from raylm.config import create_engine_config
+from raylm.engine.llm_engine import LLMEngine
+from raylm.outputs import RequestOutput
+from raylm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    """Generate text for a batch of prompts.
+
+    `LLM(model=None)` runs the embedded default model. Engine settings are
+    keyword arguments named as in vLLM (tensor_parallel_size,
+    distributed_executor_backend, enable_prefix_caching, max_model_len, ...).
+    The engine shuts down on `shutdown()`, at the end of a `with` block, or
+    when the object is garbage collected or the interpreter exits.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
+        enable_prefix_caching: bool = True,
+        **engine_kwargs: Any,
+    ):
+        config = create_engine_config(
+            model=model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            distributed_executor_backend=distributed_executor_backend,
+            enable_prefix_caching=enable_prefix_caching,
+            **engine_kwargs,
+        )
+        self.llm_engine = LLMEngine(config)
+        # Runs at gc or interpreter exit too, so workers never outlive the user's script.
+        self._finalizer = weakref.finalize(self, self.llm_engine.shutdown)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | dict | Sequence[str | dict],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
+                )
+        engine = self.llm_engine
+        # Validate everything before adding anything: a bad prompt raises and
+        # leaves the engine exactly as it was.
+        validated = [engine.validate(p, sp) for p, sp in zip(prompts, params_list)]
+        request_ids = []
+        for processed, params in validated:
+            rid = engine.next_request_id()
+            engine.add_validated_request(rid, processed, params)
+            request_ids.append(rid)
+        try:
+            results = self._run(request_ids, use_tqdm)
+        except BaseException:
+            for rid in request_ids:
+                engine.abort_request(rid)
+            raise
+        return [results[rid] for rid in request_ids]
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        pending = set(request_ids)
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        start, out_tokens = time.perf_counter(), 0
+        try:
+            while pending:
+                for output in engine.step():
+                    if output.request_id in pending:
+                        pending.discard(output.request_id)
+                        results[output.request_id] = output
+                        out_tokens += sum(len(c.token_ids) for c in output.outputs)
+                        bar.update(1)
+                        elapsed = time.perf_counter() - start
+                        bar.set_postfix_str(f"output {out_tokens / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
+        finally:
+            bar.close()
+        return results
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            for m in conversation:
+                if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                    raise ValueError("messages must be dicts with 'role' and 'content'")
+            text = self.apply_chat_template(conversation, chat_template, add_generation_prompt)
+            ids = self.get_tokenizer().encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict], chat_template: str | None = None,
+                            add_generation_prompt: bool = True) -> str:
+        tokenizer = self.get_tokenizer()
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the model's tokenizer has no chat_template; pass chat_template=")
+        return tokenizer.apply_chat_template(
+            conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,84 @@
+"""LLMEngine: the front end (intake, output assembly) around an EngineCore.
+
+A request with n > 1 becomes n engine-core requests (children) that share the
+prompt, so prefix caching computes the prompt once; the OutputProcessor folds
+their completions back into one RequestOutput.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+from raylm.config import EngineConfig
+from raylm.engine.engine_core import EngineCore
+from raylm.engine.input_processor import InputProcessor
+from raylm.engine.output_processor import OutputProcessor
+from raylm.engine.tokenizer import load_tokenizer
+from raylm.outputs import RequestOutput
+from raylm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model_config.tokenizer)
+        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCore(config)
+        self._ids = itertools.count()
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def validate(self, prompt: Any, params: SamplingParams):
+        """Check one request without adding it: (processed prompt, finished params)."""
+        return self.input_processor.process_prompt(prompt), self.input_processor.finish_params(params)
+
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
+        processed, params = self.validate(prompt, params)
+        self.add_validated_request(request_id, processed, params)
+
+    def add_validated_request(self, request_id: str, processed, params: SamplingParams) -> None:
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, params, child_ids)
+        for i, cid in enumerate(child_ids):
+            child_params = params
+            if params.n > 1:
+                child_params = params.clone()
+                child_params.n = 1
+                if params.seed is not None:
+                    # Distinct but reproducible streams per completion.
+                    child_params.seed = params.seed + i
+            self.engine_core.add_request(self.input_processor.make_request(cid, processed, child_params))
+
+    def abort_request(self, request_id: str) -> None:
+        self.engine_core.abort_requests(self.output_processor.abort(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished()
+
+    def step(self, stream: bool = False) -> list[RequestOutput]:
+        """One engine step. Offline (stream=False) returns finished requests only;
+        streaming returns a delta for every request that changed."""
+        core_outputs = self.engine_core.step()
+        changed, to_abort = self.output_processor.process_outputs(core_outputs)
+        if to_abort:
+            self.engine_core.abort_requests(to_abort)
+        results = []
+        for rid in changed:
+            parent = self.output_processor.parents[rid]
+            if stream or parent.finished:
+                results.append(self.output_processor.make_output(rid, delta=stream))
+        return results
+
+    def stats(self) -> dict:
+        return self.engine_core.stats()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

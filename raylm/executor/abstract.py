@@ -1,0 +1,97 @@
+"""The executor contract: every backend runs the same Worker code and differs
+only in how a call travels (see DESIGN.md, "The executor contract")."""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from raylm.config import EngineConfig
+from raylm.messages import GrammarOutput, KVCacheConfig, ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class Executor(ABC):
+    uses_ray = False
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.is_failed = False
+        self._init_executor()
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type["Executor"]:
+        backend = config.parallel_config.distributed_executor_backend
+        if isinstance(backend, type):
+            if not issubclass(backend, Executor):
+                raise ValueError(f"distributed_executor_backend class {backend} must subclass raylm Executor")
+            return backend
+        if backend is None:
+            backend = "uni" if config.parallel_config.world_size == 1 else "mp"
+        if backend == "uni":
+            if config.parallel_config.world_size != 1:
+                raise ValueError("distributed_executor_backend 'uni' needs tensor_parallel_size = pipeline_parallel_size = 1")
+            from raylm.executor.uniproc_executor import UniProcExecutor
+
+            return UniProcExecutor
+        if backend == "mp":
+            from raylm.executor.multiproc_executor import MultiprocExecutor
+
+            return MultiprocExecutor
+        if backend == "ray":
+            from raylm.executor.ray_executor import RayDistributedExecutor
+
+            return RayDistributedExecutor
+        raise ValueError(f"distributed_executor_backend must be 'uni', 'mp' or 'ray', got {backend!r}")
+
+    @abstractmethod
+    def _init_executor(self) -> None: ...
+
+    @abstractmethod
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
+        """Call `method` on every worker; a list of replies (or the one reply of
+        `unique_reply_rank`), or a Future of it when `non_block`."""
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.config.parallel_config.pipeline_parallel_size
+
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False):
+        return self.collective_rpc("execute_model", args=(scheduler_output,), non_block=non_block, unique_reply_rank=self._output_rank)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None, non_block: bool = False) -> ModelRunnerOutput | Future:
+        return self.collective_rpc("sample_tokens", args=(grammar_output,), non_block=non_block, unique_reply_rank=self._output_rank)
+
+    @property
+    def _output_rank(self) -> int:
+        # The first TP rank of the last PP stage samples and replies.
+        pc = self.config.parallel_config
+        return (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
+
+    def determine_available_memory(self) -> list[int]:
+        return self.collective_rpc("determine_available_memory")
+
+    def get_kv_cache_bytes_per_block(self) -> list[int]:
+        return self.collective_rpc("get_kv_cache_bytes_per_block")
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        self.collective_rpc("initialize_from_config", args=(kv_cache_config,))
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raise if any worker is dead or hung."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Idempotent; leaves no process, actor or placement group behind."""

@@ -1,0 +1,86 @@
+"""Messages that cross layer and process boundaries in one step.
+
+They sit below every layer (scheduler, executor and worker all import them)
+and hold only plain, serialisable fields, so any transport can carry them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from raylm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have not seen (or must rebuild after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    # Non-empty for a preempted request resumed by recompute.
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the workers already hold: what changed since its last step."""
+
+    req_id: str
+    # Tokens sampled since the request was last scheduled; workers that did
+    # not sample them (non-last PP stages) learn them here.
+    new_token_ids: list[int]
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    # req_id -> number of tokens to compute this step.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests finished or aborted since the last step: workers drop their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class GrammarOutput:
+    """Token bitmasks for structured output (None fields = unconstrained)."""
+
+    req_ids: list[str] = field(default_factory=list)
+
+
+# (token ids, logprobs, rank of the first id) for one position: column 0 is the
+# sampled (or prompt) token, then the top-k.
+PositionLogprobsLists = tuple[list[int], list[float], int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # One list per request in req_ids; empty when the request only ran a
+    # partial prefill chunk and nothing was sampled.
+    sampled_token_ids: list[list[int]]
+    logprobs: dict[str, PositionLogprobsLists] = field(default_factory=dict)
+    # req_id -> logprobs of the prompt positions computed this step.
+    prompt_logprobs: dict[str, list[PositionLogprobsLists]] = field(default_factory=dict)
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+
+
+@dataclass
+class KVCacheConfig:
+    """The KV cache every rank allocates: decided once by the engine from the
+    smallest rank's free memory, so all ranks hold the same block ids."""
+
+    num_blocks: int
+    block_size: int

@@ -1,0 +1,61 @@
+"""Per-step attention metadata, reachable from every attention layer.
+
+The model runner sets it around each forward so the model's forward signature
+stays (input_ids, positions) like a plain Hugging Face model.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence whose step has more than one query token (or a first chunk).
+
+    Queries are rows [q_start, q_end) of the flat batch. When the sequence has
+    context before this chunk (prefix-cache hit or a later prefill chunk),
+    `ctx_slots` lists the cache slots of the whole context (old + new tokens) and
+    `mask` is the causal mask with that offset; otherwise both are None and the
+    fresh keys are used directly with a plain causal mask.
+    """
+
+    q_start: int
+    q_end: int
+    ctx_slots: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each new token's K/V goes and what each query attends to.
+
+    The flat batch holds the decode tokens first (one query each, rows
+    [0, num_decode_tokens)), then the prefill sequences.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat index into the paged cache
+    num_decode_tokens: int = 0
+    decode_slots: torch.Tensor | None = None  # [num_decodes, max_ctx] int64
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_ctx] bool, True = attend
+    prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+_CURRENT: AttentionMetadata | None = None
+
+
+@contextmanager
+def set_forward_context(metadata: AttentionMetadata | None):
+    global _CURRENT
+    previous, _CURRENT = _CURRENT, metadata
+    try:
+        yield
+    finally:
+        _CURRENT = previous
+
+
+def get_attention_metadata() -> AttentionMetadata | None:
+    return _CURRENT

@@ -1,0 +1,2 @@
+"""Building blocks of the models: parallel linear layers, vocab-parallel
+embedding and LM head, paged attention, rotary embedding, RMSNorm."""

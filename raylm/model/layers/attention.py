@@ -1,0 +1,98 @@
+"""Paged attention with torch's scaled_dot_product_attention (CPU and CUDA).
+
+The KV cache of one layer is a tensor [2, num_blocks, block_size, num_kv_heads,
+head_dim]; viewed flat, a token lives at slot = block_id * block_size + offset.
+Decode queries are batched (their contexts gathered from the cache and padded,
+with a mask); prefill sequences run one by one, so no query attends past its
+own position and no padding is spent on long prompts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raylm.model.forward_context import AttentionMetadata, get_attention_metadata
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        # Bound by the model runner once the cache is allocated.
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, num_heads*head_dim], k/v: [T, num_kv_heads*head_dim] -> [T, num_heads*head_dim]."""
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        meta = get_attention_metadata()
+        if meta is None:
+            # No engine around (e.g. a plain forward in a test): one causal sequence.
+            return self._causal(q, k, v).reshape(num_tokens, -1)
+
+        k_flat = v_flat = None
+        if self.kv_cache is not None:
+            k_flat = self.kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)
+            v_flat = self.kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
+            k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
+            v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
+
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_flat, v_flat, meta)
+        for seq in meta.prefills:
+            qs = q[seq.q_start : seq.q_end]
+            if seq.ctx_slots is None:
+                out[seq.q_start : seq.q_end] = self._causal(
+                    qs, k[seq.q_start : seq.q_end], v[seq.q_start : seq.q_end]
+                )
+            else:
+                out[seq.q_start : seq.q_end] = self._attend(
+                    qs, k_flat[seq.ctx_slots], v_flat[seq.ctx_slots], seq.mask
+                )
+        return out.reshape(num_tokens, -1)
+
+    def _causal(self, q, k, v) -> torch.Tensor:
+        # [T, H, D] -> [1, H, T, D]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            v.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            is_causal=True,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return o.squeeze(0).transpose(0, 1)
+
+    def _attend(self, q, k, v, mask) -> torch.Tensor:
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            v.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return o.squeeze(0).transpose(0, 1)
+
+    def _decode(self, q, k_flat, v_flat, meta: AttentionMetadata) -> torch.Tensor:
+        # q: [B, H, D] -> [B, H, 1, D]; context [B, L, KVH, D] -> [B, KVH, L, D]
+        k = k_flat[meta.decode_slots].transpose(1, 2)
+        v = v_flat[meta.decode_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2),
+            k.to(q.dtype),
+            v.to(q.dtype),
+            attn_mask=meta.decode_mask,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return o.squeeze(2)

@@ -1,0 +1,75 @@
+"""Vocabulary-parallel token embedding and LM head, and the logits step that
+puts the vocab shards back together for the sampler."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raylm.distributed.parallel_state import get_tp_group
+from raylm.model.layers.linear import WeightSource, copy_checked, read_narrow, weight_shape
+
+# Shards are kept a multiple of 64 rows so every rank's matmul has a friendly shape.
+VOCAB_PADDING = 64
+
+
+def pad_vocab_size(vocab_size: int, tp_size: int) -> int:
+    multiple = VOCAB_PADDING * tp_size
+    return (vocab_size + multiple - 1) // multiple * multiple
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows of the (padded) vocab split across ranks. Each rank embeds the ids in
+    its range, writes zeros for the others, and an all-reduce fills in the rest."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        tp = get_tp_group()
+        self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
+        self.num_embeddings = num_embeddings
+        self.num_embeddings_padded = pad_vocab_size(num_embeddings, self.tp_size)
+        self.shard_size = self.num_embeddings_padded // self.tp_size
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.vocab_end = self.vocab_start + self.shard_size
+        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: WeightSource, shard_id=None) -> None:
+        vocab, dim = weight_shape(loaded_weight)
+        if vocab != self.num_embeddings:
+            raise ValueError(f"checkpoint vocab {vocab} != config vocab_size {self.num_embeddings}")
+        # The last shard may hold only padding rows past the real vocab.
+        rows = max(0, min(self.vocab_end, vocab) - self.vocab_start)
+        param.data[rows:].zero_()
+        if rows:
+            copy_checked(param.data[:rows], read_narrow(loaded_weight, 0, self.vocab_start, rows), "vocab shard")
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        in_shard = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = (input_ids - self.vocab_start) * in_shard
+        out = F.embedding(local_ids, self.weight) * in_shard.unsqueeze(-1).to(self.weight.dtype)
+        return get_tp_group().all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection, sharded by vocab rows like the embedding so the two
+    can share one weight when the checkpoint ties them."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise TypeError("ParallelLMHead is applied through LogitsProcessor, not called directly")
+
+
+class LogitsProcessor(nn.Module):
+    """hidden [N, H] -> float32 logits [N, vocab_size] on every TP rank, padding trimmed."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, lm_head: ParallelLMHead, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden_states, lm_head.weight)
+        logits = get_tp_group().all_gather(logits, dim=-1)
+        return logits[..., : self.vocab_size].float()

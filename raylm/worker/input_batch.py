@@ -1,0 +1,136 @@
+"""Turn one SchedulerOutput into flat model inputs and attention metadata.
+
+Tokens of all scheduled requests are laid flat (no padding): decode requests
+(one new token each) first, so attention can batch them, then prefill chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from raylm.model.forward_context import AttentionMetadata, PrefillSeq
+from raylm.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    """A worker's copy of one request, kept across steps."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # prompt + output tokens known so far
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None = None
+    # Prompt logprobs are delivered as prefill chunks are computed.
+    prompt_logprobs_done: int = 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+
+@dataclass
+class PreparedBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    # Requests in flat order, with how many tokens each contributes.
+    req_ids: list[str]
+    num_tokens: list[int]
+    # Requests that reach the end of their known tokens and so sample now,
+    # with the flat index of the row whose logits they sample from.
+    sample_req_ids: list[str] = field(default_factory=list)
+    sample_indices: list[int] = field(default_factory=list)
+    # Prompt-logprob work: req_id -> (flat rows, target token ids).
+    prompt_logprob_rows: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+
+
+def _slots(block_ids: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:
+    table = np.asarray(block_ids, dtype=np.int64)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def prepare_batch(
+    states: dict[str, CachedRequestState],
+    num_scheduled_tokens: dict[str, int],
+    block_size: int,
+    device: torch.device,
+) -> PreparedBatch:
+    order = sorted(num_scheduled_tokens, key=lambda rid: num_scheduled_tokens[rid] != 1)
+    num_decodes = sum(1 for rid in order if num_scheduled_tokens[rid] == 1)
+
+    input_ids: list[int] = []
+    positions: list[np.ndarray] = []
+    slot_mapping: list[np.ndarray] = []
+    batch = PreparedBatch(None, None, None, order, [num_scheduled_tokens[r] for r in order])  # type: ignore[arg-type]
+
+    decode_ctx_lens = []
+    decode_tables = []
+    prefills: list[PrefillSeq] = []
+    offset = 0
+    for idx, rid in enumerate(order):
+        state = states[rid]
+        n = num_scheduled_tokens[rid]
+        start = state.num_computed_tokens
+        end = start + n
+        input_ids.extend(state.token_ids[start:end])
+        pos = np.arange(start, end, dtype=np.int64)
+        positions.append(pos)
+        slot_mapping.append(_slots(state.block_ids, pos, block_size))
+        if idx < num_decodes:
+            decode_ctx_lens.append(end)
+            decode_tables.append(state.block_ids)
+        elif start == 0:
+            prefills.append(PrefillSeq(offset, offset + n))
+        else:
+            ctx_pos = np.arange(0, end, dtype=np.int64)
+            ctx_slots = torch.from_numpy(_slots(state.block_ids, ctx_pos, block_size)).to(device)
+            # Query i sits at absolute position start+i and sees keys 0..start+i.
+            mask = torch.arange(end, device=device)[None, :] <= torch.arange(start, end, device=device)[:, None]
+            prefills.append(PrefillSeq(offset, offset + n, ctx_slots, mask[None, None]))
+        if end == len(state.token_ids):
+            batch.sample_req_ids.append(rid)
+            batch.sample_indices.append(offset + n - 1)
+        want_prompt_lps = state.sampling_params.prompt_logprobs is not None
+        num_prompt = len(state.prompt_token_ids)
+        if want_prompt_lps and start < num_prompt - 1:
+            # Position p predicts prompt token p+1.
+            last = min(end, num_prompt - 1)
+            rows = list(range(offset, offset + last - start))
+            targets = state.prompt_token_ids[start + 1 : last + 1]
+            batch.prompt_logprob_rows[rid] = (rows, targets)
+        offset += n
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(np.concatenate(slot_mapping)).to(device),
+        num_decode_tokens=num_decodes,
+        prefills=prefills,
+    )
+    if num_decodes:
+        ctx = np.asarray(decode_ctx_lens, dtype=np.int64)
+        max_ctx = int(ctx.max())
+        max_blocks = -(-max_ctx // block_size)
+        table = np.zeros((num_decodes, max_blocks), dtype=np.int64)
+        for i, blocks in enumerate(decode_tables):
+            nb = min(len(blocks), max_blocks)
+            table[i, :nb] = blocks[:nb]
+            table[i, nb:] = blocks[0]
+        ar = np.arange(max_ctx, dtype=np.int64)
+        slots = table[:, ar // block_size] * block_size + ar % block_size
+        valid = ar[None, :] < ctx[:, None]
+        # Padding points at the request's own first slot, which always holds
+        # real (finite) values: the cache is not zeroed, and masked garbage
+        # could still be NaN, which poisons softmax even at weight zero.
+        slots = np.where(valid, slots, slots[:, :1])
+        meta.decode_slots = torch.from_numpy(slots).to(device)
+        meta.decode_mask = torch.from_numpy(valid).to(device)[:, None, None, :]
+
+    batch.input_ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
+    batch.positions = torch.from_numpy(np.concatenate(positions)).to(device)
+    batch.attn_metadata = meta
+    return batch

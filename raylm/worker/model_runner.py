@@ -1,0 +1,164 @@
+"""The model runner: keeps per-request state, runs the forward, samples.
+
+The step has two phases, `execute_model` (forward up to the logits) and
+`sample_tokens` (sampling), so that the engine can compute structured-output
+grammar masks while the forward runs, and so every executor backend splits a
+step at the same place.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from raylm.config import EngineConfig
+from raylm.distributed.parallel_state import get_pp_group
+from raylm.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from raylm.model.forward_context import set_forward_context
+from raylm.model.layers.attention import Attention
+from raylm.model.loader import load_model
+from raylm.worker.input_batch import CachedRequestState, PreparedBatch, prepare_batch
+from raylm.worker.sampler import Sampler, compute_prompt_logprobs
+from raylm.worker.sampling_metadata import SamplingRow, build_sampling_metadata
+
+logger = logging.getLogger(__name__)
+
+
+def _logprob_lists(token_ids: torch.Tensor, logprobs: torch.Tensor, ranks: torch.Tensor) -> list[tuple]:
+    ids, lps, rks = token_ids.tolist(), logprobs.tolist(), ranks.tolist()
+    return [(ids[i], lps[i], rks[i]) for i in range(len(ids))]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device):
+        self.config = config
+        self.device = device
+        self.block_size = config.cache_config.block_size
+        self.vocab_size = config.model_config.vocab_size
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.requests: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler()
+        # Between execute_model and sample_tokens.
+        self._pending: tuple[SchedulerOutput, PreparedBatch, torch.Tensor | None] | None = None
+
+    # ---- set-up ------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        mc = self.config.model_config
+        self.model = load_model(mc.model, mc.dtype, self.device)
+        self.model.eval()
+
+    def attention_layers(self) -> list[Attention]:
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def kv_cache_bytes_per_block(self) -> int:
+        layers = self.attention_layers()
+        if not layers:
+            return 0
+        a = layers[0]
+        dtype_size = torch.empty((), dtype=self.config.model_config.dtype).element_size()
+        return 2 * self.block_size * a.num_kv_heads * a.head_dim * dtype_size * len(layers)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        dtype = self.config.model_config.dtype
+        self.kv_caches = []
+        for layer in self.attention_layers():
+            # torch.empty: pages are only touched (and counted in RSS) once used.
+            cache = torch.empty(
+                (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim), dtype=dtype, device=self.device
+            )
+            layer.kv_cache = cache
+            self.kv_caches.append(cache)
+
+    # ---- one step -----------------------------------------------------------------
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            old = self.requests.get(new.req_id)
+            generator = old.generator if old is not None else None
+            params = new.sampling_params
+            if generator is None and params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=list(new.prompt_token_ids),
+                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+                sampling_params=params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                generator=generator,
+                prompt_logprobs_done=old.prompt_logprobs_done if old is not None else 0,
+            )
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.token_ids.extend(cached.new_token_ids)
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput):
+        """Run the forward; returns the intermediate state on a non-last PP stage, else None."""
+        if self._pending is not None:
+            raise RuntimeError("execute_model called twice without sample_tokens in between")
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            self._pending = (so, None, None)
+            return None
+        batch = prepare_batch(self.requests, so.num_scheduled_tokens, self.block_size, self.device)
+        with set_forward_context(batch.attn_metadata):
+            hidden = self.model(batch.input_ids, batch.positions)
+        if not get_pp_group().is_last_rank:
+            self._pending = (so, batch, None)
+            return hidden
+        self._pending = (so, batch, hidden)
+        return None
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput | None:
+        if self._pending is None:
+            raise RuntimeError("sample_tokens called without a preceding execute_model")
+        so, batch, hidden = self._pending
+        self._pending = None
+        if batch is None or hidden is None:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if batch is None else None
+
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, tuple] = {}
+        if batch.sample_req_ids:
+            logits = self.model.compute_logits(hidden[batch.sample_indices])
+            states = [self.requests[rid] for rid in batch.sample_req_ids]
+            rows = [
+                SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in states
+            ]
+            metadata = build_sampling_metadata(rows, self.vocab_size, self.device)
+            out = self.sampler(logits.float(), metadata)
+            tokens = out.sampled_token_ids.tolist()
+            lp_lists = None
+            if out.logprobs is not None:
+                lp_lists = _logprob_lists(out.logprobs.token_ids, out.logprobs.logprobs, out.logprobs.ranks)
+            for i, (rid, state) in enumerate(zip(batch.sample_req_ids, states)):
+                sampled[rid] = [tokens[i]]
+                num_lps = state.sampling_params.logprobs
+                if lp_lists is not None and num_lps is not None:
+                    ids, lps, rank = lp_lists[i]
+                    logprobs[rid] = (ids[: num_lps + 1], lps[: num_lps + 1], rank)
+
+        prompt_logprobs = {}
+        for rid, (rows, targets) in batch.prompt_logprob_rows.items():
+            state = self.requests[rid]
+            logits = self.model.compute_logits(hidden[rows]).float()
+            target = torch.tensor(targets, dtype=torch.int64, device=logits.device)
+            lp = compute_prompt_logprobs(logits, target, state.sampling_params.prompt_logprobs)
+            prompt_logprobs[rid] = _logprob_lists(lp.token_ids, lp.logprobs, lp.ranks)
+
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids,
+            sampled_token_ids=[sampled.get(rid, []) for rid in batch.req_ids],
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )

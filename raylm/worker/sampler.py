@@ -1,0 +1,187 @@
+"""Turns a batch's last-position logits into next tokens (and logprobs), vectorized over rows.
+
+Order: raw logprobs, min_tokens mask, penalties, then greedy argmax or temperature/top-k/top-p/min-p sampling.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from raylm.worker.sampling_metadata import SamplingMetadata
+
+logger = logging.getLogger(__name__)
+
+# Exp(1) noise can be exactly 0; dividing by it would turn a zero probability into NaN.
+_MIN_NOISE = 1e-10
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of the chosen token and the top-k alternatives, one row per position."""
+
+    token_ids: torch.Tensor  # [B, k+1] int64: column 0 is the sampled/target token
+    logprobs: torch.Tensor  # [B, k+1] float32
+    ranks: torch.Tensor  # [B] int64: rank of column 0's token, 1 = most likely
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
+    """Pick each row's own token plus its ``num_top`` most likely tokens out of full logprobs."""
+    token_ids = token_ids.to(torch.int64)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    # Rank counts strictly better tokens, so ties share the best rank.
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    if num_top > 0:
+        top_logprobs, top_ids = logprobs.topk(num_top, dim=1)
+        all_ids = torch.cat([token_ids.unsqueeze(1), top_ids], dim=1)
+        all_logprobs = torch.cat([chosen, top_logprobs], dim=1)
+    else:
+        all_ids, all_logprobs = token_ids.unsqueeze(1), chosen
+    return LogprobsTensors(token_ids=all_ids, logprobs=all_logprobs, ranks=ranks)
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, target_token_ids: torch.Tensor, num_top: int
+) -> LogprobsTensors:
+    """Logprobs of each prompt position's next prompt token, from raw logits [N, V]."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return gather_logprobs(logprobs, target_token_ids, num_top)
+
+
+def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, set[int]]) -> torch.Tensor:
+    """Forbid stop tokens for rows that have not yet generated their min_tokens."""
+    vocab_size = logits.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, token_ids in min_tokens.items():
+        for token_id in token_ids:
+            if token_id < vocab_size:
+                rows.append(row)
+                cols.append(token_id)
+    if rows:
+        logits[rows, cols] = float("-inf")
+    return logits
+
+
+def _output_token_counts(output_token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Per-row occurrence counts of each generated token, [B, V] float32."""
+    num_rows = len(output_token_ids)
+    max_len = max((len(tokens) for tokens in output_token_ids), default=0)
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=device)
+    if max_len > 0:
+        # Pad with an extra "vocab_size" column that absorbs the padding and is dropped.
+        padded = [tokens + [vocab_size] * (max_len - len(tokens)) for tokens in output_token_ids]
+        index = torch.tensor(padded, dtype=torch.int64, device=device)
+        counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Repetition (prompt + output), frequency and presence (output only) penalties."""
+    num_rows, vocab_size = logits.shape
+    output_counts = _output_token_counts(metadata.output_token_ids, vocab_size, logits.device)
+    in_output = output_counts > 0
+
+    in_prompt = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device)
+    if metadata.prompt_token_ids is not None and metadata.prompt_token_ids.numel() > 0:
+        in_prompt.scatter_(1, metadata.prompt_token_ids, True)
+    seen = in_prompt[:, :vocab_size] | in_output
+
+    repetition = metadata.repetition_penalties.unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - metadata.frequency_penalties.unsqueeze(1) * output_counts
+    logits = logits - metadata.presence_penalties.unsqueeze(1) * in_output.float()
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Keep each row's top_k tokens, then the smallest head reaching top_p; one sort serves both."""
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    vocab_size = logits.shape[1]
+    if top_k is not None:
+        positions = torch.arange(vocab_size, device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(positions >= top_k.unsqueeze(1), float("-inf"))
+    if top_p is not None:
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop = mass_before >= top_p.unsqueeze(1)
+        drop[:, 0] = False  # the most likely token always survives
+        # Rounding in the cumsum must not cut a tail off rows that asked for no truncation.
+        drop &= (top_p < 1.0).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Sample one token per row: argmax(p / q), q ~ Exp(1), equals a draw from p.
+
+    Seeded rows draw their noise from their own generator, V values per step,
+    so their tokens do not depend on which other rows share the batch.
+    """
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        noise.exponential_()
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    return (probs / noise.clamp_min_(_MIN_NOISE)).argmax(dim=-1)
+
+
+class Sampler(torch.nn.Module):
+    """Samples the next token of every row of the batch in one vectorized pass."""
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            # Logprobs describe the model's own distribution, before any request-side shaping.
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+
+        if metadata.min_tokens:
+            # Copy first: masking in place would mutate the caller's logits tensor.
+            logits = apply_min_tokens(logits.clone(), metadata.min_tokens)
+        if not metadata.no_penalties:
+            logits = apply_penalties(logits, metadata)
+
+        sampled = self._sample(logits, metadata)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        greedy_tokens = None
+        if not metadata.all_random:
+            greedy_tokens = logits.argmax(dim=-1)
+            if metadata.all_greedy:
+                return greedy_tokens
+
+        temperature = metadata.temperature
+        if not metadata.all_random:
+            # Greedy rows ride along through the random path; 1.0 keeps them finite.
+            temperature = torch.where(temperature == 0.0, torch.ones_like(temperature), temperature)
+        logits = logits / temperature.unsqueeze(1)
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        probs = logits.softmax(dim=-1)
+        if metadata.min_p is not None:
+            max_probs = probs.max(dim=-1, keepdim=True).values
+            # The race ignores row scale, so zeroing is enough; no renormalisation needed.
+            probs = probs.masked_fill(probs < metadata.min_p.unsqueeze(1) * max_probs, 0.0)
+        random_tokens = exponential_race(probs, metadata.generators)
+
+        if greedy_tokens is None:
+            return random_tokens
+        return torch.where(metadata.temperature == 0.0, greedy_tokens, random_tokens)

@@ -1,0 +1,135 @@
+"""Batch tensors the Sampler needs, built once per step from each row's SamplingParams.
+
+Only the tensors some row actually uses are built, so an all-greedy batch costs almost nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from raylm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SamplingRow:
+    """One sequence to sample this step, as the model runner knows it."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # The request's own generator (seeded requests only); it lives as long as the request.
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling settings as batch tensors; optional knobs are None when no row uses them."""
+
+    temperature: torch.Tensor  # [B] float32, 0 for greedy rows
+    all_greedy: bool
+    all_random: bool
+    top_k: torch.Tensor | None  # [B] int64, vocab_size for rows without top-k
+    top_p: torch.Tensor | None  # [B] float32, 1.0 for rows without top-p
+    min_p: torch.Tensor | None  # [B] float32, 0.0 for rows without min-p
+    generators: dict[int, torch.Generator]
+    max_num_logprobs: int | None
+    no_penalties: bool
+    presence_penalties: torch.Tensor | None  # [B] float32
+    frequency_penalties: torch.Tensor | None  # [B] float32
+    repetition_penalties: torch.Tensor | None  # [B] float32
+    prompt_token_ids: torch.Tensor | None  # [B, max_prompt_len] int64, padded with vocab_size
+    output_token_ids: list[list[int]]
+    min_tokens: dict[int, set[int]] = field(default_factory=dict)
+
+
+def _uses_penalties(params: SamplingParams) -> bool:
+    return (
+        params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.repetition_penalty != 1.0
+    )
+
+
+def _float_tensor(values: list[float], device: torch.device | str) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _pad_token_lists(lists: list[list[int]], pad_id: int, device: torch.device | str) -> torch.Tensor:
+    """Stack ragged token lists into [B, max_len] int64, padding with ``pad_id``."""
+    max_len = max((len(tokens) for tokens in lists), default=0)
+    padded = [tokens + [pad_id] * (max_len - len(tokens)) for tokens in lists]
+    return torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(lists), max_len)
+
+
+def build_sampling_metadata(
+    rows: list[SamplingRow], vocab_size: int, device: torch.device | str
+) -> SamplingMetadata:
+    """Gather every row's settings into the batch tensors the Sampler reads."""
+    params_list = [row.params for row in rows]
+    temperatures = [p.temperature for p in params_list]
+    num_greedy = sum(1 for t in temperatures if t == 0.0)
+    all_greedy = num_greedy == len(rows)
+    all_random = num_greedy == 0
+
+    top_k = top_p = min_p = None
+    generators: dict[int, torch.Generator] = {}
+    if not all_greedy:
+        # Greedy rows had their truncation knobs normalised to "off" by SamplingParams.
+        top_ks = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params_list]
+        if any(k < vocab_size for k in top_ks):
+            top_k = torch.tensor(top_ks, dtype=torch.int64, device=device)
+        top_ps = [p.top_p for p in params_list]
+        if any(tp < 1.0 for tp in top_ps):
+            top_p = _float_tensor(top_ps, device)
+        min_ps = [p.min_p for p in params_list]
+        if any(mp > 0.0 for mp in min_ps):
+            min_p = _float_tensor(min_ps, device)
+        # A greedy row never draws noise, so its generator would go unused.
+        generators = {
+            i: row.generator
+            for i, row in enumerate(rows)
+            if row.generator is not None and row.params.temperature != 0.0
+        }
+
+    requested = [p.logprobs for p in params_list if p.logprobs is not None]
+    max_num_logprobs = max(requested) if requested else None
+
+    no_penalties = not any(_uses_penalties(p) for p in params_list)
+    presence = frequency = repetition = prompt_ids = None
+    if not no_penalties:
+        presence = _float_tensor([p.presence_penalty for p in params_list], device)
+        frequency = _float_tensor([p.frequency_penalty for p in params_list], device)
+        repetition = _float_tensor([p.repetition_penalty for p in params_list], device)
+        prompt_ids = _pad_token_lists([row.prompt_token_ids for row in rows], vocab_size, device)
+
+    # The engine leaves EOS out of all_stop_token_ids when ignore_eos is set, so this
+    # set is exactly what must not end the sequence early.
+    min_tokens: dict[int, set[int]] = {}
+    for i, row in enumerate(rows):
+        if len(row.output_token_ids) < row.params.min_tokens:
+            forbidden = set(row.params.all_stop_token_ids) | set(row.params.stop_token_ids)
+            if forbidden:
+                min_tokens[i] = forbidden
+
+    return SamplingMetadata(
+        temperature=_float_tensor(temperatures, device),
+        all_greedy=all_greedy,
+        all_random=all_random,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        generators=generators,
+        max_num_logprobs=max_num_logprobs,
+        no_penalties=no_penalties,
+        presence_penalties=presence,
+        frequency_penalties=frequency,
+        repetition_penalties=repetition,
+        prompt_token_ids=prompt_ids,
+        output_token_ids=[row.output_token_ids for row in rows],
+        min_tokens=min_tokens,
+    )
