@@ -72,12 +72,14 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         *,
         skip_special_tokens: bool = True,
-        stop: Sequence[str] = (),
+        stop: Sequence[str] | str | None = (),
         include_stop_str_in_output: bool = False,
     ) -> None:
         self._backend = _backend_of(tokenizer)
         self.skip_special_tokens = skip_special_tokens
-        self.stop = [s for s in stop if s]
+        # SamplingParams allows a bare string; iterating it would stop on single letters.
+        stops = [stop] if isinstance(stop, str) else list(stop or ())
+        self.stop = [s for s in stops if s]
         self.include_stop_str_in_output = include_stop_str_in_output
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
 

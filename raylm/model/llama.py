@@ -92,11 +92,17 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.head_dim = arch.head_dim
         self.qkv_proj = QKVParallelLinear(
-            arch.hidden_size, arch.head_dim, arch.num_attention_heads, arch.num_key_value_heads, bias=arch.attention_bias
+            arch.hidden_size,
+            arch.head_dim,
+            arch.num_attention_heads,
+            arch.num_key_value_heads,
+            bias=arch.attention_bias,
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(arch.num_attention_heads * arch.head_dim, arch.hidden_size, bias=arch.o_proj_bias)
+        self.o_proj = RowParallelLinear(
+            arch.num_attention_heads * arch.head_dim, arch.hidden_size, bias=arch.o_proj_bias
+        )
         # Shared by all layers, so kept out of the module tree (one cache, not one per layer).
         self._rotary = [rotary]
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
@@ -258,9 +264,9 @@ class LlamaForCausalLM(nn.Module):
                 return "lm_head.weight", None
             return (name, None) if self.model.is_first_stage else None
         if name.startswith("lm_head."):
-            if not self.is_last_stage or (self.arch.tie_word_embeddings and not tied_head):
-                return None  # tied and already shared with the embedding, or not our stage
-            if tied_head:  # read from embed_tokens; a stray copy here would load twice
+            # When tied, the head comes from embed_tokens (shared, or copied on a last
+            # stage); some tied checkpoints still carry a redundant lm_head.weight.
+            if not self.is_last_stage or self.arch.tie_word_embeddings:
                 return None
             return name, None
         if name.startswith("model.norm."):
@@ -281,7 +287,9 @@ class LlamaForCausalLM(nn.Module):
         for param_name in params:
             merged = param_name.split(".")[-2]
             shards = expected_shards.get(merged, (None,))
-            missing += [f"{param_name}[{s}]" if s is not None else param_name for s in shards if (param_name, s) not in loaded]
+            for shard in shards:
+                if (param_name, shard) not in loaded:
+                    missing.append(param_name if shard is None else f"{param_name}[{shard}]")
         if missing:
             raise ValueError(f"checkpoint left {len(missing)} parameter(s) unloaded: {', '.join(missing[:10])}")
 

@@ -161,7 +161,7 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
 EMBEDDING_STD = 0.5
 NORM_WEIGHT_JITTER = 0.1
 BIAS_STD = 0.1
-RESIDUAL_WRITE_GAIN = 2.0
+RESIDUAL_WRITE_GAIN = 4.0
 
 
 def _rope_parameters(arch: str, overrides: dict[str, Any]) -> dict[str, Any]:

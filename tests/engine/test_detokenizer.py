@@ -1,12 +1,13 @@
 """Tests for incremental detokenization and stop strings, against Hugging Face's full decode.
-A small byte-level BPE tokenizer is trained in the test so multi-byte characters split across tokens."""
+Small tokenizers are trained here so that multi-byte characters split across tokens."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from raylm.engine.detokenizer import IncrementalDetokenizer, detokenize_logprobs
@@ -45,6 +46,28 @@ def hf_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token=EOS, pad_token=PAD, clean_up_tokenization_spaces=False
     )
+
+
+@pytest.fixture(scope="module")
+def byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
+    """A Llama-2 style tokenizer: "▁" word marks, and unknown characters spelled as <0xNN> byte tokens."""
+    marks = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.normalizer = marks
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    trained.train_from_iterator(CORPUS * 10, trainer)
+    model = json.loads(trained.to_str())["model"]
+    vocab = dict(model["vocab"])
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tokenizer.normalizer = marks
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 def random_texts(count: int, seed: int) -> list[str]:
@@ -102,6 +125,25 @@ def test_one_token_at_a_time_matches_full_decode(hf_tokenizer, skip_special_toke
         assert detok.get_next_output_text(finished=True, delta=False) == expected
         assert detok.output_text == expected
         assert detok.token_ids == ids
+
+
+def test_byte_fallback_tokenizer(byte_fallback_tokenizer):
+    tok = byte_fallback_tokenizer
+    # An incomplete character decodes to one U+FFFD per byte token here, not one per character.
+    assert tok.decode(encode(tok, "龍")[:3]).count(REPLACEMENT) == 2
+    prompt = encode(tok, "Hello there")
+    for text in random_texts(40, seed=6):
+        ids = encode(tok, text)
+        for context in ([], prompt):
+            # With a prompt the first word keeps its leading space, as in the decode of prompt + output.
+            full = tok.decode(context + ids)
+            expected = full[len(tok.decode(context)):]
+            detok = IncrementalDetokenizer(tok, context)
+            for token_id in ids:
+                detok.update([token_id])
+                assert expected.startswith(detok.output_text)
+                assert REPLACEMENT not in detok.output_text
+            assert detok.get_next_output_text(finished=True, delta=False) == expected
 
 
 def test_random_chunks_match_full_decode(hf_tokenizer):
@@ -194,6 +236,12 @@ def test_stop_string_spanning_tokens(hf_tokenizer, text, stop, include_stop):
     assert detok.matched_stop == stop
     assert detok.output_text == expected
     assert detok.get_next_output_text(finished=True, delta=False) == expected
+
+
+def test_single_stop_string_given_as_str(hf_tokenizer):
+    detok = IncrementalDetokenizer(hf_tokenizer, [], stop="xyz")
+    assert detok.update(encode(hf_tokenizer, "abc xyz more")) == "xyz"
+    assert detok.output_text == "abc "
 
 
 def test_earliest_stop_string_wins(hf_tokenizer):

@@ -53,7 +53,9 @@ def test_merged_parameters_hold_the_checkpoint_tensors(tmp_path):
     expected_qkv = torch.cat([checkpoint[prefix + f"{p}_proj.bias"] for p in "qkv"])
     assert torch.equal(attn.qkv_proj.bias, expected_qkv)
     mlp_prefix = "model.layers.1.mlp."
-    expected_gate_up = torch.cat([checkpoint[mlp_prefix + "gate_proj.weight"], checkpoint[mlp_prefix + "up_proj.weight"]])
+    expected_gate_up = torch.cat(
+        [checkpoint[mlp_prefix + "gate_proj.weight"], checkpoint[mlp_prefix + "up_proj.weight"]]
+    )
     assert torch.equal(model.model.layers[1].mlp.gate_up_proj.weight, expected_gate_up)
 
 
@@ -108,11 +110,15 @@ def test_bf16_load(tmp_path):
     hidden = model(TOKENS, torch.arange(len(TOKENS)))
     assert hidden.dtype == torch.bfloat16
     logits = _logits(model)
-    expected = load_hf_model(folder, torch.bfloat16)(input_ids=TOKENS[None]).logits[0].float()
     assert logits.dtype == torch.float32
-    torch.testing.assert_close(logits, expected, atol=0.1, rtol=0.05)
-    agree = (logits.argmax(-1) == expected.argmax(-1)).float().mean()
-    assert agree >= 0.8
+    # bf16 rounding differs op by op from HF's, so judge both against the fp32 answer:
+    # ours must be about as close to it as transformers' own bf16 run is.
+    reference = load_hf_model(folder, torch.float32)(input_ids=TOKENS[None]).logits[0]
+    hf_bf16 = load_hf_model(folder, torch.bfloat16)(input_ids=TOKENS[None]).logits[0].float()
+    hf_error = (hf_bf16 - reference).abs().max()
+    our_error = (logits - reference).abs().max()
+    assert our_error <= 1.5 * hf_error + 0.05, (our_error, hf_error)
+    assert torch.equal(logits.argmax(-1), reference.argmax(-1))
 
 
 def test_unknown_and_missing_weights_are_errors(tmp_path):
@@ -122,7 +128,8 @@ def test_unknown_and_missing_weights_are_errors(tmp_path):
     arch = ArchConfig.from_model_dir(folder)
 
     with pytest.raises(ValueError, match="model.layers.0.self_attn.rogue_proj.weight"):
-        model_class(arch).load_weights([*weights.items(), ("model.layers.0.self_attn.rogue_proj.weight", torch.zeros(1))])
+        rogue = ("model.layers.0.self_attn.rogue_proj.weight", torch.zeros(1))
+        model_class(arch).load_weights([*weights.items(), rogue])
     with pytest.raises(ValueError, match="vision_tower.weight"):
         model_class(arch).load_weights([*weights.items(), ("vision_tower.weight", torch.zeros(1))])
     partial = {k: v for k, v in weights.items() if k != "model.layers.1.self_attn.k_proj.weight"}
@@ -157,7 +164,12 @@ def _base_config(**changes) -> dict:
 
 def test_arch_config_defaults_and_legacy_rope_fields():
     config = ArchConfig.from_dict(
-        _base_config(rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 2.0}, eos_token_id=[2, 7], torch_dtype="bfloat16")
+        _base_config(
+            rope_theta=500000.0,
+            rope_scaling={"type": "linear", "factor": 2.0},
+            eos_token_id=[2, 7],
+            torch_dtype="bfloat16",
+        )
     )
     assert config.num_key_value_heads == 4 and config.head_dim == 16
     assert config.rope_theta == 500000.0
@@ -168,7 +180,14 @@ def test_arch_config_defaults_and_legacy_rope_fields():
 def test_arch_config_rope_parameters_llama3():
     config = ArchConfig.from_dict(
         _base_config(
-            rope_parameters={"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 1e6,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 1024,
+            }
         )
     )
     assert config.rope_theta == 1e6
@@ -179,7 +198,9 @@ def test_arch_config_rope_parameters_llama3():
 
 
 def test_arch_config_flags_per_architecture():
-    qwen2 = ArchConfig.from_dict(_base_config(architectures=["Qwen2ForCausalLM"], use_sliding_window=False, sliding_window=32))
+    qwen2 = ArchConfig.from_dict(
+        _base_config(architectures=["Qwen2ForCausalLM"], use_sliding_window=False, sliding_window=32)
+    )
     assert qwen2.attention_bias and not qwen2.o_proj_bias and not qwen2.qk_norm
     qwen3 = ArchConfig.from_dict(_base_config(architectures=["Qwen3ForCausalLM"], head_dim=32))
     assert qwen3.qk_norm and qwen3.head_dim == 32 and not qwen3.attention_bias
@@ -192,11 +213,14 @@ def test_sliding_window_is_rejected_only_when_it_bites():
         ArchConfig.from_dict(_base_config(architectures=["MistralForCausalLM"], sliding_window=1024))
     with pytest.raises(ValueError, match="sliding-window"):
         ArchConfig.from_dict(
-            _base_config(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=1024, max_window_layers=1)
+            _base_config(
+                architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=1024, max_window_layers=1
+            )
         )
     # A window as long as the context, or none, is plain causal attention.
-    assert ArchConfig.from_dict(_base_config(architectures=["MistralForCausalLM"], sliding_window=4096)).sliding_window == 4096
-    assert ArchConfig.from_dict(_base_config(architectures=["MistralForCausalLM"], sliding_window=None)).sliding_window is None
+    for window in (4096, None):
+        config = ArchConfig.from_dict(_base_config(architectures=["MistralForCausalLM"], sliding_window=window))
+        assert config.sliding_window == window
 
 
 def test_pp_layer_partition(monkeypatch):

@@ -112,7 +112,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matmul, split by heads. With more ranks than KV
     heads, each KV head is replicated on the ranks whose q heads use it."""
 
-    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int, bias: bool = False):
+    def __init__(
+        self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int, bias: bool = False
+    ):
         tp_size = get_tp_group().world_size
         self.head_dim = head_dim
         self.num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
@@ -135,7 +137,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             start = (self.tp_rank // self.kv_replicas) * kv_size
         else:
             raise ValueError(f"unknown qkv shard {shard_id!r}")
-        copy_checked(param.data.narrow(0, offset, size), read_narrow(loaded_weight, 0, start, size), f"{shard_id} shard")
+        shard = read_narrow(loaded_weight, 0, start, size)
+        copy_checked(param.data.narrow(0, offset, size), shard, f"{shard_id} shard")
 
 
 class RowParallelLinear(LinearBase):

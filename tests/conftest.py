@@ -1,0 +1,42 @@
+"""Shared fixtures: tiny random-weight models of every architecture, built once
+per test session, and Hugging Face reference generations cached per model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from raylm.testing.tiny_models import make_tiny_model
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _threads():
+    # Two cores on CI: one torch thread per process keeps parallel workers
+    # (Ray actors, mp workers) from fighting over them.
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """arch -> folder of a tiny random model (built lazily, once)."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    cache: dict[str, str] = {}
+
+    def get(arch: str, **overrides) -> str:
+        key = arch + repr(sorted(overrides.items()))
+        if key not in cache:
+            name = f"{arch}-{len(cache)}"
+            cache[key] = str(make_tiny_model(arch, root / name, **overrides))
+        return cache[key]
+
+    return get
+
+
+def oracle_prompts(vocab_size: int, lengths=(1, 2, 7, 16, 33, 64, 130, 300), seed: int = 0) -> list[list[int]]:
+    """Random prompts of the given lengths (a mix of block-aligned and not)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
