@@ -107,14 +107,14 @@ def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int)
     return [[rng.randrange(16, vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
 
 
-def run_raylm(job: dict[str, Any], kv_cache_bytes: int) -> dict[str, Any]:
+def run_raylm(job: dict[str, Any], kv_cache_bytes: int, threads: int) -> dict[str, Any]:
     """The raylm side of one round, in this interpreter; same job and result shape as the child."""
     from raylm import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(job["model"], dtype=job["dtype"], kv_cache_memory_bytes=kv_cache_bytes,
               max_model_len=job["max_model_len"], max_num_seqs=job["max_num_seqs"],
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, num_threads=threads)
     startup_s = time.perf_counter() - t0
 
     def run(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -142,14 +142,25 @@ def run_raylm(job: dict[str, Any], kv_cache_bytes: int) -> dict[str, Any]:
     return result
 
 
+def allowed_cpu_list() -> str:
+    """This process's CPU affinity as vLLM's list syntax, e.g. "0,1"."""
+    return ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(0)))
+
+
 def vllm_env(args: argparse.Namespace) -> dict[str, str]:
     """vLLM's CPU backend sizes its KV cache and pins OpenMP threads from these variables."""
     env = dict(os.environ)
-    env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
-    # "all" binds one OMP thread per core of this process's affinity mask; an explicit list
-    # ("0-1") or "nobind" can be given instead when cores are shared with other jobs.
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", args.vllm_threads_bind)
-    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)  # whole GiB: vLLM parses it as an int
+    # vLLM 0.32 applies this binding only when it spawns worker processes (mp executor); with
+    # "uni" it is inert, but "auto" there would keep one core back for the scheduler process.
+    cpus = args.vllm_threads_bind or allowed_cpu_list()
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpus)
+    # Without OMP_NUM_THREADS, vLLM's worker drops torch to 1 intra-op thread for serving
+    # whatever the core count; setting it gives vLLM the same thread count raylm gets.
+    env["OMP_NUM_THREADS"] = str(args.threads)
+    # Run the engine core in the calling process, as raylm's LLM does, instead of a second
+    # busy process competing for the same cores.
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # The child must not pick up this repo's packages or another venv's site-packages.
     env.pop("PYTHONPATH", None)
     return env
@@ -165,6 +176,9 @@ def run_vllm(job: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         # Run from the temp dir so `import vllm` cannot resolve to anything in the caller's cwd.
         proc = subprocess.run([args.vllm_python, str(script_path), str(job_path)], cwd=tmp,
                               env=vllm_env(args), capture_output=True, text=True, timeout=args.vllm_timeout)
+    if args.vllm_log:
+        with open(args.vllm_log, "a") as log:
+            log.write(proc.stdout + proc.stderr)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_MARKER):
             return json.loads(line[len(RESULT_MARKER):])
@@ -221,11 +235,12 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             logger.info("round %d: %s", round_index, engine)
             if engine == "raylm":
-                raylm_results.append(run_raylm(job, kv_cache_bytes))
+                raylm_results.append(run_raylm(job, kv_cache_bytes, args.threads))
             else:
                 vllm_results.append(run_vllm(job, args))
 
-    report: dict[str, Any] = {"model": job["model"], "dtype": args.dtype, "rounds": args.rounds,
+    report: dict[str, Any] = {"model": job["model"], "dtype": args.dtype, "threads": args.threads,
+                              "rounds": args.rounds,
                               "num_prompts": args.num_prompts, "input_len": args.input_len,
                               "output_len": args.output_len, "raylm": summarise("raylm", raylm_results, job)}
     if vllm_results:
@@ -242,11 +257,12 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_report(report: dict[str, Any]) -> None:
     """A small table on stdout (this is a script, so printing is its job)."""
-    print(f"\nmodel {report['model']}  dtype {report['dtype']}  rounds {report['rounds']}")
+    print(f"\nmodel {report['model']}  dtype {report['dtype']}  threads {report['threads']}  "
+          f"rounds {report['rounds']}")
     has_vllm = "vllm" in report
     print(f"{'metric':<34}{'raylm':>12}{'vLLM':>12}{'raylm/vLLM':>12}")
     rows = [("throughput_tok_s", f"throughput out tok/s ({report['num_prompts']}x{report['input_len']}->"
-             f"{report['output_len']})"), ("latency_s", "latency avg s (1 prompt)"),
+             f"{report['output_len']})"), ("latency_s", "latency avg s, lower=better"),
             ("latency_tok_s", "latency out tok/s (1 prompt)"), ("startup_s", "engine startup s")]
     for key, label in rows:
         if key not in report["raylm"]:
@@ -275,10 +291,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--latency-iters", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1, help="alternating raylm/vLLM rounds")
     parser.add_argument("--seed", type=int, default=1234, help="seed for the prompt token ids")
-    parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache size for both engines")
-    parser.add_argument("--vllm-threads-bind", default="all",
-                        help="VLLM_CPU_OMP_THREADS_BIND for the child (unless already set)")
+    parser.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache GiB for both engines")
+    parser.add_argument("--vllm-threads-bind", default=None,
+                        help="VLLM_CPU_OMP_THREADS_BIND for the child unless set in the environment "
+                             "(default: every CPU in this process's affinity; 'auto' and 'nobind' work too)")
     parser.add_argument("--vllm-timeout", type=float, default=1800.0, help="seconds per vLLM child run")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                        help="torch/OpenMP threads for both engines (default: every allowed CPU); on a "
+                             "loaded machine 1 avoids each op waiting for a descheduled OMP thread")
+    parser.add_argument("--vllm-log", help="append the vLLM child's stdout and stderr to this file")
     parser.add_argument("--json-out", help="also write the report here as JSON")
     args = parser.parse_args(argv)
     if args.make_model:

@@ -100,6 +100,8 @@ class ParallelConfig:
     ray_placement_strategy: str = "PACK"
     ray_placement_timeout: float = 60.0
     ray_step_transport: str = "cgraph"
+    # A Ray placement group to run in (else the current one, else a new one).
+    placement_group: object | None = None
 
     @property
     def world_size(self) -> int:
@@ -141,6 +143,7 @@ def create_engine_config(
     ray_placement_strategy: str = "PACK",
     ray_placement_timeout: float = 60.0,
     ray_step_transport: str = "cgraph",
+    placement_group: object | None = None,
 ) -> EngineConfig:
     """Validate the user's settings against the model folder and the device."""
     model_dir = str(model) if model else str(DEFAULT_MODEL_DIR)
@@ -175,6 +178,8 @@ def create_engine_config(
             f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
             f"({max_model_len}) when chunked prefill is off"
         )
+    if ray_step_transport not in ("cgraph", "mq"):
+        raise ValueError(f"ray_step_transport must be 'cgraph' or 'mq', got {ray_step_transport!r}")
     if kv_cache_memory_bytes is not None and kv_cache_memory_bytes <= 0:
         raise ValueError(f"kv_cache_memory_bytes must be > 0, got {kv_cache_memory_bytes}")
 
@@ -208,6 +213,7 @@ def create_engine_config(
             ray_placement_strategy=ray_placement_strategy,
             ray_placement_timeout=ray_placement_timeout,
             ray_step_transport=ray_step_transport,
+            placement_group=placement_group,
         ),
         device=device,
         num_threads=num_threads,

@@ -62,13 +62,13 @@ class TrainSettings:
     max_positions: int = 512
     seq_len: int = 256
     batch_size: int = 8
-    steps: int = 400
+    steps: int = 1000
     peak_lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
+    warmup_steps: int = 40
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    eval_every: int = 50
+    eval_every: int = 100
     eval_batches: int = 4
     val_fraction: float = 0.05
     seed: int = 1234
@@ -320,7 +320,9 @@ def save_model(model, output_dir: Path) -> int:
     state = {name: tensor.detach().contiguous().clone() for name, tensor in model.state_dict().items()
              if name != "lm_head.weight"}  # tied to the embedding, stored once
     parameter_count = sum(t.numel() for t in state.values())
-    save_file(state, str(output_dir / "model.safetensors"), metadata={"format": "pt"})
+    weights_path = output_dir / "model.safetensors"
+    save_file(state, str(weights_path), metadata={"format": "pt"})
+    weights_path.chmod(0o644)  # safetensors writes 0600; the file ships inside the wheel
 
     config = json.loads(model.config.to_json_string(use_diff=False))
     config.pop("_attn_implementation_autoset", None)

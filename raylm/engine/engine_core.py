@@ -3,18 +3,26 @@
 It sizes the KV cache once (the smallest rank decides, so every rank holds the
 same block ids), then each `step` schedules, runs the forward and sampling on
 the executor, and turns the sampled tokens into per-request outputs.
+
+With pipeline parallelism the executor can hold `max_concurrent_batches`
+(= PP size) steps in flight; the core keeps a queue of them so stage 0 starts
+batch N+1 while later stages still work on batch N. Requests of an in-flight
+batch have no tokens left to schedule (see Scheduler), so consecutive batches
+hold disjoint requests.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
+from concurrent.futures import Future
 
 from raylm.config import EngineConfig
 from raylm.core.outputs import EngineCoreOutput
 from raylm.core.request import Request
 from raylm.core.scheduler import Scheduler
 from raylm.executor.abstract import Executor
-from raylm.messages import KVCacheConfig
+from raylm.messages import KVCacheConfig, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +32,8 @@ class EngineCore:
         self.config = config
         executor_class = Executor.get_class(config)
         self.executor = executor_class(config)
+        self.batch_queue_size = self.executor.max_concurrent_batches
+        self.batch_queue: deque[tuple[SchedulerOutput, Future]] = deque()
         try:
             self._initialize_kv_cache()
             self.scheduler = Scheduler(config.scheduler_config, config.cache_config, config.model_config.max_model_len)
@@ -61,6 +71,8 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.batch_queue_size > 1:
+            return self._step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
@@ -69,6 +81,25 @@ class EngineCore:
         self.executor.execute_model(scheduler_output)
         runner_output = self.executor.sample_tokens(None)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """Launch a new batch if there is room and work; otherwise (or when the
+        queue is full) wait for the oldest batch and apply its output."""
+        if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            if not scheduler_output.is_empty:
+                self.executor.execute_model(scheduler_output, non_block=True)
+                future = self.executor.sample_tokens(None, non_block=True)
+                self.batch_queue.append((scheduler_output, future))
+                if len(self.batch_queue) < self.batch_queue_size:
+                    return []
+        if not self.batch_queue:
+            return []
+        scheduler_output, future = self.batch_queue.popleft()
+        return self.scheduler.update_from_output(scheduler_output, future.result())
+
+    def has_work_in_flight(self) -> bool:
+        return bool(self.batch_queue)
 
     def stats(self) -> dict:
         return self.scheduler.stats()

@@ -12,8 +12,9 @@ import logging
 from typing import Any
 
 from raylm.config import EngineConfig
-from raylm.engine.engine_core import EngineCore
-from raylm.engine.input_processor import InputProcessor
+from raylm.core.request import Request
+from raylm.engine.core_client import InprocClient
+from raylm.engine.input_processor import InputProcessor, ProcessedPrompt
 from raylm.engine.output_processor import OutputProcessor
 from raylm.engine.tokenizer import load_tokenizer
 from raylm.outputs import RequestOutput
@@ -22,13 +23,30 @@ from raylm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+def make_child_requests(input_processor: InputProcessor, request_id: str, processed: ProcessedPrompt,
+                        params: SamplingParams) -> list[Request]:
+    """The engine-core requests of one user request: itself, or n children."""
+    if params.n == 1:
+        return [input_processor.make_request(request_id, processed, params)]
+    requests = []
+    for i in range(params.n):
+        child_params = params.clone()
+        child_params.n = 1
+        if params.seed is not None:
+            # Distinct but reproducible streams per completion.
+            child_params.seed = params.seed + i
+        requests.append(input_processor.make_request(f"{request_id}-{i}", processed, child_params))
+    return requests
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.tokenizer = load_tokenizer(config.model_config.tokenizer)
         self.input_processor = InputProcessor(config.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(config)
+        # The same client interface AsyncLLM uses, with the core in this process.
+        self.engine_core = InprocClient(config)
         self._ids = itertools.count()
 
     def next_request_id(self) -> str:
@@ -45,17 +63,12 @@ class LLMEngine:
     def add_validated_request(self, request_id: str, processed, params: SamplingParams) -> None:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        child_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
-        self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, params, child_ids)
-        for i, cid in enumerate(child_ids):
-            child_params = params
-            if params.n > 1:
-                child_params = params.clone()
-                child_params.n = 1
-                if params.seed is not None:
-                    # Distinct but reproducible streams per completion.
-                    child_params.seed = params.seed + i
-            self.engine_core.add_request(self.input_processor.make_request(cid, processed, child_params))
+        children = make_child_requests(self.input_processor, request_id, processed, params)
+        self.output_processor.add_request(
+            request_id, processed.prompt, processed.prompt_token_ids, params, [c.request_id for c in children]
+        )
+        for child in children:
+            self.engine_core.add_request(child)
 
     def abort_request(self, request_id: str) -> None:
         self.engine_core.abort_requests(self.output_processor.abort(request_id))
@@ -66,7 +79,7 @@ class LLMEngine:
     def step(self, stream: bool = False) -> list[RequestOutput]:
         """One engine step. Offline (stream=False) returns finished requests only;
         streaming returns a delta for every request that changed."""
-        core_outputs = self.engine_core.step()
+        core_outputs = self.engine_core.get_output().outputs
         changed, to_abort = self.output_processor.process_outputs(core_outputs)
         if to_abort:
             self.engine_core.abort_requests(to_abort)

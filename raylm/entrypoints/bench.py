@@ -37,20 +37,24 @@ class RunResult:
 
 def add_latency_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("latency workload")
-    group.add_argument("--input-len", type=int, default=32, help="prompt length in tokens (random token ids)")
-    group.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (EOS ignored)")
-    group.add_argument("--batch-size", type=int, default=8, help="prompts submitted together per iteration")
-    group.add_argument("--num-iters-warmup", type=int, default=2, help="untimed iterations first")
-    group.add_argument("--num-iters", type=int, default=5, help="timed iterations")
+    group.add_argument("--input-len", type=int, metavar="N", default=32, help="prompt length in tokens (random token ids)")
+    group.add_argument("--output-len", type=int, metavar="N", default=128, help="tokens generated per prompt (EOS ignored)")
+    group.add_argument("--batch-size", type=int, metavar="N", default=8, help="prompts submitted together per iteration")
+    group.add_argument("--num-iters-warmup", type=int, metavar="N", default=2, help="untimed iterations first")
+    group.add_argument("--num-iters", type=int, metavar="N", default=5, help="timed iterations")
     group.add_argument("--output-json", default=None, metavar="FILE", help="also write the results to FILE as JSON")
+    group.add_argument("--disable-detokenize", action="store_true",
+                       help="skip turning output tokens into text (time the model and scheduler only)")
 
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("throughput workload")
-    group.add_argument("--input-len", type=int, default=128, help="prompt length in tokens (random token ids)")
-    group.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (EOS ignored)")
-    group.add_argument("--num-prompts", type=int, default=64, help="prompts submitted at once")
+    group.add_argument("--input-len", type=int, metavar="N", default=128, help="prompt length in tokens (random token ids)")
+    group.add_argument("--output-len", type=int, metavar="N", default=128, help="tokens generated per prompt (EOS ignored)")
+    group.add_argument("--num-prompts", type=int, metavar="N", default=64, help="prompts submitted at once")
     group.add_argument("--output-json", default=None, metavar="FILE", help="also write the results to FILE as JSON")
+    group.add_argument("--disable-detokenize", action="store_true",
+                       help="skip turning output tokens into text (time the model and scheduler only)")
 
 
 def random_prompt_token_ids(tokenizer: Any, vocab_size: int, num_prompts: int, input_len: int,
@@ -68,11 +72,11 @@ def random_prompt_token_ids(tokenizer: Any, vocab_size: int, num_prompts: int, i
     return picks.tolist()
 
 
-def fixed_length_params(output_len: int) -> SamplingParams:
+def fixed_length_params(output_len: int, detokenize: bool = True) -> SamplingParams:
     """Greedy, EOS ignored: every request produces exactly `output_len` tokens."""
     if output_len < 1:
         raise ValueError(f"output_len must be >= 1, got {output_len}")
-    return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=detokenize)
 
 
 def run_requests(llm: Any, prompts: list[list[int]], params: SamplingParams) -> RunResult:
@@ -145,7 +149,8 @@ def _describe_engine(llm: Any) -> dict:
 
 
 def bench_latency(llm: Any, input_len: int = 32, output_len: int = 128, batch_size: int = 8,
-                  num_iters_warmup: int = 2, num_iters: int = 5, seed: int = 0) -> dict:
+                  num_iters_warmup: int = 2, num_iters: int = 5, seed: int = 0,
+                  detokenize: bool = True) -> dict:
     """Time one batch end to end, `num_iters` times, with fresh random prompts
     each iteration so the prefix cache never hands out a free prefill.
 
@@ -155,7 +160,7 @@ def bench_latency(llm: Any, input_len: int = 32, output_len: int = 128, batch_si
         raise ValueError("batch_size and num_iters must be >= 1 and num_iters_warmup >= 0")
     _check_lengths(llm, input_len, output_len)
     make_prompts = _prompt_source(llm, seed)
-    full, first_token = fixed_length_params(output_len), fixed_length_params(1)
+    full, first_token = fixed_length_params(output_len, detokenize), fixed_length_params(1, detokenize)
     for _ in range(num_iters_warmup):
         run_requests(llm, make_prompts(batch_size, input_len), full)
     latencies, ttfts = [], []
@@ -178,19 +183,20 @@ def bench_latency(llm: Any, input_len: int = 32, output_len: int = 128, batch_si
         "avg_time_per_output_token": (
             max(avg_latency - avg_ttft, 0.0) / (output_len - 1) if output_len > 1 else None
         ),
+        "detokenize": detokenize,
         "peak_rss_bytes": peak_rss_bytes(),
     }
     return result
 
 
 def bench_throughput(llm: Any, input_len: int = 128, output_len: int = 128, num_prompts: int = 64,
-                     seed: int = 0) -> dict:
+                     seed: int = 0, detokenize: bool = True) -> dict:
     """Submit `num_prompts` requests at once and time until the last finishes."""
     _check_lengths(llm, input_len, output_len)
     make_prompts = _prompt_source(llm, seed)
     # A short untimed request pays one-time costs (allocator growth, lazy init).
-    run_requests(llm, make_prompts(1, input_len), fixed_length_params(2))
-    run = run_requests(llm, make_prompts(num_prompts, input_len), fixed_length_params(output_len))
+    run_requests(llm, make_prompts(1, input_len), fixed_length_params(2, detokenize))
+    run = run_requests(llm, make_prompts(num_prompts, input_len), fixed_length_params(output_len, detokenize))
     output_tokens = run.num_output_tokens
     total_tokens = num_prompts * input_len + output_tokens
     return {
@@ -204,6 +210,7 @@ def bench_throughput(llm: Any, input_len: int = 128, output_len: int = 128, num_
         "tokens_per_second": total_tokens / run.elapsed_s,
         "output_tokens_per_second": output_tokens / run.elapsed_s,
         "peak_kv_cache_blocks": run.peak_kv_cache_blocks,
+        "detokenize": detokenize,
         "peak_rss_bytes": peak_rss_bytes(),
     }
 

@@ -39,8 +39,10 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] int64, flat index into the paged cache
     num_decode_tokens: int = 0
-    decode_slots: torch.Tensor | None = None  # [num_decodes, max_ctx] int64
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_ctx] bool, True = attend
+    # Block table of the decode requests, padded: [num_decodes, max_blocks] int64.
+    decode_block_table: torch.Tensor | None = None
+    # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend.
+    decode_mask: torch.Tensor | None = None
     prefills: list[PrefillSeq] = field(default_factory=list)
 
 

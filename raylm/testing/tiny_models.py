@@ -15,7 +15,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from huggingface_hub import split_torch_state_dict_into_shards
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
@@ -26,6 +27,7 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 from transformers.utils import logging as hf_logging
 
 logger = logging.getLogger(__name__)
@@ -33,8 +35,10 @@ logger = logging.getLogger(__name__)
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
 PAD_TOKEN = "<pad>"
+# Never produced by byte-level BPE, but naming it stops Qwen2Tokenizer adding its own.
+UNK_TOKEN = "<unk>"
 CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
-SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, *CHAT_TOKENS)
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, UNK_TOKEN, *CHAT_TOKENS)
 TOKENIZER_VOCAB_SIZE = 768
 
 # One turn per message, then an open assistant turn when a reply is wanted.
@@ -92,7 +96,16 @@ Emoji: 😀 🚀 🌍 ❤️ 👍 🎉 🤖 🐍 — and symbols: © ® ™ € 
 def _trained_tokenizer_json() -> str:
     """Trains the byte-level BPE once per process; returns it serialised (callers copy it)."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # transformers 5 always loads a qwen2 folder with Qwen2Tokenizer, which rebuilds the
+    # pipeline as NFC + Qwen's split regex + byte level. Using that same pipeline for every
+    # arch keeps tokenizer.json, HF and raylm agreeing on token ids whichever class loads it.
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=TOKENIZER_VOCAB_SIZE,
@@ -120,6 +133,7 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
         additional_special_tokens=list(CHAT_TOKENS),
         model_max_length=1024,
     )
@@ -230,8 +244,6 @@ def _reinitialise_weights(model: torch.nn.Module, seed: int) -> None:
 
 def _shard_size_for(model: torch.nn.Module, num_shards: int) -> int:
     """The smallest max_shard_size (bytes) that splits the weights into at most `num_shards` files."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-
     unique: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, tensor in model.state_dict().items():

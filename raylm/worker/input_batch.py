@@ -98,12 +98,15 @@ def prepare_batch(
             batch.sample_indices.append(offset + n - 1)
         want_prompt_lps = state.sampling_params.prompt_logprobs is not None
         num_prompt = len(state.prompt_token_ids)
-        if want_prompt_lps and start < num_prompt - 1:
+        # Skip positions delivered before a preemption made us recompute them.
+        first = max(start, state.prompt_logprobs_done)
+        if want_prompt_lps and first < min(end, num_prompt - 1):
             # Position p predicts prompt token p+1.
             last = min(end, num_prompt - 1)
-            rows = list(range(offset, offset + last - start))
-            targets = state.prompt_token_ids[start + 1 : last + 1]
+            rows = list(range(offset + first - start, offset + last - start))
+            targets = state.prompt_token_ids[first + 1 : last + 1]
             batch.prompt_logprob_rows[rid] = (rows, targets)
+            state.prompt_logprobs_done = last
         offset += n
 
     meta = AttentionMetadata(
@@ -113,21 +116,16 @@ def prepare_batch(
     )
     if num_decodes:
         ctx = np.asarray(decode_ctx_lens, dtype=np.int64)
-        max_ctx = int(ctx.max())
-        max_blocks = -(-max_ctx // block_size)
-        table = np.zeros((num_decodes, max_blocks), dtype=np.int64)
+        max_blocks = -(-int(ctx.max()) // block_size)
+        # Padding entries repeat the request's first block: any real block
+        # will do, the mask hides it.
+        table = np.empty((num_decodes, max_blocks), dtype=np.int64)
         for i, blocks in enumerate(decode_tables):
             nb = min(len(blocks), max_blocks)
             table[i, :nb] = blocks[:nb]
             table[i, nb:] = blocks[0]
-        ar = np.arange(max_ctx, dtype=np.int64)
-        slots = table[:, ar // block_size] * block_size + ar % block_size
-        valid = ar[None, :] < ctx[:, None]
-        # Padding points at the request's own first slot, which always holds
-        # real (finite) values: the cache is not zeroed, and masked garbage
-        # could still be NaN, which poisons softmax even at weight zero.
-        slots = np.where(valid, slots, slots[:, :1])
-        meta.decode_slots = torch.from_numpy(slots).to(device)
+        valid = np.arange(max_blocks * block_size)[None, :] < ctx[:, None]
+        meta.decode_block_table = torch.from_numpy(table).to(device)
         meta.decode_mask = torch.from_numpy(valid).to(device)[:, None, None, :]
 
     batch.input_ids = torch.tensor(input_ids, dtype=torch.int64, device=device)

@@ -75,6 +75,7 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------
 
     def _update_states(self, so: SchedulerOutput) -> None:
+        fresh_blocks: list[int] = []
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
         for new in so.scheduled_new_reqs:
@@ -94,38 +95,59 @@ class ModelRunner:
                 generator=generator,
                 prompt_logprobs_done=old.prompt_logprobs_done if old is not None else 0,
             )
+            # Blocks from the prefix cache hold K/V already; the rest are fresh.
+            fresh_blocks.extend(new.block_ids[new.num_computed_tokens // self.block_size :])
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.token_ids.extend(cached.new_token_ids)
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            fresh_blocks.extend(cached.new_block_ids)
+        self._zero_blocks(fresh_blocks)
+
+    def _zero_blocks(self, block_ids: list[int]) -> None:
+        # Decode attention reads whole blocks, masked past each context's end.
+        # A never-written slot of an uninitialised cache may hold NaN bits, and
+        # NaN survives a zero attention weight, so fresh blocks start at zero.
+        if not block_ids or not self.kv_caches:
+            return
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        for cache in self.kv_caches:
+            cache.index_fill_(1, index, 0)
+
+    def make_empty_intermediate(self, num_tokens: int) -> torch.Tensor:
+        return self.model.make_empty_intermediate(num_tokens, self.device)
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput):
-        """Run the forward; returns the intermediate state on a non-last PP stage, else None."""
+    def execute_model(self, so: SchedulerOutput, intermediate: torch.Tensor | None = None):
+        """Run the forward. A non-first PP stage gets the previous stage's
+        intermediate state; a non-last stage returns its own, else None."""
         if self._pending is not None:
             raise RuntimeError("execute_model called twice without sample_tokens in between")
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            self._pending = (so, None, None)
+            if get_pp_group().is_last_rank:
+                self._pending = (so, None, None)
             return None
         batch = prepare_batch(self.requests, so.num_scheduled_tokens, self.block_size, self.device)
         with set_forward_context(batch.attn_metadata):
-            hidden = self.model(batch.input_ids, batch.positions)
+            hidden = self.model(batch.input_ids, batch.positions, intermediate)
         if not get_pp_group().is_last_rank:
-            self._pending = (so, batch, None)
+            # Nothing to sample on this stage: the step ends here for it.
             return hidden
         self._pending = (so, batch, hidden)
         return None
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput | None:
+        if not get_pp_group().is_last_rank:
+            return None  # a non-last PP stage samples nothing
         if self._pending is None:
             raise RuntimeError("sample_tokens called without a preceding execute_model")
         so, batch, hidden = self._pending
         self._pending = None
-        if batch is None or hidden is None:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if batch is None else None
+        if batch is None:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, tuple] = {}

@@ -77,8 +77,31 @@ class Worker:
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         self.model_runner.initialize_kv_cache(kv_cache_config.num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput):
-        return self.model_runner.execute_model(scheduler_output)
+    @property
+    def _pp_over_torch_distributed(self) -> bool:
+        # A compiled Ray graph carries stage-to-stage tensors itself; every
+        # other transport moves them with torch.distributed send/recv.
+        pc = self.config.parallel_config
+        return not (pc.distributed_executor_backend == "ray" and pc.ray_step_transport == "cgraph")
+
+    def execute_model(self, scheduler_output: SchedulerOutput, intermediate: torch.Tensor | None = None):
+        """Run this rank's part of the forward.
+
+        With torch.distributed PP transport, a non-first stage receives the
+        previous stage's state and a non-last stage sends its own on (and
+        returns None). Every rank of stage k sends to the same TP rank of
+        stage k+1, in step order, so sends and receives pair up without tags.
+        """
+        pp = parallel_state.get_pp_group()
+        via_dist = self._pp_over_torch_distributed
+        if via_dist and not pp.is_first_rank and scheduler_output.total_num_scheduled_tokens > 0:
+            buffer = self.model_runner.make_empty_intermediate(scheduler_output.total_num_scheduled_tokens)
+            intermediate = pp.recv(buffer, pp.rank_in_group - 1)
+        out = self.model_runner.execute_model(scheduler_output, intermediate)
+        if via_dist and out is not None and not pp.is_last_rank:
+            pp.send(out, pp.rank_in_group + 1)
+            return None
+        return out
 
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput | None:
         return self.model_runner.sample_tokens(grammar_output)

@@ -54,27 +54,30 @@ def test_max_tokens_and_min_tokens(llm):
     assert not set(out.outputs[0].token_ids[:5]) & set(stop_ids)
 
 
+# Seeded sampling gives varied yet reproducible text even from a random model.
+VARIED = dict(temperature=1.0, seed=5, max_tokens=24, ignore_eos=True)
+
+
 def test_stop_token_ids(llm):
-    greedy = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
-    tokens = greedy.outputs[0].token_ids
+    base = llm.generate("Hello", SamplingParams(**VARIED), use_tqdm=False)[0]
+    tokens = base.outputs[0].token_ids
     stop_at = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
-    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
-                                              stop_token_ids=[tokens[stop_at]]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate("Hello", SamplingParams(**VARIED, stop_token_ids=[tokens[stop_at]]), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == tokens[: stop_at + 1]
     assert out.finish_reason == "stop" and out.stop_reason == tokens[stop_at]
 
 
 def test_stop_strings(llm):
-    greedy = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
-    text = greedy.outputs[0].text
+    base = llm.generate("Hello", SamplingParams(**VARIED), use_tqdm=False)[0]
+    text = base.outputs[0].text
     # A 3-character stop string that first occurs a few characters in.
     cut = next(k for k in range(3, len(text) - 3) if text.index(text[k : k + 3]) == k)
     stop = text[cut : cut + 3]
-    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate("Hello", SamplingParams(**VARIED, stop=[stop]), use_tqdm=False)[0].outputs[0]
     assert out.text == text[:cut]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    kept = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop],
-                                               include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    kept = llm.generate("Hello", SamplingParams(**VARIED, stop=[stop], include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
     assert kept.text == text[: cut + len(stop)]
 
 

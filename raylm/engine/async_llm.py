@@ -1,0 +1,294 @@
+"""AsyncLLM: the online front end. It tokenizes (off the event loop), sends
+requests to the engine core in its own process, and streams RequestOutputs back.
+
+One background task pulls EngineCoreOutputs, detokenizes them (OutputProcessor)
+and dispatches each request's outputs to its own asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from raylm.config import EngineConfig, create_engine_config
+from raylm.engine.core_client import EngineDeadError, MPClient
+from raylm.engine.core_proc import EngineCoreOutputs, SchedulerStats
+from raylm.engine.input_processor import InputProcessor, ProcessedPrompt
+from raylm.engine.llm_engine import make_child_requests
+from raylm.engine.output_processor import OutputProcessor
+from raylm.engine.tokenizer import load_tokenizer
+from raylm.outputs import RequestOutput
+from raylm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class StatLoggerBase:
+    """Receives the engine's measurements; the default ignores them.
+    The server's Prometheus logger overrides what it exports."""
+
+    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
+        """Counts and cache usage, as the core last reported them."""
+
+    def record_first_token(self, seconds: float) -> None:
+        """Time from arrival to a request's first output token."""
+
+    def record_inter_token(self, seconds: float) -> None:
+        """Time between two consecutive output steps of one request."""
+
+    def record_finished(self, finish_reason: str, e2e_seconds: float,
+                        num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        """One completion (one of a request's n) ended."""
+
+
+@dataclass
+class _RequestState:
+    queue: asyncio.Queue
+    deltas: bool
+    num_prompt_tokens: int
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+    counted_finished: set[int] = field(default_factory=set)
+
+
+class AsyncLLM:
+    """Serve many concurrent requests from one event loop.
+
+    Construction starts the engine-core process and blocks until it is ready.
+    `generate` is an async generator of RequestOutputs: deltas (`stream=True`)
+    or one final output. Leaving it early (a client disconnect cancels the
+    task) aborts the request in the core, which frees its KV blocks.
+    """
+
+    def __init__(self, config: EngineConfig, stat_loggers: list[StatLoggerBase] | None = None):
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model_config.tokenizer)
+        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stat_loggers = list(stat_loggers or [])
+        self._requests: dict[str, _RequestState] = {}
+        self._pings: dict[int, asyncio.Future] = {}
+        self._output_task: asyncio.Task | None = None
+        self.dead_error: EngineDeadError | None = None
+        self.engine_core = MPClient(config)
+
+    @classmethod
+    def from_engine_args(cls, stat_loggers: list[StatLoggerBase] | None = None, **engine_kwargs: Any) -> "AsyncLLM":
+        return cls(create_engine_config(**engine_kwargs), stat_loggers)
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_error is not None
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+
+    def _ensure_output_handler(self) -> None:
+        if self._output_task is None:
+            self._output_task = asyncio.get_running_loop().create_task(
+                self._run_output_handler(), name="raylm-output-handler"
+            )
+
+    # ---- requests ------------------------------------------------------------
+
+    async def process_prompt(self, prompt: Any, params: SamplingParams) -> tuple[ProcessedPrompt, SamplingParams]:
+        """Validate and tokenize in a thread, so a long prompt never stalls other streams."""
+        loop = asyncio.get_running_loop()
+        processed = await loop.run_in_executor(None, self.input_processor.process_prompt, prompt)
+        return processed, self.input_processor.finish_params(params)
+
+    async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
+                       stream: bool = True) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes; ValueError for bad input."""
+        self._check_alive()
+        self._ensure_output_handler()
+        processed, params = await self.process_prompt(prompt, sampling_params)
+        self._check_alive()
+        state = self._add_request(request_id, processed, params, stream)
+        finished = False
+        try:
+            while True:
+                item = await state.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                # Cancelled (client gone) or closed early: free its slot in the core.
+                self.abort(request_id)
+
+    def _add_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
+                     stream: bool) -> _RequestState:
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        children = make_child_requests(self.input_processor, request_id, processed, params)
+        state = _RequestState(asyncio.Queue(), stream, len(processed.prompt_token_ids))
+        self.output_processor.add_request(
+            request_id, processed.prompt, processed.prompt_token_ids, params, [c.request_id for c in children]
+        )
+        self._requests[request_id] = state
+        try:
+            for child in children:
+                self.engine_core.add_request(child)
+        except BaseException:
+            self.abort(request_id)
+            raise
+        return state
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request here and in the core; a no-op for unknown ids."""
+        state = self._requests.pop(request_id, None)
+        child_ids = self.output_processor.abort(request_id)
+        if state is not None:
+            for index in range(len(child_ids)):
+                if index not in state.counted_finished:
+                    self._record_finished(state, "abort", 0)
+        if child_ids and not self.is_dead:
+            self.engine_core.abort_requests(child_ids)
+
+    def finish_all(self) -> int:
+        """End every in-flight request now with finish_reason "abort" (its
+        stream closes cleanly) and abort it in the core; returns how many."""
+        request_ids = list(self._requests)
+        for request_id in request_ids:
+            parent = self.output_processor.parents.get(request_id)
+            if parent is None:
+                continue
+            for child in parent.children.values():
+                if child.finish_reason is None:
+                    child.finish_reason = "abort"
+            child_ids = list(parent.children)
+            self._emit(request_id, time.monotonic())
+            if not self.is_dead:
+                self.engine_core.abort_requests(child_ids)
+        return len(request_ids)
+
+    # ---- outputs -------------------------------------------------------------
+
+    async def _run_output_handler(self) -> None:
+        try:
+            while True:
+                outputs = await self.engine_core.get_output()
+                self._process(outputs)
+        except asyncio.CancelledError:
+            raise
+        except EngineDeadError as e:
+            self._mark_dead(e)
+        except Exception as e:  # a bug here would otherwise hang every client silently
+            logger.exception("output handler failed")
+            self._mark_dead(EngineDeadError(f"output handler failed: {e}"))
+
+    def _process(self, outputs: EngineCoreOutputs) -> None:
+        if outputs.stats is not None:
+            for stat_logger in self.stat_loggers:
+                stat_logger.record_scheduler_stats(outputs.stats)
+        if outputs.pong is not None:
+            future = self._pings.pop(outputs.pong, None)
+            if future is not None and not future.done():
+                future.set_result(True)
+        if not outputs.outputs:
+            return
+        now = time.monotonic()
+        stepped = {self.output_processor.child_to_parent.get(o.request_id) for o in outputs.outputs if o.new_token_ids}
+        changed, to_abort = self.output_processor.process_outputs(outputs.outputs)
+        if to_abort:
+            self.engine_core.abort_requests(to_abort)
+        for request_id in changed:
+            state = self._requests.get(request_id)
+            if state is None:
+                continue
+            if request_id in stepped:
+                if state.first_token is None:
+                    state.first_token = now
+                    self._record(lambda s: s.record_first_token(now - state.arrival))
+                else:
+                    gap = now - state.last_token
+                    self._record(lambda s: s.record_inter_token(gap))
+                state.last_token = now
+            self._emit(request_id, now)
+
+    def _emit(self, request_id: str, now: float) -> None:
+        state = self._requests[request_id]
+        parent = self.output_processor.parents[request_id]
+        finished = parent.finished
+        if not (state.deltas or finished):
+            return
+        for child in parent.children.values():
+            if child.finish_reason is not None and child.index not in state.counted_finished:
+                state.counted_finished.add(child.index)
+                self._record_finished(state, child.finish_reason, len(child.token_ids), now)
+        state.queue.put_nowait(self.output_processor.make_output(request_id, delta=state.deltas))
+        if finished:
+            del self._requests[request_id]
+
+    def _record_finished(self, state: _RequestState, reason: str, num_tokens: int, now: float | None = None) -> None:
+        e2e = (now or time.monotonic()) - state.arrival
+        self._record(lambda s: s.record_finished(reason, e2e, state.num_prompt_tokens, num_tokens))
+
+    def _record(self, call) -> None:
+        for stat_logger in self.stat_loggers:
+            try:
+                call(stat_logger)
+            except Exception:  # metrics must never take serving down
+                logger.exception("stat logger failed")
+
+    def _mark_dead(self, error: EngineDeadError) -> None:
+        logger.error("engine is dead: %s", error)
+        self.dead_error = error
+        for state in self._requests.values():
+            state.queue.put_nowait(error)
+        self._requests.clear()
+        for future in self._pings.values():
+            if not future.done():
+                future.set_exception(error)
+        self._pings.clear()
+
+    # ---- health and shutdown ---------------------------------------------------
+
+    async def check_health(self, timeout: float = 10.0) -> None:
+        """Returns when the core answers a ping; EngineDeadError otherwise."""
+        self._check_alive()
+        self._ensure_output_handler()
+        if not self.engine_core.is_alive():
+            raise EngineDeadError(f"engine core process exited with code {self.engine_core.process.exitcode}")
+        future = asyncio.get_running_loop().create_future()
+        nonce = self.engine_core.ping()
+        self._pings[nonce] = future
+        try:
+            await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise EngineDeadError(f"engine core did not answer within {timeout:.0f}s") from None
+        finally:
+            self._pings.pop(nonce, None)
+
+    async def wait_until_idle(self, timeout: float) -> bool:
+        """Wait for in-flight requests to finish; True if they all did."""
+        deadline = time.monotonic() + timeout
+        while self._requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self._requests
+
+    def shutdown(self) -> None:
+        """Idempotent: stops the output task and the engine-core process."""
+        if self._output_task is not None:
+            self._output_task.cancel()
+            self._output_task = None
+        if self.dead_error is None:
+            self.dead_error = EngineDeadError("the engine was shut down")
+        for state in self._requests.values():
+            state.queue.put_nowait(self.dead_error)
+        self._requests.clear()
+        self.engine_core.shutdown()

@@ -1,0 +1,189 @@
+"""Core clients: how a front end talks to its EngineCore. `InprocClient` calls it
+directly (LLMEngine); `MPClient` runs it in its own process over ZMQ (AsyncLLM).
+
+Both have the same small interface: add_request, abort_requests, get_output
+(async on MPClient, where it waits on a socket), shutdown.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import weakref
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from raylm.config import EngineConfig
+from raylm.core.request import Request
+from raylm.engine.core_proc import (
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    Ping,
+    SchedulerStats,
+    Shutdown,
+    run_engine_core,
+)
+
+logger = logging.getLogger(__name__)
+
+# How often a waiting client checks that the core process is still alive.
+_LIVENESS_POLL_MS = 500
+_SHUTDOWN_TIMEOUT_S = 30.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core is gone; no request can be served any more."""
+
+
+class InprocClient:
+    """The EngineCore in this process: `get_output` runs one step."""
+
+    def __init__(self, config: EngineConfig):
+        from raylm.engine.engine_core import EngineCore
+
+        self.engine_core = EngineCore(config)
+
+    def add_request(self, request: Request) -> None:
+        self.engine_core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.engine_core.abort_requests(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        return EngineCoreOutputs(outputs=self.engine_core.step())
+
+    def stats(self) -> dict:
+        return self.engine_core.stats()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+
+def _stop_process(process: multiprocessing.process.BaseProcess, input_socket: zmq.Socket,
+                  contexts: list, tmpdir: str) -> None:
+    """Ask the core to stop, then insist; runs from shutdown() or a finalizer."""
+    if process.is_alive():
+        try:
+            input_socket.send(msgspec.msgpack.encode(Shutdown()), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        process.join(_SHUTDOWN_TIMEOUT_S)
+    if process.is_alive():
+        logger.warning("engine core did not stop in %.0fs; terminating it", _SHUTDOWN_TIMEOUT_S)
+        process.terminate()
+        process.join(10)
+    if process.is_alive():
+        process.kill()
+        process.join(5)
+    input_socket.close(linger=0)
+    for ctx in contexts:
+        ctx.destroy(linger=0)
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+class MPClient:
+    """The EngineCore in a spawned process, over two ipc:// ZMQ sockets.
+
+    The constructor blocks until the core has loaded the model and sized its
+    KV cache (or raises with the core's error). Requests go out on a PUSH
+    socket (sends never block at these rates); outputs come back on a PULL
+    socket read by the async `get_output`.
+    """
+
+    def __init__(self, config: EngineConfig, log_level: int | None = None):
+        self._tmpdir = tempfile.mkdtemp(prefix="raylm-core-")
+        input_address = f"ipc://{os.path.join(self._tmpdir, 'input')}"
+        output_address = f"ipc://{os.path.join(self._tmpdir, 'output')}"
+        self._ctx = zmq.Context()
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._input.bind(input_address)
+        self._actx = zmq.asyncio.Context()
+        self._output = self._actx.socket(zmq.PULL)
+        self._output.bind(output_address)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self._nonces = itertools.count(1)
+
+        mp = multiprocessing.get_context("spawn")
+        ready_recv, ready_send = mp.Pipe(duplex=False)
+        if log_level is None:
+            log_level = logging.getLogger().getEffectiveLevel()
+        # Not a daemon: the core may start worker processes of its own.
+        self.process = mp.Process(
+            target=run_engine_core, name="RaylmEngineCore",
+            args=(config, input_address, output_address, ready_send, log_level),
+        )
+        self.process.start()
+        ready_send.close()
+        self._finalizer = weakref.finalize(
+            self, _stop_process, self.process, self._input, [self._ctx, self._actx], self._tmpdir
+        )
+        try:
+            self._wait_ready(ready_recv)
+        except BaseException:
+            self._finalizer()
+            raise
+        finally:
+            ready_recv.close()
+
+    def _wait_ready(self, ready_recv) -> None:
+        while not ready_recv.poll(_LIVENESS_POLL_MS / 1000):
+            if not self.process.is_alive():
+                raise EngineDeadError(f"engine core process exited with code {self.process.exitcode} during startup")
+        try:
+            status, detail = ready_recv.recv()
+        except EOFError:
+            raise EngineDeadError("engine core process exited during startup") from None
+        if status != "ready":
+            # The core's own message (a bad setting, a missing file) says what to fix.
+            raise ValueError(f"engine core failed to start: {detail}")
+        logger.info("engine core ready (pid %d, %s KV blocks)", self.process.pid, detail)
+
+    def _send(self, message) -> None:
+        self._input.send(self._encoder.encode(message), copy=False)
+
+    def add_request(self, request: Request) -> None:
+        try:
+            payload = self._encoder.encode(EngineCoreRequest.from_request(request))
+        except (OverflowError, msgspec.EncodeError) as e:
+            raise ValueError(f"request cannot be encoded: {e}") from e
+        self._input.send(payload, copy=False)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send(AbortRequests(list(request_ids)))
+
+    def ping(self) -> int:
+        """Ask the core for a sign of life; its reply carries `pong` = the nonce."""
+        nonce = next(self._nonces)
+        self._send(Ping(nonce))
+        return nonce
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    async def get_output(self) -> EngineCoreOutputs:
+        """The next message from the core; EngineDeadError once it is gone."""
+        while True:
+            if await self._output.poll(_LIVENESS_POLL_MS):
+                frame = await self._output.recv(copy=False)
+                outputs = self._decoder.decode(frame.buffer)
+                if outputs.error is not None:
+                    raise EngineDeadError(f"engine core failed: {outputs.error.strip().splitlines()[-1]}")
+                return outputs
+            if not self.process.is_alive():
+                raise EngineDeadError(f"engine core process exited with code {self.process.exitcode}")
+
+    def shutdown(self) -> None:
+        """Idempotent: stops the core process (and through it its executor)."""
+        self._finalizer()
+
+
+__all__ = ["EngineDeadError", "InprocClient", "MPClient", "SchedulerStats"]

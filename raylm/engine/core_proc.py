@@ -1,0 +1,189 @@
+"""The engine core in its own process: a loop that takes requests and aborts over
+ZMQ, steps the core while there is work, and sends EngineCoreOutputs back.
+
+Messages are msgspec structs encoded with msgpack; the process is started with
+the `spawn` context and builds everything (executor, Ray) inside itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import traceback
+from typing import Union
+
+import msgspec
+import zmq
+
+from raylm.config import EngineConfig
+from raylm.core.outputs import EngineCoreOutput
+from raylm.core.request import Request
+from raylm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How often an idle core wakes up to check that its parent is still alive.
+_IDLE_POLL_MS = 1000
+
+
+class SchedulerStats(msgspec.Struct):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_hit_rate: float = 0.0
+    num_preemptions: int = 0
+
+
+class EngineCoreRequest(msgspec.Struct, tag="add"):
+    """A validated, tokenized request on its way to the core."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # Carried apart: SamplingParams.__post_init__ (run again by the decoder)
+    # resets this field, which the front end has already filled in.
+    all_stop_token_ids: list[int]
+    eos_token_id: Union[int, None]
+    arrival_time: float
+
+    @classmethod
+    def from_request(cls, request: Request) -> "EngineCoreRequest":
+        params = request.sampling_params
+        return cls(request.request_id, request.prompt_token_ids, params,
+                   sorted(params.all_stop_token_ids), request.eos_token_id, request.arrival_time)
+
+    def to_request(self) -> Request:
+        self.sampling_params.all_stop_token_ids = set(self.all_stop_token_ids)
+        return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
+                       self.eos_token_id, self.arrival_time)
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class Ping(msgspec.Struct, tag="ping"):
+    nonce: int
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+ClientMessage = Union[EngineCoreRequest, AbortRequests, Ping, Shutdown]
+
+
+class EngineCoreOutputs(msgspec.Struct):
+    """One message from the core: a step's outputs and/or its scheduler stats,
+    a reply to a Ping, or (as its last words) the error that killed it."""
+
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    stats: Union[SchedulerStats, None] = None
+    pong: Union[int, None] = None
+    error: Union[str, None] = None
+
+
+class EngineCoreProc:
+    """Owns an EngineCore and its two sockets; `run` is the busy loop."""
+
+    def __init__(self, core, input_address: str, output_address: str):
+        self.core = core
+        self.ctx = zmq.Context()
+        self.input = self.ctx.socket(zmq.PULL)
+        self.input.connect(input_address)
+        self.output = self.ctx.socket(zmq.PUSH)
+        # Unsent outputs must not be dropped at close, nor block exit forever.
+        self.output.setsockopt(zmq.LINGER, 5000)
+        self.output.connect(output_address)
+        self.decoder = msgspec.msgpack.Decoder(ClientMessage)
+        self.encoder = msgspec.msgpack.Encoder()
+
+    def run(self) -> None:
+        parent_pid = os.getppid()
+        while True:
+            if not self.core.has_unfinished_requests():
+                # Idle: block on the input socket, so an idle server costs ~0 CPU;
+                # wake now and then so an orphaned core exits instead of lingering.
+                while not self.input.poll(_IDLE_POLL_MS):
+                    if os.getppid() != parent_pid:
+                        logger.warning("engine core: parent process is gone, exiting")
+                        return
+            handled, keep_running = self._drain_inputs()
+            if not keep_running:
+                return
+            if self.core.has_unfinished_requests():
+                outputs = self.core.step()
+                self._send(EngineCoreOutputs(outputs=outputs, stats=self._stats()))
+            elif handled:
+                # Aborts change the counts without a step; report them anyway.
+                self._send(EngineCoreOutputs(stats=self._stats()))
+
+    def _drain_inputs(self) -> tuple[bool, bool]:
+        """Apply every waiting message: (any handled, keep running)."""
+        handled = False
+        while self.input.poll(0):
+            message = self.decoder.decode(self.input.recv(copy=False).buffer)
+            handled = True
+            if isinstance(message, EngineCoreRequest):
+                self.core.add_request(message.to_request())
+            elif isinstance(message, AbortRequests):
+                self.core.abort_requests(message.request_ids)
+            elif isinstance(message, Ping):
+                self._send(EngineCoreOutputs(pong=message.nonce, stats=self._stats()))
+            elif isinstance(message, Shutdown):
+                return handled, False
+        return handled, True
+
+    def _stats(self) -> SchedulerStats:
+        return SchedulerStats(**self.core.stats())
+
+    def _send(self, outputs: EngineCoreOutputs) -> None:
+        self.output.send(self.encoder.encode(outputs), copy=False)
+
+    def close(self) -> None:
+        self.input.close(linger=0)
+        self.output.close()
+        self.ctx.term()
+
+
+def _raise_system_exit(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str, ready_conn,
+                    log_level: int = logging.WARNING) -> None:
+    """Entry point of the engine-core process: build the core, report readiness
+    (or the error) on `ready_conn`, loop, and always shut the executor down."""
+    from raylm.engine.engine_core import EngineCore
+
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Ctrl-C reaches the whole process group; the front end decides when the
+    # core stops (after in-flight streams end), so SIGINT is not ours to act on.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    try:
+        core = EngineCore(config)
+    except BaseException as e:
+        ready_conn.send(("error", f"{type(e).__name__}: {e}"))
+        ready_conn.close()
+        return
+    proc = EngineCoreProc(core, input_address, output_address)
+    ready_conn.send(("ready", config.cache_config.num_blocks))
+    ready_conn.close()
+    try:
+        proc.run()
+    except Exception:
+        error = traceback.format_exc()
+        logger.error("engine core failed:\n%s", error)
+        try:
+            proc._send(EngineCoreOutputs(error=error))
+        except Exception:  # the front end will notice the exit code instead
+            pass
+        raise
+    finally:
+        started = time.monotonic()
+        core.shutdown()
+        proc.close()
+        logger.info("engine core stopped (executor shutdown took %.1fs)", time.monotonic() - started)

@@ -1,0 +1,68 @@
+"""Prometheus metrics of the server: finished requests by reason, latency
+histograms (TTFT, inter-token, end-to-end) and the core's scheduler gauges."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from raylm.engine.async_llm import StatLoggerBase
+from raylm.engine.core_proc import SchedulerStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
+                      0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class PrometheusStatLogger(StatLoggerBase):
+    """One registry per server, so several servers in a process never collide."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, list(labels), registry=r).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, list(labels), buckets=buckets, registry=r).labels(**labels)
+
+        self.num_running = gauge("raylm:num_requests_running", "Requests in the running batch")
+        self.num_waiting = gauge("raylm:num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_cache_usage = gauge("raylm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)")
+        self.prefix_hit_rate = gauge("raylm:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache (0-1)")
+        self.num_preemptions = gauge("raylm:num_preemptions", "Preemptions since the engine started")
+        self.request_success = Counter("raylm:request_success", "Finished completions by finish reason",
+                                       [*labels, "finished_reason"], registry=r)
+        self.prompt_tokens = Counter("raylm:prompt_tokens", "Prompt tokens of finished completions",
+                                     list(labels), registry=r).labels(**labels)
+        self.generation_tokens = Counter("raylm:generation_tokens", "Generated tokens of finished completions",
+                                         list(labels), registry=r).labels(**labels)
+        self.ttft = histogram("raylm:time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
+        self.itl = histogram("raylm:inter_token_latency_seconds", "Time between output tokens", _TOKEN_GAP_BUCKETS)
+        self.e2e = histogram("raylm:e2e_request_latency_seconds", "End-to-end request latency", _LATENCY_BUCKETS)
+        self._labels = labels
+
+    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
+        self.num_preemptions.set(stats.num_preemptions)
+
+    def record_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def record_inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def record_finished(self, finish_reason: str, e2e_seconds: float,
+                        num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        self.request_success.labels(finished_reason=finish_reason, **self._labels).inc()
+        self.e2e.observe(e2e_seconds)
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_generation_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,164 @@
+"""POST /v1/chat/completions: messages rendered with the model's chat template
+(tokenizer.apply_chat_template), n choices, whole or streamed as deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from raylm.engine.async_llm import AsyncLLM
+from raylm.engine.input_processor import ProcessedPrompt
+from raylm.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+from raylm.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    OpenAIError,
+    bad_request_from,
+    cancel_on_disconnect,
+    check_model,
+    fit_max_tokens,
+    sampling_params_from,
+    sse,
+    stream_error_event,
+)
+from raylm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top_k: int) -> ChatLogprobs:
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        chosen = position.get(token_id)
+        if chosen is None:
+            continue
+        top = sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= top_k),
+                     key=lambda lp: lp.rank)
+        content.append(TokenLogprob(
+            token=chosen.decoded_token or "", logprob=chosen.logprob,
+            bytes=list((chosen.decoded_token or "").encode("utf-8")),
+            top_logprobs=[TopLogprob(token=lp.decoded_token or "", logprob=lp.logprob,
+                                     bytes=list((lp.decoded_token or "").encode("utf-8"))) for lp in top[:top_k]],
+        ))
+    return ChatLogprobs(content=content)
+
+
+class OpenAIServingChat:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str]):
+        self.engine = engine
+        self.served_model_names = served_model_names
+
+    def _render(self, request: ChatCompletionRequest) -> ProcessedPrompt:
+        """Runs in a worker thread: templating and tokenizing can take a while."""
+        tokenizer = self.engine.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise OpenAIError("the model's tokenizer has no chat template", 400, "messages")
+        conversation = [{"role": m.role, "content": m.text()} for m in request.messages]
+        try:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                 add_generation_prompt=request.add_generation_prompt)
+        except Exception as e:  # jinja raises its own types for unsupported conversations
+            raise OpenAIError(f"messages could not be rendered with the chat template: {e}", 400, "messages") from e
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return self.engine.input_processor.process_prompt({"prompt": text, "prompt_token_ids": ids})
+
+    async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        model = check_model(request.model, self.served_model_names)
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        top_logprobs = request.top_logprobs or 0
+        if request.top_logprobs is not None and not request.logprobs:
+            raise OpenAIError("top_logprobs requires logprobs to be true", 400, "top_logprobs")
+        params = sampling_params_from(request, max_tokens, top_logprobs if request.logprobs else None)
+        try:
+            processed = await asyncio.get_running_loop().run_in_executor(None, self._render, request)
+        except ValueError as e:
+            raise bad_request_from(e, set(), "messages") from e
+        param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        try:
+            prompt, params = fit_max_tokens(self.engine, processed, params, max_tokens, "messages")
+        except OpenAIError as e:
+            e.param = param if e.param == "max_tokens" else e.param
+            raise
+        request_id = random_id("chatcmpl")
+        stream = self.engine.generate(prompt, params, request_id, stream=request.stream)
+        if request.stream:
+            return StreamingResponse(self._stream(request, model, request_id, stream, top_logprobs),
+                                     media_type="text/event-stream")
+        output = await cancel_on_disconnect(raw_request, self._last(stream))
+        return JSONResponse(self._response(request, model, request_id, output, top_logprobs).model_dump())
+
+    @staticmethod
+    async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+        output = None
+        async for output in stream:
+            pass
+        return output
+
+    def _logprobs(self, request: ChatCompletionRequest, completion: CompletionOutput, top_k: int) -> ChatLogprobs | None:
+        if not request.logprobs:
+            return None
+        return chat_logprobs(completion.token_ids, completion.logprobs or [], top_k)
+
+    def _response(self, request: ChatCompletionRequest, model: str, request_id: str, output: RequestOutput,
+                  top_k: int) -> ChatCompletionResponse:
+        choices = []
+        for completion in output.outputs:
+            choices.append(ChatChoice(
+                index=completion.index, message=ChatResponseMessage(content=completion.text),
+                logprobs=self._logprobs(request, completion, top_k),
+                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+            ))
+        completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+        usage = UsageInfo(prompt_tokens=len(output.prompt_token_ids), completion_tokens=completion_tokens,
+                          total_tokens=len(output.prompt_token_ids) + completion_tokens)
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+
+    async def _stream(self, request: ChatCompletionRequest, model: str, request_id: str,
+                      stream: AsyncIterator[RequestOutput], top_k: int) -> AsyncIterator[str]:
+        def chunk(choice: ChatStreamChoice) -> str:
+            return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]))
+
+        prompt_tokens = completion_tokens = 0
+        finished: set[int] = set()
+        try:
+            # The role comes first, in a delta of its own, as OpenAI sends it.
+            for index in range(request.n):
+                yield chunk(ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content="")))
+            async for output in stream:
+                prompt_tokens = len(output.prompt_token_ids)
+                for completion in output.outputs:
+                    if completion.index in finished:
+                        continue
+                    if not completion.token_ids and not completion.text and completion.finish_reason is None:
+                        continue
+                    completion_tokens += len(completion.token_ids)
+                    if completion.finish_reason is not None:
+                        finished.add(completion.index)
+                    yield chunk(ChatStreamChoice(
+                        index=completion.index, delta=ChatDelta(content=completion.text),
+                        logprobs=self._logprobs(request, completion, top_k), finish_reason=completion.finish_reason,
+                    ))
+            if request.stream_options and request.stream_options.include_usage:
+                usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                  total_tokens=prompt_tokens + completion_tokens)
+                yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage))
+        except Exception as e:  # the status line is gone; the stream itself must say it failed
+            logger.warning("chat stream %s failed: %s", request_id, e)
+            yield stream_error_event(e)
+        yield SSE_DONE

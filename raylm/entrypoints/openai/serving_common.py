@@ -1,0 +1,209 @@
+"""What both endpoints share: OpenAI-style errors, request fields to
+SamplingParams, prompt-length checks, server-sent events, disconnect handling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from raylm.engine.async_llm import AsyncLLM
+from raylm.engine.core_client import EngineDeadError
+from raylm.engine.input_processor import ProcessedPrompt
+from raylm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields
+from raylm.sampling_params import SamplingParams
+
+_OPTIONAL_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+class OpenAIError(Exception):
+    """An error the client should see as an OpenAI-shaped body."""
+
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None,
+                 error_type: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.param = param
+        self.error_type = error_type or _default_type(status_code)
+
+    def response(self) -> JSONResponse:
+        return error_response(self.message, self.status_code, self.param, self.error_type)
+
+
+def _default_type(status_code: int) -> str:
+    if status_code == 401:
+        return "authentication_error"
+    if status_code == 404:
+        return "not_found_error"
+    if status_code >= 500:
+        return "internal_server_error"
+    return "invalid_request_error"
+
+
+def error_response(message: str, status_code: int = 400, param: str | None = None,
+                   error_type: str | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=error_type or _default_type(status_code),
+                                         param=param, code=status_code))
+    return JSONResponse(body.model_dump(), status_code=status_code)
+
+
+_FIELD_WORD = re.compile(r"^([a-z_][a-z0-9_]*)\b")
+
+
+def bad_request_from(error: Exception, known_params: set[str], default_param: str | None = None) -> OpenAIError:
+    """A ValueError from the engine names its field first; that is the `param`."""
+    message = " ".join(str(error).split()) or type(error).__name__
+    match = _FIELD_WORD.match(message)
+    param = match.group(1) if match and match.group(1) in known_params else default_param
+    return OpenAIError(message, 400, param)
+
+
+def sampling_params_from(request: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
+    kwargs: dict[str, Any] = {
+        "n": request.n, "seed": request.seed, "stop": request.stop, "stop_token_ids": request.stop_token_ids,
+        "include_stop_str_in_output": request.include_stop_str_in_output, "ignore_eos": request.ignore_eos,
+        "min_tokens": request.min_tokens, "skip_special_tokens": request.skip_special_tokens,
+        "max_tokens": max_tokens, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+    }
+    for name in _OPTIONAL_FLOATS:
+        value = getattr(request, name)
+        if value is not None:
+            kwargs[name] = value
+    if request.top_k is not None:
+        kwargs["top_k"] = request.top_k
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise bad_request_from(e, set(kwargs)) from e
+
+
+async def prepare_prompt(engine: AsyncLLM, prompt: Any, params: SamplingParams, requested_max_tokens: int | None,
+                         prompt_param: str) -> tuple[dict, SamplingParams]:
+    """Tokenize (off the loop), then fit max_tokens to the context: an explicit
+    value that does not fit is the client's mistake, a missing one fills it."""
+    try:
+        processed, _ = await engine.process_prompt(prompt, params)
+    except (ValueError, TypeError) as e:
+        raise bad_request_from(e, {"prompt_token_ids"}, prompt_param) from e
+    return fit_max_tokens(engine, processed, params, requested_max_tokens, prompt_param)
+
+
+def fit_max_tokens(engine: AsyncLLM, processed: ProcessedPrompt, params: SamplingParams,
+                   requested_max_tokens: int | None, prompt_param: str) -> tuple[dict, SamplingParams]:
+    max_model_len = engine.config.model_config.max_model_len
+    num_prompt = len(processed.prompt_token_ids)
+    room = max_model_len - num_prompt
+    if requested_max_tokens is None:
+        if room < 1:
+            raise OpenAIError(
+                f"This model's maximum context length is {max_model_len} tokens; the prompt is "
+                f"{num_prompt} tokens, which leaves no room for a completion.", 400, prompt_param)
+        params.max_tokens = room
+        if params.min_tokens > room:
+            raise OpenAIError(f"min_tokens ({params.min_tokens}) exceeds the room left in the context ({room})",
+                              400, "min_tokens")
+    elif requested_max_tokens > room:
+        raise OpenAIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt + requested_max_tokens} tokens ({num_prompt} in the prompt, {requested_max_tokens} "
+            f"in the completion). Please reduce the prompt or the completion length.", 400,
+            "max_tokens" if room >= 1 else prompt_param)
+    return {"prompt": processed.prompt, "prompt_token_ids": processed.prompt_token_ids}, params
+
+
+def check_model(model: str | None, served_model_names: list[str]) -> str:
+    """The model name answered with; an unknown name is the client's mistake (400)."""
+    if model is None or model == "":
+        return served_model_names[0]
+    if model not in served_model_names:
+        raise OpenAIError(f"The model `{model}` does not exist; this server serves {served_model_names}.",
+                          400, "model")
+    return model
+
+
+def sse(payload: BaseModel | dict) -> str:
+    data = payload.model_dump_json(exclude_none=False) if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def stream_error_event(error: Exception) -> str:
+    """An error inside a stream, after the 200 status line went out."""
+    if isinstance(error, OpenAIError):
+        status, param = error.status_code, error.param
+    elif isinstance(error, ValueError):
+        status, param = 400, None
+    else:
+        status, param = (503 if isinstance(error, EngineDeadError) else 500), None
+    body = ErrorResponse(error=ErrorInfo(message=str(error), type=_default_type(status), param=param, code=status))
+    return sse(body)
+
+
+async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """(index, item) from several async iterators as items arrive; closing the
+    merged stream cancels (and so aborts) the ones still running."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item))
+        except Exception as e:  # handed to the consumer, who re-raises it
+            await queue.put((index, e))
+            return
+        await queue.put((index, done))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def cancel_on_disconnect(request: Request, coro):
+    """Run `coro`, cancelling it if the client hangs up first (which aborts its
+    requests in the engine, freeing their KV blocks)."""
+    task = asyncio.ensure_future(coro)
+
+    async def wait_for_disconnect() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        watcher.cancel()
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()

@@ -1,0 +1,158 @@
+"""POST /v1/completions: one or more prompts (text or token ids), n completions
+each, whole or streamed as server-sent events; echo and logprobs as in OpenAI."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from raylm.engine.async_llm import AsyncLLM
+from raylm.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    random_id,
+)
+from raylm.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    OpenAIError,
+    cancel_on_disconnect,
+    check_model,
+    merge_streams,
+    prepare_prompt,
+    sampling_params_from,
+    sse,
+    stream_error_event,
+)
+from raylm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+def _split_prompts(prompt: Any) -> list[Any]:
+    """The request's prompts as engine inputs: text, or {"prompt_token_ids": ...}."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise OpenAIError("prompt must not be empty", 400, "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [{"prompt_token_ids": list(prompt)}]
+    return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], positions: list[PositionLogprobs | None],
+                        start_offset: int) -> CompletionLogprobs:
+    """OpenAI's parallel lists; a position without logprobs (the first prompt token) gets None."""
+    result = CompletionLogprobs()
+    offset = start_offset
+    for token_id, position in zip(token_ids, positions):
+        chosen = position.get(token_id) if position else None
+        text = chosen.decoded_token if chosen and chosen.decoded_token is not None else tokenizer.decode([token_id])
+        result.tokens.append(text)
+        result.token_logprobs.append(chosen.logprob if chosen else None)
+        result.top_logprobs.append(
+            {(lp.decoded_token or ""): lp.logprob for lp in position.values()} if position else None
+        )
+        result.text_offset.append(offset)
+        offset += len(text)
+    return result
+
+
+class OpenAIServingCompletion:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str]):
+        self.engine = engine
+        self.served_model_names = served_model_names
+
+    async def create(self, request: CompletionRequest, raw_request: Request) -> Response:
+        model = check_model(request.model, self.served_model_names)
+        if request.echo and request.stream and request.logprobs is not None and request.n > 1:
+            # Keeps echo bookkeeping to one choice per prompt; rare in practice.
+            raise OpenAIError("echo with logprobs supports n=1 only when streaming", 400, "echo")
+        prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+        base_params = sampling_params_from(request, request.max_tokens, request.logprobs, prompt_logprobs)
+        prepared = []
+        for prompt in _split_prompts(request.prompt):
+            prepared.append(await prepare_prompt(self.engine, prompt, base_params.clone(), request.max_tokens, "prompt"))
+        request_id = random_id("cmpl")
+        streams = [
+            self.engine.generate(prompt, params, f"{request_id}-{i}", stream=request.stream)
+            for i, (prompt, params) in enumerate(prepared)
+        ]
+        if request.stream:
+            return StreamingResponse(self._stream(request, model, request_id, streams),
+                                     media_type="text/event-stream")
+        outputs: dict[int, RequestOutput] = await cancel_on_disconnect(raw_request, self._collect(streams))
+        return JSONResponse(self._response(request, model, request_id, outputs).model_dump())
+
+    @staticmethod
+    async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> dict[int, RequestOutput]:
+        return {index: output async for index, output in merge_streams(streams)}
+
+    def _echo_text(self, output: RequestOutput) -> str:
+        if output.prompt is not None:
+            return output.prompt
+        return self.engine.tokenizer.decode(output.prompt_token_ids)
+
+    def _choice(self, request: CompletionRequest, output: RequestOutput, completion: CompletionOutput,
+                index: int, echo: bool) -> CompletionChoice:
+        text, logprobs = completion.text, None
+        prefix = self._echo_text(output) if echo else ""
+        if request.logprobs is not None:
+            token_ids, positions = list(completion.token_ids), list(completion.logprobs or [])
+            if echo and output.prompt_logprobs is not None:
+                token_ids = output.prompt_token_ids + token_ids
+                positions = list(output.prompt_logprobs) + positions
+            logprobs = completion_logprobs(self.engine.tokenizer, token_ids, positions, 0)
+        return CompletionChoice(index=index, text=prefix + text, logprobs=logprobs,
+                                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+
+    def _response(self, request: CompletionRequest, model: str, request_id: str,
+                  outputs: dict[int, RequestOutput]) -> CompletionResponse:
+        choices, usage = [], UsageInfo()
+        for prompt_index in sorted(outputs):
+            output = outputs[prompt_index]
+            usage.prompt_tokens += len(output.prompt_token_ids)
+            for completion in output.outputs:
+                usage.completion_tokens += len(completion.token_ids)
+                index = prompt_index * request.n + completion.index
+                choices.append(self._choice(request, output, completion, index, request.echo))
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        choices.sort(key=lambda c: c.index)
+        return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+
+    async def _stream(self, request: CompletionRequest, model: str, request_id: str,
+                      streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+        prompt_tokens: dict[int, int] = {}
+        completion_tokens = 0
+        finished: set[int] = set()
+        echoed: set[int] = set()
+        try:
+            async for prompt_index, output in merge_streams(streams):
+                prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+                for completion in output.outputs:
+                    index = prompt_index * request.n + completion.index
+                    if index in finished:
+                        continue
+                    if not completion.token_ids and not completion.text and completion.finish_reason is None:
+                        continue
+                    completion_tokens += len(completion.token_ids)
+                    echo = request.echo and index not in echoed
+                    echoed.add(index)
+                    if completion.finish_reason is not None:
+                        finished.add(index)
+                    choice = self._choice(request, output, completion, index, echo)
+                    yield sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
+            if request.stream_options and request.stream_options.include_usage:
+                total = sum(prompt_tokens.values()) + completion_tokens
+                usage = UsageInfo(prompt_tokens=sum(prompt_tokens.values()), completion_tokens=completion_tokens,
+                                  total_tokens=total)
+                yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))
+        except Exception as e:  # the status line is gone; the stream itself must say it failed
+            logger.warning("completion stream %s failed: %s", request_id, e)
+            yield stream_error_event(e)
+        yield SSE_DONE

@@ -1,0 +1,346 @@
+"""RayDistributedExecutor: one Ray actor per rank, placed by a placement group,
+with the per-step forward on a Ray Compiled Graph.
+
+Ray is the control plane here (placement, environment, liveness); the step
+itself travels on the compiled graph: InputNode -> every TP rank of PP stage 0
+-> (tensor channel: shared memory on CPU, NCCL on GPU) -> ... -> last stage,
+which samples. TP collectives run on torch.distributed inside the actors.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from concurrent.futures import Future
+
+# Compiled-graph timeouts are read when ray.dag is first imported, so they are
+# set before any import of it. A first step may include slow work (a long
+# prefill on a big model), hence a generous get timeout; submit only waits for
+# a free slot in the graph's input channel.
+os.environ.setdefault("RAY_CGRAPH_get_timeout", "600")
+os.environ.setdefault("RAY_CGRAPH_submit_timeout", "120")
+os.environ.setdefault("RAY_CGRAPH_teardown_timeout", "10")
+
+from raylm.executor.abstract import Executor  # noqa: E402
+from raylm.executor import ray_utils  # noqa: E402
+from raylm.messages import GrammarOutput, SchedulerOutput  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+# How long shutdown waits for the compiled graph to tear down before giving up
+# on it (the actors are already killed by then; see shutdown()).
+_TEARDOWN_DEADLINE_S = 15.0
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker actor died; the executor is unusable."""
+
+
+class _RefFuture(Future):
+    """A Future over a Ray ref, resolved lazily on the caller's thread."""
+
+    def __init__(self, getter):
+        super().__init__()
+        self._getter = getter
+        self._lock = threading.Lock()
+
+    def result(self, timeout=None):
+        with self._lock:
+            if not self.done():
+                try:
+                    self.set_result(self._getter(timeout))
+                except BaseException as e:
+                    self.set_exception(e)
+        return super().result()
+
+
+class RayDistributedExecutor(Executor):
+    uses_ray = True
+
+    def _init_executor(self) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ray_utils.check_ray_version()
+        self._shutdown_called = False
+        self._failure: str | None = None
+        self.compiled_graph = None
+        self._pending_output: SchedulerOutput | None = None
+        self.workers: list = []
+        self._created_pg = None
+        self._finalizer = None
+        self.node_ids: list[str] = []
+        self.node_ips: list[str] = []
+
+        cfg = self.config
+        pc = cfg.parallel_config
+        world = pc.world_size
+        device = cfg.device
+        cpus_per_worker = cfg.num_threads or max(1, (os.cpu_count() or 1) // world)
+        ray_utils.connect_ray(pc, num_cpus_hint=world * cpus_per_worker)
+        bundle = {"GPU": 1} if device == "cuda" else {"CPU": cpus_per_worker}
+        placement = ray_utils.get_placement_group(pc, bundle, world)
+        if placement.created_here:
+            self._created_pg = placement.placement_group
+        if device == "cpu" and cfg.num_threads is None:
+            cfg.num_threads = cpus_per_worker
+
+        # From here on, failures must not leak actors or the placement group.
+        self._finalizer = weakref.finalize(self, RayDistributedExecutor._cleanup, [], [self._created_pg])
+        actor_cls = ray.remote(ray_utils.RayWorkerWrapper)
+        env = ray_utils.worker_env_vars(device)
+        try:
+            for i, bundle_index in enumerate(placement.bundle_indices):
+                strategy = PlacementGroupSchedulingStrategy(
+                    placement_group=placement.placement_group,
+                    placement_group_bundle_index=bundle_index,
+                    placement_group_capture_child_tasks=True,
+                )
+                actor = actor_cls.options(
+                    num_cpus=0 if device == "cuda" else cpus_per_worker,
+                    num_gpus=1 if device == "cuda" else 0,
+                    # One thread for the steps, one for the liveness call.
+                    max_concurrency=2,
+                    scheduling_strategy=strategy,
+                    runtime_env={"env_vars": env},
+                ).remote(rank=i)
+                self.workers.append(actor)
+                self._finalizer.detach()
+                self._finalizer = weakref.finalize(
+                    self, RayDistributedExecutor._cleanup, list(self.workers), [self._created_pg]
+                )
+            self._assign_ranks()
+            self._start_monitor()
+            self.collective_rpc("init_device")
+            self.collective_rpc("load_model")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- set-up ------------------------------------------------------------------
+
+    def _assign_ranks(self) -> None:
+        import ray
+
+        infos = ray.get([w.get_node_info.remote() for w in self.workers])
+        ray_utils.check_one_ip_per_node(infos)
+        driver_node = ray.get_runtime_context().get_node_id()
+        order = ray_utils.sort_workers(infos, driver_node)
+        # Actor i becomes rank order.index(i).
+        self.workers = [self.workers[i] for i in order]
+        infos = [infos[i] for i in order]
+        mapping = {old: new for new, old in enumerate(order)}
+        ray.get([w.adjust_rank.remote(mapping) for w in self.workers])
+        self.node_ids = [info[0] for info in infos]
+        self.node_ips = [info[1] for info in infos]
+
+        pc = self.config.parallel_config
+        tp = pc.tensor_parallel_size
+        for stage in range(pc.pipeline_parallel_size):
+            group_nodes = set(self.node_ids[stage * tp : (stage + 1) * tp])
+            if len(group_nodes) > 1:
+                logger.warning(
+                    "TP group of PP stage %d spans %d nodes; tensor parallelism across nodes is slow",
+                    stage, len(group_nodes),
+                )
+        single_node = len(set(self.node_ids)) == 1
+        host = "127.0.0.1" if single_node else self.node_ips[0]
+        port = ray.get(self.workers[0].get_free_port.remote())
+        init_method = f"tcp://{host}:{port}"
+        calls = []
+        seen: dict[str, int] = {}
+        for rank, (worker, (node_id, _, gpu_ids)) in enumerate(zip(self.workers, infos)):
+            local_rank = seen.get(node_id, 0)
+            seen[node_id] = local_rank + 1
+            if self.config.device == "cuda":
+                # Ray did not rewrite CUDA_VISIBLE_DEVICES: the GPU Ray gave
+                # this actor is addressed by its physical id.
+                local_rank = int(gpu_ids[0]) if gpu_ids else local_rank
+            calls.append(worker.init_worker.remote(self.config, local_rank, init_method))
+            calls.append(worker.set_output_rank.remote(rank == self._output_rank))
+        ray.get(calls)
+
+    def _start_monitor(self) -> None:
+        self._liveness_refs = [w.wait_until_dead.remote() for w in self.workers]
+        self._monitor = threading.Thread(target=self._monitor_loop, name="raylm-ray-worker-monitor", daemon=True)
+        self._monitor.start()
+
+    def _monitor_loop(self) -> None:
+        import ray
+
+        refs = list(self._liveness_refs)
+        while not self._shutdown_called:
+            ready, _ = ray.wait(refs, num_returns=1, timeout=0.5)
+            if not ready or self._shutdown_called:
+                continue
+            rank = self._liveness_refs.index(ready[0])
+            try:
+                ray.get(ready[0])
+                reason = "returned"
+            except Exception as e:  # RayActorError and friends: the point of this call
+                reason = f"{type(e).__name__}"
+            self._failure = (
+                f"worker rank {rank} on node {self.node_ips[rank]} ({self.node_ids[rank][:12]}) died: {reason}"
+            )
+            logger.error("%s", self._failure)
+            return
+
+    # ---- the contract ------------------------------------------------------------
+
+    def _raise_if_unusable(self) -> None:
+        if self._failure is not None:
+            raise WorkerDiedError(self._failure)
+        if self._shutdown_called:
+            raise RuntimeError("executor is shut down")
+
+    def check_health(self) -> None:
+        self._raise_if_unusable()
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False, unique_reply_rank=None):
+        import ray
+
+        self._raise_if_unusable()
+        kwargs = kwargs or {}
+        targets = list(range(len(self.workers)))
+        refs = [self.workers[r].execute_method.remote(method, *args, **kwargs) for r in targets]
+
+        def gather(wait_timeout):
+            limit = timeout if wait_timeout is None else wait_timeout
+            if limit is not None:
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=limit)
+                if len(ready) < len(refs):
+                    missing = [r for r, ref in zip(targets, refs) if ref not in ready]
+                    raise TimeoutError(f"collective_rpc {_name(method)!r}: ranks {missing} did not answer within {limit} s")
+            results = []
+            for rank, ref in zip(targets, refs):
+                try:
+                    results.append(ray.get(ref))
+                except ray.exceptions.RayTaskError as e:
+                    raise RuntimeError(
+                        f"{_name(method)!r} failed on rank {rank} (node {self.node_ips[rank]}):\n{e}"
+                    ) from e
+                except ray.exceptions.RayActorError as e:
+                    raise WorkerDiedError(f"rank {rank} (node {self.node_ips[rank]}) died during {_name(method)!r}: {e}") from e
+            return results[unique_reply_rank] if unique_reply_rank is not None else results
+
+        if non_block:
+            return _RefFuture(gather)
+        return gather(None)
+
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False):
+        """Phase one: remember the step; the graph runs when sample_tokens
+        supplies the grammar output, so one graph execution is one step."""
+        self._raise_if_unusable()
+        if self._pending_output is not None:
+            raise RuntimeError("execute_model called twice without sample_tokens in between")
+        self._pending_output = scheduler_output
+        if non_block:
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        return None
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None, non_block: bool = False):
+        import ray
+
+        self._raise_if_unusable()
+        if self._pending_output is None:
+            raise RuntimeError("sample_tokens called without a preceding execute_model")
+        scheduler_output, self._pending_output = self._pending_output, None
+        if self.compiled_graph is None:
+            self.compiled_graph = self._compile_graph()
+        ref = self.compiled_graph.execute((scheduler_output, grammar_output))
+
+        def get(timeout):
+            try:
+                results = ray.get(ref, timeout=timeout)
+            except Exception as e:
+                if self._failure is not None:
+                    raise WorkerDiedError(self._failure) from e
+                raise
+            return results[self._output_rank - self._last_stage_first_rank]
+
+        future = _RefFuture(get)
+        return future if non_block else future.result()
+
+    @property
+    def _last_stage_first_rank(self) -> int:
+        pc = self.config.parallel_config
+        return (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
+
+    def _compile_graph(self):
+        from ray.dag import InputNode, MultiOutputNode
+
+        pc = self.config.parallel_config
+        tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+        transport = "nccl" if self.config.device == "cuda" else "shm"
+        with InputNode() as step_input:
+            outputs = [step_input] * tp
+            for stage in range(pp):
+                stage_workers = self.workers[stage * tp : (stage + 1) * tp]
+                outputs = [w.execute_model_graph.bind(outputs[i]) for i, w in enumerate(stage_workers)]
+                if stage < pp - 1:
+                    outputs = [o.with_tensor_transport(transport=transport) for o in outputs]
+            graph = MultiOutputNode(outputs)
+        # One in-flight execution per PP stage keeps the pipeline full.
+        compiled = graph.experimental_compile(_max_inflight_executions=max(2, pp + 1))
+        logger.info("compiled Ray graph: %d stage(s) x %d TP rank(s), tensor transport %s", pp, tp, transport)
+        return compiled
+
+    def shutdown(self) -> None:
+        if self._shutdown_called:
+            return
+        self._shutdown_called = True
+        graph, self.compiled_graph = self.compiled_graph, None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        RayDistributedExecutor._cleanup(self.workers, [self._created_pg], graph)
+
+    @staticmethod
+    def _cleanup(workers: list, placement_groups: list, graph=None) -> None:
+        """Kill the actors first, then tear the graph down under a deadline: a
+        graph whose edge carries a tensor may never finish tearing down while
+        its readers still spin, but with the actors gone it returns quickly."""
+        try:
+            import ray
+        except ImportError:
+            return
+        if not ray.is_initialized():
+            return
+        for worker in workers:
+            try:
+                ray.kill(worker)
+            except Exception:  # already dead
+                pass
+        if graph is not None:
+            thread = threading.Thread(target=_teardown_quietly, args=(graph,), name="raylm-cgraph-teardown", daemon=True)
+            thread.start()
+            thread.join(_TEARDOWN_DEADLINE_S)
+        from ray.util.placement_group import remove_placement_group
+
+        for pg in placement_groups:
+            if pg is not None:
+                try:
+                    remove_placement_group(pg)
+                except Exception:
+                    pass
+
+
+def _teardown_quietly(graph) -> None:
+    # The actors are already dead, so Ray logs an error per cancelled task;
+    # that is the expected outcome here, not news for the user.
+    dag_logger = logging.getLogger("ray.dag.compiled_dag_node")
+    level = dag_logger.level
+    dag_logger.setLevel(logging.CRITICAL)
+    try:
+        graph.teardown()
+    except Exception as e:
+        logger.debug("compiled graph teardown: %s", e)
+    finally:
+        dag_logger.setLevel(level)
+
+
+def _name(method) -> str:
+    return method if isinstance(method, str) else getattr(method, "__name__", repr(method))
