@@ -48,6 +48,13 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
 
+# Generic PretrainedConfig fields that mean nothing for a causal LM; left out of config.json.
+UNUSED_CONFIG_KEYS = frozenset({
+    "_name_or_path", "_attn_implementation_autoset", "id2label", "label2id", "problem_type",
+    "chunk_size_feed_forward", "is_encoder_decoder", "output_attentions", "output_hidden_states",
+    "return_dict",
+})
+
 SPEAKER_LINE = re.compile(r"^[A-Z][A-Za-z' -]{0,40}\.$")
 
 
@@ -324,8 +331,8 @@ def save_model(model, output_dir: Path) -> int:
     save_file(state, str(weights_path), metadata={"format": "pt"})
     weights_path.chmod(0o644)  # safetensors writes 0600; the file ships inside the wheel
 
-    config = json.loads(model.config.to_json_string(use_diff=False))
-    config.pop("_attn_implementation_autoset", None)
+    config = {key: value for key, value in json.loads(model.config.to_json_string(use_diff=False)).items()
+              if key not in UNUSED_CONFIG_KEYS}
     config["architectures"] = ["LlamaForCausalLM"]
     config["torch_dtype"] = "float32"
     config["dtype"] = "float32"
@@ -409,7 +416,8 @@ Command (run from the repository root; deterministic: fixed seeds, {settings.thr
 AdamW (betas 0.9/0.95, weight decay {settings.weight_decay}), peak lr {settings.peak_lr}, {settings.warmup_steps} warm-up
 steps then cosine decay to {settings.min_lr_ratio:.0%}, batch {settings.batch_size} x {settings.seq_len} tokens,
 {settings.steps} steps, gradient clipping {settings.grad_clip}; torch {torch.__version__}, CPU.
-Training took {results['train_seconds'] / 60:.1f} minutes.
+Training took {results['train_seconds'] / 60:.1f} minutes ({results['wall_seconds'] / 60:.1f} minutes for the whole
+script, on a 2-core machine shared with other jobs, so timings vary).
 
 Final train loss (mean of the last 50 steps): **{results['final_train_loss']:.3f}**;
 final validation loss: **{results['final_val_loss']:.3f}**
@@ -452,6 +460,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    script_started = time.monotonic()
     args = parse_args(argv)
     settings = TrainSettings(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                              threads=args.threads, seed=args.seed)
@@ -488,6 +497,7 @@ def main(argv: list[str] | None = None) -> None:
     save_tokenizer(tokenizer, output_dir, settings.max_positions)
     parameter_count = save_model(model, output_dir)
     sample = greedy_sample(model, tokenizer, "ROMEO:")
+    results["wall_seconds"] = round(time.monotonic() - script_started, 1)
     logger.info("sample:\n%s", sample)
     write_readme(output_dir, command, settings, parameter_count, results, corpus_stats, sample)
     (output_dir / "training_log.json").write_text(json.dumps(

@@ -40,3 +40,24 @@ def oracle_prompts(vocab_size: int, lengths=(1, 2, 7, 16, 33, 64, 130, 300), see
     """Random prompts of the given lengths (a mix of block-aligned and not)."""
     rng = random.Random(seed)
     return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture
+def ray_session():
+    """One local Ray per test session (started on first use; a module that
+    needs its own cluster shuts it down and the next user starts it again)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield ray
+
+
+def our_live_ray_state():
+    """(live RayWorkerWrapper actors, live placement groups) in the current Ray."""
+    from ray._private.state import actors
+    from ray.util import placement_group_table
+
+    live_actors = [a for a in actors().values() if a["ActorClassName"] == "RayWorkerWrapper" and a["State"] != "DEAD"]
+    live_pgs = [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
+    return live_actors, live_pgs

@@ -174,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_lib.add_throughput_args(throughput)
     add_engine_args(throughput)
     throughput.set_defaults(handler=run_bench_throughput)
+
+    # The OpenAI server's commands live with the server (raylm/entrypoints/openai).
+    from raylm.entrypoints.openai.cli_args import add_bench_serve, add_serve_subcommand
+
+    add_serve_subcommand(commands)
+    add_bench_serve(bench_commands)
     return parser
 
 

@@ -326,6 +326,12 @@ class MultiprocExecutor(Executor):
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._res.processes]
 
+    @property
+    def shm_segment_names(self) -> list[str]:
+        """The /dev/shm segments of this executor's queues (for diagnostics and tests)."""
+        broadcast = self._res.broadcast
+        return ([broadcast.shm_name] if broadcast is not None else []) + list(self._res.response_segments)
+
     # ---- liveness -----------------------------------------------------------------
 
     def _monitor_workers(self) -> None:
@@ -341,6 +347,7 @@ class MultiprocExecutor(Executor):
         if dead:
             rank = dead[0]
             proc = res.processes[rank]
+            proc.join(1.0)  # the sentinel fires a moment before the exit code can be read
             self._mark_failed(f"worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}")
 
     def _mark_failed(self, reason: str) -> None:

@@ -55,9 +55,13 @@ def completion_logprobs(tokenizer, token_ids: list[int], positions: list[Positio
         text = chosen.decoded_token if chosen and chosen.decoded_token is not None else tokenizer.decode([token_id])
         result.tokens.append(text)
         result.token_logprobs.append(chosen.logprob if chosen else None)
-        result.top_logprobs.append(
-            {(lp.decoded_token or ""): lp.logprob for lp in position.values()} if position else None
-        )
+        top = None
+        if position:
+            top = {}
+            # The chosen token comes first; a later token that decodes alike ("\ufffd") must not hide it.
+            for lp in position.values():
+                top.setdefault(lp.decoded_token or "", lp.logprob)
+        result.top_logprobs.append(top)
         result.text_offset.append(offset)
         offset += len(text)
     return result

@@ -1,0 +1,104 @@
+"""MessageQueue micro-benchmark: enqueue -> dequeue latency of small messages to
+2 reader processes, and the CPU an idle reader burns while it waits.
+
+    python benchmarks/bench_mq.py [--messages 2000] [--idle-seconds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+import time
+
+import psutil
+
+from raylm.distributed.shm_broadcast import MessageQueue, QueueClosedError
+
+
+def _reader(handle, rank: int, ack_handle_pipe) -> None:
+    """Dequeue (send_time_ns, seq) messages; record one-way latency; ack each one."""
+    inbox = MessageQueue.create_from_handle(handle, rank)
+    acks = MessageQueue(num_local_readers=1, chunk_bytes=1 << 16, max_chunks=4)
+    ack_handle_pipe.send(acks.export_handle())
+    latencies: list[int] = []
+    try:
+        while True:
+            msg = inbox.dequeue()
+            now = time.perf_counter_ns()  # CLOCK_MONOTONIC: comparable across processes
+            if msg == "report":
+                acks.enqueue(latencies)
+                continue
+            sent_ns, seq = msg
+            if seq >= 0:
+                latencies.append(now - sent_ns)
+            acks.enqueue(seq)
+    except QueueClosedError:
+        pass
+    finally:
+        acks.close()
+        inbox.close()
+
+
+def _percentiles(values_ns: list[int]) -> str:
+    us = sorted(v / 1000 for v in values_ns)
+    pick = lambda q: us[min(len(us) - 1, int(q * len(us)))]  # noqa: E731
+    return f"p50 {pick(0.5):7.1f} us  p90 {pick(0.9):7.1f} us  p99 {pick(0.99):7.1f} us  mean {statistics.fmean(us):7.1f} us"
+
+
+def _run_round(queue: MessageQueue, acks: list[MessageQueue], count: int, gap_s: float, label: str) -> None:
+    for seq in range(count):
+        queue.enqueue((time.perf_counter_ns(), seq))
+        for a in acks:
+            assert a.dequeue(timeout=30) == seq
+        if gap_s:
+            time.sleep(gap_s)
+    queue.enqueue("report")
+    per_reader = [a.dequeue(timeout=30) for a in acks]
+    merged = [v for lat in per_reader for v in lat[-count:]]
+    print(f"{label:<34} {_percentiles(merged)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=2000)
+    parser.add_argument("--idle-seconds", type=float, default=2.0)
+    args = parser.parse_args()
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = MessageQueue(num_local_readers=2, chunk_bytes=1 << 16, max_chunks=8)
+    procs, acks = [], []
+    try:
+        for rank in range(2):
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_reader, args=(queue.export_handle(), rank, child_end), daemon=True)
+            p.start()
+            procs.append(p)
+            acks.append(MessageQueue.create_from_handle(parent_end.recv(), 0))
+        for seq in range(-50, 0):  # warm-up, not recorded
+            queue.enqueue((time.perf_counter_ns(), seq))
+            for a in acks:
+                a.dequeue(timeout=30)
+
+        print(f"2 readers, {args.messages} small messages each round")
+        _run_round(queue, acks, args.messages, 0.0, "back-to-back (readers spinning)")
+        _run_round(queue, acks, max(100, args.messages // 10), 0.002, "paced 2 ms apart (readers asleep)")
+
+        readers = [psutil.Process(p.pid) for p in procs]
+        for r in readers:
+            r.cpu_percent(None)
+        time.sleep(args.idle_seconds)
+        usage = [r.cpu_percent(None) for r in readers]
+        print(f"idle readers over {args.idle_seconds:.0f} s: CPU " + ", ".join(f"{u:.1f}%" for u in usage))
+    finally:
+        queue.close()
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+        for a in acks:
+            a.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Lifecycle: SIGTERM during a stream ends it cleanly and the whole process tree
+exits within the grace period; a dead engine core turns /health into 503 and
+fails in-flight requests with an error, while the server process stays up."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+
+from tests.entrypoints.openai.server_utils import MODEL_NAME, RaylmServer, scrape_metric
+
+GRACE_S = 0.5
+LONG_STREAM = {"model": MODEL_NAME, "prompt": "ROMEO:", "max_tokens": 500, "ignore_eos": True, "stream": True,
+               "temperature": 0}
+
+
+def _stream_in_background(server: RaylmServer) -> tuple[threading.Thread, dict]:
+    """Start a long stream; `result` gets its events once it ends."""
+    result: dict = {"events": [], "started": threading.Event()}
+
+    def run() -> None:
+        try:
+            with httpx.stream("POST", server.url("/v1/completions"), json=LONG_STREAM, timeout=60) as response:
+                result["status"] = response.status_code
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        result["events"].append(line[len("data: "):])
+                        result["started"].set()
+        except httpx.HTTPError as e:
+            result["error"] = e
+        finally:
+            result["started"].set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert result["started"].wait(60)
+    return thread, result
+
+
+def test_sigterm_during_stream_exits_within_grace(llama_dir, tmp_path):
+    server = RaylmServer(llama_dir, ["--shutdown-grace-period", str(GRACE_S)], str(tmp_path / "server.log"))
+    try:
+        assert len(server.tree) >= 2, "the engine core should run in its own process"
+        thread, result = _stream_in_background(server)
+        assert scrape_metric(server.base_url, "raylm:num_requests_running") == 1
+        sent = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        # Grace for the stream, plus the engine core's shutdown and interpreter exit.
+        leftovers = server.wait_tree_gone(GRACE_S + 10)
+        assert not leftovers, server.log()
+        thread.join(10)
+        assert time.monotonic() - sent < GRACE_S + 10
+        assert server.proc.returncode == 0, server.log()
+        # The stream was ended by the server (finish_reason "abort"), not cut off.
+        assert result.get("status") == 200 and result["events"][-1] == "[DONE]", result
+        assert '"finish_reason":"abort"' in result["events"][-2]
+    finally:
+        server.terminate(timeout=5)
+
+
+def test_dead_engine_core_gives_503(llama_dir, tmp_path):
+    server = RaylmServer(llama_dir, [], str(tmp_path / "server.log"))
+    try:
+        thread, result = _stream_in_background(server)
+        server.core_process().kill()
+        thread.join(30)
+        assert result["events"][-1] == "[DONE]"
+        assert '"error"' in result["events"][-2] and '"code":503' in result["events"][-2]
+        deadline = time.monotonic() + 15
+        while httpx.get(server.url("/health")).status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert httpx.get(server.url("/health")).status_code == 503
+        response = httpx.post(server.url("/v1/completions"), json={"model": MODEL_NAME, "prompt": "hi"})
+        assert response.status_code == 503 and "error" in response.json()
+        assert server.proc.poll() is None
+    finally:
+        server.terminate(timeout=20)

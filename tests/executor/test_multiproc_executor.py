@@ -1,0 +1,195 @@
+"""The multiprocess executor: HF-equal outputs with TP (and PP), the
+collective_rpc contract, and liveness both ways (a killed worker, a killed engine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from raylm import LLM, SamplingParams
+from raylm.distributed.shm_broadcast import SEGMENT_PREFIX
+from raylm.executor.multiproc_executor import MultiprocExecutor, WorkerDiedError
+from raylm.testing.hf_oracle import hf_greedy
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 70)), [3]]
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _mp_llm(model, tp=1, pp=1) -> LLM:
+    return LLM(model, dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+               distributed_executor_backend="mp", num_threads=1, kv_cache_memory_bytes=16 << 20)
+
+
+def _executor(llm: LLM) -> MultiprocExecutor:
+    executor = llm.llm_engine.engine_core.engine_core.executor
+    assert isinstance(executor, MultiprocExecutor)
+    return executor
+
+
+def _left_in_dev_shm(names) -> set[str]:
+    return set(names) & set(os.listdir("/dev/shm"))
+
+
+def _gone(pid: int) -> bool:
+    # A worker orphaned by a killed engine may linger as a zombie if nobody
+    # reaps it; a zombie has exited and holds nothing.
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir("llama", num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return [r.token_ids for r in hf_greedy(model, PROMPTS, GREEDY.max_tokens)]
+
+
+@pytest.fixture(scope="module")
+def tp2(model):
+    llm = _mp_llm(model, tp=2)
+    yield llm
+    pids, segments = _executor(llm).worker_pids, _executor(llm).shm_segment_names
+    llm.shutdown()
+    assert all(_gone(p) for p in pids)
+    assert not _left_in_dev_shm(segments)
+
+
+def test_tp2_matches_hf(tp2, reference):
+    outs = tp2.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
+def test_pipeline_layouts_match_hf(model, reference, tp, pp):
+    with _mp_llm(model, tp=tp, pp=pp) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+
+
+def test_collective_rpc_by_name_and_callable(tp2):
+    ex = _executor(tp2)
+    assert ex.collective_rpc("check_health") == ex.worker_pids
+
+    def rank_times(worker, factor, offset=0):
+        return worker.rank * factor + offset
+
+    assert ex.collective_rpc(rank_times, args=(10,), kwargs={"offset": 1}) == [1, 11]
+    assert ex.collective_rpc(rank_times, args=(10,), unique_reply_rank=1) == 10
+
+
+def test_non_block_futures_resolve_in_order(tp2):
+    ex = _executor(tp2)
+
+    def slow_rank(worker, delay):
+        time.sleep(delay)
+        return worker.rank
+
+    first = ex.collective_rpc(slow_rank, args=(0.2,), non_block=True)
+    second = ex.collective_rpc("check_health", non_block=True, unique_reply_rank=0)
+    assert second.result(timeout=30) == ex.worker_pids[0]
+    assert first.done() and first.result() == [0, 1]
+
+
+def test_timeout_names_the_silent_ranks_and_the_executor_recovers(tp2):
+    ex = _executor(tp2)
+
+    def sleepy(worker):
+        time.sleep(1.5 if worker.rank == 1 else 0)
+        return worker.rank
+
+    with pytest.raises(TimeoutError, match=r"ranks \[1\]"):
+        ex.collective_rpc(sleepy, timeout=0.3)
+    # The late reply to the timed-out call is discarded, not taken for this one.
+    assert ex.collective_rpc("check_health", timeout=30) == ex.worker_pids
+
+
+def test_worker_exception_carries_rank_and_traceback(tp2):
+    ex = _executor(tp2)
+
+    def fail_on_rank_one(worker):
+        if worker.rank == 1:
+            raise ValueError("deliberate failure")
+        return "fine"
+
+    with pytest.raises(RuntimeError) as info:
+        ex.collective_rpc(fail_on_rank_one)
+    message = str(info.value)
+    assert "rank 1" in message and "ValueError" in message and "deliberate failure" in message
+    assert "Traceback" in message and "fail_on_rank_one" in message
+    # A failure in a call that reported it leaves the workers usable.
+    ex.check_health()
+
+
+def test_killed_worker_is_noticed_and_everything_is_cleaned_up(model):
+    llm = _mp_llm(model, tp=2)
+    ex = _executor(llm)
+    pids, segments = ex.worker_pids, ex.shm_segment_names
+    assert len(_left_in_dev_shm(segments)) == 3 and all(n.startswith(SEGMENT_PREFIX) for n in segments)
+    try:
+        os.kill(pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 1.0
+        # The monitor thread notices on its own, without a call to prompt it.
+        while not ex.is_failed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ex.is_failed
+        with pytest.raises(WorkerDiedError, match="rank 1"):
+            ex.check_health()
+        with pytest.raises(WorkerDiedError, match="rank 1"):
+            llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert all(_gone(p) for p in pids)
+    assert not _left_in_dev_shm(segments)
+
+
+ENGINE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+    from raylm import LLM
+    llm = LLM(sys.argv[1], dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp",
+              num_threads=1, kv_cache_memory_bytes=16 << 20)
+    executor = llm.llm_engine.engine_core.engine_core.executor
+    print(json.dumps([executor.worker_pids, executor.shm_segment_names]), flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_killed_engine_leaves_no_orphan_and_no_segment(model):
+    engine = subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, model], cwd=REPO_ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        line = engine.stdout.readline()
+        assert line, engine.stderr.read()
+        pids, segments = json.loads(line)
+        assert all(not _gone(p) for p in pids)
+        assert len(_left_in_dev_shm(segments)) == 3
+        engine.send_signal(signal.SIGKILL)
+        engine.wait(10)
+        deadline = time.monotonic() + 10
+        while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(_gone(p) for p in pids)
+        assert not _left_in_dev_shm(segments)
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait(10)
+        for pid in pids:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)

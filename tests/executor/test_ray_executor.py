@@ -1,0 +1,153 @@
+"""The Ray executor: HF-equal outputs for every layout, the collective_rpc
+contract, liveness, and a clean shutdown."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import ray.cloudpickle
+
+from raylm import LLM, SamplingParams
+from raylm.testing.hf_oracle import hf_greedy
+from tests.conftest import our_live_ray_state
+
+# The callables below travel to the actors by value: the workers cannot import
+# this test module by name.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 100)), [3]]
+
+
+def _ray_llm(model, tp=1, pp=1, **kwargs):
+    kwargs.setdefault("kv_cache_memory_bytes", 32 << 20)
+    return LLM(model, dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+               distributed_executor_backend="ray", num_threads=1, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "arch, overrides, tp, pp",
+    [
+        # One KV head with TP=2: the KV head is replicated across TP ranks; tied embeddings.
+        ("llama", {"num_key_value_heads": 1}, 1, 1),
+        ("llama", {"num_key_value_heads": 1}, 2, 1),
+        ("llama", {"num_key_value_heads": 1}, 1, 2),
+        ("llama", {"num_key_value_heads": 1}, 2, 2),
+        ("qwen3", {}, 2, 1),
+        ("qwen3", {}, 2, 2),
+    ],
+)
+def test_ray_layouts_match_hf(ray_session, tiny_model_dir, arch, overrides, tp, pp):
+    model = tiny_model_dir(arch, **overrides)
+    with _ray_llm(model, tp, pp) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    ref = hf_greedy(model, PROMPTS, 16)
+    assert [o.outputs[0].token_ids for o in outs] == [r.token_ids for r in ref]
+    assert our_live_ray_state() == ([], [])
+
+
+@pytest.fixture(scope="module")
+def tp2_llm(tiny_model_dir):
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    os.environ["RAYLM_TEST_MARKER"] = "from-the-driver"
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        llm = _ray_llm(tiny_model_dir("llama"), tp=2)
+    finally:
+        del os.environ["RAYLM_TEST_MARKER"]
+        del os.environ["CUDA_VISIBLE_DEVICES"]
+    yield llm
+    llm.shutdown()
+
+
+def _executor(llm):
+    core = llm.llm_engine.engine_core
+    return getattr(core, "engine_core", core).executor  # through the in-process core client
+
+
+def _rank(worker):
+    return worker.rank
+
+
+def _env(worker):
+    return os.environ.get("RAYLM_TEST_MARKER"), "CUDA_VISIBLE_DEVICES" in os.environ
+
+
+def _sleep(worker, seconds):
+    time.sleep(seconds)
+    return worker.rank
+
+
+def _fail_on_rank_1(worker):
+    if worker.rank == 1:
+        raise ValueError("rank one says no")
+    return "fine"
+
+
+def test_collective_rpc_by_name_and_callable(tp2_llm):
+    ex = _executor(tp2_llm)
+    pids = ex.collective_rpc("check_health")
+    assert len(pids) == 2 and len(set(pids)) == 2 and os.getpid() not in pids
+    assert ex.collective_rpc(_rank) == [0, 1]
+    assert ex.collective_rpc(_rank, unique_reply_rank=1) == 1
+    future = ex.collective_rpc(_sleep, args=(0.2,), non_block=True)
+    assert future.result(timeout=30) == [0, 1]
+
+
+def test_collective_rpc_timeout_names_ranks(tp2_llm):
+    ex = _executor(tp2_llm)
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\]"):
+        ex.collective_rpc(_sleep, timeout=0.3, args=(2.0,))
+    time.sleep(2.0)  # let the sleepers finish before the next test uses the actors
+
+
+def test_collective_rpc_exception_carries_rank_and_traceback(tp2_llm):
+    ex = _executor(tp2_llm)
+    with pytest.raises(RuntimeError, match="rank 1") as err:
+        ex.collective_rpc(_fail_on_rank_1)
+    # The worker-side traceback: the failing frame and the original error.
+    assert "in _fail_on_rank_1" in str(err.value) and "ValueError: rank one says no" in str(err.value)
+    # The engine still works afterwards.
+    assert len(tp2_llm.generate("still alive", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 16
+
+
+def test_environment_reaches_workers_but_not_per_worker_vars(tp2_llm):
+    assert _executor(tp2_llm).collective_rpc(_env) == [("from-the-driver", False)] * 2
+
+
+def test_two_phase_step_order_is_enforced(tp2_llm):
+    ex = _executor(tp2_llm)
+    with pytest.raises(RuntimeError, match="without a preceding execute_model"):
+        ex.sample_tokens(None)
+
+
+def test_dead_worker_is_noticed_and_reported(ray_session, tiny_model_dir):
+    import ray
+
+    llm = _ray_llm(tiny_model_dir("llama"), tp=2)
+    ex = _executor(llm)
+    assert llm.generate("warm up", GREEDY, use_tqdm=False)
+    ray.kill(ex.workers[1])
+    start = time.monotonic()
+    while True:
+        try:
+            ex.check_health()
+        except RuntimeError as e:
+            assert "rank 1" in str(e)
+            break
+        assert time.monotonic() - start < 5, "a dead worker went unnoticed for 5 s"
+        time.sleep(0.05)
+    with pytest.raises(RuntimeError, match="died"):
+        llm.generate("after the death", GREEDY, use_tqdm=False)
+    llm.shutdown()
+    llm.shutdown()  # idempotent
+    live_actors, live_pgs = our_live_ray_state()
+    ours = {w._actor_id.hex() for w in ex.workers}
+    assert not ours & {a["ActorID"] for a in live_actors}
+    assert ex._created_pg.id.hex() not in {g["placement_group_id"] for g in live_pgs}
