@@ -100,10 +100,14 @@ class EngineCoreProc:
         self.decoder = msgspec.msgpack.Decoder(ClientMessage)
         self.encoder = msgspec.msgpack.Encoder()
 
+    def _has_work(self) -> bool:
+        # With PP, batches can still be in flight after their requests were aborted.
+        return self.core.has_unfinished_requests() or self.core.has_work_in_flight()
+
     def run(self) -> None:
         parent_pid = os.getppid()
         while True:
-            if not self.core.has_unfinished_requests():
+            if not self._has_work():
                 # Idle: block on the input socket, so an idle server costs ~0 CPU;
                 # wake now and then so an orphaned core exits instead of lingering.
                 while not self.input.poll(_IDLE_POLL_MS):
@@ -113,7 +117,7 @@ class EngineCoreProc:
             handled, keep_running = self._drain_inputs()
             if not keep_running:
                 return
-            if self.core.has_unfinished_requests():
+            if self._has_work():
                 outputs = self.core.step()
                 self._send(EngineCoreOutputs(outputs=outputs, stats=self._stats()))
             elif handled:

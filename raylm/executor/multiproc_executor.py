@@ -8,7 +8,6 @@ driver hits EOF, so a `kill -9` on either side leaves no orphan and no segment.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -18,30 +17,19 @@ import threading
 import time
 import traceback
 import weakref
-from collections import deque
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from raylm.config import EngineConfig
-from raylm.distributed.shm_broadcast import MessageQueue, MessageQueueHandle, QueueClosedError, unlink_segment
+from raylm.distributed.shm_broadcast import MessageQueue, MessageQueueHandle, unlink_segment
 from raylm.executor.abstract import Executor
+from raylm.executor.mq_rpc import MqRpcClient, WorkerDiedError, WorkerLoop
+
+__all__ = ["MultiprocExecutor", "WorkerDiedError", "WorkerProc"]
 
 logger = logging.getLogger(__name__)
 
 WORKER_STARTUP_TIMEOUT_S = 300.0
 WORKER_SHUTDOWN_TIMEOUT_S = 5.0
-# How often a driver waiting on one rank looks at the other ranks' queues and
-# at the monitor's verdict: bounds how late a death or a fatal error is seen.
-_REPLY_POLL_S = 0.05
-
-_OK, _ERROR, _FATAL = "ok", "error", "fatal"
-
-
-class WorkerDiedError(RuntimeError):
-    """A worker process died or failed outside a call that could report it; the
-    executor is unusable (the engine turns this into EngineDeadError)."""
-
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -113,77 +101,10 @@ class WorkerProc:
         proc.run_loop()
 
     def run_loop(self) -> None:
-        try:
-            while True:
-                try:
-                    seq, method, args, kwargs, reply_rank = self.broadcast.dequeue()
-                except QueueClosedError:
-                    return  # the executor is shutting down
-                self._run_one(seq, method, args, kwargs, reply_rank)
-        finally:
-            if self.wrapper.worker is not None:
-                self.wrapper.worker.shutdown()
-            self.response.close()
-            self.broadcast.close()
-
-    def _run_one(self, seq: int, method: str | Callable, args: tuple, kwargs: dict, reply_rank: int | None) -> None:
-        asked = reply_rank is None or reply_rank == self.rank
-        try:
-            reply = (seq, _OK, self.wrapper.execute_method(method, *args, **kwargs))
-        except Exception as e:
-            name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))
-            error = (type(e).__name__, str(e), traceback.format_exc(), self.rank, name)
-            # A rank that was not asked to reply still reports its failure:
-            # its peers are likely stuck in a collective waiting for it.
-            reply = (seq, _ERROR if asked else _FATAL, error)
-        else:
-            if not asked:
-                return
-        try:
-            self.response.enqueue(reply)
-        except Exception as e:  # an unserialisable result
-            error = (type(e).__name__, f"could not send the reply: {e}", traceback.format_exc(), self.rank, str(method))
-            self.response.enqueue((seq, _ERROR if asked else _FATAL, error))
+        WorkerLoop(self.wrapper, self.broadcast, self.response).run()
 
 
 # ---- the driver side --------------------------------------------------------------------
-
-
-def _format_worker_error(error: tuple) -> str:
-    type_name, message, tb, rank, method = error
-    return f"worker rank {rank} raised {type_name} in {method}: {message}\n--- worker traceback (rank {rank}) ---\n{tb}"
-
-
-@dataclass
-class _PendingCall:
-    seq: int
-    method_name: str
-    ranks: list[int]
-    single: bool
-    deadline: float | None
-    future: "_ReplyFuture"
-    replies: dict[int, Any] = field(default_factory=dict)
-
-
-class _ReplyFuture(Future):
-    """A Future whose result() collects the replies itself, in call order, so a
-    blocking call costs no hand-off to a background thread."""
-
-    def __init__(self, executor: "MultiprocExecutor"):
-        super().__init__()
-        self._executor_ref = weakref.ref(executor)
-
-    def result(self, timeout: float | None = None):
-        executor = self._executor_ref()
-        if executor is not None and not self.done():
-            executor._collect_until(self)
-        return super().result(timeout)
-
-    def exception(self, timeout: float | None = None):
-        executor = self._executor_ref()
-        if executor is not None and not self.done():
-            executor._collect_until(self)
-        return super().exception(timeout)
 
 
 class _Resources:
@@ -240,13 +161,7 @@ class MultiprocExecutor(Executor):
     def _init_executor(self) -> None:
         pc = self.config.parallel_config
         self.world_size = pc.world_size
-        self._failure: str | None = None
-        self._seq = itertools.count()
-        self._send_lock = threading.Lock()
-        self._recv_lock = threading.RLock()
-        self._pending: deque[_PendingCall] = deque()
-        # Replies read from a rank's queue while waiting on another rank.
-        self._stash: list[dict[int, tuple]] = [{} for _ in range(self.world_size)]
+        self._rpc: MqRpcClient | None = None
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.shutdown)
         try:
@@ -286,6 +201,16 @@ class MultiprocExecutor(Executor):
             res.response_segments.append(handle.shm_name)
             res.responses.append(MessageQueue.create_from_handle(handle, 0))
         res.broadcast.wait_until_ready(timeout=WORKER_STARTUP_TIMEOUT_S)
+        # The failure callback must not keep the executor alive (its finalizer
+        # is what shuts the workers down when it is dropped).
+        self_ref = weakref.ref(self)
+
+        def on_failure(_reason: str) -> None:
+            executor = self_ref()
+            if executor is not None:
+                executor.is_failed = True
+
+        self._rpc = MqRpcClient(res.broadcast, res.responses, res.shutting_down, on_failure)
         res.monitor_wakeup = ctx.Pipe(duplex=False)
         res.monitor = threading.Thread(target=self._monitor_workers, name="MultiprocWorkerMonitor", daemon=True)
         res.monitor.start()
@@ -351,20 +276,19 @@ class MultiprocExecutor(Executor):
             self._mark_failed(f"worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}")
 
     def _mark_failed(self, reason: str) -> None:
-        if self._failure is None:
-            self._failure = reason
+        if self._rpc is not None:
+            self._rpc.mark_failed(reason)
+        else:
             self.is_failed = True
-            logger.error("multiproc executor failed: %s", reason)
-        # Fail every call in flight now; nobody is going to answer them.
-        for call in list(self._pending):
-            if not call.future.done():
-                call.future.set_exception(WorkerDiedError(self._failure))
+
+    @property
+    def _failure(self) -> str | None:
+        return self._rpc.failure if self._rpc is not None else None
 
     def _raise_if_failed(self) -> None:
-        if self._failure is not None:
-            raise WorkerDiedError(self._failure)
-        if self._res.shutting_down.is_set():
-            raise RuntimeError("executor is shut down")
+        if self._rpc is None:
+            raise RuntimeError("executor workers are not running")
+        self._rpc.raise_if_failed()
 
     def check_health(self) -> None:
         self._raise_if_failed()
@@ -374,7 +298,7 @@ class MultiprocExecutor(Executor):
                 raise WorkerDiedError(self._failure)
         # A live process may still be wedged: when nothing else is in flight,
         # make every rank answer.
-        if not self._pending:
+        if not self._rpc.pending:
             self.collective_rpc("check_health", timeout=60.0)
 
     # ---- calls ----------------------------------------------------------------------
@@ -388,115 +312,13 @@ class MultiprocExecutor(Executor):
         non_block: bool = False,
         unique_reply_rank: int | None = None,
     ) -> Any:
-        self._raise_if_failed()
-        if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
-            raise ValueError(f"unique_reply_rank {unique_reply_rank} is outside 0..{self.world_size - 1}")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        future = _ReplyFuture(self)
-        with self._send_lock:
-            seq = next(self._seq)
-            ranks = [unique_reply_rank] if unique_reply_rank is not None else list(range(self.world_size))
-            name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))
-            call = _PendingCall(seq, name, ranks, unique_reply_rank is not None, deadline, future)
-            # Queued before the send: a reply can never arrive for an unknown call.
-            self._pending.append(call)
-            try:
-                self._res.broadcast.enqueue((seq, method, tuple(args), kwargs or {}, unique_reply_rank), timeout=timeout)
-            except BaseException as e:
-                self._pending.remove(call)
-                if isinstance(e, TimeoutError):
-                    raise TimeoutError(f"{name}: the workers did not take the call within {timeout} s") from None
-                raise
-        if non_block:
-            return future
-        return future.result()
-
-    def _collect_until(self, target: _ReplyFuture) -> None:
-        """Consume replies, oldest call first, until `target` is resolved."""
-        with self._recv_lock:
-            while not target.done() and self._pending:
-                call = self._pending[0]
-                if not call.future.done():
-                    try:
-                        call.future.set_result(self._collect(call))
-                    except BaseException as e:
-                        if not call.future.done():
-                            call.future.set_exception(e)
-                if self._pending and self._pending[0] is call:
-                    self._pending.popleft()
-
-    def _collect(self, call: _PendingCall) -> Any:
-        for rank in call.ranks:
-            if rank in call.replies:
-                continue
-            try:
-                call.replies[rank] = self._next_reply(rank, call)
-            except TimeoutError:
-                missing = [r for r in call.ranks if r not in call.replies]
-                raise TimeoutError(f"{call.method_name}: ranks {missing} did not answer in time") from None
-        results = []
-        for rank in call.ranks:
-            _, status, payload = call.replies[rank]
-            if status != _OK:
-                raise RuntimeError(_format_worker_error(payload))
-            results.append(payload)
-        return results[0] if call.single else results
-
-    def _next_reply(self, rank: int, call: _PendingCall) -> tuple:
-        queue = self._res.responses[rank]
-        stash = self._stash[rank]
-        while True:
-            if call.seq in stash:
-                return stash.pop(call.seq)
-            if call.future.done():  # failed by the monitor
-                call.future.result()
-            self._raise_if_failed()
-            wait = _REPLY_POLL_S
-            if call.deadline is not None:
-                wait = min(wait, call.deadline - time.monotonic())
-                if wait <= 0:
-                    raise TimeoutError
-            try:
-                reply = queue.dequeue(timeout=wait)
-            except TimeoutError:
-                self._poll_other_ranks(rank)
-                continue
-            except QueueClosedError:
-                self._raise_if_failed()
-                raise
-            self._file_reply(rank, reply, call.seq)
-
-    def _file_reply(self, rank: int, reply: tuple, current_seq: int) -> None:
-        seq, status, payload = reply
-        if status == _FATAL:
-            self._mark_failed(_format_worker_error(payload))
-            raise WorkerDiedError(self._failure)
-        if seq >= current_seq:
-            self._stash[rank][seq] = reply
-        # else: a late reply to a call that already timed out; drop it.
-
-    def _poll_other_ranks(self, waiting_rank: int) -> None:
-        # A rank that was not asked to reply reports only failures; find them
-        # while we wait, or a step whose peer crashed would hang forever.
-        for rank, queue in enumerate(self._res.responses):
-            if rank == waiting_rank:
-                continue
-            while True:
-                try:
-                    reply = queue.dequeue(timeout=0)
-                except TimeoutError:
-                    break
-                current = self._pending[0].seq if self._pending else 0
-                self._file_reply(rank, reply, current)
+        if self._rpc is None:
+            raise RuntimeError("executor workers are not running")
+        return self._rpc.call(method, timeout, args, kwargs, non_block, unique_reply_rank)
 
     # ---- shutdown -------------------------------------------------------------------
 
     def shutdown(self) -> None:
         self._finalizer()
-        self._raise_pending_as_shut_down()
-
-    def _raise_pending_as_shut_down(self) -> None:
-        for call in list(self._pending):
-            if not call.future.done():
-                call.future.set_exception(RuntimeError("executor is shut down"))
-        self._pending.clear()
+        if self._rpc is not None:
+            self._rpc.cancel_pending()

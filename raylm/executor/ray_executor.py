@@ -1,10 +1,18 @@
 """RayDistributedExecutor: one Ray actor per rank, placed by a placement group,
-with the per-step forward on a Ray Compiled Graph.
+with the per-step forward on a Ray Compiled Graph or on message queues.
 
 Ray is the control plane here (placement, environment, liveness); the step
-itself travels on the compiled graph: InputNode -> every TP rank of PP stage 0
--> (tensor channel: shared memory on CPU, NCCL on GPU) -> ... -> last stage,
-which samples. TP collectives run on torch.distributed inside the actors.
+itself travels on `parallel_config.ray_step_transport`:
+
+- `cgraph`: InputNode -> every TP rank of PP stage 0 -> (tensor channel: shared
+  memory on CPU, NCCL on GPU) -> ... -> last stage, which samples.
+- `mq`: every call (steps and collective_rpc alike) is broadcast on a
+  MessageQueue (shared memory on the driver's node, ZMQ to other nodes) to a
+  loop thread in each actor, which replies on its own response queue: the same
+  code as the multiprocess executor (raylm.executor.mq_rpc). PP tensors move
+  on torch.distributed.
+
+TP collectives run on torch.distributed inside the actors either way.
 """
 
 from __future__ import annotations
@@ -23,8 +31,10 @@ os.environ.setdefault("RAY_CGRAPH_get_timeout", "600")
 os.environ.setdefault("RAY_CGRAPH_submit_timeout", "120")
 os.environ.setdefault("RAY_CGRAPH_teardown_timeout", "10")
 
+from raylm.distributed.shm_broadcast import MessageQueue, unlink_segment  # noqa: E402
 from raylm.executor.abstract import Executor  # noqa: E402
 from raylm.executor import ray_utils  # noqa: E402
+from raylm.executor.mq_rpc import MqRpcClient, WorkerDiedError  # noqa: E402
 from raylm.messages import GrammarOutput, SchedulerOutput  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -32,10 +42,36 @@ logger = logging.getLogger(__name__)
 # How long shutdown waits for the compiled graph to tear down before giving up
 # on it (the actors are already killed by then; see shutdown()).
 _TEARDOWN_DEADLINE_S = 15.0
+# `mq` transport: how long set-up waits for the actors' queues, and how long
+# shutdown lets the actors' loops close their queues before killing them.
+_MQ_SETUP_TIMEOUT_S = 120.0
+_MQ_LOOP_EXIT_TIMEOUT_S = 5.0
+
+__all__ = ["RayDistributedExecutor", "WorkerDiedError"]
 
 
-class WorkerDiedError(RuntimeError):
-    """A worker actor died; the executor is unusable."""
+class _MqResources:
+    """What the `mq` transport must release at shutdown; apart from the
+    executor so that its weakref.finalize can hold it."""
+
+    def __init__(self) -> None:
+        self.broadcast: MessageQueue | None = None
+        self.responses: list[MessageQueue] = []
+        self.response_segments: list[str] = []
+        self.shutting_down = threading.Event()
+
+    def close_broadcast(self) -> None:
+        self.shutting_down.set()
+        if self.broadcast is not None:
+            self.broadcast.close()  # every actor's loop sees it and closes its own queues
+
+    def release(self) -> None:
+        for queue in self.responses:
+            queue.close()
+        # An actor that was killed could not unlink its response segment; it
+        # is in that actor's resource tracker, not ours, hence no unregister.
+        for name in self.response_segments:
+            unlink_segment(name, unregister=False)
 
 
 class _RefFuture(Future):
@@ -67,6 +103,8 @@ class RayDistributedExecutor(Executor):
         self._shutdown_called = False
         self._failure: str | None = None
         self.compiled_graph = None
+        self._rpc: MqRpcClient | None = None
+        self._mq = _MqResources() if self.config.parallel_config.ray_step_transport == "mq" else None
         self._pending_output: SchedulerOutput | None = None
         self.workers: list = []
         self._created_pg = None
@@ -88,7 +126,7 @@ class RayDistributedExecutor(Executor):
             cfg.num_threads = cpus_per_worker
 
         # From here on, failures must not leak actors or the placement group.
-        self._finalizer = weakref.finalize(self, RayDistributedExecutor._cleanup, [], [self._created_pg])
+        self._finalizer = weakref.finalize(self, RayDistributedExecutor._cleanup, [], [self._created_pg], None, self._mq)
         actor_cls = ray.remote(ray_utils.RayWorkerWrapper)
         env = ray_utils.worker_env_vars(device)
         try:
@@ -109,9 +147,11 @@ class RayDistributedExecutor(Executor):
                 self.workers.append(actor)
                 self._finalizer.detach()
                 self._finalizer = weakref.finalize(
-                    self, RayDistributedExecutor._cleanup, list(self.workers), [self._created_pg]
+                    self, RayDistributedExecutor._cleanup, list(self.workers), [self._created_pg], None, self._mq
                 )
             self._assign_ranks()
+            if self._mq is not None:
+                self._start_mq()
             self._start_monitor()
             self.collective_rpc("init_device")
             self.collective_rpc("load_model")
@@ -162,6 +202,60 @@ class RayDistributedExecutor(Executor):
             calls.append(worker.set_output_rank.remote(rank == self._output_rank))
         ray.get(calls)
 
+    def _driver_node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def _start_mq(self) -> None:
+        """The `mq` transport: a broadcast queue read over shared memory by the
+        ranks on the driver's node and over ZMQ by the others; one response
+        queue per rank, created by its actor."""
+        import ray
+
+        driver_node = self._driver_node_id()
+        local_ranks = [rank for rank, node in enumerate(self.node_ids) if node == driver_node]
+        num_remote = len(self.workers) - len(local_ranks)
+        host_ip = ray.util.get_node_ip_address() if num_remote else "127.0.0.1"
+        mq = self._mq
+        mq.broadcast = MessageQueue(
+            num_local_readers=len(local_ranks), num_remote_readers=num_remote,
+            host_ip=host_ip, local_reader_ranks=local_ranks,
+        )
+        handle = mq.broadcast.export_handle()
+        refs = [
+            worker.init_mq.remote(handle, rank not in local_ranks, os.getpid() if rank in local_ranks else None)
+            for rank, worker in enumerate(self.workers)
+        ]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_MQ_SETUP_TIMEOUT_S)
+        if len(ready) < len(refs):
+            missing = [rank for rank, ref in enumerate(refs) if ref not in ready]
+            raise TimeoutError(f"ranks {missing} did not set up their message queues within {_MQ_SETUP_TIMEOUT_S} s")
+        for response_handle in ray.get(refs):
+            if response_handle.shm_name:
+                mq.response_segments.append(response_handle.shm_name)
+            mq.responses.append(MessageQueue.create_from_handle(response_handle, 0))
+        mq.broadcast.wait_until_ready(timeout=_MQ_SETUP_TIMEOUT_S)
+        ray.get([worker.start_mq_loop.remote() for worker in self.workers])
+        self_ref = weakref.ref(self)
+
+        def on_failure(_reason: str) -> None:
+            executor = self_ref()
+            if executor is not None:
+                executor.is_failed = True
+
+        self._rpc = MqRpcClient(mq.broadcast, mq.responses, mq.shutting_down, on_failure)
+        logger.info("mq step transport: ranks %s read shared memory, %d over ZMQ at %s", local_ranks, num_remote, host_ip)
+
+    @property
+    def shm_segment_names(self) -> list[str]:
+        """The /dev/shm segments of the `mq` transport's queues (empty for cgraph)."""
+        if self._mq is None:
+            return []
+        broadcast = self._mq.broadcast
+        names = [broadcast.shm_name] if broadcast is not None and broadcast.shm_name else []
+        return names + list(self._mq.response_segments)
+
     def _start_monitor(self) -> None:
         self._liveness_refs = [w.wait_until_dead.remote() for w in self.workers]
         self._monitor = threading.Thread(target=self._monitor_loop, name="raylm-ray-worker-monitor", daemon=True)
@@ -185,6 +279,8 @@ class RayDistributedExecutor(Executor):
                 f"worker rank {rank} on node {self.node_ips[rank]} ({self.node_ids[rank][:12]}) died: {reason}"
             )
             logger.error("%s", self._failure)
+            if self._rpc is not None:
+                self._rpc.mark_failed(self._failure)  # fails the calls in flight now
             return
 
     # ---- the contract ------------------------------------------------------------
@@ -192,6 +288,8 @@ class RayDistributedExecutor(Executor):
     def _raise_if_unusable(self) -> None:
         if self._failure is not None:
             raise WorkerDiedError(self._failure)
+        if self._rpc is not None and self._rpc.failure is not None:
+            raise WorkerDiedError(self._rpc.failure)
         if self._shutdown_called:
             raise RuntimeError("executor is shut down")
 
@@ -202,6 +300,8 @@ class RayDistributedExecutor(Executor):
         import ray
 
         self._raise_if_unusable()
+        if self._rpc is not None:
+            return self._rpc.call(method, timeout, args, kwargs, non_block, unique_reply_rank)
         kwargs = kwargs or {}
         targets = list(range(len(self.workers)))
         refs = [self.workers[r].execute_method.remote(method, *args, **kwargs) for r in targets]
@@ -232,6 +332,8 @@ class RayDistributedExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False):
         """Phase one: remember the step; the graph runs when sample_tokens
         supplies the grammar output, so one graph execution is one step."""
+        if self._rpc is not None:
+            return super().execute_model(scheduler_output, non_block)
         self._raise_if_unusable()
         if self._pending_output is not None:
             raise RuntimeError("execute_model called twice without sample_tokens in between")
@@ -245,6 +347,8 @@ class RayDistributedExecutor(Executor):
     def sample_tokens(self, grammar_output: GrammarOutput | None, non_block: bool = False):
         import ray
 
+        if self._rpc is not None:
+            return super().sample_tokens(grammar_output, non_block)
         self._raise_if_unusable()
         if self._pending_output is None:
             raise RuntimeError("sample_tokens called without a preceding execute_model")
@@ -296,18 +400,29 @@ class RayDistributedExecutor(Executor):
         graph, self.compiled_graph = self.compiled_graph, None
         if self._finalizer is not None:
             self._finalizer.detach()
-        RayDistributedExecutor._cleanup(self.workers, [self._created_pg], graph)
+        RayDistributedExecutor._cleanup(self.workers, [self._created_pg], graph, self._mq)
+        if self._rpc is not None:
+            self._rpc.cancel_pending()
 
     @staticmethod
-    def _cleanup(workers: list, placement_groups: list, graph=None) -> None:
+    def _cleanup(workers: list, placement_groups: list, graph=None, mq: _MqResources | None = None) -> None:
         """Kill the actors first, then tear the graph down under a deadline: a
         graph whose edge carries a tensor may never finish tearing down while
-        its readers still spin, but with the actors gone it returns quickly."""
+        its readers still spin, but with the actors gone it returns quickly.
+
+        With the `mq` transport, closing the broadcast queue first lets each
+        actor's loop shut its worker down and unlink its own segment."""
         try:
             import ray
         except ImportError:
-            return
-        if not ray.is_initialized():
+            ray = None
+        if mq is not None:
+            mq.close_broadcast()
+            if ray is not None and ray.is_initialized() and workers:
+                _wait_for_mq_loops(workers)
+        if ray is None or not ray.is_initialized():
+            if mq is not None:
+                mq.release()
             return
         for worker in workers:
             try:
@@ -326,6 +441,22 @@ class RayDistributedExecutor(Executor):
                     remove_placement_group(pg)
                 except Exception:
                     pass
+        if mq is not None:
+            mq.release()
+
+
+def _wait_for_mq_loops(workers: list) -> None:
+    import ray
+
+    refs = [worker.wait_mq_loop_exit.remote(_MQ_LOOP_EXIT_TIMEOUT_S) for worker in workers]
+    try:
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_MQ_LOOP_EXIT_TIMEOUT_S + 1.0)
+    except Exception as e:  # a dead actor: it gets killed next anyway
+        logger.debug("waiting for the message-queue loops: %s", e)
+        return
+    if len(ready) < len(refs):
+        logger.warning("%d worker loop(s) did not stop within %.0f s; killing them", len(refs) - len(ready), _MQ_LOOP_EXIT_TIMEOUT_S)
+
 
 
 def _teardown_quietly(graph) -> None:

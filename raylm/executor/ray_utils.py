@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
 from raylm.config import ParallelConfig
+from raylm.distributed.shm_broadcast import MessageQueue, MessageQueueHandle, unlink_segment
+from raylm.executor.mq_rpc import WorkerLoop
 from raylm.worker.worker import WorkerWrapper
 
 logger = logging.getLogger(__name__)
 
 MIN_RAY_VERSION = (2, 40)
+# How often an actor on the driver's node checks that the driver still lives
+# (the `mq` transport: it then removes the driver's broadcast segment).
+_DRIVER_WATCH_INTERVAL_S = 1.0
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
 # Driver environment variables that workers inherit besides RAYLM_*; the
 # per-worker ones (device visibility, ranks, addresses) are never copied.
@@ -135,10 +141,13 @@ def get_placement_group(parallel_config: ParallelConfig, bundle: dict, world_siz
 
 class RayWorkerWrapper(WorkerWrapper):
     """The actor of one rank: a WorkerWrapper plus what only Ray can tell
-    (node identity, GPU ids) and the entry point of the compiled graph."""
+    (node identity, GPU ids), the entry point of the compiled graph, and the
+    message-queue loop of the `mq` step transport."""
 
     # The one rank whose compiled-graph output the executor reads.
     is_output_rank = False
+    _mq_loop: WorkerLoop | None = None
+    _mq_thread: threading.Thread | None = None
 
     def set_output_rank(self, is_output_rank: bool) -> None:
         self.is_output_rank = is_output_rank
@@ -161,6 +170,65 @@ class RayWorkerWrapper(WorkerWrapper):
         # ref resolves (with an error) exactly when the actor dies.
         while True:
             time.sleep(3600)
+
+    # ---- the `mq` step transport --------------------------------------------------
+
+    def init_mq(self, broadcast_handle: MessageQueueHandle, response_over_zmq: bool, driver_pid: int | None) -> MessageQueueHandle:
+        """Attach to the driver's broadcast queue as this rank and create this
+        rank's response queue; returns the response queue's handle.
+
+        An actor on another node than the driver answers over ZMQ, bound to
+        its own node's Ray IP, with the driver as the one remote reader.
+        """
+        import ray
+
+        broadcast = MessageQueue.create_from_handle(broadcast_handle, self.rank)
+        if response_over_zmq:
+            response = MessageQueue(num_local_readers=0, num_remote_readers=1, host_ip=ray.util.get_node_ip_address())
+        else:
+            response = MessageQueue(num_local_readers=1)
+        self._mq_loop = WorkerLoop(self, broadcast, response)
+        if driver_pid is not None and broadcast_handle.shm_name:
+            threading.Thread(
+                target=self._watch_driver, args=(driver_pid, broadcast_handle.shm_name),
+                name="raylm-driver-watch", daemon=True,
+            ).start()
+        return response.export_handle()
+
+    def start_mq_loop(self) -> None:
+        """Run the dequeue-run-reply loop on a thread of its own and return at
+        once, so the actor's concurrency slots stay free (liveness, shutdown)."""
+        if self._mq_loop is None:
+            raise RuntimeError("init_mq must come before start_mq_loop")
+        self._mq_thread = threading.Thread(target=self._run_mq_loop, name=f"raylm-mq-loop-{self.rank}", daemon=True)
+        self._mq_thread.start()
+
+    def _run_mq_loop(self) -> None:
+        try:
+            self._mq_loop.run()  # returns when the driver closes the broadcast queue
+        except Exception:
+            logger.exception("rank %d: the message-queue loop failed", self.rank)
+
+    def wait_mq_loop_exit(self, timeout: float) -> bool:
+        """True once the loop thread has finished (its queues are closed)."""
+        if self._mq_thread is None:
+            return True
+        self._mq_thread.join(timeout)
+        return not self._mq_thread.is_alive()
+
+    def _watch_driver(self, driver_pid: int, broadcast_segment: str) -> None:
+        import psutil
+
+        while self._mq_thread is None or self._mq_thread.is_alive():
+            time.sleep(_DRIVER_WATCH_INTERVAL_S)
+            if not psutil.pid_exists(driver_pid):
+                # The driver died without closing its queue. Its segment is in
+                # the driver's resource tracker, not ours: unlink, do not unregister.
+                logger.error("rank %d: the driver (pid %d) is gone; leaving", self.rank, driver_pid)
+                unlink_segment(broadcast_segment, unregister=False)
+                if self._mq_loop is not None:
+                    self._mq_loop.response.close()
+                os._exit(1)
 
     def execute_model_graph(self, step_input: tuple):
         """One compiled-graph hop: (scheduler_output, grammar_output[, intermediate])."""

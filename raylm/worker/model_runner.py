@@ -49,6 +49,9 @@ class ModelRunner:
         mc = self.config.model_config
         self.model = load_model(mc.model, mc.dtype, self.device)
         self.model.eval()
+        for module in self.model.modules():
+            if hasattr(module, "pack_weights"):
+                module.pack_weights()
 
     def attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]

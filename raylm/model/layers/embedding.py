@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raylm.distributed.parallel_state import get_tp_group
+from raylm.model.layers import cpu_gemm
 from raylm.model.layers.linear import WeightSource, copy_checked, read_narrow, weight_shape
 
 # Shards are kept a multiple of 64 rows so every rank's matmul has a friendly shape.
@@ -58,8 +59,14 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, sharded by vocab rows like the embedding so the two
     can share one weight when the checkpoint ties them."""
 
+    packed_weight: torch.Tensor | None = None
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise TypeError("ParallelLMHead is applied through LogitsProcessor, not called directly")
+
+    def pack_weights(self) -> None:
+        # A separate packed copy: a tied weight must stay plain for the embedding.
+        self.packed_weight = cpu_gemm.pack_weight(self.weight.data)
 
 
 class LogitsProcessor(nn.Module):
@@ -70,6 +77,6 @@ class LogitsProcessor(nn.Module):
         self.vocab_size = vocab_size
 
     def forward(self, lm_head: ParallelLMHead, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, lm_head.weight)
+        logits = cpu_gemm.linear(hidden_states, lm_head.weight, None, lm_head.packed_weight)
         logits = get_tp_group().all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size].float()

@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from raylm.distributed.parallel_state import get_tp_group
+from raylm.model.layers import cpu_gemm
 
 # A torch.Tensor or a safetensors PySafeSlice: both support get-shape and [a:b] indexing.
 WeightSource = Any
@@ -67,9 +67,17 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        # Set by pack_weights() after loading (CPU bf16 only).
+        self.packed_weight: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: WeightSource, shard_id: Any = None) -> None:
         raise TypeError(f"{type(self).__name__} has no weight loader")
+
+    def pack_weights(self) -> None:
+        self.packed_weight = cpu_gemm.pack_weight(self.weight.data)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return cpu_gemm.linear(x, self.weight, bias, self.packed_weight)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -86,7 +94,7 @@ class ColumnParallelLinear(LinearBase):
         copy_checked(param.data, read_narrow(loaded_weight, 0, self.tp_rank * size, size), "column-parallel shard")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.bias)
         return get_tp_group().all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -157,6 +165,6 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = get_tp_group().all_reduce(F.linear(x, self.weight))
+            return self.matmul(x, self.bias)
+        y = get_tp_group().all_reduce(self.matmul(x, None))
         return y + self.bias if self.bias is not None else y

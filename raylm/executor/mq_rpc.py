@@ -1,0 +1,305 @@
+"""Calls over MessageQueues, shared by the multiprocess executor and the Ray
+executor's `mq` transport: the worker-side dequeue-run-reply loop and the
+driver-side client (call FIFO, reply collection, timeouts, error formatting).
+
+The driver broadcasts `(seq, method, args, kwargs, reply_rank)` to every rank;
+each rank replies `(seq, status, payload)` on its own response queue. Replies
+are consumed in call order, so several calls may be in flight (`non_block`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import traceback
+import weakref
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from raylm.distributed.shm_broadcast import MessageQueue, QueueClosedError
+
+logger = logging.getLogger(__name__)
+
+# How often a driver waiting on one rank looks at the other ranks' queues and
+# at the liveness verdict: bounds how late a death or a fatal error is seen.
+REPLY_POLL_S = 0.05
+
+OK, ERROR, FATAL = "ok", "error", "fatal"
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker died or failed outside a call that could report it; the
+    executor is unusable (the engine turns this into EngineDeadError)."""
+
+
+def method_name(method: str | Callable) -> str:
+    return method if isinstance(method, str) else getattr(method, "__name__", repr(method))
+
+
+def format_worker_error(error: tuple) -> str:
+    type_name, message, tb, rank, method = error
+    return f"worker rank {rank} raised {type_name} in {method}: {message}\n--- worker traceback (rank {rank}) ---\n{tb}"
+
+
+# ---- the worker side ----------------------------------------------------------------
+
+
+class WorkerLoop:
+    """Dequeue a call, run it on the worker wrapper, reply; until the queue closes.
+
+    `wrapper` is a WorkerWrapper (it has `rank`, `worker` and `execute_method`);
+    the loop owns both queues and closes them, and shuts the worker down, on exit.
+    """
+
+    def __init__(self, wrapper: Any, broadcast: MessageQueue, response: MessageQueue):
+        self.wrapper = wrapper
+        self.broadcast = broadcast
+        self.response = response
+
+    @property
+    def rank(self) -> int:
+        return self.wrapper.rank
+
+    def run(self) -> None:
+        try:
+            while True:
+                try:
+                    seq, method, args, kwargs, reply_rank = self.broadcast.dequeue()
+                except QueueClosedError:
+                    return  # the executor is shutting down
+                self.run_one(seq, method, args, kwargs, reply_rank)
+        finally:
+            if self.wrapper.worker is not None:
+                try:
+                    self.wrapper.worker.shutdown()
+                except Exception:
+                    logger.exception("rank %d: worker shutdown failed", self.rank)
+            self.response.close()
+            self.broadcast.close()
+
+    def run_one(self, seq: int, method: str | Callable, args: tuple, kwargs: dict, reply_rank: int | None) -> None:
+        asked = reply_rank is None or reply_rank == self.rank
+        try:
+            reply = (seq, OK, self.wrapper.execute_method(method, *args, **kwargs))
+        except Exception as e:
+            error = (type(e).__name__, str(e), traceback.format_exc(), self.rank, method_name(method))
+            # A rank that was not asked to reply still reports its failure:
+            # its peers are likely stuck in a collective waiting for it.
+            reply = (seq, ERROR if asked else FATAL, error)
+        else:
+            if not asked:
+                return
+        try:
+            self.response.enqueue(reply)
+        except QueueClosedError:
+            raise
+        except Exception as e:  # an unserialisable result
+            error = (type(e).__name__, f"could not send the reply: {e}", traceback.format_exc(), self.rank, method_name(method))
+            self.response.enqueue((seq, ERROR if asked else FATAL, error))
+
+
+# ---- the driver side ----------------------------------------------------------------
+
+
+@dataclass
+class _PendingCall:
+    seq: int
+    method_name: str
+    ranks: list[int]
+    single: bool
+    deadline: float | None
+    future: "ReplyFuture"
+    replies: dict[int, Any] = field(default_factory=dict)
+
+
+class ReplyFuture(Future):
+    """A Future whose result() collects the replies itself, in call order, so a
+    blocking call costs no hand-off to a background thread."""
+
+    def __init__(self, client: "MqRpcClient"):
+        super().__init__()
+        self._client_ref = weakref.ref(client)
+
+    def result(self, timeout: float | None = None):
+        client = self._client_ref()
+        if client is not None and not self.done():
+            client.collect_until(self)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None):
+        client = self._client_ref()
+        if client is not None and not self.done():
+            client.collect_until(self)
+        return super().exception(timeout)
+
+
+class MqRpcClient:
+    """The driver end: broadcasts calls and collects the replies of `world_size`
+    ranks from their response queues.
+
+    Liveness stays with the executor (process sentinels, Ray refs): it calls
+    `mark_failed`, which fails every call in flight. `shutting_down` is the
+    executor's; once set, new calls are refused.
+    """
+
+    def __init__(
+        self,
+        broadcast: MessageQueue,
+        responses: list[MessageQueue],
+        shutting_down: threading.Event,
+        on_failure: Callable[[str], None] | None = None,
+    ):
+        self.broadcast = broadcast
+        self.responses = responses
+        self.world_size = len(responses)
+        self.shutting_down = shutting_down
+        self.failure: str | None = None
+        self._on_failure = on_failure
+        self._seq = itertools.count()
+        self._send_lock = threading.Lock()
+        self._recv_lock = threading.RLock()
+        self.pending: deque[_PendingCall] = deque()
+        # Replies read from a rank's queue while waiting on another rank.
+        self._stash: list[dict[int, tuple]] = [{} for _ in range(self.world_size)]
+
+    # ---- state --------------------------------------------------------------------
+
+    def mark_failed(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+            logger.error("executor failed: %s", reason)
+            if self._on_failure is not None:
+                self._on_failure(reason)
+        # Fail every call in flight now; nobody is going to answer them.
+        for call in list(self.pending):
+            if not call.future.done():
+                call.future.set_exception(WorkerDiedError(self.failure))
+
+    def raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise WorkerDiedError(self.failure)
+        if self.shutting_down.is_set():
+            raise RuntimeError("executor is shut down")
+
+    def cancel_pending(self) -> None:
+        """At shutdown: every unanswered call fails."""
+        for call in list(self.pending):
+            if not call.future.done():
+                call.future.set_exception(RuntimeError("executor is shut down"))
+        self.pending.clear()
+
+    # ---- calls --------------------------------------------------------------------
+
+    def call(
+        self,
+        method: str | Callable,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
+        self.raise_if_failed()
+        if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
+            raise ValueError(f"unique_reply_rank {unique_reply_rank} is outside 0..{self.world_size - 1}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        future = ReplyFuture(self)
+        name = method_name(method)
+        with self._send_lock:
+            seq = next(self._seq)
+            ranks = [unique_reply_rank] if unique_reply_rank is not None else list(range(self.world_size))
+            call = _PendingCall(seq, name, ranks, unique_reply_rank is not None, deadline, future)
+            # Queued before the send: a reply can never arrive for an unknown call.
+            self.pending.append(call)
+            try:
+                self.broadcast.enqueue((seq, method, tuple(args), kwargs or {}, unique_reply_rank), timeout=timeout)
+            except BaseException as e:
+                self.pending.remove(call)
+                if isinstance(e, TimeoutError):
+                    raise TimeoutError(f"{name}: the workers did not take the call within {timeout} s") from None
+                raise
+        if non_block:
+            return future
+        return future.result()
+
+    def collect_until(self, target: ReplyFuture) -> None:
+        """Consume replies, oldest call first, until `target` is resolved."""
+        with self._recv_lock:
+            while not target.done() and self.pending:
+                call = self.pending[0]
+                if not call.future.done():
+                    try:
+                        call.future.set_result(self._collect(call))
+                    except BaseException as e:
+                        if not call.future.done():
+                            call.future.set_exception(e)
+                if self.pending and self.pending[0] is call:
+                    self.pending.popleft()
+
+    def _collect(self, call: _PendingCall) -> Any:
+        for rank in call.ranks:
+            if rank in call.replies:
+                continue
+            try:
+                call.replies[rank] = self._next_reply(rank, call)
+            except TimeoutError:
+                missing = [r for r in call.ranks if r not in call.replies]
+                raise TimeoutError(f"{call.method_name}: ranks {missing} did not answer in time") from None
+        results = []
+        for rank in call.ranks:
+            _, status, payload = call.replies[rank]
+            if status != OK:
+                raise RuntimeError(format_worker_error(payload))
+            results.append(payload)
+        return results[0] if call.single else results
+
+    def _next_reply(self, rank: int, call: _PendingCall) -> tuple:
+        queue = self.responses[rank]
+        stash = self._stash[rank]
+        while True:
+            if call.seq in stash:
+                return stash.pop(call.seq)
+            if call.future.done():  # failed by the liveness monitor
+                call.future.result()
+            self.raise_if_failed()
+            wait = REPLY_POLL_S
+            if call.deadline is not None:
+                wait = min(wait, call.deadline - time.monotonic())
+                if wait <= 0:
+                    raise TimeoutError
+            try:
+                reply = queue.dequeue(timeout=wait)
+            except TimeoutError:
+                self._poll_other_ranks(rank)
+                continue
+            except QueueClosedError:
+                self.raise_if_failed()
+                raise
+            self._file_reply(rank, reply, call.seq)
+
+    def _file_reply(self, rank: int, reply: tuple, current_seq: int) -> None:
+        seq, status, payload = reply
+        if status == FATAL:
+            self.mark_failed(format_worker_error(payload))
+            raise WorkerDiedError(self.failure)
+        if seq >= current_seq:
+            self._stash[rank][seq] = reply
+        # else: a late reply to a call that already timed out; drop it.
+
+    def _poll_other_ranks(self, waiting_rank: int) -> None:
+        # A rank that was not asked to reply reports only failures; find them
+        # while we wait, or a step whose peer crashed would hang forever.
+        for rank, queue in enumerate(self.responses):
+            if rank == waiting_rank:
+                continue
+            while True:
+                try:
+                    reply = queue.dequeue(timeout=0)
+                except TimeoutError:
+                    break
+                current = self.pending[0].seq if self.pending else 0
+                self._file_reply(rank, reply, current)

@@ -1,0 +1,179 @@
+"""The Ray executor's `mq` step transport: HF-equal outputs for TP, PP and both
+(over shared memory, and over ZMQ as for ranks on other nodes), the
+collective_rpc contract, liveness, and a shutdown that leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import ray.cloudpickle
+
+from raylm import LLM, SamplingParams
+from raylm.distributed.shm_broadcast import SEGMENT_PREFIX
+from raylm.executor.ray_executor import RayDistributedExecutor
+from raylm.testing.hf_oracle import hf_greedy
+from tests.conftest import our_live_ray_state
+
+# The callables below travel to the actors by value: the workers cannot import
+# this test module by name.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 100)), [3]]
+
+
+def _mq_llm(model, tp=1, pp=1) -> LLM:
+    return LLM(model, dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+               distributed_executor_backend="ray", ray_step_transport="mq", num_threads=1,
+               kv_cache_memory_bytes=32 << 20)
+
+
+def _executor(llm: LLM) -> RayDistributedExecutor:
+    core = llm.llm_engine.engine_core
+    executor = getattr(core, "engine_core", core).executor  # through the in-process core client
+    assert isinstance(executor, RayDistributedExecutor) and executor._rpc is not None
+    return executor
+
+
+def _left_in_dev_shm(names) -> set[str]:
+    return set(names) & set(os.listdir("/dev/shm"))
+
+
+def _assert_nothing_left(ex: RayDistributedExecutor, segments: list[str]) -> None:
+    live_actors, live_pgs = our_live_ray_state()
+    assert not {w._actor_id.hex() for w in ex.workers} & {a["ActorID"] for a in live_actors}
+    assert ex._created_pg.id.hex() not in {g["placement_group_id"] for g in live_pgs}
+    assert segments and all(name.startswith(SEGMENT_PREFIX) for name in segments)
+    assert not _left_in_dev_shm(segments)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir("llama", num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return [r.token_ids for r in hf_greedy(model, PROMPTS, GREEDY.max_tokens)]
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (2, 2)])
+def test_layouts_match_hf(ray_session, model, reference, tp, pp):
+    llm = _mq_llm(model, tp, pp)
+    ex = _executor(llm)
+    segments = ex.shm_segment_names
+    # One broadcast segment plus one response segment per rank, all local.
+    assert len(_left_in_dev_shm(segments)) == tp * pp + 1
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    _assert_nothing_left(ex, segments)
+
+
+def test_ranks_on_other_nodes_use_zmq(ray_session, model, reference, monkeypatch):
+    # Pretend the driver is on a node of its own: every rank becomes a remote
+    # reader of the broadcast and answers on a ZMQ response queue.
+    monkeypatch.setattr(RayDistributedExecutor, "_driver_node_id", lambda self: "a-node-with-no-workers")
+    llm = _mq_llm(model, tp=2)
+    ex = _executor(llm)
+    try:
+        assert ex.shm_segment_names == []
+        assert ex._mq.broadcast.export_handle().remote_address is not None
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert our_live_ray_state() == ([], [])
+
+
+@pytest.fixture(scope="module")
+def tp2(model):
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    llm = _mq_llm(model, tp=2)
+    ex = _executor(llm)
+    segments = ex.shm_segment_names
+    yield llm
+    llm.shutdown()
+    _assert_nothing_left(ex, segments)
+
+
+def _rank_times(worker, factor, offset=0):
+    return worker.rank * factor + offset
+
+
+def _sleep(worker, seconds):
+    time.sleep(seconds)
+    return worker.rank
+
+
+def _sleep_on_rank_1(worker, seconds):
+    time.sleep(seconds if worker.rank == 1 else 0)
+    return worker.rank
+
+
+def _fail_on_rank_1(worker):
+    if worker.rank == 1:
+        raise ValueError("rank one says no")
+    return "fine"
+
+
+def test_collective_rpc_by_name_and_callable(tp2):
+    ex = _executor(tp2)
+    pids = ex.collective_rpc("check_health")
+    assert len(pids) == 2 and len(set(pids)) == 2 and os.getpid() not in pids
+    assert ex.collective_rpc(_rank_times, args=(10,), kwargs={"offset": 1}) == [1, 11]
+    assert ex.collective_rpc(_rank_times, args=(10,), unique_reply_rank=1) == 10
+    first = ex.collective_rpc(_sleep, args=(0.2,), non_block=True)
+    second = ex.collective_rpc("check_health", non_block=True, unique_reply_rank=0)
+    assert second.result(timeout=30) == pids[0]
+    assert first.done() and first.result() == [0, 1]
+
+
+def test_timeout_names_the_silent_rank_and_the_executor_recovers(tp2):
+    ex = _executor(tp2)
+    with pytest.raises(TimeoutError, match=r"ranks \[1\]"):
+        ex.collective_rpc(_sleep_on_rank_1, timeout=0.3, args=(1.5,))
+    # The late reply to the timed-out call is discarded, not taken for this one.
+    assert ex.collective_rpc(_rank_times, args=(1,), timeout=30) == [0, 1]
+
+
+def test_exception_carries_rank_and_traceback(tp2):
+    ex = _executor(tp2)
+    with pytest.raises(RuntimeError, match="rank 1") as err:
+        ex.collective_rpc(_fail_on_rank_1)
+    assert "in _fail_on_rank_1" in str(err.value) and "ValueError: rank one says no" in str(err.value)
+    assert len(tp2.generate("still alive", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 16
+
+
+def test_killed_worker_is_noticed_and_everything_is_cleaned_up(ray_session, model):
+    import ray
+
+    llm = _mq_llm(model, tp=2)
+    ex = _executor(llm)
+    segments = ex.shm_segment_names
+    try:
+        assert llm.generate("warm up", GREEDY, use_tqdm=False)
+        ray.kill(ex.workers[1])
+        start = time.monotonic()
+        while True:
+            try:
+                ex.check_health()
+            except RuntimeError as e:
+                assert "rank 1" in str(e)
+                break
+            assert time.monotonic() - start < 5, "a dead worker went unnoticed for 5 s"
+            time.sleep(0.05)
+        with pytest.raises(RuntimeError, match="died"):
+            llm.generate("after the death", GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    llm.shutdown()  # idempotent
+    _assert_nothing_left(ex, segments)
