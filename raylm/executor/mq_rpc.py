@@ -71,6 +71,13 @@ class WorkerLoop:
                     seq, method, args, kwargs, reply_rank = self.broadcast.dequeue()
                 except QueueClosedError:
                     return  # the executor is shutting down
+                except Exception as e:
+                    # A call this rank cannot read (say, a callable from a module
+                    # it cannot import): it misses the call and its peers may
+                    # wait for it in a collective, so the failure is fatal.
+                    error = (type(e).__name__, f"could not read a call: {e}", traceback.format_exc(), self.rank, "?")
+                    self.response.enqueue((-1, FATAL, error))
+                    continue
                 self.run_one(seq, method, args, kwargs, reply_rank)
         finally:
             if self.wrapper.worker is not None:
@@ -278,7 +285,9 @@ class MqRpcClient:
                 continue
             except QueueClosedError:
                 self.raise_if_failed()
-                raise
+                # Only the worker's own loop closes its response queue.
+                self.mark_failed(f"worker rank {rank} stopped answering: its response queue was closed")
+                raise WorkerDiedError(self.failure) from None
             self._file_reply(rank, reply, call.seq)
 
     def _file_reply(self, rank: int, reply: tuple, current_seq: int) -> None:

@@ -126,7 +126,11 @@ def get_placement_group(parallel_config: ParallelConfig, bundle: dict, world_siz
             )
         return PlacementInfo(current, False, usable[:world_size])
 
-    pg = placement_group([dict(bundle) for _ in range(world_size)], strategy=strategy)
+    bundles = [dict(bundle) for _ in range(world_size)]
+    # Ask for a sliver of the driver node's own resource in the first bundle,
+    # so rank 0 (and with PACK its TP group) lands where the driver runs.
+    bundles[0][f"node:{ray.util.get_node_ip_address()}"] = 0.001
+    pg = placement_group(bundles, strategy=strategy)
     timeout = parallel_config.ray_placement_timeout
     ready, _ = ray.wait([pg.ready()], timeout=timeout)
     if not ready:

@@ -43,6 +43,8 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor | None = None
     # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend.
     decode_mask: torch.Tensor | None = None
+    # [num_decodes] int64: context length (tokens, including this step's) per request.
+    decode_context_lens: torch.Tensor | None = None
     prefills: list[PrefillSeq] = field(default_factory=list)
 
 

@@ -127,6 +127,7 @@ def prepare_batch(
         valid = np.arange(max_blocks * block_size)[None, :] < ctx[:, None]
         meta.decode_block_table = torch.from_numpy(table).to(device)
         meta.decode_mask = torch.from_numpy(valid).to(device)[:, None, None, :]
+        meta.decode_context_lens = torch.from_numpy(ctx).to(device)
 
     batch.input_ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
     batch.positions = torch.from_numpy(np.concatenate(positions)).to(device)

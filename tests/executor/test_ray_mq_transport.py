@@ -8,6 +8,7 @@ import os
 import sys
 import time
 
+import cloudpickle
 import pytest
 import ray.cloudpickle
 
@@ -17,8 +18,9 @@ from raylm.executor.ray_executor import RayDistributedExecutor
 from raylm.testing.hf_oracle import hf_greedy
 from tests.conftest import our_live_ray_state
 
-# The callables below travel to the actors by value: the workers cannot import
-# this test module by name.
+# The callables below travel to the actors by value (on the message queue,
+# whose codec uses cloudpickle): the workers cannot import this test module.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -96,7 +98,8 @@ def tp2(model):
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        # "local": a Ray of our own, never a cluster another process left running.
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     llm = _mq_llm(model, tp=2)
     ex = _executor(llm)
     segments = ex.shm_segment_names
