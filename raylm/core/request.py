@@ -47,6 +47,8 @@ class Request:
         self.block_hashes: list[int] = []
         # Output tokens the workers have not been told about yet.
         self.unsent_token_ids: list[int] = []
+        # Async scheduling: tokens being sampled by steps still in flight.
+        self.num_output_placeholders = 0
 
     @property
     def num_prompt_tokens(self) -> int:

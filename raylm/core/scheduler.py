@@ -8,6 +8,11 @@ token budget, running requests first, then waiting ones. `num_computed_tokens`
 advances when a request is scheduled, so a request whose step is still in
 flight (pipeline parallel, async scheduling) has nothing left to schedule and
 is naturally skipped until its sampled token arrives.
+
+With async scheduling the next step is scheduled before the current one has
+sampled: a request that samples this step gets an output placeholder, its next
+step computes that (yet unknown) token, and the workers fill it in from their
+own sampler output. Placeholders are never sent as token ids.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, max_model_len: int):
         self.config = scheduler_config
+        self.async_scheduling = scheduler_config.async_scheduling
         self.max_model_len = max_model_len
         assert cache_config.num_blocks is not None, "the KV cache must be sized before scheduling"
         self.kv_cache_manager = KVCacheManager(
@@ -88,7 +94,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._no_more_tokens_needed(request):
+                i += 1
+                continue
+            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget)
             num_new = min(num_new, self.max_model_len - request.num_computed_tokens)
             if num_new <= 0:
                 i += 1
@@ -134,12 +143,25 @@ class Scheduler:
 
         return self._make_output(num_scheduled, new_block_ids)
 
+    def _no_more_tokens_needed(self, request: Request) -> bool:
+        """Async scheduling: the steps in flight already produce every token the
+        request may still generate."""
+        if not request.num_output_placeholders:
+            return False
+        max_tokens = request.sampling_params.max_tokens
+        pending = request.num_output_tokens + request.num_output_placeholders
+        return (max_tokens is not None and pending >= max_tokens) or (
+            request.num_tokens + request.num_output_placeholders >= self.max_model_len
+        )
+
     def _preempt(self, request: Request, num_scheduled: dict, new_block_ids: dict) -> None:
         """Free a request's blocks and put it back in front of the queue; it will
         be recomputed from its prompt and the tokens it already generated."""
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # Tokens of its steps in flight are dropped on arrival and recomputed.
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         if request.request_id in num_scheduled:
@@ -177,6 +199,8 @@ class Scheduler:
                 )
             request.unsent_token_ids = []
             request.num_computed_tokens += n
+            if self.async_scheduling and request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -197,8 +221,12 @@ class Scheduler:
                 continue  # aborted or preempted while its step was in flight
             prompt_lps = runner_output.prompt_logprobs.get(rid, [])
             new_tokens = []
+            if token_ids and request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             for token_id in token_ids:
                 request.append_output_token(token_id)
+                if self.async_scheduling:
+                    request.unsent_token_ids.clear()  # the workers sampled it themselves
                 new_tokens.append(token_id)
                 if self._check_stop(request):
                     break

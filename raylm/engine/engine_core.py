@@ -32,7 +32,11 @@ class EngineCore:
         self.config = config
         executor_class = Executor.get_class(config)
         self.executor = executor_class(config)
+        # PP keeps one batch per stage in flight; async scheduling keeps two
+        # (the next step is scheduled while the current one computes).
         self.batch_queue_size = self.executor.max_concurrent_batches
+        if config.scheduler_config.async_scheduling:
+            self.batch_queue_size = max(self.batch_queue_size, 2)
         self.batch_queue: deque[tuple[SchedulerOutput, Future]] = deque()
         try:
             self._initialize_kv_cache()

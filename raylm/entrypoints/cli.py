@@ -71,6 +71,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                "else a local Ray is started")
     parallel.add_argument("--ray-placement-strategy", choices=PLACEMENT_STRATEGIES, default="PACK",
                           help="how Ray places the workers' bundles across nodes")
+    parallel.add_argument("--ray-step-transport", choices=("mq", "cgraph"), default=None,
+                          help="how each step reaches Ray workers: mq (shared-memory/ZMQ message queues) "
+                               "or cgraph (a Ray Compiled Graph); default: the engine's")
 
     cache = parser.add_argument_group("KV cache and scheduling")
     cache.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None, metavar="BYTES",
@@ -108,7 +111,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "ray_placement_strategy": args.ray_placement_strategy,
     }
     # Unset optional flags stay out, so the engine's own defaults apply.
-    for name in ("ray_address", "kv_cache_memory_bytes", "max_num_batched_tokens", "device", "num_threads"):
+    for name in ("ray_address", "ray_step_transport", "kv_cache_memory_bytes", "max_num_batched_tokens", "device", "num_threads"):
         value = getattr(args, name)
         if value is not None:
             kwargs[name] = value

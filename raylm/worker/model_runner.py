@@ -166,8 +166,13 @@ class ModelRunner:
             lp_lists = None
             if out.logprobs is not None:
                 lp_lists = _logprob_lists(out.logprobs.token_ids, out.logprobs.logprobs, out.logprobs.ranks)
+            fill_in = self.config.scheduler_config.async_scheduling
             for i, (rid, state) in enumerate(zip(batch.sample_req_ids, states)):
                 sampled[rid] = [tokens[i]]
+                if fill_in:
+                    # Async scheduling: the next step of this request is already
+                    # scheduled with a placeholder for this token.
+                    state.token_ids.append(tokens[i])
                 num_lps = state.sampling_params.logprobs
                 if lp_lists is not None and num_lps is not None:
                     ids, lps, rank = lp_lists[i]

@@ -10,7 +10,6 @@ import time
 
 import cloudpickle
 import pytest
-import ray.cloudpickle
 
 from raylm import LLM, SamplingParams
 from raylm.distributed.shm_broadcast import SEGMENT_PREFIX
@@ -21,7 +20,6 @@ from tests.conftest import our_live_ray_state
 # The callables below travel to the actors by value (on the message queue,
 # whose codec uses cloudpickle): the workers cannot import this test module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 100)), [3]]
@@ -180,3 +178,19 @@ def test_killed_worker_is_noticed_and_everything_is_cleaned_up(ray_session, mode
         llm.shutdown()
     llm.shutdown()  # idempotent
     _assert_nothing_left(ex, segments)
+
+
+def test_cli_flag_and_default_choose_the_transport():
+    import argparse
+
+    from raylm.config import ParallelConfig
+    from raylm.entrypoints.cli import add_engine_args, engine_kwargs_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs_from_args(parser.parse_args(["--ray-step-transport", "cgraph"]))["ray_step_transport"] == "cgraph"
+    # Unset, the engine's default applies: mq, the faster in benchmarks/bench_ray_transport.py.
+    assert "ray_step_transport" not in engine_kwargs_from_args(parser.parse_args([]))
+    assert ParallelConfig().ray_step_transport == "mq"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--ray-step-transport", "nccl"])

@@ -15,6 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from raylm.model.forward_context import AttentionMetadata, get_attention_metadata
+from raylm.model.layers.cpu_attention_kernel import get_paged_decode_kernel
+
+# Query/cache dtypes the CPU decode kernel is built for.
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Attention(nn.Module):
@@ -85,6 +89,18 @@ class Attention(nn.Module):
         return o.squeeze(0).transpose(0, 1)
 
     def _decode(self, q, meta: AttentionMetadata) -> torch.Tensor:
+        # On CPU a C++ kernel walks each request's blocks up to its context
+        # length: no padded gather, no mask (csrc/paged_decode_attention.cpp).
+        if (
+            q.device.type == "cpu"
+            and meta.decode_context_lens is not None
+            and q.dtype in _KERNEL_DTYPES
+            and self.head_dim % 8 == 0
+            and self.head_dim <= 256
+        ):
+            kernel = get_paged_decode_kernel()
+            if kernel is not None:
+                return kernel(q, self.kv_cache, meta.decode_block_table, meta.decode_context_lens, self.scale)
         # Gather whole blocks (contiguous runs of block_size tokens) rather than
         # single slots: far fewer, larger copies. q: [B, H, D] -> [B, H, 1, D];
         # context [B, blocks, block_size, KVH, D] -> [B, KVH, L, D].

@@ -1,12 +1,13 @@
 // Paged decode attention on CPU: one query token per request against the
 // request's blocks in the paged KV cache; built at first use by cpu_attention_kernel.py.
 //
-// Work is split over (request, kv head) pairs. Each task loads its group of
-// query heads once (as float, pre-scaled), walks only the blocks that hold the
-// request's context (no padding), and does a two-pass softmax in float: scores
-// for every context token first, then exp/normalise, then the weighted V sum.
-// Each K/V row is converted to float once and reused by every query head of the
-// group (GQA), which is where most of the saving over a padded gather comes from.
+// Work is split over requests (and runs of kv heads when requests are fewer
+// than threads). Each task loads its query heads once (as float, pre-scaled),
+// walks only the blocks that hold the request's context (no padding), and does
+// a two-pass softmax in float: scores for every context token first, then
+// exp/normalise, then the weighted V sum.
+// Each K/V block is converted to float once and reused by every query head of
+// the group (GQA); no padded copy of the context is ever made.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -22,34 +23,119 @@
 
 namespace {
 
+constexpr int kLanes = 8;  // head_dim is a multiple of this: one AVX2 register of floats
+
 // Row loads into float. Plain loops over contiguous memory so that -O3
 // vectorises them; bf16 -> float is a 16-bit shift of the bit pattern.
 inline void load_row(const float* src, float* dst, int64_t n) {
-  std::memcpy(dst, src, n * sizeof(float));
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
 }
 
 inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  uint32_t widened[256];
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) widened[i] = static_cast<uint32_t>(bits[i]) << 16;
-  std::memcpy(dst, widened, n * sizeof(float));
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t widened = static_cast<uint32_t>(bits[i]) << 16;
+    float value;
+    std::memcpy(&value, &widened, sizeof(value));
+    dst[i] = value;
+  }
 }
 
 inline void load_row(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// `n` token rows of `width` floats (a run of kv heads) in one block, as float
+// rows `*row_stride` apart: a float cache is read in place, other dtypes are
+// converted into `buffer`.
+inline const float* block_rows(const float* src, int64_t n, int64_t width, int64_t token_stride, float*,
+                               int64_t* row_stride) {
+  (void)n;
+  (void)width;
+  *row_stride = token_stride;
+  return src;
+}
+
+template <typename cache_t>
+inline const float* block_rows(const cache_t* src, int64_t n, int64_t width, int64_t token_stride,
+                               float* buffer, int64_t* row_stride) {
+  for (int64_t t = 0; t < n; ++t) load_row(src + t * token_stride, buffer + t * width, width);
+  *row_stride = width;
+  return buffer;
+}
+
+// Scores of T consecutive rows against one query. Each row keeps its own
+// kLanes-wide partial sums (independent FMA chains), and the partials are
+// folded across rows at the end: much cheaper than one horizontal reduction
+// per dot product when head_dim is small.
+template <int T>
+inline void dot_rows(const float* q, const float* rows, int64_t row_stride, int64_t head_dim, float* out) {
+  float partial[T][kLanes] = {};
+  for (int64_t j = 0; j < head_dim; j += kLanes)
+    for (int t = 0; t < T; ++t)
+      for (int l = 0; l < kLanes; ++l) partial[t][l] += q[j + l] * rows[t * row_stride + j + l];
+  float sums[T] = {};
+  for (int l = 0; l < kLanes; ++l)
+    for (int t = 0; t < T; ++t) sums[t] += partial[t][l];
+  for (int t = 0; t < T; ++t) out[t] = sums[t];
+}
+
+inline void score_rows(const float* q, const float* rows, int64_t row_stride, int64_t n, int64_t head_dim,
+                       float* out) {
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) dot_rows<8>(q, rows + t * row_stride, row_stride, head_dim, out + t);
+  for (; t < n; ++t) dot_rows<1>(q, rows + t * row_stride, row_stride, head_dim, out + t);
+}
+
+// acc[0:head_dim] += sum_t probs[t] * rows[t]: each kLanes-wide slice of the
+// accumulator stays in a register while the rows stream past.
+inline void accumulate_rows(const float* probs, const float* rows, int64_t row_stride, int64_t n,
+                            int64_t head_dim, float* acc) {
+  for (int64_t j = 0; j < head_dim; j += kLanes) {
+    float slice[kLanes];
+    for (int l = 0; l < kLanes; ++l) slice[l] = acc[j + l];
+    for (int64_t t = 0; t < n; ++t)
+      for (int l = 0; l < kLanes; ++l) slice[l] += probs[t] * rows[t * row_stride + j + l];
+    for (int l = 0; l < kLanes; ++l) acc[j + l] = slice[l];
+  }
+}
+
+// In place: s[i] = exp(s[i] - shift) for s[i] <= shift, returning the sum.
+// A branch-free exp (2^k * polynomial, Cody-Waite reduction, relative error
+// ~2e-7) that vectorises, where a libm call per score would dominate.
+inline float exp_shifted_and_sum(float* s, int64_t n, float shift) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kLn2Hi = 0.693359375f;
+  constexpr float kLn2Lo = -2.12194440e-4f;
+  constexpr float kRoundMagic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) {
+    // Below -87 the result would be subnormal; those weights are negligible anyway.
+    const float x = std::max(s[i] - shift, -87.f);
+    const float k = (x * kLog2e + kRoundMagic) - kRoundMagic;
+    const float y = (x - k * kLn2Hi) - k * kLn2Lo;  // |y| <= ln2 / 2
+    float p = 1.f / 720.f;
+    p = p * y + 1.f / 120.f;
+    p = p * y + 1.f / 24.f;
+    p = p * y + 1.f / 6.f;
+    p = p * y + 0.5f;
+    p = p * y + 1.f;
+    p = p * y + 1.f;
+    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(k) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    s[i] = p * scale;
+    sum += s[i];
+  }
   return sum;
 }
 
-inline void axpy(float alpha, const float* x, float* y, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+inline float max_of(const float* s, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+  return m;
 }
 
 template <typename q_t, typename cache_t>
@@ -78,73 +164,80 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at
   const int64_t* ctx_lens = context_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
 
+  // A task is one request and a run of its kv heads: reading all heads of a
+  // block at once keeps the cache reads contiguous. Requests are split into
+  // head runs only when there are fewer requests than threads.
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunks = std::min(num_kv_heads, std::max<int64_t>(1, (threads + num_reqs - 1) / num_reqs));
+  const int64_t heads_per_chunk = (num_kv_heads + chunks - 1) / chunks;
+  const int64_t num_chunks = (num_kv_heads + heads_per_chunk - 1) / heads_per_chunk;
+  const int64_t num_tasks = num_reqs * num_chunks;
+
   // Small batches with short contexts finish faster on one thread than the
   // cost of waking the pool; aim for roughly 64k multiply-adds per chunk.
   int64_t total_ctx = 0;
   for (int64_t b = 0; b < num_reqs; ++b) total_ctx += ctx_lens[b];
-  const int64_t num_tasks = num_reqs * num_kv_heads;
-  const int64_t work_per_task = std::max<int64_t>(1, total_ctx / std::max<int64_t>(1, num_reqs) * group * head_dim * 2);
+  const int64_t work_per_task =
+      std::max<int64_t>(1, total_ctx / num_reqs * heads_per_chunk * group * head_dim * 2);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work_per_task);
 
   at::parallel_for(0, num_tasks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> q_group(group * head_dim);
-    std::vector<float> acc(group * head_dim);
-    std::vector<float> row(head_dim);
-    std::vector<float> scores;  // [group][ctx]
+    const int64_t max_heads = heads_per_chunk * group;
+    std::vector<float> q_heads(max_heads * head_dim);
+    std::vector<float> acc(max_heads * head_dim);
+    std::vector<float> inv_sum(max_heads);
+    // One block of K or V for the task's kv heads, as float: [block_size, heads_per_chunk, D].
+    std::vector<float> block_buffer(block_size * heads_per_chunk * head_dim);
+    std::vector<float> scores;  // [heads][ctx]
 
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / num_kv_heads;
-      const int64_t kv_head = task % num_kv_heads;
+      const int64_t b = task / num_chunks;
+      const int64_t kv_first = (task % num_chunks) * heads_per_chunk;
+      const int64_t kv_count = std::min(heads_per_chunk, num_kv_heads - kv_first);
+      const int64_t heads = kv_count * group;
+      const int64_t first_head = kv_first * group;
+      const int64_t width = kv_count * head_dim;  // contiguous: the cache is [.., KVH, D]
       const int64_t ctx = ctx_lens[b];
-      const int64_t first_head = kv_head * group;
 
-      for (int64_t h = 0; h < group; ++h) {
-        float* qh = q_group.data() + h * head_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* qh = q_heads.data() + h * head_dim;
         load_row(q_ptr + b * q_req_stride + (first_head + h) * q_head_stride, qh, head_dim);
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) qh[d] *= fscale;
       }
 
       // Pass 1: scores for every context token, walking the block table.
-      scores.resize(group * ctx);
+      scores.resize(heads * ctx);
       const int64_t* blocks = table + b * table_stride;
+      int64_t row_stride = 0;
       for (int64_t start = 0; start < ctx; start += block_size) {
         const int64_t n = std::min(block_size, ctx - start);
-        const cache_t* k_block = k_cache + blocks[start / block_size] * block_stride + kv_head * kv_head_stride;
-        for (int64_t t = 0; t < n; ++t) {
-          load_row(k_block + t * token_stride, row.data(), head_dim);
-          for (int64_t h = 0; h < group; ++h)
-            scores[h * ctx + start + t] = dot(q_group.data() + h * head_dim, row.data(), head_dim);
-        }
+        const cache_t* k_block = k_cache + blocks[start / block_size] * block_stride + kv_first * kv_head_stride;
+        const float* rows = block_rows(k_block, n, width, token_stride, block_buffer.data(), &row_stride);
+        for (int64_t h = 0; h < heads; ++h)
+          score_rows(q_heads.data() + h * head_dim, rows + (h / group) * head_dim, row_stride, n, head_dim,
+                     scores.data() + h * ctx + start);
       }
 
       // Softmax per head, in float, shifted by the max for stability.
-      std::vector<float> inv_sum(group);
-      for (int64_t h = 0; h < group; ++h) {
+      for (int64_t h = 0; h < heads; ++h) {
         float* s = scores.data() + h * ctx;
-        float max_score = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < ctx; ++i) max_score = std::max(max_score, s[i]);
-        float sum = 0.f;
-        for (int64_t i = 0; i < ctx; ++i) {
-          s[i] = std::exp(s[i] - max_score);
-          sum += s[i];
-        }
+        const float sum = exp_shifted_and_sum(s, ctx, max_of(s, ctx));
         inv_sum[h] = sum > 0.f ? 1.f / sum : 0.f;
       }
 
       // Pass 2: probability-weighted sum of V rows.
-      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(acc.begin(), acc.begin() + heads * head_dim, 0.f);
       for (int64_t start = 0; start < ctx; start += block_size) {
         const int64_t n = std::min(block_size, ctx - start);
-        const cache_t* v_block = v_cache + blocks[start / block_size] * block_stride + kv_head * kv_head_stride;
-        for (int64_t t = 0; t < n; ++t) {
-          load_row(v_block + t * token_stride, row.data(), head_dim);
-          for (int64_t h = 0; h < group; ++h)
-            axpy(scores[h * ctx + start + t], row.data(), acc.data() + h * head_dim, head_dim);
-        }
+        const cache_t* v_block = v_cache + blocks[start / block_size] * block_stride + kv_first * kv_head_stride;
+        const float* rows = block_rows(v_block, n, width, token_stride, block_buffer.data(), &row_stride);
+        for (int64_t h = 0; h < heads; ++h)
+          accumulate_rows(scores.data() + h * ctx + start, rows + (h / group) * head_dim, row_stride, n, head_dim,
+                          acc.data() + h * head_dim);
       }
 
-      for (int64_t h = 0; h < group; ++h) {
+      for (int64_t h = 0; h < heads; ++h) {
         q_t* dst = out_ptr + b * out_req_stride + (first_head + h) * out_head_stride;
         const float* src = acc.data() + h * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<q_t>(src[d] * inv_sum[h]);

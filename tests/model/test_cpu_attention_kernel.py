@@ -1,0 +1,147 @@
+"""The C++ paged decode-attention kernel against the torch path of Attention._decode,
+and greedy generation with the kernel against the torch path and Hugging Face."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import sysconfig
+
+import pytest
+import torch
+
+from raylm import LLM, SamplingParams
+from raylm.model.forward_context import AttentionMetadata
+from raylm.model.layers.attention import Attention
+from raylm.model.layers.cpu_attention_kernel import DISABLE_ENV, get_paged_decode_kernel
+from raylm.testing import make_tiny_model
+from raylm.testing.hf_oracle import hf_greedy
+
+_HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++", sysconfig.get_config_var("CXX") or "c++"))
+pytestmark = pytest.mark.skipif(not _HAS_COMPILER, reason="no C++ compiler to build the CPU kernel")
+
+CONTEXT_LENS = [1, 15, 16, 17, 200]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    fn = get_paged_decode_kernel()
+    assert fn is not None, "a C++ compiler is present, so the kernel must build"
+    return fn
+
+
+def _random_case(num_heads, num_kv_heads, head_dim, block_size, dtype, seed):
+    """A cache with scattered blocks, one request per context length, padded tables."""
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = -(-max(CONTEXT_LENS) // block_size) + 2  # wider than any request needs
+    num_blocks = len(CONTEXT_LENS) * max_blocks + 3
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    # Blocks of different requests interleave in the cache, as after a while of serving.
+    order = torch.randperm(num_blocks, generator=gen)
+    table = torch.empty(len(CONTEXT_LENS), max_blocks, dtype=torch.int64)
+    used = 0
+    for i, ctx in enumerate(CONTEXT_LENS):
+        need = -(-ctx // block_size)
+        table[i, :need] = order[used : used + need]
+        table[i, need:] = table[i, 0]  # padding repeats the first block, as the runner does
+        used += need
+    ctx = torch.tensor(CONTEXT_LENS, dtype=torch.int64)
+    mask = (torch.arange(max_blocks * block_size)[None, :] < ctx[:, None])[:, None, None, :]
+    q = torch.randn(len(CONTEXT_LENS), num_heads, head_dim, generator=gen).to(dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(len(CONTEXT_LENS), dtype=torch.int64),
+        num_decode_tokens=len(CONTEXT_LENS),
+        decode_block_table=table,
+        decode_mask=mask,
+        decode_context_lens=ctx,
+    )
+    return q, cache, meta
+
+
+def _torch_path(q, cache, meta, num_heads, num_kv_heads, head_dim, monkeypatch) -> torch.Tensor:
+    attn = Attention(num_heads, num_kv_heads, head_dim, scale=1 / math.sqrt(head_dim))
+    attn.kv_cache = cache
+    with monkeypatch.context() as m:
+        m.setenv(DISABLE_ENV, "1")
+        return attn._decode(q, meta)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("num_kv_heads", [8, 2, 1])
+def test_kernel_matches_torch_fp32(kernel, num_kv_heads, head_dim, block_size, monkeypatch):
+    num_heads = 8
+    q, cache, meta = _random_case(num_heads, num_kv_heads, head_dim, block_size, torch.float32, seed=head_dim)
+    ref = _torch_path(q, cache, meta, num_heads, num_kv_heads, head_dim, monkeypatch)
+    out = kernel(q, cache, meta.decode_block_table, meta.decode_context_lens, 1 / math.sqrt(head_dim))
+    assert out.dtype == torch.float32 and out.shape == q.shape
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [32, 128])
+@pytest.mark.parametrize("num_kv_heads", [8, 2, 1])
+def test_kernel_matches_float_reference_bf16(kernel, num_kv_heads, head_dim, block_size, monkeypatch):
+    num_heads = 8
+    q, cache, meta = _random_case(num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, seed=7)
+    # The kernel computes in float from the same bf16 values; only the output rounding differs.
+    ref = _torch_path(q.float(), cache.float(), meta, num_heads, num_kv_heads, head_dim, monkeypatch)
+    out = kernel(q, cache, meta.decode_block_table, meta.decode_context_lens, 1 / math.sqrt(head_dim))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=8e-3)
+
+
+def test_attention_decode_uses_kernel(kernel, monkeypatch):
+    """Attention._decode takes the kernel path on CPU and agrees with its own fallback."""
+    q, cache, meta = _random_case(8, 2, 64, 16, torch.float32, seed=1)
+    ref = _torch_path(q, cache, meta, 8, 2, 64, monkeypatch)
+    attn = Attention(8, 2, 64, scale=0.125)
+    attn.kv_cache = cache
+    calls = []
+    monkeypatch.setattr(
+        "raylm.model.layers.attention.get_paged_decode_kernel",
+        lambda: (lambda *args: calls.append(1) or kernel(*args)),
+    )
+    out = attn._decode(q, meta)
+    assert calls, "the CPU kernel was not used"
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_rejects_out_of_range_blocks(kernel):
+    q, cache, meta = _random_case(8, 2, 32, 16, torch.float32, seed=2)
+    table = meta.decode_block_table.clone()
+    table[0, 0] = cache.shape[1]
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel(q, cache, table, meta.decode_context_lens, 0.1)
+
+
+def test_disable_env_forces_fallback(monkeypatch):
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    assert get_paged_decode_kernel() is None
+
+
+@pytest.fixture(scope="module")
+def gqa_model(tmp_path_factory):
+    # GQA (4 query heads per kv head), head_dim 32.
+    return make_tiny_model(
+        "llama", tmp_path_factory.mktemp("gqa") / "m", seed=11, num_attention_heads=8, num_key_value_heads=2
+    )
+
+
+def _greedy(model, prompts, max_tokens):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    with LLM(str(model), dtype="float32", kv_cache_memory_bytes=64 << 20) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_generation_with_kernel_matches_fallback_and_hf(kernel, gqa_model, monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    # Lengths around the block size, so contexts cross block boundaries while decoding.
+    prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (1, 5, 15, 16, 17, 40)]
+    max_tokens = 24
+    with_kernel = _greedy(gqa_model, prompts, max_tokens)
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    without_kernel = _greedy(gqa_model, prompts, max_tokens)
+    assert with_kernel == without_kernel
+    assert with_kernel == [r.token_ids for r in hf_greedy(gqa_model, prompts, max_tokens)]
