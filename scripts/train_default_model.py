@@ -69,13 +69,13 @@ class TrainSettings:
     max_positions: int = 512
     seq_len: int = 256
     batch_size: int = 8
-    steps: int = 500
+    steps: int = 1500
     peak_lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 25
+    warmup_steps: int = 50
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    eval_every: int = 50
+    eval_every: int = 100
     eval_batches: int = 4
     val_fraction: float = 0.05
     seed: int = 1234

@@ -136,7 +136,7 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
         noise.exponential_()
     for row, generator in generators.items():
         noise[row].exponential_(generator=generator)
-    return (probs / noise.clamp_min_(_MIN_NOISE)).argmax(dim=-1)
+    return _argmax((probs / noise.clamp_min_(_MIN_NOISE)))
 
 
 class Sampler(torch.nn.Module):
@@ -165,7 +165,7 @@ class Sampler(torch.nn.Module):
     def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         greedy_tokens = None
         if not metadata.all_random:
-            greedy_tokens = logits.argmax(dim=-1)
+            greedy_tokens = _argmax(logits)
             if metadata.all_greedy:
                 return greedy_tokens
 
@@ -185,3 +185,9 @@ class Sampler(torch.nn.Module):
         if greedy_tokens is None:
             return random_tokens
         return torch.where(metadata.temperature == 0.0, greedy_tokens, random_tokens)
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    # Same result as x.argmax(-1) (first maximum on ties) but 2-3x faster on
+    # CPU, where argmax takes a slower reduction path than max.
+    return x.max(dim=-1).indices

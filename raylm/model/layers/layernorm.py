@@ -4,6 +4,7 @@ optional fused residual add (the residual stream is kept in the model dtype)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from raylm.model.layers.linear import default_weight_loader
@@ -17,9 +18,9 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = default_weight_loader
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # One fused kernel for x * rsqrt(mean(x^2) + eps), in float32.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -55,9 +55,20 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, nh*hd], k [T, nkv*hd] -> rotated q, k (same shapes and dtype)."""
         num_tokens = positions.shape[0]
+        cos, sin = self._cos_sin(positions, q.dtype)
+        q_heads = q.shape[-1] // self.head_dim
+        # q and k rotated in one call: they share positions.
+        qk = torch.cat((q.view(num_tokens, -1, self.head_dim), k.view(num_tokens, -1, self.head_dim)), dim=1)
+        qk = _rotate(qk, cos, sin)
+        return qk[:, :q_heads].reshape(num_tokens, -1), qk[:, q_heads:].reshape(num_tokens, -1)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every layer of one forward rotates by the same positions: look them up once.
+        cached = getattr(self, "_last", None)
+        if cached is not None and cached[0] is positions and cached[1] == dtype:
+            return cached[2], cached[3]
         # HF casts cos/sin to the activation dtype before rotating; do the same.
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        q = _rotate(q.view(num_tokens, -1, self.head_dim), cos, sin).view(num_tokens, -1)
-        k = _rotate(k.view(num_tokens, -1, self.head_dim), cos, sin).view(num_tokens, -1)
-        return q, k
+        cos = self.cos_cache[positions].unsqueeze(1).to(dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
+        self._last = (positions, dtype, cos, sin)
+        return cos, sin
