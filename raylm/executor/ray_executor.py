@@ -117,9 +117,7 @@ class RayDistributedExecutor(Executor):
         world = pc.world_size
         device = cfg.device
         cpus_per_worker = cfg.num_threads or max(1, (os.cpu_count() or 1) // world)
-        ray_utils.connect_ray(pc, num_cpus_hint=world * cpus_per_worker)
-        bundle = {"GPU": 1} if device == "cuda" else {"CPU": cpus_per_worker}
-        placement = ray_utils.get_placement_group(pc, bundle, world)
+        placement = ray_utils.initialize_ray_cluster(pc, device, cpus_per_worker)
         if placement.created_here:
             self._created_pg = placement.placement_group
         if device == "cpu" and cfg.num_threads is None:

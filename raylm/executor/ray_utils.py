@@ -143,6 +143,15 @@ def get_placement_group(parallel_config: ParallelConfig, bundle: dict, world_siz
     return PlacementInfo(pg, True, list(range(world_size)))
 
 
+def initialize_ray_cluster(parallel_config: ParallelConfig, device: str, cpus_per_worker: int) -> PlacementInfo:
+    """Connect to (or start) Ray and get one placement-group bundle per rank:
+    {"GPU": 1} on CUDA, {"CPU": cpus_per_worker} on CPU."""
+    world = parallel_config.world_size
+    connect_ray(parallel_config, num_cpus_hint=world * cpus_per_worker)
+    bundle = {"GPU": 1} if device == "cuda" else {"CPU": cpus_per_worker}
+    return get_placement_group(parallel_config, bundle, world)
+
+
 class RayWorkerWrapper(WorkerWrapper):
     """The actor of one rank: a WorkerWrapper plus what only Ray can tell
     (node identity, GPU ids), the entry point of the compiled graph, and the

@@ -59,6 +59,8 @@ def test_greedy_matches_hf(arch, reference):
         # preempted and recomputed repeatedly.
         pytest.param({"kv_cache_memory_bytes": None, "num_gpu_blocks_override": 40}, id="forced-preemption"),
         pytest.param({"max_num_seqs": 1}, id="batch-1"),
+        pytest.param({"async_scheduling": True}, id="async-scheduling"),
+        pytest.param({"async_scheduling": True, "max_num_batched_tokens": 24}, id="async-chunked-prefill"),
     ],
 )
 def test_same_outputs_under_scheduling_pressure(engine_kwargs, reference):
@@ -102,3 +104,21 @@ def test_batch_of_32_equals_batch_of_1(reference):
     batched, _ = _generate(model, many)
     single, _ = _generate(model, many[:3], max_num_seqs=1)
     assert [o.outputs[0].token_ids for o in batched[:3]] == [o.outputs[0].token_ids for o in single]
+
+
+def test_async_scheduling_stops_exactly(reference):
+    """With async scheduling a request's next step is in flight when it stops:
+    the extra token must be dropped, and stop tokens / max_tokens still hold."""
+    model, prompts, ref = reference("llama")
+    stop_token = ref[2].token_ids[5]
+    params = [
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop_token_ids=[stop_token]),
+        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop_token_ids=[stop_token]),
+    ]
+    with LLM(model, dtype="float32", kv_cache_memory_bytes=64 << 20, async_scheduling=True) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], params, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == ref[0].token_ids[:3]
+    for out, hf in zip(outs[1:], ref[1:3]):
+        expected = hf.token_ids[: hf.token_ids.index(stop_token) + 1] if stop_token in hf.token_ids else hf.token_ids
+        assert out.outputs[0].token_ids == expected

@@ -24,9 +24,9 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 70)), [3]]
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _mp_llm(model, tp=1, pp=1) -> LLM:
+def _mp_llm(model, tp=1, pp=1, **kwargs) -> LLM:
     return LLM(model, dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
-               distributed_executor_backend="mp", num_threads=1, kv_cache_memory_bytes=16 << 20)
+               distributed_executor_backend="mp", num_threads=1, kv_cache_memory_bytes=16 << 20, **kwargs)
 
 
 def _executor(llm: LLM) -> MultiprocExecutor:
@@ -71,6 +71,17 @@ def tp2(model):
 def test_tp2_matches_hf(tp2, reference):
     outs = tp2.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
+
+
+def test_async_scheduling_with_tp2_matches_hf_and_uni(model, reference):
+    """Every TP rank fills in its own sampled token for the step already in flight."""
+    seeded = [SamplingParams(temperature=1.0, seed=i, max_tokens=10, ignore_eos=True) for i in range(len(PROMPTS))]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    with _mp_llm(model, tp=2, async_scheduling=True) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == reference
+        sampled = [o.outputs[0].token_ids for o in llm.generate(prompts, seeded, use_tqdm=False)]
+    with LLM(model, dtype="float32", kv_cache_memory_bytes=16 << 20) as uni:
+        assert sampled == [o.outputs[0].token_ids for o in uni.generate(prompts, seeded, use_tqdm=False)]
 
 
 @pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])

@@ -40,7 +40,7 @@ class Attention(nn.Module):
         meta = get_attention_metadata()
         if meta is None:
             # No engine around (e.g. a plain forward in a test): one causal sequence.
-            return self._causal(q, k, v).reshape(num_tokens, -1)
+            return self._attend(q, k, v).reshape(num_tokens, -1)
 
         k_flat = v_flat = None
         if self.kv_cache is not None:
@@ -56,33 +56,21 @@ class Attention(nn.Module):
         for seq in meta.prefills:
             qs = q[seq.q_start : seq.q_end]
             if seq.ctx_slots is None:
-                out[seq.q_start : seq.q_end] = self._causal(
-                    qs, k[seq.q_start : seq.q_end], v[seq.q_start : seq.q_end]
-                )
+                out[seq.q_start : seq.q_end] = self._attend(qs, k[seq.q_start : seq.q_end], v[seq.q_start : seq.q_end])
             else:
                 out[seq.q_start : seq.q_end] = self._attend(
                     qs, k_flat[seq.ctx_slots], v_flat[seq.ctx_slots], seq.mask
                 )
         return out.reshape(num_tokens, -1)
 
-    def _causal(self, q, k, v) -> torch.Tensor:
-        # [T, H, D] -> [1, H, T, D]
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0).to(q.dtype),
-            v.transpose(0, 1).unsqueeze(0).to(q.dtype),
-            is_causal=True,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return o.squeeze(0).transpose(0, 1)
-
-    def _attend(self, q, k, v, mask) -> torch.Tensor:
+    def _attend(self, q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One sequence: q [Tq, H, D] over k/v [Tk, KVH, D]; causal unless a mask is given."""
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             k.transpose(0, 1).unsqueeze(0).to(q.dtype),
             v.transpose(0, 1).unsqueeze(0).to(q.dtype),
             attn_mask=mask,
+            is_causal=mask is None,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )

@@ -78,6 +78,10 @@ def _build() -> Callable:
     name = _extension_name()
     build_dir = _build_root() / name
     build_dir.mkdir(parents=True, exist_ok=True)
+    if not any(build_dir.glob("*.so")):
+        # Said at warning level: the CLI's default log level would otherwise
+        # leave a first run silent for the minute the compiler takes.
+        logger.warning("building the CPU attention kernel (first run on this machine only, about a minute)")
     started = time.perf_counter()
     module = cpp_extension.load(
         name=name,
