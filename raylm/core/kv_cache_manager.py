@@ -118,9 +118,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_cached: int) -> None:
+        """Count a lookup once its request is admitted (a lookup that found no
+        room is repeated next step and must not count twice)."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_cached
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: list[KVCacheBlock] | None = None

@@ -132,6 +132,8 @@ class Scheduler:
             if block_ids is None:
                 break
             self.waiting.popleft()
+            if self.kv_cache_manager.enable_prefix_caching:
+                self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_cached)
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
