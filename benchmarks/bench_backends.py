@@ -61,6 +61,8 @@ class Measurement:
     rpc_round_trip_us: float
     idle_worker_cpu_percent: list[float] = field(default_factory=list)
     idle_driver_cpu_percent: float = 0.0
+    busy_driver_cpu_s: float = 0.0
+    busy_worker_cpu_s: list[float] = field(default_factory=list)
     build_s: float = 0.0
     outputs: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -94,11 +96,20 @@ def _rpc_round_trip_us(executor: Any, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def _idle_cpu(executor: Any, spec: EngineSpec, seconds: float) -> tuple[list[float], float]:
-    """CPU % of the worker processes (not for uni: its worker is the driver) and of
-    the driver, over `seconds` with no requests."""
+def _worker_processes(executor: Any, spec: EngineSpec) -> list[psutil.Process]:
+    """The worker processes (none for uni: its worker is the driver)."""
     pids = [] if spec.backend == "uni" else executor.collective_rpc("check_health")
-    procs = [psutil.Process(pid) for pid in pids]
+    return [psutil.Process(pid) for pid in pids]
+
+
+def _cpu_seconds(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return times.user + times.system
+
+
+def _idle_cpu(executor: Any, spec: EngineSpec, seconds: float) -> tuple[list[float], float]:
+    """CPU % of the worker processes and of the driver over `seconds` with no requests."""
+    procs = _worker_processes(executor, spec)
     driver = psutil.Process()
     for proc in procs + [driver]:
         proc.cpu_percent(None)
@@ -124,9 +135,14 @@ def measure(model: str, label: str, round_index: int, prompts: list[list[int]], 
                      SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False), use_tqdm=False)
         steps = _count_sample_calls(executor)
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
+        # CPU seconds burnt during the timed run tell a driver that spins while its
+        # workers compute (which steals a core from them) from one that sleeps.
+        workers, driver = _worker_processes(executor, spec), psutil.Process()
+        cpu_before = [_cpu_seconds(p) for p in [driver] + workers]
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         elapsed = time.perf_counter() - start
+        busy = [_cpu_seconds(p) - before for p, before in zip([driver] + workers, cpu_before)]
         outputs = [list(o.outputs[0].token_ids) for o in outs]
         if any(len(tokens) != args.output_len for tokens in outputs):
             raise RuntimeError(f"{label}: a request ended before {args.output_len} tokens")
@@ -136,7 +152,7 @@ def measure(model: str, label: str, round_index: int, prompts: list[list[int]], 
         llm.shutdown()
     total = len(prompts) * args.output_len
     return Measurement(label, round_index, elapsed, total / elapsed, steps[0], elapsed / max(steps[0], 1) * 1e3,
-                       rpc_us, worker_cpu, driver_cpu, build_s, outputs)
+                       rpc_us, worker_cpu, driver_cpu, busy[0], busy[1:], build_s, outputs)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -161,11 +177,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def print_report(args: argparse.Namespace, runs: list[Measurement]) -> None:
     print(f"\n{args.prompts} prompts x {args.input_len} in / {args.output_len} out, greedy, {args.dtype}, "
           f"{args.threads} torch thread(s) per worker, {args.rounds} round(s)")
-    print(f"{'config':<16} {'round':>5} {'out tok/s':>10} {'step ms':>8} {'steps':>6} {'rpc us':>8}   idle CPU % (workers; driver)")
+    print(f"{'config':<16} {'round':>5} {'out tok/s':>10} {'step ms':>8} {'steps':>6} {'rpc us':>8}   "
+          f"idle CPU % (workers; driver)   busy CPU s during the run (driver; workers)")
     for r in runs:
         workers = " + ".join(f"{c:.1f}" for c in r.idle_worker_cpu_percent) or "n/a"
+        busy = " + ".join(f"{c:.1f}" for c in r.busy_worker_cpu_s) or "n/a"
         print(f"{r.label:<16} {r.round:>5} {r.output_tokens_per_s:>10.1f} {r.mean_step_ms:>8.2f} {r.steps:>6} "
-              f"{r.rpc_round_trip_us:>8.1f}   {workers}; {r.idle_driver_cpu_percent:.1f}")
+              f"{r.rpc_round_trip_us:>8.1f}   {workers}; {r.idle_driver_cpu_percent:.1f}   "
+              f"{r.busy_driver_cpu_s:.1f}; {busy} (of {r.elapsed_s:.1f} s)")
     baseline = args.configs[0]
     base_step = statistics.mean(r.mean_step_ms for r in runs if r.label == baseline)
     base_rpc = statistics.mean(r.rpc_round_trip_us for r in runs if r.label == baseline)
