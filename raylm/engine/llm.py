@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from raylm.config import create_engine_config
 from raylm.engine.llm_engine import LLMEngine
+from raylm.engine.tokenizer import encode_rendered_chat
 from raylm.outputs import RequestOutput
 from raylm.sampling_params import SamplingParams
 
@@ -130,7 +131,7 @@ class LLM:
                 if not isinstance(m, dict) or "role" not in m or "content" not in m:
                     raise ValueError("messages must be dicts with 'role' and 'content'")
             text = self.apply_chat_template(conversation, chat_template, add_generation_prompt)
-            ids = self.get_tokenizer().encode(text, add_special_tokens=False)
+            ids = encode_rendered_chat(self.get_tokenizer(), text)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 

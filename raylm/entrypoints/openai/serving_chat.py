@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from raylm.engine.async_llm import AsyncLLM
 from raylm.engine.input_processor import ProcessedPrompt
+from raylm.engine.tokenizer import encode_rendered_chat
 from raylm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -75,7 +76,7 @@ class OpenAIServingChat:
                                                  add_generation_prompt=request.add_generation_prompt)
         except Exception as e:  # jinja raises its own types for unsupported conversations
             raise OpenAIError(f"messages could not be rendered with the chat template: {e}", 400, "messages") from e
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = encode_rendered_chat(tokenizer, text)
         return self.engine.input_processor.process_prompt({"prompt": text, "prompt_token_ids": ids})
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
