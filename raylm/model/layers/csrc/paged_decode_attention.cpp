@@ -19,7 +19,13 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define RAYLM_AVX512_BF16 1
+#endif
 
 namespace {
 
@@ -131,6 +137,83 @@ inline float exp_shifted_and_sum(float* s, int64_t n, float shift) {
   return sum;
 }
 
+#ifdef RAYLM_AVX512_BF16
+// bf16 query and bf16 cache on a core with AVX512-BF16: scores come from
+// vdpbf16ps on the raw bf16 bits (products are exact in float, sums are float),
+// and V rows are widened in registers (a 16-bit shift) straight into the FMA,
+// so no block is ever written out as float. Needs head_dim % 32 == 0.
+constexpr int kBf16Pair = 32;  // bf16 elements per vdpbf16ps
+constexpr int kTile = 16;      // tokens whose dot products are reduced together
+
+// Lane i of the result is the horizontal sum of v[i]: a transpose-and-add tree,
+// about three instructions per vector instead of one full reduction each.
+inline __m512 reduce16(const __m512* v) {
+  __m512 pairs[8];
+  for (int i = 0; i < 8; ++i)
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  __m512 quads[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Each 128-bit chunk of quads[i] now holds partial sums of inputs 4i..4i+3.
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                  _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                  _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+// out[t] = scale * dot(q, row t) for n <= kTile rows `row_stride` bf16 apart.
+inline void score_tile_bf16(const __m512i* q_pairs, int64_t num_pairs, const uint16_t* rows, int64_t row_stride,
+                            int64_t n, float scale, float* out) {
+  __m512 partial[kTile];
+  for (int64_t t = 0; t < n; ++t) {
+    const uint16_t* row = rows + t * row_stride;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < num_pairs; ++j)
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)q_pairs[j], (__m512bh)_mm512_loadu_si512(row + j * kBf16Pair));
+    partial[t] = acc;
+  }
+  for (int64_t t = n; t < kTile; ++t) partial[t] = _mm512_setzero_ps();
+  const __m512 sums = _mm512_mul_ps(reduce16(partial), _mm512_set1_ps(scale));
+  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1u), sums);
+}
+
+inline __m512 widen_bf16(const uint16_t* src) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// For GC query heads sharing one kv head: acc[g][0:head_dim] += sum_t probs[g][t] * rows[t].
+// Each V slice is widened once and feeds all GC accumulators held in registers.
+template <int GC>
+inline void accumulate_bf16(const float* const* probs, const uint16_t* rows, int64_t row_stride, int64_t n,
+                            int64_t head_dim, float* const* acc) {
+  for (int64_t j = 0; j < head_dim; j += 16) {
+    __m512 a[GC];
+    for (int g = 0; g < GC; ++g) a[g] = _mm512_loadu_ps(acc[g] + j);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 v = widen_bf16(rows + t * row_stride + j);
+      for (int g = 0; g < GC; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(probs[g][t]), v, a[g]);
+    }
+    for (int g = 0; g < GC; ++g) _mm512_storeu_ps(acc[g] + j, a[g]);
+  }
+}
+
+inline void accumulate_group_bf16(const float* const* probs, const uint16_t* rows, int64_t row_stride, int64_t n,
+                                  int64_t head_dim, float* const* acc, int64_t group) {
+  int64_t g = 0;
+  for (; g + 4 <= group; g += 4) accumulate_bf16<4>(probs + g, rows, row_stride, n, head_dim, acc + g);
+  switch (group - g) {
+    case 3: return accumulate_bf16<3>(probs + g, rows, row_stride, n, head_dim, acc + g);
+    case 2: return accumulate_bf16<2>(probs + g, rows, row_stride, n, head_dim, acc + g);
+    case 1: return accumulate_bf16<1>(probs + g, rows, row_stride, n, head_dim, acc + g);
+    default: return;
+  }
+}
+#endif  // RAYLM_AVX512_BF16
+
 inline float max_of(const float* s, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
@@ -181,8 +264,21 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at
       std::max<int64_t>(1, total_ctx / num_reqs * heads_per_chunk * group * head_dim * 2);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work_per_task);
 
+#ifdef RAYLM_AVX512_BF16
+  constexpr bool kBf16Inputs = std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>;
+  const bool bf16_dot = kBf16Inputs && head_dim % kBf16Pair == 0;
+  const int64_t num_pairs = head_dim / kBf16Pair;
+#endif
+
   at::parallel_for(0, num_tasks, grain, [&](int64_t begin, int64_t end) {
     const int64_t max_heads = heads_per_chunk * group;
+#ifdef RAYLM_AVX512_BF16
+    // The query heads as raw bf16 bits, unscaled so they stay exact; the scale
+    // is applied to the float scores instead.
+    std::vector<__m512i> q_pairs(bf16_dot ? max_heads * num_pairs : 0);
+    std::vector<const float*> group_probs(group);
+    std::vector<float*> group_acc(group);
+#endif
     std::vector<float> q_heads(max_heads * head_dim);
     std::vector<float> acc(max_heads * head_dim);
     std::vector<float> inv_sum(max_heads);
@@ -198,6 +294,52 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at
       const int64_t first_head = kv_first * group;
       const int64_t width = kv_count * head_dim;  // contiguous: the cache is [.., KVH, D]
       const int64_t ctx = ctx_lens[b];
+
+#ifdef RAYLM_AVX512_BF16
+      if (bf16_dot) {
+        for (int64_t h = 0; h < heads; ++h)
+          std::memcpy(q_pairs.data() + h * num_pairs, q_ptr + b * q_req_stride + (first_head + h) * q_head_stride,
+                      head_dim * sizeof(uint16_t));
+        scores.resize(heads * ctx);
+        const int64_t* blocks = table + b * table_stride;
+        for (int64_t start = 0; start < ctx; start += block_size) {
+          const int64_t n = std::min(block_size, ctx - start);
+          const uint16_t* k_block = reinterpret_cast<const uint16_t*>(
+              k_cache + blocks[start / block_size] * block_stride + kv_first * kv_head_stride);
+          for (int64_t h = 0; h < heads; ++h) {
+            const uint16_t* rows = k_block + (h / group) * kv_head_stride;
+            for (int64_t t = 0; t < n; t += kTile)
+              score_tile_bf16(q_pairs.data() + h * num_pairs, num_pairs, rows + t * token_stride, token_stride,
+                              std::min<int64_t>(kTile, n - t), fscale, scores.data() + h * ctx + start + t);
+          }
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+          float* s = scores.data() + h * ctx;
+          const float sum = exp_shifted_and_sum(s, ctx, max_of(s, ctx));
+          inv_sum[h] = sum > 0.f ? 1.f / sum : 0.f;
+        }
+        std::fill(acc.begin(), acc.begin() + heads * head_dim, 0.f);
+        for (int64_t start = 0; start < ctx; start += block_size) {
+          const int64_t n = std::min(block_size, ctx - start);
+          const uint16_t* v_block = reinterpret_cast<const uint16_t*>(
+              v_cache + blocks[start / block_size] * block_stride + kv_first * kv_head_stride);
+          for (int64_t kh = 0; kh < kv_count; ++kh) {
+            for (int64_t g = 0; g < group; ++g) {
+              group_probs[g] = scores.data() + (kh * group + g) * ctx + start;
+              group_acc[g] = acc.data() + (kh * group + g) * head_dim;
+            }
+            accumulate_group_bf16(group_probs.data(), v_block + kh * kv_head_stride, token_stride, n, head_dim,
+                                  group_acc.data(), group);
+          }
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+          q_t* dst = out_ptr + b * out_req_stride + (first_head + h) * out_head_stride;
+          const float* src = acc.data() + h * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<q_t>(src[d] * inv_sum[h]);
+        }
+        continue;
+      }
+#endif
 
       for (int64_t h = 0; h < heads; ++h) {
         float* qh = q_heads.data() + h * head_dim;
