@@ -91,6 +91,17 @@ def test_kernel_matches_float_reference_bf16(kernel, num_kv_heads, head_dim, blo
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=8e-3)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (6, 2), (10, 2)])
+def test_kernel_bf16_gqa_groups(kernel, num_heads, num_kv_heads, monkeypatch):
+    # Groups of 2, 3 and 5 query heads per kv head: the bf16 path shares each V
+    # row among up to four heads at a time, so odd group sizes take the remainder paths.
+    head_dim, block_size = 64, 16
+    q, cache, meta = _random_case(num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, seed=11)
+    ref = _torch_path(q.float(), cache.float(), meta, num_heads, num_kv_heads, head_dim, monkeypatch)
+    out = kernel(q, cache, meta.decode_block_table, meta.decode_context_lens, 1 / math.sqrt(head_dim))
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=8e-3)
+
+
 def test_attention_decode_uses_kernel(kernel, monkeypatch):
     """Attention._decode takes the kernel path on CPU and agrees with its own fallback."""
     q, cache, meta = _random_case(8, 2, 64, 16, torch.float32, seed=1)
