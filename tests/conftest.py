@@ -61,3 +61,8 @@ def our_live_ray_state():
     live_actors = [a for a in actors().values() if a["ActorClassName"] == "RayWorkerWrapper" and a["State"] != "DEAD"]
     live_pgs = [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
     return live_actors, live_pgs
+
+
+def executor_of(llm):
+    """The executor behind an offline LLM (through its in-process core client)."""
+    return llm.llm_engine.engine_core.engine_core.executor

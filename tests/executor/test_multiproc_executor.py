@@ -18,6 +18,7 @@ from raylm import LLM, SamplingParams
 from raylm.distributed.shm_broadcast import SEGMENT_PREFIX
 from raylm.executor.multiproc_executor import MultiprocExecutor, WorkerDiedError
 from raylm.testing.hf_oracle import hf_greedy
+from tests.conftest import executor_of
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 70)), [3]]
@@ -30,7 +31,7 @@ def _mp_llm(model, tp=1, pp=1, **kwargs) -> LLM:
 
 
 def _executor(llm: LLM) -> MultiprocExecutor:
-    executor = llm.llm_engine.engine_core.engine_core.executor
+    executor = executor_of(llm)
     assert isinstance(executor, MultiprocExecutor)
     return executor
 

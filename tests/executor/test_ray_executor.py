@@ -4,19 +4,15 @@ contract, liveness, and a clean shutdown."""
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import pytest
-import ray.cloudpickle
 
 from raylm import LLM, SamplingParams
 from raylm.testing.hf_oracle import hf_greedy
+from tests.conftest import executor_of as _executor
 from tests.conftest import our_live_ray_state
-
-# The callables below travel to the actors by value: the workers cannot import
-# this test module by name.
-ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+from tests.executor.worker_callables import fail_on_rank_1, marker_env, rank_of, sleep_then_rank
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 100)), [3]]
@@ -68,59 +64,35 @@ def tp2_llm(tiny_model_dir):
     llm.shutdown()
 
 
-def _executor(llm):
-    core = llm.llm_engine.engine_core
-    return getattr(core, "engine_core", core).executor  # through the in-process core client
-
-
-def _rank(worker):
-    return worker.rank
-
-
-def _env(worker):
-    return os.environ.get("RAYLM_TEST_MARKER"), "CUDA_VISIBLE_DEVICES" in os.environ
-
-
-def _sleep(worker, seconds):
-    time.sleep(seconds)
-    return worker.rank
-
-
-def _fail_on_rank_1(worker):
-    if worker.rank == 1:
-        raise ValueError("rank one says no")
-    return "fine"
-
-
 def test_collective_rpc_by_name_and_callable(tp2_llm):
     ex = _executor(tp2_llm)
     pids = ex.collective_rpc("check_health")
     assert len(pids) == 2 and len(set(pids)) == 2 and os.getpid() not in pids
-    assert ex.collective_rpc(_rank) == [0, 1]
-    assert ex.collective_rpc(_rank, unique_reply_rank=1) == 1
-    future = ex.collective_rpc(_sleep, args=(0.2,), non_block=True)
+    assert ex.collective_rpc(rank_of) == [0, 1]
+    assert ex.collective_rpc(rank_of, unique_reply_rank=1) == 1
+    future = ex.collective_rpc(sleep_then_rank, args=(0.2,), non_block=True)
     assert future.result(timeout=30) == [0, 1]
 
 
 def test_collective_rpc_timeout_names_ranks(tp2_llm):
     ex = _executor(tp2_llm)
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\]"):
-        ex.collective_rpc(_sleep, timeout=0.3, args=(2.0,))
+        ex.collective_rpc(sleep_then_rank, timeout=0.3, args=(2.0,))
     time.sleep(2.0)  # let the sleepers finish before the next test uses the actors
 
 
 def test_collective_rpc_exception_carries_rank_and_traceback(tp2_llm):
     ex = _executor(tp2_llm)
     with pytest.raises(RuntimeError, match="rank 1") as err:
-        ex.collective_rpc(_fail_on_rank_1)
+        ex.collective_rpc(fail_on_rank_1)
     # The worker-side traceback: the failing frame and the original error.
-    assert "in _fail_on_rank_1" in str(err.value) and "ValueError: rank one says no" in str(err.value)
+    assert "in fail_on_rank_1" in str(err.value) and "ValueError: rank one says no" in str(err.value)
     # The engine still works afterwards.
     assert len(tp2_llm.generate("still alive", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 16
 
 
 def test_environment_reaches_workers_but_not_per_worker_vars(tp2_llm):
-    assert _executor(tp2_llm).collective_rpc(_env) == [("from-the-driver", False)] * 2
+    assert _executor(tp2_llm).collective_rpc(marker_env) == [("from-the-driver", False)] * 2
 
 
 def test_two_phase_step_order_is_enforced(tp2_llm):

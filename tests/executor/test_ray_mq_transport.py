@@ -5,21 +5,16 @@ collective_rpc contract, liveness, and a shutdown that leaves nothing behind."""
 from __future__ import annotations
 
 import os
-import sys
 import time
 
-import cloudpickle
 import pytest
 
 from raylm import LLM, SamplingParams
 from raylm.distributed.shm_broadcast import SEGMENT_PREFIX
 from raylm.executor.ray_executor import RayDistributedExecutor
 from raylm.testing.hf_oracle import hf_greedy
-from tests.conftest import our_live_ray_state
-
-# The callables below travel to the actors by value (on the message queue,
-# whose codec uses cloudpickle): the workers cannot import this test module.
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
+from tests.conftest import executor_of, our_live_ray_state
+from tests.executor.worker_callables import fail_on_rank_1, rank_times, sleep_on_rank_1, sleep_then_rank
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 100)), [3]]
@@ -32,8 +27,7 @@ def _mq_llm(model, tp=1, pp=1) -> LLM:
 
 
 def _executor(llm: LLM) -> RayDistributedExecutor:
-    core = llm.llm_engine.engine_core
-    executor = getattr(core, "engine_core", core).executor  # through the in-process core client
+    executor = executor_of(llm)
     assert isinstance(executor, RayDistributedExecutor) and executor._rpc is not None
     return executor
 
@@ -106,33 +100,13 @@ def tp2(model):
     _assert_nothing_left(ex, segments)
 
 
-def _rank_times(worker, factor, offset=0):
-    return worker.rank * factor + offset
-
-
-def _sleep(worker, seconds):
-    time.sleep(seconds)
-    return worker.rank
-
-
-def _sleep_on_rank_1(worker, seconds):
-    time.sleep(seconds if worker.rank == 1 else 0)
-    return worker.rank
-
-
-def _fail_on_rank_1(worker):
-    if worker.rank == 1:
-        raise ValueError("rank one says no")
-    return "fine"
-
-
 def test_collective_rpc_by_name_and_callable(tp2):
     ex = _executor(tp2)
     pids = ex.collective_rpc("check_health")
     assert len(pids) == 2 and len(set(pids)) == 2 and os.getpid() not in pids
-    assert ex.collective_rpc(_rank_times, args=(10,), kwargs={"offset": 1}) == [1, 11]
-    assert ex.collective_rpc(_rank_times, args=(10,), unique_reply_rank=1) == 10
-    first = ex.collective_rpc(_sleep, args=(0.2,), non_block=True)
+    assert ex.collective_rpc(rank_times, args=(10,), kwargs={"offset": 1}) == [1, 11]
+    assert ex.collective_rpc(rank_times, args=(10,), unique_reply_rank=1) == 10
+    first = ex.collective_rpc(sleep_then_rank, args=(0.2,), non_block=True)
     second = ex.collective_rpc("check_health", non_block=True, unique_reply_rank=0)
     assert second.result(timeout=30) == pids[0]
     assert first.done() and first.result() == [0, 1]
@@ -141,16 +115,16 @@ def test_collective_rpc_by_name_and_callable(tp2):
 def test_timeout_names_the_silent_rank_and_the_executor_recovers(tp2):
     ex = _executor(tp2)
     with pytest.raises(TimeoutError, match=r"ranks \[1\]"):
-        ex.collective_rpc(_sleep_on_rank_1, timeout=0.3, args=(1.5,))
+        ex.collective_rpc(sleep_on_rank_1, timeout=0.3, args=(1.5,))
     # The late reply to the timed-out call is discarded, not taken for this one.
-    assert ex.collective_rpc(_rank_times, args=(1,), timeout=30) == [0, 1]
+    assert ex.collective_rpc(rank_times, args=(1,), timeout=30) == [0, 1]
 
 
 def test_exception_carries_rank_and_traceback(tp2):
     ex = _executor(tp2)
     with pytest.raises(RuntimeError, match="rank 1") as err:
-        ex.collective_rpc(_fail_on_rank_1)
-    assert "in _fail_on_rank_1" in str(err.value) and "ValueError: rank one says no" in str(err.value)
+        ex.collective_rpc(fail_on_rank_1)
+    assert "in fail_on_rank_1" in str(err.value) and "ValueError: rank one says no" in str(err.value)
     assert len(tp2.generate("still alive", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 16
 
 

@@ -10,6 +10,7 @@ import pytest
 from raylm import LLM, SamplingParams
 from raylm.executor.ray_utils import check_one_ip_per_node, sort_workers
 from raylm.testing.hf_oracle import hf_greedy
+from tests.conftest import executor_of as _executor
 from tests.conftest import our_live_ray_state
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -54,11 +55,6 @@ def cluster():
 def _llm(model, **kwargs):
     return LLM(model, dtype="float32", distributed_executor_backend="ray", num_threads=1,
                kv_cache_memory_bytes=16 << 20, ray_placement_timeout=20, **kwargs)
-
-
-def _executor(llm):
-    core = llm.llm_engine.engine_core
-    return getattr(core, "engine_core", core).executor
 
 
 def test_strict_spread_puts_one_rank_per_node_and_rank0_on_the_driver(cluster, tiny_model_dir):
