@@ -66,3 +66,18 @@ def our_live_ray_state():
 def executor_of(llm):
     """The executor behind an offline LLM (through its in-process core client)."""
     return llm.llm_engine.engine_core.engine_core.executor
+
+
+def wait_until_unhealthy(executor, within_s: float) -> str:
+    """Poll check_health() until it raises; the error message, or a test failure
+    when the executor still looks healthy after `within_s` seconds."""
+    import time
+
+    start = time.monotonic()
+    while True:
+        try:
+            executor.check_health()
+        except RuntimeError as e:
+            return str(e)
+        assert time.monotonic() - start < within_s, f"a dead worker went unnoticed for {within_s} s"
+        time.sleep(0.05)
