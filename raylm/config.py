@@ -113,6 +113,23 @@ class ParallelConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    """How failures are detected and how often the engine may recover from them
+    (DESIGN.md, "Failure model")."""
+
+    # Executor rebuilds allowed within `restart_window_s`; one more is fatal.
+    max_restarts: int = 3
+    restart_window_s: float = 600.0
+    # A step that has not finished by then is a hung worker. Generous: a long
+    # prefill on a big model, or a first step that compiles, may take minutes.
+    execute_model_timeout_s: float = 300.0
+    # An idle engine asks every worker for a sign of life this often, and
+    # gives them `health_check_timeout_s` to answer.
+    health_check_interval_s: float = 5.0
+    health_check_timeout_s: float = 30.0
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -122,6 +139,7 @@ class EngineConfig:
     # Torch threads per worker on CPU; None = all cores of the bundle.
     num_threads: int | None = None
     env: dict[str, str] = field(default_factory=dict)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
 
 def create_engine_config(
@@ -148,6 +166,11 @@ def create_engine_config(
     ray_placement_timeout: float = 60.0,
     ray_step_transport: str = "mq",  # the faster by measurement; see ParallelConfig
     placement_group: object | None = None,
+    max_restarts: int = 3,
+    restart_window: float = 600.0,
+    execute_model_timeout: float = 300.0,
+    health_check_interval: float = 5.0,
+    health_check_timeout: float = 30.0,
 ) -> EngineConfig:
     """Validate the user's settings against the model folder and the device."""
     model_dir = str(model) if model else str(DEFAULT_MODEL_DIR)
@@ -189,6 +212,14 @@ def create_engine_config(
     if kv_cache_memory_bytes is not None and kv_cache_memory_bytes <= 0:
         raise ValueError(f"kv_cache_memory_bytes must be > 0, got {kv_cache_memory_bytes}")
 
+    if not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
+    for name, value in (("restart_window", restart_window), ("execute_model_timeout", execute_model_timeout),
+                        ("health_check_interval", health_check_interval),
+                        ("health_check_timeout", health_check_timeout)):
+        if not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+
     env = {k: v for k, v in os.environ.items() if k.startswith("RAYLM_")}
     return EngineConfig(
         model_config=ModelConfig(
@@ -224,4 +255,11 @@ def create_engine_config(
         device=device,
         num_threads=num_threads,
         env=env,
+        fault_tolerance=FaultToleranceConfig(
+            max_restarts=max_restarts,
+            restart_window_s=float(restart_window),
+            execute_model_timeout_s=float(execute_model_timeout),
+            health_check_interval_s=float(health_check_interval),
+            health_check_timeout_s=float(health_check_timeout),
+        ),
     )

@@ -29,15 +29,19 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_id: int | None,
         arrival_time: float | None = None,
+        output_token_ids: list[int] | None = None,
     ):
+        """`output_token_ids`: tokens this request already generated elsewhere
+        (a core that died, say); it continues after them, recomputing their
+        KV cache, and counts them against max_tokens and min_tokens."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.status = RequestStatus.WAITING
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = list(output_token_ids or [])
+        self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
         self.num_computed_tokens = 0
         # Prompt tokens served from the prefix cache at first scheduling.
         self.num_cached_tokens = -1

@@ -90,6 +90,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="default: cuda when available, else cpu")
     device.add_argument("--num-threads", type=int, default=None, metavar="N",
                         help="torch threads per worker on CPU; default: all cores it is given")
+    faults = parser.add_argument_group("failures and recovery")
+    faults.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                        help="executor (and engine-core) rebuilds allowed within --restart-window; "
+                             "one more and the engine is dead")
+    faults.add_argument("--restart-window", type=float, default=600.0, metavar="SECONDS",
+                        help="the window over which --max-restarts counts")
+    faults.add_argument("--execute-model-timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="a step that takes longer means a hung worker: the engine recovers")
+    faults.add_argument("--health-check-interval", type=float, default=5.0, metavar="SECONDS",
+                        help="how often an idle engine asks every worker for a sign of life")
     parser.add_argument("--log-level", default="warning",
                         choices=("debug", "info", "warning", "error"), help="logging verbosity (stderr)")
 
@@ -109,6 +119,10 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "block_size": args.block_size,
         "max_num_seqs": args.max_num_seqs,
         "ray_placement_strategy": args.ray_placement_strategy,
+        "max_restarts": args.max_restarts,
+        "restart_window": args.restart_window,
+        "execute_model_timeout": args.execute_model_timeout,
+        "health_check_interval": args.health_check_interval,
     }
     # Unset optional flags stay out, so the engine's own defaults apply.
     for name in ("ray_address", "ray_step_transport", "kv_cache_memory_bytes", "max_num_batched_tokens", "device", "num_threads"):
