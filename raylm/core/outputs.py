@@ -18,6 +18,8 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # With finish_reason "error": what went wrong, for the client.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -15,10 +15,13 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # Its step raised (it alone, see Scheduler.blame_failed_step): the request
+    # ends with the error; the engine goes on with the others.
+    FINISHED_ERROR = "error"
 
     @property
     def is_finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+        return self.value in ("stop", "length", "abort", "error")
 
 
 class Request:

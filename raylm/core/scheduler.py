@@ -46,6 +46,10 @@ class Scheduler:
         # Requests whose next step must be sent in full (new, or resumed after preemption).
         self._needs_full_send: set[str] = set()
         self.num_preemptions = 0
+        # Requests of a step that raised, not yet cleared: each runs alone until
+        # it samples a token, so a request that makes steps fail is found and
+        # failed by itself (see blame_failed_step).
+        self.suspects: set[str] = set()
 
     # ---- requests in and out -------------------------------------------------
 
@@ -74,6 +78,7 @@ class Scheduler:
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
         self._needs_full_send.discard(request.request_id)
+        self.suspects.discard(request.request_id)
 
     @property
     def num_unfinished(self) -> int:
@@ -89,11 +94,15 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_block_ids: dict[str, list[int]] = {}
         preempted_now = False
+        isolated = self._isolated_request()
 
         # Running requests first, oldest first; the newest is the preemption victim.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if isolated is not None and request is not isolated:
+                i += 1
+                continue
             if self._no_more_tokens_needed(request):
                 i += 1
                 continue
@@ -121,6 +130,8 @@ class Scheduler:
         # Then waiting requests, unless we just had to preempt (no room anyway).
         while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if isolated is not None and (request is not isolated or num_scheduled):
+                break
             computed_blocks, num_cached = [], 0
             if request.num_computed_tokens == 0:
                 computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
@@ -144,6 +155,22 @@ class Scheduler:
             budget -= num_new
 
         return self._make_output(num_scheduled, new_block_ids)
+
+    def _isolated_request(self) -> Request | None:
+        """While suspects remain, the one request allowed to run (alone): a
+        running suspect, else the first waiting one, moved to the queue's head."""
+        if not self.suspects:
+            return None
+        for request in self.running:
+            if request.request_id in self.suspects:
+                return request
+        for request in self.waiting:
+            if request.request_id in self.suspects:
+                self.waiting.remove(request)
+                self.waiting.appendleft(request)
+                return request
+        self.suspects.clear()  # defensive: every suspect has finished
+        return None
 
     def _no_more_tokens_needed(self, request: Request) -> bool:
         """Async scheduling: the steps in flight already produce every token the
@@ -225,6 +252,8 @@ class Scheduler:
             new_tokens = []
             if token_ids and request.num_output_placeholders:
                 request.num_output_placeholders -= 1
+            if token_ids:
+                self.suspects.discard(rid)  # it ran a whole step alone: not the culprit
             for token_id in token_ids:
                 request.append_output_token(token_id)
                 if self.async_scheduling:
@@ -247,6 +276,43 @@ class Scheduler:
                 out.stop_reason = request.stop_reason
             outputs.append(out)
         return outputs
+
+    # ---- failures --------------------------------------------------------------------
+
+    def reset_after_executor_loss(self, num_blocks: int) -> int:
+        """The workers and their KV cache are gone: every running request goes
+        back to the head of the queue, in order, to be recomputed from its
+        prompt and the tokens it already generated (preemption by recompute);
+        the new KV cache gets a fresh block manager. Returns how many requests
+        were running."""
+        running = list(self.running)
+        for request in reversed(running):
+            request.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(request)
+        self.running = []
+        for request in self.waiting:
+            request.num_computed_tokens = 0
+            request.num_output_placeholders = 0
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, self.kv_cache_manager.block_size, self.kv_cache_manager.enable_prefix_caching
+        )
+        # New workers know no request: each is sent in full, and none is finished there.
+        self._needs_full_send = set(self.requests)
+        self.finished_req_ids = set()
+        return len(running)
+
+    def blame_failed_step(self, request_ids: list[str], error: str) -> list[EngineCoreOutput]:
+        """A step of these requests raised. Alone in its step, a request is the
+        culprit and fails with the error; among others, each becomes a suspect
+        that runs alone next (so a repeat names the culprit). Outputs for the
+        requests failed here."""
+        live = [rid for rid in request_ids if rid in self.requests]
+        if len(live) != 1:
+            self.suspects.update(live)
+            return []
+        request = self.requests[live[0]]
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        return [EngineCoreOutput(request_id=request.request_id, new_token_ids=[], finish_reason="error", error=error)]
 
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params

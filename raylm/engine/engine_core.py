@@ -1,4 +1,5 @@
-"""EngineCore: the scheduler and the executor, stepping together.
+"""EngineCore: the scheduler and the executor, stepping together, and the
+recovery from executor failures.
 
 It sizes the KV cache once (the smallest rank decides, so every rank holds the
 same block ids), then each `step` schedules, runs the forward and sampling on
@@ -9,41 +10,87 @@ With pipeline parallelism the executor can hold `max_concurrent_batches`
 batch N+1 while later stages still work on batch N. Requests of an in-flight
 batch have no tokens left to schedule (see Scheduler), so consecutive batches
 hold disjoint requests.
+
+When the executor fails (a worker died, hung past its deadline, or raised in a
+step) the core rebuilds it in place and every request carries on: see
+`_recover` and DESIGN.md, "Failure model".
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from raylm.config import EngineConfig
 from raylm.core.outputs import EngineCoreOutput
 from raylm.core.request import Request
 from raylm.core.scheduler import Scheduler
+from raylm.engine.core_client import EngineDeadError
+from raylm.engine.restart_budget import RestartBudget
 from raylm.executor.abstract import Executor
+from raylm.executor.errors import ExecutorFailedError, WorkerDiedError, WorkerHungError
 from raylm.messages import KVCacheConfig, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+# After a step raised, how long to wait for the executor's liveness verdict:
+# a killed rank's peers raise (connection reset) a moment before its death is
+# seen, and the death, not their error, is the cause.
+_DEATH_VERDICT_GRACE_S = 2.0
+
+# Kinds of failure, as logs and metrics name them.
+WORKER_DIED, WORKER_HUNG, STEP_ERROR, REBUILD_FAILED = "worker_died", "hang", "step_error", "rebuild_failed"
+
+
+@dataclass
+class RecoveryEvent:
+    """One recovery, for logs and metrics: what failed and what it cost."""
+
+    kind: str
+    cause: str
+    seconds: float  # failure noticed -> executor rebuilt and requests re-queued
+    num_requests: int  # requests put back in the queue to continue
+
+
+class _StepFailed(Exception):
+    """An executor call of a step raised `error`; `batch` is the step's output
+    of the scheduler (None when it failed outside a step)."""
+
+    def __init__(self, error: BaseException, batch: SchedulerOutput | None):
+        super().__init__(str(error))
+        self.error = error
+        self.batch = batch
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
-        executor_class = Executor.get_class(config)
-        self.executor = executor_class(config)
-        # PP keeps one batch per stage in flight; async scheduling keeps two
-        # (the next step is scheduled while the current one computes).
-        self.batch_queue_size = self.executor.max_concurrent_batches
-        if config.scheduler_config.async_scheduling:
-            self.batch_queue_size = max(self.batch_queue_size, 2)
+        ft = config.fault_tolerance
+        self.restart_budget = RestartBudget(ft.max_restarts, ft.restart_window_s)
+        self.recoveries: list[RecoveryEvent] = []
+        self.failures_by_kind: dict[str, int] = {}
+        self.num_recovered_requests = 0
         self.batch_queue: deque[tuple[SchedulerOutput, Future]] = deque()
+        self.executor = self._make_executor()
+        self._last_health_check = time.monotonic()
         try:
             self._initialize_kv_cache()
             self.scheduler = Scheduler(config.scheduler_config, config.cache_config, config.model_config.max_model_len)
         except BaseException:
             self.executor.shutdown()
             raise
+
+    def _make_executor(self) -> Executor:
+        executor = Executor.get_class(self.config)(self.config)
+        # PP keeps one batch per stage in flight; async scheduling keeps two
+        # (the next step is scheduled while the current one computes).
+        self.batch_queue_size = executor.max_concurrent_batches
+        if self.config.scheduler_config.async_scheduling:
+            self.batch_queue_size = max(self.batch_queue_size, 2)
+        return executor
 
     def _initialize_kv_cache(self) -> None:
         cc = self.config.cache_config
@@ -74,16 +121,29 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    # ---- one step ------------------------------------------------------------------
+
     def step(self) -> list[EngineCoreOutput]:
-        if self.batch_queue_size > 1:
-            return self._step_with_batch_queue()
+        """One step; on an executor failure, recovery instead (the requests of
+        the lost steps are re-queued and continue in later steps)."""
+        try:
+            if self.batch_queue_size > 1:
+                return self._step_with_batch_queue()
+            return self._step_one_batch()
+        except _StepFailed as failed:
+            return self._recover(failed.error, failed.batch)
+
+    def _step_one_batch(self) -> list[EngineCoreOutput]:
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
-        self.executor.execute_model(scheduler_output)
-        runner_output = self.executor.sample_tokens(None)
+        try:
+            self.executor.execute_model(scheduler_output)
+            runner_output = self.executor.sample_tokens(None)
+        except Exception as e:
+            raise _StepFailed(e, scheduler_output) from e
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
@@ -92,18 +152,115 @@ class EngineCore:
         if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
             if not scheduler_output.is_empty:
-                self.executor.execute_model(scheduler_output, non_block=True)
-                future = self.executor.sample_tokens(None, non_block=True)
+                try:
+                    self.executor.execute_model(scheduler_output, non_block=True)
+                    future = self.executor.sample_tokens(None, non_block=True)
+                except Exception as e:
+                    raise _StepFailed(e, scheduler_output) from e
                 self.batch_queue.append((scheduler_output, future))
                 if len(self.batch_queue) < self.batch_queue_size:
                     return []
         if not self.batch_queue:
             return []
         scheduler_output, future = self.batch_queue.popleft()
-        return self.scheduler.update_from_output(scheduler_output, future.result())
+        try:
+            runner_output = future.result()
+        except Exception as e:
+            raise _StepFailed(e, scheduler_output) from e
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def has_work_in_flight(self) -> bool:
         return bool(self.batch_queue)
+
+    # ---- health and recovery ------------------------------------------------------------
+
+    def check_health_if_due(self) -> None:
+        """Called by an idle core loop: every `health_check_interval_s`, make
+        every worker answer; a dead or hung one is replaced before the next
+        request needs it."""
+        now = time.monotonic()
+        if now - self._last_health_check < self.config.fault_tolerance.health_check_interval_s:
+            return
+        self._last_health_check = now
+        if self.batch_queue:
+            return  # steps in flight have their own deadline
+        try:
+            self.executor.check_health()
+        except Exception as e:
+            self._recover(e, None)
+
+    def _recover(self, error: BaseException, batch: SchedulerOutput | None) -> list[EngineCoreOutput]:
+        """Rebuild the executor and put every request back in the queue: the
+        requests recompute their KV cache from their prompt and the tokens
+        they generated and continue (greedy output is unchanged). A step that
+        raised is blamed on its requests (Scheduler.blame_failed_step).
+        EngineDeadError once the restart budget is spent."""
+        noticed = time.monotonic()
+        kind, cause = self._diagnose(error)
+        self.failures_by_kind[kind] = self.failures_by_kind.get(kind, 0) + 1
+        outputs: list[EngineCoreOutput] = []
+        if kind == STEP_ERROR and batch is not None:
+            outputs = self.scheduler.blame_failed_step(list(batch.num_scheduled_tokens), cause.splitlines()[0])
+        self._rebuild_executor(kind, cause)
+        num_requeued = self.scheduler.reset_after_executor_loss(self.config.cache_config.num_blocks)
+        event = RecoveryEvent(kind, cause, time.monotonic() - noticed, num_requeued)
+        self.recoveries.append(event)
+        self.num_recovered_requests += num_requeued
+        logger.warning(
+            "recovered from %s in %.2f s: %d request(s) continue on the new executor (%s)",
+            kind, event.seconds, num_requeued, self.restart_budget.describe(),
+        )
+        return outputs
+
+    def _diagnose(self, error: BaseException) -> tuple[str, str]:
+        """(kind, cause) of a failure. A step error is a death if the executor
+        reports one within a short grace, whatever the surviving ranks raised."""
+        if isinstance(error, WorkerHungError):
+            return WORKER_HUNG, str(error)
+        if isinstance(error, WorkerDiedError):
+            return WORKER_DIED, str(error)
+        deadline = time.monotonic() + _DEATH_VERDICT_GRACE_S
+        while True:
+            try:
+                self.executor.check_liveness()
+            except WorkerDiedError as died:
+                return WORKER_DIED, str(died)
+            except Exception:  # a step error already on record: not a death (yet)
+                pass
+            if time.monotonic() >= deadline:
+                return STEP_ERROR, f"{type(error).__name__}: {error}" if not isinstance(error, ExecutorFailedError) else str(error)
+            time.sleep(0.05)
+
+    def _rebuild_executor(self, kind: str, cause: str) -> None:
+        """Tear the executor down completely (actors, placement group,
+        processes, shared memory) and build a new one through the same
+        factory (Ray may place it on other nodes); retried within the budget."""
+        while True:
+            logger.error("executor failed (%s): %s", kind, cause)
+            if not self.restart_budget.allow():
+                ft = self.config.fault_tolerance
+                raise EngineDeadError(
+                    f"the executor failed more than {ft.max_restarts} time(s) within {ft.restart_window_s:g} s "
+                    f"(max_restarts); last failure ({kind}): {cause.splitlines()[0] if cause else ''}"
+                )
+            self._shutdown_executor()
+            delay = self.restart_budget.backoff_s()
+            if delay > 0:
+                time.sleep(delay)
+            try:
+                self.executor = self._make_executor()
+                self._initialize_kv_cache()
+                return
+            except Exception as e:
+                kind, cause = REBUILD_FAILED, f"rebuilding the executor failed: {type(e).__name__}: {e}"
+                self.failures_by_kind[kind] = self.failures_by_kind.get(kind, 0) + 1
+
+    def _shutdown_executor(self) -> None:
+        self.batch_queue.clear()
+        try:
+            self.executor.shutdown()
+        except Exception:  # it is broken already; what it holds is released by its finalizers
+            logger.exception("shutting down the failed executor")
 
     def stats(self) -> dict:
         return self.scheduler.stats()

@@ -67,11 +67,18 @@ class Executor(ABC):
     def max_concurrent_batches(self) -> int:
         return self.config.parallel_config.pipeline_parallel_size
 
+    @property
+    def step_timeout_s(self) -> float:
+        """A step not done by then means a hung worker (WorkerHungError)."""
+        return self.config.fault_tolerance.execute_model_timeout_s
+
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False):
-        return self.collective_rpc("execute_model", args=(scheduler_output,), non_block=non_block, unique_reply_rank=self._output_rank)
+        return self.collective_rpc("execute_model", timeout=self.step_timeout_s, args=(scheduler_output,),
+                                   non_block=non_block, unique_reply_rank=self._output_rank)
 
     def sample_tokens(self, grammar_output: GrammarOutput | None, non_block: bool = False) -> ModelRunnerOutput | Future:
-        return self.collective_rpc("sample_tokens", args=(grammar_output,), non_block=non_block, unique_reply_rank=self._output_rank)
+        return self.collective_rpc("sample_tokens", timeout=self.step_timeout_s, args=(grammar_output,),
+                                   non_block=non_block, unique_reply_rank=self._output_rank)
 
     @property
     def _output_rank(self) -> int:
@@ -88,9 +95,15 @@ class Executor(ABC):
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         self.collective_rpc("initialize_from_config", args=(kv_cache_config,))
 
+    def check_liveness(self) -> None:
+        """Raise WorkerDiedError if a worker is known to be dead. Cheap and
+        local (no call to the workers), so it is safe while a step hangs."""
+
     @abstractmethod
     def check_health(self) -> None:
-        """Raise if any worker is dead or hung."""
+        """Raise if any worker is dead or hung: liveness, then (when no step is
+        in flight) a heartbeat every rank must answer within
+        `fault_tolerance.health_check_timeout_s` (WorkerHungError)."""
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from raylm.distributed.shm_broadcast import MessageQueue, QueueClosedError
+from raylm.executor.errors import ExecutorFailedError, WorkerDiedError, WorkerHungError, WorkerStepError
 
 logger = logging.getLogger(__name__)
 
@@ -29,11 +30,6 @@ logger = logging.getLogger(__name__)
 REPLY_POLL_S = 0.05
 
 OK, ERROR, FATAL = "ok", "error", "fatal"
-
-
-class WorkerDiedError(RuntimeError):
-    """A worker died or failed outside a call that could report it; the
-    executor is unusable (the engine turns this into EngineDeadError)."""
 
 
 def method_name(method: str | Callable) -> str:
@@ -159,13 +155,17 @@ class MqRpcClient:
         responses: list[MessageQueue],
         shutting_down: threading.Event,
         on_failure: Callable[[str], None] | None = None,
+        describe_rank: Callable[[int], str] | None = None,
     ):
         self.broadcast = broadcast
         self.responses = responses
         self.world_size = len(responses)
         self.shutting_down = shutting_down
         self.failure: str | None = None
+        self.failure_type: type[ExecutorFailedError] = WorkerDiedError
         self._on_failure = on_failure
+        # "rank 1 (pid 4242, node 10.0.0.2)": what a failure message names.
+        self.describe_rank = describe_rank or (lambda rank: f"rank {rank}")
         self._seq = itertools.count()
         self._send_lock = threading.Lock()
         self._recv_lock = threading.RLock()
@@ -175,20 +175,24 @@ class MqRpcClient:
 
     # ---- state --------------------------------------------------------------------
 
-    def mark_failed(self, reason: str) -> None:
-        if self.failure is None:
+    def mark_failed(self, reason: str, error_type: type[ExecutorFailedError] = WorkerDiedError) -> None:
+        """The executor is unusable. A death overrides an earlier step error: a
+        killed rank's peers often raise (connection reset) before its death is
+        seen, and the death is the cause worth reporting."""
+        if self.failure is None or (error_type is WorkerDiedError and self.failure_type is not WorkerDiedError):
             self.failure = reason
+            self.failure_type = error_type
             logger.error("executor failed: %s", reason)
             if self._on_failure is not None:
                 self._on_failure(reason)
         # Fail every call in flight now; nobody is going to answer them.
         for call in list(self.pending):
             if not call.future.done():
-                call.future.set_exception(WorkerDiedError(self.failure))
+                call.future.set_exception(self.failure_type(self.failure))
 
     def raise_if_failed(self) -> None:
         if self.failure is not None:
-            raise WorkerDiedError(self.failure)
+            raise self.failure_type(self.failure)
         if self.shutting_down.is_set():
             raise RuntimeError("executor is shut down")
 
@@ -227,7 +231,7 @@ class MqRpcClient:
             except BaseException as e:
                 self.pending.remove(call)
                 if isinstance(e, TimeoutError):
-                    raise TimeoutError(f"{name}: the workers did not take the call within {timeout} s") from None
+                    raise WorkerHungError(f"{name}: the workers did not take the call within {timeout} s") from None
                 raise
         if non_block:
             return future
@@ -254,8 +258,8 @@ class MqRpcClient:
             try:
                 call.replies[rank] = self._next_reply(rank, call)
             except TimeoutError:
-                missing = [r for r in call.ranks if r not in call.replies]
-                raise TimeoutError(f"{call.method_name}: ranks {missing} did not answer in time") from None
+                missing = ", ".join(self.describe_rank(r) for r in call.ranks if r not in call.replies)
+                raise WorkerHungError(f"{call.method_name}: {missing} did not answer within its deadline") from None
         results = []
         for rank in call.ranks:
             _, status, payload = call.replies[rank]
@@ -286,15 +290,15 @@ class MqRpcClient:
             except QueueClosedError:
                 self.raise_if_failed()
                 # Only the worker's own loop closes its response queue.
-                self.mark_failed(f"worker rank {rank} stopped answering: its response queue was closed")
-                raise WorkerDiedError(self.failure) from None
+                self.mark_failed(f"worker {self.describe_rank(rank)} stopped answering: its response queue was closed")
+                self.raise_if_failed()
             self._file_reply(rank, reply, call.seq)
 
     def _file_reply(self, rank: int, reply: tuple, current_seq: int) -> None:
         seq, status, payload = reply
         if status == FATAL:
-            self.mark_failed(format_worker_error(payload))
-            raise WorkerDiedError(self.failure)
+            self.mark_failed(format_worker_error(payload), WorkerStepError)
+            self.raise_if_failed()
         if seq >= current_seq:
             self._stash[rank][seq] = reply
         # else: a late reply to a call that already timed out; drop it.

@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 WORKER_STARTUP_TIMEOUT_S = 300.0
 WORKER_SHUTDOWN_TIMEOUT_S = 5.0
+_HOSTNAME = socket.gethostname()
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -210,7 +211,12 @@ class MultiprocExecutor(Executor):
             if executor is not None:
                 executor.is_failed = True
 
-        self._rpc = MqRpcClient(res.broadcast, res.responses, res.shutting_down, on_failure)
+        processes = res.processes  # not self: the client must not keep the executor alive
+
+        def describe_rank(rank: int) -> str:
+            return f"rank {rank} (pid {processes[rank].pid}, node {_HOSTNAME})"
+
+        self._rpc = MqRpcClient(res.broadcast, res.responses, res.shutting_down, on_failure, describe_rank)
         res.monitor_wakeup = ctx.Pipe(duplex=False)
         res.monitor = threading.Thread(target=self._monitor_workers, name="MultiprocWorkerMonitor", daemon=True)
         res.monitor.start()
@@ -247,6 +253,9 @@ class MultiprocExecutor(Executor):
                 conn.close()
         return handles  # type: ignore[return-value]
 
+    def describe_rank(self, rank: int) -> str:
+        return self._rpc.describe_rank(rank) if self._rpc is not None else f"rank {rank}"
+
     @property
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._res.processes]
@@ -271,9 +280,13 @@ class MultiprocExecutor(Executor):
         dead = [sentinels[s] for s in ready if s in sentinels]
         if dead:
             rank = dead[0]
-            proc = res.processes[rank]
-            proc.join(1.0)  # the sentinel fires a moment before the exit code can be read
-            self._mark_failed(f"worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}")
+            res.processes[rank].join(1.0)  # the sentinel fires a moment before the exit code can be read
+            self._mark_failed(self._death_message(rank))
+
+    def _death_message(self, rank: int) -> str:
+        code = self._res.processes[rank].exitcode
+        cause = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        return f"worker {self.describe_rank(rank)} died: {cause}"
 
     def _mark_failed(self, reason: str) -> None:
         if self._rpc is not None:
@@ -290,16 +303,18 @@ class MultiprocExecutor(Executor):
             raise RuntimeError("executor workers are not running")
         self._rpc.raise_if_failed()
 
-    def check_health(self) -> None:
-        self._raise_if_failed()
+    def check_liveness(self) -> None:
         for rank, proc in enumerate(self._res.processes):
             if not proc.is_alive():
-                self._mark_failed(f"worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}")
-                raise WorkerDiedError(self._failure)
-        # A live process may still be wedged: when nothing else is in flight,
-        # make every rank answer.
+                self._mark_failed(self._death_message(rank))
+        self._raise_if_failed()
+
+    def check_health(self) -> None:
+        self.check_liveness()
+        # A live process may still be wedged (SIGSTOP, a deadlock): when
+        # nothing else is in flight, make every rank answer.
         if not self._rpc.pending:
-            self.collective_rpc("check_health", timeout=60.0)
+            self.collective_rpc("check_health", timeout=self.config.fault_tolerance.health_check_timeout_s)
 
     # ---- calls ----------------------------------------------------------------------
 

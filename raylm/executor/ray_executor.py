@@ -34,7 +34,8 @@ os.environ.setdefault("RAY_CGRAPH_teardown_timeout", "10")
 from raylm.distributed.shm_broadcast import MessageQueue, unlink_segment  # noqa: E402
 from raylm.executor.abstract import Executor  # noqa: E402
 from raylm.executor import ray_utils  # noqa: E402
-from raylm.executor.mq_rpc import MqRpcClient, WorkerDiedError  # noqa: E402
+from raylm.executor.errors import WorkerDiedError, WorkerHungError  # noqa: E402
+from raylm.executor.mq_rpc import MqRpcClient  # noqa: E402
 from raylm.messages import GrammarOutput, SchedulerOutput  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class RayDistributedExecutor(Executor):
         self._finalizer = None
         self.node_ids: list[str] = []
         self.node_ips: list[str] = []
+        self.worker_pids: list[int] = []
 
         cfg = self.config
         pc = cfg.parallel_config
@@ -137,8 +139,9 @@ class RayDistributedExecutor(Executor):
                 actor = actor_cls.options(
                     num_cpus=0 if device == "cuda" else cpus_per_worker,
                     num_gpus=1 if device == "cuda" else 0,
-                    # One thread for the steps, one for the liveness call.
-                    max_concurrency=2,
+                    # One thread for the steps (or the compiled graph's loop),
+                    # one for the liveness call, one for health checks.
+                    max_concurrency=3,
                     scheduling_strategy=strategy,
                     runtime_env={"env_vars": env},
                 ).remote(rank=i)
@@ -173,6 +176,7 @@ class RayDistributedExecutor(Executor):
         ray.get([w.adjust_rank.remote(mapping) for w in self.workers])
         self.node_ids = [info[0] for info in infos]
         self.node_ips = [info[1] for info in infos]
+        self.worker_pids = ray.get([w.get_pid.remote() for w in self.workers])
 
         pc = self.config.parallel_config
         tp = pc.tensor_parallel_size
@@ -242,7 +246,8 @@ class RayDistributedExecutor(Executor):
             if executor is not None:
                 executor.is_failed = True
 
-        self._rpc = MqRpcClient(mq.broadcast, mq.responses, mq.shutting_down, on_failure)
+        self._rpc = MqRpcClient(mq.broadcast, mq.responses, mq.shutting_down, on_failure,
+                                _rank_describer(self.worker_pids, self.node_ips, self.node_ids))
         logger.info("mq step transport: ranks %s read shared memory, %d over ZMQ at %s", local_ranks, num_remote, host_ip)
 
     @property
@@ -254,10 +259,22 @@ class RayDistributedExecutor(Executor):
         names = [broadcast.shm_name] if broadcast is not None and broadcast.shm_name else []
         return names + list(self._mq.response_segments)
 
+    def describe_rank(self, rank: int) -> str:
+        return _rank_describer(self.worker_pids, self.node_ips, self.node_ids)(rank)
+
     def _start_monitor(self) -> None:
         self._liveness_refs = [w.wait_until_dead.remote() for w in self.workers]
-        self._monitor = threading.Thread(target=self._monitor_loop, name="raylm-ray-worker-monitor", daemon=True)
+        self._monitor = threading.Thread(target=self._run_monitor, name="raylm-ray-worker-monitor", daemon=True)
         self._monitor.start()
+
+    def _run_monitor(self) -> None:
+        try:
+            self._monitor_loop()
+        except BaseException as e:
+            # Without its monitor nobody would notice a dead worker until a
+            # step timed out: fail the executor so the engine rebuilds it.
+            if not self._shutdown_called:
+                self._set_failure(f"the worker liveness monitor failed: {type(e).__name__}: {e}")
 
     def _monitor_loop(self) -> None:
         import ray
@@ -270,16 +287,20 @@ class RayDistributedExecutor(Executor):
             rank = self._liveness_refs.index(ready[0])
             try:
                 ray.get(ready[0])
-                reason = "returned"
-            except Exception as e:  # RayActorError and friends: the point of this call
+                reason = "its liveness call returned"
+            except ray.exceptions.RayActorError as e:  # the point of this call
+                reason = _actor_death_cause(e)
+            except Exception as e:
                 reason = f"{type(e).__name__}"
-            self._failure = (
-                f"worker rank {rank} on node {self.node_ips[rank]} ({self.node_ids[rank][:12]}) died: {reason}"
-            )
-            logger.error("%s", self._failure)
-            if self._rpc is not None:
-                self._rpc.mark_failed(self._failure)  # fails the calls in flight now
+            self._set_failure(f"worker {self.describe_rank(rank)} died: {reason}")
             return
+
+    def _set_failure(self, reason: str) -> None:
+        self._failure = reason
+        self.is_failed = True
+        logger.error("%s", reason)
+        if self._rpc is not None:
+            self._rpc.mark_failed(reason)  # fails the calls in flight now
 
     # ---- the contract ------------------------------------------------------------
 
@@ -287,11 +308,29 @@ class RayDistributedExecutor(Executor):
         if self._failure is not None:
             raise WorkerDiedError(self._failure)
         if self._rpc is not None and self._rpc.failure is not None:
-            raise WorkerDiedError(self._rpc.failure)
+            self._rpc.raise_if_failed()
         if self._shutdown_called:
             raise RuntimeError("executor is shut down")
 
+    def check_liveness(self) -> None:
+        self._raise_if_unusable()
+
     def check_health(self) -> None:
+        import ray
+
+        self._raise_if_unusable()
+        timeout = self.config.fault_tolerance.health_check_timeout_s
+        if self._rpc is not None:
+            if not self._rpc.pending:
+                self._rpc.call("check_health", timeout)
+            return
+        if self._pending_output is not None:
+            return  # a compiled-graph step is being prepared; its own deadline watches it
+        refs = [w.execute_method.remote("check_health") for w in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        if len(ready) < len(refs):
+            missing = ", ".join(self.describe_rank(r) for r, ref in enumerate(refs) if ref not in ready)
+            raise WorkerHungError(f"health check: {missing} did not answer within {timeout:g} s")
         self._raise_if_unusable()
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False, unique_reply_rank=None):
@@ -309,8 +348,8 @@ class RayDistributedExecutor(Executor):
             if limit is not None:
                 ready, _ = ray.wait(refs, num_returns=len(refs), timeout=limit)
                 if len(ready) < len(refs):
-                    missing = [r for r, ref in zip(targets, refs) if ref not in ready]
-                    raise TimeoutError(f"collective_rpc {_name(method)!r}: ranks {missing} did not answer within {limit} s")
+                    missing = ", ".join(self.describe_rank(r) for r, ref in zip(targets, refs) if ref not in ready)
+                    raise WorkerHungError(f"collective_rpc {_name(method)!r}: {missing} did not answer within {limit} s")
             results = []
             for rank, ref in zip(targets, refs):
                 try:
@@ -320,7 +359,7 @@ class RayDistributedExecutor(Executor):
                         f"{_name(method)!r} failed on rank {rank} (node {self.node_ips[rank]}):\n{e}"
                     ) from e
                 except ray.exceptions.RayActorError as e:
-                    raise WorkerDiedError(f"rank {rank} (node {self.node_ips[rank]}) died during {_name(method)!r}: {e}") from e
+                    raise WorkerDiedError(f"{self.describe_rank(rank)} died during {_name(method)!r}: {e}") from e
             return results[unique_reply_rank] if unique_reply_rank is not None else results
 
         if non_block:
@@ -356,11 +395,14 @@ class RayDistributedExecutor(Executor):
         ref = self.compiled_graph.execute((scheduler_output, grammar_output))
 
         def get(timeout):
+            limit = self.step_timeout_s if timeout is None else timeout
             try:
-                results = ray.get(ref, timeout=timeout)
+                results = ray.get(ref, timeout=limit)
             except Exception as e:
                 if self._failure is not None:
                     raise WorkerDiedError(self._failure) from e
+                if isinstance(e, ray.exceptions.GetTimeoutError):
+                    raise WorkerHungError(f"compiled-graph step: no result within {limit:g} s") from e
                 raise
             return results[self._output_rank - self._last_stage_first_rank]
 
@@ -437,8 +479,8 @@ class RayDistributedExecutor(Executor):
             if pg is not None:
                 try:
                     remove_placement_group(pg)
-                except Exception:
-                    pass
+                except Exception as e:  # its bundles stay reserved: say so
+                    logger.warning("could not remove placement group %s: %s", pg.id.hex()[:12], e)
         if mq is not None:
             mq.release()
 
@@ -469,6 +511,28 @@ def _teardown_quietly(graph) -> None:
         logger.debug("compiled graph teardown: %s", e)
     finally:
         dag_logger.setLevel(level)
+
+
+def _rank_describer(pids: list[int], ips: list[str], node_ids: list[str]):
+    """rank -> "rank 1 (pid 4242, node 10.0.0.2 1a2b3c4d5e6f)"; closes over the
+    lists, not the executor, so whoever holds it does not keep the executor alive."""
+
+    def describe(rank: int) -> str:
+        pid = pids[rank] if rank < len(pids) else "?"
+        where = f"{ips[rank]} {node_ids[rank][:12]}" if rank < len(ips) else "?"
+        return f"rank {rank} (pid {pid}, node {where})"
+
+    return describe
+
+
+def _actor_death_cause(error) -> str:
+    """The first line of Ray's account of an actor's death (killed, node lost, OOM...)."""
+    text = str(error).strip()
+    for line in text.splitlines():
+        line = line.strip()
+        if line and "The actor is dead" not in line:
+            return line[:300]
+    return type(error).__name__
 
 
 def _name(method) -> str:

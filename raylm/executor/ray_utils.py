@@ -191,6 +191,9 @@ class RayWorkerWrapper(WorkerWrapper):
         ctx = ray.get_runtime_context()
         return ctx.get_node_id(), ray.util.get_node_ip_address(), [str(g) for g in ray.get_gpu_ids()]
 
+    def get_pid(self) -> int:
+        return os.getpid()
+
     def get_free_port(self) -> int:
         import socket
 

@@ -19,7 +19,7 @@ from raylm.model.forward_context import set_forward_context
 from raylm.model.layers.attention import Attention
 from raylm.model.loader import load_model
 from raylm.worker.input_batch import CachedRequestState, PreparedBatch, prepare_batch
-from raylm.worker.sampler import Sampler, compute_prompt_logprobs
+from raylm.worker.sampler import Sampler, advance_generator, compute_prompt_logprobs
 from raylm.worker.sampling_metadata import SamplingRow, build_sampling_metadata
 
 logger = logging.getLogger(__name__)
@@ -88,6 +88,10 @@ class ModelRunner:
             if generator is None and params.seed is not None:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(params.seed)
+                if params.temperature != 0.0 and new.output_token_ids:
+                    # Resumed here after a failure elsewhere: its earlier
+                    # tokens were sampled by workers that are gone.
+                    advance_generator(generator, len(new.output_token_ids), self.vocab_size)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 prompt_token_ids=list(new.prompt_token_ids),

@@ -139,6 +139,15 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     return _argmax((probs / noise.clamp_min_(_MIN_NOISE)))
 
 
+def advance_generator(generator: torch.Generator, num_steps: int, vocab_size: int) -> None:
+    """Replay the draws of `num_steps` sampled steps (exponential_race draws
+    one row of V values per step), so a request resumed on new workers (after
+    a failure) continues its seeded stream exactly where it stopped."""
+    row = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
+    for _ in range(num_steps):
+        row.exponential_(generator=generator)
+
+
 class Sampler(torch.nn.Module):
     """Samples the next token of every row of the batch in one vectorized pass."""
 
