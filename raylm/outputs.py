@@ -23,8 +23,12 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    # "stop" | "length" | "abort" | "error" (see `error`) | None while running
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
+    # Why the engine failed this request (finish_reason "error"); the engine
+    # went on with the others.
+    error: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

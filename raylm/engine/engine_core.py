@@ -257,6 +257,7 @@ class EngineCore:
 
     def _shutdown_executor(self) -> None:
         self.batch_queue.clear()
+        self.executor.is_failed = True  # no grace for its workers: see the executors' shutdown
         try:
             self.executor.shutdown()
         except Exception:  # it is broken already; what it holds is released by its finalizers

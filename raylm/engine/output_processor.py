@@ -28,6 +28,7 @@ class ChildState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None
     sent_tokens: int = 0
     sent_logprobs: int = 0
 
@@ -45,6 +46,10 @@ class ParentState:
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.children.values())
+
+    @property
+    def has_all_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) >= len(self.prompt_token_ids)
 
 
 class OutputProcessor:
@@ -104,7 +109,9 @@ class OutputProcessor:
             child = parent.children[out.request_id]
             changed.add(parent_id)
             parent.num_cached_tokens = out.num_cached_tokens
-            if out.new_prompt_logprobs and parent.prompt_logprobs is not None and child.index == 0:
+            # A request resumed in a new core computes its prompt logprobs again.
+            if (out.new_prompt_logprobs and parent.prompt_logprobs is not None and child.index == 0
+                    and not parent.has_all_prompt_logprobs):
                 parent.prompt_logprobs.extend(self._to_logprobs(e) for e in out.new_prompt_logprobs)
             if child.finish_reason is not None:
                 continue
@@ -122,7 +129,20 @@ class OutputProcessor:
                     to_abort.append(out.request_id)
             elif out.finished:
                 child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+                child.error = out.error
         return changed, to_abort
+
+    def resume_points(self, request_id: str) -> list[tuple[str, list[int]]]:
+        """(child id, tokens generated so far) of each unfinished child, for
+        resubmitting it to a new engine core as a continuation."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return []
+        if parent.prompt_logprobs is not None and not parent.has_all_prompt_logprobs:
+            # Cut off mid-prompt: the new core sends them all from the start.
+            parent.prompt_logprobs = [None]
+        return [(cid, list(child.token_ids)) for cid, child in parent.children.items()
+                if child.finish_reason is None]
 
     def make_output(self, request_id: str, delta: bool = False) -> RequestOutput:
         """The parent's RequestOutput; `delta` gives only what is new since the last call."""
@@ -142,7 +162,7 @@ class OutputProcessor:
                 CompletionOutput(
                     index=child.index, text=text, token_ids=list(tokens),
                     cumulative_logprob=child.cumulative_logprob, logprobs=logprobs,
-                    finish_reason=child.finish_reason, stop_reason=child.stop_reason,
+                    finish_reason=child.finish_reason, stop_reason=child.stop_reason, error=child.error,
                 )
             )
         finished = parent.finished

@@ -258,8 +258,14 @@ class MqRpcClient:
             try:
                 call.replies[rank] = self._next_reply(rank, call)
             except TimeoutError:
-                missing = ", ".join(self.describe_rank(r) for r in call.ranks if r not in call.replies)
-                raise WorkerHungError(f"{call.method_name}: {missing} did not answer within its deadline") from None
+                missing = [r for r in call.ranks if r not in call.replies]
+                waited = ", ".join(self.describe_rank(r) for r in missing)
+                # The rank that hangs may not be the one that was asked (it may
+                # wait for the hung one in a collective): describe them all.
+                ranks = "; ".join(self.describe_rank(r) for r in range(self.world_size))
+                raise WorkerHungError(
+                    f"{call.method_name}: {waited} did not answer within its deadline (ranks: {ranks})"
+                ) from None
         results = []
         for rank in call.ranks:
             _, status, payload = call.replies[rank]

@@ -19,6 +19,8 @@ import traceback
 import weakref
 from typing import Any, Callable
 
+import psutil
+
 from raylm.config import EngineConfig
 from raylm.distributed.shm_broadcast import MessageQueue, MessageQueueHandle, unlink_segment
 from raylm.executor.abstract import Executor
@@ -30,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 WORKER_STARTUP_TIMEOUT_S = 300.0
 WORKER_SHUTDOWN_TIMEOUT_S = 5.0
+FAILED_WORKER_GRACE_S = 0.5
 _HOSTNAME = socket.gethostname()
 
 def _free_port() -> int:
@@ -43,6 +46,16 @@ def _cpu_count() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def _abnormal_state(pid: int) -> str:
+    """", stopped" for a process that is not running normally, else "": a
+    step deadline names the rank that hung, not only the one that waited."""
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.Error:
+        return ", gone"
+    return "" if status in (psutil.STATUS_RUNNING, psutil.STATUS_SLEEPING, psutil.STATUS_DISK_SLEEP) else f", {status}"
 
 
 # ---- the worker process -----------------------------------------------------------------
@@ -121,6 +134,9 @@ class _Resources:
         self.shutting_down = threading.Event()
         self.monitor_wakeup: tuple | None = None
         self.monitor: threading.Thread | None = None
+        # A failed executor's workers get no grace: some are dead, stopped or
+        # stuck in a collective with a dead peer, and recovery is waiting.
+        self.failed = False
 
     def shutdown(self) -> None:
         if self.shutting_down.is_set():
@@ -128,12 +144,14 @@ class _Resources:
         self.shutting_down.set()
         if self.broadcast is not None:
             self.broadcast.close()  # every worker's dequeue raises QueueClosedError: a clean exit
-        deadline = time.monotonic() + WORKER_SHUTDOWN_TIMEOUT_S
+        grace = FAILED_WORKER_GRACE_S if self.failed else WORKER_SHUTDOWN_TIMEOUT_S
+        deadline = time.monotonic() + grace
         for proc in self.processes:
             proc.join(max(0.0, deadline - time.monotonic()))
         for proc in self.processes:
             if proc.is_alive():
-                logger.warning("worker pid %s did not exit in %.0f s; killing it", proc.pid, WORKER_SHUTDOWN_TIMEOUT_S)
+                log = logger.info if self.failed else logger.warning
+                log("worker pid %s did not exit in %.1f s; killing it", proc.pid, grace)
                 proc.kill()
                 proc.join(2.0)
         for conn in self.death_pipes:
@@ -214,7 +232,8 @@ class MultiprocExecutor(Executor):
         processes = res.processes  # not self: the client must not keep the executor alive
 
         def describe_rank(rank: int) -> str:
-            return f"rank {rank} (pid {processes[rank].pid}, node {_HOSTNAME})"
+            pid = processes[rank].pid
+            return f"rank {rank} (pid {pid}, node {_HOSTNAME}{_abnormal_state(pid)})"
 
         self._rpc = MqRpcClient(res.broadcast, res.responses, res.shutting_down, on_failure, describe_rank)
         res.monitor_wakeup = ctx.Pipe(duplex=False)
@@ -334,6 +353,7 @@ class MultiprocExecutor(Executor):
     # ---- shutdown -------------------------------------------------------------------
 
     def shutdown(self) -> None:
+        self._res.failed = self.is_failed
         self._finalizer()
         if self._rpc is not None:
             self._rpc.cancel_pending()

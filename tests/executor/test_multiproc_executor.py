@@ -146,7 +146,7 @@ def test_worker_exception_carries_rank_and_traceback(tp2):
     ex.check_health()
 
 
-def test_killed_worker_is_noticed_and_everything_is_cleaned_up(model):
+def test_killed_worker_is_noticed_and_everything_is_cleaned_up(model, reference):
     llm = _mp_llm(model, tp=2)
     ex = _executor(llm)
     pids, segments = ex.worker_pids, ex.shm_segment_names
@@ -160,12 +160,17 @@ def test_killed_worker_is_noticed_and_everything_is_cleaned_up(model):
         assert ex.is_failed
         with pytest.raises(WorkerDiedError, match="rank 1"):
             ex.check_health()
-        with pytest.raises(WorkerDiedError, match="rank 1"):
-            llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
+        # The engine replaces the dead executor before the next step.
+        out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
+        assert out[0].outputs[0].token_ids == reference[0]
+        assert _executor(llm) is not ex
+        assert all(_gone(p) for p in pids)  # the old executor is gone entirely
+        assert not _left_in_dev_shm(segments)
+        new_pids, new_segments = _executor(llm).worker_pids, _executor(llm).shm_segment_names
     finally:
         llm.shutdown()
-    assert all(_gone(p) for p in pids)
-    assert not _left_in_dev_shm(segments)
+    assert all(_gone(p) for p in new_pids)
+    assert not _left_in_dev_shm(new_segments)
 
 
 ENGINE_SCRIPT = textwrap.dedent(

@@ -44,3 +44,26 @@ def fail_on_rank_1(worker):
 
 def marker_env(worker):
     return os.environ.get("RAYLM_TEST_MARKER"), "CUDA_VISIBLE_DEVICES" in os.environ
+
+
+def install_poison(worker, poison_token: int):
+    """Make this worker raise on any step that holds a request whose prompt
+    contains `poison_token`: a stand-in for a bug that one request triggers."""
+    runner = worker.model_runner
+    original = runner.execute_model
+
+    def execute_model(scheduler_output, *args, **kwargs):
+        prompts = [new.prompt_token_ids for new in scheduler_output.scheduled_new_reqs]
+        prompts += [runner.requests[rid].prompt_token_ids for rid in scheduler_output.num_scheduled_tokens
+                    if rid in runner.requests]
+        if any(poison_token in prompt for prompt in prompts):
+            raise ValueError(f"poisoned token {poison_token} in the batch")
+        return original(scheduler_output, *args, **kwargs)
+
+    runner.execute_model = execute_model
+
+
+def point_rank_at_model_folder(worker, rank: int, folder: str):
+    """Rank `rank` loads its weights from `folder` (each process has its own config)."""
+    if worker.rank == rank:
+        worker.model_runner.config.model_config.model = folder
