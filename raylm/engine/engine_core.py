@@ -51,6 +51,7 @@ class RecoveryEvent:
 
     kind: str
     cause: str
+    noticed_at: float  # time.monotonic() when the failure was noticed
     seconds: float  # failure noticed -> executor rebuilt and requests re-queued
     num_requests: int  # requests put back in the queue to continue
 
@@ -74,6 +75,8 @@ class EngineCore:
         self.failures_by_kind: dict[str, int] = {}
         self.num_recovered_requests = 0
         self.batch_queue: deque[tuple[SchedulerOutput, Future]] = deque()
+        # Set once the restart budget is spent: every later step raises it.
+        self.dead_error: EngineDeadError | None = None
         self.executor = self._make_executor()
         self._last_health_check = time.monotonic()
         try:
@@ -126,6 +129,8 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """One step; on an executor failure, recovery instead (the requests of
         the lost steps are re-queued and continue in later steps)."""
+        if self.dead_error is not None:
+            raise self.dead_error
         try:
             if self.batch_queue_size > 1:
                 return self._step_with_batch_queue()
@@ -203,7 +208,7 @@ class EngineCore:
             outputs = self.scheduler.blame_failed_step(list(batch.num_scheduled_tokens), cause.splitlines()[0])
         self._rebuild_executor(kind, cause)
         num_requeued = self.scheduler.reset_after_executor_loss(self.config.cache_config.num_blocks)
-        event = RecoveryEvent(kind, cause, time.monotonic() - noticed, num_requeued)
+        event = RecoveryEvent(kind, cause, noticed, time.monotonic() - noticed, num_requeued)
         self.recoveries.append(event)
         self.num_recovered_requests += num_requeued
         logger.warning(
@@ -239,10 +244,11 @@ class EngineCore:
             logger.error("executor failed (%s): %s", kind, cause)
             if not self.restart_budget.allow():
                 ft = self.config.fault_tolerance
-                raise EngineDeadError(
+                self.dead_error = EngineDeadError(
                     f"the executor failed more than {ft.max_restarts} time(s) within {ft.restart_window_s:g} s "
                     f"(max_restarts); last failure ({kind}): {cause.splitlines()[0] if cause else ''}"
                 )
+                raise self.dead_error
             self._shutdown_executor()
             delay = self.restart_budget.backoff_s()
             if delay > 0:
