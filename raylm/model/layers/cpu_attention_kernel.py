@@ -1,21 +1,32 @@
 """Builds and loads the C++ paged decode-attention kernel for CPU at first use.
 
-The kernel (csrc/paged_decode_attention.cpp) is compiled once per machine type
-with torch's JIT extension builder; when it cannot be built, callers get None
-and keep the torch path. Set RAYLM_DISABLE_CPU_KERNELS=1 to force that path.
+The kernel (csrc/paged_decode_attention.cpp) is compiled once per machine and
+environment with torch's JIT extension builder; when it cannot be built (no
+compiler, a compile error, another process building it for too long), callers
+get None and keep the torch path. Set RAYLM_DISABLE_CPU_KERNELS=1 to force that
+path.
+
+Builds never hang on a dead process: each build folder has a `raylm.lock` held
+with flock(2), which the kernel releases when its holder dies, however it dies.
+Only the holder builds, so it also clears the `lock` file that torch's own
+FileBaton would leave behind after a kill (torch then waits on it forever).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import platform
+import shutil
+import subprocess
 import sys
+import sysconfig
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, IO
 
 import torch
 
@@ -23,8 +34,13 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "RAYLM_DISABLE_CPU_KERNELS"
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
-_LDFLAGS = ["-fopenmp"]
+# Tuples: torch appends its own flags to the lists it is given.
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
+_LDFLAGS = ("-fopenmp",)
+# How long to wait for another live process building the same kernel (a build
+# takes about a minute) before going on with the torch path.
+BUILD_WAIT_S = 300.0
+_LOCK_NAME = "raylm.lock"
 
 # The build is tried at most once per process.
 _kernel: Callable | None = None
@@ -32,12 +48,16 @@ _attempted = False
 _lock = threading.Lock()
 
 
+class KernelUnavailable(Exception):
+    """An expected reason to keep the torch path, said in one line."""
+
+
 def kernels_disabled() -> bool:
     return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _cpu_signature() -> str:
-    """What makes a -march=native binary specific to this machine and toolchain."""
+    """What makes a -march=native binary specific to this machine."""
     flags = ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -50,19 +70,44 @@ def _cpu_signature() -> str:
     return "|".join([platform.machine(), platform.processor(), flags])
 
 
-def _extension_name() -> str:
-    # A shared home directory may be mounted on machines with different CPUs,
-    # Python or torch versions: each combination gets its own build.
+def _compiler() -> tuple[str, str]:
+    """(path, version line) of the C++ compiler torch will run: $CXX, else c++."""
+    from torch.utils import cpp_extension
+
+    cxx = cpp_extension.get_cxx_compiler()
+    path = shutil.which(cxx)
+    if path is None:
+        where = "CXX=" + cxx if "CXX" in os.environ else "no c++ on PATH"
+        raise KernelUnavailable(f"no C++ compiler ({where})")
+    try:
+        # Bounded: a wrapper script that hangs must not hang the engine.
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"C++ compiler {path} does not run ({e})") from None
+    return os.path.realpath(path), (out.splitlines() or [""])[0]
+
+
+def _extension_name(compiler: tuple[str, str]) -> str:
+    # Everything the binary depends on is in the key, so machines sharing a home
+    # directory, or virtual environments sharing a machine, each get their own
+    # build folder instead of rebuilding one over each other. The torch include
+    # path tells two environments with the same torch version apart.
+    from torch.utils import cpp_extension
+
     key = "|".join(
         [
             _cpu_signature(),
             torch.__version__,
-            f"py{sys.version_info.major}.{sys.version_info.minor}",
+            *cpp_extension.include_paths(),
+            *compiler,
+            sys.version,
+            sysconfig.get_paths()["include"],
             " ".join(_CFLAGS),
+            " ".join(_LDFLAGS),
             hashlib.sha256(_SOURCE.read_bytes()).hexdigest(),
         ]
     )
-    return "raylm_paged_decode_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    return "raylm_paged_decode_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def _build_root() -> Path:
@@ -72,25 +117,89 @@ def _build_root() -> Path:
     return Path.home() / ".cache" / "raylm" / "torch_extensions"
 
 
-def _build() -> Callable:
+def _holder(f: IO[str]) -> str:
+    f.seek(0)
+    return f.read().strip() or "?"
+
+
+def _acquire_build_lock(build_dir: Path, wait_s: float) -> IO[str]:
+    """Hold the folder's flock, waiting at most wait_s for a live holder.
+
+    The file records the holder's pid while it holds it, for the messages here.
+    """
+    f = open(build_dir / _LOCK_NAME, "a+")
+    start = time.monotonic()
+    told = False
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            waited = time.monotonic() - start
+            # Loading a built kernel holds the lock for well under a second
+            # (e.g. tensor-parallel workers starting together): only a longer
+            # wait is a build worth telling about.
+            if not told and waited > 2:
+                logger.warning(
+                    "raylm: waiting for process %s, which is building the CPU attention kernel in %s",
+                    _holder(f),
+                    build_dir,
+                )
+                told = True
+            if waited >= wait_s:
+                holder = _holder(f)
+                f.close()
+                raise KernelUnavailable(f"process {holder} still builds it in {build_dir} after {wait_s:g}s") from None
+            time.sleep(0.2)
+    previous = _holder(f)
+    if previous != "?":
+        # A pid is only left behind by a holder that died before releasing.
+        logger.info("taking over the CPU kernel build of process %s, which died during it", previous)
+    # torch's FileBaton `lock` can only be stale now: only the flock holder builds.
+    (build_dir / "lock").unlink(missing_ok=True)
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
+def _release_build_lock(f: IO[str]) -> None:
+    f.seek(0)
+    f.truncate()  # no pid left: the next holder knows this build ended cleanly
+    f.close()  # closing drops the flock
+
+
+def _compile(name: str, build_dir: Path):
+    """torch's JIT build; tests replace this."""
     from torch.utils import cpp_extension
 
-    name = _extension_name()
-    build_dir = _build_root() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    if not any(build_dir.glob("*.so")):
-        # Said at warning level: the CLI's default log level would otherwise
-        # leave a first run silent for the minute the compiler takes.
-        logger.warning("building the CPU attention kernel (first run on this machine only, about a minute)")
-    started = time.perf_counter()
-    module = cpp_extension.load(
+    return cpp_extension.load(
         name=name,
         sources=[str(_SOURCE)],
-        extra_cflags=_CFLAGS,
-        extra_ldflags=_LDFLAGS,
+        extra_cflags=list(_CFLAGS),
+        extra_ldflags=list(_LDFLAGS),
         build_directory=str(build_dir),
         verbose=False,
     )
+
+
+def _build() -> Callable:
+    name = _extension_name(_compiler())
+    build_dir = _build_root() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    lock = _acquire_build_lock(build_dir, BUILD_WAIT_S)
+    try:
+        if not any(build_dir.glob("*.so")):
+            # Said at warning level: the CLI's default log level would otherwise
+            # leave a first run silent for the minute the compiler takes.
+            logger.warning(
+                "raylm: building the CPU attention kernel (first run on this machine, ~1 min) in %s", build_dir
+            )
+        started = time.perf_counter()
+        module = _compile(name, build_dir)
+    finally:
+        _release_build_lock(lock)
     logger.info("CPU paged decode kernel ready (%s, %.1fs)", name, time.perf_counter() - started)
     return module.paged_decode
 
@@ -112,7 +221,19 @@ def get_paged_decode_kernel() -> Callable | None:
             try:
                 _kernel = _build()
             except Exception as e:  # no compiler, no ninja, a compile error: keep the torch path
-                logger.warning("CPU paged decode kernel unavailable, using the torch path: %s", e)
+                # One line, not the compiler's whole output (that goes to debug).
+                logger.warning(
+                    "raylm: CPU attention kernel unavailable, using the torch attention path: %s", _one_line(e)
+                )
+                if not isinstance(e, KernelUnavailable):
+                    logger.debug("CPU attention kernel build error", exc_info=True)
                 _kernel = None
             _attempted = True
     return _kernel
+
+
+def _one_line(e: Exception) -> str:
+    """The gist of a build error: the compiler's first error line if it has one."""
+    lines = str(e).strip().splitlines() or [type(e).__name__]
+    line = next((x for x in lines if "error:" in x), lines[0])
+    return line.strip()[:300]
