@@ -7,6 +7,8 @@ executor whenever the cluster allows).
 
 from __future__ import annotations
 
+import datetime
+
 from dataclasses import dataclass
 
 import torch
@@ -72,12 +74,17 @@ def pp_group_ranks(tp_size: int, pp_size: int) -> list[list[int]]:
 
 
 def init_distributed_environment(
-    world_size: int, rank: int, init_method: str, backend: str
+    world_size: int, rank: int, init_method: str, backend: str, timeout_s: float | None = None
 ) -> None:
-    """Join the global process group (a no-op for a single process)."""
+    """Join the global process group (a no-op for a single process).
+
+    `timeout_s` bounds the rendezvous (a peer that never comes up) and every
+    later collective of the group (a peer that hangs), instead of torch's 30
+    minutes; the engine's step deadline is the same order of magnitude."""
     if world_size == 1 or dist.is_initialized():
         return
-    dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank)
+    kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank, **kwargs)
 
 
 def initialize_model_parallel(tp_size: int = 1, pp_size: int = 1, backend: str | None = None) -> None:

@@ -130,14 +130,19 @@ class ReplyFuture(Future):
     def result(self, timeout: float | None = None):
         client = self._client_ref()
         if client is not None and not self.done():
-            client.collect_until(self)
+            client.collect_until(self, timeout)
         return super().result(timeout)
 
     def exception(self, timeout: float | None = None):
         client = self._client_ref()
         if client is not None and not self.done():
-            client.collect_until(self)
+            client.collect_until(self, timeout)
         return super().exception(timeout)
+
+
+class _WaitExpired(Exception):
+    """The caller's own wait (Future.result(timeout)) ran out; the call itself
+    stays pending with the replies gathered so far, and a later wait resumes."""
 
 
 class MqRpcClient:
@@ -169,6 +174,8 @@ class MqRpcClient:
         self._seq = itertools.count()
         self._send_lock = threading.Lock()
         self._recv_lock = threading.RLock()
+        # Set by collect_until for a caller's bounded wait (Future.result(timeout)).
+        self._wait_until: float | None = None
         self.pending: deque[_PendingCall] = deque()
         # Replies read from a rank's queue while waiting on another rank.
         self._stash: list[dict[int, tuple]] = [{} for _ in range(self.world_size)]
@@ -237,19 +244,28 @@ class MqRpcClient:
             return future
         return future.result()
 
-    def collect_until(self, target: ReplyFuture) -> None:
-        """Consume replies, oldest call first, until `target` is resolved."""
-        with self._recv_lock:
+    def collect_until(self, target: ReplyFuture, timeout: float | None = None) -> None:
+        """Consume replies, oldest call first, until `target` is resolved;
+        TimeoutError after `timeout` seconds (the calls stay pending)."""
+        if not self._recv_lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError(f"no reply within {timeout} s")
+        try:
+            self._wait_until = None if timeout is None else time.monotonic() + timeout
             while not target.done() and self.pending:
                 call = self.pending[0]
                 if not call.future.done():
                     try:
                         call.future.set_result(self._collect(call))
+                    except _WaitExpired:
+                        raise TimeoutError(f"{call.method_name}: no reply within {timeout} s") from None
                     except BaseException as e:
                         if not call.future.done():
                             call.future.set_exception(e)
                 if self.pending and self.pending[0] is call:
                     self.pending.popleft()
+        finally:
+            self._wait_until = None
+            self._recv_lock.release()
 
     def _collect(self, call: _PendingCall) -> Any:
         for rank in call.ranks:
@@ -288,10 +304,16 @@ class MqRpcClient:
                 wait = min(wait, call.deadline - time.monotonic())
                 if wait <= 0:
                     raise TimeoutError
+            if self._wait_until is not None:
+                left = self._wait_until - time.monotonic()
+                if left <= 0:
+                    raise _WaitExpired
+                wait = min(wait, left)
             try:
                 reply = queue.dequeue(timeout=wait)
             except TimeoutError:
                 self._poll_other_ranks(rank)
+                self._raise_if_a_peer_failed(call)
                 continue
             except QueueClosedError:
                 self.raise_if_failed()
@@ -308,6 +330,15 @@ class MqRpcClient:
         if seq >= current_seq:
             self._stash[rank][seq] = reply
         # else: a late reply to a call that already timed out; drop it.
+
+    def _raise_if_a_peer_failed(self, call: _PendingCall) -> None:
+        """Another rank already answered this call with an error: raise it now.
+        The rank being waited on may never answer: it may wait for the failed
+        one in a collective (a rendezvous, an all-reduce) until a far timeout."""
+        for rank in call.ranks:
+            reply = self._stash[rank].get(call.seq)
+            if reply is not None and reply[1] != OK:
+                raise RuntimeError(format_worker_error(reply[2]))
 
     def _poll_other_ranks(self, waiting_rank: int) -> None:
         # A rank that was not asked to reply reports only failures; find them

@@ -185,8 +185,9 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, self._res.shutdown)
         try:
             self._start_workers()
-            self.collective_rpc("init_device")
-            self.collective_rpc("load_model")
+            # Bounded: a rank that never joins the rendezvous is named, not waited on forever.
+            self.collective_rpc("init_device", timeout=WORKER_STARTUP_TIMEOUT_S)
+            self.collective_rpc("load_model", timeout=WORKER_STARTUP_TIMEOUT_S)
         except BaseException:
             self.shutdown()
             raise

@@ -47,6 +47,8 @@ _TEARDOWN_DEADLINE_S = 15.0
 # shutdown lets the actors' loops close their queues before killing them.
 _MQ_SETUP_TIMEOUT_S = 120.0
 _MQ_LOOP_EXIT_TIMEOUT_S = 5.0
+# Device and distributed initialisation, and loading the weights, per call.
+_WORKER_STARTUP_TIMEOUT_S = 300.0
 
 __all__ = ["RayDistributedExecutor", "WorkerDiedError"]
 
@@ -154,8 +156,9 @@ class RayDistributedExecutor(Executor):
             if self._mq is not None:
                 self._start_mq()
             self._start_monitor()
-            self.collective_rpc("init_device")
-            self.collective_rpc("load_model")
+            # Bounded: a rank that never joins the rendezvous is named, not waited on forever.
+            self.collective_rpc("init_device", timeout=_WORKER_STARTUP_TIMEOUT_S)
+            self.collective_rpc("load_model", timeout=_WORKER_STARTUP_TIMEOUT_S)
         except BaseException:
             self.shutdown()
             raise

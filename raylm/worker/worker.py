@@ -52,7 +52,10 @@ class Worker:
             if cfg.num_threads:
                 torch.set_num_threads(cfg.num_threads)
             backend = "gloo"
-        parallel_state.init_distributed_environment(pc.world_size, self.rank, self.distributed_init_method, backend)
+        parallel_state.init_distributed_environment(
+            pc.world_size, self.rank, self.distributed_init_method, backend,
+            timeout_s=cfg.fault_tolerance.execute_model_timeout_s,
+        )
         parallel_state.initialize_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size, backend)
         torch.manual_seed(cfg.model_config.seed)
         self.model_runner = ModelRunner(cfg, self.device)

@@ -210,3 +210,17 @@ def test_killed_engine_leaves_no_orphan_and_no_segment(model):
         for pid in pids:
             if not _gone(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_future_result_honours_its_timeout_and_a_later_wait_resumes(tp2):
+    ex = _executor(tp2)
+
+    def sleepy(worker, seconds):
+        time.sleep(seconds)
+        return worker.rank
+
+    future = ex.collective_rpc(sleepy, args=(1.0,), non_block=True)
+    with pytest.raises(TimeoutError):
+        future.result(timeout=0.1)
+    assert not future.done()
+    assert future.result(timeout=60) == [0, 1]  # the call was still pending, its replies kept
