@@ -11,11 +11,13 @@ import sys
 from typing import Any, Callable, TextIO
 
 import raylm
+from raylm.engine.core_client import EngineDeadError
 from raylm.entrypoints import bench as bench_lib
 
 logger = logging.getLogger(__name__)
 
 EXIT_USAGE_ERROR = 2
+EXIT_ENGINE_DEAD = 1
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # Printed between prompts by `raylm generate`, batch and streaming alike.
@@ -216,7 +218,10 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
         for i, output in enumerate(outputs):
             if i:
                 out.write(_SEPARATOR)
-            out.write(f"{args.prompts[i]}{output.outputs[0].text}\n")
+            completion = output.outputs[0]
+            out.write(f"{args.prompts[i]}{completion.text}\n")
+            if completion.finish_reason == "error":
+                print(f"error: prompt {i} failed: {completion.error}", file=sys.stderr)
         out.flush()
 
 
@@ -305,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         # whole story, a traceback would only hide it.
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return EXIT_USAGE_ERROR
+    except EngineDeadError as e:
+        # Recovery gave up (see --max-restarts): say why, without a traceback.
+        print(f"error: the engine is dead: {e}", file=sys.stderr)
+        return EXIT_ENGINE_DEAD
     except KeyboardInterrupt:
         return 130
     return 0
