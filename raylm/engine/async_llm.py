@@ -2,7 +2,10 @@
 requests to the engine core in its own process, and streams RequestOutputs back.
 
 One background task pulls EngineCoreOutputs, detokenizes them (OutputProcessor)
-and dispatches each request's outputs to its own asyncio queue.
+and dispatches each request's outputs to its own asyncio queue. If the core
+process dies without a word, that task starts a new one and resubmits every
+unfinished request as a continuation (within a restart budget); clients see a
+pause, not an error.
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from raylm.config import EngineConfig, create_engine_config
-from raylm.engine.core_client import EngineDeadError, MPClient
-from raylm.engine.core_proc import EngineCoreOutputs, SchedulerStats
+from raylm.core.request import Request
+from raylm.engine.core_client import EngineCoreDiedError, EngineDeadError, MPClient
+from raylm.engine.core_proc import EngineCoreOutputs, RecoveryStats, SchedulerStats
 from raylm.engine.input_processor import InputProcessor, ProcessedPrompt
 from raylm.engine.llm_engine import make_child_requests
 from raylm.engine.output_processor import OutputProcessor
+from raylm.engine.restart_budget import RestartBudget
 from raylm.engine.tokenizer import load_tokenizer
 from raylm.outputs import RequestOutput
 from raylm.sampling_params import SamplingParams
@@ -43,12 +48,19 @@ class StatLoggerBase:
                         num_prompt_tokens: int, num_generation_tokens: int) -> None:
         """One completion (one of a request's n) ended."""
 
+    def record_recovery(self, kind: str, seconds: float, num_requests: int) -> None:
+        """The engine recovered from a failure of `kind` ("engine_core": the
+        front end restarted the core process; the core's own kinds come in
+        EngineCoreOutputs.recoveries) in `seconds`, carrying `num_requests` over."""
+
 
 @dataclass
 class _RequestState:
     queue: asyncio.Queue
     deltas: bool
     num_prompt_tokens: int
+    # The engine-core requests as first sent: resubmitted from these if the core dies.
+    children: dict[str, Request]
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     last_token: float | None = None
@@ -74,6 +86,14 @@ class AsyncLLM:
         self._pings: dict[int, asyncio.Future] = {}
         self._output_task: asyncio.Task | None = None
         self.dead_error: EngineDeadError | None = None
+        # Set when the engine dies for good (not on shutdown); the server exits then.
+        self._dead = asyncio.Event()
+        ft = config.fault_tolerance
+        self.restart_budget = RestartBudget(ft.max_restarts, ft.restart_window_s)
+        # While a new core is starting: new requests wait (unsent) for the
+        # resubmission to send them, and /health passes.
+        self.recovering = False
+        self._shut_down = False
         self.engine_core = MPClient(config)
 
     @classmethod
@@ -91,6 +111,13 @@ class AsyncLLM:
     def _check_alive(self) -> None:
         if self.dead_error is not None:
             raise self.dead_error
+
+    async def wait_until_dead(self) -> EngineDeadError:
+        """Returns the error once the engine is dead for good (a fatal core
+        error, or the restart budget spent); not on shutdown."""
+        self._ensure_output_handler()
+        await self._dead.wait()
+        return self.dead_error
 
     def _ensure_output_handler(self) -> None:
         if self._output_task is None:
@@ -135,7 +162,8 @@ class AsyncLLM:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         children = make_child_requests(self.input_processor, request_id, processed, params)
-        state = _RequestState(asyncio.Queue(), stream, len(processed.prompt_token_ids))
+        state = _RequestState(asyncio.Queue(), stream, len(processed.prompt_token_ids),
+                              {c.request_id: c for c in children})
         self.output_processor.add_request(
             request_id, processed.prompt, processed.prompt_token_ids, params, [c.request_id for c in children]
         )
@@ -181,7 +209,11 @@ class AsyncLLM:
     async def _run_output_handler(self) -> None:
         try:
             while True:
-                outputs = await self.engine_core.get_output()
+                try:
+                    outputs = await self.engine_core.get_output()
+                except EngineCoreDiedError as e:
+                    await self._restart_core(e)
+                    continue
                 self._process(outputs)
         except asyncio.CancelledError:
             raise
@@ -195,6 +227,8 @@ class AsyncLLM:
         if outputs.stats is not None:
             for stat_logger in self.stat_loggers:
                 stat_logger.record_scheduler_stats(outputs.stats)
+        for recovery in outputs.recoveries:
+            self._record_recovery(recovery)
         if outputs.pong is not None:
             future = self._pings.pop(outputs.pong, None)
             if future is not None and not future.done():
@@ -245,6 +279,9 @@ class AsyncLLM:
             except Exception:  # metrics must never take serving down
                 logger.exception("stat logger failed")
 
+    def _record_recovery(self, recovery: RecoveryStats) -> None:
+        self._record(lambda s: s.record_recovery(recovery.kind, recovery.seconds, recovery.num_requests))
+
     def _mark_dead(self, error: EngineDeadError) -> None:
         logger.error("engine is dead: %s", error)
         self.dead_error = error
@@ -255,15 +292,92 @@ class AsyncLLM:
             if not future.done():
                 future.set_exception(error)
         self._pings.clear()
+        self._dead.set()
+
+    # ---- engine-core restarts -------------------------------------------------
+
+    async def _restart_core(self, died: EngineCoreDiedError) -> None:
+        """Replace a core process that vanished and resubmit every unfinished
+        request to the new one; EngineDeadError once the budget is spent."""
+        noticed = time.monotonic()
+        self.recovering = True
+        self._answer_pings()
+        try:
+            new_core = await self._start_new_core(died)
+            # Until now requests went to the old client, which keeps them
+            # unsent; the resubmission covers them. Its process is gone, so
+            # closing its sockets and folder is quick.
+            old_core, self.engine_core = self.engine_core, new_core
+            old_core.shutdown()
+            num_requests = self._resubmit()
+        finally:
+            self.recovering = False
+        seconds = time.monotonic() - noticed
+        logger.warning("engine core restarted in %.1fs; resubmitted %d requests", seconds, num_requests)
+        self._record_recovery(RecoveryStats("engine_core", seconds, num_requests))
+
+    async def _start_new_core(self, died: EngineCoreDiedError) -> MPClient:
+        """A ready MPClient, built off the event loop (loading the model takes
+        a while and streams must stay open); a core that fails to start costs
+        another restart from the budget."""
+        budget = self.restart_budget
+        failure: BaseException = died
+        while True:
+            if not budget.allow():
+                raise EngineDeadError(
+                    f"{failure}; no restart left ({budget.max_restarts} allowed within "
+                    f"{budget.window_s:g}s)") from failure
+            if failure is died:
+                logger.warning("engine core process died (exit code %s); restarting it (%s)",
+                               died.exitcode, budget.describe())
+            else:
+                logger.warning("new engine core failed to start (%s); retrying (%s)", failure, budget.describe())
+            await asyncio.sleep(budget.backoff_s())
+            try:
+                return await asyncio.get_running_loop().run_in_executor(None, self._start_core_process)
+            except Exception as e:
+                failure = e
+
+    def _start_core_process(self) -> MPClient:
+        client = MPClient(self.config)
+        if self._shut_down:
+            # Shut down while this one was loading: nobody will use it.
+            client.shutdown()
+            raise EngineDeadError("the engine was shut down")
+        return client
+
+    def _resubmit(self) -> int:
+        """Send every unfinished engine-core request to the (new) core as a
+        continuation after the tokens its client already has; how many."""
+        count = 0
+        for request_id, state in self._requests.items():
+            for child_id, token_ids in self.output_processor.resume_points(request_id):
+                first = state.children[child_id]
+                self.engine_core.add_request(Request(
+                    child_id, first.prompt_token_ids, first.sampling_params, first.eos_token_id,
+                    first.arrival_time, output_token_ids=token_ids))
+                count += 1
+        return count
+
+    def _answer_pings(self) -> None:
+        """Pings to the dead core will never be answered; the server itself is
+        fine (requests wait for the new core), so health checks pass."""
+        for future in self._pings.values():
+            if not future.done():
+                future.set_result(True)
+        self._pings.clear()
 
     # ---- health and shutdown ---------------------------------------------------
 
     async def check_health(self, timeout: float = 10.0) -> None:
-        """Returns when the core answers a ping; EngineDeadError otherwise."""
+        """Returns when the core answers a ping, or at once while a core that
+        died is being replaced; EngineDeadError once the engine is dead."""
         self._check_alive()
         self._ensure_output_handler()
-        if not self.engine_core.is_alive():
-            raise EngineDeadError(f"engine core process exited with code {self.engine_core.process.exitcode}")
+        if self.recovering or not self.engine_core.is_alive():
+            # The output handler restarts a core that died (or marks the engine
+            # dead, which the next check reports); meanwhile requests just wait.
+            return
         future = asyncio.get_running_loop().create_future()
         nonce = self.engine_core.ping()
         self._pings[nonce] = future
@@ -283,6 +397,7 @@ class AsyncLLM:
 
     def shutdown(self) -> None:
         """Idempotent: stops the output task and the engine-core process."""
+        self._shut_down = True
         if self._output_task is not None:
             self._output_task.cancel()
             self._output_task = None

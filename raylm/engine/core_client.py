@@ -7,6 +7,7 @@ Both have the same small interface: add_request, abort_requests, get_output
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import multiprocessing
@@ -35,11 +36,25 @@ logger = logging.getLogger(__name__)
 
 # How often a waiting client checks that the core process is still alive.
 _LIVENESS_POLL_MS = 500
+# How often it retries messages the core's socket could not take yet.
+_RESEND_POLL_MS = 20
+# A core that failed sends its error, then exits: once it is gone, what it
+# sent last is already in our socket's queue or arrives within this time.
+_LAST_WORDS_MS = 200
 _SHUTDOWN_TIMEOUT_S = 30.0
 
 
 class EngineDeadError(RuntimeError):
     """The engine core is gone; no request can be served any more."""
+
+
+class EngineCoreDiedError(EngineDeadError):
+    """The core process vanished without saying why (killed, crashed): unlike
+    a core that reported its error, a new one may well do better."""
+
+    def __init__(self, exitcode: int | None):
+        super().__init__(f"engine core process exited with code {exitcode}")
+        self.exitcode = exitcode
 
 
 class InprocClient:
@@ -93,8 +108,12 @@ class MPClient:
 
     The constructor blocks until the core has loaded the model and sized its
     KV cache (or raises with the core's error). Requests go out on a PUSH
-    socket (sends never block at these rates); outputs come back on a PULL
-    socket read by the async `get_output`.
+    socket; outputs come back on a PULL socket read by the async `get_output`.
+
+    Sends never block the caller's event loop: a bound PUSH socket blocks while
+    no peer is connected (a core not yet connected, or one that died), so a
+    message it cannot take waits in `_unsent` and is retried by `get_output`.
+    Whatever is still unsent when the core dies is the front end's to redo.
     """
 
     def __init__(self, config: EngineConfig, log_level: int | None = None):
@@ -103,7 +122,10 @@ class MPClient:
         output_address = f"ipc://{os.path.join(self._tmpdir, 'output')}"
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.PUSH)
+        # No high-water mark: a full queue would make sends fail while the core lives.
+        self._input.setsockopt(zmq.SNDHWM, 0)
         self._input.bind(input_address)
+        self._unsent: collections.deque[bytes] = collections.deque()
         self._actx = zmq.asyncio.Context()
         self._output = self._actx.socket(zmq.PULL)
         self._output.bind(output_address)
@@ -147,14 +169,27 @@ class MPClient:
         logger.info("engine core ready (pid %d, %s KV blocks)", self.process.pid, detail)
 
     def _send(self, message) -> None:
-        self._input.send(self._encoder.encode(message), copy=False)
+        self._send_frame(self._encoder.encode(message))
+
+    def _send_frame(self, frame: bytes) -> None:
+        self._unsent.append(frame)
+        self._flush()
+
+    def _flush(self) -> None:
+        """Send what the socket takes now, in order; the rest waits."""
+        while self._unsent:
+            try:
+                self._input.send(self._unsent[0], flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._unsent.popleft()
 
     def add_request(self, request: Request) -> None:
         try:
             payload = self._encoder.encode(EngineCoreRequest.from_request(request))
         except (OverflowError, msgspec.EncodeError) as e:
             raise ValueError(f"request cannot be encoded: {e}") from e
-        self._input.send(payload, copy=False)
+        self._send_frame(payload)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
@@ -170,20 +205,25 @@ class MPClient:
         return self.process.is_alive()
 
     async def get_output(self) -> EngineCoreOutputs:
-        """The next message from the core; EngineDeadError once it is gone."""
+        """The next message from the core. Once it is gone: EngineDeadError
+        with its error if it sent one, else EngineCoreDiedError."""
         while True:
-            if await self._output.poll(_LIVENESS_POLL_MS):
+            self._flush()
+            timeout = _RESEND_POLL_MS if self._unsent else _LIVENESS_POLL_MS
+            if await self._output.poll(timeout):
                 frame = await self._output.recv(copy=False)
                 outputs = self._decoder.decode(frame.buffer)
                 if outputs.error is not None:
                     raise EngineDeadError(f"engine core failed: {outputs.error.strip().splitlines()[-1]}")
                 return outputs
             if not self.process.is_alive():
-                raise EngineDeadError(f"engine core process exited with code {self.process.exitcode}")
+                if await self._output.poll(_LAST_WORDS_MS):
+                    continue
+                raise EngineCoreDiedError(self.process.exitcode)
 
     def shutdown(self) -> None:
         """Idempotent: stops the core process (and through it its executor)."""
         self._finalizer()
 
 
-__all__ = ["EngineDeadError", "InprocClient", "MPClient", "SchedulerStats"]
+__all__ = ["EngineCoreDiedError", "EngineDeadError", "InprocClient", "MPClient", "SchedulerStats"]

@@ -47,17 +47,20 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     all_stop_token_ids: list[int]
     eos_token_id: Union[int, None]
     arrival_time: float
+    # Tokens it already generated in a core that died: it continues after them.
+    output_token_ids: list[int] = msgspec.field(default_factory=list)
 
     @classmethod
     def from_request(cls, request: Request) -> "EngineCoreRequest":
         params = request.sampling_params
         return cls(request.request_id, request.prompt_token_ids, params,
-                   sorted(params.all_stop_token_ids), request.eos_token_id, request.arrival_time)
+                   sorted(params.all_stop_token_ids), request.eos_token_id, request.arrival_time,
+                   list(request.output_token_ids))
 
     def to_request(self) -> Request:
         self.sampling_params.all_stop_token_ids = set(self.all_stop_token_ids)
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
-                       self.eos_token_id, self.arrival_time)
+                       self.eos_token_id, self.arrival_time, output_token_ids=self.output_token_ids)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -75,14 +78,29 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 ClientMessage = Union[EngineCoreRequest, AbortRequests, Ping, Shutdown]
 
 
+class RecoveryStats(msgspec.Struct):
+    """One recovery from a failure: `kind` says what failed ("engine_core" for
+    the core process, which the front end restarts itself; the core's own
+    kinds, e.g. "worker", "hang", "step_error"), `seconds` from the failure
+    being noticed to serving again, `num_requests` the requests carried over."""
+
+    kind: str
+    seconds: float
+    num_requests: int
+
+
 class EngineCoreOutputs(msgspec.Struct):
     """One message from the core: a step's outputs and/or its scheduler stats,
-    a reply to a Ping, or (as its last words) the error that killed it."""
+    a reply to a Ping, or (as its last words) the error that killed it.
+
+    `recoveries`: the recoveries the core made in place since its last message;
+    the front end hands each to its stat loggers (`record_recovery`)."""
 
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     stats: Union[SchedulerStats, None] = None
     pong: Union[int, None] = None
     error: Union[str, None] = None
+    recoveries: list[RecoveryStats] = msgspec.field(default_factory=list)
 
 
 class EngineCoreProc:
@@ -99,6 +117,8 @@ class EngineCoreProc:
         self.output.connect(output_address)
         self.decoder = msgspec.msgpack.Decoder(ClientMessage)
         self.encoder = msgspec.msgpack.Encoder()
+        # How many of the core's recoveries the front end has been told about.
+        self._num_reported_recoveries = 0
 
     def _has_work(self) -> bool:
         # With PP, batches can still be in flight after their requests were aborted.
@@ -114,12 +134,17 @@ class EngineCoreProc:
                     if os.getppid() != parent_pid:
                         logger.warning("engine core: parent process is gone, exiting")
                         return
+                    self._check_health_while_idle()
+            elif os.getppid() != parent_pid:  # busy, yet nobody reads the outputs
+                logger.warning("engine core: parent process is gone, exiting")
+                return
             handled, keep_running = self._drain_inputs()
             if not keep_running:
                 return
             if self._has_work():
                 outputs = self.core.step()
-                self._send(EngineCoreOutputs(outputs=outputs, stats=self._stats()))
+                self._send(EngineCoreOutputs(outputs=outputs, stats=self._stats(),
+                                             recoveries=self._new_recoveries()))
             elif handled:
                 # Aborts change the counts without a step; report them anyway.
                 self._send(EngineCoreOutputs(stats=self._stats()))
@@ -140,6 +165,20 @@ class EngineCoreProc:
                 return handled, False
         return handled, True
 
+    def _check_health_while_idle(self) -> None:
+        """A dead or hung worker is found (and replaced) before a request needs
+        it; the core decides how often it actually asks its workers."""
+        self.core.check_health_if_due()
+        recoveries = self._new_recoveries()
+        if recoveries:
+            self._send(EngineCoreOutputs(stats=self._stats(), recoveries=recoveries))
+
+    def _new_recoveries(self) -> list[RecoveryStats]:
+        """The core's recoveries since the last report, for the front end's metrics."""
+        events = self.core.recoveries[self._num_reported_recoveries:]
+        self._num_reported_recoveries += len(events)
+        return [RecoveryStats(e.kind, e.seconds, e.num_requests) for e in events]
+
     def _stats(self) -> SchedulerStats:
         return SchedulerStats(**self.core.stats())
 
@@ -152,10 +191,6 @@ class EngineCoreProc:
         self.ctx.term()
 
 
-def _raise_system_exit(signum, frame) -> None:
-    raise SystemExit(128 + signum)
-
-
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str, ready_conn,
                     log_level: int = logging.WARNING) -> None:
     """Entry point of the engine-core process: build the core, report readiness
@@ -165,8 +200,12 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Ctrl-C reaches the whole process group; the front end decides when the
     # core stops (after in-flight streams end), so SIGINT is not ours to act on.
+    # SIGTERM too: sent to the whole process group (systemd, docker stop), it
+    # must not cut the streams the front end is still draining. The front end
+    # stops the core with a Shutdown message (or SIGKILL), and the core exits
+    # by itself when the front end is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _raise_system_exit)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         core = EngineCore(config)
     except BaseException as e:

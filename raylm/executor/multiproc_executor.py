@@ -12,6 +12,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import socket
 import threading
 import time
@@ -85,6 +86,11 @@ class WorkerProc:
     ) -> None:
         import torch
 
+        # The driver owns this process's lifetime (the broadcast queue closes,
+        # the death pipe hits EOF, or it kills): a signal sent to the whole
+        # process group must not take a rank away while streams drain.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         torch.set_num_threads(num_threads)
         proc: WorkerProc | None = None
         segments = [broadcast_handle.shm_name]

@@ -2,6 +2,8 @@
 `run_server`, which `raylm serve` calls: load, serve, shut down gracefully.
 
 Client mistakes are 400s with an OpenAI error body; a dead engine is a 503.
+An engine dead for good (a fatal core error, or no restart left) makes the
+server exit non-zero, so that its supervisor starts a fresh one.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "raylm-default"
 # Status nginx uses for "client closed request"; nobody reads it, logs do.
 _CLIENT_CLOSED = 499
+# Exit status of a server whose engine died: a supervisor should restart it.
+EXIT_ENGINE_DEAD = 1
+# How long a server with a dead engine still answers (503, /health too) before
+# it exits: long enough for load balancers and probes to see why.
+_DEAD_ENGINE_LINGER_S = 2.0
 
 
 def _validation_param(error: dict) -> str | None:
@@ -143,10 +150,25 @@ class GracefulServer(uvicorn.Server):
         self.grace_period = grace_period
         self._loop: asyncio.AbstractEventLoop | None = None
         self._grace_task: asyncio.Task | None = None
+        # Set when the server stopped because the engine died for good.
+        self.engine_error: EngineDeadError | None = None
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        watcher = self._loop.create_task(self._stop_when_engine_dead(), name="raylm-engine-watcher")
+        try:
+            await super().serve(sockets)
+        finally:
+            watcher.cancel()
+
+    async def _stop_when_engine_dead(self) -> None:
+        """Every request already gets a 503 once the engine is dead; after a
+        short linger, stop serving so run_server can exit non-zero."""
+        error = await self.engine.wait_until_dead()
+        logger.error("the engine is dead (%s); exiting in %.0fs", error, _DEAD_ENGINE_LINGER_S)
+        await asyncio.sleep(_DEAD_ENGINE_LINGER_S)
+        self.engine_error = error
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame) -> None:
         # uvicorn would record the signal and re-raise it once serving ends,
@@ -194,3 +216,6 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
         asyncio.run(server.serve())
     finally:
         engine.shutdown()
+    if server.engine_error is not None:
+        logger.error("exiting with status %d: %s", EXIT_ENGINE_DEAD, server.engine_error)
+        raise SystemExit(EXIT_ENGINE_DEAD)

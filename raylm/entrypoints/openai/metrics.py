@@ -1,5 +1,6 @@
 """Prometheus metrics of the server: finished requests by reason, latency
-histograms (TTFT, inter-token, end-to-end) and the core's scheduler gauges."""
+histograms (TTFT, inter-token, end-to-end), the core's scheduler gauges, and
+recoveries from failures (by kind)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
                       0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+# From a second (an executor rebuilt in place) to minutes (a big model reloaded).
+_RECOVERY_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 
 class PrometheusStatLogger(StatLoggerBase):
@@ -42,7 +45,19 @@ class PrometheusStatLogger(StatLoggerBase):
         self.ttft = histogram("raylm:time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
         self.itl = histogram("raylm:inter_token_latency_seconds", "Time between output tokens", _TOKEN_GAP_BUCKETS)
         self.e2e = histogram("raylm:e2e_request_latency_seconds", "End-to-end request latency", _LATENCY_BUCKETS)
+        # `kind`: what failed ("engine_core", or the core's own: "worker", "hang", ...).
+        kind_labels = [*labels, "kind"]
+        self.restarts = Counter("raylm:engine_core_restarts", "Recoveries from failures, by kind",
+                                kind_labels, registry=r)
+        self.recovered_requests = Counter("raylm:recovered_requests",
+                                          "Requests carried over to a recovered engine, by kind",
+                                          kind_labels, registry=r)
+        self.recovery_time = Histogram("raylm:recovery_seconds", "Failure noticed to serving again, by kind",
+                                       kind_labels, buckets=_RECOVERY_BUCKETS, registry=r)
         self._labels = labels
+        # Exported from the start (as 0), so a dashboard sees "no restarts" rather than nothing.
+        for metric in (self.restarts, self.recovered_requests, self.recovery_time):
+            metric.labels(kind="engine_core", **labels)
 
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:
         self.num_running.set(stats.num_running)
@@ -63,6 +78,12 @@ class PrometheusStatLogger(StatLoggerBase):
         self.e2e.observe(e2e_seconds)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_generation_tokens)
+
+    def record_recovery(self, kind: str, seconds: float, num_requests: int) -> None:
+        labels = {**self._labels, "kind": kind}
+        self.restarts.labels(**labels).inc()
+        self.recovered_requests.labels(**labels).inc(num_requests)
+        self.recovery_time.labels(**labels).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

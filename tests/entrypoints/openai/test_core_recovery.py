@@ -1,0 +1,255 @@
+"""The engine-core process dies (kill -9): the server starts a new core and
+resubmits every in-flight request as a continuation, so streams pause and then
+finish with the text of an uninterrupted greedy run; past the restart budget,
+requests get 503s and the server exits non-zero by itself. Plus RestartBudget."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from raylm.engine.restart_budget import RestartBudget, RestartBudgetExhausted
+from tests.entrypoints.openai.server_utils import MODEL_NAME, RaylmServer, scrape_metric
+
+NUM_STREAMS = 12
+# Long enough that no stream can finish between "each has a few tokens" and the kill.
+MAX_TOKENS = 300
+MIN_TOKENS_BEFORE_KILL = 3
+PROMPTS = [f"Story {i}: once upon a time" for i in range(NUM_STREAMS)]
+
+
+def _body(prompt: str, stream: bool) -> dict:
+    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+            "temperature": 0, "stream": stream}
+
+
+class _Stream:
+    """One streaming completion read in a thread: its text, finish reason and
+    error events, and how many chunks have arrived so far."""
+
+    def __init__(self, server: RaylmServer, prompt: str):
+        self.text, self.finish_reason, self.errors = "", None, []
+        self.num_chunks = 0
+        self.done = False
+        self.thread = threading.Thread(target=self._run, args=(server, prompt), daemon=True)
+        self.thread.start()
+
+    def _run(self, server: RaylmServer, prompt: str) -> None:
+        try:
+            with httpx.stream("POST", server.url("/v1/completions"), json=_body(prompt, True),
+                              timeout=120) as response:
+                for line in response.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[len("data: "):])
+                    if "error" in event:
+                        self.errors.append(event["error"])
+                        continue
+                    choice = event["choices"][0]
+                    self.text += choice["text"]
+                    self.finish_reason = choice["finish_reason"] or self.finish_reason
+                    self.num_chunks += 1
+        except httpx.HTTPError as e:
+            self.errors.append(repr(e))
+        finally:
+            self.done = True
+
+
+class _HealthPoller:
+    """Polls /health until stopped; keeps every status (or error) it saw."""
+
+    def __init__(self, server: RaylmServer):
+        self.results: list[int | str] = []
+        self._stop = threading.Event()
+        self._server = server
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.results.append(httpx.get(self._server.url("/health"), timeout=10).status_code)
+            except httpx.HTTPError as e:
+                self.results.append(type(e).__name__)
+            self._stop.wait(0.1)
+
+    def stop(self) -> list[int | str]:
+        self._stop.set()
+        self.thread.join(15)
+        return self.results
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _start_streams(server: RaylmServer) -> list[_Stream]:
+    streams = [_Stream(server, prompt) for prompt in PROMPTS]
+    _wait_for(lambda: all(s.num_chunks >= MIN_TOKENS_BEFORE_KILL or s.done for s in streams), 60,
+              "every stream to receive a few tokens")
+    assert not any(s.done for s in streams), [s.errors for s in streams]
+    return streams
+
+
+def _kill_core(server: RaylmServer) -> int:
+    core = server.core_process()
+    core.kill()
+    core.wait(10)
+    return core.pid
+
+
+def _wait_new_core(server: RaylmServer, old_pid: int) -> psutil.Process:
+    found: list[psutil.Process] = []
+
+    def started() -> bool:
+        try:
+            core = server.core_process()
+        except (AssertionError, psutil.Error):  # none yet, or the old one half gone
+            return False
+        found[:] = [core]
+        return core.pid != old_pid
+
+    _wait_for(started, 60, "a new engine-core process")
+    return found[0]
+
+
+def test_killed_core_is_replaced_and_streams_continue(llama_dir, tmp_path):
+    server = RaylmServer(llama_dir, [], str(tmp_path / "server.log"))
+    try:
+        streams = _start_streams(server)
+        poller = _HealthPoller(server)
+        old_pid = _kill_core(server)
+        new_core = _wait_new_core(server, old_pid)
+        # Whatever the new core starts (workers, Ray) must go at shutdown too.
+        server.tree.extend([new_core, *new_core.children(recursive=True)])
+        for stream in streams:
+            stream.thread.join(120)
+        health = poller.stop()
+
+        assert all(s.done and not s.errors for s in streams), [s.errors for s in streams]
+        assert [s.finish_reason for s in streams] == ["length"] * NUM_STREAMS
+        # The server kept answering /health while it recovered (a pause, not an outage).
+        assert health and all(status == 200 for status in health), health
+        log = server.log()
+        assert "engine core process died (exit code -9); restarting it (restart 1 of 3)" in log, log
+        assert f"resubmitted {NUM_STREAMS} requests" in log, log
+        assert scrape_metric(server.base_url, "raylm:engine_core_restarts_total", 'kind="engine_core"') == 1
+        assert scrape_metric(server.base_url, "raylm:recovered_requests_total", 'kind="engine_core"') == NUM_STREAMS
+        assert scrape_metric(server.base_url, "raylm:recovery_seconds_count", 'kind="engine_core"') == 1
+
+        # The oracle: the same prompts, uninterrupted, on the new core.
+        reference = [
+            httpx.post(server.url("/v1/completions"), json=_body(prompt, False), timeout=120).json()
+            for prompt in PROMPTS
+        ]
+        assert [s.text for s in streams] == [r["choices"][0]["text"] for r in reference]
+    finally:
+        server.terminate(timeout=30)
+
+
+def _post_in_background(server: RaylmServer, prompt: str) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            response = httpx.post(server.url("/v1/completions"), json=_body(prompt, False), timeout=120)
+            result["status"], result["body"] = response.status_code, response.json()
+        except httpx.HTTPError as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_past_the_restart_budget_the_server_answers_503_and_exits(llama_dir, tmp_path):
+    server = RaylmServer(llama_dir, ["--max-restarts", "1"], str(tmp_path / "server.log"))
+    try:
+        # In flight through both deaths: resubmitted after the first, a 503 after the second.
+        blocking, blocking_result = _post_in_background(server, "a request that is in flight")
+        streams = _start_streams(server)
+        old_pid = _kill_core(server)
+        new_core = _wait_new_core(server, old_pid)
+        server.tree.extend([new_core, *new_core.children(recursive=True)])
+        # The first death is within the budget: the streams continue on the new core.
+        _wait_for(lambda: all(s.num_chunks >= 2 * MIN_TOKENS_BEFORE_KILL or s.done for s in streams), 60,
+                  "the streams to continue")
+        assert not any(s.errors for s in streams), [s.errors for s in streams]
+
+        poller = _HealthPoller(server)
+        _kill_core(server)
+
+        for stream in streams:
+            stream.thread.join(60)
+        blocking.join(60)
+        assert all(s.done for s in streams)
+        for stream in streams:
+            assert stream.errors and stream.errors[-1]["code"] == 503, stream.errors
+        assert blocking_result.get("status") == 503, blocking_result
+        assert "error" in blocking_result["body"]
+        # New requests too, until the server is gone.
+        response = httpx.post(server.url("/v1/completions"), json=_body("a new one", False), timeout=10)
+        assert response.status_code == 503 and "error" in response.json()
+
+        # It exits by itself, non-zero, leaving nothing behind.
+        leftovers = server.wait_tree_gone(60)
+        assert not leftovers, server.log()
+        assert server.proc.returncode not in (0, None), server.log()
+        health = poller.stop()
+        assert 503 in health and 200 not in health[health.index(503):], health
+        log = server.log()
+        assert "no restart left (1 allowed within 600s)" in log, log
+    finally:
+        server.terminate(timeout=10)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_restart_budget_window_slides_and_backoff_grows():
+    clock = _Clock()
+    budget = RestartBudget(max_restarts=3, window_s=60, clock=clock)
+    allowed, delays = [], []
+    for _ in range(3):  # at t = 0, 10, 20
+        allowed.append(budget.allow())
+        delays.append(budget.backoff_s())
+        clock.now += 10
+    assert allowed == [True, True, True] and delays == [0.0, 1.0, 2.0]
+    assert not budget.allow()  # t = 30: a fourth within 60s
+    assert budget.describe() == "restart 4 of 3"
+    # t = 65: the restart of t = 0 has left the window, the refused one (t = 30) counts.
+    clock.now += 35
+    assert budget.num_recent == 3
+    assert not budget.allow()
+    # Quiet for a whole window: the budget is whole again, and the backoff starts over.
+    clock.now += 60
+    assert budget.num_recent == 0
+    assert budget.allow() and budget.backoff_s() == 0.0
+    clock.now += 5
+    assert budget.allow() and budget.backoff_s() == 1.0
+    assert budget.num_restarts == 7
+
+
+def test_restart_budget_backoff_is_capped_and_record_raises_past_the_budget():
+    clock = _Clock()
+    budget = RestartBudget(max_restarts=100, window_s=600, clock=clock)
+    delays = [budget.record() for _ in range(8)]
+    assert delays == [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    none_allowed = RestartBudget(max_restarts=0, window_s=600, clock=clock)
+    with pytest.raises(RestartBudgetExhausted):
+        none_allowed.record()
+    with pytest.raises(ValueError):
+        RestartBudget(max_restarts=-1, window_s=600)
