@@ -54,6 +54,11 @@ class StatLoggerBase:
         EngineCoreOutputs.recoveries) in `seconds`, carrying `num_requests` over."""
 
 
+class RequestFailedError(RuntimeError):
+    """This request made the engine's steps fail and was dropped (DESIGN.md,
+    "Failure model"); the engine goes on serving the others (HTTP 500)."""
+
+
 @dataclass
 class _RequestState:
     queue: asyncio.Queue
@@ -149,6 +154,13 @@ class AsyncLLM:
                     finished = True
                     raise item
                 finished = item.finished
+                failed = [c.error for c in item.outputs if c.finish_reason == "error"]
+                if failed:
+                    # The engine blamed this request for a failing step and
+                    # dropped it (the others carried on): an error, not a result.
+                    self.abort(request_id)  # its other completions, if any
+                    finished = True
+                    raise RequestFailedError(f"the engine failed this request: {failed[0]}")
                 yield item
                 if finished:
                     return

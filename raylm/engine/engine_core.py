@@ -74,6 +74,8 @@ class EngineCore:
         self.recoveries: list[RecoveryEvent] = []
         self.failures_by_kind: dict[str, int] = {}
         self.num_recovered_requests = 0
+        # Step errors since the last culprit was found (see _recover).
+        self._suspect_step_failures = 0
         self.batch_queue: deque[tuple[SchedulerOutput, Future]] = deque()
         # Set once the restart budget is spent: every later step raises it.
         self.dead_error: EngineDeadError | None = None
@@ -203,10 +205,22 @@ class EngineCore:
         noticed = time.monotonic()
         kind, cause = self._diagnose(error)
         self.failures_by_kind[kind] = self.failures_by_kind.get(kind, 0) + 1
+        if not self.scheduler.suspects:
+            self._suspect_step_failures = 0  # earlier ones were never pinned on a request: they stay counted
         outputs: list[EngineCoreOutput] = []
         if kind == STEP_ERROR and batch is not None:
             outputs = self.scheduler.blame_failed_step(list(batch.num_scheduled_tokens), cause.splitlines()[0])
+        if outputs:
+            # A request took the blame and is gone: the rebuilds it caused (the
+            # ones that made it a suspect, and this one) do not count against
+            # the budget, or a few bad requests would kill a healthy engine.
+            self.restart_budget.forgive(self._suspect_step_failures)
+            self._suspect_step_failures = 0
         self._rebuild_executor(kind, cause)
+        if outputs:
+            self.restart_budget.forgive(1)
+        elif kind == STEP_ERROR:
+            self._suspect_step_failures += 1
         num_requeued = self.scheduler.reset_after_executor_loss(self.config.cache_config.num_blocks)
         event = RecoveryEvent(kind, cause, noticed, time.monotonic() - noticed, num_requeued)
         self.recoveries.append(event)

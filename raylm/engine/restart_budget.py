@@ -50,6 +50,12 @@ class RestartBudget:
         self.num_restarts += 1
         return len(self._recent) <= self.max_restarts
 
+    def forgive(self, count: int = 1) -> None:
+        """Take back the `count` most recent restarts: their failure turned out
+        to be one request's doing (it was failed), not the component's."""
+        for _ in range(min(count, len(self._recent))):
+            self._recent.pop()
+
     def backoff_s(self) -> float:
         """The delay before the restart just recorded: none for the first in
         the window, then 1, 2, 4 ... seconds, at most 30."""

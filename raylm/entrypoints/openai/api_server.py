@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import raylm
-from raylm.engine.async_llm import AsyncLLM
+from raylm.engine.async_llm import AsyncLLM, RequestFailedError
 from raylm.engine.core_client import EngineDeadError
 from raylm.entrypoints.openai.metrics import PrometheusStatLogger
 from raylm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -72,6 +72,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(f"the engine is not running: {exc}", 503)
+
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(request: Request, exc: RequestFailedError) -> JSONResponse:
+        return error_response(str(exc), 500)
 
     @app.exception_handler(ClientDisconnected)
     async def client_disconnected(request: Request, exc: ClientDisconnected) -> Response:

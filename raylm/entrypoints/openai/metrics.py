@@ -47,7 +47,7 @@ class PrometheusStatLogger(StatLoggerBase):
         self.e2e = histogram("raylm:e2e_request_latency_seconds", "End-to-end request latency", _LATENCY_BUCKETS)
         # `kind`: what failed ("engine_core", or the core's own: "worker", "hang", ...).
         kind_labels = [*labels, "kind"]
-        self.restarts = Counter("raylm:engine_core_restarts", "Recoveries from failures, by kind",
+        self.recoveries = Counter("raylm:recoveries", "Failures recovered from (executor or engine core rebuilt), by kind",
                                 kind_labels, registry=r)
         self.recovered_requests = Counter("raylm:recovered_requests",
                                           "Requests carried over to a recovered engine, by kind",
@@ -56,7 +56,7 @@ class PrometheusStatLogger(StatLoggerBase):
                                        kind_labels, buckets=_RECOVERY_BUCKETS, registry=r)
         self._labels = labels
         # Exported from the start (as 0), so a dashboard sees "no restarts" rather than nothing.
-        for metric in (self.restarts, self.recovered_requests, self.recovery_time):
+        for metric in (self.recoveries, self.recovered_requests, self.recovery_time):
             metric.labels(kind="engine_core", **labels)
 
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:
@@ -81,7 +81,7 @@ class PrometheusStatLogger(StatLoggerBase):
 
     def record_recovery(self, kind: str, seconds: float, num_requests: int) -> None:
         labels = {**self._labels, "kind": kind}
-        self.restarts.labels(**labels).inc()
+        self.recoveries.labels(**labels).inc()
         self.recovered_requests.labels(**labels).inc(num_requests)
         self.recovery_time.labels(**labels).observe(seconds)
 

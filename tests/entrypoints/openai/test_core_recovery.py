@@ -141,7 +141,7 @@ def test_killed_core_is_replaced_and_streams_continue(llama_dir, tmp_path):
         log = server.log()
         assert "engine core process died (exit code -9); restarting it (restart 1 of 3)" in log, log
         assert f"resubmitted {NUM_STREAMS} requests" in log, log
-        assert scrape_metric(server.base_url, "raylm:engine_core_restarts_total", 'kind="engine_core"') == 1
+        assert scrape_metric(server.base_url, "raylm:recoveries_total", 'kind="engine_core"') == 1
         assert scrape_metric(server.base_url, "raylm:recovered_requests_total", 'kind="engine_core"') == NUM_STREAMS
         assert scrape_metric(server.base_url, "raylm:recovery_seconds_count", 'kind="engine_core"') == 1
 
