@@ -5,7 +5,8 @@ Shared-memory layout (one segment in /dev/shm, named ``raylm_mq_<pid>_<hex>``)::
 
     [header: closed flag, padding]                      _HEADER_BYTES
     [flags: per chunk, 1 written flag + 1 per reader]   max_chunks * (1 + readers)
-    [chunks: per chunk, kind u8 | length u32 | payload] max_chunks * chunk_bytes
+    [chunks: per chunk, kind u8 | length u32 | seq u64 | payload]
+                                                        max_chunks * chunk_bytes
 
 The protocol is lock-free. The writer takes chunk i once every reader has set
 its read flag (or the chunk was never written): it clears the written flag,
@@ -14,6 +15,16 @@ Reader r takes chunk i when the written flag is set and its own read flag is
 not, reads, then sets its read flag. x86 keeps stores in program order (and
 loads in program order), so a reader that sees the written flag sees the
 payload; weaker memory models would need explicit fences.
+
+Every message carries its sequence number (0, 1, 2, ... per writer): in the
+chunk header, in the first frame of an overflow payload and of a remote
+message. ZMQ delivers in order but silently drops what a disconnected peer
+missed, so a reader checks the number instead of trusting arrival order, and
+raises QueueOutOfSyncError rather than return another message's payload.
+
+Every wait, on every path, ends at the caller's timeout (TimeoutError) and
+when the queue is closed, locally or by its writer (QueueClosedError): a peer
+that dies mid-message must not hang the other side.
 """
 
 from __future__ import annotations
@@ -41,11 +52,13 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_CHUNKS = 8
 
 _HEADER_BYTES = 64
-_CHUNK_HEADER = struct.Struct("<BI")  # kind, payload length
+_CHUNK_HEADER = struct.Struct("<BIQ")  # kind, payload length, seq
 _KIND_INLINE = 0
 _KIND_OVERFLOW = 1  # the payload travels on the local ZMQ socket
-_REMOTE_DATA = b"\x00"
-_REMOTE_CLOSE = b"\x01"
+_SEQ = struct.Struct("<Q")  # first frame of an overflow payload
+_REMOTE_HEADER = struct.Struct("<BQ")  # kind, seq: first frame of a remote message
+_REMOTE_DATA = 0
+_REMOTE_CLOSE = 1
 
 # Waiting policy: spin this long (a step's reply usually lands within it), then
 # sleep with intervals doubling up to the cap, so an idle reader costs ~1% CPU.
@@ -54,10 +67,19 @@ _FIRST_SLEEP_S = 10e-6
 _MAX_SLEEP_S = 1e-3
 # How long close() lets undelivered ZMQ messages drain.
 _ZMQ_LINGER_MS = 200
+# How long a reader still waits for an overflow payload once the writer has
+# closed: what it sent before closing arrives within its linger, or never.
+_CLOSED_GRACE_S = _ZMQ_LINGER_MS / 1000 + 0.5
 
 
 class QueueClosedError(RuntimeError):
     """The queue was closed (by its writer, or locally) while waiting on it."""
+
+
+class QueueOutOfSyncError(RuntimeError):
+    """A reader got a message other than the next one (one was lost or sent
+    twice). It cannot tell which payload is whose any more, so every later
+    dequeue raises this too: close the reader."""
 
 
 @dataclass
@@ -179,6 +201,7 @@ class MessageQueue:
         self._num_remote = num_remote_readers
         self._local_ranks = list(local_reader_ranks)
         self._index = 0
+        self._seq = 0  # of the next message
         self._all_read = b"\x01" * num_local_readers
         self._zmq = zmq.Context()
         self._segment: _Segment | None = None
@@ -234,6 +257,8 @@ class MessageQueue:
         self._local_ranks = list(handle.local_reader_ranks)
         self._handle = handle
         self._index = 0
+        self._seq = 0  # a remote reader's next expected message; local ones read it from the ring
+        self._out_of_sync: str | None = None
         self._zmq = zmq.Context()
         self._segment = None
         self._sub = self._zmq.socket(zmq.SUB)
@@ -278,7 +303,8 @@ class MessageQueue:
             self._count_subscriptions("remote", self._num_remote, backoff)
 
     def enqueue(self, obj: Any, timeout: float | None = None) -> None:
-        """Send `obj` to every reader; blocks while the ring is full."""
+        """Send `obj` to every reader; blocks while the ring is full. On
+        TimeoutError or QueueClosedError no reader got the message."""
         if not self.is_writer:
             raise RuntimeError("only the writer enqueues")
         payload = self.codec.encode(obj)
@@ -286,30 +312,44 @@ class MessageQueue:
             if self._closed:
                 raise QueueClosedError("message queue is closed")
             backoff = _Backoff(timeout)
+            overflow = len(payload) + _CHUNK_HEADER.size > self._chunk_bytes
+            # Every wait comes before the first send: a timeout then leaves the
+            # message with no reader at all, and a retry duplicates it for none.
+            if self._num_local:
+                flags = self._wait_for_free_chunk(backoff)
+                if overflow:
+                    self._count_subscriptions("local", self._num_local, backoff)
             if self._num_remote:
                 self._count_subscriptions("remote", self._num_remote, backoff)
-                self._remote_pub.send_multipart([_REMOTE_DATA, payload], copy=False)
+                header = _REMOTE_HEADER.pack(_REMOTE_DATA, self._seq)
+                self._remote_pub.send_multipart([header, payload], copy=False)
             if self._num_local:
-                self._write_local(payload, backoff)
+                self._write_local(payload, flags, overflow)
+            self._seq += 1
 
-    def _write_local(self, payload: bytes, backoff: _Backoff) -> None:
+    def _wait_for_free_chunk(self, backoff: _Backoff) -> int:
+        """Wait until every local reader has read the next chunk; its flags' offset."""
         buf = self._segment.buf
-        chunk = self._index
-        flags = _HEADER_BYTES + chunk * (1 + self._num_local)
+        flags = _HEADER_BYTES + self._index * (1 + self._num_local)
         while buf[flags] and buf[flags + 1 : flags + 1 + self._num_local] != self._all_read:
             if self._closed:
                 raise QueueClosedError("message queue is closed")
             backoff.wait()
+        return flags
+
+    def _write_local(self, payload: bytes, flags: int, overflow: bool) -> None:
+        buf = self._segment.buf
+        chunk = self._index
         base = _HEADER_BYTES + self._max_chunks * (1 + self._num_local) + chunk * self._chunk_bytes
         buf[flags] = 0
-        if len(payload) + _CHUNK_HEADER.size > self._chunk_bytes:
-            self._count_subscriptions("local", self._num_local, backoff)
+        if overflow:
             # Sent before the marker is published, so a reader that sees the
-            # marker finds the payload already on its way.
-            self._local_pub.send(payload, copy=False)
-            _CHUNK_HEADER.pack_into(buf, base, _KIND_OVERFLOW, len(payload))
+            # marker finds the payload already on its way; the seq frame lets it
+            # check that the payload is this chunk's.
+            self._local_pub.send_multipart([_SEQ.pack(self._seq), payload], copy=False)
+            _CHUNK_HEADER.pack_into(buf, base, _KIND_OVERFLOW, len(payload), self._seq)
         else:
-            _CHUNK_HEADER.pack_into(buf, base, _KIND_INLINE, len(payload))
+            _CHUNK_HEADER.pack_into(buf, base, _KIND_INLINE, len(payload), self._seq)
             start = base + _CHUNK_HEADER.size
             buf[start : start + len(payload)] = payload
         buf[flags + 1 : flags + 1 + self._num_local] = bytes(self._num_local)
@@ -319,13 +359,16 @@ class MessageQueue:
     # ---- reader -------------------------------------------------------------------
 
     def dequeue(self, timeout: float | None = None) -> Any:
-        """The next message; TimeoutError after `timeout` seconds, QueueClosedError
-        once the queue is closed and drained."""
+        """The next message; TimeoutError after `timeout` seconds (the message,
+        if on its way, is kept for the next call), QueueClosedError once the
+        queue is closed and drained, QueueOutOfSyncError if a message went missing."""
         if self.is_writer:
             raise RuntimeError("the writer does not dequeue")
         with self._lock:
             if self._closed:
                 raise QueueClosedError("message queue is closed")
+            if self._out_of_sync is not None:
+                raise QueueOutOfSyncError(self._out_of_sync)
             backoff = _Backoff(timeout)
             if self._reader_slot is None:
                 return self._read_remote(backoff)
@@ -341,10 +384,13 @@ class MessageQueue:
                 raise QueueClosedError("message queue is closed by its writer" if buf[0] else "message queue is closed")
             backoff.wait()
         base = _HEADER_BYTES + self._max_chunks * (1 + self._num_local) + chunk * self._chunk_bytes
+        kind, length, seq = _CHUNK_HEADER.unpack_from(buf, base)
+        # Raises before the chunk is marked read: after a timeout the next
+        # dequeue picks up the same payload instead of losing it.
+        overflow = self._recv_overflow(seq, backoff) if kind == _KIND_OVERFLOW else None
         try:
-            kind, length = _CHUNK_HEADER.unpack_from(buf, base)
-            if kind == _KIND_OVERFLOW:
-                return self.codec.decode(self._recv_overflow())
+            if overflow is not None:
+                return self.codec.decode(overflow)
             start = base + _CHUNK_HEADER.size
             with buf[start : start + length] as view:
                 return self.codec.decode(view)
@@ -353,27 +399,60 @@ class MessageQueue:
             buf[mine] = 1
             self._index = (chunk + 1) % self._max_chunks
 
-    def _recv_overflow(self) -> bytes:
-        # The writer sent the payload before publishing the marker we just saw,
-        # so it is already on its way: wait for it regardless of the caller's
-        # timeout (giving up now would lose the message), but notice close().
-        while not self._sub.poll(timeout=10):
+    def _recv_overflow(self, seq: int, backoff: _Backoff) -> bytes:
+        """The payload of message `seq`, from the local ZMQ socket."""
+        # The writer sent it before publishing the marker we just saw, so it is
+        # normally on its way; but a writer killed before it left the process,
+        # or closed with it still queued past the linger, never delivers it:
+        # so this wait ends at the timeout too, and after a grace once the
+        # writer has closed.
+        buf = self._segment.buf
+        writer_closed_seen = None
+        while True:
             if self._closed:
                 raise QueueClosedError("message queue is closed")
-        return self._sub.recv(copy=True)
+            if self._poll(backoff):
+                seq_frame, payload = self._sub.recv_multipart(copy=True)
+                self._check_seq(_SEQ.unpack(seq_frame)[0], seq)
+                return payload
+            if buf[0]:
+                now = time.perf_counter()
+                if writer_closed_seen is None:
+                    writer_closed_seen = now
+                elif now - writer_closed_seen > _CLOSED_GRACE_S:
+                    raise QueueClosedError(f"message queue closed by its writer before message {seq}'s payload arrived")
 
     def _read_remote(self, backoff: _Backoff) -> Any:
         while True:
             if self._closed:
                 raise QueueClosedError("message queue is closed")
-            timeout = backoff.remaining_ms()
-            if self._sub.poll(timeout=min(_poll_slice_ms(backoff), timeout) if timeout is not None else _poll_slice_ms(backoff)):
-                kind, payload = self._sub.recv_multipart(copy=True)
+            if self._poll(backoff):
+                header, payload = self._sub.recv_multipart(copy=True)
+                kind, seq = _REMOTE_HEADER.unpack(header)
                 if kind == _REMOTE_CLOSE:
                     raise QueueClosedError("message queue is closed by its writer")
+                self._check_seq(seq, self._seq)
+                self._seq += 1
                 return self.codec.decode(payload)
-            if timeout == 0:
-                raise TimeoutError("timed out waiting on the message queue")
+
+    def _poll(self, backoff: _Backoff) -> bool:
+        """Poll the ZMQ socket for one slice; TimeoutError once the deadline has
+        passed (after a last zero-wait poll, so timeout=0 still takes what is there)."""
+        timeout = backoff.remaining_ms()
+        slice_ms = _poll_slice_ms(backoff)
+        if self._sub.poll(timeout=slice_ms if timeout is None else min(slice_ms, timeout)):
+            return True
+        if timeout == 0:
+            raise TimeoutError("timed out waiting on the message queue")
+        return False
+
+    def _check_seq(self, got: int, expected: int) -> None:
+        if got != expected:
+            self._out_of_sync = (
+                f"message queue out of sync: got message {got} where {expected} was due "
+                "(a message was lost or sent twice); this reader cannot continue"
+            )
+            raise QueueOutOfSyncError(self._out_of_sync)
 
     # ---- shutdown -----------------------------------------------------------------
 
@@ -391,7 +470,8 @@ class MessageQueue:
             if self.is_writer:
                 if self._remote_pub is not None:
                     try:
-                        self._remote_pub.send_multipart([_REMOTE_CLOSE, b""], flags=zmq.NOBLOCK)
+                        header = _REMOTE_HEADER.pack(_REMOTE_CLOSE, self._seq)
+                        self._remote_pub.send_multipart([header, b""], flags=zmq.NOBLOCK)
                     except zmq.ZMQError:
                         pass
                 for sock in (self._local_pub, self._remote_pub):

@@ -1,16 +1,25 @@
 """MessageQueue: order, several readers, the ZMQ overflow path, back-pressure from
-a slow reader, readers in another process, close, timeouts and /dev/shm cleanup."""
+a slow reader, readers in another process, close, timeouts and /dev/shm cleanup;
+a peer killed or closing mid-overflow, and sequence numbers on every message."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
+import struct
 import threading
 import time
 
 import pytest
 
-from raylm.distributed.shm_broadcast import SEGMENT_PREFIX, MessageQueue, QueueClosedError
+from raylm.distributed.shm_broadcast import (
+    SEGMENT_PREFIX,
+    MessageQueue,
+    QueueClosedError,
+    QueueOutOfSyncError,
+    unlink_segment,
+)
 from raylm.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from raylm.sampling_params import SamplingParams
 
@@ -221,3 +230,228 @@ def test_no_segment_left_in_dev_shm_after_close():
     assert name in _segments()  # readers detach; only the writer unlinks
     writer.close()
     assert name not in _segments()
+
+
+# ---- a peer dying or closing mid-overflow; sequence numbers ------------------------
+
+BIG = 8 << 20  # far larger than CHUNK: always the overflow path
+SLACK_S = 5.0  # generous: only "it returned, and raised", not how fast
+
+
+def _timed(fn, *args, **kwargs) -> tuple[BaseException | None, float]:
+    start = time.monotonic()
+    try:
+        fn(*args, **kwargs)
+    except BaseException as e:  # noqa: BLE001 - the caller asserts on it
+        return e, time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+def _drop_overflow_payloads(writer: MessageQueue) -> list:
+    """Make the writer publish overflow markers whose payloads never leave it,
+    as when it is killed (or its linger expires) before the bytes go out; the
+    dropped frames are returned so a test can deliver them late."""
+    dropped: list = []
+    writer._local_pub.send_multipart = lambda frames, **kwargs: dropped.append(frames)
+    return dropped
+
+
+def _reap(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(10)
+    assert not any(p.is_alive() for p in procs)
+    assert not multiprocessing.active_children()
+
+
+def _child_reader_reporting(handle, conn):
+    reader = MessageQueue.create_from_handle(handle, 0)
+    conn.send("attached")
+    while True:
+        conn.send("reading")
+        reader.dequeue(timeout=60)
+
+
+def test_reader_killed_mid_overflow_the_writer_raises_within_its_timeout():
+    writer = MessageQueue(1, chunk_bytes=CHUNK, max_chunks=2)
+    name = writer.shm_name
+    ctx = multiprocessing.get_context("spawn")
+    parent_end, child_end = ctx.Pipe(duplex=False)
+    reader = ctx.Process(target=_child_reader_reporting, args=(writer.export_handle(), child_end), daemon=True)
+    reader.start()
+    try:
+        assert parent_end.poll(60) and parent_end.recv() == "attached"
+        writer.enqueue(b"a" * BIG, timeout=60)
+        writer.enqueue(b"b" * BIG, timeout=60)
+        for _ in range(2):  # the second "reading": the first reply is in, the second on its way
+            assert parent_end.poll(60) and parent_end.recv() == "reading"
+        os.kill(reader.pid, signal.SIGKILL)
+        reader.join(10)
+        # The dead reader holds its chunk for ever: within a ring's worth of
+        # messages the writer must hit it, and give up at its timeout.
+        for i in range(3):
+            error, took = _timed(writer.enqueue, bytes([i]) * BIG, timeout=1.0)
+            assert took < 1.0 + SLACK_S
+            if error is not None:
+                break
+        assert isinstance(error, TimeoutError)
+    finally:
+        _reap([reader])
+        writer.close()
+    assert name not in _segments()
+
+
+def _child_writer_dying_mid_overflow(conn):
+    writer = MessageQueue(1, chunk_bytes=CHUNK, max_chunks=2)
+    conn.send(writer.export_handle())
+    writer.wait_until_ready(timeout=60)
+    _drop_overflow_payloads(writer)  # the SIGKILL lands before the payload leaves
+    writer.enqueue(b"x" * BIG, timeout=60)
+    conn.send("published")
+    time.sleep(600)
+
+
+def test_writer_killed_mid_overflow_the_reader_raises_within_its_timeout():
+    ctx = multiprocessing.get_context("spawn")
+    parent_end, child_end = ctx.Pipe(duplex=False)
+    writer = ctx.Process(target=_child_writer_dying_mid_overflow, args=(child_end,), daemon=True)
+    writer.start()
+    reader = handle = None
+    try:
+        assert parent_end.poll(60)
+        handle = parent_end.recv()
+        reader = MessageQueue.create_from_handle(handle, 0)
+        assert parent_end.poll(60) and parent_end.recv() == "published"
+        error, took = _timed(reader.dequeue, timeout=1.0)  # marker seen, payload never comes
+        assert isinstance(error, TimeoutError) and took < 1.0 + SLACK_S
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join(10)
+        error, took = _timed(reader.dequeue, timeout=1.0)  # a dead writer closes nothing
+        assert isinstance(error, TimeoutError) and took < 1.0 + SLACK_S
+    finally:
+        _reap([writer])
+        if reader is not None:
+            reader.close()
+        if handle is not None:
+            # The killed writer could not unlink its segment; the spawned child
+            # shared this process's resource tracker, so unregister here too.
+            unlink_segment(handle.shm_name)
+            assert handle.shm_name not in _segments()
+
+
+def test_writer_close_while_a_reader_waits_on_an_overflow_payload(queue_factory):
+    writer, (reader,) = queue_factory(1)
+    writer.wait_until_ready(timeout=10)
+    _drop_overflow_payloads(writer)
+    writer.enqueue(b"x" * BIG, timeout=10)
+    errors: list[BaseException] = []
+    t = threading.Thread(target=lambda: errors.append(_timed(reader.dequeue)[0]), daemon=True)  # no timeout
+    t.start()
+    time.sleep(0.3)  # the reader is waiting on the payload now
+    writer.close()
+    t.join(10)
+    assert not t.is_alive()
+    assert isinstance(errors[0], QueueClosedError)
+
+
+def test_overflow_payload_sent_just_before_close_is_still_delivered(queue_factory):
+    writer, (reader,) = queue_factory(1)
+    writer.enqueue(b"y" * BIG, timeout=10)
+    writer.close()
+    assert reader.dequeue(timeout=10) == b"y" * BIG  # a close lets readers drain
+    with pytest.raises(QueueClosedError):
+        reader.dequeue(timeout=10)
+
+
+def test_overflow_timeout_keeps_the_message_for_the_next_dequeue(queue_factory):
+    writer, (reader,) = queue_factory(1)
+    writer.wait_until_ready(timeout=10)
+    send = writer._local_pub.send_multipart
+    late = _drop_overflow_payloads(writer)
+    writer.enqueue(b"z" * BIG, timeout=10)
+    for timeout in (0, 0.2):
+        error, took = _timed(reader.dequeue, timeout=timeout)
+        assert isinstance(error, TimeoutError) and took < timeout + SLACK_S
+    send(late.pop(), copy=False)  # the payload arrives after all
+    writer._local_pub.send_multipart = send
+    writer.enqueue("next", timeout=10)
+    assert reader.dequeue(timeout=10) == b"z" * BIG
+    assert reader.dequeue(timeout=10) == "next"
+
+
+def _remote_pair(max_chunks: int = 4):
+    writer = MessageQueue(1, num_remote_readers=1, chunk_bytes=CHUNK, max_chunks=max_chunks)
+    local = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    remote = MessageQueue.create_from_handle(writer.export_handle(), 1)
+    writer.wait_until_ready(timeout=10)
+    return writer, local, remote
+
+
+
+def test_remote_reader_gets_many_mixed_messages_in_order_with_seqs():
+    writer, local, remote = _remote_pair()
+    messages = [bytes([i % 256]) * (3 * CHUNK) if i % 3 == 0 else (i, f"small {i}") for i in range(150)]
+    got: dict[str, list] = {"local": [], "remote": []}
+    threads = [
+        threading.Thread(target=_read_all, args=(q, len(messages), got[k]), daemon=True)
+        for k, q in (("local", local), ("remote", remote))
+    ]
+    try:
+        for t in threads:
+            t.start()
+        for m in messages:
+            writer.enqueue(m, timeout=10)
+        for t in threads:
+            t.join(30)
+        assert got["local"] == messages and got["remote"] == messages
+        assert remote._seq == len(messages)  # every message's seq was the one expected
+    finally:
+        for q in (local, remote, writer):
+            q.close()
+
+
+def test_remote_reader_raises_on_a_seq_gap_and_keeps_raising():
+    writer, local, remote = _remote_pair()
+    try:
+        writer.enqueue("zero", timeout=10)
+        writer._seq += 1  # as if message 1 was lost on the way
+        writer.enqueue("two", timeout=10)
+        assert remote.dequeue(timeout=10) == "zero"
+        with pytest.raises(QueueOutOfSyncError, match="got message 2 where 1 was due"):
+            remote.dequeue(timeout=10)
+        writer.enqueue("three", timeout=10)
+        with pytest.raises(QueueOutOfSyncError):  # never the next payload as if nothing happened
+            remote.dequeue(timeout=10)
+    finally:
+        for q in (local, remote, writer):
+            q.close()
+
+
+def test_local_reader_raises_when_an_overflow_payload_is_not_its_chunks(queue_factory):
+    writer, (reader,) = queue_factory(1)
+    writer.wait_until_ready(timeout=10)
+    # A stray payload ahead of the real one: arrival order alone would return it.
+    writer._local_pub.send_multipart([struct.pack("<Q", 7), writer.codec.encode("stray")])
+    writer.enqueue(b"w" * BIG, timeout=10)
+    with pytest.raises(QueueOutOfSyncError, match="got message 7 where 0 was due"):
+        reader.dequeue(timeout=10)
+
+
+def test_enqueue_that_times_out_reaches_no_reader():
+    """A full ring times enqueue out before anything is sent, so a retry
+    gives remote readers the message once, not twice."""
+    writer, local, remote = _remote_pair(max_chunks=1)
+    try:
+        writer.enqueue(0, timeout=10)
+        with pytest.raises(TimeoutError):
+            writer.enqueue(1, timeout=0.2)
+        assert local.dequeue(timeout=10) == 0
+        writer.enqueue(1, timeout=10)
+        assert local.dequeue(timeout=10) == 1
+        assert [remote.dequeue(timeout=10) for _ in range(2)] == [0, 1]
+        with pytest.raises(TimeoutError):
+            remote.dequeue(timeout=0.2)
+    finally:
+        for q in (local, remote, writer):
+            q.close()
