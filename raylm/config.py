@@ -104,8 +104,18 @@ class ParallelConfig:
     # mq 662 out tok/s, 24.2 ms/step, idle workers 3% CPU each; cgraph 294 tok/s,
     # 54.4 ms/step, idle workers 73% CPU each (its channel readers spin).
     ray_step_transport: str = "mq"
-    # A Ray placement group to run in (else the current one, else a new one).
+    # A Ray placement group to run in (else the current one, else a new one),
+    # and which of its bundles the ranks may take (None: any that fit). A
+    # data-parallel replica hands its executor the bundles after its own.
     placement_group: object | None = None
+    placement_group_bundles: list[int] | None = None
+    # Data parallelism: replicas of the whole engine core (DESIGN.md, "Data
+    # parallel on Ray"), placed packed onto few nodes or spread one per node.
+    data_parallel_size: int = 1
+    data_parallel_backend: str = "ray"
+    data_parallel_placement: str = "pack"
+    # Requests sharing a long prompt prefix prefer the replica that cached it.
+    data_parallel_prefix_affinity: bool = False
 
     @property
     def world_size(self) -> int:
@@ -166,6 +176,10 @@ def create_engine_config(
     ray_placement_timeout: float = 60.0,
     ray_step_transport: str = "mq",  # the faster by measurement; see ParallelConfig
     placement_group: object | None = None,
+    data_parallel_size: int = 1,
+    data_parallel_backend: str = "ray",
+    data_parallel_placement: str = "pack",
+    data_parallel_prefix_affinity: bool = False,
     max_restarts: int = 3,
     restart_window: float = 600.0,
     execute_model_timeout: float = 300.0,
@@ -212,6 +226,12 @@ def create_engine_config(
     if kv_cache_memory_bytes is not None and kv_cache_memory_bytes <= 0:
         raise ValueError(f"kv_cache_memory_bytes must be > 0, got {kv_cache_memory_bytes}")
 
+    if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
+    if data_parallel_backend not in ("ray", "mp"):
+        raise ValueError(f"data_parallel_backend must be 'ray' or 'mp', got {data_parallel_backend!r}")
+    if data_parallel_placement not in ("pack", "spread"):
+        raise ValueError(f"data_parallel_placement must be 'pack' or 'spread', got {data_parallel_placement!r}")
     if not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
     for name, value in (("restart_window", restart_window), ("execute_model_timeout", execute_model_timeout),
@@ -251,6 +271,10 @@ def create_engine_config(
             ray_placement_timeout=ray_placement_timeout,
             ray_step_transport=ray_step_transport,
             placement_group=placement_group,
+            data_parallel_size=data_parallel_size,
+            data_parallel_backend=data_parallel_backend,
+            data_parallel_placement=data_parallel_placement,
+            data_parallel_prefix_affinity=data_parallel_prefix_affinity,
         ),
         device=device,
         num_threads=num_threads,

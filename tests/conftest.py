@@ -58,7 +58,8 @@ def our_live_ray_state():
     from ray._private.state import actors
     from ray.util import placement_group_table
 
-    live_actors = [a for a in actors().values() if a["ActorClassName"] == "RayWorkerWrapper" and a["State"] != "DEAD"]
+    ours = ("RayWorkerWrapper", "EngineCoreActor")
+    live_actors = [a for a in actors().values() if a["ActorClassName"] in ours and a["State"] != "DEAD"]
     live_pgs = [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
     return live_actors, live_pgs
 

@@ -21,7 +21,7 @@ from raylm.core.request import Request
 from raylm.engine.core_client import EngineCoreDiedError, EngineDeadError, MPClient
 from raylm.engine.core_proc import EngineCoreOutputs, RecoveryStats, SchedulerStats
 from raylm.engine.input_processor import InputProcessor, ProcessedPrompt
-from raylm.engine.llm_engine import make_child_requests
+from raylm.engine.llm_engine import check_data_parallel_rank, make_child_requests
 from raylm.engine.output_processor import OutputProcessor
 from raylm.engine.restart_budget import RestartBudget
 from raylm.engine.tokenizer import load_tokenizer
@@ -99,7 +99,21 @@ class AsyncLLM:
         # resubmission to send them, and /health passes.
         self.recovering = False
         self._shut_down = False
-        self.engine_core = MPClient(config)
+        self.engine_core = self._make_core_client()
+
+    def _make_core_client(self):
+        """The core in a process of its own, or data-parallel replicas behind a router."""
+        if self.config.parallel_config.data_parallel_size > 1:
+            from raylm.engine.dp_client import AsyncDPClient
+
+            return AsyncDPClient(self.config)
+        return MPClient(self.config)
+
+    async def scale(self, data_parallel_size: int) -> None:
+        """Change the number of data-parallel replicas without failing a request."""
+        if not hasattr(self.engine_core, "scale_async"):
+            raise ValueError("scaling needs a server started with --data-parallel-size > 1")
+        await self.engine_core.scale_async(data_parallel_size)
 
     @classmethod
     def from_engine_args(cls, stat_loggers: list[StatLoggerBase] | None = None, **engine_kwargs: Any) -> "AsyncLLM":
@@ -139,13 +153,15 @@ class AsyncLLM:
         return processed, self.input_processor.finish_params(params)
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
-                       stream: bool = True) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until it finishes; ValueError for bad input."""
+                       stream: bool = True, data_parallel_rank: int | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes; ValueError for bad input.
+        `data_parallel_rank` pins the request to one data-parallel replica."""
         self._check_alive()
         self._ensure_output_handler()
+        check_data_parallel_rank(self.config, data_parallel_rank)
         processed, params = await self.process_prompt(prompt, sampling_params)
         self._check_alive()
-        state = self._add_request(request_id, processed, params, stream)
+        state = self._add_request(request_id, processed, params, stream, data_parallel_rank)
         finished = False
         try:
             while True:
@@ -170,7 +186,7 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def _add_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
-                     stream: bool) -> _RequestState:
+                     stream: bool, data_parallel_rank: int | None = None) -> _RequestState:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         children = make_child_requests(self.input_processor, request_id, processed, params)
@@ -182,7 +198,10 @@ class AsyncLLM:
         self._requests[request_id] = state
         try:
             for child in children:
-                self.engine_core.add_request(child)
+                if data_parallel_rank is None:
+                    self.engine_core.add_request(child)
+                else:
+                    self.engine_core.add_request(child, data_parallel_rank=data_parallel_rank)
         except BaseException:
             self.abort(request_id)
             raise

@@ -101,13 +101,21 @@ class EngineCoreOutputs(msgspec.Struct):
     pong: Union[int, None] = None
     error: Union[str, None] = None
     recoveries: list[RecoveryStats] = msgspec.field(default_factory=list)
+    # Which data-parallel replica sent it (0 without data parallelism).
+    engine_index: int = 0
 
 
 class EngineCoreProc:
-    """Owns an EngineCore and its two sockets; `run` is the busy loop."""
+    """Owns an EngineCore and its two sockets; `run` is the busy loop.
 
-    def __init__(self, core, input_address: str, output_address: str):
+    `watch_parent`: exit when the parent process is gone (a core process); a
+    replica actor is not a child of its front end, Ray ends it instead."""
+
+    def __init__(self, core, input_address: str, output_address: str, engine_index: int = 0,
+                 watch_parent: bool = True):
         self.core = core
+        self.engine_index = engine_index
+        self.watch_parent = watch_parent
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PULL)
         self.input.connect(input_address)
@@ -125,17 +133,17 @@ class EngineCoreProc:
         return self.core.has_unfinished_requests() or self.core.has_work_in_flight()
 
     def run(self) -> None:
-        parent_pid = os.getppid()
+        parent_pid = os.getppid() if self.watch_parent else None
         while True:
             if not self._has_work():
                 # Idle: block on the input socket, so an idle server costs ~0 CPU;
                 # wake now and then so an orphaned core exits instead of lingering.
                 while not self.input.poll(_IDLE_POLL_MS):
-                    if os.getppid() != parent_pid:
+                    if parent_pid is not None and os.getppid() != parent_pid:
                         logger.warning("engine core: parent process is gone, exiting")
                         return
                     self._check_health_while_idle()
-            elif os.getppid() != parent_pid:  # busy, yet nobody reads the outputs
+            elif parent_pid is not None and os.getppid() != parent_pid:  # busy, yet nobody reads the outputs
                 logger.warning("engine core: parent process is gone, exiting")
                 return
             handled, keep_running = self._drain_inputs()
@@ -183,6 +191,7 @@ class EngineCoreProc:
         return SchedulerStats(**self.core.stats())
 
     def _send(self, outputs: EngineCoreOutputs) -> None:
+        outputs.engine_index = self.engine_index
         self.output.send(self.encoder.encode(outputs), copy=False)
 
     def close(self) -> None:

@@ -57,6 +57,11 @@ class LLM:
         # Runs at gc or interpreter exit too, so workers never outlive the user's script.
         self._finalizer = weakref.finalize(self, self.llm_engine.shutdown)
 
+    def scale(self, data_parallel_size: int) -> None:
+        """Change the number of data-parallel replicas: new ones are placed and
+        warmed before they serve; removed ones finish their requests first."""
+        self.llm_engine.scale(data_parallel_size)
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -39,14 +39,30 @@ def make_child_requests(input_processor: InputProcessor, request_id: str, proces
     return requests
 
 
+def check_data_parallel_rank(config: EngineConfig, rank: int | None) -> None:
+    if rank is None:
+        return
+    size = config.parallel_config.data_parallel_size
+    if size == 1:
+        raise ValueError("data_parallel_rank needs an engine with data_parallel_size > 1")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise ValueError(f"data_parallel_rank must be an integer >= 0, got {rank!r}")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.tokenizer = load_tokenizer(config.model_config.tokenizer)
         self.input_processor = InputProcessor(config.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        # The same client interface AsyncLLM uses, with the core in this process.
-        self.engine_core = InprocClient(config)
+        # The same client interface AsyncLLM uses: the core in this process, or
+        # data-parallel replicas (each a core of its own) behind a router.
+        if config.parallel_config.data_parallel_size > 1:
+            from raylm.engine.dp_client import SyncDPClient
+
+            self.engine_core = SyncDPClient(config)
+        else:
+            self.engine_core = InprocClient(config)
         self._ids = itertools.count()
 
     def next_request_id(self) -> str:
@@ -56,19 +72,31 @@ class LLMEngine:
         """Check one request without adding it: (processed prompt, finished params)."""
         return self.input_processor.process_prompt(prompt), self.input_processor.finish_params(params)
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
+                    data_parallel_rank: int | None = None) -> None:
         processed, params = self.validate(prompt, params)
-        self.add_validated_request(request_id, processed, params)
+        self.add_validated_request(request_id, processed, params, data_parallel_rank)
 
-    def add_validated_request(self, request_id: str, processed, params: SamplingParams) -> None:
+    def add_validated_request(self, request_id: str, processed, params: SamplingParams,
+                              data_parallel_rank: int | None = None) -> None:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        check_data_parallel_rank(self.config, data_parallel_rank)
         children = make_child_requests(self.input_processor, request_id, processed, params)
         self.output_processor.add_request(
             request_id, processed.prompt, processed.prompt_token_ids, params, [c.request_id for c in children]
         )
         for child in children:
-            self.engine_core.add_request(child)
+            if data_parallel_rank is None:
+                self.engine_core.add_request(child)
+            else:
+                self.engine_core.add_request(child, data_parallel_rank=data_parallel_rank)
+
+    def scale(self, data_parallel_size: int) -> None:
+        """Change the number of data-parallel replicas (see DPClient.scale)."""
+        if not hasattr(self.engine_core, "scale"):
+            raise ValueError("scale() needs an engine started with data_parallel_size > 1")
+        self.engine_core.scale(data_parallel_size)
 
     def abort_request(self, request_id: str) -> None:
         self.engine_core.abort_requests(self.output_processor.abort(request_id))

@@ -68,20 +68,188 @@ def worker_env_vars(device: str) -> dict[str, str]:
     return env
 
 
+# The local Ray instance this process started (None when raylm started none,
+# or the Ray in use is someone else's): its GCS address and CPU count, so a
+# later engine that needs more can restart it larger while nothing uses it.
+_own_local_ray: dict | None = None
+# How long a TCP connect to a cluster file's GCS address may take before the
+# file is judged stale.
+_GCS_PROBE_TIMEOUT_S = 2.0
+# How long a given address may take to answer (a head still starting).
+_EXPLICIT_ADDRESS_WAIT_S = 10.0
+# How long to wait for a previous engine's actors and placement group to be
+# gone before deciding whether raylm's local Ray can be restarted larger.
+_SETTLE_TIMEOUT_S = 10.0
+
+
 def connect_ray(parallel_config: ParallelConfig, num_cpus_hint: int) -> None:
+    """Connect to Ray, as `ray.init()` would, or start a local instance.
+
+    - an address (`ray_address`, else `RAY_ADDRESS`): connect there ("auto" as
+      in Ray; "local" starts a local instance);
+    - none: join the cluster named by Ray's cluster file (written by `ray start`
+      on this machine, /tmp/ray/ray_current_cluster by default) if its GCS
+      answers; a stale file (a killed head left it behind) is logged and
+      ignored; else start a local instance.
+
+    A local instance that raylm started is raylm's to resize: its CPUs are
+    scheduling tokens (one per rank and thread), and a later engine of this
+    process that needs more restarts it larger while no actor or placement
+    group lives in it. A cluster raylm did not start is never stopped.
+    """
     import ray
 
     if ray.is_initialized():
+        _grow_own_local_ray(num_cpus_hint)
         return
     address = parallel_config.ray_address or os.environ.get("RAY_ADDRESS")
-    if address:
+    if address and address != "local":
+        _require_reachable(address, "ray_address" if parallel_config.ray_address else "RAY_ADDRESS")
         ray.init(address=address, log_to_driver=True)
         logger.info("connected to Ray cluster at %s", address)
-    else:
-        # A private local Ray: its CPU count is a scheduling token budget, so
-        # give at least one per rank even on a small machine.
-        ray.init(num_cpus=max(os.cpu_count() or 1, num_cpus_hint), include_dashboard=False, log_to_driver=True)
-        logger.info("started a local Ray instance")
+        return
+    if not address:
+        running = running_local_cluster_address()
+        if running is not None:
+            ray.init(address=running, log_to_driver=True)
+            logger.info("joined the running Ray cluster at %s (from %s)", running, ray_cluster_file())
+            return
+    _start_own_local_ray(num_cpus_hint)
+
+
+def ray_cluster_file() -> str:
+    """Where `ray start` records the cluster that a bare `ray.init()` joins."""
+    try:
+        from ray._private.utils import get_ray_address_file
+
+        return get_ray_address_file(None)
+    except ImportError:  # moved in another Ray version: Ray's documented default
+        return os.path.join(os.environ.get("RAY_TMPDIR") or "/tmp", "ray", "ray_current_cluster")
+
+
+def running_local_cluster_address() -> str | None:
+    """The GCS address in Ray's cluster file if a GCS answers there; None when
+    there is no file, or when it is stale (then said once, with the fix)."""
+    path = ray_cluster_file()
+    try:
+        with open(path) as f:
+            address = f.read().strip()
+    except OSError:
+        return None
+    if not address:
+        return None
+    if gcs_reachable(address):
+        return address
+    logger.warning(
+        "Ray's cluster file %s names %s, but no Ray GCS answers there (a Ray head that was killed left "
+        "the file behind; `ray stop` removes it): starting a local Ray instance instead",
+        path, address,
+    )
+    return None
+
+
+def gcs_reachable(address: str, timeout: float = _GCS_PROBE_TIMEOUT_S) -> bool:
+    """True when something accepts TCP connections at host:port."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _require_reachable(address: str, source: str) -> None:
+    """A host:port address where no GCS answers fails here, in seconds, naming
+    it: Ray itself retries such an address for minutes and then exits the
+    process. ("auto" and ray:// client addresses are left to Ray.)"""
+    if address == "auto" or "://" in address:
+        return
+    deadline = time.monotonic() + _EXPLICIT_ADDRESS_WAIT_S
+    while not gcs_reachable(address):
+        if time.monotonic() >= deadline:
+            raise ConnectionError(
+                f"no Ray cluster answers at {address} (from {source}) within {_EXPLICIT_ADDRESS_WAIT_S:g} s; "
+                "start one there (ray start --head), or leave the address out to use the cluster started "
+                "on this machine, or a local Ray instance"
+            )
+        time.sleep(0.5)
+
+
+def _local_ray_num_cpus(num_cpus_hint: int) -> int:
+    # At least the machine's cores, so the user's own Ray tasks have room too;
+    # not more than asked for beyond that: Ray starts one idle Python worker
+    # per CPU token.
+    return max(os.cpu_count() or 1, num_cpus_hint)
+
+
+def _start_own_local_ray(num_cpus_hint: int) -> None:
+    global _own_local_ray
+    import ray
+
+    num_cpus = _local_ray_num_cpus(num_cpus_hint)
+    # "local": a new instance whatever Ray's cluster file says (it is stale
+    # when we get here, or an address was not wanted).
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    _own_local_ray = {"gcs_address": _current_gcs_address(), "num_cpus": num_cpus}
+    logger.info("started a local Ray instance with %d CPU tokens", num_cpus)
+
+
+def _current_gcs_address() -> str | None:
+    import ray
+
+    try:
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001 - an older Ray without it: identity unknown
+        return None
+
+
+def owns_local_ray() -> bool:
+    """True when the Ray this process is connected to was started by raylm."""
+    return _own_local_ray is not None and _own_local_ray["gcs_address"] == _current_gcs_address()
+
+
+def _grow_own_local_ray(num_cpus_hint: int) -> None:
+    """Restart raylm's own local instance with more CPU tokens when an engine
+    needs more than it has and nothing lives in it; a Ray that raylm did not
+    start is left as it is (placement then says what is missing)."""
+    global _own_local_ray
+    import ray
+
+    if not owns_local_ray() or num_cpus_hint <= _own_local_ray["num_cpus"]:
+        return
+    have = _own_local_ray["num_cpus"]
+    users = _wait_until_unused(_SETTLE_TIMEOUT_S)
+    if users:
+        logger.warning(
+            "raylm's local Ray instance has %d CPU tokens and this engine needs %d, but it cannot be "
+            "restarted larger while %s live in it; start Ray yourself with enough CPUs "
+            "(ray start --head --num-cpus N) to run these engines side by side",
+            have, num_cpus_hint, users,
+        )
+        return
+    logger.info("restarting raylm's local Ray instance: %d CPU tokens are too few, this engine needs %d", have, num_cpus_hint)
+    _own_local_ray = None
+    ray.shutdown()
+    _start_own_local_ray(num_cpus_hint)
+
+
+def _wait_until_unused(timeout: float) -> str:
+    """'' once no actor or placement group lives in the connected Ray (a shut
+    down engine's are removed asynchronously), else what still lives there."""
+    from ray._private.state import actors
+    from ray.util import placement_group_table
+
+    deadline = time.monotonic() + timeout
+    while True:
+        live_actors = [a for a in actors().values() if a.get("State") != "DEAD"]
+        live_pgs = [g for g in placement_group_table().values() if g.get("state") != "REMOVED"]
+        if not live_actors and not live_pgs:
+            return ""
+        if time.monotonic() >= deadline:
+            return f"{len(live_actors)} actor(s) and {len(live_pgs)} placement group(s)"
+        time.sleep(0.1)
 
 
 def _cluster_description() -> str:
@@ -119,7 +287,9 @@ def get_placement_group(parallel_config: ParallelConfig, bundle: dict, world_siz
     if current is not None:
         specs = current.bundle_specs
         key = next(iter(bundle))
-        usable = [i for i, spec in enumerate(specs) if spec.get(key, 0) >= bundle[key]]
+        allowed = parallel_config.placement_group_bundles
+        candidates = range(len(specs)) if allowed is None else allowed
+        usable = [i for i in candidates if specs[i].get(key, 0) >= bundle[key]]
         if len(usable) < world_size:
             raise ValueError(
                 f"the placement group in use has {len(usable)} bundles with {key} >= {bundle[key]}, "
@@ -153,6 +323,50 @@ def initialize_ray_cluster(parallel_config: ParallelConfig, device: str, cpus_pe
     return get_placement_group(parallel_config, bundle, world)
 
 
+def interface_of_ip(ip: str) -> str | None:
+    """The name of this machine's network interface that carries `ip`."""
+    import socket
+
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        for addr in addrs:
+            if addr.family in (socket.AF_INET, socket.AF_INET6) and addr.address.split("%")[0] == ip:
+                return name
+    return None
+
+
+def set_gloo_socket_ifname(node_ip: str) -> str | None:
+    """Point gloo at the interface carrying this node's Ray IP, before the
+    process group is created: left to itself gloo binds to the address the
+    host name resolves to, which on a multi-homed host (or a container, or a
+    network namespace) may be another network or none at all.
+
+    A GLOO_SOCKET_IFNAME already set (by the user, forwarded from the driver)
+    is kept when this node has such an interface. Returns the value in effect."""
+    import psutil
+
+    current = os.environ.get("GLOO_SOCKET_IFNAME")
+    if current and all(name in psutil.net_if_addrs() for name in current.split(",")):
+        return current
+    found = interface_of_ip(node_ip)
+    if found is None:
+        logger.warning("no network interface of this node carries its Ray IP %s; gloo picks its own", node_ip)
+        return current
+    if current:
+        logger.warning(
+            "GLOO_SOCKET_IFNAME=%s names no interface of this node (%s); using %s, which carries its Ray IP",
+            current, node_ip, found,
+        )
+    os.environ["GLOO_SOCKET_IFNAME"] = found
+    return found
+
+
+def _is_loopback_init(init_method: str) -> bool:
+    host = init_method.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
 def _undo_ray_worker_niceness() -> None:
     """Ray starts worker processes at niceness 15 (its `worker_niceness`) so
     background tasks yield to the driver; a model rank is the opposite of a
@@ -181,6 +395,15 @@ class RayWorkerWrapper(WorkerWrapper):
         _undo_ray_worker_niceness()
     _mq_loop: WorkerLoop | None = None
     _mq_thread: threading.Thread | None = None
+
+    def init_worker(self, config, local_rank: int, distributed_init_method: str) -> None:
+        # Ranks on several nodes meet at a node's Ray IP: gloo must use the
+        # interface that carries this node's one (on one node, loopback).
+        if not _is_loopback_init(distributed_init_method):
+            import ray
+
+            set_gloo_socket_ifname(ray.util.get_node_ip_address())
+        super().init_worker(config, local_rank, distributed_init_method)
 
     def set_output_rank(self, is_output_rank: bool) -> None:
         self.is_output_rank = is_output_rank

@@ -1,0 +1,532 @@
+"""The front end's client for data-parallel replicas (DESIGN.md, "Data parallel
+on Ray"): one ZMQ/msgpack channel per replica, exactly as to a local core, a
+router, and the healing of replicas that die.
+
+Routing. A request goes to the replica with the lowest load score
+
+    score = in_flight + 2 * waiting + kv_cache_usage
+
+where `in_flight` counts the requests this client sent it that have not
+finished (exact and immediate), `waiting` is the replica's own count of queued
+requests at its last report (queued work costs more than running work: it
+waits for a batch slot), and `kv_cache_usage` (0..1) breaks ties towards the
+emptier cache. With prefix affinity, a request whose prompt starts with the
+same `AFFINITY_TOKENS` tokens as an earlier one goes to that one's replica
+(its prefix cache holds them) unless that replica is busier than the least
+busy by more than `AFFINITY_SLACK`. `data_parallel_rank` pins a replica.
+
+Failures. This client remembers every request it sent and the tokens that
+came back for it; when a replica dies it resubmits the unfinished ones to the
+survivors as continuations (prompt plus tokens so far, see Request), and the
+manager starts a replacement within the restart budget. The front end above
+sees a pause, not an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from raylm.config import EngineConfig
+from raylm.core.request import Request
+from raylm.engine.core_client import EngineDeadError
+from raylm.engine.core_proc import (
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    Ping,
+    RecoveryStats,
+    SchedulerStats,
+    Shutdown,
+)
+from raylm.engine.dp_manager import CoreEngineActorManager
+from raylm.engine.restart_budget import RestartBudget
+
+logger = logging.getLogger(__name__)
+
+AFFINITY_TOKENS = 64
+AFFINITY_SLACK = 4
+_AFFINITY_ENTRIES = 16384
+_POLL_MS = 100
+
+
+@dataclass
+class _Replica:
+    index: int
+    input: zmq.Socket
+    address: str
+    unsent: deque = field(default_factory=deque)
+    in_flight: set[str] = field(default_factory=set)
+    stats: SchedulerStats | None = None
+    draining: bool = False
+    num_routed: int = 0
+    node_ip: str = ""
+
+    @property
+    def score(self) -> float:
+        waiting = self.stats.num_waiting if self.stats else 0
+        usage = self.stats.kv_cache_usage if self.stats else 0.0
+        return len(self.in_flight) + 2 * waiting + usage
+
+
+@dataclass
+class _Sent:
+    """A request as first sent, and the tokens that came back for it."""
+
+    request: Request
+    replica: int
+    token_ids: list[int] = field(default_factory=list)
+
+
+class DPClient:
+    """Replicas as core clients behind one interface (add_request,
+    abort_requests, ping, is_alive, get_output, shutdown); `AsyncDPClient` and
+    `SyncDPClient` differ only in how `get_output` waits."""
+
+    asyncio_mode = False
+
+    def __init__(self, config: EngineConfig):
+        pc = config.parallel_config
+        self.config = config
+        self.prefix_affinity = pc.data_parallel_prefix_affinity
+        self.restart_budget = RestartBudget(config.fault_tolerance.max_restarts,
+                                            config.fault_tolerance.restart_window_s)
+        self._ctx = zmq.Context()
+        self._actx = zmq.asyncio.Context() if self.asyncio_mode else None
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self.replicas: dict[int, _Replica] = {}
+        self._sent: dict[str, _Sent] = {}
+        self._homeless: list[Request] = []  # routed when a replica is up again
+        self._affinity: OrderedDict[int, int] = OrderedDict()
+        self._deaths: queue.Queue = queue.Queue()
+        self._started: queue.Queue = queue.Queue()
+        self._starting: set[int] = set()
+        self._recoveries: list[RecoveryStats] = []
+        self._pings: dict[int, set[int]] = {}
+        self._nonce = 0
+        self.dead_error: EngineDeadError | None = None
+        self.manager = CoreEngineActorManager(config, on_death=lambda i, cause: self._deaths.put((i, cause)))
+        self._host = self._front_end_host()
+        output_ctx = self._actx if self.asyncio_mode else self._ctx
+        self._output = output_ctx.socket(zmq.PULL)
+        port = self._output.bind_to_random_port(f"tcp://{self._host}")
+        self.output_address = f"tcp://{self._host}:{port}"
+        self._finalizer = weakref.finalize(self, _shutdown, self.manager, self.replicas, self._output,
+                                           [self._ctx, self._actx])
+        try:
+            self._start_replicas(list(range(pc.data_parallel_size)))
+        except BaseException:
+            self._finalizer()
+            raise
+
+    def _front_end_host(self) -> str:
+        """Replicas on other hosts reach us at this node's IP; on one host, loopback."""
+        import ray
+
+        ips = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+        return "127.0.0.1" if len(ips) <= 1 else ray.util.get_node_ip_address()
+
+    # ---- replicas -----------------------------------------------------------------
+
+    def _new_channel(self, index: int) -> _Replica:
+        socket = self._ctx.socket(zmq.PUSH)
+        socket.setsockopt(zmq.SNDHWM, 0)
+        socket.setsockopt(zmq.LINGER, 0)
+        port = socket.bind_to_random_port(f"tcp://{self._host}")
+        return _Replica(index, socket, f"tcp://{self._host}:{port}")
+
+    def _start_replicas(self, indices: list[int]) -> None:
+        """Start replicas and wait until they all serve (they load in parallel)."""
+        channels, targets = self._new_channels(indices)
+        try:
+            self._wait_started(channels, targets)
+        except BaseException:
+            for channel in channels:
+                channel.input.close()
+            raise
+        self._adopt(channels)
+
+    def _new_channels(self, indices: list[int]) -> tuple[list[_Replica], list]:
+        return [self._new_channel(i) for i in indices], self.manager.plan_nodes(len(indices))
+
+    def _wait_started(self, channels: list[_Replica], targets: list) -> None:
+        """Blocking, and touches no socket (any thread may run it): start the
+        replicas in parallel; on any failure none of them is left running."""
+        errors: list[BaseException] = []
+
+        def start(channel: _Replica, target) -> None:
+            try:
+                handle = self.manager.start_replica(channel.index, channel.address, self.output_address, target)
+                channel.node_ip = handle.node_ip
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=start, args=(c, t), name=f"raylm-dp-start-{c.index}")
+                   for c, t in zip(channels, targets)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            for channel in channels:
+                self.manager.stop_replica(channel.index, wait_s=0)
+            raise errors[0]
+
+    def _adopt(self, channels: list[_Replica]) -> None:
+        for channel in channels:
+            self.replicas[channel.index] = channel
+
+    def _replace_in_background(self, index: int) -> None:
+        channel = self._new_channel(index)
+        self._starting.add(index)
+        target = self.manager.plan_nodes(1)[0]
+
+        def start() -> None:
+            started = time.monotonic()
+            try:
+                handle = self.manager.start_replica(index, channel.address, self.output_address, target)
+                channel.node_ip = handle.node_ip
+                self._started.put((channel, None, time.monotonic() - started))
+            except BaseException as e:
+                self._started.put((channel, e, time.monotonic() - started))
+
+        threading.Thread(target=start, name=f"raylm-dp-replace-{index}", daemon=True).start()
+
+    def _plan_scale(self, data_parallel_size: int) -> list[int]:
+        """Drain what a scale-down removes; the new indices a scale-up needs."""
+        if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
+        active = sorted(i for i, r in self.replicas.items() if not r.draining)
+        if data_parallel_size <= len(active):
+            for index in active[data_parallel_size:]:
+                self.replicas[index].draining = True
+            self._retire_drained()
+            return []
+        taken = set(self.replicas) | self._starting
+        free = (i for i in range(data_parallel_size + len(taken)) if i not in taken)
+        return [next(free) for _ in range(data_parallel_size - len(active))]
+
+    def scale(self, data_parallel_size: int) -> None:
+        """Scale up (new replicas placed and warmed before they get traffic) or
+        down (the highest replicas get no new requests and leave once theirs
+        finish). A scale-up that cannot be placed raises and changes nothing."""
+        new = self._plan_scale(data_parallel_size)
+        if new:
+            self._start_replicas(new)
+        logger.info("data parallel size is now %d", data_parallel_size)
+
+    def _retire_drained(self) -> None:
+        for index, replica in list(self.replicas.items()):
+            if replica.draining and not replica.in_flight:
+                self._send_frame(replica, self._encoder.encode(Shutdown()))
+                self._flush(replica)
+                del self.replicas[index]
+                self.manager.stop_replica(index)
+                replica.input.close()
+                logger.info("data-parallel replica %d drained and removed", index)
+
+    # ---- requests -------------------------------------------------------------------
+
+    def add_request(self, request: Request, data_parallel_rank: int | None = None) -> None:
+        try:
+            frame = self._encoder.encode(EngineCoreRequest.from_request(request))
+        except (OverflowError, msgspec.EncodeError) as e:
+            raise ValueError(f"request cannot be encoded: {e}") from e
+        replica = self._route(request, data_parallel_rank)
+        self._sent[request.request_id] = _Sent(request, -1 if replica is None else replica.index,
+                                               list(request.output_token_ids))
+        if replica is None:
+            self._homeless.append(request)
+            return
+        self._dispatch(replica, request.request_id, frame)
+
+    def _dispatch(self, replica: _Replica, request_id: str, frame: bytes) -> None:
+        replica.in_flight.add(request_id)
+        replica.num_routed += 1
+        self._sent[request_id].replica = replica.index
+        self._send_frame(replica, frame)
+
+    def _route(self, request: Request, rank: int | None) -> _Replica | None:
+        if rank is not None:
+            replica = self.replicas.get(rank)
+            if replica is None or replica.draining:
+                raise ValueError(f"data_parallel_rank {rank} is not a serving replica "
+                                 f"(serving: {sorted(i for i, r in self.replicas.items() if not r.draining)})")
+            return replica
+        candidates = [r for r in self.replicas.values() if not r.draining]
+        if not candidates:
+            return None
+        best = min(candidates, key=lambda r: (r.score, r.index))
+        if not self.prefix_affinity or len(request.prompt_token_ids) < AFFINITY_TOKENS:
+            return best
+        key = hash(tuple(request.prompt_token_ids[:AFFINITY_TOKENS]))
+        preferred = self.replicas.get(self._affinity.get(key, -1))
+        if preferred is not None and not preferred.draining and preferred.score <= best.score + AFFINITY_SLACK:
+            best = preferred
+        self._affinity[key] = best.index
+        self._affinity.move_to_end(key)
+        if len(self._affinity) > _AFFINITY_ENTRIES:
+            self._affinity.popitem(last=False)
+        return best
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        by_replica: dict[int, list[str]] = {}
+        for rid in request_ids:
+            sent = self._sent.pop(rid, None)
+            if sent is None:
+                continue
+            self._homeless = [r for r in self._homeless if r.request_id != rid]
+            replica = self.replicas.get(sent.replica)
+            if replica is not None:
+                replica.in_flight.discard(rid)
+                by_replica.setdefault(replica.index, []).append(rid)
+        for index, ids in by_replica.items():
+            self._send_frame(self.replicas[index], self._encoder.encode(AbortRequests(ids)))
+
+    def ping(self) -> int:
+        """Every serving replica is asked; the pong goes up once all answered."""
+        self._nonce += 1
+        self._pings[self._nonce] = set(self.replicas)
+        for replica in self.replicas.values():
+            self._send_frame(replica, self._encoder.encode(Ping(self._nonce)))
+        return self._nonce
+
+    def is_alive(self) -> bool:
+        return self.dead_error is None
+
+    def replica_states(self) -> list[dict]:
+        """For /health and logs: each replica's node, load and state."""
+        states = []
+        for index in sorted(set(self.replicas) | self._starting):
+            replica = self.replicas.get(index)
+            if replica is None:
+                states.append({"replica": index, "state": "starting"})
+                continue
+            stats = replica.stats
+            states.append({
+                "replica": index, "state": "draining" if replica.draining else "serving",
+                "node_ip": replica.node_ip, "in_flight": len(replica.in_flight),
+                "num_running": stats.num_running if stats else 0,
+                "num_waiting": stats.num_waiting if stats else 0,
+                "kv_cache_usage": stats.kv_cache_usage if stats else 0.0,
+                "num_routed": replica.num_routed,
+            })
+        return states
+
+    # ---- the channel ------------------------------------------------------------------
+
+    def _send_frame(self, replica: _Replica, frame: bytes) -> None:
+        replica.unsent.append(frame)
+        self._flush(replica)
+
+    @staticmethod
+    def _flush(replica: _Replica) -> None:
+        # A bound PUSH socket refuses (never blocks: NOBLOCK) until its
+        # replica has connected; what it refuses waits here, in order.
+        while replica.unsent:
+            try:
+                replica.input.send(replica.unsent[0], flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            replica.unsent.popleft()
+
+    def _housekeeping(self) -> None:
+        """Between reads: resend, heal dead replicas, adopt new ones, retire drained ones."""
+        while not self._deaths.empty():
+            self._on_replica_death(*self._deaths.get())
+        while not self._started.empty():
+            self._on_replica_started(*self._started.get())
+        if self._homeless and any(not r.draining for r in self.replicas.values()):
+            homeless, self._homeless = self._homeless, []
+            for request in homeless:
+                self._resubmit(request.request_id)
+        for replica in self.replicas.values():
+            self._flush(replica)
+        self._retire_drained()
+        if not self.replicas and not self._starting and self.dead_error is None:
+            self.dead_error = EngineDeadError("every data-parallel replica is gone and none can be restarted "
+                                              f"(max_restarts {self.restart_budget.max_restarts})")
+        if self.dead_error is not None:
+            raise self.dead_error
+
+    def _on_replica_death(self, index: int, cause: str) -> None:
+        replica = self.replicas.pop(index, None)
+        if replica is None:
+            return
+        replica.input.close()
+        orphans = sorted(replica.in_flight)
+        logger.error("data-parallel replica %d died (%s); resubmitting its %d request(s) to the others",
+                     index, cause, len(orphans))
+        for rid in orphans:
+            self._resubmit(rid)
+        self._recoveries.append(RecoveryStats("dp_replica", 0.0, len(orphans)))
+        for waiting in self._pings.values():
+            waiting.discard(index)
+        if self.restart_budget.allow():
+            self._replace_in_background(index)
+        else:
+            logger.error("no restart left for replica %d (max_restarts %d): serving with %d replica(s)",
+                         index, self.restart_budget.max_restarts, len(self.replicas))
+
+    def _on_replica_started(self, channel: _Replica, error: BaseException | None, seconds: float) -> None:
+        self._starting.discard(channel.index)
+        if error is not None:
+            channel.input.close()
+            logger.error("replacing data-parallel replica %d failed: %s", channel.index, error)
+            if self.restart_budget.allow():
+                self._replace_in_background(channel.index)
+            return
+        self.replicas[channel.index] = channel
+        logger.warning("data-parallel replica %d replaced in %.1f s", channel.index, seconds)
+
+    def _resubmit(self, request_id: str) -> None:
+        """Send a request again, after the tokens it already produced."""
+        sent = self._sent.get(request_id)
+        if sent is None:
+            return
+        first = sent.request
+        request = Request(first.request_id, first.prompt_token_ids, first.sampling_params, first.eos_token_id,
+                          first.arrival_time, output_token_ids=sent.token_ids)
+        replica = self._route(request, None)
+        if replica is None:
+            sent.replica = -1
+            self._homeless.append(request)
+            return
+        self._dispatch(replica, request_id, self._encoder.encode(EngineCoreRequest.from_request(request)))
+
+    def _receive(self, frame) -> EngineCoreOutputs | None:
+        """Bookkeeping for one replica message; what to pass up (None: nothing)."""
+        outputs = self._decoder.decode(frame.buffer if hasattr(frame, "buffer") else frame)
+        replica = self.replicas.get(outputs.engine_index)
+        if replica is None:
+            return None  # from a replica already given up on
+        if outputs.error is not None:
+            # That replica is dead for good; the others serve its requests.
+            self._deaths.put((outputs.engine_index, outputs.error.strip().splitlines()[-1]))
+            self.manager.stop_replica(outputs.engine_index, wait_s=0)
+            return None
+        if outputs.stats is not None:
+            replica.stats = outputs.stats
+            outputs.stats = self._aggregate_stats()
+        for out in outputs.outputs:
+            sent = self._sent.get(out.request_id)
+            if sent is None or sent.replica != replica.index:
+                continue
+            sent.token_ids.extend(out.new_token_ids)
+            if out.finished:
+                replica.in_flight.discard(out.request_id)
+                del self._sent[out.request_id]
+        if outputs.pong is not None:
+            waiting = self._pings.get(outputs.pong)
+            if waiting is not None:
+                waiting.discard(replica.index)
+            if waiting:  # others still to answer
+                outputs.pong = None
+            else:
+                self._pings.pop(outputs.pong, None)
+        outputs.recoveries = outputs.recoveries + self._recoveries
+        self._recoveries = []
+        return outputs
+
+    def _aggregate_stats(self) -> SchedulerStats:
+        stats = [r.stats for r in self.replicas.values() if r.stats is not None]
+        n = max(1, len(stats))
+        return SchedulerStats(
+            num_running=sum(s.num_running for s in stats),
+            num_waiting=sum(s.num_waiting for s in stats),
+            kv_cache_usage=sum(s.kv_cache_usage for s in stats) / n,
+            prefix_cache_hit_rate=sum(s.prefix_cache_hit_rate for s in stats) / n,
+            num_preemptions=sum(s.num_preemptions for s in stats),
+        )
+
+    def _pending_recoveries(self) -> EngineCoreOutputs | None:
+        if not self._recoveries:
+            return None
+        outputs = EngineCoreOutputs(recoveries=self._recoveries)
+        self._recoveries = []
+        return outputs
+
+    def shutdown(self) -> None:
+        """Idempotent: replicas stopped, actors and placement groups removed."""
+        self._finalizer()
+
+
+class AsyncDPClient(DPClient):
+    """For AsyncLLM: `get_output` awaits the output socket."""
+
+    asyncio_mode = True
+
+    async def scale_async(self, data_parallel_size: int) -> None:
+        """`scale` without blocking the event loop while replicas load."""
+        import asyncio
+
+        new = self._plan_scale(data_parallel_size)
+        if new:
+            channels, targets = self._new_channels(new)
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self._wait_started, channels, targets)
+            except BaseException:
+                for channel in channels:
+                    channel.input.close()
+                raise
+            self._adopt(channels)
+        logger.info("data parallel size is now %d", data_parallel_size)
+
+    async def get_output(self) -> EngineCoreOutputs:
+        while True:
+            self._housekeeping()
+            pending = self._pending_recoveries()
+            if pending is not None:
+                return pending
+            if await self._output.poll(_POLL_MS):
+                outputs = self._receive(await self._output.recv(copy=False))
+                if outputs is not None:
+                    return outputs
+
+
+class SyncDPClient(DPClient):
+    """For LLMEngine (offline): `get_output` blocks on the output socket, and
+    returns an empty message when nothing is in flight."""
+
+    def get_output(self) -> EngineCoreOutputs:
+        while True:
+            self._housekeeping()
+            pending = self._pending_recoveries()
+            if pending is not None:
+                return pending
+            if not self._sent:
+                return EngineCoreOutputs()
+            if self._output.poll(_POLL_MS):
+                outputs = self._receive(self._output.recv(copy=False))
+                if outputs is not None:
+                    return outputs
+
+    def stats(self) -> dict:
+        return msgspec.structs.asdict(self._aggregate_stats())
+
+
+def _shutdown(manager: CoreEngineActorManager, replicas: dict, output, contexts: list) -> None:
+    encoder = msgspec.msgpack.Encoder()
+    for replica in replicas.values():
+        try:
+            replica.input.send(encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+    manager.shutdown()
+    for replica in replicas.values():
+        replica.input.close(linger=0)
+    replicas.clear()
+    output.close(linger=0)
+    for ctx in contexts:
+        if ctx is not None:
+            ctx.destroy(linger=0)

@@ -1,0 +1,303 @@
+"""Data-parallel replicas on Ray: `EngineCoreActor`, one whole engine core
+(scheduler, KV cache, executor) in a Ray actor, and `CoreEngineActorManager`,
+which places, starts, watches and stops them (DESIGN.md, "Data parallel on Ray").
+
+Each replica gets one placement group of its own, all on one node: bundle 0
+for the engine actor, then one bundle per model rank when its executor is Ray
+(which reuses those bundles: no nested groups). Replicas are packed onto as few
+nodes as possible, or spread one per node. Ray places and watches replicas; the
+per-token path is the ZMQ/msgpack channel of a local core (see dp_client.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from raylm.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+# How long a replica may take to be placed, and then to load its model.
+PLACEMENT_TIMEOUT_S = 60.0
+READY_TIMEOUT_S = 300.0
+# How often the monitor looks at the replicas' loops (bounds death detection).
+_MONITOR_POLL_S = 0.5
+# How long a replica asked to stop may take before it is killed.
+_STOP_TIMEOUT_S = 10.0
+# CPU a replica's engine actor reserves when its ranks are Ray actors of their
+# own: the engine loop is light, and Ray's CPUs are scheduling tokens.
+_ENGINE_ONLY_CPUS = 0.01
+
+
+class EngineCoreActor:
+    """One replica: builds its EngineCore at construction (so a failure to
+    start is an actor-creation error), then `run` is the core's busy loop,
+    talking to the front end over ZMQ exactly like a core process does."""
+
+    def __init__(self, config: EngineConfig, engine_index: int, input_address: str, output_address: str,
+                 log_level: int = logging.WARNING):
+        from raylm.engine.core_proc import EngineCoreProc
+        from raylm.engine.engine_core import EngineCore
+
+        logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.engine_index = engine_index
+        self.core = EngineCore(config)
+        self.proc = EngineCoreProc(self.core, input_address, output_address, engine_index, watch_parent=False)
+
+    def ready(self) -> dict:
+        import ray
+
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "num_blocks": self.core.config.cache_config.num_blocks,
+        }
+
+    def run(self) -> None:
+        """Until the front end sends Shutdown; always releases the executor."""
+        try:
+            self.proc.run()
+        finally:
+            self.core.shutdown()
+            self.proc.close()
+
+
+@dataclass
+class ReplicaHandle:
+    index: int
+    actor: object
+    placement_group: object
+    run_ref: object
+    node_id: str
+    node_ip: str
+    pid: int
+
+
+def replica_bundles(config: EngineConfig) -> tuple[list[dict], float, list[int] | None]:
+    """(bundles, the engine actor's CPUs, the bundles its executor's ranks take)."""
+    pc = config.parallel_config
+    world = pc.world_size
+    cpus = float(config.num_threads or 1)
+    backend = pc.distributed_executor_backend
+    if backend == "ray":
+        return [{"CPU": _ENGINE_ONLY_CPUS}] + [{"CPU": cpus} for _ in range(world)], _ENGINE_ONLY_CPUS, \
+            list(range(1, world + 1))
+    # uni or mp: the model runs in the actor or in processes it starts.
+    return [{"CPU": cpus * world}], cpus * world, None
+
+
+def choose_nodes(num_replicas: int, cpus_per_replica: float, mode: str,
+                 nodes: list[tuple[str, float]]) -> list[str | None]:
+    """A target node per replica from (node id, free CPUs), in preference
+    order: "pack" fills a node before using the next, "spread" puts each
+    replica on the node holding fewest so far. None: no node has room (Ray
+    then decides, and the placement timeout says what is missing)."""
+    free = {node: cpus for node, cpus in nodes}
+    count = {node: 0 for node, _ in nodes}
+    order = [node for node, _ in nodes]
+    targets: list[str | None] = []
+    for _ in range(num_replicas):
+        fitting = [n for n in order if free[n] >= cpus_per_replica]
+        if not fitting:
+            targets.append(None)
+            continue
+        if mode == "spread":
+            node = min(fitting, key=lambda n: (count[n], order.index(n)))
+        else:
+            node = fitting[0]
+        free[node] -= cpus_per_replica
+        count[node] += 1
+        targets.append(node)
+    return targets
+
+
+class CoreEngineActorManager:
+    """Creates replicas, waits until they are ready, starts their loops,
+    watches them (`on_death(index, cause)` from a monitor thread, within a
+    second), and stops them leaving no actor or placement group."""
+
+    def __init__(self, config: EngineConfig, on_death: Callable[[int, str], None]):
+        import ray
+
+        from raylm.executor import ray_utils
+
+        self.config = config
+        self.on_death = on_death
+        pc = config.parallel_config
+        ray_utils.connect_ray(pc, num_cpus_hint=pc.data_parallel_size * int(sum(
+            b.get("CPU", 0) for b in replica_bundles(config)[0]) + 1))
+        self._ray = ray
+        self.replicas: dict[int, ReplicaHandle] = {}
+        self._stopping: set[int] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._monitor = threading.Thread(target=self._monitor_loop, name="raylm-dp-replica-monitor", daemon=True)
+        self._monitor.start()
+
+    # ---- placement ---------------------------------------------------------------
+
+    def plan_nodes(self, num_replicas: int) -> list[str | None]:
+        """Target nodes for `num_replicas` more replicas, given what is free now."""
+        from ray._private.state import available_resources_per_node
+
+        bundles, _, _ = replica_bundles(self.config)
+        need = sum(b.get("CPU", 0) for b in bundles)
+        driver = self._ray.get_runtime_context().get_node_id()
+        available = available_resources_per_node()
+        nodes = sorted(((node, res.get("CPU", 0.0)) for node, res in available.items()),
+                       key=lambda item: (item[0] != driver, item[0]))
+        return choose_nodes(num_replicas, need, self.config.parallel_config.data_parallel_placement, nodes)
+
+    def start_replica(self, index: int, input_address: str, output_address: str,
+                      target_node: str | None = None) -> ReplicaHandle:
+        """Place, build and start replica `index`; blocks until it serves.
+        On failure nothing of it is left and the error says why."""
+        ray = self._ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from raylm.executor import ray_utils
+
+        bundles, engine_cpus, rank_bundles = replica_bundles(self.config)
+        # One node per replica: its TP group and its engine stay together.
+        pg = placement_group(bundles, strategy="STRICT_PACK", _soft_target_node_id=target_node)
+        ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            description = ray_utils._cluster_description()
+            remove_placement_group(pg)
+            raise RuntimeError(
+                f"could not place data-parallel replica {index} (bundles {bundles}, all on one node) "
+                f"within {PLACEMENT_TIMEOUT_S:g} s; the cluster offers:\n{description}"
+            )
+        replica_config = copy.deepcopy(self.config)
+        rpc = replica_config.parallel_config
+        rpc.data_parallel_size = 1
+        rpc.placement_group = pg
+        rpc.placement_group_bundles = rank_bundles
+        actor = None
+        try:
+            actor_cls = ray.remote(EngineCoreActor)
+            actor = actor_cls.options(
+                num_cpus=engine_cpus,
+                # One thread for the core's loop, one for ready() and friends.
+                max_concurrency=2,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=0,
+                    placement_group_capture_child_tasks=True),
+                runtime_env={"env_vars": ray_utils.worker_env_vars(self.config.device)},
+                name=None,
+            ).remote(replica_config, index, input_address, output_address, logging.getLogger().getEffectiveLevel())
+            info = ray.get(actor.ready.remote(), timeout=READY_TIMEOUT_S)
+            run_ref = actor.run.remote()
+        except BaseException as e:
+            if actor is not None:
+                ray.kill(actor)
+            remove_placement_group(pg)
+            if isinstance(e, ray.exceptions.RayActorError):
+                raise RuntimeError(f"data-parallel replica {index} failed to start: {_first_line(e)}") from e
+            raise
+        handle = ReplicaHandle(index, actor, pg, run_ref, info["node_id"], info["node_ip"], info["pid"])
+        with self._lock:
+            self.replicas[index] = handle
+        logger.info("data-parallel replica %d: node %s (%s), pid %d, %d KV blocks",
+                    index, info["node_ip"], info["node_id"][:12], info["pid"], info["num_blocks"])
+        return handle
+
+    # ---- liveness ------------------------------------------------------------------
+
+    def _monitor_loop(self) -> None:
+        ray = self._ray
+        while not self._closed:
+            with self._lock:
+                watched = {h.run_ref: h for h in self.replicas.values() if h.index not in self._stopping}
+            if not watched:
+                time.sleep(_MONITOR_POLL_S)
+                continue
+            try:
+                ready, _ = ray.wait(list(watched), num_returns=1, timeout=_MONITOR_POLL_S)
+            except Exception:  # Ray shutting down under us
+                if self._closed:
+                    return
+                logger.exception("data-parallel replica monitor")
+                time.sleep(_MONITOR_POLL_S)
+                continue
+            for ref in ready:
+                handle = watched[ref]
+                with self._lock:
+                    if handle.index in self._stopping or self.replicas.get(handle.index) is not handle:
+                        continue
+                    del self.replicas[handle.index]
+                try:
+                    ray.get(ref)
+                    cause = "its engine loop returned"
+                except Exception as e:
+                    cause = _first_line(e)
+                self._release(handle)
+                logger.error("data-parallel replica %d (pid %d, node %s) died: %s",
+                             handle.index, handle.pid, handle.node_ip, cause)
+                self.on_death(handle.index, cause)
+
+    # ---- stopping --------------------------------------------------------------------
+
+    def stop_replica(self, index: int, wait_s: float = _STOP_TIMEOUT_S) -> None:
+        """After its front-end channel sent Shutdown: wait for the loop, then
+        kill the actor and remove its placement group."""
+        with self._lock:
+            handle = self.replicas.pop(index, None)
+            self._stopping.add(index)
+        try:
+            if handle is None:
+                return
+            try:
+                self._ray.wait([handle.run_ref], timeout=wait_s)
+            except Exception:
+                pass
+            self._release(handle)
+        finally:
+            with self._lock:
+                self._stopping.discard(index)
+
+    def _release(self, handle: ReplicaHandle) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            self._ray.kill(handle.actor)
+        except Exception:  # already dead
+            pass
+        try:
+            remove_placement_group(handle.placement_group)
+        except Exception as e:
+            logger.warning("could not remove the placement group of replica %d: %s", handle.index, e)
+
+    def shutdown(self) -> None:
+        """Idempotent; every replica's actor and placement group are gone after."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            handles = list(self.replicas.values())
+            self.replicas.clear()
+        if handles:
+            try:
+                self._ray.wait([h.run_ref for h in handles], num_returns=len(handles), timeout=_STOP_TIMEOUT_S)
+            except Exception:
+                pass
+        for handle in handles:
+            self._release(handle)
+        self._monitor.join(2 * _MONITOR_POLL_S)
+
+
+def _first_line(error: BaseException) -> str:
+    """The line of Ray's long error text that says what happened: the last
+    "...Error: ..." line (the original exception), else the first line."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    errors = [line for line in lines if "Error:" in line and not line.startswith(("File ", "ray."))]
+    line = errors[-1] if errors else (lines[0] if lines else "")
+    return f"{type(error).__name__}: {line[:300]}" if line else type(error).__name__
