@@ -68,6 +68,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                           help="how workers run: uni (in this process), mp (local processes), "
                                "ray (Ray actors, local or on a cluster); default: uni for one "
                                "worker, else mp")
+    parallel.add_argument("-dp", "--data-parallel-size", type=int, default=1, metavar="N",
+                          help="N replicas of the whole engine (each with its own scheduler, KV cache and "
+                               "workers) as Ray actors, requests routed to the least loaded")
+    parallel.add_argument("--data-parallel-backend", choices=("ray",), default="ray",
+                          help="how data-parallel replicas run")
+    parallel.add_argument("--data-parallel-placement", choices=("pack", "spread"), default="pack",
+                          help="replicas packed onto as few nodes as possible, or spread one per node")
+    parallel.add_argument("--data-parallel-prefix-affinity", action="store_true",
+                          help="requests sharing a long prompt prefix prefer the replica that cached it")
     parallel.add_argument("--ray-address", default=None, metavar="ADDR",
                           help="Ray cluster to join (e.g. auto or HOST:6379); default: RAY_ADDRESS, "
                                "else a local Ray is started")
@@ -121,6 +130,10 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "block_size": args.block_size,
         "max_num_seqs": args.max_num_seqs,
         "ray_placement_strategy": args.ray_placement_strategy,
+        "data_parallel_size": args.data_parallel_size,
+        "data_parallel_backend": args.data_parallel_backend,
+        "data_parallel_placement": args.data_parallel_placement,
+        "data_parallel_prefix_affinity": args.data_parallel_prefix_affinity,
         "max_restarts": args.max_restarts,
         "restart_window": args.restart_window,
         "execute_model_timeout": args.execute_model_timeout,
