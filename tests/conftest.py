@@ -49,7 +49,8 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        # address="local": a private instance even if a cluster runs on this machine.
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield ray
 
 

@@ -189,7 +189,7 @@ class EngineCore:
         if now - self._last_health_check < self.config.fault_tolerance.health_check_interval_s:
             return
         self._last_health_check = now
-        if self.batch_queue:
+        if self.batch_queue or self.dead_error is not None:
             return  # steps in flight have their own deadline
         try:
             self.executor.check_health()
@@ -257,6 +257,7 @@ class EngineCore:
         while True:
             logger.error("executor failed (%s): %s", kind, cause)
             if not self.restart_budget.allow():
+                self._shutdown_executor()  # nothing of it may outlive the engine
                 ft = self.config.fault_tolerance
                 self.dead_error = EngineDeadError(
                     f"the executor failed more than {ft.max_restarts} time(s) within {ft.restart_window_s:g} s "

@@ -443,12 +443,16 @@ class RayDistributedExecutor(Executor):
         graph, self.compiled_graph = self.compiled_graph, None
         if self._finalizer is not None:
             self._finalizer.detach()
-        RayDistributedExecutor._cleanup(self.workers, [self._created_pg], graph, self._mq)
+        # A failed executor's actors get no time to close their loops: some are
+        # dead or stopped, and recovery is waiting.
+        RayDistributedExecutor._cleanup(self.workers, [self._created_pg], graph, self._mq,
+                                        wait_for_loops=not self.is_failed)
         if self._rpc is not None:
             self._rpc.cancel_pending()
 
     @staticmethod
-    def _cleanup(workers: list, placement_groups: list, graph=None, mq: _MqResources | None = None) -> None:
+    def _cleanup(workers: list, placement_groups: list, graph=None, mq: _MqResources | None = None,
+                 wait_for_loops: bool = True) -> None:
         """Kill the actors first, then tear the graph down under a deadline: a
         graph whose edge carries a tensor may never finish tearing down while
         its readers still spin, but with the actors gone it returns quickly.
@@ -461,7 +465,7 @@ class RayDistributedExecutor(Executor):
             ray = None
         if mq is not None:
             mq.close_broadcast()
-            if ray is not None and ray.is_initialized() and workers:
+            if ray is not None and ray.is_initialized() and workers and wait_for_loops:
                 _wait_for_mq_loops(workers)
         if ray is None or not ray.is_initialized():
             if mq is not None:

@@ -52,7 +52,8 @@ def tp2_llm(tiny_model_dir):
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        # address="local": a private instance even if a cluster runs on this machine.
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     os.environ["RAYLM_TEST_MARKER"] = "from-the-driver"
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
