@@ -94,13 +94,14 @@ def replica_bundles(config: EngineConfig) -> tuple[list[dict], float, list[int] 
 
 
 def choose_nodes(num_replicas: int, cpus_per_replica: float, mode: str,
-                 nodes: list[tuple[str, float]]) -> list[str | None]:
+                 nodes: list[tuple[str, float]], existing: dict[str, int] | None = None) -> list[str | None]:
     """A target node per replica from (node id, free CPUs), in preference
     order: "pack" fills a node before using the next, "spread" puts each
-    replica on the node holding fewest so far. None: no node has room (Ray
-    then decides, and the placement timeout says what is missing)."""
+    replica on the node holding fewest so far (`existing` replicas counted).
+    None: no node has room (Ray then decides, and the placement timeout says
+    what is missing)."""
     free = {node: cpus for node, cpus in nodes}
-    count = {node: 0 for node, _ in nodes}
+    count = {node: (existing or {}).get(node, 0) for node, _ in nodes}
     order = [node for node, _ in nodes]
     targets: list[str | None] = []
     for _ in range(num_replicas):
@@ -144,16 +145,27 @@ class CoreEngineActorManager:
     # ---- placement ---------------------------------------------------------------
 
     def plan_nodes(self, num_replicas: int) -> list[str | None]:
-        """Target nodes for `num_replicas` more replicas, given what is free now."""
-        from ray._private.state import available_resources_per_node
+        """Target nodes for `num_replicas` more replicas. Packing fills what
+        is free now; spreading goes by capacity, counting the replicas already
+        on each node (free CPUs lag behind a group just removed, and a busy
+        node is still the right one for a spread replica: Ray waits for it)."""
+        from ray._private.state import available_resources_per_node, total_resources_per_node
 
         bundles, _, _ = replica_bundles(self.config)
         need = sum(b.get("CPU", 0) for b in bundles)
         driver = self._ray.get_runtime_context().get_node_id()
-        available = available_resources_per_node()
-        nodes = sorted(((node, res.get("CPU", 0.0)) for node, res in available.items()),
+        mode = self.config.parallel_config.data_parallel_placement
+        with self._lock:
+            existing: dict[str, int] = {}
+            for handle in self.replicas.values():
+                existing[handle.node_id] = existing.get(handle.node_id, 0) + 1
+        per_node = total_resources_per_node() if mode == "spread" else available_resources_per_node()
+        nodes = sorted(((node, res.get("CPU", 0.0)) for node, res in per_node.items()),
                        key=lambda item: (item[0] != driver, item[0]))
-        return choose_nodes(num_replicas, need, self.config.parallel_config.data_parallel_placement, nodes)
+        if mode == "spread":
+            # Capacity, not free CPUs: what a node holds is counted by replicas.
+            nodes = [(node, cpus - existing.get(node, 0) * need) for node, cpus in nodes]
+        return choose_nodes(num_replicas, need, mode, nodes, existing)
 
     def start_replica(self, index: int, input_address: str, output_address: str,
                       target_node: str | None = None) -> ReplicaHandle:
@@ -167,7 +179,13 @@ class CoreEngineActorManager:
 
         bundles, engine_cpus, rank_bundles = replica_bundles(self.config)
         # One node per replica: its TP group and its engine stay together.
-        pg = placement_group(bundles, strategy="STRICT_PACK", _soft_target_node_id=target_node)
+        # Spread replicas must land on their node (a hard label selector: Ray
+        # waits for it); packing is a preference (soft: any node with room).
+        if target_node is not None and self.config.parallel_config.data_parallel_placement == "spread":
+            pg = placement_group(bundles, strategy="STRICT_PACK",
+                                 bundle_label_selector=[{"ray.io/node-id": target_node}] * len(bundles))
+        else:
+            pg = placement_group(bundles, strategy="STRICT_PACK", _soft_target_node_id=target_node)
         ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
             description = ray_utils._cluster_description()
