@@ -9,7 +9,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from raylm.config import ParallelConfig
+from raylm.config import EngineConfig, ParallelConfig
 from raylm.distributed.shm_broadcast import MessageQueue, MessageQueueHandle, unlink_segment
 from raylm.executor.mq_rpc import WorkerLoop
 from raylm.worker.worker import WorkerWrapper
@@ -229,7 +229,8 @@ def _grow_own_local_ray(num_cpus_hint: int) -> None:
             have, num_cpus_hint, users,
         )
         return
-    logger.info("restarting raylm's local Ray instance: %d CPU tokens are too few, this engine needs %d", have, num_cpus_hint)
+    logger.info("restarting raylm's local Ray instance: it has %d CPU tokens, this engine needs %d",
+                have, num_cpus_hint)
     _own_local_ray = None
     ray.shutdown()
     _start_own_local_ray(num_cpus_hint)
@@ -396,7 +397,7 @@ class RayWorkerWrapper(WorkerWrapper):
     _mq_loop: WorkerLoop | None = None
     _mq_thread: threading.Thread | None = None
 
-    def init_worker(self, config, local_rank: int, distributed_init_method: str) -> None:
+    def init_worker(self, config: EngineConfig, local_rank: int, distributed_init_method: str) -> None:
         # Ranks on several nodes meet at a node's Ray IP: gloo must use the
         # interface that carries this node's one (on one node, loopback).
         if not _is_loopback_init(distributed_init_method):
