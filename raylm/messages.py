@@ -53,9 +53,16 @@ class SchedulerOutput:
 
 @dataclass
 class GrammarOutput:
-    """Token bitmasks for structured output (None fields = unconstrained)."""
+    """Which tokens the constrained requests of a step may sample (structured
+    outputs); rows of requests not listed are unconstrained."""
 
+    # The constrained requests that sample this step, one bitmask row each.
     req_ids: list[str] = field(default_factory=list)
+    # The rows, packed: int32 little-endian, `num_words` = ceil(vocab_size / 32)
+    # per row; bit j of word w allows token 32 * w + j (xgrammar's layout).
+    # Plain bytes, so every transport carries them as they are.
+    bitmask: bytes = b""
+    num_words: int = 0
 
 
 # (token ids, logprobs, rank of the first id) for one position: column 0 is the

@@ -9,6 +9,52 @@ _GREEDY_EPS = 1e-5
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A grammar the request's output must follow, in vLLM's shape: exactly
+    one of the fields is set. Here only the shape is checked (this also runs
+    where a message is decoded); the grammar itself is checked at request
+    intake, see raylm.core.structured_output.validate_structured_outputs."""
+
+    # A JSON schema (dict, or its JSON text): the output is one instance of it.
+    json: str | dict | None = None
+    # Any JSON object.
+    json_object: bool | None = None
+    regex: str | None = None
+    # The output is one of these strings.
+    choice: list[str] | None = None
+    # An EBNF (GBNF) grammar whose start rule is `root`.
+    grammar: str | None = None
+    # JSON (json, json_object) without whitespace between tokens beyond
+    # xgrammar's separators; a weak model may otherwise emit runs of it.
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        chosen = [name for name in ("json", "json_object", "regex", "choice", "grammar")
+                  if getattr(self, name) not in (None, False)]
+        if len(chosen) != 1:
+            got = ", ".join(chosen) if chosen else "none"
+            raise ValueError(
+                f"structured_outputs: exactly one of json, json_object, regex, choice, grammar must be set, got {got}"
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(
+                f"structured_outputs.json must be a JSON schema (dict or str), got {type(self.json).__name__}"
+            )
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, (str, bytes)) or not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+            if not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs.choice must contain only strings")
+            self.choice = list(self.choice)
+
+
+@dataclass
 class SamplingParams:
     """How to sample one request's tokens, with vLLM's field names and defaults.
 
@@ -35,6 +81,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the tokenizer/config, not by users.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -92,6 +139,9 @@ class SamplingParams:
             raise bad("stop", "must contain only non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must contain only non-negative integers")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            kind = type(self.structured_outputs).__name__
+            raise bad("structured_outputs", f"must be a StructuredOutputsParams, got {kind}")
 
     @property
     def greedy(self) -> bool:

@@ -13,6 +13,10 @@ With async scheduling the next step is scheduled before the current one has
 sampled: a request that samples this step gets an output placeholder, its next
 step computes that (yet unknown) token, and the workers fill it in from their
 own sampler output. Placeholders are never sent as token ids.
+
+Structured outputs: a constrained request waits in the queue until its grammar
+is compiled (others pass it), its matcher accepts each token as it arrives, and
+it ends with "stop" once its grammar is terminated (see StructuredOutputManager).
 """
 
 from __future__ import annotations
@@ -24,13 +28,23 @@ from raylm.config import CacheConfig, SchedulerConfig
 from raylm.core.kv_cache_manager import KVCacheManager
 from raylm.core.outputs import EngineCoreOutput
 from raylm.core.request import Request, RequestStatus
-from raylm.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from raylm.core.structured_output import GrammarError, StructuredOutputManager
+from raylm.messages import CachedRequestData, GrammarOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+# How long an otherwise idle step waits for a grammar being compiled, rather than spin.
+_GRAMMAR_WAIT_S = 0.005
+
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, max_model_len: int):
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        max_model_len: int,
+        structured_output_manager: StructuredOutputManager | None = None,
+    ):
         self.config = scheduler_config
         self.async_scheduling = scheduler_config.async_scheduling
         self.max_model_len = max_model_len
@@ -50,6 +64,10 @@ class Scheduler:
         # it samples a token, so a request that makes steps fail is found and
         # failed by itself (see blame_failed_step).
         self.suspects: set[str] = set()
+        self.structured_output_manager = structured_output_manager
+        # Requests ended outside a step (their grammar failed to compile),
+        # reported with the next step's outputs.
+        self._outputs_outside_step: list[EngineCoreOutput] = []
 
     # ---- requests in and out -------------------------------------------------
 
@@ -57,6 +75,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self._needs_full_send.add(request.request_id)
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.add_request(request)
 
     def abort_requests(self, request_ids) -> list[Request]:
         aborted = []
@@ -79,6 +99,8 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
         self._needs_full_send.discard(request.request_id)
         self.suspects.discard(request.request_id)
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.remove_request(request.request_id)
 
     @property
     def num_unfinished(self) -> int:
@@ -94,6 +116,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_block_ids: dict[str, list[int]] = {}
         preempted_now = False
+        self._fail_broken_grammars()
         isolated = self._isolated_request()
 
         # Running requests first, oldest first; the newest is the preemption victim.
@@ -128,10 +151,16 @@ class Scheduler:
             i += 1
 
         # Then waiting requests, unless we just had to preempt (no room anyway).
+        compiling: list[Request] = []
         while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if isolated is not None and (request is not isolated or num_scheduled):
                 break
+            if self.structured_output_manager is not None and self.structured_output_manager.is_compiling(
+                request.request_id
+            ):
+                compiling.append(self.waiting.popleft())  # the ones behind it go first
+                continue
             computed_blocks, num_cached = [], 0
             if request.num_computed_tokens == 0:
                 computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
@@ -153,6 +182,9 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             new_block_ids[request.request_id] = block_ids
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
+        if compiling and not num_scheduled and not self.running:
+            self.structured_output_manager.wait_for_compilation(_GRAMMAR_WAIT_S)
 
         return self._make_output(num_scheduled, new_block_ids)
 
@@ -243,13 +275,14 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        outputs = []
+        outputs, self._outputs_outside_step = self._outputs_outside_step, []
         for rid, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while its step was in flight
             prompt_lps = runner_output.prompt_logprobs.get(rid, [])
             new_tokens = []
+            error = None
             if token_ids and request.num_output_placeholders:
                 request.num_output_placeholders -= 1
             if token_ids:
@@ -259,7 +292,8 @@ class Scheduler:
                 if self.async_scheduling:
                     request.unsent_token_ids.clear()  # the workers sampled it themselves
                 new_tokens.append(token_id)
-                if self._check_stop(request):
+                error = self._advance_grammar(request)
+                if request.is_finished or self._check_stop(request):
                     break
             if not new_tokens and not prompt_lps:
                 continue
@@ -274,8 +308,56 @@ class Scheduler:
             if request.is_finished:
                 out.finish_reason = request.status.value
                 out.stop_reason = request.stop_reason
+                out.error = error
             outputs.append(out)
         return outputs
+
+    def take_outputs_outside_step(self) -> list[EngineCoreOutput]:
+        """Outputs of requests ended outside a step, for a step that ran none."""
+        outputs, self._outputs_outside_step = self._outputs_outside_step, []
+        return outputs
+
+    # ---- structured outputs ------------------------------------------------------
+
+    def get_grammar_output(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """The grammar bitmasks of a step's constrained requests, computed
+        while its forward runs; None when none of them samples."""
+        if self.structured_output_manager is None:
+            return None
+        return self.structured_output_manager.grammar_output(scheduler_output, self.requests)
+
+    def needs_tokens_in_flight(self, scheduler_output: SchedulerOutput) -> bool:
+        """Async scheduling: a constrained request of this step samples after
+        a token an earlier step is still sampling, so the step's bitmask (and
+        its sampling) must wait for that step's output."""
+        som = self.structured_output_manager
+        return som is not None and som.needs_tokens_in_flight(scheduler_output, self.requests)
+
+    def _advance_grammar(self, request: Request) -> str | None:
+        """Feed a constrained request's matcher its new token; a terminated
+        grammar ends the request with "stop". The error, if the token does
+        not fit (the request then ends with "error")."""
+        som = self.structured_output_manager
+        if som is None or not som.is_constrained(request.request_id):
+            return None
+        try:
+            terminated = som.accept_tokens(request)
+        except GrammarError as e:
+            logger.error("request %s: %s", request.request_id, e)
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            return str(e)
+        if terminated:
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+        return None
+
+    def _fail_broken_grammars(self) -> None:
+        if self.structured_output_manager is None:
+            return
+        for rid, error in self.structured_output_manager.failed_requests():
+            self._finish(self.requests[rid], RequestStatus.FINISHED_ERROR)
+            self._outputs_outside_step.append(
+                EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="error", error=error)
+            )
 
     # ---- failures --------------------------------------------------------------------
 

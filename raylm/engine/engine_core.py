@@ -28,6 +28,7 @@ from raylm.config import EngineConfig
 from raylm.core.outputs import EngineCoreOutput
 from raylm.core.request import Request
 from raylm.core.scheduler import Scheduler
+from raylm.core.structured_output import StructuredOutputManager
 from raylm.engine.core_client import EngineDeadError
 from raylm.engine.restart_budget import RestartBudget
 from raylm.executor.abstract import Executor
@@ -83,7 +84,9 @@ class EngineCore:
         self._last_health_check = time.monotonic()
         try:
             self._initialize_kv_cache()
-            self.scheduler = Scheduler(config.scheduler_config, config.cache_config, config.model_config.max_model_len)
+            mc = config.model_config
+            grammars = StructuredOutputManager(mc.tokenizer, mc.vocab_size)
+            self.scheduler = Scheduler(config.scheduler_config, config.cache_config, mc.max_model_len, grammars)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -145,36 +148,71 @@ class EngineCore:
             return []
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            return []
+            return self.scheduler.take_outputs_outside_step()
         try:
-            self.executor.execute_model(scheduler_output)
-            runner_output = self.executor.sample_tokens(None)
+            forward = self.executor.execute_model(scheduler_output, non_block=True)
+            # Structured outputs: the bitmask is computed while the forward runs.
+            grammar_output = self.scheduler.get_grammar_output(scheduler_output)
+            try:
+                runner_output = self.executor.sample_tokens(grammar_output)
+            except Exception:
+                forward.result()  # the forward's own error, if it failed, is the cause
+                raise
         except Exception as e:
             raise _StepFailed(e, scheduler_output) from e
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """Launch a new batch if there is room and work; otherwise (or when the
-        queue is full) wait for the oldest batch and apply its output."""
-        if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
+        queue is full) wait for the oldest batch and apply its output.
+
+        Structured outputs with async scheduling: a batch whose bitmask needs
+        a token an earlier batch is still sampling runs its forward now and
+        samples once that batch's output is in (queued with no future until
+        then); nothing is launched behind it meanwhile, since the workers take
+        each step's calls in order."""
+        waiting_to_sample = bool(self.batch_queue) and self.batch_queue[-1][1] is None
+        if (
+            len(self.batch_queue) < self.batch_queue_size
+            and not waiting_to_sample
+            and self.scheduler.has_unfinished_requests()
+        ):
             scheduler_output = self.scheduler.schedule()
-            if not scheduler_output.is_empty:
+            if scheduler_output.is_empty:
+                outputs = self.scheduler.take_outputs_outside_step()
+                if outputs:
+                    return outputs
+            else:
+                future = None
                 try:
                     self.executor.execute_model(scheduler_output, non_block=True)
-                    future = self.executor.sample_tokens(None, non_block=True)
+                    if not self.scheduler.needs_tokens_in_flight(scheduler_output):
+                        future = self._sample(scheduler_output)
                 except Exception as e:
                     raise _StepFailed(e, scheduler_output) from e
                 self.batch_queue.append((scheduler_output, future))
-                if len(self.batch_queue) < self.batch_queue_size:
+                if future is not None and len(self.batch_queue) < self.batch_queue_size:
                     return []
         if not self.batch_queue:
             return []
         scheduler_output, future = self.batch_queue.popleft()
         try:
-            runner_output = future.result()
+            runner_output = (future or self._sample(scheduler_output)).result()
         except Exception as e:
             raise _StepFailed(e, scheduler_output) from e
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.batch_queue and self.batch_queue[-1][1] is None:
+            deferred, _ = self.batch_queue[-1]
+            if not self.scheduler.needs_tokens_in_flight(deferred):
+                try:
+                    self.batch_queue[-1] = (deferred, self._sample(deferred))
+                except Exception as e:
+                    raise _StepFailed(e, deferred) from e
+        return outputs
+
+    def _sample(self, scheduler_output: SchedulerOutput) -> Future:
+        grammar_output = self.scheduler.get_grammar_output(scheduler_output)
+        return self.executor.sample_tokens(grammar_output, non_block=True)
 
     def has_work_in_flight(self) -> bool:
         return bool(self.batch_queue)
@@ -288,4 +326,6 @@ class EngineCore:
         return self.scheduler.stats()
 
     def shutdown(self) -> None:
+        if self.scheduler.structured_output_manager is not None:
+            self.scheduler.structured_output_manager.shutdown()
         self.executor.shutdown()

@@ -12,6 +12,7 @@ from typing import Any
 
 from raylm.config import ModelConfig
 from raylm.core.request import Request
+from raylm.core.structured_output import validate_structured_outputs
 from raylm.sampling_params import SamplingParams
 
 
@@ -75,6 +76,7 @@ class InputProcessor:
             value = getattr(params, name)
             if value is not None and value > vocab:
                 raise ValueError(f"{name} must be <= the vocabulary size ({vocab}), got {value}")
+        validate_structured_outputs(params.structured_outputs)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             # EOS counts as a stop token for min_tokens masking; with

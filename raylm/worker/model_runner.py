@@ -19,7 +19,7 @@ from raylm.model.forward_context import set_forward_context
 from raylm.model.layers.attention import Attention
 from raylm.model.loader import load_model
 from raylm.worker.input_batch import CachedRequestState, PreparedBatch, prepare_batch
-from raylm.worker.sampler import Sampler, advance_generator, compute_prompt_logprobs
+from raylm.worker.sampler import Sampler, advance_generator, apply_grammar_bitmask, compute_prompt_logprobs
 from raylm.worker.sampling_metadata import SamplingRow, build_sampling_metadata
 
 logger = logging.getLogger(__name__)
@@ -160,6 +160,7 @@ class ModelRunner:
         logprobs: dict[str, tuple] = {}
         if batch.sample_req_ids:
             logits = self.model.compute_logits(hidden[batch.sample_indices])
+            apply_grammar_bitmask(logits, batch.sample_req_ids, grammar_output)
             states = [self.requests[rid] for rid in batch.sample_req_ids]
             rows = [
                 SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in states

@@ -1,6 +1,7 @@
 """Turns a batch's last-position logits into next tokens (and logprobs), vectorized over rows.
 
-Order: raw logprobs, min_tokens mask, penalties, then greedy argmax or temperature/top-k/top-p/min-p sampling.
+Order: the grammar bitmask (structured outputs, applied by the model runner), raw logprobs, min_tokens mask,
+penalties, then greedy argmax or temperature/top-k/top-p/min-p sampling.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from raylm.messages import GrammarOutput
 from raylm.worker.sampling_metadata import SamplingMetadata
 
 logger = logging.getLogger(__name__)
@@ -69,6 +71,31 @@ def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, set[int]]) -> t
     if rows:
         logits[rows, cols] = float("-inf")
     return logits
+
+
+def apply_grammar_bitmask(
+    logits: torch.Tensor, sample_req_ids: list[str], grammar_output: GrammarOutput | None
+) -> None:
+    """Forbid, in place, every token the grammar of a constrained row does not
+    allow. `sample_req_ids` names the rows of `logits`; the engine lists the
+    constrained ones in `grammar_output` (see GrammarOutput for the layout)."""
+    if grammar_output is None or not grammar_output.req_ids:
+        return
+    row_of = {rid: i for i, rid in enumerate(sample_req_ids)}
+    pairs = [(row_of[rid], k) for k, rid in enumerate(grammar_output.req_ids) if rid in row_of]
+    if not pairs:
+        return
+    words = torch.frombuffer(bytearray(grammar_output.bitmask), dtype=torch.int32)
+    words = words.view(len(grammar_output.req_ids), grammar_output.num_words)[[k for _, k in pairs]]
+    shifts = torch.arange(32, dtype=torch.int32)
+    # Bit j of word w is token 32 * w + j; the arithmetic shift of a negative
+    # word still leaves the wanted bit lowest.
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1).to(logits.device)
+    vocab_size = logits.shape[1]
+    if allowed.shape[1] < vocab_size:  # ids past the grammar's vocabulary are never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
+    rows = torch.tensor([row for row, _ in pairs], dtype=torch.int64, device=logits.device)
+    logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab_size], float("-inf"))
 
 
 def _output_token_counts(output_token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
