@@ -81,16 +81,18 @@ class ReplicaHandle:
 
 
 def replica_bundles(config: EngineConfig) -> tuple[list[dict], float, list[int] | None]:
-    """(bundles, the engine actor's CPUs, the bundles its executor's ranks take)."""
+    """(bundles, the engine actor's CPUs, the bundles its executor's ranks take).
+    A rank takes `num_threads` CPUs (1 by default) or, on CUDA, one GPU."""
     pc = config.parallel_config
     world = pc.world_size
     cpus = float(config.num_threads or 1)
-    backend = pc.distributed_executor_backend
-    if backend == "ray":
-        return [{"CPU": _ENGINE_ONLY_CPUS}] + [{"CPU": cpus} for _ in range(world)], _ENGINE_ONLY_CPUS, \
+    rank = {"GPU": 1.0} if config.device == "cuda" else {"CPU": cpus}
+    if pc.distributed_executor_backend == "ray":
+        return [{"CPU": _ENGINE_ONLY_CPUS}] + [dict(rank) for _ in range(world)], _ENGINE_ONLY_CPUS, \
             list(range(1, world + 1))
     # uni or mp: the model runs in the actor or in processes it starts.
-    return [{"CPU": cpus * world}], cpus * world, None
+    engine = {"CPU": cpus * world} if config.device != "cuda" else {"CPU": 1.0, "GPU": float(world)}
+    return [engine], engine["CPU"], None
 
 
 def choose_nodes(num_replicas: int, cpus_per_replica: float, mode: str,
@@ -199,11 +201,16 @@ class CoreEngineActorManager:
         rpc.data_parallel_size = 1
         rpc.placement_group = pg
         rpc.placement_group_bundles = rank_bundles
+        # The executor sizes its ranks' bundles from num_threads: it must ask
+        # for exactly what the replica reserved for them.
+        replica_config.num_threads = self.config.num_threads or 1
         actor = None
         try:
             actor_cls = ray.remote(EngineCoreActor)
+            engine_gpus = bundles[0].get("GPU", 0)
             actor = actor_cls.options(
                 num_cpus=engine_cpus,
+                num_gpus=engine_gpus,
                 # One thread for the core's loop, one for ready() and friends.
                 max_concurrency=2,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(

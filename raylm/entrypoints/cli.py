@@ -212,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_subcommand(commands)
     add_bench_serve(bench_commands)
+    from raylm.entrypoints.plan import add_plan_subcommand  # imports this module: kept local
+
+    add_plan_subcommand(commands)
     return parser
 
 

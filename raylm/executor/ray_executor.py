@@ -120,6 +120,8 @@ class RayDistributedExecutor(Executor):
         pc = cfg.parallel_config
         world = pc.world_size
         device = cfg.device
+        if device == "cuda" and pc.ray_step_transport == "cgraph" and pc.pipeline_parallel_size > 1:
+            ray_utils.check_cupy_for_nccl_channels()  # before anything is placed
         cpus_per_worker = cfg.num_threads or max(1, (os.cpu_count() or 1) // world)
         placement = ray_utils.initialize_ray_cluster(pc, device, cpus_per_worker)
         if placement.created_here:
@@ -196,13 +198,15 @@ class RayDistributedExecutor(Executor):
         init_method = f"tcp://{host}:{port}"
         calls = []
         seen: dict[str, int] = {}
-        for rank, (worker, (node_id, _, gpu_ids)) in enumerate(zip(self.workers, infos)):
+        if self.config.device == "cuda":
+            # Ray did not rewrite CUDA_VISIBLE_DEVICES: each actor maps the GPU
+            # Ray gave it to its index among the devices its node shows.
+            device_indices = ray.get([w.get_cuda_device_index.remote() for w in self.workers])
+        for rank, (worker, (node_id, _, _)) in enumerate(zip(self.workers, infos)):
             local_rank = seen.get(node_id, 0)
             seen[node_id] = local_rank + 1
             if self.config.device == "cuda":
-                # Ray did not rewrite CUDA_VISIBLE_DEVICES: the GPU Ray gave
-                # this actor is addressed by its physical id.
-                local_rank = int(gpu_ids[0]) if gpu_ids else local_rank
+                local_rank = device_indices[rank]
             calls.append(worker.init_worker.remote(self.config, local_rank, init_method))
             calls.append(worker.set_output_rank.remote(rank == self._output_rank))
         ray.get(calls)

@@ -324,6 +324,67 @@ def initialize_ray_cluster(parallel_config: ParallelConfig, device: str, cpus_pe
     return get_placement_group(parallel_config, bundle, world)
 
 
+def cuda_device_index(ray_gpu_ids: list, cuda_visible_devices: str | None) -> int:
+    """The torch device index, on its node, of the GPU Ray gave a worker.
+
+    Ray names GPUs by the entries of the node's CUDA_VISIBLE_DEVICES when it
+    started (physical indices when unset, maybe UUIDs), and raylm's workers keep
+    that variable as the node has it (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES):
+    torch counts only the visible devices, so Ray's GPU "2" on a node showing
+    "2,3" is cuda:0, and "GPU-9f2c..." is its position in the list.
+
+    `ray_gpu_ids`: ray.get_gpu_ids() in the worker (the first is used);
+    `cuda_visible_devices`: the worker's CUDA_VISIBLE_DEVICES, None when unset.
+    """
+    if not ray_gpu_ids:
+        raise ValueError("Ray assigned no GPU to this worker (its bundle reserves none)")
+    gpu = str(ray_gpu_ids[0]).strip()
+    if cuda_visible_devices is None:
+        try:
+            return int(gpu)
+        except ValueError:
+            raise ValueError(
+                f"Ray assigned GPU {gpu!r}, which is not a device index, and CUDA_VISIBLE_DEVICES is unset "
+                "on this node: set it when starting Ray there (the ids Ray reports come from it)"
+            ) from None
+    visible = [entry.strip() for entry in cuda_visible_devices.split(",") if entry.strip()]
+    if gpu in visible:
+        return visible.index(gpu)
+    raise ValueError(
+        f"Ray assigned GPU {gpu!r}, but this node's CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} does not "
+        "list it: start Ray on this node with the CUDA_VISIBLE_DEVICES its workers see"
+    )
+
+
+def check_cupy_for_nccl_channels() -> None:
+    """A compiled graph moves CUDA tensors between pipeline stages over NCCL
+    channels, which Ray builds on CuPy: without it the first step would fail
+    deep inside Ray; say so at start-up instead, with the fix."""
+    try:
+        import cupy  # noqa: F401
+    except Exception as e:  # ImportError, or a CuPy built for another CUDA failing at import
+        import torch
+
+        major = (torch.version.cuda or "").split(".")[0]
+        package = f"cupy-cuda{major}x" if major else "cupy-cuda12x (or the cupy-cudaNNx matching your CUDA)"
+        raise RuntimeError(
+            "ray_step_transport='cgraph' on CUDA sends pipeline-stage tensors over NCCL channels of Ray "
+            f"Compiled Graphs, which need CuPy, and it does not import here ({type(e).__name__}: {e}). "
+            f"Install it on every node: pip install {package}; or use ray_step_transport='mq' "
+            "(--ray-step-transport mq)"
+        ) from e
+
+
+def disconnect_ray() -> None:
+    """Disconnect from Ray; the local instance raylm started, if that is the
+    one in use, stops with it (a joined cluster lives on)."""
+    global _own_local_ray
+    import ray
+
+    ray.shutdown()
+    _own_local_ray = None
+
+
 def interface_of_ip(ip: str) -> str | None:
     """The name of this machine's network interface that carries `ip`."""
     import socket
@@ -417,6 +478,12 @@ class RayWorkerWrapper(WorkerWrapper):
 
     def get_pid(self) -> int:
         return os.getpid()
+
+    def get_cuda_device_index(self) -> int:
+        """The torch device index of the GPU Ray gave this actor, on its node."""
+        import ray
+
+        return cuda_device_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def get_free_port(self) -> int:
         import socket

@@ -1,0 +1,531 @@
+"""`raylm plan`: where a run's ranks (and data-parallel replicas) would land on
+the Ray cluster, before any model loads.
+
+The plan reserves the very placement groups the run would (the Ray executor's
+`ray_utils.get_placement_group`; for replicas, `dp_manager.plan_nodes` and one
+STRICT_PACK group each), reads where Ray put each bundle, orders the ranks as
+the executor does (`ray_utils.sort_workers`), and removes the groups. On CUDA
+it also starts one empty worker actor per bundle, as the executor would, to
+learn which GPU Ray gives it and its device index there; nothing else starts.
+A request that does not fit is answered with what is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TextIO
+
+from raylm.config import EngineConfig, create_engine_config
+from raylm.distributed.parallel_state import pp_group_ranks, tp_group_ranks
+from raylm.entrypoints.cli import HelpFormatter, add_engine_args, engine_kwargs_from_args
+from raylm.executor import ray_utils
+
+logger = logging.getLogger(__name__)
+
+EXIT_DOES_NOT_FIT = 1
+# A request that can never fit the cluster's total resources is still tried
+# (Ray is the judge), but only this long.
+_INFEASIBLE_WAIT_S = 2.0
+_REMOVAL_WAIT_S = 10.0
+# How long an empty worker actor may take to start and answer (CUDA only).
+_PROBE_TIMEOUT_S = 120.0
+
+
+@dataclass
+class NodeState:
+    node_id: str
+    ip: str
+    total: dict[str, float]
+    available: dict[str, float]
+    is_driver: bool = False
+
+
+@dataclass
+class RankPlacement:
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    node_id: str
+    node_ip: str
+    device: str  # "cpu", or "cuda:N" (N: the index among the devices the node shows)
+    local_rank: int
+    gpu_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GroupPlacement:
+    ranks: list[int]
+    node_ids: list[str]
+    spans_nodes: bool
+
+
+@dataclass
+class ReplicaPlacement:
+    replica: int
+    node_id: str | None
+    node_ip: str | None
+    ranks: list[RankPlacement]
+    tp_groups: list[GroupPlacement]
+    pp_groups: list[GroupPlacement]
+
+
+@dataclass
+class Plan:
+    fits: bool
+    ray_address: str | None
+    driver_node_id: str
+    nodes: list[NodeState]
+    request: dict
+    replicas: list[ReplicaPlacement] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+# ---- cluster state ---------------------------------------------------------------
+
+
+def cluster_nodes(driver_node_id: str) -> list[NodeState]:
+    """The live nodes, the driver's first, then by IP and id."""
+    import ray
+    from ray._private.state import available_resources_per_node
+
+    available = available_resources_per_node()
+    nodes = [
+        NodeState(n["NodeID"], n["NodeManagerAddress"], _plain(n.get("Resources", {})),
+                  _plain(available.get(n["NodeID"], {})), n["NodeID"] == driver_node_id)
+        for n in ray.nodes() if n.get("Alive")
+    ]
+    return sorted(nodes, key=lambda n: (not n.is_driver, _ip_key(n.ip), n.node_id))
+
+
+def _plain(resources: dict) -> dict[str, float]:
+    """Schedulable resources only: no node:IP markers, memory, or the bundle
+    resources Ray makes for placement groups."""
+    return {k: float(v) for k, v in resources.items()
+            if not k.startswith(("node:", "accelerator_type:")) and "memory" not in k and "_group_" not in k}
+
+
+def _ip_key(ip: str):
+    try:
+        return (0, tuple(int(p) for p in ip.split(".")))
+    except ValueError:
+        return (1, ip)
+
+
+def _fits_count(bundle: dict, resources: dict) -> int:
+    """How many copies of `bundle` fit in `resources`."""
+    counts = [math.floor(resources.get(k, 0.0) / v + 1e-9) for k, v in bundle.items() if v > 0]
+    return min(counts) if counts else 0
+
+
+def _describe(resources: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in resources.items()) + "}"
+
+
+def engine_shortfall(bundle: dict, world: int, strategy: str, nodes: list[tuple[str, str, dict]],
+                     pinned_ip: str | None) -> list[str]:
+    """Why `world` copies of `bundle` cannot be placed with `strategy` on
+    `nodes` (id, ip, resources: free or total), bundle 0 on a node at
+    `pinned_ip` as the Ray executor asks; [] when they fit."""
+    counts = {node_id: _fits_count(bundle, res) for node_id, _, res in nodes}
+    ips = {node_id: ip for node_id, ip, _ in nodes}
+    pin_nodes = [n for n in counts if pinned_ip is None or ips[n] == pinned_ip]
+    b = _describe(bundle)
+    missing = []
+    if pinned_ip is not None and not any(counts[n] >= 1 for n in pin_nodes):
+        missing.append(
+            f"bundle 0 (rank 0) goes on the driver's node ({pinned_ip}), which has no room for {b}: "
+            "free some there, or run from a node that has room"
+        )
+    if strategy == "STRICT_PACK":
+        best = max(pin_nodes, key=lambda n: counts[n], default=None)
+        room = counts[best] if best is not None else 0
+        if room < world:
+            total = {k: v * world for k, v in bundle.items()}
+            which = "one node (the driver's)" if pinned_ip is not None else "one node"
+            missing.append(
+                f"STRICT_PACK needs {which} with room for all {world} bundles {_describe(total)}; "
+                f"the roomiest has room for {room}: missing {world - room} x {b} there"
+            )
+    elif strategy == "STRICT_SPREAD":
+        with_room = sum(1 for c in counts.values() if c >= 1)
+        if with_room < world:
+            missing.append(
+                f"STRICT_SPREAD needs {world} nodes with room for {b} each; {with_room} have room: "
+                f"missing {world - with_room} node(s) with {b} free"
+            )
+    else:
+        room = sum(counts.values())
+        if room < world:
+            missing.append(f"{world} bundles of {b} ({strategy}); the cluster has room for {room}: "
+                           f"missing {world - room} x {b}")
+    return missing
+
+
+# ---- one engine: the Ray executor's placement group --------------------------------
+
+
+def _cpus_per_worker(config: EngineConfig) -> int:
+    # As RayDistributedExecutor._init_executor computes it, on the driver.
+    return config.num_threads or max(1, (os.cpu_count() or 1) // config.parallel_config.world_size)
+
+
+def _plan_engine(config: EngineConfig, plan_base: dict) -> Plan:
+    import ray
+
+    pc = config.parallel_config
+    world = pc.world_size
+    cpus = _cpus_per_worker(config)
+    bundle = {"GPU": 1} if config.device == "cuda" else {"CPU": cpus}
+    ray_utils.connect_ray(pc, num_cpus_hint=world * cpus)
+    driver_node = ray.get_runtime_context().get_node_id()
+    driver_ip = ray.util.get_node_ip_address()
+    nodes = cluster_nodes(driver_node)
+    request = dict(plan_base, bundle=bundle, bundles=world)
+    plan = Plan(False, _gcs_address(), driver_node, nodes, request)
+
+    never = engine_shortfall(bundle, world, pc.ray_placement_strategy,
+                             [(n.node_id, n.ip, n.total) for n in nodes], driver_ip)
+    pc = copy.copy(pc)  # the timeout is the plan's; the rest is the run's
+    if never:
+        pc.ray_placement_timeout = min(pc.ray_placement_timeout, _INFEASIBLE_WAIT_S)
+    try:
+        placement = ray_utils.get_placement_group(pc, bundle, world)
+    except RuntimeError as e:  # not placed within the timeout (the group is removed)
+        plan.missing = never or engine_shortfall(bundle, world, pc.ray_placement_strategy,
+                                                 [(n.node_id, n.ip, n.available) for n in nodes], driver_ip) \
+            or [f"Ray did not place the group within {pc.ray_placement_timeout:g} s: {str(e).splitlines()[0]}"]
+        if not never:
+            plan.missing.append("(the cluster has the resources in total: they are in use now)")
+        return plan
+
+    actors = []
+    try:
+        pg = placement.placement_group
+        to_node = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+        ip_of = {n.node_id: n.ip for n in nodes}
+        if config.device == "cuda":
+            actors = _probe_actors(pg, placement.bundle_indices, config.device)
+            infos = ray.get([a.get_node_info.remote() for a in actors], timeout=_PROBE_TIMEOUT_S)
+            indices = []
+            for actor, (_, ip, gpu_ids) in zip(actors, infos):
+                try:
+                    indices.append(ray.get(actor.get_cuda_device_index.remote(), timeout=_PROBE_TIMEOUT_S))
+                except ray.exceptions.RayTaskError as e:  # the node does not show the GPU Ray gave
+                    indices.append(None)
+                    cause = e.cause if isinstance(getattr(e, "cause", None), Exception) else e
+                    plan.missing.append(f"a worker on {ip} with Ray's GPU {','.join(map(str, gpu_ids))}: {cause}")
+        else:
+            infos = [(to_node[i], ip_of.get(to_node[i], "?"), []) for i in placement.bundle_indices]
+            indices = None
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+        if placement.created_here:
+            _remove_groups([placement.placement_group], nodes)
+
+    try:
+        ray_utils.check_one_ip_per_node(infos)
+    except RuntimeError as e:
+        plan.missing.append(f"the run would fail: {e}")
+    order = ray_utils.sort_workers(infos, driver_node)
+    ranks = []
+    seen: dict[str, int] = {}
+    tp = pc.tensor_parallel_size
+    for rank, i in enumerate(order):
+        node_id, ip, gpu_ids = infos[i]
+        local_rank = seen.get(node_id, 0)
+        seen[node_id] = local_rank + 1
+        device = "cpu"
+        if indices is not None:
+            local_rank = indices[i] if indices[i] is not None else -1
+            device = f"cuda:{indices[i] if indices[i] is not None else '?'}"
+        ranks.append(RankPlacement(rank, rank % tp, rank // tp, node_id, ip, device, local_rank,
+                                   [str(g) for g in gpu_ids]))
+    replica = _replica(0, None, None, ranks, pc)
+    plan.replicas = [replica]
+    plan.fits = not plan.missing
+    for group in replica.tp_groups:
+        if group.spans_nodes:
+            plan.warnings.append(f"the TP group of PP stage {group.ranks[0] // tp} (ranks {_ranks(group.ranks)}) "
+                                 f"spans {len(set(group.node_ids))} nodes: tensor parallelism across nodes is slow")
+    return plan
+
+
+def _probe_actors(pg, bundle_indices: list[int], device: str) -> list:
+    """One empty worker actor per bundle, created as the executor creates its
+    own: Ray gives each the GPU it would give the rank there."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    actor_cls = ray.remote(ray_utils.RayWorkerWrapper)
+    env = ray_utils.worker_env_vars(device)
+    return [
+        actor_cls.options(
+            num_cpus=0, num_gpus=1, max_concurrency=3, runtime_env={"env_vars": env},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=i, placement_group_capture_child_tasks=True),
+        ).remote(rank=rank)
+        for rank, i in enumerate(bundle_indices)
+    ]
+
+
+# ---- data-parallel replicas: one STRICT_PACK group each -----------------------------
+
+
+def _plan_replicas(config: EngineConfig, plan_base: dict) -> Plan:
+    import ray
+    from ray.util.placement_group import placement_group
+
+    from raylm.engine.dp_manager import CoreEngineActorManager, choose_nodes, replica_bundles
+
+    pc = config.parallel_config
+    size = pc.data_parallel_size
+    mode = pc.data_parallel_placement
+    bundles, _, rank_bundles = replica_bundles(config)
+    need = sum(b.get("CPU", 0) for b in bundles)
+    # The manager connects to Ray as the run's does; it starts no replica here.
+    manager = CoreEngineActorManager(config, on_death=lambda index, cause: None)
+    groups = []
+    nodes = None
+    try:
+        driver_node = ray.get_runtime_context().get_node_id()
+        nodes = cluster_nodes(driver_node)
+        request = dict(plan_base, replica_bundles=bundles, replica_cpus=need)
+        plan = Plan(False, _gcs_address(), driver_node, nodes, request)
+        capacity = sorted(((n.node_id, n.total.get("CPU", 0.0)) for n in nodes),
+                          key=lambda item: (item[0] != driver_node, item[0]))
+        never = [i for i, t in enumerate(choose_nodes(size, need, mode, capacity)) if t is None]
+        targets = manager.plan_nodes(size)
+        # As CoreEngineActorManager.start_replica reserves a replica's group.
+        for target in targets:
+            if target is not None and mode == "spread":
+                groups.append(placement_group(bundles, strategy="STRICT_PACK",
+                                              bundle_label_selector=[{"ray.io/node-id": target}] * len(bundles)))
+            else:
+                groups.append(placement_group(bundles, strategy="STRICT_PACK", _soft_target_node_id=target))
+        timeout = min(pc.ray_placement_timeout, _INFEASIBLE_WAIT_S) if never else pc.ray_placement_timeout
+        ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=timeout)
+        placed = {}
+        for index, group in enumerate(groups):
+            table = ray.util.placement_group_table(group)
+            if table.get("state") == "CREATED":
+                placed[index] = table["bundles_to_node_id"]
+    finally:
+        _remove_groups(groups, nodes)
+        manager.shutdown()
+
+    unplaced = [i for i in range(size) if i not in placed]
+    if unplaced:
+        now = [i for i, t in enumerate(targets) if t is None]
+        plan.missing.append(
+            f"replica(s) {_ranks(unplaced)} not placed: each needs one node with {_describe({'CPU': need})} "
+            f"free (bundles {[_describe(b) for b in bundles]}, STRICT_PACK); "
+            + (f"the cluster's nodes can hold {size - len(never)} of {size} replicas in total"
+               if never else f"{size - len(now)} of {size} fit what is free now (the rest is in use)")
+        )
+    ip_of = {n.node_id: n.ip for n in nodes}
+    tp = pc.tensor_parallel_size
+    for index in range(size):
+        if index not in placed:
+            continue
+        node = placed[index][0]  # the engine actor's bundle; all of a replica's share its node
+        # The replica's executor is its own driver, on this node: ranks in
+        # bundle order (Ray executor) or local processes (uni, mp).
+        ranks = [RankPlacement(r, r % tp, r // tp, placed[index][rank_bundles[r]] if rank_bundles else node,
+                               ip_of.get(node, "?"), "cuda:%d" % r if config.device == "cuda" else "cpu", r)
+                 for r in range(pc.world_size)]
+        plan.replicas.append(_replica(index, node, ip_of.get(node, "?"), ranks, pc))
+    if config.device == "cuda":
+        plan.warnings.append("data-parallel replicas reserve CPU bundles only (dp_manager.replica_bundles): "
+                             "Ray assigns their ranks no GPU, and the device indices shown are local ranks")
+    plan.fits = not plan.missing
+    return plan
+
+
+# ---- shared --------------------------------------------------------------------------
+
+
+def _replica(index, node_id, node_ip, ranks: list[RankPlacement], pc) -> ReplicaPlacement:
+    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+    def group(members: list[int]) -> GroupPlacement:
+        node_ids = [ranks[r].node_id for r in members]
+        return GroupPlacement(members, node_ids, len(set(node_ids)) > 1)
+
+    return ReplicaPlacement(index, node_id, node_ip, ranks, [group(g) for g in tp_group_ranks(tp, pp)],
+                            [group(g) for g in pp_group_ranks(tp, pp)])
+
+
+def _remove_groups(groups: list, nodes: list[NodeState] | None = None) -> None:
+    """Remove the groups and wait until Ray says they are gone, and until the
+    nodes' free resources read as before the plan again: the view of free
+    resources lags behind, and a run started right after the plan places by
+    it (data-parallel packing does)."""
+    import ray
+    from ray._private.state import available_resources_per_node
+    from ray.util.placement_group import remove_placement_group
+
+    for group in groups:
+        try:
+            remove_placement_group(group)
+        except Exception as e:  # noqa: BLE001 - say so: its bundles would stay reserved
+            logger.warning("could not remove placement group %s: %s", group.id.hex()[:12], e)
+    deadline = time.monotonic() + _REMOVAL_WAIT_S
+    for group in groups:
+        while ray.util.placement_group_table(group).get("state") not in ("REMOVED", None):
+            if time.monotonic() >= deadline:
+                logger.warning("placement group %s is not removed yet", group.id.hex()[:12])
+                break
+            time.sleep(0.05)
+    while nodes and groups and time.monotonic() < deadline:
+        now = available_resources_per_node()
+        if all(now.get(n.node_id, {}).get(k, 0.0) >= v - 1e-6 for n in nodes for k, v in n.available.items()):
+            return
+        time.sleep(0.1)
+
+
+def _gcs_address() -> str | None:
+    import ray
+
+    try:
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def make_plan(config: EngineConfig) -> Plan:
+    """Reserve the run's placement groups on the cluster (joined, or a local Ray
+    started and stopped here), read where the bundles went, release them."""
+    import ray
+
+    pc = config.parallel_config
+    backend = pc.distributed_executor_backend
+    if pc.data_parallel_size == 1 and backend not in (None, "ray"):
+        raise ValueError(f"raylm plan places a Ray run; distributed_executor_backend {backend!r} runs every rank "
+                         "on this machine (leave it out, or use ray)")
+    base = {
+        "tensor_parallel_size": pc.tensor_parallel_size,
+        "pipeline_parallel_size": pc.pipeline_parallel_size,
+        "data_parallel_size": pc.data_parallel_size,
+        "device": config.device,
+    }
+    was_connected = ray.is_initialized()
+    try:
+        if pc.data_parallel_size == 1:
+            pc.distributed_executor_backend = "ray"
+            base.update(executor_backend="ray", placement_strategy=pc.ray_placement_strategy)
+            return _plan_engine(config, base)
+        base.update(executor_backend=backend or ("uni" if pc.world_size == 1 else "mp"),
+                    data_parallel_placement=pc.data_parallel_placement)
+        return _plan_replicas(config, base)
+    finally:
+        if not was_connected:
+            ray_utils.disconnect_ray()
+
+
+# ---- output ---------------------------------------------------------------------------
+
+
+def format_plan(plan: Plan) -> str:
+    short = {n.node_id: n.node_id[:12] for n in plan.nodes}
+    req = plan.request
+    lines = [f"Ray cluster {plan.ray_address or '?'}: {len(plan.nodes)} node(s)"]
+    for n in plan.nodes:
+        res = ", ".join(f"{k} {n.available.get(k, 0):g}/{n.total[k]:g}" for k in sorted(n.total))
+        driver = "  <- driver" if n.is_driver else ""
+        lines.append(f"  {short[n.node_id]}  {n.ip:<15} {res or '-'} (free/total){driver}")
+    layout = f"TP={req['tensor_parallel_size']} x PP={req['pipeline_parallel_size']}"
+    if req["data_parallel_size"] > 1:
+        lines.append(f"Request: {req['data_parallel_size']} data-parallel replicas ({req['data_parallel_placement']}) "
+                     f"of {layout}, executor {req['executor_backend']}, device {req['device']}; each replica: "
+                     f"{' + '.join(_describe(b) for b in req['replica_bundles'])} on one node")
+    else:
+        lines.append(f"Request: {layout} = {req['bundles']} Ray workers, {_describe(req['bundle'])} each, "
+                     f"strategy {req['placement_strategy']}, device {req['device']}")
+    if any(replica.ranks for replica in plan.replicas):
+        lines.append("")
+        dp = req["data_parallel_size"] > 1
+        header = (["replica"] if dp else []) + ["rank", "tp", "pp", "node", "ip", "device", "gpu"]
+        rows = []
+        for replica in plan.replicas:
+            for r in replica.ranks:
+                rows.append(([str(replica.replica)] if dp else [])
+                            + [str(r.rank), str(r.tp_rank), str(r.pp_rank), short.get(r.node_id, r.node_id[:12]),
+                               r.node_ip, r.device, ",".join(r.gpu_ids) or "-"])
+        widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+        lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
+        lines.extend("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+        if not dp:
+            lines.append("")
+        # (A replica's groups never leave its node.)
+        for replica in [] if dp else plan.replicas:
+            for kind, groups in (("TP", replica.tp_groups), ("PP", replica.pp_groups)):
+                if len(groups[0].ranks) < 2:
+                    continue
+                parts = []
+                for g in groups:
+                    where = (f"across {len(set(g.node_ids))} nodes" if g.spans_nodes
+                             else f"on {short.get(g.node_ids[0], g.node_ids[0][:12])}")
+                    parts.append(f"ranks {_ranks(g.ranks)} {where}")
+                lines.append(f"{kind} groups: " + "; ".join(parts))
+    for warning in plan.warnings:
+        lines.append(f"warning: {warning}")
+    if plan.fits:
+        lines.append("Fits. (Placement groups reserved for the plan are removed.)")
+    else:
+        lines.append("Does not fit:")
+        lines.extend(f"  - {m}" for m in plan.missing)
+    return "\n".join(lines)
+
+
+# ---- command line ---------------------------------------------------------------------
+
+
+def add_plan_subcommand(commands) -> None:
+    parser = commands.add_parser(
+        "plan", help="dry run: where each rank and replica would land on the Ray cluster",
+        description="Reserve the placement groups a run with these flags would, show which rank (and "
+                    "data-parallel replica) lands on which node and device and which TP/PP groups span nodes, "
+                    "then release them. Nothing loads. Exits 1, saying what is missing, when it does not fit.",
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--ray-placement-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="how long Ray may take to place the groups before the plan says they do not fit")
+    add_engine_args(parser)
+    parser.set_defaults(handler=run_plan)
+
+
+def run_plan(args: argparse.Namespace, out: TextIO) -> None:
+    kwargs = engine_kwargs_from_args(args)
+    config = create_engine_config(**kwargs, ray_placement_timeout=args.ray_placement_timeout)
+    try:
+        plan = make_plan(config)
+    except ConnectionError as e:  # no cluster at the given address: the message says so
+        raise ValueError(str(e)) from e
+    if args.json:
+        out.write(json.dumps(plan.to_json(), indent=2) + "\n")
+    else:
+        out.write(format_plan(plan) + "\n")
+    out.flush()
+    if not plan.fits:
+        if args.json:
+            print("error: does not fit: " + "; ".join(plan.missing), file=sys.stderr)
+        raise SystemExit(EXIT_DOES_NOT_FIT)
