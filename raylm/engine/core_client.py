@@ -91,10 +91,8 @@ def _stop_process(process: multiprocessing.process.BaseProcess, input_socket: zm
             pass
         process.join(_SHUTDOWN_TIMEOUT_S)
     if process.is_alive():
-        logger.warning("engine core did not stop in %.0fs; terminating it", _SHUTDOWN_TIMEOUT_S)
-        process.terminate()
-        process.join(10)
-    if process.is_alive():
+        # It ignores SIGTERM (see run_engine_core): only SIGKILL stops it now.
+        logger.warning("engine core did not stop in %.0fs; killing it", _SHUTDOWN_TIMEOUT_S)
         process.kill()
         process.join(5)
     input_socket.close(linger=0)

@@ -141,10 +141,12 @@ class EngineCoreProc:
                 while not self.input.poll(_IDLE_POLL_MS):
                     if parent_pid is not None and os.getppid() != parent_pid:
                         logger.warning("engine core: parent process is gone, exiting")
+                        self._orphaned()
                         return
                     self._check_health_while_idle()
             elif parent_pid is not None and os.getppid() != parent_pid:  # busy, yet nobody reads the outputs
                 logger.warning("engine core: parent process is gone, exiting")
+                self._orphaned()
                 return
             handled, keep_running = self._drain_inputs()
             if not keep_running:
@@ -156,6 +158,11 @@ class EngineCoreProc:
             elif handled:
                 # Aborts change the counts without a step; report them anyway.
                 self._send(EngineCoreOutputs(stats=self._stats()))
+
+    def _orphaned(self) -> None:
+        """Nobody will read the outputs still queued for a front end that is
+        gone: closing must not linger on them."""
+        self.output.setsockopt(zmq.LINGER, 0)
 
     def _drain_inputs(self) -> tuple[bool, bool]:
         """Apply every waiting message: (any handled, keep running)."""

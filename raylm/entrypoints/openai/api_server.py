@@ -4,6 +4,12 @@
 Client mistakes are 400s with an OpenAI error body; a dead engine is a 503.
 An engine dead for good (a fatal core error, or no restart left) makes the
 server exit non-zero, so that its supervisor starts a fresh one.
+
+Bounded (limits.py): a full queue is a 429 with Retry-After, an oversized body
+a 413, too many prompts, completions or stop strings a 400. Shutdown always
+finishes: on SIGTERM/SIGINT new requests get 503, in-flight ones have the grace
+period, then every one still running is ended (streams with finish_reason
+"abort" and [DONE], whole responses with a 503), and the engine core stops.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import asyncio
 import hmac
 import logging
 import signal
+import time
 from typing import Any
 
 import uvicorn
@@ -25,6 +32,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import raylm
 from raylm.engine.async_llm import AsyncLLM, RequestFailedError
 from raylm.engine.core_client import EngineDeadError
+from raylm.entrypoints.openai.limits import (
+    AdmissionControl,
+    BodySizeLimitMiddleware,
+    ServerLimits,
+    max_running_sequences,
+)
+from raylm.entrypoints.openai.data_parallel_routes import install_data_parallel_routes, replica_states
 from raylm.entrypoints.openai.metrics import PrometheusStatLogger
 from raylm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from raylm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -41,6 +55,9 @@ EXIT_ENGINE_DEAD = 1
 # How long a server with a dead engine still answers (503, /health too) before
 # it exits: long enough for load balancers and probes to see why.
 _DEAD_ENGINE_LINGER_S = 2.0
+# After the grace period, how often requests that reached the engine late
+# (admitted just before shutdown began) are ended too.
+_SWEEP_INTERVAL_S = 0.1
 
 
 def _validation_param(error: dict) -> str | None:
@@ -92,10 +109,18 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
-              stat_logger: PrometheusStatLogger | None = None) -> FastAPI:
+              stat_logger: PrometheusStatLogger | None = None, limits: ServerLimits | None = None) -> FastAPI:
+    """The app; `app.state.admission` is its AdmissionControl (closed at shutdown)."""
+    limits = limits or ServerLimits()
     app = FastAPI(title="raylm", version=raylm.__version__)
-    completions = OpenAIServingCompletion(engine, served_model_names)
-    chat = OpenAIServingChat(engine, served_model_names)
+    admission = AdmissionControl(
+        max_running_sequences(engine.config), limits.max_waiting_requests,
+        on_change=stat_logger.record_admitted if stat_logger is not None else None,
+        on_refused=stat_logger.record_refused if stat_logger is not None else None,
+    )
+    app.state.admission = admission
+    completions = OpenAIServingCompletion(engine, served_model_names, admission)
+    chat = OpenAIServingChat(engine, served_model_names, admission)
     _install_error_handlers(app)
 
     if api_key:
@@ -108,6 +133,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
                 if not hmac.compare_digest(given, expected):
                     return error_response("missing or invalid API key (Authorization: Bearer ...)", 401)
             return await call_next(request)
+
+    # Outermost: a body is measured before anything else reads it.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes,
+                       on_refused=admission.refused)
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
@@ -125,11 +154,17 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
     @app.get("/health")
     async def health() -> Response:
+        if admission.closed:
+            return error_response("the server is shutting down", 503, error_type="service_unavailable")
         try:
             await engine.check_health()
         except EngineDeadError as e:
             return error_response(f"the engine is not running: {e}", 503)
-        return Response(status_code=200)
+        replicas = replica_states(engine)  # data parallel: each replica's state
+        return Response(status_code=200) if replicas is None else JSONResponse({"replicas": replicas})
+
+    install_data_parallel_routes(app, engine, api_key, stat_logger,
+                                 served_model_names[0] if served_model_names else "")
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -144,14 +179,18 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn's server with raylm's shutdown: on SIGTERM/SIGINT stop accepting,
-    give in-flight requests `grace_period` seconds, then end the rest with
-    finish_reason "abort" so every stream still closes with [DONE]."""
+    """uvicorn's server with raylm's shutdown: on SIGTERM/SIGINT stop accepting
+    (new requests on open connections get 503), give in-flight requests
+    `grace_period` seconds, then end the rest with finish_reason "abort" so
+    every stream still closes with [DONE]; a request that reaches the engine
+    after that (it was admitted just before) is ended as soon as it does."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, grace_period: float):
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, grace_period: float,
+                 admission: AdmissionControl | None = None):
         super().__init__(config)
         self.engine = engine
         self.grace_period = grace_period
+        self.admission = admission
         self._loop: asyncio.AbstractEventLoop | None = None
         self._grace_task: asyncio.Task | None = None
         # Set when the server stopped because the engine died for good.
@@ -164,6 +203,8 @@ class GracefulServer(uvicorn.Server):
             await super().serve(sockets)
         finally:
             watcher.cancel()
+            if self._grace_task is not None:
+                self._grace_task.cancel()
 
     async def _stop_when_engine_dead(self) -> None:
         """Every request already gets a 503 once the engine is dead; after a
@@ -184,16 +225,32 @@ class GracefulServer(uvicorn.Server):
             self._loop.call_soon_threadsafe(self._start_grace)
 
     def _start_grace(self) -> None:
+        if self.admission is not None:
+            self.admission.close()
         if self._grace_task is None:
-            self._grace_task = self._loop.create_task(self._end_in_flight())
+            self._grace_task = self._loop.create_task(self._end_in_flight(), name="raylm-shutdown-grace")
+
+    def _num_in_flight(self) -> int:
+        admitted = self.admission.in_flight if self.admission is not None else 0
+        return max(admitted, self.engine.num_unfinished_requests)
 
     async def _end_in_flight(self) -> None:
-        pending = self.engine.num_unfinished_requests
+        deadline = time.monotonic() + self.grace_period
+        pending = self._num_in_flight()
         if pending:
             logger.info("shutting down: waiting up to %.1fs for %d request(s)", self.grace_period, pending)
-        if not await self.engine.wait_until_idle(self.grace_period):
+        while self._num_in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.engine.num_unfinished_requests:
             ended = self.engine.finish_all()
             logger.warning("shutting down: grace period over, ended %d request(s)", ended)
+        # Until uvicorn is done (serve() cancels this): a request admitted
+        # before shutdown began may reach the engine only now.
+        while True:
+            await asyncio.sleep(_SWEEP_INTERVAL_S)
+            if self.engine.num_unfinished_requests:
+                ended = self.engine.finish_all()
+                logger.warning("shutting down: ended %d late request(s)", ended)
 
 
 def served_model_names_from(args: argparse.Namespace) -> list[str]:
@@ -206,16 +263,20 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
     """Load the model in the engine-core process, then serve until a signal."""
     names = served_model_names_from(args)
     stat_logger = PrometheusStatLogger(names[0])
+    limits = ServerLimits(max_waiting_requests=args.max_waiting_requests,
+                          max_request_body_bytes=args.max_request_body_bytes)
     engine = AsyncLLM.from_engine_args(stat_loggers=[stat_logger], **engine_kwargs)
     try:
-        app = build_app(engine, names, api_key=args.api_key, stat_logger=stat_logger)
+        app = build_app(engine, names, api_key=args.api_key, stat_logger=stat_logger, limits=limits)
         config = uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level,
-            # A backstop only: the engine ends in-flight streams at the grace period.
-            timeout_graceful_shutdown=args.shutdown_grace_period + 5,
+            # A backstop only: every request is ended at the grace period, and its
+            # answer goes out at once (unless its client stopped reading). Shutdown
+            # takes at most the grace period + 5 s: 2 s here, the rest for the core.
+            timeout_graceful_shutdown=args.shutdown_grace_period + 2,
             timeout_keep_alive=5,
         )
-        server = GracefulServer(config, engine, args.shutdown_grace_period)
+        server = GracefulServer(config, engine, args.shutdown_grace_period, app.state.admission)
         logger.info("serving %s on http://%s:%d", names, args.host, args.port)
         asyncio.run(server.serve())
     finally:

@@ -8,7 +8,8 @@ from typing import TextIO
 
 
 def add_serve_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from raylm.entrypoints.cli import HelpFormatter, add_engine_args
+    from raylm.entrypoints.cli import HelpFormatter, add_engine_args, parse_bytes
+    from raylm.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 
     serve = subparsers.add_parser(
         "serve", help="run the OpenAI-compatible HTTP server",
@@ -27,6 +28,14 @@ def add_serve_subcommand(subparsers: argparse._SubParsersAction) -> argparse.Arg
                         help="model name(s) clients use; default: MODEL as given")
     server.add_argument("--shutdown-grace-period", type=float, default=10.0, metavar="SECONDS",
                         help="on SIGTERM/SIGINT, how long in-flight requests may run before they are ended")
+    limits = serve.add_argument_group("limits")
+    limits.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS, metavar="N",
+                        help="requests that may wait beyond what the engine runs at once (--max-num-seqs; each "
+                             "of a request's n completions per prompt counts); one more gets HTTP 429 with "
+                             "Retry-After. The default queues 16 full batches: latency stays bounded and a "
+                             "load balancer learns to go elsewhere")
+    limits.add_argument("--max-request-body-bytes", type=parse_bytes, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        metavar="BYTES", help="largest request body (e.g. 16MiB); a larger one gets HTTP 413")
     add_engine_args(serve)
     serve.set_defaults(handler=run_serve)
     return serve
@@ -44,6 +53,10 @@ def run_serve(args: argparse.Namespace, out: TextIO) -> None:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.shutdown_grace_period < 0:
         raise ValueError(f"--shutdown-grace-period must be >= 0, got {args.shutdown_grace_period}")
+    if args.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
     run_server(args, engine_kwargs_from_args(args))
 
 

@@ -1,6 +1,7 @@
 """Prometheus metrics of the server: finished requests by reason, latency
-histograms (TTFT, inter-token, end-to-end), the core's scheduler gauges, and
-recoveries from failures (by kind)."""
+histograms (TTFT, inter-token, end-to-end), the core's scheduler gauges,
+recoveries from failures (by kind), and the server's admission: sequences
+admitted, requests refused (by reason)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,13 @@ class PrometheusStatLogger(StatLoggerBase):
                                           kind_labels, registry=r)
         self.recovery_time = Histogram("raylm:recovery_seconds", "Failure noticed to serving again, by kind",
                                        kind_labels, buckets=_RECOVERY_BUCKETS, registry=r)
+        self.num_admitted = gauge("raylm:num_sequences_admitted",
+                                  "Sequences (prompts x n) admitted by the server and not yet answered")
+        self.requests_refused = Counter("raylm:requests_refused", "Requests refused by the server's limits, by reason "
+                                        "(queue_full, body_too_large, shutting_down)", [*labels, "reason"], registry=r)
         self._labels = labels
+        for reason in ("queue_full", "body_too_large", "shutting_down"):
+            self.requests_refused.labels(reason=reason, **labels)
         # Exported from the start (as 0), so a dashboard sees "no restarts" rather than nothing.
         for metric in (self.recoveries, self.recovered_requests, self.recovery_time):
             metric.labels(kind="engine_core", **labels)
@@ -84,6 +91,12 @@ class PrometheusStatLogger(StatLoggerBase):
         self.recoveries.labels(**labels).inc()
         self.recovered_requests.labels(**labels).inc(num_requests)
         self.recovery_time.labels(**labels).observe(seconds)
+
+    def record_admitted(self, num_sequences: int) -> None:
+        self.num_admitted.set(num_sequences)
+
+    def record_refused(self, reason: str) -> None:
+        self.requests_refused.labels(reason=reason, **self._labels).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

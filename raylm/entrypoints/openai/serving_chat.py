@@ -8,11 +8,12 @@ import logging
 from typing import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from raylm.engine.async_llm import AsyncLLM
 from raylm.engine.input_processor import ProcessedPrompt
 from raylm.engine.tokenizer import encode_rendered_chat
+from raylm.entrypoints.openai.limits import AdmissionControl, ReleasingStreamingResponse, check_stop
 from raylm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -33,6 +34,7 @@ from raylm.entrypoints.openai.serving_common import (
     bad_request_from,
     cancel_on_disconnect,
     check_model,
+    check_not_ended_early,
     fit_max_tokens,
     sampling_params_from,
     sse,
@@ -61,9 +63,10 @@ def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top_k
 
 
 class OpenAIServingChat:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]):
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], admission: AdmissionControl | None = None):
         self.engine = engine
         self.served_model_names = served_model_names
+        self.admission = admission or AdmissionControl.for_engine(engine)
 
     def _render(self, request: ChatCompletionRequest) -> ProcessedPrompt:
         """Runs in a worker thread: templating and tokenizing can take a while."""
@@ -85,24 +88,35 @@ class OpenAIServingChat:
         top_logprobs = request.top_logprobs or 0
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", 400, "top_logprobs")
+        check_stop(request.stop)
         params = sampling_params_from(request, max_tokens, top_logprobs if request.logprobs else None)
+        # Admitted before rendering, so that a burst of arrivals is counted at once.
+        reservation = self.admission.admit(request.n, "n")
         try:
-            processed = await asyncio.get_running_loop().run_in_executor(None, self._render, request)
-        except ValueError as e:
-            raise bad_request_from(e, set(), "messages") from e
-        param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        try:
-            prompt, params = fit_max_tokens(self.engine, processed, params, max_tokens, "messages")
-        except OpenAIError as e:
-            e.param = param if e.param == "max_tokens" else e.param
-            raise
-        request_id = random_id("chatcmpl")
-        stream = self.engine.generate(prompt, params, request_id, stream=request.stream)
-        if request.stream:
-            return StreamingResponse(self._stream(request, model, request_id, stream, top_logprobs),
-                                     media_type="text/event-stream")
-        output = await cancel_on_disconnect(raw_request, self._last(stream))
-        return JSONResponse(self._response(request, model, request_id, output, top_logprobs).model_dump())
+            try:
+                processed = await asyncio.get_running_loop().run_in_executor(None, self._render, request)
+            except ValueError as e:
+                raise bad_request_from(e, set(), "messages") from e
+            param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+            try:
+                prompt, params = fit_max_tokens(self.engine, processed, params, max_tokens, "messages")
+            except OpenAIError as e:
+                e.param = param if e.param == "max_tokens" else e.param
+                raise
+            request_id = random_id("chatcmpl")
+            stream = self.engine.generate(prompt, params, request_id, stream=request.stream)
+            if request.stream:
+                response = ReleasingStreamingResponse(
+                    reservation, self._stream(request, model, request_id, stream, top_logprobs),
+                    media_type="text/event-stream")
+                reservation = None  # the response releases it once sent
+                return response
+            output = await cancel_on_disconnect(raw_request, self._last(stream))
+            check_not_ended_early(output.outputs)
+            return JSONResponse(self._response(request, model, request_id, output, top_logprobs).model_dump())
+        finally:
+            if reservation is not None:
+                reservation.release()
 
     @staticmethod
     async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:

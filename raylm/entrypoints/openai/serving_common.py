@@ -119,6 +119,14 @@ def fit_max_tokens(engine: AsyncLLM, processed: ProcessedPrompt, params: Samplin
     return {"prompt": processed.prompt, "prompt_token_ids": processed.prompt_token_ids}, params
 
 
+def check_not_ended_early(completions) -> None:
+    """A whole (non-streamed) result that the server ended before it finished
+    (finish_reason "abort": shutdown ended it) is a 503, not a truncated 200."""
+    if any(c.finish_reason == "abort" for c in completions):
+        raise OpenAIError("the server is shutting down: the request was ended before it finished", 503, None,
+                          "service_unavailable")
+
+
 def check_model(model: str | None, served_model_names: list[str]) -> str:
     """The model name answered with; an unknown name is the client's mistake (400)."""
     if model is None or model == "":

@@ -7,9 +7,15 @@ import logging
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from raylm.engine.async_llm import AsyncLLM
+from raylm.entrypoints.openai.limits import (
+    AdmissionControl,
+    ReleasingStreamingResponse,
+    check_prompt_count,
+    check_stop,
+)
 from raylm.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -23,6 +29,7 @@ from raylm.entrypoints.openai.serving_common import (
     OpenAIError,
     cancel_on_disconnect,
     check_model,
+    check_not_ended_early,
     merge_streams,
     prepare_prompt,
     sampling_params_from,
@@ -42,6 +49,7 @@ def _split_prompts(prompt: Any) -> list[Any]:
         raise OpenAIError("prompt must not be empty", 400, "prompt")
     if all(isinstance(p, int) for p in prompt):
         return [{"prompt_token_ids": list(prompt)}]
+    check_prompt_count(len(prompt))
     return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
 
 
@@ -68,30 +76,43 @@ def completion_logprobs(tokenizer, token_ids: list[int], positions: list[Positio
 
 
 class OpenAIServingCompletion:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]):
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], admission: AdmissionControl | None = None):
         self.engine = engine
         self.served_model_names = served_model_names
+        self.admission = admission or AdmissionControl.for_engine(engine)
 
     async def create(self, request: CompletionRequest, raw_request: Request) -> Response:
         model = check_model(request.model, self.served_model_names)
         if request.echo and request.stream and request.logprobs is not None and request.n > 1:
             # Keeps echo bookkeeping to one choice per prompt; rare in practice.
             raise OpenAIError("echo with logprobs supports n=1 only when streaming", 400, "echo")
+        prompts = _split_prompts(request.prompt)
+        check_stop(request.stop)
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
         base_params = sampling_params_from(request, request.max_tokens, request.logprobs, prompt_logprobs)
-        prepared = []
-        for prompt in _split_prompts(request.prompt):
-            prepared.append(await prepare_prompt(self.engine, prompt, base_params.clone(), request.max_tokens, "prompt"))
-        request_id = random_id("cmpl")
-        streams = [
-            self.engine.generate(prompt, params, f"{request_id}-{i}", stream=request.stream)
-            for i, (prompt, params) in enumerate(prepared)
-        ]
-        if request.stream:
-            return StreamingResponse(self._stream(request, model, request_id, streams),
-                                     media_type="text/event-stream")
-        outputs: dict[int, RequestOutput] = await cancel_on_disconnect(raw_request, self._collect(streams))
-        return JSONResponse(self._response(request, model, request_id, outputs).model_dump())
+        # Admitted before tokenizing, so that a burst of arrivals is counted at once.
+        reservation = self.admission.admit(len(prompts) * request.n, "n" if request.n > 1 else "prompt")
+        try:
+            prepared = []
+            for prompt in prompts:
+                prepared.append(
+                    await prepare_prompt(self.engine, prompt, base_params.clone(), request.max_tokens, "prompt"))
+            request_id = random_id("cmpl")
+            streams = [
+                self.engine.generate(prompt, params, f"{request_id}-{i}", stream=request.stream)
+                for i, (prompt, params) in enumerate(prepared)
+            ]
+            if request.stream:
+                response = ReleasingStreamingResponse(reservation, self._stream(request, model, request_id, streams),
+                                                      media_type="text/event-stream")
+                reservation = None  # the response releases it once sent
+                return response
+            outputs: dict[int, RequestOutput] = await cancel_on_disconnect(raw_request, self._collect(streams))
+            check_not_ended_early(c for output in outputs.values() for c in output.outputs)
+            return JSONResponse(self._response(request, model, request_id, outputs).model_dump())
+        finally:
+            if reservation is not None:
+                reservation.release()
 
     @staticmethod
     async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> dict[int, RequestOutput]:

@@ -27,17 +27,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# uvicorn's exit status when it cannot bind its port (or start at all).
+_UVICORN_STARTUP_FAILURE = 3
+_PORT_ATTEMPTS = 3
+
+
+class _PortTaken(RuntimeError):
+    pass
+
+
 class RaylmServer:
-    def __init__(self, model_dir: str, extra_args: list[str], log_path: str, startup_timeout: float = 180.0):
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+    """`model_dir` None: raylm's embedded model. `new_session`: the server leads
+    a process group of its own (for signals sent to the whole group)."""
+
+    def __init__(self, model_dir: str | None, extra_args: list[str], log_path: str, startup_timeout: float = 180.0,
+                 new_session: bool = False):
         self.log_path = log_path
-        command = [sys.executable, "-m", "raylm.entrypoints.cli", "serve", model_dir, "--port", str(self.port),
-                   "--served-model-name", MODEL_NAME, *ENGINE_FLAGS, *extra_args]
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self._wait_healthy(startup_timeout)
+        model = [model_dir] if model_dir is not None else []
+        for attempt in range(_PORT_ATTEMPTS):
+            self.port = free_port()
+            self.base_url = f"http://127.0.0.1:{self.port}"
+            command = [sys.executable, "-m", "raylm.entrypoints.cli", "serve", *model, "--port", str(self.port),
+                       "--served-model-name", MODEL_NAME, *ENGINE_FLAGS, *extra_args]
+            self._log = open(log_path, "wb")
+            self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=new_session)
+            try:
+                self._wait_healthy(startup_timeout)
+                break
+            except _PortTaken:
+                # Another process took the free port before the server bound it.
+                self._log.close()
+                if attempt == _PORT_ATTEMPTS - 1:
+                    raise
         # Remembered now, so teardown can check that none of them outlive the server.
         self.tree = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
 
@@ -45,6 +67,8 @@ class RaylmServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if self.proc.returncode == _UVICORN_STARTUP_FAILURE and "address already in use" in self.log().lower():
+                    raise _PortTaken(self.log())
                 raise RuntimeError(f"raylm serve exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 if httpx.get(self.url("/health"), timeout=2).status_code == 200:

@@ -18,13 +18,14 @@ LONG_STREAM = {"model": MODEL_NAME, "prompt": "ROMEO:", "max_tokens": 500, "igno
                "temperature": 0}
 
 
-def _stream_in_background(server: RaylmServer) -> tuple[threading.Thread, dict]:
+def _stream_in_background(server: RaylmServer, body: dict = LONG_STREAM,
+                          wait_started: bool = True) -> tuple[threading.Thread, dict]:
     """Start a long stream; `result` gets its events once it ends."""
     result: dict = {"events": [], "started": threading.Event()}
 
     def run() -> None:
         try:
-            with httpx.stream("POST", server.url("/v1/completions"), json=LONG_STREAM, timeout=60) as response:
+            with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=60) as response:
                 result["status"] = response.status_code
                 for line in response.iter_lines():
                     if line.startswith("data: "):
@@ -37,27 +38,42 @@ def _stream_in_background(server: RaylmServer) -> tuple[threading.Thread, dict]:
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    assert result["started"].wait(60)
+    if wait_started:
+        assert result["started"].wait(60)
     return thread, result
 
 
 def test_sigterm_during_stream_exits_within_grace(llama_dir, tmp_path):
-    server = RaylmServer(llama_dir, ["--shutdown-grace-period", str(GRACE_S)], str(tmp_path / "server.log"))
+    # One request runs at a time and two more wait behind it: however fast the
+    # machine, the last one is unfinished when the grace period ends.
+    server = RaylmServer(llama_dir, ["--shutdown-grace-period", str(GRACE_S), "--max-num-seqs", "1",
+                                     "--max-model-len", "1024"], str(tmp_path / "server.log"))
+    body = {**LONG_STREAM, "max_tokens": 1000}
     try:
         assert len(server.tree) >= 2, "the engine core should run in its own process"
-        thread, result = _stream_in_background(server)
+        streams = [_stream_in_background(server, body)]
+        streams += [_stream_in_background(server, body, wait_started=False) for _ in range(2)]
+        deadline = time.monotonic() + 60
+        while scrape_metric(server.base_url, "raylm:num_requests_waiting") < 1:
+            assert time.monotonic() < deadline, "the queued streams never reached the engine"
+            time.sleep(0.05)
         assert scrape_metric(server.base_url, "raylm:num_requests_running") == 1
         sent = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         # Grace for the stream, plus the engine core's shutdown and interpreter exit.
         leftovers = server.wait_tree_gone(GRACE_S + 10)
         assert not leftovers, server.log()
-        thread.join(10)
+        for thread, _ in streams:
+            thread.join(10)
         assert time.monotonic() - sent < GRACE_S + 10
         assert server.proc.returncode == 0, server.log()
-        # The stream was ended by the server (finish_reason "abort"), not cut off.
-        assert result.get("status") == 200 and result["events"][-1] == "[DONE]", result
-        assert '"finish_reason":"abort"' in result["events"][-2]
+        # The streams were ended by the server (finish_reason "abort"), not cut
+        # off; the one running may have finished within the grace period.
+        reasons = []
+        for _, result in streams:
+            assert result.get("status") == 200 and result["events"][-1] == "[DONE]", result
+            reasons.append(next(r for r in ("abort", "length") if f'"finish_reason":"{r}"' in result["events"][-2]))
+        assert "abort" in reasons, reasons  # the last in the queue, at least
     finally:
         server.terminate(timeout=5)
 
