@@ -515,6 +515,13 @@ class SyncDPClient(DPClient):
         return msgspec.structs.asdict(self._aggregate_stats())
 
 
+# Bounds the Ray calls of shutdown: when a signal to the whole process group
+# took the local Ray down too, they would otherwise retry for a minute. Past
+# it, Ray ends what is left: actors die with their owner (this process), and
+# placement groups with the job.
+_MANAGER_SHUTDOWN_DEADLINE_S = 5.0
+
+
 def _shutdown(manager: CoreEngineActorManager, replicas: dict, output, contexts: list) -> None:
     encoder = msgspec.msgpack.Encoder()
     for replica in replicas.values():
@@ -522,7 +529,12 @@ def _shutdown(manager: CoreEngineActorManager, replicas: dict, output, contexts:
             replica.input.send(encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
-    manager.shutdown()
+    stopper = threading.Thread(target=manager.shutdown, name="raylm-dp-shutdown", daemon=True)
+    stopper.start()
+    stopper.join(_MANAGER_SHUTDOWN_DEADLINE_S)
+    if stopper.is_alive():
+        logger.warning("stopping the data-parallel replicas took over %.0f s; leaving it to Ray",
+                       _MANAGER_SHUTDOWN_DEADLINE_S)
     for replica in replicas.values():
         replica.input.close(linger=0)
     replicas.clear()
