@@ -3,6 +3,7 @@ per test session, and Hugging Face reference generations cached per model."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -83,3 +84,28 @@ def wait_until_unhealthy(executor, within_s: float) -> str:
             return str(e)
         assert time.monotonic() - start < within_s, f"a dead worker went unnoticed for {within_s} s"
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def simulated_cluster(node_cpus: list[int]):
+    """A `ray.cluster_utils.Cluster` whose head has no CPUs (nothing runs
+    there) and one node per entry of `node_cpus`, with this process connected
+    to it; yields (cluster, nodes). Simulated nodes share one IP, which raylm
+    is told to allow. The session's shared Ray is shut down first (the next
+    user of `ray_session` starts it again)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = [cluster.add_node(num_cpus=n) for n in node_cpus]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    patch = pytest.MonkeyPatch()
+    patch.setenv("RAYLM_ALLOW_SHARED_NODE_IP", "1")
+    try:
+        yield cluster, nodes
+    finally:
+        patch.undo()
+        ray.shutdown()
+        cluster.shutdown()

@@ -44,6 +44,18 @@ _LAST_WORDS_MS = 200
 _SHUTDOWN_TIMEOUT_S = 30.0
 
 
+def send_pending(socket: zmq.Socket, unsent: collections.deque) -> None:
+    """Send what the socket takes now, in order, without blocking; the rest
+    waits in `unsent` (a bound PUSH socket refuses while no peer is connected:
+    a core not yet connected, or one that died)."""
+    while unsent:
+        try:
+            socket.send(unsent[0], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        unsent.popleft()
+
+
 class EngineDeadError(RuntimeError):
     """The engine core is gone; no request can be served any more."""
 
@@ -174,13 +186,7 @@ class MPClient:
         self._flush()
 
     def _flush(self) -> None:
-        """Send what the socket takes now, in order; the rest waits."""
-        while self._unsent:
-            try:
-                self._input.send(self._unsent[0], flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._unsent.popleft()
+        send_pending(self._input, self._unsent)
 
     def add_request(self, request: Request) -> None:
         try:

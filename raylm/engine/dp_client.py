@@ -38,7 +38,7 @@ import zmq.asyncio
 
 from raylm.config import EngineConfig
 from raylm.core.request import Request
-from raylm.engine.core_client import EngineDeadError
+from raylm.engine.core_client import EngineDeadError, send_pending
 from raylm.engine.core_proc import (
     AbortRequests,
     EngineCoreOutputs,
@@ -331,14 +331,7 @@ class DPClient:
 
     @staticmethod
     def _flush(replica: _Replica) -> None:
-        # A bound PUSH socket refuses (never blocks: NOBLOCK) until its
-        # replica has connected; what it refuses waits here, in order.
-        while replica.unsent:
-            try:
-                replica.input.send(replica.unsent[0], flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            replica.unsent.popleft()
+        send_pending(replica.input, replica.unsent)
 
     def _housekeeping(self) -> None:
         """Between reads: resend, heal dead replicas, adopt new ones, retire drained ones."""

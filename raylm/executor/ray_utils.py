@@ -192,22 +192,26 @@ def _start_own_local_ray(num_cpus_hint: int) -> None:
     # "local": a new instance whatever Ray's cluster file says (it is stale
     # when we get here, or an address was not wanted).
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
-    _own_local_ray = {"gcs_address": _current_gcs_address(), "num_cpus": num_cpus}
+    _own_local_ray = {"identity": _current_ray_identity(), "num_cpus": num_cpus}
     logger.info("started a local Ray instance with %d CPU tokens", num_cpus)
 
 
-def _current_gcs_address() -> str | None:
-    import ray
-
+def _current_ray_identity() -> str | None:
+    """The connected Ray instance's session name: unique per instance, where
+    a GCS address is not (a later local instance may get the same port, and
+    must not be taken for raylm's own and restarted)."""
     try:
-        return ray.get_runtime_context().gcs_address
-    except Exception:  # noqa: BLE001 - an older Ray without it: identity unknown
+        from ray._private import worker
+
+        return worker.global_worker.node.session_name
+    except Exception:  # noqa: BLE001 - another Ray version: identity unknown, so never ours
         return None
 
 
 def owns_local_ray() -> bool:
     """True when the Ray this process is connected to was started by raylm."""
-    return _own_local_ray is not None and _own_local_ray["gcs_address"] == _current_gcs_address()
+    return (_own_local_ray is not None and _own_local_ray["identity"] is not None
+            and _own_local_ray["identity"] == _current_ray_identity())
 
 
 def _grow_own_local_ray(num_cpus_hint: int) -> None:

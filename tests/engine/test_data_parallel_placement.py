@@ -7,7 +7,7 @@ import pytest
 
 from raylm import LLM, SamplingParams
 from raylm.engine.dp_manager import choose_nodes
-from tests.conftest import our_live_ray_state
+from tests.conftest import simulated_cluster, our_live_ray_state
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
@@ -22,21 +22,9 @@ def test_choose_nodes_pack_fills_a_node_first_and_spread_takes_turns():
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A head without CPUs and two 2-CPU nodes (simulated: one IP for all)."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    ray.shutdown()  # the session's shared Ray; the next user restarts it
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    nodes = [c.add_node(num_cpus=2) for _ in range(2)]
-    c.wait_for_nodes()
-    ray.init(address=c.address, log_to_driver=False)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("RAYLM_ALLOW_SHARED_NODE_IP", "1")
-    yield c, nodes
-    mp.undo()
-    ray.shutdown()
-    c.shutdown()
+    """A head without CPUs and two 2-CPU nodes."""
+    with simulated_cluster([2, 2]) as (c, nodes):
+        yield c, nodes
 
 
 @pytest.mark.parametrize("placement, distinct_nodes", [("pack", 1), ("spread", 2)])

@@ -10,7 +10,7 @@ from raylm import LLM, SamplingParams
 from raylm.engine.core_client import EngineDeadError
 from raylm.engine.engine_core import REBUILD_FAILED, WORKER_DIED
 from raylm.testing.hf_oracle import hf_greedy
-from tests.conftest import executor_of, our_live_ray_state
+from tests.conftest import simulated_cluster, executor_of, our_live_ray_state
 from tests.engine.test_recovery import generate_with_strike
 
 MAX_TOKENS = 16
@@ -20,22 +20,9 @@ PROMPTS = [[(5 * i + j) % 200 + 3 for j in range(2 + 7 * i)] for i in range(8)]
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A head without CPUs (nothing runs there) and three 1-CPU nodes; they
-    all report one IP, as simulated nodes do."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    ray.shutdown()  # the session's shared Ray; the next user restarts it
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    nodes = [c.add_node(num_cpus=1) for _ in range(3)]
-    c.wait_for_nodes()
-    ray.init(address=c.address, log_to_driver=False)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("RAYLM_ALLOW_SHARED_NODE_IP", "1")
-    yield c, nodes
-    mp.undo()
-    ray.shutdown()
-    c.shutdown()
+    """A head without CPUs (nothing runs there) and three 1-CPU nodes."""
+    with simulated_cluster([1, 1, 1]) as (c, nodes):
+        yield c, nodes
 
 
 def test_losing_the_node_of_a_pipeline_stage(cluster, tiny_model_dir):
