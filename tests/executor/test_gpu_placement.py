@@ -98,10 +98,13 @@ def gpu_cluster():
     nodes = {}
     # A node's processes (and so its workers) inherit the environment it starts in.
     for name, visible in (("plain", None), ("restricted", "2,3"), ("uuid", "GPU-aaaa,GPU-bbbb")):
+        # Through the monkeypatch, so that undo() restores the test process's
+        # own value: set directly, the last node's value leaked into every
+        # later test (and every Ray they started).
         if visible is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)
         else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+            mp.setenv("CUDA_VISIBLE_DEVICES", visible)
         nodes[name] = c.add_node(num_cpus=1, num_gpus=2).node_id
     mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     c.wait_for_nodes()

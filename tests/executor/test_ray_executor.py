@@ -51,14 +51,9 @@ def test_ray_layouts_match_hf(ray_session, tiny_model_dir, arch, overrides, tp, 
 def tp2_llm(tiny_model_dir):
     import ray
 
-    # A Ray of our own, started from an environment without CUDA_VISIBLE_DEVICES:
-    # a raylet started by an earlier test (with it set) would hand it to every
-    # worker, whatever raylm forwards.
-    ray.shutdown()
-    saved = os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    if saved is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    if not ray.is_initialized():
+        # address="local": a private instance even if a cluster runs on this machine.
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     os.environ["RAYLM_TEST_MARKER"] = "from-the-driver"
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
