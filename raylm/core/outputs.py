@@ -20,6 +20,10 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # With finish_reason "error": what went wrong, for the client.
     error: str | None = None
+    # On a request's first output token only: seconds it waited in this core's
+    # queue before it was first scheduled, then from that to its first token.
+    queue_seconds: float | None = None
+    prefill_seconds: float | None = None
 
     @property
     def finished(self) -> bool:

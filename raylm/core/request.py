@@ -56,6 +56,11 @@ class Request:
         self.unsent_token_ids: list[int] = []
         # Async scheduling: tokens being sampled by steps still in flight.
         self.num_output_placeholders = 0
+        # This core's clock (time.monotonic), for the queue and prefill metrics:
+        # when it received the request, first scheduled it, and produced its first token.
+        self.received_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

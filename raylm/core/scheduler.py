@@ -22,6 +22,7 @@ it ends with "stop" once its grammar is terminated (see StructuredOutputManager)
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 from raylm.config import CacheConfig, SchedulerConfig
@@ -178,6 +179,8 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
             new_block_ids[request.request_id] = block_ids
@@ -305,6 +308,10 @@ class Scheduler:
                 new_prompt_logprobs=prompt_lps,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
             )
+            if new_tokens and request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+                out.queue_seconds = request.first_scheduled_time - request.received_time
+                out.prefill_seconds = request.first_token_time - request.first_scheduled_time
             if request.is_finished:
                 out.finish_reason = request.status.value
                 out.stop_reason = request.stop_reason
@@ -422,5 +429,7 @@ class Scheduler:
             "num_waiting": len(self.waiting),
             "kv_cache_usage": self.kv_cache_manager.usage,
             "prefix_cache_hit_rate": self.kv_cache_manager.prefix_cache_hit_rate,
+            "prefix_cache_queries": self.kv_cache_manager.prefix_queries,
+            "prefix_cache_hits": self.kv_cache_manager.prefix_hits,
             "num_preemptions": self.num_preemptions,
         }

@@ -44,9 +44,16 @@ class StatLoggerBase:
     def record_inter_token(self, seconds: float) -> None:
         """Time between two consecutive output steps of one request."""
 
+    def record_queue_and_prefill(self, queue_seconds: float, prefill_seconds: float) -> None:
+        """A request waited `queue_seconds` in the core before it was first
+        scheduled, then `prefill_seconds` until its first token."""
+
     def record_finished(self, finish_reason: str, e2e_seconds: float,
-                        num_prompt_tokens: int, num_generation_tokens: int) -> None:
-        """One completion (one of a request's n) ended."""
+                        num_prompt_tokens: int, num_generation_tokens: int,
+                        decode_seconds: float = 0.0, inference_seconds: float = 0.0) -> None:
+        """One completion (one of a request's n) ended. `decode_seconds`: from
+        the request's first token to its last; `inference_seconds`: from its
+        first scheduling to its last token (prefill plus decode)."""
 
     def record_recovery(self, kind: str, seconds: float, num_requests: int) -> None:
         """The engine recovered from a failure of `kind` ("engine_core": the
@@ -69,6 +76,7 @@ class _RequestState:
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     last_token: float | None = None
+    prefill_seconds: float | None = None  # as the core measured it
     counted_finished: set[int] = field(default_factory=set)
 
 
@@ -268,6 +276,7 @@ class AsyncLLM:
             return
         now = time.monotonic()
         stepped = {self.output_processor.child_to_parent.get(o.request_id) for o in outputs.outputs if o.new_token_ids}
+        self._record_core_timings(outputs)
         changed, to_abort = self.output_processor.process_outputs(outputs.outputs)
         if to_abort:
             self.engine_core.abort_requests(to_abort)
@@ -299,9 +308,25 @@ class AsyncLLM:
         if finished:
             del self._requests[request_id]
 
+    def _record_core_timings(self, outputs: EngineCoreOutputs) -> None:
+        for output in outputs.outputs:
+            if output.queue_seconds is None:
+                continue
+            state = self._requests.get(self.output_processor.child_to_parent.get(output.request_id))
+            # Once per request: its other children of n, or its continuation in a
+            # restarted core, report again.
+            if state is None or state.prefill_seconds is not None:
+                continue
+            state.prefill_seconds = output.prefill_seconds
+            queue, prefill = output.queue_seconds, output.prefill_seconds
+            self._record(lambda s: s.record_queue_and_prefill(queue, prefill))
+
     def _record_finished(self, state: _RequestState, reason: str, num_tokens: int, now: float | None = None) -> None:
-        e2e = (now or time.monotonic()) - state.arrival
-        self._record(lambda s: s.record_finished(reason, e2e, state.num_prompt_tokens, num_tokens))
+        now = now or time.monotonic()
+        e2e = now - state.arrival
+        decode = now - state.first_token if state.first_token is not None else 0.0
+        inference = decode + (state.prefill_seconds or 0.0)
+        self._record(lambda s: s.record_finished(reason, e2e, state.num_prompt_tokens, num_tokens, decode, inference))
 
     def _record(self, call) -> None:
         for stat_logger in self.stat_loggers:

@@ -33,6 +33,9 @@ class SchedulerStats(msgspec.Struct):
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     prefix_cache_hit_rate: float = 0.0
+    # Totals since the core started (the front end turns them into counters).
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found
     num_preemptions: int = 0
 
 

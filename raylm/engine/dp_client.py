@@ -439,6 +439,8 @@ class DPClient:
             num_waiting=sum(s.num_waiting for s in stats),
             kv_cache_usage=sum(s.kv_cache_usage for s in stats) / n,
             prefix_cache_hit_rate=sum(s.prefix_cache_hit_rate for s in stats) / n,
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
             num_preemptions=sum(s.num_preemptions for s in stats),
         )
 

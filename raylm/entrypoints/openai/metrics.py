@@ -1,7 +1,14 @@
-"""Prometheus metrics of the server: finished requests by reason, latency
-histograms (TTFT, inter-token, end-to-end), the core's scheduler gauges,
-recoveries from failures (by kind), and the server's admission: sequences
-admitted, requests refused (by reason)."""
+"""Prometheus metrics of the server, under vLLM's names and types (`vllm:*`),
+so dashboards and autoscalers built for vLLM read raylm unchanged: the
+scheduler's gauges, prefix-cache and preemption counters, token counters,
+finished requests by reason, and the latency histograms (TTFT, inter-token,
+end-to-end, queue, prefill, decode, inference). What vLLM has no name for is
+raylm's own (`raylm:*`): recoveries from failures (by kind) and the server's
+admission (sequences admitted, requests refused by reason).
+
+Every metric carries vLLM's labels `model_name` and `engine` ("0": the front
+end reports its engines as one; per-replica gauges of data parallelism are
+raylm's own, in data_parallel_routes.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
                       0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 # From a second (an executor rebuilt in place) to minutes (a big model reloaded).
 _RECOVERY_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
@@ -23,29 +31,46 @@ class PrometheusStatLogger(StatLoggerBase):
 
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
-        labels = {"model_name": model_name}
+        labels = {"model_name": model_name, "engine": "0"}
         r = self.registry
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, list(labels), registry=r).labels(**labels)
 
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, list(labels), registry=r).labels(**labels)
+
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, list(labels), buckets=buckets, registry=r).labels(**labels)
 
-        self.num_running = gauge("raylm:num_requests_running", "Requests in the running batch")
-        self.num_waiting = gauge("raylm:num_requests_waiting", "Requests waiting to be scheduled")
-        self.kv_cache_usage = gauge("raylm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)")
-        self.prefix_hit_rate = gauge("raylm:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache (0-1)")
-        self.num_preemptions = gauge("raylm:num_preemptions", "Preemptions since the engine started")
-        self.request_success = Counter("raylm:request_success", "Finished completions by finish reason",
+        self.num_running = gauge("vllm:num_requests_running", "Requests in the running batch")
+        self.num_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.num_preemptions = counter("vllm:num_preemptions", "Preemptions (requests sent back to the queue)")
+        self.request_success = Counter("vllm:request_success", "Finished completions by finish reason",
                                        [*labels, "finished_reason"], registry=r)
-        self.prompt_tokens = Counter("raylm:prompt_tokens", "Prompt tokens of finished completions",
-                                     list(labels), registry=r).labels(**labels)
-        self.generation_tokens = Counter("raylm:generation_tokens", "Generated tokens of finished completions",
-                                         list(labels), registry=r).labels(**labels)
-        self.ttft = histogram("raylm:time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
-        self.itl = histogram("raylm:inter_token_latency_seconds", "Time between output tokens", _TOKEN_GAP_BUCKETS)
-        self.e2e = histogram("raylm:e2e_request_latency_seconds", "End-to-end request latency", _LATENCY_BUCKETS)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished completions")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens of finished completions")
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per finished completion",
+                                               _TOKEN_COUNT_BUCKETS)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Generated tokens per finished completion", _TOKEN_COUNT_BUCKETS)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between output tokens", _TOKEN_GAP_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", _LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Time a request waited in the engine's queue before it was first scheduled",
+                                    _LATENCY_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "From a request's first scheduling to its first token", _LATENCY_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "From a request's first token to its last", _LATENCY_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "From a request's first scheduling to its last token", _LATENCY_BUCKETS)
+        # Counters from the core's totals: the last totals seen, to add the difference.
+        self._last_totals: dict[str, int] = {}
         # `kind`: what failed ("engine_core", or the core's own: "worker", "hang", ...).
         kind_labels = [*labels, "kind"]
         self.recoveries = Counter("raylm:recoveries", "Failures recovered from (executor or engine core rebuilt), by kind",
@@ -70,8 +95,16 @@ class PrometheusStatLogger(StatLoggerBase):
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
-        self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
-        self.num_preemptions.set(stats.num_preemptions)
+        self._add_total(self.prefix_queries, "prefix_cache_queries", stats.prefix_cache_queries)
+        self._add_total(self.prefix_hits, "prefix_cache_hits", stats.prefix_cache_hits)
+        self._add_total(self.num_preemptions, "num_preemptions", stats.num_preemptions)
+
+    def _add_total(self, counter: Counter, key: str, total: int) -> None:
+        """Advance `counter` to the core's running `total`. A total that went
+        down comes from a restarted core counting from zero again."""
+        last = self._last_totals.get(key, 0)
+        counter.inc(total - last if total >= last else total)
+        self._last_totals[key] = total
 
     def record_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -79,12 +112,22 @@ class PrometheusStatLogger(StatLoggerBase):
     def record_inter_token(self, seconds: float) -> None:
         self.itl.observe(seconds)
 
+    def record_queue_and_prefill(self, queue_seconds: float, prefill_seconds: float) -> None:
+        self.queue_time.observe(queue_seconds)
+        self.prefill_time.observe(prefill_seconds)
+
     def record_finished(self, finish_reason: str, e2e_seconds: float,
-                        num_prompt_tokens: int, num_generation_tokens: int) -> None:
+                        num_prompt_tokens: int, num_generation_tokens: int,
+                        decode_seconds: float = 0.0, inference_seconds: float = 0.0) -> None:
         self.request_success.labels(finished_reason=finish_reason, **self._labels).inc()
         self.e2e.observe(e2e_seconds)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_generation_tokens)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_generation_tokens)
+        if num_generation_tokens:
+            self.decode_time.observe(decode_seconds)
+            self.inference_time.observe(inference_seconds)
 
     def record_recovery(self, kind: str, seconds: float, num_requests: int) -> None:
         labels = {**self._labels, "kind": kind}

@@ -106,6 +106,6 @@ def metric(server: RaylmServer, name: str, labels: str = "") -> float:
 def wait_idle(server: RaylmServer, timeout: float = 60.0) -> None:
     """Nothing admitted, running or waiting: whatever the test did is gone."""
     wait_for(lambda: (metric(server, "raylm:num_sequences_admitted") == 0
-                      and metric(server, "raylm:num_requests_running") == 0
-                      and metric(server, "raylm:num_requests_waiting") == 0),
+                      and metric(server, "vllm:num_requests_running") == 0
+                      and metric(server, "vllm:num_requests_waiting") == 0),
              timeout, "the server to hold no request", interval=0.2)

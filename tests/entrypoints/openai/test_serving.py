@@ -159,15 +159,15 @@ def test_disconnect_mid_stream_frees_request(server):
             lines = response.iter_lines()
             for _ in range(6):
                 next(lines)
-            assert scrape_metric(server.base_url, "raylm:num_requests_running") >= 1
+            assert scrape_metric(server.base_url, "vllm:num_requests_running") >= 1
     # The connection is closed: the request must leave the engine well before 400 tokens.
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        if scrape_metric(server.base_url, "raylm:num_requests_running") == 0:
+        if scrape_metric(server.base_url, "vllm:num_requests_running") == 0:
             break
         time.sleep(0.1)
-    assert scrape_metric(server.base_url, "raylm:num_requests_running") == 0
-    assert scrape_metric(server.base_url, "raylm:kv_cache_usage_perc") == 0
+    assert scrape_metric(server.base_url, "vllm:num_requests_running") == 0
+    assert scrape_metric(server.base_url, "vllm:kv_cache_usage_perc") == 0
     assert _abort_count(server) == aborted_before + 1
     assert httpx.get(server.url("/health")).status_code == 200
 
@@ -182,24 +182,78 @@ def test_disconnect_while_waiting_for_whole_response_aborts(server):
     while _abort_count(server) < aborted_before + 8 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _abort_count(server) == aborted_before + 8
-    assert scrape_metric(server.base_url, "raylm:num_requests_running") == 0
+    assert scrape_metric(server.base_url, "vllm:num_requests_running") == 0
 
 
 def _abort_count(server) -> float:
     try:
-        return scrape_metric(server.base_url, "raylm:request_success_total", 'finished_reason="abort"')
+        return scrape_metric(server.base_url, "vllm:request_success_total", 'finished_reason="abort"')
     except AssertionError:  # no abort yet: the labelled series does not exist
         return 0.0
 
 
-def test_metrics_exposed(server, client):
-    client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=4, temperature=0)
-    assert scrape_metric(server.base_url, "raylm:request_success_total", 'finished_reason="length"') >= 1
-    assert scrape_metric(server.base_url, "raylm:time_to_first_token_seconds_count") >= 1
-    assert scrape_metric(server.base_url, "raylm:inter_token_latency_seconds_count") >= 1
-    assert scrape_metric(server.base_url, "raylm:e2e_request_latency_seconds_count") >= 1
-    assert scrape_metric(server.base_url, "raylm:num_requests_waiting") == 0
-    assert 0 <= scrape_metric(server.base_url, "raylm:prefix_cache_hit_rate") <= 1
+# vLLM's metrics, with their types, that dashboards and autoscalers read.
+VLLM_METRICS = {
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
+    "vllm:num_preemptions": "counter",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:request_success": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_inference_time_seconds": "histogram",
+    "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram",
+}
+
+
+def _scrape(server) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url("/metrics"), timeout=10).text
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def _sample(family, suffix: str = "") -> float:
+    return sum(s.value for s in family.samples if s.name == family.name + suffix)
+
+
+def test_vllm_metrics_exposed_with_their_types(server, client):
+    before = _scrape(server)
+    # A prompt of several full blocks, twice: the second finds them in the prefix cache.
+    prompt = " ".join(["ROMEO: But, soft! what light through yonder window breaks?"] * 8)
+    usages = [client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0,
+                                        extra_body={"ignore_eos": True}).usage for _ in range(2)]
+    after = _scrape(server)
+    for name, kind in VLLM_METRICS.items():
+        assert name in after, f"{name} not in /metrics"
+        assert after[name].type == kind, f"{name} is a {after[name].type}, vLLM's is a {kind}"
+        for sample in after[name].samples:
+            assert sample.labels.get("model_name") == MODEL_NAME and sample.labels.get("engine") == "0", sample
+
+    def grew(name: str, suffix: str = "") -> float:
+        return _sample(after[name], suffix) - _sample(before[name], suffix)
+
+    assert grew("vllm:generation_tokens", "_total") == 8
+    assert grew("vllm:prompt_tokens", "_total") == sum(u.prompt_tokens for u in usages) > 2 * 16
+    assert grew("vllm:prefix_cache_queries", "_total") >= grew("vllm:prefix_cache_hits", "_total") > 0
+    for histogram in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                      "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                      "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
+                      "vllm:request_generation_tokens"):
+        assert grew(histogram, "_count") == 2, histogram
+    assert grew("vllm:inter_token_latency_seconds", "_count") == 2 * 3
+    assert grew("vllm:request_generation_tokens", "_sum") == 8
+    assert grew("vllm:request_success", "_total") == 2
+    assert _sample(after["vllm:num_requests_waiting"]) == 0
 
 
 def test_bench_serve_short_run(server, tmp_path):

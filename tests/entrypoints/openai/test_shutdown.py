@@ -54,10 +54,10 @@ def test_sigterm_during_stream_exits_within_grace(llama_dir, tmp_path):
         streams = [_stream_in_background(server, body)]
         streams += [_stream_in_background(server, body, wait_started=False) for _ in range(2)]
         deadline = time.monotonic() + 60
-        while scrape_metric(server.base_url, "raylm:num_requests_waiting") < 1:
+        while scrape_metric(server.base_url, "vllm:num_requests_waiting") < 1:
             assert time.monotonic() < deadline, "the queued streams never reached the engine"
             time.sleep(0.05)
-        assert scrape_metric(server.base_url, "raylm:num_requests_running") == 1
+        assert scrape_metric(server.base_url, "vllm:num_requests_running") == 1
         sent = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         # Grace for the stream, plus the engine core's shutdown and interpreter exit.

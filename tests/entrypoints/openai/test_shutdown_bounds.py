@@ -61,7 +61,7 @@ class _Load:
 
         def all_in_the_engine() -> bool:
             finished = sum(s.done for s in self.streams)
-            held = metric(server, "raylm:num_requests_running") + metric(server, "raylm:num_requests_waiting")
+            held = metric(server, "vllm:num_requests_running") + metric(server, "vllm:num_requests_waiting")
             return held + finished >= expected
 
         wait_for(all_in_the_engine, 120, "every request to reach the engine")
