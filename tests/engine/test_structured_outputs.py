@@ -281,3 +281,15 @@ def test_worker_processes_match_one_process(model, reference, layout):
     flight (the batch queue), each with its own."""
     with _engine(model, distributed_executor_backend="mp", num_threads=1, **layout) as llm:
         assert _token_ids(llm.generate(_prompts(16), _mixed_params(16), use_tqdm=False)) == reference
+
+
+@pytest.mark.parametrize("transport", ["mq", "cgraph"])
+def test_ray_tensor_parallel_matches_one_process(model, reference, ray_session, transport):
+    """TP=2 Ray actors, on either step transport, give the constrained (and
+    free) outputs of one process: the bitmask reaches the sampling rank."""
+    from tests.conftest import our_live_ray_state
+
+    with _engine(model, distributed_executor_backend="ray", tensor_parallel_size=2, num_threads=1,
+                 ray_step_transport=transport) as llm:
+        assert _token_ids(llm.generate(_prompts(16), _mixed_params(16), use_tqdm=False)) == reference
+    assert our_live_ray_state() == ([], [])
