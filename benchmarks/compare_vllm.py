@@ -10,8 +10,14 @@ Usage:
 Two workloads, both greedy with ignore_eos so every request makes exactly output_len tokens:
   throughput  num_prompts random prompts of input_len tokens in one generate() call
   latency     one prompt, a warm-up call, then --latency-iters timed calls (average seconds)
+Configurations (--configs): uni (one process each), mp-tp2 (raylm mp TP=2 against vLLM mp
+TP=2) and ray-tp2 (raylm's Ray backend TP=2 against vLLM mp TP=2: vLLM's Ray backend does not
+start on CPU). --defaults gives neither engine a thread or binding setting (what a user who
+passes no flag gets); otherwise both get --threads threads, and vLLM's TP ranks one core
+group each (--vllm-threads-bind, "0|1" by default for two ranks on two cores).
 The engines alternate round by round (raylm first on even rounds, vLLM first on odd ones) so a
-noisy shared machine hurts both alike. Detokenisation is off on both sides: tiny test models
+noisy shared machine hurts both alike; each row reports the mean and the spread
+((max - min) / mean) over the rounds. Detokenisation is off on both sides: tiny test models
 have a larger vocabulary than their tokenizer, and it is not what is being compared.
 """
 
@@ -49,42 +55,51 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 # It mirrors `run_workloads` below; the two must measure the same things in the same order.
 VLLM_CHILD_SCRIPT = r'''
 import json, sys, time
-job = json.load(open(sys.argv[1]))
-from vllm import LLM, SamplingParams
-try:
-    from vllm.inputs import TokensPrompt
-except ImportError:  # older layouts: a plain dict is accepted too
-    TokensPrompt = dict
 
-t0 = time.perf_counter()
-llm = LLM(model=job["model"], dtype=job["dtype"], enforce_eager=True, seed=0,
-          distributed_executor_backend="uni", skip_tokenizer_init=True,
-          max_model_len=job["max_model_len"], max_num_seqs=job["max_num_seqs"],
-          enable_prefix_caching=False)
-startup_s = time.perf_counter() - t0
 
-def params(n):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+def main():
+    job = json.load(open(sys.argv[1]))
+    from vllm import LLM, SamplingParams
+    try:
+        from vllm.inputs import TokensPrompt
+    except ImportError:  # older layouts: a plain dict is accepted too
+        TokensPrompt = dict
 
-def run(prompts, n):
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params(n), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    t0 = time.perf_counter()
+    llm = LLM(model=job["model"], dtype=job["dtype"], enforce_eager=True, seed=0,
+              distributed_executor_backend="mp" if job["tp"] > 1 else "uni",
+              tensor_parallel_size=job["tp"], skip_tokenizer_init=True,
+              max_model_len=job["max_model_len"], max_num_seqs=job["max_num_seqs"],
+              enable_prefix_caching=False)
+    startup_s = time.perf_counter() - t0
 
-result = {"startup_s": startup_s}
-if job["throughput_prompts"]:
-    run(job["throughput_prompts"][:2], 8)  # warm-up: first-call allocations and caches
-    t = time.perf_counter()
-    tokens = run(job["throughput_prompts"], job["output_len"])
-    result["throughput"] = {"elapsed_s": time.perf_counter() - t, "tokens": tokens}
-if job["latency_prompt"]:
-    run([job["latency_prompt"]], job["output_len"])  # warm-up
-    times = []
-    for _ in range(job["latency_iters"]):
+    def params(n):
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+
+    def run(prompts, n):
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params(n), use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    result = {"startup_s": startup_s}
+    if job["throughput_prompts"]:
+        run(job["throughput_prompts"][:2], 8)  # warm-up: first-call allocations and caches
         t = time.perf_counter()
-        tokens = run([job["latency_prompt"]], job["output_len"])
-        times.append(time.perf_counter() - t)
-    result["latency"] = {"times_s": times, "tokens": tokens}
-print("COMPARE_VLLM_RESULT " + json.dumps(result), flush=True)
+        tokens = run(job["throughput_prompts"], job["output_len"])
+        result["throughput"] = {"elapsed_s": time.perf_counter() - t, "tokens": tokens}
+    if job["latency_prompt"]:
+        run([job["latency_prompt"]], job["output_len"])  # warm-up
+        times = []
+        for _ in range(job["latency_iters"]):
+            t = time.perf_counter()
+            tokens = run([job["latency_prompt"]], job["output_len"])
+            times.append(time.perf_counter() - t)
+        result["latency"] = {"times_s": times, "tokens": tokens}
+    print("COMPARE_VLLM_RESULT " + json.dumps(result), flush=True)
+
+
+# vLLM spawns its engine-core and worker processes: they re-import this file.
+if __name__ == "__main__":
+    main()
 '''
 
 
@@ -107,14 +122,20 @@ def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int)
     return [[rng.randrange(16, vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
 
 
-def run_raylm(job: dict[str, Any], kv_cache_bytes: int, threads: int) -> dict[str, Any]:
-    """The raylm side of one round, in this interpreter; same job and result shape as the child."""
+# name -> (raylm's executor backend, tensor-parallel size); vLLM runs uni or mp at that size.
+CONFIGS: dict[str, tuple[str, int]] = {"uni": ("uni", 1), "mp-tp2": ("mp", 2), "ray-tp2": ("ray", 2)}
+
+
+def run_raylm(job: dict[str, Any], kv_cache_bytes: int, threads: int | None) -> dict[str, Any]:
+    """The raylm side of one round, in this interpreter; same job and result shape as the child.
+    `threads` None: raylm's own default placement."""
     from raylm import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(job["model"], dtype=job["dtype"], kv_cache_memory_bytes=kv_cache_bytes,
               max_model_len=job["max_model_len"], max_num_seqs=job["max_num_seqs"],
-              enable_prefix_caching=False, num_threads=threads)
+              enable_prefix_caching=False, num_threads=threads,
+              distributed_executor_backend=job["raylm_backend"], tensor_parallel_size=job["tp"])
     startup_s = time.perf_counter() - t0
 
     def run(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -142,28 +163,39 @@ def run_raylm(job: dict[str, Any], kv_cache_bytes: int, threads: int) -> dict[st
     return result
 
 
-def allowed_cpu_list() -> str:
-    """This process's CPU affinity as vLLM's list syntax, e.g. "0,1"."""
-    return ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(0)))
-
-
-def vllm_env(args: argparse.Namespace) -> dict[str, str]:
+def vllm_env(args: argparse.Namespace, tp: int) -> dict[str, str]:
     """vLLM's CPU backend sizes its KV cache and pins OpenMP threads from these variables."""
     env = dict(os.environ)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)  # whole GiB: vLLM parses it as an int
-    # vLLM 0.32 applies this binding only when it spawns worker processes (mp executor); with
-    # "uni" it is inert, but "auto" there would keep one core back for the scheduler process.
-    cpus = args.vllm_threads_bind or allowed_cpu_list()
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpus)
+    # The child must not pick up this repo's packages or another venv's site-packages.
+    env.pop("PYTHONPATH", None)
+    for name in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        env.pop(name, None)
+    if args.defaults:
+        # What a user who sets nothing gets; except that vLLM 0.32 refuses to start TP ranks on
+        # one NUMA node without a binding ("bind threads manually"), so TP gets one group per rank.
+        if tp > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_threads_bind or default_threads_bind(tp)
+        return env
+    # vLLM 0.32 applies this binding only when it spawns worker processes (mp executor, one
+    # group per rank); with "uni" it is inert, but "auto" there would keep one core back.
+    env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_threads_bind or default_threads_bind(tp)
     # Without OMP_NUM_THREADS, vLLM's worker drops torch to 1 intra-op thread for serving
     # whatever the core count; setting it gives vLLM the same thread count raylm gets.
     env["OMP_NUM_THREADS"] = str(args.threads)
     # Run the engine core in the calling process, as raylm's LLM does, instead of a second
     # busy process competing for the same cores.
-    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    # The child must not pick up this repo's packages or another venv's site-packages.
-    env.pop("PYTHONPATH", None)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
+
+
+def default_threads_bind(tp: int) -> str:
+    """Every allowed CPU for one rank ("0,1"); for TP ranks, the CPUs split into one group each ("0|1")."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if tp == 1:
+        return ",".join(map(str, cpus))
+    per_rank = max(1, len(cpus) // tp)
+    return "|".join(",".join(map(str, cpus[r * per_rank:(r + 1) * per_rank])) for r in range(tp))
 
 
 def run_vllm(job: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -175,7 +207,7 @@ def run_vllm(job: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         script_path.write_text(VLLM_CHILD_SCRIPT)
         # Run from the temp dir so `import vllm` cannot resolve to anything in the caller's cwd.
         proc = subprocess.run([args.vllm_python, str(script_path), str(job_path)], cwd=tmp,
-                              env=vllm_env(args), capture_output=True, text=True, timeout=args.vllm_timeout)
+                              env=vllm_env(args, job["tp"]), capture_output=True, text=True, timeout=args.vllm_timeout)
     if args.vllm_log:
         with open(args.vllm_log, "a") as log:
             log.write(proc.stdout + proc.stderr)
@@ -186,17 +218,22 @@ def run_vllm(job: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     raise RuntimeError(f"vLLM child exited with code {proc.returncode} and no result:\n{log_tail}")
 
 
-def summarise(name: str, results: list[dict[str, Any]], job: dict[str, Any]) -> dict[str, float]:
-    """Output tokens/s per workload, averaged over rounds (each round counts the tokens it got)."""
-    summary: dict[str, float] = {"startup_s": statistics.mean(r["startup_s"] for r in results)}
+def _mean_and_spread(values: list[float]) -> tuple[float, float]:
+    mean = statistics.mean(values)
+    return mean, (max(values) - min(values)) / mean if mean else float("nan")
+
+
+def summarise(name: str, results: list[dict[str, Any]], job: dict[str, Any]) -> dict[str, Any]:
+    """Per metric: the mean over rounds and its spread ((max - min) / mean)."""
+    per_round: dict[str, list[float]] = {"startup_s": [r["startup_s"] for r in results]}
     if job["throughput_prompts"]:
-        rates = [sum(map(len, r["throughput"]["tokens"])) / r["throughput"]["elapsed_s"] for r in results]
-        summary["throughput_tok_s"] = statistics.mean(rates)
+        per_round["throughput_tok_s"] = [sum(map(len, r["throughput"]["tokens"])) / r["throughput"]["elapsed_s"]
+                                         for r in results]
     if job["latency_prompt"]:
-        times = [t for r in results for t in r["latency"]["times_s"]]
-        summary["latency_s"] = statistics.mean(times)
-        summary["latency_tok_s"] = job["output_len"] / summary["latency_s"]
-    logger.info("%s: %s", name, {k: round(v, 3) for k, v in summary.items()})
+        per_round["latency_s"] = [statistics.mean(r["latency"]["times_s"]) for r in results]
+    summary = {key: dict(zip(("mean", "spread"), _mean_and_spread(values)), rounds=values)
+               for key, values in per_round.items()}
+    logger.info("%s: %s", name, {k: round(v["mean"], 3) for k, v in summary.items()})
     return summary
 
 
@@ -207,6 +244,30 @@ def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> float:
         same = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
         fractions.append(same / max(len(x), 1))
     return statistics.mean(fractions) if fractions else float("nan")
+
+
+def compare_config(args: argparse.Namespace, config_name: str, base_job: dict[str, Any]) -> dict[str, Any]:
+    backend, tp = CONFIGS[config_name]
+    job = dict(base_job, raylm_backend=backend, tp=tp)
+    threads = None if args.defaults else args.threads // tp or 1
+    kv_cache_bytes = int(args.kv_cache_gib * (1 << 30))
+    results: dict[str, list[dict[str, Any]]] = {"raylm": [], "vllm": []}
+    for round_index in range(args.rounds):
+        order = ["raylm", "vllm"] if round_index % 2 == 0 else ["vllm", "raylm"]
+        for engine in order:
+            if engine == "vllm" and args.skip_vllm:
+                continue
+            logger.info("%s round %d: %s", config_name, round_index, engine)
+            results[engine].append(run_raylm(job, kv_cache_bytes, threads) if engine == "raylm"
+                                   else run_vllm(job, args))
+    report: dict[str, Any] = {"config": config_name, "raylm": summarise(f"{config_name} raylm", results["raylm"], job)}
+    if results["vllm"]:
+        report["vllm"] = summarise(f"{config_name} vllm", results["vllm"], job)
+        for workload in ("throughput", "latency"):
+            if workload in results["raylm"][0]:
+                report[f"greedy_agreement_{workload}"] = greedy_agreement(
+                    results["raylm"][0][workload]["tokens"], results["vllm"][0][workload]["tokens"])
+    return report
 
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
@@ -225,54 +286,46 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         "latency_prompt": random_prompts(1, args.input_len, vocab_size, args.seed + 1)[0]
         if "latency" in workloads else [],
     }
-    kv_cache_bytes = int(args.kv_cache_gib * (1 << 30))
-    raylm_results: list[dict[str, Any]] = []
-    vllm_results: list[dict[str, Any]] = []
-    for round_index in range(args.rounds):
-        order = ["raylm", "vllm"] if round_index % 2 == 0 else ["vllm", "raylm"]
-        for engine in order:
-            if engine == "vllm" and args.skip_vllm:
-                continue
-            logger.info("round %d: %s", round_index, engine)
-            if engine == "raylm":
-                raylm_results.append(run_raylm(job, kv_cache_bytes, args.threads))
-            else:
-                vllm_results.append(run_vllm(job, args))
-
-    report: dict[str, Any] = {"model": job["model"], "dtype": args.dtype, "threads": args.threads,
-                              "rounds": args.rounds,
-                              "num_prompts": args.num_prompts, "input_len": args.input_len,
-                              "output_len": args.output_len, "raylm": summarise("raylm", raylm_results, job)}
-    if vllm_results:
-        report["vllm"] = summarise("vllm", vllm_results, job)
-        for key in ("throughput_tok_s", "latency_tok_s"):
-            if key in report["raylm"]:
-                report[f"ratio_{key}"] = report["raylm"][key] / report["vllm"][key]
-        for workload in ("throughput", "latency"):
-            if workload in raylm_results[0]:
-                report[f"greedy_agreement_{workload}"] = greedy_agreement(
-                    raylm_results[0][workload]["tokens"], vllm_results[0][workload]["tokens"])
-    return report
+    return {"model": job["model"], "dtype": args.dtype, "rounds": args.rounds,
+            "threads": "defaults" if args.defaults else args.threads,
+            "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+            "load_average_before": os.getloadavg(),
+            "configs": [compare_config(args, name, job) for name in args.configs],
+            "load_average_after": os.getloadavg()}
 
 
 def print_report(report: dict[str, Any]) -> None:
-    """A small table on stdout (this is a script, so printing is its job)."""
+    """A markdown table on stdout (this is a script, so printing is its job)."""
     print(f"\nmodel {report['model']}  dtype {report['dtype']}  threads {report['threads']}  "
-          f"rounds {report['rounds']}")
-    has_vllm = "vllm" in report
-    print(f"{'metric':<34}{'raylm':>12}{'vLLM':>12}{'raylm/vLLM':>12}")
-    rows = [("throughput_tok_s", f"throughput out tok/s ({report['num_prompts']}x{report['input_len']}->"
-             f"{report['output_len']})"), ("latency_s", "latency avg s, lower=better"),
-            ("latency_tok_s", "latency out tok/s (1 prompt)"), ("startup_s", "engine startup s")]
-    for key, label in rows:
-        if key not in report["raylm"]:
-            continue
-        ours = report["raylm"][key]
-        theirs = report["vllm"][key] if has_vllm else float("nan")
-        print(f"{label:<34}{ours:>12.2f}{theirs:>12.2f}{ours / theirs:>12.3f}")
-    for key in ("greedy_agreement_throughput", "greedy_agreement_latency"):
-        if key in report:
-            print(f"{key}: {report[key]:.3f} (mean common-prefix fraction of greedy outputs)")
+          f"rounds {report['rounds']}  load average before/after {report['load_average_before'][0]:.2f}/"
+          f"{report['load_average_after'][0]:.2f}")
+    print(f"throughput: {report['num_prompts']} prompts x {report['input_len']} -> {report['output_len']} tokens; "
+          f"latency: 1 prompt, {report['input_len']} -> {report['output_len']}\n")
+    print("| config | raylm tok/s (spread) | vLLM tok/s (spread) | ratio | latency raylm s (spread) "
+          "| latency vLLM s (spread) | ratio | startup raylm / vLLM s |")
+    print("|---|---|---|---|---|---|---|---|")
+
+    def cell(summary: dict | None, key: str, digits: int) -> str:
+        if summary is None or key not in summary:
+            return "-"
+        return f"{summary[key]['mean']:.{digits}f} ({summary[key]['spread']:.0%})"
+
+    def ratio(row: dict, key: str) -> str:
+        if "vllm" not in row or key not in row["raylm"]:
+            return "-"
+        return f"{row['raylm'][key]['mean'] / row['vllm'][key]['mean']:.2f}"
+
+    for row in report["configs"]:
+        theirs = row.get("vllm")
+        startup = f"{row['raylm']['startup_s']['mean']:.1f} / " + (
+            f"{theirs['startup_s']['mean']:.1f}" if theirs else "-")
+        print(f"| {row['config']} | {cell(row['raylm'], 'throughput_tok_s', 0)} | {cell(theirs, 'throughput_tok_s', 0)} "
+              f"| {ratio(row, 'throughput_tok_s')} | {cell(row['raylm'], 'latency_s', 2)} | {cell(theirs, 'latency_s', 2)} "
+              f"| {ratio(row, 'latency_s')} | {startup} |")
+    for row in report["configs"]:
+        for key in ("greedy_agreement_throughput", "greedy_agreement_latency"):
+            if key in row:
+                print(f"{row['config']} {key}: {row[key]:.3f} (mean common-prefix fraction of greedy outputs)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -289,12 +342,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--latency-iters", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=1, help="alternating raylm/vLLM rounds")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--defaults", action="store_true",
+                        help="no thread count or binding for either engine: what a user gets with no flag")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating raylm/vLLM rounds")
     parser.add_argument("--seed", type=int, default=1234, help="seed for the prompt token ids")
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache GiB for both engines")
     parser.add_argument("--vllm-threads-bind", default=None,
-                        help="VLLM_CPU_OMP_THREADS_BIND for the child unless set in the environment "
-                             "(default: every CPU in this process's affinity; 'auto' and 'nobind' work too)")
+                        help="VLLM_CPU_OMP_THREADS_BIND for the child (default: every allowed CPU for one "
+                             "rank, one group of them per rank for TP, e.g. '0|1')")
     parser.add_argument("--vllm-timeout", type=float, default=1800.0, help="seconds per vLLM child run")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="torch/OpenMP threads for both engines (default: every allowed CPU); on a "
