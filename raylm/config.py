@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 from raylm.model.arch_config import ArchConfig
+from raylm.model.generation_config import load_generation_defaults
+from raylm.model.hub import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +30,17 @@ _DTYPES = {
 }
 
 
+# Pins the default device ("cpu" or "cuda") where the engine's callers cannot
+# pass one, e.g. the test suite on a GPU host keeps to CPU except tests/gpu.
+DEVICE_ENV = "RAYLM_DEVICE"
+
+
 def detect_device() -> str:
+    pinned = os.environ.get(DEVICE_ENV, "").strip().lower()
+    if pinned:
+        if pinned not in ("cpu", "cuda"):
+            raise ValueError(f"{DEVICE_ENV} must be 'cpu' or 'cuda', got {pinned!r}")
+        return pinned
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -66,6 +78,14 @@ class ModelConfig:
     seed: int
     max_model_len: int
     arch: ArchConfig
+    # The model as the user named it (a folder or a Hub id); `model` is its local folder.
+    model_name: str | None = None
+    # SamplingParams defaults from generation_config.json, for requests that
+    # leave those fields unset; and the end-of-sequence ids that file lists.
+    default_sampling_params: dict = field(default_factory=dict)
+    generation_eos_token_ids: list[int] = field(default_factory=list)
+    # Replaces the tokenizer's chat template (--chat-template), already read.
+    chat_template: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -146,15 +166,44 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     device: str = "cpu"
-    # Torch threads per worker on CPU; None = all cores of the bundle.
+    # Torch threads per worker on CPU; None = planned from the usable cores
+    # (raylm.worker.cpu_placement), which cpu_bind ("auto", "all", "0-3|4-7")
+    # can override with one CPU group per rank of a node.
     num_threads: int | None = None
+    cpu_bind: str = "auto"
     env: dict[str, str] = field(default_factory=dict)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+
+
+def _resolve_cpu_bind(cpu_bind: str | None, num_threads: int | None, world_size: int) -> str:
+    """The cpu_bind setting, validated; unset falls back to vLLM's
+    VLLM_CPU_OMP_THREADS_BIND (what its users already set), then "auto"."""
+    from raylm.worker.cpu_placement import parse_cpu_bind  # pure; worker/ imports config, not the reverse
+
+    if num_threads is not None and (not isinstance(num_threads, int) or isinstance(num_threads, bool)
+                                    or num_threads < 1):
+        raise ValueError(f"num_threads must be an integer >= 1, got {num_threads!r}")
+    if cpu_bind is None:
+        cpu_bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "auto"
+    if not isinstance(cpu_bind, str):
+        raise ValueError(f"cpu_bind must be a string like 'auto', 'all' or '0-3|4-7', got {cpu_bind!r}")
+    groups = parse_cpu_bind(cpu_bind)
+    if isinstance(groups, list) and len(groups) > world_size:
+        raise ValueError(f"cpu_bind has {len(groups)} CPU groups for {world_size} rank(s); give one group per rank")
+    return cpu_bind.strip()
 
 
 def create_engine_config(
     model: str | None = None,
     tokenizer: str | None = None,
+    revision: str | None = None,
+    tokenizer_revision: str | None = None,
+    download_dir: str | None = None,
+    generation_config: str = "auto",
+    chat_template: str | None = None,
+    quantization: str | None = None,
+    trust_remote_code: bool = False,
+    enforce_eager: bool = False,
     dtype: str | torch.dtype = "auto",
     seed: int = 0,
     max_model_len: int | None = None,
@@ -164,13 +213,14 @@ def create_engine_config(
     enable_prefix_caching: bool = True,
     block_size: int = 16,
     kv_cache_memory_bytes: int | None = None,
-    gpu_memory_utilization: float = 0.9,
+    gpu_memory_utilization: float | None = None,
     max_num_batched_tokens: int | None = None,
     max_num_seqs: int = 256,
     enable_chunked_prefill: bool = True,
     async_scheduling: bool = False,
     device: str | None = None,
     num_threads: int | None = None,
+    cpu_bind: str | None = None,
     ray_address: str | None = None,
     ray_placement_strategy: str = "PACK",
     ray_placement_timeout: float = 60.0,
@@ -186,12 +236,42 @@ def create_engine_config(
     health_check_interval: float = 5.0,
     health_check_timeout: float = 30.0,
 ) -> EngineConfig:
-    """Validate the user's settings against the model folder and the device."""
-    model_dir = str(model) if model else str(DEFAULT_MODEL_DIR)
+    """Validate the user's settings against the model folder and the device.
+
+    A model or tokenizer given as a Hugging Face Hub id is resolved here, once,
+    to a folder in the local cache, so that every process gets a local path.
+    """
+    if quantization is not None and str(quantization).lower() != "none":
+        raise ValueError(
+            f"quantization {quantization!r} is not supported: raylm loads unquantized safetensors checkpoints "
+            "(float32, bfloat16, float16) only; leave quantization unset"
+        )
+    model_dir = resolve_model_path(model, revision, download_dir) if model else str(DEFAULT_MODEL_DIR)
+    if tokenizer and tokenizer != model:
+        tokenizer_dir = resolve_model_path(tokenizer, tokenizer_revision, download_dir, what="tokenizer")
+    else:
+        tokenizer_dir = model_dir
     arch = ArchConfig.from_model_dir(model_dir)
+    generation_defaults = load_generation_defaults(model_dir, generation_config)
+    if chat_template is not None:
+        from raylm.engine.tokenizer import read_chat_template  # the one reader of templates
+
+        chat_template = read_chat_template(chat_template)
     device = device or detect_device()
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if gpu_memory_utilization is None:
+        gpu_memory_utilization = 0.9
+    elif not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {gpu_memory_utilization!r}")
+    elif device != "cuda":
+        logger.warning("gpu_memory_utilization applies to GPUs; on %s the KV cache is sized by "
+                       "kv_cache_memory_bytes (or a default)", device)
+    if trust_remote_code:
+        logger.warning("trust_remote_code: accepted, but raylm runs no code from model repositories; "
+                       "it supports the architectures it implements")
+    if enforce_eager:
+        logger.warning("enforce_eager: accepted; raylm always runs eagerly (it captures no CUDA graphs)")
     torch_dtype = resolve_dtype(dtype, arch.dtype, device)
 
     if max_model_len is None:
@@ -244,11 +324,15 @@ def create_engine_config(
     return EngineConfig(
         model_config=ModelConfig(
             model=model_dir,
-            tokenizer=str(tokenizer) if tokenizer else model_dir,
+            tokenizer=tokenizer_dir,
             dtype=torch_dtype,
             seed=seed,
             max_model_len=max_model_len,
             arch=arch,
+            model_name=str(model) if model else None,
+            default_sampling_params=generation_defaults.sampling,
+            generation_eos_token_ids=generation_defaults.eos_token_ids,
+            chat_template=chat_template,
         ),
         cache_config=CacheConfig(
             block_size=block_size,
@@ -278,6 +362,7 @@ def create_engine_config(
         ),
         device=device,
         num_threads=num_threads,
+        cpu_bind=_resolve_cpu_bind(cpu_bind, num_threads, tensor_parallel_size * pipeline_parallel_size),
         env=env,
         fault_tolerance=FaultToleranceConfig(
             max_restarts=max_restarts,

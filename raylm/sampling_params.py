@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Below this, a temperature is treated as greedy: dividing logits by ~0 overflows.
 _GREEDY_EPS = 1e-5
+# OpenAI documents logit_bias values in [-100, 100]; larger ones are clamped, as
+# the biases already decide the choice at those magnitudes.
+_MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -82,8 +86,19 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # token id -> value added to its logit before sampling (and before greedy argmax).
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Words that must not be generated (see bad_words_token_ids).
+    bad_words: list[str] | None = None
+    # Keep only the last k prompt tokens (-1: the last max_model_len).
+    truncate_prompt_tokens: int | None = None
     # Filled by the engine from the tokenizer/config, not by users.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # bad_words tokenized by the front end, one token sequence per variant; the
+    # workers ban each sequence's last token once the output ends with the rest.
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -94,12 +109,17 @@ class SamplingParams:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
+        self._validate_token_constraints()
+        if self.top_k == 0:
+            self.top_k = -1  # vLLM and client libraries send 0 for "no top-k"
         if self.temperature < _GREEDY_EPS:
             # Greedy: the truncation knobs are meaningless, normalise them so
             # the sampler can batch greedy rows without special cases.
             self.temperature = 0.0
             self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
-        self.all_stop_token_ids = set(self.stop_token_ids)
+        # Union, not overwrite: a transport that decodes these params runs this
+        # again, and must keep the ids the engine added (EOS) at intake.
+        self.all_stop_token_ids = set(self.all_stop_token_ids or ()) | set(self.stop_token_ids)
 
     def _validate(self) -> None:
         def bad(field_name: str, why: str) -> ValueError:
@@ -111,8 +131,8 @@ class SamplingParams:
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
-            raise bad("top_k", f"must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (-1, 0)):
+            raise bad("top_k", f"must be -1 or 0 (disabled) or an integer >= 1, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not isinstance(self.seed, int):
@@ -143,6 +163,49 @@ class SamplingParams:
             kind = type(self.structured_outputs).__name__
             raise bad("structured_outputs", f"must be a StructuredOutputsParams, got {kind}")
 
+    def _validate_token_constraints(self) -> None:
+        """logit_bias, allowed_token_ids, bad_words, truncate_prompt_tokens.
+
+        Their ids are checked against the vocabulary at intake
+        (InputProcessor), the one place that knows its size. This also runs
+        again when a transport decodes the params, so it must accept its own
+        normalised output.
+        """
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+            clamped: dict[int, float] = {}
+            for token_id, bias in self.logit_bias.items():
+                if not _is_int(token_id) or token_id < 0:
+                    raise ValueError(f"logit_bias keys must be non-negative integer token ids, got {token_id!r}")
+                if not _is_number(bias) or math.isnan(bias):
+                    raise ValueError(f"logit_bias[{token_id}] must be a number, got {bias!r}")
+                clamped[token_id] = float(min(max(bias, -_MAX_LOGIT_BIAS), _MAX_LOGIT_BIAS))
+            self.logit_bias = clamped or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if isinstance(ids, (str, bytes, dict)) or not isinstance(ids, (list, tuple, set)) or not ids:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
+            if not all(_is_int(t) and t >= 0 for t in ids):
+                raise ValueError("allowed_token_ids must contain only non-negative integers")
+            self.allowed_token_ids = sorted(set(ids))
+        if self.bad_words is not None:
+            words = self.bad_words
+            if isinstance(words, (str, bytes)) or not isinstance(words, (list, tuple)):
+                raise ValueError(f"bad_words must be a list of strings, got {words!r}")
+            if not all(isinstance(w, str) and w.strip() for w in words):
+                raise ValueError("bad_words must contain only non-blank strings")
+            self.bad_words = list(words)
+        if self.bad_words_token_ids is not None:
+            seqs = self.bad_words_token_ids
+            if not isinstance(seqs, list) or not all(
+                isinstance(seq, list) and seq and all(_is_int(t) and t >= 0 for t in seq) for seq in seqs
+            ):
+                raise ValueError("bad_words_token_ids must be a list of non-empty lists of token ids")
+        tpt = self.truncate_prompt_tokens
+        if tpt is not None and (not _is_int(tpt) or (tpt < 1 and tpt != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be -1 (max_model_len) or an integer >= 1, got {tpt!r}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -151,3 +214,11 @@ class SamplingParams:
         import copy
 
         return copy.deepcopy(self)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

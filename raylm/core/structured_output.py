@@ -80,7 +80,9 @@ def _xgrammar_message(error: Exception) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def _check_spec(spec: GrammarSpec) -> None:
+def _spec_problem(spec: GrammarSpec) -> str | None:
+    """xgrammar's complaint about a spec, or None; cached either way (a
+    server sees the same schema again and again)."""
     xgr = _xgrammar()
 
     try:
@@ -91,7 +93,15 @@ def _check_spec(spec: GrammarSpec) -> None:
         elif spec.kind == "ebnf":
             xgr.Grammar.from_ebnf(spec.text)
     except Exception as e:  # xgrammar raises RuntimeError (and others) for a bad spec
-        raise ValueError(f"structured_outputs.{spec.field} is invalid: {_xgrammar_message(e)}") from None
+        return _xgrammar_message(e) or type(e).__name__
+    return None
+
+
+def grammar_problem(params: StructuredOutputsParams) -> str | None:
+    """xgrammar's message for a grammar it cannot parse, or None when it
+    parses; for callers that report the error under their own field name
+    (the OpenAI server: response_format, guided_json, ...)."""
+    return _spec_problem(grammar_spec(params))
 
 
 def validate_structured_outputs(params: StructuredOutputsParams | None) -> None:
@@ -99,7 +109,10 @@ def validate_structured_outputs(params: StructuredOutputsParams | None) -> None:
     cannot be parsed, before the request reaches the engine. Tokenizer-free,
     so it runs wherever requests come in."""
     if params is not None:
-        _check_spec(grammar_spec(params))
+        spec = grammar_spec(params)
+        problem = _spec_problem(spec)
+        if problem is not None:
+            raise ValueError(f"structured_outputs.{spec.field} is invalid: {problem}")
 
 
 class GrammarError(Exception):

@@ -91,7 +91,7 @@ class AsyncLLM:
 
     def __init__(self, config: EngineConfig, stat_loggers: list[StatLoggerBase] | None = None):
         self.config = config
-        self.tokenizer = load_tokenizer(config.model_config.tokenizer)
+        self.tokenizer = load_tokenizer(config.model_config.tokenizer, config.model_config.chat_template)
         self.input_processor = InputProcessor(config.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers = list(stat_loggers or [])
@@ -157,7 +157,7 @@ class AsyncLLM:
     async def process_prompt(self, prompt: Any, params: SamplingParams) -> tuple[ProcessedPrompt, SamplingParams]:
         """Validate and tokenize in a thread, so a long prompt never stalls other streams."""
         loop = asyncio.get_running_loop()
-        processed = await loop.run_in_executor(None, self.input_processor.process_prompt, prompt)
+        processed = await loop.run_in_executor(None, self.input_processor.process_prompt, prompt, params)
         return processed, self.input_processor.finish_params(params)
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,

@@ -31,11 +31,15 @@ class InputProcessor:
             arch_eos = model_config.arch.eos_token_id
             eos = arch_eos[0] if isinstance(arch_eos, list) else arch_eos
         self.eos_token_id = eos
-        # Extra end-of-sequence ids from the config (e.g. chat models list several).
+        # Extra end-of-sequence ids from config.json and generation_config.json
+        # (e.g. chat models list several).
         arch_eos = model_config.arch.eos_token_id
-        self.extra_eos_ids = {t for t in (arch_eos if isinstance(arch_eos, list) else [arch_eos]) if t is not None} - {eos}
+        listed = [*(arch_eos if isinstance(arch_eos, list) else [arch_eos]), *model_config.generation_eos_token_ids]
+        self.extra_eos_ids = {t for t in listed if t is not None} - {eos}
 
-    def process_prompt(self, prompt: Any) -> ProcessedPrompt:
+    def process_prompt(self, prompt: Any, params: SamplingParams | None = None) -> ProcessedPrompt:
+        """Tokenize and check one prompt; `params` brings truncate_prompt_tokens,
+        which applies before the length checks, so a long prompt may fit."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
@@ -43,7 +47,7 @@ class InputProcessor:
                     raise ValueError("prompt_token_ids must be a list of integers")
                 processed = ProcessedPrompt(prompt.get("prompt"), list(ids))
             elif "prompt" in prompt:
-                return self.process_prompt(prompt["prompt"])
+                return self.process_prompt(prompt["prompt"], params)
             else:
                 raise ValueError("prompt dict must have 'prompt' or 'prompt_token_ids'")
         elif isinstance(prompt, str):
@@ -52,6 +56,8 @@ class InputProcessor:
             processed = ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
         else:
             raise ValueError(f"prompt must be a str or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+        if params is not None and params.truncate_prompt_tokens is not None:
+            processed.prompt_token_ids = self._truncate(processed.prompt_token_ids, params.truncate_prompt_tokens)
         ids = processed.prompt_token_ids
         if not ids:
             raise ValueError("prompt must not be empty (no prompt tokens)")
@@ -66,12 +72,28 @@ class InputProcessor:
             )
         return processed
 
+    def _truncate(self, ids: list[int], keep: int) -> list[int]:
+        # Left truncation, as vLLM does: the end of the prompt is what the
+        # continuation depends on most.
+        if keep == -1:
+            keep = self.model_config.max_model_len
+        return list(ids[-keep:])
+
     def finish_params(self, params: SamplingParams) -> SamplingParams:
         params = params.clone()
         vocab = self.model_config.vocab_size
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids contains ids outside the vocabulary [0, {vocab}): {bad}")
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = sorted(t for t in ids if t >= vocab)
+            if bad:
+                raise ValueError(f"{name} contains ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if params.bad_words:
+            params.bad_words_token_ids = self._tokenize_bad_words(params.bad_words)
+        bad = sorted({t for seq in params.bad_words_token_ids or [] for t in seq if t >= vocab})
+        if bad:
+            raise ValueError(f"bad_words tokenize to ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > vocab:
@@ -86,6 +108,22 @@ class InputProcessor:
         stop_ids.discard(None)
         params.all_stop_token_ids = stop_ids
         return params
+
+    def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
+        """Token sequences of each bad word, as vLLM builds them: the word as
+        written (without leading spaces), and also with one leading space when
+        that spelling is a different word token of the same length (BPE
+        vocabularies spell a word inside a sentence with its space)."""
+        sequences: list[list[int]] = []
+        for word in words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if not bare:
+                raise ValueError(f"bad_words entry {word!r} tokenizes to no tokens")
+            sequences.append(bare)
+            if spaced and len(spaced) == len(bare) and spaced[0] != bare[0]:
+                sequences.append(spaced)
+        return sequences
 
     def make_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> Request:
         return Request(request_id, prompt.prompt_token_ids, params, self.eos_token_id)

@@ -65,6 +65,12 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate(prompts)` samples with: SamplingParams' defaults, with
+        the model's generation_config.json settings over them (as in vLLM;
+        the engine's generation_config="vllm" leaves them out)."""
+        return SamplingParams(**self.llm_engine.config.model_config.default_sampling_params)
+
     def generate(
         self,
         prompts: str | dict | Sequence[str | dict],
@@ -75,7 +81,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

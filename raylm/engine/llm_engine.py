@@ -52,7 +52,7 @@ def check_data_parallel_rank(config: EngineConfig, rank: int | None) -> None:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.tokenizer = load_tokenizer(config.model_config.tokenizer)
+        self.tokenizer = load_tokenizer(config.model_config.tokenizer, config.model_config.chat_template)
         self.input_processor = InputProcessor(config.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         # The same client interface AsyncLLM uses: the core in this process, or
@@ -70,7 +70,7 @@ class LLMEngine:
 
     def validate(self, prompt: Any, params: SamplingParams):
         """Check one request without adding it: (processed prompt, finished params)."""
-        return self.input_processor.process_prompt(prompt), self.input_processor.finish_params(params)
+        return self.input_processor.process_prompt(prompt, params), self.input_processor.finish_params(params)
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
                     data_parallel_rank: int | None = None) -> None:

@@ -33,6 +33,33 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
 
 
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's spelling of token counts: `4096`, `4k` (4000), `25.6k` (25600),
+    `32K` (32768): a lowercase suffix is a power of 1000, an uppercase one a
+    power of 1024 (whole numbers only)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 4096, 4k, 32K)")
+    number, suffix = match.groups()
+    if suffix in _DECIMAL_SUFFIXES:
+        return int(float(number) * _DECIMAL_SUFFIXES[suffix])
+    if "." in number:
+        hint = f"; did you mean {number}{suffix.lower()}?" if suffix else ""
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}{hint}")
+    return int(number) * _BINARY_SUFFIXES.get(suffix, 1)
+
+
+def max_model_len_arg(text: str) -> int | None:
+    """--max-model-len: a token count, or auto (-1 too) for the model's own."""
+    if text.strip().lower() in ("auto", "-1"):
+        return None
+    return human_readable_int(text)
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows a flag's default only when there is one worth showing."""
 
@@ -45,17 +72,37 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The flags that build an `LLM`; every subcommand takes them."""
     model = parser.add_argument_group("model")
-    model.add_argument("--model", default=None, metavar="PATH",
-                       help="Hugging Face model folder (config.json, *.safetensors, tokenizer); "
-                            "default: the small model embedded in raylm")
-    model.add_argument("--tokenizer", default=None, metavar="PATH",
-                       help="tokenizer folder, if not the model folder")
+    model.add_argument("--model", default=None, metavar="PATH|ID",
+                       help="Hugging Face model folder (config.json, *.safetensors, tokenizer) or Hub id "
+                            "(org/name, downloaded into the Hugging Face cache; HF_HUB_OFFLINE=1 uses the "
+                            "cache only); default: the small model embedded in raylm")
+    model.add_argument("--tokenizer", default=None, metavar="PATH|ID",
+                       help="tokenizer folder or Hub id, if not the model's")
+    model.add_argument("--revision", default=None, metavar="REV",
+                       help="branch, tag or commit of a Hub model; default: main")
+    model.add_argument("--tokenizer-revision", default=None, metavar="REV",
+                       help="branch, tag or commit of a Hub --tokenizer; default: main")
+    model.add_argument("--download-dir", default=None, metavar="DIR",
+                       help="Hugging Face cache to download Hub models into; default: HF_HUB_CACHE, "
+                            "else HF_HOME/hub, else ~/.cache/huggingface/hub")
+    model.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                       help="auto: the model's generation_config.json sets the default temperature, top_p, "
+                            "top_k, min_p and repetition_penalty of requests that leave them unset; vllm: "
+                            "ignore those; DIR: read generation_config.json from DIR")
+    model.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                       help="Jinja chat template (a file, or the template itself) used instead of the "
+                            "tokenizer's by chat requests")
+    model.add_argument("-q", "--quantization", default=None, metavar="METHOD",
+                       help="accepted for vLLM compatibility; raylm loads unquantized checkpoints only, "
+                            "so any method is refused")
+    model.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted for vLLM compatibility; raylm runs no code from model repositories")
     model.add_argument("--dtype", default="auto",
                        help="weight and activation dtype: auto (the checkpoint's; bfloat16 for float32 "
                             "checkpoints on CUDA and for float16 on CPU), float32, bfloat16, float16")
-    model.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                       help="longest sequence (prompt + output) in tokens; default: the model's "
-                            "max_position_embeddings")
+    model.add_argument("--max-model-len", type=max_model_len_arg, default=None, metavar="N",
+                       help="longest sequence (prompt + output) in tokens, e.g. 4096, 4k (4000), 32K "
+                            "(32768); default (or auto): the model's max_position_embeddings")
     model.add_argument("--seed", type=int, default=0, metavar="N",
                        help="random seed of sampling (and of the random prompts in benchmarks)")
 
@@ -90,8 +137,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None, metavar="BYTES",
                        help="KV cache size per worker, e.g. 2GiB; default: sized from free device memory")
     cache.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV cache block")
+    cache.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
+                       help="reuse the KV cache of shared prompt prefixes (the default)")
     cache.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        help="do not reuse the KV cache of shared prompt prefixes")
+    cache.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                       help="fraction of the GPU's memory for this instance's weights, activations and KV "
+                            "cache (default 0.9); GPUs only (on CPU see --kv-cache-memory-bytes)")
+    cache.add_argument("--enforce-eager", action="store_true",
+                       help="accepted for vLLM compatibility; raylm always runs eagerly (no CUDA graphs)")
     cache.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="most requests in one batch")
     cache.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                        help="most tokens in one forward pass; default: the engine's")
@@ -100,7 +154,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     device.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="default: cuda when available, else cpu")
     device.add_argument("--num-threads", type=int, default=None, metavar="N",
-                        help="torch threads per worker on CPU; default: all cores it is given")
+                        help="torch threads per worker on CPU; default: planned from the usable cores "
+                             "(one kept for the engine loop on small machines)")
+    device.add_argument("--cpu-bind", default=None, metavar="auto|all|GROUPS",
+                        help="CPU cores of each rank on a node: 'auto' (default; pins when a node runs several "
+                             "ranks), 'all' (no pinning), or one group per rank, e.g. '0-3|4-7'; "
+                             "VLLM_CPU_OMP_THREADS_BIND is read when unset")
     faults = parser.add_argument_group("failures and recovery")
     faults.add_argument("--max-restarts", type=int, default=3, metavar="N",
                         help="executor (and engine-core) rebuilds allowed within --restart-window; "
@@ -140,7 +199,15 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "health_check_interval": args.health_check_interval,
     }
     # Unset optional flags stay out, so the engine's own defaults apply.
-    for name in ("ray_address", "ray_step_transport", "kv_cache_memory_bytes", "max_num_batched_tokens", "device", "num_threads"):
+    for name in ("revision", "tokenizer_revision", "download_dir", "chat_template", "quantization",
+                 "gpu_memory_utilization"):
+        value = getattr(args, name)
+        if value is not None:
+            kwargs[name] = value
+    kwargs.update(generation_config=args.generation_config, trust_remote_code=args.trust_remote_code,
+                  enforce_eager=args.enforce_eager)
+    for name in ("ray_address", "ray_step_transport", "kv_cache_memory_bytes", "max_num_batched_tokens", "device", "num_threads",
+                 "cpu_bind"):
         value = getattr(args, name)
         if value is not None:
             kwargs[name] = value

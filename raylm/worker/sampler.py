@@ -1,7 +1,8 @@
 """Turns a batch's last-position logits into next tokens (and logprobs), vectorized over rows.
 
-Order: the grammar bitmask (structured outputs, applied by the model runner), raw logprobs, min_tokens mask,
-penalties, then greedy argmax or temperature/top-k/top-p/min-p sampling.
+Order (vLLM's): the grammar bitmask (structured outputs, applied by the model runner), raw logprobs,
+allowed_token_ids, bad_words, min_tokens mask, logit_bias, penalties, then greedy argmax or
+temperature/top-k/top-p/min-p sampling.
 """
 
 from __future__ import annotations
@@ -71,6 +72,34 @@ def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, set[int]]) -> t
     if rows:
         logits[rows, cols] = float("-inf")
     return logits
+
+
+def apply_bad_words(
+    logits: torch.Tensor, bad_words_token_ids: dict[int, list[list[int]]], output_token_ids: list[list[int]]
+) -> None:
+    """Forbid, in place, the last token of each bad word whose other tokens
+    end the row's output so far (a one-token word is always forbidden).
+    The loop runs over the few bad words, never over the vocabulary."""
+    vocab_size = logits.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, sequences in bad_words_token_ids.items():
+        output = output_token_ids[row]
+        for sequence in sequences:
+            *prefix, last = sequence
+            if last >= vocab_size or len(prefix) > len(output):
+                continue
+            if not prefix or output[len(output) - len(prefix) :] == prefix:
+                rows.append(row)
+                cols.append(last)
+    if rows:
+        logits[rows, cols] = float("-inf")
+
+
+def apply_logit_bias(logits: torch.Tensor, entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """Add each row's biases to its tokens' logits, in place."""
+    rows, token_ids, biases = entries
+    logits.index_put_((rows, token_ids), biases, accumulate=True)
 
 
 def apply_grammar_bitmask(
@@ -185,9 +214,22 @@ class Sampler(torch.nn.Module):
             # Logprobs describe the model's own distribution, before any request-side shaping.
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
-        if metadata.min_tokens:
-            # Copy first: masking in place would mutate the caller's logits tensor.
-            logits = apply_min_tokens(logits.clone(), metadata.min_tokens)
+        if (
+            metadata.disallowed_mask is not None
+            or metadata.bad_words_token_ids
+            or metadata.min_tokens
+            or metadata.logit_bias is not None
+        ):
+            # Copy first: the edits below work in place and must not mutate the caller's logits tensor.
+            logits = logits.clone()
+            if metadata.disallowed_mask is not None:
+                logits.masked_fill_(metadata.disallowed_mask, float("-inf"))
+            if metadata.bad_words_token_ids:
+                apply_bad_words(logits, metadata.bad_words_token_ids, metadata.output_token_ids)
+            if metadata.min_tokens:
+                logits = apply_min_tokens(logits, metadata.min_tokens)
+            if metadata.logit_bias is not None:
+                apply_logit_bias(logits, metadata.logit_bias)
         if not metadata.no_penalties:
             logits = apply_penalties(logits, metadata)
 

@@ -45,6 +45,13 @@ class SamplingMetadata:
     prompt_token_ids: torch.Tensor | None  # [B, max_prompt_len] int64, padded with vocab_size
     output_token_ids: list[list[int]]
     min_tokens: dict[int, set[int]] = field(default_factory=dict)
+    # [B, V] bool, True where a row with allowed_token_ids forbids the token; None when no row sets it.
+    disallowed_mask: torch.Tensor | None = None
+    # row -> token sequences of its bad words (only rows that have some).
+    bad_words_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)
+    # (rows [N] int64, token ids [N] int64, biases [N] float32), one entry per
+    # (row, token) pair of the rows' logit_bias; None when no row sets it.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def _uses_penalties(params: SamplingParams) -> bool:
@@ -64,6 +71,43 @@ def _pad_token_lists(lists: list[list[int]], pad_id: int, device: torch.device |
     max_len = max((len(tokens) for tokens in lists), default=0)
     padded = [tokens + [pad_id] * (max_len - len(tokens)) for tokens in lists]
     return torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(lists), max_len)
+
+
+def _disallowed_mask(
+    params_list: list[SamplingParams], vocab_size: int, device: torch.device | str
+) -> torch.Tensor | None:
+    restricted = [(i, p.allowed_token_ids) for i, p in enumerate(params_list) if p.allowed_token_ids]
+    if not restricted:
+        return None
+    mask = torch.zeros(len(params_list), vocab_size, dtype=torch.bool, device=device)
+    rows = torch.tensor([i for i, _ in restricted], dtype=torch.int64, device=device)
+    mask[rows] = True
+    # One scatter for all rows: the (row, id) pairs of every allowed token.
+    pair_rows = [i for i, ids in restricted for t in ids if t < vocab_size]
+    pair_ids = [t for _, ids in restricted for t in ids if t < vocab_size]
+    mask[pair_rows, pair_ids] = False
+    return mask
+
+
+def _logit_bias_entries(
+    params_list: list[SamplingParams], vocab_size: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    token_ids: list[int] = []
+    biases: list[float] = []
+    for i, params in enumerate(params_list):
+        for token_id, bias in (params.logit_bias or {}).items():
+            if token_id < vocab_size:
+                rows.append(i)
+                token_ids.append(token_id)
+                biases.append(bias)
+    if not rows:
+        return None
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(token_ids, dtype=torch.int64, device=device),
+        _float_tensor(biases, device),
+    )
 
 
 def build_sampling_metadata(
@@ -132,4 +176,7 @@ def build_sampling_metadata(
         prompt_token_ids=prompt_ids,
         output_token_ids=[row.output_token_ids for row in rows],
         min_tokens=min_tokens,
+        disallowed_mask=_disallowed_mask(params_list, vocab_size, device),
+        bad_words_token_ids={i: p.bad_words_token_ids for i, p in enumerate(params_list) if p.bad_words_token_ids},
+        logit_bias=_logit_bias_entries(params_list, vocab_size, device),
     )

@@ -22,8 +22,8 @@ def llm(tiny_model_dir):
         ({"temperature": -0.5}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"top_k": 0}, "top_k"),
-        ({"top_k": -3}, "top_k"),
+        ({"top_k": -3}, "top_k"),  # 0 and -1 both mean "no top-k", as in vLLM
+        ({"top_k": 1.5}, "top_k"),
         ({"n": 0}, "n"),
         ({"min_p": 2.0}, "min_p"),
         ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),

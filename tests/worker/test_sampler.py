@@ -1,6 +1,7 @@
 """Sampler checks against plain per-row Python references, on small CPU tensors.
 
-Covers greedy, logprobs, truncation supports, seeded determinism, sampling frequencies, penalties, min_tokens.
+Covers greedy, logprobs, truncation supports, seeded determinism, sampling frequencies, penalties, min_tokens,
+allowed_token_ids, bad_words and logit_bias.
 """
 
 from __future__ import annotations
@@ -265,3 +266,84 @@ def test_mixed_greedy_and_random_batch():
                 assert int(tokens[i]) == int(greedy[i])
             else:
                 assert int(tokens[i]) in top3[i].tolist()
+
+
+# ---- allowed_token_ids, bad_words, logit_bias ----------------------------------------
+
+
+def test_rows_without_token_constraints_build_nothing_for_them():
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=0, seed=1)]
+    metadata = build_sampling_metadata(make_rows(params), VOCAB, "cpu")
+    assert metadata.disallowed_mask is None and metadata.logit_bias is None
+    assert metadata.bad_words_token_ids == {}
+
+
+def test_allowed_token_ids_mask_only_their_rows():
+    torch.manual_seed(20)
+    logits = torch.randn(4, VOCAB, generator=seeded(20)) * 3
+    allowed = [3, 9, 30]
+    logits[2, allowed] = 0.0  # equally likely: 200 draws see each of them
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=allowed), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, allowed_token_ids=allowed), SamplingParams(temperature=1.0)]
+    metadata = build_sampling_metadata(make_rows(params), VOCAB, "cpu")
+    assert metadata.disallowed_mask[[0, 2]].sum(dim=1).tolist() == [VOCAB - 3] * 2
+    assert not metadata.disallowed_mask[[1, 3]].any()
+    best_allowed = allowed[int(logits[0, allowed].argmax())]
+    seen = set()
+    for _ in range(200):
+        tokens = Sampler()(logits, metadata).sampled_token_ids.tolist()
+        assert tokens[0] == best_allowed and tokens[1] == int(logits[1].argmax())
+        assert tokens[2] in allowed
+        seen.add(tokens[2])
+    assert seen == set(allowed)  # every allowed token keeps its chance
+
+
+def _bad_words_reference(sequences, output):
+    """Tokens a row may not sample next, straight from the definition."""
+    return {seq[-1] for seq in sequences if len(seq) - 1 <= len(output) and output[len(output) - len(seq) + 1:] == seq[:-1]}
+
+
+def test_bad_words_ban_last_token_after_the_prefix():
+    sequences = [[4], [7, 8], [1, 2, 3], [2, 5]]
+    outputs = [[], [7], [9, 7], [1, 2], [2], [8, 1, 2], [3, 7, 1]]
+    logits = torch.zeros(len(outputs), VOCAB)
+    logits[:, [4, 8, 3, 5]] = 5.0  # the banned candidates lead; greedy picks one unless banned
+    params = []
+    for _ in outputs:
+        p = SamplingParams(temperature=0.0)
+        p.bad_words_token_ids = sequences
+        params.append(p)
+    metadata = build_sampling_metadata(make_rows(params, outputs=outputs), VOCAB, "cpu")
+    before = logits.clone()
+    out = Sampler()(logits, metadata)
+    assert torch.equal(logits, before)  # the caller's logits are untouched
+    for row, output in enumerate(outputs):
+        banned = _bad_words_reference(sequences, output)
+        expected = int(logits[row].masked_fill(torch.isin(torch.arange(VOCAB), torch.tensor(sorted(banned))),
+                                               float("-inf")).argmax())
+        assert int(out.sampled_token_ids[row]) == expected, (output, banned)
+
+
+def test_logit_bias_adds_to_raw_logits_and_leaves_logprobs_raw():
+    logits = torch.randn(3, VOCAB, generator=seeded(21)) * 2
+    biases = [{0: 100.0}, {int(logits[1].argmax()): -100.0, 7: 0.5}, {}]
+    params = [SamplingParams(temperature=0.0, logit_bias=b or None, logprobs=2) for b in biases]
+    out = sample(logits, params)
+    dense = torch.zeros(3, VOCAB)
+    for row, bias in enumerate(biases):
+        for token_id, value in bias.items():
+            dense[row, token_id] = value
+    assert out.sampled_token_ids.tolist() == (logits + dense).argmax(dim=-1).tolist()
+    assert out.sampled_token_ids.tolist()[0] == 0
+    raw = torch.log_softmax(logits, dim=-1)
+    assert torch.allclose(out.logprobs.logprobs[:, 0], raw.gather(1, out.sampled_token_ids[:, None]).squeeze(1))
+
+
+def test_top_k_0_is_no_truncation():
+    logits = torch.randn(2, VOCAB, generator=seeded(22))
+    disabled = sample(logits, [SamplingParams(temperature=1.0, top_k=-1)] * 2,
+                      generators=[seeded(5), seeded(6)]).sampled_token_ids
+    zero = sample(logits, [SamplingParams(temperature=1.0, top_k=0)] * 2,
+                  generators=[seeded(5), seeded(6)]).sampled_token_ids
+    assert torch.equal(disabled, zero)
+    assert build_sampling_metadata(make_rows([SamplingParams(top_k=0)]), VOCAB, "cpu").top_k is None

@@ -19,12 +19,15 @@ import asyncio
 import hmac
 import logging
 import signal
+import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -44,6 +47,8 @@ from raylm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionR
 from raylm.entrypoints.openai.serving_chat import OpenAIServingChat
 from raylm.entrypoints.openai.serving_common import ClientDisconnected, OpenAIError, error_response
 from raylm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from raylm.entrypoints.openai.serving_tools import ToolCallConfig
+from raylm.entrypoints.openai.serving_tokenize import install_tokenize_routes
 
 logger = logging.getLogger(__name__)
 
@@ -108,10 +113,22 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(f"internal server error: {type(exc).__name__}", 500)
 
 
+@dataclass
+class CorsSettings:
+    """Which cross-origin browser requests are answered; vLLM's defaults (any)."""
+
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
-              stat_logger: PrometheusStatLogger | None = None, limits: ServerLimits | None = None) -> FastAPI:
+              stat_logger: PrometheusStatLogger | None = None, limits: ServerLimits | None = None,
+              cors: CorsSettings | None = None, tool_config: ToolCallConfig | None = None) -> FastAPI:
     """The app; `app.state.admission` is its AdmissionControl (closed at shutdown)."""
     limits = limits or ServerLimits()
+    cors = cors or CorsSettings()
     app = FastAPI(title="raylm", version=raylm.__version__)
     admission = AdmissionControl(
         max_running_sequences(engine.config), limits.max_waiting_requests,
@@ -120,7 +137,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     )
     app.state.admission = admission
     completions = OpenAIServingCompletion(engine, served_model_names, admission)
-    chat = OpenAIServingChat(engine, served_model_names, admission)
+    chat = OpenAIServingChat(engine, served_model_names, admission, tool_config)
     _install_error_handlers(app)
 
     if api_key:
@@ -134,9 +151,13 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
                     return error_response("missing or invalid API key (Authorization: Bearer ...)", 401)
             return await call_next(request)
 
-    # Outermost: a body is measured before anything else reads it.
+    # A body is measured before anything else reads it.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes,
                        on_refused=admission.refused)
+    # Outermost: a browser's preflight is answered without an API key, and
+    # every answer, errors too, carries the CORS headers the browser needs.
+    app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
+                       allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
@@ -163,6 +184,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         replicas = replica_states(engine)  # data parallel: each replica's state
         return Response(status_code=200) if replicas is None else JSONResponse({"replicas": replicas})
 
+    install_tokenize_routes(app, engine, served_model_names)
     install_data_parallel_routes(app, engine, api_key, stat_logger,
                                  served_model_names[0] if served_model_names else "")
 
@@ -259,6 +281,19 @@ def served_model_names_from(args: argparse.Namespace) -> list[str]:
     return [args.model or DEFAULT_MODEL_NAME]
 
 
+def startup_line(config: Any, names: list[str], args: argparse.Namespace) -> str:
+    scheme = "https" if args.ssl_certfile else "http"
+    mc, pc = config.model_config, config.parallel_config
+    backend = pc.distributed_executor_backend or ("uni" if pc.world_size == 1 else "mp")
+    backend = getattr(backend, "__name__", backend)  # a custom Executor class
+    model = mc.model_name or "the embedded model"
+    source = f" ({mc.model})" if mc.model_name and mc.model_name != mc.model else ""
+    return (f"raylm {raylm.__version__} serving {model}{source} as {', '.join(names)} on "
+            f"{scheme}://{args.host}:{args.port} | tp={pc.tensor_parallel_size} pp={pc.pipeline_parallel_size} "
+            f"dp={pc.data_parallel_size} | executor={backend} device={config.device} dtype={mc.dtype} "
+            f"max_model_len={mc.max_model_len}")
+
+
 def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
     """Load the model in the engine-core process, then serve until a signal."""
     names = served_model_names_from(args)
@@ -267,9 +302,12 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
                           max_request_body_bytes=args.max_request_body_bytes)
     engine = AsyncLLM.from_engine_args(stat_loggers=[stat_logger], **engine_kwargs)
     try:
-        app = build_app(engine, names, api_key=args.api_key, stat_logger=stat_logger, limits=limits)
+        cors = CorsSettings(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
+        app = build_app(engine, names, api_key=args.api_key, stat_logger=stat_logger, limits=limits, cors=cors,
+                        tool_config=ToolCallConfig.from_args(args))
         config = uvicorn.Config(
-            app, host=args.host, port=args.port, log_level=args.log_level,
+            app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
+            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
             # A backstop only: every request is ended at the grace period, and its
             # answer goes out at once (unless its client stopped reading). Shutdown
             # takes at most the grace period + 5 s: 2 s here, the rest for the core.
@@ -277,7 +315,8 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
             timeout_keep_alive=5,
         )
         server = GracefulServer(config, engine, args.shutdown_grace_period, app.state.admission)
-        logger.info("serving %s on http://%s:%d", names, args.host, args.port)
+        # Printed whatever the log level: where to connect and what runs there.
+        print(startup_line(engine.config, names, args), file=sys.stderr, flush=True)
         asyncio.run(server.serve())
     finally:
         engine.shutdown()

@@ -4,7 +4,35 @@ into the CLI's parser by `add_serve_subcommand` and `add_bench_serve`."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from typing import TextIO
+
+# Where the API key may come from when --api-key is not given, first match wins
+# (VLLM_API_KEY, so that a vLLM deployment's environment works unchanged).
+API_KEY_ENV_VARS = ("RAYLM_API_KEY", "VLLM_API_KEY")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def resolve_api_key(flag_value: str | None) -> str | None:
+    """--api-key, else the first of API_KEY_ENV_VARS that is set, else no key."""
+    if flag_value is not None:
+        return flag_value
+    return next((os.environ[name] for name in API_KEY_ENV_VARS if os.environ.get(name)), None)
+
+
+def json_list(text: str) -> list[str]:
+    """vLLM's spelling of a list flag: a JSON list (["*"]); a plain word or a
+    comma-separated list is taken too."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return [part.strip() for part in text.split(",") if part.strip()]
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
 
 
 def add_serve_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -23,7 +51,25 @@ def add_serve_subcommand(subparsers: argparse._SubParsersAction) -> argparse.Arg
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=int, default=8000, help="port to listen on")
     server.add_argument("--api-key", default=None, metavar="KEY",
-                        help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+                        help="require 'Authorization: Bearer KEY' on /v1 endpoints; default: RAYLM_API_KEY, "
+                             "else VLLM_API_KEY, else no key")
+    server.add_argument("--ssl-keyfile", default=None, metavar="FILE",
+                        help="serve HTTPS with this private key (PEM), with --ssl-certfile")
+    server.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                        help="serve HTTPS with this certificate (PEM), with --ssl-keyfile")
+    server.add_argument("--uvicorn-log-level", default=None, choices=UVICORN_LOG_LEVELS,
+                        help="uvicorn's log level (info logs every request); default: --log-level")
+    server.add_argument("--disable-log-requests", action="store_true",
+                        help="accepted for vLLM compatibility: raylm does not log request contents")
+    cors = serve.add_argument_group("CORS (browsers calling the API from other origins)")
+    cors.add_argument("--allowed-origins", type=json_list, default=["*"], metavar="JSON",
+                      help='origins allowed, as a JSON list, e.g. \'["https://app.example"]\'')
+    cors.add_argument("--allowed-methods", type=json_list, default=["*"], metavar="JSON",
+                      help="HTTP methods allowed, as a JSON list")
+    cors.add_argument("--allowed-headers", type=json_list, default=["*"], metavar="JSON",
+                      help="request headers allowed, as a JSON list")
+    cors.add_argument("--allow-credentials", action="store_true",
+                      help="allow cookies and Authorization headers on cross-origin requests")
     server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="model name(s) clients use; default: MODEL as given")
     server.add_argument("--shutdown-grace-period", type=float, default=10.0, metavar="SECONDS",
@@ -36,14 +82,28 @@ def add_serve_subcommand(subparsers: argparse._SubParsersAction) -> argparse.Arg
                              "load balancer learns to go elsewhere")
     limits.add_argument("--max-request-body-bytes", type=parse_bytes, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         metavar="BYTES", help="largest request body (e.g. 16MiB); a larger one gets HTTP 413")
+    add_tool_calling_args(serve)
     add_engine_args(serve)
     serve.set_defaults(handler=run_serve)
     return serve
 
 
+def add_tool_calling_args(serve: argparse.ArgumentParser) -> None:
+    from raylm.entrypoints.openai.tool_parsers import tool_parser_names
+
+    tools = serve.add_argument_group("tool calling")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model decide when to call tools (tool_choice "auto", the default when '
+                            "a request has tools); needs --tool-call-parser")
+    tools.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
+                       help="how the model writes tool calls (hermes: <tool_call>{...}</tool_call>, as Qwen "
+                            "and Hermes models do)")
+
+
 def run_serve(args: argparse.Namespace, out: TextIO) -> None:
     from raylm.entrypoints.cli import engine_kwargs_from_args
     from raylm.entrypoints.openai.api_server import run_server
+    from raylm.entrypoints.openai.serving_tools import ToolCallConfig
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -57,6 +117,13 @@ def run_serve(args: argparse.Namespace, out: TextIO) -> None:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together; give both or neither")
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
+        if path and not os.path.isfile(path):
+            raise ValueError(f"{flag}: no such file {path!r}")
+    ToolCallConfig.from_args(args)  # refuses a flag combination before the model loads
+    args.api_key = resolve_api_key(args.api_key)
     run_server(args, engine_kwargs_from_args(args))
 
 

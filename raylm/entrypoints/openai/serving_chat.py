@@ -21,7 +21,6 @@ from raylm.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
-    ChatResponseMessage,
     ChatStreamChoice,
     TokenLogprob,
     TopLogprob,
@@ -35,10 +34,19 @@ from raylm.entrypoints.openai.serving_common import (
     cancel_on_disconnect,
     check_model,
     check_not_ended_early,
+    check_request_fields,
     fit_max_tokens,
     sampling_params_from,
     sse,
     stream_error_event,
+)
+from raylm.entrypoints.openai.structured_outputs import checked_structured_outputs
+from raylm.entrypoints.openai.serving_tools import (
+    ToolCallConfig,
+    ToolPlan,
+    add_tool_fields,
+    plan_tools,
+    tools_for_template,
 )
 from raylm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
@@ -62,34 +70,87 @@ def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top_k
     return ChatLogprobs(content=content)
 
 
+# apply_chat_template's own arguments, which chat_template_kwargs must not
+# set: each is the server's business or has a request field of its own.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tokenize", "return_dict", "return_tensors", "padding", "truncation", "max_length",
+    "tokenizer_kwargs", "return_assistant_tokens_mask", "add_generation_prompt", "continue_final_message",
+    "chat_template", "documents", "tools",
+})
+
+
+def conversation_of(request) -> list[dict]:
+    """The messages as the chat template reads them."""
+    conversation = [{"role": m.role, "content": m.text()} for m in request.messages]
+    add_tool_fields(conversation, request.messages)
+    return conversation
+
+
+def render_chat(tokenizer, request) -> tuple[str, list[int]]:
+    """(text, token ids) of a request's messages through the chat template,
+    with its template fields (add_generation_prompt, continue_final_message,
+    chat_template, chat_template_kwargs, documents, reasoning_effort,
+    add_special_tokens); for /v1/chat/completions and /tokenize alike."""
+    if not (request.chat_template or getattr(tokenizer, "chat_template", None)):
+        raise OpenAIError("the model's tokenizer has no chat template", 400, "messages")
+    if request.continue_final_message and request.add_generation_prompt:
+        raise OpenAIError("continue_final_message and add_generation_prompt cannot both be true "
+                          "(set add_generation_prompt to false)", 400, "continue_final_message")
+    variables = dict(request.chat_template_kwargs or {})
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(variables))
+    if reserved:
+        raise OpenAIError(f"chat_template_kwargs must not set {', '.join(reserved)}", 400, "chat_template_kwargs")
+    if request.reasoning_effort is not None:
+        variables["reasoning_effort"] = request.reasoning_effort
+    tools = tools_for_template(getattr(request, "tools", None), request.chat_template or tokenizer.chat_template)
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation_of(request), tools=tools, tokenize=False,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message, chat_template=request.chat_template,
+            documents=request.documents, **variables)
+    except Exception as e:  # jinja raises its own types for unsupported conversations
+        raise OpenAIError(f"messages could not be rendered with the chat template: {e}", 400, "messages") from e
+    if request.add_special_tokens:
+        return text, tokenizer.encode(text, add_special_tokens=True)
+    return text, encode_rendered_chat(tokenizer, text)
+
+
+def echoed_text(request: ChatCompletionRequest) -> str:
+    """With echo, the reply starts with the last message when it is the
+    assistant's (vLLM's behaviour): the text continue_final_message continues."""
+    if request.echo and request.messages[-1].role == "assistant":
+        return request.messages[-1].text()
+    return ""
+
+
 class OpenAIServingChat:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], admission: AdmissionControl | None = None):
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], admission: AdmissionControl | None = None,
+                 tool_config: ToolCallConfig | None = None):
         self.engine = engine
         self.served_model_names = served_model_names
         self.admission = admission or AdmissionControl.for_engine(engine)
+        self.tool_config = tool_config or ToolCallConfig()
 
     def _render(self, request: ChatCompletionRequest) -> ProcessedPrompt:
         """Runs in a worker thread: templating and tokenizing can take a while."""
-        tokenizer = self.engine.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise OpenAIError("the model's tokenizer has no chat template", 400, "messages")
-        conversation = [{"role": m.role, "content": m.text()} for m in request.messages]
-        try:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                 add_generation_prompt=request.add_generation_prompt)
-        except Exception as e:  # jinja raises its own types for unsupported conversations
-            raise OpenAIError(f"messages could not be rendered with the chat template: {e}", 400, "messages") from e
-        ids = encode_rendered_chat(tokenizer, text)
+        text, ids = render_chat(self.engine.tokenizer, request)
         return self.engine.input_processor.process_prompt({"prompt": text, "prompt_token_ids": ids})
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         model = check_model(request.model, self.served_model_names)
+        check_request_fields(request)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         top_logprobs = request.top_logprobs or 0
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", 400, "top_logprobs")
         check_stop(request.stop)
-        params = sampling_params_from(request, max_tokens, top_logprobs if request.logprobs else None)
+        structured_outputs = await checked_structured_outputs(request)
+        params = sampling_params_from(request, max_tokens, top_logprobs if request.logprobs else None,
+                                      structured_outputs=structured_outputs,
+                                      defaults=self.engine.config.model_config.default_sampling_params)
+        tool_plan = plan_tools(request, self.tool_config)
+        params = tool_plan.apply(params)
         # Admitted before rendering, so that a burst of arrivals is counted at once.
         reservation = self.admission.admit(request.n, "n")
         try:
@@ -107,13 +168,13 @@ class OpenAIServingChat:
             stream = self.engine.generate(prompt, params, request_id, stream=request.stream)
             if request.stream:
                 response = ReleasingStreamingResponse(
-                    reservation, self._stream(request, model, request_id, stream, top_logprobs),
+                    reservation, self._stream(request, model, request_id, stream, top_logprobs, tool_plan),
                     media_type="text/event-stream")
                 reservation = None  # the response releases it once sent
                 return response
             output = await cancel_on_disconnect(raw_request, self._last(stream))
             check_not_ended_early(output.outputs)
-            return JSONResponse(self._response(request, model, request_id, output, top_logprobs).model_dump())
+            return JSONResponse(self._response(request, model, request_id, output, top_logprobs, tool_plan).model_dump())
         finally:
             if reservation is not None:
                 reservation.release()
@@ -131,13 +192,17 @@ class OpenAIServingChat:
         return chat_logprobs(completion.token_ids, completion.logprobs or [], top_k)
 
     def _response(self, request: ChatCompletionRequest, model: str, request_id: str, output: RequestOutput,
-                  top_k: int) -> ChatCompletionResponse:
+                  top_k: int, tool_plan: ToolPlan) -> ChatCompletionResponse:
         choices = []
+        echo = echoed_text(request)
         for completion in output.outputs:
+            message, finish_reason = tool_plan.message(completion.text, completion.finish_reason)
+            if echo:
+                message.content = echo + (message.content or "")
             choices.append(ChatChoice(
-                index=completion.index, message=ChatResponseMessage(content=completion.text),
+                index=completion.index, message=message,
                 logprobs=self._logprobs(request, completion, top_k),
-                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                finish_reason=finish_reason, stop_reason=completion.stop_reason,
             ))
         completion_tokens = sum(len(c.token_ids) for c in output.outputs)
         usage = UsageInfo(prompt_tokens=len(output.prompt_token_ids), completion_tokens=completion_tokens,
@@ -145,16 +210,20 @@ class OpenAIServingChat:
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
     async def _stream(self, request: ChatCompletionRequest, model: str, request_id: str,
-                      stream: AsyncIterator[RequestOutput], top_k: int) -> AsyncIterator[str]:
+                      stream: AsyncIterator[RequestOutput], top_k: int, tool_plan: ToolPlan) -> AsyncIterator[str]:
         def chunk(choice: ChatStreamChoice) -> str:
             return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]))
 
         prompt_tokens = completion_tokens = 0
         finished: set[int] = set()
+        choice_streams = [tool_plan.stream() for _ in range(request.n)]
         try:
             # The role comes first, in a delta of its own, as OpenAI sends it.
+            echo = echoed_text(request)
             for index in range(request.n):
                 yield chunk(ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content="")))
+                if echo:
+                    yield chunk(ChatStreamChoice(index=index, delta=ChatDelta(content=echo)))
             async for output in stream:
                 prompt_tokens = len(output.prompt_token_ids)
                 for completion in output.outputs:
@@ -165,9 +234,15 @@ class OpenAIServingChat:
                     completion_tokens += len(completion.token_ids)
                     if completion.finish_reason is not None:
                         finished.add(completion.index)
+                    choice_stream = choice_streams[completion.index]
+                    # None: held back (a tool parser waits for more text).
+                    delta = choice_stream.step(completion.text, completion.finish_reason is not None)
+                    if delta is None and completion.finish_reason is None and not request.logprobs:
+                        continue
                     yield chunk(ChatStreamChoice(
-                        index=completion.index, delta=ChatDelta(content=completion.text),
-                        logprobs=self._logprobs(request, completion, top_k), finish_reason=completion.finish_reason,
+                        index=completion.index, delta=delta or ChatDelta(),
+                        logprobs=self._logprobs(request, completion, top_k),
+                        finish_reason=choice_stream.finish_reason(completion.finish_reason),
                     ))
             if request.stream_options and request.stream_options.include_usage:
                 usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,

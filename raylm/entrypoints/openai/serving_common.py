@@ -17,9 +17,11 @@ from raylm.engine.async_llm import AsyncLLM
 from raylm.engine.core_client import EngineDeadError
 from raylm.engine.input_processor import ProcessedPrompt
 from raylm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields
-from raylm.sampling_params import SamplingParams
+from raylm.sampling_params import SamplingParams, StructuredOutputsParams
 
 _OPTIONAL_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_TOKEN_CONSTRAINTS = ("logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
+_SAMPLING_PARAMS_FIELDS = set(SamplingParams.__dataclass_fields__)
 
 
 class OpenAIError(Exception):
@@ -65,20 +67,59 @@ def bad_request_from(error: Exception, known_params: set[str], default_param: st
     return OpenAIError(message, 400, param)
 
 
+def check_request_fields(request: SamplingFields) -> None:
+    """400 naming the first field sent that raylm does not honour (see
+    protocol.py, "Request fields")."""
+    refused = request.refused_field()
+    if refused is not None:
+        field, message = refused
+        raise OpenAIError(message, 400, field)
+    if request.stream_options is not None and request.stream_options.continuous_usage_stats:
+        raise OpenAIError("stream_options.continuous_usage_stats is not supported by this server", 400,
+                          "stream_options")
+
+
+def _token_constraints(request: SamplingFields) -> dict[str, Any]:
+    """logit_bias, allowed_token_ids, bad_words, truncate_prompt_tokens, when
+    sent, as SamplingParams arguments (logit_bias keyed by int token id)."""
+    kwargs: dict[str, Any] = {}
+    for name in _TOKEN_CONSTRAINTS:
+        value = getattr(request, name)
+        if value is None or (name == "bad_words" and not value):
+            continue
+        if name not in _SAMPLING_PARAMS_FIELDS:  # never silently dropped
+            raise OpenAIError(f"{name} is not supported by this server", 400, name)
+        if name == "logit_bias":
+            try:
+                value = {int(token_id): bias for token_id, bias in value.items()}
+            except ValueError:
+                raise OpenAIError("logit_bias keys must be token ids (integers as strings)", 400,
+                                  "logit_bias") from None
+        kwargs[name] = value
+    return kwargs
+
+
 def sampling_params_from(request: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
+                         prompt_logprobs: int | None = None,
+                         structured_outputs: StructuredOutputsParams | None = None,
+                         defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """`defaults` (the model's generation_config.json settings, see
+    ModelConfig.default_sampling_params) fill the fields the request leaves unset."""
     kwargs: dict[str, Any] = {
+        **(defaults or {}),
         "n": request.n, "seed": request.seed, "stop": request.stop, "stop_token_ids": request.stop_token_ids,
         "include_stop_str_in_output": request.include_stop_str_in_output, "ignore_eos": request.ignore_eos,
         "min_tokens": request.min_tokens, "skip_special_tokens": request.skip_special_tokens,
         "max_tokens": max_tokens, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+        "structured_outputs": structured_outputs, **_token_constraints(request),
     }
     for name in _OPTIONAL_FLOATS:
         value = getattr(request, name)
         if value is not None:
             kwargs[name] = value
     if request.top_k is not None:
-        kwargs["top_k"] = request.top_k
+        # 0 is how vLLM and client libraries say "no top-k".
+        kwargs["top_k"] = -1 if request.top_k == 0 else request.top_k
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
@@ -128,12 +169,13 @@ def check_not_ended_early(completions) -> None:
 
 
 def check_model(model: str | None, served_model_names: list[str]) -> str:
-    """The model name answered with; an unknown name is the client's mistake (400)."""
+    """The model name answered with; an unknown name is a 404, as in OpenAI's
+    and vLLM's servers."""
     if model is None or model == "":
         return served_model_names[0]
     if model not in served_model_names:
         raise OpenAIError(f"The model `{model}` does not exist; this server serves {served_model_names}.",
-                          400, "model")
+                          404, "model", "NotFoundError")
     return model
 
 

@@ -3,6 +3,7 @@ each, whole or streamed as server-sent events; echo and logprobs as in OpenAI.""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, AsyncIterator
 
@@ -30,12 +31,14 @@ from raylm.entrypoints.openai.serving_common import (
     cancel_on_disconnect,
     check_model,
     check_not_ended_early,
+    check_request_fields,
     merge_streams,
     prepare_prompt,
     sampling_params_from,
     sse,
     stream_error_event,
 )
+from raylm.entrypoints.openai.structured_outputs import checked_structured_outputs
 from raylm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -51,6 +54,13 @@ def _split_prompts(prompt: Any) -> list[Any]:
         return [{"prompt_token_ids": list(prompt)}]
     check_prompt_count(len(prompt))
     return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
+
+
+def _without_special_tokens(tokenizer, prompts: list[Any]) -> list[Any]:
+    """Text prompts tokenized without the tokens the tokenizer adds (BOS);
+    prompts given as token ids are the client's own already."""
+    return [{"prompt": p, "prompt_token_ids": tokenizer.encode(p, add_special_tokens=False)}
+            if isinstance(p, str) else p for p in prompts]
 
 
 def completion_logprobs(tokenizer, token_ids: list[int], positions: list[PositionLogprobs | None],
@@ -83,13 +93,20 @@ class OpenAIServingCompletion:
 
     async def create(self, request: CompletionRequest, raw_request: Request) -> Response:
         model = check_model(request.model, self.served_model_names)
+        check_request_fields(request)
         if request.echo and request.stream and request.logprobs is not None and request.n > 1:
             # Keeps echo bookkeeping to one choice per prompt; rare in practice.
             raise OpenAIError("echo with logprobs supports n=1 only when streaming", 400, "echo")
         prompts = _split_prompts(request.prompt)
+        if not request.add_special_tokens:
+            prompts = await asyncio.get_running_loop().run_in_executor(
+                None, _without_special_tokens, self.engine.tokenizer, prompts)
         check_stop(request.stop)
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
-        base_params = sampling_params_from(request, request.max_tokens, request.logprobs, prompt_logprobs)
+        structured_outputs = await checked_structured_outputs(request)
+        base_params = sampling_params_from(request, request.max_tokens, request.logprobs, prompt_logprobs,
+                                           structured_outputs=structured_outputs,
+                                           defaults=self.engine.config.model_config.default_sampling_params)
         # Admitted before tokenizing, so that a burst of arrivals is counted at once.
         reservation = self.admission.admit(len(prompts) * request.n, "n" if request.n > 1 else "prompt")
         try:

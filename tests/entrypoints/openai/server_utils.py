@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -41,17 +42,22 @@ class RaylmServer:
     a process group of its own (for signals sent to the whole group)."""
 
     def __init__(self, model_dir: str | None, extra_args: list[str], log_path: str, startup_timeout: float = 180.0,
-                 new_session: bool = False):
+                 new_session: bool = False, tls_ca_file: str | None = None, env: dict[str, str] | None = None):
+        """`tls_ca_file`: the server was given --ssl-keyfile/--ssl-certfile; it is
+        reached over https, trusting this certificate. `env`: added to os.environ."""
         self.log_path = log_path
+        self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=tls_ca_file) if tls_ca_file else True
+        scheme = "https" if tls_ca_file else "http"
         model = [model_dir] if model_dir is not None else []
         for attempt in range(_PORT_ATTEMPTS):
             self.port = free_port()
-            self.base_url = f"http://127.0.0.1:{self.port}"
+            self.base_url = f"{scheme}://127.0.0.1:{self.port}"
             command = [sys.executable, "-m", "raylm.entrypoints.cli", "serve", *model, "--port", str(self.port),
                        "--served-model-name", MODEL_NAME, *ENGINE_FLAGS, *extra_args]
             self._log = open(log_path, "wb")
             self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=new_session)
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                         start_new_session=new_session)
             try:
                 self._wait_healthy(startup_timeout)
                 break
@@ -71,7 +77,7 @@ class RaylmServer:
                     raise _PortTaken(self.log())
                 raise RuntimeError(f"raylm serve exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url("/health"), timeout=2).status_code == 200:
+                if httpx.get(self.url("/health"), timeout=2, verify=self.verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

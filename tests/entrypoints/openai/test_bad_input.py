@@ -32,7 +32,7 @@ def _assert_error(response: httpx.Response, status: int, param: str | None) -> N
 @pytest.mark.parametrize("body, param", [
     ({**GOOD, "temperature": -1}, "temperature"),
     ({**GOOD, "top_p": 0}, "top_p"),
-    ({**GOOD, "top_k": 0}, "top_k"),
+    ({**GOOD, "top_k": -2}, "top_k"),
     ({**GOOD, "min_p": 2}, "min_p"),
     ({**GOOD, "presence_penalty": 3}, "presence_penalty"),
     ({**GOOD, "max_tokens": 0}, "max_tokens"),
@@ -40,7 +40,6 @@ def _assert_error(response: httpx.Response, status: int, param: str | None) -> N
     ({**GOOD, "n": 0}, "n"),
     ({**GOOD, "temperature": "hot"}, "temperature"),
     ({**GOOD, "stop": [""]}, "stop"),
-    ({**GOOD, "model": "not-a-model"}, "model"),
     ({**GOOD, "prompt": ""}, "prompt"),
     ({**GOOD, "prompt": []}, "prompt"),
     ({**GOOD, "prompt": [1, 2, 10**9]}, "prompt_token_ids"),
@@ -63,6 +62,15 @@ def test_bad_completion_requests(http, body, param):
 ])
 def test_bad_chat_requests(http, body, param):
     _assert_error(http.post("/v1/chat/completions", json=body), 400, param)
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", GOOD), ("/v1/chat/completions", GOOD_CHAT)])
+def test_unknown_model_is_not_found(http, path, body):
+    # OpenAI's and vLLM's answer to a model the server does not serve.
+    response = http.post(path, json={**body, "model": "not-a-model"})
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert error["type"] == "NotFoundError" and error["param"] == "model" and error["code"] == 404
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"", b'{"prompt": NaN, "model": "x"}'])

@@ -1,0 +1,76 @@
+"""What every tool-call parser gives back, whole or streamed, independent of
+the model's format: the calls (name + arguments as JSON text) and the text
+around them that is meant for the user."""
+
+from __future__ import annotations
+
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+
+def tool_call_id() -> str:
+    # OpenAI's shape: "call_" and 24 characters.
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ParsedToolCall:
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+@dataclass
+class ExtractedToolCalls:
+    content: str | None
+    calls: list[ParsedToolCall] = field(default_factory=list)
+
+
+@dataclass
+class ToolCallDelta:
+    """One call's piece in a streamed chunk: its first piece has the id and
+    the name; later pieces carry more of the arguments text."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass
+class StreamDelta:
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def add_call_piece(self, index: int, *, id: str | None = None, name: str | None = None,
+                       arguments: str = "") -> None:
+        """Pieces of one call within one chunk are merged: clients key them by index."""
+        for piece in self.tool_calls:
+            if piece.index == index:
+                piece.arguments += arguments
+                return
+        self.tool_calls.append(ToolCallDelta(index, id, name, arguments))
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.tool_calls)
+
+
+class StreamingToolParser(ABC):
+    """Per choice state: fed the text deltas as they are generated."""
+
+    @abstractmethod
+    def feed(self, text: str) -> StreamDelta: ...
+
+    @abstractmethod
+    def finish(self) -> StreamDelta:
+        """The output ended: whatever was held back goes out."""
+
+
+class ToolParser(ABC):
+    name: str
+
+    @abstractmethod
+    def extract(self, text: str) -> ExtractedToolCalls: ...
+
+    @abstractmethod
+    def streaming(self) -> StreamingToolParser: ...

@@ -1,0 +1,221 @@
+"""The CPU placement planner on made-up machines (no pinning happens here),
+plus reading a fake sysfs tree and applying a plan to this test's own thread."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from raylm.worker.cpu_placement import (CpuTopology, RankPlacement, apply_rank_placement, format_cpus,
+                                        parse_cpu_bind, parse_cpu_list, plan_cpu_placement, read_topology)
+
+
+def flat(n: int) -> CpuTopology:
+    """n cores, no SMT, one NUMA node."""
+    return CpuTopology.build(set(range(n)))
+
+
+def smt(physical: int) -> CpuTopology:
+    """`physical` cores with two hyperthreads each, numbered like Linux does on
+    x86: cpu i and cpu i + physical are siblings."""
+    siblings = {}
+    for core in range(physical):
+        pair = {core, core + physical}
+        siblings[core] = siblings[core + physical] = pair
+    return CpuTopology.build(set(range(2 * physical)), siblings)
+
+
+def cores_of(plan):
+    return [list(r.cpus) if r.cpus is not None else None for r in plan.ranks]
+
+
+def threads_of(plan):
+    return [r.num_threads for r in plan.ranks]
+
+
+# ---- the defaults -------------------------------------------------------------------------
+
+
+def test_two_cores_uni_keeps_one_core_for_the_engine_loop():
+    plan = plan_cpu_placement(flat(2), 1)
+    assert threads_of(plan) == [1]
+    # A single rank is not pinned by default (it shares the engine's thread).
+    assert cores_of(plan) == [None]
+    assert plan.engine_loop_cpus == (1,)
+
+
+def test_one_core_has_nothing_to_reserve():
+    plan = plan_cpu_placement(flat(1), 1)
+    assert threads_of(plan) == [1] and plan.engine_loop_cpus == ()
+
+
+def test_two_cores_tp2_pins_one_core_per_rank_and_shares_the_loop():
+    # What vLLM's VLLM_CPU_OMP_THREADS_BIND="0|1" does, measured faster in the issue.
+    plan = plan_cpu_placement(flat(2), 2)
+    assert cores_of(plan) == [[0], [1]]
+    assert threads_of(plan) == [1, 1]
+    assert plan.engine_loop_cpus == ()
+
+
+def test_eight_cores_tp2_reserves_the_last_core():
+    plan = plan_cpu_placement(flat(8), 2)
+    assert cores_of(plan) == [[0, 1, 2], [3, 4, 5]]
+    assert threads_of(plan) == [3, 3]
+    # The leftover core 6 (TP ranks get equal shares) goes to the loop too.
+    assert plan.engine_loop_cpus == (6, 7)
+    assert "engine loop on cores [6-7]" in plan.describe()
+    assert "rank 1 -> cores [3-5] (3 threads)" in plan.describe()
+
+
+def test_a_node_without_the_engine_loop_gives_the_ranks_every_core():
+    plan = plan_cpu_placement(flat(8), 2, engine_loop_here=False)
+    assert cores_of(plan) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert plan.engine_loop_cpus == ()
+
+
+def test_more_ranks_than_cores_share_round_robin_with_one_thread():
+    plan = plan_cpu_placement(flat(2), 4)
+    assert cores_of(plan) == [[0], [1], [0], [1]]
+    assert threads_of(plan) == [1, 1, 1, 1]
+    assert "oversubscribed" in plan.describe()
+
+
+def test_hyperthreads_a_rank_gets_whole_cores_one_thread_each():
+    topo = smt(4)  # cpus 0-7, siblings (0,4) (1,5) (2,6) (3,7)
+    assert topo.cores == ((0, 4), (1, 5), (2, 6), (3, 7))
+    plan = plan_cpu_placement(topo, 2)
+    # Ranks pinned to one sibling of each of their physical cores.
+    assert cores_of(plan) == [[0], [1]]
+    assert threads_of(plan) == [1, 1]
+    # The engine loop keeps a whole physical core (both siblings) and the spare.
+    assert set(plan.engine_loop_cpus) == {2, 6, 3, 7}
+    uni = plan_cpu_placement(topo, 1)
+    assert threads_of(uni) == [3]
+
+
+def test_numa_ranks_stay_within_a_node():
+    # Two nodes of 4 cores; a contiguous split of 7 usable cores would give
+    # rank 1 cores 3-5, across both nodes.
+    topo = CpuTopology.build(set(range(8)), numa_nodes={0: {0, 1, 2, 3}, 1: {4, 5, 6, 7}})
+    plan = plan_cpu_placement(topo, 2)
+    assert cores_of(plan) == [[0, 1, 2], [4, 5, 6]]
+    assert plan.engine_loop_cpus == (3, 7)
+    assert all(set(cores) <= {0, 1, 2, 3} or set(cores) <= {4, 5, 6, 7} for cores in cores_of(plan))
+
+
+def test_numa_order_groups_nodes_even_when_ids_interleave():
+    topo = CpuTopology.build(set(range(4)), numa_nodes={0: {0, 2}, 1: {1, 3}})
+    assert topo.cores == ((0,), (2,), (1,), (3,))
+    plan = plan_cpu_placement(topo, 2, engine_loop_here=False)
+    assert cores_of(plan) == [[0, 2], [1, 3]]
+
+
+def test_a_restricted_affinity_is_honoured():
+    # Only cpus 4-7 usable (taskset / cpuset): the plan never leaves them.
+    plan = plan_cpu_placement(CpuTopology.build({4, 5, 6, 7}), 2)
+    assert cores_of(plan) == [[4], [5]]
+    assert plan.engine_loop_cpus == (6, 7)
+
+
+# ---- overrides ----------------------------------------------------------------------------
+
+
+def test_num_threads_overrides_the_count():
+    plan = plan_cpu_placement(flat(8), 2, num_threads=2)
+    assert threads_of(plan) == [2, 2]
+    assert cores_of(plan) == [[0, 1], [2, 3]]
+    # A thread count that only fits without the reservation takes every core.
+    plan = plan_cpu_placement(flat(8), 2, num_threads=4)
+    assert cores_of(plan) == [[0, 1, 2, 3], [4, 5, 6, 7]] and plan.engine_loop_cpus == ()
+    uni = plan_cpu_placement(flat(2), 1, num_threads=2)
+    assert threads_of(uni) == [2] and uni.engine_loop_cpus == ()
+
+
+def test_bundle_cap_limits_a_ray_rank():
+    plan = plan_cpu_placement(flat(16), 2, max_threads_per_rank=2)
+    assert cores_of(plan) == [[0, 1], [2, 3]]
+    assert threads_of(plan) == [2, 2]
+
+
+def test_explicit_groups_pin_even_a_single_rank():
+    plan = plan_cpu_placement(flat(4), 2, cpu_bind="0-1|3")
+    assert cores_of(plan) == [[0, 1], [3]]
+    assert threads_of(plan) == [2, 1]
+    assert plan.engine_loop_cpus == (2,)
+    uni = plan_cpu_placement(flat(2), 1, cpu_bind="1")
+    assert cores_of(uni) == [[1]] and threads_of(uni) == [1]
+
+
+def test_all_means_no_pinning():
+    plan = plan_cpu_placement(flat(8), 2, cpu_bind="all")
+    assert cores_of(plan) == [None, None]
+    assert threads_of(plan) == [3, 3]
+    assert parse_cpu_bind("nobind") == "all"
+
+
+def test_explicit_groups_errors_name_cpu_bind():
+    with pytest.raises(ValueError, match="cpu_bind has 1 CPU groups"):
+        plan_cpu_placement(flat(4), 2, cpu_bind="0-1")
+    with pytest.raises(ValueError, match=r"cpu_bind group 1 names CPUs \[9\]"):
+        plan_cpu_placement(flat(4), 2, cpu_bind="0|9")
+    with pytest.raises(ValueError, match="cpu_bind"):
+        parse_cpu_bind("0-1|x")
+    with pytest.raises(ValueError, match="cpu_bind"):
+        parse_cpu_bind("3-1")
+    with pytest.raises(ValueError, match="share CPUs"):
+        parse_cpu_bind("0-2|2-3")
+
+
+def test_cpu_list_syntax():
+    assert parse_cpu_list("0-3,8, 10") == {0, 1, 2, 3, 8, 10}
+    assert parse_cpu_bind(" 0-1 | 2,3 ") == [{0, 1}, {2, 3}]
+    assert format_cpus([5, 0, 1, 2, 7, 8]) == "[0-2,5,7-8]"
+
+
+# ---- the real machine ---------------------------------------------------------------------
+
+
+def test_read_topology_from_a_fake_sysfs(tmp_path):
+    for cpu, sib in {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}.items():
+        d = tmp_path / f"cpu/cpu{cpu}/topology"
+        d.mkdir(parents=True)
+        (d / "thread_siblings_list").write_text(sib + "\n")
+    for node, cpus in {0: "0,2", 1: "1,3"}.items():
+        d = tmp_path / f"node/node{node}"
+        d.mkdir(parents=True)
+        (d / "cpulist").write_text(cpus + "\n")
+    topo = read_topology({0, 1, 2, 3}, sysfs=tmp_path)
+    assert topo.cores == ((0, 2), (1, 3))
+    assert topo.core_numa_nodes == (0, 1)
+    # Missing files: every CPU a core of its own, one node.
+    assert read_topology({0, 1}, sysfs=tmp_path / "nothing").cores == ((0,), (1,))
+
+
+def test_read_topology_of_this_process_covers_its_affinity():
+    assert read_topology().cpus == frozenset(os.sched_getaffinity(0))
+
+
+def test_apply_pins_only_the_calling_thread_when_sharing_a_process():
+    import torch
+
+    usable = sorted(os.sched_getaffinity(0))
+    seen = {}
+
+    def pin_here():
+        apply_rank_placement(RankPlacement(1, (usable[0],)), whole_process=False)
+        seen["mask"] = os.sched_getaffinity(0)
+        seen["threads"] = torch.get_num_threads()
+
+    before_threads = torch.get_num_threads()
+    worker = threading.Thread(target=pin_here)
+    worker.start()
+    worker.join()
+    try:
+        assert seen["mask"] == {usable[0]}
+        assert seen["threads"] == 1
+        # The main thread keeps every core.
+        assert os.sched_getaffinity(0) == set(usable)
+    finally:
+        torch.set_num_threads(before_threads)
