@@ -1,19 +1,27 @@
 """MessageQueue micro-benchmark: enqueue -> dequeue latency of small messages to
-2 reader processes, and the CPU an idle reader burns while it waits.
+2 reader processes, the CPU an idle reader burns while it waits, and the cost
+of the message codec on a typical step (encode + decode of the call carrying a
+SchedulerOutput, and of the reply carrying a ModelRunnerOutput).
 
-    python benchmarks/bench_mq.py [--messages 2000] [--idle-seconds 2]
+    python benchmarks/bench_mq.py [--messages 2000] [--idle-seconds 2] [--codec-only]
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
+import random
 import statistics
 import time
+import timeit
 
 import psutil
 
+from raylm.distributed.message_codec import MessageCodec
+from raylm.distributed.rpc_messages import RpcReply, RpcRequest
 from raylm.distributed.shm_broadcast import MessageQueue, QueueClosedError
+from raylm.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from raylm.sampling_params import SamplingParams
 
 
 def _reader(handle, rank: int, ack_handle_pipe) -> None:
@@ -59,11 +67,53 @@ def _run_round(queue: MessageQueue, acks: list[MessageQueue], count: int, gap_s:
     print(f"{label:<34} {_percentiles(merged)}")
 
 
+def _typical_step(decoding: int = 64, prefills: int = 2, prompt_len: int = 512):
+    """A decode-heavy step: `decoding` running requests plus `prefills` new
+    ones; and its output, without and with top-5 logprobs."""
+    rng = random.Random(0)
+    new = [
+        NewRequestData(f"new-{i}", [rng.randrange(32000) for _ in range(prompt_len)], [],
+                       SamplingParams(temperature=0.7, top_p=0.9, max_tokens=128, stop=["\n\n"]), list(range(32)), 0)
+        for i in range(prefills)
+    ]
+    cached = [CachedRequestData(f"req-{i}", [rng.randrange(32000)], [i] if i % 16 == 0 else [], 600 + i)
+              for i in range(decoding)]
+    scheduled = {c.req_id: 1 for c in cached} | {n.req_id: prompt_len for n in new}
+    step = SchedulerOutput(new, cached, scheduled, sum(scheduled.values()), {"done-1"})
+    ids = [c.req_id for c in cached]
+    sampled = [[rng.randrange(32000)] for _ in ids]
+    logprobs = {r: ([rng.randrange(32000) for _ in range(6)], [rng.random() for _ in range(6)], 3) for r in ids}
+    return step, ModelRunnerOutput(ids, sampled), ModelRunnerOutput(ids, sampled, logprobs)
+
+
+def bench_codec(repeat: int = 5, number: int = 2000) -> None:
+    """Best-of-`repeat` microseconds per encode and per decode, as the step
+    path sends them (the rpc envelopes around the messages)."""
+    codec = MessageCodec()
+    step, output, output_with_logprobs = _typical_step()
+    cases = {
+        "call: SchedulerOutput (66 reqs)": RpcRequest(7, "execute_model", (step,), {}, 0),
+        "reply: ModelRunnerOutput": RpcReply(7, "ok", output),
+        "reply: ModelRunnerOutput + logprobs": RpcReply(7, "ok", output_with_logprobs),
+    }
+    print("codec, best of", repeat, "x", number)
+    for label, message in cases.items():
+        data = codec.encode(message)
+        assert codec.decode(data) == message
+        encode = min(timeit.repeat(lambda: codec.encode(message), number=number, repeat=repeat)) / number * 1e6
+        decode = min(timeit.repeat(lambda: codec.decode(data), number=number, repeat=repeat)) / number * 1e6
+        print(f"  {label:<38} {len(data):6d} B  encode {encode:6.1f} us  decode {decode:6.1f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=2000)
     parser.add_argument("--idle-seconds", type=float, default=2.0)
+    parser.add_argument("--codec-only", action="store_true", help="only the codec micro-benchmark")
     args = parser.parse_args()
+    bench_codec()
+    if args.codec_only:
+        return
 
     ctx = multiprocessing.get_context("spawn")
     queue = MessageQueue(num_local_readers=2, chunk_bytes=1 << 16, max_chunks=8)

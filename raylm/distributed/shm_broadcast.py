@@ -25,6 +25,13 @@ raises QueueOutOfSyncError rather than return another message's payload.
 Every wait, on every path, ends at the caller's timeout (TimeoutError) and
 when the queue is closed, locally or by its writer (QueueClosedError): a peer
 that dies mid-message must not hang the other side.
+
+Trust: payloads are typed msgpack (raylm.distributed.message_codec), never
+unpickled. Code (a callable) travels only where the writer enables
+`local_callables`, and only inline in the shared-memory ring: a segment only
+this user can open (mode 0600). The remote TCP socket uses ZMQ CURVE with the
+executor's keys (raylm.distributed.tcp_auth); the local overflow socket is on
+loopback and carries no code.
 """
 
 from __future__ import annotations
@@ -43,7 +50,8 @@ from typing import Any
 import _posixshmem
 import zmq
 
-from raylm.distributed.message_codec import MessageCodec
+from raylm.distributed.message_codec import CallableNotAllowedError, MessageCodec
+from raylm.distributed.tcp_auth import CurveKeys, CurveServer, secure_client, tcp_auth_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +93,8 @@ class QueueOutOfSyncError(RuntimeError):
 @dataclass
 class MessageQueueHandle:
     """Everything a reader needs to attach; picklable, so it can travel to a
-    spawned process or a Ray actor."""
+    spawned process or a Ray actor. It holds the queue's CURVE secret: pass it
+    only over trusted channels (a Ray actor call, a spawned child's arguments)."""
 
     shm_name: str | None
     chunk_bytes: int
@@ -94,6 +103,10 @@ class MessageQueueHandle:
     local_overflow_address: str | None
     remote_address: str | None
     num_remote_readers: int = 0
+    # The writer may put callables in the ring (decoded only from shared memory).
+    local_callables: bool = False
+    # The remote socket's CURVE keys; None when it is plain TCP (or there is none).
+    tcp_keys: CurveKeys | None = None
 
 
 class _Backoff:
@@ -182,7 +195,15 @@ class MessageQueue:
         host_ip: str = "127.0.0.1",
         local_reader_ranks: list[int] | None = None,
         codec: MessageCodec | None = None,
+        local_callables: bool = False,
+        tcp_keys: CurveKeys | None = None,
+        authenticate_tcp: bool | None = None,
     ):
+        """`local_callables`: the multiprocess executor's broadcast may carry
+        callables, inline in shared memory only (not with remote readers).
+        `tcp_keys`: the executor's CURVE keys for the remote socket; without
+        them one is made here, unless `authenticate_tcp` is False (default: on,
+        unless RAYLM_MQ_UNAUTHENTICATED_TCP=1)."""
         if num_local_readers < 0 or num_remote_readers < 0 or num_local_readers + num_remote_readers == 0:
             raise ValueError("a MessageQueue needs at least one reader")
         if chunk_bytes <= _CHUNK_HEADER.size or max_chunks < 1:
@@ -191,7 +212,10 @@ class MessageQueue:
             local_reader_ranks = list(range(num_local_readers))
         if len(local_reader_ranks) != num_local_readers:
             raise ValueError("local_reader_ranks must name one rank per local reader")
+        if local_callables and num_remote_readers:
+            raise ValueError("local_callables: code travels only in shared memory, and this queue has remote readers")
         self.is_writer = True
+        self._local_callables = local_callables
         self.codec = codec or MessageCodec()
         self._closed = False
         self._lock = threading.Lock()
@@ -206,13 +230,19 @@ class MessageQueue:
         self._zmq = zmq.Context()
         self._segment: _Segment | None = None
         self._local_pub = self._remote_pub = None
+        self._curve_server: CurveServer | None = None
         local_address = remote_address = None
         if num_local_readers:
             name = f"{SEGMENT_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
             self._segment = _Segment(name, self._layout_size(), create=True)
             self._local_pub, local_address = self._bind_xpub("127.0.0.1")
         if num_remote_readers:
-            self._remote_pub, remote_address = self._bind_xpub(host_ip)
+            if authenticate_tcp is None:
+                authenticate_tcp = tcp_keys is not None or tcp_auth_enabled()
+            if authenticate_tcp:
+                # Started before the bind: no client may connect unchecked.
+                self._curve_server = CurveServer(self._zmq, tcp_keys or CurveKeys.generate())
+            self._remote_pub, remote_address = self._bind_xpub(host_ip, self._curve_server)
         # Subscriptions seen so far: ZMQ drops what a PUB socket sends before a
         # subscriber is connected, so the writer waits for them before the
         # first message that needs them.
@@ -225,6 +255,8 @@ class MessageQueue:
             local_overflow_address=local_address,
             remote_address=remote_address,
             num_remote_readers=num_remote_readers,
+            local_callables=local_callables,
+            tcp_keys=self._curve_server.keys if self._curve_server else None,
         )
 
     # ---- construction -------------------------------------------------------------
@@ -232,8 +264,10 @@ class MessageQueue:
     def _layout_size(self) -> int:
         return _HEADER_BYTES + self._max_chunks * (1 + self._num_local) + self._max_chunks * self._chunk_bytes
 
-    def _bind_xpub(self, host: str) -> tuple[zmq.Socket, str]:
+    def _bind_xpub(self, host: str, curve: CurveServer | None = None) -> tuple[zmq.Socket, str]:
         sock = self._zmq.socket(zmq.XPUB)
+        if curve is not None:
+            curve.secure(sock)
         sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # count every subscriber, not distinct topics
         sock.setsockopt(zmq.SNDHWM, 0)  # never drop: the ring already bounds what is in flight
         port = sock.bind_to_random_port(f"tcp://{host}")
@@ -261,6 +295,7 @@ class MessageQueue:
         self._out_of_sync: str | None = None
         self._zmq = zmq.Context()
         self._segment = None
+        self._curve_server = None
         self._sub = self._zmq.socket(zmq.SUB)
         self._sub.setsockopt(zmq.RCVHWM, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -272,6 +307,8 @@ class MessageQueue:
             if handle.remote_address is None:
                 raise ValueError(f"rank {rank} is not a local reader and the queue has no remote readers")
             self._reader_slot = None
+            if handle.tcp_keys is not None:
+                secure_client(self._sub, handle.tcp_keys)
             self._sub.connect(handle.remote_address)
         return self
 
@@ -307,12 +344,23 @@ class MessageQueue:
         TimeoutError or QueueClosedError no reader got the message."""
         if not self.is_writer:
             raise RuntimeError("only the writer enqueues")
-        payload = self.codec.encode(obj)
+        try:
+            payload, carries_code = self.codec.encode(obj), False
+        except CallableNotAllowedError:
+            # Tried second so that the step path pays nothing for it.
+            if not self._local_callables:
+                raise
+            payload, carries_code = self.codec.encode(obj, allow_callables=True), True
         with self._lock:
             if self._closed:
                 raise QueueClosedError("message queue is closed")
             backoff = _Backoff(timeout)
             overflow = len(payload) + _CHUNK_HEADER.size > self._chunk_bytes
+            if carries_code and overflow:
+                raise CallableNotAllowedError(
+                    f"a message carrying a callable is {len(payload)} bytes, more than a chunk "
+                    f"({self._chunk_bytes}): code travels only inline in shared memory, never on a socket"
+                )
             # Every wait comes before the first send: a timeout then leaves the
             # message with no reader at all, and a retry duplicates it for none.
             if self._num_local:
@@ -390,10 +438,10 @@ class MessageQueue:
         overflow = self._recv_overflow(seq, backoff) if kind == _KIND_OVERFLOW else None
         try:
             if overflow is not None:
-                return self.codec.decode(overflow)
+                return self.codec.decode(overflow)  # from a socket: never trusted with code
             start = base + _CHUNK_HEADER.size
             with buf[start : start + length] as view:
-                return self.codec.decode(view)
+                return self.codec.decode(view, trusted=self._handle.local_callables)
         finally:
             # Even if decoding failed: the writer must not wait on this chunk forever.
             buf[mine] = 1
@@ -477,6 +525,8 @@ class MessageQueue:
                 for sock in (self._local_pub, self._remote_pub):
                     if sock is not None:
                         sock.close(linger=_ZMQ_LINGER_MS)
+                if self._curve_server is not None:
+                    self._curve_server.stop()
             else:
                 self._sub.close(linger=0)
             self._zmq.term()

@@ -2,9 +2,16 @@
 executor's `mq` transport: the worker-side dequeue-run-reply loop and the
 driver-side client (call FIFO, reply collection, timeouts, error formatting).
 
-The driver broadcasts `(seq, method, args, kwargs, reply_rank)` to every rank;
-each rank replies `(seq, status, payload)` on its own response queue. Replies
+The driver broadcasts an RpcRequest to every rank; each rank replies with an
+RpcReply on its own response queue (raylm.distributed.rpc_messages). Replies
 are consumed in call order, so several calls may be in flight (`non_block`).
+
+Where a callable goes: the queues carry typed msgpack only, and a callable is
+code. The multiprocess executor's broadcast (one node, shared memory of one
+user) may carry it inline (`local_callables`); the Ray executor registers it
+on every actor through Ray and sends a CallableRef, which the worker resolves
+in its CallableRegistry. A worker's exception comes back as a RemoteError
+record and is raised on the driver as WorkerCallError.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from raylm.distributed.rpc_messages import CallableRef, RemoteError, RpcReply, RpcRequest
 from raylm.distributed.shm_broadcast import MessageQueue, QueueClosedError
 from raylm.executor.errors import ExecutorFailedError, WorkerDiedError, WorkerHungError, WorkerStepError
 
@@ -32,13 +40,46 @@ REPLY_POLL_S = 0.05
 OK, ERROR, FATAL = "ok", "error", "fatal"
 
 
-def method_name(method: str | Callable) -> str:
-    return method if isinstance(method, str) else getattr(method, "__name__", repr(method))
+def method_name(method: str | CallableRef | Callable) -> str:
+    if isinstance(method, str):
+        return method
+    if isinstance(method, CallableRef):
+        return method.name
+    return getattr(method, "__name__", repr(method))
 
 
-def format_worker_error(error: tuple) -> str:
-    type_name, message, tb, rank, method = error
-    return f"worker rank {rank} raised {type_name} in {method}: {message}\n--- worker traceback (rank {rank}) ---\n{tb}"
+def format_worker_error(error: RemoteError) -> str:
+    rank = error.rank
+    return (
+        f"worker rank {rank} raised {error.type_name} in {error.method}: {error.message}\n"
+        f"--- worker traceback (rank {rank}) ---\n{error.traceback}"
+    )
+
+
+class WorkerCallError(RuntimeError):
+    """A worker raised in a call; the driver's copy of its RemoteError (type
+    name, message, traceback text), never the worker's exception object."""
+
+    def __init__(self, error: RemoteError):
+        super().__init__(format_worker_error(error))
+        self.remote = error
+
+
+class CallableRegistry:
+    """The worker side of callables that travel through Ray: registered by an
+    actor call before the queue names them, taken (once) when the call runs."""
+
+    def __init__(self) -> None:
+        self._callables: dict[int, Callable] = {}
+
+    def register(self, token: int, fn: Callable) -> None:
+        self._callables[token] = fn
+
+    def take(self, ref: CallableRef) -> Callable:
+        fn = self._callables.pop(ref.token, None)
+        if fn is None:
+            raise LookupError(f"callable {ref.name!r} (token {ref.token}) was not registered on this worker")
+        return fn
 
 
 # ---- the worker side ----------------------------------------------------------------
@@ -51,10 +92,13 @@ class WorkerLoop:
     the loop owns both queues and closes them, and shuts the worker down, on exit.
     """
 
-    def __init__(self, wrapper: Any, broadcast: MessageQueue, response: MessageQueue):
+    def __init__(
+        self, wrapper: Any, broadcast: MessageQueue, response: MessageQueue, callables: CallableRegistry | None = None
+    ):
         self.wrapper = wrapper
         self.broadcast = broadcast
         self.response = response
+        self.callables = callables
 
     @property
     def rank(self) -> int:
@@ -64,17 +108,19 @@ class WorkerLoop:
         try:
             while True:
                 try:
-                    seq, method, args, kwargs, reply_rank = self.broadcast.dequeue()
+                    request = self.broadcast.dequeue()
+                    if type(request) is not RpcRequest:
+                        raise TypeError(f"expected an RpcRequest, got {type(request).__name__}")
                 except QueueClosedError:
                     return  # the executor is shutting down
                 except Exception as e:
                     # A call this rank cannot read (say, a callable from a module
                     # it cannot import): it misses the call and its peers may
                     # wait for it in a collective, so the failure is fatal.
-                    error = (type(e).__name__, f"could not read a call: {e}", traceback.format_exc(), self.rank, "?")
-                    self.response.enqueue((-1, FATAL, error))
+                    error = RemoteError(type(e).__name__, f"could not read a call: {e}", traceback.format_exc(), self.rank, "?")
+                    self.response.enqueue(RpcReply(-1, FATAL, error))
                     continue
-                self.run_one(seq, method, args, kwargs, reply_rank)
+                self.run_one(request.seq, request.method, request.args, request.kwargs, request.reply_rank)
         finally:
             if self.wrapper.worker is not None:
                 try:
@@ -84,15 +130,21 @@ class WorkerLoop:
             self.response.close()
             self.broadcast.close()
 
-    def run_one(self, seq: int, method: str | Callable, args: tuple, kwargs: dict, reply_rank: int | None) -> None:
+    def run_one(
+        self, seq: int, method: str | CallableRef | Callable, args: tuple, kwargs: dict, reply_rank: int | None
+    ) -> None:
         asked = reply_rank is None or reply_rank == self.rank
         try:
-            reply = (seq, OK, self.wrapper.execute_method(method, *args, **kwargs))
+            if isinstance(method, CallableRef):
+                if self.callables is None:
+                    raise LookupError(f"callable {method.name!r}: this worker takes no registered callables")
+                method = self.callables.take(method)
+            reply = RpcReply(seq, OK, self.wrapper.execute_method(method, *args, **kwargs))
         except Exception as e:
-            error = (type(e).__name__, str(e), traceback.format_exc(), self.rank, method_name(method))
+            error = RemoteError(type(e).__name__, str(e), traceback.format_exc(), self.rank, method_name(method))
             # A rank that was not asked to reply still reports its failure:
             # its peers are likely stuck in a collective waiting for it.
-            reply = (seq, ERROR if asked else FATAL, error)
+            reply = RpcReply(seq, ERROR if asked else FATAL, error)
         else:
             if not asked:
                 return
@@ -100,9 +152,11 @@ class WorkerLoop:
             self.response.enqueue(reply)
         except QueueClosedError:
             raise
-        except Exception as e:  # an unserialisable result
-            error = (type(e).__name__, f"could not send the reply: {e}", traceback.format_exc(), self.rank, method_name(method))
-            self.response.enqueue((seq, ERROR if asked else FATAL, error))
+        except Exception as e:  # a result of a type the queue does not carry
+            error = RemoteError(
+                type(e).__name__, f"could not send the reply: {e}", traceback.format_exc(), self.rank, method_name(method)
+            )
+            self.response.enqueue(RpcReply(seq, ERROR if asked else FATAL, error))
 
 
 # ---- the driver side ----------------------------------------------------------------
@@ -178,7 +232,7 @@ class MqRpcClient:
         self._wait_until: float | None = None
         self.pending: deque[_PendingCall] = deque()
         # Replies read from a rank's queue while waiting on another rank.
-        self._stash: list[dict[int, tuple]] = [{} for _ in range(self.world_size)]
+        self._stash: list[dict[int, RpcReply]] = [{} for _ in range(self.world_size)]
 
     # ---- state --------------------------------------------------------------------
 
@@ -214,7 +268,7 @@ class MqRpcClient:
 
     def call(
         self,
-        method: str | Callable,
+        method: str | CallableRef | Callable,
         timeout: float | None = None,
         args: tuple = (),
         kwargs: dict | None = None,
@@ -234,7 +288,7 @@ class MqRpcClient:
             # Queued before the send: a reply can never arrive for an unknown call.
             self.pending.append(call)
             try:
-                self.broadcast.enqueue((seq, method, tuple(args), kwargs or {}, unique_reply_rank), timeout=timeout)
+                self.broadcast.enqueue(RpcRequest(seq, method, tuple(args), kwargs or {}, unique_reply_rank), timeout=timeout)
             except BaseException as e:
                 self.pending.remove(call)
                 if isinstance(e, TimeoutError):
@@ -284,13 +338,13 @@ class MqRpcClient:
                 ) from None
         results = []
         for rank in call.ranks:
-            _, status, payload = call.replies[rank]
-            if status != OK:
-                raise RuntimeError(format_worker_error(payload))
-            results.append(payload)
+            reply = call.replies[rank]
+            if reply.status != OK:
+                raise WorkerCallError(reply.payload)
+            results.append(reply.payload)
         return results[0] if call.single else results
 
-    def _next_reply(self, rank: int, call: _PendingCall) -> tuple:
+    def _next_reply(self, rank: int, call: _PendingCall) -> RpcReply:
         queue = self.responses[rank]
         stash = self._stash[rank]
         while True:
@@ -322,13 +376,15 @@ class MqRpcClient:
                 self.raise_if_failed()
             self._file_reply(rank, reply, call.seq)
 
-    def _file_reply(self, rank: int, reply: tuple, current_seq: int) -> None:
-        seq, status, payload = reply
-        if status == FATAL:
-            self.mark_failed(format_worker_error(payload), WorkerStepError)
+    def _file_reply(self, rank: int, reply: RpcReply, current_seq: int) -> None:
+        if type(reply) is not RpcReply:
+            self.mark_failed(f"worker {self.describe_rank(rank)} sent a {type(reply).__name__}, not an RpcReply")
             self.raise_if_failed()
-        if seq >= current_seq:
-            self._stash[rank][seq] = reply
+        if reply.status == FATAL:
+            self.mark_failed(format_worker_error(reply.payload), WorkerStepError)
+            self.raise_if_failed()
+        if reply.seq >= current_seq:
+            self._stash[rank][reply.seq] = reply
         # else: a late reply to a call that already timed out; drop it.
 
     def _raise_if_a_peer_failed(self, call: _PendingCall) -> None:
@@ -337,8 +393,8 @@ class MqRpcClient:
         one in a collective (a rendezvous, an all-reduce) until a far timeout."""
         for rank in call.ranks:
             reply = self._stash[rank].get(call.seq)
-            if reply is not None and reply[1] != OK:
-                raise RuntimeError(format_worker_error(reply[2]))
+            if reply is not None and reply.status != OK:
+                raise WorkerCallError(reply.payload)
 
     def _poll_other_ranks(self, waiting_rank: int) -> None:
         # A rank that was not asked to reply reports only failures; find them

@@ -26,6 +26,7 @@ from raylm.config import EngineConfig
 from raylm.distributed.shm_broadcast import MessageQueue, MessageQueueHandle, unlink_segment
 from raylm.executor.abstract import Executor
 from raylm.executor.mq_rpc import MqRpcClient, WorkerDiedError, WorkerLoop
+from raylm.worker.cpu_placement import RankPlacement, apply_rank_placement, plan_cpu_placement, read_topology
 
 __all__ = ["MultiprocExecutor", "WorkerDiedError", "WorkerProc"]
 
@@ -40,13 +41,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def _abnormal_state(pid: int) -> str:
@@ -80,18 +74,18 @@ class WorkerProc:
         rank: int,
         broadcast_handle: MessageQueueHandle,
         init_method: str,
-        num_threads: int,
+        placement: RankPlacement,
         ready_pipe: multiprocessing.connection.Connection,
         death_pipe: multiprocessing.connection.Connection,
     ) -> None:
-        import torch
-
         # The driver owns this process's lifetime (the broadcast queue closes,
         # the death pipe hits EOF, or it kills): a signal sent to the whole
         # process group must not take a rank away while streams drain.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        torch.set_num_threads(num_threads)
+        # Before anything starts threads or loads weights: the threads started
+        # later inherit the pinning, and memory is first touched from the rank's cores.
+        apply_rank_placement(placement, whole_process=True)
         proc: WorkerProc | None = None
         segments = [broadcast_handle.shm_name]
 
@@ -201,16 +195,20 @@ class MultiprocExecutor(Executor):
     def _start_workers(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         res = self._res
-        res.broadcast = MessageQueue(num_local_readers=self.world_size)
+        # One node, one user: a collective_rpc callable may ride inline in the
+        # shared-memory ring (never a socket; see raylm.executor.mq_rpc).
+        res.broadcast = MessageQueue(num_local_readers=self.world_size, local_callables=True)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        num_threads = self.config.num_threads or max(1, _cpu_count() // self.world_size)
+        plan = plan_cpu_placement(read_topology(), self.world_size, engine_loop_here=True,
+                                  num_threads=self.config.num_threads, cpu_bind=self.config.cpu_bind)
+        logger.info("CPU placement: %s", plan.describe())
         ready_pipes = []
         for rank in range(self.world_size):
             ready_r, ready_w = ctx.Pipe(duplex=False)
             death_r, death_w = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=WorkerProc.main,
-                args=(self.config, rank, res.broadcast.export_handle(), init_method, num_threads, ready_w, death_r),
+                args=(self.config, rank, res.broadcast.export_handle(), init_method, plan.ranks[rank], ready_w, death_r),
                 name=f"RaylmWorker-{rank}",
                 daemon=True,
             )

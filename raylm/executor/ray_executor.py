@@ -10,13 +10,15 @@ itself travels on `parallel_config.ray_step_transport`:
   MessageQueue (shared memory on the driver's node, ZMQ to other nodes) to a
   loop thread in each actor, which replies on its own response queue: the same
   code as the multiprocess executor (raylm.executor.mq_rpc). PP tensors move
-  on torch.distributed.
+  on torch.distributed. A collective_rpc callable travels through Ray (see
+  _register_callable), never on the queue; sockets to other nodes use CURVE.
 
 TP collectives run on torch.distributed inside the actors either way.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -31,12 +33,15 @@ os.environ.setdefault("RAY_CGRAPH_get_timeout", "600")
 os.environ.setdefault("RAY_CGRAPH_submit_timeout", "120")
 os.environ.setdefault("RAY_CGRAPH_teardown_timeout", "10")
 
+from raylm.distributed.rpc_messages import CallableRef  # noqa: E402
 from raylm.distributed.shm_broadcast import MessageQueue, unlink_segment  # noqa: E402
+from raylm.distributed.tcp_auth import CurveKeys, tcp_auth_enabled  # noqa: E402
 from raylm.executor.abstract import Executor  # noqa: E402
 from raylm.executor import ray_utils  # noqa: E402
 from raylm.executor.errors import WorkerDiedError, WorkerHungError  # noqa: E402
 from raylm.executor.mq_rpc import MqRpcClient  # noqa: E402
 from raylm.messages import GrammarOutput, SchedulerOutput  # noqa: E402
+from raylm.worker.cpu_placement import CpuPlacement, RankPlacement  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +56,9 @@ _MQ_LOOP_EXIT_TIMEOUT_S = 5.0
 _WORKER_STARTUP_TIMEOUT_S = 300.0
 
 __all__ = ["RayDistributedExecutor", "WorkerDiedError"]
+
+# Tokens of callables registered on the actors (see _register_callable).
+_CALLABLE_TOKENS = itertools.count()
 
 
 class _MqResources:
@@ -115,6 +123,7 @@ class RayDistributedExecutor(Executor):
         self.node_ids: list[str] = []
         self.node_ips: list[str] = []
         self.worker_pids: list[int] = []
+        self.cpu_placements: list[RankPlacement] = []
 
         cfg = self.config
         pc = cfg.parallel_config
@@ -122,17 +131,18 @@ class RayDistributedExecutor(Executor):
         device = cfg.device
         if device == "cuda" and pc.ray_step_transport == "cgraph" and pc.pipeline_parallel_size > 1:
             ray_utils.check_cupy_for_nccl_channels()  # before anything is placed
-        cpus_per_worker = cfg.num_threads or max(1, (os.cpu_count() or 1) // world)
+        cpus_per_worker = ray_utils.cpus_per_rank(cfg) if device == "cpu" else 1
         placement = ray_utils.initialize_ray_cluster(pc, device, cpus_per_worker)
         if placement.created_here:
             self._created_pg = placement.placement_group
-        if device == "cpu" and cfg.num_threads is None:
-            cfg.num_threads = cpus_per_worker
 
         # From here on, failures must not leak actors or the placement group.
         self._finalizer = weakref.finalize(self, RayDistributedExecutor._cleanup, [], [self._created_pg], None, self._mq)
         actor_cls = ray.remote(ray_utils.RayWorkerWrapper)
         env = ray_utils.worker_env_vars(device)
+        if device == "cpu":
+            # OpenMP sizes its pool from this when the actor's process starts.
+            env["OMP_NUM_THREADS"] = str(cpus_per_worker)
         try:
             for i, bundle_index in enumerate(placement.bundle_indices):
                 strategy = PlacementGroupSchedulingStrategy(
@@ -155,6 +165,8 @@ class RayDistributedExecutor(Executor):
                     self, RayDistributedExecutor._cleanup, list(self.workers), [self._created_pg], None, self._mq
                 )
             self._assign_ranks()
+            if device == "cpu":
+                self._place_on_cpus(cpus_per_worker)
             if self._mq is not None:
                 self._start_mq()
             self._start_monitor()
@@ -211,6 +223,31 @@ class RayDistributedExecutor(Executor):
             calls.append(worker.set_output_rank.remote(rank == self._output_rank))
         ray.get(calls)
 
+    def _place_on_cpus(self, cpus_per_worker: int) -> None:
+        """Each actor pins itself within its node: Ray's CPUs are scheduling
+        tokens, not cores, so the ranks sharing a node split the node's cores
+        by their order on it (the plan every one of them computes alike)."""
+        import ray
+
+        driver_node = self._driver_node_id()
+        cfg = self.config
+        calls, seen = [], {}
+        for worker, node in zip(self.workers, self.node_ids):
+            local_rank = seen.get(node, 0)
+            seen[node] = local_rank + 1
+            calls.append((worker, node, local_rank))
+        results = ray.get([
+            worker.place_on_cpus.remote(local_rank, seen[node], node == driver_node, cpus_per_worker,
+                                        cfg.num_threads, cfg.cpu_bind)
+            for worker, node, local_rank in calls
+        ])
+        self.cpu_placements = [placement for placement, _ in results]
+        engine_loop = next((loop for (_, loop), node in zip(results, self.node_ids) if node == driver_node), ())
+        nodes = len(set(self.node_ids))
+        summary = CpuPlacement(tuple(self.cpu_placements), tuple(engine_loop),
+                               f"ranks on {nodes} nodes, each pinned within its own" if nodes > 1 else "")
+        logger.info("CPU placement: %s", summary.describe())
+
     def _driver_node_id(self) -> str:
         import ray
 
@@ -226,14 +263,18 @@ class RayDistributedExecutor(Executor):
         local_ranks = [rank for rank, node in enumerate(self.node_ids) if node == driver_node]
         num_remote = len(self.workers) - len(local_ranks)
         host_ip = ray.util.get_node_ip_address() if num_remote else "127.0.0.1"
+        # One CURVE keypair for every TCP socket of this executor, handed to
+        # the actors through Ray (raylm.distributed.tcp_auth).
+        tcp_keys = CurveKeys.generate() if num_remote and tcp_auth_enabled() else None
         mq = self._mq
         mq.broadcast = MessageQueue(
             num_local_readers=len(local_ranks), num_remote_readers=num_remote,
             host_ip=host_ip, local_reader_ranks=local_ranks,
+            tcp_keys=tcp_keys, authenticate_tcp=tcp_keys is not None,
         )
         handle = mq.broadcast.export_handle()
         refs = [
-            worker.init_mq.remote(handle, rank not in local_ranks, os.getpid() if rank in local_ranks else None)
+            worker.init_mq.remote(handle, rank not in local_ranks, os.getpid() if rank in local_ranks else None, tcp_keys)
             for rank, worker in enumerate(self.workers)
         ]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_MQ_SETUP_TIMEOUT_S)
@@ -345,6 +386,8 @@ class RayDistributedExecutor(Executor):
 
         self._raise_if_unusable()
         if self._rpc is not None:
+            if not isinstance(method, str):
+                method = self._register_callable(method, timeout)
             return self._rpc.call(method, timeout, args, kwargs, non_block, unique_reply_rank)
         kwargs = kwargs or {}
         targets = list(range(len(self.workers)))
@@ -372,6 +415,24 @@ class RayDistributedExecutor(Executor):
         if non_block:
             return _RefFuture(gather)
         return gather(None)
+
+    def _register_callable(self, fn, timeout: float | None) -> CallableRef:
+        """The `mq` transport: a callable travels to every actor through Ray
+        (cloudpickled by Ray, on Ray's channels), and the queue, which may
+        cross the network as typed msgpack, carries only its token. Registered
+        before the call is queued, so every rank finds it when the call comes."""
+        import ray
+
+        ref = CallableRef(next(_CALLABLE_TOKENS), _name(fn))
+        limit = timeout if timeout is not None else _MQ_SETUP_TIMEOUT_S
+        calls = [worker.register_rpc_callable.remote(ref.token, fn) for worker in self.workers]
+        try:
+            ray.get(calls, timeout=limit)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerHungError(f"collective_rpc {ref.name!r}: the actors did not take the callable within {limit} s") from None
+        except ray.exceptions.RayActorError as e:
+            raise WorkerDiedError(f"collective_rpc {ref.name!r}: an actor died taking the callable: {e}") from e
+        return ref
 
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False):
         """Phase one: remember the step; the graph runs when sample_tokens

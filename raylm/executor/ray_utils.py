@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 from raylm.config import EngineConfig, ParallelConfig
 from raylm.distributed.shm_broadcast import MessageQueue, MessageQueueHandle, unlink_segment
-from raylm.executor.mq_rpc import WorkerLoop
+from raylm.distributed.tcp_auth import CurveKeys
+from raylm.executor.mq_rpc import CallableRegistry, WorkerLoop
+from raylm.worker.cpu_placement import (RankPlacement, apply_rank_placement, parse_cpu_bind, plan_cpu_placement,
+                                        read_topology)
 from raylm.worker.worker import WorkerWrapper
 
 logger = logging.getLogger(__name__)
@@ -319,6 +322,19 @@ def get_placement_group(parallel_config: ParallelConfig, bundle: dict, world_siz
     return PlacementInfo(pg, True, list(range(world_size)))
 
 
+def cpus_per_rank(config: EngineConfig) -> int:
+    """CPU tokens for each rank's bundle: the threads a rank is planned to get
+    when all ranks share the driver's node (the usual layout; on a node with
+    fewer ranks an actor still keeps to its bundle's count)."""
+    if config.num_threads:
+        return config.num_threads
+    bind = parse_cpu_bind(config.cpu_bind)
+    if isinstance(bind, list):
+        return min(len(group) for group in bind)
+    world = config.parallel_config.world_size
+    return plan_cpu_placement(read_topology(), world, engine_loop_here=True).ranks[0].num_threads
+
+
 def initialize_ray_cluster(parallel_config: ParallelConfig, device: str, cpus_per_worker: int) -> PlacementInfo:
     """Connect to (or start) Ray and get one placement-group bundle per rank:
     {"GPU": 1} on CUDA, {"CPU": cpus_per_worker} on CPU."""
@@ -483,6 +499,17 @@ class RayWorkerWrapper(WorkerWrapper):
     def get_pid(self) -> int:
         return os.getpid()
 
+    def place_on_cpus(self, local_rank: int, num_local_ranks: int, engine_loop_here: bool, bundle_cpus: int,
+                      num_threads: int | None, cpu_bind: str) -> tuple[RankPlacement, tuple[int, ...]]:
+        """Plan the ranks of this node from the node's own cores, take this
+        rank's share (at most its bundle's CPUs) and pin this whole process
+        to it. Returns (this rank's placement, the engine loop's CPUs here)."""
+        plan = plan_cpu_placement(read_topology(), num_local_ranks, engine_loop_here=engine_loop_here,
+                                  num_threads=num_threads, cpu_bind=cpu_bind, max_threads_per_rank=bundle_cpus)
+        placement = plan.ranks[local_rank]
+        apply_rank_placement(placement, whole_process=True)
+        return placement, plan.engine_loop_cpus
+
     def get_cuda_device_index(self) -> int:
         """The torch device index of the GPU Ray gave this actor, on its node."""
         import ray
@@ -504,27 +531,41 @@ class RayWorkerWrapper(WorkerWrapper):
 
     # ---- the `mq` step transport --------------------------------------------------
 
-    def init_mq(self, broadcast_handle: MessageQueueHandle, response_over_zmq: bool, driver_pid: int | None) -> MessageQueueHandle:
+    def init_mq(
+        self, broadcast_handle: MessageQueueHandle, response_over_zmq: bool, driver_pid: int | None,
+        tcp_keys: CurveKeys | None = None,
+    ) -> MessageQueueHandle:
         """Attach to the driver's broadcast queue as this rank and create this
         rank's response queue; returns the response queue's handle.
 
         An actor on another node than the driver answers over ZMQ, bound to
-        its own node's Ray IP, with the driver as the one remote reader.
+        its own node's Ray IP, with the driver as the one remote reader,
+        authenticated with the executor's CURVE keys (None: plain TCP, the
+        driver's choice).
         """
         import ray
 
         broadcast = MessageQueue.create_from_handle(broadcast_handle, self.rank)
         if response_over_zmq:
-            response = MessageQueue(num_local_readers=0, num_remote_readers=1, host_ip=ray.util.get_node_ip_address())
+            response = MessageQueue(
+                num_local_readers=0, num_remote_readers=1, host_ip=ray.util.get_node_ip_address(),
+                tcp_keys=tcp_keys, authenticate_tcp=tcp_keys is not None,
+            )
         else:
             response = MessageQueue(num_local_readers=1)
-        self._mq_loop = WorkerLoop(self, broadcast, response)
+        self._rpc_callables = CallableRegistry()
+        self._mq_loop = WorkerLoop(self, broadcast, response, self._rpc_callables)
         if driver_pid is not None and broadcast_handle.shm_name:
             threading.Thread(
                 target=self._watch_driver, args=(driver_pid, broadcast_handle.shm_name),
                 name="raylm-driver-watch", daemon=True,
             ).start()
         return response.export_handle()
+
+    def register_rpc_callable(self, token: int, fn) -> None:
+        """A collective_rpc callable, carried here by Ray (which cloudpickles
+        it); the queue then names it by token (a CallableRef), never carries it."""
+        self._rpc_callables.register(token, fn)
 
     def start_mq_loop(self) -> None:
         """Run the dequeue-run-reply loop on a thread of its own and return at

@@ -1,0 +1,85 @@
+"""ZMQ CURVE for the step queues' TCP sockets (readers on other nodes).
+
+One keypair per executor, made by the driver and handed to the workers through
+Ray (the actor call that sets up their queues). It is a pre-shared key: every
+party of the executor holds the secret half, a ZAP handler on each writer's
+socket admits only clients presenting its public half, and every client
+checks the server against it. A process without the secret can neither
+subscribe (read the steps) nor pose as the writer (feed a reader its bytes),
+and everything on the wire is encrypted.
+
+RAYLM_MQ_UNAUTHENTICATED_TCP=1 turns it off (plain TCP, as a benchmark's
+baseline); the driver decides for the whole executor.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.auth.thread
+
+UNAUTHENTICATED_TCP_ENV = "RAYLM_MQ_UNAUTHENTICATED_TCP"
+
+
+def tcp_auth_enabled() -> bool:
+    """CURVE on cross-node queues unless RAYLM_MQ_UNAUTHENTICATED_TCP is set to 1/true/yes."""
+    return os.environ.get(UNAUTHENTICATED_TCP_ENV, "").strip().lower() not in ("1", "true", "yes")
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """A CURVE keypair (z85 text, as pyzmq makes them). It travels inside
+    queue handles, so a handle must only be passed over trusted channels
+    (Ray actor calls, a spawned child's arguments)."""
+
+    public: bytes
+    secret: bytes = field(repr=False)
+
+    @classmethod
+    def generate(cls) -> "CurveKeys":
+        if not zmq.has("curve"):
+            raise RuntimeError(
+                "this pyzmq/libzmq has no CURVE support, so cross-node step queues cannot be "
+                f"authenticated; install a pyzmq built with libsodium, or set {UNAUTHENTICATED_TCP_ENV}=1 "
+                "to run them unauthenticated on a network you trust"
+            )
+        public, secret = zmq.curve_keypair()
+        return cls(public, secret)
+
+
+class CurveServer:
+    """The writer side: a ZAP handler on the writer's ZMQ context (a thread of
+    pyzmq's) that admits the executor's own key only. Start it before binding."""
+
+    def __init__(self, context: zmq.Context, keys: CurveKeys):
+        self.keys = keys
+        self._authenticator = zmq.auth.thread.ThreadAuthenticator(context)
+        self._authenticator.start()
+        self._authenticator.configure_curve_callback("*", credentials_provider=self)
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        # pyzmq hands the client's public key in z85, like ours.
+        return hmac.compare_digest(client_key, self.keys.public)
+
+    def secure(self, sock: zmq.Socket) -> None:
+        sock.curve_secretkey = self.keys.secret
+        sock.curve_publickey = self.keys.public
+        sock.curve_server = True
+
+    @property
+    def thread(self):
+        return self._authenticator.thread
+
+    def stop(self) -> None:
+        self._authenticator.stop()
+
+
+def secure_client(sock: zmq.Socket, keys: CurveKeys) -> None:
+    """The reader side, before connect: present the executor's key, and accept
+    only a server that holds it too."""
+    sock.curve_secretkey = keys.secret
+    sock.curve_publickey = keys.public
+    sock.curve_serverkey = keys.public
