@@ -3,6 +3,10 @@
 Ranks are laid out with TP fastest: global rank = pp_rank * tp_size + tp_rank,
 so the ranks of one TP group are adjacent (and placed on one node by the
 executor whenever the cluster allows).
+
+On CPU, a TP group whose ranks share a node all-reduces and all-gathers through
+shared memory (shm_collective), falling back to gloo for tensors too large for
+its slots; groups spanning nodes use gloo, and CUDA groups NCCL.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from raylm.distributed.shm_collective import ShmCommunicator, create_shm_communicator
+
 
 @dataclass
 class GroupCoordinator:
@@ -22,6 +28,7 @@ class GroupCoordinator:
     ranks: list[int]
     rank_in_group: int
     group: "dist.ProcessGroup | None"
+    shm: ShmCommunicator | None = None
 
     @property
     def world_size(self) -> int:
@@ -38,6 +45,8 @@ class GroupCoordinator:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return tensor
+        if self.shm is not None and self.shm.can_carry(tensor):
+            return self.shm.all_reduce(tensor)
         dist.all_reduce(tensor, group=self.group)
         return tensor
 
@@ -45,6 +54,8 @@ class GroupCoordinator:
         """Concatenate every rank's `tensor` along `dim` (same shape on all ranks)."""
         if self.world_size == 1:
             return tensor
+        if self.shm is not None and self.shm.can_carry(tensor):
+            return self.shm.all_gather(tensor, dim=dim)
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(parts, tensor.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
@@ -56,9 +67,17 @@ class GroupCoordinator:
         dist.recv(tensor, src=self.ranks[src_in_group], group=self.group)
         return tensor
 
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
+
 
 _TP: GroupCoordinator | None = None
 _PP: GroupCoordinator | None = None
+# The timeout the global group was created with; subgroups and the shared-
+# memory collective take the same, so no wait on a dead peer is unbounded.
+_TIMEOUT: datetime.timedelta | None = None
 
 
 def _single() -> GroupCoordinator:
@@ -81,9 +100,11 @@ def init_distributed_environment(
     `timeout_s` bounds the rendezvous (a peer that never comes up) and every
     later collective of the group (a peer that hangs), instead of torch's 30
     minutes; the engine's step deadline is the same order of magnitude."""
+    global _TIMEOUT
     if world_size == 1 or dist.is_initialized():
         return
-    kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    _TIMEOUT = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    kwargs = {} if _TIMEOUT is None else {"timeout": _TIMEOUT}
     dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank, **kwargs)
 
 
@@ -91,6 +112,9 @@ def initialize_model_parallel(tp_size: int = 1, pp_size: int = 1, backend: str |
     """Build the TP and PP groups. Every rank must call this with the same sizes:
     `new_group` is collective, and creating groups in different orders deadlocks."""
     global _TP, _PP
+    for coordinator in (_TP, _PP):
+        if coordinator is not None:
+            coordinator.close()
     if tp_size * pp_size == 1:
         _TP, _PP = _single(), _single()
         return
@@ -101,13 +125,18 @@ def initialize_model_parallel(tp_size: int = 1, pp_size: int = 1, backend: str |
             f"x pipeline_parallel_size {pp_size}"
         )
     for ranks in tp_group_ranks(tp_size, pp_size):
-        group = dist.new_group(ranks, backend=backend)
+        group = dist.new_group(ranks, backend=backend, timeout=_TIMEOUT)
         if rank in ranks:
             _TP = GroupCoordinator(ranks, ranks.index(rank), group)
     for ranks in pp_group_ranks(tp_size, pp_size):
-        group = dist.new_group(ranks, backend=backend)
+        group = dist.new_group(ranks, backend=backend, timeout=_TIMEOUT)
         if rank in ranks:
             _PP = GroupCoordinator(ranks, ranks.index(rank), group)
+    # Collective over the TP group only (gloo, three small messages), so it runs
+    # once every world-wide new_group call is done.
+    if _TP.world_size > 1 and dist.get_backend(_TP.group) == "gloo":
+        timeout_s = (_TIMEOUT or dist.default_pg_timeout).total_seconds()
+        _TP.shm = create_shm_communicator(_TP.group, _TP.ranks, _TP.rank_in_group, timeout_s)
 
 
 def get_tp_group() -> GroupCoordinator:
@@ -119,7 +148,11 @@ def get_pp_group() -> GroupCoordinator:
 
 
 def destroy_model_parallel() -> None:
-    global _TP, _PP
+    global _TP, _PP, _TIMEOUT
+    for coordinator in (_TP, _PP):
+        if coordinator is not None:
+            coordinator.close()
     _TP = _PP = None
+    _TIMEOUT = None
     if dist.is_initialized():
         dist.destroy_process_group()
