@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import psutil
 import torch
@@ -16,7 +17,14 @@ import torch
 from raylm.config import EngineConfig
 from raylm.distributed import parallel_state
 from raylm.messages import GrammarOutput, KVCacheConfig, ModelRunnerOutput, SchedulerOutput
+from raylm.worker import cpu_placement
 from raylm.worker.model_runner import ModelRunner
+from raylm.worker.memory_profiling import (
+    CudaMemory,
+    kv_cache_budget_bytes,
+    measure_peak_activation_bytes,
+    run_profiling_step,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +47,11 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
+        # Free GPU memory before this rank allocated anything (see determine_available_memory).
+        self._cuda_free_at_start: int | None = None
+        self.cpu_placement: cpu_placement.RankPlacement | None = None
+        # (thread id, its CPUs) when this worker pinned a thread it does not own.
+        self._affinity_before: tuple[int, set[int]] | None = None
 
     def init_device(self) -> None:
         cfg = self.config
@@ -46,11 +59,13 @@ class Worker:
         if cfg.device == "cuda":
             self.device = torch.device(f"cuda:{self.local_rank}")
             torch.cuda.set_device(self.device)
+            self._cuda_free_at_start = torch.cuda.mem_get_info(self.device)[0]
             backend = "nccl"
         else:
             self.device = torch.device("cpu")
-            if cfg.num_threads:
-                torch.set_num_threads(cfg.num_threads)
+            # A worker process or Ray actor was placed by its executor before it
+            # got here; the uni backend's model shares the engine's process.
+            self.cpu_placement = cpu_placement.process_placement() or self._place_in_engine_process()
             backend = "gloo"
         parallel_state.init_distributed_environment(
             pc.world_size, self.rank, self.distributed_init_method, backend,
@@ -59,6 +74,22 @@ class Worker:
         parallel_state.initialize_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size, backend)
         torch.manual_seed(cfg.model_config.seed)
         self.model_runner = ModelRunner(cfg, self.device)
+
+    def _place_in_engine_process(self) -> cpu_placement.RankPlacement:
+        """Threads (and, with an explicit cpu_bind, cores) for a model that runs
+        in the engine's own process: only this thread is pinned, so the engine
+        loop's other threads keep the cores the plan leaves them."""
+        cfg = self.config
+        plan = cpu_placement.plan_cpu_placement(
+            cpu_placement.read_topology(), 1, engine_loop_here=True,
+            num_threads=cfg.num_threads, cpu_bind=cfg.cpu_bind,
+        )
+        placement = plan.ranks[0]
+        if placement.cpus is not None:
+            self._affinity_before = (threading.get_native_id(), os.sched_getaffinity(0))
+        cpu_placement.apply_rank_placement(placement, whole_process=False)
+        logger.info("CPU placement: %s", plan.describe())
+        return placement
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -72,10 +103,39 @@ class Worker:
         if cc.kv_cache_memory_bytes is not None:
             return cc.kv_cache_memory_bytes
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            return max(int(total * cc.gpu_memory_utilization) - used, 0)
+            return self._cuda_kv_budget()
         return min(_CPU_DEFAULT_KV_BYTES, psutil.virtual_memory().available // 4)
+
+    def _cuda_kv_budget(self) -> int:
+        """gpu_memory_utilization as vLLM means it: this instance may use that
+        fraction of the GPU's total memory for weights, activations and KV
+        cache together; memory other processes hold is theirs, but must leave
+        that fraction free when the worker starts. Activations are measured by
+        a profiling step at the largest batch (memory_profiling.py)."""
+        cfg = self.config
+        util = cfg.cache_config.gpu_memory_utilization
+        peak_activation = measure_peak_activation_bytes(
+            lambda: run_profiling_step(
+                self.model_runner, cfg.scheduler_config.max_num_batched_tokens,
+                cfg.scheduler_config.max_num_seqs, cfg.model_config.max_model_len,
+            ),
+            CudaMemory(self.device),
+        )
+        free, total = torch.cuda.mem_get_info(self.device)
+        free_at_start = self._cuda_free_at_start if self._cuda_free_at_start is not None else free
+        budget = int(total * util)
+        if free_at_start < budget:
+            raise ValueError(
+                f"gpu_memory_utilization: {util} of {self.device}'s {total / 2**30:.1f} GiB is "
+                f"{budget / 2**30:.1f} GiB, but only {free_at_start / 2**30:.1f} GiB was free at start-up "
+                "(other processes hold the rest); lower gpu_memory_utilization"
+            )
+        weights_and_context = free_at_start - free
+        kv_bytes = kv_cache_budget_bytes(total, util, weights_and_context, peak_activation)
+        logger.info("KV cache budget on %s: %.2f GiB (%.0f%% of %.1f GiB; this rank holds %.2f GiB, "
+                    "its largest step peaks at %.2f GiB more)", self.device, kv_bytes / 2**30, util * 100,
+                    total / 2**30, weights_and_context / 2**30, peak_activation / 2**30)
+        return kv_bytes
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         self.model_runner.initialize_kv_cache(kv_cache_config.num_blocks)
@@ -114,6 +174,15 @@ class Worker:
 
     def shutdown(self) -> None:
         self.model_runner = None
+        if self._affinity_before is not None:
+            # The pinned thread is the engine's (maybe the user's main thread):
+            # give it back its cores.
+            thread_id, cpus = self._affinity_before
+            self._affinity_before = None
+            try:
+                os.sched_setaffinity(thread_id, cpus)
+            except OSError:  # that thread has ended
+                pass
         parallel_state.destroy_model_parallel()
 
 

@@ -6,6 +6,7 @@ Decode queries are batched (their contexts gathered from the cache block by
 block and padded, with a mask; the runner zeroes fresh blocks so the padding
 is finite); prefill sequences run one by one, so no query attends past its
 own position and no padding is spent on long prompts.
+On CUDA, gpu_attention.py's path batched over sequences runs instead.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 
 from raylm.model.forward_context import AttentionMetadata, get_attention_metadata
 from raylm.model.layers.cpu_attention_kernel import get_paged_decode_kernel
+from raylm.model.layers.gpu_attention import batched_paged_attention
 
 # Query/cache dtypes the CPU decode kernel is built for.
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -30,6 +32,10 @@ class Attention(nn.Module):
         self.scale = scale
         # Bound by the model runner once the cache is allocated.
         self.kv_cache: torch.Tensor | None = None
+        # Paged path: True = batched over sequences (gpu_attention.py), False =
+        # this file's per-sequence path; None = by device (batched on CUDA).
+        # Tests set True on CPU to prove the GPU path against this one.
+        self.batched_paged: bool | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, num_heads*head_dim], k/v: [T, num_kv_heads*head_dim] -> [T, num_heads*head_dim]."""
@@ -48,6 +54,9 @@ class Attention(nn.Module):
             v_flat = self.kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
             k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
             v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
+
+        if k_flat is not None and (self.kv_cache.is_cuda if self.batched_paged is None else self.batched_paged):
+            return batched_paged_attention(q, self.kv_cache, meta, self.scale).reshape(num_tokens, -1)
 
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
