@@ -50,6 +50,7 @@ from typing import Any
 import _posixshmem
 import zmq
 
+from raylm.distributed.doorbell import DoorbellReader, DoorbellWriter
 from raylm.distributed.message_codec import CallableNotAllowedError, MessageCodec
 from raylm.distributed.tcp_auth import CurveKeys, CurveServer, secure_client, tcp_auth_enabled
 
@@ -69,8 +70,11 @@ _REMOTE_DATA = 0
 _REMOTE_CLOSE = 1
 
 # Waiting policy: spin this long (a step's reply usually lands within it), then
-# sleep with intervals doubling up to the cap, so an idle reader costs ~1% CPU.
+# a local reader sleeps until the writer rings its doorbell (doorbell.py), in
+# slices so that a writer killed without closing is noticed; other waits sleep
+# with intervals doubling up to the cap, so an idle waiter costs ~1% CPU.
 _SPIN_S = 50e-6
+_BELL_SLICE_S = 0.05
 _FIRST_SLEEP_S = 10e-6
 _MAX_SLEEP_S = 1e-3
 # How long close() lets undelivered ZMQ messages drain.
@@ -107,6 +111,8 @@ class MessageQueueHandle:
     local_callables: bool = False
     # The remote socket's CURVE keys; None when it is plain TCP (or there is none).
     tcp_keys: CurveKeys | None = None
+    # The path prefix of the local readers' doorbells (named pipes), one per reader slot.
+    doorbell_prefix: str | None = None
 
 
 class _Backoff:
@@ -119,11 +125,14 @@ class _Backoff:
         self.deadline = None if timeout is None else self.start + timeout
         self.sleep_s = _FIRST_SLEEP_S
 
-    def wait(self) -> None:
+    def wait(self, bell: DoorbellReader | None = None) -> None:
         now = time.perf_counter()
         if self.deadline is not None and now >= self.deadline:
             raise TimeoutError("timed out waiting on the message queue")
         if now - self.start < _SPIN_S:
+            return
+        if bell is not None:
+            bell.wait(_BELL_SLICE_S if self.deadline is None else min(_BELL_SLICE_S, self.deadline - now))
             return
         time.sleep(self.sleep_s)
         self.sleep_s = min(self.sleep_s * 2, _MAX_SLEEP_S)
@@ -229,12 +238,14 @@ class MessageQueue:
         self._all_read = b"\x01" * num_local_readers
         self._zmq = zmq.Context()
         self._segment: _Segment | None = None
+        self._bells: DoorbellWriter | None = None
         self._local_pub = self._remote_pub = None
         self._curve_server: CurveServer | None = None
         local_address = remote_address = None
         if num_local_readers:
             name = f"{SEGMENT_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
             self._segment = _Segment(name, self._layout_size(), create=True)
+            self._bells = DoorbellWriter(num_local_readers)
             self._local_pub, local_address = self._bind_xpub("127.0.0.1")
         if num_remote_readers:
             if authenticate_tcp is None:
@@ -257,6 +268,7 @@ class MessageQueue:
             num_remote_readers=num_remote_readers,
             local_callables=local_callables,
             tcp_keys=self._curve_server.keys if self._curve_server else None,
+            doorbell_prefix=self._bells.prefix if self._bells else None,
         )
 
     # ---- construction -------------------------------------------------------------
@@ -295,6 +307,7 @@ class MessageQueue:
         self._out_of_sync: str | None = None
         self._zmq = zmq.Context()
         self._segment = None
+        self._bell: DoorbellReader | None = None
         self._curve_server = None
         self._sub = self._zmq.socket(zmq.SUB)
         self._sub.setsockopt(zmq.RCVHWM, 0)
@@ -302,6 +315,8 @@ class MessageQueue:
         if rank in handle.local_reader_ranks:
             self._reader_slot = handle.local_reader_ranks.index(rank)
             self._segment = _Segment(handle.shm_name, self._layout_size(), create=False)
+            if handle.doorbell_prefix is not None:
+                self._bell = DoorbellReader(handle.doorbell_prefix, self._reader_slot)
             self._sub.connect(handle.local_overflow_address)
         else:
             if handle.remote_address is None:
@@ -402,6 +417,7 @@ class MessageQueue:
             buf[start : start + len(payload)] = payload
         buf[flags + 1 : flags + 1 + self._num_local] = bytes(self._num_local)
         buf[flags] = 1  # last: publishes the chunk
+        self._bells.ring()
         self._index = (chunk + 1) % self._max_chunks
 
     # ---- reader -------------------------------------------------------------------
@@ -430,7 +446,7 @@ class MessageQueue:
         while not buf[flags] or buf[mine]:
             if buf[0] or self._closed:
                 raise QueueClosedError("message queue is closed by its writer" if buf[0] else "message queue is closed")
-            backoff.wait()
+            backoff.wait(self._bell)
         base = _HEADER_BYTES + self._max_chunks * (1 + self._num_local) + chunk * self._chunk_bytes
         kind, length, seq = _CHUNK_HEADER.unpack_from(buf, base)
         # Raises before the chunk is marked read: after a timeout the next
@@ -512,6 +528,7 @@ class MessageQueue:
         self._closed = True
         if self.is_writer and self._segment is not None:
             self._segment.buf[0] = 1
+            self._bells.ring()  # readers asleep on their doorbells see the flag now
         # Wait for a dequeue/enqueue in another thread to notice the flag (<= ~1 ms).
         acquired = self._lock.acquire(timeout=2.0)
         try:
@@ -530,6 +547,9 @@ class MessageQueue:
             else:
                 self._sub.close(linger=0)
             self._zmq.term()
+            for bells in (getattr(self, "_bells", None), getattr(self, "_bell", None)):
+                if bells is not None and acquired:  # else a waiter may still use them: the process exit closes them
+                    bells.close()
             if self._segment is not None:
                 if acquired:
                     self._segment.close()

@@ -455,3 +455,42 @@ def test_enqueue_that_times_out_reaches_no_reader():
     finally:
         for q in (local, remote, writer):
             q.close()
+
+
+def _doorbells(prefix: str) -> list[str]:
+    folder, name = os.path.split(prefix)
+    return [n for n in os.listdir(folder) if n.startswith(name)]
+
+
+def test_doorbells_leave_nothing_on_disk(queue_factory):
+    """Each attached reader unlinks its pipe at once; the writer unlinks those
+    of readers that never attached when it closes."""
+    writer, readers = queue_factory(2)
+    prefix = writer.export_handle().doorbell_prefix
+    assert prefix is not None and _doorbells(prefix) == []
+    lonely = MessageQueue(2, chunk_bytes=CHUNK)
+    lonely_prefix = lonely.export_handle().doorbell_prefix
+    reader = MessageQueue.create_from_handle(lonely.export_handle(), 1)
+    assert _doorbells(lonely_prefix) == [os.path.basename(lonely_prefix) + "-0"]  # reader 0 never came
+    reader.close()
+    lonely.close()
+    assert _doorbells(lonely_prefix) == []
+
+
+def test_a_reader_asleep_on_its_doorbell_gets_every_message(queue_factory):
+    """Pauses longer than the readers' spin put them to sleep on their
+    doorbells between messages: every message still arrives, in order."""
+    import random
+
+    writer, readers = queue_factory(2)
+    got: list[list] = [[], []]
+    threads = [threading.Thread(target=_read_all, args=(r, 200, got[i])) for i, r in enumerate(readers)]
+    for t in threads:
+        t.start()
+    rng = random.Random(0)
+    for i in range(200):
+        writer.enqueue(i, timeout=10)
+        time.sleep(rng.choice([0, 0, 1e-4, 2e-3]))
+    for t in threads:
+        t.join(30)
+    assert got == [list(range(200))] * 2
