@@ -49,6 +49,7 @@ from raylm.entrypoints.openai.serving_tools import (
     tools_for_template,
 )
 from raylm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from raylm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -132,10 +133,11 @@ class OpenAIServingChat:
         self.admission = admission or AdmissionControl.for_engine(engine)
         self.tool_config = tool_config or ToolCallConfig()
 
-    def _render(self, request: ChatCompletionRequest) -> ProcessedPrompt:
-        """Runs in a worker thread: templating and tokenizing can take a while."""
+    def _render(self, request: ChatCompletionRequest, params: SamplingParams) -> ProcessedPrompt:
+        """Runs in a worker thread: templating and tokenizing can take a while.
+        `params`: truncate_prompt_tokens applies to the rendered conversation."""
         text, ids = render_chat(self.engine.tokenizer, request)
-        return self.engine.input_processor.process_prompt({"prompt": text, "prompt_token_ids": ids})
+        return self.engine.input_processor.process_prompt({"prompt": text, "prompt_token_ids": ids}, params)
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         model = check_model(request.model, self.served_model_names)
@@ -155,7 +157,7 @@ class OpenAIServingChat:
         reservation = self.admission.admit(request.n, "n")
         try:
             try:
-                processed = await asyncio.get_running_loop().run_in_executor(None, self._render, request)
+                processed = await asyncio.get_running_loop().run_in_executor(None, self._render, request, params)
             except ValueError as e:
                 raise bad_request_from(e, set(), "messages") from e
             param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"

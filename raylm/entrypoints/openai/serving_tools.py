@@ -21,7 +21,7 @@ import argparse
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from raylm.core.structured_output import validate_structured_outputs
 from raylm.entrypoints.openai.protocol import (
@@ -184,16 +184,24 @@ class ToolPlan:
             return ChatResponseMessage(content=content), finish_reason
         tool_calls = [ToolCall(id=tool_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
                       for c in calls]
-        return ChatResponseMessage(content=content, tool_calls=tool_calls), _finish_with_calls(finish_reason)
+        return ChatResponseMessage(content=content, tool_calls=tool_calls), self._finish_with_calls(finish_reason)
+
+    def _finish_with_calls(self, finish_reason: str | None) -> str | None:
+        # A call the client forced by name ends "stop", as OpenAI's and vLLM's
+        # do; a call the model chose ends "tool_calls". One cut short (length,
+        # abort) keeps the reason it ended for.
+        if self.mode == "named":
+            return finish_reason
+        return "tool_calls" if finish_reason == "stop" else finish_reason
 
     def stream(self) -> ChoiceStream:
         if self.mode == "auto":
-            return ChoiceStream(self.parser.streaming(), self.parallel)
+            return ChoiceStream(self.parser.streaming(), self.parallel, self._finish_with_calls)
         if self.mode == "named":
-            return ChoiceStream(_NamedCallStream(self.function_name), self.parallel)
+            return ChoiceStream(_NamedCallStream(self.function_name), self.parallel, self._finish_with_calls)
         if self.mode == "required":
-            return ChoiceStream(_RequiredCallsStream(), self.parallel)
-        return ChoiceStream(None, self.parallel)
+            return ChoiceStream(_RequiredCallsStream(), self.parallel, self._finish_with_calls)
+        return ChoiceStream(None, self.parallel, self._finish_with_calls)
 
 
 def plan_tools(request: ChatCompletionRequest, config: ToolCallConfig) -> ToolPlan:
@@ -228,11 +236,6 @@ def _parameters_schema(tool: ChatTool) -> dict[str, Any]:
     return tool.function.parameters if tool.function.parameters is not None else _NO_PARAMETERS
 
 
-def _finish_with_calls(finish_reason: str | None) -> str | None:
-    # A call cut short (length, abort) keeps the reason it ended for.
-    return "tool_calls" if finish_reason == "stop" else finish_reason
-
-
 def _required_calls(text: str) -> list[ParsedToolCall]:
     """The complete calls of a "required" output: when it was cut short, those
     before the cut (the ones streaming sent)."""
@@ -251,9 +254,11 @@ def _required_item(item: Any) -> ParsedToolCall | None:
 class ChoiceStream:
     """One choice's deltas: plain content, or what its tool stream makes of it."""
 
-    def __init__(self, tool_stream: StreamingToolParser | None, parallel: bool):
+    def __init__(self, tool_stream: StreamingToolParser | None, parallel: bool,
+                 finish_with_calls: Callable[[str | None], str | None]):
         self._tool_stream = tool_stream
         self._parallel = parallel
+        self._finish_with_calls = finish_with_calls
         self._made_calls = False
 
     def step(self, text: str, finished: bool) -> ChatDelta | None:
@@ -276,7 +281,7 @@ class ChoiceStream:
         return ChatDelta(content=delta.content or None, tool_calls=tool_calls or None)
 
     def finish_reason(self, finish_reason: str | None) -> str | None:
-        return _finish_with_calls(finish_reason) if self._made_calls else finish_reason
+        return self._finish_with_calls(finish_reason) if self._made_calls else finish_reason
 
 
 class _NamedCallStream(StreamingToolParser):

@@ -129,3 +129,24 @@ def test_bad_requests(http, path, body, status, param):
 def test_malformed_body(http):
     response = http.post("/tokenize", content=b"{nope", headers={"Content-Type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_truncate_prompt_tokens_keeps_the_last_tokens(http, path):
+    """The request's prompt (a chat: its rendered conversation) is cut to its
+    last k tokens: usage says k, and the greedy reply is the completion of
+    exactly those k tokens."""
+    if path == "/v1/completions":
+        ids = _tokenize(http, prompt="ROMEO: But soft, what light through yonder window breaks?")["tokens"]
+        body = {"prompt": "ROMEO: But soft, what light through yonder window breaks?"}
+    else:
+        ids = _tokenize(http, messages=MESSAGES)["tokens"]
+        body = {"messages": MESSAGES}
+    keep = 5
+    assert len(ids) > keep
+    common = {"model": MODEL_NAME, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    cut = http.post(path, json={**body, **common, "truncate_prompt_tokens": keep}).json()
+    assert cut["usage"]["prompt_tokens"] == keep
+    reference = http.post("/v1/completions", json={"prompt": ids[-keep:], **common}).json()
+    text = cut["choices"][0]["message"]["content"] if "message" in cut["choices"][0] else cut["choices"][0]["text"]
+    assert text == reference["choices"][0]["text"]
