@@ -50,7 +50,7 @@ def main(spec: dict) -> dict:
     joined = ray.get_runtime_context().gcs_address
 
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
-    llm = LLM(spec["model"], dtype="float32", tensor_parallel_size=spec["tp"], pipeline_parallel_size=spec["pp"],
+    llm = LLM(spec["model"], dtype=spec.get("dtype", "float32"), tensor_parallel_size=spec["tp"], pipeline_parallel_size=spec["pp"],
               distributed_executor_backend="ray", ray_address=address,
               ray_step_transport=spec.get("transport", "mq"),
               ray_placement_strategy=spec["strategy"], ray_placement_timeout=spec.get("placement_timeout", 30.0),
@@ -66,6 +66,8 @@ def main(spec: dict) -> dict:
                 executor._mq.broadcast.export_handle().remote_address if executor._mq is not None else None
             ),
         }
+        if spec.get("bench"):
+            return {"placed": placed, "bench": _bench(llm, core, spec["bench"])}
         if spec.get("strike_netns"):
             from tests.engine.test_recovery import generate_with_strike
 
@@ -88,6 +90,36 @@ def main(spec: dict) -> dict:
         }
     finally:
         llm.shutdown()
+
+
+def _bench(llm, core, bench: dict) -> dict:
+    """Time one batch (benchmarks/bench_two_hosts.py): the whole run and each step."""
+    import random
+    import statistics
+
+    from raylm import SamplingParams
+
+    rng = random.Random(0)
+    vocab = llm.llm_engine.config.model_config.vocab_size
+    prompts = [{"prompt_token_ids": [rng.randrange(16, vocab) for _ in range(bench["input_len"])]}
+               for _ in range(bench["num_prompts"])]
+    params = SamplingParams(temperature=0, max_tokens=bench["output_len"], ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+    step, step_s = core.step, []
+
+    def timed_step():
+        t = time.perf_counter()
+        out = step()
+        step_s.append(time.perf_counter() - t)
+        return out
+
+    core.step = timed_step
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"elapsed_s": elapsed, "tokens": tokens, "steps": len(step_s),
+            "median_step_ms": 1e3 * statistics.median(step_s)}
 
 
 if __name__ == "__main__":

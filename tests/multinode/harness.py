@@ -250,8 +250,8 @@ class TwoHosts:
         return json.loads(results[-1][len("RESULT "):])
 
 
-def _start_ray(host: NetnsHost, *args: str) -> None:
-    cmd = host.cmd(_RAY, "start", f"--node-ip-address={host.ip}", "--num-cpus=2", "--disable-usage-stats",
+def _start_ray(host: NetnsHost, *args: str, num_cpus: int = 2) -> None:
+    cmd = host.cmd(_RAY, "start", f"--node-ip-address={host.ip}", f"--num-cpus={num_cpus}", "--disable-usage-stats",
                    f"--temp-dir={os.path.join(host.temp_dir, 'ray')}", *args)
     # The node's processes (its workers) inherit this environment: nothing
     # of the test process's that would steer Ray or gloo.
@@ -262,9 +262,9 @@ def _start_ray(host: NetnsHost, *args: str) -> None:
 
 
 @contextmanager
-def two_hosts(system_config: dict | None = None):
-    """Two namespace hosts on 10.99.0.0/24, a Ray head (2 CPUs) on the first
-    and a Ray worker node (2 CPUs) on the second; all torn down on exit."""
+def two_hosts(system_config: dict | None = None, head_cpus: int = 2):
+    """Two namespace hosts on 10.99.0.0/24, a Ray head (`head_cpus` CPUs) on
+    the first and a Ray worker node (2 CPUs) on the second; all torn down on exit."""
     remove_stale_netns()
     tag = f"{NETNS_PREFIX}{os.getpid()}_{next(_cluster_numbers) % 100}"
     head = NetnsHost(tag + "h", HEAD_IP, _host_temp_dir(tag + "h"))
@@ -293,7 +293,7 @@ def two_hosts(system_config: dict | None = None):
         head_args = ["--head", f"--port={RAY_PORT}", "--include-dashboard=false"]
         if system_config:
             head_args.append(f"--system-config={json.dumps(system_config)}")
-        _start_ray(head, *head_args)
+        _start_ray(head, *head_args, num_cpus=head_cpus)
         address = f"{HEAD_IP}:{RAY_PORT}"
         _start_ray(worker, f"--address={address}")
         yield TwoHosts(head, worker, address)
