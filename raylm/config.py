@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from raylm.chat_template import read_chat_template
+from raylm.cpu_bind import parse_cpu_bind
 from raylm.model.arch_config import ArchConfig
 from raylm.model.generation_config import load_generation_defaults
 from raylm.model.hub import resolve_model_path
@@ -178,8 +180,6 @@ class EngineConfig:
 def _resolve_cpu_bind(cpu_bind: str | None, num_threads: int | None, world_size: int) -> str:
     """The cpu_bind setting, validated; unset falls back to vLLM's
     VLLM_CPU_OMP_THREADS_BIND (what its users already set), then "auto"."""
-    from raylm.worker.cpu_placement import parse_cpu_bind  # pure; worker/ imports config, not the reverse
-
     if num_threads is not None and (not isinstance(num_threads, int) or isinstance(num_threads, bool)
                                     or num_threads < 1):
         raise ValueError(f"num_threads must be an integer >= 1, got {num_threads!r}")
@@ -254,8 +254,6 @@ def create_engine_config(
     arch = ArchConfig.from_model_dir(model_dir)
     generation_defaults = load_generation_defaults(model_dir, generation_config)
     if chat_template is not None:
-        from raylm.engine.tokenizer import read_chat_template  # the one reader of templates
-
         chat_template = read_chat_template(chat_template)
     device = device or detect_device()
     if device not in ("cpu", "cuda"):

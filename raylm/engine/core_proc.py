@@ -44,10 +44,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    # Carried apart: SamplingParams.__post_init__ (run again by the decoder)
-    # resets this field, which the front end has already filled in.
-    all_stop_token_ids: list[int]
+    sampling_params: SamplingParams  # all_stop_token_ids, filled in by the front end, included
     eos_token_id: Union[int, None]
     arrival_time: float
     # Tokens it already generated in a core that died: it continues after them.
@@ -55,13 +52,10 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
 
     @classmethod
     def from_request(cls, request: Request) -> "EngineCoreRequest":
-        params = request.sampling_params
-        return cls(request.request_id, request.prompt_token_ids, params,
-                   sorted(params.all_stop_token_ids), request.eos_token_id, request.arrival_time,
-                   list(request.output_token_ids))
+        return cls(request.request_id, request.prompt_token_ids, request.sampling_params, request.eos_token_id,
+                   request.arrival_time, list(request.output_token_ids))
 
     def to_request(self) -> Request:
-        self.sampling_params.all_stop_token_ids = set(self.all_stop_token_ids)
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
                        self.eos_token_id, self.arrival_time, output_token_ids=self.output_token_ids)
 

@@ -42,10 +42,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+# Parsing lives with the setting (config validates it); re-exported here for callers of the planner.
+from raylm.cpu_bind import AUTO, NO_BIND, parse_cpu_bind, parse_cpu_list  # noqa: F401
+
 logger = logging.getLogger(__name__)
 
-AUTO = "auto"
-NO_BIND = ("all", "nobind")
 # The engine loop's share on a node that runs it: one physical core.
 ENGINE_LOOP_CORES = 1
 
@@ -93,21 +94,6 @@ class CpuTopology:
         return sorted(set(self.core_numa_nodes))
 
 
-def parse_cpu_list(text: str) -> set[int]:
-    """"0-3,8" -> {0, 1, 2, 3, 8} (the kernel's cpulist format)."""
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        part = part.strip()
-        if not part:
-            continue
-        low, _, high = part.partition("-")
-        first, last = int(low), int(high or low)
-        if first < 0 or last < first:
-            raise ValueError(f"bad CPU range {part!r}")
-        cpus.update(range(first, last + 1))
-    return cpus
-
-
 def read_topology(usable: set[int] | None = None, sysfs: str | Path = "/sys/devices/system") -> CpuTopology:
     """This machine's topology, restricted to the CPUs this thread may use
     (its affinity: a cgroup cpuset, `taskset`, a container's --cpuset-cpus).
@@ -131,33 +117,6 @@ def read_topology(usable: set[int] | None = None, sysfs: str | Path = "/sys/devi
 
 
 # ---- the flag -----------------------------------------------------------------------------
-
-
-def parse_cpu_bind(value: str | None) -> str | list[set[int]]:
-    """"auto", "all" (also "nobind"), or one set of CPU ids per rank of a node.
-    A ValueError names the field."""
-    if value is None:
-        return AUTO
-    text = str(value).strip()
-    if text.lower() == AUTO or text.lower() in NO_BIND:
-        return text.lower() if text.lower() == AUTO else NO_BIND[0]
-    groups = []
-    for i, part in enumerate(text.split("|")):
-        try:
-            group = parse_cpu_list(part)
-        except ValueError:
-            group = set()
-        if not group:
-            raise ValueError(
-                f"cpu_bind must be 'auto', 'all' or CPU groups like '0-3|4-7' (one per rank); "
-                f"group {i} of {value!r} is not a CPU list"
-            )
-        groups.append(group)
-    for i, group in enumerate(groups):
-        for j in range(i):
-            if group & groups[j]:
-                raise ValueError(f"cpu_bind groups {j} and {i} of {value!r} share CPUs {sorted(group & groups[j])}")
-    return groups
 
 
 # ---- the plan -----------------------------------------------------------------------------

@@ -284,7 +284,7 @@ def test_fields_survive_the_engine_core_and_worker_codecs(llm):
         temperature=0.7, top_k=0, logit_bias={3: 250.0, 9: -1.5}, allowed_token_ids=[9, 3, 12],
         bad_words=["side", "men"], truncate_prompt_tokens=4, min_tokens=2))
     assert params.bad_words_token_ids and params.all_stop_token_ids
-    request = EngineCoreRequest("r", [1, 2], params, sorted(params.all_stop_token_ids), 0, 0.0)
+    request = EngineCoreRequest("r", [1, 2], params, 0, 0.0)
     via_core = msgspec.msgpack.Decoder(EngineCoreRequest).decode(msgspec.msgpack.encode(request)).sampling_params
     codec = MessageCodec()
     step = NewRequestData("r", [1, 2], [], params, [0], 0)

@@ -3,7 +3,9 @@ started once per module and always torn down (process tree checked)."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
+from transformers import AutoTokenizer
 
 from tests.entrypoints.openai.server_utils import API_KEY, RaylmServer
 
@@ -20,3 +22,16 @@ def server(llama_dir, tmp_path_factory):
         yield srv
     finally:
         srv.terminate()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """An httpx client on the module's server, with its API key."""
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def tokenizer(llama_dir):
+    """The Hugging Face tokenizer of the served model: the oracle for token ids."""
+    return AutoTokenizer.from_pretrained(llama_dir)

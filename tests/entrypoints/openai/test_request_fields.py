@@ -16,7 +16,6 @@ import json
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
 
 from raylm.entrypoints.openai.protocol import (
     NO_EFFECT_FIELDS,
@@ -25,9 +24,8 @@ from raylm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from tests.entrypoints.openai.server_utils import API_KEY, MODEL_NAME
+from tests.entrypoints.openai.server_utils import MODEL_NAME
 
-HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 USER = [{"role": "user", "content": "hi"}]
 CHAT_BASE = {"model": MODEL_NAME, "messages": USER, "max_tokens": 2}
 COMPLETION_BASE = {"model": MODEL_NAME, "prompt": "ROMEO:", "max_tokens": 2}
@@ -148,17 +146,6 @@ def _kind(endpoint: str, field: str) -> str:
                                        ("honoured", field in model.model_fields)) if member]
     assert len(kinds) == 1, f"{endpoint}.{field}: {kinds or 'neither honoured, refused nor without effect'}"
     return kinds[0]
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url, headers=HEADERS, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def tokenizer(llama_dir):
-    return AutoTokenizer.from_pretrained(llama_dir)
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)

@@ -6,28 +6,14 @@ reasoning_effort, continue_final_message, add_special_tokens): the ids
 
 from __future__ import annotations
 
-import httpx
 import pytest
-from transformers import AutoTokenizer
 
-from tests.entrypoints.openai.server_utils import API_KEY, MODEL_NAME
+from tests.entrypoints.openai.server_utils import MODEL_NAME
 
-HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
 # Renders the variables only a per-request template and its kwargs can bring.
 TEMPLATE = ("{{ greeting }}|{{ reasoning_effort }}|{{ documents[0]['title'] }}|"
             "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url, headers=HEADERS, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def tokenizer(llama_dir):
-    return AutoTokenizer.from_pretrained(llama_dir)
 
 
 def _tokenize(http, **body) -> dict:
