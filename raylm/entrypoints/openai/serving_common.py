@@ -21,7 +21,6 @@ from raylm.sampling_params import SamplingParams, StructuredOutputsParams
 
 _OPTIONAL_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _TOKEN_CONSTRAINTS = ("logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
-_SAMPLING_PARAMS_FIELDS = set(SamplingParams.__dataclass_fields__)
 
 
 class OpenAIError(Exception):
@@ -87,8 +86,6 @@ def _token_constraints(request: SamplingFields) -> dict[str, Any]:
         value = getattr(request, name)
         if value is None or (name == "bad_words" and not value):
             continue
-        if name not in _SAMPLING_PARAMS_FIELDS:  # never silently dropped
-            raise OpenAIError(f"{name} is not supported by this server", 400, name)
         if name == "logit_bias":
             try:
                 value = {int(token_id): bias for token_id, bias in value.items()}
@@ -118,8 +115,7 @@ def sampling_params_from(request: SamplingFields, max_tokens: int | None, logpro
         if value is not None:
             kwargs[name] = value
     if request.top_k is not None:
-        # 0 is how vLLM and client libraries say "no top-k".
-        kwargs["top_k"] = -1 if request.top_k == 0 else request.top_k
+        kwargs["top_k"] = request.top_k  # 0 (how clients say "no top-k") is SamplingParams' to read
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
