@@ -71,7 +71,20 @@ def test_strict_spread_puts_one_rank_per_node_and_rank0_on_the_driver(cluster, t
     assert our_live_ray_state() == ([], [])
 
 
+def _wait_for_all_cpus_free(within_s: float = 30.0) -> None:
+    """PACK is best effort: while a previous test's workers still hold CPUs
+    (Ray frees them a moment after the actors report dead) no node has room
+    for the whole group and Ray spreads it. Wait until every CPU is back."""
+    import ray
+
+    deadline = time.monotonic() + within_s
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"]:
+        assert time.monotonic() < deadline, f"CPUs still held after {within_s} s: {ray.available_resources()}"
+        time.sleep(0.1)
+
+
 def test_pack_keeps_a_tp_group_on_one_node(cluster, tiny_model_dir):
+    _wait_for_all_cpus_free()
     with _llm(tiny_model_dir("llama"), tensor_parallel_size=2, ray_placement_strategy="PACK") as llm:
         ex = _executor(llm)
         # (Simulated nodes share one IP, so the driver-node pin of bundle 0
