@@ -257,9 +257,9 @@ class StructuredOutputManager:
 
     def grammar_output(self, so: SchedulerOutput, requests: dict[str, Request]) -> GrammarOutput | None:
         """The bitmask rows of the constrained requests that sample in this
-        step (None when there are none)."""
-        xgr = _xgrammar()
-
+        step (None when there are none). xgrammar is imported only once a
+        constrained request is here: the import takes a fraction of a second,
+        which would otherwise land on the first request a server answers."""
         rows: list[tuple[str, Any]] = []
         for request, end in self._sampling_rows(so, requests):
             if end == request.num_tokens:
@@ -269,7 +269,7 @@ class StructuredOutputManager:
                 logger.error("request %s sampled unconstrained: its last token is unknown", request.request_id)
         if not rows:
             return None
-        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        bitmask = _xgrammar().allocate_token_bitmask(len(rows), self.vocab_size)
         for i, (_, grammar) in enumerate(rows):
             grammar.ready.result().fill_next_token_bitmask(bitmask, i)
         return GrammarOutput(

@@ -293,3 +293,22 @@ def test_ray_tensor_parallel_matches_one_process(model, reference, ray_session, 
                  ray_step_transport=transport) as llm:
         assert _token_ids(llm.generate(_prompts(16), _mixed_params(16), use_tqdm=False)) == reference
     assert our_live_ray_state() == ([], [])
+
+
+def test_free_requests_never_import_xgrammar(tiny_model_dir):
+    """Importing xgrammar takes a fraction of a second; it once fell on the
+    first request a server answered, constrained or not."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from raylm import LLM, SamplingParams\n"
+        f"llm = LLM({str(tiny_model_dir('llama'))!r}, dtype='float32', kv_cache_memory_bytes=16 << 20, num_threads=1)\n"
+        "out = llm.generate('hello', SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)\n"
+        "assert out[0].outputs[0].token_ids\n"
+        "print('xgrammar' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "False"
