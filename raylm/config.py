@@ -177,6 +177,25 @@ class EngineConfig:
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
 
+# Who runs the engine: "llm", offline batches (raylm.LLM), where throughput is
+# what counts; "api_server", online streams (raylm serve, AsyncLLM), where time
+# to first token counts as well.
+USAGE_CONTEXTS = ("llm", "api_server")
+
+
+def default_max_num_batched_tokens(usage_context: str, device: str, world_size: int, max_num_seqs: int) -> int:
+    """The token budget of one step when the user sets none. Online on CPU a
+    step is small (2048 tokens per rank, vLLM's CPU default too): a burst of
+    prompts is prefilled in chunks, so the first of them start streaming after
+    one chunk, not after the whole burst (64 x 128-token prompts, 7M model, 2
+    cores: median TTFT 0.52 s with 8192, ~0.3 s with 2048, same throughput).
+    Offline, and on GPUs, a bigger step keeps the device busy."""
+    budget = 8192
+    if usage_context == "api_server" and device == "cpu":
+        budget = 2048 * world_size
+    return max(budget, max_num_seqs)
+
+
 def _resolve_cpu_bind(cpu_bind: str | None, num_threads: int | None, world_size: int) -> str:
     """The cpu_bind setting, validated; unset falls back to vLLM's
     VLLM_CPU_OMP_THREADS_BIND (what its users already set), then "auto"."""
@@ -218,6 +237,7 @@ def create_engine_config(
     max_num_seqs: int = 256,
     enable_chunked_prefill: bool = True,
     async_scheduling: bool = False,
+    usage_context: str = "llm",
     device: str | None = None,
     num_threads: int | None = None,
     cpu_bind: str | None = None,
@@ -288,8 +308,13 @@ def create_engine_config(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    if usage_context not in USAGE_CONTEXTS:
+        raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {usage_context!r}")
     if max_num_batched_tokens is None:
-        max_num_batched_tokens = max(8192, max_num_seqs) if enable_chunked_prefill else max(max_model_len, 8192)
+        max_num_batched_tokens = default_max_num_batched_tokens(
+            usage_context, device, tensor_parallel_size * pipeline_parallel_size, max_num_seqs)
+        if not enable_chunked_prefill:
+            max_num_batched_tokens = max(max_model_len, max_num_batched_tokens)
     if max_num_batched_tokens < 1:
         raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
     if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:

@@ -44,6 +44,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     async_scheduling: bool = False
+    usage_context: str = "llm"  # "api_server" for online serving (AsyncLLM sets it)
     # Device and CPU placement.
     device: str | None = None
     num_threads: int | None = None

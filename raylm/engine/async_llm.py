@@ -61,9 +61,62 @@ class StatLoggerBase:
         EngineCoreOutputs.recoveries) in `seconds`, carrying `num_requests` over."""
 
 
+# Text prompts up to this many characters are tokenized on the event loop
+# (well under a millisecond); longer ones in a thread.
+_MAX_INLINE_PROMPT_CHARS = 4096
+
+
+def _worth_a_thread(prompt: Any) -> bool:
+    """Whether tokenizing `prompt` takes long enough to move off the event loop."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return False
+        prompt = prompt.get("prompt")
+    return isinstance(prompt, str) and len(prompt) > _MAX_INLINE_PROMPT_CHARS
+
+
 class RequestFailedError(RuntimeError):
     """This request made the engine's steps fail and was dropped (DESIGN.md,
     "Failure model"); the engine goes on serving the others (HTTP 500)."""
+
+
+class RequestStream:
+    """The outputs of one submitted request, as an async iterator. Closing it
+    before the last output (`close`, `aclose`) aborts the request in the core,
+    freeing its KV blocks; closing after the end does nothing."""
+
+    def __init__(self, engine: "AsyncLLM", request_id: str, queue: asyncio.Queue):
+        self.engine = engine
+        self.request_id = request_id
+        self._queue = queue
+        self.finished = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        failed = [c.error for c in item.outputs if c.finish_reason == "error"]
+        if failed:
+            # The engine blamed this request for a failing step and dropped it
+            # (the others carried on): an error, not a result.
+            self.close()  # its other completions, if any
+            raise RequestFailedError(f"the engine failed this request: {failed[0]}")
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
 
 
 @dataclass
@@ -125,6 +178,9 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, stat_loggers: list[StatLoggerBase] | None = None, **engine_kwargs: Any) -> "AsyncLLM":
+        """An engine for online streams: unless told otherwise, its defaults
+        are those for serving (usage_context="api_server")."""
+        engine_kwargs.setdefault("usage_context", "api_server")
         return cls(create_engine_config(**engine_kwargs), stat_loggers)
 
     @property
@@ -155,43 +211,45 @@ class AsyncLLM:
     # ---- requests ------------------------------------------------------------
 
     async def process_prompt(self, prompt: Any, params: SamplingParams) -> tuple[ProcessedPrompt, SamplingParams]:
-        """Validate and tokenize in a thread, so a long prompt never stalls other streams."""
-        loop = asyncio.get_running_loop()
-        processed = await loop.run_in_executor(None, self.input_processor.process_prompt, prompt, params)
+        """Validate and tokenize; a long text prompt in a thread, so that it
+        never stalls the other streams. Token ids and short texts are done
+        here: the hop to a thread and back costs more than their work, and at
+        a burst of requests it queues each behind the others' hops."""
+        if _worth_a_thread(prompt):
+            loop = asyncio.get_running_loop()
+            processed = await loop.run_in_executor(None, self.input_processor.process_prompt, prompt, params)
+        else:
+            processed = self.input_processor.process_prompt(prompt, params)
         return processed, self.input_processor.finish_params(params)
 
-    async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
-                       stream: bool = True, data_parallel_rank: int | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until it finishes; ValueError for bad input.
-        `data_parallel_rank` pins the request to one data-parallel replica."""
+    async def add_request(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
+                          stream: bool = True, data_parallel_rank: int | None = None) -> "RequestStream":
+        """Validate the request and hand it to the engine core now; its outputs
+        come from the returned stream, which the caller must close (or read to
+        the end). ValueError for bad input. `data_parallel_rank` pins the
+        request to one data-parallel replica.
+
+        A server submits each request as soon as its handler has it, not when
+        its response starts streaming: at a burst, the handlers of the other
+        arrivals run first, and the core would wait for all of them."""
         self._check_alive()
         self._ensure_output_handler()
         check_data_parallel_rank(self.config, data_parallel_rank)
         processed, params = await self.process_prompt(prompt, sampling_params)
         self._check_alive()
         state = self._add_request(request_id, processed, params, stream, data_parallel_rank)
-        finished = False
+        return RequestStream(self, request_id, state.queue)
+
+    async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
+                       stream: bool = True, data_parallel_rank: int | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes (add_request, then
+        read); closing or cancelling the generator aborts the request."""
+        outputs = await self.add_request(prompt, sampling_params, request_id, stream, data_parallel_rank)
         try:
-            while True:
-                item = await state.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                failed = [c.error for c in item.outputs if c.finish_reason == "error"]
-                if failed:
-                    # The engine blamed this request for a failing step and
-                    # dropped it (the others carried on): an error, not a result.
-                    self.abort(request_id)  # its other completions, if any
-                    finished = True
-                    raise RequestFailedError(f"the engine failed this request: {failed[0]}")
-                yield item
-                if finished:
-                    return
+            async for output in outputs:
+                yield output
         finally:
-            if not finished:
-                # Cancelled (client gone) or closed early: free its slot in the core.
-                self.abort(request_id)
+            outputs.close()
 
     def _add_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
                      stream: bool, data_parallel_rank: int | None = None) -> _RequestState:

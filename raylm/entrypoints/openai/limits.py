@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -283,17 +283,22 @@ def _content_length(scope: Scope) -> Any:
 
 class ReleasingStreamingResponse(StreamingResponse):
     """A stream that gives its request's reservation back once it is sent,
-    cut off by the client, or never started: whatever happens, exactly once."""
+    cut off by the client, or never started: whatever happens, exactly once.
+    It closes the engine streams it sends too (aborting any unfinished one),
+    which the body iterator cannot do when it never started."""
 
-    def __init__(self, reservation: Reservation, *args: Any, **kwargs: Any):
+    def __init__(self, reservation: Reservation, *args: Any, streams: Sequence[Any] = (), **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.reservation = reservation
+        self.streams = streams
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self.reservation.release()
+            for stream in self.streams:
+                stream.close()
 
 
 def max_running_sequences(config: Any) -> int:

@@ -155,6 +155,7 @@ class OpenAIServingChat:
         params = tool_plan.apply(params)
         # Admitted before rendering, so that a burst of arrivals is counted at once.
         reservation = self.admission.admit(request.n, "n")
+        stream = None
         try:
             try:
                 processed = await asyncio.get_running_loop().run_in_executor(None, self._render, request, params)
@@ -167,12 +168,12 @@ class OpenAIServingChat:
                 e.param = param if e.param == "max_tokens" else e.param
                 raise
             request_id = random_id("chatcmpl")
-            stream = self.engine.generate(prompt, params, request_id, stream=request.stream)
+            stream = await self.engine.add_request(prompt, params, request_id, stream=request.stream)
             if request.stream:
                 response = ReleasingStreamingResponse(
                     reservation, self._stream(request, model, request_id, stream, top_logprobs, tool_plan),
-                    media_type="text/event-stream")
-                reservation = None  # the response releases it once sent
+                    media_type="text/event-stream", streams=[stream])
+                reservation = stream = None  # the response releases and closes them once sent
                 return response
             output = await cancel_on_disconnect(raw_request, self._last(stream))
             check_not_ended_early(output.outputs)
@@ -180,6 +181,8 @@ class OpenAIServingChat:
         finally:
             if reservation is not None:
                 reservation.release()
+            if stream is not None:
+                stream.close()
 
     @staticmethod
     async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:

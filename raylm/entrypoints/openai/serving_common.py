@@ -133,6 +133,21 @@ async def prepare_prompt(engine: AsyncLLM, prompt: Any, params: SamplingParams, 
     return fit_max_tokens(engine, processed, params, requested_max_tokens, prompt_param)
 
 
+async def submit_all(engine: AsyncLLM, requests: list[tuple[dict, SamplingParams, str]],
+                     stream: bool) -> list[Any]:
+    """Submit (prompt, params, request_id) to the engine now, in order; the
+    streams of their outputs. If one fails, the ones already in are aborted."""
+    streams = []
+    try:
+        for prompt, params, request_id in requests:
+            streams.append(await engine.add_request(prompt, params, request_id, stream=stream))
+    except BaseException:
+        for submitted in streams:
+            submitted.close()
+        raise
+    return streams
+
+
 def fit_max_tokens(engine: AsyncLLM, processed: ProcessedPrompt, params: SamplingParams,
                    requested_max_tokens: int | None, prompt_param: str) -> tuple[dict, SamplingParams]:
     max_model_len = engine.config.model_config.max_model_len

@@ -37,6 +37,7 @@ from raylm.entrypoints.openai.serving_common import (
     sampling_params_from,
     sse,
     stream_error_event,
+    submit_all,
 )
 from raylm.entrypoints.openai.structured_outputs import checked_structured_outputs
 from raylm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -109,20 +110,20 @@ class OpenAIServingCompletion:
                                            defaults=self.engine.config.model_config.default_sampling_params)
         # Admitted before tokenizing, so that a burst of arrivals is counted at once.
         reservation = self.admission.admit(len(prompts) * request.n, "n" if request.n > 1 else "prompt")
+        streams = None
         try:
             prepared = []
             for prompt in prompts:
                 prepared.append(
                     await prepare_prompt(self.engine, prompt, base_params.clone(), request.max_tokens, "prompt"))
             request_id = random_id("cmpl")
-            streams = [
-                self.engine.generate(prompt, params, f"{request_id}-{i}", stream=request.stream)
-                for i, (prompt, params) in enumerate(prepared)
-            ]
+            streams = await submit_all(self.engine, [
+                (prompt, params, f"{request_id}-{i}") for i, (prompt, params) in enumerate(prepared)
+            ], request.stream)
             if request.stream:
                 response = ReleasingStreamingResponse(reservation, self._stream(request, model, request_id, streams),
-                                                      media_type="text/event-stream")
-                reservation = None  # the response releases it once sent
+                                                      media_type="text/event-stream", streams=streams)
+                reservation = streams = None  # the response releases and closes them once sent
                 return response
             outputs: dict[int, RequestOutput] = await cancel_on_disconnect(raw_request, self._collect(streams))
             check_not_ended_early(c for output in outputs.values() for c in output.outputs)
@@ -130,6 +131,8 @@ class OpenAIServingCompletion:
         finally:
             if reservation is not None:
                 reservation.release()
+            for stream in streams or ():
+                stream.close()
 
     @staticmethod
     async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> dict[int, RequestOutput]:
