@@ -24,7 +24,12 @@ taken from one NUMA node when the ranks divide evenly over the nodes.
 
 Pinning (sched_setaffinity) is what keeps the ranks of one engine from
 landing on each other's cores, so by default it is done when a node holds
-more than one rank. A single rank (uni backend, a one-rank Ray engine) only
+more than one rank, unless the engine loop runs there and the ranks take
+every core (TP=2 on 2 cores). Then the engine loop, and any other process,
+must share a rank's core; pinned, the rank could not move away from them while its peers wait for it at every
+all-reduce (mp TP=2, 7M model, 2 cores, 64 x 128/128, three runs each:
+pinned 4812/3550/4926 out tok/s idle, 2255/2192 with one busy process;
+unpinned 4501/4467/4649 idle, 2507/2696 busy). A single rank (uni backend, a one-rank Ray engine) only
 gets its thread count: it shares its process, and often its thread, with the
 engine loop, so pinning it would pin the caller's thread too, and two
 engines on one machine would both pile onto core 0 while the scheduler could
@@ -207,8 +212,9 @@ def plan_cpu_placement(topology: CpuTopology, num_ranks: int, *, engine_loop_her
     groups = _split_cores(topology, num_ranks, per_rank, reserve)
     used = {cpu for group in groups for core in group for cpu in core}
     engine_loop = tuple(cpu for cpu in all_cpus if cpu not in used) if reserve else ()
-    # One thread per physical core, pinned to the core's first sibling.
-    pin = cpu_bind == AUTO and num_ranks > 1
+    # One thread per physical core, pinned to the core's first sibling (when
+    # a core is left over: see the module's docstring).
+    pin = cpu_bind == AUTO and num_ranks > 1 and not (engine_loop_here and reserve == 0)
     ranks = tuple(RankPlacement(num_threads or per_rank, tuple(core[0] for core in group) if pin else None)
                   for group in groups)
     note = "user threads" if num_threads else ""

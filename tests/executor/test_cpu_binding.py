@@ -90,6 +90,11 @@ def test_mp_tp2_explicit_bind_pins_each_rank(model, reference, caplog):
     assert os.sched_getaffinity(0) == set(USABLE)
 
 
+def _planned_cpus(rank_placement) -> list[int]:
+    """The CPUs a rank should find itself on: its own, or (unpinned) all usable."""
+    return USABLE if rank_placement.cpus is None else sorted(rank_placement.cpus)
+
+
 def test_mp_tp2_default_follows_the_plan(model, reference):
     plan = plan_cpu_placement(read_topology(), 2)
     llm = LLM(model, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp",
@@ -99,7 +104,7 @@ def test_mp_tp2_default_follows_the_plan(model, reference):
     try:
         got = executor.collective_rpc(thread_placement)
         for (cpus, threads, omp), planned in zip(got, plan.ranks):
-            assert cpus == sorted(planned.cpus)
+            assert cpus == _planned_cpus(planned)
             assert threads == planned.num_threads and omp == str(planned.num_threads)
         assert _generate(llm) == reference
     finally:
@@ -108,18 +113,24 @@ def test_mp_tp2_default_follows_the_plan(model, reference):
 
 
 @needs_two_cpus
-def test_ray_tp2_ranks_pin_to_disjoint_cores_of_their_node(ray_session, model, reference, caplog):
-    plan = plan_cpu_placement(read_topology(), 2)
+@pytest.mark.parametrize("cpu_bind", [None, "explicit"])
+def test_ray_tp2_ranks_follow_the_plan(ray_session, model, reference, caplog, cpu_bind):
+    """By default the ranks follow the planner (on a 2-core machine: not pinned,
+    the engine loop shares their cores); an explicit bind pins each rank's
+    every thread to its own group."""
+    cpu_bind = f"{USABLE[0]}|{USABLE[1]}" if cpu_bind == "explicit" else None
+    plan = plan_cpu_placement(read_topology(), 2, cpu_bind=cpu_bind or "auto")
     with caplog.at_level(logging.INFO, logger="raylm.executor.ray_executor"):
         llm = LLM(model, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="ray",
-                  kv_cache_memory_bytes=16 << 20)
+                  kv_cache_memory_bytes=16 << 20, cpu_bind=cpu_bind)
     executor = executor_of(llm)
     try:
         got = executor.collective_rpc(thread_placement)
-        assert [cpus for cpus, _, _ in got] == [sorted(r.cpus) for r in plan.ranks]
-        assert set(got[0][0]).isdisjoint(got[1][0])
+        assert [cpus for cpus, _, _ in got] == [_planned_cpus(r) for r in plan.ranks]
+        if cpu_bind:
+            assert got[0][0] == [USABLE[0]] and got[1][0] == [USABLE[1]]
+            assert executor.collective_rpc(process_affinities) == [[(USABLE[0],)], [(USABLE[1],)]]
         assert [(threads, omp) for _, threads, omp in got] == [(r.num_threads, str(r.num_threads)) for r in plan.ranks]
-        assert executor.collective_rpc(process_affinities) == [[tuple(sorted(r.cpus))] for r in plan.ranks]
         assert _generate(llm) == reference
     finally:
         llm.shutdown()

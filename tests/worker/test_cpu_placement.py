@@ -51,12 +51,15 @@ def test_one_core_has_nothing_to_reserve():
     assert threads_of(plan) == [1] and plan.engine_loop_cpus == ()
 
 
-def test_two_cores_tp2_pins_one_core_per_rank_and_shares_the_loop():
-    # What vLLM's VLLM_CPU_OMP_THREADS_BIND="0|1" does, measured faster in the issue.
+def test_two_cores_tp2_leaves_the_ranks_unpinned_beside_the_loop():
+    # The engine loop must share a rank's core: pinned, that rank could not
+    # move away from it (or from another busy process), and its peer waits.
     plan = plan_cpu_placement(flat(2), 2)
-    assert cores_of(plan) == [[0], [1]]
+    assert cores_of(plan) == [None, None]
     assert threads_of(plan) == [1, 1]
     assert plan.engine_loop_cpus == ()
+    # Without the engine loop on the node, the ranks own it: pinned.
+    assert cores_of(plan_cpu_placement(flat(2), 2, engine_loop_here=False)) == [[0], [1]]
 
 
 def test_eight_cores_tp2_reserves_the_last_core():
@@ -126,9 +129,12 @@ def test_num_threads_overrides_the_count():
     plan = plan_cpu_placement(flat(8), 2, num_threads=2)
     assert threads_of(plan) == [2, 2]
     assert cores_of(plan) == [[0, 1], [2, 3]]
-    # A thread count that only fits without the reservation takes every core.
+    # A thread count that only fits without the reservation takes every core
+    # (then unpinned, the engine loop sharing them).
     plan = plan_cpu_placement(flat(8), 2, num_threads=4)
-    assert cores_of(plan) == [[0, 1, 2, 3], [4, 5, 6, 7]] and plan.engine_loop_cpus == ()
+    assert threads_of(plan) == [4, 4] and cores_of(plan) == [None, None] and plan.engine_loop_cpus == ()
+    plan = plan_cpu_placement(flat(8), 2, num_threads=4, engine_loop_here=False)
+    assert cores_of(plan) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     uni = plan_cpu_placement(flat(2), 1, num_threads=2)
     assert threads_of(uni) == [2] and uni.engine_loop_cpus == ()
 
