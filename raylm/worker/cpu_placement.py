@@ -24,12 +24,14 @@ taken from one NUMA node when the ranks divide evenly over the nodes.
 
 Pinning (sched_setaffinity) is what keeps the ranks of one engine from
 landing on each other's cores, so by default it is done when a node holds
-more than one rank, unless the engine loop runs there and the ranks take
-every core (TP=2 on 2 cores). Then the engine loop, and any other process,
-must share a rank's core; pinned, the rank could not move away from them while its peers wait for it at every
-all-reduce (mp TP=2, 7M model, 2 cores, 64 x 128/128, three runs each:
-pinned 4812/3550/4926 out tok/s idle, 2255/2192 with one busy process;
-unpinned 4501/4467/4649 idle, 2507/2696 busy). A single rank (uni backend, a one-rank Ray engine) only
+more than one rank. But a pinned rank cannot move away from another busy
+process that lands on its core, and its peers wait for it at every
+all-reduce; so a rank pinned by the plan watches how much CPU its forward
+passes get (ContentionWatch) and unpins itself, for good, when it is starved
+(mp TP=2, 7M model, 2 cores, 64 x 128/128, alternating runs: pinned 5021
+out tok/s idle on average, unpinned 4826; with one busy process pinned
+2255/2192, unpinned 2507/2696; 111M latency pinned 1.67 s, unpinned 1.76 s).
+A single rank (uni backend, a one-rank Ray engine) only
 gets its thread count: it shares its process, and often its thread, with the
 engine loop, so pinning it would pin the caller's thread too, and two
 engines on one machine would both pile onto core 0 while the scheduler could
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,6 +136,9 @@ class RankPlacement:
 
     num_threads: int
     cpus: tuple[int, ...] | None = None
+    # Pinned by the plan, not by the user: the rank may unpin itself when it
+    # finds its cores contended (see ContentionWatch).
+    auto: bool = False
 
     def describe(self) -> str:
         threads = f"{self.num_threads} thread{'s' if self.num_threads != 1 else ''}"
@@ -212,10 +218,9 @@ def plan_cpu_placement(topology: CpuTopology, num_ranks: int, *, engine_loop_her
     groups = _split_cores(topology, num_ranks, per_rank, reserve)
     used = {cpu for group in groups for core in group for cpu in core}
     engine_loop = tuple(cpu for cpu in all_cpus if cpu not in used) if reserve else ()
-    # One thread per physical core, pinned to the core's first sibling (when
-    # a core is left over: see the module's docstring).
-    pin = cpu_bind == AUTO and num_ranks > 1 and not (engine_loop_here and reserve == 0)
-    ranks = tuple(RankPlacement(num_threads or per_rank, tuple(core[0] for core in group) if pin else None)
+    # One thread per physical core, pinned to the core's first sibling.
+    pin = cpu_bind == AUTO and num_ranks > 1
+    ranks = tuple(RankPlacement(num_threads or per_rank, tuple(core[0] for core in group) if pin else None, auto=pin)
                   for group in groups)
     note = "user threads" if num_threads else ""
     return CpuPlacement(ranks, engine_loop, note)
@@ -256,6 +261,8 @@ def _plan_explicit(topology: CpuTopology, num_ranks: int, groups: list[set[int]]
 # What apply_rank_placement(whole_process=True) set in this process: the
 # worker then knows its executor placed it.
 _process_placement: RankPlacement | None = None
+# This process's CPUs before that pinning (what unpin_process restores).
+_affinity_before_pinning: set[int] | None = None
 
 
 def process_placement() -> RankPlacement | None:
@@ -279,6 +286,8 @@ def apply_rank_placement(placement: RankPlacement, whole_process: bool) -> None:
     if placement.cpus is not None:
         cpus = set(placement.cpus)
         if whole_process:
+            global _affinity_before_pinning
+            _affinity_before_pinning = os.sched_getaffinity(0)
             for tid in _thread_ids():
                 try:
                     os.sched_setaffinity(tid, cpus)
@@ -290,6 +299,70 @@ def apply_rank_placement(placement: RankPlacement, whole_process: bool) -> None:
     if whole_process:
         global _process_placement
         _process_placement = placement
+
+
+def unpin_process() -> set[int]:
+    """Give every thread of this process back the CPUs it had before
+    apply_rank_placement pinned it (the OS places them from now on); those CPUs."""
+    cpus = _affinity_before_pinning or set(read_topology().cpus)
+    for tid in _thread_ids():
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    global _process_placement
+    if _process_placement is not None:
+        _process_placement = RankPlacement(_process_placement.num_threads, None)
+    return cpus
+
+
+class ContentionWatch:
+    """Tells a pinned rank that something else runs on its cores.
+
+    Around each forward pass it reads the wall clock and the process's CPU
+    time. Uncontended, a rank's threads are on CPU for nearly all of a pass
+    (a short wait for a peer at an all-reduce spins or yields, which counts);
+    when another process shares its cores, the OS gives it a fraction. Once
+    a window of passes (at least `window_s` long and `min_steps` passes) has
+    had less than `min_cpu_share` of threads x wall time, `end` answers True,
+    once; the watch then stops measuring. Measured on 2 cores, TP=2: 0.78-0.99
+    idle (the engine loop's own work shares a core now and then; the 7M model
+    is the low end), 0.46-0.61 beside one busy process."""
+
+    def __init__(self, num_threads: int, *, window_s: float = 1.0, min_steps: int = 16,
+                 min_cpu_share: float = 0.65, clocks=None):
+        self.num_threads = max(1, num_threads)
+        self.window_s = window_s
+        self.min_steps = min_steps
+        self.min_cpu_share = min_cpu_share
+        self._wall, self._cpu = clocks or (time.perf_counter, time.process_time)
+        self._started: tuple[float, float] | None = None
+        self._steps = 0
+        self._wall_sum = 0.0
+        self._cpu_sum = 0.0
+        self.triggered = False
+        # The CPU share of the last full window (for the log line).
+        self.last_share: float | None = None
+
+    def begin(self) -> None:
+        if not self.triggered:
+            self._started = (self._wall(), self._cpu())
+
+    def end(self) -> bool:
+        """After a pass: True once, when the window just completed was starved."""
+        if self._started is None:
+            return False
+        wall0, cpu0 = self._started
+        self._started = None
+        self._wall_sum += self._wall() - wall0
+        self._cpu_sum += self._cpu() - cpu0
+        self._steps += 1
+        if self._steps < self.min_steps or self._wall_sum < self.window_s:
+            return False
+        self.last_share = self._cpu_sum / (self._wall_sum * self.num_threads)
+        self._steps, self._wall_sum, self._cpu_sum = 0, 0.0, 0.0
+        self.triggered = self.last_share < self.min_cpu_share
+        return self.triggered
 
 
 def _thread_ids() -> list[int]:

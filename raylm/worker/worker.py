@@ -52,6 +52,8 @@ class Worker:
         self.cpu_placement: cpu_placement.RankPlacement | None = None
         # (thread id, its CPUs) when this worker pinned a thread it does not own.
         self._affinity_before: tuple[int, set[int]] | None = None
+        # Watches a rank the plan pinned for other work on its cores.
+        self.contention_watch: cpu_placement.ContentionWatch | None = None
 
     def init_device(self) -> None:
         cfg = self.config
@@ -66,6 +68,8 @@ class Worker:
             # A worker process or Ray actor was placed by its executor before it
             # got here; the uni backend's model shares the engine's process.
             self.cpu_placement = cpu_placement.process_placement() or self._place_in_engine_process()
+            if self.cpu_placement.auto and self.cpu_placement.cpus is not None:
+                self.contention_watch = cpu_placement.ContentionWatch(self.cpu_placement.num_threads)
             backend = "gloo"
         parallel_state.init_distributed_environment(
             pc.world_size, self.rank, self.distributed_init_method, backend,
@@ -160,11 +164,26 @@ class Worker:
         if via_dist and not pp.is_first_rank and scheduler_output.total_num_scheduled_tokens > 0:
             buffer = self.model_runner.make_empty_intermediate(scheduler_output.total_num_scheduled_tokens)
             intermediate = pp.recv(buffer, pp.rank_in_group - 1)
+        watch = self.contention_watch
+        if watch is not None:
+            watch.begin()
         out = self.model_runner.execute_model(scheduler_output, intermediate)
+        if watch is not None and watch.end():
+            self._unpin(watch)
         if via_dist and out is not None and not pp.is_last_rank:
             pp.send(out, pp.rank_in_group + 1)
             return None
         return out
+
+    def _unpin(self, watch: cpu_placement.ContentionWatch) -> None:
+        """Its cores are shared with other work: let the OS place this rank."""
+        pinned_to = self.cpu_placement.cpus
+        cpus = cpu_placement.unpin_process()
+        self.contention_watch = None
+        self.cpu_placement = cpu_placement.RankPlacement(self.cpu_placement.num_threads, None)
+        logger.warning("rank %d: its forward passes got %.0f%% of the CPU time of %d thread(s) on cores %s: other "
+                       "work shares them; unpinned, the OS now places it on %s", self.rank, 100 * watch.last_share,
+                       watch.num_threads, cpu_placement.format_cpus(pinned_to), cpu_placement.format_cpus(cpus))
 
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput | None:
         return self.model_runner.sample_tokens(grammar_output)

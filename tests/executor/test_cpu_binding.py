@@ -112,6 +112,38 @@ def test_mp_tp2_default_follows_the_plan(model, reference):
     assert _gone(pids)
 
 
+def make_the_watch_fire(worker):
+    """A contention watch whose bar no process clears: the next pass unpins."""
+    from raylm.worker.cpu_placement import ContentionWatch
+
+    assert worker.contention_watch is not None  # the plan pinned this rank
+    worker.contention_watch = ContentionWatch(worker.cpu_placement.num_threads, window_s=0.0, min_steps=1,
+                                              min_cpu_share=2.0)
+
+
+def is_watching(worker):
+    return worker.contention_watch is not None
+
+
+@needs_two_cpus
+def test_a_starved_rank_unpins_itself_and_keeps_its_outputs(model, reference):
+    llm = LLM(model, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp",
+              kv_cache_memory_bytes=16 << 20)
+    executor = executor_of(llm)
+    pids = list(executor.worker_pids)
+    try:
+        assert [cpus for cpus, _, _ in executor.collective_rpc(thread_placement)] == [[USABLE[0]], [USABLE[1]]]
+        executor.collective_rpc(make_the_watch_fire)
+        assert _generate(llm) == reference
+        # Every thread of both ranks may now run on any usable CPU, and stays so.
+        assert executor.collective_rpc(process_affinities) == [[tuple(USABLE)], [tuple(USABLE)]]
+        assert executor.collective_rpc(is_watching) == [False, False]
+        assert _generate(llm) == reference
+    finally:
+        llm.shutdown()
+    assert _gone(pids)
+
+
 @needs_two_cpus
 @pytest.mark.parametrize("cpu_bind", [None, "explicit"])
 def test_ray_tp2_ranks_follow_the_plan(ray_session, model, reference, caplog, cpu_bind):

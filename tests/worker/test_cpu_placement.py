@@ -8,8 +8,9 @@ import threading
 
 import pytest
 
-from raylm.worker.cpu_placement import (CpuTopology, RankPlacement, apply_rank_placement, format_cpus,
-                                        parse_cpu_bind, parse_cpu_list, plan_cpu_placement, read_topology)
+from raylm.worker.cpu_placement import (ContentionWatch, CpuTopology, RankPlacement, apply_rank_placement,
+                                        format_cpus, parse_cpu_bind, parse_cpu_list, plan_cpu_placement,
+                                        read_topology)
 
 
 def flat(n: int) -> CpuTopology:
@@ -51,15 +52,12 @@ def test_one_core_has_nothing_to_reserve():
     assert threads_of(plan) == [1] and plan.engine_loop_cpus == ()
 
 
-def test_two_cores_tp2_leaves_the_ranks_unpinned_beside_the_loop():
-    # The engine loop must share a rank's core: pinned, that rank could not
-    # move away from it (or from another busy process), and its peer waits.
+def test_two_cores_tp2_pins_one_core_per_rank_and_shares_the_loop():
+    # What vLLM's VLLM_CPU_OMP_THREADS_BIND="0|1" does, measured faster in the issue.
     plan = plan_cpu_placement(flat(2), 2)
-    assert cores_of(plan) == [None, None]
+    assert cores_of(plan) == [[0], [1]]
     assert threads_of(plan) == [1, 1]
     assert plan.engine_loop_cpus == ()
-    # Without the engine loop on the node, the ranks own it: pinned.
-    assert cores_of(plan_cpu_placement(flat(2), 2, engine_loop_here=False)) == [[0], [1]]
 
 
 def test_eight_cores_tp2_reserves_the_last_core():
@@ -129,12 +127,9 @@ def test_num_threads_overrides_the_count():
     plan = plan_cpu_placement(flat(8), 2, num_threads=2)
     assert threads_of(plan) == [2, 2]
     assert cores_of(plan) == [[0, 1], [2, 3]]
-    # A thread count that only fits without the reservation takes every core
-    # (then unpinned, the engine loop sharing them).
+    # A thread count that only fits without the reservation takes every core.
     plan = plan_cpu_placement(flat(8), 2, num_threads=4)
-    assert threads_of(plan) == [4, 4] and cores_of(plan) == [None, None] and plan.engine_loop_cpus == ()
-    plan = plan_cpu_placement(flat(8), 2, num_threads=4, engine_loop_here=False)
-    assert cores_of(plan) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert cores_of(plan) == [[0, 1, 2, 3], [4, 5, 6, 7]] and plan.engine_loop_cpus == ()
     uni = plan_cpu_placement(flat(2), 1, num_threads=2)
     assert threads_of(uni) == [2] and uni.engine_loop_cpus == ()
 
@@ -225,3 +220,52 @@ def test_apply_pins_only_the_calling_thread_when_sharing_a_process():
         assert os.sched_getaffinity(0) == set(usable)
     finally:
         torch.set_num_threads(before_threads)
+
+
+# ---- contention ---------------------------------------------------------------------------
+
+
+class FakeClocks:
+    """Wall and CPU clocks a test advances by hand."""
+
+    def __init__(self):
+        self.wall = 0.0
+        self.cpu = 0.0
+
+    def clocks(self):
+        return (lambda: self.wall), (lambda: self.cpu)
+
+    def step(self, watch, wall: float, cpu: float) -> bool:
+        watch.begin()
+        self.wall += wall
+        self.cpu += cpu
+        return watch.end()
+
+
+def test_the_plan_marks_its_own_pinning_as_revisable():
+    assert [r.auto for r in plan_cpu_placement(flat(2), 2).ranks] == [True, True]
+    assert [r.auto for r in plan_cpu_placement(flat(2), 2, cpu_bind="0|1").ranks] == [False, False]
+    assert [r.auto for r in plan_cpu_placement(flat(2), 1).ranks] == [False]  # not pinned at all
+
+
+def test_contention_watch_fires_once_on_a_starved_window():
+    fake = FakeClocks()
+    watch = ContentionWatch(2, window_s=1.0, min_steps=4, min_cpu_share=0.7, clocks=fake.clocks())
+    # Uncontended: 2 threads busy for 95% of each pass, windows of 4 x 0.25 s.
+    assert not any(fake.step(watch, 0.25, 0.475) for _ in range(12))
+    assert watch.last_share == pytest.approx(0.95)
+    # Contended: half the CPU. Nothing until the window is full, then once.
+    assert [fake.step(watch, 0.25, 0.25) for _ in range(4)] == [False, False, False, True]
+    assert watch.last_share == pytest.approx(0.5) and watch.triggered
+    assert not any(fake.step(watch, 0.25, 0.0) for _ in range(8))  # it stopped measuring
+
+
+def test_contention_watch_needs_enough_steps_and_time():
+    fake = FakeClocks()
+    watch = ContentionWatch(1, window_s=1.0, min_steps=4, clocks=fake.clocks())
+    # Three long starved passes: too few to judge.
+    assert not any(fake.step(watch, 1.0, 0.1) for _ in range(3))
+    # Many tiny ones that add up to less than the window: still nothing.
+    watch = ContentionWatch(1, window_s=1.0, min_steps=4, clocks=fake.clocks())
+    assert not any(fake.step(watch, 0.01, 0.001) for _ in range(50))
+    assert fake.step(watch, 0.6, 0.06)
