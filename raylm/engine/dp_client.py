@@ -515,6 +515,10 @@ class SyncDPClient(DPClient):
 # it, Ray ends what is left: actors die with their owner (this process), and
 # placement groups with the job.
 _MANAGER_SHUTDOWN_DEADLINE_S = 5.0
+# Within that deadline, how long the replicas may take to leave their loops
+# before they are killed: the kills and the placement groups' removal must fit
+# in the rest, or a slow exit (a loaded machine) would leave them to Ray.
+_REPLICA_GRACE_S = 3.0
 
 
 def _shutdown(manager: CoreEngineActorManager, replicas: dict, output, contexts: list) -> None:
@@ -524,7 +528,8 @@ def _shutdown(manager: CoreEngineActorManager, replicas: dict, output, contexts:
             replica.input.send(encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
-    stopper = threading.Thread(target=manager.shutdown, name="raylm-dp-shutdown", daemon=True)
+    stopper = threading.Thread(target=manager.shutdown, kwargs={"grace_s": _REPLICA_GRACE_S},
+                               name="raylm-dp-shutdown", daemon=True)
     stopper.start()
     stopper.join(_MANAGER_SHUTDOWN_DEADLINE_S)
     if stopper.is_alive():

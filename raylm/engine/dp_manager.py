@@ -301,8 +301,10 @@ class CoreEngineActorManager:
         except Exception as e:
             logger.warning("could not remove the placement group of replica %d: %s", handle.index, e)
 
-    def shutdown(self) -> None:
-        """Idempotent; every replica's actor and placement group are gone after."""
+    def shutdown(self, grace_s: float = _STOP_TIMEOUT_S) -> None:
+        """Idempotent; every replica's actor and placement group are gone after.
+        The replicas get `grace_s` to leave their loops (after the front end
+        sent them Shutdown); then they are killed."""
         if self._closed:
             return
         self._closed = True
@@ -311,7 +313,7 @@ class CoreEngineActorManager:
             self.replicas.clear()
         if handles:
             try:
-                self._ray.wait([h.run_ref for h in handles], num_returns=len(handles), timeout=_STOP_TIMEOUT_S)
+                self._ray.wait([h.run_ref for h in handles], num_returns=len(handles), timeout=grace_s)
             except Exception:
                 pass
         for handle in handles:
