@@ -303,8 +303,11 @@ def apply_rank_placement(placement: RankPlacement, whole_process: bool) -> None:
 
 def unpin_process() -> set[int]:
     """Give every thread of this process back the CPUs it had before
-    apply_rank_placement pinned it (the OS places them from now on); those CPUs."""
-    cpus = _affinity_before_pinning or set(read_topology().cpus)
+    apply_rank_placement pinned it (the OS places them from now on); those
+    CPUs. A process it never pinned is left as it is."""
+    if _affinity_before_pinning is None:
+        return os.sched_getaffinity(0)
+    cpus = _affinity_before_pinning
     for tid in _thread_ids():
         try:
             os.sched_setaffinity(tid, cpus)

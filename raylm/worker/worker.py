@@ -68,7 +68,7 @@ class Worker:
             # A worker process or Ray actor was placed by its executor before it
             # got here; the uni backend's model shares the engine's process.
             self.cpu_placement = cpu_placement.process_placement() or self._place_in_engine_process()
-            if self.cpu_placement.auto and self.cpu_placement.cpus is not None:
+            if self.cpu_placement.auto:  # pinned by the plan, not by the user
                 self.contention_watch = cpu_placement.ContentionWatch(self.cpu_placement.num_threads)
             backend = "gloo"
         parallel_state.init_distributed_environment(
@@ -180,7 +180,7 @@ class Worker:
         pinned_to = self.cpu_placement.cpus
         cpus = cpu_placement.unpin_process()
         self.contention_watch = None
-        self.cpu_placement = cpu_placement.RankPlacement(self.cpu_placement.num_threads, None)
+        self.cpu_placement = cpu_placement.process_placement()
         logger.warning("rank %d: its forward passes got %.0f%% of the CPU time of %d thread(s) on cores %s: other "
                        "work shares them; unpinned, the OS now places it on %s", self.rank, 100 * watch.last_share,
                        watch.num_threads, cpu_placement.format_cpus(pinned_to), cpu_placement.format_cpus(cpus))
