@@ -38,6 +38,7 @@ class ModelRunner:
         self.vocab_size = config.model_config.vocab_size
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self._kv_cache_layers: list[Attention] = []  # the layers bound to kv_caches
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         # Between execute_model and sample_tokens.
@@ -67,7 +68,8 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         dtype = self.config.model_config.dtype
         self.kv_caches = []
-        for layer in self.attention_layers():
+        self._kv_cache_layers = self.attention_layers()
+        for layer in self._kv_cache_layers:
             # torch.empty: pages are only touched (and counted in RSS) once used.
             cache = torch.empty(
                 (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim), dtype=dtype, device=self.device
@@ -113,13 +115,18 @@ class ModelRunner:
         self._zero_blocks(fresh_blocks)
 
     def _zero_blocks(self, block_ids: list[int]) -> None:
-        # Decode attention reads whole blocks, masked past each context's end.
-        # A never-written slot of an uninitialised cache may hold NaN bits, and
-        # NaN survives a zero attention weight, so fresh blocks start at zero.
-        if not block_ids or not self.kv_caches:
+        # A padded decode path reads whole blocks, masked past each context's
+        # end. A never-written slot of an uninitialised cache may hold NaN bits,
+        # and NaN survives a zero attention weight, so for those layers fresh
+        # blocks start at zero. (The CPU decode kernel never reads past a
+        # context: zeroing there would only cost time, 6% of a prefill step.)
+        if not block_ids:
+            return
+        caches = [layer.kv_cache for layer in self._kv_cache_layers if layer.reads_unwritten_slots()]
+        if not caches:
             return
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        for cache in self.kv_caches:
+        for cache in caches:
             cache.index_fill_(1, index, 0)
 
     def make_empty_intermediate(self, num_tokens: int) -> torch.Tensor:

@@ -1,5 +1,7 @@
-"""The C++ paged decode-attention kernel against the torch path of Attention._decode,
-and greedy generation with the kernel against the torch path and Hugging Face."""
+"""The C++ paged-attention kernel against the torch paths of Attention: decode
+batches, and whole steps (fresh prefills, later chunks with context, decodes,
+mixes); then greedy generation with the kernel against the torch path and
+Hugging Face, with chunked prefill and prefix-cache hits."""
 
 from __future__ import annotations
 
@@ -13,9 +15,10 @@ import torch
 from raylm import LLM, SamplingParams
 from raylm.model.forward_context import AttentionMetadata
 from raylm.model.layers.attention import Attention
-from raylm.model.layers.cpu_attention_kernel import DISABLE_ENV, get_paged_decode_kernel
+from raylm.model.layers.cpu_kernels import DISABLE_ENV, get_paged_attention_kernel
 from raylm.testing import make_tiny_model
 from raylm.testing.hf_oracle import hf_greedy
+from tests.model.paged_steps import CASES, attend, random_step
 
 _HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++", sysconfig.get_config_var("CXX") or "c++"))
 pytestmark = pytest.mark.skipif(not _HAS_COMPILER, reason="no C++ compiler to build the CPU kernel")
@@ -25,7 +28,7 @@ CONTEXT_LENS = [1, 15, 16, 17, 200]
 
 @pytest.fixture(scope="module")
 def kernel():
-    fn = get_paged_decode_kernel()
+    fn = get_paged_attention_kernel()
     assert fn is not None, "a C++ compiler is present, so the kernel must build"
     return fn
 
@@ -110,12 +113,65 @@ def test_attention_decode_uses_kernel(kernel, monkeypatch):
     attn.kv_cache = cache
     calls = []
     monkeypatch.setattr(
-        "raylm.model.layers.attention.get_paged_decode_kernel",
+        "raylm.model.layers.attention.get_paged_attention_kernel",
         lambda: (lambda *args: calls.append(1) or kernel(*args)),
     )
     out = attn._decode(q, meta)
     assert calls, "the CPU kernel was not used"
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 32), (4, 4, 64), (6, 2, 16)])
+def test_whole_step_through_kernel_matches_torch(kernel, case, num_heads, num_kv_heads, head_dim, monkeypatch):
+    """A step with prefills goes through the kernel in one call per layer, each
+    query over its own context; it equals the torch path (per-sequence SDPA,
+    masked gathers for chunks with context, the padded decode batch)."""
+    batch, cache, gen = random_step(CASES[case], num_kv_heads, head_dim, torch.float32, seed=len(case) + head_dim)
+    t = batch.input_ids.shape[0]
+    q = torch.randn(t, num_heads * head_dim, generator=gen)
+    k = torch.randn(t, num_kv_heads * head_dim, generator=gen)
+    v = torch.randn(t, num_kv_heads * head_dim, generator=gen)
+    calls = []
+    with monkeypatch.context() as m:
+        m.setattr(
+            "raylm.model.layers.attention.get_paged_attention_kernel",
+            lambda: (lambda *args: calls.append(len(args) == 6) or kernel(*args)),
+        )
+        out, out_cache = attend(False, batch, cache, q, k, v, num_heads, num_kv_heads, head_dim)
+    has_prefill = bool(batch.attn_metadata.prefills)
+    # One call per forward: with table rows when the step has prefills, else the decode batch.
+    assert calls == [has_prefill]
+    with monkeypatch.context() as m:
+        m.setenv(DISABLE_ENV, "1")
+        ref, ref_cache = attend(False, batch, cache, q, k, v, num_heads, num_kv_heads, head_dim)
+    assert torch.equal(out_cache, ref_cache)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_whole_step_bf16_close_to_fp32(kernel, monkeypatch):
+    batch, cache, gen = random_step(CASES["mixed"], 2, 64, torch.float32, seed=5)
+    t = batch.input_ids.shape[0]
+    q, k, v = (torch.randn(t, n * 64, generator=gen) for n in (8, 2, 2))
+    with monkeypatch.context() as m:
+        m.setenv(DISABLE_ENV, "1")
+        ref, _ = attend(False, batch, cache, q, k, v, 8, 2, 64)
+    out, _ = attend(False, batch, cache.bfloat16(), q.bfloat16(), k.bfloat16(), v.bfloat16(), 8, 2, 64)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_kernel_rejects_bad_table_rows(kernel):
+    q, cache, meta = _random_case(8, 2, 32, 16, torch.float32, seed=3)
+    table, ctx = meta.decode_block_table, meta.decode_context_lens
+    rows = torch.arange(len(CONTEXT_LENS), dtype=torch.int64)
+    torch.testing.assert_close(kernel(q, cache, table, ctx, 0.1, rows), kernel(q, cache, table, ctx, 0.1))
+    with pytest.raises(RuntimeError, match="table row 5 out of range"):
+        kernel(q, cache, table, ctx, 0.1, torch.full_like(rows, 5))
+    with pytest.raises(RuntimeError, match="table_rows must be"):
+        kernel(q, cache, table, ctx, 0.1, rows[:-1])
+    with pytest.raises(RuntimeError, match="one block-table row per query"):
+        kernel(q, cache, table[:-1], ctx, 0.1)
 
 
 def test_kernel_rejects_out_of_range_blocks(kernel):
@@ -128,7 +184,7 @@ def test_kernel_rejects_out_of_range_blocks(kernel):
 
 def test_disable_env_forces_fallback(monkeypatch):
     monkeypatch.setenv(DISABLE_ENV, "1")
-    assert get_paged_decode_kernel() is None
+    assert get_paged_attention_kernel() is None
 
 
 @pytest.fixture(scope="module")
@@ -139,20 +195,32 @@ def gqa_model(tmp_path_factory):
     )
 
 
-def _greedy(model, prompts, max_tokens):
+def _greedy(model, prompts, max_tokens, **engine_args):
+    """Greedy outputs, generated twice in one engine: the second pass finds
+    every prompt's full blocks in the prefix cache and prefills only the rest."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    with LLM(str(model), dtype="float32", kv_cache_memory_bytes=64 << 20) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+    with LLM(str(model), dtype="float32", kv_cache_memory_bytes=64 << 20, **engine_args) as llm:
+        passes = [
+            [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                          use_tqdm=False)]
+            for _ in range(2)
+        ]
+        hits = llm.llm_engine.stats()["prefix_cache_hits"]
+    assert passes[0] == passes[1]
+    assert hits > 0, "the second pass found nothing in the prefix cache"
+    return passes[0]
 
 
-def test_generation_with_kernel_matches_fallback_and_hf(kernel, gqa_model, monkeypatch):
+@pytest.mark.parametrize("budget", [None, 40])
+def test_generation_with_kernel_matches_fallback_and_hf(kernel, gqa_model, budget, monkeypatch):
+    """budget 40: prompts are prefilled in chunks, most steps mix decodes,
+    fresh prefills and later chunks with context."""
     gen = torch.Generator().manual_seed(0)
     # Lengths around the block size, so contexts cross block boundaries while decoding.
-    prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (1, 5, 15, 16, 17, 40)]
+    prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (1, 5, 15, 16, 17, 40, 90)]
     max_tokens = 24
-    with_kernel = _greedy(gqa_model, prompts, max_tokens)
+    with_kernel = _greedy(gqa_model, prompts, max_tokens, max_num_batched_tokens=budget)
     monkeypatch.setenv(DISABLE_ENV, "1")
-    without_kernel = _greedy(gqa_model, prompts, max_tokens)
+    without_kernel = _greedy(gqa_model, prompts, max_tokens, max_num_batched_tokens=budget)
     assert with_kernel == without_kernel
     assert with_kernel == [r.token_ids for r in hf_greedy(gqa_model, prompts, max_tokens)]

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from raylm.model.arch_config import RopeScaling
+from raylm.model.layers.cpu_kernels import elementwise_kernels_for
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -55,6 +56,10 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, nh*hd], k [T, nkv*hd] -> rotated q, k (same shapes and dtype)."""
         num_tokens = positions.shape[0]
+        kernels = elementwise_kernels_for(q)
+        if kernels is not None and q.stride(-1) == 1 and k.stride(-1) == 1 and positions.is_contiguous():
+            # One pass over q and k instead of eight ops and a concatenation.
+            return kernels.rotary_neox(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim)
         cos, sin = self._cos_sin(positions, q.dtype)
         q_heads = q.shape[-1] // self.head_dim
         # q and k rotated in one call: they share positions.

@@ -1,10 +1,11 @@
-"""Builds and loads the C++ paged decode-attention kernel for CPU at first use.
+"""Builds and loads raylm's C++ CPU kernels at first use: paged attention
+(csrc/paged_attention.cpp) and the fused elementwise ops of
+the Llama block (csrc/elementwise_ops.cpp), one extension module.
 
-The kernel (csrc/paged_decode_attention.cpp) is compiled once per machine and
-environment with torch's JIT extension builder; when it cannot be built (no
-compiler, a compile error, another process building it for too long), callers
-get None and keep the torch path. Set RAYLM_DISABLE_CPU_KERNELS=1 to force that
-path.
+The module is compiled once per machine and environment with torch's JIT
+extension builder; when it cannot be built (no compiler, a compile error,
+another process building it for too long), callers get None and keep the
+torch path. Set RAYLM_DISABLE_CPU_KERNELS=1 to force that path.
 
 Builds never hang on a dead process: each build folder has a `raylm.lock` held
 with flock(2), which the kernel releases when its holder dies, however it dies.
@@ -26,14 +27,18 @@ import sysconfig
 import threading
 import time
 from pathlib import Path
-from typing import Callable, IO
+from types import ModuleType
+from typing import IO, Callable
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "RAYLM_DISABLE_CPU_KERNELS"
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
+_SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name
+    for name in ("bindings.cpp", "paged_attention.cpp", "elementwise_ops.cpp")
+)
 # Tuples: torch appends its own flags to the lists it is given.
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
 _LDFLAGS = ("-fopenmp",)
@@ -43,7 +48,7 @@ BUILD_WAIT_S = 300.0
 _LOCK_NAME = "raylm.lock"
 
 # The build is tried at most once per process.
-_kernel: Callable | None = None
+_module: ModuleType | None = None
 _attempted = False
 _lock = threading.Lock()
 
@@ -104,10 +109,10 @@ def _extension_name(compiler: tuple[str, str]) -> str:
             sysconfig.get_paths()["include"],
             " ".join(_CFLAGS),
             " ".join(_LDFLAGS),
-            hashlib.sha256(_SOURCE.read_bytes()).hexdigest(),
+            *(hashlib.sha256(source.read_bytes()).hexdigest() for source in _SOURCES),
         ]
     )
-    return "raylm_paged_decode_" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    return "raylm_cpu_kernels_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def _build_root() -> Path:
@@ -141,7 +146,7 @@ def _acquire_build_lock(build_dir: Path, wait_s: float) -> IO[str]:
             # wait is a build worth telling about.
             if not told and waited > 2:
                 logger.warning(
-                    "raylm: waiting for process %s, which is building the CPU attention kernel in %s",
+                    "raylm: waiting for process %s, which is building the CPU kernels in %s",
                     _holder(f),
                     build_dir,
                 )
@@ -176,7 +181,7 @@ def _compile(name: str, build_dir: Path):
 
     return cpp_extension.load(
         name=name,
-        sources=[str(_SOURCE)],
+        sources=[str(source) for source in _SOURCES],
         extra_cflags=list(_CFLAGS),
         extra_ldflags=list(_LDFLAGS),
         build_directory=str(build_dir),
@@ -184,7 +189,7 @@ def _compile(name: str, build_dir: Path):
     )
 
 
-def _build() -> Callable:
+def _build() -> ModuleType:
     name = _extension_name(_compiler())
     build_dir = _build_root() / name
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -194,42 +199,49 @@ def _build() -> Callable:
             # Said at warning level: the CLI's default log level would otherwise
             # leave a first run silent for the minute the compiler takes.
             logger.warning(
-                "raylm: building the CPU attention kernel (first run on this machine, ~1 min) in %s", build_dir
+                "raylm: building the CPU kernels (first run on this machine, ~1 min) in %s", build_dir
             )
         started = time.perf_counter()
         module = _compile(name, build_dir)
     finally:
         _release_build_lock(lock)
-    logger.info("CPU paged decode kernel ready (%s, %.1fs)", name, time.perf_counter() - started)
-    return module.paged_decode
+    logger.info("CPU kernels ready (%s, %.1fs)", name, time.perf_counter() - started)
+    return module
 
 
-def get_paged_decode_kernel() -> Callable | None:
-    """The compiled `paged_decode(q, kv_cache, block_table, context_lens, scale)`, or None.
+def get_cpu_kernels() -> ModuleType | None:
+    """The compiled kernel module, or None (kernels disabled, or the build failed).
 
-    q [B, H, D], kv_cache [2, blocks, block_size, KVH, D] (contiguous),
-    block_table [B, max_blocks] int64, context_lens [B] int64 -> [B, H, D] in q's dtype.
     Built once per process; failures are logged once and give None for good.
     """
-    global _kernel, _attempted
+    global _module, _attempted
     if kernels_disabled():
         return None
     if _attempted:
-        return _kernel
+        return _module
     with _lock:
         if not _attempted:
             try:
-                _kernel = _build()
+                _module = _build()
             except Exception as e:  # no compiler, no ninja, a compile error: keep the torch path
                 # One line, not the compiler's whole output (that goes to debug).
-                logger.warning(
-                    "raylm: CPU attention kernel unavailable, using the torch attention path: %s", _one_line(e)
-                )
+                logger.warning("raylm: CPU kernels unavailable, using the torch path: %s", _one_line(e))
                 if not isinstance(e, KernelUnavailable):
-                    logger.debug("CPU attention kernel build error", exc_info=True)
-                _kernel = None
+                    logger.debug("CPU kernel build error", exc_info=True)
+                _module = None
             _attempted = True
-    return _kernel
+    return _module
+
+
+def get_paged_attention_kernel() -> Callable | None:
+    """The compiled `paged_attention(q, kv_cache, block_table, context_lens, scale, table_rows=None)`, or None.
+
+    q [Q, H, D], kv_cache [2, blocks, block_size, KVH, D] (contiguous),
+    block_table [R, max_blocks] int64, context_lens [Q] int64, table_rows
+    [Q] int64 (or None: query i uses row i) -> [Q, H, D] in q's dtype.
+    """
+    module = get_cpu_kernels()
+    return None if module is None else module.paged_attention
 
 
 def _one_line(e: Exception) -> str:
@@ -237,3 +249,15 @@ def _one_line(e: Exception) -> str:
     lines = str(e).strip().splitlines() or [type(e).__name__]
     line = next((x for x in lines if "error:" in x), lines[0])
     return line.strip()[:300]
+
+
+# Activation dtypes the fused elementwise kernels are built for.
+_ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def elementwise_kernels_for(x: torch.Tensor) -> ModuleType | None:
+    """The kernel module when it can run the fused elementwise ops on x (a CPU
+    tensor of a float dtype), else None: the caller keeps its torch ops."""
+    if x.device.type != "cpu" or x.dtype not in _ELEMENTWISE_DTYPES:
+        return None
+    return get_cpu_kernels()
