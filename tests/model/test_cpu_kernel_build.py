@@ -231,6 +231,7 @@ def test_environments_get_their_own_build_folders(fresh, monkeypatch, tmp_path):
         (torch, "__version__", "0.0.0"),
         (ck.sys, "version", "3.99.0"),
         (ck, "_SOURCES", (*ck._SOURCES[:-1], source)),
+        (ck, "_HEADERS", (source,)),
     ]
     for obj, attr, value in variants:
         with monkeypatch.context() as m:

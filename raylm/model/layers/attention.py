@@ -25,7 +25,7 @@ from raylm.model.forward_context import AttentionMetadata, get_attention_metadat
 from raylm.model.layers.cpu_kernels import get_paged_attention_kernel
 from raylm.model.layers.gpu_attention import batched_paged_attention
 
-# Query/cache dtypes the CPU decode kernel is built for.
+# Query/cache dtypes the CPU paged-attention kernel is built for.
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -35,10 +35,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "RAYLM_DISABLE_CPU_KERNELS"
-_SOURCES = tuple(
-    Path(__file__).parent / "csrc" / name
-    for name in ("bindings.cpp", "paged_attention.cpp", "elementwise_ops.cpp")
-)
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = tuple(_CSRC / name for name in ("bindings.cpp", "paged_attention.cpp", "elementwise_ops.cpp"))
+# Headers the sources include: part of the build's identity too.
+_HEADERS = (_CSRC / "fast_exp.h",)
 # Tuples: torch appends its own flags to the lists it is given.
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
 _LDFLAGS = ("-fopenmp",)
@@ -109,7 +109,7 @@ def _extension_name(compiler: tuple[str, str]) -> str:
             sysconfig.get_paths()["include"],
             " ".join(_CFLAGS),
             " ".join(_LDFLAGS),
-            *(hashlib.sha256(source.read_bytes()).hexdigest() for source in _SOURCES),
+            *(hashlib.sha256(source.read_bytes()).hexdigest() for source in (*_SOURCES, *_HEADERS)),
         ]
     )
     return "raylm_cpu_kernels_" + hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -16,6 +16,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "fast_exp.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -70,28 +72,6 @@ inline float round_to(float v) {
   }
 }
 
-// exp(x) as 2^k * polynomial (Cody-Waite reduction, relative error ~2e-7),
-// branch-free so that it vectorises. Past the float range it gives 0 and
-// infinity, as std::exp does (silu(-100) is then -0, as in torch).
-inline float fast_exp(float x) {
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2Hi = 0.693359375f;
-  constexpr float kLn2Lo = -2.12194440e-4f;
-  constexpr float kRoundMagic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float overflow = x > 88.7f ? std::numeric_limits<float>::infinity() : 1.f;
-  x = std::min(std::max(x, -87.f), 88.f);
-  const float k = (x * kLog2e + kRoundMagic) - kRoundMagic;
-  const float y = (x - k * kLn2Hi) - k * kLn2Lo;  // |y| <= ln2 / 2
-  float p = 1.f / 720.f;
-  p = p * y + 1.f / 120.f;
-  p = p * y + 1.f / 24.f;
-  p = p * y + 1.f / 6.f;
-  p = p * y + 0.5f;
-  p = p * y + 1.f;
-  p = p * y + 1.f;
-  return p * bits_to_float(uint32_t(int32_t(k) + 127) << 23) * overflow;
-}
-
 // Rows per parallel task: enough work to be worth a thread's wake-up.
 inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
 
@@ -116,7 +96,7 @@ void silu_and_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
       for (int64_t i = 0; i < width; ++i) {
         const float g = load(gate, i);
         // torch: silu(gate) in the activation dtype, then the product.
-        const float silu = round_to<scalar_t>(g / (1.f + fast_exp(-g)));
+        const float silu = round_to<scalar_t>(g / (1.f + raylm::fast_exp(-g)));
         store(dst, i, silu * load(up, i));
       }
     }

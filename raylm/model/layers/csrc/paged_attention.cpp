@@ -22,6 +22,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "fast_exp.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -116,31 +118,11 @@ inline void accumulate_rows(const float* probs, const float* rows, int64_t row_s
 }
 
 // In place: s[i] = exp(s[i] - shift) for s[i] <= shift, returning the sum.
-// A branch-free exp (2^k * polynomial, Cody-Waite reduction, relative error
-// ~2e-7) that vectorises, where a libm call per score would dominate.
 inline float exp_shifted_and_sum(float* s, int64_t n, float shift) {
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2Hi = 0.693359375f;
-  constexpr float kLn2Lo = -2.12194440e-4f;
-  constexpr float kRoundMagic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) {
-    // Below -87 the result would be subnormal; those weights are negligible anyway.
-    const float x = std::max(s[i] - shift, -87.f);
-    const float k = (x * kLog2e + kRoundMagic) - kRoundMagic;
-    const float y = (x - k * kLn2Hi) - k * kLn2Lo;  // |y| <= ln2 / 2
-    float p = 1.f / 720.f;
-    p = p * y + 1.f / 120.f;
-    p = p * y + 1.f / 24.f;
-    p = p * y + 1.f / 6.f;
-    p = p * y + 0.5f;
-    p = p * y + 1.f;
-    p = p * y + 1.f;
-    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(k) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof(scale));
-    s[i] = p * scale;
+    s[i] = raylm::fast_exp(s[i] - shift);
     sum += s[i];
   }
   return sum;
@@ -246,6 +228,16 @@ inline float max_of(const float* s, int64_t n) {
   return m;
 }
 
+// Each of `heads` rows of `ctx` scores becomes exp(score - row max), unnormalised;
+// inv_sum[h] is the reciprocal of row h's sum (applied to the output at the end).
+inline void softmax_rows(float* scores, int64_t heads, int64_t ctx, float* inv_sum) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* s = scores + h * ctx;
+    const float sum = exp_shifted_and_sum(s, ctx, max_of(s, ctx));
+    inv_sum[h] = sum > 0.f ? 1.f / sum : 0.f;
+  }
+}
+
 template <typename q_t, typename cache_t>
 void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                        const at::Tensor& context_lens, const int64_t* rows, double scale, at::Tensor& out) {
@@ -346,11 +338,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
                               std::min<int64_t>(kTile, n - t), fscale, scores.data() + h * ctx + start + t);
           }
         }
-        for (int64_t h = 0; h < heads; ++h) {
-          float* s = scores.data() + h * ctx;
-          const float sum = exp_shifted_and_sum(s, ctx, max_of(s, ctx));
-          inv_sum[h] = sum > 0.f ? 1.f / sum : 0.f;
-        }
+        softmax_rows(scores.data(), heads, ctx, inv_sum.data());
         std::fill(acc.begin(), acc.begin() + heads * head_dim, 0.f);
         for (int64_t start = 0; start < ctx; start += block_size) {
           const int64_t n = std::min(block_size, ctx - start);
@@ -412,11 +400,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
       }
 
       // Softmax per head, in float, shifted by the max for stability.
-      for (int64_t h = 0; h < heads; ++h) {
-        float* s = scores.data() + h * ctx;
-        const float sum = exp_shifted_and_sum(s, ctx, max_of(s, ctx));
-        inv_sum[h] = sum > 0.f ? 1.f / sum : 0.f;
-      }
+      softmax_rows(scores.data(), heads, ctx, inv_sum.data());
 
       // Pass 2: probability-weighted sum of V rows.
       std::fill(acc.begin(), acc.begin() + heads * head_dim, 0.f);
