@@ -233,7 +233,8 @@ def summarise(name: str, results: list[dict[str, Any]], job: dict[str, Any]) -> 
         per_round["latency_s"] = [statistics.mean(r["latency"]["times_s"]) for r in results]
     summary = {key: dict(zip(("mean", "spread"), _mean_and_spread(values)), rounds=values)
                for key, values in per_round.items()}
-    logger.info("%s: %s", name, {k: round(v["mean"], 3) for k, v in summary.items()})
+    # Each round too: a spread is easier to read knowing whether one round or all were off.
+    logger.info("%s: %s", name, {k: [round(x, 3) for x in v["rounds"]] for k, v in summary.items()})
     return summary
 
 
