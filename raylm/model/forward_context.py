@@ -18,9 +18,9 @@ class PrefillSeq:
 
     Queries are rows [q_start, q_end) of the flat batch. When the sequence has
     context before this chunk (prefix-cache hit or a later prefill chunk),
-    `ctx_slots` lists the cache slots of the whole context (old + new tokens)
-    and `mask` is the causal mask with that offset; otherwise both are None and
-    the fresh keys are used directly with a plain causal mask.
+    `ctx_slots` lists the cache slots of the whole context (old + new tokens) and
+    `mask` is the causal mask with that offset; otherwise both are None and the
+    fresh keys are used directly with a plain causal mask.
     """
 
     q_start: int
@@ -32,8 +32,8 @@ class PrefillSeq:
     @property
     def mask(self) -> torch.Tensor | None:
         """[1, 1, queries, context] bool, True = attend. Built at first use and
-        then shared by every layer: only the torch path reads it, and it grows
-        with queries x context (16 MB for a 2048-token chunk at 8192)."""
+        then shared by every layer; the batched GPU path never reads it, and it
+        grows with queries x context (16 MB for a 2048-token chunk at 8192)."""
         if self.ctx_slots is None:
             return None
         if self._mask is None:
@@ -62,12 +62,6 @@ class AttentionMetadata:
     # [num_decodes] int64: context length (tokens, including this step's) per request.
     decode_context_lens: torch.Tensor | None = None
     prefills: list[PrefillSeq] = field(default_factory=list)
-    # Set when there are prefills, for a kernel that takes every query of the
-    # step at once: query i attends to the first query_context_lens[i] tokens
-    # of row query_table_rows[i] of query_block_table (one row per request).
-    query_block_table: torch.Tensor | None = None  # [num_requests, max_blocks] int64
-    query_context_lens: torch.Tensor | None = None  # [num_tokens] int64 = position + 1
-    query_table_rows: torch.Tensor | None = None  # [num_tokens] int64
 
 
 _CURRENT: AttentionMetadata | None = None

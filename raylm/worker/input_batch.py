@@ -127,35 +127,7 @@ def prepare_batch(
         meta.decode_mask = torch.from_numpy(valid).to(device)[:, None, None, :]
         meta.decode_context_lens = torch.from_numpy(ctx).to(device)
 
-    all_positions = np.concatenate(positions)
-    if prefills:
-        _set_query_tables(meta, [states[rid].block_ids for rid in order], batch.num_tokens, all_positions,
-                          block_size, device)
-
     batch.input_ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
-    batch.positions = torch.from_numpy(all_positions).to(device)
+    batch.positions = torch.from_numpy(np.concatenate(positions)).to(device)
     batch.attn_metadata = meta
     return batch
-
-
-def _set_query_tables(
-    meta: AttentionMetadata,
-    block_ids: list[list[int]],
-    num_scheduled: list[int],
-    positions: np.ndarray,
-    block_size: int,
-    device: torch.device,
-) -> None:
-    """Every query's context as (block-table row, length): one row per request,
-    each query seeing the tokens up to its own position."""
-    context_lens = positions + 1
-    rows = np.repeat(np.arange(len(block_ids), dtype=np.int64), num_scheduled)
-    max_blocks = -(-int(context_lens.max()) // block_size)
-    # Entries past a request's context are never read; zero keeps them valid ids.
-    table = np.zeros((len(block_ids), max_blocks), dtype=np.int64)
-    for i, blocks in enumerate(block_ids):
-        n = min(len(blocks), max_blocks)
-        table[i, :n] = blocks[:n]
-    meta.query_block_table = torch.from_numpy(table).to(device)
-    meta.query_context_lens = torch.from_numpy(context_lens).to(device)
-    meta.query_table_rows = torch.from_numpy(rows).to(device)

@@ -1,5 +1,5 @@
-"""The C++ paged-attention kernel against the torch paths of Attention: decode
-batches, and whole steps (fresh prefills, later chunks with context, decodes,
+"""The C++ paged decode-attention kernel against the torch path of Attention._decode,
+alone and within whole steps (fresh prefills, later chunks with context, decodes,
 mixes); then greedy generation with the kernel against the torch path and
 Hugging Face, with chunked prefill and prefix-cache hits."""
 
@@ -15,7 +15,7 @@ import torch
 from raylm import LLM, SamplingParams
 from raylm.model.forward_context import AttentionMetadata
 from raylm.model.layers.attention import Attention
-from raylm.model.layers.cpu_kernels import DISABLE_ENV, get_paged_attention_kernel
+from raylm.model.layers.cpu_kernels import DISABLE_ENV, get_paged_decode_kernel
 from raylm.testing import make_tiny_model
 from raylm.testing.hf_oracle import hf_greedy
 from tests.model.paged_steps import CASES, attend, random_step
@@ -28,7 +28,7 @@ CONTEXT_LENS = [1, 15, 16, 17, 200]
 
 @pytest.fixture(scope="module")
 def kernel():
-    fn = get_paged_attention_kernel()
+    fn = get_paged_decode_kernel()
     assert fn is not None, "a C++ compiler is present, so the kernel must build"
     return fn
 
@@ -113,7 +113,7 @@ def test_attention_decode_uses_kernel(kernel, monkeypatch):
     attn.kv_cache = cache
     calls = []
     monkeypatch.setattr(
-        "raylm.model.layers.attention.get_paged_attention_kernel",
+        "raylm.model.layers.attention.get_paged_decode_kernel",
         lambda: (lambda *args: calls.append(1) or kernel(*args)),
     )
     out = attn._decode(q, meta)
@@ -123,10 +123,9 @@ def test_attention_decode_uses_kernel(kernel, monkeypatch):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 32), (4, 4, 64), (6, 2, 16)])
-def test_whole_step_through_kernel_matches_torch(kernel, case, num_heads, num_kv_heads, head_dim, monkeypatch):
-    """A step with prefills goes through the kernel in one call per layer, each
-    query over its own context; it equals the torch path (per-sequence SDPA,
-    masked gathers for chunks with context, the padded decode batch)."""
+def test_whole_step_with_kernel_matches_torch(kernel, case, num_heads, num_kv_heads, head_dim, monkeypatch):
+    """One forward of a whole step: the decodes through the kernel (one call),
+    the prefills beside them, equal to the torch path throughout."""
     batch, cache, gen = random_step(CASES[case], num_kv_heads, head_dim, torch.float32, seed=len(case) + head_dim)
     t = batch.input_ids.shape[0]
     q = torch.randn(t, num_heads * head_dim, generator=gen)
@@ -135,13 +134,11 @@ def test_whole_step_through_kernel_matches_torch(kernel, case, num_heads, num_kv
     calls = []
     with monkeypatch.context() as m:
         m.setattr(
-            "raylm.model.layers.attention.get_paged_attention_kernel",
-            lambda: (lambda *args: calls.append(len(args) == 6) or kernel(*args)),
+            "raylm.model.layers.attention.get_paged_decode_kernel",
+            lambda: (lambda *args: calls.append(1) or kernel(*args)),
         )
         out, out_cache = attend(False, batch, cache, q, k, v, num_heads, num_kv_heads, head_dim)
-    has_prefill = bool(batch.attn_metadata.prefills)
-    # One call per forward: with table rows when the step has prefills, else the decode batch.
-    assert calls == [has_prefill]
+    assert len(calls) == (1 if batch.attn_metadata.num_decode_tokens else 0)
     with monkeypatch.context() as m:
         m.setenv(DISABLE_ENV, "1")
         ref, ref_cache = attend(False, batch, cache, q, k, v, num_heads, num_kv_heads, head_dim)
@@ -161,17 +158,27 @@ def test_whole_step_bf16_close_to_fp32(kernel, monkeypatch):
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 
 
-def test_kernel_rejects_bad_table_rows(kernel):
-    q, cache, meta = _random_case(8, 2, 32, 16, torch.float32, seed=3)
-    table, ctx = meta.decode_block_table, meta.decode_context_lens
-    rows = torch.arange(len(CONTEXT_LENS), dtype=torch.int64)
-    torch.testing.assert_close(kernel(q, cache, table, ctx, 0.1, rows), kernel(q, cache, table, ctx, 0.1))
-    with pytest.raises(RuntimeError, match="table row 5 out of range"):
-        kernel(q, cache, table, ctx, 0.1, torch.full_like(rows, 5))
-    with pytest.raises(RuntimeError, match="table_rows must be"):
-        kernel(q, cache, table, ctx, 0.1, rows[:-1])
-    with pytest.raises(RuntimeError, match="one block-table row per query"):
-        kernel(q, cache, table[:-1], ctx, 0.1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_never_reads_past_a_context(kernel, dtype, monkeypatch):
+    """The runner leaves fresh blocks unzeroed for kernel layers: NaN past each
+    context's end, in the rest of its last block, must not reach the output."""
+    q, cache, meta = _random_case(8, 2, 32, 16, dtype, seed=4)
+    clean = cache.clone()
+    for i, ctx in enumerate(CONTEXT_LENS):
+        table = meta.decode_block_table[i]
+        last = table[(ctx - 1) // 16]
+        cache[:, last, (ctx - 1) % 16 + 1 :] = float("nan")
+        clean[:, last, (ctx - 1) % 16 + 1 :] = 0
+    out = kernel(q, cache, meta.decode_block_table, meta.decode_context_lens, 32**-0.5)
+    assert torch.isfinite(out).all()
+    ref = _torch_path(q.float(), clean.float(), meta, 8, 2, 32, monkeypatch)
+    torch.testing.assert_close(out.float(), ref, atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=8e-3)
+
+    attn = Attention(8, 2, 32, scale=32**-0.5)
+    attn.kv_cache = cache
+    assert not attn.reads_unwritten_slots()
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    assert attn.reads_unwritten_slots(), "the torch path reads padding: its fresh blocks must be zeroed"
 
 
 def test_kernel_rejects_out_of_range_blocks(kernel):
@@ -184,7 +191,7 @@ def test_kernel_rejects_out_of_range_blocks(kernel):
 
 def test_disable_env_forces_fallback(monkeypatch):
     monkeypatch.setenv(DISABLE_ENV, "1")
-    assert get_paged_attention_kernel() is None
+    assert get_paged_decode_kernel() is None
 
 
 @pytest.fixture(scope="module")

@@ -56,7 +56,7 @@ def fresh(monkeypatch, tmp_path):
         finally:
             baton.release()
         built.append(build_dir)
-        return SimpleNamespace(paged_attention=_fake_kernel)
+        return SimpleNamespace(paged_decode=_fake_kernel)
 
     monkeypatch.setattr(ck, "_compile", fake_compile)
     return built
@@ -83,7 +83,7 @@ _HANGING_BUILDER = textwrap.dedent(
 
     ck._compiler = lambda: ("/fake/bin/c++", "c++ (fake) 1.0")
     ck._compile = hang
-    ck.get_paged_attention_kernel()
+    ck.get_paged_decode_kernel()
     """
 )
 
@@ -107,7 +107,7 @@ def test_build_killed_half_way_is_taken_over(fresh, tmp_path, monkeypatch, caplo
         child.send_signal(signal.SIGKILL)
         child.wait()
 
-    assert ck.get_paged_attention_kernel() is _fake_kernel
+    assert ck.get_paged_decode_kernel() is _fake_kernel
     assert fresh == [_build_dir()]
     assert not (_build_dir() / "lock").exists()
     assert lock_file.read_text() == "", "a clean release leaves no pid behind"
@@ -122,12 +122,12 @@ def test_live_builder_is_waited_for_with_a_bound(fresh, monkeypatch, caplog):
         ck.fcntl.flock(holder, ck.fcntl.LOCK_EX)  # another open file: conflicts even in this process
         holder.write("4242")
         holder.flush()
-        assert ck.get_paged_attention_kernel() is None
+        assert ck.get_paged_decode_kernel() is None
     assert fresh == []
     [warning] = _warnings(caplog)
     assert "using the torch path" in warning and "process 4242 still builds it" in warning
     # Given up for this process: no second wait.
-    assert ck.get_paged_attention_kernel() is None and len(_warnings(caplog)) == 1
+    assert ck.get_paged_decode_kernel() is None and len(_warnings(caplog)) == 1
 
 
 def test_builder_finishing_during_the_wait_lets_it_proceed(fresh, monkeypatch):
@@ -136,7 +136,7 @@ def test_builder_finishing_during_the_wait_lets_it_proceed(fresh, monkeypatch):
     holder = open(_build_dir() / ck._LOCK_NAME, "a+")
     ck.fcntl.flock(holder, ck.fcntl.LOCK_EX)
     threading.Timer(0.5, holder.close).start()
-    assert ck.get_paged_attention_kernel() is _fake_kernel
+    assert ck.get_paged_decode_kernel() is _fake_kernel
     assert fresh == [_build_dir()]
 
 
@@ -162,8 +162,8 @@ def no_compiler(fresh, monkeypatch, tmp_path):
 def test_no_compiler_falls_back_with_one_warning(no_compiler, monkeypatch, caplog, recwarn, cxx, reason):
     if cxx is not None:
         monkeypatch.setenv("CXX", cxx)
-    assert ck.get_paged_attention_kernel() is None
-    assert ck.get_paged_attention_kernel() is None  # tried once per process
+    assert ck.get_paged_decode_kernel() is None
+    assert ck.get_paged_decode_kernel() is None  # tried once per process
     [warning] = _warnings(caplog)
     assert "using the torch path" in warning and reason in warning
     assert not recwarn.list
@@ -171,14 +171,14 @@ def test_no_compiler_falls_back_with_one_warning(no_compiler, monkeypatch, caplo
 
 
 def test_failed_build_is_one_short_warning(fresh, monkeypatch, caplog):
-    output = "[1/2] c++ -MMD -O3 ... paged_attention.cpp\n" + "noise\n" * 200
-    output += "paged_attention.cpp:12:3: error: 'foo' was not declared in this scope\n" + "more noise\n" * 200
+    output = "[1/2] c++ -MMD -O3 ... paged_decode_attention.cpp\n" + "noise\n" * 200
+    output += "paged_decode_attention.cpp:12:3: error: 'foo' was not declared in this scope\n" + "more noise\n" * 200
 
     def failing_compile(name, build_dir):
         raise RuntimeError(f"Error building extension '{name}': {output}")
 
     monkeypatch.setattr(ck, "_compile", failing_compile)
-    assert ck.get_paged_attention_kernel() is None
+    assert ck.get_paged_decode_kernel() is None
     building, unavailable = _warnings(caplog)
     assert building.startswith("raylm: building the CPU kernels (first run")
     assert "using the torch path" in unavailable and "error: 'foo' was not declared" in unavailable
@@ -193,9 +193,9 @@ def test_engine_generates_without_compiler(no_compiler, tmp_path, monkeypatch, c
 
     def spy():
         asked.append(1)
-        return ck.get_paged_attention_kernel()
+        return ck.get_paged_decode_kernel()
 
-    monkeypatch.setattr("raylm.model.layers.attention.get_paged_attention_kernel", spy)
+    monkeypatch.setattr("raylm.model.layers.attention.get_paged_decode_kernel", spy)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     with LLM(str(model), dtype="float32", kv_cache_memory_bytes=16 << 20) as llm:
         [out] = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
@@ -208,11 +208,11 @@ def test_engine_generates_without_compiler(no_compiler, tmp_path, monkeypatch, c
 
 def test_environments_get_their_own_build_folders(fresh, monkeypatch, tmp_path):
     """Two virtual environments (here: two torch include paths) never share a folder."""
-    ck.get_paged_attention_kernel()
+    ck.get_paged_decode_kernel()
     monkeypatch.setattr(ck, "_attempted", False)
     real_includes = cpp_extension.include_paths()
     monkeypatch.setattr(cpp_extension, "include_paths", lambda *a, **k: ["/other/venv/torch/include"])
-    ck.get_paged_attention_kernel()
+    ck.get_paged_decode_kernel()
     first, second = fresh
     assert first != second and first.parent == second.parent == ck._build_root()
 
@@ -243,10 +243,10 @@ def test_torch_appending_flags_does_not_move_the_folder(fresh, monkeypatch):
     # torch's load() appends its libraries to the extra_ldflags list it is given.
     def load(**kwargs):
         kwargs["extra_ldflags"] += ["-ltorch"]
-        return SimpleNamespace(paged_attention=_fake_kernel)
+        return SimpleNamespace(paged_decode=_fake_kernel)
 
     monkeypatch.setattr(cpp_extension, "load", load)
     monkeypatch.setattr(ck, "_compile", _REAL_COMPILE)
     before = _build_dir()
-    assert ck.get_paged_attention_kernel() is _fake_kernel
+    assert ck.get_paged_decode_kernel() is _fake_kernel
     assert _build_dir() == before

@@ -1,18 +1,13 @@
-"""Paged attention on CPU and CUDA.
+"""Paged attention with torch's scaled_dot_product_attention (CPU and CUDA).
 
 The KV cache of one layer is a tensor [2, num_blocks, block_size, num_kv_heads,
 head_dim]; viewed flat, a token lives at slot = block_id * block_size + offset.
-Each step first writes its new tokens' K/V into the cache. Then:
-- on CPU with the C++ kernel (cpu_kernels.py), every query of the step,
-  decode or prefill, attends to its own context straight from the cache in
-  one call: query i of a prefill chunk sees the tokens up to its position, so
-  no mask, no gather and no padding are ever built;
-- otherwise, torch's scaled_dot_product_attention: decode queries are batched
-  (their contexts gathered from the cache block by block and padded, with a
-  mask; the runner zeroes fresh blocks so the padding is finite), prefill
-  sequences run one by one, so no query attends past its own position and no
-  padding is spent on long prompts;
-- on CUDA, gpu_attention.py's path batched over sequences.
+Decode queries are batched: on CPU a C++ kernel reads each request's context
+from its blocks (cpu_kernels.py); otherwise their contexts are gathered block by
+block and padded, with a mask (the runner zeroes fresh blocks for these paths so
+the padding is finite). Prefill sequences run one by one, so no query attends
+past its own position and no padding is spent on long prompts.
+On CUDA, gpu_attention.py's path batched over sequences runs instead.
 """
 
 from __future__ import annotations
@@ -22,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from raylm.model.forward_context import AttentionMetadata, get_attention_metadata
-from raylm.model.layers.cpu_kernels import get_paged_attention_kernel
+from raylm.model.layers.cpu_kernels import get_paged_decode_kernel
 from raylm.model.layers.gpu_attention import batched_paged_attention
 
-# Query/cache dtypes the CPU paged-attention kernel is built for.
+# Query/cache dtypes the CPU decode kernel is built for.
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -64,17 +59,6 @@ class Attention(nn.Module):
         if k_flat is not None and (self.kv_cache.is_cuda if self.batched_paged is None else self.batched_paged):
             return batched_paged_attention(q, self.kv_cache, meta, self.scale).reshape(num_tokens, -1)
 
-        if meta.prefills and meta.query_context_lens is not None:
-            kernel = self._paged_kernel(q.dtype)
-            if kernel is not None:
-                # Decodes and prefills together, each query over its own context
-                # (2-2.5x faster than per-sequence SDPA on a prefill chunk).
-                out = kernel(
-                    q, self.kv_cache, meta.query_block_table, meta.query_context_lens, self.scale,
-                    meta.query_table_rows,
-                )
-                return out.reshape(num_tokens, -1)
-
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
@@ -102,8 +86,8 @@ class Attention(nn.Module):
         )
         return o.squeeze(0).transpose(0, 1)
 
-    def _paged_kernel(self, dtype: torch.dtype):
-        """The C++ paged-attention kernel when it serves this layer (CPU), else None."""
+    def _decode_kernel(self, dtype: torch.dtype):
+        """The C++ decode kernel when it serves this layer's decode (CPU), else None."""
         if (
             self.kv_cache is None
             or self.kv_cache.device.type != "cpu"
@@ -113,7 +97,7 @@ class Attention(nn.Module):
             or self.head_dim > 256
         ):
             return None
-        return get_paged_attention_kernel()
+        return get_paged_decode_kernel()
 
     def reads_unwritten_slots(self) -> bool:
         """Whether decode reads whole cache blocks, past each context's end.
@@ -122,12 +106,12 @@ class Attention(nn.Module):
         and NaN survives a zero attention weight, so the runner zeroes fresh
         blocks for them. The CPU kernel stops at each context's end: no need.
         """
-        return self._paged_kernel(self.kv_cache.dtype if self.kv_cache is not None else torch.float32) is None
+        return self._decode_kernel(self.kv_cache.dtype if self.kv_cache is not None else torch.float32) is None
 
     def _decode(self, q, meta: AttentionMetadata) -> torch.Tensor:
         # On CPU a C++ kernel walks each request's blocks up to its context
-        # length: no padded gather, no mask (csrc/paged_attention.cpp).
-        kernel = self._paged_kernel(q.dtype) if meta.decode_context_lens is not None else None
+        # length: no padded gather, no mask (csrc/paged_decode_attention.cpp).
+        kernel = self._decode_kernel(q.dtype) if meta.decode_context_lens is not None else None
         if kernel is not None:
             return kernel(q, self.kv_cache, meta.decode_block_table, meta.decode_context_lens, self.scale)
         # Gather whole blocks (contiguous runs of block_size tokens) rather than

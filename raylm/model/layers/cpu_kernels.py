@@ -1,5 +1,5 @@
-"""Builds and loads raylm's C++ CPU kernels at first use: paged attention
-(csrc/paged_attention.cpp) and the fused elementwise ops of
+"""Builds and loads raylm's C++ CPU kernels at first use: paged decode
+attention (csrc/paged_decode_attention.cpp) and the fused elementwise ops of
 the Llama block (csrc/elementwise_ops.cpp), one extension module.
 
 The module is compiled once per machine and environment with torch's JIT
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "RAYLM_DISABLE_CPU_KERNELS"
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = tuple(_CSRC / name for name in ("bindings.cpp", "paged_attention.cpp", "elementwise_ops.cpp"))
+_SOURCES = tuple(_CSRC / name for name in ("bindings.cpp", "paged_decode_attention.cpp", "elementwise_ops.cpp"))
 # Headers the sources include: part of the build's identity too.
 _HEADERS = (_CSRC / "fast_exp.h",)
 # Tuples: torch appends its own flags to the lists it is given.
@@ -233,15 +233,14 @@ def get_cpu_kernels() -> ModuleType | None:
     return _module
 
 
-def get_paged_attention_kernel() -> Callable | None:
-    """The compiled `paged_attention(q, kv_cache, block_table, context_lens, scale, table_rows=None)`, or None.
+def get_paged_decode_kernel() -> Callable | None:
+    """The compiled `paged_decode(q, kv_cache, block_table, context_lens, scale)`, or None.
 
-    q [Q, H, D], kv_cache [2, blocks, block_size, KVH, D] (contiguous),
-    block_table [R, max_blocks] int64, context_lens [Q] int64, table_rows
-    [Q] int64 (or None: query i uses row i) -> [Q, H, D] in q's dtype.
+    q [B, H, D], kv_cache [2, blocks, block_size, KVH, D] (contiguous),
+    block_table [B, max_blocks] int64, context_lens [B] int64 -> [B, H, D] in q's dtype.
     """
     module = get_cpu_kernels()
-    return None if module is None else module.paged_attention
+    return None if module is None else module.paged_decode
 
 
 def _one_line(e: Exception) -> str:

@@ -3,11 +3,10 @@
 
 #include <torch/extension.h>
 
-#include <optional>
 #include <tuple>
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                           const at::Tensor& context_lens, double scale, const std::optional<at::Tensor>& table_rows);
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                        const at::Tensor& context_lens, double scale);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
@@ -18,9 +17,8 @@ std::tuple<at::Tensor, at::Tensor> rotary_neox(const at::Tensor& positions, cons
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
-  m.def("paged_attention", &paged_attention, "Paged attention of each query over its context in the cache",
-        py::arg("q"), py::arg("kv_cache"), py::arg("block_table"), py::arg("context_lens"), py::arg("scale"),
-        py::arg("table_rows") = py::none());
+  m.def("paged_decode", &paged_decode, "Paged decode attention over a block table", py::arg("q"),
+        py::arg("kv_cache"), py::arg("block_table"), py::arg("context_lens"), py::arg("scale"));
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a merged [rows, 2 * width] gate_up", py::arg("gate_up"));
   m.def("rms_norm", &rms_norm, "RMSNorm of [rows, width] rows times weight", py::arg("x"), py::arg("weight"),
         py::arg("eps"));

@@ -1,12 +1,7 @@
-// Paged attention on CPU: each query token against the first context_len
-// tokens of its request's blocks in the paged KV cache (built at first use by
-// cpu_kernels.py). A decode step has one query per request; a prefill chunk
-// has one per prompt token, query i of a chunk seeing the tokens up to its own
-// position, which makes it causal attention over the cache (the chunk's K/V
-// are written there first). Queries map to block-table rows through
-// `table_rows` (a prefill's queries share one row), or one row each.
+// Paged decode attention on CPU: one query token per request against the
+// request's blocks in the paged KV cache; built at first use by cpu_kernels.py.
 //
-// Work is split over queries (and runs of kv heads when requests are fewer
+// Work is split over requests (and runs of kv heads when requests are fewer
 // than threads). Each task loads its query heads once (as float, pre-scaled),
 // walks only the blocks that hold the request's context (no padding), and does
 // a two-pass softmax in float: scores for every context token first, then
@@ -28,7 +23,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <optional>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -239,8 +233,8 @@ inline void softmax_rows(float* scores, int64_t heads, int64_t ctx, float* inv_s
 }
 
 template <typename q_t, typename cache_t>
-void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                       const at::Tensor& context_lens, const int64_t* rows, double scale, at::Tensor& out) {
+void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                       const at::Tensor& context_lens, double scale, at::Tensor& out) {
   const int64_t num_reqs = q.size(0);
   const int64_t num_heads = q.size(1);
   const int64_t head_dim = q.size(2);
@@ -318,7 +312,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
           std::memcpy(q_pairs.data() + h * num_pairs, q_ptr + b * q_req_stride + (first_head + h) * q_head_stride,
                       head_dim * sizeof(uint16_t));
         scores.resize(heads * ctx);
-        const int64_t* blocks = table + (rows ? rows[b] : b) * table_stride;
+        const int64_t* blocks = table + b * table_stride;
         for (int64_t start = 0; start < ctx; start += block_size) {
           const int64_t n = std::min(block_size, ctx - start);
           const uint16_t* k_block = reinterpret_cast<const uint16_t*>(
@@ -354,7 +348,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
           } else if (task + 1 < end) {
             const int64_t next_b = (task + 1) / num_chunks;
             const int64_t next_kv_first = ((task + 1) % num_chunks) * heads_per_chunk;
-            next_block = reinterpret_cast<const uint16_t*>(k_cache + table[(rows ? rows[next_b] : next_b) * table_stride] * block_stride +
+            next_block = reinterpret_cast<const uint16_t*>(k_cache + table[next_b * table_stride] * block_stride +
                                                            next_kv_first * kv_head_stride);
             next_n = std::min(block_size, ctx_lens[next_b]);
             next_heads = std::min(kv_count, num_kv_heads - next_kv_first);
@@ -388,7 +382,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
 
       // Pass 1: scores for every context token, walking the block table.
       scores.resize(heads * ctx);
-      const int64_t* blocks = table + (rows ? rows[b] : b) * table_stride;
+      const int64_t* blocks = table + b * table_stride;
       int64_t row_stride = 0;
       for (int64_t start = 0; start < ctx; start += block_size) {
         const int64_t n = std::min(block_size, ctx - start);
@@ -424,87 +418,69 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
 
 template <typename q_t>
 void dispatch_cache(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                    const at::Tensor& context_lens, const int64_t* rows, double scale, at::Tensor& out) {
+                    const at::Tensor& context_lens, double scale, at::Tensor& out) {
   switch (kv_cache.scalar_type()) {
     case at::kFloat:
-      return paged_attention_impl<q_t, float>(q, kv_cache, block_table, context_lens, rows, scale, out);
+      return paged_decode_impl<q_t, float>(q, kv_cache, block_table, context_lens, scale, out);
     case at::kBFloat16:
-      return paged_attention_impl<q_t, c10::BFloat16>(q, kv_cache, block_table, context_lens, rows, scale, out);
+      return paged_decode_impl<q_t, c10::BFloat16>(q, kv_cache, block_table, context_lens, scale, out);
     case at::kHalf:
-      return paged_attention_impl<q_t, c10::Half>(q, kv_cache, block_table, context_lens, rows, scale, out);
+      return paged_decode_impl<q_t, c10::Half>(q, kv_cache, block_table, context_lens, scale, out);
     default:
-      TORCH_CHECK(false, "paged_attention: unsupported cache dtype ", kv_cache.scalar_type());
+      TORCH_CHECK(false, "paged_decode: unsupported cache dtype ", kv_cache.scalar_type());
   }
 }
 
 }  // namespace
 
-// q [Q, H, D] (last dim contiguous); kv_cache [2, num_blocks, block_size, KVH, D];
-// block_table [R, max_blocks] int64; context_lens [Q] int64; table_rows: None
-// (query i uses row i, Q == R) or [Q] int64 -> out [Q, H, D] in q's dtype.
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                           const at::Tensor& context_lens, double scale, const std::optional<at::Tensor>& table_rows) {
-  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_attention: CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention: q must be [Q, H, D] with contiguous D");
+// q [B, H, D] (last dim contiguous); kv_cache [2, num_blocks, block_size, KVH, D];
+// block_table [B, max_blocks] int64; context_lens [B] int64 -> out [B, H, D] in q's dtype.
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                        const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode: q must be [B, H, D] with contiguous D");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "paged_attention: kv_cache must be a contiguous [2, blocks, block_size, KVH, D] tensor");
+              "paged_decode: kv_cache must be a contiguous [2, blocks, block_size, KVH, D] tensor");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 && block_table.stride(1) == 1,
-              "paged_attention: block_table must be [R, max_blocks] int64 with contiguous rows");
+              "paged_decode: block_table must be [B, max_blocks] int64 with contiguous rows");
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.dim() == 1 && context_lens.is_contiguous(),
-              "paged_attention: context_lens must be a contiguous [Q] int64 tensor");
-  const int64_t num_queries = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+              "paged_decode: context_lens must be a contiguous [B] int64 tensor");
+  const int64_t num_reqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
-  const int64_t num_rows = block_table.size(0);
-  TORCH_CHECK(kv_cache.size(4) == head_dim, "paged_attention: head_dim mismatch between q and cache");
-  TORCH_CHECK(head_dim % 8 == 0 && head_dim <= 256, "paged_attention: head_dim must be a multiple of 8 up to 256");
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "paged_attention: heads not a multiple of kv heads");
-  TORCH_CHECK(context_lens.size(0) == num_queries, "paged_attention: one context length per query");
-  const int64_t* rows = nullptr;
-  if (table_rows.has_value()) {
-    const at::Tensor& r = *table_rows;
-    TORCH_CHECK(r.scalar_type() == at::kLong && r.dim() == 1 && r.is_contiguous() && r.size(0) == num_queries,
-                "paged_attention: table_rows must be a contiguous [Q] int64 tensor");
-    rows = r.data_ptr<int64_t>();
-  } else {
-    TORCH_CHECK(num_rows == num_queries, "paged_attention: without table_rows, one block-table row per query");
-  }
+  TORCH_CHECK(kv_cache.size(4) == head_dim, "paged_decode: head_dim mismatch between q and cache");
+  TORCH_CHECK(head_dim % 8 == 0 && head_dim <= 256, "paged_decode: head_dim must be a multiple of 8 up to 256");
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "paged_decode: heads not a multiple of kv heads");
+  TORCH_CHECK(block_table.size(0) == num_reqs && context_lens.size(0) == num_reqs, "paged_decode: batch mismatch");
 
   // Validate every block index the kernel will touch, so a bad table is an
-  // error here rather than an out-of-bounds read in the parallel loop: each
-  // row up to the longest context any query reads from it.
+  // error here rather than an out-of-bounds read in the parallel loop.
   const int64_t max_blocks = block_table.size(1);
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t* ctx_lens = context_lens.data_ptr<int64_t>();
-  std::vector<int64_t> row_ctx(num_rows, 0);
-  for (int64_t b = 0; b < num_queries; ++b) {
-    const int64_t row = rows ? rows[b] : b;
-    TORCH_CHECK(row >= 0 && row < num_rows, "paged_attention: table row ", row, " out of range for query ", b);
+  for (int64_t b = 0; b < num_reqs; ++b) {
     const int64_t ctx = ctx_lens[b];
-    TORCH_CHECK(ctx >= 1 && ctx <= max_blocks * block_size, "paged_attention: context length ", ctx,
-                " out of range for query ", b);
-    row_ctx[row] = std::max(row_ctx[row], ctx);
-  }
-  for (int64_t row = 0; row < num_rows; ++row) {
-    const int64_t used = (row_ctx[row] + block_size - 1) / block_size;
+    TORCH_CHECK(ctx >= 1 && ctx <= max_blocks * block_size, "paged_decode: context length ", ctx,
+                " out of range for request ", b);
+    const int64_t used = (ctx + block_size - 1) / block_size;
     for (int64_t j = 0; j < used; ++j) {
-      const int64_t blk = table[row * block_table.stride(0) + j];
-      TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_attention: block id ", blk, " out of range");
+      const int64_t blk = table[b * block_table.stride(0) + j];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_decode: block id ", blk, " out of range");
     }
   }
 
-  at::Tensor out = at::empty({num_queries, num_heads, head_dim}, q.options());
+  at::Tensor out = at::empty({num_reqs, num_heads, head_dim}, q.options());
   switch (q.scalar_type()) {
     case at::kFloat:
-      dispatch_cache<float>(q, kv_cache, block_table, context_lens, rows, scale, out);
+      dispatch_cache<float>(q, kv_cache, block_table, context_lens, scale, out);
       break;
     case at::kBFloat16:
-      dispatch_cache<c10::BFloat16>(q, kv_cache, block_table, context_lens, rows, scale, out);
+      dispatch_cache<c10::BFloat16>(q, kv_cache, block_table, context_lens, scale, out);
       break;
     case at::kHalf:
-      dispatch_cache<c10::Half>(q, kv_cache, block_table, context_lens, rows, scale, out);
+      dispatch_cache<c10::Half>(q, kv_cache, block_table, context_lens, scale, out);
       break;
     default:
-      TORCH_CHECK(false, "paged_attention: unsupported query dtype ", q.scalar_type());
+      TORCH_CHECK(false, "paged_decode: unsupported query dtype ", q.scalar_type());
   }
   return out;
 }
