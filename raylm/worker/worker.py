@@ -17,6 +17,7 @@ import torch
 from raylm.config import EngineConfig
 from raylm.distributed import parallel_state
 from raylm.messages import GrammarOutput, KVCacheConfig, ModelRunnerOutput, SchedulerOutput
+from raylm.model.layers.cpu_kernels import get_cpu_kernels
 from raylm.worker import cpu_placement
 from raylm.worker.model_runner import ModelRunner
 from raylm.worker.memory_profiling import (
@@ -97,6 +98,10 @@ class Worker:
 
     def load_model(self) -> None:
         self.model_runner.load_model()
+        if self.device.type == "cpu":
+            # Build (the first run on a machine: about a minute) or load the C++
+            # kernels while the engine starts, not inside its first request's step.
+            get_cpu_kernels()
 
     def get_kv_cache_bytes_per_block(self) -> int:
         return self.model_runner.kv_cache_bytes_per_block()

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import math
 import shutil
+import subprocess
+import sys
 import sysconfig
+import textwrap
 
 import pytest
 import torch
@@ -231,3 +234,19 @@ def test_generation_with_kernel_matches_fallback_and_hf(kernel, gqa_model, budge
     without_kernel = _greedy(gqa_model, prompts, max_tokens, max_num_batched_tokens=budget)
     assert with_kernel == without_kernel
     assert with_kernel == [r.token_ids for r in hf_greedy(gqa_model, prompts, max_tokens)]
+
+
+def test_kernels_are_ready_once_the_engine_has_started(gqa_model):
+    """A fresh process: the CPU kernels are built or loaded while LLM(...)
+    starts, so a server's first request never waits for the compiler."""
+    script = textwrap.dedent(
+        f"""
+        import raylm.model.layers.cpu_kernels as ck
+        from raylm import LLM
+        with LLM({str(gqa_model)!r}, dtype="float32", kv_cache_memory_bytes=16 << 20):
+            print("READY", ck._attempted, ck._module is not None)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, check=True)
+    assert "READY True True" in out.stdout, out.stdout + out.stderr
+

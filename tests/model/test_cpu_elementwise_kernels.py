@@ -119,14 +119,20 @@ def test_rotary(dtype, head_dim, scaling, counted, monkeypatch):
 
 
 def test_layers_keep_torch_ops_where_kernels_do_not_apply(counted, monkeypatch):
-    """A 3-d input to the norm (Qwen3's per-head q/k norm) and a weight of
-    another dtype take the torch path, still correct."""
+    """A 3-d input to the norm (Qwen3's per-head q/k norm), a weight of
+    another dtype and bf16 rotary caches take the torch path, still correct."""
     norm = RMSNorm(32)
     x = torch.randn(5, 4, 32)
     torch.testing.assert_close(norm(x), _torch_path(lambda: norm(x), monkeypatch))
     norm.weight.data = norm.weight.data.bfloat16()
     x2 = torch.randn(5, 32)
     torch.testing.assert_close(norm(x2), _torch_path(lambda: norm(x2), monkeypatch))
+    # Rotary caches cast away from float32 (a whole-module .to(dtype)).
+    rope = RotaryEmbedding(32, max_position=64, theta=10000.0, scaling=RopeScaling()).to(torch.bfloat16)
+    q, k, positions = torch.randn(3, 64, dtype=torch.bfloat16), torch.randn(3, 32, dtype=torch.bfloat16), torch.arange(3)
+    out_q, out_k = rope(positions, q, k)
+    ref_q, ref_k = _torch_path(lambda: rope(positions, q, k), monkeypatch)
+    assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
     assert counted == {}
 
 

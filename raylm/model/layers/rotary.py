@@ -56,8 +56,8 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, nh*hd], k [T, nkv*hd] -> rotated q, k (same shapes and dtype)."""
         num_tokens = positions.shape[0]
-        kernels = elementwise_kernels_for(q)
-        if kernels is not None and q.stride(-1) == 1 and k.stride(-1) == 1 and positions.is_contiguous():
+        kernels = self._kernels_for(positions, q, k)
+        if kernels is not None:
             # One pass over q and k instead of eight ops and a concatenation.
             return kernels.rotary_neox(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim)
         cos, sin = self._cos_sin(positions, q.dtype)
@@ -66,6 +66,20 @@ class RotaryEmbedding(nn.Module):
         qk = torch.cat((q.view(num_tokens, -1, self.head_dim), k.view(num_tokens, -1, self.head_dim)), dim=1)
         qk = _rotate(qk, cos, sin)
         return qk[:, :q_heads].reshape(num_tokens, -1), qk[:, q_heads:].reshape(num_tokens, -1)
+
+    def _kernels_for(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """The CPU kernels when they take these operands as they are (contiguous
+        rows, int64 positions, the float32 caches; a module cast with .to(dtype)
+        keeps the torch ops), else None."""
+        if (
+            q.stride(-1) != 1
+            or k.stride(-1) != 1
+            or positions.dtype != torch.int64
+            or not positions.is_contiguous()
+            or self.cos_cache.dtype != torch.float32
+        ):
+            return None
+        return elementwise_kernels_for(q)
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Every layer of one forward rotates by the same positions: look them up once.
