@@ -106,7 +106,7 @@ class Attention(nn.Module):
         and NaN survives a zero attention weight, so the runner zeroes fresh
         blocks for them. The CPU kernel stops at each context's end: no need.
         """
-        return self._decode_kernel(self.kv_cache.dtype if self.kv_cache is not None else torch.float32) is None
+        return self.kv_cache is None or self._decode_kernel(self.kv_cache.dtype) is None
 
     def _decode(self, q, meta: AttentionMetadata) -> torch.Tensor:
         # On CPU a C++ kernel walks each request's blocks up to its context

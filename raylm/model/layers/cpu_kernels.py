@@ -257,6 +257,7 @@ _ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def elementwise_kernels_for(x: torch.Tensor) -> ModuleType | None:
     """The kernel module when it can run the fused elementwise ops on x (a CPU
     tensor of a float dtype), else None: the caller keeps its torch ops."""
-    if x.device.type != "cpu" or x.dtype not in _ELEMENTWISE_DTYPES:
+    # Called by several layers per forward: is_cpu is the cheap device test.
+    if not x.is_cpu or x.dtype not in _ELEMENTWISE_DTYPES:
         return None
     return get_cpu_kernels()

@@ -80,6 +80,12 @@ void check_cpu_rows(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, what, ": expected [rows, width] with contiguous rows");
 }
 
+void check_norm_weight(const at::Tensor& weight, const at::Tensor& x, const char* what) {
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              what, ": weight must be a contiguous [width] tensor of x's dtype");
+}
+
 // ---- SiLU and mul --------------------------------------------------------------
 
 template <typename scalar_t>
@@ -212,9 +218,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 // x [rows, width] -> weight * x / rms(x), [rows, width].
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_cpu_rows(x, "rms_norm");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
-                  weight.scalar_type() == x.scalar_type(),
-              "rms_norm: weight must be a contiguous [width] tensor of x's dtype");
+  check_norm_weight(weight, x, "rms_norm");
   at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
   dispatch_dtype(x, "rms_norm", [&](auto tag) { rms_norm_impl<decltype(tag)>(x, nullptr, weight, eps, out, nullptr); });
   return out;
@@ -227,9 +231,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   check_cpu_rows(residual, "add_rms_norm");
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
               "add_rms_norm: residual must match x");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
-                  weight.scalar_type() == x.scalar_type(),
-              "add_rms_norm: weight must be a contiguous [width] tensor of x's dtype");
+  check_norm_weight(weight, x, "add_rms_norm");
   at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
   at::Tensor residual_out = at::empty({x.size(0), x.size(1)}, x.options());
   dispatch_dtype(x, "add_rms_norm",
