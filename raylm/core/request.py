@@ -33,10 +33,13 @@ class Request:
         eos_token_id: int | None,
         arrival_time: float | None = None,
         output_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
     ):
         """`output_token_ids`: tokens this request already generated elsewhere
         (a core that died, say); it continues after them, recomputing their
-        KV cache, and counts them against max_tokens and min_tokens."""
+        KV cache, and counts them against max_tokens and min_tokens.
+        `cache_salt`: mixed into the hash of its first block, so the request
+        shares prefix-cache blocks only with requests of the same salt."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -50,8 +53,10 @@ class Request:
         self.num_cached_tokens = -1
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
-        # Hashes of this request's full blocks, extended as tokens arrive.
-        self.block_hashes: list[int] = []
+        self.cache_salt = cache_salt
+        # Hashes of this request's full blocks (sha256 digests, chained),
+        # extended as tokens arrive.
+        self.block_hashes: list[bytes] = []
         # Output tokens the workers have not been told about yet.
         self.unsent_token_ids: list[int] = []
         # Async scheduling: tokens being sampled by steps still in flight.
