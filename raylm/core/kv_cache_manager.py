@@ -5,11 +5,23 @@ that is full is identified by a hash chained over the tokens of every block
 before it, so two requests with the same prefix share those blocks. Blocks
 whose last user finished are not wiped: they sit in an LRU free queue, still
 findable by hash, until a new allocation needs the space.
+
+The hash is the only thing compared (never the tokens), so it must not
+collide: it is a SHA-256 digest. Python's hash() of a tuple of ints is easy
+to collide on purpose (hash(0) == hash(2**61 - 1)), and a collision would
+hand one request another's KV cache (vLLM's CVE-2025-25183). A request's
+optional cache salt goes into its first block's hash, so salted requests
+share blocks only with requests of the same salt: no one can learn from
+timing whether another tenant sent a prompt. Hashing costs a few
+microseconds per block, once, when the block fills.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from raylm.core.request import Request
@@ -19,13 +31,28 @@ from raylm.core.request import Request
 class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None
+    block_hash: bytes | None = None
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    # Python's tuple-of-int hash is deterministic (no per-process salt), and
-    # chaining the parent's hash makes a block's identity include its prefix.
-    return hash((parent_hash, token_ids))
+# The parent of a first block. Distinct prefixes keep "no salt" apart from
+# every salt, the empty one included.
+_UNSALTED_ROOT = hashlib.sha256(b"raylm prefix cache: no salt").digest()
+_SALTED_ROOT_PREFIX = b"raylm prefix cache: salt\0"
+
+
+def root_hash(cache_salt: str | None) -> bytes:
+    """What a request's first block hash is chained to."""
+    if cache_salt is None:
+        return _UNSALTED_ROOT
+    return hashlib.sha256(_SALTED_ROOT_PREFIX + cache_salt.encode()).digest()
+
+
+def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """SHA-256 of the parent's digest and the block's token ids (int64,
+    little-endian). The parent has a fixed length, so the bytes hashed never
+    run two different (parent, tokens) pairs together; chaining it makes a
+    block's identity include its whole prefix."""
+    return hashlib.sha256(parent_hash + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
 
 
 class BlockPool:
@@ -33,7 +60,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         # Blocks nobody uses, least recently freed first (evicted first).
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self.cached: dict[int, KVCacheBlock] = {}
+        self.cached: dict[bytes, KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -65,7 +92,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
 
-    def register(self, block: KVCacheBlock, block_hash: int) -> None:
+    def register(self, block: KVCacheBlock, block_hash: bytes) -> None:
         block.block_hash = block_hash
         # If another block already holds this content keep the first one;
         # this one is simply not findable (it is freed like any other).
@@ -98,12 +125,14 @@ class KVCacheManager:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
     def _update_block_hashes(self, request: Request) -> None:
+        # Only blocks that filled since the last call are hashed: a decode
+        # step hashes nothing, except once every block_size tokens.
         hashes = request.block_hashes
         bs = self.block_size
         while (len(hashes) + 1) * bs <= request.num_tokens:
             start = len(hashes) * bs
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tuple(request.all_token_ids[start : start + bs])))
+            parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+            hashes.append(hash_block(parent, request.all_token_ids[start : start + bs]))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of a new request: (blocks, number of tokens)."""

@@ -1,4 +1,5 @@
-"""Paged blocks and prefix caching: sharing, reference counts, LRU eviction."""
+"""Paged blocks and prefix caching: sharing, reference counts, LRU eviction;
+blocks keyed by a collision-resistant hash, optionally salted per request."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from raylm.core.request import Request
 from raylm.sampling_params import SamplingParams
 
 
-def _request(rid: str, tokens: list[int]) -> Request:
-    return Request(rid, tokens, SamplingParams(), eos_token_id=None)
+def _request(rid: str, tokens: list[int], cache_salt: str | None = None) -> Request:
+    return Request(rid, tokens, SamplingParams(), eos_token_id=None, cache_salt=cache_salt)
 
 
 def _admit(manager: KVCacheManager, request: Request) -> list[int]:
@@ -65,3 +66,56 @@ def test_prefix_caching_off_shares_nothing():
     manager = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     _admit(manager, _request("a", list(range(8))))
     assert manager.get_computed_blocks(_request("b", list(range(8)))) == ([], 0)
+
+
+def test_equal_prefixes_hit_with_or_without_the_same_salt():
+    for salt in (None, "tenant-a"):
+        manager = KVCacheManager(num_blocks=8, block_size=4)
+        _admit(manager, _request("a", list(range(9)), cache_salt=salt))
+        assert manager.get_computed_blocks(_request("b", list(range(9)), cache_salt=salt))[1] == 8
+
+
+def test_different_salts_miss_each_other():
+    manager = KVCacheManager(num_blocks=16, block_size=4)
+    _admit(manager, _request("a", list(range(9)), cache_salt="tenant-a"))
+    assert manager.get_computed_blocks(_request("b", list(range(9)), cache_salt="tenant-b"))[1] == 0
+    # Neither the unsalted world nor an empty salt sees a salted block, nor the other way round.
+    assert manager.get_computed_blocks(_request("c", list(range(9))))[1] == 0
+    _admit(manager, _request("d", list(range(9))))
+    assert manager.get_computed_blocks(_request("e", list(range(9)), cache_salt=""))[1] == 0
+    assert manager.get_computed_blocks(_request("f", list(range(9)), cache_salt="tenant-a"))[1] == 8
+
+
+def test_a_python_hash_collision_no_longer_shares_a_block():
+    # Python hashes an int modulo 2**61 - 1, so these two blocks collide
+    # under hash() of their token tuples; their KV caches must not be shared.
+    mersenne = 2**61 - 1
+    first, second = [0, 1, 2, 3, 4], [mersenne, 1, 2, 3, 4]
+    assert hash((None, tuple(first[:4]))) == hash((None, tuple(second[:4])))
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    _admit(manager, _request("a", first))
+    assert manager.get_computed_blocks(_request("b", second)) == ([], 0)
+
+
+def test_block_hashes_chain_over_the_whole_prefix():
+    manager = KVCacheManager(num_blocks=16, block_size=4)
+    _admit(manager, _request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    # Same second block, different first block: nothing is shared.
+    assert manager.get_computed_blocks(_request("b", [9, 2, 3, 4, 5, 6, 7, 8, 9]))[1] == 0
+
+
+def test_only_blocks_that_fill_are_hashed(monkeypatch):
+    import raylm.core.kv_cache_manager as kv
+
+    calls = []
+    real = kv.hash_block
+    monkeypatch.setattr(kv, "hash_block", lambda parent, tokens: calls.append(len(tokens)) or real(parent, tokens))
+    manager = KVCacheManager(num_blocks=16, block_size=4)
+    request = _request("a", list(range(6)))
+    _admit(manager, request)
+    assert calls == [4]  # one full block of the prompt
+    for token in range(6, 14):  # eight decode steps
+        request.append_output_token(token)
+        assert manager.allocate_slots(request, 1) is not None
+        request.num_computed_tokens += 1
+    assert calls == [4, 4, 4]  # two more blocks filled, each hashed once
