@@ -49,15 +49,18 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     arrival_time: float
     # Tokens it already generated in a core that died: it continues after them.
     output_token_ids: list[int] = msgspec.field(default_factory=list)
+    # Mixed into its prefix-cache block hashes (raylm.core.kv_cache_manager).
+    cache_salt: Union[str, None] = None
 
     @classmethod
     def from_request(cls, request: Request) -> "EngineCoreRequest":
         return cls(request.request_id, request.prompt_token_ids, request.sampling_params, request.eos_token_id,
-                   request.arrival_time, list(request.output_token_ids))
+                   request.arrival_time, list(request.output_token_ids), cache_salt=request.cache_salt)
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
-                       self.eos_token_id, self.arrival_time, output_token_ids=self.output_token_ids)
+                       self.eos_token_id, self.arrival_time, output_token_ids=self.output_token_ids,
+                       cache_salt=self.cache_salt)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

@@ -20,6 +20,8 @@ from raylm.sampling_params import SamplingParams
 class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
+    # vLLM's prompt field: prefix-cache blocks are shared only within one salt.
+    cache_salt: str | None = None
 
 
 class InputProcessor:
@@ -41,13 +43,16 @@ class InputProcessor:
         """Tokenize and check one prompt; `params` brings truncate_prompt_tokens,
         which applies before the length checks, so a long prompt may fit."""
         if isinstance(prompt, dict):
+            cache_salt = _cache_salt(prompt)
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                     raise ValueError("prompt_token_ids must be a list of integers")
-                processed = ProcessedPrompt(prompt.get("prompt"), list(ids))
+                processed = ProcessedPrompt(prompt.get("prompt"), list(ids), cache_salt)
             elif "prompt" in prompt:
-                return self.process_prompt(prompt["prompt"], params)
+                processed = self.process_prompt(prompt["prompt"], params)
+                processed.cache_salt = cache_salt
+                return processed
             else:
                 raise ValueError("prompt dict must have 'prompt' or 'prompt_token_ids'")
         elif isinstance(prompt, str):
@@ -126,4 +131,12 @@ class InputProcessor:
         return sequences
 
     def make_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> Request:
-        return Request(request_id, prompt.prompt_token_ids, params, self.eos_token_id)
+        return Request(request_id, prompt.prompt_token_ids, params, self.eos_token_id, cache_salt=prompt.cache_salt)
+
+
+def _cache_salt(prompt: dict) -> str | None:
+    salt = prompt.get("cache_salt")
+    # As in vLLM: an empty salt is a client mistake, not a secret of its own.
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError("cache_salt must be a non-empty string")
+    return salt
