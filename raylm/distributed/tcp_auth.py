@@ -10,6 +10,10 @@ and everything on the wire is encrypted.
 
 RAYLM_MQ_UNAUTHENTICATED_TCP=1 turns it off (plain TCP, as a benchmark's
 baseline); the driver decides for the whole executor.
+
+A server may instead admit keys of its own choosing (`admits`), per ZAP
+domain: the data-parallel front end gives each replica a keypair of its own,
+so that it can tell which replica sent a message (see engine/dp_client.py).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import hmac
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 
 import zmq
 import zmq.auth.thread
@@ -52,19 +57,32 @@ class CurveKeys:
 
 class CurveServer:
     """The writer side: a ZAP handler on the writer's ZMQ context (a thread of
-    pyzmq's) that admits the executor's own key only. Start it before binding."""
+    pyzmq's) that admits the executor's own key only. Start it before binding.
 
-    def __init__(self, context: zmq.Context, keys: CurveKeys):
+    `admits(domain, client_public_key)`, when given, decides instead (keys in
+    z85; it runs on the ZAP thread); `secure(sock, domain)` names the domain
+    a socket's clients are checked in."""
+
+    def __init__(self, context: zmq.Context, keys: CurveKeys,
+                 admits: Callable[[str, bytes], bool] | None = None):
         self.keys = keys
+        self._admits = admits
         self._authenticator = zmq.auth.thread.ThreadAuthenticator(context)
         self._authenticator.start()
         self._authenticator.configure_curve_callback("*", credentials_provider=self)
 
     def callback(self, domain: str, client_key: bytes) -> bool:
         # pyzmq hands the client's public key in z85, like ours.
+        if self._admits is not None:
+            return self._admits(domain, client_key)
         return hmac.compare_digest(client_key, self.keys.public)
 
-    def secure(self, sock: zmq.Socket) -> None:
+    def secure(self, sock: zmq.Socket, domain: str | None = None) -> None:
+        if domain is not None:
+            # pyzmq's handler looks a domain up by name: one it does not know
+            # is refused, so each one is registered (to the same callback).
+            self._authenticator.configure_curve_callback(domain, credentials_provider=self)
+            sock.setsockopt_string(zmq.ZAP_DOMAIN, domain)
         sock.curve_secretkey = self.keys.secret
         sock.curve_publickey = self.keys.public
         sock.curve_server = True
@@ -77,9 +95,9 @@ class CurveServer:
         self._authenticator.stop()
 
 
-def secure_client(sock: zmq.Socket, keys: CurveKeys) -> None:
+def secure_client(sock: zmq.Socket, keys: CurveKeys, server_key: bytes | None = None) -> None:
     """The reader side, before connect: present the executor's key, and accept
-    only a server that holds it too."""
+    only a server that holds it too (or, given, the server's public key)."""
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
-    sock.curve_serverkey = keys.public
+    sock.curve_serverkey = keys.public if server_key is None else server_key

@@ -12,7 +12,7 @@ import os
 import signal
 import time
 import traceback
-from typing import Union
+from typing import Callable, Union
 
 import msgspec
 import zmq
@@ -109,24 +109,30 @@ class EngineCoreProc:
     """Owns an EngineCore and its two sockets; `run` is the busy loop.
 
     `watch_parent`: exit when the parent process is gone (a core process); a
-    replica actor is not a child of its front end, Ray ends it instead."""
+    replica actor is not a child of its front end, Ray ends it instead.
+    `secure_socket`: applied to both sockets before they connect (a replica's
+    CURVE keys, see dp_manager.ReplicaChannel)."""
 
     def __init__(self, core, input_address: str, output_address: str, engine_index: int = 0,
-                 watch_parent: bool = True):
+                 watch_parent: bool = True, secure_socket: Callable[[zmq.Socket], None] | None = None):
         self.core = core
         self.engine_index = engine_index
         self.watch_parent = watch_parent
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PULL)
-        self.input.connect(input_address)
         self.output = self.ctx.socket(zmq.PUSH)
         # Unsent outputs must not be dropped at close, nor block exit forever.
         self.output.setsockopt(zmq.LINGER, 5000)
+        if secure_socket is not None:
+            secure_socket(self.input)
+            secure_socket(self.output)
+        self.input.connect(input_address)
         self.output.connect(output_address)
         self.decoder = msgspec.msgpack.Decoder(ClientMessage)
         self.encoder = msgspec.msgpack.Encoder()
         # How many of the core's recoveries the front end has been told about.
         self._num_reported_recoveries = 0
+        self._num_undecodable = 0
 
     def _has_work(self) -> bool:
         # With PP, batches can still be in flight after their requests were aborted.
@@ -168,7 +174,9 @@ class EngineCoreProc:
         """Apply every waiting message: (any handled, keep running)."""
         handled = False
         while self.input.poll(0):
-            message = self.decoder.decode(self.input.recv(copy=False).buffer)
+            message = self._decode_input(self.input.recv(copy=False))
+            if message is None:
+                continue
             handled = True
             if isinstance(message, EngineCoreRequest):
                 self.core.add_request(message.to_request())
@@ -179,6 +187,20 @@ class EngineCoreProc:
             elif isinstance(message, Shutdown):
                 return handled, False
         return handled, True
+
+    def _decode_input(self, frame: zmq.Frame) -> ClientMessage | None:
+        """The message, or None for a frame that does not decode: dropped, not
+        fatal (a stray frame must not end the core and every request in it).
+        Logged at the 1st, 2nd, 4th, 8th... such frame, so a flood cannot
+        flood the log."""
+        try:
+            return self.decoder.decode(frame.buffer)
+        except msgspec.DecodeError as e:
+            self._num_undecodable += 1
+            if self._num_undecodable & (self._num_undecodable - 1) == 0:
+                logger.warning("engine core %d: dropped an input frame that does not decode (%d so far): %s",
+                               self.engine_index, self._num_undecodable, e)
+            return None
 
     def _check_health_while_idle(self) -> None:
         """A dead or hung worker is found (and replaced) before a request needs

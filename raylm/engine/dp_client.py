@@ -20,6 +20,15 @@ came back for it; when a replica dies it resubmits the unfinished ones to the
 survivors as continuations (prompt plus tokens so far, see Request), and the
 manager starts a replacement within the restart budget. The front end above
 sees a pause, not an error.
+
+Trust. Every channel is ZMQ CURVE (`_bind_*`, dp_manager.ReplicaChannel):
+each replica has a keypair of its own, and the front end admits on a
+replica's input socket that replica's key only, and on the output socket its
+replicas' keys only, so no other process can take requests or inject
+outputs. The output socket tells from the key which replica sent a frame
+(`_sender`); a replica speaks for the requests routed to it only
+(`_drop_foreign_outputs`), and a frame that does not decode is dropped
+(`_decode_outputs`): neither ends the server.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import zmq.asyncio
 
 from raylm.config import EngineConfig
 from raylm.core.request import Request
+from raylm.distributed.tcp_auth import CurveKeys, CurveServer
 from raylm.engine.core_client import EngineDeadError, send_pending
 from raylm.engine.core_proc import (
     AbortRequests,
@@ -48,7 +58,7 @@ from raylm.engine.core_proc import (
     SchedulerStats,
     Shutdown,
 )
-from raylm.engine.dp_manager import CoreEngineActorManager
+from raylm.engine.dp_manager import CoreEngineActorManager, ReplicaChannel
 from raylm.engine.restart_budget import RestartBudget
 
 logger = logging.getLogger(__name__)
@@ -57,6 +67,14 @@ AFFINITY_TOKENS = 64
 AFFINITY_SLACK = 4
 _AFFINITY_ENTRIES = 16384
 _POLL_MS = 100
+# The ZAP domain of the output socket (each input socket has its replica's).
+_OUTPUT_DOMAIN = "raylm-dp-output"
+# Aborted requests remembered per replica: their last outputs may cross the abort.
+_ABORTS_REMEMBERED = 1024
+
+
+def _input_domain(index: int) -> str:
+    return f"raylm-dp-input-{index}"
 
 
 @dataclass
@@ -64,7 +82,9 @@ class _Replica:
     index: int
     input: zmq.Socket
     address: str
+    keys: CurveKeys
     unsent: deque = field(default_factory=deque)
+    aborted: deque = field(default_factory=lambda: deque(maxlen=_ABORTS_REMEMBERED))
     in_flight: set[str] = field(default_factory=set)
     stats: SchedulerStats | None = None
     draining: bool = False
@@ -76,6 +96,33 @@ class _Replica:
         waiting = self.stats.num_waiting if self.stats else 0
         usage = self.stats.kv_cache_usage if self.stats else 0.0
         return len(self.in_flight) + 2 * waiting + usage
+
+
+class _ReplicaKeys:
+    """The replicas' public keys that the front end's sockets admit, shared
+    with the ZAP thread (single dict reads and writes, atomic in Python).
+    Only live channels are here: a replaced replica's key stops working."""
+
+    def __init__(self):
+        self.replicas: dict[bytes, _Replica] = {}
+
+    def admits(self, domain: str, client_key: bytes) -> bool:
+        replica = self.replicas.get(client_key)
+        return replica is not None and domain in (_OUTPUT_DOMAIN, _input_domain(replica.index))
+
+
+class _DropLog:
+    """Counts dropped frames or outputs of one kind and warns at the 1st, 2nd,
+    4th, 8th...: what a misbehaving peer sends must not flood the log."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.count = 0
+
+    def dropped(self, detail: str) -> None:
+        self.count += 1
+        if self.count & (self.count - 1) == 0:
+            logger.warning("data parallel: dropped %s (%d so far): %s", self.what, self.count, detail)
 
 
 @dataclass
@@ -101,7 +148,10 @@ class DPClient:
         self.restart_budget = RestartBudget(config.fault_tolerance.max_restarts,
                                             config.fault_tolerance.restart_window_s)
         self._ctx = zmq.Context()
-        self._actx = zmq.asyncio.Context() if self.asyncio_mode else None
+        self._replica_keys = _ReplicaKeys()
+        self._undecodable = _DropLog("a replica message that does not decode")
+        self._misattributed = _DropLog("a replica message signed with another replica's index")
+        self._foreign = _DropLog("outputs for requests not routed to the replica that sent them")
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self.replicas: dict[int, _Replica] = {}
@@ -117,12 +167,11 @@ class DPClient:
         self.dead_error: EngineDeadError | None = None
         self.manager = CoreEngineActorManager(config, on_death=lambda i, cause: self._deaths.put((i, cause)))
         self._host = self._front_end_host()
-        output_ctx = self._actx if self.asyncio_mode else self._ctx
-        self._output = output_ctx.socket(zmq.PULL)
-        port = self._output.bind_to_random_port(f"tcp://{self._host}")
-        self.output_address = f"tcp://{self._host}:{port}"
+        # Made before any socket is bound: no client may connect unchecked.
+        self._curve = CurveServer(self._ctx, CurveKeys.generate(), admits=self._replica_keys.admits)
+        self._output, self.output_address = self._bind_output()
         self._finalizer = weakref.finalize(self, _shutdown, self.manager, self.replicas, self._output,
-                                           [self._ctx, self._actx])
+                                           self._curve, self._ctx)
         try:
             self._start_replicas(list(range(pc.data_parallel_size)))
         except BaseException:
@@ -136,14 +185,77 @@ class DPClient:
         ips = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
         return "127.0.0.1" if len(ips) <= 1 else ray.util.get_node_ip_address()
 
-    # ---- replicas -----------------------------------------------------------------
+    # ---- the transport: sockets, keys, who sent what -------------------------------
+
+    def _bind_output(self) -> tuple[zmq.Socket, str]:
+        """The socket every replica sends its outputs to; replicas' keys only.
+        In the one context of the ZAP handler, whatever the client's mode."""
+        socket = self._ctx.socket(zmq.PULL)
+        self._curve.secure(socket, _OUTPUT_DOMAIN)
+        port = socket.bind_to_random_port(f"tcp://{self._host}")
+        if self.asyncio_mode:
+            socket = zmq.asyncio.Socket.from_socket(socket)
+        return socket, f"tcp://{self._host}:{port}"
 
     def _new_channel(self, index: int) -> _Replica:
+        """A replica's input socket and keypair; its key is admitted from now
+        until `_close_channel` (the replica connects while it starts)."""
         socket = self._ctx.socket(zmq.PUSH)
         socket.setsockopt(zmq.SNDHWM, 0)
         socket.setsockopt(zmq.LINGER, 0)
+        self._curve.secure(socket, _input_domain(index))
         port = socket.bind_to_random_port(f"tcp://{self._host}")
-        return _Replica(index, socket, f"tcp://{self._host}:{port}")
+        replica = _Replica(index, socket, f"tcp://{self._host}:{port}", CurveKeys.generate())
+        self._replica_keys.replicas[replica.keys.public] = replica
+        return replica
+
+    def _replica_channel(self, replica: _Replica) -> ReplicaChannel:
+        """What the replica's actor is given (through Ray) to connect with."""
+        return ReplicaChannel(replica.address, self.output_address, replica.keys, self._curve.keys.public)
+
+    def _close_channel(self, replica: _Replica) -> None:
+        self._replica_keys.replicas.pop(replica.keys.public, None)
+        replica.input.close()
+
+    def _sender(self, frame: zmq.Frame) -> _Replica | None:
+        """The serving replica whose key sent `frame` (CURVE tells the key),
+        or None: a replica given up on (what it sent before it was is still
+        arriving) or not yet adopted. Nobody else can have sent it."""
+        replica = self._replica_keys.replicas.get(frame.get("User-Id").encode())
+        if replica is None or self.replicas.get(replica.index) is not replica:
+            logger.debug("dropped a message from a data-parallel replica no longer (or not yet) serving")
+            return None
+        return replica
+
+    def _decode_outputs(self, frame: zmq.Frame) -> tuple[_Replica, EngineCoreOutputs] | None:
+        """A frame's sender and message, or None when it is to be dropped."""
+        replica = self._sender(frame)
+        if replica is None:
+            return None
+        try:
+            outputs = self._decoder.decode(frame.buffer)
+        except msgspec.DecodeError as e:
+            self._undecodable.dropped(f"from replica {replica.index}: {e}")
+            return None
+        if outputs.engine_index != replica.index:
+            self._misattributed.dropped(f"replica {replica.index} signed as replica {outputs.engine_index}")
+            return None
+        return replica, outputs
+
+    def _drop_foreign_outputs(self, replica: _Replica, outputs: EngineCoreOutputs) -> None:
+        """Keep only the outputs of requests routed to `replica`: it may not
+        speak for another's. Outputs of a request it was told to abort are
+        expected (they cross the abort) and dropped quietly."""
+        kept = []
+        for out in outputs.outputs:
+            sent = self._sent.get(out.request_id)
+            if sent is not None and sent.replica == replica.index:
+                kept.append(out)
+            elif out.request_id not in replica.aborted:
+                self._foreign.dropped(f"replica {replica.index} sent request {out.request_id[:64]!r}")
+        outputs.outputs = kept
+
+    # ---- replicas -----------------------------------------------------------------
 
     def _start_replicas(self, indices: list[int]) -> None:
         """Start replicas and wait until they all serve (they load in parallel)."""
@@ -152,7 +264,7 @@ class DPClient:
             self._wait_started(channels, targets)
         except BaseException:
             for channel in channels:
-                channel.input.close()
+                self._close_channel(channel)
             raise
         self._adopt(channels)
 
@@ -166,7 +278,7 @@ class DPClient:
 
         def start(channel: _Replica, target) -> None:
             try:
-                handle = self.manager.start_replica(channel.index, channel.address, self.output_address, target)
+                handle = self.manager.start_replica(channel.index, self._replica_channel(channel), target)
                 channel.node_ip = handle.node_ip
             except BaseException as e:
                 errors.append(e)
@@ -194,7 +306,7 @@ class DPClient:
         def start() -> None:
             started = time.monotonic()
             try:
-                handle = self.manager.start_replica(index, channel.address, self.output_address, target)
+                handle = self.manager.start_replica(index, self._replica_channel(channel), target)
                 channel.node_ip = handle.node_ip
                 self._started.put((channel, None, time.monotonic() - started))
             except BaseException as e:
@@ -232,7 +344,7 @@ class DPClient:
                 self._flush(replica)
                 del self.replicas[index]
                 self.manager.stop_replica(index)
-                replica.input.close()
+                self._close_channel(replica)
                 logger.info("data-parallel replica %d drained and removed", index)
 
     # ---- requests -------------------------------------------------------------------
@@ -289,6 +401,7 @@ class DPClient:
             replica = self.replicas.get(sent.replica)
             if replica is not None:
                 replica.in_flight.discard(rid)
+                replica.aborted.append(rid)
                 by_replica.setdefault(replica.index, []).append(rid)
         for index, ids in by_replica.items():
             self._send_frame(self.replicas[index], self._encoder.encode(AbortRequests(ids)))
@@ -356,7 +469,7 @@ class DPClient:
         replica = self.replicas.pop(index, None)
         if replica is None:
             return
-        replica.input.close()
+        self._close_channel(replica)
         orphans = sorted(replica.in_flight)
         logger.error("data-parallel replica %d died (%s); resubmitting its %d request(s) to the others",
                      index, cause, len(orphans))
@@ -374,7 +487,7 @@ class DPClient:
     def _on_replica_started(self, channel: _Replica, error: BaseException | None, seconds: float) -> None:
         self._starting.discard(channel.index)
         if error is not None:
-            channel.input.close()
+            self._close_channel(channel)
             logger.error("replacing data-parallel replica %d failed: %s", channel.index, error)
             if self.restart_budget.allow():
                 self._replace_in_background(channel.index)
@@ -397,12 +510,13 @@ class DPClient:
             return
         self._dispatch(replica, request_id, self._encoder.encode(EngineCoreRequest.from_request(request)))
 
-    def _receive(self, frame) -> EngineCoreOutputs | None:
+    def _receive(self, frame: zmq.Frame) -> EngineCoreOutputs | None:
         """Bookkeeping for one replica message; what to pass up (None: nothing)."""
-        outputs = self._decoder.decode(frame.buffer if hasattr(frame, "buffer") else frame)
-        replica = self.replicas.get(outputs.engine_index)
-        if replica is None:
-            return None  # from a replica already given up on
+        decoded = self._decode_outputs(frame)
+        if decoded is None:
+            return None
+        replica, outputs = decoded
+        self._drop_foreign_outputs(replica, outputs)
         if outputs.error is not None:
             # That replica is dead for good; the others serve its requests.
             self._deaths.put((outputs.engine_index, outputs.error.strip().splitlines()[-1]))
@@ -412,9 +526,7 @@ class DPClient:
             replica.stats = outputs.stats
             outputs.stats = self._aggregate_stats()
         for out in outputs.outputs:
-            sent = self._sent.get(out.request_id)
-            if sent is None or sent.replica != replica.index:
-                continue
+            sent = self._sent[out.request_id]
             sent.token_ids.extend(out.new_token_ids)
             if out.finished:
                 replica.in_flight.discard(out.request_id)
@@ -472,7 +584,7 @@ class AsyncDPClient(DPClient):
                 await asyncio.get_running_loop().run_in_executor(None, self._wait_started, channels, targets)
             except BaseException:
                 for channel in channels:
-                    channel.input.close()
+                    self._close_channel(channel)
                 raise
             self._adopt(channels)
         logger.info("data parallel size is now %d", data_parallel_size)
@@ -521,7 +633,7 @@ _MANAGER_SHUTDOWN_DEADLINE_S = 5.0
 _REPLICA_GRACE_S = 3.0
 
 
-def _shutdown(manager: CoreEngineActorManager, replicas: dict, output, contexts: list) -> None:
+def _shutdown(manager: CoreEngineActorManager, replicas: dict, output, curve: CurveServer, ctx) -> None:
     encoder = msgspec.msgpack.Encoder()
     for replica in replicas.values():
         try:
@@ -539,6 +651,5 @@ def _shutdown(manager: CoreEngineActorManager, replicas: dict, output, contexts:
         replica.input.close(linger=0)
     replicas.clear()
     output.close(linger=0)
-    for ctx in contexts:
-        if ctx is not None:
-            ctx.destroy(linger=0)
+    curve.stop()
+    ctx.destroy(linger=0)

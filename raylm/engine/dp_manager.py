@@ -7,6 +7,12 @@ for the engine actor, then one bundle per model rank when its executor is Ray
 (which reuses those bundles: no nested groups). Replicas are packed onto as few
 nodes as possible, or spread one per node. Ray places and watches replicas; the
 per-token path is the ZMQ/msgpack channel of a local core (see dp_client.py).
+
+That channel is ZMQ CURVE (raylm.distributed.tcp_auth), on one node too: each
+replica gets a keypair of its own from the front end through Ray (a
+`ReplicaChannel` in the actor's constructor) and accepts no server but the
+front end; the front end admits only its replicas' keys, and knows from the
+key which replica sent what.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from raylm.config import EngineConfig
+from raylm.distributed.tcp_auth import CurveKeys, secure_client
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +42,29 @@ _STOP_TIMEOUT_S = 10.0
 _ENGINE_ONLY_CPUS = 0.01
 
 
+@dataclass(frozen=True)
+class ReplicaChannel:
+    """Where a replica connects, and with which keys: its own keypair (the
+    front end admits its public half, and only this replica holds the
+    secret) and the front end's public key (the only server it accepts).
+    It holds a secret: it travels to the actor through Ray only."""
+
+    input_address: str
+    output_address: str
+    keys: CurveKeys
+    front_end_key: bytes
+
+    def secure(self, sock) -> None:
+        """Before connect: present our key, and talk to the front end only."""
+        secure_client(sock, self.keys, server_key=self.front_end_key)
+
+
 class EngineCoreActor:
     """One replica: builds its EngineCore at construction (so a failure to
     start is an actor-creation error), then `run` is the core's busy loop,
     talking to the front end over ZMQ exactly like a core process does."""
 
-    def __init__(self, config: EngineConfig, engine_index: int, input_address: str, output_address: str,
+    def __init__(self, config: EngineConfig, engine_index: int, channel: ReplicaChannel,
                  log_level: int = logging.WARNING):
         from raylm.engine.core_proc import EngineCoreProc
         from raylm.engine.engine_core import EngineCore
@@ -48,7 +72,8 @@ class EngineCoreActor:
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.engine_index = engine_index
         self.core = EngineCore(config)
-        self.proc = EngineCoreProc(self.core, input_address, output_address, engine_index, watch_parent=False)
+        self.proc = EngineCoreProc(self.core, channel.input_address, channel.output_address, engine_index,
+                                   watch_parent=False, secure_socket=channel.secure)
 
     def ready(self) -> dict:
         import ray
@@ -169,8 +194,7 @@ class CoreEngineActorManager:
             nodes = [(node, cpus - existing.get(node, 0) * need) for node, cpus in nodes]
         return choose_nodes(num_replicas, need, mode, nodes, existing)
 
-    def start_replica(self, index: int, input_address: str, output_address: str,
-                      target_node: str | None = None) -> ReplicaHandle:
+    def start_replica(self, index: int, channel: ReplicaChannel, target_node: str | None = None) -> ReplicaHandle:
         """Place, build and start replica `index`; blocks until it serves.
         On failure nothing of it is left and the error says why."""
         ray = self._ray
@@ -218,7 +242,7 @@ class CoreEngineActorManager:
                     placement_group_capture_child_tasks=True),
                 runtime_env={"env_vars": ray_utils.worker_env_vars(self.config.device)},
                 name=None,
-            ).remote(replica_config, index, input_address, output_address, logging.getLogger().getEffectiveLevel())
+            ).remote(replica_config, index, channel, logging.getLogger().getEffectiveLevel())
             info = ray.get(actor.ready.remote(), timeout=READY_TIMEOUT_S)
             run_ref = actor.run.remote()
         except BaseException as e:
