@@ -81,7 +81,6 @@ _UNSUPPORTED_BOTH: dict[str, tuple] = {
     "logits_processors": (None,),
     "return_tokens_as_token_ids": (None, False),
     "return_token_ids": (None, False),
-    "cache_salt": (None,),
     "kv_transfer_params": (None,),
     "vllm_xargs": (None,),
     "priority": (0,),
@@ -190,6 +189,8 @@ class SamplingFields(OpenAIModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=_INT32_MAX)
+    # Prefix-cache blocks are shared only among requests with the same salt.
+    cache_salt: str | None = Field(None, min_length=1)
     # Structured outputs: at most one of these (StructuredOutputsParams).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None

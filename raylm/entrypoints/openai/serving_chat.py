@@ -137,7 +137,8 @@ class OpenAIServingChat:
         """Runs in a worker thread: templating and tokenizing can take a while.
         `params`: truncate_prompt_tokens applies to the rendered conversation."""
         text, ids = render_chat(self.engine.tokenizer, request)
-        return self.engine.input_processor.process_prompt({"prompt": text, "prompt_token_ids": ids}, params)
+        return self.engine.input_processor.process_prompt(
+            {"prompt": text, "prompt_token_ids": ids, "cache_salt": request.cache_salt}, params)
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         model = check_model(request.model, self.served_model_names)

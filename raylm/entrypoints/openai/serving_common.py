@@ -168,7 +168,8 @@ def fit_max_tokens(engine: AsyncLLM, processed: ProcessedPrompt, params: Samplin
             f"{num_prompt + requested_max_tokens} tokens ({num_prompt} in the prompt, {requested_max_tokens} "
             f"in the completion). Please reduce the prompt or the completion length.", 400,
             "max_tokens" if room >= 1 else prompt_param)
-    return {"prompt": processed.prompt, "prompt_token_ids": processed.prompt_token_ids}, params
+    return {"prompt": processed.prompt, "prompt_token_ids": processed.prompt_token_ids,
+            "cache_salt": processed.cache_salt}, params
 
 
 def check_not_ended_early(completions) -> None:

@@ -102,6 +102,9 @@ class OpenAIServingCompletion:
         if not request.add_special_tokens:
             prompts = await asyncio.get_running_loop().run_in_executor(
                 None, _without_special_tokens, self.engine.tokenizer, prompts)
+        if request.cache_salt is not None:
+            prompts = [{"prompt": p, "cache_salt": request.cache_salt} if isinstance(p, str)
+                       else {**p, "cache_salt": request.cache_salt} for p in prompts]
         check_stop(request.stop)
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
         structured_outputs = await checked_structured_outputs(request)
