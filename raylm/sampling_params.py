@@ -11,6 +11,26 @@ _GREEDY_EPS = 1e-5
 # the biases already decide the choice at those magnitudes.
 _MAX_LOGIT_BIAS = 100.0
 
+# ---- What one request may ask for (vLLM sets none of these bounds) ----------
+# Each bad word is tokenized at intake (twice: with and without a leading
+# space) and matched against the output at every step; thousands would cost
+# the engine more than the request's own tokens.
+MAX_BAD_WORDS = 1024
+MAX_BAD_WORD_CHARS = 256
+MAX_BAD_WORDS_TOTAL_CHARS = 64 * 1024
+# Every sampled token is checked against them, and min_tokens masks them all.
+MAX_STOP_TOKEN_IDS = 1024
+# Prompt logprobs are (prompt positions) x (prompt_logprobs + 1) entries, each
+# a Python object on the way back and a JSON entry in the response: 2**18 is a
+# full 128k-token prompt with its own tokens' logprobs only, or ~12k positions
+# with the top 20.
+MAX_PROMPT_LOGPROBS_ENTRIES = 2**18
+# A structured-outputs grammar (JSON schema as JSON text, regex, EBNF, or the
+# choices together) is compiled to an automaton at intake and in the engine;
+# real schemas are a few KiB.
+MAX_GRAMMAR_CHARS = 128 * 1024
+MAX_CHOICES = 1024
+
 
 @dataclass
 class StructuredOutputsParams:
@@ -56,6 +76,18 @@ class StructuredOutputsParams:
             if not all(isinstance(c, str) for c in self.choice):
                 raise ValueError("structured_outputs.choice must contain only strings")
             self.choice = list(self.choice)
+        self._check_size()
+
+    def _check_size(self) -> None:
+        if self.choice is not None and len(self.choice) > MAX_CHOICES:
+            raise ValueError(f"structured_outputs.choice: at most {MAX_CHOICES} choices, got {len(self.choice)}")
+        for name in ("json", "regex", "grammar", "choice"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            size = _grammar_chars(value)
+            if size > MAX_GRAMMAR_CHARS:
+                raise ValueError(f"structured_outputs.{name}: at most {MAX_GRAMMAR_CHARS} characters, got {size}")
 
 
 @dataclass
@@ -159,6 +191,11 @@ class SamplingParams:
             raise bad("stop", "must contain only non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must contain only non-negative integers")
+        # Deduplicated (in order): a repeated id changes nothing but the cost.
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS} distinct ids, "
+                                        f"got {len(self.stop_token_ids)}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             kind = type(self.structured_outputs).__name__
             raise bad("structured_outputs", f"must be a StructuredOutputsParams, got {kind}")
@@ -195,6 +232,7 @@ class SamplingParams:
                 raise ValueError(f"bad_words must be a list of strings, got {words!r}")
             if not all(isinstance(w, str) and w.strip() for w in words):
                 raise ValueError("bad_words must contain only non-blank strings")
+            _check_bad_words_size(words)
             self.bad_words = list(words)
         if self.bad_words_token_ids is not None:
             seqs = self.bad_words_token_ids
@@ -202,6 +240,9 @@ class SamplingParams:
                 isinstance(seq, list) and seq and all(_is_int(t) and t >= 0 for t in seq) for seq in seqs
             ):
                 raise ValueError("bad_words_token_ids must be a list of non-empty lists of token ids")
+            if len(seqs) > 2 * MAX_BAD_WORDS or sum(len(seq) for seq in seqs) > MAX_BAD_WORDS_TOTAL_CHARS:
+                raise ValueError(f"bad_words_token_ids: at most {2 * MAX_BAD_WORDS} sequences of "
+                                 f"{MAX_BAD_WORDS_TOTAL_CHARS} tokens in all")
         tpt = self.truncate_prompt_tokens
         if tpt is not None and (not _is_int(tpt) or (tpt < 1 and tpt != -1)):
             raise ValueError(f"truncate_prompt_tokens must be -1 (max_model_len) or an integer >= 1, got {tpt!r}")
@@ -214,6 +255,44 @@ class SamplingParams:
         import copy
 
         return copy.deepcopy(self)
+
+
+def _check_bad_words_size(words: list[str]) -> None:
+    if len(words) > MAX_BAD_WORDS:
+        raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} words, got {len(words)}")
+    longest = max(len(w) for w in words) if words else 0
+    if longest > MAX_BAD_WORD_CHARS:
+        raise ValueError(f"bad_words: a word may have at most {MAX_BAD_WORD_CHARS} characters, got one of {longest}")
+    total = sum(len(w) for w in words)
+    if total > MAX_BAD_WORDS_TOTAL_CHARS:
+        raise ValueError(f"bad_words: at most {MAX_BAD_WORDS_TOTAL_CHARS} characters in all, got {total}")
+
+
+def check_prompt_logprobs_size(num_positions: int, prompt_logprobs: int | None) -> None:
+    """ValueError naming prompt_logprobs when a prompt's logprobs would be too many."""
+    if prompt_logprobs is None:
+        return
+    entries = num_positions * (prompt_logprobs + 1)
+    if entries > MAX_PROMPT_LOGPROBS_ENTRIES:
+        raise ValueError(f"prompt_logprobs: {num_positions} prompt positions x {prompt_logprobs + 1} logprobs "
+                         f"each is {entries} entries; at most {MAX_PROMPT_LOGPROBS_ENTRIES} per prompt")
+
+
+def _grammar_chars(value: object) -> int:
+    """The size of a grammar as text: a JSON schema given as a dict counts as
+    its JSON (measured without building it past the limit)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(len(c) for c in value)
+    import json
+
+    size = 0
+    for chunk in json.JSONEncoder().iterencode(value):
+        size += len(chunk)
+        if size > MAX_GRAMMAR_CHARS:
+            break
+    return size
 
 
 def _is_int(value: object) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 from raylm.config import ModelConfig
 from raylm.core.request import Request
 from raylm.core.structured_output import validate_structured_outputs
-from raylm.sampling_params import SamplingParams
+from raylm.sampling_params import SamplingParams, check_prompt_logprobs_size
 
 
 @dataclass
@@ -75,6 +75,8 @@ class InputProcessor:
             raise ValueError(
                 f"prompt is {len(ids)} tokens, longer than max_model_len ({max_len})"
             )
+        if params is not None:
+            check_prompt_logprobs_size(len(ids), params.prompt_logprobs)
         return processed
 
     def _truncate(self, ids: list[int], keep: int) -> list[int]:
@@ -94,8 +96,7 @@ class InputProcessor:
             bad = sorted(t for t in ids if t >= vocab)
             if bad:
                 raise ValueError(f"{name} contains ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        if params.bad_words:
-            params.bad_words_token_ids = self._tokenize_bad_words(params.bad_words)
+        self.tokenize_bad_words(params)
         bad = sorted({t for seq in params.bad_words_token_ids or [] for t in seq if t >= vocab})
         if bad:
             raise ValueError(f"bad_words tokenize to ids outside the vocabulary [0, {vocab}): {bad[:5]}")
@@ -113,6 +114,14 @@ class InputProcessor:
         stop_ids.discard(None)
         params.all_stop_token_ids = stop_ids
         return params
+
+    def tokenize_bad_words(self, params: SamplingParams) -> None:
+        """Fills params.bad_words_token_ids from params.bad_words, unless a
+        caller did already: a server does it once per request, in a thread
+        (up to MAX_BAD_WORDS words, two encodes each), before the request's
+        prompts are processed on the event loop."""
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = self._tokenize_bad_words(params.bad_words)
 
     def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
         """Token sequences of each bad word, as vLLM builds them: the word as

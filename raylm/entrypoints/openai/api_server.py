@@ -60,6 +60,9 @@ EXIT_ENGINE_DEAD = 1
 # How long a server with a dead engine still answers (503, /health too) before
 # it exits: long enough for load balancers and probes to see why.
 _DEAD_ENGINE_LINGER_S = 2.0
+# What answers without the API key: probes and scrapers. Everything else,
+# /tokenize and /detokenize included, needs it.
+_OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 # After the grace period, how often requests that reached the engine late
 # (admitted just before shutdown began) are ended too.
 _SWEEP_INTERVAL_S = 0.1
@@ -125,8 +128,10 @@ class CorsSettings:
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
               stat_logger: PrometheusStatLogger | None = None, limits: ServerLimits | None = None,
-              cors: CorsSettings | None = None, tool_config: ToolCallConfig | None = None) -> FastAPI:
-    """The app; `app.state.admission` is its AdmissionControl (closed at shutdown)."""
+              cors: CorsSettings | None = None, tool_config: ToolCallConfig | None = None,
+              trust_request_chat_template: bool = False) -> FastAPI:
+    """The app; `app.state.admission` is its AdmissionControl (closed at shutdown).
+    `trust_request_chat_template`: render chat templates sent with requests."""
     limits = limits or ServerLimits()
     cors = cors or CorsSettings()
     app = FastAPI(title="raylm", version=raylm.__version__)
@@ -137,7 +142,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     )
     app.state.admission = admission
     completions = OpenAIServingCompletion(engine, served_model_names, admission)
-    chat = OpenAIServingChat(engine, served_model_names, admission, tool_config)
+    chat = OpenAIServingChat(engine, served_model_names, admission, tool_config, trust_request_chat_template)
     _install_error_handlers(app)
 
     if api_key:
@@ -145,7 +150,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
         @app.middleware("http")
         async def check_api_key(request: Request, call_next):
-            if request.url.path.startswith("/v1"):
+            if request.url.path not in _OPEN_PATHS:
                 given = request.headers.get("authorization", "").encode()
                 if not hmac.compare_digest(given, expected):
                     return error_response("missing or invalid API key (Authorization: Bearer ...)", 401)
@@ -184,7 +189,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         replicas = replica_states(engine)  # data parallel: each replica's state
         return Response(status_code=200) if replicas is None else JSONResponse({"replicas": replicas})
 
-    install_tokenize_routes(app, engine, served_model_names)
+    install_tokenize_routes(app, engine, served_model_names, trust_request_chat_template)
     install_data_parallel_routes(app, engine, api_key, stat_logger,
                                  served_model_names[0] if served_model_names else "")
 
@@ -304,7 +309,8 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
     try:
         cors = CorsSettings(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
         app = build_app(engine, names, api_key=args.api_key, stat_logger=stat_logger, limits=limits, cors=cors,
-                        tool_config=ToolCallConfig.from_args(args))
+                        tool_config=ToolCallConfig.from_args(args),
+                        trust_request_chat_template=getattr(args, "trust_request_chat_template", False))
         config = uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,

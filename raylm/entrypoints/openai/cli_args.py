@@ -51,8 +51,11 @@ def add_serve_subcommand(subparsers: argparse._SubParsersAction) -> argparse.Arg
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=int, default=8000, help="port to listen on")
     server.add_argument("--api-key", default=None, metavar="KEY",
-                        help="require 'Authorization: Bearer KEY' on /v1 endpoints; default: RAYLM_API_KEY, "
-                             "else VLLM_API_KEY, else no key")
+                        help="require 'Authorization: Bearer KEY' on every endpoint but /health, /metrics and "
+                             "/version; default: RAYLM_API_KEY, else VLLM_API_KEY, else no key")
+    server.add_argument("--trust-request-chat-template", action="store_true",
+                        help="render a chat_template sent with a request (chat completions, /tokenize); without "
+                             "it such a request gets HTTP 400. Any render is bounded in time and size")
     server.add_argument("--ssl-keyfile", default=None, metavar="FILE",
                         help="serve HTTPS with this private key (PEM), with --ssl-certfile")
     server.add_argument("--ssl-certfile", default=None, metavar="FILE",

@@ -21,6 +21,11 @@ and what one request may ask for. Past a bound the client gets a clear refusal
   a 400 naming the field. OpenAI allows 4 stop strings and n <= 128; raylm
   allows more stop strings (vLLM sets no bound) but not unboundedly many, as
   every generated token is checked against each of them.
+- Request-supplied chat templates (`check_request_chat_template`): refused
+  (400 naming `chat_template`) unless the server runs with
+  --trust-request-chat-template (vLLM's flag), and then at most
+  MAX_REQUEST_CHAT_TEMPLATE_CHARS long. Every render, the model's template
+  too, is bounded in CPU time, work and output (raylm.chat_template).
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
 MAX_PROMPTS_PER_REQUEST = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
+# Real chat templates are a few KiB (the longest common ones ~20 KiB); parsing
+# and compiling one costs time proportional to its length.
+MAX_REQUEST_CHAT_TEMPLATE_CHARS = 128 * 1024
 # What a 429 suggests: a slot frees up as soon as any request finishes.
 RETRY_AFTER_S = 1
 # Before a 413, the rest of an oversized body is read and dropped, up to another
@@ -175,6 +183,20 @@ def check_stop(stop: str | list[str] | None) -> None:
         if len(s) > MAX_STOP_STRING_CHARS:
             raise OpenAIError(f"stop: a stop string may have at most {MAX_STOP_STRING_CHARS} characters, "
                               f"got one of {len(s)}", 400, "stop")
+
+
+def check_request_chat_template(template: str | None, trusted: bool) -> None:
+    """A template sent with the request is code the server would run; only a
+    server told to trust its clients with it (--trust-request-chat-template)
+    does, and only a bounded one."""
+    if template is None:
+        return
+    if not trusted:
+        raise OpenAIError("chat_template: this server does not render chat templates sent with requests "
+                          "(start it with --trust-request-chat-template to allow them)", 400, "chat_template")
+    if len(template) > MAX_REQUEST_CHAT_TEMPLATE_CHARS:
+        raise OpenAIError(f"chat_template: at most {MAX_REQUEST_CHAT_TEMPLATE_CHARS} characters, "
+                          f"got {len(template)}", 400, "chat_template")
 
 
 class _BodyTooLarge(Exception):

@@ -5,15 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from raylm.chat_template import ChatTemplateNotBounded, ChatTemplateRenderError, render_bounded
 from raylm.engine.async_llm import AsyncLLM
 from raylm.engine.input_processor import ProcessedPrompt
 from raylm.engine.tokenizer import encode_rendered_chat
-from raylm.entrypoints.openai.limits import AdmissionControl, ReleasingStreamingResponse, check_stop
+from raylm.entrypoints.openai.limits import (
+    AdmissionControl,
+    ReleasingStreamingResponse,
+    check_request_chat_template,
+    check_stop,
+)
 from raylm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -39,6 +46,7 @@ from raylm.entrypoints.openai.serving_common import (
     sampling_params_from,
     sse,
     stream_error_event,
+    tokenize_bad_words,
 )
 from raylm.entrypoints.openai.structured_outputs import checked_structured_outputs
 from raylm.entrypoints.openai.serving_tools import (
@@ -91,7 +99,8 @@ def render_chat(tokenizer, request) -> tuple[str, list[int]]:
     """(text, token ids) of a request's messages through the chat template,
     with its template fields (add_generation_prompt, continue_final_message,
     chat_template, chat_template_kwargs, documents, reasoning_effort,
-    add_special_tokens); for /v1/chat/completions and /tokenize alike."""
+    add_special_tokens); for /v1/chat/completions and /tokenize alike.
+    Bounded in time, work and output (raylm.chat_template.render_bounded)."""
     if not (request.chat_template or getattr(tokenizer, "chat_template", None)):
         raise OpenAIError("the model's tokenizer has no chat template", 400, "messages")
     if request.continue_final_message and request.add_generation_prompt:
@@ -105,16 +114,43 @@ def render_chat(tokenizer, request) -> tuple[str, list[int]]:
         variables["reasoning_effort"] = request.reasoning_effort
     tools = tools_for_template(getattr(request, "tools", None), request.chat_template or tokenizer.chat_template)
     try:
-        text = tokenizer.apply_chat_template(
-            conversation_of(request), tools=tools, tokenize=False,
+        text = render_bounded(
+            tokenizer, conversation_of(request), tools=tools,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message, chat_template=request.chat_template,
             documents=request.documents, **variables)
+    except ChatTemplateRenderError as e:
+        raise OpenAIError(str(e), 400, "chat_template" if request.chat_template is not None else "messages") from e
+    except ChatTemplateNotBounded:
+        raise  # the server's fault, not the request's
     except Exception as e:  # jinja raises its own types for unsupported conversations
         raise OpenAIError(f"messages could not be rendered with the chat template: {e}", 400, "messages") from e
     if request.add_special_tokens:
         return text, tokenizer.encode(text, add_special_tokens=True)
     return text, encode_rendered_chat(tokenizer, text)
+
+
+# Renders of request-supplied templates (--trust-request-chat-template) get
+# threads of their own: each may run up to its CPU limit, and a client sending
+# many must not hold up the tokenizing and rendering of everyone else's
+# requests in the default executor. Two: the machine's cores are the engine's.
+_REQUEST_TEMPLATE_THREADS = 2
+_request_template_executor: ThreadPoolExecutor | None = None
+
+
+def _executor_for(request) -> ThreadPoolExecutor | None:
+    global _request_template_executor
+    if request.chat_template is None:
+        return None  # the loop's default executor
+    if _request_template_executor is None:
+        _request_template_executor = ThreadPoolExecutor(_REQUEST_TEMPLATE_THREADS,
+                                                        thread_name_prefix="raylm-request-template")
+    return _request_template_executor
+
+
+async def run_render(request, function: Callable[..., Any], *args: Any) -> Any:
+    """function(*args) off the event loop: rendering is the request's work."""
+    return await asyncio.get_running_loop().run_in_executor(_executor_for(request), function, *args)
 
 
 def echoed_text(request: ChatCompletionRequest) -> str:
@@ -127,11 +163,12 @@ def echoed_text(request: ChatCompletionRequest) -> str:
 
 class OpenAIServingChat:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], admission: AdmissionControl | None = None,
-                 tool_config: ToolCallConfig | None = None):
+                 tool_config: ToolCallConfig | None = None, trust_request_chat_template: bool = False):
         self.engine = engine
         self.served_model_names = served_model_names
         self.admission = admission or AdmissionControl.for_engine(engine)
         self.tool_config = tool_config or ToolCallConfig()
+        self.trust_request_chat_template = trust_request_chat_template
 
     def _render(self, request: ChatCompletionRequest, params: SamplingParams) -> ProcessedPrompt:
         """Runs in a worker thread: templating and tokenizing can take a while.
@@ -143,6 +180,7 @@ class OpenAIServingChat:
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         model = check_model(request.model, self.served_model_names)
         check_request_fields(request)
+        check_request_chat_template(request.chat_template, self.trust_request_chat_template)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         top_logprobs = request.top_logprobs or 0
         if request.top_logprobs is not None and not request.logprobs:
@@ -153,13 +191,14 @@ class OpenAIServingChat:
                                       structured_outputs=structured_outputs,
                                       defaults=self.engine.config.model_config.default_sampling_params)
         tool_plan = plan_tools(request, self.tool_config)
-        params = tool_plan.apply(params)
+        params = await asyncio.get_running_loop().run_in_executor(None, tool_plan.apply, params)
         # Admitted before rendering, so that a burst of arrivals is counted at once.
         reservation = self.admission.admit(request.n, "n")
         stream = None
         try:
+            await tokenize_bad_words(self.engine, params)
             try:
-                processed = await asyncio.get_running_loop().run_in_executor(None, self._render, request, params)
+                processed = await run_render(request, self._render, request, params)
             except ValueError as e:
                 raise bad_request_from(e, set(), "messages") from e
             param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"

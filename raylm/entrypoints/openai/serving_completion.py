@@ -38,6 +38,7 @@ from raylm.entrypoints.openai.serving_common import (
     sse,
     stream_error_event,
     submit_all,
+    tokenize_bad_words,
 )
 from raylm.entrypoints.openai.structured_outputs import checked_structured_outputs
 from raylm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -115,10 +116,10 @@ class OpenAIServingCompletion:
         reservation = self.admission.admit(len(prompts) * request.n, "n" if request.n > 1 else "prompt")
         streams = None
         try:
+            await tokenize_bad_words(self.engine, base_params)  # once, for every prompt's clone
             prepared = []
             for prompt in prompts:
-                prepared.append(
-                    await prepare_prompt(self.engine, prompt, base_params.clone(), request.max_tokens, "prompt"))
+                prepared.append(await self._prepare(prompt, base_params.clone(), request.max_tokens))
             request_id = random_id("cmpl")
             streams = await submit_all(self.engine, [
                 (prompt, params, f"{request_id}-{i}") for i, (prompt, params) in enumerate(prepared)
@@ -136,6 +137,15 @@ class OpenAIServingCompletion:
                 reservation.release()
             for stream in streams or ():
                 stream.close()
+
+    async def _prepare(self, prompt: Any, params, max_tokens: int | None) -> tuple[dict, Any]:
+        try:
+            return await prepare_prompt(self.engine, prompt, params, max_tokens, "prompt")
+        except OpenAIError as e:
+            if e.param != "prompt_logprobs":
+                raise
+            # The client asked for them as echo with logprobs.
+            raise OpenAIError(f"echo with logprobs: {e.message}", 400, "logprobs") from e
 
     @staticmethod
     async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> dict[int, RequestOutput]:

@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from raylm.engine.async_llm import AsyncLLM
 from raylm.entrypoints.openai.protocol import ChatMessage
-from raylm.entrypoints.openai.serving_chat import render_chat
+from raylm.entrypoints.openai.limits import check_request_chat_template
+from raylm.entrypoints.openai.serving_chat import render_chat, run_render
 from raylm.entrypoints.openai.serving_common import OpenAIError, check_model
 
 _STRICT = ConfigDict(allow_inf_nan=False, extra="forbid")
@@ -82,9 +83,10 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
 
 
 class OpenAIServingTokenization:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]):
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], trust_request_chat_template: bool = False):
         self.engine = engine
         self.served_model_names = served_model_names
+        self.trust_request_chat_template = trust_request_chat_template
 
     def _tokens(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
         """Runs in a worker thread: templating and tokenizing can take a while."""
@@ -98,7 +100,11 @@ class OpenAIServingTokenization:
         kind = TokenizeChatRequest if isinstance(body, dict) and "messages" in body else TokenizeCompletionRequest
         request = _parse(kind, body)
         check_model(request.model, self.served_model_names)
-        tokens = await asyncio.get_running_loop().run_in_executor(None, self._tokens, request)
+        if isinstance(request, TokenizeChatRequest):
+            check_request_chat_template(request.chat_template, self.trust_request_chat_template)
+            tokens = await run_render(request, self._tokens, request)
+        else:
+            tokens = await asyncio.get_running_loop().run_in_executor(None, self._tokens, request)
         token_strs = self.engine.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
         return TokenizeResponse(count=len(tokens), max_model_len=self.engine.config.model_config.max_model_len,
                                 tokens=tokens, token_strs=token_strs)
@@ -116,8 +122,9 @@ class OpenAIServingTokenization:
         return DetokenizeResponse(prompt=prompt)
 
 
-def install_tokenize_routes(app: FastAPI, engine: AsyncLLM, served_model_names: list[str]) -> None:
-    serving = OpenAIServingTokenization(engine, served_model_names)
+def install_tokenize_routes(app: FastAPI, engine: AsyncLLM, served_model_names: list[str],
+                            trust_request_chat_template: bool = False) -> None:
+    serving = OpenAIServingTokenization(engine, served_model_names, trust_request_chat_template)
 
     @app.post("/tokenize")
     async def tokenize(raw_request: Request) -> TokenizeResponse:

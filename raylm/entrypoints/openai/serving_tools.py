@@ -130,16 +130,17 @@ class ToolPlan:
     parallel: bool = True
 
     def apply(self, params: SamplingParams) -> SamplingParams:
-        """Constrains the output for "named" and "required"."""
+        """Constrains the output for "named" and "required" (compiling the
+        schema: run it off the event loop)."""
         schema = self._output_schema()
         if schema is None:
             return params
         if params.structured_outputs is not None:
             raise OpenAIError("tool_choice \"required\" or a named function cannot be combined with another "
                               "structured output (response_format, structured_outputs)", 400, "tool_choice")
-        # Whitespace kept to the separators: a weak model may otherwise emit runs of it.
-        constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
         try:
+            # Whitespace kept to the separators: a weak model may otherwise emit runs of it.
+            constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
             validate_structured_outputs(constraint)
         except ValueError as e:
             raise OpenAIError(f"tools: a function's parameters are not a usable JSON schema: {e}", 400,
