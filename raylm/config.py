@@ -159,6 +159,15 @@ class FaultToleranceConfig:
     # gives them `health_check_timeout_s` to answer.
     health_check_interval_s: float = 5.0
     health_check_timeout_s: float = 30.0
+    # Recoveries pinned on a poison request (it was failed) are forgiven by
+    # the restart budget, up to this many within `restart_window_s`; past
+    # that the engine reports itself unhealthy and stops forgiving, so a node
+    # that fails every step cannot pass for healthy behind a stream of blamed
+    # requests. Each poison request costs two or three recoveries.
+    max_blamed_recoveries: int = 64
+    # RAYLM_FAULT_INJECTION as the front end read it (raylm.worker.fault_injection):
+    # carried in the config so that every worker and replica sees the same.
+    fault_injection: str | None = None
 
 
 @dataclass
@@ -394,5 +403,6 @@ def create_engine_config(
             execute_model_timeout_s=float(execute_model_timeout),
             health_check_interval_s=float(health_check_interval),
             health_check_timeout_s=float(health_check_timeout),
+            fault_injection=os.environ.get("RAYLM_FAULT_INJECTION") or None,
         ),
     )

@@ -33,11 +33,15 @@ class Request:
         eos_token_id: int | None,
         arrival_time: float | None = None,
         output_token_ids: list[int] | None = None,
+        num_recoveries: int = 0,
+        quarantined: bool = False,
         cache_salt: str | None = None,
     ):
         """`output_token_ids`: tokens this request already generated elsewhere
         (a core that died, say); it continues after them, recomputing their
         KV cache, and counts them against max_tokens and min_tokens.
+        `num_recoveries`, `quarantined`: its record of failures so far, kept
+        across cores (see raylm.core.quarantine).
         `cache_salt`: mixed into the hash of its first block, so the request
         shares prefix-cache blocks only with requests of the same salt."""
         self.request_id = request_id
@@ -53,6 +57,9 @@ class Request:
         self.num_cached_tokens = -1
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # Recoveries it was exposed to, and whether it must run alone (raylm.core.quarantine).
+        self.num_recoveries = num_recoveries
+        self.quarantined = quarantined
         self.cache_salt = cache_salt
         # Hashes of this request's full blocks (sha256 digests, chained),
         # extended as tokens arrive.

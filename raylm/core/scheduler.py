@@ -26,6 +26,7 @@ import time
 from collections import deque
 
 from raylm.config import CacheConfig, SchedulerConfig
+from raylm.core import quarantine
 from raylm.core.kv_cache_manager import KVCacheManager
 from raylm.core.outputs import EngineCoreOutput
 from raylm.core.request import Request, RequestStatus
@@ -61,10 +62,11 @@ class Scheduler:
         # Requests whose next step must be sent in full (new, or resumed after preemption).
         self._needs_full_send: set[str] = set()
         self.num_preemptions = 0
-        # Requests of a step that raised, not yet cleared: each runs alone until
-        # it samples a token, so a request that makes steps fail is found and
-        # failed by itself (see blame_failed_step).
-        self.suspects: set[str] = set()
+        # Requests quarantined after failures (raylm.core.quarantine): each runs
+        # alone, in queue order, until it finishes or fails alone.
+        self.quarantined: set[str] = set()
+        # The quarantined request the last schedule() ran alone, if any.
+        self.running_alone: str | None = None
         self.structured_output_manager = structured_output_manager
         # Requests ended outside a step (their grammar failed to compile),
         # reported with the next step's outputs.
@@ -76,6 +78,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self._needs_full_send.add(request.request_id)
+        if request.quarantined:
+            self.quarantined.add(request.request_id)
         if self.structured_output_manager is not None:
             self.structured_output_manager.add_request(request)
 
@@ -99,7 +103,7 @@ class Scheduler:
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
         self._needs_full_send.discard(request.request_id)
-        self.suspects.discard(request.request_id)
+        self.quarantined.discard(request.request_id)
         if self.structured_output_manager is not None:
             self.structured_output_manager.remove_request(request.request_id)
 
@@ -189,22 +193,23 @@ class Scheduler:
         if compiling and not num_scheduled and not self.running:
             self.structured_output_manager.wait_for_compilation(_GRAMMAR_WAIT_S)
 
+        self.running_alone = isolated.request_id if isolated is not None and num_scheduled else None
         return self._make_output(num_scheduled, new_block_ids)
 
     def _isolated_request(self) -> Request | None:
-        """While suspects remain, the one request allowed to run (alone): a
-        running suspect, else the first waiting one, moved to the queue's head."""
-        if not self.suspects:
+        """While quarantined requests remain, the one allowed to run (alone): a
+        running one, else the first waiting one, moved to the queue's head."""
+        if not self.quarantined:
             return None
         for request in self.running:
-            if request.request_id in self.suspects:
+            if request.request_id in self.quarantined:
                 return request
         for request in self.waiting:
-            if request.request_id in self.suspects:
+            if request.request_id in self.quarantined:
                 self.waiting.remove(request)
                 self.waiting.appendleft(request)
                 return request
-        self.suspects.clear()  # defensive: every suspect has finished
+        self.quarantined.clear()  # defensive: every quarantined request has finished
         return None
 
     def _no_more_tokens_needed(self, request: Request) -> bool:
@@ -288,8 +293,6 @@ class Scheduler:
             error = None
             if token_ids and request.num_output_placeholders:
                 request.num_output_placeholders -= 1
-            if token_ids:
-                self.suspects.discard(rid)  # it ran a whole step alone: not the culprit
             for token_id in token_ids:
                 request.append_output_token(token_id)
                 if self.async_scheduling:
@@ -390,18 +393,23 @@ class Scheduler:
         self.finished_req_ids = set()
         return len(running)
 
-    def blame_failed_step(self, request_ids: list[str], error: str) -> list[EngineCoreOutput]:
-        """A step of these requests raised. Alone in its step, a request is the
-        culprit and fails with the error; among others, each becomes a suspect
-        that runs alone next (so a repeat names the culprit). Outputs for the
-        requests failed here."""
-        live = [rid for rid in request_ids if rid in self.requests]
-        if len(live) != 1:
-            self.suspects.update(live)
-            return []
-        request = self.requests[live[0]]
-        self._finish(request, RequestStatus.FINISHED_ERROR)
-        return [EngineCoreOutput(request_id=request.request_id, new_token_ids=[], finish_reason="error", error=error)]
+    def charge_recovery(self, request_ids, cause: str) -> tuple[quarantine.Verdict, list[EngineCoreOutput]]:
+        """A failure that these requests were exposed to (they were in the
+        failed steps) is being recovered from: charge them, quarantine the
+        repeat offenders and fail the culprit, if this failure names one (see
+        raylm.core.quarantine). Returns the verdict and the culprits' outputs."""
+        exposed = [self.requests[rid] for rid in dict.fromkeys(request_ids) if rid in self.requests]
+        verdict = quarantine.charge(exposed)
+        outputs = []
+        for rid in verdict.culprits:
+            request = self.requests[rid]
+            error = quarantine.culprit_error(verdict, cause)
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            outputs.append(EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="error", error=error))
+        if verdict.found_culprit:
+            quarantine.release(self.requests.values())
+        self.quarantined = {rid for rid, request in self.requests.items() if request.quarantined}
+        return verdict, outputs
 
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params

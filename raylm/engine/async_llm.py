@@ -17,13 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from raylm.config import EngineConfig, create_engine_config
+from raylm.core import quarantine
+from raylm.core.outputs import EngineCoreOutput
 from raylm.core.request import Request
 from raylm.engine.core_client import EngineCoreDiedError, EngineDeadError, MPClient
 from raylm.engine.core_proc import EngineCoreOutputs, RecoveryStats, SchedulerStats
 from raylm.engine.input_processor import InputProcessor, ProcessedPrompt
 from raylm.engine.llm_engine import check_data_parallel_rank, make_child_requests
 from raylm.engine.output_processor import OutputProcessor
-from raylm.engine.restart_budget import RestartBudget
+from raylm.engine.restart_budget import BlameLedger, RestartBudget
 from raylm.engine.tokenizer import load_tokenizer
 from raylm.outputs import RequestOutput
 from raylm.sampling_params import SamplingParams
@@ -73,6 +75,12 @@ def _worth_a_thread(prompt: Any) -> bool:
             return False
         prompt = prompt.get("prompt")
     return isinstance(prompt, str) and len(prompt) > _MAX_INLINE_PROMPT_CHARS
+
+
+class EngineUnhealthyError(EngineDeadError):
+    """Raised by health checks only: the engine still serves, but failed
+    requests caused more recoveries than it forgives, so its supervisor
+    should look (HTTP 503 on /health, like a dead engine)."""
 
 
 class RequestFailedError(RuntimeError):
@@ -156,6 +164,10 @@ class AsyncLLM:
         self._dead = asyncio.Event()
         ft = config.fault_tolerance
         self.restart_budget = RestartBudget(ft.max_restarts, ft.restart_window_s)
+        # Core restarts that failed requests caused are forgiven, up to a rate.
+        self.blame = BlameLedger(self.restart_budget, ft.max_blamed_recoveries, ft.restart_window_s)
+        # The core's own verdict on its health, from its last report.
+        self._core_unhealthy: str | None = None
         # While a new core is starting: new requests wait (unsent) for the
         # resubmission to send them, and /health passes.
         self.recovering = False
@@ -168,7 +180,17 @@ class AsyncLLM:
             from raylm.engine.dp_client import AsyncDPClient
 
             return AsyncDPClient(self.config)
-        return MPClient(self.config)
+        return self._new_mp_client()
+
+    def _new_mp_client(self) -> MPClient:
+        return MPClient(self.config, is_busy=lambda: bool(self._requests))
+
+    @property
+    def _owns_request_records(self) -> bool:
+        """Whether this front end keeps the requests' failure records
+        (raylm.core.quarantine) for a core it restarts; a data-parallel
+        client keeps them itself, for the replicas it heals."""
+        return isinstance(self.engine_core, MPClient)
 
     async def scale(self, data_parallel_size: int) -> None:
         """Change the number of data-parallel replicas without failing a request."""
@@ -322,10 +344,13 @@ class AsyncLLM:
 
     def _process(self, outputs: EngineCoreOutputs) -> None:
         if outputs.stats is not None:
+            self._core_unhealthy = outputs.stats.unhealthy
             for stat_logger in self.stat_loggers:
                 stat_logger.record_scheduler_stats(outputs.stats)
         for recovery in outputs.recoveries:
             self._record_recovery(recovery)
+            if self._owns_request_records:
+                self._apply_verdict(recovery)
         if outputs.pong is not None:
             future = self._pings.pop(outputs.pong, None)
             if future is not None and not future.done():
@@ -417,7 +442,12 @@ class AsyncLLM:
         self.recovering = True
         self._answer_pings()
         try:
+            culprits, blamed = self._charge_core_death(self.engine_core.running_alone(), str(died))
+            if culprits:
+                self._process(EngineCoreOutputs(outputs=culprits))
             new_core = await self._start_new_core(died)
+            if blamed:  # the culprit's core deaths, this one included: not the core's fault
+                self.blame.forgive(blamed)
             # Until now requests went to the old client, which keeps them
             # unsent; the resubmission covers them. Its process is gone, so
             # closing its sockets and folder is quick.
@@ -436,8 +466,10 @@ class AsyncLLM:
         another restart from the budget."""
         budget = self.restart_budget
         failure: BaseException = died
+        # Quarantined requests are being run alone: the deaths are presumably theirs.
+        hunting = any(r.quarantined for r in self._unfinished_children().values())
         while True:
-            if not budget.allow():
+            if not budget.allow() and not (hunting and self.blame.excuse()):
                 raise EngineDeadError(
                     f"{failure}; no restart left ({budget.max_restarts} allowed within "
                     f"{budget.window_s:g}s)") from failure
@@ -446,14 +478,14 @@ class AsyncLLM:
                                died.exitcode, budget.describe())
             else:
                 logger.warning("new engine core failed to start (%s); retrying (%s)", failure, budget.describe())
-            await asyncio.sleep(budget.backoff_s())
+            await asyncio.sleep(0.0 if hunting else budget.backoff_s())
             try:
                 return await asyncio.get_running_loop().run_in_executor(None, self._start_core_process)
             except Exception as e:
                 failure = e
 
     def _start_core_process(self) -> MPClient:
-        client = MPClient(self.config)
+        client = self._new_mp_client()
         if self._shut_down:
             # Shut down while this one was loading: nobody will use it.
             client.shutdown()
@@ -469,9 +501,52 @@ class AsyncLLM:
                 first = state.children[child_id]
                 self.engine_core.add_request(Request(
                     child_id, first.prompt_token_ids, first.sampling_params, first.eos_token_id,
-                    first.arrival_time, output_token_ids=token_ids))
+                    first.arrival_time, output_token_ids=token_ids, num_recoveries=first.num_recoveries,
+                    quarantined=first.quarantined))
                 count += 1
         return count
+
+    # ---- poison quarantine (raylm.core.quarantine) ------------------------------
+
+    def _unfinished_children(self) -> dict[str, Request]:
+        """Every engine-core request in flight, by id, as first sent: the
+        records that travel with a request to the next core."""
+        children = {}
+        for request_id, state in self._requests.items():
+            for child_id, _ in self.output_processor.resume_points(request_id):
+                children[child_id] = state.children[child_id]
+        return children
+
+    def _apply_verdict(self, recovery: RecoveryStats) -> None:
+        """Mirror what the core decided in a recovery of its own, so the
+        records a restarted core gets are the same."""
+        children = self._unfinished_children()
+        if recovery.culprits:
+            quarantine.release(children.values())
+        elif recovery.charged:
+            quarantine.charge([children[rid] for rid in recovery.charged if rid in children])
+
+    def _charge_core_death(self, running_alone: str | None, cause: str) -> tuple[list[EngineCoreOutput], int]:
+        """The core died: charge the requests exposed to it, which are the
+        quarantined one it ran alone (its record names it), else every
+        request it held. Returns the culprit's error output and the core
+        deaths it caused (none if this death names no culprit)."""
+        children = self._unfinished_children()
+        if running_alone in children:
+            children[running_alone].quarantined = True  # the core only runs quarantined requests alone
+            exposed = [children[running_alone]]
+        else:
+            exposed = list(children.values())
+        verdict = quarantine.charge(exposed)
+        if not verdict.found_culprit:
+            return [], 0
+        quarantine.release(children.values())
+        culprit = verdict.culprits[0]
+        logger.error("request %s was present at %d engine-core failures and killed the core again running alone: "
+                     "failed, not retried", culprit, verdict.culprit_recoveries + 1)
+        error = quarantine.culprit_error(verdict, cause)
+        return [EngineCoreOutput(request_id=culprit, new_token_ids=[], finish_reason="error", error=error)], \
+            verdict.culprit_recoveries + 1
 
     def _answer_pings(self) -> None:
         """Pings to the dead core will never be answered; the server itself is
@@ -488,6 +563,9 @@ class AsyncLLM:
         died is being replaced; EngineDeadError once the engine is dead."""
         self._check_alive()
         self._ensure_output_handler()
+        unhealthy = self.blame.unhealthy_reason or self._core_unhealthy
+        if unhealthy is not None:
+            raise EngineUnhealthyError(f"engine unhealthy: {unhealthy}")
         if self.recovering or not self.engine_core.is_alive():
             # The output handler restarts a core that died (or marks the engine
             # dead, which the next check reports); meanwhile requests just wait.

@@ -14,7 +14,9 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import time
 import weakref
+from typing import Callable
 
 import msgspec
 import zmq
@@ -27,6 +29,7 @@ from raylm.engine.core_proc import (
     EngineCoreOutputs,
     EngineCoreRequest,
     Ping,
+    RunningAloneRecord,
     SchedulerStats,
     Shutdown,
     run_engine_core,
@@ -61,11 +64,16 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineCoreDiedError(EngineDeadError):
-    """The core process vanished without saying why (killed, crashed): unlike
-    a core that reported its error, a new one may well do better."""
+    """The core process vanished without saying why (killed, crashed), or hung
+    and was killed: unlike a core that reported its error, a new one may well
+    do better."""
 
-    def __init__(self, exitcode: int | None):
-        super().__init__(f"engine core process exited with code {exitcode}")
+    def __init__(self, exitcode: int | None, hung_s: float | None = None):
+        if hung_s is None:
+            super().__init__(f"engine core process exited with code {exitcode}")
+        else:
+            super().__init__(f"engine core process made no progress for {hung_s:.0f} s with requests in flight; "
+                             f"killed it")
         self.exitcode = exitcode
 
 
@@ -126,7 +134,15 @@ class MPClient:
     Whatever is still unsent when the core dies is the front end's to redo.
     """
 
-    def __init__(self, config: EngineConfig, log_level: int | None = None):
+    def __init__(self, config: EngineConfig, log_level: int | None = None,
+                 is_busy: Callable[[], bool] | None = None):
+        """`is_busy`: whether requests are in flight. A core that sends nothing
+        for longer than the step deadline (execute_model_timeout) while they
+        are is hung (the uni backend runs the model in the core process, so
+        nothing else would notice), and is killed."""
+        self._is_busy = is_busy
+        self._hang_timeout_s = config.fault_tolerance.execute_model_timeout_s
+        self._last_heard = time.monotonic()
         self._tmpdir = tempfile.mkdtemp(prefix="raylm-core-")
         input_address = f"ipc://{os.path.join(self._tmpdir, 'input')}"
         output_address = f"ipc://{os.path.join(self._tmpdir, 'output')}"
@@ -143,6 +159,9 @@ class MPClient:
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self._nonces = itertools.count(1)
 
+        # Names the quarantined request the core runs alone, if any: read
+        # after the core died, to know whom to blame (raylm.core.quarantine).
+        self._running_alone = RunningAloneRecord(os.path.join(self._tmpdir, "running_alone"))
         mp = multiprocessing.get_context("spawn")
         ready_recv, ready_send = mp.Pipe(duplex=False)
         if log_level is None:
@@ -150,7 +169,7 @@ class MPClient:
         # Not a daemon: the core may start worker processes of its own.
         self.process = mp.Process(
             target=run_engine_core, name="RaylmEngineCore",
-            args=(config, input_address, output_address, ready_send, log_level),
+            args=(config, input_address, output_address, ready_send, log_level, self._running_alone.path),
         )
         self.process.start()
         ready_send.close()
@@ -208,6 +227,11 @@ class MPClient:
     def is_alive(self) -> bool:
         return self.process.is_alive()
 
+    def running_alone(self) -> str | None:
+        """The quarantined request the core was running alone when it last
+        said so (its last words, for a core that died)."""
+        return self._running_alone.read()
+
     async def get_output(self) -> EngineCoreOutputs:
         """The next message from the core. Once it is gone: EngineDeadError
         with its error if it sent one, else EngineCoreDiedError."""
@@ -216,6 +240,7 @@ class MPClient:
             timeout = _RESEND_POLL_MS if self._unsent else _LIVENESS_POLL_MS
             if await self._output.poll(timeout):
                 frame = await self._output.recv(copy=False)
+                self._last_heard = time.monotonic()
                 outputs = self._decoder.decode(frame.buffer)
                 if outputs.error is not None:
                     raise EngineDeadError(f"engine core failed: {outputs.error.strip().splitlines()[-1]}")
@@ -224,6 +249,22 @@ class MPClient:
                 if await self._output.poll(_LAST_WORDS_MS):
                     continue
                 raise EngineCoreDiedError(self.process.exitcode)
+            self._kill_if_hung()
+
+    def _kill_if_hung(self) -> None:
+        if self._is_busy is None:
+            return
+        if not self._is_busy():
+            self._last_heard = time.monotonic()  # idle: its silence is not a hang
+            return
+        silent_s = time.monotonic() - self._last_heard
+        if silent_s <= self._hang_timeout_s:
+            return
+        logger.error("engine core (pid %d) sent nothing for %.0f s with requests in flight: killing it",
+                     self.process.pid, silent_s)
+        self.process.kill()
+        self.process.join(5)
+        raise EngineCoreDiedError(self.process.exitcode, hung_s=silent_s)
 
     def shutdown(self) -> None:
         """Idempotent: stops the core process (and through it its executor)."""

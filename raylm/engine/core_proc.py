@@ -37,6 +37,9 @@ class SchedulerStats(msgspec.Struct):
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found
     num_preemptions: int = 0
+    # Set once failed requests caused more recoveries than the engine forgives
+    # (EngineCore.unhealthy_reason): /health turns 503 for a supervisor to act.
+    unhealthy: Union[str, None] = None
 
 
 class EngineCoreRequest(msgspec.Struct, tag="add"):
@@ -49,18 +52,22 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     arrival_time: float
     # Tokens it already generated in a core that died: it continues after them.
     output_token_ids: list[int] = msgspec.field(default_factory=list)
+    # Its record of failures so far (raylm.core.quarantine), kept across cores.
+    num_recoveries: int = 0
+    quarantined: bool = False
     # Mixed into its prefix-cache block hashes (raylm.core.kv_cache_manager).
     cache_salt: Union[str, None] = None
 
     @classmethod
     def from_request(cls, request: Request) -> "EngineCoreRequest":
         return cls(request.request_id, request.prompt_token_ids, request.sampling_params, request.eos_token_id,
-                   request.arrival_time, list(request.output_token_ids), cache_salt=request.cache_salt)
+                   request.arrival_time, list(request.output_token_ids), request.num_recoveries,
+                   request.quarantined, cache_salt=request.cache_salt)
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
                        self.eos_token_id, self.arrival_time, output_token_ids=self.output_token_ids,
-                       cache_salt=self.cache_salt)
+                       num_recoveries=self.num_recoveries, quarantined=self.quarantined, cache_salt=self.cache_salt)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -87,6 +94,37 @@ class RecoveryStats(msgspec.Struct):
     kind: str
     seconds: float
     num_requests: int
+    # Poison quarantine: the requests charged with this failure (each one more
+    # recovery on its record) and those failed as its cause, whose quarantine
+    # partners were released (raylm.core.quarantine).
+    charged: list[str] = msgspec.field(default_factory=list)
+    culprits: list[str] = msgspec.field(default_factory=list)
+
+
+class RunningAloneRecord:
+    """A file that names the quarantined request a core is running alone.
+
+    Written (atomically) before the core runs such a request, so that when the
+    core process dies in that step (a poison request that kills it), its
+    front end can read whom to blame: a message on a socket could still sit
+    in a queue of the killed process. Written only when the request running
+    alone changes, never on an ordinary step."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def write(self, request_id: str | None) -> None:
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(request_id or "")
+        os.replace(tmp, self.path)
+
+    def read(self) -> str | None:
+        try:
+            with open(self.path) as f:
+                return f.read() or None
+        except OSError:
+            return None
 
 
 class EngineCoreOutputs(msgspec.Struct):
@@ -114,8 +152,11 @@ class EngineCoreProc:
     CURVE keys, see dp_manager.ReplicaChannel)."""
 
     def __init__(self, core, input_address: str, output_address: str, engine_index: int = 0,
-                 watch_parent: bool = True, secure_socket: Callable[[zmq.Socket], None] | None = None):
+                 watch_parent: bool = True, secure_socket: Callable[[zmq.Socket], None] | None = None,
+                 running_alone_path: str | None = None):
         self.core = core
+        if running_alone_path is not None:
+            core.on_running_alone = RunningAloneRecord(running_alone_path).write
         self.engine_index = engine_index
         self.watch_parent = watch_parent
         self.ctx = zmq.Context()
@@ -214,10 +255,10 @@ class EngineCoreProc:
         """The core's recoveries since the last report, for the front end's metrics."""
         events = self.core.recoveries[self._num_reported_recoveries:]
         self._num_reported_recoveries += len(events)
-        return [RecoveryStats(e.kind, e.seconds, e.num_requests) for e in events]
+        return [RecoveryStats(e.kind, e.seconds, e.num_requests, e.charged, e.culprits) for e in events]
 
     def _stats(self) -> SchedulerStats:
-        return SchedulerStats(**self.core.stats())
+        return SchedulerStats(**self.core.stats(), unhealthy=self.core.unhealthy_reason)
 
     def _send(self, outputs: EngineCoreOutputs) -> None:
         outputs.engine_index = self.engine_index
@@ -230,7 +271,7 @@ class EngineCoreProc:
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str, ready_conn,
-                    log_level: int = logging.WARNING) -> None:
+                    log_level: int = logging.WARNING, running_alone_path: str | None = None) -> None:
     """Entry point of the engine-core process: build the core, report readiness
     (or the error) on `ready_conn`, loop, and always shut the executor down."""
     from raylm.engine.engine_core import EngineCore
@@ -250,7 +291,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         ready_conn.send(("error", f"{type(e).__name__}: {e}"))
         ready_conn.close()
         return
-    proc = EngineCoreProc(core, input_address, output_address)
+    proc = EngineCoreProc(core, input_address, output_address, running_alone_path=running_alone_path)
     ready_conn.send(("ready", config.cache_config.num_blocks))
     ready_conn.close()
     try:

@@ -22,7 +22,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from raylm.config import EngineConfig
 from raylm.core.outputs import EngineCoreOutput
@@ -30,7 +30,7 @@ from raylm.core.request import Request
 from raylm.core.scheduler import Scheduler
 from raylm.core.structured_output import StructuredOutputManager
 from raylm.engine.core_client import EngineDeadError
-from raylm.engine.restart_budget import RestartBudget
+from raylm.engine.restart_budget import BlameLedger, RestartBudget
 from raylm.executor.abstract import Executor
 from raylm.executor.errors import ExecutorFailedError, WorkerDiedError, WorkerHungError
 from raylm.messages import KVCacheConfig, SchedulerOutput
@@ -55,6 +55,10 @@ class RecoveryEvent:
     noticed_at: float  # time.monotonic() when the failure was noticed
     seconds: float  # failure noticed -> executor rebuilt and requests re-queued
     num_requests: int  # requests put back in the queue to continue
+    # Poison quarantine (raylm.core.quarantine): the requests charged with this
+    # failure, and the one failed for it, if it was found.
+    charged: list[str] = field(default_factory=list)
+    culprits: list[str] = field(default_factory=list)
 
 
 class _StepFailed(Exception):
@@ -75,8 +79,13 @@ class EngineCore:
         self.recoveries: list[RecoveryEvent] = []
         self.failures_by_kind: dict[str, int] = {}
         self.num_recovered_requests = 0
-        # Step errors since the last culprit was found (see _recover).
-        self._suspect_step_failures = 0
+        # Rebuilds that failed requests caused are forgiven, up to a rate.
+        self.blame = BlameLedger(self.restart_budget, ft.max_blamed_recoveries, ft.restart_window_s)
+        # Told the id of the quarantined request about to run alone (None when
+        # none is): a front end records it where a crash of this process
+        # cannot erase it, to know whom a core death is to be blamed on.
+        self.on_running_alone = None
+        self._announced_alone: str | None = None
         self.batch_queue: deque[tuple[SchedulerOutput, Future]] = deque()
         # Set once the restart budget is spent: every later step raises it.
         self.dead_error: EngineDeadError | None = None
@@ -146,7 +155,7 @@ class EngineCore:
     def _step_one_batch(self) -> list[EngineCoreOutput]:
         if not self.scheduler.has_unfinished_requests():
             return []
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._schedule()
         if scheduler_output.is_empty:
             return self.scheduler.take_outputs_outside_step()
         try:
@@ -177,7 +186,7 @@ class EngineCore:
             and not waiting_to_sample
             and self.scheduler.has_unfinished_requests()
         ):
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self._schedule()
             if scheduler_output.is_empty:
                 outputs = self.scheduler.take_outputs_outside_step()
                 if outputs:
@@ -210,6 +219,14 @@ class EngineCore:
                     raise _StepFailed(e, deferred) from e
         return outputs
 
+    def _schedule(self) -> SchedulerOutput:
+        scheduler_output = self.scheduler.schedule()
+        alone = self.scheduler.running_alone
+        if alone != self._announced_alone and self.on_running_alone is not None:
+            self.on_running_alone(alone)
+        self._announced_alone = alone
+        return scheduler_output
+
     def _sample(self, scheduler_output: SchedulerOutput) -> Future:
         grammar_output = self.scheduler.get_grammar_output(scheduler_output)
         return self.executor.sample_tokens(grammar_output, non_block=True)
@@ -237,37 +254,45 @@ class EngineCore:
     def _recover(self, error: BaseException, batch: SchedulerOutput | None) -> list[EngineCoreOutput]:
         """Rebuild the executor and put every request back in the queue: the
         requests recompute their KV cache from their prompt and the tokens
-        they generated and continue (greedy output is unchanged). A step that
-        raised is blamed on its requests (Scheduler.blame_failed_step).
+        they generated and continue (greedy output is unchanged).
+
+        Whatever the kind of failure, the requests of the failed step and of
+        every other step in flight are charged with it (raylm.core.quarantine):
+        repeat offenders run alone, and one that fails alone again is failed.
+        Its recoveries are then forgiven by the restart budget, up to a rate.
         EngineDeadError once the restart budget is spent."""
         noticed = time.monotonic()
         kind, cause = self._diagnose(error)
         self.failures_by_kind[kind] = self.failures_by_kind.get(kind, 0) + 1
-        if not self.scheduler.suspects:
-            self._suspect_step_failures = 0  # earlier ones were never pinned on a request: they stay counted
-        outputs: list[EngineCoreOutput] = []
-        if kind == STEP_ERROR and batch is not None:
-            outputs = self.scheduler.blame_failed_step(list(batch.num_scheduled_tokens), cause.splitlines()[0])
-        if outputs:
-            # A request took the blame and is gone: the rebuilds it caused (the
-            # ones that made it a suspect, and this one) do not count against
-            # the budget, or a few bad requests would kill a healthy engine.
-            self.restart_budget.forgive(self._suspect_step_failures)
-            self._suspect_step_failures = 0
+        exposed = self._requests_in_flight(batch)
+        verdict, outputs = self.scheduler.charge_recovery(exposed, cause.splitlines()[0] if cause else kind)
+        # A culprit's earlier recoveries, and this one once it is done, were its
+        # doing, not the executor's.
+        forgive = verdict.found_culprit and self.blame.forgive(verdict.culprit_recoveries)
         self._rebuild_executor(kind, cause)
-        if outputs:
-            self.restart_budget.forgive(1)
-        elif kind == STEP_ERROR:
-            self._suspect_step_failures += 1
+        if forgive:
+            self.blame.forgive(1)
         num_requeued = self.scheduler.reset_after_executor_loss(self.config.cache_config.num_blocks)
-        event = RecoveryEvent(kind, cause, noticed, time.monotonic() - noticed, num_requeued)
+        event = RecoveryEvent(kind, cause, noticed, time.monotonic() - noticed, num_requeued,
+                              verdict.charged, verdict.culprits)
         self.recoveries.append(event)
         self.num_recovered_requests += num_requeued
         logger.warning(
-            "recovered from %s in %.2f s: %d request(s) continue on the new executor (%s)",
-            kind, event.seconds, num_requeued, self.restart_budget.describe(),
+            "recovered from %s in %.2f s: %d request(s) continue on the new executor, %d charged, %d failed as "
+            "the cause (%s)", kind, event.seconds, num_requeued, len(verdict.charged), len(verdict.culprits),
+            self.restart_budget.describe(),
         )
         return outputs
+
+    def _requests_in_flight(self, failed_batch: SchedulerOutput | None) -> list[str]:
+        """The requests exposed to a failure: those of the failed step and of
+        every step still in flight (none for a failure found while idle)."""
+        request_ids: list[str] = []
+        for batch, _ in self.batch_queue:
+            request_ids.extend(batch.num_scheduled_tokens)
+        if failed_batch is not None:
+            request_ids.extend(failed_batch.num_scheduled_tokens)
+        return request_ids
 
     def _diagnose(self, error: BaseException) -> tuple[str, str]:
         """(kind, cause) of a failure. A step error is a death if the executor
@@ -294,7 +319,8 @@ class EngineCore:
         factory (Ray may place it on other nodes); retried within the budget."""
         while True:
             logger.error("executor failed (%s): %s", kind, cause)
-            if not self.restart_budget.allow():
+            hunting = bool(self.scheduler.quarantined)  # the failures are presumably a request's
+            if not self.restart_budget.allow() and not (hunting and self.blame.excuse()):
                 self._shutdown_executor()  # nothing of it may outlive the engine
                 ft = self.config.fault_tolerance
                 self.dead_error = EngineDeadError(
@@ -303,7 +329,7 @@ class EngineCore:
                 )
                 raise self.dead_error
             self._shutdown_executor()
-            delay = self.restart_budget.backoff_s()
+            delay = 0.0 if hunting else self.restart_budget.backoff_s()
             if delay > 0:
                 time.sleep(delay)
             try:
@@ -321,6 +347,10 @@ class EngineCore:
             self.executor.shutdown()
         except Exception:  # it is broken already; what it holds is released by its finalizers
             logger.exception("shutting down the failed executor")
+
+    @property
+    def unhealthy_reason(self) -> str | None:
+        return self.blame.unhealthy_reason
 
     def stats(self) -> dict:
         return self.scheduler.stats()

@@ -81,3 +81,37 @@ class RestartBudget:
     def _forget_old(self, now: float) -> None:
         while self._recent and now - self._recent[0] >= self.window_s:
             self._recent.popleft()
+
+
+class BlameLedger:
+    """Takes back from a RestartBudget the restarts that a failed request
+    caused (raylm.core.quarantine), at most `max_blamed` within `window_s`.
+
+    Past that rate the failures are no longer believed to be the requests'
+    alone (a node that fails every step would otherwise look healthy behind
+    a stream of blamed requests): nothing more is forgiven, and
+    `unhealthy_reason` says why, for /health to report."""
+
+    def __init__(self, budget: RestartBudget, max_blamed: int, window_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.budget = budget
+        self._blamed = RestartBudget(max_blamed, window_s, clock)
+        self.unhealthy_reason: str | None = None
+
+    def forgive(self, count: int) -> bool:
+        """Forgive the `count` most recent restarts; False once over the rate."""
+        for _ in range(count):
+            if not self.excuse():
+                return False
+            self.budget.forgive(1)
+        return True
+
+    def excuse(self) -> bool:
+        """Let one restart past an exhausted budget while quarantined requests
+        are being run alone to find a culprit (the failures are presumably
+        theirs); False once over the rate."""
+        if self._blamed.allow():
+            return True
+        self.unhealthy_reason = (f"more than {self._blamed.max_restarts} recoveries within "
+                                 f"{self._blamed.window_s:g} s were blamed on requests")
+        return False

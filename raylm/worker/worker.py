@@ -19,6 +19,7 @@ from raylm.distributed import parallel_state
 from raylm.messages import GrammarOutput, KVCacheConfig, ModelRunnerOutput, SchedulerOutput
 from raylm.model.layers.cpu_kernels import get_cpu_kernels
 from raylm.worker import cpu_placement
+from raylm.worker.fault_injection import FaultInjector
 from raylm.worker.model_runner import ModelRunner
 from raylm.worker.memory_profiling import (
     CudaMemory,
@@ -55,6 +56,9 @@ class Worker:
         self._affinity_before: tuple[int, set[int]] | None = None
         # Watches a rank the plan pinned for other work on its cores.
         self.contention_watch: cpu_placement.ContentionWatch | None = None
+        # Tests of the failure model only (RAYLM_FAULT_INJECTION); None otherwise.
+        self.fault_injector = FaultInjector.from_config(
+            config.fault_tolerance.fault_injection, rank, config.parallel_config.world_size)
 
     def init_device(self) -> None:
         cfg = self.config
@@ -164,6 +168,8 @@ class Worker:
         returns None). Every rank of stage k sends to the same TP rank of
         stage k+1, in step order, so sends and receives pair up without tags.
         """
+        if self.fault_injector is not None:
+            self.fault_injector.before_step(scheduler_output)
         pp = parallel_state.get_pp_group()
         via_dist = self._pp_over_torch_distributed
         if via_dist and not pp.is_first_rank and scheduler_output.total_num_scheduled_tokens > 0:

@@ -217,9 +217,11 @@ def test_a_request_that_breaks_its_step_fails_alone(model, reference, executor_c
         bad = outs[3].outputs[0]
         assert bad.finish_reason == "error" and "poisoned" in bad.error
         core = _core(llm)
-        # Batched with others, then alone: that second failure names it.
-        assert [e.kind for e in core.recoveries] == [STEP_ERROR, STEP_ERROR]
-        assert not core.scheduler.suspects
+        # Batched with others twice (each is then quarantined), then alone:
+        # that third failure names it, and only it.
+        assert [e.kind for e in core.recoveries] == [STEP_ERROR] * 3
+        assert [e.culprits for e in core.recoveries] == [[], [], ["3"]]
+        assert not core.scheduler.quarantined
         # The engine goes on serving, and a second bad request is failed too.
         again = llm.generate([{"prompt_token_ids": p} for p in (PROMPTS[0], [POISON])], GREEDY, use_tqdm=False)
         assert again[0].outputs[0].token_ids == reference[0]
