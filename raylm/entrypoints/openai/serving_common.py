@@ -122,6 +122,17 @@ def sampling_params_from(request: SamplingFields, max_tokens: int | None, logpro
         raise bad_request_from(e, set(kwargs)) from e
 
 
+async def tokenize_bad_words(engine: AsyncLLM, params: SamplingParams) -> None:
+    """The request's bad_words to token ids, once for all its prompts and
+    completions, in a thread (up to MAX_BAD_WORDS words, two encodes each)."""
+    if not params.bad_words:
+        return
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, engine.input_processor.tokenize_bad_words, params)
+    except ValueError as e:
+        raise bad_request_from(e, set(), "bad_words") from e
+
+
 async def prepare_prompt(engine: AsyncLLM, prompt: Any, params: SamplingParams, requested_max_tokens: int | None,
                          prompt_param: str) -> tuple[dict, SamplingParams]:
     """Tokenize (off the loop), then fit max_tokens to the context: an explicit
@@ -129,7 +140,7 @@ async def prepare_prompt(engine: AsyncLLM, prompt: Any, params: SamplingParams, 
     try:
         processed, _ = await engine.process_prompt(prompt, params)
     except (ValueError, TypeError) as e:
-        raise bad_request_from(e, {"prompt_token_ids"}, prompt_param) from e
+        raise bad_request_from(e, {"prompt_token_ids", "prompt_logprobs"}, prompt_param) from e
     return fit_max_tokens(engine, processed, params, requested_max_tokens, prompt_param)
 
 
