@@ -1,0 +1,223 @@
+"""No process can hurt the data-parallel channels (issue 20): while a DP=2
+engine serves, foreign sockets connect to every socket the front end listens
+on (replicas listen on none of theirs) and send garbage and well-formed
+messages; none gets through the CURVE handshake, nothing is stolen, forged or
+ended. A replica's own key speaks for that replica's requests only. Each test
+ends with no replica actor or placement group left."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from raylm import LLM, SamplingParams
+from raylm.core.outputs import EngineCoreOutput
+from raylm.distributed.tcp_auth import CurveKeys, secure_client
+from raylm.engine.core_proc import AbortRequests, EngineCoreOutputs, EngineCoreRequest, Shutdown
+from raylm.testing.hf_oracle import hf_greedy
+from tests.conftest import our_live_ray_state
+
+MAX_TOKENS = 24
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+PROMPTS = [[(5 * i + j) % 250 + 3 for j in range(2 + 3 * i)] for i in range(12)]
+# A hang guard for things that happen in the background, not a speed assertion.
+_DEADLINE_S = 60.0
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir("llama", num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return [r.token_ids for r in hf_greedy(model, PROMPTS, MAX_TOKENS)]
+
+
+def _dp_llm(model) -> LLM:
+    return LLM(model, dtype="float32", data_parallel_size=2, num_threads=1, kv_cache_memory_bytes=16 << 20)
+
+
+def _assert_nothing_left() -> None:
+    live_actors, live_pgs = our_live_ray_state()
+    assert not live_actors, f"actors left: {[a['ActorClassName'] for a in live_actors]}"
+    assert not live_pgs, "placement groups left"
+
+
+def _forged_frames(request_ids: list[str]) -> list[bytes]:
+    """Garbage, and well-formed messages of both directions: outputs that
+    would finish every request with wrong tokens, a replica's last words, and
+    a request, an abort of everything and a Shutdown for a replica."""
+    encode = msgspec.msgpack.encode
+    frames = [b"", b"\xc1", b"\x00not msgpack\xff" * 8, encode({"outputs": "nope"})]
+    for index in (0, 1):
+        outputs = [EngineCoreOutput(rid, [1, 2, 3], finish_reason="length") for rid in request_ids]
+        frames.append(encode(EngineCoreOutputs(outputs=outputs, engine_index=index)))
+        frames.append(encode(EngineCoreOutputs(error="Traceback\nRuntimeError: forged", engine_index=index)))
+    frames.append(encode(EngineCoreRequest("forged", [3, 4, 5], GREEDY, None, 0.0)))
+    frames.append(encode(AbortRequests(list(request_ids))))
+    frames.append(encode(Shutdown()))
+    return frames
+
+
+class _Intruder:
+    """Foreign sockets on one address, each with a monitor that tells how its
+    handshakes went: plain ones, and CURVE ones with a key of their own that
+    even know the front end's public key."""
+
+    def __init__(self, ctx: zmq.Context, address: str, server_key: bytes):
+        self.sockets: list[tuple[zmq.Socket, zmq.Socket, bool]] = []
+        for kind in (zmq.PUSH, zmq.PULL, zmq.DEALER):
+            for curve in (False, True):
+                sock = ctx.socket(kind)
+                sock.setsockopt(zmq.LINGER, 0)
+                if curve:
+                    secure_client(sock, CurveKeys.generate(), server_key=server_key)
+                monitor = sock.get_monitor_socket()
+                sock.connect(address)
+                self.sockets.append((sock, monitor, curve))
+        self.events: dict[int, list[int]] = {i: [] for i in range(len(self.sockets))}
+
+    def send(self, frames: list[bytes]) -> None:
+        """Queued on the foreign sockets: delivered if a handshake ever succeeds."""
+        for sock, _, _ in self.sockets:
+            if sock.type in (zmq.PUSH, zmq.DEALER):
+                for frame in frames:
+                    sock.send(frame, flags=zmq.NOBLOCK)
+
+    def read_events(self) -> None:
+        for i, (_, monitor, _) in enumerate(self.sockets):
+            while monitor.poll(0):
+                self.events[i].append(recv_monitor_message(monitor)["event"])
+
+    def all_refused(self) -> bool:
+        self.read_events()
+        return all(any(e in _HANDSHAKE_FAILED for e in events) for events in self.events.values())
+
+    def received(self) -> list[bytes]:
+        return [sock.recv() for sock, _, _ in self.sockets
+                if sock.type in (zmq.PULL, zmq.DEALER) and sock.poll(0)]
+
+    def close(self) -> None:
+        for sock, monitor, _ in self.sockets:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)
+
+
+def _step_until(engine, done: dict, predicate) -> None:
+    while not predicate():
+        for out in engine.step():
+            done[out.request_id] = out.outputs[0].token_ids
+
+
+def test_foreign_sockets_steal_inject_and_end_nothing(ray_session, model, reference):
+    with _dp_llm(model) as llm:
+        engine = llm.llm_engine
+        client = engine.engine_core
+        actors = {i: h.actor for i, h in client.manager.replicas.items()}
+        first, second = range(0, 6), range(6, len(PROMPTS))
+        for i in first:
+            engine.add_request(str(i), {"prompt_token_ids": PROMPTS[i]}, GREEDY)
+        done: dict[str, list[int]] = {}
+        _step_until(engine, done, lambda: all(client._sent[str(i)].token_ids for i in first))
+        assert not done, "a request finished before the attack"
+
+        # Every socket the front end listens on: the output socket and each
+        # replica's input socket.
+        addresses = [client.output_address] + [r.address for r in client.replicas.values()]
+        ctx = zmq.Context()
+        intruders = [_Intruder(ctx, address, client._curve.keys.public) for address in addresses]
+        try:
+            for intruder in intruders:
+                intruder.send(_forged_frames([str(i) for i in range(len(PROMPTS))]))
+            deadline = time.monotonic() + _DEADLINE_S
+            while not all(intruder.all_refused() for intruder in intruders):
+                assert time.monotonic() < deadline, [i.events for i in intruders]
+                engine.step()  # the requests in flight go on meanwhile
+                time.sleep(0.05)
+            # Sent while the foreign PULLs keep knocking: none gets a share.
+            for i in second:
+                engine.add_request(str(i), {"prompt_token_ids": PROMPTS[i]}, GREEDY)
+            _step_until(engine, done, lambda: not engine.has_unfinished_requests())
+            assert [done[str(i)] for i in range(len(PROMPTS))] == reference
+            for intruder in intruders:
+                intruder.read_events()
+                assert all(zmq.EVENT_HANDSHAKE_SUCCEEDED not in events for events in intruder.events.values())
+                # A foreign CURVE client of the right socket type is refused by
+                # the key check itself, not by a mismatch of types.
+                typed = [i for i, (sock, _, curve) in enumerate(intruder.sockets)
+                         if curve and sock.type == (zmq.PUSH if intruder is intruders[0] else zmq.PULL)]
+                assert all(zmq.EVENT_HANDSHAKE_FAILED_AUTH in intruder.events[i] for i in typed)
+                assert intruder.received() == []
+        finally:
+            for intruder in intruders:
+                intruder.close()
+            ctx.term()
+
+        # Nothing died or was replaced, and the engine still serves.
+        assert {i: h.actor for i, h in client.manager.replicas.items()} == actors
+        assert [r["state"] for r in client.replica_states()] == ["serving", "serving"]
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == reference[:4]
+    _assert_nothing_left()
+
+
+def test_a_replica_speaks_only_for_itself(ray_session, model, reference, caplog):
+    """A process holding replica 1's key (as replica 1 itself would) cannot
+    finish replica 0's requests, sign as replica 0 or report its death, and
+    what does not decode is dropped on both sides, with a warning."""
+    with _dp_llm(model) as llm, caplog.at_level(logging.WARNING, logger="raylm.engine.dp_client"):
+        engine = llm.llm_engine
+        client = engine.engine_core
+        actors = {i: h.actor for i, h in client.manager.replicas.items()}
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
+        on_replica_0 = [rid for rid, sent in client._sent.items() if sent.replica == 0]
+        assert on_replica_0
+        done: dict[str, list[int]] = {}
+        _step_until(engine, done, lambda: all(client._sent[rid].token_ids for rid in on_replica_0))
+        assert not done, "a request finished before the forgery"
+
+        ctx = zmq.Context()
+        posing = ctx.socket(zmq.PUSH)
+        posing.setsockopt(zmq.LINGER, 0)
+        secure_client(posing, client.replicas[1].keys, server_key=client._curve.keys.public)
+        posing.connect(client.output_address)
+        forged = [EngineCoreOutput(rid, [1, 2, 3], finish_reason="length") for rid in on_replica_0]
+        encode = msgspec.msgpack.encode
+        try:
+            for frame in (b"\x00not msgpack",
+                          encode(EngineCoreOutputs(outputs=forged, engine_index=1)),
+                          encode(EngineCoreOutputs(outputs=forged, engine_index=0)),
+                          encode(EngineCoreOutputs(error="Traceback\nRuntimeError: forged", engine_index=0))):
+                posing.send(frame)
+            # The front end's own input socket carries only what it encodes;
+            # a replica drops a frame that does not decode all the same.
+            client._send_frame(client.replicas[0], b"\x00not msgpack")
+            deadline = time.monotonic() + _DEADLINE_S
+            while client._foreign.count < 1 or client._misattributed.count < 2 or client._undecodable.count < 1:
+                assert time.monotonic() < deadline, (client._foreign.count, client._misattributed.count,
+                                                     client._undecodable.count)
+                engine.step()
+                time.sleep(0.01)
+            _step_until(engine, done, lambda: not engine.has_unfinished_requests())
+        finally:
+            posing.close(linger=0)
+            ctx.term()
+        assert [done[str(i)] for i in range(len(PROMPTS))] == reference
+        assert {i: h.actor for i, h in client.manager.replicas.items()} == actors
+        messages = [r.getMessage() for r in caplog.records if r.name == "raylm.engine.dp_client"]
+        assert any("does not decode" in m for m in messages), messages
+        assert any("not routed to the replica" in m for m in messages), messages
+        assert any("signed as replica 0" in m for m in messages), messages
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == reference[:4]
+    _assert_nothing_left()
