@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from raylm.messages import GrammarOutput
-from raylm.worker.sampling_metadata import SamplingMetadata
+from raylm.worker.sampling_metadata import BadWordsIndex, SamplingMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -75,21 +75,21 @@ def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, set[int]]) -> t
 
 
 def apply_bad_words(
-    logits: torch.Tensor, bad_words_token_ids: dict[int, list[list[int]]], output_token_ids: list[list[int]]
+    logits: torch.Tensor, bad_words: dict[int, BadWordsIndex], output_token_ids: list[list[int]]
 ) -> None:
     """Forbid, in place, the last token of each bad word whose other tokens
-    end the row's output so far (a one-token word is always forbidden).
-    The loop runs over the few bad words, never over the vocabulary."""
+    end the row's output so far (a one-token word is always forbidden). A
+    step's cost per row is one indexed fill plus the words whose prefix ends
+    with the output's last token, however many bad words the row has."""
     vocab_size = logits.shape[1]
     rows: list[int] = []
     cols: list[int] = []
-    for row, sequences in bad_words_token_ids.items():
-        output = output_token_ids[row]
-        for sequence in sequences:
-            *prefix, last = sequence
-            if last >= vocab_size or len(prefix) > len(output):
-                continue
-            if not prefix or output[len(output) - len(prefix) :] == prefix:
+    for row, index in bad_words.items():
+        always = index.always_tensor(vocab_size, logits.device)
+        if always.numel():
+            logits[row].index_fill_(0, always, float("-inf"))
+        for last in index.completed_by_next(output_token_ids[row]):
+            if last < vocab_size:
                 rows.append(row)
                 cols.append(last)
     if rows:

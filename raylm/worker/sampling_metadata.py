@@ -47,11 +47,58 @@ class SamplingMetadata:
     min_tokens: dict[int, set[int]] = field(default_factory=dict)
     # [B, V] bool, True where a row with allowed_token_ids forbids the token; None when no row sets it.
     disallowed_mask: torch.Tensor | None = None
-    # row -> token sequences of its bad words (only rows that have some).
-    bad_words_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)
+    # row -> its bad words, indexed for the per-step check (only rows that have some).
+    bad_words_token_ids: dict[int, "BadWordsIndex"] = field(default_factory=dict)
     # (rows [N] int64, token ids [N] int64, biases [N] float32), one entry per
     # (row, token) pair of the rows' logit_bias; None when no row sets it.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+class BadWordsIndex:
+    """One request's bad words arranged for the check at every step: the
+    one-token words are banned outright, and the longer ones are found by the
+    last token of their prefix, so that a step looks only at the words the
+    output's last token could be completing, never at the whole list."""
+
+    def __init__(self, sequences: list[list[int]]):
+        self.sequences = sequences  # what it was built from (see bad_words_index)
+        self.always = sorted({seq[0] for seq in sequences if len(seq) == 1})
+        self.by_prefix_end: dict[int, list[tuple[list[int], int]]] = {}
+        for seq in sequences:
+            if len(seq) > 1:
+                *prefix, last = seq
+                self.by_prefix_end.setdefault(prefix[-1], []).append((prefix, last))
+        self._always_tensors: dict[tuple, torch.Tensor] = {}
+
+    def always_tensor(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """The one-token words' ids within the vocabulary, on `device` (made once)."""
+        key = (vocab_size, str(device))
+        tensor = self._always_tensors.get(key)
+        if tensor is None:
+            ids = [t for t in self.always if t < vocab_size]
+            tensor = self._always_tensors[key] = torch.tensor(ids, dtype=torch.int64, device=device)
+        return tensor
+
+    def completed_by_next(self, output: list[int]) -> list[int]:
+        """Last tokens of the multi-token words whose prefix ends the output."""
+        if not output:
+            return []
+        banned = []
+        for prefix, last in self.by_prefix_end.get(output[-1], ()):
+            if len(prefix) <= len(output) and output[len(output) - len(prefix):] == prefix:
+                banned.append(last)
+        return banned
+
+
+def bad_words_index(params: SamplingParams) -> BadWordsIndex:
+    """The request's BadWordsIndex, built at its first step and kept on its
+    params (which live as long as the request on this worker; not a field, so
+    it never travels)."""
+    index = getattr(params, "_bad_words_index", None)
+    if index is None or index.sequences is not params.bad_words_token_ids:
+        index = BadWordsIndex(params.bad_words_token_ids)
+        params._bad_words_index = index
+    return index
 
 
 def _uses_penalties(params: SamplingParams) -> bool:
@@ -177,6 +224,6 @@ def build_sampling_metadata(
         output_token_ids=[row.output_token_ids for row in rows],
         min_tokens=min_tokens,
         disallowed_mask=_disallowed_mask(params_list, vocab_size, device),
-        bad_words_token_ids={i: p.bad_words_token_ids for i, p in enumerate(params_list) if p.bad_words_token_ids},
+        bad_words_token_ids={i: bad_words_index(p) for i, p in enumerate(params_list) if p.bad_words_token_ids},
         logit_bias=_logit_bias_entries(params_list, vocab_size, device),
     )
