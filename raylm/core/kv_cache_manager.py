@@ -136,7 +136,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of a new request: (blocks, number of tokens)."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs come from the logits of every prompt position,
+            # which a cached prefix skips: such a request computes them all.
             return [], 0
         self._update_block_hashes(request)
         # Always leave at least one token to compute: its logits start decoding.

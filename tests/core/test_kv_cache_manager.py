@@ -68,6 +68,16 @@ def test_prefix_caching_off_shares_nothing():
     assert manager.get_computed_blocks(_request("b", list(range(8)))) == ([], 0)
 
 
+def test_a_request_wanting_prompt_logprobs_computes_its_whole_prompt():
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    _admit(manager, _request("a", list(range(9))))
+    wants = Request("b", list(range(9)), SamplingParams(prompt_logprobs=0), eos_token_id=None)
+    assert manager.get_computed_blocks(wants) == ([], 0)
+    # Its own blocks are still shared with the next request.
+    _admit(manager, wants)
+    assert manager.get_computed_blocks(_request("c", list(range(9))))[1] == 8
+
+
 def test_equal_prefixes_hit_with_or_without_the_same_salt():
     for salt in (None, "tenant-a"):
         manager = KVCacheManager(num_blocks=8, block_size=4)
