@@ -19,7 +19,8 @@ from raylm.model.forward_context import set_forward_context
 from raylm.model.layers.attention import Attention
 from raylm.model.loader import load_model
 from raylm.worker.input_batch import CachedRequestState, PreparedBatch, prepare_batch
-from raylm.worker.sampler import Sampler, advance_generator, apply_grammar_bitmask, compute_prompt_logprobs
+from raylm.worker.prompt_logprobs import prompt_logprobs_in_chunks
+from raylm.worker.sampler import Sampler, advance_generator, apply_grammar_bitmask
 from raylm.worker.sampling_metadata import SamplingRow, build_sampling_metadata
 
 logger = logging.getLogger(__name__)
@@ -192,10 +193,8 @@ class ModelRunner:
 
         prompt_logprobs = {}
         for rid, (rows, targets) in batch.prompt_logprob_rows.items():
-            state = self.requests[rid]
-            logits = self.model.compute_logits(hidden[rows]).float()
-            target = torch.tensor(targets, dtype=torch.int64, device=logits.device)
-            lp = compute_prompt_logprobs(logits, target, state.sampling_params.prompt_logprobs)
+            num_top = self.requests[rid].sampling_params.prompt_logprobs
+            lp = prompt_logprobs_in_chunks(self.model.compute_logits, hidden, rows, targets, num_top)
             prompt_logprobs[rid] = _logprob_lists(lp.token_ids, lp.logprobs, lp.ranks)
 
         return ModelRunnerOutput(
