@@ -269,13 +269,14 @@ def _check_bad_words_size(words: list[str]) -> None:
 
 
 def check_prompt_logprobs_size(num_positions: int, prompt_logprobs: int | None) -> None:
-    """ValueError naming prompt_logprobs when a prompt's logprobs would be too many."""
+    """ValueError naming prompt_logprobs when a request's prompt logprobs
+    (over `num_positions` prompt tokens, all its prompts) would be too many."""
     if prompt_logprobs is None:
         return
     entries = num_positions * (prompt_logprobs + 1)
     if entries > MAX_PROMPT_LOGPROBS_ENTRIES:
         raise ValueError(f"prompt_logprobs: {num_positions} prompt positions x {prompt_logprobs + 1} logprobs "
-                         f"each is {entries} entries; at most {MAX_PROMPT_LOGPROBS_ENTRIES} per prompt")
+                         f"each is {entries} entries; at most {MAX_PROMPT_LOGPROBS_ENTRIES} per request")
 
 
 def _grammar_chars(value: object) -> int:

@@ -42,6 +42,7 @@ from raylm.entrypoints.openai.serving_common import (
 )
 from raylm.entrypoints.openai.structured_outputs import checked_structured_outputs
 from raylm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from raylm.sampling_params import check_prompt_logprobs_size
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,16 @@ def completion_logprobs(tokenizer, token_ids: list[int], positions: list[Positio
     return result
 
 
+def _check_prompt_logprobs(prepared: list[tuple[dict, Any]], prompt_logprobs: int | None) -> None:
+    """Echo with logprobs over all of a request's prompts: each prompt is
+    checked alone at intake, the request's total here."""
+    positions = sum(len(prompt["prompt_token_ids"]) for prompt, _ in prepared)
+    try:
+        check_prompt_logprobs_size(positions, prompt_logprobs)
+    except ValueError as e:
+        raise OpenAIError(f"echo with logprobs: {e}", 400, "logprobs") from e
+
+
 class OpenAIServingCompletion:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], admission: AdmissionControl | None = None):
         self.engine = engine
@@ -120,6 +131,7 @@ class OpenAIServingCompletion:
             prepared = []
             for prompt in prompts:
                 prepared.append(await self._prepare(prompt, base_params.clone(), request.max_tokens))
+            _check_prompt_logprobs(prepared, prompt_logprobs)
             request_id = random_id("cmpl")
             streams = await submit_all(self.engine, [
                 (prompt, params, f"{request_id}-{i}") for i, (prompt, params) in enumerate(prepared)

@@ -25,6 +25,18 @@ def server(llama_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def trusting_server(llama_dir, tmp_path_factory):
+    """A server that renders chat templates sent with requests; a module uses
+    it as its `server` by defining `server` to return it."""
+    srv = RaylmServer(llama_dir, ["--api-key", API_KEY, "--trust-request-chat-template"],
+                      str(tmp_path_factory.mktemp("serve") / "server.log"))
+    try:
+        yield srv
+    finally:
+        srv.terminate()
+
+
+@pytest.fixture(scope="module")
 def http(server):
     """An httpx client on the module's server, with its API key."""
     with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as client:

@@ -26,6 +26,13 @@ from raylm.entrypoints.openai.protocol import (
 )
 from tests.entrypoints.openai.server_utils import MODEL_NAME
 
+
+@pytest.fixture(scope="module")
+def server(trusting_server):
+    """Requests here send chat templates of their own."""
+    return trusting_server
+
+
 USER = [{"role": "user", "content": "hi"}]
 CHAT_BASE = {"model": MODEL_NAME, "messages": USER, "max_tokens": 2}
 COMPLETION_BASE = {"model": MODEL_NAME, "prompt": "ROMEO:", "max_tokens": 2}

@@ -10,6 +10,13 @@ import pytest
 
 from tests.entrypoints.openai.server_utils import MODEL_NAME
 
+
+@pytest.fixture(scope="module")
+def server(trusting_server):
+    """Requests here send chat templates of their own."""
+    return trusting_server
+
+
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
 # Renders the variables only a per-request template and its kwargs can bring.
 TEMPLATE = ("{{ greeting }}|{{ reasoning_effort }}|{{ documents[0]['title'] }}|"
