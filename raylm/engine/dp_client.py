@@ -21,8 +21,9 @@ survivors as continuations (prompt plus tokens so far, see Request), and the
 manager starts a replacement within the restart budget. The front end above
 sees a pause, not an error.
 
-Trust. Every channel is ZMQ CURVE (`_bind_*`, dp_manager.ReplicaChannel):
-each replica has a keypair of its own, and the front end admits on a
+Trust. Every channel is ZMQ CURVE (`_bind_output`, `_new_channel`, and
+dp_manager.ReplicaChannel on the replica's side): each replica has a keypair
+of its own (through Ray, never a socket), and the front end admits on a
 replica's input socket that replica's key only, and on the output socket its
 replicas' keys only, so no other process can take requests or inject
 outputs. The output socket tells from the key which replica sent a frame

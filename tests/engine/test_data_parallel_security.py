@@ -11,6 +11,7 @@ import logging
 import time
 
 import msgspec
+import psutil
 import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -133,6 +134,9 @@ def test_foreign_sockets_steal_inject_and_end_nothing(ray_session, model, refere
         # Every socket the front end listens on: the output socket and each
         # replica's input socket.
         addresses = [client.output_address] + [r.address for r in client.replicas.values()]
+        listening = {c.laddr.port for c in psutil.Process().net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN}
+        assert {int(a.rsplit(":", 1)[1]) for a in addresses} <= listening
         ctx = zmq.Context()
         intruders = [_Intruder(ctx, address, client._curve.keys.public) for address in addresses]
         try:
