@@ -19,7 +19,7 @@ from zmq.utils.monitor import recv_monitor_message
 from raylm import LLM, SamplingParams
 from raylm.core.outputs import EngineCoreOutput
 from raylm.distributed.tcp_auth import CurveKeys, secure_client
-from raylm.engine.core_proc import AbortRequests, EngineCoreOutputs, EngineCoreRequest, Shutdown
+from raylm.engine.core_proc import AbortRequests, EngineCoreOutputs, EngineCoreProc, EngineCoreRequest, Ping, Shutdown
 from raylm.testing.hf_oracle import hf_greedy
 from tests.conftest import our_live_ray_state
 
@@ -225,3 +225,47 @@ def test_a_replica_speaks_only_for_itself(ray_session, model, reference, caplog)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == reference[:4]
     _assert_nothing_left()
+
+
+class _IdleCore:
+    """An engine core with nothing to do: the loop around it is under test."""
+
+    recoveries: list = []
+    unhealthy_reason = None
+
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+    def has_work_in_flight(self) -> bool:
+        return False
+
+    def check_health_if_due(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+
+def test_a_core_drops_an_input_frame_that_does_not_decode(tmp_path, caplog):
+    """The replica's side of a channel (no Ray needed): a stray frame is
+    logged and dropped, and the messages after it are served."""
+    ctx = zmq.Context()
+    to_core, from_core = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    to_core.bind(f"ipc://{tmp_path}/input")
+    from_core.bind(f"ipc://{tmp_path}/output")
+    proc = EngineCoreProc(_IdleCore(), f"ipc://{tmp_path}/input", f"ipc://{tmp_path}/output", engine_index=3,
+                          watch_parent=False)
+    try:
+        for frame in (b"\x00not msgpack", msgspec.msgpack.encode({"nonce": 1}), msgspec.msgpack.encode(Ping(7)),
+                      msgspec.msgpack.encode(Shutdown())):
+            to_core.send(frame)
+        with caplog.at_level(logging.WARNING, logger="raylm.engine.core_proc"):
+            proc.run()  # returns at the Shutdown
+        reply = msgspec.msgpack.decode(from_core.recv(), type=EngineCoreOutputs)
+        assert (reply.pong, reply.engine_index) == (7, 3)
+        assert "(2 so far)" in caplog.text
+    finally:
+        proc.close()
+        to_core.close(linger=0)
+        from_core.close(linger=0)
+        ctx.term()
