@@ -37,6 +37,7 @@ from raylm.entrypoints.openai.protocol import (
 )
 from raylm.entrypoints.openai.serving_common import OpenAIError
 from raylm.entrypoints.openai.tool_parsers import (
+    JsonObjectScanner,
     ParsedToolCall,
     StreamDelta,
     StreamingToolParser,
@@ -306,36 +307,59 @@ class _NamedCallStream(StreamingToolParser):
 
 
 class _RequiredCallsStream(StreamingToolParser):
-    """The output is a JSON array of calls: each goes out once its object is complete."""
+    """The output is a JSON array of calls: each goes out once its object is
+    complete. Linear in the text: a call's characters are scanned once as
+    they arrive (JsonObjectScanner), and it is decoded once, when it closes."""
 
     def __init__(self) -> None:
-        self._text = ""
-        self._pos: int | None = None  # after "[" and the calls sent so far
+        self._started = False  # the array's "[" was seen
+        self._ended = False  # something other than a call object came: nothing more is sent
+        self._item: list[str] = []  # the open call's text so far
+        self._scanner: JsonObjectScanner | None = None
         self._num_calls = 0
-        self._decoder = json.JSONDecoder()
+        self.chars_examined = 0
 
     def feed(self, text: str) -> StreamDelta:
-        self._text += text
         delta = StreamDelta()
-        if self._pos is None:
-            start = self._text.find("[")
+        pos = 0
+        if not self._started:
+            start = text.find("[")
             if start < 0:
                 return delta
-            self._pos = start + 1
-        while True:
-            item_start = self._skip_separators(self._pos)
-            try:
-                item, end = self._decoder.raw_decode(self._text, item_start)
-            except ValueError:
-                return delta  # incomplete (or the array has ended)
-            call = _required_item(item)
-            self._pos = end
-            if call is not None:
-                delta.add_call_piece(self._num_calls, id=tool_call_id(), name=call.name, arguments=call.arguments)
-                self._num_calls += 1
+            self._started, pos = True, start + 1
+        while pos < len(text) and not self._ended:
+            if self._scanner is None:
+                pos = self._skip_separators(text, pos)
+                if pos == len(text):
+                    break
+                if text[pos] != "{":
+                    self._ended = True  # "]" (the array's end); a call is always an object
+                    break
+                self._scanner = JsonObjectScanner()
+            end = self._scanner.feed(text[pos:])
+            self.chars_examined += len(text) - pos
+            if end is None:
+                self._item.append(text[pos:])
+                break
+            self._item.append(text[pos:pos + end])
+            pos += end
+            self._send("".join(self._item), delta)
+            self._item, self._scanner = [], None
+        return delta
 
-    def _skip_separators(self, pos: int) -> int:
-        while pos < len(self._text) and self._text[pos] in " \t\r\n,":
+    def _send(self, item_text: str, delta: StreamDelta) -> None:
+        try:
+            item = json.loads(item_text)
+        except ValueError:
+            return
+        call = _required_item(item)
+        if call is not None:
+            delta.add_call_piece(self._num_calls, id=tool_call_id(), name=call.name, arguments=call.arguments)
+            self._num_calls += 1
+
+    @staticmethod
+    def _skip_separators(text: str, pos: int) -> int:
+        while pos < len(text) and text[pos] in " \t\r\n,":
             pos += 1
         return pos
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from raylm.entrypoints.openai.tool_parsers.base import (
     ExtractedToolCalls,
+    JsonObjectScanner,
     ParsedToolCall,
     StreamDelta,
     StreamingToolParser,
@@ -31,6 +32,6 @@ def get_tool_parser(name: str) -> ToolParser:
 
 
 __all__ = [
-    "ExtractedToolCalls", "HermesToolParser", "ParsedToolCall", "StreamDelta", "StreamingToolParser",
+    "ExtractedToolCalls", "HermesToolParser", "JsonObjectScanner", "ParsedToolCall", "StreamDelta", "StreamingToolParser",
     "ToolCallDelta", "ToolParser", "get_tool_parser", "tool_call_id", "tool_parser_names",
 ]

@@ -55,6 +55,39 @@ class StreamDelta:
         return bool(self.content or self.tool_calls)
 
 
+class JsonObjectScanner:
+    """Finds where a JSON object (or array) ends, fed its text piece by piece:
+    each character is looked at once, however many pieces it comes in, so a
+    streamed call costs time linear in its length."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.done = False
+
+    def feed(self, piece: str) -> int | None:
+        """Index in `piece` just past the object's end, or None if it has not ended."""
+        for i, char in enumerate(piece):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.done = True
+                    return i + 1
+        return None
+
+
 class StreamingToolParser(ABC):
     """Per choice state: fed the text deltas as they are generated."""
 

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from raylm.entrypoints.openai.tool_parsers.base import (
     ExtractedToolCalls,
     ParsedToolCall,
     StreamDelta,
+    JsonObjectScanner,
     StreamingToolParser,
     ToolParser,
     tool_call_id,
@@ -74,30 +75,6 @@ def _arguments_text(body: str, arguments: dict) -> str:
     return json.dumps(arguments, ensure_ascii=False)
 
 
-def _object_end(text: str, start: int) -> int | None:
-    """Index just past the JSON object opening at text[start], or None while
-    it is still incomplete."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        char = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
-
-
 def _partial_tag_length(text: str, start: int, tag: str) -> int:
     """Length of the longest end of text[start:] that could begin `tag`: held
     back until the next delta says whether the tag follows."""
@@ -127,33 +104,48 @@ class HermesToolParser(ToolParser):
         return HermesStreamingParser()
 
 
+# While a call's name and the start of its arguments are looked for, its text
+# is matched from its start at each delta; past this many characters without
+# them, the call waits for its end instead (OpenAI's function names are at most
+# 64 characters, so a real call has both long before).
+_MAX_CALL_HEAD = 1024
+
+
 @dataclass
 class _OpenCall:
     index: int
-    tag_start: int  # where its <tool_call> begins in the whole text
-    body_start: int
     name_sent: bool = False
-    after_name: int = 0  # in the body
-    arguments_start: int | None = None  # in the body
-    arguments_sent: str = ""
+    streamable: bool = True  # False: its name or arguments were not found early on
+    head: str = ""  # its text so far, while its name and arguments' start are looked for
+    after_name: int = 0  # in head
+    arguments_start: int = 0  # in head, once found
+    scanner: JsonObjectScanner | None = None  # once its arguments object has started
+    sent: list[str] = field(default_factory=list)  # the arguments' pieces sent
+    body: list[str] = field(default_factory=list)  # its whole text so far, in pieces
 
 
 class HermesStreamingParser(StreamingToolParser):
     """Content streams until the first <tool_call>; a call's id and name go out
-    as soon as its name is complete, then its arguments as they are written."""
+    as soon as its name is complete, then its arguments as they are written.
+
+    Linear in the text: each delta's characters are examined a bounded number
+    of times (the tags are searched for in the delta plus the few characters
+    held back that could start a tag; a call's arguments are scanned as they
+    arrive), and a call's text is joined once, when it ends.
+    `chars_examined` counts that work."""
 
     def __init__(self) -> None:
-        self._text = ""
-        self._pos = 0  # text before this has been handled
+        self._pending = ""  # received, not handled: a held-back partial tag and the latest delta
         self._call: _OpenCall | None = None
         self._num_calls = 0
         self._seen_call = False
         # The first call was malformed before any of it was sent: from then on
         # everything is content, as the non-streamed result makes it.
         self._verbatim = False
+        self.chars_examined = 0
 
     def feed(self, text: str) -> StreamDelta:
-        self._text += text
+        self._pending += text
         out = StreamDelta()
         self._advance(out, final=False)
         return out
@@ -164,73 +156,102 @@ class HermesStreamingParser(StreamingToolParser):
         return out
 
     def _advance(self, out: StreamDelta, final: bool) -> None:
-        text = self._text
         while True:
+            text = self._pending
+            self.chars_examined += len(text)
             if self._verbatim:
-                out.content += text[self._pos:]
-                self._pos = len(text)
+                out.content += text
+                self._pending = ""
                 return
             if self._call is None:
-                start = text.find(START_TAG, self._pos)
+                start = text.find(START_TAG)
                 if start < 0:
-                    held = 0 if final else _partial_tag_length(text, self._pos, START_TAG)
+                    held = 0 if final else _partial_tag_length(text, 0, START_TAG)
                     if not self._seen_call:
-                        out.content += text[self._pos:len(text) - held]
-                    self._pos = len(text) - held
+                        out.content += text[:len(text) - held]
+                    self._pending = text[len(text) - held:]
                     return
                 if not self._seen_call:
-                    out.content += text[self._pos:start]
+                    out.content += text[:start]
                 self._seen_call = True
-                self._call = _OpenCall(self._num_calls, start, start + len(START_TAG))
-                self._pos = self._call.body_start
+                self._call = _OpenCall(self._num_calls)
+                self._pending = text[start + len(START_TAG):]
                 continue
-            call = self._call
-            end = text.find(END_TAG, call.body_start)
+            end = text.find(END_TAG)
             if end < 0 and not final:
                 # Never past what could be the start of its closing tag.
-                held = _partial_tag_length(text, call.body_start, END_TAG)
-                self._stream_call(out, text[call.body_start:len(text) - held])
+                held = _partial_tag_length(text, 0, END_TAG)
+                self._take(out, text[:len(text) - held])
+                self._pending = text[len(text) - held:]
                 return
-            body = text[call.body_start:] if end < 0 else text[call.body_start:end]
-            self._pos = len(text) if end < 0 else end + len(END_TAG)
-            self._close_call(out, body)
-            if end < 0:
-                if self._verbatim:
-                    continue
+            closed = end >= 0
+            # The call's end: the whole of it is parsed (what is new of it was never streamed).
+            self._call.body.append(text if not closed else text[:end])
+            self._pending = text[end + len(END_TAG):] if closed else ""
+            self._close_call(out, closed)
+            if not closed and not self._verbatim:
                 return
 
-    def _stream_call(self, out: StreamDelta, body: str) -> None:
+    def _take(self, out: StreamDelta, piece: str) -> None:
+        """More of the open call's text: kept whole for its end, and streamed."""
+        if not piece:
+            return
         call = self._call
-        if not call.name_sent:
-            match = _NAME_PREFIX.match(body)
-            if match is None:
+        call.body.append(piece)
+        if not call.streamable:
+            return
+        if call.scanner is None:
+            call.head += piece
+            self._find_arguments(out, call)
+            if call.scanner is None:
                 return
-            try:
-                name = json.loads(match.group(1))
-            except ValueError:
-                return
-            call.name_sent, call.after_name = True, match.end()
-            out.add_call_piece(call.index, id=tool_call_id(), name=name)
-        if call.arguments_start is None:
-            match = _ARGUMENTS_KEY.match(body, call.after_name)
-            # Only an object is streamed; anything else waits for the call to close.
-            if match is None or match.end() >= len(body) or body[match.end()] != "{":
-                return
-            call.arguments_start = match.end()
-        end = _object_end(body, call.arguments_start)
-        piece = body[call.arguments_start + len(call.arguments_sent):end if end is not None else len(body)]
+            piece, call.head = call.head[call.arguments_start:], ""
+        if call.scanner.done:
+            return
+        self.chars_examined += len(piece)
+        end = call.scanner.feed(piece)
+        piece = piece if end is None else piece[:end]
         if piece:
-            call.arguments_sent += piece
+            call.sent.append(piece)
             out.add_call_piece(call.index, arguments=piece)
 
-    def _close_call(self, out: StreamDelta, body: str) -> None:
+    def _find_arguments(self, out: StreamDelta, call: _OpenCall) -> None:
+        """Sends the call's id and name once complete, and starts scanning its
+        arguments once their object opens (call.scanner, call.arguments_start)."""
+        head = call.head
+        self.chars_examined += len(head)
+        if not call.name_sent:
+            match = _NAME_PREFIX.match(head)
+            if match is not None:
+                try:
+                    name = json.loads(match.group(1))
+                except ValueError:
+                    name = None
+                if name is not None:
+                    call.name_sent, call.after_name = True, match.end()
+                    out.add_call_piece(call.index, id=tool_call_id(), name=name)
+        if call.name_sent:
+            match = _ARGUMENTS_KEY.match(head, call.after_name)
+            if match is not None and match.end() < len(head):
+                if head[match.end()] != "{":
+                    call.streamable = False  # only an object is streamed; the rest waits for the end
+                    return
+                call.arguments_start = match.end()
+                call.scanner = JsonObjectScanner()
+                return
+        if len(head) > _MAX_CALL_HEAD:
+            call.streamable, call.head = False, ""
+
+    def _close_call(self, out: StreamDelta, closed: bool) -> None:
         call, self._call = self._call, None
+        body = "".join(call.body)
         parsed = parse_call(body)
         if parsed is None:
             if not call.name_sent:
                 if call.index == 0:
+                    # All of it is content after all, from its tag on.
                     self._verbatim = True
-                    self._pos = call.tag_start
+                    self._pending = START_TAG + body + (END_TAG if closed else "") + self._pending
                 return
             # Part of it is out already (its index is taken); the rest is dropped.
             self._num_calls += 1
@@ -239,6 +260,7 @@ class HermesStreamingParser(StreamingToolParser):
         if not call.name_sent:
             out.add_call_piece(call.index, id=tool_call_id(), name=parsed.name, arguments=parsed.arguments)
             return
-        rest = parsed.arguments[len(call.arguments_sent):]
-        if rest and parsed.arguments.startswith(call.arguments_sent):
+        sent = "".join(call.sent)
+        rest = parsed.arguments[len(sent):]
+        if rest and parsed.arguments.startswith(sent):
             out.add_call_piece(call.index, arguments=rest)
