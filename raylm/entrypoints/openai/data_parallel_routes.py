@@ -1,9 +1,15 @@
 """The server's data-parallel surface: `POST /scale` (admin, behind the API
 key), each replica's state for `/health`, and per-replica gauges on
-`/metrics`, read from the routing client when scraped."""
+`/metrics`, read from the routing client when scraped.
+
+`/scale` is bounded and serialized: at most MAX_DATA_PARALLEL_SIZE replicas
+(and, on a Ray cluster, no more than it has CPUs: a replica needs one at
+least), past that a 400; one scale at a time, so that two calls racing cannot
+both plan the same scale-up and start twice the replicas asked for."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from typing import Any
@@ -16,6 +22,11 @@ from pydantic import BaseModel
 from raylm.entrypoints.openai.serving_common import error_response
 
 logger = logging.getLogger(__name__)
+
+
+# A sane ceiling whatever the cluster: each replica is a full engine (model
+# weights, KV cache, processes, sockets).
+MAX_DATA_PARALLEL_SIZE = 64
 
 
 class ScaleRequest(BaseModel):
@@ -51,21 +62,48 @@ class ReplicaCollector:
             yield family
 
 
+def _cluster_cpus() -> int | None:
+    """The Ray cluster's CPUs, or None when this process is not on one."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    if not ray.is_initialized():
+        return None
+    return int(ray.cluster_resources().get("CPU", 0)) or None
+
+
+async def max_data_parallel_size() -> tuple[int, str]:
+    """The largest size /scale accepts, and why (for the 400)."""
+    cpus = await asyncio.get_running_loop().run_in_executor(None, _cluster_cpus)
+    if cpus is not None and cpus < MAX_DATA_PARALLEL_SIZE:
+        return cpus, f"the Ray cluster has {cpus} CPUs and a replica needs one at least"
+    return MAX_DATA_PARALLEL_SIZE, "raylm's limit (MAX_DATA_PARALLEL_SIZE)"
+
+
 def install_data_parallel_routes(app: FastAPI, engine: Any, api_key: str | None, stat_logger=None,
                                  model_name: str = "") -> None:
     if stat_logger is not None and replica_states(engine) is not None:
         stat_logger.registry.register(ReplicaCollector(engine, model_name))
 
+    scaling = asyncio.Lock()
+
     @app.post("/scale")
     async def scale(body: ScaleRequest, request: Request) -> JSONResponse:
         """Change the number of replicas; answers once new ones serve (removed
-        ones drain in the background). 400 if the engine has no replicas."""
+        ones drain in the background). 400 if the engine has no replicas or
+        the size is past the bound; a call waits for the one before it."""
         if api_key:
             given = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
                 return error_response("missing or invalid API key (Authorization: Bearer ...)", 401)
+        limit, why = await max_data_parallel_size()
+        if body.data_parallel_size > limit:
+            return error_response(f"data_parallel_size: at most {limit} ({why}), got {body.data_parallel_size}",
+                                  400, "data_parallel_size")
         try:
-            await engine.scale(body.data_parallel_size)
+            async with scaling:
+                await engine.scale(body.data_parallel_size)
         except ValueError as e:
             return error_response(str(e), 400, "data_parallel_size")
         except RuntimeError as e:  # could not be placed: nothing changed
