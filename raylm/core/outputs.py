@@ -15,6 +15,10 @@ class EngineCoreOutput:
     # Logprobs for prompt positions computed this step (chunked prefill may
     # deliver them over several steps).
     new_prompt_logprobs: list[PositionLogprobsLists] = field(default_factory=list)
+    # The prompt token the first of them scores (1: the second prompt token,
+    # since the first has no logprob). Workers that lost their state compute
+    # a prompt's logprobs again from its start; the front end keeps one each.
+    prompt_logprobs_start: int = 1
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0

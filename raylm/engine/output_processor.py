@@ -7,6 +7,7 @@ tokenizer; a request that hits one is reported back so the core aborts it.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,8 @@ from raylm.engine.detokenizer import IncrementalDetokenizer, detokenize_logprobs
 from raylm.messages import PositionLogprobsLists
 from raylm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from raylm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,10 +49,6 @@ class ParentState:
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.children.values())
-
-    @property
-    def has_all_prompt_logprobs(self) -> bool:
-        return self.prompt_logprobs is not None and len(self.prompt_logprobs) >= len(self.prompt_token_ids)
 
 
 class OutputProcessor:
@@ -97,6 +96,19 @@ class OutputProcessor:
             out[tid] = Logprob(logprob=lp, rank=rank if j == 0 else j, decoded_token=text)
         return out
 
+    def _add_prompt_logprobs(self, parent: ParentState, out: EngineCoreOutput) -> None:
+        """Place prompt logprobs by the prompt token they score. After a
+        recovery, or in a new core, the workers compute them again from the
+        prompt's start: those already held are skipped, never appended twice."""
+        held = len(parent.prompt_logprobs)
+        if out.prompt_logprobs_start > held:
+            # Positions before these never arrived: placing these would shift them.
+            logger.error("request %s: prompt logprobs from token %d, but only %d held; dropped",
+                         parent.request_id, out.prompt_logprobs_start, held)
+            return
+        new = out.new_prompt_logprobs[held - out.prompt_logprobs_start :]
+        parent.prompt_logprobs.extend(self._to_logprobs(e) for e in new)
+
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[set[str], list[str]]:
         """Apply core outputs; returns (parent ids that changed, child ids to abort)."""
         changed: set[str] = set()
@@ -109,10 +121,8 @@ class OutputProcessor:
             child = parent.children[out.request_id]
             changed.add(parent_id)
             parent.num_cached_tokens = out.num_cached_tokens
-            # A request resumed in a new core computes its prompt logprobs again.
-            if (out.new_prompt_logprobs and parent.prompt_logprobs is not None and child.index == 0
-                    and not parent.has_all_prompt_logprobs):
-                parent.prompt_logprobs.extend(self._to_logprobs(e) for e in out.new_prompt_logprobs)
+            if out.new_prompt_logprobs and parent.prompt_logprobs is not None and child.index == 0:
+                self._add_prompt_logprobs(parent, out)
             if child.finish_reason is not None:
                 continue
             child.token_ids.extend(out.new_token_ids)
@@ -138,9 +148,8 @@ class OutputProcessor:
         parent = self.parents.get(request_id)
         if parent is None:
             return []
-        if parent.prompt_logprobs is not None and not parent.has_all_prompt_logprobs:
-            # Cut off mid-prompt: the new core sends them all from the start.
-            parent.prompt_logprobs = [None]
+        # Prompt logprobs held stay: the new core sends them all again, and
+        # those already here are skipped (_add_prompt_logprobs).
         return [(cid, list(child.token_ids)) for cid, child in parent.children.items()
                 if child.finish_reason is None]
 
