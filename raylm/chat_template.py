@@ -1,13 +1,18 @@
-"""--chat-template as a setting: a file to read, or the template itself.
+"""Chat templates: --chat-template as a setting (a file to read, or the
+template itself), and `render_bounded`, which renders one within bounds of
+time, work and output.
 
-At the root with config.py, which validates it, so that the config layer needs
-nothing from the layers above it.
+At the root with config.py, which validates the setting, so that the config
+layer needs nothing from the layers above it (jinja2 and transformers are
+imported only when a template is first rendered).
 """
 
 from __future__ import annotations
 
 import codecs
 import os
+import re
+import threading
 
 # A value with none of these is a file name, not a Jinja template.
 _TEMPLATE_CHARS = "{}\n"
@@ -38,8 +43,8 @@ def read_chat_template(value: str) -> str:
 # what the template builds and how many steps it takes:
 #
 # - time: the render's own CPU time (time.thread_time, so that a render waiting
-#   for the GIL behind other threads is not charged for it), checked at every
-#   loop iteration, call, filter and operator;
+#   for the GIL behind other threads is not charged for it), and a wall-clock
+#   backstop, checked at every loop iteration, call, filter and operator;
 # - work: the characters (or items) of every value it builds, summed, checked
 #   before an operation that could build a large value at once (repetition,
 #   concatenation, joining, padding, replacing, formatting) and after every one;
@@ -52,6 +57,9 @@ def read_chat_template(value: str) -> str:
 # CPU seconds one render may take; a real template renders a long conversation
 # in milliseconds.
 RENDER_CPU_SECONDS = 2.0
+# And seconds by the clock, however busy the machine: a render's thread shares
+# the GIL with the event loop and other renders, so its CPU time lags.
+RENDER_WALL_SECONDS = 10.0
 # The longest rendered prompt: ~2M tokens of English, beyond any context length.
 MAX_RENDERED_CHARS = 8 * 2**20
 # What a render may build in all: a template touches each message a few times.
@@ -82,16 +90,19 @@ class _RenderBudget:
         import time
 
         self._clock = time.thread_time
+        self._wall_clock = time.monotonic
         self.deadline = self._clock() + RENDER_CPU_SECONDS
+        self.wall_deadline = self._wall_clock() + RENDER_WALL_SECONDS
         self.work = 0
         self.steps = 0
         self.used = False  # set by the bounded environment: the render really went through it
 
     def step(self) -> None:
         self.steps += 1
-        if self.steps % _CLOCK_EVERY == 0 and self._clock() > self.deadline:
-            raise ChatTemplateRenderError(
-                f"chat template render exceeded its time limit ({RENDER_CPU_SECONDS:g} s of CPU)")
+        if self.steps % _CLOCK_EVERY == 0 and (self._clock() > self.deadline
+                                               or self._wall_clock() > self.wall_deadline):
+            raise ChatTemplateRenderError(f"chat template render exceeded its time limit ({RENDER_CPU_SECONDS:g} s "
+                                          f"of CPU, {RENDER_WALL_SECONDS:g} s in all)")
 
     def charge(self, amount: int) -> None:
         self.work += amount
@@ -103,7 +114,7 @@ class _RenderBudget:
         return MAX_RENDER_WORK - self.work
 
 
-_local = __import__("threading").local()
+_local = threading.local()
 
 
 def _active() -> _RenderBudget | None:
@@ -151,7 +162,8 @@ def _check_ints(values) -> None:
             raise ChatTemplateRenderError(f"chat template render exceeded its limits (an argument of {value})")
 
 
-_FORMAT_NUMBER = __import__("re").compile(r"\d{8,}")
+# A number of 8 digits or more in a format string: a width past MAX_RENDERED_CHARS.
+_FORMAT_NUMBER = re.compile(r"\d{8,}")
 
 
 def _check_format_text(fmt) -> None:
@@ -369,13 +381,12 @@ def _make_bounded_environment(prototype):
     env.filters.update({name: _bounded_filter(name, f) for name, f in prototype.filters.items()})
     env.filters["_raylm_steps"] = _steps
     env.filters["_raylm_concat"] = _concat
-    # lipsum(n=...) writes n paragraphs; no chat template needs it.
-    env.globals.update({k: v for k, v in prototype.globals.items() if k != "lipsum"})
-    env.globals.pop("lipsum", None)
+    env.globals.update(prototype.globals)
+    env.globals.pop("lipsum", None)  # lipsum(n=...) writes n paragraphs; no chat template needs it
     return env
 
 
-_hook_lock = __import__("threading").Lock()
+_hook_lock = threading.Lock()
 _hooked = False
 
 
