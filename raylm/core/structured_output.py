@@ -2,9 +2,11 @@
 JSON object, regex, choice, EBNF), with xgrammar.
 
 The StructuredOutputManager sits beside the scheduler in the engine core. It
-compiles each constrained request's grammar on a background thread (the step
-loop never waits for a compiler, nor sees its errors: a grammar that fails
-there fails its request), keeps one GrammarMatcher per request, advanced over
+compiles each constrained request's grammar on a small pool of background
+threads (the step loop never waits for a compiler, nor sees its errors: a
+grammar that fails there fails its request, and one that takes longer than
+its deadline fails it as too complex; a slow grammar never holds up the
+others), keeps one GrammarMatcher per request, advanced over
 the output tokens the scheduler accepts, and fills a step's token bitmask
 while the forward runs; the sampling rank applies it (DESIGN.md, "Structured
 outputs"). The matcher lives here, not on the workers, and counts the tokens it
@@ -21,9 +23,13 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
+import queue
 import re
-from collections.abc import Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +43,15 @@ logger = logging.getLogger(__name__)
 _COMPILER_CACHE_BYTES = 512 << 20
 # Threads one compilation may use; the model needs the cores more.
 _COMPILER_THREADS = 2
+# Compilations that may run side by side: one slow grammar leaves the others
+# a worker.
+_COMPILE_WORKERS = max(2, min(4, os.cpu_count() or 1))
+# How long a grammar may take to compile, from when a worker starts on it
+# (not from when it was queued: waiting behind others is not its fault).
+GRAMMAR_COMPILE_TIMEOUT_S = 30.0
+# Workers stuck on abandoned compilations that get a replacement (see
+# _CompilePool); past this many, the pool does with the workers it has.
+_MAX_ABANDONED = 4
 
 
 @dataclass(frozen=True)
@@ -119,12 +134,77 @@ class GrammarError(Exception):
     """A request's grammar could not be compiled, or refused a token."""
 
 
+class _CompilePool:
+    """A few daemon threads that run compilations.
+
+    A thread cannot be killed, and xgrammar's compiler cannot be interrupted,
+    so a compilation past its deadline is abandoned: its request fails at
+    once, the compilation runs on to its end on its thread and its result is
+    discarded, and a new worker takes that thread's place (up to
+    _MAX_ABANDONED at a time), so the other grammars keep their workers. The
+    thread then exits. Daemon threads, unlike ThreadPoolExecutor's, which the
+    interpreter joins at exit: an abandoned compilation never holds up the
+    engine's shutdown."""
+
+    def __init__(self, num_workers: int):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._abandoned: set[Future] = set()  # still running
+        self._num_started = 0
+        for _ in range(num_workers):
+            self._start_worker()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def abandon(self, future: Future) -> None:
+        """Give up on a running job: its worker is replaced, and leaves once it is done."""
+        with self._lock:
+            if future.done() or future in self._abandoned or len(self._abandoned) >= _MAX_ABANDONED:
+                return
+            self._abandoned.add(future)
+        self._start_worker()
+
+    def shutdown(self) -> None:
+        while True:
+            try:
+                future, _, _ = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            future.cancel()
+        for _ in range(self._num_started):
+            self._jobs.put(None)  # a worker busy on an abandoned job never reads it
+
+    def _start_worker(self) -> None:
+        self._num_started += 1
+        threading.Thread(target=self._work, name=f"raylm-grammar-{self._num_started}", daemon=True).start()
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue  # its request went away while it was queued
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:
+                future.set_exception(e)
+            with self._lock:
+                if future in self._abandoned:
+                    self._abandoned.discard(future)
+                    return  # its replacement works on
+
+
 @dataclass
 class _RequestGrammar:
-    # The matcher, fast-forwarded over the tokens the request came with.
-    ready: Future
+    spec: GrammarSpec
     # Output tokens the matcher has accepted.
     num_accepted: int
+    # The matcher, fast-forwarded over the tokens the request came with.
+    ready: Future | None = None
+    # When a worker started compiling it (the manager's clock), or None while queued.
+    started: float | None = None
 
 
 class StructuredOutputManager:
@@ -133,16 +213,20 @@ class StructuredOutputManager:
     (a step's GrammarOutput); all on the step loop's thread except the
     compilations."""
 
-    def __init__(self, tokenizer_path: str, vocab_size: int):
+    def __init__(self, tokenizer_path: str, vocab_size: int, compile_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic):
+        """`clock`: what deadlines are measured with (tests stop it)."""
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
+        self.compile_timeout_s = compile_timeout_s
+        self._clock = clock
         self._grammars: dict[str, _RequestGrammar] = {}
         # Requests whose compilation has not been looked at since it ended.
         self._unchecked: set[str] = set()
-        # One thread: compilations queue up, and the lazily built compiler
-        # is only ever touched there.
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="raylm-grammar")
+        self._pool = _CompilePool(_COMPILE_WORKERS)
+        # Built by the first compilation; xgrammar's compiler is thread-safe.
         self._compiler = None
+        self._compiler_lock = threading.Lock()
 
     # ---- requests in and out -------------------------------------------------
 
@@ -151,8 +235,9 @@ class StructuredOutputManager:
         if params is None:
             return
         prior = list(request.output_token_ids)
-        future = self._executor.submit(self._make_matcher, grammar_spec(params), prior)
-        self._grammars[request.request_id] = _RequestGrammar(future, len(prior))
+        grammar = _RequestGrammar(grammar_spec(params), len(prior))
+        grammar.ready = self._pool.submit(self._compile, grammar, prior)
+        self._grammars[request.request_id] = grammar
         self._unchecked.add(request.request_id)
 
     def remove_request(self, request_id: str) -> None:
@@ -170,13 +255,22 @@ class StructuredOutputManager:
 
     def failed_requests(self) -> list[tuple[str, str]]:
         """(request id, error) of each request whose grammar could not be
-        compiled (or refused the tokens it came with) since the last call."""
+        compiled (or refused the tokens it came with), or was not compiled
+        within the deadline, since the last call."""
         failed = []
-        for rid in [rid for rid in self._unchecked if self._grammars[rid].ready.done()]:
-            self._unchecked.discard(rid)
-            error = self._grammars[rid].ready.exception()
-            if error is not None:
-                failed.append((rid, str(error)))
+        now = self._clock()
+        for rid in list(self._unchecked):
+            grammar = self._grammars[rid]
+            if grammar.ready.done():
+                self._unchecked.discard(rid)
+                error = grammar.ready.exception()
+                if error is not None:
+                    failed.append((rid, str(error)))
+            elif grammar.started is not None and now - grammar.started > self.compile_timeout_s:
+                self._unchecked.discard(rid)
+                self._pool.abandon(grammar.ready)
+                failed.append((rid, f"structured_outputs.{grammar.spec.field}: grammar too complex: not "
+                                    f"compiled within {self.compile_timeout_s:g} s"))
         return failed
 
     def wait_for_compilation(self, timeout: float) -> None:
@@ -186,12 +280,15 @@ class StructuredOutputManager:
         if pending:
             wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
 
-    # ---- compilation (on the compiler thread) --------------------------------
+    # ---- compilation (on the pool's threads) ---------------------------------
 
-    def _make_matcher(self, spec: GrammarSpec, prior_tokens: list[int]):
-        xgr = _xgrammar()
+    def _compile(self, grammar: _RequestGrammar, prior_tokens: list[int]):
+        grammar.started = self._clock()
+        return self._make_matcher(grammar.spec, prior_tokens)
 
-        try:
+    def _get_compiler(self, xgr):
+        # The tokenizer is loaded once, by whichever compilation comes first.
+        with self._compiler_lock:
             if self._compiler is None:
                 from transformers import AutoTokenizer
 
@@ -200,12 +297,19 @@ class StructuredOutputManager:
                 self._compiler = xgr.GrammarCompiler(
                     info, max_threads=_COMPILER_THREADS, cache_limit_bytes=_COMPILER_CACHE_BYTES
                 )
+            return self._compiler
+
+    def _make_matcher(self, spec: GrammarSpec, prior_tokens: list[int]):
+        xgr = _xgrammar()
+
+        try:
+            compiler = self._get_compiler(xgr)
             if spec.kind == "json_schema":
-                compiled = self._compiler.compile_json_schema(spec.text, any_whitespace=spec.any_whitespace)
+                compiled = compiler.compile_json_schema(spec.text, any_whitespace=spec.any_whitespace)
             elif spec.kind == "regex":
-                compiled = self._compiler.compile_regex(spec.text)
+                compiled = compiler.compile_regex(spec.text)
             else:
-                compiled = self._compiler.compile_grammar(spec.text)
+                compiled = compiler.compile_grammar(spec.text)
         except Exception as e:
             raise GrammarError(f"structured_outputs.{spec.field}: {_xgrammar_message(e)}") from None
         matcher = xgr.GrammarMatcher(compiled)
@@ -277,4 +381,4 @@ class StructuredOutputManager:
         )
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()

@@ -15,7 +15,12 @@ from transformers import AutoTokenizer
 from raylm.config import CacheConfig, SchedulerConfig
 from raylm.core.request import Request
 from raylm.core.scheduler import Scheduler
-from raylm.core.structured_output import StructuredOutputManager, grammar_spec, validate_structured_outputs
+from raylm.core.structured_output import (
+    _COMPILE_WORKERS,
+    StructuredOutputManager,
+    grammar_spec,
+    validate_structured_outputs,
+)
 from raylm.messages import GrammarOutput, ModelRunnerOutput
 from raylm.sampling_params import SamplingParams, StructuredOutputsParams
 from raylm.worker.sampler import apply_grammar_bitmask
@@ -200,4 +205,80 @@ def test_step_rows_prefill_chunks_and_tokens_in_flight(model, tokenizer):
         assert not scheduler.needs_tokens_in_flight(ahead)
         assert scheduler.get_grammar_output(ahead).req_ids == ["c"]
     finally:
+        manager.shutdown()
+
+
+class _StoppedClock:
+    """A clock that moves only when the test says so."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_grammar_past_its_deadline_fails_its_request_while_another_compiles(model, tokenizer):
+    clock = _StoppedClock()
+    manager = StructuredOutputManager(model, len(tokenizer), compile_timeout_s=30, clock=clock)
+    stuck, release = threading.Event(), threading.Event()
+    compile_now = manager._make_matcher
+
+    def compile_or_block(spec, prior):
+        if "slow" in spec.text:  # a grammar that never finishes compiling (until the test ends)
+            stuck.set()
+            release.wait(60)
+        return compile_now(spec, prior)
+
+    manager._make_matcher = compile_or_block
+    scheduler = _scheduler(manager)
+    try:
+        scheduler.add_request(_request("slow", tokenizer, StructuredOutputsParams(choice=["slow"]), ignore_eos=True))
+        assert stuck.wait(30)
+        scheduler.add_request(_request("fast", tokenizer, CHOICE, ignore_eos=True))
+        _wait_compiled(manager, "fast")  # another worker compiles it meanwhile
+        first = scheduler.schedule()
+        assert list(first.num_scheduled_tokens) == ["fast"] and not scheduler.take_outputs_outside_step()
+        clock.now = 31.0  # past the slow one's deadline
+        tokens = tokenizer.encode("red", add_special_tokens=False) + [tokenizer.eos_token_id]
+        outputs = scheduler.update_from_output(first, ModelRunnerOutput(req_ids=["fast"], sampled_token_ids=[tokens]))
+        assert [(o.request_id, o.finish_reason) for o in outputs] == [("fast", "stop")]
+        scheduler.schedule()
+        (failed,) = scheduler.take_outputs_outside_step()
+        assert failed.request_id == "slow" and failed.finish_reason == "error"
+        assert failed.error == "structured_outputs.choice: grammar too complex: not compiled within 30 s"
+        assert not scheduler.has_unfinished_requests() and not manager.is_constrained("slow")
+        # The abandoned compilation's worker was replaced: grammars still compile.
+        manager.add_request(_request("later", tokenizer, StructuredOutputsParams(choice=["blue"])))
+        _wait_compiled(manager, "later")
+        assert manager._grammars["later"].ready.exception() is None
+    finally:
+        release.set()
+        manager.shutdown()
+
+
+def test_a_queued_grammar_has_no_deadline_yet(model, tokenizer):
+    """The deadline counts from when a worker starts on a grammar: waiting
+    behind others is not the grammar's fault."""
+    clock = _StoppedClock()
+    manager = StructuredOutputManager(model, len(tokenizer), compile_timeout_s=30, clock=clock)
+    release, started = threading.Event(), threading.Semaphore(0)
+
+    def block(spec, prior):
+        started.release()
+        release.wait(60)
+
+    manager._make_matcher = block
+    try:
+        rids = [f"r{i}" for i in range(_COMPILE_WORKERS + 2)]
+        for rid in rids:
+            manager.add_request(_request(rid, tokenizer, CHOICE))
+        for _ in range(_COMPILE_WORKERS):  # every worker busy, two requests queued behind them
+            assert started.acquire(timeout=30)
+        running = {rid for rid in rids if manager._grammars[rid].started is not None}
+        assert len(running) == _COMPILE_WORKERS
+        clock.now = 31.0
+        assert {rid for rid, _ in manager.failed_requests()} == running
+    finally:
+        release.set()
         manager.shutdown()
