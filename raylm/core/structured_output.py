@@ -168,14 +168,17 @@ class _CompilePool:
         self._start_worker()
 
     def shutdown(self) -> None:
+        """Cancel what is queued and let the idle workers go; running jobs end on their own."""
         while True:
             try:
-                future, _, _ = self._jobs.get_nowait()
+                job = self._jobs.get_nowait()
             except queue.Empty:
                 break
-            future.cancel()
+            if job is not None:
+                job[0].cancel()
+        # A stop sign per worker ever started: those that left never read theirs.
         for _ in range(self._num_started):
-            self._jobs.put(None)  # a worker busy on an abandoned job never reads it
+            self._jobs.put(None)
 
     def _start_worker(self) -> None:
         self._num_started += 1
