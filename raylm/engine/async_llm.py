@@ -467,7 +467,7 @@ class AsyncLLM:
         budget = self.restart_budget
         failure: BaseException = died
         # Quarantined requests are being run alone: the deaths are presumably theirs.
-        hunting = any(r.quarantined for r in self._unfinished_children().values())
+        hunting = budget.max_restarts > 0 and any(r.quarantined for r in self._unfinished_children().values())
         while True:
             if not budget.allow() and not (hunting and self.blame.excuse()):
                 raise EngineDeadError(

@@ -319,7 +319,9 @@ class EngineCore:
         factory (Ray may place it on other nodes); retried within the budget."""
         while True:
             logger.error("executor failed (%s): %s", kind, cause)
-            hunting = bool(self.scheduler.quarantined)  # the failures are presumably a request's
+            # Quarantined requests run alone: the failures are presumably theirs
+            # (unless recovery is off: max_restarts=0).
+            hunting = bool(self.scheduler.quarantined) and self.restart_budget.max_restarts > 0
             if not self.restart_budget.allow() and not (hunting and self.blame.excuse()):
                 self._shutdown_executor()  # nothing of it may outlive the engine
                 ft = self.config.fault_tolerance

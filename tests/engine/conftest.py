@@ -18,7 +18,7 @@ class FakeCore:
 
     started: list["FakeCore"] = []
 
-    def __init__(self, config, log_level=None):
+    def __init__(self, config, log_level=None, is_busy=None):
         self.requests = []
         self.aborted: list[str] = []
         self.script: asyncio.Queue = asyncio.Queue()
@@ -33,6 +33,9 @@ class FakeCore:
 
     def is_alive(self) -> bool:
         return True
+
+    def running_alone(self):
+        return None  # this fake never quarantines
 
     async def get_output(self) -> EngineCoreOutputs:
         item = await self.script.get()
