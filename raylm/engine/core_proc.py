@@ -173,7 +173,6 @@ class EngineCoreProc:
         self.encoder = msgspec.msgpack.Encoder()
         # How many of the core's recoveries the front end has been told about.
         self._num_reported_recoveries = 0
-        self._num_undecodable = 0
 
     def _has_work(self) -> bool:
         # With PP, batches can still be in flight after their requests were aborted.
@@ -230,18 +229,10 @@ class EngineCoreProc:
         return handled, True
 
     def _decode_input(self, frame: zmq.Frame) -> ClientMessage | None:
-        """The message, or None for a frame that does not decode: dropped, not
-        fatal (a stray frame must not end the core and every request in it).
-        Logged at the 1st, 2nd, 4th, 8th... such frame, so a flood cannot
-        flood the log."""
-        try:
-            return self.decoder.decode(frame.buffer)
-        except msgspec.DecodeError as e:
-            self._num_undecodable += 1
-            if self._num_undecodable & (self._num_undecodable - 1) == 0:
-                logger.warning("engine core %d: dropped an input frame that does not decode (%d so far): %s",
-                               self.engine_index, self._num_undecodable, e)
-            return None
+        """One input message, or None to drop the frame. Here a frame that
+        does not decode raises (only our own front end can write to this
+        socket); a replica drops it instead (dp_manager.ReplicaCoreProc)."""
+        return self.decoder.decode(frame.buffer)
 
     def _check_health_while_idle(self) -> None:
         """A dead or hung worker is found (and replaced) before a request needs

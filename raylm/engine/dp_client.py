@@ -59,7 +59,7 @@ from raylm.engine.core_proc import (
     SchedulerStats,
     Shutdown,
 )
-from raylm.engine.dp_manager import CoreEngineActorManager, ReplicaChannel
+from raylm.engine.dp_manager import CoreEngineActorManager, DropLog, ReplicaChannel
 from raylm.engine.restart_budget import RestartBudget
 
 logger = logging.getLogger(__name__)
@@ -112,20 +112,6 @@ class _ReplicaKeys:
         return replica is not None and domain in (_OUTPUT_DOMAIN, _input_domain(replica.index))
 
 
-class _DropLog:
-    """Counts dropped frames or outputs of one kind and warns at the 1st, 2nd,
-    4th, 8th...: what a misbehaving peer sends must not flood the log."""
-
-    def __init__(self, what: str):
-        self.what = what
-        self.count = 0
-
-    def dropped(self, detail: str) -> None:
-        self.count += 1
-        if self.count & (self.count - 1) == 0:
-            logger.warning("data parallel: dropped %s (%d so far): %s", self.what, self.count, detail)
-
-
 @dataclass
 class _Sent:
     """A request as first sent, and the tokens that came back for it."""
@@ -150,9 +136,9 @@ class DPClient:
                                             config.fault_tolerance.restart_window_s)
         self._ctx = zmq.Context()
         self._replica_keys = _ReplicaKeys()
-        self._undecodable = _DropLog("a replica message that does not decode")
-        self._misattributed = _DropLog("a replica message signed with another replica's index")
-        self._foreign = _DropLog("outputs for requests not routed to the replica that sent them")
+        self._undecodable = DropLog("a replica message that does not decode", logger)
+        self._misattributed = DropLog("a replica message signed with another replica's index", logger)
+        self._foreign = DropLog("outputs for requests not routed to the replica that sent them", logger)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self.replicas: dict[int, _Replica] = {}

@@ -25,8 +25,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import msgspec
+
 from raylm.config import EngineConfig
 from raylm.distributed.tcp_auth import CurveKeys, secure_client
+from raylm.engine.core_proc import ClientMessage, EngineCoreProc
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +62,39 @@ class ReplicaChannel:
         secure_client(sock, self.keys, server_key=self.front_end_key)
 
 
+class DropLog:
+    """Counts dropped frames or outputs of one kind and warns (on `log`, the
+    dropping module's) at the 1st, 2nd, 4th, 8th...: what a misbehaving peer
+    sends must not flood the log."""
+
+    def __init__(self, what: str, log: logging.Logger = logger):
+        self.what = what
+        self.log = log
+        self.count = 0
+
+    def dropped(self, detail: str) -> None:
+        self.count += 1
+        if self.count & (self.count - 1) == 0:
+            self.log.warning("data parallel: dropped %s (%d so far): %s", self.what, self.count, detail)
+
+
+class ReplicaCoreProc(EngineCoreProc):
+    """A replica's core loop: a frame on its input that does not decode is
+    dropped and logged, never fatal (it would end every request the replica
+    holds). CURVE lets only the front end write there, so it would be a bug."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._undecodable = DropLog("an input frame that does not decode")
+
+    def _decode_input(self, frame) -> ClientMessage | None:
+        try:
+            return super()._decode_input(frame)
+        except msgspec.DecodeError as e:
+            self._undecodable.dropped(f"replica {self.engine_index}: {e}")
+            return None
+
+
 class EngineCoreActor:
     """One replica: builds its EngineCore at construction (so a failure to
     start is an actor-creation error), then `run` is the core's busy loop,
@@ -66,14 +102,13 @@ class EngineCoreActor:
 
     def __init__(self, config: EngineConfig, engine_index: int, channel: ReplicaChannel,
                  log_level: int = logging.WARNING):
-        from raylm.engine.core_proc import EngineCoreProc
         from raylm.engine.engine_core import EngineCore
 
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.engine_index = engine_index
         self.core = EngineCore(config)
-        self.proc = EngineCoreProc(self.core, channel.input_address, channel.output_address, engine_index,
-                                   watch_parent=False, secure_socket=channel.secure)
+        self.proc = ReplicaCoreProc(self.core, channel.input_address, channel.output_address, engine_index,
+                                    watch_parent=False, secure_socket=channel.secure)
 
     def ready(self) -> dict:
         import ray

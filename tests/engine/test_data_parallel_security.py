@@ -19,7 +19,8 @@ from zmq.utils.monitor import recv_monitor_message
 from raylm import LLM, SamplingParams
 from raylm.core.outputs import EngineCoreOutput
 from raylm.distributed.tcp_auth import CurveKeys, secure_client
-from raylm.engine.core_proc import AbortRequests, EngineCoreOutputs, EngineCoreProc, EngineCoreRequest, Ping, Shutdown
+from raylm.engine.core_proc import AbortRequests, EngineCoreOutputs, EngineCoreRequest, Ping, Shutdown
+from raylm.engine.dp_manager import ReplicaCoreProc
 from raylm.testing.hf_oracle import hf_greedy
 from tests.conftest import our_live_ray_state
 
@@ -246,20 +247,20 @@ class _IdleCore:
         return {}
 
 
-def test_a_core_drops_an_input_frame_that_does_not_decode(tmp_path, caplog):
-    """The replica's side of a channel (no Ray needed): a stray frame is
-    logged and dropped, and the messages after it are served."""
+def test_a_replica_drops_an_input_frame_that_does_not_decode(tmp_path, caplog):
+    """A replica's core loop (no Ray needed): a stray frame is logged and
+    dropped, and the messages after it are served."""
     ctx = zmq.Context()
     to_core, from_core = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     to_core.bind(f"ipc://{tmp_path}/input")
     from_core.bind(f"ipc://{tmp_path}/output")
-    proc = EngineCoreProc(_IdleCore(), f"ipc://{tmp_path}/input", f"ipc://{tmp_path}/output", engine_index=3,
-                          watch_parent=False)
+    proc = ReplicaCoreProc(_IdleCore(), f"ipc://{tmp_path}/input", f"ipc://{tmp_path}/output", engine_index=3,
+                           watch_parent=False)
     try:
         for frame in (b"\x00not msgpack", msgspec.msgpack.encode({"nonce": 1}), msgspec.msgpack.encode(Ping(7)),
                       msgspec.msgpack.encode(Shutdown())):
             to_core.send(frame)
-        with caplog.at_level(logging.WARNING, logger="raylm.engine.core_proc"):
+        with caplog.at_level(logging.WARNING, logger="raylm.engine.dp_manager"):
             proc.run()  # returns at the Shutdown
         reply = msgspec.msgpack.decode(from_core.recv(), type=EngineCoreOutputs)
         assert (reply.pong, reply.engine_index) == (7, 3)
