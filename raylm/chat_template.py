@@ -13,6 +13,7 @@ import codecs
 import os
 import re
 import threading
+import time
 
 # A value with none of these is a file name, not a Jinja template.
 _TEMPLATE_CHARS = "{}\n"
@@ -87,20 +88,16 @@ class _RenderBudget:
     """One render's bounds, kept by the thread that renders."""
 
     def __init__(self) -> None:
-        import time
-
-        self._clock = time.thread_time
-        self._wall_clock = time.monotonic
-        self.deadline = self._clock() + RENDER_CPU_SECONDS
-        self.wall_deadline = self._wall_clock() + RENDER_WALL_SECONDS
+        self.deadline = time.thread_time() + RENDER_CPU_SECONDS
+        self.wall_deadline = time.monotonic() + RENDER_WALL_SECONDS
         self.work = 0
         self.steps = 0
         self.used = False  # set by the bounded environment: the render really went through it
 
     def step(self) -> None:
         self.steps += 1
-        if self.steps % _CLOCK_EVERY == 0 and (self._clock() > self.deadline
-                                               or self._wall_clock() > self.wall_deadline):
+        if self.steps % _CLOCK_EVERY == 0 and (time.thread_time() > self.deadline
+                                               or time.monotonic() > self.wall_deadline):
             raise ChatTemplateRenderError(f"chat template render exceeded its time limit ({RENDER_CPU_SECONDS:g} s "
                                           f"of CPU, {RENDER_WALL_SECONDS:g} s in all)")
 
