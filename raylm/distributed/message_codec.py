@@ -18,16 +18,19 @@ decode path. What may travel is declared here:
   local shared-memory queue (see MessageQueue's `local_callables`).
 
 Anything else fails at encode time with UndeclaredTypeError naming its type,
-so whoever adds a field of a new type learns it in the first test that sends one.
+so whoever adds a field of a new type learns it in the first test that sends one;
+an int that msgpack cannot hold (past 64 bits) with UnencodableValueError
+naming where it sits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import struct
 import sys
 import types
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import msgspec
 
@@ -78,6 +81,12 @@ class UndeclaredTypeError(TypeError):
     """A value of a type the queues do not carry."""
 
 
+class UnencodableValueError(UndeclaredTypeError, ValueError):
+    """A value of a type the queues carry that msgpack cannot hold: an int
+    outside [-2**63, 2**64 - 1]. A ValueError too: the value, not its type,
+    is wrong (and intake code turns ValueErrors into a 400)."""
+
+
 class CallableNotAllowedError(UndeclaredTypeError):
     """A callable where code may not travel (any socket, or a codec not told it may)."""
 
@@ -96,6 +105,47 @@ def _undeclared(kind: type, where: str = "") -> UndeclaredTypeError:
         "dicts with str/int keys, numpy arrays, torch tensors and the declared messages "
         "(raylm.distributed.message_codec.DEFAULT_MESSAGE_TYPES) are encoded; declare it there"
     )
+
+
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
+
+
+def _int_out_of_range(obj: Any) -> UnencodableValueError | OverflowError:
+    for where, value in _ints(obj, type(obj).__name__):
+        if not _INT_MIN <= value <= _INT_MAX:
+            return UnencodableValueError(
+                f"{where} = {value} cannot travel on a step queue: integers are carried in [-2**63, 2**64 - 1]"
+            )
+    return OverflowError("an integer out of msgpack's range, not found in the value")  # never expected
+
+
+def _ints(obj: Any, where: str) -> Iterator[tuple[str, int]]:
+    """(path, value) of every int in a value, messages and records included."""
+    if type(obj) is int:
+        yield where, obj
+    elif type(obj) in (list, tuple):
+        for i, item in enumerate(obj):
+            yield from _ints(item, f"{where}[{i}]")
+    elif isinstance(obj, (set, frozenset)):
+        for item in obj:
+            yield from _ints(item, f"{where}{{...}}")
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _ints(key, f"{where} (a key)")
+            yield from _ints(value, f"{where}[{key!r}]")
+    else:
+        for name in _field_names(obj):
+            yield from _ints(getattr(obj, name), f"{where}.{name}")
+
+
+def _field_names(obj: Any) -> list[str]:
+    if hasattr(obj, "_fields"):  # a record (NamedTuple)
+        return list(obj._fields)
+    if isinstance(obj, msgspec.Struct):
+        return list(obj.__struct_fields__)
+    if dataclasses.is_dataclass(obj):
+        return [f.name for f in dataclasses.fields(obj)]
+    return []
 
 
 class MessageCodec:
@@ -135,8 +185,14 @@ class MessageCodec:
 
     def encode(self, obj: Any, allow_callables: bool = False) -> bytes:
         """Raises UndeclaredTypeError (before anything is produced) for a value
-        that cannot travel; CallableNotAllowedError for a callable unless allowed."""
-        return self._encoder.encode(self._wrap(obj, allow_callables))
+        that cannot travel; CallableNotAllowedError for a callable unless
+        allowed; UnencodableValueError for an int past 64 bits."""
+        try:
+            return self._encoder.encode(self._wrap(obj, allow_callables))
+        except OverflowError:
+            # msgspec says only "can't serialize ints < -2**63": find which one,
+            # once, on this error path only.
+            raise _int_out_of_range(obj) from None
 
     def _wrap(self, obj: Any, allow_callables: bool) -> Any:
         kind = type(obj)

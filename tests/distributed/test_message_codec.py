@@ -1,17 +1,19 @@
 """The step queues' codec: every declared message type round-trips with its
 types intact (property-based, against the object itself as the oracle); a
-value of an undeclared type fails at encode time naming it; code (a pickled
-callable) is refused unless the bytes come from a trusted local ring."""
+value of an undeclared type fails at encode time naming it, and so does an
+int past 64 bits (UnencodableValueError, naming where it sits); code (a
+pickled callable) is refused unless the bytes come from a trusted local ring."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import msgspec
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from raylm.distributed.message_codec import (
@@ -20,6 +22,7 @@ from raylm.distributed.message_codec import (
     CallableNotAllowedError,
     MessageCodec,
     UndeclaredTypeError,
+    UnencodableValueError,
     UntrustedPayloadError,
 )
 from raylm.distributed.rpc_messages import CallableRef, RemoteError, RpcReply, RpcRequest
@@ -38,13 +41,16 @@ CODEC = MessageCodec()
 ids = st.integers(min_value=0, max_value=2**31 - 1)
 token_lists = st.lists(ids, max_size=20)
 names = st.text(max_size=12)
+# msgpack carries ints in [-2**63, 2**64 - 1]; values just past it must be refused clearly.
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
+any_ints = st.integers() | st.sampled_from([_INT_MIN - 1, _INT_MIN, _INT_MAX, _INT_MAX + 1, -(2**100)])
 floats = st.floats(allow_nan=False, allow_infinity=False, width=64)
 
 structured = st.one_of(
     st.none(),
     st.builds(StructuredOutputsParams, regex=st.text(min_size=1, max_size=10)),
     st.builds(StructuredOutputsParams, choice=st.lists(names, min_size=1, max_size=3)),
-    st.builds(StructuredOutputsParams, json=st.dictionaries(names, st.integers() | names, max_size=3),
+    st.builds(StructuredOutputsParams, json=st.dictionaries(names, any_ints | names, max_size=3),
               disable_any_whitespace=st.booleans()),
 )
 sampling_params = st.builds(
@@ -126,11 +132,43 @@ def test_every_declared_type_is_covered_by_these_strategies():
     assert set(DEFAULT_RECORD_TYPES) == {RpcRequest, RpcReply}
 
 
+def _out_of_range_ints(value) -> list[int]:
+    """Every int in a message that msgpack cannot hold (the test's own walk)."""
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.asdict(value)
+    if type(value) is int:
+        return [value] if not _INT_MIN <= value <= _INT_MAX else []
+    if isinstance(value, dict):
+        value = [*value.keys(), *value.values()]
+    if isinstance(value, (list, tuple, set)):
+        return [i for item in value for i in _out_of_range_ints(item)]
+    return []
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(messages)
+@example(StructuredOutputsParams(json={"": -9223372036854775809}))  # issue 21
 def test_messages_round_trip_with_their_types(message):
-    decoded = CODEC.decode(CODEC.encode(message))
-    _same(decoded, message)
+    """Round trip, or, for an int msgpack cannot hold, a clear refusal naming it."""
+    too_big = _out_of_range_ints(message)
+    if not too_big:
+        _same(CODEC.decode(CODEC.encode(message)), message)
+        return
+    with pytest.raises(UnencodableValueError) as refused:
+        CODEC.encode(message)
+    assert any(f" = {value} cannot travel" in str(refused.value) for value in too_big), refused.value
+
+
+def test_an_int_past_64_bits_is_refused_naming_where_it_sits():
+    for value in (_INT_MIN - 1, _INT_MAX + 1):
+        params = SamplingParams(structured_outputs=StructuredOutputsParams(json={"maximum": [1, value]}))
+        with pytest.raises(UnencodableValueError, match=rf"^RpcRequest\.args\[0\]\.structured_outputs\.json\['maximum'\]\[1\] = {value} "):
+            CODEC.encode(RpcRequest(1, "execute_model", (params,), {}, None))
+    # Both a refusal of the codec and a ValueError (a 400 at intake).
+    assert issubclass(UnencodableValueError, UndeclaredTypeError) and issubclass(UnencodableValueError, ValueError)
+    with pytest.raises(UnencodableValueError, match=r"^dict\[3\]"):
+        CODEC.encode({3: 2**64})
+    _same(CODEC.decode(CODEC.encode([_INT_MIN, _INT_MAX])), [_INT_MIN, _INT_MAX])
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
