@@ -112,11 +112,36 @@ def _spec_problem(spec: GrammarSpec) -> str | None:
     return None
 
 
-def grammar_problem(params: StructuredOutputsParams) -> str | None:
-    """xgrammar's message for a grammar it cannot parse, or None when it
-    parses; for callers that report the error under their own field name
-    (the OpenAI server: response_format, guided_json, ...)."""
+# The ints the engine's messages carry (msgpack): a JSON schema holding a
+# larger one could not reach the engine core or its workers.
+_INT_RANGE = (-(2**63), 2**63 - 1)
+
+
+def _int_out_of_range(value: Any) -> int | None:
+    """The first int in a JSON value past 64 bits, or None."""
+    if type(value) is int:
+        return None if _INT_RANGE[0] <= value <= _INT_RANGE[1] else value
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    for item in items:
+        found = _int_out_of_range(item)
+        if found is not None:
+            return found
+    return None
+
+
+def _params_problem(params: StructuredOutputsParams) -> str | None:
+    too_big = _int_out_of_range(params.json) if isinstance(params.json, dict) else None
+    if too_big is not None:
+        return f"the schema holds the integer {too_big}, past the 64-bit range"
     return _spec_problem(grammar_spec(params))
+
+
+def grammar_problem(params: StructuredOutputsParams) -> str | None:
+    """xgrammar's message for a grammar it cannot parse (or one holding an
+    integer the engine cannot carry), or None when it parses; for callers
+    that report the error under their own field name (the OpenAI server:
+    response_format, guided_json, ...)."""
+    return _params_problem(params)
 
 
 def validate_structured_outputs(params: StructuredOutputsParams | None) -> None:
@@ -124,10 +149,9 @@ def validate_structured_outputs(params: StructuredOutputsParams | None) -> None:
     cannot be parsed, before the request reaches the engine. Tokenizer-free,
     so it runs wherever requests come in."""
     if params is not None:
-        spec = grammar_spec(params)
-        problem = _spec_problem(spec)
+        problem = _params_problem(params)
         if problem is not None:
-            raise ValueError(f"structured_outputs.{spec.field} is invalid: {problem}")
+            raise ValueError(f"structured_outputs.{grammar_spec(params).field} is invalid: {problem}")
 
 
 class GrammarError(Exception):

@@ -78,6 +78,10 @@ def test_intake_validation_reports_xgrammar_message():
         validate_structured_outputs(StructuredOutputsParams(regex="(ab"))
     with pytest.raises(ValueError, match='structured_outputs.json is invalid: Unsupported type "frog"'):
         validate_structured_outputs(StructuredOutputsParams(json={"type": "frog"}))
+    # An integer the engine's messages cannot carry (issue 21), wherever it sits in the schema.
+    with pytest.raises(ValueError, match=r"structured_outputs.json is invalid: .*integer -?\d+, past the 64-bit range"):
+        validate_structured_outputs(StructuredOutputsParams(json={"enum": [1, -(2**63) - 1]}))
+    validate_structured_outputs(StructuredOutputsParams(json={"enum": [-(2**63), 2**63 - 1]}))
 
 
 def test_packed_bitmask_matches_xgrammar_on_the_rows_it_names():
