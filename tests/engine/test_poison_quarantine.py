@@ -167,7 +167,7 @@ def test_blamed_recoveries_past_the_rate_make_the_engine_unhealthy(monkeypatch, 
     monkeypatch.setenv(ENV_VAR, f"raise:token={POISON}")
     llm = _llm(model, "uni")
     core = _core(llm)
-    core.blame._blamed.max_restarts = 2  # the rate, as if the window were full already
+    core.blame._blamed.max_restarts = 1  # the rate, as if the window were nearly full already
     try:
         outputs = llm.generate([{"prompt_token_ids": POISONED}], GREEDY, use_tqdm=False)
         assert outputs[0].outputs[0].finish_reason == "error"
