@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
+from raylm.core.outputs import EngineCoreOutput
+
 # Recoveries a request may be present at before it runs alone.
 QUARANTINE_AFTER = 2
 
@@ -75,7 +77,33 @@ def release(requests: Iterable[Chargeable]) -> list[str]:
     return released
 
 
-def culprit_error(verdict: Verdict, cause: str) -> str:
-    """The error a culprit ends with, for its client."""
-    return (f"this request was present at {verdict.culprit_recoveries + 1} engine failures and failed again "
-            f"running alone, so it is not retried; last failure: {cause}")
+def culprit_output(verdict: Verdict, cause: str) -> EngineCoreOutput:
+    """How the culprit ends, for its client."""
+    error = (f"this request was present at {verdict.culprit_recoveries + 1} engine failures and failed again "
+             f"running alone, so it is not retried; last failure: {cause}")
+    return EngineCoreOutput(request_id=verdict.culprits[0], new_token_ids=[], finish_reason="error", error=error)
+
+
+def mirror(records: dict[str, Chargeable], charged: list[str], culprits: list[str]) -> None:
+    """Apply to a front end's records what a core decided in a recovery of
+    its own (RecoveryStats), so that the records a request carries to another
+    core are the ones it had: `records` are that core's requests in flight."""
+    if culprits:
+        release(records.values())
+    elif charged:
+        charge([records[rid] for rid in charged if rid in records])
+
+
+def charge_death(records: dict[str, Chargeable], running_alone: str | None) -> Verdict:
+    """A core (or replica) that held `records` died. The requests exposed are
+    the quarantined one it ran alone, when its record names one (a core runs
+    only quarantined requests alone), else all it held; on a culprit the
+    others are released."""
+    if running_alone in records:
+        records[running_alone].quarantined = True
+        verdict = charge([records[running_alone]])
+    else:
+        verdict = charge(list(records.values()))
+    if verdict.found_culprit:
+        release(r for rid, r in records.items() if rid not in verdict.culprits)
+    return verdict

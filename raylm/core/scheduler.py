@@ -403,12 +403,9 @@ class Scheduler:
         exposed = [self.requests[rid] for rid in dict.fromkeys(request_ids) if rid in self.requests]
         verdict = quarantine.charge(exposed)
         outputs = []
-        for rid in verdict.culprits:
-            request = self.requests[rid]
-            error = quarantine.culprit_error(verdict, cause)
-            self._finish(request, RequestStatus.FINISHED_ERROR)
-            outputs.append(EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="error", error=error))
         if verdict.found_culprit:
+            self._finish(self.requests[verdict.culprits[0]], RequestStatus.FINISHED_ERROR)
+            outputs.append(quarantine.culprit_output(verdict, cause))
             quarantine.release(self.requests.values())
         self.quarantined = {rid for rid, request in self.requests.items() if request.quarantined}
         return verdict, outputs

@@ -520,33 +520,19 @@ class AsyncLLM:
     def _apply_verdict(self, recovery: RecoveryStats) -> None:
         """Mirror what the core decided in a recovery of its own, so the
         records a restarted core gets are the same."""
-        children = self._unfinished_children()
-        if recovery.culprits:
-            quarantine.release(children.values())
-        elif recovery.charged:
-            quarantine.charge([children[rid] for rid in recovery.charged if rid in children])
+        quarantine.mirror(self._unfinished_children(), recovery.charged, recovery.culprits)
 
     def _charge_core_death(self, running_alone: str | None, cause: str) -> tuple[list[EngineCoreOutput], int]:
-        """The core died: charge the requests exposed to it, which are the
-        quarantined one it ran alone (its record names it), else every
-        request it held. Returns the culprit's error output and the core
-        deaths it caused (none if this death names no culprit)."""
-        children = self._unfinished_children()
-        if running_alone in children:
-            children[running_alone].quarantined = True  # the core only runs quarantined requests alone
-            exposed = [children[running_alone]]
-        else:
-            exposed = list(children.values())
-        verdict = quarantine.charge(exposed)
+        """The core died: charge the requests exposed to it (see
+        quarantine.charge_death). Returns the culprit's error output and the
+        core deaths it caused (none if this death names no culprit)."""
+        verdict = quarantine.charge_death(self._unfinished_children(), running_alone)
         if not verdict.found_culprit:
             return [], 0
-        quarantine.release(children.values())
         culprit = verdict.culprits[0]
         logger.error("request %s was present at %d engine-core failures and killed the core again running alone: "
                      "failed, not retried", culprit, verdict.culprit_recoveries + 1)
-        error = quarantine.culprit_error(verdict, cause)
-        return [EngineCoreOutput(request_id=culprit, new_token_ids=[], finish_reason="error", error=error)], \
-            verdict.culprit_recoveries + 1
+        return [quarantine.culprit_output(verdict, cause)], verdict.culprit_recoveries + 1
 
     def _answer_pings(self) -> None:
         """Pings to the dead core will never be answered; the server itself is
