@@ -312,7 +312,7 @@ class Scheduler:
                 num_cached_tokens=max(request.num_cached_tokens, 0),
             )
             if prompt_lps:
-                out.prompt_logprobs_start = _first_scored_prompt_token(scheduler_output, request, len(prompt_lps))
+                out.prompt_logprobs_start = _first_scored_prompt_token(scheduler_output, rid)
             if new_tokens and request.first_token_time is None:
                 request.first_token_time = time.monotonic()
                 out.queue_seconds = request.first_scheduled_time - request.received_time
@@ -442,13 +442,9 @@ class Scheduler:
         }
 
 
-def _first_scored_prompt_token(so: SchedulerOutput, request: Request, num_entries: int) -> int:
-    """The prompt token that the first of a step's `num_entries` prompt
-    logprobs scores. The step's rows end at its last scheduled position
-    before the prompt's last token (position p scores token p + 1); where
-    they start depends on what the workers computed before, which a rebuilt
-    executor has forgotten, so it is counted back from the end."""
-    rid = request.request_id
+def _first_scored_prompt_token(so: SchedulerOutput, rid: str) -> int:
+    """The prompt token that the first of a step's prompt logprobs scores:
+    the workers give them for every prompt position the step computes, from
+    its first (position p scores token p + 1)."""
     start = next(r.num_computed_tokens for r in (*so.scheduled_new_reqs, *so.scheduled_cached_reqs) if r.req_id == rid)
-    last = min(start + so.num_scheduled_tokens[rid], request.num_prompt_tokens - 1)
-    return last - num_entries + 1
+    return start + 1

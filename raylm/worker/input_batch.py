@@ -26,8 +26,6 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None = None
-    # Prompt logprobs are delivered as prefill chunks are computed.
-    prompt_logprobs_done: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -96,15 +94,14 @@ def prepare_batch(
             batch.sample_indices.append(offset + n - 1)
         want_prompt_lps = state.sampling_params.prompt_logprobs is not None
         num_prompt = len(state.prompt_token_ids)
-        # Skip positions delivered before a preemption made us recompute them.
-        first = max(start, state.prompt_logprobs_done)
-        if want_prompt_lps and first < min(end, num_prompt - 1):
+        # Every prompt position computed gives its logprobs, again after a
+        # preemption or a rebuilt executor: the front end keeps one of each.
+        if want_prompt_lps and start < min(end, num_prompt - 1):
             # Position p predicts prompt token p+1.
             last = min(end, num_prompt - 1)
-            rows = list(range(offset + first - start, offset + last - start))
-            targets = state.prompt_token_ids[first + 1 : last + 1]
+            rows = list(range(offset, offset + last - start))
+            targets = state.prompt_token_ids[start + 1 : last + 1]
             batch.prompt_logprob_rows[rid] = (rows, targets)
-            state.prompt_logprobs_done = last
         offset += n
 
     meta = AttentionMetadata(

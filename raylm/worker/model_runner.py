@@ -103,7 +103,6 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 generator=generator,
-                prompt_logprobs_done=old.prompt_logprobs_done if old is not None else 0,
             )
             # Blocks from the prefix cache hold K/V already; the rest are fresh.
             fresh_blocks.extend(new.block_ids[new.num_computed_tokens // self.block_size :])
