@@ -549,7 +549,9 @@ class AsyncLLM:
         died is being replaced; EngineDeadError once the engine is dead."""
         self._check_alive()
         self._ensure_output_handler()
-        unhealthy = self.blame.unhealthy_reason or self._core_unhealthy
+        replicas_blame = getattr(self.engine_core, "blame", None)  # data parallel: replica restarts
+        unhealthy = (self.blame.unhealthy_reason or self._core_unhealthy
+                     or (replicas_blame.unhealthy_reason if replicas_blame is not None else None))
         if unhealthy is not None:
             raise EngineUnhealthyError(f"engine unhealthy: {unhealthy}")
         if self.recovering or not self.engine_core.is_alive():

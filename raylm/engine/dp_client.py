@@ -35,6 +35,7 @@ outputs. The output socket tells from the key which replica sent a frame
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -47,6 +48,8 @@ import zmq
 import zmq.asyncio
 
 from raylm.config import EngineConfig
+from raylm.core import quarantine
+from raylm.core.outputs import EngineCoreOutput
 from raylm.core.request import Request
 from raylm.distributed.tcp_auth import CurveKeys, CurveServer
 from raylm.engine.core_client import EngineDeadError, send_pending
@@ -59,8 +62,8 @@ from raylm.engine.core_proc import (
     SchedulerStats,
     Shutdown,
 )
-from raylm.engine.dp_manager import CoreEngineActorManager, DropLog, ReplicaChannel
-from raylm.engine.restart_budget import RestartBudget
+from raylm.engine.dp_manager import CoreEngineActorManager, DropLog, ReplicaChannel, RunningAloneRecordInRay
+from raylm.engine.restart_budget import BlameLedger, RestartBudget
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +135,10 @@ class DPClient:
         pc = config.parallel_config
         self.config = config
         self.prefix_affinity = pc.data_parallel_prefix_affinity
-        self.restart_budget = RestartBudget(config.fault_tolerance.max_restarts,
-                                            config.fault_tolerance.restart_window_s)
+        ft = config.fault_tolerance
+        self.restart_budget = RestartBudget(ft.max_restarts, ft.restart_window_s)
+        # Replica restarts that failed requests caused are forgiven, up to a rate.
+        self.blame = BlameLedger(self.restart_budget, ft.max_blamed_recoveries, ft.restart_window_s)
         self._ctx = zmq.Context()
         self._replica_keys = _ReplicaKeys()
         self._undecodable = DropLog("a replica message that does not decode", logger)
@@ -149,6 +154,8 @@ class DPClient:
         self._started: queue.Queue = queue.Queue()
         self._starting: set[int] = set()
         self._recoveries: list[RecoveryStats] = []
+        # Culprits of replica deaths (raylm.core.quarantine), to pass up as their outputs.
+        self._culprit_outputs: list[EngineCoreOutput] = []
         self._pings: dict[int, set[int]] = {}
         self._nonce = 0
         self.dead_error: EngineDeadError | None = None
@@ -198,7 +205,12 @@ class DPClient:
 
     def _replica_channel(self, replica: _Replica) -> ReplicaChannel:
         """What the replica's actor is given (through Ray) to connect with."""
-        return ReplicaChannel(replica.address, self.output_address, replica.keys, self._curve.keys.public)
+        return ReplicaChannel(replica.address, self.output_address, replica.keys, self._curve.keys.public,
+                              self._running_alone(replica.index).key.decode())
+
+    def _running_alone(self, index: int) -> RunningAloneRecordInRay:
+        """Replica `index`'s record of the quarantined request it runs alone."""
+        return RunningAloneRecordInRay(f"raylm-running-alone-{id(self):x}-{os.getpid()}-{index}")
 
     def _close_channel(self, replica: _Replica) -> None:
         self._replica_keys.replicas.pop(replica.keys.public, None)
@@ -458,6 +470,8 @@ class DPClient:
             return
         self._close_channel(replica)
         orphans = sorted(replica.in_flight)
+        blamed = self._charge_replica_death(index, orphans, cause)
+        orphans = [rid for rid in orphans if rid in self._sent]
         logger.error("data-parallel replica %d died (%s); resubmitting its %d request(s) to the others",
                      index, cause, len(orphans))
         for rid in orphans:
@@ -465,7 +479,11 @@ class DPClient:
         self._recoveries.append(RecoveryStats("dp_replica", 0.0, len(orphans)))
         for waiting in self._pings.values():
             waiting.discard(index)
-        if self.restart_budget.allow():
+        hunting = self.restart_budget.max_restarts > 0 and any(s.request.quarantined for s in self._sent.values())
+        allowed = self.restart_budget.allow() or (hunting and self.blame.excuse())
+        if blamed:  # the culprit's doing, this death included: not the replica's
+            allowed = self.blame.forgive(blamed) or allowed
+        if allowed:
             self._replace_in_background(index)
         else:
             logger.error("no restart left for replica %d (max_restarts %d): serving with %d replica(s)",
@@ -482,6 +500,23 @@ class DPClient:
         self.replicas[channel.index] = channel
         logger.warning("data-parallel replica %d replaced in %.1f s", channel.index, seconds)
 
+    def _charge_replica_death(self, index: int, orphans: list[str], cause: str) -> int:
+        """Charge the requests exposed to a replica's death (see
+        quarantine.charge_death); a culprit ends here, with an error. Returns
+        the deaths the culprit caused (0 if this one names none)."""
+        record = self._running_alone(index)
+        running_alone = record.read()
+        record.delete()
+        verdict = quarantine.charge_death({rid: self._sent[rid].request for rid in orphans}, running_alone)
+        if not verdict.found_culprit:
+            return 0
+        culprit = verdict.culprits[0]
+        logger.error("request %s was present at %d failures and killed replica %d again running alone: failed, "
+                     "not retried", culprit, verdict.culprit_recoveries + 1, index)
+        del self._sent[culprit]
+        self._culprit_outputs.append(quarantine.culprit_output(verdict, cause))
+        return verdict.culprit_recoveries + 1
+
     def _resubmit(self, request_id: str) -> None:
         """Send a request again, after the tokens it already produced."""
         sent = self._sent.get(request_id)
@@ -489,7 +524,8 @@ class DPClient:
             return
         first = sent.request
         request = Request(first.request_id, first.prompt_token_ids, first.sampling_params, first.eos_token_id,
-                          first.arrival_time, output_token_ids=sent.token_ids)
+                          first.arrival_time, output_token_ids=sent.token_ids,
+                          num_recoveries=first.num_recoveries, quarantined=first.quarantined)
         replica = self._route(request, None)
         if replica is None:
             sent.replica = -1
@@ -509,6 +545,9 @@ class DPClient:
             self._deaths.put((outputs.engine_index, outputs.error.strip().splitlines()[-1]))
             self.manager.stop_replica(outputs.engine_index, wait_s=0)
             return None
+        for recovery in outputs.recoveries:  # the replica's own: mirror its verdicts
+            quarantine.mirror({rid: self._sent[rid].request for rid in replica.in_flight if rid in self._sent},
+                              recovery.charged, recovery.culprits)
         if outputs.stats is not None:
             replica.stats = outputs.stats
             outputs.stats = self._aggregate_stats()
@@ -544,10 +583,10 @@ class DPClient:
         )
 
     def _pending_recoveries(self) -> EngineCoreOutputs | None:
-        if not self._recoveries:
+        if not self._recoveries and not self._culprit_outputs:
             return None
-        outputs = EngineCoreOutputs(recoveries=self._recoveries)
-        self._recoveries = []
+        outputs = EngineCoreOutputs(outputs=self._culprit_outputs, recoveries=self._recoveries)
+        self._recoveries, self._culprit_outputs = [], []
         return outputs
 
     def shutdown(self) -> None:

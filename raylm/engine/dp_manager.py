@@ -56,6 +56,8 @@ class ReplicaChannel:
     output_address: str
     keys: CurveKeys
     front_end_key: bytes
+    # Where the replica records the quarantined request it runs alone (RunningAloneRecordInRay).
+    running_alone_key: str = ""
 
     def secure(self, sock) -> None:
         """Before connect: present our key, and talk to the front end only."""
@@ -76,6 +78,38 @@ class DropLog:
         self.count += 1
         if self.count & (self.count - 1) == 0:
             self.log.warning("data parallel: dropped %s (%d so far): %s", self.what, self.count, detail)
+
+
+class RunningAloneRecordInRay:
+    """core_proc.RunningAloneRecord for a replica, which may run on another
+    node than its front end: the record is a key in Ray's GCS store, written
+    synchronously (so a replica killed in the next step has written it) and
+    only when the request running alone changes."""
+
+    def __init__(self, key: str):
+        self.key = key.encode()
+
+    def write(self, request_id: str | None) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_put(self.key, (request_id or "").encode(), overwrite=True)
+
+    def read(self) -> str | None:
+        from ray.experimental import internal_kv
+
+        try:
+            value = internal_kv._internal_kv_get(self.key)
+        except Exception:  # Ray is shutting down: no record
+            return None
+        return value.decode() if value else None
+
+    def delete(self) -> None:
+        from ray.experimental import internal_kv
+
+        try:
+            internal_kv._internal_kv_del(self.key)
+        except Exception:
+            pass
 
 
 class ReplicaCoreProc(EngineCoreProc):
@@ -109,6 +143,8 @@ class EngineCoreActor:
         self.core = EngineCore(config)
         self.proc = ReplicaCoreProc(self.core, channel.input_address, channel.output_address, engine_index,
                                     watch_parent=False, secure_socket=channel.secure)
+        if channel.running_alone_key:
+            self.core.on_running_alone = RunningAloneRecordInRay(channel.running_alone_key).write
 
     def ready(self) -> dict:
         import ray

@@ -235,3 +235,40 @@ def test_hook_raises_only_on_steps_with_the_token():
     with pytest.raises(InjectedFault):  # known by id on later steps
         injector.before_step(step([], ["b"]))
     injector.before_step(step([], ["a"]))
+
+
+# ---- data parallel: a replica that dies is healed, its requests resubmitted ------------------
+
+
+def test_dp2_poison_that_kills_replicas_is_failed_alone(monkeypatch, ray_session, model, reference):
+    """Each replica runs its model in the replica actor (uni), so the poison
+    kills replicas; its record (charges, quarantine) travels with it to the
+    other replica, and the replica running it alone names it through Ray."""
+    from tests.engine.test_data_parallel import _assert_nothing_left
+
+    monkeypatch.setenv(ENV_VAR, f"kill:token={POISON}")
+    poison_at = 2
+    llm = LLM(model, dtype="float32", data_parallel_size=2, num_threads=1, kv_cache_memory_bytes=16 << 20)
+    try:
+        outputs = llm.generate(_prompts(poison_at), GREEDY, use_tqdm=False)
+        _check_outputs(outputs, poison_at, reference)
+        client = llm.llm_engine.engine_core
+        assert client.restart_budget.num_recent == 0 and client.blame.unhealthy_reason is None
+        again = llm.generate([{"prompt_token_ids": p} for p in GOOD[:4]], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == reference[:4]
+        # The replicas it killed are replaced (then shut down with the others).
+        wait_for(lambda: [r["state"] for r in client.replica_states()] == ["serving", "serving"],
+                 step=llm.llm_engine.step, within_s=120)
+    finally:
+        llm.shutdown()
+    _assert_nothing_left()
+
+
+def wait_for(condition, step, within_s: float) -> None:
+    import time
+
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition never became true"
+        step()
+        time.sleep(0.1)
