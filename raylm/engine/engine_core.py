@@ -18,11 +18,15 @@ step) the core rebuilds it in place and every request carries on: see
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
+import traceback
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+
+import torch
 
 from raylm.config import EngineConfig
 from raylm.core.outputs import EngineCoreOutput
@@ -150,7 +154,10 @@ class EngineCore:
                 return self._step_with_batch_queue()
             return self._step_one_batch()
         except _StepFailed as failed:
-            return self._recover(failed.error, failed.batch)
+            error, batch = failed.error, failed.batch
+        # Recovered outside the except block, so that the frames of the failed
+        # step (see _release_failure) are not kept alive by it.
+        return self._recover(error, batch)
 
     def _step_one_batch(self) -> list[EngineCoreOutput]:
         if not self.scheduler.has_unfinished_requests():
@@ -249,7 +256,10 @@ class EngineCore:
         try:
             self.executor.check_health()
         except Exception as e:
-            self._recover(e, None)
+            error = e
+        else:
+            return
+        self._recover(error, None)
 
     def _recover(self, error: BaseException, batch: SchedulerOutput | None) -> list[EngineCoreOutput]:
         """Rebuild the executor and put every request back in the queue: the
@@ -263,6 +273,8 @@ class EngineCore:
         EngineDeadError once the restart budget is spent."""
         noticed = time.monotonic()
         kind, cause = self._diagnose(error)
+        _release_failure(error)
+        del error
         self.failures_by_kind[kind] = self.failures_by_kind.get(kind, 0) + 1
         exposed = self._requests_in_flight(batch)
         verdict, outputs = self.scheduler.charge_recovery(exposed, cause.splitlines()[0] if cause else kind)
@@ -331,6 +343,7 @@ class EngineCore:
                 )
                 raise self.dead_error
             self._shutdown_executor()
+            _free_released_memory()
             delay = 0.0 if hunting else self.restart_budget.backoff_s()
             if delay > 0:
                 time.sleep(delay)
@@ -361,3 +374,27 @@ class EngineCore:
         if self.scheduler.structured_output_manager is not None:
             self.scheduler.structured_output_manager.shutdown()
         self.executor.shutdown()
+
+
+def _release_failure(error: BaseException) -> None:
+    """Drop what a failure's tracebacks hold: the frames of the failed step
+    reference the old executor, its model and its tensors (with the uni
+    backend, in this process). Recovery keeps only the failure's text; the
+    old model must be gone before the new one is loaded (on one GPU both
+    would not fit)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if error.__traceback__ is not None:
+            traceback.clear_frames(error.__traceback__)
+            error.__traceback__ = None
+        error = error.__cause__ or error.__context__
+
+
+def _free_released_memory() -> None:
+    """After the failed executor is shut down: collect what it left in
+    reference cycles, and give its cached device memory back, before the new
+    executor measures what it may use."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
