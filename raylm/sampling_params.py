@@ -90,6 +90,13 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.{name}: at most {MAX_GRAMMAR_CHARS} characters, got {size}")
 
 
+# Integer fields checked to fit the wire format (msgpack: 64 bits).
+_INTEGER_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+                   "truncate_prompt_tokens")
+# Completions per request, as OpenAI's API caps `n`.
+MAX_N = 128
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's tokens, with vLLM's field names and defaults.
@@ -157,8 +164,15 @@ class SamplingParams:
         def bad(field_name: str, why: str) -> ValueError:
             return ValueError(f"{field_name} {why}")
 
+        for name in _INTEGER_FIELDS:
+            value = getattr(self, name)
+            # Past 64 bits no transport carries it: refused here, not by a failing step.
+            if isinstance(value, int) and not -(2**63) <= value < 2**63:
+                raise bad(name, f"must fit in a signed 64-bit integer, got {value}")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.n > MAX_N:
+            raise bad("n", f"may be at most {MAX_N} (each completion is a request of its own), got {self.n}")
         if self.temperature < 0.0:
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

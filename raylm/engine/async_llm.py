@@ -502,7 +502,7 @@ class AsyncLLM:
                 self.engine_core.add_request(Request(
                     child_id, first.prompt_token_ids, first.sampling_params, first.eos_token_id,
                     first.arrival_time, output_token_ids=token_ids, num_recoveries=first.num_recoveries,
-                    quarantined=first.quarantined))
+                    quarantined=first.quarantined, cache_salt=first.cache_salt))
                 count += 1
         return count
 

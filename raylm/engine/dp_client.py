@@ -524,8 +524,8 @@ class DPClient:
             return
         first = sent.request
         request = Request(first.request_id, first.prompt_token_ids, first.sampling_params, first.eos_token_id,
-                          first.arrival_time, output_token_ids=sent.token_ids,
-                          num_recoveries=first.num_recoveries, quarantined=first.quarantined)
+                          first.arrival_time, output_token_ids=sent.token_ids, num_recoveries=first.num_recoveries,
+                          quarantined=first.quarantined, cache_salt=first.cache_salt)
         replica = self._route(request, None)
         if replica is None:
             sent.replica = -1

@@ -207,3 +207,10 @@ def test_bad_words_index_matches_the_definition_and_looks_only_at_candidates():
     # (here ~1/vocab of the multi-token ones), never the whole list.
     multi = [s for s in sequences if len(s) > 1]
     assert max(len(v) for v in index.by_prefix_end.values()) < len(multi) / 10
+
+
+@pytest.mark.parametrize("field, value", [("seed", 2**70), ("n", 2**70), ("max_tokens", 2**64),
+                                          ("top_k", -(2**63) - 1), ("n", 129)])
+def test_integers_past_what_the_engine_carries_are_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
