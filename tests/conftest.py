@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,10 +15,31 @@ from raylm.testing.tiny_models import make_tiny_model
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
+TESTS = Path(__file__).parent
+
 # The suite runs on CPU even on a GPU host (else the Ray tests would move to
 # CUDA and the TP=2 ones ask for two GPUs); tests/gpu/ opts back in. Set in the
 # environment so that processes the tests start inherit it too.
 os.environ["RAYLM_DEVICE"] = "cpu"
+
+
+def pytest_collection_modifyitems(items):
+    """The tiers (markers declared in pyproject.toml), given here by what a test
+    uses: the `ray_session` fixture -> ray; a `server` or `*_server` fixture of
+    tests/entrypoints/openai/ -> server; tests/multinode/ -> multinode;
+    tests/gpu/ -> gpu. A test that starts Ray or a server itself carries the
+    mark in its module (pytestmark, a decorator, or its parameter's marks)."""
+    for item in items:
+        folder = item.path.relative_to(TESTS).parts[:-1]
+        fixtures = set(item.fixturenames)  # with the fixtures they use, transitively
+        if "ray_session" in fixtures:
+            item.add_marker(pytest.mark.ray)
+        if folder == ("entrypoints", "openai") and any(f == "server" or f.endswith("_server") for f in fixtures):
+            item.add_marker(pytest.mark.server)
+        if folder[:1] == ("multinode",):
+            item.add_marker(pytest.mark.multinode)
+        if folder[:1] == ("gpu",):
+            item.add_marker(pytest.mark.gpu)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -15,6 +15,8 @@ from raylm.distributed.tcp_auth import UNAUTHENTICATED_TCP_ENV
 from tests.conftest import executor_of, our_live_ray_state
 from tests.executor.worker_callables import fail_on_rank_1, rank_times
 
+pytestmark = pytest.mark.ray
+
 
 @pytest.fixture(scope="module")
 def remote_tp2(tiny_model_dir):

@@ -27,6 +27,7 @@ def cluster():
         yield c, nodes
 
 
+@pytest.mark.ray
 @pytest.mark.parametrize("placement, distinct_nodes", [("pack", 1), ("spread", 2)])
 def test_replicas_are_packed_or_spread(cluster, tiny_model_dir, placement, distinct_nodes):
     model = tiny_model_dir("llama", num_key_value_heads=2)

@@ -108,8 +108,8 @@ def assert_gone(traces) -> None:
 
 BACKENDS = [
     pytest.param("mp", {}, id="mp"),
-    pytest.param("ray", {"ray_step_transport": "mq"}, id="ray-mq"),
-    pytest.param("ray", {"ray_step_transport": "cgraph"}, id="ray-cgraph"),
+    pytest.param("ray", {"ray_step_transport": "mq"}, id="ray-mq", marks=pytest.mark.ray),
+    pytest.param("ray", {"ray_step_transport": "cgraph"}, id="ray-cgraph", marks=pytest.mark.ray),
 ]
 
 

@@ -117,6 +117,7 @@ def gpu_cluster():
     shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.mark.ray
 def test_ranks_get_the_device_index_their_node_gives_ray_s_gpu(gpu_cluster, tiny_model_dir, capsys):
     _, nodes = gpu_cluster
     model = tiny_model_dir("llama", num_hidden_layers=3)

@@ -65,6 +65,7 @@ def _plan(capsys, *flags) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+@pytest.mark.ray
 def test_the_plan_is_where_the_run_lands(cluster, tiny_model_dir, capsys):
     _, nodes = cluster
     model = tiny_model_dir("llama")
@@ -93,6 +94,7 @@ def test_the_plan_is_where_the_run_lands(cluster, tiny_model_dir, capsys):
     assert "Fits." in out and out.count(nodes["big"][:12]) >= 4
 
 
+@pytest.mark.ray
 def test_replicas_are_planned_where_they_start(cluster, tiny_model_dir, capsys):
     model = tiny_model_dir("llama")
     code, out, err = _plan(capsys, "-dp", "2", "--data-parallel-placement", "spread", "--model", model, "--json")
@@ -109,6 +111,7 @@ def test_replicas_are_planned_where_they_start(cluster, tiny_model_dir, capsys):
     assert our_live_ray_state() == ([], [])
 
 
+@pytest.mark.ray
 def test_a_request_that_does_not_fit_says_what_is_missing(cluster, tiny_model_dir, capsys):
     from ray.util import placement_group_table
 

@@ -57,6 +57,7 @@ def _generate(llm: LLM) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+@pytest.mark.ray
 def test_generate_joins_the_running_local_cluster_without_an_address(private_ray_dir, tiny_model_dir):
     import ray
 
@@ -79,6 +80,7 @@ def test_generate_joins_the_running_local_cluster_without_an_address(private_ray
         assert head.alive()
 
 
+@pytest.mark.ray
 def test_a_stale_cluster_file_is_ignored_and_a_local_instance_started(private_ray_dir, caplog):
     import ray
 
@@ -97,6 +99,7 @@ def test_a_stale_cluster_file_is_ignored_and_a_local_instance_started(private_ra
     assert cluster_file in warning and f"127.0.0.1:{dead_port}" in warning and "ray stop" in warning
 
 
+@pytest.mark.ray
 def test_an_explicit_dead_address_fails_at_once_naming_it(private_ray_dir, monkeypatch):
     # (Ray itself retries a dead address for minutes, then exits the process.)
     (dead_port,) = free_ports(1)
@@ -108,6 +111,7 @@ def test_an_explicit_dead_address_fails_at_once_naming_it(private_ray_dir, monke
     assert not ray_utils.owns_local_ray()
 
 
+@pytest.mark.ray
 def test_a_larger_engine_later_in_the_process_gets_room(private_ray_dir, tiny_model_dir, monkeypatch):
     import ray
 
@@ -130,6 +134,7 @@ def test_a_larger_engine_later_in_the_process_gets_room(private_ray_dir, tiny_mo
     assert our_live_ray_state() == ([], [])
 
 
+@pytest.mark.ray
 def test_two_nodes_reporting_one_ip_fail_naming_the_fix(private_ray_dir, tiny_model_dir, monkeypatch):
     """Simulated nodes share the machine's IP, as two hosts behind one NAT would."""
     import ray

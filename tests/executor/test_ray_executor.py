@@ -14,6 +14,8 @@ from tests.conftest import executor_of as _executor
 from tests.conftest import our_live_ray_state, wait_until_unhealthy
 from tests.executor.worker_callables import fail_on_rank_1, marker_env, rank_of, sleep_then_rank
 
+pytestmark = pytest.mark.ray
+
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 100)), [3]]
 

@@ -99,6 +99,7 @@ def tp2(model):
     _assert_nothing_left(ex, segments)
 
 
+@pytest.mark.ray
 def test_collective_rpc_by_name_and_callable(tp2):
     ex = _executor(tp2)
     pids = ex.collective_rpc("check_health")
@@ -111,6 +112,7 @@ def test_collective_rpc_by_name_and_callable(tp2):
     assert first.done() and first.result() == [0, 1]
 
 
+@pytest.mark.ray
 def test_timeout_names_the_silent_rank_and_the_executor_recovers(tp2):
     ex = _executor(tp2)
     with pytest.raises(TimeoutError, match=r"rank 1 \(pid \d+"):
@@ -119,6 +121,7 @@ def test_timeout_names_the_silent_rank_and_the_executor_recovers(tp2):
     assert ex.collective_rpc(rank_times, args=(1,), timeout=30) == [0, 1]
 
 
+@pytest.mark.ray
 def test_exception_carries_rank_and_traceback(tp2):
     ex = _executor(tp2)
     with pytest.raises(RuntimeError, match="rank 1") as err:

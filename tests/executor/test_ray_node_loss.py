@@ -13,6 +13,8 @@ from raylm.testing.hf_oracle import hf_greedy
 from tests.conftest import simulated_cluster, executor_of, our_live_ray_state
 from tests.engine.test_recovery import generate_with_strike
 
+pytestmark = pytest.mark.ray
+
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 PROMPTS = [[(5 * i + j) % 200 + 3 for j in range(2 + 7 * i)] for i in range(8)]

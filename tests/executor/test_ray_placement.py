@@ -57,6 +57,7 @@ def _llm(model, **kwargs):
                kv_cache_memory_bytes=16 << 20, ray_placement_timeout=20, **kwargs)
 
 
+@pytest.mark.ray
 def test_strict_spread_puts_one_rank_per_node_and_rank0_on_the_driver(cluster, tiny_model_dir):
     import ray
 
@@ -83,6 +84,7 @@ def _wait_for_all_cpus_free(within_s: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.ray
 def test_pack_keeps_a_tp_group_on_one_node(cluster, tiny_model_dir):
     _wait_for_all_cpus_free()
     with _llm(tiny_model_dir("llama"), tensor_parallel_size=2, ray_placement_strategy="PACK") as llm:
@@ -93,6 +95,7 @@ def test_pack_keeps_a_tp_group_on_one_node(cluster, tiny_model_dir):
     assert our_live_ray_state() == ([], [])
 
 
+@pytest.mark.ray
 def test_runs_in_a_placement_group_the_user_made(cluster, tiny_model_dir):
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -106,6 +109,7 @@ def test_runs_in_a_placement_group_the_user_made(cluster, tiny_model_dir):
     remove_placement_group(pg)
 
 
+@pytest.mark.ray
 def test_a_request_that_cannot_fit_fails_with_the_resources(cluster, tiny_model_dir):
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="could not place 4 workers") as err:

@@ -121,6 +121,7 @@ def _wait_new_core(server: RaylmServer, old_pid: int) -> psutil.Process:
     return found[0]
 
 
+@pytest.mark.server
 def test_killed_core_is_replaced_and_streams_continue(llama_dir, tmp_path):
     server = RaylmServer(llama_dir, [], str(tmp_path / "server.log"))
     try:
@@ -170,6 +171,7 @@ def _post_in_background(server: RaylmServer, prompt: str) -> tuple[threading.Thr
     return thread, result
 
 
+@pytest.mark.server
 def test_past_the_restart_budget_the_server_answers_503_and_exits(llama_dir, tmp_path):
     server = RaylmServer(llama_dir, ["--max-restarts", "1"], str(tmp_path / "server.log"))
     try:

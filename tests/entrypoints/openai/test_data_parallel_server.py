@@ -13,6 +13,8 @@ import pytest
 from raylm import LLM, SamplingParams
 from tests.entrypoints.openai.server_utils import API_KEY, MODEL_NAME, RaylmServer, scrape_metric
 
+pytestmark = pytest.mark.ray  # the replicas are Ray actors
+
 PROMPTS = [f"ROMEO {i}: speak" for i in range(24)]
 MAX_TOKENS = 24
 

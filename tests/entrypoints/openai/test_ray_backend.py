@@ -10,6 +10,8 @@ import pytest
 from raylm import LLM, SamplingParams
 from tests.entrypoints.openai.server_utils import API_KEY, MODEL_NAME, RaylmServer
 
+pytestmark = pytest.mark.ray
+
 
 @pytest.fixture(scope="module")
 def ray_server(llama_dir, tmp_path_factory):

@@ -10,8 +10,11 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.entrypoints.openai.server_utils import MODEL_NAME, RaylmServer, scrape_metric
+
+pytestmark = pytest.mark.server
 
 GRACE_S = 0.5
 LONG_STREAM = {"model": MODEL_NAME, "prompt": "ROMEO:", "max_tokens": 500, "ignore_eos": True, "stream": True,

@@ -34,6 +34,8 @@ from tests.entrypoints.openai.stream_utils import (
     wait_for,
 )
 
+pytestmark = pytest.mark.server
+
 # Long enough that the streams queued behind the running one are still there
 # when the signal comes, on any machine: each runs this many tokens.
 LONG_TOKENS = 4000
