@@ -94,6 +94,8 @@ class _Replica:
     draining: bool = False
     num_routed: int = 0
     node_ip: str = ""
+    # When it last sent anything, or was given work while idle (see _kill_hung_replicas).
+    last_heard: float = field(default_factory=time.monotonic)
 
     @property
     def score(self) -> float:
@@ -362,6 +364,8 @@ class DPClient:
         self._dispatch(replica, request.request_id, frame)
 
     def _dispatch(self, replica: _Replica, request_id: str, frame: bytes) -> None:
+        if not replica.in_flight:
+            replica.last_heard = time.monotonic()  # its silence while idle was no hang
         replica.in_flight.add(request_id)
         replica.num_routed += 1
         self._sent[request_id].replica = replica.index
@@ -457,12 +461,30 @@ class DPClient:
                 self._resubmit(request.request_id)
         for replica in self.replicas.values():
             self._flush(replica)
+        self._kill_hung_replicas()
         self._retire_drained()
         if not self.replicas and not self._starting and self.dead_error is None:
             self.dead_error = EngineDeadError("every data-parallel replica is gone and none can be restarted "
                                               f"(max_restarts {self.restart_budget.max_restarts})")
         if self.dead_error is not None:
             raise self.dead_error
+
+    def _kill_hung_replicas(self) -> None:
+        """A replica that sent nothing for longer than the step deadline while
+        it holds requests is hung (one whose model runs in the replica's own
+        process, the uni backend, has nobody else to notice): it is killed
+        and handled as a death. A busy replica reports after every step."""
+        timeout = self.config.fault_tolerance.execute_model_timeout_s
+        now = time.monotonic()
+        for replica in list(self.replicas.values()):
+            silent_s = now - replica.last_heard
+            if not replica.in_flight or silent_s <= timeout:
+                continue
+            replica.last_heard = now  # once: its death is on the way
+            logger.error("data-parallel replica %d sent nothing for %.0f s with %d request(s) in flight: killing it",
+                         replica.index, silent_s, len(replica.in_flight))
+            self._deaths.put((replica.index, f"no progress for {silent_s:.0f} s with requests in flight (hung)"))
+            self.manager.stop_replica(replica.index, wait_s=0)
 
     def _on_replica_death(self, index: int, cause: str) -> None:
         replica = self.replicas.pop(index, None)
@@ -539,6 +561,7 @@ class DPClient:
         if decoded is None:
             return None
         replica, outputs = decoded
+        replica.last_heard = time.monotonic()
         self._drop_foreign_outputs(replica, outputs)
         if outputs.error is not None:
             # That replica is dead for good; the others serve its requests.

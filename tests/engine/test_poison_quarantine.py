@@ -240,15 +240,21 @@ def test_hook_raises_only_on_steps_with_the_token():
 # ---- data parallel: a replica that dies is healed, its requests resubmitted ------------------
 
 
-def test_dp2_poison_that_kills_replicas_is_failed_alone(monkeypatch, ray_session, model, reference):
+@pytest.mark.parametrize("action", ["kill", "hang", "raise"])
+def test_dp2_poison_is_failed_alone(monkeypatch, ray_session, model, reference, action):
     """Each replica runs its model in the replica actor (uni), so the poison
-    kills replicas; its record (charges, quarantine) travels with it to the
-    other replica, and the replica running it alone names it through Ray."""
+    kills or hangs replicas (the front end kills a replica silent past the
+    step deadline), or breaks steps inside one; its record (charges,
+    quarantine) travels with it to the other replica, and a replica running
+    it alone names it through Ray."""
     from tests.engine.test_data_parallel import _assert_nothing_left
 
-    monkeypatch.setenv(ENV_VAR, f"kill:token={POISON}")
+    monkeypatch.setenv(ENV_VAR, f"{action}:token={POISON}")
     poison_at = 2
-    llm = LLM(model, dtype="float32", data_parallel_size=2, num_threads=1, kv_cache_memory_bytes=16 << 20)
+    # A short step deadline for the hang (a replica is killed once silent for
+    # that long); in-replica rebuilds (raise) may take longer than that here.
+    llm = LLM(model, dtype="float32", data_parallel_size=2, num_threads=1, kv_cache_memory_bytes=16 << 20,
+              execute_model_timeout=4 if action == "hang" else 300)
     try:
         outputs = llm.generate(_prompts(poison_at), GREEDY, use_tqdm=False)
         _check_outputs(outputs, poison_at, reference)
