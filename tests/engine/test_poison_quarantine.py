@@ -105,7 +105,7 @@ def test_fault_specs_parse_and_typos_are_refused():
 # ---- offline: the engine core recovers in place ---------------------------------------------
 
 
-@pytest.mark.parametrize("action, kind", [("kill", WORKER_DIED), ("hang", WORKER_HUNG)])
+@pytest.mark.parametrize("action, kind", [("kill", WORKER_DIED), ("hang", WORKER_HUNG), ("raise", STEP_ERROR)])
 def test_mp_tp2_poison_is_failed_alone_and_the_rest_complete(monkeypatch, model, reference, action, kind):
     monkeypatch.setenv(ENV_VAR, f"{action}:token={POISON}")
     poison_at = 5
@@ -129,15 +129,16 @@ def test_mp_tp2_poison_is_failed_alone_and_the_rest_complete(monkeypatch, model,
     assert_gone(traces)
 
 
-def test_ray_tp2_killed_worker_poison_is_failed_alone(monkeypatch, ray_session, model, reference):
-    monkeypatch.setenv(ENV_VAR, f"kill:token={POISON}")
+@pytest.mark.parametrize("action, kind", [("kill", WORKER_DIED), ("raise", STEP_ERROR)])
+def test_ray_tp2_poison_is_failed_alone(monkeypatch, ray_session, model, reference, action, kind):
+    monkeypatch.setenv(ENV_VAR, f"{action}:token={POISON}")
     poison_at = NUM_GOOD  # last: every good request runs alone before it
     llm = _llm(model, "ray", tp=2)
     try:
         outputs = llm.generate(_prompts(poison_at), GREEDY, use_tqdm=False)
         _check_outputs(outputs, poison_at, reference)
         core = _core(llm)
-        assert [e.kind for e in core.recoveries] == [WORKER_DIED] * 3
+        assert [e.kind for e in core.recoveries] == [kind] * 3
         assert core.restart_budget.num_recent == 0
         traces = _executor_traces(executor_of(llm))
     finally:
