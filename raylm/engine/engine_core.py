@@ -227,11 +227,15 @@ class EngineCore:
         return outputs
 
     def _schedule(self) -> SchedulerOutput:
+        """schedule(), telling `on_running_alone` when the request that a
+        step runs alone changes (an empty step changes nothing: the steps in
+        flight still run what they ran)."""
         scheduler_output = self.scheduler.schedule()
         alone = self.scheduler.running_alone
-        if alone != self._announced_alone and self.on_running_alone is not None:
-            self.on_running_alone(alone)
-        self._announced_alone = alone
+        if not scheduler_output.is_empty and alone != self._announced_alone:
+            if self.on_running_alone is not None:
+                self.on_running_alone(alone)
+            self._announced_alone = alone
         return scheduler_output
 
     def _sample(self, scheduler_output: SchedulerOutput) -> Future:
