@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -99,19 +100,41 @@ def executor_of(llm):
     return llm.llm_engine.engine_core.engine_core.executor
 
 
-def wait_until_unhealthy(executor, within_s: float) -> str:
-    """Poll check_health() until it raises; the error message, or a test failure
-    when the executor still looks healthy after `within_s` seconds."""
-    import time
+POLL_S = 0.05
 
-    start = time.monotonic()
+
+def wait_until(condition, within_s: float, step=None, message="the condition"):
+    """Call `condition()` until it returns something true, and return that.
+    Between calls: `step()` when `step` is a function (one unit of progress,
+    e.g. an engine step), else a sleep of `step` seconds (default POLL_S).
+    Past `within_s` seconds the test fails saying what it waited for:
+    `message`, or `message()` read at that moment."""
+    deadline = time.monotonic() + within_s
     while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            what = message() if callable(message) else message
+            raise AssertionError(f"gave up after {within_s} s waiting for {what}")
+        if callable(step):
+            step()
+        else:
+            time.sleep(POLL_S if step is None else step)
+
+
+def wait_until_unhealthy(executor, within_s: float) -> str:
+    """The error check_health() raises once the executor notices a dead
+    worker; a test failure when it still looks healthy after `within_s` s."""
+
+    def health_error() -> str | None:
         try:
             executor.check_health()
         except RuntimeError as e:
             return str(e)
-        assert time.monotonic() - start < within_s, f"a dead worker went unnoticed for {within_s} s"
-        time.sleep(0.05)
+        return None
+
+    return wait_until(health_error, within_s, message="a dead worker to be noticed")
 
 
 @contextlib.contextmanager

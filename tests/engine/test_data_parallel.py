@@ -10,7 +10,7 @@ import pytest
 
 from raylm import LLM, SamplingParams
 from raylm.testing.hf_oracle import hf_greedy
-from tests.conftest import our_live_ray_state
+from tests.conftest import our_live_ray_state, wait_until
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -120,11 +120,12 @@ def test_killed_replica_is_replaced_and_loses_no_request(ray_session, model, ref
         outputs = generate_with_strike_dp(llm, kill)
         assert outputs == reference
         # A replacement comes up and serves.
-        deadline = time.monotonic() + 120
-        while [r["state"] for r in client.replica_states()] != ["serving", "serving"]:
-            assert time.monotonic() < deadline, client.replica_states()
+        def step_and_pause() -> None:
             llm.llm_engine.step()
             time.sleep(0.1)
+
+        wait_until(lambda: [r["state"] for r in client.replica_states()] == ["serving", "serving"], 120,
+                   step=step_and_pause, message=lambda: f"both replicas to serve: {client.replica_states()}")
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == reference[:4]
     _assert_nothing_left()

@@ -22,7 +22,7 @@ from raylm.distributed.tcp_auth import CurveKeys, secure_client
 from raylm.engine.core_proc import AbortRequests, EngineCoreOutputs, EngineCoreRequest, Ping, Shutdown
 from raylm.engine.dp_manager import ReplicaCoreProc
 from raylm.testing.hf_oracle import hf_greedy
-from tests.conftest import our_live_ray_state
+from tests.conftest import our_live_ray_state, wait_until
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -114,6 +114,11 @@ class _Intruder:
             sock.close(linger=0)
 
 
+def _step_and_pause(engine, pause_s: float) -> None:
+    engine.step()
+    time.sleep(pause_s)
+
+
 def _step_until(engine, done: dict, predicate) -> None:
     while not predicate():
         for out in engine.step():
@@ -143,11 +148,9 @@ def test_foreign_sockets_steal_inject_and_end_nothing(ray_session, model, refere
         try:
             for intruder in intruders:
                 intruder.send(_forged_frames([str(i) for i in range(len(PROMPTS))]))
-            deadline = time.monotonic() + _DEADLINE_S
-            while not all(intruder.all_refused() for intruder in intruders):
-                assert time.monotonic() < deadline, [i.events for i in intruders]
-                engine.step()  # the requests in flight go on meanwhile
-                time.sleep(0.05)
+            wait_until(lambda: all(intruder.all_refused() for intruder in intruders), _DEADLINE_S,
+                       step=lambda: _step_and_pause(engine, 0.05),  # the requests in flight go on meanwhile
+                       message=lambda: f"every intruder to be refused: {[i.events for i in intruders]}")
             # Sent while the foreign PULLs keep knocking: none gets a share.
             for i in second:
                 engine.add_request(str(i), {"prompt_token_ids": PROMPTS[i]}, GREEDY)
@@ -207,12 +210,16 @@ def test_a_replica_speaks_only_for_itself(ray_session, model, reference, caplog)
             # The front end's own input socket carries only what it encodes;
             # a replica drops a frame that does not decode all the same.
             client._send_frame(client.replicas[0], b"\x00not msgpack")
-            deadline = time.monotonic() + _DEADLINE_S
-            while client._foreign.count < 1 or client._misattributed.count < 2 or client._undecodable.count < 1:
-                assert time.monotonic() < deadline, (client._foreign.count, client._misattributed.count,
-                                                     client._undecodable.count)
-                engine.step()
-                time.sleep(0.01)
+
+            def drops() -> tuple[int, int, int]:
+                return client._foreign.count, client._misattributed.count, client._undecodable.count
+
+            def all_dropped() -> bool:
+                foreign, misattributed, undecodable = drops()
+                return foreign >= 1 and misattributed >= 2 and undecodable >= 1
+
+            wait_until(all_dropped, _DEADLINE_S, step=lambda: _step_and_pause(engine, 0.01),
+                       message=lambda: f"the drops (foreign, misattributed, undecodable) to be counted: {drops()}")
             _step_until(engine, done, lambda: not engine.has_unfinished_requests())
         finally:
             posing.close(linger=0)

@@ -24,7 +24,7 @@ from raylm.engine.engine_core import STEP_ERROR, WORKER_DIED, WORKER_HUNG
 from raylm.executor.multiproc_executor import MultiprocExecutor
 from raylm.executor.uniproc_executor import UniProcExecutor
 from raylm.testing.hf_oracle import hf_greedy
-from tests.conftest import executor_of, our_live_ray_state
+from tests.conftest import executor_of, our_live_ray_state, wait_until
 from tests.executor.worker_callables import install_poison, point_rank_at_model_folder
 
 NUM_REQUESTS = 16
@@ -95,10 +95,9 @@ def _executor_traces(executor) -> tuple[list[int], list[str], set[str], str | No
 
 def assert_gone(traces) -> None:
     pids, segments, actors, pg = traces
-    deadline = time.monotonic() + 10
-    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)  # a Ray actor's process exits a moment after ray.kill
-    assert all(_gone(p) for p in pids), f"worker processes left: {[p for p in pids if not _gone(p)]}"
+    # A Ray actor's process exits a moment after ray.kill.
+    wait_until(lambda: all(_gone(p) for p in pids), 10,
+               message=lambda: f"worker processes to exit; left: {[p for p in pids if not _gone(p)]}")
     assert not _left_in_dev_shm(segments)
     if actors or pg:
         live_actors, live_pgs = our_live_ray_state()

@@ -18,7 +18,7 @@ from raylm import LLM, SamplingParams
 from raylm.distributed.shm_broadcast import SEGMENT_PREFIX
 from raylm.executor.multiproc_executor import MultiprocExecutor, WorkerDiedError
 from raylm.testing.hf_oracle import hf_greedy
-from tests.conftest import executor_of
+from tests.conftest import executor_of, wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 70)), [3]]
@@ -153,11 +153,8 @@ def test_killed_worker_is_noticed_and_everything_is_cleaned_up(model, reference)
     assert len(_left_in_dev_shm(segments)) == 3 and all(n.startswith(SEGMENT_PREFIX) for n in segments)
     try:
         os.kill(pids[1], signal.SIGKILL)
-        deadline = time.monotonic() + 1.0
         # The monitor thread notices on its own, without a call to prompt it.
-        while not ex.is_failed and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert ex.is_failed
+        wait_until(lambda: ex.is_failed, 1.0, step=0.01, message="the monitor thread to notice")
         with pytest.raises(WorkerDiedError, match="rank 1"):
             ex.check_health()
         # The engine replaces the dead executor before the next step.
@@ -198,10 +195,7 @@ def test_killed_engine_leaves_no_orphan_and_no_segment(model):
         assert len(_left_in_dev_shm(segments)) == 3
         engine.send_signal(signal.SIGKILL)
         engine.wait(10)
-        deadline = time.monotonic() + 10
-        while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert all(_gone(p) for p in pids)
+        wait_until(lambda: all(_gone(p) for p in pids), 10, message="the workers to exit")
         assert not _left_in_dev_shm(segments)
     finally:
         if engine.poll() is None:

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,6 +23,7 @@ from torch.utils.file_baton import FileBaton
 import raylm.model.layers.cpu_kernels as ck
 from raylm import LLM, SamplingParams
 from raylm.testing import make_tiny_model
+from tests.conftest import wait_until
 
 FAKE_COMPILER = ("/fake/bin/c++", "c++ (fake) 1.0")
 _REAL_COMPILER = ck._compiler
@@ -95,11 +95,11 @@ def test_build_killed_half_way_is_taken_over(fresh, tmp_path, monkeypatch, caplo
     marker = tmp_path / "building"
     child = subprocess.Popen([sys.executable, "-c", _HANGING_BUILDER, str(marker)])
     try:
-        deadline = time.monotonic() + 300
-        while not marker.exists():
+        def building() -> bool:
             assert child.poll() is None, "the builder subprocess exited early"
-            assert time.monotonic() < deadline, "the builder subprocess never started building"
-            time.sleep(0.1)
+            return marker.exists()
+
+        wait_until(building, 300, step=0.1, message="the builder subprocess to start building")
         lock_file = _build_dir() / ck._LOCK_NAME
         assert lock_file.read_text().strip() == str(child.pid)
         assert (_build_dir() / "lock").exists()

@@ -1,14 +1,14 @@
-"""Streaming requests read in a background thread, and small waiting helpers,
-for tests that act while streams run (limits, shutdown, kills)."""
+"""Streaming requests read in a background thread, for tests that act while
+streams run (limits, shutdown, kills), and a wait for an idle server."""
 
 from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
 
+from tests.conftest import wait_until
 from tests.entrypoints.openai.server_utils import MODEL_NAME, RaylmServer, scrape_metric
 
 
@@ -92,20 +92,13 @@ class BackgroundPost:
             self.error = e
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(interval)
-
-
 def metric(server: RaylmServer, name: str, labels: str = "") -> float:
     return scrape_metric(server.base_url, name, labels)
 
 
 def wait_idle(server: RaylmServer, timeout: float = 60.0) -> None:
     """Nothing admitted, running or waiting: whatever the test did is gone."""
-    wait_for(lambda: (metric(server, "raylm:num_sequences_admitted") == 0
-                      and metric(server, "vllm:num_requests_running") == 0
-                      and metric(server, "vllm:num_requests_waiting") == 0),
-             timeout, "the server to hold no request", interval=0.2)
+    wait_until(lambda: (metric(server, "raylm:num_sequences_admitted") == 0
+                        and metric(server, "vllm:num_requests_running") == 0
+                        and metric(server, "vllm:num_requests_waiting") == 0),
+               timeout, step=0.2, message="the server to hold no request")

@@ -4,8 +4,9 @@ cache counters), and its greedy output does not depend on the salt."""
 
 from __future__ import annotations
 
+from tests.conftest import wait_until
 from tests.entrypoints.openai.server_utils import MODEL_NAME
-from tests.entrypoints.openai.stream_utils import metric, wait_for
+from tests.entrypoints.openai.stream_utils import metric
 
 BLOCK_SIZE = 16  # the engine's default
 PROMPT_IDS = list(range(3, 73))  # 70 tokens: four full blocks can be shared
@@ -28,7 +29,7 @@ def _hits_of(server, http, path: str, bodies: list[dict]) -> tuple[list[str], fl
         choice = data["choices"][0]
         texts.append(choice["text"] if "text" in choice else choice["message"]["content"])
         num_prompt += data["usage"]["prompt_tokens"]
-    wait_for(lambda: _counters(server)[0] >= queries + num_prompt, 30, "the prefix cache counters")
+    wait_until(lambda: _counters(server)[0] >= queries + num_prompt, 30, message="the prefix cache counters")
     return texts, _counters(server)[1] - hits
 
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
 import psutil
 import pytest
 
 from raylm.engine.restart_budget import RestartBudget, RestartBudgetExhausted
+from tests.conftest import wait_until
 from tests.entrypoints.openai.server_utils import MODEL_NAME, RaylmServer, scrape_metric
 
 NUM_STREAMS = 12
@@ -84,17 +84,10 @@ class _HealthPoller:
         return self.results
 
 
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def _start_streams(server: RaylmServer) -> list[_Stream]:
     streams = [_Stream(server, prompt) for prompt in PROMPTS]
-    _wait_for(lambda: all(s.num_chunks >= MIN_TOKENS_BEFORE_KILL or s.done for s in streams), 60,
-              "every stream to receive a few tokens")
+    wait_until(lambda: all(s.num_chunks >= MIN_TOKENS_BEFORE_KILL or s.done for s in streams), 60,
+               message="every stream to receive a few tokens")
     assert not any(s.done for s in streams), [s.errors for s in streams]
     return streams
 
@@ -117,7 +110,7 @@ def _wait_new_core(server: RaylmServer, old_pid: int) -> psutil.Process:
         found[:] = [core]
         return core.pid != old_pid
 
-    _wait_for(started, 60, "a new engine-core process")
+    wait_until(started, 60, message="a new engine-core process")
     return found[0]
 
 
@@ -182,8 +175,8 @@ def test_past_the_restart_budget_the_server_answers_503_and_exits(llama_dir, tmp
         new_core = _wait_new_core(server, old_pid)
         server.tree.extend([new_core, *new_core.children(recursive=True)])
         # The first death is within the budget: the streams continue on the new core.
-        _wait_for(lambda: all(s.num_chunks >= 2 * MIN_TOKENS_BEFORE_KILL or s.done for s in streams), 60,
-                  "the streams to continue")
+        wait_until(lambda: all(s.num_chunks >= 2 * MIN_TOKENS_BEFORE_KILL or s.done for s in streams), 60,
+                   message="the streams to continue")
         assert not any(s.errors for s in streams), [s.errors for s in streams]
 
         poller = _HealthPoller(server)

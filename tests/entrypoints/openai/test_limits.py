@@ -27,8 +27,9 @@ from raylm.entrypoints.openai.limits import (
 )
 from raylm.entrypoints.openai.protocol import MAX_N
 from raylm.entrypoints.openai.serving_common import OpenAIError
+from tests.conftest import wait_until
 from tests.entrypoints.openai.server_utils import MODEL_NAME, RaylmServer
-from tests.entrypoints.openai.stream_utils import BackgroundStream, long_body, metric, wait_for, wait_idle
+from tests.entrypoints.openai.stream_utils import BackgroundStream, long_body, metric, wait_idle
 
 MAX_NUM_SEQS = 1
 MAX_WAITING = 2
@@ -79,9 +80,9 @@ def _fill(server: RaylmServer, fillers: list[BackgroundStream]) -> None:
     fillers[:] = [s for s in fillers if not s.done]
     while len(fillers) < CAPACITY:
         fillers.append(BackgroundStream(server, long_body(f"Story {len(fillers)}:", max_tokens=FILLER_TOKENS)))
-    wait_for(lambda: all(s.status is not None or s.done for s in fillers), 60, "the fillers to be admitted")
+    wait_until(lambda: all(s.status is not None or s.done for s in fillers), 60, message="the fillers to be admitted")
     assert all(s.status == 200 for s in fillers), [s.body_text for s in fillers]
-    wait_for(lambda: any(s.num_chunks >= 2 for s in fillers), 60, "a filler to make progress")
+    wait_until(lambda: any(s.num_chunks >= 2 for s in fillers), 60, message="a filler to make progress")
 
 
 def _strike(server: RaylmServer, fillers: list[BackgroundStream], path: str, body: dict) -> httpx.Response:

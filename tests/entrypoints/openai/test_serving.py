@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import openai
 import pytest
 
 from raylm import LLM, SamplingParams
+from tests.conftest import wait_until
 from tests.entrypoints.openai.server_utils import API_KEY, MODEL_NAME, scrape_metric
 
 PROMPTS = ["ROMEO: But, soft! what light", "The quick brown fox jumps over"]
@@ -161,12 +161,8 @@ def test_disconnect_mid_stream_frees_request(server):
                 next(lines)
             assert scrape_metric(server.base_url, "vllm:num_requests_running") >= 1
     # The connection is closed: the request must leave the engine well before 400 tokens.
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if scrape_metric(server.base_url, "vllm:num_requests_running") == 0:
-            break
-        time.sleep(0.1)
-    assert scrape_metric(server.base_url, "vllm:num_requests_running") == 0
+    wait_until(lambda: scrape_metric(server.base_url, "vllm:num_requests_running") == 0, 30, step=0.1,
+               message="the request to leave the engine")
     assert scrape_metric(server.base_url, "vllm:kv_cache_usage_perc") == 0
     assert _abort_count(server) == aborted_before + 1
     assert httpx.get(server.url("/health")).status_code == 200
@@ -178,9 +174,7 @@ def test_disconnect_while_waiting_for_whole_response_aborts(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url("/v1/completions"), json=body, headers={"Authorization": f"Bearer {API_KEY}"},
                    timeout=httpx.Timeout(60, read=0.1))
-    deadline = time.monotonic() + 30
-    while _abort_count(server) < aborted_before + 8 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: _abort_count(server) >= aborted_before + 8, 30, step=0.1, message="8 aborts")
     assert _abort_count(server) == aborted_before + 8
     assert scrape_metric(server.base_url, "vllm:num_requests_running") == 0
 

@@ -25,14 +25,9 @@ import httpx
 import psutil
 import pytest
 
+from tests.conftest import wait_until
 from tests.entrypoints.openai.server_utils import MODEL_NAME, RaylmServer
-from tests.entrypoints.openai.stream_utils import (
-    BackgroundPost,
-    BackgroundStream,
-    long_body,
-    metric,
-    wait_for,
-)
+from tests.entrypoints.openai.stream_utils import BackgroundPost, BackgroundStream, long_body, metric
 
 pytestmark = pytest.mark.server
 
@@ -60,9 +55,10 @@ class _Load:
         self.streams = [BackgroundStream(server, long_body(f"Story {i}:", max_tokens=max_tokens))
                         for i in range(num_streams)]
         self.streams.append(BackgroundStream(server, _chat_body(max_tokens, True), path="/v1/chat/completions"))
-        wait_for(lambda: all(s.status is not None or s.done for s in self.streams), 120, "the streams to start")
+        wait_until(lambda: all(s.status is not None or s.done for s in self.streams), 120,
+                   message="the streams to start")
         assert all(s.status == 200 for s in self.streams), [s.body_text for s in self.streams]
-        wait_for(lambda: any(s.num_chunks >= 3 for s in self.streams), 120, "a stream to make progress")
+        wait_until(lambda: any(s.num_chunks >= 3 for s in self.streams), 120, message="a stream to make progress")
         # Whole responses come last in the queue: they cannot finish before shutdown.
         self.posts = [BackgroundPost(server, long_body("Once", max_tokens=max_tokens, stream=False)),
                       BackgroundPost(server, _chat_body(max_tokens, False), path="/v1/chat/completions")]
@@ -73,7 +69,7 @@ class _Load:
             held = metric(server, "vllm:num_requests_running") + metric(server, "vllm:num_requests_waiting")
             return held + finished >= expected
 
-        wait_for(all_in_the_engine, 120, "every request to reach the engine")
+        wait_until(all_in_the_engine, 120, message="every request to reach the engine")
         self.open_at_signal: list[BackgroundStream] = []
 
     def just_before_the_signal(self) -> None:
@@ -188,7 +184,8 @@ def _run_sigkill(server: RaylmServer, busy: bool) -> None:
     try:
         if busy:
             streams = [BackgroundStream(server, long_body(f"Story {i}:", max_tokens=480)) for i in range(4)]
-            wait_for(lambda: all(s.num_chunks >= 2 or s.done for s in streams), 120, "every stream to make progress")
+            wait_until(lambda: all(s.num_chunks >= 2 or s.done for s in streams), 120,
+                       message="every stream to make progress")
             assert not any(s.done for s in streams), [s.errors for s in streams]
         elapsed, alive = _sigkill_and_time(server)
         assert not alive, f"outlived the front end by {elapsed:.1f}s: {alive}\n{server.log()}"
