@@ -155,6 +155,13 @@ class FaultToleranceConfig:
     # A step that has not finished by then is a hung worker. Generous: a long
     # prefill on a big model, or a first step that compiles, may take minutes.
     execute_model_timeout_s: float = 300.0
+    # Starting an engine core (loading the model, sizing the KV cache), and
+    # each start-up call of an executor (a worker reporting ready, init_device,
+    # load_model, ...), must be done by then, or it is taken for hung: killed,
+    # torn down, and counted as a failed (re)start. Generous: loading a big
+    # model from a slow disk takes minutes. /health turns 503 once a recovery
+    # has run this long.
+    engine_start_timeout_s: float = 600.0
     # An idle engine asks every worker for a sign of life this often, and
     # gives them `health_check_timeout_s` to answer.
     health_check_interval_s: float = 5.0
@@ -263,6 +270,7 @@ def create_engine_config(
     max_restarts: int = 3,
     restart_window: float = 600.0,
     execute_model_timeout: float = 300.0,
+    engine_start_timeout: float = 600.0,
     health_check_interval: float = 5.0,
     health_check_timeout: float = 30.0,
 ) -> EngineConfig:
@@ -348,6 +356,7 @@ def create_engine_config(
     if not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
     for name, value in (("restart_window", restart_window), ("execute_model_timeout", execute_model_timeout),
+                        ("engine_start_timeout", engine_start_timeout),
                         ("health_check_interval", health_check_interval),
                         ("health_check_timeout", health_check_timeout)):
         if not isinstance(value, (int, float)) or value <= 0:
@@ -401,6 +410,7 @@ def create_engine_config(
             max_restarts=max_restarts,
             restart_window_s=float(restart_window),
             execute_model_timeout_s=float(execute_model_timeout),
+            engine_start_timeout_s=float(engine_start_timeout),
             health_check_interval_s=float(health_check_interval),
             health_check_timeout_s=float(health_check_timeout),
             fault_injection=os.environ.get("RAYLM_FAULT_INJECTION") or None,

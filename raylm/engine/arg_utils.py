@@ -64,6 +64,7 @@ class EngineArgs:
     max_restarts: int = 3
     restart_window: float = 600.0
     execute_model_timeout: float = 300.0
+    engine_start_timeout: float = 600.0
     health_check_interval: float = 5.0
     health_check_timeout: float = 30.0
 

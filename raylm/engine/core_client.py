@@ -77,6 +77,13 @@ class EngineCoreDiedError(EngineDeadError):
         self.exitcode = exitcode
 
 
+class EngineStartTimeoutError(EngineDeadError):
+    """A new engine core was not ready within `engine_start_timeout_s` (hung
+    loading, or in an executor start-up call); it was killed. Like a death, a
+    new core may do better: a front end that restarts cores counts it as a
+    failed restart."""
+
+
 class InprocClient:
     """The EngineCore in this process: `get_output` runs one step."""
 
@@ -142,6 +149,7 @@ class MPClient:
         nothing else would notice), and is killed."""
         self._is_busy = is_busy
         self._hang_timeout_s = config.fault_tolerance.execute_model_timeout_s
+        self._start_timeout_s = config.fault_tolerance.engine_start_timeout_s
         self._last_heard = time.monotonic()
         self._tmpdir = tempfile.mkdtemp(prefix="raylm-core-")
         input_address = f"ipc://{os.path.join(self._tmpdir, 'input')}"
@@ -185,9 +193,13 @@ class MPClient:
             ready_recv.close()
 
     def _wait_ready(self, ready_recv) -> None:
-        while not ready_recv.poll(_LIVENESS_POLL_MS / 1000):
+        timeout = self._start_timeout_s
+        deadline = time.monotonic() + timeout
+        while not ready_recv.poll(min(_LIVENESS_POLL_MS / 1000, max(0.0, deadline - time.monotonic()))):
             if not self.process.is_alive():
                 raise EngineDeadError(f"engine core process exited with code {self.process.exitcode} during startup")
+            if time.monotonic() >= deadline:
+                self._kill_unready(timeout)
         try:
             status, detail = ready_recv.recv()
         except EOFError:
@@ -196,6 +208,19 @@ class MPClient:
             # The core's own message (a bad setting, a missing file) says what to fix.
             raise ValueError(f"engine core failed to start: {detail}")
         logger.info("engine core ready (pid %d, %s KV blocks)", self.process.pid, detail)
+
+    def _kill_unready(self, timeout: float) -> None:
+        """A core still starting at its deadline is hung: it would not read a
+        Shutdown message (its sockets are not connected yet), so SIGKILL it.
+        Its mp workers exit on their death pipes, its Ray actors and placement
+        group go with their owner."""
+        logger.error("engine core (pid %d) was not ready within %g s (engine_start_timeout): killing it",
+                     self.process.pid, timeout)
+        self.process.kill()
+        self.process.join(5)
+        raise EngineStartTimeoutError(
+            f"engine core was not ready within {timeout:g} s (engine_start_timeout; hung loading the model "
+            "or starting its workers); killed it")
 
     def _send(self, message) -> None:
         self._send_frame(self._encoder.encode(message))
@@ -271,4 +296,4 @@ class MPClient:
         self._finalizer()
 
 
-__all__ = ["EngineCoreDiedError", "EngineDeadError", "InprocClient", "MPClient", "SchedulerStats"]
+__all__ = ["EngineCoreDiedError", "EngineDeadError", "EngineStartTimeoutError", "InprocClient", "MPClient", "SchedulerStats"]

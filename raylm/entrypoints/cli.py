@@ -168,6 +168,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="the window over which --max-restarts counts")
     faults.add_argument("--execute-model-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="a step that takes longer means a hung worker: the engine recovers")
+    faults.add_argument("--engine-start-timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="an engine core (or a worker's start-up call) not ready by then is taken for hung: "
+                             "killed, and counted as a failed (re)start; /health answers 503 once a recovery "
+                             "has run this long")
     faults.add_argument("--health-check-interval", type=float, default=5.0, metavar="SECONDS",
                         help="how often an idle engine asks every worker for a sign of life")
     parser.add_argument("--log-level", default="warning",
@@ -196,6 +200,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "max_restarts": args.max_restarts,
         "restart_window": args.restart_window,
         "execute_model_timeout": args.execute_model_timeout,
+        "engine_start_timeout": args.engine_start_timeout,
         "health_check_interval": args.health_check_interval,
     }
     # Unset optional flags stay out, so the engine's own defaults apply.

@@ -72,6 +72,14 @@ class Executor(ABC):
         """A step not done by then means a hung worker (WorkerHungError)."""
         return self.config.fault_tolerance.execute_model_timeout_s
 
+    @property
+    def start_timeout_s(self) -> float:
+        """Each start-up call (a worker reporting ready, init_device,
+        load_model, sizing and creating the KV cache) not done by then means a
+        hung worker: the executor names it, tears down what it started, and
+        raises, so that neither a first start nor a rebuild waits forever."""
+        return self.config.fault_tolerance.engine_start_timeout_s
+
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False):
         return self.collective_rpc("execute_model", timeout=self.step_timeout_s, args=(scheduler_output,),
                                    non_block=non_block, unique_reply_rank=self._output_rank)
@@ -87,13 +95,13 @@ class Executor(ABC):
         return (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
 
     def determine_available_memory(self) -> list[int]:
-        return self.collective_rpc("determine_available_memory")
+        return self.collective_rpc("determine_available_memory", timeout=self.start_timeout_s)
 
     def get_kv_cache_bytes_per_block(self) -> list[int]:
-        return self.collective_rpc("get_kv_cache_bytes_per_block")
+        return self.collective_rpc("get_kv_cache_bytes_per_block", timeout=self.start_timeout_s)
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
-        self.collective_rpc("initialize_from_config", args=(kv_cache_config,))
+        self.collective_rpc("initialize_from_config", timeout=self.start_timeout_s, args=(kv_cache_config,))
 
     def check_liveness(self) -> None:
         """Raise WorkerDiedError if a worker is known to be dead. Cheap and

@@ -25,6 +25,7 @@ import psutil
 from raylm.config import EngineConfig
 from raylm.distributed.shm_broadcast import MessageQueue, MessageQueueHandle, unlink_segment
 from raylm.executor.abstract import Executor
+from raylm.executor.errors import WorkerHungError
 from raylm.executor.mq_rpc import MqRpcClient, WorkerDiedError, WorkerLoop
 from raylm.worker.cpu_placement import RankPlacement, apply_rank_placement, plan_cpu_placement, read_topology
 
@@ -32,7 +33,6 @@ __all__ = ["MultiprocExecutor", "WorkerDiedError", "WorkerProc"]
 
 logger = logging.getLogger(__name__)
 
-WORKER_STARTUP_TIMEOUT_S = 300.0
 WORKER_SHUTDOWN_TIMEOUT_S = 5.0
 FAILED_WORKER_GRACE_S = 0.5
 _HOSTNAME = socket.gethostname()
@@ -186,9 +186,12 @@ class MultiprocExecutor(Executor):
         try:
             self._start_workers()
             # Bounded: a rank that never joins the rendezvous is named, not waited on forever.
-            self.collective_rpc("init_device", timeout=WORKER_STARTUP_TIMEOUT_S)
-            self.collective_rpc("load_model", timeout=WORKER_STARTUP_TIMEOUT_S)
-        except BaseException:
+            self.collective_rpc("init_device", timeout=self.start_timeout_s)
+            self.collective_rpc("load_model", timeout=self.start_timeout_s)
+        except BaseException as e:
+            if isinstance(e, TimeoutError):
+                # A hung rank will not exit by itself: no grace, kill it now.
+                self.is_failed = True
             self.shutdown()
             raise
 
@@ -224,7 +227,11 @@ class MultiprocExecutor(Executor):
         for handle in handles:
             res.response_segments.append(handle.shm_name)
             res.responses.append(MessageQueue.create_from_handle(handle, 0))
-        res.broadcast.wait_until_ready(timeout=WORKER_STARTUP_TIMEOUT_S)
+        try:
+            res.broadcast.wait_until_ready(timeout=self.start_timeout_s)
+        except TimeoutError:
+            raise WorkerHungError(f"worker start-up: the ranks did not attach to the broadcast queue within "
+                                  f"{self.start_timeout_s:g} s (engine_start_timeout)") from None
         # The failure callback must not keep the executor alive (its finalizer
         # is what shuts the workers down when it is dropped).
         self_ref = weakref.ref(self)
@@ -248,13 +255,16 @@ class MultiprocExecutor(Executor):
 
     def _wait_for_ready(self, ready_pipes: list) -> list[MessageQueueHandle]:
         handles: list[MessageQueueHandle | None] = [None] * self.world_size
-        deadline = time.monotonic() + WORKER_STARTUP_TIMEOUT_S
+        timeout = self.start_timeout_s
+        deadline = time.monotonic() + timeout
         waiting = dict(enumerate(ready_pipes))
         try:
             while waiting:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise TimeoutError(f"worker ranks {sorted(waiting)} did not start within {WORKER_STARTUP_TIMEOUT_S} s")
+                    hung = ", ".join(f"rank {r} (pid {self._res.processes[r].pid})" for r in sorted(waiting))
+                    raise WorkerHungError(f"worker start-up (init_worker): {hung} did not report ready within "
+                                          f"{timeout:g} s (engine_start_timeout)")
                 sentinels = {self._res.processes[r].sentinel: r for r in waiting}
                 for ready in multiprocessing.connection.wait(list(waiting.values()) + list(sentinels), remaining):
                     if ready in sentinels:

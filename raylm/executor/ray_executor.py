@@ -48,12 +48,12 @@ logger = logging.getLogger(__name__)
 # How long shutdown waits for the compiled graph to tear down before giving up
 # on it (the actors are already killed by then; see shutdown()).
 _TEARDOWN_DEADLINE_S = 15.0
-# `mq` transport: how long set-up waits for the actors' queues, and how long
-# shutdown lets the actors' loops close their queues before killing them.
+# `mq` transport: how long registering a callable on the actors may take
+# (without a deadline of the call's own), and how long shutdown lets the
+# actors' loops close their queues before killing them. Start-up calls have
+# the engine's start timeout (Executor.start_timeout_s).
 _MQ_SETUP_TIMEOUT_S = 120.0
 _MQ_LOOP_EXIT_TIMEOUT_S = 5.0
-# Device and distributed initialisation, and loading the weights, per call.
-_WORKER_STARTUP_TIMEOUT_S = 300.0
 
 __all__ = ["RayDistributedExecutor", "WorkerDiedError"]
 
@@ -171,18 +171,38 @@ class RayDistributedExecutor(Executor):
                 self._start_mq()
             self._start_monitor()
             # Bounded: a rank that never joins the rendezvous is named, not waited on forever.
-            self.collective_rpc("init_device", timeout=_WORKER_STARTUP_TIMEOUT_S)
-            self.collective_rpc("load_model", timeout=_WORKER_STARTUP_TIMEOUT_S)
-        except BaseException:
+            self.collective_rpc("init_device", timeout=self.start_timeout_s)
+            self.collective_rpc("load_model", timeout=self.start_timeout_s)
+        except BaseException as e:
+            if isinstance(e, TimeoutError):
+                self.is_failed = True  # a hung actor will not close its loop: no grace, kill it now
             self.shutdown()
             raise
 
     # ---- set-up ------------------------------------------------------------------
 
+    def _startup_get(self, refs: list, call: str, describe=None) -> list:
+        """ray.get of one start-up call per actor, under the start timeout: an
+        actor that does not answer (hung in its constructor or in the call)
+        is named with the call, and the caller tears everything down.
+        `describe`: index in `refs` -> who (default: that rank)."""
+        import ray
+
+        describe = describe or self.describe_rank
+        timeout = self.start_timeout_s
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        if len(ready) < len(refs):
+            ready_set = set(ready)
+            missing = ", ".join(describe(i) for i, ref in enumerate(refs) if ref not in ready_set)
+            raise WorkerHungError(f"start-up call {call!r}: {missing} did not answer within {timeout:g} s "
+                                  "(engine_start_timeout)")
+        return ray.get(refs)
+
     def _assign_ranks(self) -> None:
         import ray
 
-        infos = ray.get([w.get_node_info.remote() for w in self.workers])
+        infos = self._startup_get([w.get_node_info.remote() for w in self.workers], "get_node_info",
+                                  lambda i: f"actor {i} (not yet given a rank)")
         ray_utils.check_one_ip_per_node(infos)
         driver_node = ray.get_runtime_context().get_node_id()
         order = ray_utils.sort_workers(infos, driver_node)
@@ -190,10 +210,10 @@ class RayDistributedExecutor(Executor):
         self.workers = [self.workers[i] for i in order]
         infos = [infos[i] for i in order]
         mapping = {old: new for new, old in enumerate(order)}
-        ray.get([w.adjust_rank.remote(mapping) for w in self.workers])
         self.node_ids = [info[0] for info in infos]
         self.node_ips = [info[1] for info in infos]
-        self.worker_pids = ray.get([w.get_pid.remote() for w in self.workers])
+        self._startup_get([w.adjust_rank.remote(mapping) for w in self.workers], "adjust_rank")
+        self.worker_pids = self._startup_get([w.get_pid.remote() for w in self.workers], "get_pid")
 
         pc = self.config.parallel_config
         tp = pc.tensor_parallel_size
@@ -206,22 +226,24 @@ class RayDistributedExecutor(Executor):
                 )
         single_node = len(set(self.node_ids)) == 1
         host = "127.0.0.1" if single_node else self.node_ips[0]
-        port = ray.get(self.workers[0].get_free_port.remote())
+        port = self._startup_get([self.workers[0].get_free_port.remote()], "get_free_port")[0]
         init_method = f"tcp://{host}:{port}"
-        calls = []
+        init_calls, output_rank_calls = [], []
         seen: dict[str, int] = {}
         if self.config.device == "cuda":
             # Ray did not rewrite CUDA_VISIBLE_DEVICES: each actor maps the GPU
             # Ray gave it to its index among the devices its node shows.
-            device_indices = ray.get([w.get_cuda_device_index.remote() for w in self.workers])
+            device_indices = self._startup_get([w.get_cuda_device_index.remote() for w in self.workers],
+                                               "get_cuda_device_index")
         for rank, (worker, (node_id, _, _)) in enumerate(zip(self.workers, infos)):
             local_rank = seen.get(node_id, 0)
             seen[node_id] = local_rank + 1
             if self.config.device == "cuda":
                 local_rank = device_indices[rank]
-            calls.append(worker.init_worker.remote(self.config, local_rank, init_method))
-            calls.append(worker.set_output_rank.remote(rank == self._output_rank))
-        ray.get(calls)
+            init_calls.append(worker.init_worker.remote(self.config, local_rank, init_method))
+            output_rank_calls.append(worker.set_output_rank.remote(rank == self._output_rank))
+        self._startup_get(init_calls, "init_worker")
+        self._startup_get(output_rank_calls, "set_output_rank")
 
     def _place_on_cpus(self, cpus_per_worker: int) -> None:
         """Each actor pins itself within its node: Ray's CPUs are scheduling
@@ -236,11 +258,11 @@ class RayDistributedExecutor(Executor):
             local_rank = seen.get(node, 0)
             seen[node] = local_rank + 1
             calls.append((worker, node, local_rank))
-        results = ray.get([
+        results = self._startup_get([
             worker.place_on_cpus.remote(local_rank, seen[node], node == driver_node, cpus_per_worker,
                                         cfg.num_threads, cfg.cpu_bind)
             for worker, node, local_rank in calls
-        ])
+        ], "place_on_cpus")
         self.cpu_placements = [placement for placement, _ in results]
         engine_loop = next((loop for (_, loop), node in zip(results, self.node_ids) if node == driver_node), ())
         nodes = len(set(self.node_ids))
@@ -277,16 +299,16 @@ class RayDistributedExecutor(Executor):
             worker.init_mq.remote(handle, rank not in local_ranks, os.getpid() if rank in local_ranks else None, tcp_keys)
             for rank, worker in enumerate(self.workers)
         ]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_MQ_SETUP_TIMEOUT_S)
-        if len(ready) < len(refs):
-            missing = [rank for rank, ref in enumerate(refs) if ref not in ready]
-            raise TimeoutError(f"ranks {missing} did not set up their message queues within {_MQ_SETUP_TIMEOUT_S} s")
-        for response_handle in ray.get(refs):
+        for response_handle in self._startup_get(refs, "init_mq"):
             if response_handle.shm_name:
                 mq.response_segments.append(response_handle.shm_name)
             mq.responses.append(MessageQueue.create_from_handle(response_handle, 0))
-        mq.broadcast.wait_until_ready(timeout=_MQ_SETUP_TIMEOUT_S)
-        ray.get([worker.start_mq_loop.remote() for worker in self.workers])
+        try:
+            mq.broadcast.wait_until_ready(timeout=self.start_timeout_s)
+        except TimeoutError:
+            raise WorkerHungError(f"start-up: the ranks did not subscribe to the broadcast queue within "
+                                  f"{self.start_timeout_s:g} s (engine_start_timeout)") from None
+        self._startup_get([worker.start_mq_loop.remote() for worker in self.workers], "start_mq_loop")
         self_ref = weakref.ref(self)
 
         def on_failure(_reason: str) -> None:

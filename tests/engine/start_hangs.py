@@ -1,0 +1,50 @@
+"""Executors that hang at start-up, for the start-up deadline tests
+(test_start_deadlines.py). They live in a module of their own, not in the test
+module, because an engine-core process started with `spawn` imports them by
+name from the config it is given."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+from raylm.executor.multiproc_executor import MultiprocExecutor
+from raylm.executor.uniproc_executor import UniProcExecutor
+
+
+def _hang() -> None:
+    threading.Event().wait()
+
+
+class HangingUniExecutor(UniProcExecutor):
+    """Never finishes starting: stands for a core hung loading its model."""
+
+    def _init_executor(self) -> None:
+        _hang()
+
+
+def hang_in_on_rank_1(method: str, worker) -> None:
+    """Run on every rank (as functools.partial(hang_in_on_rank_1, method)):
+    from now on rank 1 hangs in `method`, as a wedged worker would."""
+    if worker.rank == 1:
+        setattr(worker, method, lambda *args, **kwargs: _hang())
+
+
+class HangOnRank1Executor(MultiprocExecutor):
+    """Rank 1 hangs in the start-up call named by `hang_in`."""
+
+    hang_in = "load_model"
+
+    def collective_rpc(self, method, *args, **kwargs):
+        if method == self.hang_in:
+            super().collective_rpc(functools.partial(hang_in_on_rank_1, method), timeout=self.start_timeout_s)
+        return super().collective_rpc(method, *args, **kwargs)
+
+
+class HangInSizingOnRank1Executor(HangOnRank1Executor):
+    """Rank 1 hangs while the KV cache is sized (a start-up collective with
+    no deadline of its own before: determine_available_memory)."""
+
+    hang_in = "determine_available_memory"
+
+
