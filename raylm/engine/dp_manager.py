@@ -33,9 +33,9 @@ from raylm.engine.core_proc import ClientMessage, EngineCoreProc
 
 logger = logging.getLogger(__name__)
 
-# How long a replica may take to be placed, and then to load its model.
+# How long a replica may take to be placed (loading its model then has the
+# engine's start timeout, fault_tolerance.engine_start_timeout_s).
 PLACEMENT_TIMEOUT_S = 60.0
-READY_TIMEOUT_S = 300.0
 # How often the monitor looks at the replicas' loops (bounds death detection).
 _MONITOR_POLL_S = 0.5
 # How long a replica asked to stop may take before it is killed.
@@ -300,6 +300,8 @@ class CoreEngineActorManager:
         # for exactly what the replica reserved for them.
         replica_config.num_threads = self.config.num_threads or 1
         actor = None
+        # A replica stuck starting is given up (killed) at the engine's start deadline.
+        start_timeout = self.config.fault_tolerance.engine_start_timeout_s
         try:
             actor_cls = ray.remote(EngineCoreActor)
             engine_gpus = bundles[0].get("GPU", 0)
@@ -314,7 +316,7 @@ class CoreEngineActorManager:
                 runtime_env={"env_vars": ray_utils.worker_env_vars(self.config.device)},
                 name=None,
             ).remote(replica_config, index, channel, logging.getLogger().getEffectiveLevel())
-            info = ray.get(actor.ready.remote(), timeout=READY_TIMEOUT_S)
+            info = ray.get(actor.ready.remote(), timeout=start_timeout)
             run_ref = actor.run.remote()
         except BaseException as e:
             if actor is not None:
@@ -322,6 +324,9 @@ class CoreEngineActorManager:
             remove_placement_group(pg)
             if isinstance(e, ray.exceptions.RayActorError):
                 raise RuntimeError(f"data-parallel replica {index} failed to start: {_first_line(e)}") from e
+            if isinstance(e, ray.exceptions.GetTimeoutError):
+                raise TimeoutError(f"data-parallel replica {index} was not ready within {start_timeout:g} s "
+                                   "(engine_start_timeout); killed it") from e
             raise
         handle = ReplicaHandle(index, actor, pg, run_ref, info["node_id"], info["node_ip"], info["pid"])
         with self._lock:

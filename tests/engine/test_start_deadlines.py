@@ -217,3 +217,30 @@ def test_a_core_restart_that_hangs_counts_against_the_budget(make_engine, monkey
     assert engine.restart_budget.num_recent == 2  # the death, and the restart that hung
     assert stats.seen == [("engine_core", 0)]
     assert not _wait_gone(_children() - children)
+
+
+# ---- data parallel: a replica stuck starting ------------------------------------------------
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)
+def test_dp_replica_stuck_starting_is_killed_at_the_deadline(model, ray_session):
+    """The replica's actor hangs building its core: at the start deadline it
+    is killed and its placement group removed (DPClient counts the error as a
+    failed start against the restart budget)."""
+    from raylm.distributed.tcp_auth import CurveKeys
+    from raylm.engine.dp_manager import CoreEngineActorManager, ReplicaChannel
+
+    manager = CoreEngineActorManager(_config(model, HangingUniExecutor, start_timeout=3.0),
+                                     on_death=lambda index, cause: None)
+    channel = ReplicaChannel("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", CurveKeys.generate(), b"\0" * 32)
+    try:
+        with pytest.raises(TimeoutError, match="replica 0 was not ready within 3 s"):
+            manager.start_replica(0, channel)
+    finally:
+        manager.shutdown()
+    for _ in range(100):  # ray.kill is asynchronous
+        if our_live_ray_state() == ([], []):
+            break
+        time.sleep(0.1)
+    assert our_live_ray_state() == ([], [])
