@@ -83,6 +83,17 @@ class EngineUnhealthyError(EngineDeadError):
     should look (HTTP 503 on /health, like a dead engine)."""
 
 
+class EngineRecoveryTimeoutError(EngineUnhealthyError):
+    """Raised by health checks only: a recovery (a core restart, or the core
+    rebuilding its executor) has run longer than `engine_start_timeout_s`,
+    so it is presumably stuck: HTTP 503 on /health, for a supervisor to act."""
+
+    def __init__(self, what: str, seconds: float, limit_s: float):
+        super().__init__(f"the engine has been recovering ({what}) for {seconds:.0f} s, past its limit of "
+                         f"{limit_s:g} s (engine_start_timeout)")
+        self.seconds = seconds
+
+
 class RequestFailedError(RuntimeError):
     """This request made the engine's steps fail and was dropped (DESIGN.md,
     "Failure model"); the engine goes on serving the others (HTTP 500)."""
@@ -169,8 +180,10 @@ class AsyncLLM:
         # The core's own verdict on its health, from its last report.
         self._core_unhealthy: str | None = None
         # While a new core is starting: new requests wait (unsent) for the
-        # resubmission to send them, and /health passes.
+        # resubmission to send them, and /health passes, up to a limit
+        # (see recovery_status); `_recovering_since` says since when.
         self.recovering = False
+        self._recovering_since: float | None = None
         self._shut_down = False
         self.engine_core = self._make_core_client()
 
@@ -439,7 +452,7 @@ class AsyncLLM:
         """Replace a core process that vanished and resubmit every unfinished
         request to the new one; EngineDeadError once the budget is spent."""
         noticed = time.monotonic()
-        self.recovering = True
+        self.recovering, self._recovering_since = True, noticed
         self._answer_pings()
         try:
             culprits, blamed = self._charge_core_death(self.engine_core.running_alone(), str(died))
@@ -455,7 +468,7 @@ class AsyncLLM:
             old_core.shutdown()
             num_requests = self._resubmit()
         finally:
-            self.recovering = False
+            self.recovering, self._recovering_since = False, None
         seconds = time.monotonic() - noticed
         logger.warning("engine core restarted in %.1fs; resubmitted %d requests", seconds, num_requests)
         self._record_recovery(RecoveryStats("engine_core", seconds, num_requests))
@@ -544,9 +557,25 @@ class AsyncLLM:
 
     # ---- health and shutdown ---------------------------------------------------
 
+    def recovery_status(self) -> dict | None:
+        """The recovery in progress, if any: what recovers ("engine_core": this
+        front end is starting a new core; "executor": the core is rebuilding
+        its executor in place, as it announced before it began), for how many
+        seconds, and the limit past which /health fails."""
+        since, what = self._recovering_since, "engine_core"
+        if since is None:
+            # MPClient knows from the core's announcement; other clients do not say.
+            since, what = getattr(self.engine_core, "rebuilding_since", None), "executor"
+        if since is None:
+            return None
+        return {"recovering": what, "seconds": time.monotonic() - since,
+                "limit_s": self.config.fault_tolerance.engine_start_timeout_s}
+
     async def check_health(self, timeout: float = 10.0) -> None:
-        """Returns when the core answers a ping, or at once while a core that
-        died is being replaced; EngineDeadError once the engine is dead."""
+        """Returns when the core answers a ping, or at once while the engine
+        recovers (a core that died is being replaced, or the core rebuilds its
+        executor) for no longer than the start timeout; EngineDeadError once
+        the engine is dead, EngineRecoveryTimeoutError past that limit."""
         self._check_alive()
         self._ensure_output_handler()
         replicas_blame = getattr(self.engine_core, "blame", None)  # data parallel: replica restarts
@@ -554,6 +583,13 @@ class AsyncLLM:
                      or (replicas_blame.unhealthy_reason if replicas_blame is not None else None))
         if unhealthy is not None:
             raise EngineUnhealthyError(f"engine unhealthy: {unhealthy}")
+        recovery = self.recovery_status()
+        if recovery is not None:
+            # A recovery is not answered by pings (a core loading, or one busy
+            # rebuilding); past the time a start may take, it is stuck.
+            if recovery["seconds"] > recovery["limit_s"]:
+                raise EngineRecoveryTimeoutError(recovery["recovering"], recovery["seconds"], recovery["limit_s"])
+            return
         if self.recovering or not self.engine_core.is_alive():
             # The output handler restarts a core that died (or marks the engine
             # dead, which the next check reports); meanwhile requests just wait.

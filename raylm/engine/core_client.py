@@ -68,9 +68,12 @@ class EngineCoreDiedError(EngineDeadError):
     and was killed: unlike a core that reported its error, a new one may well
     do better."""
 
-    def __init__(self, exitcode: int | None, hung_s: float | None = None):
+    def __init__(self, exitcode: int | None, hung_s: float | None = None, rebuilding: bool = False):
         if hung_s is None:
             super().__init__(f"engine core process exited with code {exitcode}")
+        elif rebuilding:
+            super().__init__(f"engine core process was rebuilding its executor for {hung_s:.0f} s, past "
+                             f"engine_start_timeout; killed it")
         else:
             super().__init__(f"engine core process made no progress for {hung_s:.0f} s with requests in flight; "
                              f"killed it")
@@ -150,6 +153,9 @@ class MPClient:
         self._is_busy = is_busy
         self._hang_timeout_s = config.fault_tolerance.execute_model_timeout_s
         self._start_timeout_s = config.fault_tolerance.engine_start_timeout_s
+        # Set while the core rebuilds its executor in place (it says so before
+        # each attempt, and sends nothing else until done): when it began.
+        self.rebuilding_since: float | None = None
         self._last_heard = time.monotonic()
         self._tmpdir = tempfile.mkdtemp(prefix="raylm-core-")
         input_address = f"ipc://{os.path.join(self._tmpdir, 'input')}"
@@ -267,6 +273,7 @@ class MPClient:
                 frame = await self._output.recv(copy=False)
                 self._last_heard = time.monotonic()
                 outputs = self._decoder.decode(frame.buffer)
+                self._note_rebuilding(outputs.rebuilding)
                 if outputs.error is not None:
                     raise EngineDeadError(f"engine core failed: {outputs.error.strip().splitlines()[-1]}")
                 return outputs
@@ -276,20 +283,38 @@ class MPClient:
                 raise EngineCoreDiedError(self.process.exitcode)
             self._kill_if_hung()
 
+    def _note_rebuilding(self, rebuilding: bool) -> None:
+        """Any message but the announcement says the core's loop runs again."""
+        if not rebuilding:
+            self.rebuilding_since = None
+        elif self.rebuilding_since is None:
+            self.rebuilding_since = self._last_heard
+            logger.warning("engine core (pid %d) is rebuilding its executor", self.process.pid)
+
     def _kill_if_hung(self) -> None:
-        if self._is_busy is None:
+        """Kill a core silent for too long. A rebuild announced by the core
+        may take as long as a start (it loads the model again), so the start
+        timeout is its deadline, whether requests wait or not (each attempt
+        announces itself, so the silence counts from the latest); otherwise
+        the step deadline, while requests are in flight."""
+        silent_s = time.monotonic() - self._last_heard
+        rebuilding = self.rebuilding_since is not None
+        if rebuilding:
+            limit = self._start_timeout_s
+        elif self._is_busy is None:
             return
-        if not self._is_busy():
+        elif not self._is_busy():
             self._last_heard = time.monotonic()  # idle: its silence is not a hang
             return
-        silent_s = time.monotonic() - self._last_heard
-        if silent_s <= self._hang_timeout_s:
+        else:
+            limit = self._hang_timeout_s
+        if silent_s <= limit:
             return
-        logger.error("engine core (pid %d) sent nothing for %.0f s with requests in flight: killing it",
-                     self.process.pid, silent_s)
+        logger.error("engine core (pid %d) sent nothing for %.0f s %s: killing it", self.process.pid, silent_s,
+                     "while rebuilding its executor" if rebuilding else "with requests in flight")
         self.process.kill()
         self.process.join(5)
-        raise EngineCoreDiedError(self.process.exitcode, hung_s=silent_s)
+        raise EngineCoreDiedError(self.process.exitcode, hung_s=silent_s, rebuilding=rebuilding)
 
     def shutdown(self) -> None:
         """Idempotent: stops the core process (and through it its executor)."""

@@ -141,6 +141,11 @@ class EngineCoreOutputs(msgspec.Struct):
     recoveries: list[RecoveryStats] = msgspec.field(default_factory=list)
     # Which data-parallel replica sent it (0 without data parallelism).
     engine_index: int = 0
+    # Sent (alone) before each attempt to rebuild the executor in place: the
+    # core sends nothing else until it is done, which may take as long as a
+    # start. Its front end then allows it the start timeout, not the step
+    # deadline, and /health says it is recovering.
+    rebuilding: bool = False
 
 
 class EngineCoreProc:
@@ -157,6 +162,7 @@ class EngineCoreProc:
         self.core = core
         if running_alone_path is not None:
             core.on_running_alone = RunningAloneRecord(running_alone_path).write
+        core.on_rebuilding = self._announce_rebuilding
         self.engine_index = engine_index
         self.watch_parent = watch_parent
         self.ctx = zmq.Context()
@@ -247,6 +253,9 @@ class EngineCoreProc:
         events = self.core.recoveries[self._num_reported_recoveries:]
         self._num_reported_recoveries += len(events)
         return [RecoveryStats(e.kind, e.seconds, e.num_requests, e.charged, e.culprits) for e in events]
+
+    def _announce_rebuilding(self) -> None:
+        self._send(EngineCoreOutputs(rebuilding=True))
 
     def _stats(self) -> SchedulerStats:
         return SchedulerStats(**self.core.stats(), unhealthy=self.core.unhealthy_reason)

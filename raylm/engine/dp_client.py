@@ -96,6 +96,8 @@ class _Replica:
     node_ip: str = ""
     # When it last sent anything, or was given work while idle (see _kill_hung_replicas).
     last_heard: float = field(default_factory=time.monotonic)
+    # It announced a rebuild of its executor and has sent nothing since.
+    rebuilding: bool = False
 
     @property
     def score(self) -> float:
@@ -478,7 +480,9 @@ class DPClient:
         now = time.monotonic()
         for replica in list(self.replicas.values()):
             silent_s = now - replica.last_heard
-            if not replica.in_flight or silent_s <= timeout:
+            # A rebuild (announced) may take as long as a start: it loads the model again.
+            limit = self.config.fault_tolerance.engine_start_timeout_s if replica.rebuilding else timeout
+            if not replica.in_flight or silent_s <= limit:
                 continue
             replica.last_heard = now  # once: its death is on the way
             logger.error("data-parallel replica %d sent nothing for %.0f s with %d request(s) in flight: killing it",
@@ -562,6 +566,7 @@ class DPClient:
             return None
         replica, outputs = decoded
         replica.last_heard = time.monotonic()
+        replica.rebuilding = outputs.rebuilding
         self._drop_foreign_outputs(replica, outputs)
         if outputs.error is not None:
             # That replica is dead for good; the others serve its requests.

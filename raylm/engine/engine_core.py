@@ -90,6 +90,9 @@ class EngineCore:
         # cannot erase it, to know whom a core death is to be blamed on.
         self.on_running_alone = None
         self._announced_alone: str | None = None
+        # Called before each attempt to rebuild the executor: a core process
+        # tells its front end, which otherwise sees only silence.
+        self.on_rebuilding = None
         self.batch_queue: deque[tuple[SchedulerOutput, Future]] = deque()
         # Set once the restart budget is spent: every later step raises it.
         self.dead_error: EngineDeadError | None = None
@@ -346,6 +349,8 @@ class EngineCore:
                     f"(max_restarts); last failure ({kind}): {cause.splitlines()[0] if cause else ''}"
                 )
                 raise self.dead_error
+            if self.on_rebuilding is not None:
+                self.on_rebuilding()
             self._shutdown_executor()
             _free_released_memory()
             delay = 0.0 if hunting else self.restart_budget.backoff_s()

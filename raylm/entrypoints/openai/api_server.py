@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import raylm
-from raylm.engine.async_llm import AsyncLLM, RequestFailedError
+from raylm.engine.async_llm import AsyncLLM, EngineRecoveryTimeoutError, RequestFailedError
 from raylm.engine.core_client import EngineDeadError
 from raylm.entrypoints.openai.limits import (
     AdmissionControl,
@@ -184,10 +184,20 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
             return error_response("the server is shutting down", 503, error_type="service_unavailable")
         try:
             await engine.check_health()
+        except EngineRecoveryTimeoutError as e:
+            return error_response(str(e), 503, error_type="service_unavailable")
         except EngineDeadError as e:
             return error_response(f"the engine is not running: {e}", 503)
+        body: dict[str, Any] = {}
+        recovery = engine.recovery_status()
+        if recovery is not None:
+            # Still under its limit: serving resumes by itself, requests wait.
+            body.update(status="recovering", recovering=recovery["recovering"],
+                        recovering_for_s=round(recovery["seconds"], 1), limit_s=recovery["limit_s"])
         replicas = replica_states(engine)  # data parallel: each replica's state
-        return Response(status_code=200) if replicas is None else JSONResponse({"replicas": replicas})
+        if replicas is not None:
+            body["replicas"] = replicas
+        return JSONResponse(body) if body else Response(status_code=200)
 
     install_tokenize_routes(app, engine, served_model_names, trust_request_chat_template)
     install_data_parallel_routes(app, engine, api_key, stat_logger,
