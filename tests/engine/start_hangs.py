@@ -6,8 +6,11 @@ name from the config it is given."""
 from __future__ import annotations
 
 import functools
+import os
 import threading
+import time
 
+from raylm.executor.errors import WorkerHungError
 from raylm.executor.multiproc_executor import MultiprocExecutor
 from raylm.executor.uniproc_executor import UniProcExecutor
 
@@ -48,3 +51,30 @@ class HangInSizingOnRank1Executor(HangOnRank1Executor):
     hang_in = "determine_available_memory"
 
 
+
+
+# ---- a rebuild held open by the test ---------------------------------------------------------
+# The engine core runs in a process of its own: the test steers it through
+# files in the folder named by this variable (set before the core starts).
+GATE_DIR_ENV = "RAYLM_TEST_REBUILD_GATE"
+
+
+def gate(name: str) -> str:
+    return os.path.join(os.environ[GATE_DIR_ENV], name)
+
+
+class GatedRebuildUniExecutor(UniProcExecutor):
+    """Its health check fails once when the file `fail` appears (the idle
+    core then rebuilds it), and it does not start while `hold` exists: a
+    rebuild that takes as long as the test wants."""
+
+    def _init_executor(self) -> None:
+        while os.path.exists(gate("hold")):
+            time.sleep(0.05)
+        super()._init_executor()
+
+    def check_health(self) -> None:
+        if os.path.exists(gate("fail")):
+            os.remove(gate("fail"))
+            raise WorkerHungError("injected: a worker stopped answering health checks")
+        super().check_health()
