@@ -77,6 +77,23 @@ def _worth_a_thread(prompt: Any) -> bool:
     return isinstance(prompt, str) and len(prompt) > _MAX_INLINE_PROMPT_CHARS
 
 
+# bad_words up to this many characters in all are tokenized on the event loop
+# (two encodes of a few words); token sequences up to this many ids are
+# checked and copied there. Up to the caps (MAX_BAD_WORDS words, 64 K
+# characters) it takes tens of milliseconds: in a thread.
+_MAX_INLINE_BAD_WORDS_CHARS = 256
+_MAX_INLINE_BAD_WORD_TOKENS = 1024
+
+
+def _params_worth_a_thread(params: SamplingParams) -> bool:
+    """Whether finishing `params` (InputProcessor.finish_params: bad_words
+    tokenized, every id checked, the params copied) takes long enough to move
+    off the event loop."""
+    if params.bad_words_token_ids is not None:  # tokenized already (a server does it in a thread)
+        return sum(len(seq) for seq in params.bad_words_token_ids) > _MAX_INLINE_BAD_WORD_TOKENS
+    return sum(len(word) for word in params.bad_words or ()) > _MAX_INLINE_BAD_WORDS_CHARS
+
+
 class EngineUnhealthyError(EngineDeadError):
     """Raised by health checks only: the engine still serves, but failed
     requests caused more recoveries than it forgives, so its supervisor
@@ -246,16 +263,17 @@ class AsyncLLM:
     # ---- requests ------------------------------------------------------------
 
     async def process_prompt(self, prompt: Any, params: SamplingParams) -> tuple[ProcessedPrompt, SamplingParams]:
-        """Validate and tokenize; a long text prompt in a thread, so that it
-        never stalls the other streams. Token ids and short texts are done
-        here: the hop to a thread and back costs more than their work, and at
-        a burst of requests it queues each behind the others' hops."""
-        if _worth_a_thread(prompt):
-            loop = asyncio.get_running_loop()
-            processed = await loop.run_in_executor(None, self.input_processor.process_prompt, prompt, params)
-        else:
-            processed = self.input_processor.process_prompt(prompt, params)
-        return processed, self.input_processor.finish_params(params)
+        """Validate and tokenize; a long text prompt, or many bad_words, in a
+        thread (one hop for both), so that they never stall the other streams.
+        Token ids, short texts and a few bad words are done here: the hop to a
+        thread and back costs more than their work, and at a burst of requests
+        it queues each behind the others' hops."""
+        if _worth_a_thread(prompt) or _params_worth_a_thread(params):
+            return await asyncio.get_running_loop().run_in_executor(None, self._process_prompt, prompt, params)
+        return self._process_prompt(prompt, params)
+
+    def _process_prompt(self, prompt: Any, params: SamplingParams) -> tuple[ProcessedPrompt, SamplingParams]:
+        return self.input_processor.process_prompt(prompt, params), self.input_processor.finish_params(params)
 
     async def add_request(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
                           stream: bool = True, data_parallel_rank: int | None = None) -> "RequestStream":
