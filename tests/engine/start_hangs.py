@@ -78,3 +78,24 @@ class GatedRebuildUniExecutor(UniProcExecutor):
             os.remove(gate("fail"))
             raise WorkerHungError("injected: a worker stopped answering health checks")
         super().check_health()
+
+
+class HangInFirstRebuildOnRank1Executor(HangOnRank1Executor):
+    """Starts normally; in the first rebuild (its second instance) rank 1
+    hangs while the KV cache is sized. Instances are counted in the process
+    that builds the executors (an offline LLM: the test's own)."""
+
+    hang_in = "determine_available_memory"
+    instances = 0
+    all_worker_pids: list[int] = []  # of every instance, for the test to check they are gone
+
+    def __init__(self, config):
+        type(self).instances += 1
+        self._hangs = type(self).instances == 2
+        super().__init__(config)
+        type(self).all_worker_pids = type(self).all_worker_pids + self.worker_pids
+
+    def collective_rpc(self, method, *args, **kwargs):
+        if not self._hangs:
+            return MultiprocExecutor.collective_rpc(self, method, *args, **kwargs)
+        return super().collective_rpc(method, *args, **kwargs)

@@ -244,3 +244,38 @@ def test_dp_replica_stuck_starting_is_killed_at_the_deadline(model, ray_session)
             break
         time.sleep(0.1)
     assert our_live_ray_state() == ([], [])
+
+
+# ---- the engine core's in-place rebuild -------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_a_rebuild_hung_at_start_up_is_retried_within_the_budget(model, monkeypatch):
+    """A worker dies; the first rebuild hangs on a rank while sizing the KV
+    cache, which the start deadline turns into an error: the core tears that
+    executor down and rebuilds again, and the request completes."""
+    import signal
+
+    from raylm import SamplingParams
+    from raylm.engine.engine_core import REBUILD_FAILED, WORKER_DIED
+    from tests.conftest import executor_of
+    from tests.engine.start_hangs import HangInFirstRebuildOnRank1Executor
+
+    monkeypatch.setattr(HangInFirstRebuildOnRank1Executor, "instances", 0)
+    monkeypatch.setattr(HangInFirstRebuildOnRank1Executor, "all_worker_pids", [])
+    llm = LLM(model, tensor_parallel_size=2, distributed_executor_backend=HangInFirstRebuildOnRank1Executor,
+              num_threads=1, kv_cache_memory_bytes=4 << 20, max_model_len=256, engine_start_timeout=START_TIMEOUT_S)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        first = executor_of(llm)
+        os.kill(first.worker_pids[1], signal.SIGKILL)
+        output = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0]
+        assert len(output.outputs[0].token_ids) == 8
+        core = llm.llm_engine.engine_core.engine_core
+        assert core.failures_by_kind.get(WORKER_DIED) == 1 and core.failures_by_kind.get(REBUILD_FAILED) == 1
+        assert HangInFirstRebuildOnRank1Executor.instances == 3
+        # The hung executor's workers, and the first one's, are gone.
+        replaced = set(HangInFirstRebuildOnRank1Executor.all_worker_pids) - set(executor_of(llm).worker_pids)
+        assert len(replaced) == 4 and not _wait_gone(replaced)
+    finally:
+        llm.shutdown()
