@@ -18,6 +18,14 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 TESTS = Path(__file__).parent
 
+# Slow tests of modules being rewritten as this list was made (each over ten
+# seconds on a loaded 2-core machine); the mark belongs in the module itself.
+SLOW_ELSEWHERE = {
+    "tests/engine/test_poison_quarantine.py::test_mp_tp2_poison_is_failed_alone_and_the_rest_complete",
+    "tests/engine/test_poison_quarantine.py::test_ten_poison_requests_in_a_row_leave_the_budget_whole",
+    "tests/engine/test_poison_quarantine.py::test_uni_core_process_poison_is_failed_alone_online",
+}
+
 # The suite runs on CPU even on a GPU host (else the Ray tests would move to
 # CUDA and the TP=2 ones ask for two GPUs); tests/gpu/ opts back in. Set in the
 # environment so that processes the tests start inherit it too.
@@ -26,21 +34,24 @@ os.environ["RAYLM_DEVICE"] = "cpu"
 
 def pytest_collection_modifyitems(items):
     """The tiers (markers declared in pyproject.toml), given here by what a test
-    uses: the `ray_session` fixture -> ray; a `server` or `*_server` fixture of
-    tests/entrypoints/openai/ -> server; tests/multinode/ -> multinode;
-    tests/gpu/ -> gpu. A test that starts Ray or a server itself carries the
-    mark in its module (pytestmark, a decorator, or its parameter's marks)."""
+    uses: the `ray_session` fixture -> ray; a `server` or `*_server` fixture (a
+    `raylm serve` process) -> server; tests/multinode/ -> multinode; tests/gpu/
+    -> gpu; SLOW_ELSEWHERE -> slow. A test that starts Ray or a server itself,
+    or is slow, carries the mark in its module (pytestmark, a decorator, or its
+    parameter's marks)."""
     for item in items:
         folder = item.path.relative_to(TESTS).parts[:-1]
         fixtures = set(item.fixturenames)  # with the fixtures they use, transitively
         if "ray_session" in fixtures:
             item.add_marker(pytest.mark.ray)
-        if folder == ("entrypoints", "openai") and any(f == "server" or f.endswith("_server") for f in fixtures):
+        if any(f == "server" or f.endswith("_server") for f in fixtures):
             item.add_marker(pytest.mark.server)
         if folder[:1] == ("multinode",):
             item.add_marker(pytest.mark.multinode)
         if folder[:1] == ("gpu",):
             item.add_marker(pytest.mark.gpu)
+        if item.nodeid.split("[")[0] in SLOW_ELSEWHERE:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session", autouse=True)

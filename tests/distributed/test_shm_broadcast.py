@@ -121,6 +121,7 @@ def _child_reader(handle, rank, conn):
         reader.close()
 
 
+@pytest.mark.slow
 def test_reader_in_another_process():
     writer = MessageQueue(2, chunk_bytes=CHUNK)
     ctx = multiprocessing.get_context("spawn")

@@ -21,6 +21,8 @@ import torch.multiprocessing as mp
 from raylm.distributed import parallel_state
 from raylm.distributed.shm_collective import DISABLE_ENV, SEGMENT_PREFIX
 
+pytestmark = pytest.mark.slow  # process groups of 2 and 4 ranks on two cores
+
 JOIN_TIMEOUT_S = 180
 # Long enough for a loaded 2-core machine to bring up every process.
 GROUP_TIMEOUT_S = 120

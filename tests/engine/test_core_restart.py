@@ -146,6 +146,7 @@ def core_config(tiny_model_dir):
                                 num_threads=1)
 
 
+@pytest.mark.slow
 def test_mp_client_tells_a_killed_core_from_one_that_reported_its_error(core_config):
     killed = MPClient(core_config)
     try:

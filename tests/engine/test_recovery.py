@@ -106,7 +106,7 @@ def assert_gone(traces) -> None:
 
 
 BACKENDS = [
-    pytest.param("mp", {}, id="mp"),
+    pytest.param("mp", {}, id="mp", marks=pytest.mark.slow),
     pytest.param("ray", {"ray_step_transport": "mq"}, id="ray-mq", marks=pytest.mark.ray),
     pytest.param("ray", {"ray_step_transport": "cgraph"}, id="ray-cgraph", marks=pytest.mark.ray),
 ]
@@ -135,6 +135,7 @@ def test_killed_worker_mid_decode_loses_no_request(request, model, reference, ba
     assert_gone(new_traces)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_continues_its_stream_after_recovery(model):
     """Workers that replace dead ones fast-forward each request's generator."""
     seeded = [SamplingParams(temperature=1.0, top_k=50, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -149,6 +150,7 @@ def test_seeded_sampling_continues_its_stream_after_recovery(model):
     assert [o.token_ids for o in outputs] == uninterrupted
 
 
+@pytest.mark.slow
 def test_hung_worker_is_caught_by_the_step_deadline(model, reference):
     llm = _llm(model, "mp", tp=2, execute_model_timeout=3.0)
     try:
@@ -203,6 +205,7 @@ class PoisonedMultiprocExecutor(MultiprocExecutor):
         self.collective_rpc(install_poison, args=(POISON,))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("executor_class, tp", [(PoisonedUniProcExecutor, 1), (PoisonedMultiprocExecutor, 2)],
                          ids=["uni", "mp-tp2"])
 def test_a_request_that_breaks_its_step_fails_alone(model, reference, executor_class, tp):
@@ -230,6 +233,7 @@ def test_a_request_that_breaks_its_step_fails_alone(model, reference, executor_c
         llm.shutdown()
 
 
+@pytest.mark.slow
 def test_failures_past_the_budget_end_the_engine_cleanly(model):
     llm = _llm(model, "mp", tp=2, max_restarts=1)
     traces = []
@@ -262,6 +266,7 @@ class CorruptCopyOnRank1Executor(MultiprocExecutor):
         return super().collective_rpc(method, *args, **kwargs)
 
 
+@pytest.mark.slow
 def test_start_up_failure_on_one_rank_names_it_and_leaves_nothing(model, tmp_path, monkeypatch):
     corrupt = tmp_path / "corrupt"
     shutil.copytree(model, corrupt)

@@ -274,6 +274,7 @@ def test_resumed_request_fast_forwards_its_matcher(llm):
     assert full[:9] + tokens == full and reason == "stop"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],
                          ids=["tp2", "pp2"])
 def test_worker_processes_match_one_process(model, reference, layout):

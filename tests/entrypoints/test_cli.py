@@ -122,6 +122,7 @@ def test_bench_latency_writes_json(model_dir, tmp_path):
     assert data["batch_size"] == 2 and data["output_len"] == 4
 
 
+@pytest.mark.slow
 def test_bench_throughput_writes_json(model_dir, tmp_path):
     out = tmp_path / "throughput.json"
     num_prompts, input_len, output_len = 6, 20, 5

@@ -68,6 +68,7 @@ def _gone(pids) -> bool:
     return True
 
 
+@pytest.mark.slow
 @needs_two_cpus
 def test_mp_tp2_explicit_bind_pins_each_rank(model, reference, caplog):
     bind = f"{USABLE[0]}|{USABLE[1]}"
@@ -95,6 +96,7 @@ def _planned_cpus(rank_placement) -> list[int]:
     return USABLE if rank_placement.cpus is None else sorted(rank_placement.cpus)
 
 
+@pytest.mark.slow
 def test_mp_tp2_default_follows_the_plan(model, reference):
     plan = plan_cpu_placement(read_topology(), 2)
     llm = LLM(model, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp",
@@ -125,6 +127,7 @@ def is_watching(worker):
     return worker.contention_watch is not None
 
 
+@pytest.mark.slow
 @needs_two_cpus
 def test_a_starved_rank_unpins_itself_and_keeps_its_outputs(model, reference):
     llm = LLM(model, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp",

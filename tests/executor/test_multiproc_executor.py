@@ -74,6 +74,7 @@ def test_tp2_matches_hf(tp2, reference):
     assert [o.outputs[0].token_ids for o in outs] == reference
 
 
+@pytest.mark.slow
 def test_async_scheduling_with_tp2_matches_hf_and_uni(model, reference):
     """Every TP rank fills in its own sampled token for the step already in flight."""
     seeded = [SamplingParams(temperature=1.0, seed=i, max_tokens=10, ignore_eos=True) for i in range(len(PROMPTS))]
@@ -85,6 +86,7 @@ def test_async_scheduling_with_tp2_matches_hf_and_uni(model, reference):
         assert sampled == [o.outputs[0].token_ids for o in uni.generate(prompts, seeded, use_tqdm=False)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
 def test_pipeline_layouts_match_hf(model, reference, tp, pp):
     with _mp_llm(model, tp=tp, pp=pp) as llm:
@@ -146,6 +148,7 @@ def test_worker_exception_carries_rank_and_traceback(tp2):
     ex.check_health()
 
 
+@pytest.mark.slow
 def test_killed_worker_is_noticed_and_everything_is_cleaned_up(model, reference):
     llm = _mp_llm(model, tp=2)
     ex = _executor(llm)
@@ -183,6 +186,7 @@ ENGINE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_killed_engine_leaves_no_orphan_and_no_segment(model):
     engine = subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, model], cwd=REPO_ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

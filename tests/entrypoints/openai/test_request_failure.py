@@ -24,6 +24,7 @@ def model(tiny_model_dir):
     return tiny_model_dir("llama", num_key_value_heads=2)
 
 
+@pytest.mark.slow
 def test_poisoned_request_fails_alone(model):
     with LLM(model, dtype="float32", kv_cache_memory_bytes=16 << 20) as llm:
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
