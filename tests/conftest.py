@@ -24,6 +24,10 @@ SLOW_ELSEWHERE = {
     "tests/engine/test_poison_quarantine.py::test_mp_tp2_poison_is_failed_alone_and_the_rest_complete",
     "tests/engine/test_poison_quarantine.py::test_ten_poison_requests_in_a_row_leave_the_budget_whole",
     "tests/engine/test_poison_quarantine.py::test_uni_core_process_poison_is_failed_alone_online",
+    "tests/engine/test_recovery_memory.py::test_the_old_model_is_freed_before_the_new_executor_is_built",
+    "tests/engine/test_start_deadlines.py::test_a_rebuild_hung_at_start_up_is_retried_within_the_budget",
+    "tests/engine/test_start_deadlines.py::test_core_killed_at_its_deadline_takes_its_hung_workers_and_segments_along",
+    "tests/engine/test_start_deadlines.py::test_mp_worker_hung_while_the_kv_cache_is_sized_is_named_and_nothing_is_left",
 }
 
 # The suite runs on CPU even on a GPU host (else the Ray tests would move to

@@ -172,6 +172,7 @@ def test_hung_worker_is_caught_by_the_step_deadline(model, reference):
     assert_gone(new_traces)
 
 
+@pytest.mark.slow
 def test_idle_heartbeat_replaces_a_hung_worker_before_the_next_request(model, reference):
     llm = _llm(model, "mp", tp=2, health_check_interval=0.1, health_check_timeout=1.0)
     try:
