@@ -321,4 +321,5 @@ class MPClient:
         self._finalizer()
 
 
-__all__ = ["EngineCoreDiedError", "EngineDeadError", "EngineStartTimeoutError", "InprocClient", "MPClient", "SchedulerStats"]
+__all__ = ["EngineCoreDiedError", "EngineDeadError", "EngineStartTimeoutError", "InprocClient", "MPClient",
+           "SchedulerStats"]

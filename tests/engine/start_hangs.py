@@ -1,7 +1,7 @@
-"""Executors that hang at start-up, for the start-up deadline tests
-(test_start_deadlines.py). They live in a module of their own, not in the test
-module, because an engine-core process started with `spawn` imports them by
-name from the config it is given."""
+"""Executors that hang at start-up or in a rebuild, for the deadline tests
+(test_start_deadlines.py, test_rebuild_watchdog.py). They live in a module of
+their own, not in a test module, because an engine-core process started with
+`spawn` (and a Ray actor, for a callable) imports them by name."""
 
 from __future__ import annotations
 
