@@ -202,6 +202,7 @@ class AsyncLLM:
         self.recovering = False
         self._recovering_since: float | None = None
         self._shut_down = False
+        self._scale_lock: asyncio.Lock | None = None  # made on the event loop that scales
         self.engine_core = self._make_core_client()
 
     def _make_core_client(self):
@@ -226,7 +227,12 @@ class AsyncLLM:
         """Change the number of data-parallel replicas without failing a request."""
         if not hasattr(self.engine_core, "scale_async"):
             raise ValueError("scaling needs a server started with --data-parallel-size > 1")
-        await self.engine_core.scale_async(data_parallel_size)
+        # One change at a time, whoever calls: two scale-ups that both saw the
+        # old size would each start the missing replicas.
+        if self._scale_lock is None:
+            self._scale_lock = asyncio.Lock()
+        async with self._scale_lock:
+            await self.engine_core.scale_async(data_parallel_size)
 
     @classmethod
     def from_engine_args(cls, stat_loggers: list[StatLoggerBase] | None = None, **engine_kwargs: Any) -> "AsyncLLM":

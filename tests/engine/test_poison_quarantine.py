@@ -129,11 +129,11 @@ def test_mp_tp2_poison_is_failed_alone_and_the_rest_complete(monkeypatch, model,
     assert_gone(traces)
 
 
-@pytest.mark.parametrize("action, kind", [("kill", WORKER_DIED), ("raise", STEP_ERROR)])
+@pytest.mark.parametrize("action, kind", [("kill", WORKER_DIED), ("hang", WORKER_HUNG), ("raise", STEP_ERROR)])
 def test_ray_tp2_poison_is_failed_alone(monkeypatch, ray_session, model, reference, action, kind):
     monkeypatch.setenv(ENV_VAR, f"{action}:token={POISON}")
     poison_at = NUM_GOOD  # last: every good request runs alone before it
-    llm = _llm(model, "ray", tp=2)
+    llm = _llm(model, "ray", tp=2, execute_model_timeout=5)
     try:
         outputs = llm.generate(_prompts(poison_at), GREEDY, use_tqdm=False)
         _check_outputs(outputs, poison_at, reference)
@@ -144,6 +144,19 @@ def test_ray_tp2_poison_is_failed_alone(monkeypatch, ray_session, model, referen
     finally:
         llm.shutdown()
     assert_gone(traces)
+
+
+def test_uni_poison_that_raises_is_failed_alone_among_16(monkeypatch, model, reference):
+    monkeypatch.setenv(ENV_VAR, f"raise:token={POISON}")
+    poison_at = 7
+    llm = _llm(model, "uni")
+    try:
+        _check_outputs(llm.generate(_prompts(poison_at), GREEDY, use_tqdm=False), poison_at, reference)
+        core = _core(llm)
+        assert [e.kind for e in core.recoveries] == [STEP_ERROR] * 3
+        assert core.restart_budget.num_recent == 0
+    finally:
+        llm.shutdown()
 
 
 def test_ten_poison_requests_in_a_row_leave_the_budget_whole(monkeypatch, model, reference):

@@ -96,6 +96,25 @@ def test_scale_down_and_up_while_streams_run(dp_server, reference):
     assert states.count("serving") == 2
 
 
+def test_concurrent_scale_ups_start_each_replica_once(dp_server):
+    """Three scale-ups to 2 at once, from 1: run one after the other, the
+    first starts the missing replica and the others find the size reached
+    (racing, each would have started one)."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.post(dp_server.url("/scale"), json={"data_parallel_size": 1}, headers=headers,
+                      timeout=300).status_code == 200
+
+    async def scale_up_thrice() -> list[int]:
+        async with httpx.AsyncClient(base_url=dp_server.base_url, headers=headers, timeout=300) as client:
+            responses = await asyncio.gather(*(client.post("/scale", json={"data_parallel_size": 2})
+                                               for _ in range(3)))
+            return [r.status_code for r in responses]
+
+    assert asyncio.run(scale_up_thrice()) == [200] * 3
+    replicas = httpx.get(dp_server.url("/health"), timeout=30).json()["replicas"]
+    assert [r["state"] for r in replicas] == ["serving", "serving"], replicas
+
+
 def test_scale_needs_the_api_key_and_a_valid_size(dp_server):
     assert httpx.post(dp_server.url("/scale"), json={"data_parallel_size": 1}).status_code == 401
     headers = {"Authorization": f"Bearer {API_KEY}"}
