@@ -52,7 +52,7 @@ import zmq
 
 from raylm.distributed.doorbell import DoorbellReader, DoorbellWriter
 from raylm.distributed.message_codec import CallableNotAllowedError, MessageCodec
-from raylm.distributed.tcp_auth import CurveKeys, CurveServer, secure_client, tcp_auth_enabled
+from raylm.distributed.tcp_auth import CurveKeys, CurveServer, secure_client, tcp_auth_enabled, terminate_context
 
 logger = logging.getLogger(__name__)
 
@@ -546,7 +546,8 @@ class MessageQueue:
                     self._curve_server.stop()
             else:
                 self._sub.close(linger=0)
-            self._zmq.term()
+            if not terminate_context(self._zmq):
+                logger.warning("message queue: its ZMQ context did not terminate within the bound; left to exit")
             for bells in (getattr(self, "_bells", None), getattr(self, "_bell", None)):
                 if bells is not None and acquired:  # else a waiter may still use them: the process exit closes them
                     bells.close()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -101,3 +102,27 @@ def secure_client(sock: zmq.Socket, keys: CurveKeys, server_key: bytes | None = 
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
     sock.curve_serverkey = keys.public if server_key is None else server_key
+
+
+# How long closing a context that served CURVE may wait for libzmq.
+_TERM_TIMEOUT_S = 5.0
+
+
+def terminate_context(context: zmq.Context, timeout_s: float = _TERM_TIMEOUT_S) -> bool:
+    """Terminate a context whose sockets are closed, waiting at most
+    `timeout_s`; False if it was left to the process's exit instead.
+
+    A context that served CURVE can block in zmq_ctx_term forever: a peer
+    whose handshake was waiting on the ZAP handler when the handler stopped
+    (a stranger knocking at the port, say) keeps its session open, and
+    libzmq waits for it. Closing must not hang on what a stranger sent, so
+    the termination runs on a daemon thread and is abandoned past the bound
+    (its I/O thread then lives until the process exits)."""
+    done = threading.Event()
+
+    def term() -> None:
+        context.term()
+        done.set()
+
+    threading.Thread(target=term, name="raylm-zmq-term", daemon=True).start()
+    return done.wait(timeout_s)

@@ -51,7 +51,7 @@ from raylm.config import EngineConfig
 from raylm.core import quarantine
 from raylm.core.outputs import EngineCoreOutput
 from raylm.core.request import Request
-from raylm.distributed.tcp_auth import CurveKeys, CurveServer
+from raylm.distributed.tcp_auth import CurveKeys, CurveServer, terminate_context
 from raylm.engine.core_client import EngineDeadError, send_pending
 from raylm.engine.core_proc import (
     AbortRequests,
@@ -706,4 +706,6 @@ def _shutdown(manager: CoreEngineActorManager, replicas: dict, output, curve: Cu
     replicas.clear()
     output.close(linger=0)
     curve.stop()
-    ctx.destroy(linger=0)
+    for sock in list(ctx._sockets):  # any socket still open (pyzmq's own list, as Context.destroy uses it)
+        sock.close(linger=0)
+    terminate_context(ctx)  # bounded: a stranger's pending handshake must not hang shutdown
