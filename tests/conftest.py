@@ -18,18 +18,6 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 TESTS = Path(__file__).parent
 
-# Slow tests of modules being rewritten as this list was made (each over ten
-# seconds on a loaded 2-core machine); the mark belongs in the module itself.
-SLOW_ELSEWHERE = {
-    "tests/engine/test_poison_quarantine.py::test_mp_tp2_poison_is_failed_alone_and_the_rest_complete",
-    "tests/engine/test_poison_quarantine.py::test_ten_poison_requests_in_a_row_leave_the_budget_whole",
-    "tests/engine/test_poison_quarantine.py::test_uni_core_process_poison_is_failed_alone_online",
-    "tests/engine/test_recovery_memory.py::test_the_old_model_is_freed_before_the_new_executor_is_built",
-    "tests/engine/test_start_deadlines.py::test_a_rebuild_hung_at_start_up_is_retried_within_the_budget",
-    "tests/engine/test_start_deadlines.py::test_core_killed_at_its_deadline_takes_its_hung_workers_and_segments_along",
-    "tests/engine/test_start_deadlines.py::test_mp_worker_hung_while_the_kv_cache_is_sized_is_named_and_nothing_is_left",
-}
-
 # The suite runs on CPU even on a GPU host (else the Ray tests would move to
 # CUDA and the TP=2 ones ask for two GPUs); tests/gpu/ opts back in. Set in the
 # environment so that processes the tests start inherit it too.
@@ -40,7 +28,7 @@ def pytest_collection_modifyitems(items):
     """The tiers (markers declared in pyproject.toml), given here by what a test
     uses: the `ray_session` fixture -> ray; a `server` or `*_server` fixture (a
     `raylm serve` process) -> server; tests/multinode/ -> multinode; tests/gpu/
-    -> gpu; SLOW_ELSEWHERE -> slow. A test that starts Ray or a server itself,
+    -> gpu. A test that starts Ray or a server itself,
     or is slow, carries the mark in its module (pytestmark, a decorator, or its
     parameter's marks)."""
     for item in items:
@@ -54,8 +42,6 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.multinode)
         if folder[:1] == ("gpu",):
             item.add_marker(pytest.mark.gpu)
-        if item.nodeid.split("[")[0] in SLOW_ELSEWHERE:
-            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session", autouse=True)

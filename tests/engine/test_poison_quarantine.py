@@ -105,6 +105,7 @@ def test_fault_specs_parse_and_typos_are_refused():
 # ---- offline: the engine core recovers in place ---------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("action, kind", [("kill", WORKER_DIED), ("hang", WORKER_HUNG), ("raise", STEP_ERROR)])
 def test_mp_tp2_poison_is_failed_alone_and_the_rest_complete(monkeypatch, model, reference, action, kind):
     monkeypatch.setenv(ENV_VAR, f"{action}:token={POISON}")
@@ -159,6 +160,7 @@ def test_uni_poison_that_raises_is_failed_alone_among_16(monkeypatch, model, ref
         llm.shutdown()
 
 
+@pytest.mark.slow
 def test_ten_poison_requests_in_a_row_leave_the_budget_whole(monkeypatch, model, reference):
     monkeypatch.setenv(ENV_VAR, f"raise:token={POISON}")
     llm = _llm(model, "uni")  # default budget: 3 restarts within 600 s
@@ -207,6 +209,7 @@ async def _serve_all(engine: AsyncLLM, prompts: list[dict]) -> list:
     return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("action", ["kill", "hang"])
 def test_uni_core_process_poison_is_failed_alone_online(monkeypatch, model, reference, action):
     """With the uni backend the model runs in the engine-core process: a kill

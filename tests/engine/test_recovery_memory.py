@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 
 from raylm import LLM, SamplingParams
@@ -39,6 +40,7 @@ def live_tensor_bytes() -> int:
     return sum(storages.values())
 
 
+@pytest.mark.slow
 def test_the_old_model_is_freed_before_the_new_executor_is_built(tiny_model_dir):
     model = tiny_model_dir("llama", num_key_value_heads=2)
     llm = LLM(model, dtype="float32", distributed_executor_backend=PoisonedUniProcExecutor, num_threads=1,

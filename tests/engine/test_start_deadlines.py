@@ -84,6 +84,7 @@ def _config(model: str, backend, tp: int = 1, start_timeout: float = START_TIMEO
 # ---- the executors' start-up calls ------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_mp_worker_hung_while_the_kv_cache_is_sized_is_named_and_nothing_is_left(model):
     children, segments = _children(), _shm()
@@ -165,6 +166,7 @@ def test_core_never_ready_is_killed_with_a_clear_error(model):
     assert not _wait_gone(_children() - children)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_core_killed_at_its_deadline_takes_its_hung_workers_and_segments_along(model, monkeypatch):
     """The core is killed before its own executor's deadline (both count the
@@ -249,6 +251,7 @@ def test_dp_replica_stuck_starting_is_killed_at_the_deadline(model, ray_session)
 # ---- the engine core's in-place rebuild -------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_rebuild_hung_at_start_up_is_retried_within_the_budget(model, monkeypatch):
     """A worker dies; the first rebuild hangs on a rank while sizing the KV
