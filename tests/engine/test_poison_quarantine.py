@@ -59,6 +59,19 @@ def _prompts(poison_at: int) -> list[dict]:
     return prompts
 
 
+def _generate_past_the_poison(llm: LLM, poison_at: int, reference, kind: str):
+    """Serve the good requests with the poison at `poison_at`; check that it is
+    failed alone after three recoveries of `kind` (batched twice, then alone)
+    and that the budget is whole. Returns the engine core."""
+    _check_outputs(llm.generate(_prompts(poison_at), GREEDY, use_tqdm=False), poison_at, reference)
+    core = _core(llm)
+    assert [e.kind for e in core.recoveries] == [kind] * 3
+    assert [len(e.culprits) for e in core.recoveries] == [0, 0, 1]
+    assert not core.scheduler.quarantined and core.unhealthy_reason is None
+    assert core.restart_budget.num_recent == 0  # the culprit's doing, forgiven
+    return core
+
+
 def _check_outputs(outputs, poison_at: int, reference) -> None:
     bad = outputs.pop(poison_at).outputs[0]
     assert bad.finish_reason == "error" and "failed again running alone" in bad.error
@@ -112,15 +125,7 @@ def test_mp_tp2_poison_is_failed_alone_and_the_rest_complete(monkeypatch, model,
     poison_at = 5
     llm = _llm(model, "mp", tp=2, execute_model_timeout=5)
     try:
-        outputs = llm.generate(_prompts(poison_at), GREEDY, use_tqdm=False)
-        _check_outputs(outputs, poison_at, reference)
-        core = _core(llm)
-        # Batched twice (then everyone is quarantined), then alone: the third names it.
-        assert [e.kind for e in core.recoveries] == [kind] * 3
-        culprit = core.recoveries[-1].culprits
-        assert len(culprit) == 1 and not any(e.culprits for e in core.recoveries[:-1])
-        assert not core.scheduler.quarantined and core.unhealthy_reason is None
-        assert core.restart_budget.num_recent == 0  # the culprit's doing, forgiven
+        _generate_past_the_poison(llm, poison_at, reference, kind)
         traces = _executor_traces(executor_of(llm))
         # Still serving, at full batch.
         again = llm.generate([{"prompt_token_ids": p} for p in GOOD[:4]], GREEDY, use_tqdm=False)
@@ -136,11 +141,7 @@ def test_ray_tp2_poison_is_failed_alone(monkeypatch, ray_session, model, referen
     poison_at = NUM_GOOD  # last: every good request runs alone before it
     llm = _llm(model, "ray", tp=2, execute_model_timeout=5)
     try:
-        outputs = llm.generate(_prompts(poison_at), GREEDY, use_tqdm=False)
-        _check_outputs(outputs, poison_at, reference)
-        core = _core(llm)
-        assert [e.kind for e in core.recoveries] == [kind] * 3
-        assert core.restart_budget.num_recent == 0
+        _generate_past_the_poison(llm, poison_at, reference, kind)
         traces = _executor_traces(executor_of(llm))
     finally:
         llm.shutdown()
@@ -152,10 +153,7 @@ def test_uni_poison_that_raises_is_failed_alone_among_16(monkeypatch, model, ref
     poison_at = 7
     llm = _llm(model, "uni")
     try:
-        _check_outputs(llm.generate(_prompts(poison_at), GREEDY, use_tqdm=False), poison_at, reference)
-        core = _core(llm)
-        assert [e.kind for e in core.recoveries] == [STEP_ERROR] * 3
-        assert core.restart_budget.num_recent == 0
+        _generate_past_the_poison(llm, poison_at, reference, STEP_ERROR)
     finally:
         llm.shutdown()
 
