@@ -65,10 +65,6 @@ KNOWN_CYCLES_BEING_REMOVED: set[str] = {
     "raylm.executor.abstract -> raylm.executor.multiproc_executor -> raylm.executor.abstract",
     "raylm.executor.abstract -> raylm.executor.ray_executor -> raylm.executor.abstract",
     "raylm.executor.abstract -> raylm.executor.uniproc_executor -> raylm.executor.abstract",
-    # model: helper C
-    "raylm.model.arch_config -> raylm.model.registry -> raylm.model.llama -> raylm.model.arch_config",
-    "raylm.model.arch_config -> raylm.model.registry -> raylm.model.llama -> raylm.model.layers.rotary"
-    " -> raylm.model.arch_config",
 }
 
 

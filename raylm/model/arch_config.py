@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from raylm.model.registry import SUPPORTED_ARCHITECTURES, get_model_class
+
 logger = logging.getLogger(__name__)
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -67,9 +69,6 @@ class ArchConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "ArchConfig":
-        # Imported here: the registry imports the model, which imports this module.
-        from raylm.model.registry import SUPPORTED_ARCHITECTURES
-
         archs = raw.get("architectures") or []
         supported = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
         if not supported:
@@ -128,8 +127,6 @@ class ArchConfig:
 
     @property
     def model_class(self):
-        from raylm.model.registry import get_model_class
-
         return get_model_class(self.architecture)
 
 

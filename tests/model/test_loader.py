@@ -4,6 +4,8 @@ files, config variants, and the model's weight-name checks."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from safetensors.torch import load_file
 from raylm.model.arch_config import ArchConfig
 from raylm.model.llama import PP_PARTITION_ENV, pp_layer_range
 from raylm.model.loader import load_model
-from raylm.model.registry import SUPPORTED_ARCHITECTURES
+from raylm.model.registry import MODEL_REGISTRY, SUPPORTED_ARCHITECTURES, get_model_class
 from raylm.testing import load_hf_model, make_tiny_model
 
 TOKENS = torch.tensor([1, 17, 300, 5, 42, 99, 640, 7, 3, 250])
@@ -90,6 +92,30 @@ def test_unknown_architecture_lists_supported(tmp_path):
         load_model(folder, torch.float32, "cpu")
     for name in SUPPORTED_ARCHITECTURES:
         assert name in str(info.value)
+
+
+def test_every_registered_architecture_resolves_to_its_class():
+    for name in SUPPORTED_ARCHITECTURES:
+        cls = get_model_class(name)
+        assert issubclass(cls, torch.nn.Module) and cls.__name__ == name
+        assert f"{cls.__module__}:{cls.__qualname__}" == MODEL_REGISTRY[name]
+    with pytest.raises(ValueError, match="supported: LlamaForCausalLM"):
+        get_model_class("GPT2LMHeadModel")
+
+
+def test_reading_a_config_does_not_import_the_model_code():
+    # The registry is names only: the model module loads when its class is asked for.
+    code = (
+        "import sys\n"
+        "from raylm.model.arch_config import ArchConfig\n"
+        "raw = dict(architectures=['Qwen2ForCausalLM'], vocab_size=64, hidden_size=32,\n"
+        "           intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)\n"
+        "arch = ArchConfig.from_dict(raw)\n"
+        "assert 'raylm.model.llama' not in sys.modules, 'model code imported early'\n"
+        "assert arch.model_class.__name__ == 'Qwen2ForCausalLM'\n"
+        "assert 'raylm.model.llama' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_missing_path_and_missing_config(tmp_path):
