@@ -96,7 +96,9 @@ def _extension_name(compiler: tuple[str, str]) -> str:
     # Everything the binary depends on is in the key, so machines sharing a home
     # directory, or virtual environments sharing a machine, each get their own
     # build folder instead of rebuilding one over each other. The torch include
-    # path tells two environments with the same torch version apart.
+    # path tells two environments with the same torch version apart. torch's
+    # build files name the sources by path, so two checkouts (a clone beside
+    # the working copy) would rebuild over each other: their paths are in it.
     from torch.utils import cpp_extension
 
     key = "|".join(
@@ -109,6 +111,7 @@ def _extension_name(compiler: tuple[str, str]) -> str:
             sysconfig.get_paths()["include"],
             " ".join(_CFLAGS),
             " ".join(_LDFLAGS),
+            *(str(source.resolve()) for source in _SOURCES),
             *(hashlib.sha256(source.read_bytes()).hexdigest() for source in (*_SOURCES, *_HEADERS)),
         ]
     )
