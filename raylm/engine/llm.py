@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from raylm.config import create_engine_config
+from raylm.engine.arg_utils import EngineArgs
 from raylm.engine.llm_engine import LLMEngine
 from raylm.engine.tokenizer import encode_rendered_chat
 from raylm.outputs import RequestOutput
@@ -23,36 +23,16 @@ class LLM:
 
     `LLM(model=None)` runs the embedded default model. Engine settings are
     keyword arguments named as in vLLM (tensor_parallel_size,
-    distributed_executor_backend, enable_prefix_caching, max_model_len, ...).
+    distributed_executor_backend, enable_prefix_caching, max_model_len, ...):
+    the fields of EngineArgs, which are also the `raylm` command's flags.
     The engine shuts down on `shutdown()`, at the end of a `with` block, or
     when the object is garbage collected or the interpreter exits.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        seed: int = 0,
-        max_model_len: int | None = None,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        distributed_executor_backend: str | None = None,
-        enable_prefix_caching: bool = True,
-        **engine_kwargs: Any,
-    ):
-        config = create_engine_config(
-            model=model,
-            tokenizer=tokenizer,
-            dtype=dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            distributed_executor_backend=distributed_executor_backend,
-            enable_prefix_caching=enable_prefix_caching,
-            **engine_kwargs,
-        )
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        # The settings, their defaults and their checks are EngineArgs'; an
+        # unknown name is a TypeError there.
+        config = EngineArgs(model=model, **engine_args).create_engine_config()
         self.llm_engine = LLMEngine(config)
         # Runs at gc or interpreter exit too, so workers never outlive the user's script.
         self._finalizer = weakref.finalize(self, self.llm_engine.shutdown)

@@ -12,7 +12,8 @@ import pytest
 
 import raylm
 from raylm import LLM, SamplingParams
-from raylm.entrypoints.cli import _SEPARATOR, build_parser, engine_kwargs_from_args, parse_bytes
+from raylm.engine.arg_utils import EngineArgs, parse_bytes
+from raylm.entrypoints.cli import _SEPARATOR, build_parser
 
 PROMPTS = ["ROMEO:", "Hello there"]
 MAX_TOKENS = 12
@@ -78,15 +79,15 @@ def test_engine_flags_become_llm_kwargs():
         "--distributed-executor-backend", "ray", "--ray-address", "auto", "--ray-placement-strategy", "SPREAD",
         "--kv-cache-memory-bytes", "1.5GiB", "--no-enable-prefix-caching", "--max-model-len", "512",
     ])
-    kwargs = engine_kwargs_from_args(args)
+    kwargs = EngineArgs.from_cli_args(args).to_kwargs()
     assert kwargs["model"] == "/m" and kwargs["dtype"] == "bfloat16"
     assert kwargs["tensor_parallel_size"] == 2 and kwargs["pipeline_parallel_size"] == 3
     assert kwargs["distributed_executor_backend"] == "ray" and kwargs["ray_address"] == "auto"
     assert kwargs["ray_placement_strategy"] == "SPREAD"
     assert kwargs["kv_cache_memory_bytes"] == 3 * 2**29
     assert kwargs["enable_prefix_caching"] is False and kwargs["max_model_len"] == 512
-    # Unset optional flags are left to the engine's defaults.
-    assert "device" not in kwargs and "num_threads" not in kwargs
+    # Unset optional flags are left for the engine to decide.
+    assert kwargs["device"] is None and kwargs["num_threads"] is None
     assert parse_bytes("4096") == 4096 and parse_bytes("2G") == 2**31 and parse_bytes("512MiB") == 2**29
 
 

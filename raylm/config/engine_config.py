@@ -1,5 +1,6 @@
-"""One configuration object for the whole engine: what the user asked for,
-resolved against the model folder and the device, and shipped to every worker."""
+"""EngineConfig: the engine's settings as it runs with them, one object shipped
+to every worker: an EngineArgs (engine_args.py) validated, and resolved against
+the model folder and the device (`resolve_engine_config`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,7 +20,7 @@ from raylm.model.hub import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_DIR = Path(__file__).parent / "data" / "default_model"
+DEFAULT_MODEL_DIR = Path(__file__).parent.parent / "data" / "default_model"
 
 _DTYPES = {
     "float32": torch.float32,
@@ -229,73 +231,32 @@ def _resolve_cpu_bind(cpu_bind: str | None, num_threads: int | None, world_size:
     return cpu_bind.strip()
 
 
-def create_engine_config(
-    model: str | None = None,
-    tokenizer: str | None = None,
-    revision: str | None = None,
-    tokenizer_revision: str | None = None,
-    download_dir: str | None = None,
-    generation_config: str = "auto",
-    chat_template: str | None = None,
-    quantization: str | None = None,
-    trust_remote_code: bool = False,
-    enforce_eager: bool = False,
-    dtype: str | torch.dtype = "auto",
-    seed: int = 0,
-    max_model_len: int | None = None,
-    tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
-    distributed_executor_backend: str | type | None = None,
-    enable_prefix_caching: bool = True,
-    block_size: int = 16,
-    kv_cache_memory_bytes: int | None = None,
-    gpu_memory_utilization: float | None = None,
-    max_num_batched_tokens: int | None = None,
-    max_num_seqs: int = 256,
-    enable_chunked_prefill: bool = True,
-    async_scheduling: bool = False,
-    usage_context: str = "llm",
-    device: str | None = None,
-    num_threads: int | None = None,
-    cpu_bind: str | None = None,
-    ray_address: str | None = None,
-    ray_placement_strategy: str = "PACK",
-    ray_placement_timeout: float = 60.0,
-    ray_step_transport: str = "mq",  # the faster by measurement; see ParallelConfig
-    placement_group: object | None = None,
-    data_parallel_size: int = 1,
-    data_parallel_backend: str = "ray",
-    data_parallel_placement: str = "pack",
-    data_parallel_prefix_affinity: bool = False,
-    max_restarts: int = 3,
-    restart_window: float = 600.0,
-    execute_model_timeout: float = 300.0,
-    engine_start_timeout: float = 600.0,
-    health_check_interval: float = 5.0,
-    health_check_timeout: float = 30.0,
-) -> EngineConfig:
-    """Validate the user's settings against the model folder and the device.
+def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig:
+    """Validate an EngineArgs (raylm.config.engine_args, read by attribute)
+    against the model folder and the device, and resolve what it leaves unset.
 
     A model or tokenizer given as a Hugging Face Hub id is resolved here, once,
     to a folder in the local cache, so that every process gets a local path.
     """
-    if quantization is not None and str(quantization).lower() != "none":
+    if args.quantization is not None and str(args.quantization).lower() != "none":
         raise ValueError(
-            f"quantization {quantization!r} is not supported: raylm loads unquantized safetensors checkpoints "
+            f"quantization {args.quantization!r} is not supported: raylm loads unquantized safetensors checkpoints "
             "(float32, bfloat16, float16) only; leave quantization unset"
         )
-    model_dir = resolve_model_path(model, revision, download_dir) if model else str(DEFAULT_MODEL_DIR)
-    if tokenizer and tokenizer != model:
-        tokenizer_dir = resolve_model_path(tokenizer, tokenizer_revision, download_dir, what="tokenizer")
+    model_dir = str(DEFAULT_MODEL_DIR)
+    if args.model:
+        model_dir = resolve_model_path(args.model, args.revision, args.download_dir)
+    if args.tokenizer and args.tokenizer != args.model:
+        tokenizer_dir = resolve_model_path(args.tokenizer, args.tokenizer_revision, args.download_dir, what="tokenizer")
     else:
         tokenizer_dir = model_dir
     arch = ArchConfig.from_model_dir(model_dir)
-    generation_defaults = load_generation_defaults(model_dir, generation_config)
-    if chat_template is not None:
-        chat_template = read_chat_template(chat_template)
-    device = device or detect_device()
+    generation_defaults = load_generation_defaults(model_dir, args.generation_config)
+    chat_template = read_chat_template(args.chat_template) if args.chat_template is not None else None
+    device = args.device or detect_device()
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    gpu_memory_utilization = args.gpu_memory_utilization
     if gpu_memory_utilization is None:
         gpu_memory_utilization = 0.9
     elif not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
@@ -303,13 +264,14 @@ def create_engine_config(
     elif device != "cuda":
         logger.warning("gpu_memory_utilization applies to GPUs; on %s the KV cache is sized by "
                        "kv_cache_memory_bytes (or a default)", device)
-    if trust_remote_code:
+    if args.trust_remote_code:
         logger.warning("trust_remote_code: accepted, but raylm runs no code from model repositories; "
                        "it supports the architectures it implements")
-    if enforce_eager:
+    if args.enforce_eager:
         logger.warning("enforce_eager: accepted; raylm always runs eagerly (it captures no CUDA graphs)")
-    torch_dtype = resolve_dtype(dtype, arch.dtype, device)
+    torch_dtype = resolve_dtype(args.dtype, arch.dtype, device)
 
+    max_model_len = args.max_model_len
     if max_model_len is None:
         max_model_len = arch.max_position_embeddings
     elif not isinstance(max_model_len, int) or max_model_len < 1:
@@ -319,46 +281,47 @@ def create_engine_config(
             f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
             f"({arch.max_position_embeddings})"
         )
-    for name, value in (("tensor_parallel_size", tensor_parallel_size), ("pipeline_parallel_size", pipeline_parallel_size)):
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        value = getattr(args, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    world_size = args.tensor_parallel_size * args.pipeline_parallel_size
+    if args.block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {args.block_size}")
+    if args.max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {args.max_num_seqs}")
     if usage_context not in USAGE_CONTEXTS:
         raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {usage_context!r}")
+    max_num_batched_tokens = args.max_num_batched_tokens
     if max_num_batched_tokens is None:
-        max_num_batched_tokens = default_max_num_batched_tokens(
-            usage_context, device, tensor_parallel_size * pipeline_parallel_size, max_num_seqs)
-        if not enable_chunked_prefill:
+        max_num_batched_tokens = default_max_num_batched_tokens(usage_context, device, world_size, args.max_num_seqs)
+        if not args.enable_chunked_prefill:
             max_num_batched_tokens = max(max_model_len, max_num_batched_tokens)
     if max_num_batched_tokens < 1:
         raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-    if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+    if not args.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
         raise ValueError(
             f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
             f"({max_model_len}) when chunked prefill is off"
         )
-    if async_scheduling and pipeline_parallel_size > 1:
+    if args.async_scheduling and args.pipeline_parallel_size > 1:
         raise ValueError("async_scheduling needs pipeline_parallel_size = 1 (PP already keeps batches in flight)")
-    if ray_step_transport not in ("cgraph", "mq"):
-        raise ValueError(f"ray_step_transport must be 'cgraph' or 'mq', got {ray_step_transport!r}")
-    if kv_cache_memory_bytes is not None and kv_cache_memory_bytes <= 0:
-        raise ValueError(f"kv_cache_memory_bytes must be > 0, got {kv_cache_memory_bytes}")
+    if args.ray_step_transport not in ("cgraph", "mq"):
+        raise ValueError(f"ray_step_transport must be 'cgraph' or 'mq', got {args.ray_step_transport!r}")
+    if args.kv_cache_memory_bytes is not None and args.kv_cache_memory_bytes <= 0:
+        raise ValueError(f"kv_cache_memory_bytes must be > 0, got {args.kv_cache_memory_bytes}")
 
-    if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
-        raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
-    if data_parallel_backend not in ("ray", "mp"):
-        raise ValueError(f"data_parallel_backend must be 'ray' or 'mp', got {data_parallel_backend!r}")
-    if data_parallel_placement not in ("pack", "spread"):
-        raise ValueError(f"data_parallel_placement must be 'pack' or 'spread', got {data_parallel_placement!r}")
-    if not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
-    for name, value in (("restart_window", restart_window), ("execute_model_timeout", execute_model_timeout),
-                        ("engine_start_timeout", engine_start_timeout),
-                        ("health_check_interval", health_check_interval),
-                        ("health_check_timeout", health_check_timeout)):
+    if not isinstance(args.data_parallel_size, int) or args.data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be an integer >= 1, got {args.data_parallel_size!r}")
+    if args.data_parallel_backend not in ("ray", "mp"):
+        raise ValueError(f"data_parallel_backend must be 'ray' or 'mp', got {args.data_parallel_backend!r}")
+    if args.data_parallel_placement not in ("pack", "spread"):
+        raise ValueError(f"data_parallel_placement must be 'pack' or 'spread', got {args.data_parallel_placement!r}")
+    if not isinstance(args.max_restarts, int) or args.max_restarts < 0:
+        raise ValueError(f"max_restarts must be an integer >= 0, got {args.max_restarts!r}")
+    for name in ("restart_window", "execute_model_timeout", "engine_start_timeout", "health_check_interval",
+                 "health_check_timeout"):
+        value = getattr(args, name)
         if not isinstance(value, (int, float)) or value <= 0:
             raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
 
@@ -368,51 +331,51 @@ def create_engine_config(
             model=model_dir,
             tokenizer=tokenizer_dir,
             dtype=torch_dtype,
-            seed=seed,
+            seed=args.seed,
             max_model_len=max_model_len,
             arch=arch,
-            model_name=str(model) if model else None,
+            model_name=str(args.model) if args.model else None,
             default_sampling_params=generation_defaults.sampling,
             generation_eos_token_ids=generation_defaults.eos_token_ids,
             chat_template=chat_template,
         ),
         cache_config=CacheConfig(
-            block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            block_size=args.block_size,
+            enable_prefix_caching=args.enable_prefix_caching,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization,
         ),
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            enable_chunked_prefill=enable_chunked_prefill,
-            async_scheduling=async_scheduling,
+            max_num_seqs=args.max_num_seqs,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            async_scheduling=args.async_scheduling,
         ),
         parallel_config=ParallelConfig(
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            distributed_executor_backend=distributed_executor_backend,
-            ray_address=ray_address,
-            ray_placement_strategy=ray_placement_strategy,
-            ray_placement_timeout=ray_placement_timeout,
-            ray_step_transport=ray_step_transport,
-            placement_group=placement_group,
-            data_parallel_size=data_parallel_size,
-            data_parallel_backend=data_parallel_backend,
-            data_parallel_placement=data_parallel_placement,
-            data_parallel_prefix_affinity=data_parallel_prefix_affinity,
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            distributed_executor_backend=args.distributed_executor_backend,
+            ray_address=args.ray_address,
+            ray_placement_strategy=args.ray_placement_strategy,
+            ray_placement_timeout=args.ray_placement_timeout,
+            ray_step_transport=args.ray_step_transport,
+            placement_group=args.placement_group,
+            data_parallel_size=args.data_parallel_size,
+            data_parallel_backend=args.data_parallel_backend,
+            data_parallel_placement=args.data_parallel_placement,
+            data_parallel_prefix_affinity=args.data_parallel_prefix_affinity,
         ),
         device=device,
-        num_threads=num_threads,
-        cpu_bind=_resolve_cpu_bind(cpu_bind, num_threads, tensor_parallel_size * pipeline_parallel_size),
+        num_threads=args.num_threads,
+        cpu_bind=_resolve_cpu_bind(args.cpu_bind, args.num_threads, world_size),
         env=env,
         fault_tolerance=FaultToleranceConfig(
-            max_restarts=max_restarts,
-            restart_window_s=float(restart_window),
-            execute_model_timeout_s=float(execute_model_timeout),
-            engine_start_timeout_s=float(engine_start_timeout),
-            health_check_interval_s=float(health_check_interval),
-            health_check_timeout_s=float(health_check_timeout),
+            max_restarts=args.max_restarts,
+            restart_window_s=float(args.restart_window),
+            execute_model_timeout_s=float(args.execute_model_timeout),
+            engine_start_timeout_s=float(args.engine_start_timeout),
+            health_check_interval_s=float(args.health_check_interval),
+            health_check_timeout_s=float(args.health_check_timeout),
             fault_injection=os.environ.get("RAYLM_FAULT_INJECTION") or None,
         ),
     )
