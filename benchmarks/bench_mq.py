@@ -18,8 +18,9 @@ import timeit
 import psutil
 
 from raylm.distributed.message_codec import MessageCodec
+from raylm.distributed.mq_wait import QueueClosedError
 from raylm.distributed.rpc_messages import RpcReply, RpcRequest
-from raylm.distributed.shm_broadcast import MessageQueue, QueueClosedError
+from raylm.distributed.shm_broadcast import MessageQueue
 from raylm.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from raylm.sampling_params import SamplingParams
 

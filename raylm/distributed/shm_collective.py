@@ -56,7 +56,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from raylm.distributed.shm_broadcast import unlink_segment
+from raylm.distributed.shm_ring import unlink_segment
 
 logger = logging.getLogger(__name__)
 

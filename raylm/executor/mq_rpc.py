@@ -27,8 +27,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from raylm.distributed.mq_wait import QueueClosedError
 from raylm.distributed.rpc_messages import CallableRef, RemoteError, RpcReply, RpcRequest
-from raylm.distributed.shm_broadcast import MessageQueue, QueueClosedError
+from raylm.distributed.shm_broadcast import MessageQueue
 from raylm.executor.errors import ExecutorFailedError, WorkerDiedError, WorkerHungError, WorkerStepError
 
 logger = logging.getLogger(__name__)

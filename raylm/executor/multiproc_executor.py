@@ -23,7 +23,8 @@ from typing import Any, Callable
 import psutil
 
 from raylm.config import EngineConfig
-from raylm.distributed.shm_broadcast import MessageQueue, MessageQueueHandle, unlink_segment
+from raylm.distributed.shm_broadcast import MessageQueue, MessageQueueHandle
+from raylm.distributed.shm_ring import unlink_segment
 from raylm.executor.abstract import Executor
 from raylm.executor.errors import WorkerHungError
 from raylm.executor.mq_rpc import MqRpcClient, WorkerDiedError, WorkerLoop

@@ -14,13 +14,9 @@ import pytest
 import zmq
 
 from raylm.distributed.message_codec import CallableNotAllowedError, UntrustedPayloadError
-from raylm.distributed.shm_broadcast import (
-    MessageQueue,
-    MessageQueueHandle,
-    QueueOutOfSyncError,
-    _REMOTE_DATA,
-    _REMOTE_HEADER,
-)
+from raylm.distributed.mq_sockets import REMOTE_DATA, REMOTE_HEADER
+from raylm.distributed.mq_wait import QueueOutOfSyncError
+from raylm.distributed.shm_broadcast import MessageQueue, MessageQueueHandle
 from raylm.distributed.tcp_auth import UNAUTHENTICATED_TCP_ENV, CurveKeys
 from raylm.messages import KVCacheConfig
 
@@ -153,7 +149,7 @@ def _exploit_file_pickle(path) -> bytes:
 def test_a_crafted_pickle_sent_to_a_remote_reader_is_refused_and_never_runs(zmq_context, tmp_path):
     target = tmp_path / "created-by-unpickling"
     evil = _exploit_file_pickle(target)
-    header = _REMOTE_HEADER.pack(_REMOTE_DATA, 0)
+    header = REMOTE_HEADER.pack(REMOTE_DATA, 0)
     # The codec's old pickle extension, exactly as the previous wire format sent it.
     stop = threading.Event()
     address, server = _serve(zmq_context, [[header, msgspec.msgpack.encode(msgspec.msgpack.Ext(3, evil))]], stop)
@@ -172,7 +168,7 @@ def test_a_reader_ignores_a_writer_without_the_executors_key(zmq_context, tmp_pa
     """A rogue server at the address (plain, or CURVE with keys of its own):
     the reader's handshake fails, so nothing it sends is ever decoded."""
     target = tmp_path / "created-by-unpickling"
-    frames = [[_REMOTE_HEADER.pack(_REMOTE_DATA, 0), msgspec.msgpack.encode(msgspec.msgpack.Ext(3, _exploit_file_pickle(target)))]]
+    frames = [[REMOTE_HEADER.pack(REMOTE_DATA, 0), msgspec.msgpack.encode(msgspec.msgpack.Ext(3, _exploit_file_pickle(target)))]]
     for rogue_keys in (None, CurveKeys.generate()):
         stop = threading.Event()
         address, server = _serve(zmq_context, frames, stop, curve_keys=rogue_keys)
@@ -206,7 +202,7 @@ def test_an_authenticated_remote_reader_detects_a_lost_or_repeated_message(fault
 
 def test_a_remote_reader_detects_reordered_messages(zmq_context):
     stop = threading.Event()
-    frames = [[_REMOTE_HEADER.pack(_REMOTE_DATA, seq), msgspec.msgpack.encode(f"m{seq}")] for seq in (0, 2, 1)]
+    frames = [[REMOTE_HEADER.pack(REMOTE_DATA, seq), msgspec.msgpack.encode(f"m{seq}")] for seq in (0, 2, 1)]
     address, server = _serve(zmq_context, frames, stop)
     reader = MessageQueue.create_from_handle(_remote_handle(address, keys=None), 0)
     try:

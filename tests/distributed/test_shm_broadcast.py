@@ -13,13 +13,9 @@ import time
 
 import pytest
 
-from raylm.distributed.shm_broadcast import (
-    SEGMENT_PREFIX,
-    MessageQueue,
-    QueueClosedError,
-    QueueOutOfSyncError,
-    unlink_segment,
-)
+from raylm.distributed.mq_wait import QueueClosedError, QueueOutOfSyncError
+from raylm.distributed.shm_broadcast import SEGMENT_PREFIX, MessageQueue
+from raylm.distributed.shm_ring import unlink_segment
 from raylm.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from raylm.sampling_params import SamplingParams
 
@@ -247,7 +243,7 @@ def _drop_overflow_payloads(writer: MessageQueue) -> list:
     as when it is killed (or its linger expires) before the bytes go out; the
     dropped frames are returned so a test can deliver them late."""
     dropped: list = []
-    writer._local_pub.send_multipart = lambda frames, **kwargs: dropped.append(frames)
+    writer._local_pub.sock.send_multipart = lambda frames, **kwargs: dropped.append(frames)
     return dropped
 
 
@@ -362,14 +358,14 @@ def test_overflow_payload_sent_just_before_close_is_still_delivered(queue_factor
 def test_overflow_timeout_keeps_the_message_for_the_next_dequeue(queue_factory):
     writer, (reader,) = queue_factory(1)
     writer.wait_until_ready(timeout=10)
-    send = writer._local_pub.send_multipart
+    send = writer._local_pub.sock.send_multipart
     late = _drop_overflow_payloads(writer)
     writer.enqueue(b"z" * BIG, timeout=10)
     for timeout in (0, 0.2):
         error, took = _timed(reader.dequeue, timeout=timeout)
         assert isinstance(error, TimeoutError) and took < timeout + SLACK_S
     send(late.pop(), copy=False)  # the payload arrives after all
-    writer._local_pub.send_multipart = send
+    writer._local_pub.sock.send_multipart = send
     writer.enqueue("next", timeout=10)
     assert reader.dequeue(timeout=10) == b"z" * BIG
     assert reader.dequeue(timeout=10) == "next"
@@ -427,7 +423,7 @@ def test_local_reader_raises_when_an_overflow_payload_is_not_its_chunks(queue_fa
     writer, (reader,) = queue_factory(1)
     writer.wait_until_ready(timeout=10)
     # A stray payload ahead of the real one: arrival order alone would return it.
-    writer._local_pub.send_multipart([struct.pack("<Q", 7), writer.codec.encode("stray")])
+    writer._local_pub.sock.send_multipart([struct.pack("<Q", 7), writer.codec.encode("stray")])
     writer.enqueue(b"w" * BIG, timeout=10)
     with pytest.raises(QueueOutOfSyncError, match="got message 7 where 0 was due"):
         reader.dequeue(timeout=10)
