@@ -61,10 +61,6 @@ KNOWN_CYCLES_BEING_REMOVED: set[str] = {
     # entrypoints: helper B
     "raylm.entrypoints.cli -> raylm.entrypoints.openai.cli_args -> raylm.entrypoints.cli",
     "raylm.entrypoints.cli -> raylm.entrypoints.plan -> raylm.entrypoints.cli",
-    # executor: helper A
-    "raylm.executor.abstract -> raylm.executor.multiproc_executor -> raylm.executor.abstract",
-    "raylm.executor.abstract -> raylm.executor.ray_executor -> raylm.executor.abstract",
-    "raylm.executor.abstract -> raylm.executor.uniproc_executor -> raylm.executor.abstract",
 }
 
 

@@ -30,19 +30,16 @@ import msgspec
 from raylm.config import EngineConfig
 from raylm.distributed.tcp_auth import CurveKeys, secure_client
 from raylm.engine.core_proc import ClientMessage, EngineCoreProc
+from raylm.executor.ray_cluster import connect_ray
+from raylm.executor.ray_placement import (place_replica, replica_bundles, replica_num_cpus_hint,
+                                          replica_target_nodes, worker_env_vars)
 
 logger = logging.getLogger(__name__)
 
-# How long a replica may take to be placed (loading its model then has the
-# engine's start timeout, fault_tolerance.engine_start_timeout_s).
-PLACEMENT_TIMEOUT_S = 60.0
 # How often the monitor looks at the replicas' loops (bounds death detection).
 _MONITOR_POLL_S = 0.5
 # How long a replica asked to stop may take before it is killed.
 _STOP_TIMEOUT_S = 10.0
-# CPU a replica's engine actor reserves when its ranks are Ray actors of their
-# own: the engine loop is light, and Ray's CPUs are scheduling tokens.
-_ENGINE_ONLY_CPUS = 0.01
 
 
 @dataclass(frozen=True)
@@ -176,47 +173,6 @@ class ReplicaHandle:
     pid: int
 
 
-def replica_bundles(config: EngineConfig) -> tuple[list[dict], float, list[int] | None]:
-    """(bundles, the engine actor's CPUs, the bundles its executor's ranks take).
-    A rank takes `num_threads` CPUs (1 by default) or, on CUDA, one GPU."""
-    pc = config.parallel_config
-    world = pc.world_size
-    cpus = float(config.num_threads or 1)
-    rank = {"GPU": 1.0} if config.device == "cuda" else {"CPU": cpus}
-    if pc.distributed_executor_backend == "ray":
-        return [{"CPU": _ENGINE_ONLY_CPUS}] + [dict(rank) for _ in range(world)], _ENGINE_ONLY_CPUS, \
-            list(range(1, world + 1))
-    # uni or mp: the model runs in the actor or in processes it starts.
-    engine = {"CPU": cpus * world} if config.device != "cuda" else {"CPU": 1.0, "GPU": float(world)}
-    return [engine], engine["CPU"], None
-
-
-def choose_nodes(num_replicas: int, cpus_per_replica: float, mode: str,
-                 nodes: list[tuple[str, float]], existing: dict[str, int] | None = None) -> list[str | None]:
-    """A target node per replica from (node id, free CPUs), in preference
-    order: "pack" fills a node before using the next, "spread" puts each
-    replica on the node holding fewest so far (`existing` replicas counted).
-    None: no node has room (Ray then decides, and the placement timeout says
-    what is missing)."""
-    free = {node: cpus for node, cpus in nodes}
-    count = {node: (existing or {}).get(node, 0) for node, _ in nodes}
-    order = [node for node, _ in nodes]
-    targets: list[str | None] = []
-    for _ in range(num_replicas):
-        fitting = [n for n in order if free[n] >= cpus_per_replica]
-        if not fitting:
-            targets.append(None)
-            continue
-        if mode == "spread":
-            node = min(fitting, key=lambda n: (count[n], order.index(n)))
-        else:
-            node = fitting[0]
-        free[node] -= cpus_per_replica
-        count[node] += 1
-        targets.append(node)
-    return targets
-
-
 class CoreEngineActorManager:
     """Creates replicas, waits until they are ready, starts their loops,
     watches them (`on_death(index, cause)` from a monitor thread, within a
@@ -225,13 +181,9 @@ class CoreEngineActorManager:
     def __init__(self, config: EngineConfig, on_death: Callable[[int, str], None]):
         import ray
 
-        from raylm.executor import ray_utils
-
         self.config = config
         self.on_death = on_death
-        pc = config.parallel_config
-        ray_utils.connect_ray(pc, num_cpus_hint=pc.data_parallel_size * int(sum(
-            b.get("CPU", 0) for b in replica_bundles(config)[0]) + 1))
+        connect_ray(config.parallel_config, num_cpus_hint=replica_num_cpus_hint(config))
         self._ray = ray
         self.replicas: dict[int, ReplicaHandle] = {}
         self._stopping: set[int] = set()
@@ -243,54 +195,23 @@ class CoreEngineActorManager:
     # ---- placement ---------------------------------------------------------------
 
     def plan_nodes(self, num_replicas: int) -> list[str | None]:
-        """Target nodes for `num_replicas` more replicas. Packing fills what
-        is free now; spreading goes by capacity, counting the replicas already
-        on each node (free CPUs lag behind a group just removed, and a busy
-        node is still the right one for a spread replica: Ray waits for it)."""
-        from ray._private.state import available_resources_per_node, total_resources_per_node
-
-        bundles, _, _ = replica_bundles(self.config)
-        need = sum(b.get("CPU", 0) for b in bundles)
-        driver = self._ray.get_runtime_context().get_node_id()
-        mode = self.config.parallel_config.data_parallel_placement
+        """Target nodes for `num_replicas` more replicas (ray_placement.replica_target_nodes),
+        counting the replicas this manager runs."""
         with self._lock:
             existing: dict[str, int] = {}
             for handle in self.replicas.values():
                 existing[handle.node_id] = existing.get(handle.node_id, 0) + 1
-        per_node = total_resources_per_node() if mode == "spread" else available_resources_per_node()
-        nodes = sorted(((node, res.get("CPU", 0.0)) for node, res in per_node.items()),
-                       key=lambda item: (item[0] != driver, item[0]))
-        if mode == "spread":
-            # Capacity, not free CPUs: what a node holds is counted by replicas.
-            nodes = [(node, cpus - existing.get(node, 0) * need) for node, cpus in nodes]
-        return choose_nodes(num_replicas, need, mode, nodes, existing)
+        return replica_target_nodes(self.config, num_replicas, existing)
 
     def start_replica(self, index: int, channel: ReplicaChannel, target_node: str | None = None) -> ReplicaHandle:
         """Place, build and start replica `index`; blocks until it serves.
         On failure nothing of it is left and the error says why."""
         ray = self._ray
-        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.placement_group import remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from raylm.executor import ray_utils
-
         bundles, engine_cpus, rank_bundles = replica_bundles(self.config)
-        # One node per replica: its TP group and its engine stay together.
-        # Spread replicas must land on their node (a hard label selector: Ray
-        # waits for it); packing is a preference (soft: any node with room).
-        if target_node is not None and self.config.parallel_config.data_parallel_placement == "spread":
-            pg = placement_group(bundles, strategy="STRICT_PACK",
-                                 bundle_label_selector=[{"ray.io/node-id": target_node}] * len(bundles))
-        else:
-            pg = placement_group(bundles, strategy="STRICT_PACK", _soft_target_node_id=target_node)
-        ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
-        if not ready:
-            description = ray_utils._cluster_description()
-            remove_placement_group(pg)
-            raise RuntimeError(
-                f"could not place data-parallel replica {index} (bundles {bundles}, all on one node) "
-                f"within {PLACEMENT_TIMEOUT_S:g} s; the cluster offers:\n{description}"
-            )
+        pg = place_replica(index, bundles, self.config.parallel_config.data_parallel_placement, target_node)
         replica_config = copy.deepcopy(self.config)
         rpc = replica_config.parallel_config
         rpc.data_parallel_size = 1
@@ -313,7 +234,7 @@ class CoreEngineActorManager:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=0,
                     placement_group_capture_child_tasks=True),
-                runtime_env={"env_vars": ray_utils.worker_env_vars(self.config.device)},
+                runtime_env={"env_vars": worker_env_vars(self.config.device)},
                 name=None,
             ).remote(replica_config, index, channel, logging.getLogger().getEffectiveLevel())
             info = ray.get(actor.ready.remote(), timeout=start_timeout)

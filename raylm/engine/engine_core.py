@@ -37,6 +37,7 @@ from raylm.engine.core_client import EngineDeadError
 from raylm.engine.restart_budget import BlameLedger, RestartBudget
 from raylm.executor.abstract import Executor
 from raylm.executor.errors import ExecutorFailedError, WorkerDiedError, WorkerHungError
+from raylm.executor.factory import executor_class
 from raylm.messages import KVCacheConfig, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ class EngineCore:
             raise
 
     def _make_executor(self) -> Executor:
-        executor = Executor.get_class(self.config)(self.config)
+        executor = executor_class(self.config)(self.config)
         # PP keeps one batch per stage in flight; async scheduling keeps two
         # (the next step is scheduled while the current one computes).
         self.batch_queue_size = executor.max_concurrent_batches

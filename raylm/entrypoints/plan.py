@@ -1,13 +1,16 @@
 """`raylm plan`: where a run's ranks (and data-parallel replicas) would land on
 the Ray cluster, before any model loads.
 
-The plan reserves the very placement groups the run would (the Ray executor's
-`ray_utils.get_placement_group`; for replicas, `dp_manager.plan_nodes` and one
-STRICT_PACK group each), reads where Ray put each bundle, orders the ranks as
-the executor does (`ray_utils.sort_workers`), and removes the groups. On CUDA
-it also starts one empty worker actor per bundle, as the executor would, to
-learn which GPU Ray gives it and its device index there; nothing else starts.
-A request that does not fit is answered with what is missing.
+The plan reserves the very placement groups the run would, through the
+functions the run calls (raylm.executor.ray_placement: `rank_request` and
+`place_ranks` as the Ray executor; for replicas, `replica_target_nodes` and
+`replica_placement_group` as the data-parallel manager), reads where Ray put
+each bundle, orders the ranks as the executor does (`sort_workers`), and
+removes the groups: what it shows cannot drift from what the run asks for.
+On CUDA it also starts one empty worker actor per bundle, with the options
+the executor gives a rank's actor, to learn which GPU Ray gives it and its
+device index there; nothing else starts. A request that does not fit is
+answered with what is missing.
 """
 
 from __future__ import annotations
@@ -17,16 +20,16 @@ import copy
 import json
 import logging
 import math
-import os
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from typing import TextIO
 
 from raylm.config import EngineConfig, create_engine_config
 from raylm.distributed.parallel_state import pp_group_ranks, tp_group_ranks
 from raylm.entrypoints.cli import HelpFormatter, add_engine_args, engine_kwargs_from_args
-from raylm.executor import ray_utils
+from raylm.executor import ray_placement
+from raylm.executor.ray_cluster import NodeState, cluster_nodes, connect_ray, disconnect_ray, gcs_address
+from raylm.executor.ray_worker import RayWorkerWrapper
 
 logger = logging.getLogger(__name__)
 
@@ -34,18 +37,8 @@ EXIT_DOES_NOT_FIT = 1
 # A request that can never fit the cluster's total resources is still tried
 # (Ray is the judge), but only this long.
 _INFEASIBLE_WAIT_S = 2.0
-_REMOVAL_WAIT_S = 10.0
 # How long an empty worker actor may take to start and answer (CUDA only).
 _PROBE_TIMEOUT_S = 120.0
-
-
-@dataclass
-class NodeState:
-    node_id: str
-    ip: str
-    total: dict[str, float]
-    available: dict[str, float]
-    is_driver: bool = False
 
 
 @dataclass
@@ -92,35 +85,7 @@ class Plan:
         return asdict(self)
 
 
-# ---- cluster state ---------------------------------------------------------------
-
-
-def cluster_nodes(driver_node_id: str) -> list[NodeState]:
-    """The live nodes, the driver's first, then by IP and id."""
-    import ray
-    from ray._private.state import available_resources_per_node
-
-    available = available_resources_per_node()
-    nodes = [
-        NodeState(n["NodeID"], n["NodeManagerAddress"], _plain(n.get("Resources", {})),
-                  _plain(available.get(n["NodeID"], {})), n["NodeID"] == driver_node_id)
-        for n in ray.nodes() if n.get("Alive")
-    ]
-    return sorted(nodes, key=lambda n: (not n.is_driver, _ip_key(n.ip), n.node_id))
-
-
-def _plain(resources: dict) -> dict[str, float]:
-    """Schedulable resources only: no node:IP markers, memory, or the bundle
-    resources Ray makes for placement groups."""
-    return {k: float(v) for k, v in resources.items()
-            if not k.startswith(("node:", "accelerator_type:")) and "memory" not in k and "_group_" not in k}
-
-
-def _ip_key(ip: str):
-    try:
-        return (0, tuple(int(p) for p in ip.split(".")))
-    except ValueError:
-        return (1, ip)
+# ---- what does not fit, and why -------------------------------------------------------
 
 
 def _fits_count(bundle: dict, resources: dict) -> int:
@@ -176,24 +141,17 @@ def engine_shortfall(bundle: dict, world: int, strategy: str, nodes: list[tuple[
 # ---- one engine: the Ray executor's placement group --------------------------------
 
 
-def _cpus_per_worker(config: EngineConfig) -> int:
-    # As RayDistributedExecutor._init_executor computes it, on the driver.
-    return config.num_threads or max(1, (os.cpu_count() or 1) // config.parallel_config.world_size)
-
-
 def _plan_engine(config: EngineConfig, plan_base: dict) -> Plan:
     import ray
 
     pc = config.parallel_config
-    world = pc.world_size
-    cpus = _cpus_per_worker(config)
-    bundle = {"GPU": 1} if config.device == "cuda" else {"CPU": cpus}
-    ray_utils.connect_ray(pc, num_cpus_hint=world * cpus)
+    request = ray_placement.rank_request(config)  # as RayDistributedExecutor asks
+    world, bundle = request.world, request.bundle
+    connect_ray(pc, num_cpus_hint=request.num_cpus_hint)
     driver_node = ray.get_runtime_context().get_node_id()
     driver_ip = ray.util.get_node_ip_address()
     nodes = cluster_nodes(driver_node)
-    request = dict(plan_base, bundle=bundle, bundles=world)
-    plan = Plan(False, _gcs_address(), driver_node, nodes, request)
+    plan = Plan(False, gcs_address(), driver_node, nodes, dict(plan_base, bundle=bundle, bundles=world))
 
     never = engine_shortfall(bundle, world, pc.ray_placement_strategy,
                              [(n.node_id, n.ip, n.total) for n in nodes], driver_ip)
@@ -201,7 +159,7 @@ def _plan_engine(config: EngineConfig, plan_base: dict) -> Plan:
     if never:
         pc.ray_placement_timeout = min(pc.ray_placement_timeout, _INFEASIBLE_WAIT_S)
     try:
-        placement = ray_utils.get_placement_group(pc, bundle, world)
+        placement = ray_placement.place_ranks(pc, request)
     except RuntimeError as e:  # not placed within the timeout (the group is removed)
         plan.missing = never or engine_shortfall(bundle, world, pc.ray_placement_strategy,
                                                  [(n.node_id, n.ip, n.available) for n in nodes], driver_ip) \
@@ -216,7 +174,7 @@ def _plan_engine(config: EngineConfig, plan_base: dict) -> Plan:
         to_node = ray.util.placement_group_table(pg)["bundles_to_node_id"]
         ip_of = {n.node_id: n.ip for n in nodes}
         if config.device == "cuda":
-            actors = _probe_actors(pg, placement.bundle_indices, config.device)
+            actors = _probe_actors(pg, placement.bundle_indices, request)
             infos = ray.get([a.get_node_info.remote() for a in actors], timeout=_PROBE_TIMEOUT_S)
             indices = []
             for actor, (_, ip, gpu_ids) in zip(actors, infos):
@@ -233,13 +191,13 @@ def _plan_engine(config: EngineConfig, plan_base: dict) -> Plan:
         for actor in actors:
             ray.kill(actor)
         if placement.created_here:
-            _remove_groups([placement.placement_group], nodes)
+            ray_placement.remove_placement_groups([placement.placement_group], nodes)
 
     try:
-        ray_utils.check_one_ip_per_node(infos)
+        ray_placement.check_one_ip_per_node(infos)
     except RuntimeError as e:
         plan.missing.append(f"the run would fail: {e}")
-    order = ray_utils.sort_workers(infos, driver_node)
+    order = ray_placement.sort_workers(infos, driver_node)
     ranks = []
     seen: dict[str, int] = {}
     tp = pc.tensor_parallel_size
@@ -263,22 +221,14 @@ def _plan_engine(config: EngineConfig, plan_base: dict) -> Plan:
     return plan
 
 
-def _probe_actors(pg, bundle_indices: list[int], device: str) -> list:
+def _probe_actors(pg, bundle_indices: list[int], request: ray_placement.RankRequest) -> list:
     """One empty worker actor per bundle, created as the executor creates its
     own: Ray gives each the GPU it would give the rank there."""
     import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    actor_cls = ray.remote(ray_utils.RayWorkerWrapper)
-    env = ray_utils.worker_env_vars(device)
-    return [
-        actor_cls.options(
-            num_cpus=0, num_gpus=1, max_concurrency=3, runtime_env={"env_vars": env},
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=i, placement_group_capture_child_tasks=True),
-        ).remote(rank=rank)
-        for rank, i in enumerate(bundle_indices)
-    ]
+    actor_cls = ray.remote(RayWorkerWrapper)
+    return [actor_cls.options(**ray_placement.rank_actor_options(pg, i, "cuda", request.cpus_per_worker)).remote(rank=rank)
+            for rank, i in enumerate(bundle_indices)]
 
 
 # ---- data-parallel replicas: one STRICT_PACK group each -----------------------------
@@ -286,35 +236,27 @@ def _probe_actors(pg, bundle_indices: list[int], device: str) -> list:
 
 def _plan_replicas(config: EngineConfig, plan_base: dict) -> Plan:
     import ray
-    from ray.util.placement_group import placement_group
-
-    from raylm.engine.dp_manager import CoreEngineActorManager, choose_nodes, replica_bundles
 
     pc = config.parallel_config
     size = pc.data_parallel_size
     mode = pc.data_parallel_placement
-    bundles, _, rank_bundles = replica_bundles(config)
+    bundles, _, rank_bundles = ray_placement.replica_bundles(config)
     need = sum(b.get("CPU", 0) for b in bundles)
-    # The manager connects to Ray as the run's does; it starts no replica here.
-    manager = CoreEngineActorManager(config, on_death=lambda index, cause: None)
+    connect_ray(pc, num_cpus_hint=ray_placement.replica_num_cpus_hint(config))  # as the run's manager does
     groups = []
     nodes = None
     try:
         driver_node = ray.get_runtime_context().get_node_id()
         nodes = cluster_nodes(driver_node)
         request = dict(plan_base, replica_bundles=bundles, replica_cpus=need)
-        plan = Plan(False, _gcs_address(), driver_node, nodes, request)
+        plan = Plan(False, gcs_address(), driver_node, nodes, request)
         capacity = sorted(((n.node_id, n.total.get("CPU", 0.0)) for n in nodes),
                           key=lambda item: (item[0] != driver_node, item[0]))
-        never = [i for i, t in enumerate(choose_nodes(size, need, mode, capacity)) if t is None]
-        targets = manager.plan_nodes(size)
-        # As CoreEngineActorManager.start_replica reserves a replica's group.
+        never = [i for i, t in enumerate(ray_placement.choose_nodes(size, need, mode, capacity)) if t is None]
+        # As CoreEngineActorManager places new replicas (none runs yet).
+        targets = ray_placement.replica_target_nodes(config, size, {})
         for target in targets:
-            if target is not None and mode == "spread":
-                groups.append(placement_group(bundles, strategy="STRICT_PACK",
-                                              bundle_label_selector=[{"ray.io/node-id": target}] * len(bundles)))
-            else:
-                groups.append(placement_group(bundles, strategy="STRICT_PACK", _soft_target_node_id=target))
+            groups.append(ray_placement.replica_placement_group(bundles, mode, target))
         timeout = min(pc.ray_placement_timeout, _INFEASIBLE_WAIT_S) if never else pc.ray_placement_timeout
         ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=timeout)
         placed = {}
@@ -323,8 +265,7 @@ def _plan_replicas(config: EngineConfig, plan_base: dict) -> Plan:
             if table.get("state") == "CREATED":
                 placed[index] = table["bundles_to_node_id"]
     finally:
-        _remove_groups(groups, nodes)
-        manager.shutdown()
+        ray_placement.remove_placement_groups(groups, nodes)
 
     unplaced = [i for i in range(size) if i not in placed]
     if unplaced:
@@ -348,7 +289,7 @@ def _plan_replicas(config: EngineConfig, plan_base: dict) -> Plan:
                  for r in range(pc.world_size)]
         plan.replicas.append(_replica(index, node, ip_of.get(node, "?"), ranks, pc))
     if config.device == "cuda":
-        plan.warnings.append("data-parallel replicas reserve CPU bundles only (dp_manager.replica_bundles): "
+        plan.warnings.append("data-parallel replicas reserve CPU bundles only (ray_placement.replica_bundles): "
                              "Ray assigns their ranks no GPU, and the device indices shown are local ranks")
     plan.fits = not plan.missing
     return plan
@@ -365,43 +306,6 @@ def _replica(index, node_id, node_ip, ranks: list[RankPlacement], pc) -> Replica
 
     return ReplicaPlacement(index, node_id, node_ip, ranks, [group(g) for g in tp_group_ranks(tp, pp)],
                             [group(g) for g in pp_group_ranks(tp, pp)])
-
-
-def _remove_groups(groups: list, nodes: list[NodeState] | None = None) -> None:
-    """Remove the groups and wait until Ray says they are gone, and until the
-    nodes' free resources read as before the plan again: the view of free
-    resources lags behind, and a run started right after the plan places by
-    it (data-parallel packing does)."""
-    import ray
-    from ray._private.state import available_resources_per_node
-    from ray.util.placement_group import remove_placement_group
-
-    for group in groups:
-        try:
-            remove_placement_group(group)
-        except Exception as e:  # noqa: BLE001 - say so: its bundles would stay reserved
-            logger.warning("could not remove placement group %s: %s", group.id.hex()[:12], e)
-    deadline = time.monotonic() + _REMOVAL_WAIT_S
-    for group in groups:
-        while ray.util.placement_group_table(group).get("state") not in ("REMOVED", None):
-            if time.monotonic() >= deadline:
-                logger.warning("placement group %s is not removed yet", group.id.hex()[:12])
-                break
-            time.sleep(0.05)
-    while nodes and groups and time.monotonic() < deadline:
-        now = available_resources_per_node()
-        if all(now.get(n.node_id, {}).get(k, 0.0) >= v - 1e-6 for n in nodes for k, v in n.available.items()):
-            return
-        time.sleep(0.1)
-
-
-def _gcs_address() -> str | None:
-    import ray
-
-    try:
-        return ray.get_runtime_context().gcs_address
-    except Exception:  # noqa: BLE001
-        return None
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -437,7 +341,7 @@ def make_plan(config: EngineConfig) -> Plan:
         return _plan_replicas(config, base)
     finally:
         if not was_connected:
-            ray_utils.disconnect_ray()
+            disconnect_ray()
 
 
 # ---- output ---------------------------------------------------------------------------

@@ -1,2 +1,2 @@
-"""How calls reach the workers: the Executor contract and its backends
-(in-process, multiprocess over shared memory, Ray actors)."""
+"""How calls reach the workers: the Executor contract, its factory and backends
+(in-process, multiprocess, Ray: cluster, placement, worker actor, step transports)."""

@@ -1,5 +1,6 @@
 """The executor contract: every backend runs the same Worker code and differs
-only in how a call travels (see DESIGN.md, "The executor contract")."""
+only in how a call travels (see DESIGN.md, "The executor contract"). Which
+backend a config asks for is raylm.executor.factory's to say."""
 
 from __future__ import annotations
 
@@ -21,31 +22,6 @@ class Executor(ABC):
         self.config = config
         self.is_failed = False
         self._init_executor()
-
-    @staticmethod
-    def get_class(config: EngineConfig) -> type["Executor"]:
-        backend = config.parallel_config.distributed_executor_backend
-        if isinstance(backend, type):
-            if not issubclass(backend, Executor):
-                raise ValueError(f"distributed_executor_backend class {backend} must subclass raylm Executor")
-            return backend
-        if backend is None:
-            backend = "uni" if config.parallel_config.world_size == 1 else "mp"
-        if backend == "uni":
-            if config.parallel_config.world_size != 1:
-                raise ValueError("distributed_executor_backend 'uni' needs tensor_parallel_size = pipeline_parallel_size = 1")
-            from raylm.executor.uniproc_executor import UniProcExecutor
-
-            return UniProcExecutor
-        if backend == "mp":
-            from raylm.executor.multiproc_executor import MultiprocExecutor
-
-            return MultiprocExecutor
-        if backend == "ray":
-            from raylm.executor.ray_executor import RayDistributedExecutor
-
-            return RayDistributedExecutor
-        raise ValueError(f"distributed_executor_backend must be 'uni', 'mp' or 'ray', got {backend!r}")
 
     @abstractmethod
     def _init_executor(self) -> None: ...

@@ -38,7 +38,7 @@ def remote_tp2(tiny_model_dir):
 
 
 def test_one_curve_keypair_per_executor_on_every_tcp_socket(remote_tp2):
-    mq = executor_of(remote_tp2)._mq
+    mq = executor_of(remote_tp2).transport.queues
     broadcast_keys = mq.broadcast.export_handle().tcp_keys
     assert broadcast_keys is not None and mq.broadcast._curve_server is not None
     assert [r._handle.tcp_keys for r in mq.responses] == [broadcast_keys] * 2
@@ -48,8 +48,8 @@ def test_one_curve_keypair_per_executor_on_every_tcp_socket(remote_tp2):
 def test_a_callable_travels_through_ray_and_the_queue_only_names_it(remote_tp2, monkeypatch):
     ex = executor_of(remote_tp2)
     sent = []
-    enqueue = ex._mq.broadcast.enqueue
-    monkeypatch.setattr(ex._mq.broadcast, "enqueue", lambda obj, timeout=None: (sent.append(obj), enqueue(obj, timeout))[1])
+    enqueue = ex.transport.queues.broadcast.enqueue
+    monkeypatch.setattr(ex.transport.queues.broadcast, "enqueue", lambda obj, timeout=None: (sent.append(obj), enqueue(obj, timeout))[1])
     assert ex.collective_rpc(rank_times, args=(10,), kwargs={"offset": 1}) == [1, 11]
     assert ex.collective_rpc(rank_times, args=(10,), unique_reply_rank=1) == 10
     assert ex.collective_rpc("check_health") == ex.worker_pids

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from raylm import LLM, SamplingParams
-from raylm.engine.dp_manager import choose_nodes
+from raylm.executor.ray_placement import choose_nodes
 from tests.conftest import simulated_cluster, our_live_ray_state
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

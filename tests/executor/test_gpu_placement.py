@@ -15,9 +15,10 @@ import pytest
 
 from raylm.config import create_engine_config
 from raylm.entrypoints import cli
-from raylm.executor import ray_utils
+from raylm.executor import ray_placement
 from raylm.executor.ray_executor import RayDistributedExecutor
-from raylm.executor.ray_utils import check_cupy_for_nccl_channels, cuda_device_index
+from raylm.executor.ray_cgraph import check_cupy_for_nccl_channels
+from raylm.executor.ray_worker import cuda_device_index
 from tests.conftest import our_live_ray_state
 from tests.multinode.harness import short_tempdir
 
@@ -63,7 +64,7 @@ def test_cgraph_on_cuda_checks_cupy_before_placing_anything(monkeypatch, tiny_mo
     def must_not_place(*args, **kwargs):
         raise AssertionError("placed workers before checking for CuPy")
 
-    monkeypatch.setattr(ray_utils, "initialize_ray_cluster", must_not_place)
+    monkeypatch.setattr(ray_placement, "place_ranks", must_not_place)
     config = create_engine_config(tiny_model_dir("llama"), device="cuda", dtype="float32",
                                   distributed_executor_backend="ray", pipeline_parallel_size=2,
                                   ray_step_transport="cgraph")

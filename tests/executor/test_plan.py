@@ -130,3 +130,44 @@ def test_a_request_that_does_not_fit_says_what_is_missing(cluster, tiny_model_di
 
     assert our_live_ray_state() == ([], [])
     assert all(g["state"] == "REMOVED" for pg_id, g in placement_group_table().items() if pg_id not in before)
+
+
+class _Placed(Exception):
+    """Raised where the executor would reserve its placement group: what it asked for is recorded."""
+
+
+@pytest.mark.ray
+def test_the_plan_asks_for_the_cpus_per_rank_the_run_does(cluster, tiny_model_dir, capsys, monkeypatch):
+    """On a node with more cores than the ranks need (16 here, faked through
+    this process's CPU affinity), each rank's bundle holds the threads the
+    CPU placement gives it (a core stays with the engine loop): the plan once
+    asked for os.cpu_count() // world instead, more than the run reserves."""
+    import os
+
+    from raylm.config import create_engine_config
+    from raylm.executor import ray_placement
+    from raylm.executor.ray_executor import RayDistributedExecutor
+
+    model = tiny_model_dir("llama")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    capsys.readouterr()
+    try:
+        cli.main(["plan", "-tp", "2", "--model", model, "--ray-placement-timeout", "5", "--json"])
+    except SystemExit:
+        pass  # 14 CPUs do not fit this cluster: what was asked for is what counts
+    planned = json.loads(capsys.readouterr().out)["request"]["bundle"]
+
+    asked = []
+
+    def record(parallel_config, bundle, world_size):
+        asked.append((dict(bundle), world_size))
+        raise _Placed
+
+    monkeypatch.setattr(ray_placement, "get_placement_group", record)
+    config = create_engine_config(model, dtype="float32", distributed_executor_backend="ray", tensor_parallel_size=2)
+    with pytest.raises(_Placed):
+        RayDistributedExecutor(config)
+    assert asked == [(planned, 2)]
+    assert planned["CPU"] > 1  # the fake node's cores counted: more than this machine's default
+    assert our_live_ray_state() == ([], [])

@@ -1,4 +1,4 @@
-"""Finding Ray without an address (ray_utils.connect_ray): a cluster started
+"""Finding Ray without an address (ray_cluster.connect_ray): a cluster started
 with `ray start --head` on this machine is joined, a cluster file left by a
 killed head is ignored with a warning, and the local instance raylm starts
 itself grows when a later engine of the process needs more. Node identity:
@@ -20,7 +20,7 @@ import pytest
 
 from raylm import LLM, SamplingParams
 from raylm.config import ParallelConfig
-from raylm.executor import ray_utils
+from raylm.executor import ray_cluster, ray_worker
 from raylm.testing.hf_oracle import hf_greedy
 from tests.conftest import our_live_ray_state
 from tests.multinode.harness import free_ports, local_ray_head, short_tempdir
@@ -41,7 +41,7 @@ def private_ray_dir(monkeypatch):
     root = short_tempdir("rlc")
     monkeypatch.setenv("RAY_TMPDIR", root)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr(ray_utils, "_own_local_ray", None)
+    monkeypatch.setattr(ray_cluster, "_own_local_ray", None)
     yield root
     ray.shutdown()
     shutil.rmtree(root, ignore_errors=True)
@@ -71,10 +71,10 @@ def test_generate_joins_the_running_local_cluster_without_an_address(private_ray
         assert f"joined the running Ray cluster at {head.address}" in result.stderr
 
         # In process too: the user's cluster is joined, never resized or stopped.
-        ray_utils.connect_ray(ParallelConfig(), num_cpus_hint=64)
+        ray_cluster.connect_ray(ParallelConfig(), num_cpus_hint=64)
         assert ray.get_runtime_context().gcs_address == head.address
-        assert not ray_utils.owns_local_ray()
-        ray_utils.connect_ray(ParallelConfig(), num_cpus_hint=64)
+        assert not ray_cluster.owns_local_ray()
+        ray_cluster.connect_ray(ParallelConfig(), num_cpus_hint=64)
         assert ray.cluster_resources()["CPU"] == 4
         ray.shutdown()
         assert head.alive()
@@ -89,11 +89,11 @@ def test_a_stale_cluster_file_is_ignored_and_a_local_instance_started(private_ra
     cluster_file = os.path.join(private_ray_dir, "ray", "ray_current_cluster")
     with open(cluster_file, "w") as f:
         f.write(f"127.0.0.1:{dead_port}")
-    assert ray_utils.ray_cluster_file() == cluster_file
+    assert ray_cluster.ray_cluster_file() == cluster_file
 
-    with caplog.at_level(logging.WARNING, logger="raylm.executor.ray_utils"):
-        ray_utils.connect_ray(ParallelConfig(), num_cpus_hint=2)
-    assert ray.is_initialized() and ray_utils.owns_local_ray()
+    with caplog.at_level(logging.WARNING, logger="raylm.executor.ray_cluster"):
+        ray_cluster.connect_ray(ParallelConfig(), num_cpus_hint=2)
+    assert ray.is_initialized() and ray_cluster.owns_local_ray()
     assert ray.get_runtime_context().gcs_address != f"127.0.0.1:{dead_port}"
     warning = "\n".join(r.getMessage() for r in caplog.records)
     assert cluster_file in warning and f"127.0.0.1:{dead_port}" in warning and "ray stop" in warning
@@ -103,12 +103,12 @@ def test_a_stale_cluster_file_is_ignored_and_a_local_instance_started(private_ra
 def test_an_explicit_dead_address_fails_at_once_naming_it(private_ray_dir, monkeypatch):
     # (Ray itself retries a dead address for minutes, then exits the process.)
     (dead_port,) = free_ports(1)
-    monkeypatch.setattr(ray_utils, "_EXPLICIT_ADDRESS_WAIT_S", 1.0)
+    monkeypatch.setattr(ray_cluster, "_EXPLICIT_ADDRESS_WAIT_S", 1.0)
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{dead_port}")
     expected = f"no Ray cluster answers at 127.0.0.1:{dead_port} \\(from RAY_ADDRESS\\)"
     with pytest.raises(ConnectionError, match=expected):
-        ray_utils.connect_ray(ParallelConfig(), num_cpus_hint=2)
-    assert not ray_utils.owns_local_ray()
+        ray_cluster.connect_ray(ParallelConfig(), num_cpus_hint=2)
+    assert not ray_cluster.owns_local_ray()
 
 
 @pytest.mark.ray
@@ -117,19 +117,19 @@ def test_a_larger_engine_later_in_the_process_gets_room(private_ray_dir, tiny_mo
 
     # raylm's own instance sized to exactly what the first engine asks for
     # (on a big machine it would have the cores to spare anyway).
-    monkeypatch.setattr(ray_utils, "_local_ray_num_cpus", lambda hint: hint)
+    monkeypatch.setattr(ray_cluster, "_local_ray_num_cpus", lambda hint: hint)
     model = tiny_model_dir("llama")
     reference = [r.token_ids for r in hf_greedy(model, PROMPTS, MAX_TOKENS)]
 
     with _llm(model, tensor_parallel_size=2) as llm:
         assert _generate(llm) == reference
-    assert ray_utils.owns_local_ray() and ray.cluster_resources()["CPU"] == 2
+    assert ray_cluster.owns_local_ray() and ray.cluster_resources()["CPU"] == 2
     first_instance = ray.get_runtime_context().gcs_address
 
     with _llm(model, tensor_parallel_size=2, pipeline_parallel_size=2) as llm:
         assert _generate(llm) == reference
         assert ray.cluster_resources()["CPU"] == 4
-    assert ray_utils.owns_local_ray()
+    assert ray_cluster.owns_local_ray()
     assert ray.get_runtime_context().gcs_address != first_instance  # restarted, larger
     assert our_live_ray_state() == ([], [])
 
@@ -160,29 +160,29 @@ def test_two_nodes_reporting_one_ip_fail_naming_the_fix(private_ray_dir, tiny_mo
 
 
 def test_the_interface_of_an_ip():
-    assert ray_utils.interface_of_ip("127.0.0.1") is not None
-    assert ray_utils.interface_of_ip("203.0.113.77") is None  # TEST-NET-3: no interface here
+    assert ray_worker.interface_of_ip("127.0.0.1") is not None
+    assert ray_worker.interface_of_ip("203.0.113.77") is None  # TEST-NET-3: no interface here
 
 
 def test_gloo_socket_ifname_set_from_the_node_ip(monkeypatch):
-    loopback = ray_utils.interface_of_ip("127.0.0.1")
+    loopback = ray_worker.interface_of_ip("127.0.0.1")
     # Set, then deleted: monkeypatch then restores the original state even
     # though set_gloo_socket_ifname writes os.environ itself.
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "placeholder")
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
-    assert ray_utils.set_gloo_socket_ifname("127.0.0.1") == loopback
+    assert ray_worker.set_gloo_socket_ifname("127.0.0.1") == loopback
     assert os.environ["GLOO_SOCKET_IFNAME"] == loopback
 
     # One the user set, and this node has: kept.
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", loopback)
-    assert ray_utils.set_gloo_socket_ifname("203.0.113.77") == loopback
+    assert ray_worker.set_gloo_socket_ifname("203.0.113.77") == loopback
 
     # One forwarded from a driver whose interfaces are named otherwise: replaced.
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-nic0")
-    assert ray_utils.set_gloo_socket_ifname("127.0.0.1") == loopback
+    assert ray_worker.set_gloo_socket_ifname("127.0.0.1") == loopback
     assert os.environ["GLOO_SOCKET_IFNAME"] == loopback
 
 
 def test_loopback_init_methods():
-    assert ray_utils._is_loopback_init("tcp://127.0.0.1:29500")
-    assert not ray_utils._is_loopback_init("tcp://10.99.0.1:29500")
+    assert ray_worker._is_loopback_init("tcp://127.0.0.1:29500")
+    assert not ray_worker._is_loopback_init("tcp://10.99.0.1:29500")

@@ -11,6 +11,7 @@ import pytest
 from raylm import LLM, SamplingParams
 from raylm.distributed.shm_broadcast import SEGMENT_PREFIX
 from raylm.executor.ray_executor import RayDistributedExecutor
+from raylm.executor.ray_mq_transport import MqStepTransport
 from raylm.testing.hf_oracle import hf_greedy
 from tests.conftest import executor_of, our_live_ray_state, wait_until_unhealthy
 from tests.executor.worker_callables import fail_on_rank_1, rank_times, sleep_on_rank_1, sleep_then_rank
@@ -27,7 +28,7 @@ def _mq_llm(model, tp=1, pp=1) -> LLM:
 
 def _executor(llm: LLM) -> RayDistributedExecutor:
     executor = executor_of(llm)
-    assert isinstance(executor, RayDistributedExecutor) and executor._rpc is not None
+    assert isinstance(executor, RayDistributedExecutor) and isinstance(executor.transport, MqStepTransport)
     return executor
 
 
@@ -76,7 +77,7 @@ def test_ranks_on_other_nodes_use_zmq(ray_session, model, reference, monkeypatch
     ex = _executor(llm)
     try:
         assert ex.shm_segment_names == []
-        assert ex._mq.broadcast.export_handle().remote_address is not None
+        assert ex.transport.queues.broadcast.export_handle().remote_address is not None
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     finally:
         llm.shutdown()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from raylm import LLM, SamplingParams
-from raylm.executor.ray_utils import check_one_ip_per_node, sort_workers
+from raylm.executor.ray_placement import check_one_ip_per_node, sort_workers
 from raylm.testing.hf_oracle import hf_greedy
 from tests.conftest import executor_of as _executor
 from tests.conftest import our_live_ray_state, wait_until

@@ -42,10 +42,10 @@ def main(spec: dict) -> dict:
 
     from raylm import LLM, SamplingParams
     from raylm.config import ParallelConfig
-    from raylm.executor import ray_utils
+    from raylm.executor import ray_cluster
 
     address = spec.get("address")
-    ray_utils.connect_ray(ParallelConfig(ray_address=address), num_cpus_hint=0)
+    ray_cluster.connect_ray(ParallelConfig(ray_address=address), num_cpus_hint=0)
     _wait_for_nodes(2, timeout=60)
     joined = ray.get_runtime_context().gcs_address
 
@@ -63,7 +63,8 @@ def main(spec: dict) -> dict:
             "node_ids": list(executor.node_ids),
             "gloo_ifnames": executor.collective_rpc(_gloo_ifname),
             "broadcast_remote_address": (
-                executor._mq.broadcast.export_handle().remote_address if executor._mq is not None else None
+                executor.transport.queues.broadcast.export_handle().remote_address
+                if executor.config.parallel_config.ray_step_transport == "mq" else None
             ),
         }
         if spec.get("bench"):
