@@ -16,7 +16,8 @@ import threading
 from typing import Callable
 
 from raylm.distributed.rpc_messages import CallableRef
-from raylm.distributed.shm_broadcast import MessageQueue, unlink_segment
+from raylm.distributed.shm_broadcast import MessageQueue
+from raylm.distributed.shm_ring import unlink_segment
 from raylm.distributed.tcp_auth import CurveKeys, tcp_auth_enabled
 from raylm.executor.errors import WorkerDiedError, WorkerHungError
 from raylm.executor.mq_rpc import MqRpcClient, method_name

@@ -11,7 +11,8 @@ import threading
 import time
 
 from raylm.config import EngineConfig
-from raylm.distributed.shm_broadcast import MessageQueue, MessageQueueHandle, unlink_segment
+from raylm.distributed.shm_broadcast import MessageQueue, MessageQueueHandle
+from raylm.distributed.shm_ring import unlink_segment
 from raylm.distributed.tcp_auth import CurveKeys
 from raylm.executor.mq_rpc import CallableRegistry, WorkerLoop
 from raylm.worker.cpu_placement import RankPlacement, apply_rank_placement, plan_cpu_placement, read_topology
