@@ -116,7 +116,7 @@ def get_placement_group(parallel_config: ParallelConfig, bundle: dict, world_siz
     wait for it; a request the cluster cannot satisfy fails within the timeout
     with what was asked and what each node has."""
     import ray
-    from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
+    from ray.util.placement_group import get_current_placement_group, placement_group
 
     strategy = parallel_config.ray_placement_strategy
     if strategy not in PLACEMENT_STRATEGIES:
@@ -140,16 +140,23 @@ def get_placement_group(parallel_config: ParallelConfig, bundle: dict, world_siz
     # so rank 0 (and with PACK its TP group) lands where the driver runs.
     bundles[0][f"node:{ray.util.get_node_ip_address()}"] = 0.001
     pg = placement_group(bundles, strategy=strategy)
-    timeout = parallel_config.ray_placement_timeout
+    wait_placed(pg, parallel_config.ray_placement_timeout,
+                f"{world_size} workers with {bundle} each (strategy {strategy})")
+    return PlacementInfo(pg, True, list(range(world_size)))
+
+
+def wait_placed(pg, timeout: float, what: str) -> None:
+    """Wait until Ray has placed `pg`; one it cannot place within `timeout`
+    is removed (its bundles would stay reserved) and the error says what was
+    asked (`what`) and what each node has: never a silent hang."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
     ready, _ = ray.wait([pg.ready()], timeout=timeout)
     if not ready:
         description = describe_cluster()
         remove_placement_group(pg)
-        raise RuntimeError(
-            f"could not place {world_size} workers with {bundle} each (strategy {strategy}) "
-            f"within {timeout:g} s; the cluster offers:\n{description}"
-        )
-    return PlacementInfo(pg, True, list(range(world_size)))
+        raise RuntimeError(f"could not place {what} within {timeout:g} s; the cluster offers:\n{description}")
 
 
 def rank_actor_options(placement_group, bundle_index: int, device: str, cpus_per_worker: int) -> dict:
@@ -309,18 +316,8 @@ def place_replica(index: int, bundles: list[dict], mode: str, target_node: str |
     """Replica `index`'s placement group, once Ray has placed it; a replica
     not placed within REPLICA_PLACEMENT_TIMEOUT_S leaves no group behind and
     the error says what the cluster offers."""
-    import ray
-    from ray.util.placement_group import remove_placement_group
-
     pg = replica_placement_group(bundles, mode, target_node)
-    ready, _ = ray.wait([pg.ready()], timeout=REPLICA_PLACEMENT_TIMEOUT_S)
-    if not ready:
-        description = describe_cluster()
-        remove_placement_group(pg)
-        raise RuntimeError(
-            f"could not place data-parallel replica {index} (bundles {bundles}, all on one node) "
-            f"within {REPLICA_PLACEMENT_TIMEOUT_S:g} s; the cluster offers:\n{description}"
-        )
+    wait_placed(pg, REPLICA_PLACEMENT_TIMEOUT_S, f"data-parallel replica {index} (bundles {bundles}, all on one node)")
     return pg
 
 
