@@ -17,12 +17,12 @@ import time
 from dataclasses import dataclass
 
 from raylm.config import EngineConfig, ParallelConfig
+from raylm.config.engine_args import PLACEMENT_STRATEGIES
 from raylm.executor.ray_cluster import NodeState, connect_ray, describe_cluster
 from raylm.worker.cpu_placement import parse_cpu_bind, plan_cpu_placement, read_topology
 
 logger = logging.getLogger(__name__)
 
-PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
 # How long remove_placement_groups waits for Ray to show the groups gone.
 _REMOVAL_WAIT_S = 10.0
 # Driver environment variables that workers inherit besides RAYLM_*; the
