@@ -199,7 +199,7 @@ def test_uni_explicit_bind_pins_the_model_thread_until_shutdown(model, reference
 
 def test_vllm_env_alias_and_cli_flag(monkeypatch, model):
     from raylm.config import create_engine_config
-    from raylm.entrypoints.cli import add_engine_args, engine_kwargs_from_args
+    from raylm.engine.arg_utils import EngineArgs
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     assert create_engine_config(model, tensor_parallel_size=2).cpu_bind == "0|1"
@@ -208,10 +208,10 @@ def test_vllm_env_alias_and_cli_flag(monkeypatch, model):
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
     assert create_engine_config(model).cpu_bind == "auto"
 
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    assert engine_kwargs_from_args(parser.parse_args(["--cpu-bind", "0-3|4-7"]))["cpu_bind"] == "0-3|4-7"
-    assert "cpu_bind" not in engine_kwargs_from_args(parser.parse_args([]))
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.from_cli_args(parser.parse_args(["--cpu-bind", "0-3|4-7"])).cpu_bind == "0-3|4-7"
+    # Unset, the engine decides (from VLLM_CPU_OMP_THREADS_BIND, else auto).
+    assert EngineArgs.from_cli_args(parser.parse_args([])).cpu_bind is None
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -158,13 +158,12 @@ def test_cli_flag_and_default_choose_the_transport():
     import argparse
 
     from raylm.config import ParallelConfig
-    from raylm.entrypoints.cli import add_engine_args, engine_kwargs_from_args
+    from raylm.engine.arg_utils import EngineArgs
 
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    assert engine_kwargs_from_args(parser.parse_args(["--ray-step-transport", "cgraph"]))["ray_step_transport"] == "cgraph"
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.from_cli_args(parser.parse_args(["--ray-step-transport", "cgraph"])).ray_step_transport == "cgraph"
     # Unset, the engine's default applies: mq, the faster in benchmarks/bench_ray_transport.py.
-    assert "ray_step_transport" not in engine_kwargs_from_args(parser.parse_args([]))
+    assert EngineArgs.from_cli_args(parser.parse_args([])).ray_step_transport == "mq"
     assert ParallelConfig().ray_step_transport == "mq"
     with pytest.raises(SystemExit):
         parser.parse_args(["--ray-step-transport", "nccl"])

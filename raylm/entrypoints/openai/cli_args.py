@@ -8,6 +8,8 @@ import json
 import os
 from typing import TextIO
 
+from raylm.engine.arg_utils import EngineArgs, HelpFormatter, parse_bytes
+
 # Where the API key may come from when --api-key is not given, first match wins
 # (VLLM_API_KEY, so that a vLLM deployment's environment works unchanged).
 API_KEY_ENV_VARS = ("RAYLM_API_KEY", "VLLM_API_KEY")
@@ -36,7 +38,6 @@ def json_list(text: str) -> list[str]:
 
 
 def add_serve_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from raylm.entrypoints.cli import HelpFormatter, add_engine_args, parse_bytes
     from raylm.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 
     serve = subparsers.add_parser(
@@ -86,7 +87,7 @@ def add_serve_subcommand(subparsers: argparse._SubParsersAction) -> argparse.Arg
     limits.add_argument("--max-request-body-bytes", type=parse_bytes, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         metavar="BYTES", help="largest request body (e.g. 16MiB); a larger one gets HTTP 413")
     add_tool_calling_args(serve)
-    add_engine_args(serve)
+    EngineArgs.add_cli_args(serve)
     serve.set_defaults(handler=run_serve)
     return serve
 
@@ -104,7 +105,6 @@ def add_tool_calling_args(serve: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace, out: TextIO) -> None:
-    from raylm.entrypoints.cli import engine_kwargs_from_args
     from raylm.entrypoints.openai.api_server import run_server
     from raylm.entrypoints.openai.serving_tools import ToolCallConfig
 
@@ -127,11 +127,10 @@ def run_serve(args: argparse.Namespace, out: TextIO) -> None:
             raise ValueError(f"{flag}: no such file {path!r}")
     ToolCallConfig.from_args(args)  # refuses a flag combination before the model loads
     args.api_key = resolve_api_key(args.api_key)
-    run_server(args, engine_kwargs_from_args(args))
+    run_server(args, EngineArgs.from_cli_args(args).to_kwargs())
 
 
 def add_bench_serve(bench_subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from raylm.entrypoints.cli import HelpFormatter
     from raylm.entrypoints.openai import bench_serve
 
     parser = bench_subparsers.add_parser(
