@@ -24,9 +24,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import TextIO
 
-from raylm.config import EngineConfig, create_engine_config
+from raylm.config import EngineConfig
 from raylm.distributed.parallel_state import pp_group_ranks, tp_group_ranks
-from raylm.entrypoints.cli import HelpFormatter, add_engine_args, engine_kwargs_from_args
+from raylm.engine.arg_utils import EngineArgs, HelpFormatter
 from raylm.executor import ray_placement
 from raylm.executor.ray_cluster import NodeState, cluster_nodes, connect_ray, disconnect_ray, gcs_address
 from raylm.executor.ray_worker import RayWorkerWrapper
@@ -227,8 +227,8 @@ def _probe_actors(pg, bundle_indices: list[int], request: ray_placement.RankRequ
     import ray
 
     actor_cls = ray.remote(RayWorkerWrapper)
-    return [actor_cls.options(**ray_placement.rank_actor_options(pg, i, "cuda", request.cpus_per_worker)).remote(rank=rank)
-            for rank, i in enumerate(bundle_indices)]
+    return [actor_cls.options(**ray_placement.rank_actor_options(pg, i, "cuda", request.cpus_per_worker))
+            .remote(rank=rank) for rank, i in enumerate(bundle_indices)]
 
 
 # ---- data-parallel replicas: one STRICT_PACK group each -----------------------------
@@ -413,13 +413,12 @@ def add_plan_subcommand(commands) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--ray-placement-timeout", type=float, default=10.0, metavar="SECONDS",
                         help="how long Ray may take to place the groups before the plan says they do not fit")
-    add_engine_args(parser)
+    EngineArgs.add_cli_args(parser)  # keeps the shorter --ray-placement-timeout above
     parser.set_defaults(handler=run_plan)
 
 
 def run_plan(args: argparse.Namespace, out: TextIO) -> None:
-    kwargs = engine_kwargs_from_args(args)
-    config = create_engine_config(**kwargs, ray_placement_timeout=args.ray_placement_timeout)
+    config = EngineArgs.from_cli_args(args).create_engine_config()
     try:
         plan = make_plan(config)
     except ConnectionError as e:  # no cluster at the given address: the message says so
