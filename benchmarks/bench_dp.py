@@ -20,34 +20,34 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections import deque
 
 from raylm.core.request import Request
-from raylm.engine.core_proc import EngineCoreRequest, SchedulerStats
-from raylm.engine.dp_client import DPClient, _Replica
+from raylm.engine.protocol import EngineCoreRequest, SchedulerStats
+from raylm.engine.routing import CoreLoad, PrefixAffinity, least_loaded
 from raylm.sampling_params import SamplingParams
 
 
 def routing_overhead_us(num_replicas: int, num_requests: int, prompt_len: int, affinity: bool) -> float:
-    """Per request: choose a replica and encode the request for its channel."""
+    """Per request: what the supervisor does to route (the loads of the
+    serving cores, then raylm.engine.routing's choice) and encode a request."""
     import msgspec
 
-    client = object.__new__(DPClient)  # the router's state only: no replicas are started
-    client.prefix_affinity = affinity
-    client.replicas = {i: _Replica(i, None, "", deque(), set(), SchedulerStats(num_waiting=i % 3)) for i in
-                       range(num_replicas)}
-    from collections import OrderedDict
-
-    client._affinity = OrderedDict()
+    stats = {i: SchedulerStats(num_waiting=i % 3) for i in range(num_replicas)}
+    in_flight = {i: 0 for i in range(num_replicas)}
+    prefix_affinity = PrefixAffinity() if affinity else None
     encoder = msgspec.msgpack.Encoder()
     params = SamplingParams(max_tokens=128)
     requests = [Request(str(i), [(i * 7 + j) % 8000 for j in range(prompt_len)], params, 2)
                 for i in range(num_requests)]
     start = time.perf_counter()
     for request in requests:
-        replica = client._route(request, None)
+        loads = [CoreLoad(i, in_flight[i], stats[i].num_waiting, stats[i].kv_cache_usage) for i in stats]
+        if prefix_affinity is not None:
+            chosen = prefix_affinity.choose(request.prompt_token_ids, loads)
+        else:
+            chosen = least_loaded(loads)
         encoder.encode(EngineCoreRequest.from_request(request))
-        replica.in_flight.add(request.request_id)
+        in_flight[chosen.index] += 1
     return (time.perf_counter() - start) / num_requests * 1e6
 
 

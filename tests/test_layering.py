@@ -54,14 +54,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # 4). Each is one elementary cycle, written from its alphabetically first
 # module. This set MUST END EMPTY: the test fails on any circle not listed here,
 # and on a listed one that no longer exists (then delete its line).
-KNOWN_CYCLES_BEING_REMOVED: set[str] = {
-    # engine: the lead
-    "raylm.engine.core_client -> raylm.engine.core_proc -> raylm.engine.engine_core -> raylm.engine.core_client",
-    "raylm.engine.core_client -> raylm.engine.engine_core -> raylm.engine.core_client",
-    # entrypoints: helper B
-    "raylm.entrypoints.cli -> raylm.entrypoints.openai.cli_args -> raylm.entrypoints.cli",
-    "raylm.entrypoints.cli -> raylm.entrypoints.plan -> raylm.entrypoints.cli",
-}
+KNOWN_CYCLES_BEING_REMOVED: set[str] = set()
 
 
 def _modules() -> dict[str, Path]:

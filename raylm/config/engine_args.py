@@ -152,9 +152,11 @@ class EngineArgs:
         None, "how workers run: uni (in this process), mp (local processes), ray (Ray actors, local or on a "
         "cluster); default: uni for one worker, else mp", choices=EXECUTOR_BACKENDS)
     data_parallel_size: int = _parallel(
-        1, "N replicas of the whole engine (each with its own scheduler, KV cache and workers) as Ray actors, "
-        "requests routed to the least loaded", short="-dp", metavar="N")
-    data_parallel_backend: str = _parallel("ray", "how data-parallel replicas run", choices=("ray",))
+        1, "N replicas of the whole engine (each with its own scheduler, KV cache and workers), requests "
+        "routed to the least loaded", short="-dp", metavar="N")
+    data_parallel_backend: str = _parallel(
+        "ray", "how data-parallel replicas run: ray (Ray actors, placed on the cluster's nodes, scalable at run "
+        "time) or mp (engine-core processes on this machine)", choices=("ray", "mp"))
     data_parallel_placement: str = _parallel(
         "pack", "replicas packed onto as few nodes as possible, or spread one per node", choices=("pack", "spread"))
     data_parallel_prefix_affinity: bool = _parallel(

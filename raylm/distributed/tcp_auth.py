@@ -13,7 +13,7 @@ baseline); the driver decides for the whole executor.
 
 A server may instead admit keys of its own choosing (`admits`), per ZAP
 domain: the data-parallel front end gives each replica a keypair of its own,
-so that it can tell which replica sent a message (see engine/dp_client.py).
+so that it can tell which replica sent a message (see engine/ray_launcher.py).
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 requests to the engine core in its own process, and streams RequestOutputs back.
 
 One background task pulls EngineCoreOutputs, detokenizes them (OutputProcessor)
-and dispatches each request's outputs to its own asyncio queue. If the core
-process dies without a word, that task starts a new one and resubmits every
-unfinished request as a continuation (within a restart budget); clients see a
-pause, not an error.
+and dispatches each request's outputs to its own asyncio queue. The cores are
+run by an EngineCoreSupervisor (one core process, or data-parallel replicas):
+if one dies, it resubmits that core's unfinished requests as continuations
+and starts a new core within a restart budget; clients see a pause, not an
+error.
 """
 
 from __future__ import annotations
@@ -17,15 +18,18 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from raylm.config import EngineConfig, create_engine_config
-from raylm.core import quarantine
-from raylm.core.outputs import EngineCoreOutput
-from raylm.core.request import Request
-from raylm.engine.core_client import EngineCoreDiedError, EngineDeadError, MPClient
-from raylm.engine.core_proc import EngineCoreOutputs, RecoveryStats, SchedulerStats
+from raylm.engine.errors import (
+    EngineDeadError,
+    EngineRecoveryTimeoutError,
+    EngineUnhealthyError,
+    RequestFailedError,
+)
 from raylm.engine.input_processor import InputProcessor, ProcessedPrompt
 from raylm.engine.llm_engine import check_data_parallel_rank, make_child_requests
 from raylm.engine.output_processor import OutputProcessor
+from raylm.engine.protocol import EngineCoreOutputs, RecoveryStats, SchedulerStats
 from raylm.engine.restart_budget import BlameLedger, RestartBudget
+from raylm.engine.supervisor import AsyncEngineCoreSupervisor
 from raylm.engine.tokenizer import load_tokenizer
 from raylm.outputs import RequestOutput
 from raylm.sampling_params import SamplingParams
@@ -58,9 +62,9 @@ class StatLoggerBase:
         first scheduling to its last token (prefill plus decode)."""
 
     def record_recovery(self, kind: str, seconds: float, num_requests: int) -> None:
-        """The engine recovered from a failure of `kind` ("engine_core": the
-        front end restarted the core process; the core's own kinds come in
-        EngineCoreOutputs.recoveries) in `seconds`, carrying `num_requests` over."""
+        """The engine recovered from a failure of `kind` (a protocol.RecoveryKind:
+        the core's own recoveries of its executor, or the supervisor's of a
+        core) in `seconds`, carrying `num_requests` over."""
 
 
 # Text prompts up to this many characters are tokenized on the event loop
@@ -92,28 +96,6 @@ def _params_worth_a_thread(params: SamplingParams) -> bool:
     if params.bad_words_token_ids is not None:  # tokenized already (a server does it in a thread)
         return sum(len(seq) for seq in params.bad_words_token_ids) > _MAX_INLINE_BAD_WORD_TOKENS
     return sum(len(word) for word in params.bad_words or ()) > _MAX_INLINE_BAD_WORDS_CHARS
-
-
-class EngineUnhealthyError(EngineDeadError):
-    """Raised by health checks only: the engine still serves, but failed
-    requests caused more recoveries than it forgives, so its supervisor
-    should look (HTTP 503 on /health, like a dead engine)."""
-
-
-class EngineRecoveryTimeoutError(EngineUnhealthyError):
-    """Raised by health checks only: a recovery (a core restart, or the core
-    rebuilding its executor) has run longer than `engine_start_timeout_s`,
-    so it is presumably stuck: HTTP 503 on /health, for a supervisor to act."""
-
-    def __init__(self, what: str, seconds: float, limit_s: float):
-        super().__init__(f"the engine has been recovering ({what}) for {seconds:.0f} s, past its limit of "
-                         f"{limit_s:g} s (engine_start_timeout)")
-        self.seconds = seconds
-
-
-class RequestFailedError(RuntimeError):
-    """This request made the engine's steps fail and was dropped (DESIGN.md,
-    "Failure model"); the engine goes on serving the others (HTTP 500)."""
 
 
 class RequestStream:
@@ -160,8 +142,6 @@ class _RequestState:
     queue: asyncio.Queue
     deltas: bool
     num_prompt_tokens: int
-    # The engine-core requests as first sent: resubmitted from these if the core dies.
-    children: dict[str, Request]
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     last_token: float | None = None
@@ -172,7 +152,8 @@ class _RequestState:
 class AsyncLLM:
     """Serve many concurrent requests from one event loop.
 
-    Construction starts the engine-core process and blocks until it is ready.
+    Construction starts the engine cores (an EngineCoreSupervisor: one core
+    process, or data-parallel replicas) and blocks until they are ready.
     `generate` is an async generator of RequestOutputs: deltas (`stream=True`)
     or one final output. Leaving it early (a client disconnect cancels the
     task) aborts the request in the core, which frees its KV blocks.
@@ -190,43 +171,35 @@ class AsyncLLM:
         self.dead_error: EngineDeadError | None = None
         # Set when the engine dies for good (not on shutdown); the server exits then.
         self._dead = asyncio.Event()
-        ft = config.fault_tolerance
-        self.restart_budget = RestartBudget(ft.max_restarts, ft.restart_window_s)
-        # Core restarts that failed requests caused are forgiven, up to a rate.
-        self.blame = BlameLedger(self.restart_budget, ft.max_blamed_recoveries, ft.restart_window_s)
-        # The core's own verdict on its health, from its last report.
+        # The cores' own verdict on their health, from their last report.
         self._core_unhealthy: str | None = None
-        # While a new core is starting: new requests wait (unsent) for the
-        # resubmission to send them, and /health passes, up to a limit
-        # (see recovery_status); `_recovering_since` says since when.
-        self.recovering = False
-        self._recovering_since: float | None = None
-        self._shut_down = False
         self._scale_lock: asyncio.Lock | None = None  # made on the event loop that scales
-        self.engine_core = self._make_core_client()
-
-    def _make_core_client(self):
-        """The core in a process of its own, or data-parallel replicas behind a router."""
-        if self.config.parallel_config.data_parallel_size > 1:
-            from raylm.engine.dp_client import AsyncDPClient
-
-            return AsyncDPClient(self.config)
-        return self._new_mp_client()
-
-    def _new_mp_client(self) -> MPClient:
-        return MPClient(self.config, is_busy=lambda: bool(self._requests))
+        self.engine_core = AsyncEngineCoreSupervisor(config)
 
     @property
-    def _owns_request_records(self) -> bool:
-        """Whether this front end keeps the requests' failure records
-        (raylm.core.quarantine) for a core it restarts; a data-parallel
-        client keeps them itself, for the replicas it heals."""
-        return isinstance(self.engine_core, MPClient)
+    def restart_budget(self) -> RestartBudget:
+        """The supervisor's budget of core restarts."""
+        return self.engine_core.restart_budget
+
+    @property
+    def blame(self) -> BlameLedger:
+        return self.engine_core.blame
+
+    @property
+    def recovering(self) -> bool:
+        """Whether no core can serve now because one is being replaced or
+        rebuilds its executor: requests wait, /health passes up to a limit."""
+        return self.engine_core.recovery_status() is not None
+
+    def replica_states(self) -> list[dict] | None:
+        """Each data-parallel replica's node, load and state (for /health and
+        metrics); None for an engine started without data parallelism."""
+        if self.config.parallel_config.data_parallel_size == 1:
+            return None
+        return self.engine_core.replica_states()
 
     async def scale(self, data_parallel_size: int) -> None:
         """Change the number of data-parallel replicas without failing a request."""
-        if not hasattr(self.engine_core, "scale_async"):
-            raise ValueError("scaling needs a server started with --data-parallel-size > 1")
         # One change at a time, whoever calls: two scale-ups that both saw the
         # old size would each start the missing replicas.
         if self._scale_lock is None:
@@ -315,18 +288,14 @@ class AsyncLLM:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         children = make_child_requests(self.input_processor, request_id, processed, params)
-        state = _RequestState(asyncio.Queue(), stream, len(processed.prompt_token_ids),
-                              {c.request_id: c for c in children})
+        state = _RequestState(asyncio.Queue(), stream, len(processed.prompt_token_ids))
         self.output_processor.add_request(
             request_id, processed.prompt, processed.prompt_token_ids, params, [c.request_id for c in children]
         )
         self._requests[request_id] = state
         try:
             for child in children:
-                if data_parallel_rank is None:
-                    self.engine_core.add_request(child)
-                else:
-                    self.engine_core.add_request(child, data_parallel_rank=data_parallel_rank)
+                self.engine_core.add_request(child, data_parallel_rank)
         except BaseException:
             self.abort(request_id)
             raise
@@ -365,12 +334,7 @@ class AsyncLLM:
     async def _run_output_handler(self) -> None:
         try:
             while True:
-                try:
-                    outputs = await self.engine_core.get_output()
-                except EngineCoreDiedError as e:
-                    await self._restart_core(e)
-                    continue
-                self._process(outputs)
+                self._process(await self.engine_core.get_output())
         except asyncio.CancelledError:
             raise
         except EngineDeadError as e:
@@ -386,8 +350,6 @@ class AsyncLLM:
                 stat_logger.record_scheduler_stats(outputs.stats)
         for recovery in outputs.recoveries:
             self._record_recovery(recovery)
-            if self._owns_request_records:
-                self._apply_verdict(recovery)
         if outputs.pong is not None:
             future = self._pings.pop(outputs.pong, None)
             if future is not None and not future.done():
@@ -470,130 +432,11 @@ class AsyncLLM:
         self._pings.clear()
         self._dead.set()
 
-    # ---- engine-core restarts -------------------------------------------------
-
-    async def _restart_core(self, died: EngineCoreDiedError) -> None:
-        """Replace a core process that vanished and resubmit every unfinished
-        request to the new one; EngineDeadError once the budget is spent."""
-        noticed = time.monotonic()
-        self.recovering, self._recovering_since = True, noticed
-        self._answer_pings()
-        try:
-            culprits, blamed = self._charge_core_death(self.engine_core.running_alone(), str(died))
-            if culprits:
-                self._process(EngineCoreOutputs(outputs=culprits))
-            new_core = await self._start_new_core(died)
-            if blamed:  # the culprit's core deaths, this one included: not the core's fault
-                self.blame.forgive(blamed)
-            # Until now requests went to the old client, which keeps them
-            # unsent; the resubmission covers them. Its process is gone, so
-            # closing its sockets and folder is quick.
-            old_core, self.engine_core = self.engine_core, new_core
-            old_core.shutdown()
-            num_requests = self._resubmit()
-        finally:
-            self.recovering, self._recovering_since = False, None
-        seconds = time.monotonic() - noticed
-        logger.warning("engine core restarted in %.1fs; resubmitted %d requests", seconds, num_requests)
-        self._record_recovery(RecoveryStats("engine_core", seconds, num_requests))
-
-    async def _start_new_core(self, died: EngineCoreDiedError) -> MPClient:
-        """A ready MPClient, built off the event loop (loading the model takes
-        a while and streams must stay open); a core that fails to start costs
-        another restart from the budget."""
-        budget = self.restart_budget
-        failure: BaseException = died
-        # Quarantined requests are being run alone: the deaths are presumably theirs.
-        hunting = budget.max_restarts > 0 and any(r.quarantined for r in self._unfinished_children().values())
-        while True:
-            if not budget.allow() and not (hunting and self.blame.excuse()):
-                raise EngineDeadError(
-                    f"{failure}; no restart left ({budget.max_restarts} allowed within "
-                    f"{budget.window_s:g}s)") from failure
-            if failure is died:
-                logger.warning("engine core process died (exit code %s); restarting it (%s)",
-                               died.exitcode, budget.describe())
-            else:
-                logger.warning("new engine core failed to start (%s); retrying (%s)", failure, budget.describe())
-            await asyncio.sleep(0.0 if hunting else budget.backoff_s())
-            try:
-                return await asyncio.get_running_loop().run_in_executor(None, self._start_core_process)
-            except Exception as e:
-                failure = e
-
-    def _start_core_process(self) -> MPClient:
-        client = self._new_mp_client()
-        if self._shut_down:
-            # Shut down while this one was loading: nobody will use it.
-            client.shutdown()
-            raise EngineDeadError("the engine was shut down")
-        return client
-
-    def _resubmit(self) -> int:
-        """Send every unfinished engine-core request to the (new) core as a
-        continuation after the tokens its client already has; how many."""
-        count = 0
-        for request_id, state in self._requests.items():
-            for child_id, token_ids in self.output_processor.resume_points(request_id):
-                first = state.children[child_id]
-                self.engine_core.add_request(Request(
-                    child_id, first.prompt_token_ids, first.sampling_params, first.eos_token_id,
-                    first.arrival_time, output_token_ids=token_ids, num_recoveries=first.num_recoveries,
-                    quarantined=first.quarantined, cache_salt=first.cache_salt))
-                count += 1
-        return count
-
-    # ---- poison quarantine (raylm.core.quarantine) ------------------------------
-
-    def _unfinished_children(self) -> dict[str, Request]:
-        """Every engine-core request in flight, by id, as first sent: the
-        records that travel with a request to the next core."""
-        children = {}
-        for request_id, state in self._requests.items():
-            for child_id, _ in self.output_processor.resume_points(request_id):
-                children[child_id] = state.children[child_id]
-        return children
-
-    def _apply_verdict(self, recovery: RecoveryStats) -> None:
-        """Mirror what the core decided in a recovery of its own, so the
-        records a restarted core gets are the same."""
-        quarantine.mirror(self._unfinished_children(), recovery.charged, recovery.culprits)
-
-    def _charge_core_death(self, running_alone: str | None, cause: str) -> tuple[list[EngineCoreOutput], int]:
-        """The core died: charge the requests exposed to it (see
-        quarantine.charge_death). Returns the culprit's error output and the
-        core deaths it caused (none if this death names no culprit)."""
-        verdict = quarantine.charge_death(self._unfinished_children(), running_alone)
-        if not verdict.found_culprit:
-            return [], 0
-        culprit = verdict.culprits[0]
-        logger.error("request %s was present at %d engine-core failures and killed the core again running alone: "
-                     "failed, not retried", culprit, verdict.culprit_recoveries + 1)
-        return [quarantine.culprit_output(verdict, cause)], verdict.culprit_recoveries + 1
-
-    def _answer_pings(self) -> None:
-        """Pings to the dead core will never be answered; the server itself is
-        fine (requests wait for the new core), so health checks pass."""
-        for future in self._pings.values():
-            if not future.done():
-                future.set_result(True)
-        self._pings.clear()
-
     # ---- health and shutdown ---------------------------------------------------
 
     def recovery_status(self) -> dict | None:
-        """The recovery in progress, if any: what recovers ("engine_core": this
-        front end is starting a new core; "executor": the core is rebuilding
-        its executor in place, as it announced before it began), for how many
-        seconds, and the limit past which /health fails."""
-        since, what = self._recovering_since, "engine_core"
-        if since is None:
-            # MPClient knows from the core's announcement; other clients do not say.
-            since, what = getattr(self.engine_core, "rebuilding_since", None), "executor"
-        if since is None:
-            return None
-        return {"recovering": what, "seconds": time.monotonic() - since,
-                "limit_s": self.config.fault_tolerance.engine_start_timeout_s}
+        """The recovery in progress, if any (EngineCoreSupervisor.recovery_status)."""
+        return self.engine_core.recovery_status()
 
     async def check_health(self, timeout: float = 10.0) -> None:
         """Returns when the core answers a ping, or at once while the engine
@@ -602,9 +445,7 @@ class AsyncLLM:
         the engine is dead, EngineRecoveryTimeoutError past that limit."""
         self._check_alive()
         self._ensure_output_handler()
-        replicas_blame = getattr(self.engine_core, "blame", None)  # data parallel: replica restarts
-        unhealthy = (self.blame.unhealthy_reason or self._core_unhealthy
-                     or (replicas_blame.unhealthy_reason if replicas_blame is not None else None))
+        unhealthy = self.blame.unhealthy_reason or self._core_unhealthy
         if unhealthy is not None:
             raise EngineUnhealthyError(f"engine unhealthy: {unhealthy}")
         recovery = self.recovery_status()
@@ -614,9 +455,8 @@ class AsyncLLM:
             if recovery["seconds"] > recovery["limit_s"]:
                 raise EngineRecoveryTimeoutError(recovery["recovering"], recovery["seconds"], recovery["limit_s"])
             return
-        if self.recovering or not self.engine_core.is_alive():
-            # The output handler restarts a core that died (or marks the engine
-            # dead, which the next check reports); meanwhile requests just wait.
+        if not self.engine_core.is_alive():
+            # The output handler marks the engine dead, which the next check reports.
             return
         future = asyncio.get_running_loop().create_future()
         nonce = self.engine_core.ping()
@@ -636,8 +476,7 @@ class AsyncLLM:
         return not self._requests
 
     def shutdown(self) -> None:
-        """Idempotent: stops the output task and the engine-core process."""
-        self._shut_down = True
+        """Idempotent: stops the output task and the engine cores."""
         if self._output_task is not None:
             self._output_task.cancel()
             self._output_task = None

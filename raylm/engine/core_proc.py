@@ -1,7 +1,7 @@
 """The engine core in its own process: a loop that takes requests and aborts over
 ZMQ, steps the core while there is work, and sends EngineCoreOutputs back.
 
-Messages are msgspec structs encoded with msgpack; the process is started with
+Its messages are those of raylm.engine.protocol; the process is started with
 the `spawn` context and builds everything (executor, Ray) inside itself.
 """
 
@@ -12,93 +12,27 @@ import os
 import signal
 import time
 import traceback
-from typing import Callable, Union
+from typing import Callable
 
 import msgspec
 import zmq
 
 from raylm.config import EngineConfig
-from raylm.core.outputs import EngineCoreOutput
-from raylm.core.request import Request
-from raylm.sampling_params import SamplingParams
+from raylm.engine.protocol import (
+    AbortRequests,
+    ClientMessage,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    Ping,
+    RecoveryStats,
+    SchedulerStats,
+    Shutdown,
+)
 
 logger = logging.getLogger(__name__)
 
 # How often an idle core wakes up to check that its parent is still alive.
 _IDLE_POLL_MS = 1000
-
-
-class SchedulerStats(msgspec.Struct):
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_hit_rate: float = 0.0
-    # Totals since the core started (the front end turns them into counters).
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of which found
-    num_preemptions: int = 0
-    # Set once failed requests caused more recoveries than the engine forgives
-    # (EngineCore.unhealthy_reason): /health turns 503 for a supervisor to act.
-    unhealthy: Union[str, None] = None
-
-
-class EngineCoreRequest(msgspec.Struct, tag="add"):
-    """A validated, tokenized request on its way to the core."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams  # all_stop_token_ids, filled in by the front end, included
-    eos_token_id: Union[int, None]
-    arrival_time: float
-    # Tokens it already generated in a core that died: it continues after them.
-    output_token_ids: list[int] = msgspec.field(default_factory=list)
-    # Its record of failures so far (raylm.core.quarantine), kept across cores.
-    num_recoveries: int = 0
-    quarantined: bool = False
-    # Mixed into its prefix-cache block hashes (raylm.core.kv_cache_manager).
-    cache_salt: Union[str, None] = None
-
-    @classmethod
-    def from_request(cls, request: Request) -> "EngineCoreRequest":
-        return cls(request.request_id, request.prompt_token_ids, request.sampling_params, request.eos_token_id,
-                   request.arrival_time, list(request.output_token_ids), request.num_recoveries,
-                   request.quarantined, cache_salt=request.cache_salt)
-
-    def to_request(self) -> Request:
-        return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
-                       self.eos_token_id, self.arrival_time, output_token_ids=self.output_token_ids,
-                       num_recoveries=self.num_recoveries, quarantined=self.quarantined, cache_salt=self.cache_salt)
-
-
-class AbortRequests(msgspec.Struct, tag="abort"):
-    request_ids: list[str]
-
-
-class Ping(msgspec.Struct, tag="ping"):
-    nonce: int
-
-
-class Shutdown(msgspec.Struct, tag="shutdown"):
-    pass
-
-
-ClientMessage = Union[EngineCoreRequest, AbortRequests, Ping, Shutdown]
-
-
-class RecoveryStats(msgspec.Struct):
-    """One recovery from a failure: `kind` says what failed ("engine_core" for
-    the core process, which the front end restarts itself; the core's own
-    kinds, e.g. "worker", "hang", "step_error"), `seconds` from the failure
-    being noticed to serving again, `num_requests` the requests carried over."""
-
-    kind: str
-    seconds: float
-    num_requests: int
-    # Poison quarantine: the requests charged with this failure (each one more
-    # recovery on its record) and those failed as its cause, whose quarantine
-    # partners were released (raylm.core.quarantine).
-    charged: list[str] = msgspec.field(default_factory=list)
-    culprits: list[str] = msgspec.field(default_factory=list)
 
 
 class RunningAloneRecord:
@@ -127,27 +61,6 @@ class RunningAloneRecord:
             return None
 
 
-class EngineCoreOutputs(msgspec.Struct):
-    """One message from the core: a step's outputs and/or its scheduler stats,
-    a reply to a Ping, or (as its last words) the error that killed it.
-
-    `recoveries`: the recoveries the core made in place since its last message;
-    the front end hands each to its stat loggers (`record_recovery`)."""
-
-    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
-    stats: Union[SchedulerStats, None] = None
-    pong: Union[int, None] = None
-    error: Union[str, None] = None
-    recoveries: list[RecoveryStats] = msgspec.field(default_factory=list)
-    # Which data-parallel replica sent it (0 without data parallelism).
-    engine_index: int = 0
-    # Sent (alone) before each attempt to rebuild the executor in place: the
-    # core sends nothing else until it is done, which may take as long as a
-    # start. Its front end then allows it the start timeout, not the step
-    # deadline, and /health says it is recovering.
-    rebuilding: bool = False
-
-
 class EngineCoreProc:
     """Owns an EngineCore and its two sockets; `run` is the busy loop.
 
@@ -158,8 +71,9 @@ class EngineCoreProc:
 
     def __init__(self, core, input_address: str, output_address: str, engine_index: int = 0,
                  watch_parent: bool = True, secure_socket: Callable[[zmq.Socket], None] | None = None,
-                 running_alone_path: str | None = None):
+                 running_alone_path: str | None = None, incarnation: int = 0):
         self.core = core
+        self.incarnation = incarnation
         if running_alone_path is not None:
             core.on_running_alone = RunningAloneRecord(running_alone_path).write
         core.on_rebuilding = self._announce_rebuilding
@@ -262,6 +176,7 @@ class EngineCoreProc:
 
     def _send(self, outputs: EngineCoreOutputs) -> None:
         outputs.engine_index = self.engine_index
+        outputs.incarnation = self.incarnation
         self.output.send(self.encoder.encode(outputs), copy=False)
 
     def close(self) -> None:
@@ -271,7 +186,8 @@ class EngineCoreProc:
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str, ready_conn,
-                    log_level: int = logging.WARNING, running_alone_path: str | None = None) -> None:
+                    log_level: int = logging.WARNING, running_alone_path: str | None = None,
+                    engine_index: int = 0, incarnation: int = 0) -> None:
     """Entry point of the engine-core process: build the core, report readiness
     (or the error) on `ready_conn`, loop, and always shut the executor down."""
     from raylm.engine.engine_core import EngineCore
@@ -291,7 +207,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         ready_conn.send(("error", f"{type(e).__name__}: {e}"))
         ready_conn.close()
         return
-    proc = EngineCoreProc(core, input_address, output_address, running_alone_path=running_alone_path)
+    proc = EngineCoreProc(core, input_address, output_address, engine_index, running_alone_path=running_alone_path,
+                          incarnation=incarnation)
     ready_conn.send(("ready", config.cache_config.num_blocks))
     ready_conn.close()
     try:

@@ -6,7 +6,7 @@ Each replica gets one placement group of its own, all on one node: bundle 0
 for the engine actor, then one bundle per model rank when its executor is Ray
 (which reuses those bundles: no nested groups). Replicas are packed onto as few
 nodes as possible, or spread one per node. Ray places and watches replicas; the
-per-token path is the ZMQ/msgpack channel of a local core (see dp_client.py).
+per-token path is the ZMQ/msgpack channel of a local core (see ray_launcher.py).
 
 That channel is ZMQ CURVE (raylm.distributed.tcp_auth), on one node too: each
 replica gets a keypair of its own from the front end through Ray (a
@@ -29,7 +29,9 @@ import msgspec
 
 from raylm.config import EngineConfig
 from raylm.distributed.tcp_auth import CurveKeys, secure_client
-from raylm.engine.core_proc import ClientMessage, EngineCoreProc
+from raylm.engine.core_channel import DropLog
+from raylm.engine.core_proc import EngineCoreProc
+from raylm.engine.protocol import ClientMessage
 from raylm.executor.ray_cluster import connect_ray
 from raylm.executor.ray_placement import (place_replica, replica_bundles, replica_num_cpus_hint,
                                           replica_target_nodes, worker_env_vars)
@@ -59,22 +61,6 @@ class ReplicaChannel:
     def secure(self, sock) -> None:
         """Before connect: present our key, and talk to the front end only."""
         secure_client(sock, self.keys, server_key=self.front_end_key)
-
-
-class DropLog:
-    """Counts dropped frames or outputs of one kind and warns (on `log`, the
-    dropping module's) at the 1st, 2nd, 4th, 8th...: what a misbehaving peer
-    sends must not flood the log."""
-
-    def __init__(self, what: str, log: logging.Logger = logger):
-        self.what = what
-        self.log = log
-        self.count = 0
-
-    def dropped(self, detail: str) -> None:
-        self.count += 1
-        if self.count & (self.count - 1) == 0:
-            self.log.warning("data parallel: dropped %s (%d so far): %s", self.what, self.count, detail)
 
 
 class RunningAloneRecordInRay:

@@ -33,7 +33,8 @@ from raylm.core.outputs import EngineCoreOutput
 from raylm.core.request import Request
 from raylm.core.scheduler import Scheduler
 from raylm.core.structured_output import StructuredOutputManager
-from raylm.engine.core_client import EngineDeadError
+from raylm.engine.errors import EngineDeadError
+from raylm.engine.protocol import RecoveryKind
 from raylm.engine.restart_budget import BlameLedger, RestartBudget
 from raylm.executor.abstract import Executor
 from raylm.executor.errors import ExecutorFailedError, WorkerDiedError, WorkerHungError
@@ -47,15 +48,11 @@ logger = logging.getLogger(__name__)
 # seen, and the death, not their error, is the cause.
 _DEATH_VERDICT_GRACE_S = 2.0
 
-# Kinds of failure, as logs and metrics name them.
-WORKER_DIED, WORKER_HUNG, STEP_ERROR, REBUILD_FAILED = "worker_died", "hang", "step_error", "rebuild_failed"
-
-
 @dataclass
 class RecoveryEvent:
     """One recovery, for logs and metrics: what failed and what it cost."""
 
-    kind: str
+    kind: RecoveryKind
     cause: str
     noticed_at: float  # time.monotonic() when the failure was noticed
     seconds: float  # failure noticed -> executor rebuilt and requests re-queued
@@ -82,7 +79,7 @@ class EngineCore:
         ft = config.fault_tolerance
         self.restart_budget = RestartBudget(ft.max_restarts, ft.restart_window_s)
         self.recoveries: list[RecoveryEvent] = []
-        self.failures_by_kind: dict[str, int] = {}
+        self.failures_by_kind: dict[RecoveryKind, int] = {}
         self.num_recovered_requests = 0
         # Rebuilds that failed requests caused are forgiven, up to a rate.
         self.blame = BlameLedger(self.restart_budget, ft.max_blamed_recoveries, ft.restart_window_s)
@@ -314,26 +311,27 @@ class EngineCore:
             request_ids.extend(failed_batch.num_scheduled_tokens)
         return request_ids
 
-    def _diagnose(self, error: BaseException) -> tuple[str, str]:
+    def _diagnose(self, error: BaseException) -> tuple[RecoveryKind, str]:
         """(kind, cause) of a failure. A step error is a death if the executor
         reports one within a short grace, whatever the surviving ranks raised."""
         if isinstance(error, WorkerHungError):
-            return WORKER_HUNG, str(error)
+            return RecoveryKind.WORKER_HUNG, str(error)
         if isinstance(error, WorkerDiedError):
-            return WORKER_DIED, str(error)
+            return RecoveryKind.WORKER_DIED, str(error)
         deadline = time.monotonic() + _DEATH_VERDICT_GRACE_S
         while True:
             try:
                 self.executor.check_liveness()
             except WorkerDiedError as died:
-                return WORKER_DIED, str(died)
+                return RecoveryKind.WORKER_DIED, str(died)
             except Exception:  # a step error already on record: not a death (yet)
                 pass
             if time.monotonic() >= deadline:
-                return STEP_ERROR, f"{type(error).__name__}: {error}" if not isinstance(error, ExecutorFailedError) else str(error)
+                described = str(error) if isinstance(error, ExecutorFailedError) else f"{type(error).__name__}: {error}"
+                return RecoveryKind.STEP_ERROR, described
             time.sleep(0.05)
 
-    def _rebuild_executor(self, kind: str, cause: str) -> None:
+    def _rebuild_executor(self, kind: RecoveryKind, cause: str) -> None:
         """Tear the executor down completely (actors, placement group,
         processes, shared memory) and build a new one through the same
         factory (Ray may place it on other nodes); retried within the budget."""
@@ -362,7 +360,8 @@ class EngineCore:
                 self._initialize_kv_cache()
                 return
             except Exception as e:
-                kind, cause = REBUILD_FAILED, f"rebuilding the executor failed: {type(e).__name__}: {e}"
+                kind = RecoveryKind.REBUILD_FAILED
+                cause = f"rebuilding the executor failed: {type(e).__name__}: {e}"
                 self.failures_by_kind[kind] = self.failures_by_kind.get(kind, 0) + 1
 
     def _shutdown_executor(self) -> None:

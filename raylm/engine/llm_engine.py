@@ -13,9 +13,11 @@ from typing import Any
 
 from raylm.config import EngineConfig
 from raylm.core.request import Request
-from raylm.engine.core_client import InprocClient
+from raylm.engine.engine_core import EngineCore
 from raylm.engine.input_processor import InputProcessor, ProcessedPrompt
 from raylm.engine.output_processor import OutputProcessor
+from raylm.engine.protocol import EngineCoreOutputs
+from raylm.engine.supervisor import SyncEngineCoreSupervisor
 from raylm.engine.tokenizer import load_tokenizer
 from raylm.outputs import RequestOutput
 from raylm.sampling_params import SamplingParams
@@ -49,18 +51,45 @@ def check_data_parallel_rank(config: EngineConfig, rank: int | None) -> None:
         raise ValueError(f"data_parallel_rank must be an integer >= 0, got {rank!r}")
 
 
+class InprocClient:
+    """The EngineCore in this process, behind the client interface of the
+    supervisor (add_request, abort_requests, get_output, stats, shutdown):
+    `get_output` runs one step. A failure of its executor is recovered by
+    the core itself; there is no core process to restart."""
+
+    def __init__(self, config: EngineConfig):
+        self.engine_core = EngineCore(config)
+
+    def add_request(self, request: Request, data_parallel_rank: int | None = None) -> None:
+        self.engine_core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.engine_core.abort_requests(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        return EngineCoreOutputs(outputs=self.engine_core.step())
+
+    def stats(self) -> dict:
+        return self.engine_core.stats()
+
+    def scale(self, data_parallel_size: int) -> None:
+        raise ValueError("scale() needs an engine started with data_parallel_size > 1")
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.tokenizer = load_tokenizer(config.model_config.tokenizer, config.model_config.chat_template)
         self.input_processor = InputProcessor(config.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        # The same client interface AsyncLLM uses: the core in this process, or
-        # data-parallel replicas (each a core of its own) behind a router.
+        # The core in this process, or data-parallel replicas (each a core of
+        # its own) under the supervisor AsyncLLM uses.
+        self.engine_core: InprocClient | SyncEngineCoreSupervisor
         if config.parallel_config.data_parallel_size > 1:
-            from raylm.engine.dp_client import SyncDPClient
-
-            self.engine_core = SyncDPClient(config)
+            self.engine_core = SyncEngineCoreSupervisor(config)
         else:
             self.engine_core = InprocClient(config)
         self._ids = itertools.count()
@@ -87,15 +116,10 @@ class LLMEngine:
             request_id, processed.prompt, processed.prompt_token_ids, params, [c.request_id for c in children]
         )
         for child in children:
-            if data_parallel_rank is None:
-                self.engine_core.add_request(child)
-            else:
-                self.engine_core.add_request(child, data_parallel_rank=data_parallel_rank)
+            self.engine_core.add_request(child, data_parallel_rank)
 
     def scale(self, data_parallel_size: int) -> None:
-        """Change the number of data-parallel replicas (see DPClient.scale)."""
-        if not hasattr(self.engine_core, "scale"):
-            raise ValueError("scale() needs an engine started with data_parallel_size > 1")
+        """Change the number of data-parallel replicas (see EngineCoreSupervisor.scale)."""
         self.engine_core.scale(data_parallel_size)
 
     def abort_request(self, request_id: str) -> None:

@@ -11,7 +11,7 @@ import pytest
 from raylm.config import create_engine_config
 from raylm.core.outputs import EngineCoreOutput
 from raylm.engine.async_llm import RequestStream, _worth_a_thread
-from raylm.engine.core_proc import EngineCoreOutputs
+from raylm.engine.protocol import EngineCoreOutputs
 from raylm.sampling_params import SamplingParams
 from tests.engine.conftest import FakeCore
 

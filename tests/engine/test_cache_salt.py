@@ -8,7 +8,7 @@ import pytest
 
 from raylm import LLM, SamplingParams
 from raylm.core.request import Request
-from raylm.engine.core_proc import EngineCoreRequest
+from raylm.engine.protocol import EngineCoreRequest
 from raylm.testing.hf_oracle import hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -1,21 +1,27 @@
-"""AsyncLLM when its engine-core process dies: a silent death (killed) starts a
-new core and resubmits the unfinished requests as continuations; a core that
-reported its error, or a death past the restart budget, is fatal. The front
-end is tested against scripted fake cores; MPClient against a real one."""
+"""AsyncLLM when its engine-core process dies or gives up: the supervisor
+starts a new core and resubmits the unfinished requests as continuations,
+within the restart budget; past it, the engine is dead. The front end and its
+supervisor are tested against scripted fake cores (tests/engine/conftest.py),
+the process launcher against real ones."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import threading
 
 import pytest
 
 from raylm.config import create_engine_config
 from raylm.core.outputs import EngineCoreOutput
 from raylm.engine.async_llm import AsyncLLM
-from raylm.engine.core_client import EngineCoreDiedError, EngineDeadError, MPClient
-from raylm.engine.core_proc import EngineCoreOutputs, EngineCoreRequest
+from raylm.engine.core_channel import CoreChannel
+from raylm.engine.supervisor import AsyncEngineCoreSupervisor
+from raylm.engine.errors import EngineCoreDiedError, EngineDeadError
+from raylm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
 from raylm.sampling_params import SamplingParams
-from tests.engine.conftest import FakeCore
+from tests.engine.conftest import FakeCore, FakeLauncher
 
 
 def _step(*outputs: EngineCoreOutput) -> EngineCoreOutputs:
@@ -52,7 +58,7 @@ def test_silent_death_restarts_the_core_and_resumes_unfinished_children(make_eng
         # Only the unfinished child, continuing after the tokens already streamed.
         assert [(r.request_id, r.prompt_token_ids, r.output_token_ids) for r in second.requests] == [
             (a, [1, 2, 3], [10, 11])]
-        assert second.requests[0].sampling_params is first.requests[0].sampling_params
+        assert second.requests[0].sampling_params == first.requests[0].sampling_params
         assert first.closed and not engine.recovering
         second.script.put_nowait(_step(EngineCoreOutput(a, [12, 13], finish_reason="length")))
         return await task
@@ -70,28 +76,27 @@ def test_silent_death_restarts_the_core_and_resumes_unfinished_children(make_eng
 
 def test_requests_arriving_during_the_restart_go_to_the_new_core(make_engine, monkeypatch):
     engine, _ = make_engine()
-    release = asyncio.Event()
+    release = threading.Event()
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
-    async def run() -> None:
-        loop = asyncio.get_running_loop()
-        gate = asyncio.Event()
-        original = engine._start_core_process
+    gate = threading.Event()
 
-        async def slow_start(died):
-            # Hold the restart open until the test has sent a request and checked /health.
+    def slow_start(attempt: int) -> None:
+        # Hold the restart open until the test has sent a request and checked /health.
+        if attempt > 0:
             gate.set()
-            await release.wait()
-            return await loop.run_in_executor(None, original)
+            release.wait()
 
-        monkeypatch.setattr(engine, "_start_new_core", slow_start)
+    async def run() -> None:
+        FakeLauncher.on_start = slow_start
         engine._ensure_output_handler()
         FakeCore.started[0].script.put_nowait(EngineCoreDiedError(-9))
-        await gate.wait()
-        assert engine.recovering
+        await _until(gate.is_set)
+        await _until(lambda: engine.recovering)
         await engine.check_health(timeout=1)  # passes: the server is fine, requests wait
         task = asyncio.ensure_future(_collect(engine, "late", params))
-        await _until(lambda: FakeCore.started[0].requests)
+        await asyncio.sleep(0.2)
+        assert not FakeCore.started[0].requests  # the dead core gets nothing
         release.set()
         await _until(lambda: len(FakeCore.started) == 2 and FakeCore.started[1].requests)
         second = FakeCore.started[1]
@@ -103,9 +108,9 @@ def test_requests_arriving_during_the_restart_go_to_the_new_core(make_engine, mo
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("failure", ["reported", "past_budget"])
-def test_fatal_failures_fail_every_request_and_start_nothing(make_engine, failure):
-    engine, stats = make_engine(max_restarts=0 if failure == "past_budget" else 3)
+@pytest.mark.parametrize("failure", ["reported", "died"])
+def test_failures_past_the_budget_fail_every_request_and_start_nothing(make_engine, failure):
+    engine, stats = make_engine(max_restarts=0)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
     async def run() -> None:
@@ -124,8 +129,31 @@ def test_fatal_failures_fail_every_request_and_start_nothing(make_engine, failur
 
     asyncio.run(run())
     assert len(FakeCore.started) == 1 and stats.seen == []
-    if failure == "past_budget":
-        assert "no restart left (0 allowed within 600s)" in str(engine.dead_error)
+    assert "no restart left (0 allowed within 600s)" in str(engine.dead_error)
+    assert ("engine core failed: boom" if failure == "reported" else "exited with code -9") in str(engine.dead_error)
+
+
+def test_a_core_that_reported_its_error_is_restarted_like_one_that_died(make_engine):
+    """One rule for every core, whatever runs it: a core that gave up (its own
+    recoveries failed) is replaced within the budget, as a replica is."""
+    engine, stats = make_engine(max_restarts=3)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+    async def run() -> list:
+        task = asyncio.ensure_future(_collect(engine, "req", params))
+        first = FakeCore.started[0]
+        await _until(lambda: first.requests)
+        first.script.put_nowait(_step(EngineCoreOutput("req", [5])))
+        first.script.put_nowait(EngineDeadError("engine core failed: boom"))
+        await _until(lambda: len(FakeCore.started) == 2 and FakeCore.started[1].requests)
+        second = FakeCore.started[1]
+        assert [r.output_token_ids for r in second.requests] == [[5]]
+        second.script.put_nowait(_step(EngineCoreOutput("req", [6], finish_reason="length")))
+        return await task
+
+    outputs = asyncio.run(run())
+    assert [t for out in outputs for t in out.outputs[0].token_ids] == [5, 6]
+    assert stats.seen == [("engine_core", 1)] and engine.restart_budget.num_restarts == 1
 
 
 def test_engine_core_request_carries_the_tokens_already_generated():
@@ -143,35 +171,40 @@ def test_engine_core_request_carries_the_tokens_already_generated():
 @pytest.fixture(scope="module")
 def core_config(tiny_model_dir):
     return create_engine_config(tiny_model_dir("llama"), kv_cache_memory_bytes=4 << 20, max_model_len=256,
-                                num_threads=1)
+                                num_threads=1, max_restarts=0)
 
 
 @pytest.mark.slow
-def test_mp_client_tells_a_killed_core_from_one_that_reported_its_error(core_config):
-    killed = MPClient(core_config)
+def test_the_supervisor_tells_a_killed_core_from_one_that_reported_its_error(core_config):
+    """Real core processes: a killed one is reported by its exit code, one
+    that failed by its own error; sends to a dead core never block."""
+    killed = AsyncEngineCoreSupervisor(core_config)
     try:
-        killed.process.kill()
-        with pytest.raises(EngineCoreDiedError) as died:
-            asyncio.run(asyncio.wait_for(killed.get_output(), 30))
-        assert died.value.exitcode == -9
-        # Sends to a core that is gone wait in the client; they never block.
-        killed._send_frame(b"never delivered")
+        os.kill(killed.launcher._processes[0].pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError) as died:
+            asyncio.run(asyncio.wait_for(_drain(killed), 30))
+        assert "exited with code -9" in str(died.value)
+        killed.channels.get(0, CoreChannel(0, None, "")).unsent.clear()
     finally:
         killed.shutdown()
 
-    failing = MPClient(core_config)
+    failing = AsyncEngineCoreSupervisor(core_config)
     try:
-        failing._send_frame(b"not a message")  # the core cannot decode it and fails
+        failing.channels[0].send(b"not a message")  # the core cannot decode it and fails
         with pytest.raises(EngineDeadError) as failed:
-            asyncio.run(asyncio.wait_for(failing.get_output(), 30))
-        assert not isinstance(failed.value, EngineCoreDiedError)
-        assert "engine core failed" in str(failed.value)
+            asyncio.run(asyncio.wait_for(_drain(failing), 30))
+        assert "engine core failed" in str(failed.value) and "exited with code" not in str(failed.value)
     finally:
         failing.shutdown()
 
 
+async def _drain(supervisor) -> None:
+    while True:
+        await supervisor.get_output()
+
+
 def test_recoveries_the_core_reports_reach_the_stat_loggers(make_engine):
-    from raylm.engine.core_proc import RecoveryStats
+    from raylm.engine.protocol import RecoveryStats
 
     engine, stats = make_engine()
 

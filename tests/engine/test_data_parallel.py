@@ -110,7 +110,7 @@ def test_killed_replica_is_replaced_and_loses_no_request(ray_session, model, ref
 
     with _dp_llm(model) as llm:
         client = _client(llm)
-        victim = client.manager.replicas[1].actor
+        victim = client.launcher.manager.replicas[1].actor
         killed_at = []
 
         def kill():
@@ -139,14 +139,14 @@ def generate_with_strike_dp(llm: LLM, strike, victim: int = 1) -> list[list[int]
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
     client = _client(llm)
-    on_victim = {rid for rid, s in client._sent.items() if s.replica == victim}
+    on_victim = {rid for rid, s in client.ledger.items() if s.channel == victim}
     assert on_victim
     done, struck = {}, False
     while engine.has_unfinished_requests():
         for out in engine.step():
             done[out.request_id] = out.outputs[0].token_ids
-        if not struck and all(len(client._sent[rid].token_ids) >= 3 for rid in on_victim if rid in client._sent):
-            assert on_victim <= set(client._sent), "a request finished before the strike"
+        if not struck and all(len(client.ledger[rid].token_ids) >= 3 for rid in on_victim if rid in client.ledger):
+            assert on_victim <= set(client.ledger), "a request finished before the strike"
             strike()
             struck = True
     assert struck

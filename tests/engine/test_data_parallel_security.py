@@ -19,7 +19,7 @@ from zmq.utils.monitor import recv_monitor_message
 from raylm import LLM, SamplingParams
 from raylm.core.outputs import EngineCoreOutput
 from raylm.distributed.tcp_auth import CurveKeys, secure_client
-from raylm.engine.core_proc import AbortRequests, EngineCoreOutputs, EngineCoreRequest, Ping, Shutdown
+from raylm.engine.protocol import AbortRequests, EngineCoreOutputs, EngineCoreRequest, Ping, Shutdown
 from raylm.engine.dp_manager import ReplicaCoreProc
 from raylm.testing.hf_oracle import hf_greedy
 from tests.conftest import our_live_ray_state, wait_until
@@ -129,22 +129,22 @@ def test_foreign_sockets_steal_inject_and_end_nothing(ray_session, model, refere
     with _dp_llm(model) as llm:
         engine = llm.llm_engine
         client = engine.engine_core
-        actors = {i: h.actor for i, h in client.manager.replicas.items()}
+        actors = {i: h.actor for i, h in client.launcher.manager.replicas.items()}
         first, second = range(0, 6), range(6, len(PROMPTS))
         for i in first:
             engine.add_request(str(i), {"prompt_token_ids": PROMPTS[i]}, GREEDY)
         done: dict[str, list[int]] = {}
-        _step_until(engine, done, lambda: all(client._sent[str(i)].token_ids for i in first))
+        _step_until(engine, done, lambda: all(client.ledger[str(i)].token_ids for i in first))
         assert not done, "a request finished before the attack"
 
         # Every socket the front end listens on: the output socket and each
         # replica's input socket.
-        addresses = [client.output_address] + [r.address for r in client.replicas.values()]
+        addresses = [client.launcher.output_address] + [r.address for r in client.channels.values()]
         listening = {c.laddr.port for c in psutil.Process().net_connections(kind="tcp")
                      if c.status == psutil.CONN_LISTEN}
         assert {int(a.rsplit(":", 1)[1]) for a in addresses} <= listening
         ctx = zmq.Context()
-        intruders = [_Intruder(ctx, address, client._curve.keys.public) for address in addresses]
+        intruders = [_Intruder(ctx, address, client.launcher.curve.keys.public) for address in addresses]
         try:
             for intruder in intruders:
                 intruder.send(_forged_frames([str(i) for i in range(len(PROMPTS))]))
@@ -171,7 +171,7 @@ def test_foreign_sockets_steal_inject_and_end_nothing(ray_session, model, refere
             ctx.term()
 
         # Nothing died or was replaced, and the engine still serves.
-        assert {i: h.actor for i, h in client.manager.replicas.items()} == actors
+        assert {i: h.actor for i, h in client.launcher.manager.replicas.items()} == actors
         assert [r["state"] for r in client.replica_states()] == ["serving", "serving"]
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == reference[:4]
@@ -182,23 +182,23 @@ def test_a_replica_speaks_only_for_itself(ray_session, model, reference, caplog)
     """A process holding replica 1's key (as replica 1 itself would) cannot
     finish replica 0's requests, sign as replica 0 or report its death, and
     what does not decode is dropped on both sides, with a warning."""
-    with _dp_llm(model) as llm, caplog.at_level(logging.WARNING, logger="raylm.engine.dp_client"):
+    with _dp_llm(model) as llm, caplog.at_level(logging.WARNING, logger="raylm.engine"):
         engine = llm.llm_engine
         client = engine.engine_core
-        actors = {i: h.actor for i, h in client.manager.replicas.items()}
+        actors = {i: h.actor for i, h in client.launcher.manager.replicas.items()}
         for i, prompt in enumerate(PROMPTS):
             engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
-        on_replica_0 = [rid for rid, sent in client._sent.items() if sent.replica == 0]
+        on_replica_0 = [rid for rid, sent in client.ledger.items() if sent.channel == 0]
         assert on_replica_0
         done: dict[str, list[int]] = {}
-        _step_until(engine, done, lambda: all(client._sent[rid].token_ids for rid in on_replica_0))
+        _step_until(engine, done, lambda: all(client.ledger[rid].token_ids for rid in on_replica_0))
         assert not done, "a request finished before the forgery"
 
         ctx = zmq.Context()
         posing = ctx.socket(zmq.PUSH)
         posing.setsockopt(zmq.LINGER, 0)
-        secure_client(posing, client.replicas[1].keys, server_key=client._curve.keys.public)
-        posing.connect(client.output_address)
+        secure_client(posing, client.launcher.keys_of(client.channels[1]), server_key=client.launcher.curve.keys.public)
+        posing.connect(client.launcher.output_address)
         forged = [EngineCoreOutput(rid, [1, 2, 3], finish_reason="length") for rid in on_replica_0]
         encode = msgspec.msgpack.encode
         try:
@@ -209,10 +209,10 @@ def test_a_replica_speaks_only_for_itself(ray_session, model, reference, caplog)
                 posing.send(frame)
             # The front end's own input socket carries only what it encodes;
             # a replica drops a frame that does not decode all the same.
-            client._send_frame(client.replicas[0], b"\x00not msgpack")
+            client.channels[0].send(b"\x00not msgpack")
 
             def drops() -> tuple[int, int, int]:
-                return client._foreign.count, client._misattributed.count, client._undecodable.count
+                return client.foreign.count, client.launcher.misattributed.count, client.undecodable.count
 
             def all_dropped() -> bool:
                 foreign, misattributed, undecodable = drops()
@@ -225,10 +225,11 @@ def test_a_replica_speaks_only_for_itself(ray_session, model, reference, caplog)
             posing.close(linger=0)
             ctx.term()
         assert [done[str(i)] for i in range(len(PROMPTS))] == reference
-        assert {i: h.actor for i, h in client.manager.replicas.items()} == actors
-        messages = [r.getMessage() for r in caplog.records if r.name == "raylm.engine.dp_client"]
+        assert {i: h.actor for i, h in client.launcher.manager.replicas.items()} == actors
+        messages = [r.getMessage() for r in caplog.records
+                    if r.name in ("raylm.engine.supervisor", "raylm.engine.ray_launcher")]
         assert any("does not decode" in m for m in messages), messages
-        assert any("not routed to the replica" in m for m in messages), messages
+        assert any("not routed to the core" in m for m in messages), messages
         assert any("signed as replica 0" in m for m in messages), messages
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == reference[:4]

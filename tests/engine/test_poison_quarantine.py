@@ -19,8 +19,9 @@ from raylm import LLM, SamplingParams
 from raylm.config import create_engine_config
 from raylm.core import quarantine
 from raylm.core.request import Request
-from raylm.engine.async_llm import AsyncLLM, RequestFailedError
-from raylm.engine.engine_core import STEP_ERROR, WORKER_DIED, WORKER_HUNG
+from raylm.engine.async_llm import AsyncLLM
+from raylm.engine.errors import RequestFailedError
+from raylm.engine.protocol import RecoveryKind
 from raylm.testing.hf_oracle import hf_greedy
 from raylm.worker.fault_injection import ENV_VAR, FaultInjector, FaultSpec, InjectedFault
 from tests.conftest import executor_of
@@ -32,6 +33,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 GOOD = [[(7 * i + j) % 250 + 3 for j in range(1 + 3 * i)] for i in range(NUM_GOOD)]
 POISON = 700
 POISONED = [5, 6, POISON, 7]
+
+# Each fault the hook injects, and the kind of recovery the core reports for it.
+ACTIONS_AND_KINDS = [("kill", RecoveryKind.WORKER_DIED), ("hang", RecoveryKind.WORKER_HUNG),
+                     ("raise", RecoveryKind.STEP_ERROR)]
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +124,7 @@ def test_fault_specs_parse_and_typos_are_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("action, kind", [("kill", WORKER_DIED), ("hang", WORKER_HUNG), ("raise", STEP_ERROR)])
+@pytest.mark.parametrize("action, kind", ACTIONS_AND_KINDS)
 def test_mp_tp2_poison_is_failed_alone_and_the_rest_complete(monkeypatch, model, reference, action, kind):
     monkeypatch.setenv(ENV_VAR, f"{action}:token={POISON}")
     poison_at = 5
@@ -135,7 +140,7 @@ def test_mp_tp2_poison_is_failed_alone_and_the_rest_complete(monkeypatch, model,
     assert_gone(traces)
 
 
-@pytest.mark.parametrize("action, kind", [("kill", WORKER_DIED), ("hang", WORKER_HUNG), ("raise", STEP_ERROR)])
+@pytest.mark.parametrize("action, kind", ACTIONS_AND_KINDS)
 def test_ray_tp2_poison_is_failed_alone(monkeypatch, ray_session, model, reference, action, kind):
     monkeypatch.setenv(ENV_VAR, f"{action}:token={POISON}")
     poison_at = NUM_GOOD  # last: every good request runs alone before it
@@ -153,7 +158,7 @@ def test_uni_poison_that_raises_is_failed_alone_among_16(monkeypatch, model, ref
     poison_at = 7
     llm = _llm(model, "uni")
     try:
-        _generate_past_the_poison(llm, poison_at, reference, STEP_ERROR)
+        _generate_past_the_poison(llm, poison_at, reference, RecoveryKind.STEP_ERROR)
     finally:
         llm.shutdown()
 
@@ -170,7 +175,7 @@ def test_ten_poison_requests_in_a_row_leave_the_budget_whole(monkeypatch, model,
             outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
             _check_outputs(outputs, poison_at, reference[:2])
         core = _core(llm)
-        assert all(e.kind == STEP_ERROR for e in core.recoveries)
+        assert all(e.kind == RecoveryKind.STEP_ERROR for e in core.recoveries)
         assert sum(len(e.culprits) for e in core.recoveries) == 10
         assert core.restart_budget.num_recent == 0 and core.unhealthy_reason is None
     finally:

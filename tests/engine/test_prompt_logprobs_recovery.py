@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from raylm import LLM, SamplingParams
 from raylm.core.outputs import EngineCoreOutput
-from raylm.engine.engine_core import WORKER_DIED
+from raylm.engine.protocol import RecoveryKind
 from raylm.engine.output_processor import OutputProcessor
 from raylm.testing.hf_oracle import hf_prompt_logprobs
 from tests.conftest import executor_of
@@ -45,7 +45,7 @@ def test_a_worker_killed_mid_prompt_duplicates_no_prompt_logprob(model):
         os.kill(executor_of(llm).worker_pids[0], signal.SIGKILL)
         while engine.has_unfinished_requests():
             outputs += engine.step()
-        assert [e.kind for e in engine.engine_core.engine_core.recoveries] == [WORKER_DIED]
+        assert [e.kind for e in engine.engine_core.engine_core.recoveries] == [RecoveryKind.WORKER_DIED]
     (out,) = outputs
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(PROMPT)
     for token, position, hf_lp in zip(PROMPT[1:], out.prompt_logprobs[1:], hf_prompt_logprobs(model, PROMPT)):

@@ -19,8 +19,8 @@ import psutil
 import pytest
 
 from raylm import LLM, SamplingParams
-from raylm.engine.core_client import EngineDeadError
-from raylm.engine.engine_core import STEP_ERROR, WORKER_DIED, WORKER_HUNG
+from raylm.engine.errors import EngineDeadError
+from raylm.engine.protocol import RecoveryKind
 from raylm.executor.multiproc_executor import MultiprocExecutor
 from raylm.executor.uniproc_executor import UniProcExecutor
 from raylm.testing.hf_oracle import hf_greedy
@@ -124,7 +124,7 @@ def test_killed_worker_mid_decode_loses_no_request(request, model, reference, ba
         assert [o.token_ids for o in outputs] == reference
         assert all(o.finish_reason == "length" for o in outputs)
         core = _core(llm)
-        assert [e.kind for e in core.recoveries] == [WORKER_DIED]
+        assert [e.kind for e in core.recoveries] == [RecoveryKind.WORKER_DIED]
         assert "rank 1" in core.recoveries[0].cause and f"pid {old_traces[0][1]}" in core.recoveries[0].cause
         assert core.recoveries[0].num_requests == NUM_REQUESTS
         assert executor_of(llm) is not old
@@ -146,7 +146,7 @@ def test_seeded_sampling_continues_its_stream_after_recovery(model):
             [{"prompt_token_ids": p} for p in prompts], seeded, use_tqdm=False)]
         old = executor_of(llm)
         outputs = generate_with_strike(llm, prompts, seeded, lambda: os.kill(old.worker_pids[0], signal.SIGKILL))
-        assert [e.kind for e in _core(llm).recoveries] == [WORKER_DIED]
+        assert [e.kind for e in _core(llm).recoveries] == [RecoveryKind.WORKER_DIED]
     assert [o.token_ids for o in outputs] == uninterrupted
 
 
@@ -159,7 +159,7 @@ def test_hung_worker_is_caught_by_the_step_deadline(model, reference):
         outputs = generate_with_strike(llm, PROMPTS, GREEDY, lambda: os.kill(old.worker_pids[1], signal.SIGSTOP))
         assert [o.token_ids for o in outputs] == reference
         core = _core(llm)
-        assert [e.kind for e in core.recoveries] == [WORKER_HUNG]
+        assert [e.kind for e in core.recoveries] == [RecoveryKind.WORKER_HUNG]
         assert f"rank 1 (pid {old_traces[0][1]}, node" in core.recoveries[0].cause
         assert "stopped" in core.recoveries[0].cause
         assert_gone(old_traces)  # a stopped process is killed all the same
@@ -181,7 +181,7 @@ def test_idle_heartbeat_replaces_a_hung_worker_before_the_next_request(model, re
         os.kill(old.worker_pids[1], signal.SIGSTOP)
         time.sleep(0.2)
         _core(llm).check_health_if_due()  # what the idle engine-core loop calls
-        assert [e.kind for e in _core(llm).recoveries] == [WORKER_HUNG]
+        assert [e.kind for e in _core(llm).recoveries] == [RecoveryKind.WORKER_HUNG]
         assert_gone(old_traces)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == reference[:4]
@@ -222,7 +222,7 @@ def test_a_request_that_breaks_its_step_fails_alone(model, reference, executor_c
         core = _core(llm)
         # Batched with others twice (each is then quarantined), then alone:
         # that third failure names it, and only it.
-        assert [e.kind for e in core.recoveries] == [STEP_ERROR] * 3
+        assert [e.kind for e in core.recoveries] == [RecoveryKind.STEP_ERROR] * 3
         assert [e.culprits for e in core.recoveries] == [[], [], ["3"]]
         assert not core.scheduler.quarantined
         # The engine goes on serving, and a second bad request is failed too.

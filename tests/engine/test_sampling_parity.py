@@ -277,7 +277,7 @@ def test_fields_survive_the_engine_core_and_worker_codecs(llm):
     import msgspec
 
     from raylm.distributed.message_codec import MessageCodec
-    from raylm.engine.core_proc import EngineCoreRequest
+    from raylm.engine.protocol import EngineCoreRequest
     from raylm.messages import NewRequestData
 
     params = llm.llm_engine.input_processor.finish_params(SamplingParams(

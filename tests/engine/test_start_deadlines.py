@@ -15,16 +15,19 @@ import time
 
 import psutil
 import pytest
+import zmq
 
-import raylm.engine.async_llm as async_llm_module
+import raylm.engine.process_launcher as process_launcher
 from raylm import LLM
 from raylm.config import create_engine_config
-from raylm.engine.async_llm import AsyncLLM
-from raylm.engine.core_client import EngineCoreDiedError, EngineStartTimeoutError, MPClient
+from raylm.engine.restart_budget import RestartBudget
+from raylm.engine.errors import EngineCoreDiedError, EngineStartTimeoutError
+from raylm.engine.process_launcher import ProcessCoreLauncher
+from raylm.engine.supervisor import AsyncEngineCoreSupervisor
 from raylm.executor.errors import WorkerHungError
 from raylm.executor.ray_executor import RayDistributedExecutor
 from tests.conftest import our_live_ray_state
-from tests.engine.conftest import FakeCore
+from tests.engine.conftest import FakeCore, FakeLauncher
 from tests.engine.start_hangs import (HangingUniExecutor, HangInSizingOnRank1Executor, HangOnRank1Executor,
                                       hang_in_on_rank_1)
 
@@ -162,7 +165,7 @@ def _config_stub(start_timeout: float):
 def test_core_never_ready_is_killed_with_a_clear_error(model):
     children = _children()
     with pytest.raises(EngineStartTimeoutError, match="not ready within 3 s"):
-        MPClient(_config(model, HangingUniExecutor, start_timeout=3.0))
+        AsyncEngineCoreSupervisor(_config(model, HangingUniExecutor, start_timeout=3.0))
     assert not _wait_gone(_children() - children)
 
 
@@ -174,15 +177,15 @@ def test_core_killed_at_its_deadline_takes_its_hung_workers_and_segments_along(m
     exit through their death pipes and remove the shared memory."""
     children, segments = _children(), _shm()
     started: set[int] = set()
-    kill_unready = MPClient._kill_unready
+    stop_process = process_launcher._stop_process
 
-    def kill_and_remember(self, timeout):
+    def kill_and_remember(process, wait_s):
         started.update(_children() - children)  # the core and its workers, before they are orphaned
-        kill_unready(self, timeout)
+        stop_process(process, wait_s)
 
-    monkeypatch.setattr(MPClient, "_kill_unready", kill_and_remember)
+    monkeypatch.setattr(process_launcher, "_stop_process", kill_and_remember)
     with pytest.raises(EngineStartTimeoutError):
-        MPClient(_config(model, HangOnRank1Executor, tp=2))
+        AsyncEngineCoreSupervisor(_config(model, HangOnRank1Executor, tp=2))
     assert len(started) == 3  # the core and two workers
     assert not _wait_gone(started)
     assert not _ours(_shm() - segments, started)
@@ -194,14 +197,18 @@ def test_a_core_restart_that_hangs_counts_against_the_budget(make_engine, monkey
     hung_config = _config(model, HangingUniExecutor, start_timeout=3.0)
     attempts = []
 
-    def new_client(self):
-        attempts.append(len(attempts))
-        if len(attempts) == 2:  # the first replacement hangs while starting
-            return MPClient(hung_config)
-        return FakeCore(self.config)
+    def start(attempt: int) -> None:
+        attempts.append(attempt)
+        if attempt == 1:  # the first replacement hangs while starting: a real core, killed at its deadline
+            launcher, ctx = ProcessCoreLauncher(hung_config), zmq.Context()
+            try:
+                launcher.start(launcher.new_channel(ctx, 0))
+            finally:
+                launcher.shutdown()
+                ctx.destroy(linger=0)
 
-    monkeypatch.setattr(AsyncLLM, "_new_mp_client", new_client)
-    monkeypatch.setattr(async_llm_module.RestartBudget, "backoff_s", lambda self: 0.0)
+    monkeypatch.setattr(FakeLauncher, "on_start", start)
+    monkeypatch.setattr(RestartBudget, "backoff_s", lambda self: 0.0)
     engine, stats = make_engine(max_restarts=3)
     children = _children()
 
@@ -228,7 +235,7 @@ def test_a_core_restart_that_hangs_counts_against_the_budget(make_engine, monkey
 @pytest.mark.timeout(180)
 def test_dp_replica_stuck_starting_is_killed_at_the_deadline(model, ray_session):
     """The replica's actor hangs building its core: at the start deadline it
-    is killed and its placement group removed (DPClient counts the error as a
+    is killed and its placement group removed (the supervisor counts the error as a
     failed start against the restart budget)."""
     from raylm.distributed.tcp_auth import CurveKeys
     from raylm.engine.dp_manager import CoreEngineActorManager, ReplicaChannel
@@ -260,7 +267,7 @@ def test_a_rebuild_hung_at_start_up_is_retried_within_the_budget(model, monkeypa
     import signal
 
     from raylm import SamplingParams
-    from raylm.engine.engine_core import REBUILD_FAILED, WORKER_DIED
+    from raylm.engine.protocol import RecoveryKind
     from tests.conftest import executor_of
     from tests.engine.start_hangs import HangInFirstRebuildOnRank1Executor
 
@@ -275,7 +282,8 @@ def test_a_rebuild_hung_at_start_up_is_retried_within_the_budget(model, monkeypa
         output = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0]
         assert len(output.outputs[0].token_ids) == 8
         core = llm.llm_engine.engine_core.engine_core
-        assert core.failures_by_kind.get(WORKER_DIED) == 1 and core.failures_by_kind.get(REBUILD_FAILED) == 1
+        assert core.failures_by_kind.get(RecoveryKind.WORKER_DIED) == 1
+        assert core.failures_by_kind.get(RecoveryKind.REBUILD_FAILED) == 1
         assert HangInFirstRebuildOnRank1Executor.instances == 3
         # The hung executor's workers, and the first one's, are gone.
         replaced = set(HangInFirstRebuildOnRank1Executor.all_worker_pids) - set(executor_of(llm).worker_pids)

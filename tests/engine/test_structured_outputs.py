@@ -195,7 +195,7 @@ def test_constraint_crosses_the_core_process_channel(llm):
     schema's property order included."""
     import msgspec
 
-    from raylm.engine.core_proc import ClientMessage, EngineCoreRequest
+    from raylm.engine.protocol import ClientMessage, EngineCoreRequest
 
     _, params = llm.llm_engine.validate("Hi", SamplingParams(structured_outputs=KINDS["json"]))
     request = Request("r", [1, 2], params, 1)

@@ -106,7 +106,7 @@ def test_replicas_are_planned_where_they_start(cluster, tiny_model_dir, capsys):
 
     with LLM(model, dtype="float32", data_parallel_size=2, data_parallel_placement="spread", num_threads=1,
              kv_cache_memory_bytes=16 << 20) as llm:
-        manager = llm.llm_engine.engine_core.manager
+        manager = llm.llm_engine.engine_core.launcher.manager
         assert {i: h.node_id for i, h in manager.replicas.items()} == planned
     assert our_live_ray_state() == ([], [])
 

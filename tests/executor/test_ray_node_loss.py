@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from raylm import LLM, SamplingParams
-from raylm.engine.core_client import EngineDeadError
-from raylm.engine.engine_core import REBUILD_FAILED, WORKER_DIED
+from raylm.engine.errors import EngineDeadError
+from raylm.engine.protocol import RecoveryKind
 from raylm.testing.hf_oracle import hf_greedy
 from tests.conftest import simulated_cluster, executor_of, our_live_ray_state
 from tests.engine.test_recovery import generate_with_strike
@@ -46,7 +46,7 @@ def test_losing_the_node_of_a_pipeline_stage(cluster, tiny_model_dir):
         outputs = generate_with_strike(llm, PROMPTS, GREEDY, lambda: remove_node_of_rank(1))
         assert [o.token_ids for o in outputs] == reference
         core = llm.llm_engine.engine_core.engine_core
-        assert [e.kind for e in core.recoveries] == [WORKER_DIED]
+        assert [e.kind for e in core.recoveries] == [RecoveryKind.WORKER_DIED]
         new = executor_of(llm)
         executors.append(new)
         assert len(set(new.node_ids)) == 2 and set(new.node_ids) <= {n.node_id for n in nodes}
@@ -54,7 +54,7 @@ def test_losing_the_node_of_a_pipeline_stage(cluster, tiny_model_dir):
         # Another node goes: one 1-CPU node cannot hold two spread stages.
         with pytest.raises(EngineDeadError, match="could not place 2 workers"):
             generate_with_strike(llm, PROMPTS, GREEDY, lambda: remove_node_of_rank(0))
-        assert core.failures_by_kind.get(REBUILD_FAILED, 0) >= 1
+        assert core.failures_by_kind.get(RecoveryKind.REBUILD_FAILED, 0) >= 1
     finally:
         llm.shutdown()
     live_actors, live_pgs = our_live_ray_state()

@@ -5,7 +5,7 @@ the uninterrupted run's output (DESIGN.md, "Failure model")."""
 
 from __future__ import annotations
 
-from raylm.engine.engine_core import WORKER_DIED
+from raylm.engine.protocol import RecoveryKind
 from raylm.testing.hf_oracle import hf_greedy
 from tests.multinode.harness import HEAD_IP, WORKER_IP
 
@@ -22,7 +22,7 @@ def test_losing_the_worker_host_mid_decode_is_recovered_on_the_head(fresh_hosts,
         timeout=170,
     )
     assert result["placed"]["node_ips"] == [HEAD_IP, WORKER_IP]
-    assert result["recoveries"] == [WORKER_DIED]
+    assert result["recoveries"] == [RecoveryKind.WORKER_DIED]
     assert result["after"]["node_ips"] == [HEAD_IP, HEAD_IP]
     reference = [r.token_ids for r in hf_greedy(model, PROMPTS, MAX_TOKENS)]
     assert result["token_ids"] == reference

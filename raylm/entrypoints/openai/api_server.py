@@ -33,8 +33,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import raylm
-from raylm.engine.async_llm import AsyncLLM, EngineRecoveryTimeoutError, RequestFailedError
-from raylm.engine.core_client import EngineDeadError
+from raylm.engine.async_llm import AsyncLLM
+from raylm.engine.errors import EngineDeadError, EngineRecoveryTimeoutError, RequestFailedError
 from raylm.entrypoints.openai.limits import (
     AdmissionControl,
     BodySizeLimitMiddleware,

@@ -35,8 +35,7 @@ class ScaleRequest(BaseModel):
 
 def replica_states(engine: Any) -> list[dict] | None:
     """Each replica's node, load and state; None without data parallelism."""
-    states = getattr(engine.engine_core, "replica_states", None)
-    return states() if states is not None else None
+    return engine.replica_states()
 
 
 class ReplicaCollector:

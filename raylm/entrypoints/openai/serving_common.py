@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from raylm.engine.async_llm import AsyncLLM
-from raylm.engine.core_client import EngineDeadError
+from raylm.engine.errors import EngineDeadError
 from raylm.engine.input_processor import ProcessedPrompt
 from raylm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields
 from raylm.sampling_params import SamplingParams, StructuredOutputsParams

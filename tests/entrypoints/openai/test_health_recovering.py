@@ -14,10 +14,10 @@ import time
 import httpx
 
 from raylm.engine.async_llm import AsyncLLM
-from raylm.engine.core_client import EngineCoreDiedError
-from raylm.engine.core_proc import EngineCoreOutputs
+from raylm.engine.errors import EngineCoreDiedError
+from raylm.engine.protocol import EngineCoreOutputs
 from raylm.entrypoints.openai.api_server import build_app
-from tests.engine.conftest import FakeCore, make_engine  # noqa: F401 - the fixture
+from tests.engine.conftest import FakeCore, FakeLauncher, make_engine  # noqa: F401 - the fixture
 
 LIMIT_S = 600.0  # engine_start_timeout; never waited for
 
@@ -25,12 +25,8 @@ LIMIT_S = 600.0  # engine_start_timeout; never waited for
 class AnsweringCore(FakeCore):
     """A fake core that answers health pings."""
 
-    _nonces = iter(range(1, 1 << 30))
-
-    def ping(self) -> int:
-        nonce = next(self._nonces)
-        self.script.put_nowait(EngineCoreOutputs(pong=nonce))
-        return nonce
+    def on_ping(self, nonce: int) -> None:
+        self.emit(EngineCoreOutputs(pong=nonce))
 
 
 async def _until(predicate) -> None:
@@ -66,12 +62,12 @@ def _assert_past_the_limit(response: httpx.Response, what: str) -> None:
 def test_a_core_restart_that_hangs_turns_health_503_past_the_start_timeout(make_engine, monkeypatch):
     release = threading.Event()
 
-    def new_client(self):
-        if FakeCore.started:  # the replacement hangs while starting, until released
+    def start(attempt: int) -> None:
+        if attempt > 0:  # the replacement hangs while starting, until released
             release.wait()
-        return AnsweringCore(self.config)
 
-    monkeypatch.setattr(AsyncLLM, "_new_mp_client", new_client)
+    monkeypatch.setattr(FakeLauncher, "on_start", start)
+    monkeypatch.setattr(FakeLauncher, "core_class", AnsweringCore)
     engine, _ = make_engine(engine_start_timeout=LIMIT_S)
 
     async def run() -> None:
@@ -80,7 +76,8 @@ def test_a_core_restart_that_hangs_turns_health_503_past_the_start_timeout(make_
         FakeCore.started[0].script.put_nowait(EngineCoreDiedError(-9))
         await _until(lambda: engine.recovering)
         _assert_recovering(await _health(engine), "engine_core")
-        engine._recovering_since -= LIMIT_S + 1  # as if it had hung that long
+        for replacement in engine.engine_core._starting.values():
+            replacement.noticed -= LIMIT_S + 1  # as if it had hung that long
         _assert_past_the_limit(await _health(engine), "engine_core")
         release.set()
         await _until(lambda: len(FakeCore.started) == 2 and not engine.recovering)
@@ -93,13 +90,13 @@ def test_a_core_restart_that_hangs_turns_health_503_past_the_start_timeout(make_
 
 
 def test_an_executor_rebuild_the_core_announced_is_reported_and_bounded(make_engine, monkeypatch):
-    monkeypatch.setattr(AsyncLLM, "_new_mp_client", lambda self: AnsweringCore(self.config))
+    monkeypatch.setattr(FakeLauncher, "core_class", AnsweringCore)
     engine, _ = make_engine(engine_start_timeout=LIMIT_S)
-    core = FakeCore.started[0]
+    core = engine.engine_core.channels[0]
 
     async def run() -> None:
         assert (await _health(engine)).status_code == 200 and engine.recovery_status() is None
-        core.rebuilding_since = time.monotonic()  # what MPClient records from the core's word
+        core.rebuilding_since = time.monotonic()  # what the supervisor records from the core's word
         status = engine.recovery_status()
         assert status["recovering"] == "executor" and status["limit_s"] == LIMIT_S
         _assert_recovering(await _health(engine), "executor")

@@ -17,19 +17,16 @@ KEY = "admin-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-class FakeCore:
-    def replica_states(self) -> list[dict]:
-        return []
-
-
 class FakeEngine:
     """Scales slowly, counting the calls in progress at once."""
 
     def __init__(self) -> None:
-        self.engine_core = FakeCore()
         self.sizes: list[int] = []
         self.in_progress = 0
         self.most_at_once = 0
+
+    def replica_states(self) -> list[dict]:
+        return []
 
     async def scale(self, size: int) -> None:
         self.in_progress += 1

@@ -1,0 +1,126 @@
+"""The wire protocol between a front end and its engine cores: every message
+that crosses the socket of a core process or a data-parallel replica, as
+msgspec structs (msgpack on the wire), and the kinds of recovery they report.
+
+It imports nothing of the engine, so the core, its process loop, the
+supervisor and the front ends all sit above it (no import circle).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Union
+
+import msgspec
+
+from raylm.core.outputs import EngineCoreOutput
+from raylm.core.request import Request
+from raylm.sampling_params import SamplingParams
+
+
+class RecoveryKind(enum.StrEnum):
+    """What failed, as logs and metrics (the `kind` label) name it."""
+
+    WORKER_DIED = "worker_died"  # a worker process or actor died; the core rebuilt its executor
+    WORKER_HUNG = "hang"  # a step passed its deadline; the core rebuilt its executor
+    STEP_ERROR = "step_error"  # a step raised; the core rebuilt its executor
+    REBUILD_FAILED = "rebuild_failed"  # a rebuild itself failed; the core tried again
+    ENGINE_CORE = "engine_core"  # the core process died or hung; the supervisor started a new one
+    DP_REPLICA = "dp_replica"  # a data-parallel replica died or hung; the supervisor replaced it
+
+
+class SchedulerStats(msgspec.Struct):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_hit_rate: float = 0.0
+    # Totals since the core started (the front end turns them into counters).
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found
+    num_preemptions: int = 0
+    # Set once failed requests caused more recoveries than the engine forgives
+    # (EngineCore.unhealthy_reason): /health turns 503 for a supervisor to act.
+    unhealthy: Union[str, None] = None
+
+
+class EngineCoreRequest(msgspec.Struct, tag="add"):
+    """A validated, tokenized request on its way to the core."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams  # all_stop_token_ids, filled in by the front end, included
+    eos_token_id: Union[int, None]
+    arrival_time: float
+    # Tokens it already generated in a core that died: it continues after them.
+    output_token_ids: list[int] = msgspec.field(default_factory=list)
+    # Its record of failures so far (raylm.core.quarantine), kept across cores.
+    num_recoveries: int = 0
+    quarantined: bool = False
+    # Mixed into its prefix-cache block hashes (raylm.core.kv_cache_manager).
+    cache_salt: Union[str, None] = None
+
+    @classmethod
+    def from_request(cls, request: Request) -> "EngineCoreRequest":
+        return cls(request.request_id, request.prompt_token_ids, request.sampling_params, request.eos_token_id,
+                   request.arrival_time, list(request.output_token_ids), request.num_recoveries,
+                   request.quarantined, cache_salt=request.cache_salt)
+
+    def to_request(self) -> Request:
+        return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
+                       self.eos_token_id, self.arrival_time, output_token_ids=self.output_token_ids,
+                       num_recoveries=self.num_recoveries, quarantined=self.quarantined, cache_salt=self.cache_salt)
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class Ping(msgspec.Struct, tag="ping"):
+    nonce: int
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+ClientMessage = Union[EngineCoreRequest, AbortRequests, Ping, Shutdown]
+
+
+class RecoveryStats(msgspec.Struct):
+    """One recovery from a failure: `kind` says what failed (the core's own
+    recoveries of its executor, or the supervisor's of a core process or
+    replica), `seconds` from the failure being noticed to serving again,
+    `num_requests` the requests carried over."""
+
+    kind: RecoveryKind
+    seconds: float
+    num_requests: int
+    # Poison quarantine: the requests charged with this failure (each one more
+    # recovery on its record) and those failed as its cause, whose quarantine
+    # partners were released (raylm.core.quarantine).
+    charged: list[str] = msgspec.field(default_factory=list)
+    culprits: list[str] = msgspec.field(default_factory=list)
+
+
+class EngineCoreOutputs(msgspec.Struct):
+    """One message from the core: a step's outputs and/or its scheduler stats,
+    a reply to a Ping, or (as its last words) the error that killed it.
+
+    `recoveries`: the recoveries the core made in place since its last message;
+    the front end hands each to its stat loggers (`record_recovery`)."""
+
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    stats: Union[SchedulerStats, None] = None
+    pong: Union[int, None] = None
+    error: Union[str, None] = None
+    recoveries: list[RecoveryStats] = msgspec.field(default_factory=list)
+    # Which core sent it (0 without data parallelism), and which start of
+    # that core: a core replaced under the same index starts anew, and what
+    # the old one sent last must not count as the new one's.
+    engine_index: int = 0
+    incarnation: int = 0
+    # Sent (alone) before each attempt to rebuild the executor in place: the
+    # core sends nothing else until it is done, which may take as long as a
+    # start. Its front end then allows it the start timeout, not the step
+    # deadline, and /health says it is recovering.
+    rebuilding: bool = False

@@ -1,0 +1,70 @@
+"""Routing a request to one of the supervisor's engine cores: pure functions of
+the cores' loads, and a bounded table of prompt prefixes for affinity.
+
+A request goes to the core with the lowest load score
+
+    score = in_flight + 2 * waiting + kv_cache_usage
+
+where `in_flight` counts the requests the supervisor sent it that have not
+finished (exact and immediate), `waiting` is the core's own count of queued
+requests at its last report (queued work costs more than running work: it
+waits for a batch slot), and `kv_cache_usage` (0..1) breaks ties towards the
+emptier cache. With prefix affinity, a request whose prompt starts with the
+same `AFFINITY_TOKENS` tokens as an earlier one goes to that one's core (its
+prefix cache holds them) unless that core is busier than the least busy by
+more than `AFFINITY_SLACK`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+AFFINITY_TOKENS = 64
+AFFINITY_SLACK = 4
+_AFFINITY_ENTRIES = 16384
+
+
+@dataclass(frozen=True)
+class CoreLoad:
+    """What routing knows of one serving core."""
+
+    index: int
+    in_flight: int
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+    @property
+    def score(self) -> float:
+        return self.in_flight + 2 * self.num_waiting + self.kv_cache_usage
+
+
+def least_loaded(loads: list[CoreLoad]) -> CoreLoad | None:
+    """The core with the lowest score (the lowest index among equals)."""
+    return min(loads, key=lambda load: (load.score, load.index), default=None)
+
+
+class PrefixAffinity:
+    """The core that last served each prompt prefix, the most recent
+    `_AFFINITY_ENTRIES` prefixes only (least recently used leave first)."""
+
+    def __init__(self, max_entries: int = _AFFINITY_ENTRIES):
+        self._cores: OrderedDict[int, int] = OrderedDict()
+        self._max_entries = max_entries
+
+    def choose(self, prompt_token_ids: list[int], loads: list[CoreLoad]) -> CoreLoad | None:
+        """The least loaded core, or the one that served this prompt's prefix
+        if it is not much busier; remembers the choice."""
+        best = least_loaded(loads)
+        if best is None or len(prompt_token_ids) < AFFINITY_TOKENS:
+            return best
+        key = hash(tuple(prompt_token_ids[:AFFINITY_TOKENS]))
+        by_index = {load.index: load for load in loads}
+        preferred = by_index.get(self._cores.get(key, -1))
+        if preferred is not None and preferred.score <= best.score + AFFINITY_SLACK:
+            best = preferred
+        self._cores[key] = best.index
+        self._cores.move_to_end(key)
+        if len(self._cores) > self._max_entries:
+            self._cores.popitem(last=False)
+        return best
