@@ -133,8 +133,9 @@ def test_killed_core_is_replaced_and_streams_continue(llama_dir, tmp_path):
         # The server kept answering /health while it recovered (a pause, not an outage).
         assert health and all(status == 200 for status in health), health
         log = server.log()
-        assert "engine core process died (exit code -9); restarting it (restart 1 of 3)" in log, log
-        assert f"resubmitted {NUM_STREAMS} requests" in log, log
+        assert "engine core 0 died (engine core process exited with code -9)" in log, log
+        assert "restarting engine core 0 (restart 1 of 3)" in log, log
+        assert f"{NUM_STREAMS} request(s) carried over" in log, log
         assert scrape_metric(server.base_url, "raylm:recoveries_total", 'kind="engine_core"') == 1
         assert scrape_metric(server.base_url, "raylm:recovered_requests_total", 'kind="engine_core"') == NUM_STREAMS
         assert scrape_metric(server.base_url, "raylm:recovery_seconds_count", 'kind="engine_core"') == 1
