@@ -1,2 +1,4 @@
-"""Process groups for tensor and pipeline parallelism, and the collectives the
-model layers call; at world size 1 every collective is a no-op."""
+"""Process groups for tensor and pipeline parallelism, the collectives the
+model layers call (a no-op at world size 1; shared memory between ranks of a
+CPU node), the shared-memory/ZMQ broadcast queue that carries each step, and
+CURVE authentication for the TCP sockets."""

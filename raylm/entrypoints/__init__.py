@@ -1,2 +1,3 @@
-"""What users run: the CLI and (later) the OpenAI-compatible server.
-`raylm generate|bench` live in cli.py and bench.py."""
+"""What users run: the `raylm` CLI (cli.py: generate, serve, plan, bench), the
+dry run of a placement (plan.py), offline benchmarks (bench.py) and the
+OpenAI-compatible server (openai/)."""
