@@ -40,6 +40,11 @@ def _left_in_dev_shm(names) -> set[str]:
     return set(names) & set(os.listdir("/dev/shm"))
 
 
+def _release(path) -> None:
+    with open(path, "w"):
+        pass
+
+
 def _gone(pid: int) -> bool:
     # A worker orphaned by a killed engine may linger as a zombie if nobody
     # reaps it; a zombie has exited and holds nothing.
@@ -118,15 +123,22 @@ def test_non_block_futures_resolve_in_order(tp2):
     assert first.done() and first.result() == [0, 1]
 
 
-def test_timeout_names_the_silent_ranks_and_the_executor_recovers(tp2):
+def test_timeout_names_the_silent_ranks_and_the_executor_recovers(tp2, tmp_path):
     ex = _executor(tp2)
+    released = str(tmp_path / "released")
 
-    def sleepy(worker):
-        time.sleep(1.5 if worker.rank == 1 else 0)
+    def silent_on_rank_one(worker):
+        # Rank 1 answers only once the test says so (not after a sleep that a
+        # stalled test thread could outlast); the cap keeps a failed test from
+        # leaving the shared workers blocked.
+        give_up = time.monotonic() + 120
+        while worker.rank == 1 and not os.path.exists(released) and time.monotonic() < give_up:
+            time.sleep(0.01)
         return worker.rank
 
     with pytest.raises(TimeoutError, match=r"rank 1 \(pid \d+"):
-        ex.collective_rpc(sleepy, timeout=0.3)
+        ex.collective_rpc(silent_on_rank_one, timeout=0.3)
+    _release(released)
     # The late reply to the timed-out call is discarded, not taken for this one.
     assert ex.collective_rpc("check_health", timeout=30) == ex.worker_pids
 
@@ -156,8 +168,11 @@ def test_killed_worker_is_noticed_and_everything_is_cleaned_up(model, reference)
     assert len(_left_in_dev_shm(segments)) == 3 and all(n.startswith(SEGMENT_PREFIX) for n in segments)
     try:
         os.kill(pids[1], signal.SIGKILL)
-        # The monitor thread notices on its own, without a call to prompt it.
-        wait_until(lambda: ex.is_failed, 1.0, step=0.01, message="the monitor thread to notice")
+        # The monitor thread notices on its own, without a call to prompt it
+        # (nothing here calls the executor until it has). The bound only ends
+        # a wait for a monitor that never notices: on a loaded machine the
+        # killed process takes its time to exit and the monitor to be scheduled.
+        wait_until(lambda: ex.is_failed, 60, step=0.01, message="the monitor thread to notice")
         with pytest.raises(WorkerDiedError, match="rank 1"):
             ex.check_health()
         # The engine replaces the dead executor before the next step.
@@ -198,8 +213,9 @@ def test_killed_engine_leaves_no_orphan_and_no_segment(model):
         assert all(not _gone(p) for p in pids)
         assert len(_left_in_dev_shm(segments)) == 3
         engine.send_signal(signal.SIGKILL)
-        engine.wait(10)
-        wait_until(lambda: all(_gone(p) for p in pids), 10, message="the workers to exit")
+        engine.wait(60)
+        # Bounds against hanging only: each worker sees its death pipe close and exits.
+        wait_until(lambda: all(_gone(p) for p in pids), 60, message="the workers to exit")
         assert not _left_in_dev_shm(segments)
     finally:
         if engine.poll() is None:
@@ -210,15 +226,21 @@ def test_killed_engine_leaves_no_orphan_and_no_segment(model):
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_future_result_honours_its_timeout_and_a_later_wait_resumes(tp2):
+def test_future_result_honours_its_timeout_and_a_later_wait_resumes(tp2, tmp_path):
     ex = _executor(tp2)
+    released = str(tmp_path / "released")
 
-    def sleepy(worker, seconds):
-        time.sleep(seconds)
+    def wait_for_release(worker):
+        # The ranks answer only once the test says so: with a sleep instead, a
+        # test thread stalled longer than it would find the replies already there.
+        give_up = time.monotonic() + 120
+        while not os.path.exists(released) and time.monotonic() < give_up:
+            time.sleep(0.01)
         return worker.rank
 
-    future = ex.collective_rpc(sleepy, args=(1.0,), non_block=True)
+    future = ex.collective_rpc(wait_for_release, non_block=True)
     with pytest.raises(TimeoutError):
         future.result(timeout=0.1)
     assert not future.done()
+    _release(released)
     assert future.result(timeout=60) == [0, 1]  # the call was still pending, its replies kept
