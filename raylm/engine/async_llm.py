@@ -27,44 +27,15 @@ from raylm.engine.errors import (
 from raylm.engine.input_processor import InputProcessor, ProcessedPrompt
 from raylm.engine.llm_engine import check_data_parallel_rank, make_child_requests
 from raylm.engine.output_processor import OutputProcessor
-from raylm.engine.protocol import EngineCoreOutputs, RecoveryStats, SchedulerStats
+from raylm.engine.protocol import EngineCoreOutputs, RecoveryStats
 from raylm.engine.restart_budget import BlameLedger, RestartBudget
+from raylm.engine.stat_logger import StatLoggerBase
 from raylm.engine.supervisor import AsyncEngineCoreSupervisor
 from raylm.engine.tokenizer import load_tokenizer
 from raylm.outputs import RequestOutput
 from raylm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class StatLoggerBase:
-    """Receives the engine's measurements; the default ignores them.
-    The server's Prometheus logger overrides what it exports."""
-
-    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
-        """Counts and cache usage, as the core last reported them."""
-
-    def record_first_token(self, seconds: float) -> None:
-        """Time from arrival to a request's first output token."""
-
-    def record_inter_token(self, seconds: float) -> None:
-        """Time between two consecutive output steps of one request."""
-
-    def record_queue_and_prefill(self, queue_seconds: float, prefill_seconds: float) -> None:
-        """A request waited `queue_seconds` in the core before it was first
-        scheduled, then `prefill_seconds` until its first token."""
-
-    def record_finished(self, finish_reason: str, e2e_seconds: float,
-                        num_prompt_tokens: int, num_generation_tokens: int,
-                        decode_seconds: float = 0.0, inference_seconds: float = 0.0) -> None:
-        """One completion (one of a request's n) ended. `decode_seconds`: from
-        the request's first token to its last; `inference_seconds`: from its
-        first scheduling to its last token (prefill plus decode)."""
-
-    def record_recovery(self, kind: str, seconds: float, num_requests: int) -> None:
-        """The engine recovered from a failure of `kind` (a protocol.RecoveryKind:
-        the core's own recoveries of its executor, or the supervisor's of a
-        core) in `seconds`, carrying `num_requests` over."""
 
 
 # Text prompts up to this many characters are tokenized on the event loop

@@ -18,7 +18,8 @@ import zmq
 
 import raylm.engine.supervisor as supervisor_module
 from raylm.config import create_engine_config
-from raylm.engine.async_llm import AsyncLLM, StatLoggerBase
+from raylm.engine.async_llm import AsyncLLM
+from raylm.engine.stat_logger import StatLoggerBase
 from raylm.engine.core_channel import CoreChannel, CoreLauncher
 from raylm.engine.errors import EngineCoreDiedError, EngineDeadError
 from raylm.engine.protocol import ClientMessage, EngineCoreOutputs, EngineCoreRequest, Ping, RecoveryKind
