@@ -1,11 +1,13 @@
 """Shutdown always finishes, and nothing outlives the server.
 
-SIGTERM: an idle server exits at once (whatever its grace period); a busy one
-within the grace period plus 5 s, its streams ended with finish_reason "abort"
+SIGTERM: an idle server exits at once (it does not sit out its grace period);
+a busy one ends its streams after the grace period with finish_reason "abort"
 and [DONE], its whole (non-streamed) responses cut short answered 503, never a
 truncated 200. The same for SIGTERM sent to the whole process group (engine
 core and mp workers ignore it: the front end ends them). SIGKILL to the front
-end takes its engine core and workers with it within 5 s, idle or busy.
+end takes its engine core and workers with it, idle or busy. How long shutdown
+takes is for benchmarks; the bounds here only end a wait for a process that
+does not go (DESIGN: tests never assert a wall-clock time).
 
 Speed-independent: max-num-seqs 1 queues most requests behind a long one, so
 they are unfinished when the signal comes; the signal is sent only once
@@ -36,9 +38,10 @@ pytestmark = pytest.mark.server
 LONG_TOKENS = 4000
 
 GRACE_S = 0.5
-# What the issue promises: the grace period, plus 5 s for the rest of shutdown.
-SHUTDOWN_BOUND_S = GRACE_S + 5
-KILL_BOUND_S = 5.0
+# Against hanging only: how long the process tree may take to go on a loaded machine.
+GONE_WITHIN_S = 120
+# An idle server that waited out this grace period would outlast GONE_WITHIN_S.
+IDLE_GRACE_S = 3600
 MP_TP2 = ["--distributed-executor-backend", "mp", "-tp", "2"]
 
 
@@ -110,20 +113,20 @@ def _sigterm_and_time(server: RaylmServer, load: _Load | None = None, to_group: 
         os.killpg(os.getpgid(server.proc.pid), signal.SIGTERM)
     else:
         server.proc.send_signal(signal.SIGTERM)
-    leftovers = server.wait_tree_gone(SHUTDOWN_BOUND_S + 30)
+    leftovers = server.wait_tree_gone(GONE_WITHIN_S)
     elapsed = time.monotonic() - sent
     assert not leftovers, f"still alive after {elapsed:.1f}s: {leftovers}\n{server.log()}"
     return elapsed
 
 
 def test_sigterm_while_idle_exits_at_once(llama_dir, tmp_path):
-    # A long grace period: an idle server has nobody to wait for.
-    server = RaylmServer(llama_dir, ["--shutdown-grace-period", "60"], str(tmp_path / "server.log"))
+    # A grace period far beyond the wait for the tree to go: an idle server
+    # has nobody to wait for, so it exits without sitting it out.
+    server = RaylmServer(llama_dir, ["--shutdown-grace-period", str(IDLE_GRACE_S)], str(tmp_path / "server.log"))
     try:
         assert httpx.post(server.url("/v1/completions"), json=long_body(max_tokens=4, stream=False),
                           timeout=60).status_code == 200
-        elapsed = _sigterm_and_time(server)
-        assert elapsed < 5, f"{elapsed:.1f}s\n{server.log()}"
+        _sigterm_and_time(server)
         assert server.proc.returncode == 0, server.log()
     finally:
         server.terminate(timeout=5)
@@ -134,9 +137,8 @@ def test_sigterm_during_streams_ends_them_within_the_grace_period(llama_dir, tmp
                                      "--max-model-len", "1024"], str(tmp_path / "server.log"))
     try:
         load = _Load(server, max_tokens=1000)
-        elapsed = _sigterm_and_time(server, load)
-        load.join(30)
-        assert elapsed < SHUTDOWN_BOUND_S, f"{elapsed:.1f}s\n{server.log()}"
+        _sigterm_and_time(server, load)
+        load.join(60)
         assert server.proc.returncode == 0, server.log()
         load.check_ended_by_shutdown()
     finally:
@@ -154,9 +156,8 @@ def test_sigterm_to_the_process_group_during_streams(tiny_model_dir, tmp_path):
     try:
         assert len(server.tree) >= 4, server.tree  # front end, core, two workers (and the resource tracker)
         load = _Load(server, max_tokens=LONG_TOKENS)
-        elapsed = _sigterm_and_time(server, load, to_group=True)
-        load.join(30)
-        assert elapsed < SHUTDOWN_BOUND_S, f"{elapsed:.1f}s\n{server.log()}"
+        _sigterm_and_time(server, load, to_group=True)
+        load.join(60)
         assert server.proc.returncode == 0, server.log()
         load.check_ended_by_shutdown()
     finally:
@@ -165,13 +166,13 @@ def test_sigterm_to_the_process_group_during_streams(tiny_model_dir, tmp_path):
 
 def _sigkill_and_time(server: RaylmServer) -> tuple[float, list[psutil.Process]]:
     """SIGKILL the front end; how long until every process it had started (as
-    of now) is gone, and those still alive after KILL_BOUND_S plus a margin."""
+    of now) is gone, and those still alive after GONE_WITHIN_S."""
     descendants = psutil.Process(server.proc.pid).children(recursive=True)
     assert descendants, "the engine core should run in its own process"
     killed = time.monotonic()
     server.proc.kill()
-    server.proc.wait(10)
-    deadline = killed + KILL_BOUND_S + 30
+    server.proc.wait(60)
+    deadline = killed + GONE_WITHIN_S
     alive = descendants
     while alive and time.monotonic() < deadline:
         alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -189,7 +190,6 @@ def _run_sigkill(server: RaylmServer, busy: bool) -> None:
             assert not any(s.done for s in streams), [s.errors for s in streams]
         elapsed, alive = _sigkill_and_time(server)
         assert not alive, f"outlived the front end by {elapsed:.1f}s: {alive}\n{server.log()}"
-        assert elapsed < KILL_BOUND_S, f"the core and workers took {elapsed:.1f}s to go\n{server.log()}"
         for s in streams:
             s.thread.join(30)
             assert s.done  # cut off (the server is gone), not hanging
