@@ -4,7 +4,6 @@ contract, liveness, and a clean shutdown."""
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
@@ -12,7 +11,7 @@ from raylm import LLM, SamplingParams
 from raylm.testing.hf_oracle import hf_greedy
 from tests.conftest import executor_of as _executor
 from tests.conftest import our_live_ray_state, wait_until_unhealthy
-from tests.executor.worker_callables import fail_on_rank_1, marker_env, rank_of, sleep_then_rank
+from tests.executor.worker_callables import fail_on_rank_1, marker_env, rank_of, sleep_then_rank, wait_for_release
 
 pytestmark = pytest.mark.ray
 
@@ -77,11 +76,14 @@ def test_collective_rpc_by_name_and_callable(tp2_llm):
     assert future.result(timeout=30) == [0, 1]
 
 
-def test_collective_rpc_timeout_names_ranks(tp2_llm):
+def test_collective_rpc_timeout_names_ranks(tp2_llm, tmp_path):
     ex = _executor(tp2_llm)
+    released = str(tmp_path / "released")
     with pytest.raises(TimeoutError, match=r"rank 0 \(pid \d+.*rank 1 \(pid \d+"):
-        ex.collective_rpc(sleep_then_rank, timeout=0.3, args=(2.0,))
-    time.sleep(2.0)  # let the sleepers finish before the next test uses the actors
+        ex.collective_rpc(wait_for_release, timeout=0.3, args=(released,))
+    open(released, "w").close()
+    # The waiters answer now; the next call is served after them, as the next test's are.
+    assert ex.collective_rpc(rank_of, timeout=60) == [0, 1]
 
 
 def test_collective_rpc_exception_carries_rank_and_traceback(tp2_llm):

@@ -14,7 +14,7 @@ from raylm.executor.ray_executor import RayDistributedExecutor
 from raylm.executor.ray_mq_transport import MqStepTransport
 from raylm.testing.hf_oracle import hf_greedy
 from tests.conftest import executor_of, our_live_ray_state, wait_until_unhealthy
-from tests.executor.worker_callables import fail_on_rank_1, rank_times, sleep_on_rank_1, sleep_then_rank
+from tests.executor.worker_callables import fail_on_rank_1, rank_times, sleep_then_rank, wait_for_release
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 100)), [3]]
@@ -114,10 +114,12 @@ def test_collective_rpc_by_name_and_callable(tp2):
 
 
 @pytest.mark.ray
-def test_timeout_names_the_silent_rank_and_the_executor_recovers(tp2):
+def test_timeout_names_the_silent_rank_and_the_executor_recovers(tp2, tmp_path):
     ex = _executor(tp2)
+    released = str(tmp_path / "released")
     with pytest.raises(TimeoutError, match=r"rank 1 \(pid \d+"):
-        ex.collective_rpc(sleep_on_rank_1, timeout=0.3, args=(1.5,))
+        ex.collective_rpc(wait_for_release, timeout=0.3, args=(released, (1,)))
+    open(released, "w").close()
     # The late reply to the timed-out call is discarded, not taken for this one.
     assert ex.collective_rpc(rank_times, args=(1,), timeout=30) == [0, 1]
 

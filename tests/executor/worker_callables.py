@@ -31,8 +31,14 @@ def sleep_then_rank(worker, seconds):
     return worker.rank
 
 
-def sleep_on_rank_1(worker, seconds):
-    time.sleep(seconds if worker.rank == 1 else 0)
+def wait_for_release(worker, path, ranks=(0, 1), cap_s=120.0):
+    """Answer once `path` exists (the test releases it), on the ranks in
+    `ranks` (the others at once): not after a sleep that a stalled test
+    thread could outlast. The cap keeps a failed test from leaving the
+    shared workers blocked."""
+    give_up = time.monotonic() + cap_s
+    while worker.rank in ranks and not os.path.exists(path) and time.monotonic() < give_up:
+        time.sleep(0.01)
     return worker.rank
 
 
