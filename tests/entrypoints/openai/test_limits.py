@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 
 import httpx
 import pytest
@@ -94,9 +93,14 @@ def _strike(server: RaylmServer, fillers: list[BackgroundStream], path: str, bod
         response = httpx.post(server.url(path), json=body, timeout=60)
         if response.status_code == 429:
             return response
-        time.sleep(2)  # a filler that freed the place shows up as done by now
-        if all(not s.done for s in fillers):
-            return response  # full all along, yet admitted: the assertion will say so
+        # A filler that freed the place shows up as done (however slow the
+        # machine, within the bound); none did: full all along, yet admitted,
+        # and the assertion will say so. A server that wrongly admits fails
+        # every round, so a filler finishing by chance cannot hide it.
+        try:
+            wait_until(lambda: any(s.done for s in fillers), 30)
+        except AssertionError:
+            return response
     raise AssertionError("the fillers kept finishing: could not keep the server full")
 
 
