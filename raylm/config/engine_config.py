@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -231,6 +231,14 @@ def _resolve_cpu_bind(cpu_bind: str | None, num_threads: int | None, world_size:
     return cpu_bind.strip()
 
 
+def _settings_of(config_class, args, **resolved):
+    """A config dataclass with the settings of `args` (EngineArgs) that share
+    its field names, so they are not listed again here; `resolved` overrides
+    those whose value was worked out above."""
+    names = {f.name for f in fields(config_class)} & {f.name for f in fields(args)}
+    return config_class(**{**{name: getattr(args, name) for name in names}, **resolved})
+
+
 def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig:
     """Validate an EngineArgs (raylm.config.engine_args, read by attribute)
     against the model folder and the device, and resolve what it leaves unset.
@@ -339,32 +347,9 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
             generation_eos_token_ids=generation_defaults.eos_token_ids,
             chat_template=chat_template,
         ),
-        cache_config=CacheConfig(
-            block_size=args.block_size,
-            enable_prefix_caching=args.enable_prefix_caching,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            gpu_memory_utilization=gpu_memory_utilization,
-        ),
-        scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            enable_chunked_prefill=args.enable_chunked_prefill,
-            async_scheduling=args.async_scheduling,
-        ),
-        parallel_config=ParallelConfig(
-            tensor_parallel_size=args.tensor_parallel_size,
-            pipeline_parallel_size=args.pipeline_parallel_size,
-            distributed_executor_backend=args.distributed_executor_backend,
-            ray_address=args.ray_address,
-            ray_placement_strategy=args.ray_placement_strategy,
-            ray_placement_timeout=args.ray_placement_timeout,
-            ray_step_transport=args.ray_step_transport,
-            placement_group=args.placement_group,
-            data_parallel_size=args.data_parallel_size,
-            data_parallel_backend=args.data_parallel_backend,
-            data_parallel_placement=args.data_parallel_placement,
-            data_parallel_prefix_affinity=args.data_parallel_prefix_affinity,
-        ),
+        cache_config=_settings_of(CacheConfig, args, gpu_memory_utilization=gpu_memory_utilization),
+        scheduler_config=_settings_of(SchedulerConfig, args, max_num_batched_tokens=max_num_batched_tokens),
+        parallel_config=_settings_of(ParallelConfig, args),
         device=device,
         num_threads=args.num_threads,
         cpu_bind=_resolve_cpu_bind(args.cpu_bind, args.num_threads, world_size),
