@@ -34,6 +34,8 @@ _READY_POLL_S = 0.5
 # sent last is already in the output socket's queue or arrives within this time.
 _LAST_WORDS_S = 0.2
 _SHUTDOWN_TIMEOUT_S = 30.0
+# How often the cores' liveness is looked at.
+_DEATH_POLL_S = 0.1
 
 
 class ProcessCoreLauncher(CoreLauncher):
@@ -49,6 +51,7 @@ class ProcessCoreLauncher(CoreLauncher):
         self._seen_dead: dict[int, float] = {}
         self._lock = threading.Lock()
         self._incarnations = itertools.count(1)
+        self._last_look = 0.0
 
     def _path(self, name: str) -> str:
         return os.path.join(self._tmpdir, name)
@@ -137,6 +140,11 @@ class ProcessCoreLauncher(CoreLauncher):
 
     def deaths(self) -> list[tuple[int, str]]:
         now = time.monotonic()
+        # The supervisor asks at every message it reads: look (a waitpid per
+        # core) at most every _DEATH_POLL_S, which bounds detection instead.
+        if now - self._last_look < _DEATH_POLL_S and not self._seen_dead:
+            return []
+        self._last_look = now
         found = []
         with self._lock:
             for index, process in list(self._processes.items()):
