@@ -193,10 +193,23 @@ class KVCacheManager:
         self.num_registered[request.request_id] = max(start, num_full)
 
     def free(self, request: Request) -> None:
-        blocks = self.req_blocks.pop(request.request_id, [])
-        self.num_registered.pop(request.request_id, None)
         # Tail blocks first, so a shared prefix outlives the request's own suffix in the LRU.
-        self.pool.free(list(reversed(blocks)))
+        self.free_by_id(request.request_id)
+
+    def allocate_for_import(self, request_id: str, num_blocks: int) -> list[int] | None:
+        """`num_blocks` more blocks at the end of `request_id`'s table, for
+        K/V that a migration brings in (the request itself may arrive later);
+        None (and nothing changed) when the pool cannot hold them."""
+        if num_blocks > self.pool.num_free_blocks:
+            return None
+        new_blocks = self.pool.allocate(num_blocks)
+        self.req_blocks.setdefault(request_id, []).extend(new_blocks)
+        return [b.block_id for b in new_blocks]
+
+    def free_by_id(self, request_id: str) -> None:
+        """Free a request's blocks when there is no Request (an import abandoned)."""
+        self.num_registered.pop(request_id, None)
+        self.pool.free(list(reversed(self.req_blocks.pop(request_id, []))))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]

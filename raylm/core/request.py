@@ -12,6 +12,9 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    # Being migrated to another engine (raylm.engine.migration): it keeps its
+    # blocks but is not scheduled until it leaves (or resumes here).
+    PAUSED = "paused"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"

@@ -71,6 +71,10 @@ class Scheduler:
         # Requests ended outside a step (their grammar failed to compile),
         # reported with the next step's outputs.
         self._outputs_outside_step: list[EngineCoreOutput] = []
+        # Live migration (raylm.engine.migration): requests no longer
+        # scheduled (being paused), and those paused, holding their blocks.
+        self.unscheduled: set[str] = set()
+        self.paused: dict[str, Request] = {}
 
     # ---- requests in and out -------------------------------------------------
 
@@ -99,6 +103,8 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self.paused.pop(request.request_id, None)
+        self.unscheduled.discard(request.request_id)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
@@ -112,7 +118,8 @@ class Scheduler:
         return len(self.requests)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        # A paused request (being migrated) waits for the supervisor, not for a step.
+        return len(self.requests) > len(self.paused)
 
     # ---- one step --------------------------------------------------------------
 
@@ -131,7 +138,7 @@ class Scheduler:
             if isolated is not None and request is not isolated:
                 i += 1
                 continue
-            if self._no_more_tokens_needed(request):
+            if self._no_more_tokens_needed(request) or request.request_id in self.unscheduled:
                 i += 1
                 continue
             num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget)
@@ -166,8 +173,9 @@ class Scheduler:
             ):
                 compiling.append(self.waiting.popleft())  # the ones behind it go first
                 continue
-            computed_blocks, num_cached = [], 0
-            if request.num_computed_tokens == 0:
+            imported = request.num_computed_tokens > 0  # its K/V came with a migration
+            computed_blocks, num_cached = [], request.num_computed_tokens
+            if not imported:
                 computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -177,7 +185,7 @@ class Scheduler:
             if block_ids is None:
                 break
             self.waiting.popleft()
-            if self.kv_cache_manager.enable_prefix_caching:
+            if self.kv_cache_manager.enable_prefix_caching and not imported:
                 self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_cached)
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
@@ -371,6 +379,54 @@ class Scheduler:
                 EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="error", error=error)
             )
 
+    # ---- live migration (raylm.engine.migration) -------------------------------------
+
+    def stop_scheduling(self, request_id: str) -> None:
+        """No new step for this request; `pause` once its steps in flight are done."""
+        self.unscheduled.add(request_id)
+
+    def pause(self, request_id: str) -> Request:
+        """Take the request out of the queues, keeping its blocks (its K/V is
+        being copied). Only once no step of it is in flight: that step's
+        token would be lost."""
+        request = self.requests[request_id]
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.PAUSED
+        self.unscheduled.discard(request_id)
+        self.paused[request_id] = request
+        return request
+
+    def resume(self, request_id: str) -> None:
+        """A migration that did not happen: the request goes on here, first in line."""
+        self.unscheduled.discard(request_id)
+        request = self.paused.pop(request_id, None)
+        if request is None:
+            return
+        if request.num_computed_tokens:
+            request.status = RequestStatus.RUNNING
+            self.running.insert(0, request)
+        else:
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+
+    def release_migrated(self, request_id: str) -> None:
+        """The request lives on at the destination: free it here, silently."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def add_imported(self, request: Request, num_computed_tokens: int) -> None:
+        """A migrated request whose first `num_computed_tokens` tokens have
+        their K/V in the blocks already imported for it: it goes first in the
+        queue and continues from there (see schedule)."""
+        request.num_computed_tokens = num_computed_tokens
+        self.add_request(request)
+        self.waiting.remove(request)
+        self.waiting.appendleft(request)
+
     # ---- failures --------------------------------------------------------------------
 
     def reset_after_executor_loss(self, num_blocks: int) -> int:
@@ -379,6 +435,11 @@ class Scheduler:
         prompt and the tokens it already generated (preemption by recompute);
         the new KV cache gets a fresh block manager. Returns how many requests
         were running."""
+        # Paused requests (a migration in progress) lost their K/V too: they
+        # stay paused until the migration ends, and recompute if they resume.
+        for request in self.paused.values():
+            request.num_computed_tokens = 0
+            request.num_output_placeholders = 0
         running = list(self.running)
         for request in reversed(running):
             request.status = RequestStatus.PREEMPTED

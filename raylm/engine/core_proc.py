@@ -23,6 +23,9 @@ from raylm.engine.protocol import (
     ClientMessage,
     EngineCoreOutputs,
     EngineCoreRequest,
+    MigrateEnd,
+    MigrateExport,
+    MigrateImport,
     Ping,
     RecoveryStats,
     SchedulerStats,
@@ -117,10 +120,14 @@ class EngineCoreProc:
             handled, keep_running = self._drain_inputs()
             if not keep_running:
                 return
+            reports = self.core.take_migration_reports()
+            if reports:
+                self._send(EngineCoreOutputs(migrations=reports, stats=self._stats()))
             if self._has_work():
                 outputs = self.core.step()
                 self._send(EngineCoreOutputs(outputs=outputs, stats=self._stats(),
-                                             recoveries=self._new_recoveries()))
+                                             recoveries=self._new_recoveries(),
+                                             migrations=self.core.take_migration_reports()))
             elif handled:
                 # Aborts change the counts without a step; report them anyway.
                 self._send(EngineCoreOutputs(stats=self._stats()))
@@ -144,6 +151,10 @@ class EngineCoreProc:
                 self.core.abort_requests(message.request_ids)
             elif isinstance(message, Ping):
                 self._send(EngineCoreOutputs(pong=message.nonce, stats=self._stats()))
+            elif isinstance(message, (MigrateExport, MigrateImport, MigrateEnd)):
+                reports = self.core.take_migration_reports(message)
+                if reports:
+                    self._send(EngineCoreOutputs(migrations=reports, stats=self._stats()))
             elif isinstance(message, Shutdown):
                 return handled, False
         return handled, True

@@ -33,8 +33,9 @@ from raylm.core.outputs import EngineCoreOutput
 from raylm.core.request import Request
 from raylm.core.scheduler import Scheduler
 from raylm.core.structured_output import StructuredOutputManager
+from raylm.engine.core_migration import MigrationEndpoint
 from raylm.engine.errors import EngineDeadError
-from raylm.engine.protocol import RecoveryKind
+from raylm.engine.protocol import MigrationReport, RecoveryKind
 from raylm.engine.restart_budget import BlameLedger, RestartBudget
 from raylm.executor.abstract import Executor
 from raylm.executor.errors import ExecutorFailedError, WorkerDiedError, WorkerHungError
@@ -96,6 +97,10 @@ class EngineCore:
         self.dead_error: EngineDeadError | None = None
         self.executor = self._make_executor()
         self._last_health_check = time.monotonic()
+        # Live migration of requests to and from other cores; reports of
+        # migrations that a recovery ended, for the next message out.
+        self.migrations = MigrationEndpoint(self)
+        self.migration_reports: list[MigrationReport] = []
         try:
             self._initialize_kv_cache()
             mc = config.model_config
@@ -142,6 +147,17 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def take_migration_reports(self, message=None) -> list[MigrationReport]:
+        """Handle a migration message (if given), and return every report due:
+        its own, final exports whose request's steps are done, and those of
+        migrations a recovery ended."""
+        reports, self.migration_reports = self.migration_reports, []
+        if message is not None:
+            report = self.migrations.handle(message)
+            if report is not None:
+                reports.append(report)
+        return reports + self.migrations.poll()
 
     # ---- one step ------------------------------------------------------------------
 
@@ -290,6 +306,7 @@ class EngineCore:
         if forgive:
             self.blame.forgive(1)
         num_requeued = self.scheduler.reset_after_executor_loss(self.config.cache_config.num_blocks)
+        self.migration_reports.extend(self.migrations.on_executor_lost())
         event = RecoveryEvent(kind, cause, noticed, time.monotonic() - noticed, num_requeued,
                               verdict.charged, verdict.culprits)
         self.recoveries.append(event)

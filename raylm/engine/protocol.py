@@ -83,7 +83,62 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-ClientMessage = Union[EngineCoreRequest, AbortRequests, Ping, Shutdown]
+class MigrateExport(msgspec.Struct, tag="migrate_export"):
+    """To a migration's source: write the KV blocks of `request_id` that the
+    destination does not have yet to the transfer files at `path_prefix`
+    (one per rank). Not `final`: the blocks complete so far, the request keeps
+    decoding. `final`: pause the request first, then the rest, the last
+    partial block included (raylm.engine.migration)."""
+
+    migration_id: str
+    request_id: str
+    path_prefix: str
+    final: bool
+
+
+class MigrateImport(msgspec.Struct, tag="migrate_import"):
+    """To a migration's destination: reserve `num_blocks` blocks for
+    `request_id` and read the transfer files at `path_prefix` into them. The
+    `final` stage carries the request itself (its tokens so far) and how many
+    of its tokens have their K/V in the blocks: it resumes here."""
+
+    migration_id: str
+    request_id: str
+    path_prefix: str
+    num_blocks: int
+    final: bool
+    request: Union[EngineCoreRequest, None] = None
+    num_computed_tokens: int = 0
+
+
+class MigrateEnd(msgspec.Struct, tag="migrate_end"):
+    """Ends a migration at one side. At the source: `commit` drops the
+    paused request (it lives on at the destination), else resumes it. At the
+    destination (never after its final stage succeeded): frees what was
+    reserved."""
+
+    migration_id: str
+    request_id: str
+    commit: bool
+
+
+ClientMessage = Union[EngineCoreRequest, AbortRequests, Ping, Shutdown, MigrateExport, MigrateImport, MigrateEnd]
+
+
+class MigrationReport(msgspec.Struct):
+    """A core's answer to MigrateExport / MigrateImport: what it did, or why not."""
+
+    migration_id: str
+    request_id: str
+    ok: bool
+    final: bool
+    num_blocks: int = 0
+    num_bytes: int = 0
+    # Export: how many of the request's tokens have their K/V in the blocks
+    # sent so far (final: all of them), and its output tokens at that point.
+    num_computed_tokens: int = 0
+    num_output_tokens: int = 0
+    error: Union[str, None] = None
 
 
 class RecoveryStats(msgspec.Struct):
@@ -124,3 +179,5 @@ class EngineCoreOutputs(msgspec.Struct):
     # start. Its front end then allows it the start timeout, not the step
     # deadline, and /health says it is recovering.
     rebuilding: bool = False
+    # Answers to migration messages (MigrateExport, MigrateImport).
+    migrations: list[MigrationReport] = msgspec.field(default_factory=list)

@@ -104,8 +104,9 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 generator=generator,
             )
-            # Blocks from the prefix cache hold K/V already; the rest are fresh.
-            fresh_blocks.extend(new.block_ids[new.num_computed_tokens // self.block_size :])
+            # Blocks from the prefix cache (whole) or imported by a migration
+            # (the last one maybe partly) hold K/V already; the rest are fresh.
+            fresh_blocks.extend(new.block_ids[-(-new.num_computed_tokens // self.block_size) :])
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.token_ids.extend(cached.new_token_ids)

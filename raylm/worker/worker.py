@@ -18,7 +18,7 @@ from raylm.config import EngineConfig
 from raylm.distributed import parallel_state
 from raylm.messages import GrammarOutput, KVCacheConfig, ModelRunnerOutput, SchedulerOutput
 from raylm.model.layers.cpu_kernels import get_cpu_kernels
-from raylm.worker import cpu_placement
+from raylm.worker import cpu_placement, kv_transfer
 from raylm.worker.fault_injection import FaultInjector
 from raylm.worker.model_runner import ModelRunner
 from raylm.worker.memory_profiling import (
@@ -201,6 +201,18 @@ class Worker:
 
     def check_health(self) -> int:
         return os.getpid()
+
+    # ---- live migration (raylm.worker.kv_transfer) ----------------------------------
+
+    def export_kv(self, path_prefix: str, block_ids: list[int]) -> int:
+        """This rank's K/V of `block_ids`, written to its own file of the transfer."""
+        return kv_transfer.export_blocks(self.model_runner.kv_caches, block_ids,
+                                         kv_transfer.rank_path(path_prefix, self.rank))
+
+    def import_kv(self, path_prefix: str, block_ids: list[int]) -> int:
+        """Read the same rank's file of a transfer into `block_ids` of this rank's cache."""
+        return kv_transfer.import_blocks(self.model_runner.kv_caches, block_ids,
+                                         kv_transfer.rank_path(path_prefix, self.rank))
 
     def shutdown(self) -> None:
         self.model_runner = None

@@ -1,0 +1,183 @@
+"""An engine core's side of live migration (the supervisor's side, which
+drives it, is raylm.engine.migration).
+
+As a source, a core exports a running request's K/V in stages: first the
+blocks complete so far while the request keeps decoding, then (final stage)
+it stops scheduling the request, waits until no step of it is in flight,
+pauses it and exports the rest, its last partial block included. The paused
+request keeps its blocks until the migration ends: dropped if the
+destination took it, resumed here otherwise.
+
+As a destination, a core reserves blocks for each stage and reads the
+source's transfer files into them; the final stage brings the request
+itself, which goes first in the queue and continues after the tokens whose
+K/V it imported. What it reserved is freed if the migration is abandoned.
+
+Every transfer is one collective call per stage: each rank writes or reads
+its own file (raylm.worker.kv_transfer), so TP and PP engines move their
+shards rank to rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from raylm.core.request import RequestStatus
+from raylm.engine.protocol import MigrateEnd, MigrateExport, MigrateImport, MigrationReport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Outgoing:
+    request_id: str
+    blocks_sent: int = 0
+    # The final export waiting for the request's steps in flight to finish.
+    final: MigrateExport | None = None
+
+
+class MigrationEndpoint:
+    def __init__(self, core):
+        self.core = core  # EngineCore
+        self._outgoing: dict[str, _Outgoing] = {}
+        self._incoming: dict[str, str] = {}  # migration id -> request id, until its final stage
+
+    @property
+    def _scheduler(self):
+        return self.core.scheduler
+
+    def handle(self, message) -> MigrationReport | None:
+        """Apply one migration message; its report, or None (a final export
+        that must wait for the request's steps in flight: see `poll`)."""
+        if isinstance(message, MigrateExport):
+            return self._export(message)
+        if isinstance(message, MigrateImport):
+            return self._import(message)
+        if isinstance(message, MigrateEnd):
+            self._end(message)
+            return None
+        raise TypeError(f"not a migration message: {type(message).__name__}")
+
+    def poll(self) -> list[MigrationReport]:
+        """Final exports whose request has no step in flight any more."""
+        reports = []
+        for migration_id, outgoing in list(self._outgoing.items()):
+            if outgoing.final is not None and not self._in_flight(outgoing.request_id):
+                reports.append(self._export_final(migration_id, outgoing))
+        return reports
+
+    # ---- source --------------------------------------------------------------------
+
+    def _export(self, message: MigrateExport) -> MigrationReport | None:
+        request = self._scheduler.requests.get(message.request_id)
+        if request is None or request.status == RequestStatus.PAUSED:
+            return self._refused(message, "the request is not running here (finished, aborted or already paused)")
+        outgoing = self._outgoing.setdefault(message.migration_id, _Outgoing(message.request_id))
+        if message.final:
+            self._scheduler.stop_scheduling(message.request_id)
+            outgoing.final = message
+            if self._in_flight(message.request_id):
+                return None
+            return self._export_final(message.migration_id, outgoing)
+        # The blocks whose every token has its K/V: steps in flight write
+        # theirs before the export call runs (the workers take calls in order).
+        num_full = request.num_computed_tokens // self._block_size
+        return self._write(message, outgoing, num_full, num_full * self._block_size, request.num_output_tokens)
+
+    def _export_final(self, migration_id: str, outgoing: _Outgoing) -> MigrationReport:
+        message = outgoing.final
+        outgoing.final = None
+        if message.request_id not in self._scheduler.requests:
+            del self._outgoing[migration_id]
+            return self._refused(message, "the request finished before it could be paused")
+        request = self._scheduler.pause(message.request_id)
+        num_blocks = -(-request.num_computed_tokens // self._block_size)
+        return self._write(message, outgoing, num_blocks, request.num_computed_tokens, request.num_output_tokens)
+
+    def _write(self, message: MigrateExport, outgoing: _Outgoing, upto_block: int, num_computed: int,
+               num_output: int) -> MigrationReport:
+        block_ids = self._scheduler.kv_cache_manager.get_block_ids(message.request_id)[outgoing.blocks_sent:upto_block]
+        try:
+            num_bytes = sum(self.core.executor.collective_rpc("export_kv", args=(message.path_prefix, block_ids)))
+        except Exception as e:  # the request is untouched (if paused, the supervisor resumes it)
+            return self._refused(message, f"exporting its K/V failed: {type(e).__name__}: {e}")
+        outgoing.blocks_sent = max(outgoing.blocks_sent, upto_block)
+        return MigrationReport(message.migration_id, message.request_id, ok=True, final=message.final,
+                               num_blocks=len(block_ids), num_bytes=num_bytes, num_computed_tokens=num_computed,
+                               num_output_tokens=num_output)
+
+    def _in_flight(self, request_id: str) -> bool:
+        request = self._scheduler.requests.get(request_id)
+        if request is not None and request.num_output_placeholders:
+            return True
+        return any(request_id in batch.num_scheduled_tokens for batch, _ in self.core.batch_queue)
+
+    # ---- destination -----------------------------------------------------------------
+
+    def _import(self, message: MigrateImport) -> MigrationReport:
+        rid = message.request_id
+        known = self._incoming.get(message.migration_id)
+        if (known is None and rid in self._scheduler.kv_cache_manager.req_blocks) or rid in self._scheduler.requests:
+            return self._refused(message, "a request with this id is already here")
+        if message.final and message.request is None:
+            return self._refused(message, "the final stage carries no request")
+        self._incoming[message.migration_id] = rid
+        kv = self._scheduler.kv_cache_manager
+        block_ids = kv.allocate_for_import(rid, message.num_blocks)
+        if block_ids is None:
+            self._abandon(message.migration_id)
+            return self._refused(message, f"no room for {message.num_blocks} more KV blocks")
+        try:
+            num_bytes = sum(self.core.executor.collective_rpc("import_kv", args=(message.path_prefix, block_ids)))
+        except Exception as e:
+            self._abandon(message.migration_id)
+            return self._refused(message, f"importing its K/V failed: {type(e).__name__}: {e}")
+        if message.final:
+            del self._incoming[message.migration_id]
+            self._scheduler.add_imported(message.request.to_request(), message.num_computed_tokens)
+        return MigrationReport(message.migration_id, rid, ok=True, final=message.final,
+                               num_blocks=len(block_ids), num_bytes=num_bytes)
+
+    def _abandon(self, migration_id: str) -> None:
+        """Free what an incoming migration reserved (its request never arrived)."""
+        rid = self._incoming.pop(migration_id, None)
+        if rid is not None and rid not in self._scheduler.requests:
+            self._scheduler.kv_cache_manager.free_by_id(rid)
+
+    # ---- either side -------------------------------------------------------------------
+
+    def _end(self, message: MigrateEnd) -> None:
+        outgoing = self._outgoing.pop(message.migration_id, None)
+        if outgoing is not None:
+            if message.commit:
+                self._scheduler.release_migrated(message.request_id)
+            else:
+                self._scheduler.resume(message.request_id)
+            return
+        self._abandon(message.migration_id)
+
+    def on_executor_lost(self) -> list[MigrationReport]:
+        """The workers (and the K/V) are gone: incoming migrations lose what
+        they reserved, and outgoing ones that have not paused their request
+        give up (the request continues here, recomputed). A paused one stays
+        paused for the supervisor to end."""
+        reports = []
+        self._incoming.clear()  # the scheduler's blocks are reset with the executor
+        for migration_id, outgoing in list(self._outgoing.items()):
+            if outgoing.request_id not in self._scheduler.paused:
+                del self._outgoing[migration_id]
+                self._scheduler.resume(outgoing.request_id)
+                reports.append(MigrationReport(migration_id, outgoing.request_id, ok=False, final=True,
+                                               error="the source's executor failed during the migration"))
+        return reports
+
+    @property
+    def _block_size(self) -> int:
+        return self._scheduler.kv_cache_manager.block_size
+
+    @staticmethod
+    def _refused(message, reason: str) -> MigrationReport:
+        logger.warning("migration %s of request %s refused: %s", message.migration_id, message.request_id[:64], reason)
+        return MigrationReport(message.migration_id, message.request_id, ok=False,
+                               final=getattr(message, "final", True), error=reason)

@@ -1,0 +1,178 @@
+"""Live migration between two engine cores, at the core level (the
+supervisor drives the same messages: test_migration.py): a request's K/V
+moves in stages, it resumes on the other core without recomputing, and its
+output is the one it would have had without moving (greedy equals Hugging
+Face; seeded sampling equals an unmoved run). No block is left behind on
+either core, whatever way the migration ends."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+from raylm import LLM, SamplingParams
+from raylm.core.request import Request
+from raylm.engine.protocol import EngineCoreRequest, MigrateEnd, MigrateExport, MigrateImport
+from raylm.testing.hf_oracle import hf_greedy
+
+PROMPT = [(5 * j) % 200 + 3 for j in range(37)]  # spans several 16-token blocks
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir("llama", num_key_value_heads=2)
+
+
+def _llm(model, **kwargs) -> LLM:
+    return LLM(model, dtype="float32", num_threads=1, kv_cache_memory_bytes=8 << 20, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def cores(model):
+    a, b = _llm(model), _llm(model)
+    yield a.llm_engine.engine_core.engine_core, b.llm_engine.engine_core.engine_core
+    a.llm_engine.engine_core.shutdown()
+    b.llm_engine.engine_core.shutdown()
+
+
+def _run(core, request_id: str, until, tokens: list[int]) -> None:
+    """Step `core` until `until()`; the request's new tokens go to `tokens`."""
+    while not until():
+        for out in core.step():
+            if out.request_id == request_id:
+                tokens.extend(out.new_token_ids)
+
+
+def _migrate(src, dst, request_id: str, first: Request, tokens: list[int], shm_dir: str) -> dict:
+    """The supervisor's side of one migration, by hand: a first stage while
+    the request runs, then the final stage; returns what was moved."""
+    stage1 = src.take_migration_reports(MigrateExport("m1", request_id, f"{shm_dir}/m1-0", final=False))[0]
+    assert stage1.ok and stage1.num_blocks >= 2, stage1
+    imported = dst.take_migration_reports(MigrateImport("m1", request_id, f"{shm_dir}/m1-0", stage1.num_blocks,
+                                                        final=False))[0]
+    assert imported.ok, imported
+    # The source decodes on while the destination imports.
+    _run(src, request_id, lambda: len(tokens) >= stage1.num_output_tokens + 3, tokens)
+    final = src.take_migration_reports(MigrateExport("m1", request_id, f"{shm_dir}/m1-1", final=True))
+    final = final[0] if final else _poll(src)
+    assert final.ok and final.final and final.num_output_tokens == len(tokens), (final, len(tokens))
+    continuation = Request(request_id, first.prompt_token_ids, first.sampling_params, first.eos_token_id,
+                           output_token_ids=list(tokens))
+    done = dst.take_migration_reports(MigrateImport("m1", request_id, f"{shm_dir}/m1-1", final.num_blocks, final=True,
+                                                    request=EngineCoreRequest.from_request(continuation),
+                                                    num_computed_tokens=final.num_computed_tokens))[0]
+    assert done.ok, done
+    src.take_migration_reports(MigrateEnd("m1", request_id, commit=True))
+    return {"stage1": stage1, "final": final}
+
+
+def _record_scheduled(core, request_id: str) -> list[int]:
+    """The tokens each step schedules for `request_id` on `core`, from now on."""
+    scheduled: list[int] = []
+    schedule = core.scheduler.schedule
+
+    def recording():
+        output = schedule()
+        if request_id in output.num_scheduled_tokens:
+            scheduled.append(output.num_scheduled_tokens[request_id])
+        return output
+
+    core.scheduler.schedule = recording
+    return scheduled
+
+
+def _poll(core):
+    reports = []
+    _run(core, "", lambda: bool(reports.extend(core.take_migration_reports()) or reports), [])
+    return reports[0]
+
+
+def _generate(src, dst, params: SamplingParams, migrate: bool) -> list[int]:
+    request_id = f"r-{migrate}-{params.seed}"
+    first = Request(request_id, PROMPT, params, eos_token_id=None)
+    src.add_request(Request(request_id, PROMPT, params, eos_token_id=None))
+    tokens: list[int] = []
+    if migrate:
+        _run(src, request_id, lambda: len(tokens) >= 12, tokens)
+        with tempfile.TemporaryDirectory(dir="/dev/shm") as shm_dir:
+            moved = _migrate(src, dst, request_id, first, tokens, shm_dir)
+            assert not src.has_unfinished_requests()
+            scheduled = _record_scheduled(dst, request_id)
+            _run(dst, request_id, lambda: not dst.has_unfinished_requests(), tokens)
+            # Nothing recomputed: each step computed one token, the first one included.
+            assert set(scheduled) == {1}, scheduled
+            del dst.scheduler.schedule
+            assert moved["final"].num_computed_tokens == len(PROMPT) + moved["final"].num_output_tokens - 1
+    else:
+        _run(src, request_id, lambda: not src.has_unfinished_requests(), tokens)
+    for core in (src, dst):
+        assert core.scheduler.kv_cache_manager.usage == 0.0 or not core.scheduler.kv_cache_manager.req_blocks
+        assert not core.scheduler.kv_cache_manager.req_blocks, "a block was left behind"
+    return tokens
+
+
+def test_greedy_migrated_request_equals_hugging_face(cores, model):
+    src, dst = cores
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = hf_greedy(model, [PROMPT], MAX_TOKENS)[0].token_ids
+    assert _generate(src, dst, params, migrate=True) == expected
+    # And back the other way.
+    assert _generate(dst, src, params, migrate=True) == expected
+
+
+def test_seeded_sampling_continues_its_stream(cores):
+    src, dst = cores
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert _generate(src, dst, params, migrate=True) == _generate(src, dst, params, migrate=False)
+
+
+def test_abandoned_migration_leaves_the_request_running_at_the_source(cores, model):
+    src, dst = cores
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    request_id = "abandoned"
+    src.add_request(Request(request_id, PROMPT, params, eos_token_id=None))
+    tokens: list[int] = []
+    _run(src, request_id, lambda: len(tokens) >= 12, tokens)
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm_dir:
+        stage1 = src.take_migration_reports(MigrateExport("m2", request_id, f"{shm_dir}/a", final=False))[0]
+        assert dst.take_migration_reports(MigrateImport("m2", request_id, f"{shm_dir}/a", stage1.num_blocks,
+                                                        final=False))[0].ok
+        final = src.take_migration_reports(MigrateExport("m2", request_id, f"{shm_dir}/b", final=True))[0]
+        assert final.ok and request_id in src.scheduler.paused
+        # The destination cannot take it (the file is gone): it refuses and frees its reservation.
+        os.remove(f"{shm_dir}/b.rank0")
+        refused = dst.take_migration_reports(MigrateImport("m2", request_id, f"{shm_dir}/b", final.num_blocks,
+                                                           final=True, request=EngineCoreRequest(
+                                                               request_id, PROMPT, params, None, 0.0, list(tokens)),
+                                                           num_computed_tokens=final.num_computed_tokens))[0]
+        assert not refused.ok and "cannot be read" in refused.error
+        assert not dst.scheduler.kv_cache_manager.req_blocks and not dst.has_unfinished_requests()
+        src.take_migration_reports(MigrateEnd("m2", request_id, commit=False))
+    _run(src, request_id, lambda: not src.has_unfinished_requests(), tokens)
+    assert tokens == hf_greedy(model, [PROMPT], MAX_TOKENS)[0].token_ids
+    assert not src.scheduler.kv_cache_manager.req_blocks
+
+
+def test_engines_of_different_layouts_refuse(model, cores):
+    src, _ = cores
+    other = _llm(model, block_size=32)
+    try:
+        dst = other.llm_engine.engine_core.engine_core
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        src.add_request(Request("layout", PROMPT, params, eos_token_id=None))
+        tokens: list[int] = []
+        _run(src, "layout", lambda: len(tokens) >= 2, tokens)
+        with tempfile.TemporaryDirectory(dir="/dev/shm") as shm_dir:
+            stage1 = src.take_migration_reports(MigrateExport("m3", "layout", f"{shm_dir}/a", final=False))[0]
+            refused = dst.take_migration_reports(MigrateImport("m3", "layout", f"{shm_dir}/a", stage1.num_blocks,
+                                                               final=False))[0]
+            assert not refused.ok and "KV layouts differ" in refused.error
+            assert not dst.scheduler.kv_cache_manager.req_blocks
+            src.take_migration_reports(MigrateEnd("m3", "layout", commit=False))
+        src.abort_requests(["layout"])
+        assert not src.scheduler.kv_cache_manager.req_blocks
+    finally:
+        other.llm_engine.engine_core.shutdown()
