@@ -234,14 +234,22 @@ def replica_bundles(config: EngineConfig) -> tuple[list[dict], float, list[int] 
     """(bundles, the engine actor's CPUs, the bundles its executor's ranks take).
     A rank takes `num_threads` CPUs (1 by default) or, on CUDA, one GPU."""
     pc = config.parallel_config
-    world = pc.world_size
-    cpus = float(config.num_threads or 1)
-    rank = {"GPU": 1.0} if config.device == "cuda" else {"CPU": cpus}
-    if pc.distributed_executor_backend == "ray":
+    return engine_actor_bundles(pc.world_size, config.device, config.num_threads,
+                                pc.distributed_executor_backend == "ray")
+
+
+def engine_actor_bundles(world: int, device: str, num_threads: int | None,
+                         ray_ranks: bool) -> tuple[list[dict], float, list[int] | None]:
+    """replica_bundles from plain settings, for an engine that runs inside a
+    Ray actor someone else places (a Ray Serve replica, whose deployment
+    reserves these bundles before any config is resolved)."""
+    cpus = float(num_threads or 1)
+    rank = {"GPU": 1.0} if device == "cuda" else {"CPU": cpus}
+    if ray_ranks:
         return [{"CPU": _ENGINE_ONLY_CPUS}] + [dict(rank) for _ in range(world)], _ENGINE_ONLY_CPUS, \
             list(range(1, world + 1))
     # uni or mp: the model runs in the actor or in processes it starts.
-    engine = {"CPU": cpus * world} if config.device != "cuda" else {"CPU": 1.0, "GPU": float(world)}
+    engine = {"CPU": cpus * world} if device != "cuda" else {"CPU": 1.0, "GPU": float(world)}
     return [engine], engine["CPU"], None
 
 
