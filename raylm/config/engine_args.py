@@ -132,8 +132,12 @@ class EngineArgs:
         None, "Jinja chat template (a file, or the template itself) used instead of the tokenizer's by chat "
         "requests", metavar="FILE|TEMPLATE")
     quantization: str | None = _model(
-        None, "accepted for vLLM compatibility; raylm loads unquantized checkpoints only, so any method is "
-        "refused", short="-q", metavar="METHOD")
+        None, "int8: quantize a float checkpoint's linear weights to int8 at load (one scale per output row); "
+        "gguf: the model is a GGUF file (implied by one); default: none (the checkpoint's own types)",
+        short="-q", metavar="METHOD")
+    gguf_file: str | None = _model(
+        None, "with a Hub id as --model: the GGUF file of that repository to load (vLLM users may write "
+        "org/name:Q4_K_M instead, which picks the repository's one file of that type)", metavar="NAME")
     trust_remote_code: bool = _model(
         False, "accepted for vLLM compatibility; raylm runs no code from model repositories")
     dtype: str = _model(

@@ -16,7 +16,9 @@ from raylm.chat_template import read_chat_template
 from raylm.cpu_bind import parse_cpu_bind
 from raylm.model.arch_config import ArchConfig
 from raylm.model.generation_config import load_generation_defaults
-from raylm.model.hub import resolve_model_path
+from raylm.model.gguf import is_gguf_path, materialize_tokenizer
+from raylm.model.hub import resolve_gguf_model, resolve_model_path
+from raylm.model.loader import load_arch_config
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,8 @@ class ModelConfig:
     generation_eos_token_ids: list[int] = field(default_factory=list)
     # Replaces the tokenizer's chat template (--chat-template), already read.
     chat_template: str | None = None
+    # "int8" (weights quantized at load), "gguf" (`model` is a GGUF file), or None.
+    quantization: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -239,6 +243,26 @@ def _settings_of(config_class, args, **resolved):
     return config_class(**{**{name: getattr(args, name) for name in names}, **resolved})
 
 
+def _is_quant_selector(model: str) -> bool:
+    """org/name:Q4_K_M, vLLM's way of naming one GGUF file of a Hub repository."""
+    return ":" in model and not os.path.exists(model)
+
+
+def _resolve_quantization(quantization: str | None, is_gguf: bool) -> str | None:
+    method = None if quantization is None or str(quantization).lower() == "none" else str(quantization).lower()
+    if method not in (None, "int8", "gguf"):
+        raise ValueError(f"quantization {quantization!r} is not supported; supported: int8 (weights quantized at "
+                         "load from a float checkpoint), gguf (a GGUF file's own types)")
+    if is_gguf:
+        if method == "int8":
+            raise ValueError("quantization 'int8' quantizes a float safetensors checkpoint; a GGUF file runs in "
+                             "its own types (leave quantization unset, or gguf)")
+        return "gguf"
+    if method == "gguf":
+        raise ValueError("quantization 'gguf' needs a GGUF model file (model.gguf, or a Hub id with --gguf-file)")
+    return method
+
+
 def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig:
     """Validate an EngineArgs (raylm.config.engine_args, read by attribute)
     against the model folder and the device, and resolve what it leaves unset.
@@ -246,20 +270,25 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
     A model or tokenizer given as a Hugging Face Hub id is resolved here, once,
     to a folder in the local cache, so that every process gets a local path.
     """
-    if args.quantization is not None and str(args.quantization).lower() != "none":
-        raise ValueError(
-            f"quantization {args.quantization!r} is not supported: raylm loads unquantized safetensors checkpoints "
-            "(float32, bfloat16, float16) only; leave quantization unset"
-        )
     model_dir = str(DEFAULT_MODEL_DIR)
-    if args.model:
+    gguf_file = getattr(args, "gguf_file", None)
+    if args.model and (gguf_file or is_gguf_path(args.model) or _is_quant_selector(args.model)):
+        model_dir = resolve_gguf_model(args.model, gguf_file, args.revision, args.download_dir)
+    elif gguf_file:
+        raise ValueError(f"gguf_file {gguf_file!r} needs a Hugging Face Hub id as model")
+    elif args.model:
         model_dir = resolve_model_path(args.model, args.revision, args.download_dir)
+    is_gguf = is_gguf_path(model_dir)
+    quantization = _resolve_quantization(args.quantization, is_gguf)
     if args.tokenizer and args.tokenizer != args.model:
         tokenizer_dir = resolve_model_path(args.tokenizer, args.tokenizer_revision, args.download_dir, what="tokenizer")
+    elif is_gguf:
+        tokenizer_dir = materialize_tokenizer(model_dir)  # from the file's metadata
     else:
         tokenizer_dir = model_dir
-    arch = ArchConfig.from_model_dir(model_dir)
-    generation_defaults = load_generation_defaults(model_dir, args.generation_config)
+    arch = load_arch_config(model_dir)
+    # A GGUF file carries no generation_config.json: the tokenizer's folder may.
+    generation_defaults = load_generation_defaults(tokenizer_dir if is_gguf else model_dir, args.generation_config)
     chat_template = read_chat_template(args.chat_template) if args.chat_template is not None else None
     device = args.device or detect_device()
     if device not in ("cpu", "cuda"):
@@ -346,6 +375,7 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
             default_sampling_params=generation_defaults.sampling,
             generation_eos_token_ids=generation_defaults.eos_token_ids,
             chat_template=chat_template,
+            quantization=quantization,
         ),
         cache_config=_settings_of(CacheConfig, args, gpu_memory_utilization=gpu_memory_utilization),
         scheduler_config=_settings_of(SchedulerConfig, args, max_num_batched_tokens=max_num_batched_tokens),

@@ -102,3 +102,54 @@ def resolve_model_path(name: str, revision: str | None = None, download_dir: str
 def _first_line(error: Exception) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def resolve_gguf_model(model: str, gguf_file: str | None = None, revision: str | None = None,
+                       download_dir: str | None = None) -> str:
+    """The local path of a GGUF model: a file; a folder or Hub id with `gguf_file`
+    (a file name in it); or `org/name:QUANT` (vLLM's spelling), the one file of
+    the repository whose name holds QUANT, e.g. Q4_K_M. Only the chosen file is
+    downloaded."""
+    model = os.fspath(model)
+    if gguf_file is None and model.lower().endswith(".gguf"):
+        if not os.path.isfile(model):
+            raise ValueError(f"GGUF model file {model!r} does not exist")
+        return model
+    if gguf_file is not None:
+        repo, wanted = model, gguf_file
+        if os.path.isdir(repo):
+            path = os.path.join(repo, gguf_file)
+            if not os.path.isfile(path):
+                raise ValueError(f"gguf_file {gguf_file!r} is not in folder {repo!r}")
+            return path
+        patterns = [gguf_file]
+    else:
+        repo, _, wanted = model.rpartition(":")
+        if not wanted:
+            raise ValueError(f"model {model!r}: name a GGUF type after ':', e.g. {repo}:Q4_K_M")
+        patterns = [f"*{wanted}*.gguf", f"*{wanted.lower()}*.gguf", f"*{wanted.upper()}*.gguf"]
+    if not looks_like_repo_id(repo):
+        raise ValueError(f"model {repo!r} is not a Hugging Face Hub id like 'org/name' (for its GGUF file {wanted!r})")
+
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    cache_dir = hub_cache_dir(download_dir)
+    try:
+        folder = snapshot_download(repo, revision=revision, cache_dir=cache_dir, allow_patterns=patterns,
+                                   local_files_only=is_offline())
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+        raise ValueError(f"GGUF file {wanted!r} of {repo!r} could not be found in the Hugging Face cache "
+                         f"{cache_dir!r} or downloaded: {_first_line(e)}") from e
+    names = sorted(f for f in os.listdir(folder) if f.lower().endswith(".gguf")
+                   and (f == gguf_file if gguf_file else wanted.lower() in f.lower()))
+    if not names:
+        raise ValueError(f"{repo!r} has no GGUF file {'named' if gguf_file else 'of type'} {wanted!r}")
+    if len(names) > 1:
+        raise ValueError(f"{repo!r} has several GGUF files for {wanted!r} ({', '.join(names)}); "
+                         "name one with --gguf-file")
+    if re.search(r"-\d{5}-of-\d{5}\.gguf$", names[0]):
+        raise ValueError(f"{names[0]!r} is one part of a split GGUF file; raylm loads single-file GGUF models")
+    path = os.path.join(folder, names[0])
+    logger.info("GGUF model %s (%s) resolved to %s", repo, wanted, path)
+    return path

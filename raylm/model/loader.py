@@ -13,6 +13,9 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from raylm.model.arch_config import ArchConfig
+from raylm.model.gguf import is_gguf_path, iterate_gguf_weights, open_gguf
+from raylm.model.layers.linear import LinearBase
+from raylm.model.quantization.load_time import METHODS, prepare_weights
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +68,37 @@ def iterate_weights(files: list[str]) -> Iterator[tuple[str, object]]:
                 yield name, weight
 
 
-def load_model(model_dir: str | os.PathLike, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
-    """The model for `model_dir`, built in `dtype` on `device` with this rank's weight shards."""
-    model_dir = os.fspath(model_dir)
-    arch = ArchConfig.from_model_dir(model_dir)
-    files = safetensors_files(model_dir)
+def load_arch_config(model: str) -> ArchConfig:
+    """The ArchConfig of a model folder (config.json) or a GGUF file (its metadata)."""
+    if is_gguf_path(model):
+        return ArchConfig.from_dict(open_gguf(model).config_dict(), source=model)
+    return ArchConfig.from_model_dir(model)
+
+
+def load_model(model: str | os.PathLike, dtype: torch.dtype, device: torch.device | str,
+               quantization: str | None = None) -> nn.Module:
+    """The model in `model` (a folder, or a GGUF file), built in `dtype` on `device`
+    with this rank's weight shards; `quantization` "int8" quantizes a float
+    checkpoint's linear weights at load (GGUF files come quantized)."""
+    model = os.fspath(model)
+    if quantization not in (None, "none", *METHODS):
+        raise ValueError(f"quantization {quantization!r} is not supported; supported: {', '.join(METHODS)}")
+    if is_gguf_path(model):
+        gguf_file = open_gguf(model)
+        arch = ArchConfig.from_dict(gguf_file.config_dict(), source=model)
+        weights = iterate_gguf_weights(gguf_file, arch.num_attention_heads, arch.num_key_value_heads)
+        source = f"GGUF file, tensors {gguf_file.type_counts()}"
+    else:
+        arch = ArchConfig.from_model_dir(model)
+        files = safetensors_files(model)
+        weights = iterate_weights(files)
+        source = f"{len(files)} file(s)"
     with torch.device(device):
-        model = arch.model_class(arch, dtype)
-    model.load_weights(iterate_weights(files))
-    logger.info("loaded %s from %s (%d file(s)) as %s on %s", arch.architecture, model_dir, len(files), dtype, device)
-    return model.eval()
+        built = arch.model_class(arch, dtype)
+    built.load_weights(prepare_weights(weights, quantization))
+    for module in built.modules():
+        if isinstance(module, LinearBase):
+            module.finish_loading()
+    logger.info("loaded %s from %s (%s) as %s on %s%s", arch.architecture, model, source, dtype, device,
+                f", weights quantized to {quantization}" if quantization == "int8" else "")
+    return built.eval()

@@ -34,6 +34,7 @@ NON_DEFAULT = {
     "generation_config": (["--generation-config", "vllm"], "vllm"),
     "chat_template": (["--chat-template", "t.jinja"], "t.jinja"),
     "quantization": (["-q", "none"], "none"),
+    "gguf_file": (["--gguf-file", "m.gguf"], "m.gguf"),
     "trust_remote_code": (["--trust-remote-code"], True),
     "dtype": (["--dtype", "float32"], "float32"),
     "max_model_len": (["--max-model-len", "0.3k"], 300),

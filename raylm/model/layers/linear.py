@@ -14,6 +14,8 @@ from torch import nn
 
 from raylm.distributed.parallel_state import get_tp_group
 from raylm.model.layers import cpu_gemm
+from raylm.model.layers.quant_linear import QuantizedMatmul
+from raylm.model.quantization import is_quantized
 
 # A torch.Tensor or a safetensors PySafeSlice: both support get-shape and [a:b] indexing.
 WeightSource = Any
@@ -69,14 +71,40 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         # Set by pack_weights() after loading (CPU bf16 only).
         self.packed_weight: torch.Tensor | None = None
+        # Weight rows that came quantized (GGUF blocks, int8), by first row, kept
+        # as they are; finish_loading() turns them into quant_matmul.
+        self._quantized_rows: dict[int, Any] = {}
+        self.quant_matmul: QuantizedMatmul | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: WeightSource, shard_id: Any = None) -> None:
         raise TypeError(f"{type(self).__name__} has no weight loader")
 
+    def store_rows(self, param: nn.Parameter, offset: int, size: int, src: WeightSource, what: str) -> None:
+        """Put `src` in rows [offset, offset + size) of param; a quantized weight stays quantized."""
+        if not is_quantized(src):
+            copy_checked(param.data.narrow(0, offset, size), src, what)
+            return
+        if param is not self.weight:
+            raise ValueError(f"{what}: only a weight can be quantized, not {src!r}")
+        if tuple(src.shape) != (size, param.shape[1]):
+            raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} does not fit ({size}, {param.shape[1]})")
+        self._quantized_rows[offset] = src.materialize()
+
+    def finish_loading(self) -> None:
+        """After load_weights: quantized rows become the layer's matmul, and the
+        float weight (never written, so never resident) is dropped."""
+        if self._quantized_rows:
+            self.quant_matmul = QuantizedMatmul.build(self.weight.data, self._quantized_rows)
+            self._quantized_rows = {}
+            self.weight.data = self.weight.data.new_empty(0)
+
     def pack_weights(self) -> None:
-        self.packed_weight = cpu_gemm.pack_weight(self.weight.data)
+        if self.quant_matmul is None:
+            self.packed_weight = cpu_gemm.pack_weight(self.weight.data)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant_matmul is not None:
+            return self.quant_matmul(x, bias)
         return cpu_gemm.linear(x, self.weight, bias, self.packed_weight)
 
 
@@ -91,7 +119,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: WeightSource, shard_id: Any = None) -> None:
         size = param.shape[0]
-        copy_checked(param.data, read_narrow(loaded_weight, 0, self.tp_rank * size, size), "column-parallel shard")
+        self.store_rows(param, 0, size, read_narrow(loaded_weight, 0, self.tp_rank * size, size), "column-parallel shard")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.bias)
@@ -109,8 +137,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded_weight: WeightSource, shard_id: Any = None) -> None:
         shard_size = divide(self.output_sizes[shard_id], self.tp_size, "merged output size")
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        copy_checked(
-            param.data.narrow(0, offset, shard_size),
+        self.store_rows(
+            param, offset, shard_size,
             read_narrow(loaded_weight, 0, self.tp_rank * shard_size, shard_size),
             f"merged shard {shard_id}",
         )
@@ -146,7 +174,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             raise ValueError(f"unknown qkv shard {shard_id!r}")
         shard = read_narrow(loaded_weight, 0, start, size)
-        copy_checked(param.data.narrow(0, offset, size), shard, f"{shard_id} shard")
+        self.store_rows(param, offset, size, shard, f"{shard_id} shard")
 
 
 class RowParallelLinear(LinearBase):
@@ -161,7 +189,8 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: WeightSource, shard_id: Any = None) -> None:
         size = param.shape[1]
-        copy_checked(param.data, read_narrow(loaded_weight, 1, self.tp_rank * size, size), "row-parallel shard")
+        shard = read_narrow(loaded_weight, 1, self.tp_rank * size, size)
+        self.store_rows(param, 0, param.shape[0], shard, "row-parallel shard")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -1,0 +1,43 @@
+"""Which kernel multiplies activations by a quantized weight, per type and device.
+
+A kernel computes on the stored blocks (they are never expanded to the model
+dtype in memory): `prepare(weight)` once at load, then `linear(x, state)` ->
+x @ W^T in x's dtype. `kernel_for` returns None where no kernel runs the type
+(the caller dequantizes at load instead).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from raylm.model.quantization import QuantizedWeight
+
+
+@dataclass(frozen=True)
+class QuantKernel:
+    name: str
+    prepare: Callable[[QuantizedWeight], Any]
+    linear: Callable[[torch.Tensor, Any], torch.Tensor]
+
+
+def _int8_prepare(weight: QuantizedWeight, dtype: torch.dtype):
+    return weight.data.contiguous(), weight.scales.to(dtype).contiguous()
+
+
+def _int8_linear(x: torch.Tensor, state) -> torch.Tensor:
+    data, scales = state
+    flat = x.reshape(-1, x.shape[-1])
+    # aten's weight-only int8 matmul (oneDNN/AVX-512 on CPU): int8 weights widened in registers.
+    y = torch.ops.aten._weight_int8pack_mm(flat.contiguous(), data, scales)
+    return y.reshape(*x.shape[:-1], data.shape[0])
+
+
+def kernel_for(qtype: str, device: torch.device, dtype: torch.dtype) -> QuantKernel | None:
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if qtype == "INT8" and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        return QuantKernel("aten._weight_int8pack_mm", lambda w: _int8_prepare(w, dtype), _int8_linear)
+    return None
