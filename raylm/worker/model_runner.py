@@ -49,7 +49,7 @@ class ModelRunner:
 
     def load_model(self) -> None:
         mc = self.config.model_config
-        self.model = load_model(mc.model, mc.dtype, self.device)
+        self.model = load_model(mc.model, mc.dtype, self.device, quantization=mc.quantization)
         self.model.eval()
         for module in self.model.modules():
             if hasattr(module, "pack_weights"):
