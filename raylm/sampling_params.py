@@ -48,9 +48,17 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     # An EBNF (GBNF) grammar whose start rule is `root`.
     grammar: str | None = None
-    # JSON (json, json_object) without whitespace between tokens beyond
-    # xgrammar's separators; a weak model may otherwise emit runs of it.
+    # JSON (json, json_object): by default the whitespace between tokens is
+    # bounded as llama.cpp bounds it (one space, or a newline and an indent of
+    # at most 20), so a weak model cannot spin on blanks; vLLM's knobs:
+    # disable_any_whitespace (none at all: "," and ":" alone separate) or
+    # whitespace_pattern (a regex for what may stand between tokens).
     disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+    # Reasoning models: the grammar holds only after the output has produced
+    # these tokens (the end of its reasoning, e.g. "</think>"); before them the
+    # output is free. None: from the first token.
+    starts_after_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         chosen = [name for name in ("json", "json_object", "regex", "choice", "grammar")
@@ -76,12 +84,28 @@ class StructuredOutputsParams:
             if not all(isinstance(c, str) for c in self.choice):
                 raise ValueError("structured_outputs.choice must contain only strings")
             self.choice = list(self.choice)
+        if self.whitespace_pattern is not None:
+            if not isinstance(self.whitespace_pattern, str):
+                raise ValueError(f"structured_outputs.whitespace_pattern must be a string, "
+                                 f"got {self.whitespace_pattern!r}")
+            if self.disable_any_whitespace:
+                raise ValueError("structured_outputs: disable_any_whitespace and whitespace_pattern exclude "
+                                 "each other; give one")
+            if self.json is None and not self.json_object:
+                raise ValueError("structured_outputs.whitespace_pattern applies to json and json_object only")
+        if self.starts_after_token_ids is not None:
+            ids = self.starts_after_token_ids
+            if (not isinstance(ids, (list, tuple)) or not 0 < len(ids) <= 16
+                    or not all(type(t) is int and 0 <= t < 2**31 for t in ids)):
+                raise ValueError(f"structured_outputs.starts_after_token_ids must be 1 to 16 token ids, "
+                                 f"got {ids!r}")
+            self.starts_after_token_ids = list(ids)
         self._check_size()
 
     def _check_size(self) -> None:
         if self.choice is not None and len(self.choice) > MAX_CHOICES:
             raise ValueError(f"structured_outputs.choice: at most {MAX_CHOICES} choices, got {len(self.choice)}")
-        for name in ("json", "regex", "grammar", "choice"):
+        for name in ("json", "regex", "grammar", "choice", "whitespace_pattern"):
             value = getattr(self, name)
             if value is None:
                 continue

@@ -54,6 +54,12 @@ GRAMMAR_COMPILE_TIMEOUT_S = 30.0
 _MAX_ABANDONED = 4
 
 
+# What may stand between JSON tokens unless the request says otherwise: one
+# space, or a newline and an indent of at most 20 (llama.cpp's bound). xgrammar
+# allows any run of whitespace, which a weak model takes until max_tokens.
+BOUNDED_JSON_WHITESPACE = r"( |\n[ \t]{0,20})?"
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     """A request's grammar as xgrammar compiles it, which is also its cache key."""
@@ -61,17 +67,23 @@ class GrammarSpec:
     field: str  # the StructuredOutputsParams field it came from, for errors
     kind: str  # "json_schema", "regex" or "ebnf"
     text: str
-    any_whitespace: bool = True  # json_schema only
+    # json_schema only: a regex for the whitespace between tokens, or None for none at all.
+    whitespace: str | None = BOUNDED_JSON_WHITESPACE
 
 
 def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
-    any_whitespace = not params.disable_any_whitespace
+    if params.disable_any_whitespace:
+        whitespace = None
+    elif params.whitespace_pattern is not None:
+        whitespace = params.whitespace_pattern
+    else:
+        whitespace = BOUNDED_JSON_WHITESPACE
     if params.json is not None:
         # Not sort_keys: the schema's property order is the output's.
         text = params.json if isinstance(params.json, str) else json.dumps(params.json)
-        return GrammarSpec("json", "json_schema", text, any_whitespace)
+        return GrammarSpec("json", "json_schema", text, whitespace)
     if params.json_object:
-        return GrammarSpec("json_object", "json_schema", '{"type": "object"}', any_whitespace)
+        return GrammarSpec("json_object", "json_schema", '{"type": "object"}', whitespace)
     if params.regex is not None:
         return GrammarSpec("regex", "regex", params.regex)
     if params.choice is not None:
@@ -79,6 +91,72 @@ def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
         alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
         return GrammarSpec("choice", "ebnf", f"root ::= {alternatives}")
     return GrammarSpec("grammar", "ebnf", params.grammar)
+
+
+# ---- JSON with bounded whitespace ------------------------------------------
+# xgrammar's JSON-schema converter offers any whitespace, none (with fixed
+# separators), or at most N characters of [ \n\r\t] between tokens. For a
+# pattern (the bounded default, or the request's whitespace_pattern) the
+# schema is converted with a marker count, and each whitespace run the
+# converter wrote is replaced by a rule made from the pattern (xgrammar's own
+# regex converter). EBNF string literals and character classes are skipped,
+# so a schema's enum or const text is never touched.
+_MARK_COUNT = 977
+_WHITESPACE_RULE = "raylm_json_ws"
+_EBNF_LITERAL = r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]'
+_CONVERTER_RUN = re.compile(_EBNF_LITERAL + r"|(\bwhitespace(?:_\d+)?\{0, ?" + str(_MARK_COUNT) + r"\})")
+# Digits too, as llama.cpp bounds them: at most 16 in an integer part (past
+# that a double cannot hold it exactly anyway), a fraction or an exponent;
+# xgrammar's basic number rules repeat digits without end.
+_MAX_DIGITS = 16
+_UNBOUNDED_DIGITS = re.compile(r"(\[0-9\]\*|\bbasic_number_digits\{1, ?-1\})|" + _EBNF_LITERAL)
+_MARK = re.compile(_EBNF_LITERAL + r"|(\{0, ?" + str(_MARK_COUNT) + r"\})")
+_REGEX_RULE_NAME = re.compile(_EBNF_LITERAL + r"|(\broot(?:_\d+)?\b)")
+
+
+def _replace_outside_literals(pattern: re.Pattern, text: str, replace: Callable[[str], str]) -> tuple[str, int]:
+    count = 0
+
+    def substitute(match: re.Match) -> str:
+        nonlocal count
+        if match.group(1) is None:
+            return match.group(0)  # a literal: kept as written
+        count += 1
+        return replace(match.group(1))
+
+    return pattern.sub(substitute, text), count
+
+
+def _whitespace_rules(pattern: str) -> str:
+    """EBNF rules for the whitespace regex, the first named _WHITESPACE_RULE."""
+    ebnf = str(_xgrammar().Grammar.from_regex(pattern))
+    renamed, _ = _replace_outside_literals(_REGEX_RULE_NAME, ebnf, lambda name: _WHITESPACE_RULE + name[4:])
+    return renamed
+
+
+@functools.lru_cache(maxsize=256)
+def json_grammar_ebnf(schema: str, whitespace: str | None) -> str:
+    """The EBNF of JSON following `schema` with `whitespace` (a regex; None:
+    none at all, "," and ":" alone separate) between its tokens, and numbers of
+    at most _MAX_DIGITS digits a part. ValueError when the converter's output
+    does not have the shape this rewrite knows (another xgrammar version)."""
+    xgr = _xgrammar()
+    if whitespace is None:
+        rewritten = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=(",", ":")))
+    else:
+        converted = str(xgr.Grammar.from_json_schema(schema, any_whitespace=True, max_whitespace_cnt=_MARK_COUNT))
+        rewritten, _ = _replace_outside_literals(_CONVERTER_RUN, converted, lambda _: _WHITESPACE_RULE)
+        if _replace_outside_literals(_MARK, rewritten, str)[1]:  # a run left as the converter wrote it
+            raise ValueError("xgrammar's JSON-schema converter wrote whitespace in a form raylm does not know")
+        rewritten += _whitespace_rules(whitespace)
+    rewritten, _ = _replace_outside_literals(_UNBOUNDED_DIGITS, rewritten, _bounded_digits)
+    return rewritten
+
+
+def _bounded_digits(run: str) -> str:
+    if run.startswith("["):
+        return f"[0-9]{{0, {_MAX_DIGITS - 1}}}"  # after a leading [1-9]
+    return f"basic_number_digits{{1, {_MAX_DIGITS}}}"
 
 
 def _xgrammar():
@@ -100,9 +178,14 @@ def _spec_problem(spec: GrammarSpec) -> str | None:
     server sees the same schema again and again)."""
     xgr = _xgrammar()
 
+    if spec.kind == "json_schema" and spec.whitespace not in (None, BOUNDED_JSON_WHITESPACE):
+        try:
+            xgr.Grammar.from_regex(spec.whitespace)
+        except Exception as e:
+            return f"whitespace_pattern: {_xgrammar_message(e) or type(e).__name__}"
     try:
         if spec.kind == "json_schema":
-            xgr.Grammar.from_json_schema(spec.text, any_whitespace=spec.any_whitespace)
+            xgr.Grammar.from_ebnf(json_grammar_ebnf(spec.text, spec.whitespace))
         elif spec.kind == "regex":
             xgr.Grammar.from_regex(spec.text)
         elif spec.kind == "ebnf":
@@ -226,12 +309,28 @@ class _CompilePool:
 @dataclass
 class _RequestGrammar:
     spec: GrammarSpec
-    # Output tokens the matcher has accepted.
+    # Output tokens looked at: accepted by the matcher, or passed while the
+    # grammar had not started yet (a reasoning model's thinking).
     num_accepted: int
+    # The tokens after which the grammar starts (StructuredOutputsParams.starts_after_token_ids),
+    # and whether the output has produced them yet.
+    starts_after: list[int] | None = None
+    started_output: bool = True
     # The matcher, fast-forwarded over the tokens the request came with.
     ready: Future | None = None
     # When a worker started compiling it (the manager's clock), or None while queued.
     started: float | None = None
+
+
+def _pass_until_start(grammar: _RequestGrammar, tokens: list[int]) -> None:
+    """Moves past the output tokens before the grammar's start: once
+    `starts_after` has been produced, the tokens after it are the grammar's."""
+    gate = grammar.starts_after
+    while not grammar.started_output and grammar.num_accepted < len(tokens):
+        grammar.num_accepted += 1
+        n = grammar.num_accepted
+        if n >= len(gate) and tokens[n - len(gate):n] == gate:
+            grammar.started_output = True
 
 
 class StructuredOutputManager:
@@ -262,8 +361,14 @@ class StructuredOutputManager:
         if params is None:
             return
         prior = list(request.output_token_ids)
-        grammar = _RequestGrammar(grammar_spec(params), len(prior))
-        grammar.ready = self._pool.submit(self._compile, grammar, prior)
+        grammar = _RequestGrammar(grammar_spec(params), 0, params.starts_after_token_ids,
+                                  params.starts_after_token_ids is None)
+        # The tokens the request came with, up to the grammar's start (cheap, here) ...
+        _pass_until_start(grammar, prior)
+        # ... and the rest fast-forwarded once compiled.
+        constrained_prior = prior[grammar.num_accepted:]
+        grammar.num_accepted = len(prior)
+        grammar.ready = self._pool.submit(self._compile, grammar, constrained_prior)
         self._grammars[request.request_id] = grammar
         self._unchecked.add(request.request_id)
 
@@ -332,7 +437,7 @@ class StructuredOutputManager:
         try:
             compiler = self._get_compiler(xgr)
             if spec.kind == "json_schema":
-                compiled = compiler.compile_json_schema(spec.text, any_whitespace=spec.any_whitespace)
+                compiled = compiler.compile_grammar(json_grammar_ebnf(spec.text, spec.whitespace))
             elif spec.kind == "regex":
                 compiled = compiler.compile_regex(spec.text)
             else:
@@ -358,6 +463,7 @@ class StructuredOutputManager:
         grammar = self._grammars[request.request_id]
         matcher = grammar.ready.result()  # done: the request was scheduled
         tokens = request.output_token_ids
+        _pass_until_start(grammar, tokens)
         while grammar.num_accepted < len(tokens):
             token_id = tokens[grammar.num_accepted]
             if matcher.is_terminated() or not matcher.accept_token(token_id):
@@ -393,8 +499,10 @@ class StructuredOutputManager:
         which would otherwise land on the first request a server answers."""
         rows: list[tuple[str, Any]] = []
         for request, end in self._sampling_rows(so, requests):
+            grammar = self._grammars[request.request_id]
             if end == request.num_tokens:
-                rows.append((request.request_id, self._grammars[request.request_id]))
+                if grammar.started_output:  # else free: the output has not reached the grammar's start
+                    rows.append((request.request_id, grammar))
             elif end > request.num_tokens:
                 # Never expected: the engine waits for these tokens first.
                 logger.error("request %s sampled unconstrained: its last token is unknown", request.request_id)

@@ -48,6 +48,7 @@ from raylm.entrypoints.openai.serving_chat import OpenAIServingChat
 from raylm.entrypoints.openai.serving_common import ClientDisconnected, OpenAIError, error_response
 from raylm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from raylm.entrypoints.openai.serving_tools import ToolCallConfig
+from raylm.entrypoints.openai.structured_outputs import StructuredOutputDefaults
 from raylm.entrypoints.openai.serving_tokenize import install_tokenize_routes
 
 logger = logging.getLogger(__name__)
@@ -129,7 +130,8 @@ class CorsSettings:
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
               stat_logger: PrometheusStatLogger | None = None, limits: ServerLimits | None = None,
               cors: CorsSettings | None = None, tool_config: ToolCallConfig | None = None,
-              trust_request_chat_template: bool = False) -> FastAPI:
+              trust_request_chat_template: bool = False,
+              structured_outputs_defaults: StructuredOutputDefaults | None = None) -> FastAPI:
     """The app; `app.state.admission` is its AdmissionControl (closed at shutdown).
     `trust_request_chat_template`: render chat templates sent with requests."""
     limits = limits or ServerLimits()
@@ -166,10 +168,12 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        request._structured_outputs_defaults = structured_outputs_defaults
         return await completions.create(request, raw_request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        request._structured_outputs_defaults = structured_outputs_defaults
         return await chat.create(request, raw_request)
 
     @app.get("/v1/models")
@@ -320,7 +324,9 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
         cors = CorsSettings(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
         app = build_app(engine, names, api_key=args.api_key, stat_logger=stat_logger, limits=limits, cors=cors,
                         tool_config=ToolCallConfig.from_args(args),
-                        trust_request_chat_template=getattr(args, "trust_request_chat_template", False))
+                        trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+                        structured_outputs_defaults=StructuredOutputDefaults.from_json(
+                            getattr(args, "structured_outputs_config", None)))
         config = uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,

@@ -87,6 +87,12 @@ def add_serve_subcommand(subparsers: argparse._SubParsersAction) -> argparse.Arg
     limits.add_argument("--max-request-body-bytes", type=parse_bytes, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         metavar="BYTES", help="largest request body (e.g. 16MiB); a larger one gets HTTP 413")
     add_tool_calling_args(serve)
+    structured = serve.add_argument_group("structured outputs")
+    structured.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                            help='JSON whitespace for requests that do not choose it, as vLLM\'s flag: '
+                                 '\'{"disable_any_whitespace": true}\' (none at all) or '
+                                 '\'{"whitespace_pattern": "REGEX"}\'; default: one space, or a newline and an '
+                                 "indent of at most 20, between JSON tokens (a weak model cannot spin on blanks)")
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(handler=run_serve)
     return serve
@@ -107,6 +113,7 @@ def add_tool_calling_args(serve: argparse.ArgumentParser) -> None:
 def run_serve(args: argparse.Namespace, out: TextIO) -> None:
     from raylm.entrypoints.openai.api_server import run_server
     from raylm.entrypoints.openai.serving_tools import ToolCallConfig
+    from raylm.entrypoints.openai.structured_outputs import StructuredOutputDefaults
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -126,6 +133,7 @@ def run_serve(args: argparse.Namespace, out: TextIO) -> None:
         if path and not os.path.isfile(path):
             raise ValueError(f"{flag}: no such file {path!r}")
     ToolCallConfig.from_args(args)  # refuses a flag combination before the model loads
+    StructuredOutputDefaults.from_json(args.structured_outputs_config)
     args.api_key = resolve_api_key(args.api_key)
     run_server(args, EngineArgs.from_cli_args(args).to_kwargs())
 

@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 # Seeds feed torch generators (64-bit), plus one per extra completion of n.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1 - 1024
@@ -86,7 +86,6 @@ _UNSUPPORTED_BOTH: dict[str, tuple] = {
     "priority": (0,),
     "mm_processor_kwargs": (None,),
     "guided_decoding_backend": (None, "xgrammar", "auto"),
-    "guided_whitespace_pattern": (None,),
 }
 UNSUPPORTED_CHAT_FIELDS: dict[str, tuple] = {
     **_UNSUPPORTED_BOTH,
@@ -145,8 +144,8 @@ class ResponseFormat(OpenAIModel):
 
 class StructuredOutputsRequest(OpenAIModel):
     """vLLM's `structured_outputs` object (raylm's StructuredOutputsParams);
-    vLLM's other knobs in it (whitespace_pattern, structural_tag, ...) are
-    unknown fields here, so a 400."""
+    vLLM's other knobs in it (structural_tag, ...) are unknown fields here,
+    so a 400."""
 
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid", populate_by_name=True)
     json_schema: str | dict[str, Any] | None = Field(None, alias="json")
@@ -154,7 +153,9 @@ class StructuredOutputsRequest(OpenAIModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    disable_any_whitespace: bool = False
+    # None: the server's default (--structured-outputs-config), else bounded whitespace.
+    disable_any_whitespace: bool | None = None
+    whitespace_pattern: str | None = None
 
 
 class SamplingFields(OpenAIModel):
@@ -198,6 +199,10 @@ class SamplingFields(OpenAIModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's older spelling of structured_outputs.whitespace_pattern.
+    guided_whitespace_pattern: str | None = None
+    # The server's structured-output defaults, set by the app, never by the client.
+    _structured_outputs_defaults: Any = PrivateAttr(None)
 
     def refused_field(self) -> tuple[str, str] | None:
         """(field, message) of the first field sent that raylm refuses."""
