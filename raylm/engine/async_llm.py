@@ -177,6 +177,7 @@ class AsyncLLM:
             self._scale_lock = asyncio.Lock()
         async with self._scale_lock:
             await self.engine_core.scale_async(data_parallel_size)
+        self._record(lambda s: s.record_target_replicas(data_parallel_size))
 
     @classmethod
     def from_engine_args(cls, stat_loggers: list[StatLoggerBase] | None = None, **engine_kwargs: Any) -> "AsyncLLM":
@@ -321,6 +322,8 @@ class AsyncLLM:
                 stat_logger.record_scheduler_stats(outputs.stats)
         for recovery in outputs.recoveries:
             self._record_recovery(recovery)
+        for migration in outputs.migrated:
+            self._record(lambda s, m=migration: s.record_migration(m))
         if outputs.pong is not None:
             future = self._pings.pop(outputs.pong, None)
             if future is not None and not future.done():

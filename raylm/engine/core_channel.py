@@ -141,6 +141,11 @@ class CoreLauncher(ABC):
     def deaths(self) -> list[tuple[int, str]]:
         """(index, cause) of each core found dead since the last call."""
 
+    def is_local(self, index: int) -> bool:
+        """Whether core `index` runs on this machine (its workers can read
+        this machine's shared memory: live migration needs it)."""
+        return False
+
     @abstractmethod
     def take_running_alone(self, index: int) -> str | None:
         """The quarantined request core `index` last said it runs alone (its

@@ -142,6 +142,9 @@ class CoreRecovery:
             return
         self.launcher.close_channel(channel)
         self._last_failure = cause
+        # Before the resubmissions: a paused copy of a request handed over to
+        # this core is dropped at its source before the request may go there.
+        self._migrations_on_death(index)
         orphans = sorted(channel.in_flight)
         blamed = self._charge_death(index, orphans, cause)
         orphans = [rid for rid in orphans if rid in self.ledger]

@@ -43,6 +43,9 @@ class ProcessCoreLauncher(CoreLauncher):
 
     def __init__(self, config: EngineConfig, log_level: int | None = None):
         self.config = config
+        # Local data parallelism scales like replicas on Ray (one core is not
+        # data parallelism: it has nowhere to move its requests to).
+        self.can_scale = config.parallel_config.data_parallel_size > 1
         self.log_level = logging.getLogger().getEffectiveLevel() if log_level is None else log_level
         self._tmpdir = tempfile.mkdtemp(prefix="raylm-core-")
         self.output_address = f"ipc://{os.path.join(self._tmpdir, 'output')}"
@@ -155,6 +158,9 @@ class ProcessCoreLauncher(CoreLauncher):
                     del self._processes[index], self._seen_dead[index]
                     found.append((index, f"engine core process exited with code {process.exitcode}"))
         return found
+
+    def is_local(self, index: int) -> bool:
+        return True
 
     def take_running_alone(self, index: int) -> str | None:
         record = RunningAloneRecord(self._path(f"running_alone-{index}"))

@@ -141,6 +141,18 @@ class MigrationReport(msgspec.Struct):
     error: Union[str, None] = None
 
 
+class MigrationStats(msgspec.Struct):
+    """One live migration as the supervisor saw it end, for metrics:
+    `downtime_s` is the pause the client saw (the source's last token to the
+    destination's first), `seconds` the whole migration."""
+
+    reason: str
+    ok: bool
+    seconds: float
+    num_bytes: int
+    downtime_s: float = 0.0
+
+
 class RecoveryStats(msgspec.Struct):
     """One recovery from a failure: `kind` says what failed (the core's own
     recoveries of its executor, or the supervisor's of a core process or
@@ -181,3 +193,5 @@ class EngineCoreOutputs(msgspec.Struct):
     rebuilding: bool = False
     # Answers to migration messages (MigrateExport, MigrateImport).
     migrations: list[MigrationReport] = msgspec.field(default_factory=list)
+    # Migrations that ended, from the supervisor to its front end (metrics).
+    migrated: list[MigrationStats] = msgspec.field(default_factory=list)

@@ -72,6 +72,7 @@ class RayReplicaLauncher(CoreLauncher):
         self.output_address = ""
         self.misattributed = DropLog("a replica message signed with another replica's index", logger)
         self._closed = False
+        self._node_ips: dict[int, str] = {}  # replica index -> the node its core runs on
 
     def _on_death(self, index: int, cause: str) -> None:
         with self._deaths_lock:
@@ -144,6 +145,7 @@ class RayReplicaLauncher(CoreLauncher):
                                  self._running_alone(channel.index).key.decode())
         handle = self.manager.start_replica(channel.index, replica, target)
         channel.node_ip = handle.node_ip
+        self._node_ips[channel.index] = handle.node_ip
 
     def stop(self, index: int, wait_s: float) -> None:
         self.manager.stop_replica(index, wait_s=wait_s)
@@ -152,6 +154,14 @@ class RayReplicaLauncher(CoreLauncher):
         with self._deaths_lock:
             found, self._deaths = self._deaths, []
         return found
+
+    def is_local(self, index: int) -> bool:
+        # The replica's core runs on this node; its workers are placed with it
+        # when they fit (a transfer from a worker elsewhere fails, and the
+        # migration is abandoned with the request still at its source).
+        import ray
+
+        return self._node_ips.get(index) in (ray.util.get_node_ip_address(), "127.0.0.1")
 
     def take_running_alone(self, index: int) -> str | None:
         record = self._running_alone(index)

@@ -5,7 +5,7 @@ takes serving down."""
 
 from __future__ import annotations
 
-from raylm.engine.protocol import SchedulerStats
+from raylm.engine.protocol import MigrationStats, SchedulerStats
 
 
 class StatLoggerBase:
@@ -36,3 +36,10 @@ class StatLoggerBase:
         """The engine recovered from a failure of `kind` (a protocol.RecoveryKind:
         the core's own recoveries of its executor, or the supervisor's of a
         core) in `seconds`, carrying `num_requests` over."""
+
+    def record_migration(self, migration: MigrationStats) -> None:
+        """A live migration of a running request ended (moved, or abandoned
+        with the request still at its source)."""
+
+    def record_target_replicas(self, num_replicas: int) -> None:
+        """The number of data-parallel replicas asked for (by hand or by the autoscaler)."""

@@ -44,6 +44,7 @@ from raylm.distributed.tcp_auth import terminate_context
 from raylm.engine.core_channel import CoreChannel, CoreLauncher, DropLog
 from raylm.engine.core_recovery import CoreRecovery, Replacement
 from raylm.engine.errors import EngineDeadError
+from raylm.engine.migration import MigrationControl
 from raylm.engine.protocol import (
     AbortRequests,
     EngineCoreOutputs,
@@ -94,7 +95,7 @@ class LedgerEntry:
                        cache_salt=first.cache_salt)
 
 
-class EngineCoreSupervisor(CoreRecovery):
+class EngineCoreSupervisor(CoreRecovery, MigrationControl):
     asyncio_mode = False
 
     def __init__(self, config: EngineConfig, launcher: CoreLauncher | None = None):
@@ -121,6 +122,7 @@ class EngineCoreSupervisor(CoreRecovery):
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self.undecodable = DropLog("a core message that does not decode", logger)
         self.foreign = DropLog("outputs for requests not routed to the core that sent them", logger)
+        self._init_migration()
         self._ctx = zmq.Context()
         self.launcher = launcher if launcher is not None else make_launcher(config)
         output = self.launcher.bind_output(self._ctx)
@@ -201,6 +203,8 @@ class EngineCoreSupervisor(CoreRecovery):
             self._waiting = [rid for rid in self._waiting if rid in self.ledger]
         for index, ids in by_channel.items():
             self.channels[index].send(self._encoder.encode(AbortRequests(ids)))
+        for request_id in request_ids:
+            self._migration_request_gone(request_id)
 
     def ping(self) -> int:
         """Every serving core is asked; the pong goes up once all answered."""
@@ -265,6 +269,8 @@ class EngineCoreSupervisor(CoreRecovery):
         if data_parallel_size <= len(active):
             for index in active[data_parallel_size:]:
                 self.channels[index].draining = True
+            for index in active[data_parallel_size:]:
+                self._migrate_away(index, reason="scale_in")
             self._retire_drained()
             return []
         taken = set(self.channels) | set(self._starting)
@@ -282,7 +288,7 @@ class EngineCoreSupervisor(CoreRecovery):
 
     def _retire_drained(self) -> None:
         for index, channel in list(self.channels.items()):
-            if channel.draining and not channel.in_flight:
+            if channel.draining and not channel.in_flight and not self._is_migration_source(index):
                 channel.send(self._encoder.encode(Shutdown()))
                 del self.channels[index]
                 self.launcher.stop(index, wait_s=_DRAINED_STOP_S)
@@ -362,9 +368,17 @@ class EngineCoreSupervisor(CoreRecovery):
         for out in outputs.outputs:
             entry = self.ledger[out.request_id]
             entry.token_ids.extend(out.new_token_ids)
+            if out.new_token_ids:
+                self._migration_saw_tokens(channel, out.request_id)
             if out.finished:
                 channel.in_flight.discard(out.request_id)
                 del self.ledger[out.request_id]
+                self._migration_request_gone(out.request_id)
+        # After the outputs: a final export follows the source's last tokens.
+        for report in outputs.migrations:
+            self._on_migration_report(channel, report)
+        outputs.migrations = []
+        outputs.migrated = self.take_migration_events()
         if outputs.pong is not None:
             waiting = self._pings.get(outputs.pong)
             if waiting is not None:
@@ -406,11 +420,12 @@ class EngineCoreSupervisor(CoreRecovery):
 
     def _pending(self) -> EngineCoreOutputs | None:
         """What the supervisor itself has to pass up: its recoveries, culprits
-        failed, pings answered for dead cores."""
-        if not self._recoveries and not self._culprit_outputs and not self._pongs:
+        failed, pings answered for dead cores, migrations ended."""
+        if not self._recoveries and not self._culprit_outputs and not self._pongs and not self._migration_events:
             return None
         outputs = EngineCoreOutputs(outputs=self._culprit_outputs, recoveries=self._recoveries,
-                                    pong=self._pongs.pop() if self._pongs else None)
+                                    pong=self._pongs.pop() if self._pongs else None,
+                                    migrated=self.take_migration_events())
         self._recoveries, self._culprit_outputs = [], []
         return outputs
 
@@ -422,6 +437,7 @@ class EngineCoreSupervisor(CoreRecovery):
         if self.dead_error is None:
             self.dead_error = EngineDeadError("the engine was shut down")
         self._finalizer()
+        self._close_migration()
 
 
 class AsyncEngineCoreSupervisor(EngineCoreSupervisor):

