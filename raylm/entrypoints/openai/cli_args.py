@@ -106,8 +106,12 @@ def add_tool_calling_args(serve: argparse.ArgumentParser) -> None:
                        help='let the model decide when to call tools (tool_choice "auto", the default when '
                             "a request has tools); needs --tool-call-parser")
     tools.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
-                       help="how the model writes tool calls (hermes: <tool_call>{...}</tool_call>, as Qwen "
-                            "and Hermes models do)")
+                       help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Qwen2/2.5, "
+                            "Qwen3, Hermes), llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]), qwen3_xml / "
+                            "qwen3_coder (Qwen3-Coder's <function=...> XML), pythonic ([f(a=1)]: Llama 3.2/4). "
+                            "A model whose own chat template does not write tools that way takes the one raylm "
+                            "ships for the parser: --chat-template raylm/entrypoints/openai/tool_parsers/"
+                            "templates/NAME.jinja")
 
 
 def run_serve(args: argparse.Namespace, out: TextIO) -> None:

@@ -224,7 +224,8 @@ def plan_tools(request: ChatCompletionRequest, config: ToolCallConfig) -> ToolPl
     if choice == "auto":
         if not (config.enable_auto_tool_choice and config.tool_call_parser):
             raise OpenAIError(_AUTO_NEEDS_FLAGS, 400, "tool_choice")
-        return ToolPlan("auto", tools, parser=get_tool_parser(config.tool_call_parser), parallel=parallel)
+        schemas = {tool.function.name: _parameters_schema(tool) for tool in tools}
+        return ToolPlan("auto", tools, parser=get_tool_parser(config.tool_call_parser, schemas), parallel=parallel)
     if choice == "required":
         return ToolPlan("required", tools, parallel=parallel)
     name = choice.function.name

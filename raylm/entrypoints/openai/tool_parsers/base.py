@@ -101,6 +101,15 @@ class StreamingToolParser(ABC):
 
 class ToolParser(ABC):
     name: str
+    # The file in tool_parsers/templates/ with a chat template that writes
+    # tools and calls the way this parser reads them, for a model whose own
+    # template does not; None: the model's own (the format's reference models ship it).
+    chat_template: str | None = None
+
+    def __init__(self, tools: dict[str, dict] | None = None) -> None:
+        """`tools`: the request's functions' parameters schemas, by name
+        (formats that write arguments as text convert them by these)."""
+        self.tools = tools or {}
 
     @abstractmethod
     def extract(self, text: str) -> ExtractedToolCalls: ...
