@@ -1,0 +1,142 @@
+"""raylm as a Ray Serve application (raylm/ray_serve.py), in the session's
+local Ray: Serve's proxy on a free port, queried with the `openai` client.
+
+- the embedded default model: completions, chat and streaming give the
+  offline engine's greedy text; a client that leaves a stream makes Serve
+  cancel it, and the engine ends it as aborted (not run to max_tokens);
+- a replica with TP=2: its ranks are Ray actors in the replica's own
+  placement group (bundles 1 and 2 of it), same greedy text as offline;
+- deleting an application leaves no replica, rank actor or placement group.
+"""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+import pytest
+
+from raylm import LLM, SamplingParams
+from raylm.ray_serve import build_openai_app
+from tests.conftest import wait_until
+from tests.entrypoints.openai.server_utils import free_port
+
+pytestmark = pytest.mark.ray
+
+# One torch thread and a small KV cache keep the shared two-core machine usable.
+ENGINE = {"num_threads": 1, "kv_cache_memory_bytes": 4 << 20, "max_model_len": 512}
+PROMPT = "ROMEO:"
+MESSAGES = [{"role": "user", "content": "Speak, friend."}]
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+@pytest.fixture
+def serve_url(ray_session):
+    """Serve's HTTP proxy on a free port of the session's Ray; shut down after
+    the test (its controller and proxy actors go)."""
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+
+
+def _live_actors(class_part: str) -> list[dict]:
+    from ray._private.state import actors
+
+    return [a for a in actors().values() if class_part in a["ActorClassName"] and a["State"] != "DEAD"]
+
+
+def _live_placement_groups() -> list[dict]:
+    from ray.util import placement_group_table
+
+    return [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
+
+
+def _delete_and_check_gone(name: str) -> None:
+    """serve.delete, then nothing of the application is left in Ray."""
+    from ray import serve
+
+    serve.delete(name)
+    wait_until(lambda: not _live_actors("ServeReplica") and not _live_actors("RayWorkerWrapper")
+               and not _live_placement_groups(), 60,
+               message=lambda: f"replicas {len(_live_actors('ServeReplica'))}, ranks "
+                               f"{len(_live_actors('RayWorkerWrapper'))}, groups {_live_placement_groups()}")
+
+
+def _aborted_requests(metrics_text: str) -> float:
+    match = re.search(r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$', metrics_text,
+                      re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_default_model_app_serves_completions_chat_and_streams(serve_url):
+    from ray import serve
+
+    serve.run(build_openai_app(ENGINE), name="raylm-default-app", route_prefix="/")
+    try:
+        client = openai.OpenAI(base_url=f"{serve_url}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        assert model == "raylm-default"
+
+        completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+        stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True)
+        streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0)
+        chat_stream = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0,
+                                                     stream=True)
+        chat_streamed = "".join(c.choices[0].delta.content or "" for c in chat_stream if c.choices)
+        with LLM(**ENGINE) as llm:
+            expected = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].text
+            expected_chat = llm.chat(MESSAGES, GREEDY, use_tqdm=False)[0].outputs[0].text
+        assert completion.choices[0].text == streamed == expected
+        assert chat.choices[0].message.content == chat_streamed == expected_chat
+        # Bad input is the server's 400 with an OpenAI error body, through Serve too.
+        bad = httpx.post(f"{serve_url}/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": -1})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+        assert httpx.get(f"{serve_url}/health").status_code == 200
+
+        # A client that stops reading a long stream: Serve cancels the request,
+        # and the engine ends it as aborted instead of running it to max_tokens.
+        handle = serve.get_app_handle("raylm-default-app")
+        before = _aborted_requests(httpx.get(f"{serve_url}/metrics").text)
+        with httpx.stream("POST", f"{serve_url}/v1/completions", timeout=60,
+                          json={"model": model, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
+                                "stream": True}) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+        wait_until(lambda: _aborted_requests(httpx.get(f"{serve_url}/metrics").text) == before + 1, 60,
+                   message="the left stream to end as aborted")
+        assert handle.num_unfinished_requests.remote().result() == 0
+    finally:
+        _delete_and_check_gone("raylm-default-app")
+
+
+def test_tp2_replica_places_its_ranks_in_its_own_placement_group(serve_url, tiny_model_dir):
+    from ray import serve
+
+    llama = tiny_model_dir("llama")
+    app = build_openai_app({"model": llama, "tensor_parallel_size": 2, "served_model_name": "tiny", **ENGINE},
+                           deployment_config={"name": "raylm-tp2"})
+    serve.run(app, name="raylm-tp2-app", route_prefix="/")
+    try:
+        client = openai.OpenAI(base_url=f"{serve_url}/v1", api_key="unused", max_retries=0)
+        completion = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=12,
+                                               temperature=0)
+        ranks = _live_actors("RayWorkerWrapper")
+        replicas = _live_actors("ServeReplica")
+        assert len(ranks) == 2 and len(replicas) == 1
+        # The ranks live in the replica's group, the only one: the one Serve
+        # made with a bundle for the replica and one per rank (raylm's own
+        # would ask for a sliver of the driver's node in its first bundle).
+        (group,) = _live_placement_groups()
+        assert [b for b in group["bundles"].values()] == [{"CPU": 0.01}, {"CPU": 1.0}, {"CPU": 1.0}]
+        with LLM(llama, max_model_len=512, kv_cache_memory_bytes=4 << 20) as llm:
+            expected = llm.generate("The quick brown fox", GREEDY, use_tqdm=False)[0].outputs[0].text
+        assert completion.choices[0].text == expected
+    finally:
+        _delete_and_check_gone("raylm-tp2-app")
