@@ -131,7 +131,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
               stat_logger: PrometheusStatLogger | None = None, limits: ServerLimits | None = None,
               cors: CorsSettings | None = None, tool_config: ToolCallConfig | None = None,
               trust_request_chat_template: bool = False,
-              structured_outputs_defaults: StructuredOutputDefaults | None = None) -> FastAPI:
+              structured_outputs_defaults: StructuredOutputDefaults | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The app; `app.state.admission` is its AdmissionControl (closed at shutdown).
     `trust_request_chat_template`: render chat templates sent with requests."""
     limits = limits or ServerLimits()
@@ -144,7 +145,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     )
     app.state.admission = admission
     completions = OpenAIServingCompletion(engine, served_model_names, admission)
-    chat = OpenAIServingChat(engine, served_model_names, admission, tool_config, trust_request_chat_template)
+    chat = OpenAIServingChat(engine, served_model_names, admission, tool_config, trust_request_chat_template,
+                             reasoning_parser)
     _install_error_handlers(app)
 
     if api_key:
@@ -326,7 +328,8 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
                         tool_config=ToolCallConfig.from_args(args),
                         trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
                         structured_outputs_defaults=StructuredOutputDefaults.from_json(
-                            getattr(args, "structured_outputs_config", None)))
+                            getattr(args, "structured_outputs_config", None)),
+                        reasoning_parser=getattr(args, "reasoning_parser", None))
         config = uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,

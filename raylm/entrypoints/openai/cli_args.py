@@ -87,6 +87,14 @@ def add_serve_subcommand(subparsers: argparse._SubParsersAction) -> argparse.Arg
     limits.add_argument("--max-request-body-bytes", type=parse_bytes, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         metavar="BYTES", help="largest request body (e.g. 16MiB); a larger one gets HTTP 413")
     add_tool_calling_args(serve)
+    from raylm.entrypoints.openai.reasoning_parsers import reasoning_parser_names
+
+    reasoning = serve.add_argument_group("reasoning models")
+    reasoning.add_argument("--reasoning-parser", default=None, choices=reasoning_parser_names(),
+                           help="split the model's <think>...</think> from its answer: the thinking goes to "
+                                "reasoning_content (streamed as deltas), the rest to content, and structured "
+                                "outputs hold from the end of the thinking (qwen3: Qwen3; deepseek_r1: "
+                                "DeepSeek-R1 and its distills, QwQ)")
     structured = serve.add_argument_group("structured outputs")
     structured.add_argument("--structured-outputs-config", default=None, metavar="JSON",
                             help='JSON whitespace for requests that do not choose it, as vLLM\'s flag: '

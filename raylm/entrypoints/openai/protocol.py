@@ -89,7 +89,6 @@ _UNSUPPORTED_BOTH: dict[str, tuple] = {
 }
 UNSUPPORTED_CHAT_FIELDS: dict[str, tuple] = {
     **_UNSUPPORTED_BOTH,
-    "include_reasoning": (True,),  # no reasoning parser: the reasoning stays in the content
     "structural_tag": (None,),
     "max_repetition_pattern_size": (0,),
     "min_repetition_pattern_size": (0,),
@@ -313,6 +312,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # With --reasoning-parser: false leaves the thinking out of the reply.
+    include_reasoning: bool = True
 
 
 class UsageInfo(BaseModel):
@@ -361,6 +362,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
+    # The model's thinking (--reasoning-parser), apart from its answer.
+    reasoning_content: str | None = None
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
@@ -384,6 +387,7 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatDelta(BaseModel):
     role: str | None = None
+    reasoning_content: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 

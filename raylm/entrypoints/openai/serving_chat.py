@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable
@@ -48,6 +49,7 @@ from raylm.entrypoints.openai.serving_common import (
     stream_error_event,
     tokenize_bad_words,
 )
+from raylm.entrypoints.openai.reasoning_parsers import END_TAG, ReasoningStream, get_reasoning_parser
 from raylm.entrypoints.openai.structured_outputs import checked_structured_outputs
 from raylm.entrypoints.openai.serving_tools import (
     ToolCallConfig,
@@ -153,6 +155,16 @@ async def run_render(request, function: Callable[..., Any], *args: Any) -> Any:
     return await asyncio.get_running_loop().run_in_executor(_executor_for(request), function, *args)
 
 
+def _split_delta(stream: ReasoningStream, text: str, done: bool) -> tuple[str, str]:
+    """(thinking, answer) of one streamed delta; at the end, whatever was held back."""
+    piece = stream.feed(text)
+    if done:
+        tail = stream.finish()
+        piece.reasoning += tail.reasoning
+        piece.content += tail.content
+    return piece.reasoning, piece.content
+
+
 def echoed_text(request: ChatCompletionRequest) -> str:
     """With echo, the reply starts with the last message when it is the
     assistant's (vLLM's behaviour): the text continue_final_message continues."""
@@ -163,12 +175,36 @@ def echoed_text(request: ChatCompletionRequest) -> str:
 
 class OpenAIServingChat:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], admission: AdmissionControl | None = None,
-                 tool_config: ToolCallConfig | None = None, trust_request_chat_template: bool = False):
+                 tool_config: ToolCallConfig | None = None, trust_request_chat_template: bool = False,
+                 reasoning_parser: str | None = None):
+        """`reasoning_parser`: --reasoning-parser's name, or None (the thinking stays in the content)."""
         self.engine = engine
         self.served_model_names = served_model_names
         self.admission = admission or AdmissionControl.for_engine(engine)
         self.tool_config = tool_config or ToolCallConfig()
         self.trust_request_chat_template = trust_request_chat_template
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+        self._reasoning_end_ids: list[int] | None = None
+
+    def _reasoning_plan(self, processed: ProcessedPrompt, request: ChatCompletionRequest,
+                        params: SamplingParams) -> tuple[bool, SamplingParams]:
+        """(whether the reply starts inside the thinking, params): a grammar
+        (response_format, tool_choice, ...) holds only after the thinking
+        ends, unless the prompt closed it already (thinking switched off)."""
+        state = self.reasoning_parser.prompt_state(processed.prompt, request.chat_template_kwargs)
+        if params.structured_outputs is not None and state != "closed":
+            if self._reasoning_end_ids is None:
+                self._reasoning_end_ids = self.engine.tokenizer.encode(END_TAG, add_special_tokens=False)
+            params.structured_outputs = dataclasses.replace(params.structured_outputs,
+                                                            starts_after_token_ids=self._reasoning_end_ids)
+        return self.reasoning_parser.reply_starts_in_reasoning(state), params
+
+    def _split(self, text: str, in_reasoning: bool, request: ChatCompletionRequest) -> tuple[str | None, str]:
+        """(thinking, answer) of a whole reply."""
+        if self.reasoning_parser is None:
+            return None, text
+        split = self.reasoning_parser.split(text, in_reasoning)
+        return (split.reasoning if request.include_reasoning else None), split.content
 
     def _render(self, request: ChatCompletionRequest, params: SamplingParams) -> ProcessedPrompt:
         """Runs in a worker thread: templating and tokenizing can take a while.
@@ -207,17 +243,22 @@ class OpenAIServingChat:
             except OpenAIError as e:
                 e.param = param if e.param == "max_tokens" else e.param
                 raise
+            in_reasoning = False
+            if self.reasoning_parser is not None:
+                in_reasoning, params = self._reasoning_plan(processed, request, params)
             request_id = random_id("chatcmpl")
             stream = await self.engine.add_request(prompt, params, request_id, stream=request.stream)
             if request.stream:
                 response = ReleasingStreamingResponse(
-                    reservation, self._stream(request, model, request_id, stream, top_logprobs, tool_plan),
+                    reservation,
+                    self._stream(request, model, request_id, stream, top_logprobs, tool_plan, in_reasoning),
                     media_type="text/event-stream", streams=[stream])
                 reservation = stream = None  # the response releases and closes them once sent
                 return response
             output = await cancel_on_disconnect(raw_request, self._last(stream))
             check_not_ended_early(output.outputs)
-            return JSONResponse(self._response(request, model, request_id, output, top_logprobs, tool_plan).model_dump())
+            return JSONResponse(self._response(request, model, request_id, output, top_logprobs, tool_plan,
+                                               in_reasoning).model_dump())
         finally:
             if reservation is not None:
                 reservation.release()
@@ -237,11 +278,13 @@ class OpenAIServingChat:
         return chat_logprobs(completion.token_ids, completion.logprobs or [], top_k)
 
     def _response(self, request: ChatCompletionRequest, model: str, request_id: str, output: RequestOutput,
-                  top_k: int, tool_plan: ToolPlan) -> ChatCompletionResponse:
+                  top_k: int, tool_plan: ToolPlan, in_reasoning: bool = False) -> ChatCompletionResponse:
         choices = []
         echo = echoed_text(request)
         for completion in output.outputs:
-            message, finish_reason = tool_plan.message(completion.text, completion.finish_reason)
+            reasoning, answer = self._split(completion.text, in_reasoning, request)
+            message, finish_reason = tool_plan.message(answer, completion.finish_reason)
+            message.reasoning_content = reasoning
             if echo:
                 message.content = echo + (message.content or "")
             choices.append(ChatChoice(
@@ -255,13 +298,16 @@ class OpenAIServingChat:
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
     async def _stream(self, request: ChatCompletionRequest, model: str, request_id: str,
-                      stream: AsyncIterator[RequestOutput], top_k: int, tool_plan: ToolPlan) -> AsyncIterator[str]:
+                      stream: AsyncIterator[RequestOutput], top_k: int, tool_plan: ToolPlan,
+                      in_reasoning: bool = False) -> AsyncIterator[str]:
         def chunk(choice: ChatStreamChoice) -> str:
             return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]))
 
         prompt_tokens = completion_tokens = 0
         finished: set[int] = set()
         choice_streams = [tool_plan.stream() for _ in range(request.n)]
+        reasoning_streams = [self.reasoning_parser.streaming(in_reasoning) for _ in range(request.n)] \
+            if self.reasoning_parser is not None else None
         try:
             # The role comes first, in a delta of its own, as OpenAI sends it.
             echo = echoed_text(request)
@@ -280,8 +326,16 @@ class OpenAIServingChat:
                     if completion.finish_reason is not None:
                         finished.add(completion.index)
                     choice_stream = choice_streams[completion.index]
-                    # None: held back (a tool parser waits for more text).
-                    delta = choice_stream.step(completion.text, completion.finish_reason is not None)
+                    done = completion.finish_reason is not None
+                    reasoning, answer = "", completion.text
+                    if reasoning_streams is not None:
+                        reasoning, answer = _split_delta(reasoning_streams[completion.index], answer, done)
+                        reasoning = reasoning if request.include_reasoning else ""
+                    # None: held back (a tool parser waits for more text), or nothing of the answer yet.
+                    delta = choice_stream.step(answer, done) if answer or done else None
+                    if reasoning:
+                        delta = delta or ChatDelta()
+                        delta.reasoning_content = reasoning
                     if delta is None and completion.finish_reason is None and not request.logprobs:
                         continue
                     yield chunk(ChatStreamChoice(
