@@ -12,8 +12,16 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
+from raylm.model.layers.cpu_kernels import get_cpu_kernels
 from raylm.model.quantization import QuantizedWeight
+
+# The type codes of csrc/quant_gemm.cpp.
+GGUF_TYPE_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q6_K": 3}
+# From this many activation rows on (prefill), the weight is widened once into a
+# transient float copy for a float matmul, instead of each block per row tile.
+WIDEN_FROM_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -35,9 +43,27 @@ def _int8_linear(x: torch.Tensor, state) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], data.shape[0])
 
 
+def _gguf_prepare(weight: QuantizedWeight, module):
+    return module, weight.data.contiguous(), GGUF_TYPE_CODES[weight.qtype.name], weight.cols
+
+
+def _gguf_linear(x: torch.Tensor, state) -> torch.Tensor:
+    module, data, code, cols = state
+    flat = x.reshape(-1, cols)
+    if flat.shape[0] >= WIDEN_FROM_ROWS:
+        y = F.linear(flat, module.quant_dequantize(data, code, cols, x.dtype))
+    else:
+        y = module.quant_linear(flat.contiguous(), data, code)
+    return y.reshape(*x.shape[:-1], data.shape[0])
+
+
 def kernel_for(qtype: str, device: torch.device, dtype: torch.dtype) -> QuantKernel | None:
     if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
     if qtype == "INT8" and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
         return QuantKernel("aten._weight_int8pack_mm", lambda w: _int8_prepare(w, dtype), _int8_linear)
+    if qtype in GGUF_TYPE_CODES:
+        module = get_cpu_kernels()
+        if module is not None and hasattr(module, "quant_linear"):
+            return QuantKernel("raylm quant_gemm", lambda w: _gguf_prepare(w, module), _gguf_linear)
     return None

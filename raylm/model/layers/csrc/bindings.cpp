@@ -14,6 +14,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 std::tuple<at::Tensor, at::Tensor> rotary_neox(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& cos_cache, const at::Tensor& sin_cache,
                                                int64_t head_dim);
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype);
+at::Tensor quant_dequantize(const at::Tensor& weight, int64_t qtype, int64_t K, at::ScalarType dtype);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -26,4 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("rotary_neox", &rotary_neox, "Neox-style rotary embedding of q and k by position", py::arg("positions"),
         py::arg("q"), py::arg("k"), py::arg("cos_cache"), py::arg("sin_cache"), py::arg("head_dim"));
+  m.def("quant_linear", &quant_linear, "x @ W^T for a GGUF-quantized W (Q8_0, Q4_0, Q4_K, Q6_K) kept in blocks",
+        py::arg("x"), py::arg("weight"), py::arg("qtype"));
+  m.def("quant_dequantize", &quant_dequantize, "a GGUF-quantized weight widened to float32 or bfloat16",
+        py::arg("weight"), py::arg("qtype"), py::arg("cols"), py::arg("dtype"));
 }
