@@ -16,7 +16,7 @@ from raylm.chat_template import read_chat_template
 from raylm.cpu_bind import parse_cpu_bind
 from raylm.model.arch_config import ArchConfig
 from raylm.model.generation_config import load_generation_defaults
-from raylm.model.gguf import is_gguf_path, materialize_tokenizer
+from raylm.model.gguf import is_gguf_path, materialize_tokenizer, open_gguf
 from raylm.model.hub import resolve_gguf_model, resolve_model_path
 from raylm.model.loader import load_arch_config
 
@@ -287,6 +287,8 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
     else:
         tokenizer_dir = model_dir
     arch = load_arch_config(model_dir)
+    if is_gguf:  # before any worker starts: a split inside a quantized block
+        open_gguf(model_dir).check_tensor_parallel(args.tensor_parallel_size)
     # A GGUF file carries no generation_config.json: the tokenizer's folder may.
     generation_defaults = load_generation_defaults(tokenizer_dir if is_gguf else model_dir, args.generation_config)
     chat_template = read_chat_template(args.chat_template) if args.chat_template is not None else None

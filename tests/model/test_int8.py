@@ -7,35 +7,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from raylm import LLM, SamplingParams
 from raylm.model.loader import load_model
 from raylm.testing import load_hf_model
+from raylm.testing.int8_reference import write_int8_reference
 
 TOKENS = torch.tensor([1, 17, 300, 5, 42, 99, 640, 7, 3, 250, 11, 500])
 SMALL_ENGINE = {"num_threads": 1, "kv_cache_memory_bytes": 4 << 20, "dtype": "float32"}
-LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def int8_reference(folder, out):
-    """A copy of `folder` whose linear weights are their per-row int8 round trip."""
-    import shutil
-
-    shutil.copytree(folder, out)
-    weights = load_file(out / "model.safetensors")
-    for name, w in weights.items():
-        if any(f".{part}.weight" in name for part in LINEAR):
-            scale = w.abs().amax(dim=1, keepdim=True) / 127
-            weights[name] = (torch.round(w / scale).clamp(-127, 127) * scale).to(w.dtype)
-    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    return out
 
 
 @torch.inference_mode()
 def test_int8_logits_match_the_dequantized_float_model(tiny_model_dir, tmp_path):
     folder = tiny_model_dir("qwen2")
-    reference = int8_reference(folder, tmp_path / "reference")
+    reference = write_int8_reference(folder, tmp_path / "reference")
     model = load_model(folder, torch.float32, "cpu", quantization="int8")
     layer = model.model.layers[0]
     assert layer.self_attn.qkv_proj.quant_matmul is not None and layer.mlp.down_proj.quant_matmul is not None
@@ -48,7 +33,7 @@ def test_int8_logits_match_the_dequantized_float_model(tiny_model_dir, tmp_path)
 
 def test_int8_engine_generates_what_the_dequantized_model_does(tiny_model_dir, tmp_path):
     folder = tiny_model_dir("llama")
-    reference = int8_reference(folder, tmp_path / "reference")
+    reference = write_int8_reference(folder, tmp_path / "reference")
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     prompts = ["ROMEO:", "Hello there, friend"]
     llm = LLM(model=folder, quantization="int8", **SMALL_ENGINE)

@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 # llama.cpp writes Mistral (and other Llama-shaped models) as "llama".
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # Types raylm loads, by ggml type.
-SUPPORTED_TYPES = {**FLOAT_GGUF_TYPES, **{q.ggml_type: name for name, q in QUANT_TYPES.items() if q.ggml_type}}
+QUANT_GGML = {q.ggml_type: name for name, q in QUANT_TYPES.items() if q.ggml_type is not None}
+SUPPORTED_TYPES = {**FLOAT_GGUF_TYPES, **QUANT_GGML}
 
 
 def is_gguf_path(path: str | os.PathLike) -> bool:
@@ -101,6 +102,23 @@ class GGUFFile:
             # bf16 checkpoint would run); the weights keep their own types.
             "dtype": "float32" if set(self.type_counts()) == {"F32"} else "bfloat16",
         }
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        """Refuse a tensor-parallel size that would split a row-parallel weight
+        (attn_output, ffn_down: split by input columns) inside a quantized block."""
+        if tp_size == 1:
+            return
+        for t in self.reader.tensors:
+            if not t.name.endswith(("attn_output.weight", "ffn_down.weight")):
+                continue
+            block = QUANT_TYPES[SUPPORTED_TYPES[t.tensor_type]].block_size if t.tensor_type in QUANT_GGML else 1
+            cols = int(t.shape[0])
+            if cols % tp_size or (cols // tp_size) % block:
+                raise ValueError(
+                    f"{self.path}: tensor_parallel_size {tp_size} would split tensor {t.name!r} "
+                    f"({t.tensor_type.name}, {cols} columns) into shards of {cols / tp_size:g} columns, not whole "
+                    f"{t.tensor_type.name} blocks of {block}; use a tensor_parallel_size that keeps whole blocks"
+                )
 
     def _need(self, key: str) -> Any:
         value = self.arch_field(key)
