@@ -3,8 +3,10 @@ how much of the grammar bitmask's time the forward hides.
 
 The engine core computes a step's bitmask while the workers run its forward
 (EngineCore._step_one_batch). Two runs of one workload, alternating: `free`
-(no request constrained) and `constrained` (half the requests follow a JSON
-schema). In the constrained run the engine times each step's bitmask and the
+(no request constrained) and `constrained` (--constrained-share of the
+requests follow a JSON schema, with --whitespace: raylm's bounded default,
+none, or any run of it as xgrammar allows). The time per output token of each
+run, and their ratio, say what a constrained token costs against a free one. In the constrained run the engine times each step's bitmask and the
 ranks time each step's forward (execute_model); a step's bitmask is hidden up
 to the forward's length, since both start when the step is sent:
 
@@ -12,6 +14,7 @@ to the forward's length, since both start when the step is sent:
 
     python benchmarks/bench_structured.py --make-model large /tmp/llama-111m
     python benchmarks/bench_structured.py --model /tmp/llama-111m --backend mp
+    python benchmarks/bench_structured.py --model /tmp/llama-111m --constrained-share 1 --whitespace none
 """
 
 from __future__ import annotations
@@ -80,9 +83,11 @@ def run(args, mode: str) -> dict:
         vocab = llm.llm_engine.config.model_config.vocab_size
         prompts = [{"prompt_token_ids": [rng.randrange(16, vocab) for _ in range(args.input_len)]}
                    for _ in range(args.num_prompts)]
-        constrained = StructuredOutputsParams(json=SCHEMA)
+        constrained = StructuredOutputsParams(json=SCHEMA, **WHITESPACE[args.whitespace])
+        every = max(1, round(1 / args.constrained_share)) if args.constrained_share > 0 else None
         params = [SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
-                                 structured_outputs=constrained if mode == "constrained" and i % 2 == 0 else None)
+                                 structured_outputs=constrained if mode == "constrained" and every
+                                 and i % every == 0 else None)
                   for i in range(args.num_prompts)]
         llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up: grammar compiled, first allocations
         core = llm.llm_engine.engine_core.engine_core
@@ -95,15 +100,23 @@ def run(args, mode: str) -> dict:
         ranks = core.executor.collective_rpc(take_times)
         forward_s = [max(times) for times in zip(*(r["execute_model"] for r in ranks))]
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        constrained_tokens = sum(len(o.outputs[0].token_ids) for o, p in zip(outs, params)
+                                 if p.structured_outputs is not None)
         valid = sum(_is_valid(o.outputs[0].text) for o, p in zip(outs, params)
                     if p.structured_outputs is not None and o.outputs[0].finish_reason == "stop")
         return {"mode": mode, "elapsed_s": elapsed, "tokens": tokens, "steps": len(timer.step_s),
                 "median_step_ms": 1e3 * statistics.median(timer.step_s), "bitmask_s": sum(timer.bitmask_s),
                 "hidden_s": sum(min(b, f) for b, f in zip(timer.bitmask_s, forward_s)),
                 "median_forward_ms": 1e3 * statistics.median(forward_s),
-                "valid_finished_json": valid}
+                "valid_finished_json": valid, "constrained_tokens": constrained_tokens,
+                "ms_per_token": 1e3 * elapsed / tokens}
     finally:
         llm.shutdown()
+
+
+# --whitespace: what may stand between JSON tokens.
+WHITESPACE = {"bounded": {}, "none": {"disable_any_whitespace": True},
+              "any": {"whitespace_pattern": r"[ \n\r\t]*"}}
 
 
 def _is_valid(text: str) -> bool:
@@ -131,6 +144,10 @@ def main(argv=None) -> None:
     parser.add_argument("--kv-cache-gib", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--constrained-share", type=float, default=0.5,
+                        help="share of the requests constrained in the constrained run (1: all)")
+    parser.add_argument("--whitespace", default="bounded", choices=sorted(WHITESPACE),
+                        help="JSON whitespace of the constrained requests")
     args = parser.parse_args(argv)
     if args.make_model:
         make_model(*args.make_model)
@@ -148,6 +165,12 @@ def main(argv=None) -> None:
     bitmask = sum(r["bitmask_s"] for r in results["constrained"])
     hidden = sum(r["hidden_s"] for r in results["constrained"])
     print(f"bitmask hidden behind the forward: {hidden / bitmask:.1%} of {bitmask * 1e3:.1f} ms")
+    per_token = {mode: statistics.median(r["ms_per_token"] for r in rs) for mode, rs in results.items()}
+    constrained_tokens = sum(r["constrained_tokens"] for r in results["constrained"])
+    print(f"time per output token (median of rounds): free {per_token['free']:.3f} ms, constrained "
+          f"{per_token['constrained']:.3f} ms ({per_token['constrained'] / per_token['free']:.2f}x); bitmask "
+          f"{1e6 * bitmask / max(constrained_tokens, 1):.0f} us per constrained token "
+          f"({args.constrained_share:g} of the requests constrained, whitespace {args.whitespace})")
 
 
 if __name__ == "__main__":

@@ -54,8 +54,8 @@ def _streamed(chat, request, text, in_reasoning, seed=0):
     async def outputs():
         for i, piece in enumerate(pieces):
             last = i == len(pieces) - 1
-            yield RequestOutput("r", None, [1], [CompletionOutput(0, piece, [1], finish_reason="stop" if last else None)],
-                              last)
+            completion = CompletionOutput(0, piece, [1], finish_reason="stop" if last else None)
+            yield RequestOutput("r", None, [1], [completion], last)
 
     async def collect():
         plan = plan_tools(request, chat.tool_config)

@@ -37,8 +37,8 @@ CASES = [
     ("llama3_json", '{"name": "get_weather", "parameters": "Paris"}', '{"name": "get_weather", "parameters": "Paris"}',
      []),
     ("llama3_json", '{"city": "Paris"}', '{"city": "Paris"}', []),  # no name
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": ', '{"name": "get_weather", "parameters": {"city": ',
-     []),  # cut short
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": ',  # cut short
+     '{"name": "get_weather", "parameters": {"city": ', []),
     ("llama3_json", '{"name": "get_time", "parameters": {}}; and then some text',
      "and then some text", [("get_time", {})]),
     ("llama3_json", '{"name": "get_time", "parameters": {}}; {"name": 3}', '{"name": 3}', [("get_time", {})]),
