@@ -19,7 +19,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import quants
-from safetensors.numpy import load_file
+from safetensors.torch import load_file
 
 from raylm.testing.kquants import quantize_q4_k, quantize_q6_k
 
@@ -99,7 +99,7 @@ def write_gguf(model_dir: str | pathlib.Path, path: str | pathlib.Path, qtype: s
     for hf_name, tensor in weights.items():
         if hf_name.endswith("rotary_emb.inv_freq") or (hf_name == "lm_head.weight" and config.get("tie_word_embeddings")):
             continue
-        w = tensor.astype(np.float32)
+        w = tensor.float().numpy()
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             w = permute_for_rope(w, heads)
         elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -165,7 +165,8 @@ def write_dequantized_reference(model_dir: str | pathlib.Path, out_dir: str | pa
     quantized GGUF file stands for, for transformers (or raylm) to run."""
     import shutil
 
-    from safetensors.numpy import save_file
+    import torch
+    from safetensors.torch import save_file
 
     model_dir, out_dir = pathlib.Path(model_dir), pathlib.Path(out_dir)
     shutil.copytree(model_dir, out_dir, dirs_exist_ok=True)
@@ -176,7 +177,7 @@ def write_dequantized_reference(model_dir: str | pathlib.Path, out_dir: str | pa
     weights = load_file(str(model_dir / "model.safetensors"))
     out = {}
     for hf_name, tensor in weights.items():
-        w = tensor.astype(np.float32)
+        w = tensor.float().numpy()
         if w.ndim == 2 and not hf_name.endswith("rotary_emb.inv_freq"):
             n_head = heads if ".q_proj." in hf_name else kv_heads if ".k_proj." in hf_name else None
             permute = arch == "llama" and n_head is not None
@@ -189,6 +190,6 @@ def write_dequantized_reference(model_dir: str | pathlib.Path, out_dir: str | pa
 
                 decoded = decoded[rope_unpermute_order(w.shape[0], n_head)]
             w = decoded
-        out[hf_name] = np.ascontiguousarray(w.astype(tensor.dtype))
+        out[hf_name] = torch.from_numpy(np.ascontiguousarray(w)).to(tensor.dtype)
     save_file(out, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir

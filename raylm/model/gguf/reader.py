@@ -8,6 +8,7 @@ tensor's type is one raylm can run (else the error names the tensor and type).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -151,17 +152,26 @@ class _Truncated(Exception):
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
-    """The checked GGUF file at `path`; ValueError naming the cause otherwise."""
+    """The checked GGUF file at `path`; ValueError naming the cause otherwise.
+
+    gguf's reader parses every metadata value, the tokenizer's token list and
+    merges too (most of the time of opening a file): a file opened again in the
+    same process (config, then model) is parsed once while it is unchanged."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"GGUF file {path!r} does not exist")
+    stat = os.stat(path)
+    return _open_checked(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_checked(path: str, size: int, mtime_ns: int) -> GGUFFile:
     try:
         reader = _TruncationCheckingReader(path, "r")
     except _Truncated as e:
         raise ValueError(f"truncated GGUF file {path!r}: {e}") from None
     except Exception as e:  # the reader raises ValueError, IndexError, struct errors... on bad bytes
         raise ValueError(f"corrupt or truncated GGUF file {path!r}: {type(e).__name__}: {e}") from e
-    size = os.path.getsize(path)
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
             raise ValueError(
