@@ -23,16 +23,14 @@ group of its own. A replica that dies takes its in-flight requests with it
 another replica (README, "Ray Serve or raylm's data parallelism").
 """
 
-# No `from __future__ import annotations`: Serve pickles RaylmServer by value,
-# and FastAPI must read its route's `request: Request` as the class itself.
+from __future__ import annotations
+
 import argparse
 import json
 import logging
 from dataclasses import fields
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
 from ray import serve
 
 from raylm.config.engine_args import EngineArgs
@@ -210,26 +208,34 @@ def plan_replica(engine: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
 
 # ---- the deployment ---------------------------------------------------------------
 
-# The ingress Serve sees: one route that hands every request, as it came, to
-# the replica's own raylm app (the routes of `raylm serve`, built once the
-# replica's engine exists). No docs routes of its own: the inner app's answer.
-_ingress = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-_ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
-# The ASGI scope keys of the request itself; the outer app's routing keys
-# (app, router, route, endpoint, path_params, ...) stay behind.
-_SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path", "query_string",
-               "root_path", "headers", "client", "server", "extensions", "state")
+# The raylm app of the replica in this process (a Serve replica is an actor, a
+# process of its own): set once its engine is up.
+_replica_app = None
 
 
-class _HandTo(Response):
-    """A response that is another ASGI app's answer to the same request."""
+def _serve_replica_app(app) -> None:
+    global _replica_app
+    _replica_app = app
 
-    def __init__(self, app) -> None:
-        super().__init__()
-        self.inner = app
+
+class ReplicaIngress:
+    """The ASGI app Serve runs in each replica: every HTTP request goes, as it
+    came, to the replica's raylm app (the routes of `raylm serve`, built once
+    the engine exists). A plain ASGI callable, not a FastAPI app: Serve
+    pickles what it is given, and FastAPI apps do not pickle the same way in
+    every Ray and FastAPI version."""
 
     async def __call__(self, scope, receive, send) -> None:
-        await self.inner({k: scope[k] for k in _SCOPE_KEYS if k in scope}, receive, send)
+        if scope["type"] == "lifespan":  # nothing to start or stop: the replica's constructor did
+            while True:
+                message = await receive()
+                kind = message["type"].rpartition(".")[2]
+                await send({"type": f"lifespan.{kind}.complete"})
+                if kind == "shutdown":
+                    return
+        if _replica_app is None:
+            raise RuntimeError("no raylm engine in this process yet")
+        await _replica_app(scope, receive, send)
 
 
 def engine_config_in_replica(engine_kwargs: dict[str, Any]):
@@ -287,18 +293,15 @@ class ReplicaEngine:
 
 
 # Serve pickles this class by value (its decorator replaces the module's
-# name for it), with the globals its methods name as they are now: it only
-# names what is defined above, and hands the work to ReplicaEngine.
-@serve.ingress(_ingress)
+# name for it), with the module globals its methods name as they are now: it
+# names only what is defined above.
+@serve.ingress(ReplicaIngress())
 class RaylmServer:
     """One Serve replica: Serve's view of a ReplicaEngine."""
 
     def __init__(self, engine_kwargs: dict[str, Any], server: dict[str, Any]):
         self.replica = ReplicaEngine(engine_kwargs, server)
-
-    @_ingress.api_route("/{path:path}", methods=_ALL_METHODS, include_in_schema=False)
-    async def handle(self, request: Request) -> Response:
-        return _HandTo(self.replica.app)
+        _serve_replica_app(self.replica.app)
 
     async def check_health(self) -> None:
         """Serve's health check: the engine core answers a ping (or recovers
