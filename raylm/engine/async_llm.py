@@ -179,6 +179,16 @@ class AsyncLLM:
             await self.engine_core.scale_async(data_parallel_size)
         self._record(lambda s: s.record_target_replicas(data_parallel_size))
 
+    async def restart_replica(self, index: int) -> None:
+        """Restart data-parallel replica `index` without losing a request: its
+        requests migrate to the others, it starts anew and serves again."""
+        if self.config.parallel_config.data_parallel_size == 1:
+            raise ValueError("restarting a replica needs an engine started with data_parallel_size > 1")
+        if self._scale_lock is None:
+            self._scale_lock = asyncio.Lock()
+        async with self._scale_lock:  # not while the replica count changes
+            await self.engine_core.restart_replica(index)
+
     @classmethod
     def from_engine_args(cls, stat_loggers: list[StatLoggerBase] | None = None, **engine_kwargs: Any) -> "AsyncLLM":
         """An engine for online streams: unless told otherwise, its defaults

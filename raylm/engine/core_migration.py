@@ -178,6 +178,6 @@ class MigrationEndpoint:
 
     @staticmethod
     def _refused(message, reason: str) -> MigrationReport:
-        logger.warning("migration %s of request %s refused: %s", message.migration_id, message.request_id[:64], reason)
+        logger.info("migration %s of request %s refused: %s", message.migration_id, message.request_id[:64], reason)
         return MigrationReport(message.migration_id, message.request_id, ok=False,
                                final=getattr(message, "final", True), error=reason)

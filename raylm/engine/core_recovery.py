@@ -33,6 +33,8 @@ class Replacement:
     noticed: float
     cause: str
     num_requests: int
+    # A restart asked for (replica_restart.py), not a failure: no recovery to report.
+    planned: bool = False
 
 
 class CoreRecovery:
@@ -71,11 +73,15 @@ class CoreRecovery:
         if error is not None:
             self.launcher.close_channel(channel)
             logger.error("starting engine core %d failed: %s", channel.index, error)
+            self._restart_done(channel.index)  # a planned restart that failed is now a recovery
             # A failed start costs another restart from the budget.
             self._last_failure = str(error)
             self._restart_if_allowed(channel.index, replacement)
             return
         self.channels[channel.index] = channel
+        if replacement.planned:
+            self._restart_done(channel.index)
+            return
         seconds = time.monotonic() - replacement.noticed
         logger.warning("engine core %d replaced in %.1f s (%s); %d request(s) carried over",
                        channel.index, seconds, replacement.cause, replacement.num_requests)

@@ -55,6 +55,9 @@ logger = logging.getLogger("raylm.engine.supervisor")
 # what the request adds while a stage is read in is then small.
 _FINAL_STAGE_BLOCKS = 2
 _MAX_STAGES = 4
+# A draining replica's request whose migration was given up (the destination
+# had no room, say) is tried again after this long, until it moves or ends.
+_RETRY_AFTER_S = 0.25
 
 
 @dataclass
@@ -84,6 +87,7 @@ class MigrationControl:
         self._resumed: dict[str, tuple[Migration, float]] = {}
         self._migration_events: list[MigrationStats] = []
         self.migration_counts = {"migrated": 0, "abandoned": 0}
+        self._retry_at: dict[str, float] = {}  # request id -> when it may be tried again
         self._migration_ids = itertools.count()
         self._transfer_dir: str | None = None
         self._transfer_dir_cleanup = None
@@ -123,6 +127,16 @@ class MigrationControl:
         if channel is None:
             return 0
         return sum(self.migrate(request_id, reason=reason) for request_id in sorted(channel.in_flight))
+
+    def _retry_draining_migrations(self) -> None:
+        """Requests still on a draining replica move as soon as they can."""
+        now = time.monotonic()
+        for channel in [c for c in self.channels.values() if c.draining]:
+            reason = "restart" if channel.index in self.restarting else "scale_in"
+            for request_id in sorted(channel.in_flight):
+                if request_id not in self._migrating and self._retry_at.get(request_id, 0.0) <= now:
+                    self._retry_at.pop(request_id, None)
+                    self.migrate(request_id, reason=reason)
 
     def _migration_destination(self, source: CoreChannel, index: int | None) -> CoreChannel | None:
         candidates = [c for i, c in self.channels.items()
@@ -234,8 +248,9 @@ class MigrationControl:
             self._resumed[migration.request_id] = (migration, seconds)
             self.migration_counts["migrated"] += 1
         else:
-            logger.warning("migration of request %s from core %d to core %d abandoned: %s",
+            logger.info("migration of request %s from core %d to core %d abandoned: %s",
                            migration.request_id[:64], migration.source, migration.destination, why)
+            self._retry_at[migration.request_id] = time.monotonic() + _RETRY_AFTER_S
             self._migration_events.append(MigrationStats(migration.reason, ok=False, seconds=seconds,
                                                          num_bytes=migration.num_bytes))
             self.migration_counts["abandoned"] += 1
@@ -262,6 +277,7 @@ class MigrationControl:
         (An abort went to the core that owns it in the ledger; the other
         side drops or frees what it holds.)"""
         self._resumed.pop(request_id, None)
+        self._retry_at.pop(request_id, None)
         migration_id = self._migrating.get(request_id)
         if migration_id is not None:
             migration = self.migrations[migration_id]

@@ -45,6 +45,7 @@ from raylm.engine.core_channel import CoreChannel, CoreLauncher, DropLog
 from raylm.engine.core_recovery import CoreRecovery, Replacement
 from raylm.engine.errors import EngineDeadError
 from raylm.engine.migration import MigrationControl
+from raylm.engine.replica_restart import AsyncReplicaRestart, ReplicaRestart
 from raylm.engine.protocol import (
     AbortRequests,
     EngineCoreOutputs,
@@ -95,7 +96,7 @@ class LedgerEntry:
                        cache_salt=first.cache_salt)
 
 
-class EngineCoreSupervisor(CoreRecovery, MigrationControl):
+class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
     asyncio_mode = False
 
     def __init__(self, config: EngineConfig, launcher: CoreLauncher | None = None):
@@ -123,6 +124,7 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl):
         self.undecodable = DropLog("a core message that does not decode", logger)
         self.foreign = DropLog("outputs for requests not routed to the core that sent them", logger)
         self._init_migration()
+        self._init_restarts()
         self._ctx = zmq.Context()
         self.launcher = launcher if launcher is not None else make_launcher(config)
         output = self.launcher.bind_output(self._ctx)
@@ -262,7 +264,9 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl):
     def _plan_scale(self, data_parallel_size: int) -> list[int]:
         """Drain what a scale-down removes; the new indices a scale-up needs."""
         if not self.launcher.can_scale:
-            raise ValueError("scaling needs an engine started with data_parallel_size > 1 on Ray")
+            raise ValueError("scaling needs an engine started with data_parallel_size > 1")
+        if self.restarting:
+            raise ValueError(f"replica(s) {sorted(self.restarting)} are restarting: scale once they serve again")
         if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
         active = sorted(i for i, c in self.channels.items() if not c.draining)
@@ -294,6 +298,8 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl):
                 self.launcher.stop(index, wait_s=_DRAINED_STOP_S)
                 self.launcher.close_channel(channel)
                 logger.info("engine core %d drained and removed", index)
+                if index in self.restarting:
+                    self._restart_retired(index)
 
     def replica_states(self) -> list[dict]:
         """For /health and logs: each core's node, load and state."""
@@ -301,11 +307,12 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl):
         for index in sorted(set(self.channels) | set(self._starting)):
             channel = self.channels.get(index)
             if channel is None:
-                states.append({"replica": index, "state": "starting"})
+                states.append({"replica": index, "state": self.restart_state(index) or "starting"})
                 continue
             stats = channel.stats
             states.append({
-                "replica": index, "state": "draining" if channel.draining else "serving",
+                "replica": index,
+                "state": self.restart_state(index) or ("draining" if channel.draining else "serving"),
                 "node_ip": channel.node_ip, "in_flight": len(channel.in_flight),
                 "num_running": stats.num_running if stats else 0,
                 "num_waiting": stats.num_waiting if stats else 0,
@@ -330,6 +337,7 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl):
         for channel in self.channels.values():
             channel.flush()
         self._kill_hung_cores()
+        self._retry_draining_migrations()
         self._retire_drained()
         if not self.channels and not self._starting and self.dead_error is None:
             budget = self.restart_budget
@@ -440,7 +448,7 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl):
         self._close_migration()
 
 
-class AsyncEngineCoreSupervisor(EngineCoreSupervisor):
+class AsyncEngineCoreSupervisor(EngineCoreSupervisor, AsyncReplicaRestart):
     """For AsyncLLM: `get_output` awaits the output socket."""
 
     asyncio_mode = True

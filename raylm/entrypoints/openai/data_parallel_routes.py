@@ -1,6 +1,7 @@
-"""The server's data-parallel surface: `POST /scale` (admin, behind the API
-key), each replica's state for `/health`, and per-replica gauges on
-`/metrics`, read from the routing client when scraped.
+"""The server's data-parallel surface: `POST /scale` and
+`POST /replicas/{i}/restart` (admin, behind the API key), each replica's
+state for `/health`, and per-replica gauges on `/metrics`, read from the
+routing client when scraped.
 
 `/scale` is bounded and serialized: at most MAX_DATA_PARALLEL_SIZE replicas
 (and, on a Ray cluster, no more than it has CPUs: a replica needs one at
@@ -87,15 +88,37 @@ def install_data_parallel_routes(app: FastAPI, engine: Any, api_key: str | None,
 
     scaling = asyncio.Lock()
 
-    @app.post("/scale")
-    async def scale(body: ScaleRequest, request: Request) -> JSONResponse:
-        """Change the number of replicas; answers once new ones serve (removed
-        ones drain in the background). 400 if the engine has no replicas or
-        the size is past the bound; a call waits for the one before it."""
+    def refused(request: Request) -> JSONResponse | None:
         if api_key:
             given = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
                 return error_response("missing or invalid API key (Authorization: Bearer ...)", 401)
+        return None
+
+    @app.post("/replicas/{index}/restart")
+    async def restart_replica(index: int, request: Request) -> JSONResponse:
+        """Restart one replica without losing a request (its requests migrate
+        to the others); answers once it serves again. 400 if it does not
+        serve or no other replica could take its requests."""
+        if (denied := refused(request)) is not None:
+            return denied
+        try:
+            async with scaling:
+                await engine.restart_replica(index)
+        except ValueError as e:
+            return error_response(str(e), 400, "index")
+        except RuntimeError as e:
+            return error_response(f"could not restart replica {index}: {e}", 409)
+        return JSONResponse({"restarted": index, "replicas": replica_states(engine)})
+
+    @app.post("/scale")
+    async def scale(body: ScaleRequest, request: Request) -> JSONResponse:
+        """Change the number of replicas; answers once new ones serve (removed
+        ones migrate their requests away and leave in the background). 400 if
+        the engine has no replicas or the size is past the bound; a call
+        waits for the one before it."""
+        if (denied := refused(request)) is not None:
+            return denied
         limit, why = await max_data_parallel_size()
         if body.data_parallel_size > limit:
             return error_response(f"data_parallel_size: at most {limit} ({why}), got {body.data_parallel_size}",

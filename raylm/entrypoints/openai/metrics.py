@@ -97,6 +97,9 @@ class PrometheusStatLogger(StatLoggerBase):
                                             _MIGRATION_BUCKETS)
         self.migration_bytes = counter("raylm:migration_bytes", "KV cache bytes moved by live migrations")
         self.target_replicas = gauge("raylm:dp_target_replicas", "Data-parallel replicas asked for")
+        for reason in ("scale_in", "rebalance", "restart", "manual"):  # exported from the start, as 0
+            self.migrations.labels(reason=reason, **labels)
+            self.migrations_abandoned.labels(reason=reason, **labels)
         self._labels = labels
         for reason in ("queue_full", "body_too_large", "shutting_down"):
             self.requests_refused.labels(reason=reason, **labels)
