@@ -14,6 +14,11 @@ has accepted, so it survives preemption, an executor rebuilt after a failure
 (tokens of lost steps never reached it) and a request resumed with the tokens
 it generated elsewhere (fast-forwarded over them once compiled).
 
+JSON grammars bound their whitespace and digits (raylm.core.json_grammar). A
+reasoning model's request may hold its grammar back until the output has
+produced given tokens (the end of its thinking): until then the request gets
+no bitmask row and its matcher is not fed.
+
 xgrammar is imported on first use: engines without constrained requests never
 load it.
 """
@@ -33,6 +38,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
+from raylm.core.json_grammar import BOUNDED_JSON_WHITESPACE, json_grammar_ebnf
 from raylm.core.request import Request, RequestStatus
 from raylm.messages import GrammarOutput, SchedulerOutput
 from raylm.sampling_params import StructuredOutputsParams
@@ -52,12 +58,6 @@ GRAMMAR_COMPILE_TIMEOUT_S = 30.0
 # Workers stuck on abandoned compilations that get a replacement (see
 # _CompilePool); past this many, the pool does with the workers it has.
 _MAX_ABANDONED = 4
-
-
-# What may stand between JSON tokens unless the request says otherwise: one
-# space, or a newline and an indent of at most 20 (llama.cpp's bound). xgrammar
-# allows any run of whitespace, which a weak model takes until max_tokens.
-BOUNDED_JSON_WHITESPACE = r"( |\n[ \t]{0,20})?"
 
 
 @dataclass(frozen=True)
@@ -91,72 +91,6 @@ def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
         alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
         return GrammarSpec("choice", "ebnf", f"root ::= {alternatives}")
     return GrammarSpec("grammar", "ebnf", params.grammar)
-
-
-# ---- JSON with bounded whitespace ------------------------------------------
-# xgrammar's JSON-schema converter offers any whitespace, none (with fixed
-# separators), or at most N characters of [ \n\r\t] between tokens. For a
-# pattern (the bounded default, or the request's whitespace_pattern) the
-# schema is converted with a marker count, and each whitespace run the
-# converter wrote is replaced by a rule made from the pattern (xgrammar's own
-# regex converter). EBNF string literals and character classes are skipped,
-# so a schema's enum or const text is never touched.
-_MARK_COUNT = 977
-_WHITESPACE_RULE = "raylm_json_ws"
-_EBNF_LITERAL = r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]'
-_CONVERTER_RUN = re.compile(_EBNF_LITERAL + r"|(\bwhitespace(?:_\d+)?\{0, ?" + str(_MARK_COUNT) + r"\})")
-# Digits too, as llama.cpp bounds them: at most 16 in an integer part (past
-# that a double cannot hold it exactly anyway), a fraction or an exponent;
-# xgrammar's basic number rules repeat digits without end.
-_MAX_DIGITS = 16
-_UNBOUNDED_DIGITS = re.compile(r"(\[0-9\]\*|\bbasic_number_digits\{1, ?-1\})|" + _EBNF_LITERAL)
-_MARK = re.compile(_EBNF_LITERAL + r"|(\{0, ?" + str(_MARK_COUNT) + r"\})")
-_REGEX_RULE_NAME = re.compile(_EBNF_LITERAL + r"|(\broot(?:_\d+)?\b)")
-
-
-def _replace_outside_literals(pattern: re.Pattern, text: str, replace: Callable[[str], str]) -> tuple[str, int]:
-    count = 0
-
-    def substitute(match: re.Match) -> str:
-        nonlocal count
-        if match.group(1) is None:
-            return match.group(0)  # a literal: kept as written
-        count += 1
-        return replace(match.group(1))
-
-    return pattern.sub(substitute, text), count
-
-
-def _whitespace_rules(pattern: str) -> str:
-    """EBNF rules for the whitespace regex, the first named _WHITESPACE_RULE."""
-    ebnf = str(_xgrammar().Grammar.from_regex(pattern))
-    renamed, _ = _replace_outside_literals(_REGEX_RULE_NAME, ebnf, lambda name: _WHITESPACE_RULE + name[4:])
-    return renamed
-
-
-@functools.lru_cache(maxsize=256)
-def json_grammar_ebnf(schema: str, whitespace: str | None) -> str:
-    """The EBNF of JSON following `schema` with `whitespace` (a regex; None:
-    none at all, "," and ":" alone separate) between its tokens, and numbers of
-    at most _MAX_DIGITS digits a part. ValueError when the converter's output
-    does not have the shape this rewrite knows (another xgrammar version)."""
-    xgr = _xgrammar()
-    if whitespace is None:
-        rewritten = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=(",", ":")))
-    else:
-        converted = str(xgr.Grammar.from_json_schema(schema, any_whitespace=True, max_whitespace_cnt=_MARK_COUNT))
-        rewritten, _ = _replace_outside_literals(_CONVERTER_RUN, converted, lambda _: _WHITESPACE_RULE)
-        if _replace_outside_literals(_MARK, rewritten, str)[1]:  # a run left as the converter wrote it
-            raise ValueError("xgrammar's JSON-schema converter wrote whitespace in a form raylm does not know")
-        rewritten += _whitespace_rules(whitespace)
-    rewritten, _ = _replace_outside_literals(_UNBOUNDED_DIGITS, rewritten, _bounded_digits)
-    return rewritten
-
-
-def _bounded_digits(run: str) -> str:
-    if run.startswith("["):
-        return f"[0-9]{{0, {_MAX_DIGITS - 1}}}"  # after a leading [1-9]
-    return f"basic_number_digits{{1, {_MAX_DIGITS}}}"
 
 
 def _xgrammar():

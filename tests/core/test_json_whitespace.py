@@ -10,8 +10,8 @@ import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
-from raylm.core.structured_output import BOUNDED_JSON_WHITESPACE, grammar_spec, json_grammar_ebnf, \
-    validate_structured_outputs
+from raylm.core.json_grammar import BOUNDED_JSON_WHITESPACE, json_grammar_ebnf
+from raylm.core.structured_output import grammar_spec, validate_structured_outputs
 from raylm.sampling_params import StructuredOutputsParams
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
