@@ -165,6 +165,8 @@ class EngineArgs:
         "pack", "replicas packed onto as few nodes as possible, or spread one per node", choices=("pack", "spread"))
     data_parallel_prefix_affinity: bool = _parallel(
         False, "requests sharing a long prompt prefix prefer the replica that cached it")
+    data_parallel_rebalance: bool = _parallel(
+        False, "move running requests live (KV cache and all) from a replica much busier than the least busy one")
     ray_address: str | None = _parallel(
         None, "Ray cluster to join (e.g. auto or HOST:6379); default: RAY_ADDRESS, else a local Ray is started",
         metavar="ADDR")

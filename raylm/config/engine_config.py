@@ -144,6 +144,8 @@ class ParallelConfig:
     data_parallel_placement: str = "pack"
     # Requests sharing a long prompt prefix prefer the replica that cached it.
     data_parallel_prefix_affinity: bool = False
+    # Live migration from a much busier replica to the least busy (raylm.engine.migration).
+    data_parallel_rebalance: bool = False
 
     @property
     def world_size(self) -> int:

@@ -40,6 +40,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from raylm.engine.core_channel import CoreChannel
+from raylm.engine.routing import CoreLoad, plan_rebalance
 from raylm.engine.protocol import (
     EngineCoreRequest,
     MigrateEnd,
@@ -58,6 +59,10 @@ _MAX_STAGES = 4
 # A draining replica's request whose migration was given up (the destination
 # had no room, say) is tried again after this long, until it moves or ends.
 _RETRY_AFTER_S = 0.25
+# Rebalancing: how often the loads are compared, and how long a request that
+# was moved stays where it went (hysteresis: requests do not bounce).
+_REBALANCE_INTERVAL_S = 0.5
+_MOVED_COOLDOWN_S = 30.0
 
 
 @dataclass
@@ -88,6 +93,9 @@ class MigrationControl:
         self._migration_events: list[MigrationStats] = []
         self.migration_counts = {"migrated": 0, "abandoned": 0}
         self._retry_at: dict[str, float] = {}  # request id -> when it may be tried again
+        self._rebalance = self.config.parallel_config.data_parallel_rebalance
+        self._next_rebalance = 0.0
+        self._moved_at: dict[str, float] = {}  # request id -> when rebalancing moved it
         self._migration_ids = itertools.count()
         self._transfer_dir: str | None = None
         self._transfer_dir_cleanup = None
@@ -137,6 +145,29 @@ class MigrationControl:
                 if request_id not in self._migrating and self._retry_at.get(request_id, 0.0) <= now:
                     self._retry_at.pop(request_id, None)
                     self.migrate(request_id, reason=reason)
+
+    def _rebalance_if_due(self) -> None:
+        """Every _REBALANCE_INTERVAL_S, with no migration in progress: move
+        requests from a much busier core to the least busy (routing.plan_rebalance),
+        the least advanced first (the fewest K/V blocks to move), never a
+        request pinned to its core or moved within _MOVED_COOLDOWN_S."""
+        now = time.monotonic()
+        if not self._rebalance or self.migrations or now < self._next_rebalance:
+            return
+        self._next_rebalance = now + _REBALANCE_INTERVAL_S
+        loads = [CoreLoad(c.index, len(c.in_flight), c.stats.num_waiting if c.stats else 0,
+                          c.stats.kv_cache_usage if c.stats else 0.0)
+                 for c in self.channels.values() if not c.draining and c.rebuilding_since is None]
+        plan = plan_rebalance(loads)
+        if plan is None:
+            return
+        source, destination, count = plan
+        movable = [rid for rid in self.channels[source].in_flight
+                   if not self.ledger[rid].pinned and now - self._moved_at.get(rid, -_MOVED_COOLDOWN_S) >= _MOVED_COOLDOWN_S]
+        movable.sort(key=lambda rid: len(self.ledger[rid].token_ids))
+        for request_id in movable[:count]:
+            if self.migrate(request_id, destination, reason="rebalance"):
+                self._moved_at[request_id] = now
 
     def _migration_destination(self, source: CoreChannel, index: int | None) -> CoreChannel | None:
         candidates = [c for i, c in self.channels.items()
@@ -278,6 +309,7 @@ class MigrationControl:
         side drops or frees what it holds.)"""
         self._resumed.pop(request_id, None)
         self._retry_at.pop(request_id, None)
+        self._moved_at.pop(request_id, None)
         migration_id = self._migrating.get(request_id)
         if migration_id is not None:
             migration = self.migrations[migration_id]

@@ -13,6 +13,14 @@ emptier cache. With prefix affinity, a request whose prompt starts with the
 same `AFFINITY_TOKENS` tokens as an earlier one goes to that one's core (its
 prefix cache holds them) unless that core is busier than the least busy by
 more than `AFFINITY_SLACK`.
+
+Rebalancing (`plan_rebalance`) moves running requests, by live migration,
+from the busiest core to the least busy when their scores differ by at least
+`REBALANCE_MIN_GAP` and the busiest carries at least `REBALANCE_MIN_RATIO`
+times the other's score (plus one): half the gap, so that the two meet in
+the middle and nothing bounces back. The supervisor adds the hysteresis in
+time (one move at a time, a pause after it, a request moved at most once
+per cooldown).
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 AFFINITY_TOKENS = 64
+REBALANCE_MIN_GAP = 4
+REBALANCE_MIN_RATIO = 1.5
 AFFINITY_SLACK = 4
 _AFFINITY_ENTRIES = 16384
 
@@ -68,3 +78,16 @@ class PrefixAffinity:
         if len(self._cores) > self._max_entries:
             self._cores.popitem(last=False)
         return best
+
+
+def plan_rebalance(loads: list[CoreLoad]) -> tuple[int, int, int] | None:
+    """(from core, to core, how many requests) when the load is uneven enough
+    to be worth moving requests; None otherwise."""
+    if len(loads) < 2:
+        return None
+    busiest = max(loads, key=lambda load: (load.score, -load.index))
+    idlest = least_loaded(loads)
+    gap = busiest.score - idlest.score
+    if gap < REBALANCE_MIN_GAP or busiest.score < REBALANCE_MIN_RATIO * (idlest.score + 1):
+        return None
+    return busiest.index, idlest.index, max(1, int(gap // 2))

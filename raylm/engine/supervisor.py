@@ -84,6 +84,7 @@ class LedgerEntry:
     request: Request
     channel: int  # the core serving it; -1 while it waits for one
     token_ids: list[int] = field(default_factory=list)  # generated so far, across cores
+    pinned: bool = False  # sent to a data_parallel_rank by its client: never moved by rebalancing
 
     def continuation(self) -> Request:
         """The request to send again: it continues after the tokens so far.
@@ -147,7 +148,8 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
         except (OverflowError, msgspec.EncodeError) as e:
             raise ValueError(f"request cannot be encoded: {e}") from e
         channel = self._route(request, data_parallel_rank)
-        self.ledger[request.request_id] = LedgerEntry(request, -1, list(request.output_token_ids))
+        self.ledger[request.request_id] = LedgerEntry(request, -1, list(request.output_token_ids),
+                                                      pinned=data_parallel_rank is not None)
         if channel is None:
             self._waiting.append(request.request_id)
             return
@@ -338,6 +340,7 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
             channel.flush()
         self._kill_hung_cores()
         self._retry_draining_migrations()
+        self._rebalance_if_due()
         self._retire_drained()
         if not self.channels and not self._starting and self.dead_error is None:
             budget = self.restart_budget

@@ -145,3 +145,35 @@ def test_a_core_killed_mid_migration_loses_nothing(llm, reference, victim):
                message="the killed core's replacement")
     assert _kv_in_use(supervisor) == {0: 0.0, 1: 0.0}
     assert not supervisor.migrations
+
+
+def test_rebalancing_moves_requests_to_a_replica_that_emptied(model):
+    """Round-robin routing gives each core half the requests; core 1's are
+    short, core 0's long: once core 1 is empty, rebalancing moves half of
+    core 0's to it (never a pinned one), and each still equals HF's."""
+    long_params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+    short_params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    prompts = PROMPTS[:8]
+    params = [long_params if i % 2 == 0 else short_params for i in range(len(prompts))]
+    expected_long = hf_greedy(model, prompts[0::2], 300)
+    before = _children()
+    with LLM(model, dtype="float32", data_parallel_size=2, data_parallel_backend="mp", num_threads=1,
+             kv_cache_memory_bytes=16 << 20, data_parallel_rebalance=True) as llm:
+        engine, supervisor = llm.llm_engine, llm.llm_engine.engine_core
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, p)
+        engine.add_request("pinned", {"prompt_token_ids": prompts[0]}, long_params, data_parallel_rank=0)
+        assert {rid: e.channel for rid, e in supervisor.ledger.items() if rid != "pinned"} == {
+            str(i): i % 2 for i in range(len(prompts))}
+        done, moved_to = {}, {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                done[out.request_id] = out.outputs[0].token_ids
+            for rid, entry in supervisor.ledger.items():
+                if entry.channel == 1 and rid in {"0", "2", "4", "6", "pinned"}:
+                    moved_to[rid] = 1
+        assert [done[str(i)] for i in range(0, len(prompts), 2)] == [r.token_ids for r in expected_long]
+        assert done["pinned"] == expected_long[0].token_ids
+        assert "pinned" not in moved_to
+        assert len(moved_to) == 2 and supervisor.migration_counts["migrated"] == 2, moved_to
+    wait_until(lambda: not (_children() - before), 30, message=lambda: f"processes left: {_children() - before}")

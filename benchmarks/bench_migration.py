@@ -1,0 +1,133 @@
+"""What a live migration costs, against recomputing the request instead.
+
+    python benchmarks/bench_migration.py [--model large] [--lengths 256 1024 2048] [--repeats 5] \\
+        [--model-root /tmp/raylm_bench_models] [--output-json migration.json]
+
+One engine with two local engine-core processes (data_parallel_size=2,
+data_parallel_backend="mp", num_threads=1 each), the ~111M ("large") or ~7M
+("small") bf16 Llama of `compare_vllm.py --make-model`. For each length L,
+`--repeats` times:
+
+  migration  one request of L random prompt tokens decodes alone on a core;
+             once it has 8 tokens it is migrated live to the other core.
+             downtime: its last token at the source -> its first at the
+             destination (raylm:migration_downtime_seconds); also the whole
+             migration's time and the KV bytes moved. Its inter-token gap
+             while not moving is the baseline the downtime adds to.
+  recompute  the same request sent to an idle core as a continuation (the
+             prompt plus its 8 tokens: what recovery and scale-in without
+             migration do): time from sending it to its first new token.
+
+Reported: median and P99 (the maximum, at these few repeats) per length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from compare_vllm import MODEL_PRESETS, make_model, random_prompts  # noqa: E402
+
+from raylm import LLM, SamplingParams  # noqa: E402
+from raylm.core.request import Request  # noqa: E402
+
+logger = logging.getLogger("bench_migration")
+_WARM_TOKENS = 8
+
+
+def _decode_until(supervisor, request_id: str, num_tokens: int) -> list[float]:
+    """Step until `request_id` has `num_tokens` tokens; the arrival time of each new one."""
+    arrivals = []
+    while len(supervisor.ledger[request_id].token_ids) < num_tokens:
+        outputs = supervisor.get_output()
+        if any(o.request_id == request_id and o.new_token_ids for o in outputs.outputs):
+            arrivals.append(time.perf_counter())
+    return arrivals
+
+
+def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str) -> dict:
+    supervisor = llm.llm_engine.engine_core
+    supervisor.add_request(Request(rid, prompt, params, None))
+    arrivals = _decode_until(supervisor, rid, _WARM_TOKENS)
+    source = supervisor.ledger[rid].channel
+    assert supervisor.migrate(rid, 1 - source, reason="manual")
+    event = None
+    while event is None:
+        outputs = supervisor.get_output()
+        event = next((m for m in outputs.migrated), None)
+    assert event.ok, event
+    supervisor.abort_requests([rid])
+    gaps = [b - a for a, b in zip(arrivals[1:], arrivals[2:])]
+    return {"downtime_s": event.downtime_s, "seconds": event.seconds, "num_bytes": event.num_bytes,
+            "inter_token_s": statistics.median(gaps) if gaps else 0.0}
+
+
+def _recompute(llm: LLM, prompt: list[int], params: SamplingParams, rid: str) -> float:
+    supervisor = llm.llm_engine.engine_core
+    supervisor.add_request(Request(rid, prompt, params, None))
+    _decode_until(supervisor, rid, _WARM_TOKENS)
+    tokens = list(supervisor.ledger[rid].token_ids)
+    supervisor.abort_requests([rid])
+    started = time.perf_counter()
+    supervisor.add_request(Request(rid + "-again", prompt, params, None, output_token_ids=tokens))
+    _decode_until(supervisor, rid + "-again", len(tokens) + 1)
+    seconds = time.perf_counter() - started
+    supervisor.abort_requests([rid + "-again"])
+    return seconds
+
+
+def _summary(values: list[float]) -> dict:
+    return {"median_ms": 1000 * statistics.median(values), "p99_ms": 1000 * max(values)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODEL_PRESETS), default="large")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--model-root", default="/tmp/raylm_bench_models")
+    parser.add_argument("--output-json")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    folder = pathlib.Path(args.model_root) / args.model
+    if not (folder / "config.json").is_file():
+        make_model(args.model, str(folder))
+    max_len = max(args.lengths) + 256
+    results = {}
+    with LLM(str(folder), dtype="bfloat16", data_parallel_size=2, data_parallel_backend="mp", num_threads=1,
+             max_model_len=max_len, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False) as llm:
+        params = llm.llm_engine.input_processor.finish_params(
+            SamplingParams(temperature=0, max_tokens=256, ignore_eos=True))
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        for length in args.lengths:
+            prompts = random_prompts(args.repeats + 1, length, vocab, seed=length)
+            _migration(llm, prompts[-1], params, f"warm-{length}")  # first use of each size: not timed
+            moved = [_migration(llm, p, params, f"m-{length}-{i}") for i, p in enumerate(prompts[:-1])]
+            recomputed = [_recompute(llm, p, params, f"r-{length}-{i}") for i, p in enumerate(prompts[:-1])]
+            results[length] = {
+                "downtime": _summary([m["downtime_s"] for m in moved]),
+                "migration": _summary([m["seconds"] for m in moved]),
+                "inter_token": _summary([m["inter_token_s"] for m in moved]),
+                "recompute": _summary(recomputed),
+                "mib_moved": moved[0]["num_bytes"] / 2**20,
+            }
+            r = results[length]
+            print(f"L={length:5d}  downtime {r['downtime']['median_ms']:7.1f} ms (max {r['downtime']['p99_ms']:7.1f})"
+                  f"  | recompute {r['recompute']['median_ms']:7.1f} ms (max {r['recompute']['p99_ms']:7.1f})"
+                  f"  | inter-token {r['inter_token']['median_ms']:6.1f} ms  | whole migration "
+                  f"{r['migration']['median_ms']:6.1f} ms  | {r['mib_moved']:.1f} MiB", flush=True)
+    if args.output_json:
+        pathlib.Path(args.output_json).write_text(json.dumps({"model": args.model, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
