@@ -47,6 +47,7 @@ NON_DEFAULT = {
     "data_parallel_backend": (["--data-parallel-backend", "ray"], "ray"),
     "data_parallel_placement": (["--data-parallel-placement", "spread"], "spread"),
     "data_parallel_prefix_affinity": (["--data-parallel-prefix-affinity"], True),
+    "data_parallel_rebalance": (["--data-parallel-rebalance"], True),
     "ray_address": (["--ray-address", "auto"], "auto"),
     "ray_placement_strategy": (["--ray-placement-strategy", "STRICT_SPREAD"], "STRICT_SPREAD"),
     "ray_placement_timeout": (["--ray-placement-timeout", "12.5"], 12.5),
