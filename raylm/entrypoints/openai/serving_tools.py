@@ -184,7 +184,8 @@ class ToolPlan:
             calls = calls[:1]
         if not calls:
             return ChatResponseMessage(content=content), finish_reason
-        tool_calls = [ToolCall(id=tool_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+        new_id = self.parser.new_call_id if self.parser is not None else tool_call_id
+        tool_calls = [ToolCall(id=new_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
                       for c in calls]
         return ChatResponseMessage(content=content, tool_calls=tool_calls), self._finish_with_calls(finish_reason)
 

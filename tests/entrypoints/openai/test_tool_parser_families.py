@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import zlib
 
 import pytest
@@ -110,7 +111,9 @@ def _streamed(parser_name: str, chunks: list[str]):
         content += delta.content
         for piece in delta.tool_calls:
             if piece.index not in calls:
-                assert piece.id.startswith("call_") and piece.name, piece
+                assert piece.name, piece
+                assert re.fullmatch("[A-Za-z0-9]{9}" if parser_name == "mistral" else "call_[0-9a-f]{24}",
+                                    piece.id), piece
                 calls[piece.index] = [piece.name, ""]
             else:
                 assert piece.id is None and piece.name is None, piece
@@ -192,3 +195,5 @@ def test_the_chat_plan_answers_with_the_parsed_calls(parser_name):
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_time", {"zone": "CET"})]
     assert content == (message.content or "")
     assert stream.finish_reason("stop") == "tool_calls"
+    id_shape = "[A-Za-z0-9]{9}" if parser_name == "mistral" else "call_[0-9a-f]{24}"
+    assert re.fullmatch(id_shape, message.tool_calls[0].id) and re.fullmatch(id_shape, calls[0].id)

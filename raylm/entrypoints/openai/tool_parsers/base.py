@@ -111,6 +111,11 @@ class ToolParser(ABC):
         (formats that write arguments as text convert them by these)."""
         self.tools = tools or {}
 
+    @staticmethod
+    def new_call_id() -> str:
+        """An id for a call found (a family's templates may require their own shape)."""
+        return tool_call_id()
+
     @abstractmethod
     def extract(self, text: str) -> ExtractedToolCalls: ...
 

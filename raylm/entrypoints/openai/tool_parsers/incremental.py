@@ -82,6 +82,9 @@ class CallStream(StreamingToolParser):
     the text since the last call went out (content, should what follows prove
     malformed), the calls sent, and the switch to content for the rest."""
 
+    # Ids of the calls found; a family whose templates need their own shape sets its own.
+    new_call_id = staticmethod(tool_call_id)
+
     def __init__(self) -> None:
         self.buffer = ""  # received, not handled
         self.since_call: list[str] = []  # handled since the last call went out (or since the first call began)
@@ -123,7 +126,7 @@ class CallStream(StreamingToolParser):
         return taken
 
     def send_call(self, out: StreamDelta, call: ParsedToolCall) -> None:
-        out.add_call_piece(self.num_calls, id=tool_call_id(), name=call.name, arguments=call.arguments)
+        out.add_call_piece(self.num_calls, id=self.new_call_id(), name=call.name, arguments=call.arguments)
         self.num_calls += 1
         self.since_call = []
 

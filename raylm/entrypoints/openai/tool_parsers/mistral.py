@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 
 from raylm.entrypoints.openai.tool_parsers.base import JsonObjectScanner, ParsedToolCall, StreamDelta
 from raylm.entrypoints.openai.tool_parsers.incremental import (
@@ -29,9 +31,18 @@ TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
 _BLANKS = " \t\r\n"
 _NAME_CHAR = re.compile(r"[A-Za-z0-9_\-.:]")
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+def mistral_call_id() -> str:
+    """Mistral's templates accept only ids of 9 letters and digits (they raise on
+    others when the conversation comes back with the calls)."""
+    return "".join(secrets.choice(_ID_ALPHABET) for _ in range(9))
 
 
 class MistralStream(CallStream):
+    new_call_id = staticmethod(mistral_call_id)
+
     def __init__(self) -> None:
         super().__init__()
         # content (before the first tag), after_tag, array, object, name, arguments, after_call
@@ -157,6 +168,7 @@ def _named_call(name: str, body: str) -> ParsedToolCall | None:
 class MistralToolParser(IncrementalToolParser):
     name = "mistral"
     chat_template = "mistral.jinja"
+    new_call_id = staticmethod(mistral_call_id)
 
     def streaming(self) -> MistralStream:
         return MistralStream()
