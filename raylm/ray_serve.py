@@ -60,6 +60,10 @@ DEPLOYMENT_OPTIONS = (
 # (5) would serialise an LLM's requests behind each other.
 DEFAULT_MAX_ONGOING_REQUESTS = 256
 DEFAULT_DEPLOYMENT_NAME = "raylm"
+# The oldest Ray whose Serve runs raylm's replicas as tested (README,
+# "Supported versions"). On 2.40 a TP=2 replica's rank actors were never
+# scheduled on the bundles Serve reserved for them.
+MIN_SERVE_RAY_VERSION = (2, 58)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -318,12 +322,23 @@ class RaylmServer:
             replica.engine.shutdown()
 
 
+def check_serve_ray_version(version: str | None = None) -> None:
+    """RuntimeError for a Ray older than raylm's Serve support."""
+    import ray
+
+    version = version or ray.__version__
+    if tuple(int(p) for p in version.split(".")[:2]) < MIN_SERVE_RAY_VERSION:
+        raise RuntimeError(f"raylm.ray_serve needs Ray >= {'.'.join(map(str, MIN_SERVE_RAY_VERSION))} "
+                           f"(this is {version}): pip install 'raylm[serve]'")
+
+
 def build_openai_app(engine_args: dict[str, Any] | None = None, deployment_config: dict[str, Any] | None = None):
     """A Serve application of raylm replicas. `engine_args`: `raylm serve`'s
     settings by their Python names (EngineArgs fields, and served_model_name,
     api_key, tool_call_parser, ...); `deployment_config`: Serve deployment
     options (num_replicas, autoscaling_config, max_ongoing_requests,
     health_check_period_s, ...), over raylm's (the resources a replica needs)."""
+    check_serve_ray_version()
     engine, server = split_settings(dict(engine_args or {}))
     engine, options = plan_replica(engine)
     options.update(deployment_config or {})

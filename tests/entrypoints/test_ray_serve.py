@@ -18,11 +18,15 @@ import openai
 import pytest
 
 from raylm import LLM, SamplingParams
-from raylm.ray_serve import build_openai_app
+from raylm.ray_serve import MIN_SERVE_RAY_VERSION, build_openai_app
 from tests.conftest import wait_until
 from tests.entrypoints.openai.server_utils import free_port
 
-pytestmark = pytest.mark.ray
+pytestmark = [
+    pytest.mark.ray,
+    pytest.mark.skipif(tuple(int(p) for p in __import__("ray").__version__.split(".")[:2]) < MIN_SERVE_RAY_VERSION,
+                       reason="raylm.ray_serve supports Ray >= 2.58 (README, Supported versions)"),
+]
 
 # One torch thread and a small KV cache keep the shared two-core machine usable.
 ENGINE = {"num_threads": 1, "kv_cache_memory_bytes": 4 << 20, "max_model_len": 512}
@@ -43,6 +47,9 @@ def serve_url(ray_session):
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
+        # Gone before the next test starts Serve again (it would join this one).
+        wait_until(lambda: not _live_actors("ServeController") and not _live_actors("ProxyActor"), 60,
+                   message="Serve's controller and proxy to be gone")
 
 
 def _live_actors(class_part: str) -> list[dict]:

@@ -35,3 +35,12 @@ def test_bad_serve_run_arguments_name_the_field(args, field):
 def test_data_parallel_inside_a_replica_is_refused():
     with pytest.raises(ValueError, match="data_parallel_size"):
         plan_replica(split_settings({"data_parallel_size": 2, "device": "cpu"})[0])
+
+
+def test_a_ray_older_than_the_serve_support_is_refused():
+    from raylm.ray_serve import check_serve_ray_version
+
+    with pytest.raises(RuntimeError, match=r"needs Ray >= 2\.58 \(this is 2\.40\.0\)"):
+        check_serve_ray_version("2.40.0")
+    check_serve_ray_version("2.58.0")
+    check_serve_ray_version("2.60.1")
