@@ -1,6 +1,6 @@
 """Quantized weights split over tensor-parallel workers (mp processes and Ray
-actors): GGUF blocks are sharded on block boundaries, int8 by rows and
-columns; the oracle is transformers greedy-decoding the float weights the
+actors), and data-parallel replicas of a quantized model: GGUF blocks are
+sharded on block boundaries, int8 by rows and columns; the oracle is transformers greedy-decoding the float weights the
 quantized ones stand for. A tensor-parallel size that would cut a block is
 refused before any worker starts."""
 
@@ -36,7 +36,7 @@ def _generate(model: str, **engine) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
     segments_before = set(os.listdir("/dev/shm"))
-    with LLM(model, **ENGINE, **engine) as llm:
+    with LLM(model, **{**ENGINE, **engine}) as llm:
         outputs = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                                                                         params, use_tqdm=False)]
         new_children = {p.pid for p in psutil.Process().children(recursive=True)} - children_before
@@ -90,6 +90,15 @@ def test_gguf_tp2_on_ray_matches_the_dequantized_model(ray_session, tiny_model_d
     path = write_gguf(folder, tmp_path / "m.gguf", tensor_type=q4_k_m)
     reference = write_dequantized_reference(folder, tmp_path / "reference", tensor_type=q4_k_m)
     assert _generate(str(path), distributed_executor_backend="ray") == _expected(reference)
+
+
+def test_gguf_data_parallel_replicas_on_processes(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAYLM_GGUF_CACHE", str(tmp_path / "cache"))
+    folder = tiny_model_dir("llama", **NARROW)
+    path = write_gguf(folder, tmp_path / "m.gguf", "Q8_0")
+    reference = write_dequantized_reference(folder, tmp_path / "reference", "Q8_0")
+    ours = _generate(str(path), tensor_parallel_size=1, data_parallel_size=2, data_parallel_backend="mp")
+    assert ours == _expected(reference)
 
 
 def test_a_split_inside_a_block_is_refused_before_workers_start(tiny_model_dir, tmp_path, monkeypatch):

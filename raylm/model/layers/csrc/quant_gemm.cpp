@@ -1,7 +1,7 @@
 // Matmuls on GGUF-quantized weights (Q8_0, Q4_0, Q4_K, Q6_K) on CPU, for the
 // few-row activations of decode: y[m, n] = sum_k x[m, k] * W[n, k], with W
 // read as stored (34, 18, 144 or 210 bytes per block) and each block widened
-// to floats in a small stack buffer (L1), never in a whole-matrix copy.
+// to floats in registers (or a small stack buffer), never in a whole-matrix copy.
 // Activations stay float (bf16 inputs are widened once per call), so results
 // equal a float matmul on the dequantized weights up to summation order.
 //
@@ -10,9 +10,9 @@
 //
 // Block layouts are ggml's (ggml-common.h), decoded as gguf-py's quants.py
 // decodes them. With AVX-512 (the build is -march=native, one build per CPU
-// kind: see cpu_kernels.py), Q8_0, Q4_0 and Q4_K blocks are widened straight
-// into registers; elsewhere, and for Q6_K, a block is widened into an L1
-// buffer by loops that -O3 vectorises (AVX2 or AVX-512).
+// kind: see cpu_kernels.py), every type's blocks are widened straight into
+// registers; without it, a block is widened into an L1 buffer by loops that
+// -O3 vectorises (AVX2).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -213,6 +213,53 @@ inline void row_tile_q4_k_avx512(const uint8_t* wrow, int64_t blocks, const floa
   }
   for (int m = 0; m < Rows; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
+
+// Q6_K: each 16 weights of a 128-weight half share a scale; the 6-bit values
+// are put together from ql's nibbles and qh's 2-bit fields in registers.
+template <int Rows>
+inline void row_tile_q6_k_avx512(const uint8_t* wrow, int64_t blocks, const float* x, int64_t K, float* out) {
+  __m512 acc[Rows];
+  for (int m = 0; m < Rows; ++m) acc[m] = _mm512_setzero_ps();
+  const __m128i low4 = _mm_set1_epi8(0x0F), low2 = _mm_set1_epi8(0x03);
+  const __m512i bias = _mm512_set1_epi32(32);
+  auto widen = [&](__m128i q6) { return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(q6), bias)); };
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = wrow + b * Q6_KT::bytes;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    const float d = half_at(blk + 208);
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* l8 = blk + 64 * half;
+      const uint8_t* h8 = blk + 128 + 32 * half;
+      const int8_t* s = sc + 8 * half;
+      for (int is = 0; is < 2; ++is) {
+        const int l = 16 * is;
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l8 + l));
+        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l8 + l + 32));
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h8 + l));
+        const __m128i q1 = _mm_or_si128(_mm_and_si128(a, low4), _mm_slli_epi16(_mm_and_si128(h, low2), 4));
+        const __m128i q2 = _mm_or_si128(_mm_and_si128(c, low4),
+                                        _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 2), low2), 4));
+        const __m128i q3 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low4),
+                                        _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 4), low2), 4));
+        const __m128i q4 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c, 4), low4),
+                                        _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 6), low2), 4));
+        const __m512 w1 = _mm512_mul_ps(_mm512_set1_ps(d * s[is]), widen(q1));
+        const __m512 w2 = _mm512_mul_ps(_mm512_set1_ps(d * s[is + 2]), widen(q2));
+        const __m512 w3 = _mm512_mul_ps(_mm512_set1_ps(d * s[is + 4]), widen(q3));
+        const __m512 w4 = _mm512_mul_ps(_mm512_set1_ps(d * s[is + 6]), widen(q4));
+        const float* xh = x + b * 256 + 128 * half + l;
+        for (int m = 0; m < Rows; ++m) {
+          const float* xm = xh + m * K;
+          __m512 t = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm), acc[m]);
+          t = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xm + 32), t);
+          t = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xm + 64), t);
+          acc[m] = _mm512_fmadd_ps(w4, _mm512_loadu_ps(xm + 96), t);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < Rows; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
 #endif
 
 template <typename Q, int Rows>
@@ -224,6 +271,10 @@ inline void tile(const uint8_t* wrow, int64_t blocks, const float* x, int64_t K,
   }
   if constexpr (std::is_same_v<Q, Q4_KT>) {
     row_tile_q4_k_avx512<Rows>(wrow, blocks, x, K, out);
+    return;
+  }
+  if constexpr (std::is_same_v<Q, Q6_KT>) {
+    row_tile_q6_k_avx512<Rows>(wrow, blocks, x, K, out);
     return;
   }
 #endif
