@@ -7,6 +7,7 @@ from raylm.config.engine_config import (
     DEFAULT_MODEL_DIR,
     DEVICE_ENV,
     USAGE_CONTEXTS,
+    AutoscaleConfig,
     CacheConfig,
     EngineConfig,
     FaultToleranceConfig,
@@ -20,7 +21,7 @@ from raylm.config.engine_config import (
 )
 
 __all__ = [
-    "DEFAULT_MODEL_DIR", "DEVICE_ENV", "USAGE_CONTEXTS", "CacheConfig", "EngineArgs", "EngineConfig",
+    "DEFAULT_MODEL_DIR", "DEVICE_ENV", "USAGE_CONTEXTS", "AutoscaleConfig", "CacheConfig", "EngineArgs", "EngineConfig",
     "FaultToleranceConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig", "create_engine_config",
     "default_max_num_batched_tokens", "detect_device", "resolve_dtype", "resolve_engine_config",
 ]

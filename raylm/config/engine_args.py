@@ -106,6 +106,7 @@ _parallel = partial(_setting, section="parallelism")
 _cache = partial(_setting, section="KV cache and scheduling")
 _device = partial(_setting, section="device")
 _faults = partial(_setting, section="failures and recovery")
+_autoscale = partial(_setting, section="autoscaling (Ray Serve's names)")
 
 
 @dataclass
@@ -217,6 +218,16 @@ class EngineArgs:
     restart_window: float = _faults(600.0, "the window over which --max-restarts counts", metavar="SECONDS")
     execute_model_timeout: float = _faults(
         300.0, "a step that takes longer means a hung worker: the engine recovers", metavar="SECONDS")
+    autoscale: str | None = _autoscale(
+        None, "scale the data-parallel replicas between MIN and MAX with the load (new ones warmed before they get "
+        "traffic, removed ones leave by migrating their requests); starts with MIN unless --data-parallel-size "
+        "says otherwise", metavar="MIN:MAX")
+    autoscale_target_ongoing_requests: float = _autoscale(
+        2.0, "requests in flight per replica that the autoscaler aims for", metavar="N")
+    autoscale_upscale_delay: float = _autoscale(
+        30.0, "how long the load must call for more replicas before they start", metavar="SECONDS")
+    autoscale_downscale_delay: float = _autoscale(
+        600.0, "how long the load must call for fewer replicas before some leave", metavar="SECONDS")
     engine_start_timeout: float = _faults(
         600.0, "an engine core (or a worker's start-up call) not ready by then is taken for hung: killed, and "
         "counted as a failed (re)start; /health answers 503 once a recovery has run this long", metavar="SECONDS")

@@ -186,6 +186,42 @@ class FaultToleranceConfig:
 
 
 @dataclass
+class AutoscaleConfig:
+    """Data-parallel replicas scaled with the load (raylm.engine.autoscaler),
+    in Ray Serve's terms."""
+
+    min_replicas: int
+    max_replicas: int
+    target_ongoing_requests: float = 2.0
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+
+
+def resolve_autoscale(args) -> AutoscaleConfig | None:
+    """--autoscale MIN:MAX and its settings, checked; None without it."""
+    if args.autoscale is None:
+        return None
+    try:
+        low, high = (int(part) for part in str(args.autoscale).split(":"))
+    except ValueError:
+        raise ValueError(f"autoscale must be MIN:MAX (two integers), got {args.autoscale!r}") from None
+    if not 1 <= low <= high:
+        raise ValueError(f"autoscale: need 1 <= MIN <= MAX, got {args.autoscale!r}")
+    if high == 1:
+        raise ValueError("autoscale: MAX must be at least 2 (one replica has nothing to scale)")
+    if not args.autoscale_target_ongoing_requests > 0:
+        raise ValueError("autoscale_target_ongoing_requests must be > 0, got "
+                         f"{args.autoscale_target_ongoing_requests!r}")
+    for name in ("autoscale_upscale_delay", "autoscale_downscale_delay"):
+        if not getattr(args, name) >= 0:
+            raise ValueError(f"{name} must be >= 0 seconds, got {getattr(args, name)!r}")
+    if args.data_parallel_size != 1 and not low <= args.data_parallel_size <= high:
+        raise ValueError(f"data_parallel_size {args.data_parallel_size} is outside autoscale {args.autoscale}")
+    return AutoscaleConfig(low, high, float(args.autoscale_target_ongoing_requests),
+                           float(args.autoscale_upscale_delay), float(args.autoscale_downscale_delay))
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -199,6 +235,7 @@ class EngineConfig:
     cpu_bind: str = "auto"
     env: dict[str, str] = field(default_factory=dict)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    autoscale: AutoscaleConfig | None = None
 
 
 # Who runs the engine: "llm", offline batches (raylm.LLM), where throughput is
@@ -354,6 +391,10 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
 
     if not isinstance(args.data_parallel_size, int) or args.data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be an integer >= 1, got {args.data_parallel_size!r}")
+    autoscale = resolve_autoscale(args)
+    data_parallel_size = args.data_parallel_size
+    if autoscale is not None and data_parallel_size == 1:
+        data_parallel_size = autoscale.min_replicas
     if args.data_parallel_backend not in ("ray", "mp"):
         raise ValueError(f"data_parallel_backend must be 'ray' or 'mp', got {args.data_parallel_backend!r}")
     if args.data_parallel_placement not in ("pack", "spread"):
@@ -383,7 +424,7 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
         ),
         cache_config=_settings_of(CacheConfig, args, gpu_memory_utilization=gpu_memory_utilization),
         scheduler_config=_settings_of(SchedulerConfig, args, max_num_batched_tokens=max_num_batched_tokens),
-        parallel_config=_settings_of(ParallelConfig, args),
+        parallel_config=_settings_of(ParallelConfig, args, data_parallel_size=data_parallel_size),
         device=device,
         num_threads=args.num_threads,
         cpu_bind=_resolve_cpu_bind(args.cpu_bind, args.num_threads, world_size),
@@ -397,4 +438,5 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
             health_check_timeout_s=float(args.health_check_timeout),
             fault_injection=os.environ.get("RAYLM_FAULT_INJECTION") or None,
         ),
+        autoscale=autoscale,
     )

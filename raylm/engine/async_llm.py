@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from raylm.config import EngineConfig, create_engine_config
+from raylm.engine.autoscaler import Autoscaler
 from raylm.engine.errors import (
     EngineDeadError,
     EngineRecoveryTimeoutError,
@@ -139,6 +140,7 @@ class AsyncLLM:
         self._requests: dict[str, _RequestState] = {}
         self._pings: dict[int, asyncio.Future] = {}
         self._output_task: asyncio.Task | None = None
+        self._autoscale_task: asyncio.Task | None = None  # --autoscale (raylm.engine.autoscaler)
         self.dead_error: EngineDeadError | None = None
         # Set when the engine dies for good (not on shutdown); the server exits then.
         self._dead = asyncio.Event()
@@ -165,7 +167,7 @@ class AsyncLLM:
     def replica_states(self) -> list[dict] | None:
         """Each data-parallel replica's node, load and state (for /health and
         metrics); None for an engine started without data parallelism."""
-        if self.config.parallel_config.data_parallel_size == 1:
+        if self.config.parallel_config.data_parallel_size == 1 and self.config.autoscale is None:
             return None
         return self.engine_core.replica_states()
 
@@ -182,7 +184,7 @@ class AsyncLLM:
     async def restart_replica(self, index: int) -> None:
         """Restart data-parallel replica `index` without losing a request: its
         requests migrate to the others, it starts anew and serves again."""
-        if self.config.parallel_config.data_parallel_size == 1:
+        if self.replica_states() is None:
             raise ValueError("restarting a replica needs an engine started with data_parallel_size > 1")
         if self._scale_lock is None:
             self._scale_lock = asyncio.Lock()
@@ -220,6 +222,10 @@ class AsyncLLM:
             self._output_task = asyncio.get_running_loop().create_task(
                 self._run_output_handler(), name="raylm-output-handler"
             )
+        if self.config.autoscale is not None and self._autoscale_task is None:
+            autoscaler = Autoscaler(self, self.config.autoscale, on_decision=lambda d: self._record(
+                lambda s: s.record_autoscale(d.direction, d.reason)))
+            self._autoscale_task = asyncio.get_running_loop().create_task(autoscaler.run(), name="raylm-autoscaler")
 
     # ---- requests ------------------------------------------------------------
 
@@ -464,6 +470,9 @@ class AsyncLLM:
         if self._output_task is not None:
             self._output_task.cancel()
             self._output_task = None
+        if self._autoscale_task is not None:
+            self._autoscale_task.cancel()
+            self._autoscale_task = None
         if self.dead_error is None:
             self.dead_error = EngineDeadError("the engine was shut down")
         for state in self._requests.values():

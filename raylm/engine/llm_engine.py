@@ -88,6 +88,9 @@ class LLMEngine:
         # The core in this process, or data-parallel replicas (each a core of
         # its own) under the supervisor AsyncLLM uses.
         self.engine_core: InprocClient | SyncEngineCoreSupervisor
+        if config.autoscale is not None:
+            raise ValueError("autoscale scales a server's replicas with its load (raylm serve, AsyncLLM); an "
+                             "offline LLM sets data_parallel_size instead")
         if config.parallel_config.data_parallel_size > 1:
             self.engine_core = SyncEngineCoreSupervisor(config)
         else:

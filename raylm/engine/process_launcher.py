@@ -45,7 +45,7 @@ class ProcessCoreLauncher(CoreLauncher):
         self.config = config
         # Local data parallelism scales like replicas on Ray (one core is not
         # data parallelism: it has nowhere to move its requests to).
-        self.can_scale = config.parallel_config.data_parallel_size > 1
+        self.can_scale = config.parallel_config.data_parallel_size > 1 or config.autoscale is not None
         self.log_level = logging.getLogger().getEffectiveLevel() if log_level is None else log_level
         self._tmpdir = tempfile.mkdtemp(prefix="raylm-core-")
         self.output_address = f"ipc://{os.path.join(self._tmpdir, 'output')}"

@@ -43,3 +43,6 @@ class StatLoggerBase:
 
     def record_target_replicas(self, num_replicas: int) -> None:
         """The number of data-parallel replicas asked for (by hand or by the autoscaler)."""
+
+    def record_autoscale(self, direction: str, reason: str) -> None:
+        """The autoscaler changed the replica count ("up" or "down"), for `reason`."""

@@ -68,7 +68,8 @@ _DRAINED_STOP_S = 10.0
 def make_launcher(config: EngineConfig) -> CoreLauncher:
     """Ray replicas for data parallelism on Ray, else local core processes."""
     pc = config.parallel_config
-    if pc.data_parallel_size > 1 and pc.data_parallel_backend == "ray":
+    scalable = pc.data_parallel_size > 1 or config.autoscale is not None
+    if scalable and pc.data_parallel_backend == "ray":
         from raylm.engine.ray_launcher import RayReplicaLauncher
 
         return RayReplicaLauncher(config)
@@ -111,6 +112,7 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
         self.ledger: dict[str, LedgerEntry] = {}
         self._waiting: list[str] = []  # ledger ids with no core to go to yet
         self._starting: dict[int, Replacement] = {}  # cores being replaced, by index
+        self._scaling_up: set[int] = set()  # cores a scale-up is starting
         self._started: queue.Queue = queue.Queue()
         self._recoveries: list[RecoveryStats] = []
         self._culprit_outputs: list[EngineCoreOutput] = []
@@ -289,7 +291,11 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
         finish). A scale-up that cannot be placed raises and changes nothing."""
         new = self._plan_scale(data_parallel_size)
         if new:
-            self._start_cores(new)
+            self._scaling_up.update(new)
+            try:
+                self._start_cores(new)
+            finally:
+                self._scaling_up.difference_update(new)
         logger.info("data parallel size is now %d", data_parallel_size)
 
     def _retire_drained(self) -> None:
@@ -306,7 +312,7 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
     def replica_states(self) -> list[dict]:
         """For /health and logs: each core's node, load and state."""
         states = []
-        for index in sorted(set(self.channels) | set(self._starting)):
+        for index in sorted(set(self.channels) | set(self._starting) | self._scaling_up):
             channel = self.channels.get(index)
             if channel is None:
                 states.append({"replica": index, "state": self.restart_state(index) or "starting"})
@@ -461,12 +467,15 @@ class AsyncEngineCoreSupervisor(EngineCoreSupervisor, AsyncReplicaRestart):
         new = self._plan_scale(data_parallel_size)
         if new:
             channels, targets = self._new_channels(new)
+            self._scaling_up.update(new)
             try:
                 await asyncio.get_running_loop().run_in_executor(None, self._wait_started, channels, targets)
             except BaseException:
                 for channel in channels:
                     self.launcher.close_channel(channel)
                 raise
+            finally:
+                self._scaling_up.difference_update(new)
             self._adopt(channels)
         logger.info("data parallel size is now %d", data_parallel_size)
 

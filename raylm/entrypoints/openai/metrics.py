@@ -97,6 +97,8 @@ class PrometheusStatLogger(StatLoggerBase):
                                             _MIGRATION_BUCKETS)
         self.migration_bytes = counter("raylm:migration_bytes", "KV cache bytes moved by live migrations")
         self.target_replicas = gauge("raylm:dp_target_replicas", "Data-parallel replicas asked for")
+        self.autoscale_decisions = Counter("raylm:autoscale_decisions", "Replica count changes the autoscaler "
+                                           "made, by direction (up, down)", [*labels, "direction"], registry=r)
         for reason in ("scale_in", "rebalance", "restart", "manual"):  # exported from the start, as 0
             self.migrations.labels(reason=reason, **labels)
             self.migrations_abandoned.labels(reason=reason, **labels)
@@ -162,6 +164,9 @@ class PrometheusStatLogger(StatLoggerBase):
 
     def record_target_replicas(self, num_replicas: int) -> None:
         self.target_replicas.set(num_replicas)
+
+    def record_autoscale(self, direction: str, reason: str) -> None:
+        self.autoscale_decisions.labels(direction=direction, **self._labels).inc()
 
     def record_admitted(self, num_sequences: int) -> None:
         self.num_admitted.set(num_sequences)
