@@ -97,10 +97,11 @@ def main() -> None:
     parser.add_argument("--output-json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    folder = pathlib.Path(args.model_root) / args.model
-    if not (folder / "config.json").is_file():
-        make_model(args.model, str(folder))
     max_len = max(args.lengths) + 256
+    # The preset's weights, with room for the longest request (the presets hold 1024 positions).
+    folder = pathlib.Path(args.model_root) / f"{args.model}-{max_len}-positions"
+    if not (folder / "config.json").is_file():
+        make_model(args.model, str(folder), max_position_embeddings=max_len)
     results = {}
     with LLM(str(folder), dtype="bfloat16", data_parallel_size=2, data_parallel_backend="mp", num_threads=1,
              max_model_len=max_len, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False) as llm:

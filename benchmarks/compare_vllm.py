@@ -103,13 +103,14 @@ if __name__ == "__main__":
 '''
 
 
-def make_model(preset: str, path: str) -> pathlib.Path:
-    """Writes the preset's bf16 Llama folder (deterministic weights, tiny tokenizer)."""
+def make_model(preset: str, path: str, **overrides) -> pathlib.Path:
+    """Writes the preset's bf16 Llama folder (deterministic weights, tiny
+    tokenizer); `overrides` change its config (e.g. max_position_embeddings)."""
     import torch
 
     from raylm.testing.tiny_models import make_tiny_model
 
-    folder = make_tiny_model("llama", path, seed=0, dtype=torch.bfloat16, **MODEL_PRESETS[preset])
+    folder = make_tiny_model("llama", path, seed=0, dtype=torch.bfloat16, **{**MODEL_PRESETS[preset], **overrides})
     config = json.loads((folder / "config.json").read_text())
     logger.info("wrote %s model to %s (%s)", preset, folder,
                 {k: config[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")})
