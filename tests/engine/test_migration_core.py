@@ -176,3 +176,17 @@ def test_engines_of_different_layouts_refuse(model, cores):
         assert not src.scheduler.kv_cache_manager.req_blocks
     finally:
         other.llm_engine.engine_core.shutdown()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_engines_move_each_rank_s_shard(model):
+    """TP=2 on the mp executor: rank i's K/V goes to rank i (two files per stage)."""
+    a = _llm(model, tensor_parallel_size=2, distributed_executor_backend="mp")
+    b = _llm(model, tensor_parallel_size=2, distributed_executor_backend="mp")
+    try:
+        src, dst = a.llm_engine.engine_core.engine_core, b.llm_engine.engine_core.engine_core
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        assert _generate(src, dst, params, migrate=True) == hf_greedy(model, [PROMPT], MAX_TOKENS)[0].token_ids
+    finally:
+        a.llm_engine.engine_core.shutdown()
+        b.llm_engine.engine_core.shutdown()
