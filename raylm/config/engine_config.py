@@ -287,11 +287,17 @@ def _is_quant_selector(model: str) -> bool:
     return ":" in model and not os.path.exists(model)
 
 
-def _resolve_quantization(quantization: str | None, is_gguf: bool) -> str | None:
+def _check_quantization_method(quantization: str | None) -> str | None:
     method = None if quantization is None or str(quantization).lower() == "none" else str(quantization).lower()
     if method not in (None, "int8", "gguf"):
         raise ValueError(f"quantization {quantization!r} is not supported; supported: int8 (weights quantized at "
-                         "load from a float checkpoint), gguf (a GGUF file's own types)")
+                         "load from a float checkpoint), gguf (a GGUF file's own types); unset loads the "
+                         "checkpoint unquantized")
+    return method
+
+
+def _resolve_quantization(quantization: str | None, is_gguf: bool) -> str | None:
+    method = _check_quantization_method(quantization)
     if is_gguf:
         if method == "int8":
             raise ValueError("quantization 'int8' quantizes a float safetensors checkpoint; a GGUF file runs in "
@@ -309,6 +315,7 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
     A model or tokenizer given as a Hugging Face Hub id is resolved here, once,
     to a folder in the local cache, so that every process gets a local path.
     """
+    _check_quantization_method(args.quantization)  # before a model is looked for
     model_dir = str(DEFAULT_MODEL_DIR)
     gguf_file = getattr(args, "gguf_file", None)
     if args.model and (gguf_file or is_gguf_path(args.model) or _is_quant_selector(args.model)):

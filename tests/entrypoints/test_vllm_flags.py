@@ -75,8 +75,9 @@ def test_api_key_from_the_environment(monkeypatch):
 
 
 def test_quantization_other_than_none_is_refused_naming_what_loads(tiny_model_dir):
+    # int8 and gguf are raylm's own methods (tests/model/test_int8.py, test_gguf.py); vLLM's others are refused.
     assert create_engine_config(model=tiny_model_dir("llama"), quantization=None).model_config.model
-    with pytest.raises(ValueError, match=r"quantization 'awq' is not supported.*unquantized"):
+    with pytest.raises(ValueError, match=r"quantization 'awq' is not supported; supported: int8 .*gguf .*unquantized"):
         create_engine_config(model=tiny_model_dir("llama"), quantization="awq")
     result = subprocess.run([sys.executable, "-m", "raylm.entrypoints.cli", "generate", "x", "-q", "gptq"],
                             capture_output=True, text=True, timeout=120)
