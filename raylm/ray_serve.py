@@ -61,8 +61,8 @@ DEPLOYMENT_OPTIONS = (
 DEFAULT_MAX_ONGOING_REQUESTS = 256
 DEFAULT_DEPLOYMENT_NAME = "raylm"
 # The oldest Ray whose Serve runs raylm's replicas as tested (README,
-# "Supported versions"). On 2.40 a TP=2 replica's rank actors were never
-# scheduled on the bundles Serve reserved for them.
+# "Supported versions"; raylm's Ray floor is the same). On 2.40 a TP=2
+# replica's rank actors were never scheduled on the bundles Serve reserved.
 MIN_SERVE_RAY_VERSION = (2, 58)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
