@@ -6,6 +6,8 @@ local Ray: Serve's proxy on a free port, queried with the `openai` client.
   cancel it, and the engine ends it as aborted (not run to max_tokens);
 - a replica with TP=2: its ranks are Ray actors in the replica's own
   placement group (bundles 1 and 2 of it), same greedy text as offline;
+- a replica whose engine died for good fails Serve's health check and is
+  replaced by one that serves;
 - deleting an application leaves no replica, rank actor or placement group.
 """
 
@@ -147,3 +149,33 @@ def test_tp2_replica_places_its_ranks_in_its_own_placement_group(serve_url, tiny
         assert completion.choices[0].text == expected
     finally:
         _delete_and_check_gone("raylm-tp2-app")
+
+
+def test_serve_replaces_a_replica_whose_engine_died(serve_url):
+    """Serve's health check asks the engine: a replica whose engine core died
+    for good (no restart allowed) fails it, and Serve starts a new replica."""
+    import psutil
+    from ray import serve
+
+    app = build_openai_app({**ENGINE, "max_restarts": 0},
+                           deployment_config={"health_check_period_s": 1, "health_check_timeout_s": 10})
+    serve.run(app, name="raylm-health-app", route_prefix="/")
+    try:
+        client = openai.OpenAI(base_url=f"{serve_url}/v1", api_key="unused", max_retries=0)
+        assert client.completions.create(model="raylm-default", prompt=PROMPT, max_tokens=2).choices[0].text
+        (replica,) = _live_actors("ServeReplica")
+        for child in psutil.Process(replica["Pid"]).children(recursive=True):
+            child.kill()  # the engine core process: with max_restarts 0 the engine is dead for good
+
+        def replaced_and_serving() -> bool:
+            live = _live_actors("ServeReplica")
+            if len(live) != 1 or live[0]["Pid"] == replica["Pid"]:
+                return False
+            try:
+                return bool(client.completions.create(model="raylm-default", prompt=PROMPT, max_tokens=2))
+            except openai.APIError:
+                return False
+
+        wait_until(replaced_and_serving, 300, step=1.0, message="a new replica to serve")
+    finally:
+        _delete_and_check_gone("raylm-health-app")
