@@ -163,7 +163,8 @@ class MigrationControl:
             return
         source, destination, count = plan
         movable = [rid for rid in self.channels[source].in_flight
-                   if not self.ledger[rid].pinned and now - self._moved_at.get(rid, -_MOVED_COOLDOWN_S) >= _MOVED_COOLDOWN_S]
+                   if rid in self.ledger and not self.ledger[rid].pinned
+                   and now - self._moved_at.get(rid, -_MOVED_COOLDOWN_S) >= _MOVED_COOLDOWN_S]
         movable.sort(key=lambda rid: len(self.ledger[rid].token_ids))
         for request_id in movable[:count]:
             if self.migrate(request_id, destination, reason="rebalance"):
