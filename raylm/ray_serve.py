@@ -20,14 +20,13 @@ Ray actors in the replica's own placement group: Serve reserves it
 raylm's Ray executor places its ranks on those bundles instead of making a
 group of its own. A replica that dies takes its in-flight requests with it
 (Serve restarts it); `raylm serve -dp N` instead keeps them and moves them to
-another replica (README, "Ray Serve or raylm's data parallelism").
+another replica (README, "Ray Serve": which to choose).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 from dataclasses import fields
 from typing import Any
 
@@ -35,8 +34,6 @@ from ray import serve
 
 from raylm.config.engine_args import EngineArgs
 from raylm.entrypoints.openai.cli_args import add_serve_subcommand, resolve_api_key
-
-logger = logging.getLogger(__name__)
 
 # `raylm serve` flags that Serve's HTTP proxy owns (its address, TLS, its
 # logs, how long a stopping replica may drain), with what to use instead.
