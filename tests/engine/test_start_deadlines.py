@@ -138,8 +138,11 @@ def test_ray_start_up_get_names_the_actor_that_does_not_answer(ray_session):
             return 1
 
     actors = [Answers.remote(), Answers.remote()]
+    # Started outside the bounded wait: an actor's process may take seconds
+    # to come up on a loaded machine, which is not what is tested here.
+    assert ray.get([a.call.remote(False) for a in actors], timeout=120) == [1, 1]
     executor = RayDistributedExecutor.__new__(RayDistributedExecutor)
-    executor.config = _config_stub(start_timeout=1.0)
+    executor.config = _config_stub(start_timeout=5.0)
     executor.worker_pids, executor.node_ips, executor.node_ids = [], [], []
     try:
         assert executor._startup_get([a.call.remote(False) for a in actors], "call") == [1, 1]
