@@ -28,7 +28,8 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
 spec = next(Requirement(d).specifier for d in deps if Requirement(d).name == "ray")
-line = next((l for l in sys.stdin if l.startswith("Available versions:")), "")
+lines = sys.stdin.read().splitlines()  # all of it: pip must not meet a closed pipe
+line = next((l for l in lines if l.startswith("Available versions:")), "")
 found = [Version(v) for v in re.findall(r"[0-9][^, ]*", line.split(":", 1)[-1])]
 inside = [v for v in found if v in spec and not v.is_prerelease]
 print(max(inside) if inside else "")')
