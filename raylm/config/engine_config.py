@@ -185,6 +185,12 @@ class FaultToleranceConfig:
     fault_injection: str | None = None
 
 
+# A sane ceiling on data-parallel replicas whatever the cluster (each is a
+# whole engine: weights, KV cache, processes, sockets): POST /scale and
+# --autoscale MAX both stop there.
+MAX_DATA_PARALLEL_SIZE = 64
+
+
 @dataclass
 class AutoscaleConfig:
     """Data-parallel replicas scaled with the load (raylm.engine.autoscaler),
@@ -209,6 +215,8 @@ def resolve_autoscale(args) -> AutoscaleConfig | None:
         raise ValueError(f"autoscale: need 1 <= MIN <= MAX, got {args.autoscale!r}")
     if high == 1:
         raise ValueError("autoscale: MAX must be at least 2 (one replica has nothing to scale)")
+    if high > MAX_DATA_PARALLEL_SIZE:
+        raise ValueError(f"autoscale: MAX is at most {MAX_DATA_PARALLEL_SIZE} replicas, got {args.autoscale!r}")
     if not args.autoscale_target_ongoing_requests > 0:
         raise ValueError("autoscale_target_ongoing_requests must be > 0, got "
                          f"{args.autoscale_target_ongoing_requests!r}")

@@ -55,7 +55,7 @@ def test_nothing_is_decided_while_replicas_start_or_leave():
 
 
 @pytest.mark.parametrize("value, error", [("3", "MIN:MAX"), ("0:2", "1 <= MIN <= MAX"), ("3:2", "1 <= MIN <= MAX"),
-                                          ("1:1", "at least 2")])
+                                          ("1:1", "at least 2"), ("1:65", "at most 64")])
 def test_bad_autoscale_settings_are_refused(value, error):
     with pytest.raises(ValueError, match=error):
         create_engine_config(autoscale=value)

@@ -20,14 +20,12 @@ from fastapi.responses import JSONResponse
 from prometheus_client.core import GaugeMetricFamily
 from pydantic import BaseModel
 
+from raylm.config import MAX_DATA_PARALLEL_SIZE
 from raylm.entrypoints.openai.serving_common import error_response
 
 logger = logging.getLogger(__name__)
 
 
-# A sane ceiling whatever the cluster: each replica is a full engine (model
-# weights, KV cache, processes, sockets).
-MAX_DATA_PARALLEL_SIZE = 64
 
 
 class ScaleRequest(BaseModel):
