@@ -1,5 +1,6 @@
 """Streaming requests read in a background thread, for tests that act while
-streams run (limits, shutdown, kills), and a wait for an idle server."""
+streams run (limits, shutdown, kills), one read on the event loop
+(`stream_completion`), and a wait for an idle server."""
 
 from __future__ import annotations
 
@@ -16,6 +17,28 @@ def long_body(prompt: str = "ROMEO:", max_tokens: int = 400, stream: bool = True
     """A completion that runs for a while: greedy, EOS ignored."""
     return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0, "stream": stream, **extra}
+
+
+async def stream_completion(client: httpx.AsyncClient, prompt: str, max_tokens: int, on_chunk=None) -> str:
+    """One greedy streamed completion (EOS ignored) through `client`: its text.
+    No chunk may be an error, and it must end for its length. `on_chunk()`
+    is called after each chunk."""
+    body = long_body(prompt, max_tokens)
+    text, finish = [], None
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            for choice in chunk["choices"]:
+                text.append(choice["text"])
+                finish = choice.get("finish_reason") or finish
+            if on_chunk is not None:
+                on_chunk()
+    assert finish == "length"
+    return "".join(text)
 
 
 class BackgroundStream:

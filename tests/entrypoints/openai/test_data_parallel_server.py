@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from raylm import LLM, SamplingParams
-from tests.entrypoints.openai.server_utils import API_KEY, MODEL_NAME, RaylmServer, scrape_metric
+from tests.entrypoints.openai.server_utils import API_KEY, RaylmServer, scrape_metric
+from tests.entrypoints.openai.stream_utils import stream_completion
 
 pytestmark = pytest.mark.ray  # the replicas are Ray actors
 
@@ -45,24 +46,12 @@ async def _stream_all(base_url: str, prompts: list[str], during=None) -> list[st
 
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=300) as client:
         async def one(i: int) -> str:
-            body = {"model": MODEL_NAME, "prompt": prompts[i], "max_tokens": MAX_TOKENS, "temperature": 0,
-                    "ignore_eos": True, "stream": True}
-            text, finish = [], None
-            async with client.stream("POST", "/v1/completions", json=body) as response:
-                assert response.status_code == 200, await response.aread()
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = httpx.Response(200, content=line[6:]).json()
-                    assert "error" not in chunk, chunk
-                    for choice in chunk["choices"]:
-                        text.append(choice["text"])
-                        finish = choice.get("finish_reason") or finish
-                    counts[i] += 1
-                    if all(c >= 2 for c in counts):
-                        started.set()
-            assert finish == "length"
-            return "".join(text)
+            def counted() -> None:
+                counts[i] += 1
+                if all(c >= 2 for c in counts):
+                    started.set()
+
+            return await stream_completion(client, prompts[i], MAX_TOKENS, on_chunk=counted)
 
         tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
         if during is not None:

@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from raylm import LLM, SamplingParams
-from tests.entrypoints.openai.server_utils import API_KEY, MODEL_NAME, RaylmServer, scrape_metric
+from tests.entrypoints.openai.server_utils import API_KEY, RaylmServer, scrape_metric
+from tests.entrypoints.openai.stream_utils import stream_completion
 
 PROMPTS = [f"ROMEO {i}: speak" for i in range(24)]
 # Room to move: the streams are far from their end when replicas leave.
@@ -57,21 +58,7 @@ async def _stream_all(base_url: str, during) -> list[str]:
     holds them all (each then has hundreds of tokens to go)."""
     async with httpx.AsyncClient(base_url=base_url, headers=HEADERS, timeout=300) as client:
         async def one(i: int) -> str:
-            body = {"model": MODEL_NAME, "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0,
-                    "ignore_eos": True, "stream": True}
-            text, finish = [], None
-            async with client.stream("POST", "/v1/completions", json=body) as response:
-                assert response.status_code == 200, await response.aread()
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = httpx.Response(200, content=line[6:]).json()
-                    assert "error" not in chunk, chunk
-                    for choice in chunk["choices"]:
-                        text.append(choice["text"])
-                        finish = choice.get("finish_reason") or finish
-            assert finish == "length"
-            return "".join(text)
+            return await stream_completion(client, PROMPTS[i], MAX_TOKENS)
 
         tasks = [asyncio.create_task(one(i)) for i in range(len(PROMPTS))]
         await asyncio.wait_for(_all_in_flight(client), 300)
