@@ -15,7 +15,9 @@ K/V it imported. What it reserved is freed if the migration is abandoned.
 
 Every transfer is one collective call per stage: each rank writes or reads
 its own file (raylm.worker.kv_transfer), so TP and PP engines move their
-shards rank to rank.
+shards rank to rank. Between cores on different nodes (the message carries
+`network`) each source rank offers its blocks on a socket of its own instead
+and the destination's rank fetches them (raylm.worker.kv_network).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ logger = logging.getLogger(__name__)
 class _Outgoing:
     request_id: str
     blocks_sent: int = 0
+    # Its blocks were offered over the network: withdrawn at the end.
+    networked: bool = False
     # The final export waiting for the request's steps in flight to finish.
     final: MigrateExport | None = None
 
@@ -98,14 +102,23 @@ class MigrationEndpoint:
     def _write(self, message: MigrateExport, outgoing: _Outgoing, upto_block: int, num_computed: int,
                num_output: int) -> MigrationReport:
         block_ids = self._scheduler.kv_cache_manager.get_block_ids(message.request_id)[outgoing.blocks_sent:upto_block]
+        sources = None
         try:
-            num_bytes = sum(self.core.executor.collective_rpc("export_kv", args=(message.path_prefix, block_ids)))
+            if message.network is None:
+                num_bytes = sum(self.core.executor.collective_rpc("export_kv", args=(message.path_prefix, block_ids)))
+            else:
+                net = message.network
+                outgoing.networked = True
+                offered = self.core.executor.collective_rpc("serve_kv", args=(
+                    _transfer_name(message.path_prefix), block_ids, net.host, net.public_key, net.secret_key))
+                num_bytes = sum(size for size, _ in offered)
+                sources = [address for _, address in offered]
         except Exception as e:  # the request is untouched (if paused, the supervisor resumes it)
             return self._refused(message, f"exporting its K/V failed: {type(e).__name__}: {e}")
         outgoing.blocks_sent = max(outgoing.blocks_sent, upto_block)
         return MigrationReport(message.migration_id, message.request_id, ok=True, final=message.final,
                                num_blocks=len(block_ids), num_bytes=num_bytes, num_computed_tokens=num_computed,
-                               num_output_tokens=num_output)
+                               num_output_tokens=num_output, sources=sources)
 
     def _in_flight(self, request_id: str) -> bool:
         request = self._scheduler.requests.get(request_id)
@@ -129,7 +142,7 @@ class MigrationEndpoint:
             self._abandon(message.migration_id)
             return self._refused(message, f"no room for {message.num_blocks} more KV blocks")
         try:
-            num_bytes = sum(self.core.executor.collective_rpc("import_kv", args=(message.path_prefix, block_ids)))
+            num_bytes = self._read(message, block_ids)
         except Exception as e:
             self._abandon(message.migration_id)
             return self._refused(message, f"importing its K/V failed: {type(e).__name__}: {e}")
@@ -138,6 +151,18 @@ class MigrationEndpoint:
             self._scheduler.add_imported(message.request.to_request(), message.num_computed_tokens)
         return MigrationReport(message.migration_id, rid, ok=True, final=message.final,
                                num_blocks=len(block_ids), num_bytes=num_bytes)
+
+    def _read(self, message: MigrateImport, block_ids: list[int]) -> int:
+        """Each rank reads the source's same rank's blocks: from its file, or over the network."""
+        if message.network is None:
+            return sum(self.core.executor.collective_rpc("import_kv", args=(message.path_prefix, block_ids)))
+        world_size = self.core.config.parallel_config.world_size
+        if len(message.sources or []) != world_size:
+            raise ValueError(f"the source offers {len(message.sources or [])} ranks' blocks, this engine has "
+                             f"{world_size} ranks (engines must have the same TP/PP layout)")
+        net = message.network
+        return sum(self.core.executor.collective_rpc("fetch_kv", args=(
+            _transfer_name(message.path_prefix), block_ids, message.sources, net.public_key, net.secret_key)))
 
     def _abandon(self, migration_id: str) -> None:
         """Free what an incoming migration reserved (its request never arrived)."""
@@ -150,6 +175,11 @@ class MigrationEndpoint:
     def _end(self, message: MigrateEnd) -> None:
         outgoing = self._outgoing.pop(message.migration_id, None)
         if outgoing is not None:
+            if outgoing.networked:  # offers the destination never fetched (it gave up, or died)
+                try:
+                    self.core.executor.collective_rpc("withdraw_kv", args=(f"{message.migration_id}-",))
+                except Exception as e:
+                    logger.warning("could not withdraw the K/V offers of migration %s: %s", message.migration_id, e)
             if message.commit:
                 self._scheduler.release_migrated(message.request_id)
             else:
@@ -181,3 +211,8 @@ class MigrationEndpoint:
         logger.info("migration %s of request %s refused: %s", message.migration_id, message.request_id[:64], reason)
         return MigrationReport(message.migration_id, message.request_id, ok=False,
                                final=getattr(message, "final", True), error=reason)
+
+
+def _transfer_name(path_prefix: str) -> str:
+    """A stage's name on the network: its file's name (migration id, stage)."""
+    return path_prefix.rsplit("/", 1)[-1]

@@ -22,9 +22,12 @@ leaves the request to the usual recovery (recompute on a survivor); a
 destination that dies leaves it at the source, or, once it owned it, to the
 usual recovery too.
 
-The transfer files are on this machine's /dev/shm, so migration needs both
-cores on the supervisor's node; elsewhere it is refused and callers fall back
-(scale-in lets such a core drain).
+The K/V takes one of two ways, chosen per pair of cores: when both run on
+the supervisor's node, files in its private folder in /dev/shm; otherwise
+(either core on another node) over the network, each source rank offering
+its blocks on a CURVE socket of its own and the destination's rank fetching
+them (raylm.worker.kv_network), with a keypair this supervisor makes and
+sends both sides inside their migration messages.
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
+from raylm.distributed.tcp_auth import CurveKeys
 from raylm.engine.core_channel import CoreChannel
 from raylm.engine.routing import CoreLoad, plan_rebalance
 from raylm.engine.protocol import (
     EngineCoreRequest,
+    KVNetwork,
     MigrateEnd,
     MigrateExport,
     MigrateImport,
@@ -80,6 +85,8 @@ class Migration:
     # When the source last sent the request a token (the pause the client
     # sees runs from there to the destination's first token).
     last_token_at: float | None = None
+    # How the K/V crosses between the cores' nodes; None: through /dev/shm.
+    network: KVNetwork | None = None
 
 
 class MigrationControl:
@@ -99,6 +106,7 @@ class MigrationControl:
         self._migration_ids = itertools.count()
         self._transfer_dir: str | None = None
         self._transfer_dir_cleanup = None
+        self._kv_keys: CurveKeys | None = None  # made by the first migration across nodes
 
     def _close_migration(self) -> None:
         """At shutdown: no transfer file outlives the engine."""
@@ -110,7 +118,7 @@ class MigrationControl:
     def migrate(self, request_id: str, destination: int | None = None, reason: str = "manual") -> bool:
         """Start moving `request_id` to core `destination` (None: the least
         loaded other serving core). False when it cannot move (unknown,
-        already moving, no destination, cores on other nodes)."""
+        already moving, no destination)."""
         entry = self.ledger.get(request_id)
         if entry is None or request_id in self._migrating or entry.channel < 0:
             return False
@@ -121,11 +129,11 @@ class MigrationControl:
         if target is None:
             return False
         migration = Migration(f"{os.getpid()}-{next(self._migration_ids)}", request_id, source.index,
-                              target.index, reason)
+                              target.index, reason, network=self._kv_network(source, target))
         self.migrations[migration.migration_id] = migration
         self._migrating[request_id] = migration.migration_id
-        logger.info("migrating request %s from core %d to core %d (%s)", request_id[:64], source.index,
-                    target.index, reason)
+        logger.info("migrating request %s from core %d to core %d (%s, %s)", request_id[:64], source.index,
+                    target.index, reason, "through shared memory" if migration.network is None else "over the network")
         self._export_stage(migration, final=False)
         return True
 
@@ -174,11 +182,21 @@ class MigrationControl:
         candidates = [c for i, c in self.channels.items()
                       if i != source.index and not c.draining and c.rebuilding_since is None
                       and (index is None or i == index)]
-        # The transfer goes through this node's shared memory.
-        candidates = [c for c in candidates if c.node_ip == source.node_ip and self.launcher.is_local(c.index)]
         if not candidates:
             return None
         return min(candidates, key=lambda c: (len(c.in_flight), c.stats.kv_cache_usage if c.stats else 0.0))
+
+    def _shares_node(self, source: CoreChannel, destination: CoreChannel) -> bool:
+        """Both cores on this supervisor's node: the K/V can go through its /dev/shm folder."""
+        return (source.node_ip == destination.node_ip and self.launcher.is_local(source.index)
+                and self.launcher.is_local(destination.index))
+
+    def _kv_network(self, source: CoreChannel, destination: CoreChannel) -> KVNetwork | None:
+        if self._shares_node(source, destination):
+            return None
+        if self._kv_keys is None:
+            self._kv_keys = CurveKeys.generate()
+        return KVNetwork(source.node_ip, self._kv_keys.public, self._kv_keys.secret)
 
     def _stage_path(self, migration: Migration) -> str:
         if self._transfer_dir is None:
@@ -189,7 +207,8 @@ class MigrationControl:
 
     def _export_stage(self, migration: Migration, final: bool) -> None:
         self.channels[migration.source].send(self._encoder.encode(
-            MigrateExport(migration.migration_id, migration.request_id, self._stage_path(migration), final)))
+            MigrateExport(migration.migration_id, migration.request_id, self._stage_path(migration), final,
+                          migration.network)))
 
     # ---- reports from the cores -----------------------------------------------------
 
@@ -217,7 +236,7 @@ class MigrationControl:
             self._hand_over(migration)
         self.channels[migration.destination].send(self._encoder.encode(MigrateImport(
             migration.migration_id, migration.request_id, self._stage_path(migration), report.num_blocks,
-            report.final, request, report.num_computed_tokens)))
+            report.final, request, report.num_computed_tokens, migration.network, report.sources)))
         migration.stage += 1
 
     def _on_imported(self, migration: Migration, report: MigrationReport) -> None:

@@ -83,6 +83,17 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
+class KVNetwork(msgspec.Struct):
+    """How a migration's K/V crosses nodes (raylm.worker.kv_network): the
+    source's ranks offer their blocks on `host` (its node's address); both
+    sides hold the supervisor's pre-shared CURVE pair. None in a migration
+    message: the two cores share a node, and the K/V goes through files."""
+
+    host: str
+    public_key: bytes
+    secret_key: bytes
+
+
 class MigrateExport(msgspec.Struct, tag="migrate_export"):
     """To a migration's source: write the KV blocks of `request_id` that the
     destination does not have yet to the transfer files at `path_prefix`
@@ -94,6 +105,7 @@ class MigrateExport(msgspec.Struct, tag="migrate_export"):
     request_id: str
     path_prefix: str
     final: bool
+    network: Union[KVNetwork, None] = None
 
 
 class MigrateImport(msgspec.Struct, tag="migrate_import"):
@@ -109,6 +121,10 @@ class MigrateImport(msgspec.Struct, tag="migrate_import"):
     final: bool
     request: Union[EngineCoreRequest, None] = None
     num_computed_tokens: int = 0
+    # Across nodes: the keys, and where each source rank offers its blocks
+    # (rank i fetches from sources[i]).
+    network: Union[KVNetwork, None] = None
+    sources: Union[list[str], None] = None
 
 
 class MigrateEnd(msgspec.Struct, tag="migrate_end"):
@@ -139,6 +155,8 @@ class MigrationReport(msgspec.Struct):
     num_computed_tokens: int = 0
     num_output_tokens: int = 0
     error: Union[str, None] = None
+    # Export across nodes: where each rank offers its blocks.
+    sources: Union[list[str], None] = None
 
 
 class MigrationStats(msgspec.Struct):

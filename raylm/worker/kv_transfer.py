@@ -12,12 +12,16 @@ transfer with a clear error instead of importing wrong data.
 Both sides map the file (torch's from_file) and copy once: gather the blocks
 from the cache into the mapping, scatter them from the mapping into the cache.
 A file on /dev/shm never touches a disk.
+
+Between nodes the same bytes travel in memory instead (`pack_blocks` /
+`unpack_blocks`, carried by raylm.worker.kv_network).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import torch
 
@@ -49,17 +53,68 @@ def _block_numel(kv_caches: list[torch.Tensor]) -> int:
     return 2 * kv_caches[0][0, 0].numel()
 
 
+def _header_bytes(kv_caches: list[torch.Tensor], num_blocks: int) -> bytes:
+    header = {"magic": _MAGIC, "version": _VERSION, "num_blocks": num_blocks, **_layout(kv_caches)}
+    encoded = json.dumps(header).encode()
+    if len(encoded) > _HEADER_BYTES:
+        raise KVTransferError("KV transfer header too long")
+    return encoded
+
+
+def _data_bytes(kv_caches: list[torch.Tensor], num_blocks: int) -> int:
+    return _block_numel(kv_caches) * num_blocks * len(kv_caches) * kv_caches[0].element_size()
+
+
+def _gather(kv_caches: list[torch.Tensor], block_ids: list[int], data: torch.Tensor) -> None:
+    """Copy the blocks `block_ids` of every layer into `data` (flat, of the caches' dtype), layer by layer."""
+    first = kv_caches[0]
+    per_layer = _block_numel(kv_caches) * len(block_ids)
+    index = torch.tensor(block_ids, dtype=torch.int64, device=first.device)
+    for layer, cache in enumerate(kv_caches):
+        out = data[layer * per_layer : (layer + 1) * per_layer].view(2, len(block_ids), *cache.shape[2:])
+        if cache.device.type == "cpu":
+            torch.index_select(cache, 1, index, out=out)  # gathered straight into the destination
+        else:
+            out.copy_(cache.index_select(1, index))
+
+
+def _scatter(kv_caches: list[torch.Tensor], block_ids: list[int], data: torch.Tensor) -> None:
+    """The inverse of `_gather`: `data` into the blocks `block_ids` of every layer."""
+    first = kv_caches[0]
+    per_layer = _block_numel(kv_caches) * len(block_ids)
+    index = torch.tensor(block_ids, dtype=torch.int64, device=first.device)
+    for layer, cache in enumerate(kv_caches):
+        src = data[layer * per_layer : (layer + 1) * per_layer].view(2, len(block_ids), *cache.shape[2:])
+        cache.index_copy_(1, index, src.to(cache.device))
+
+
+def _check_header(raw: bytes, size: int, kv_caches: list[torch.Tensor], num_blocks: int, what: str) -> None:
+    """Refuse (KVTransferError) a transfer that is not `num_blocks` blocks of this rank's layout."""
+    try:
+        header = json.loads(bytes(raw).rstrip(b"\0"))
+    except ValueError as e:
+        raise KVTransferError(f"{what} has no valid header") from e
+    if not isinstance(header, dict) or header.get("magic") != _MAGIC or header.get("version") != _VERSION:
+        raise KVTransferError(f"{what} is not a raylm KV transfer of version {_VERSION}")
+    mine = _layout(kv_caches)
+    theirs = {key: header.get(key) for key in mine}
+    if theirs != mine:
+        raise KVTransferError(f"KV layouts differ: the source rank holds {theirs}, this rank {mine} "
+                              "(engines must have the same model, dtype, block size and TP/PP layout)")
+    if header.get("num_blocks") != num_blocks:
+        raise KVTransferError(f"{what} holds {header.get('num_blocks')} blocks, {num_blocks} were reserved")
+    expected = _HEADER_BYTES + _data_bytes(kv_caches, num_blocks)
+    if size != expected:
+        raise KVTransferError(f"{what} is truncated or padded ({size} bytes, {expected} expected)")
+
+
 def export_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], path: str) -> int:
     """Write the blocks `block_ids` of every layer to `path`; returns the bytes written."""
     if not kv_caches:
         raise KVTransferError("this rank holds no KV cache")
-    header = {"magic": _MAGIC, "version": _VERSION, "num_blocks": len(block_ids), **_layout(kv_caches)}
-    encoded = json.dumps(header).encode()
-    if len(encoded) > _HEADER_BYTES:
-        raise KVTransferError("KV transfer header too long")
+    encoded = _header_bytes(kv_caches, len(block_ids))
     first = kv_caches[0]
-    per_layer = _block_numel(kv_caches) * len(block_ids)
-    data_bytes = per_layer * len(kv_caches) * first.element_size()
+    data_bytes = _data_bytes(kv_caches, len(block_ids))
     # Created fresh (O_EXCL): a stale file of an earlier transfer is never read as this one.
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -69,14 +124,7 @@ def export_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], path: str
         os.close(fd)
     if not block_ids:
         return _HEADER_BYTES
-    mapped = _map(path, first.dtype, _HEADER_BYTES + data_bytes, writable=True)
-    index = torch.tensor(block_ids, dtype=torch.int64, device=first.device)
-    for layer, cache in enumerate(kv_caches):
-        out = mapped[layer * per_layer : (layer + 1) * per_layer].view(2, len(block_ids), *cache.shape[2:])
-        if cache.device.type == "cpu":
-            torch.index_select(cache, 1, index, out=out)  # gathered straight into the mapping
-        else:
-            out.copy_(cache.index_select(1, index))
+    _gather(kv_caches, block_ids, _map(path, first.dtype, _HEADER_BYTES + data_bytes, writable=True))
     return _HEADER_BYTES + data_bytes
 
 
@@ -91,32 +139,39 @@ def import_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], path: str
             size = os.fstat(f.fileno()).st_size
     except OSError as e:
         raise KVTransferError(f"KV transfer file {path!r} cannot be read: {e}") from e
-    try:
-        header = json.loads(raw.rstrip(b"\0"))
-    except ValueError as e:
-        raise KVTransferError(f"KV transfer file {path!r} has no valid header") from e
-    if header.get("magic") != _MAGIC or header.get("version") != _VERSION:
-        raise KVTransferError(f"{path!r} is not a raylm KV transfer file of version {_VERSION}")
-    mine = _layout(kv_caches)
-    theirs = {key: header.get(key) for key in mine}
-    if theirs != mine:
-        raise KVTransferError(f"KV layouts differ: the source rank holds {theirs}, this rank {mine} "
-                              "(engines must have the same model, dtype, block size and TP/PP layout)")
-    if header.get("num_blocks") != len(block_ids):
-        raise KVTransferError(f"{path!r} holds {header.get('num_blocks')} blocks, {len(block_ids)} were reserved")
-    first = kv_caches[0]
-    per_layer = _block_numel(kv_caches) * len(block_ids)
-    expected = _HEADER_BYTES + per_layer * len(kv_caches) * first.element_size()
-    if size != expected:
-        raise KVTransferError(f"KV transfer file {path!r} is truncated or padded ({size} bytes, {expected} expected)")
-    if not block_ids:
-        return size
-    mapped = _map(path, first.dtype, size, writable=False)
-    index = torch.tensor(block_ids, dtype=torch.int64, device=first.device)
-    for layer, cache in enumerate(kv_caches):
-        src = mapped[layer * per_layer : (layer + 1) * per_layer].view(2, len(block_ids), *cache.shape[2:])
-        cache.index_copy_(1, index, src.to(cache.device))
+    _check_header(raw, size, kv_caches, len(block_ids), f"KV transfer file {path!r}")
+    if block_ids:
+        _scatter(kv_caches, block_ids, _map(path, kv_caches[0].dtype, size, writable=False))
     return size
+
+
+def pack_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
+    """The same bytes `export_blocks` writes to a file, in memory (a flat
+    uint8 tensor): what a rank sends to another node (raylm.worker.kv_network)."""
+    if not kv_caches:
+        raise KVTransferError("this rank holds no KV cache")
+    encoded = _header_bytes(kv_caches, len(block_ids))
+    packed = torch.zeros(_HEADER_BYTES + _data_bytes(kv_caches, len(block_ids)), dtype=torch.uint8)
+    packed[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    if block_ids:
+        _gather(kv_caches, block_ids, packed[_HEADER_BYTES:].view(kv_caches[0].dtype))
+    return packed
+
+
+def unpack_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], packed, what: str) -> int:
+    """Read what `pack_blocks` made (any buffer: bytes, a ZMQ frame's memoryview)
+    into the blocks `block_ids`; returns its size in bytes."""
+    if not kv_caches:
+        raise KVTransferError("this rank holds no KV cache")
+    view = memoryview(packed).cast("B")
+    _check_header(view[:_HEADER_BYTES], len(view), kv_caches, len(block_ids), what)
+    if block_ids:
+        with warnings.catch_warnings():
+            # A received frame is read-only; it is only read here.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            data = torch.frombuffer(view, dtype=kv_caches[0].dtype, offset=_HEADER_BYTES)
+        _scatter(kv_caches, block_ids, data)
+    return len(view)
 
 
 def _map(path: str, dtype: torch.dtype, size: int, writable: bool) -> torch.Tensor:

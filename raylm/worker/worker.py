@@ -18,7 +18,8 @@ from raylm.config import EngineConfig
 from raylm.distributed import parallel_state
 from raylm.messages import GrammarOutput, KVCacheConfig, ModelRunnerOutput, SchedulerOutput
 from raylm.model.layers.cpu_kernels import get_cpu_kernels
-from raylm.worker import cpu_placement, kv_transfer
+from raylm.distributed.tcp_auth import CurveKeys
+from raylm.worker import cpu_placement, kv_network, kv_transfer
 from raylm.worker.fault_injection import FaultInjector
 from raylm.worker.model_runner import ModelRunner
 from raylm.worker.memory_profiling import (
@@ -49,6 +50,7 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
+        self.kv_network: kv_network.KVNetworkEndpoint | None = None  # started by the first cross-node export
         # Free GPU memory before this rank allocated anything (see determine_available_memory).
         self._cuda_free_at_start: int | None = None
         self.cpu_placement: cpu_placement.RankPlacement | None = None
@@ -214,7 +216,31 @@ class Worker:
         return kv_transfer.import_blocks(self.model_runner.kv_caches, block_ids,
                                          kv_transfer.rank_path(path_prefix, self.rank))
 
+    # Cross-node transfers (raylm.worker.kv_network); keys are the supervisor's pre-shared CURVE pair.
+
+    def serve_kv(self, name: str, block_ids: list[int], host: str, public_key: bytes, secret_key: bytes) -> list:
+        """Pack this rank's K/V of `block_ids` and offer it on `host`; [bytes, address]."""
+        if self.kv_network is None:
+            self.kv_network = kv_network.KVNetworkEndpoint()
+        num_bytes, address = self.kv_network.serve(self.model_runner.kv_caches, f"{name}.rank{self.rank}",
+                                                   block_ids, host, CurveKeys(public_key, secret_key))
+        return [num_bytes, address]
+
+    def fetch_kv(self, name: str, block_ids: list[int], addresses: list[str], public_key: bytes,
+                 secret_key: bytes) -> int:
+        """Fetch the same rank's offer of a transfer from `addresses[rank]` into `block_ids`."""
+        return kv_network.KVNetworkEndpoint().fetch_into(self.model_runner.kv_caches, f"{name}.rank{self.rank}",
+                                                         block_ids, addresses[self.rank],
+                                                         CurveKeys(public_key, secret_key))
+
+    def withdraw_kv(self, prefix: str) -> int:
+        """Drop this rank's offers of a migration nobody fetched."""
+        return self.kv_network.withdraw(prefix) if self.kv_network is not None else 0
+
     def shutdown(self) -> None:
+        if self.kv_network is not None:
+            self.kv_network.close()
+            self.kv_network = None
         self.model_runner = None
         if self._affinity_before is not None:
             # The pinned thread is the engine's (maybe the user's main thread):

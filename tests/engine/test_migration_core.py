@@ -14,7 +14,8 @@ import pytest
 
 from raylm import LLM, SamplingParams
 from raylm.core.request import Request
-from raylm.engine.protocol import EngineCoreRequest, MigrateEnd, MigrateExport, MigrateImport
+from raylm.distributed.tcp_auth import CurveKeys
+from raylm.engine.protocol import EngineCoreRequest, KVNetwork, MigrateEnd, MigrateExport, MigrateImport
 from raylm.testing.hf_oracle import hf_greedy
 
 PROMPT = [(5 * j) % 200 + 3 for j in range(37)]  # spans several 16-token blocks
@@ -46,26 +47,32 @@ def _run(core, request_id: str, until, tokens: list[int]) -> None:
                 tokens.extend(out.new_token_ids)
 
 
-def _migrate(src, dst, request_id: str, first: Request, tokens: list[int], shm_dir: str) -> dict:
+def _migrate(src, dst, request_id: str, first: Request, tokens: list[int], shm_dir: str,
+             network: KVNetwork | None = None) -> dict:
     """The supervisor's side of one migration, by hand: a first stage while
-    the request runs, then the final stage; returns what was moved."""
-    stage1 = src.take_migration_reports(MigrateExport("m1", request_id, f"{shm_dir}/m1-0", final=False))[0]
+    the request runs, then the final stage; returns what was moved.
+    `network`: the K/V goes over sockets (as between nodes), not files."""
+    stage1 = src.take_migration_reports(MigrateExport("m1", request_id, f"{shm_dir}/m1-0", False, network))[0]
     assert stage1.ok and stage1.num_blocks >= 2, stage1
+    assert (stage1.sources is None) == (network is None)
     imported = dst.take_migration_reports(MigrateImport("m1", request_id, f"{shm_dir}/m1-0", stage1.num_blocks,
-                                                        final=False))[0]
+                                                        final=False, network=network, sources=stage1.sources))[0]
     assert imported.ok, imported
     # The source decodes on while the destination imports.
     _run(src, request_id, lambda: len(tokens) >= stage1.num_output_tokens + 3, tokens)
-    final = src.take_migration_reports(MigrateExport("m1", request_id, f"{shm_dir}/m1-1", final=True))
+    final = src.take_migration_reports(MigrateExport("m1", request_id, f"{shm_dir}/m1-1", True, network))
     final = final[0] if final else _poll(src)
     assert final.ok and final.final and final.num_output_tokens == len(tokens), (final, len(tokens))
     continuation = Request(request_id, first.prompt_token_ids, first.sampling_params, first.eos_token_id,
                            output_token_ids=list(tokens))
     done = dst.take_migration_reports(MigrateImport("m1", request_id, f"{shm_dir}/m1-1", final.num_blocks, final=True,
                                                     request=EngineCoreRequest.from_request(continuation),
-                                                    num_computed_tokens=final.num_computed_tokens))[0]
+                                                    num_computed_tokens=final.num_computed_tokens,
+                                                    network=network, sources=final.sources))[0]
     assert done.ok, done
     src.take_migration_reports(MigrateEnd("m1", request_id, commit=True))
+    if network is not None:  # every offer was fetched, none is left behind
+        assert src.executor.collective_rpc(lambda worker: worker.kv_network.withdraw("")) == [0]
     return {"stage1": stage1, "final": final}
 
 
@@ -90,7 +97,7 @@ def _poll(core):
     return reports[0]
 
 
-def _generate(src, dst, params: SamplingParams, migrate: bool) -> list[int]:
+def _generate(src, dst, params: SamplingParams, migrate: bool, network: KVNetwork | None = None) -> list[int]:
     request_id = f"r-{migrate}-{params.seed}"
     first = Request(request_id, PROMPT, params, eos_token_id=None)
     src.add_request(Request(request_id, PROMPT, params, eos_token_id=None))
@@ -98,7 +105,7 @@ def _generate(src, dst, params: SamplingParams, migrate: bool) -> list[int]:
     if migrate:
         _run(src, request_id, lambda: len(tokens) >= 12, tokens)
         with tempfile.TemporaryDirectory(dir="/dev/shm") as shm_dir:
-            moved = _migrate(src, dst, request_id, first, tokens, shm_dir)
+            moved = _migrate(src, dst, request_id, first, tokens, shm_dir, network)
             assert not src.has_unfinished_requests()
             scheduled = _record_scheduled(dst, request_id)
             _run(dst, request_id, lambda: not dst.has_unfinished_requests(), tokens)
@@ -121,6 +128,16 @@ def test_greedy_migrated_request_equals_hugging_face(cores, model):
     assert _generate(src, dst, params, migrate=True) == expected
     # And back the other way.
     assert _generate(dst, src, params, migrate=True) == expected
+
+
+def test_greedy_request_migrated_over_the_network_equals_hugging_face(cores, model):
+    """The cross-node path (CURVE sockets, raylm.worker.kv_network), on loopback."""
+    src, dst = cores
+    keys = CurveKeys.generate()
+    network = KVNetwork("127.0.0.1", keys.public, keys.secret)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = hf_greedy(model, [PROMPT], MAX_TOKENS)[0].token_ids
+    assert _generate(src, dst, params, migrate=True, network=network) == expected
 
 
 def test_seeded_sampling_continues_its_stream(cores):

@@ -1,0 +1,180 @@
+"""KV blocks between ranks on different nodes (live migration across hosts;
+on one node they go through files in shared memory, raylm.worker.kv_transfer).
+
+The source rank packs the blocks of a stage in memory (the same bytes as a
+transfer file: header, then each layer's K and V) and offers them, by name,
+on a ZMQ ROUTER socket of its own, bound on its node's address. The
+destination's rank of the same index connects, asks for the name once, and
+scatters the answer into the blocks it reserved. An offer is handed out once
+and then dropped; one never asked for is withdrawn when its migration ends
+(and, as a safety net, expires).
+
+Trust: ZMQ CURVE with a keypair the supervisor makes and sends both sides
+inside their migration messages, which travel on the cores' authenticated
+input sockets (the pre-shared-key scheme of the step queues,
+raylm.distributed.tcp_auth). The server admits only clients presenting that
+key, the client accepts only a server holding it, and the K/V is encrypted
+on the wire. Measured against Ray's object store on the two-host harness:
+benchmarks/bench_kv_transport.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+
+import torch
+import zmq
+
+from raylm.distributed.tcp_auth import CurveKeys, CurveServer, secure_client, terminate_context
+from raylm.worker import kv_transfer
+
+logger = logging.getLogger(__name__)
+
+# An offer nobody fetched (its destination died, and the supervisor that
+# would withdraw it too) is dropped after this long.
+_OFFER_TTL_S = 300.0
+# How long a destination waits for the source's answer: the transfer of a
+# long request's blocks over a slow link fits; a source that died does not
+# hold the destination's loop much longer.
+FETCH_TIMEOUT_S = 30.0
+_STATUS_OK, _STATUS_MISSING, _STATUS_FAILED = b"ok", b"missing", b"failed"
+
+
+class KVBlockServer:
+    """Offers packed blocks by name on one CURVE ROUTER socket, answered by a
+    daemon thread (the rank's loop never waits on a destination)."""
+
+    def __init__(self, host: str, keys: CurveKeys):
+        self.keys = keys
+        self._context = zmq.Context()
+        self._curve = CurveServer(self._context, keys)  # before bind: no client connects unchecked
+        self._sock = self._context.socket(zmq.ROUTER)
+        self._curve.secure(self._sock)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        # name -> (packed blocks, or the Future of a packing still running; when offered)
+        self._offers: dict[bytes, tuple[torch.Tensor | Future, float]] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="raylm-kv-server", daemon=True)
+        self._thread.start()
+
+    def offer(self, name: str, packed: torch.Tensor | Future) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for stale in [n for n, (_, at) in self._offers.items() if now - at > _OFFER_TTL_S]:
+                del self._offers[stale]
+            self._offers[name.encode()] = (packed, now)
+
+    def withdraw(self, prefix: str) -> int:
+        """Drop the offers whose name starts with `prefix`; how many."""
+        key = prefix.encode()
+        with self._lock:
+            names = [n for n in self._offers if n.startswith(key)]
+            for name in names:
+                del self._offers[name]
+        return len(names)
+
+    @property
+    def num_offers(self) -> int:
+        with self._lock:
+            return len(self._offers)
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            if not self._sock.poll(100):
+                continue
+            frames = self._sock.recv_multipart()
+            if len(frames) != 2:
+                continue  # not a request of ours
+            identity, name = frames
+            with self._lock:
+                entry = self._offers.pop(name, None)
+            if entry is None:
+                self._sock.send_multipart([identity, _STATUS_MISSING, b""])
+                continue
+            packed = entry[0]
+            try:
+                if isinstance(packed, Future):
+                    packed = packed.result()
+            except Exception as e:  # the packing failed: the destination says why
+                self._sock.send_multipart([identity, _STATUS_FAILED, f"{type(e).__name__}: {e}".encode()])
+                continue
+            # Zero-copy: ZMQ holds the array until it is sent.
+            self._sock.send_multipart([identity, _STATUS_OK, packed.numpy()], copy=False)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=5)
+        self._sock.close(linger=0)
+        self._curve.stop()
+        terminate_context(self._context)
+        with self._lock:
+            self._offers.clear()
+
+
+def fetch(address: str, name: str, keys: CurveKeys, timeout_s: float = FETCH_TIMEOUT_S) -> zmq.Frame:
+    """The packed blocks offered as `name` at `address` (a read-only frame)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    secure_client(sock, keys)
+    sock.connect(address)
+    try:
+        sock.send(name.encode())
+        if not sock.poll(int(timeout_s * 1000)):
+            raise kv_transfer.KVTransferError(
+                f"the source rank at {address} did not send the K/V blocks {name!r} within {timeout_s:.0f} s")
+        frames = sock.recv_multipart(copy=False)
+    finally:
+        sock.close(linger=0)
+    status, payload = frames[0].bytes, frames[1]
+    if status == _STATUS_MISSING:
+        raise kv_transfer.KVTransferError(f"the source rank at {address} offers no K/V blocks {name!r}")
+    if status != _STATUS_OK:
+        raise kv_transfer.KVTransferError(f"the source rank at {address} failed to pack {name!r}: "
+                                          f"{payload.bytes.decode(errors='replace')}")
+    return payload
+
+
+class KVNetworkEndpoint:
+    """A rank's side of cross-node transfers: its server (started on the first
+    export, remade if the supervisor's key changes) and its fetches."""
+
+    def __init__(self):
+        self._server: KVBlockServer | None = None
+
+    def serve(self, kv_caches: list[torch.Tensor], name: str, block_ids: list[int], host: str,
+              keys: CurveKeys) -> tuple[int, str]:
+        """Pack the blocks now and offer them as `name`; (bytes, address to fetch them from)."""
+        server = self._server_for(host, keys)
+        packed = kv_transfer.pack_blocks(kv_caches, block_ids)
+        server.offer(name, packed)
+        return packed.numel(), server.address
+
+    def fetch_into(self, kv_caches: list[torch.Tensor], name: str, block_ids: list[int], address: str,
+                   keys: CurveKeys) -> int:
+        frame = fetch(address, name, keys)
+        return kv_transfer.unpack_blocks(kv_caches, block_ids, frame.buffer,
+                                         f"the K/V blocks {name!r} from {address}")
+
+    def withdraw(self, prefix: str) -> int:
+        return self._server.withdraw(prefix) if self._server is not None else 0
+
+    def _server_for(self, host: str, keys: CurveKeys) -> KVBlockServer:
+        server = self._server
+        if server is not None and (server.keys != keys or not server.address.startswith(f"tcp://{host}:")):
+            server.close()
+            server = None
+        if server is None:
+            server = self._server = KVBlockServer(host, keys)
+        return server
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None

@@ -1,0 +1,97 @@
+"""K/V blocks between ranks over the network (raylm.worker.kv_network), here
+on loopback: the blocks arrive bit for bit in the reserved blocks, an offer
+is handed out once, only a client holding the supervisor's key gets it, and
+what cannot be imported (another layout, a withdrawn offer) is refused with
+the reason."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import zmq
+
+from raylm.distributed.tcp_auth import CurveKeys
+from raylm.worker import kv_network, kv_transfer
+
+NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, LAYERS = 12, 4, 2, 8, 3
+
+
+def _caches(seed: int | None, dtype=torch.float32, block_size: int = BLOCK_SIZE) -> list[torch.Tensor]:
+    shape = (2, NUM_BLOCKS, block_size, KV_HEADS, HEAD_DIM)
+    if seed is None:
+        return [torch.zeros(shape, dtype=dtype) for _ in range(LAYERS)]
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen).to(dtype) for _ in range(LAYERS)]
+
+
+@pytest.fixture
+def endpoint():
+    ep = kv_network.KVNetworkEndpoint()
+    yield ep
+    ep.close()
+    assert not [t for t in threading.enumerate() if t.name == "raylm-kv-server"], "the server thread lives on"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_arrive_bit_for_bit_in_the_reserved_blocks(endpoint, dtype):
+    keys = CurveKeys.generate()
+    source, destination = _caches(0, dtype), _caches(None, dtype)
+    sent, reserved = [7, 2, 9], [0, 5, 11]
+    num_bytes, address = endpoint.serve(source, "m-0.rank0", sent, "127.0.0.1", keys)
+    assert address.startswith("tcp://127.0.0.1:")
+    got = kv_network.KVNetworkEndpoint().fetch_into(destination, "m-0.rank0", reserved, address, keys)
+    assert got == num_bytes
+    for src, dst in zip(source, destination):
+        assert torch.equal(dst[:, reserved], src[:, sent])
+        untouched = [b for b in range(NUM_BLOCKS) if b not in reserved]
+        assert not dst[:, untouched].any()
+    # Handed out once: a second fetch of the same name is refused.
+    with pytest.raises(kv_transfer.KVTransferError, match="offers no K/V blocks"):
+        kv_network.fetch(address, "m-0.rank0", keys, timeout_s=5)
+
+
+def test_a_client_without_the_key_gets_nothing(endpoint):
+    keys = CurveKeys.generate()
+    _, address = endpoint.serve(_caches(0), "m-1.rank0", [1], "127.0.0.1", keys)
+    stranger = CurveKeys.generate()
+    # The server admits only the supervisor's key: the handshake fails, no answer comes.
+    with pytest.raises(kv_transfer.KVTransferError, match="did not send"):
+        kv_network.fetch(address, "m-1.rank0", stranger, timeout_s=0.5)
+    # A plain (unencrypted) client gets nothing either.
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    sock.send(b"m-1.rank0")
+    assert not sock.poll(500)
+    sock.close()
+    # The offer is still there for the rightful destination.
+    destination = _caches(None)
+    kv_network.KVNetworkEndpoint().fetch_into(destination, "m-1.rank0", [3], address, keys)
+    assert torch.equal(destination[0][:, 3], _caches(0)[0][:, 1])
+
+
+def test_withdrawn_offers_and_other_layouts_are_refused(endpoint):
+    keys = CurveKeys.generate()
+    _, address = endpoint.serve(_caches(0), "m-2-0.rank0", [1, 2], "127.0.0.1", keys)
+    endpoint.serve(_caches(0), "m-2-1.rank0", [3], "127.0.0.1", keys)
+    endpoint.serve(_caches(0), "m-20-0.rank0", [4], "127.0.0.1", keys)
+    assert endpoint.withdraw("m-2-") == 2  # that migration's offers, not m-20's
+    with pytest.raises(kv_transfer.KVTransferError, match="offers no K/V blocks"):
+        kv_network.fetch(address, "m-2-0.rank0", keys, timeout_s=5)
+    other_layout = _caches(None, block_size=2 * BLOCK_SIZE)
+    with pytest.raises(kv_transfer.KVTransferError, match="KV layouts differ"):
+        kv_network.KVNetworkEndpoint().fetch_into(other_layout, "m-20-0.rank0", [0], address, keys)
+    endpoint.serve(_caches(0), "m-3.rank0", [1, 2], "127.0.0.1", keys)
+    with pytest.raises(kv_transfer.KVTransferError, match="holds 2 blocks, 1 were reserved"):
+        kv_network.KVNetworkEndpoint().fetch_into(_caches(None), "m-3.rank0", [0], address, keys)
+
+
+def test_packed_blocks_equal_the_transfer_file(tmp_path):
+    """One format both ways: a file export and an in-memory pack hold the same bytes."""
+    source = _caches(1)
+    path = str(tmp_path / "stage.rank0")
+    kv_transfer.export_blocks(source, [4, 0], path)
+    with open(path, "rb") as f:
+        assert f.read() == kv_transfer.pack_blocks(source, [4, 0]).numpy().tobytes()
