@@ -230,9 +230,9 @@ class TwoHosts:
         env["RAY_TMPDIR"] = self.head.temp_dir
         return env
 
-    def run_driver(self, spec: dict, timeout: float) -> dict:
-        """Run tests/multinode/driver.py on the head host with `spec`; its JSON result."""
-        cmd = self.head.cmd(sys.executable, "-m", "tests.multinode.driver", json.dumps(spec))
+    def run_driver(self, spec: dict, timeout: float, module: str = "tests.multinode.driver") -> dict:
+        """Run tests/multinode/driver.py (or `module`) on the head host with `spec`; its JSON result."""
+        cmd = self.head.cmd(sys.executable, "-m", module, json.dumps(spec))
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=self.driver_env(), start_new_session=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:

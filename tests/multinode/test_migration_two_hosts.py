@@ -1,0 +1,30 @@
+"""Live migration across two real hosts (network namespaces, a Ray node on
+each; harness.py): one data-parallel replica per host, requests moved
+mid-decode both ways. Their K/V crosses the hosts' link over CURVE sockets
+(raylm.worker.kv_network), not shared memory, and every output equals
+Hugging Face's greedy run (float32): nothing recomputed, no block left."""
+
+from __future__ import annotations
+
+from raylm.testing.hf_oracle import hf_greedy
+from tests.multinode.harness import HEAD_IP, WORKER_IP
+
+MAX_TOKENS = 40
+PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(5 + 9 * i)] for i in range(4)]
+
+
+def test_requests_migrated_between_hosts_mid_decode_equal_hugging_face(hosts, tiny_model_dir):
+    model = tiny_model_dir("llama", num_key_value_heads=2)
+    result = hosts.run_driver({"model": model, "address": hosts.address, "prompts": PROMPTS,
+                               "max_tokens": MAX_TOKENS, "min_tokens": 6},
+                              timeout=240, module="tests.multinode.migration_driver")
+    assert sorted(result["node_ips"].values()) == [HEAD_IP, WORKER_IP]
+    moved = result["moved"]
+    # Both directions, each over the network from the source's host.
+    assert {m["to"] for m in moved.values()} == {0, 1}, moved
+    assert all(m["network"] and m["host"] == result["node_ips"][str(1 - m["to"])] for m in moved.values()), moved
+    assert result["abandoned"] == []
+    assert result["migration_counts"] == {"migrated": len(moved), "abandoned": 0}
+    assert result["recomputed"] == [] and result["replica_restarts"] == 0 and result["preemptions"] == 0
+    assert result["kv_in_use"] == {"0": 0.0, "1": 0.0}
+    assert result["token_ids"] == [r.token_ids for r in hf_greedy(model, PROMPTS, MAX_TOKENS)]
