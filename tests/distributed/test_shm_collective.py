@@ -230,10 +230,6 @@ def test_one_rank_opting_out_puts_the_whole_group_on_gloo(out_dir):
     assert _spawn(_which_path, 2, out_dir, rank_env={1: {DISABLE_ENV: "1"}}) == [[True, True]] * 2
 
 
-def test_the_group_uses_shared_memory_by_default(out_dir):
-    assert _spawn(_which_path, 2, out_dir) == [[False, True]] * 2
-
-
 # ---- a peer that dies --------------------------------------------------------------
 
 DEADLINE_S = 3.0
@@ -297,15 +293,16 @@ def test_killed_peer_makes_the_others_raise_at_the_deadline(out_dir):
 # ---- in the engine -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("disabled", [False, True], ids=["shm", "gloo"])
-def test_tp2_engine_picks_the_collective_and_matches_hf(tiny_model_dir, monkeypatch, disabled):
+def test_tp2_engine_with_the_collective_disabled_uses_gloo_and_matches_hf(tiny_model_dir, monkeypatch):
+    """The engine on the default, shared memory, is
+    tests/executor/test_multiproc_executor.py::test_tp2_matches_hf (same
+    model, prompts and check)."""
     from raylm import LLM, SamplingParams
     from raylm.testing.hf_oracle import hf_greedy
     from tests.conftest import executor_of
 
     before = _segments()
-    if disabled:
-        monkeypatch.setenv(DISABLE_ENV, "1")  # mp workers inherit the environment
+    monkeypatch.setenv(DISABLE_ENV, "1")  # mp workers inherit the environment
     model = tiny_model_dir("llama", num_key_value_heads=2)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 70)), [3]]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -319,6 +316,6 @@ def test_tp2_engine_picks_the_collective_and_matches_hf(tiny_model_dir, monkeypa
              num_threads=1, kv_cache_memory_bytes=16 << 20) as llm:
         transports = executor_of(llm).collective_rpc(transport, timeout=60)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
-    assert transports == ["gloo" if disabled else "shm"] * 2
+    assert transports == ["gloo"] * 2
     assert [o.outputs[0].token_ids for o in outs] == [r.token_ids for r in hf_greedy(model, prompts, 12)]
     assert _segments() == before

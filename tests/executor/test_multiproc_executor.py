@@ -74,7 +74,16 @@ def tp2(model):
     assert not _left_in_dev_shm(segments)
 
 
+def _tp_collective(worker) -> str:
+    from raylm.distributed import parallel_state
+
+    return "gloo" if parallel_state.get_tp_group().shm is None else "shm"
+
+
 def test_tp2_matches_hf(tp2, reference):
+    # Two ranks on one node all-reduce through shared memory by default (the
+    # gloo fallback: tests/distributed/test_shm_collective.py).
+    assert _executor(tp2).collective_rpc(_tp_collective, timeout=60) == ["shm", "shm"]
     outs = tp2.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
 
