@@ -17,6 +17,14 @@ data_parallel_backend="mp", num_threads=1 each), the ~111M ("large") or ~7M
   recompute  the same request sent to an idle core as a continuation (the
              prompt plus its 8 tokens: what recovery and scale-in without
              migration do): time from sending it to its first new token.
+  slowdown   with `--bystanders N` (default 4) short requests decoding on
+             each core throughout: their mean step time (the gap between
+             their tokens) on the source and on the destination while a
+             migration runs (from `migrate()` to its end), against the mean
+             over the 2 s before it.
+
+`--sync-precopy` copies every stage on the cores' loops (the behaviour
+before the overlapped pre-copy), for comparison.
 
 Reported: median and P99 (the maximum, at these few repeats) per length.
 """
@@ -43,31 +51,64 @@ logger = logging.getLogger("bench_migration")
 _WARM_TOKENS = 8
 
 
+# Token arrivals of every request: request id -> times.
+_arrivals: dict[str, list[float]] = {}
+
+
+def _pump(supervisor):
+    """One get_output, every new token's arrival recorded."""
+    outputs = supervisor.get_output()
+    now = time.perf_counter()
+    for o in outputs.outputs:
+        if o.new_token_ids:
+            _arrivals.setdefault(o.request_id, []).append(now)
+    return outputs
+
+
 def _decode_until(supervisor, request_id: str, num_tokens: int) -> list[float]:
     """Step until `request_id` has `num_tokens` tokens; the arrival time of each new one."""
-    arrivals = []
     while len(supervisor.ledger[request_id].token_ids) < num_tokens:
-        outputs = supervisor.get_output()
-        if any(o.request_id == request_id and o.new_token_ids for o in outputs.outputs):
-            arrivals.append(time.perf_counter())
-    return arrivals
+        _pump(supervisor)
+    return _arrivals.get(request_id, [])
 
 
-def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str) -> dict:
+def _mean_gap(times: list[float], start: float, end: float) -> float | None:
+    """Mean gap between consecutive tokens that arrived in [start, end] (the
+    gap ending in the window counts: a stalled step ends there)."""
+    gaps = [b - a for a, b in zip(times, times[1:]) if start < b <= end]
+    return statistics.fmean(gaps) if gaps else None
+
+
+def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, clocks: dict[int, str]) -> dict:
+    """`clocks`: core -> a bystander request decoding there (its token gaps time the core's steps)."""
     supervisor = llm.llm_engine.engine_core
-    supervisor.add_request(Request(rid, prompt, params, None))
-    arrivals = _decode_until(supervisor, rid, _WARM_TOKENS)
+    supervisor.add_request(Request(rid, prompt, params, None), data_parallel_rank=0 if clocks else None)
+    arrivals = list(_decode_until(supervisor, rid, _WARM_TOKENS))
+    # The baseline of the bystanders' steps: 2 s (at least 4 steps) with the request decoding at its source.
+    baseline_from = time.perf_counter()
+    while clocks and (time.perf_counter() - baseline_from < 2.0 or len(
+            [t for t in _arrivals[clocks[0]] if t > baseline_from]) < 4):
+        _pump(supervisor)
     source = supervisor.ledger[rid].channel
+    started = time.perf_counter()
     assert supervisor.migrate(rid, 1 - source, reason="manual")
     event = None
     while event is None:
-        outputs = supervisor.get_output()
+        outputs = _pump(supervisor)
         event = next((m for m in outputs.migrated), None)
+    ended = time.perf_counter()
     assert event.ok, event
     supervisor.abort_requests([rid])
     gaps = [b - a for a, b in zip(arrivals[1:], arrivals[2:])]
-    return {"downtime_s": event.downtime_s, "seconds": event.seconds, "num_bytes": event.num_bytes,
-            "inter_token_s": statistics.median(gaps) if gaps else 0.0}
+    result = {"downtime_s": event.downtime_s, "seconds": event.seconds, "num_bytes": event.num_bytes,
+              "inter_token_s": statistics.median(gaps) if gaps else 0.0}
+    for side, core in (("source", source), ("destination", 1 - source)):
+        if core in clocks:
+            times = _arrivals[clocks[core]]
+            before, during = _mean_gap(times, baseline_from, started), _mean_gap(times, started, ended)
+            if before and during:
+                result[f"{side}_slowdown"] = during / before - 1
+    return result
 
 
 def _recompute(llm: LLM, prompt: list[int], params: SamplingParams, rid: str) -> float:
@@ -94,8 +135,15 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--model-root", default="/tmp/raylm_bench_models")
+    parser.add_argument("--bystanders", type=int, default=4,
+                        help="short requests decoding on each core throughout (their steps time the slowdown)")
+    parser.add_argument("--sync-precopy", action="store_true",
+                        help="copy every stage on the cores' loops (no overlap), for comparison")
+    parser.add_argument("--skip-recompute", action="store_true")
     parser.add_argument("--output-json")
     args = parser.parse_args()
+    if args.sync_precopy:  # read by the core processes (raylm.engine.core_migration)
+        os.environ["RAYLM_MIGRATION_SYNC_PRECOPY"] = "1"
     logging.basicConfig(level=logging.WARNING)
     max_len = max(args.lengths) + 256
     # The preset's weights, with room for the longest request (the presets hold 1024 positions).
@@ -108,25 +156,44 @@ def main() -> None:
         params = llm.llm_engine.input_processor.finish_params(
             SamplingParams(temperature=0, max_tokens=256, ignore_eos=True))
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        supervisor = llm.llm_engine.engine_core
         for length in args.lengths:
+            # Bystanders: fresh for each length, so that none reaches the end of the model's positions.
+            clocks: dict[int, str] = {}
+            bystander_params = llm.llm_engine.input_processor.finish_params(
+                SamplingParams(temperature=0, max_tokens=max_len - 64, ignore_eos=True))
+            for core in range(2 if args.bystanders else 0):
+                for i, prompt in enumerate(random_prompts(args.bystanders, 16, vocab, seed=core)):
+                    rid = f"bystander-{length}-{core}-{i}"
+                    supervisor.add_request(Request(rid, prompt, bystander_params, None), data_parallel_rank=core)
+                    clocks.setdefault(core, rid)
             prompts = random_prompts(args.repeats + 1, length, vocab, seed=length)
-            _migration(llm, prompts[-1], params, f"warm-{length}")  # first use of each size: not timed
-            moved = [_migration(llm, p, params, f"m-{length}-{i}") for i, p in enumerate(prompts[:-1])]
-            recomputed = [_recompute(llm, p, params, f"r-{length}-{i}") for i, p in enumerate(prompts[:-1])]
+            _migration(llm, prompts[-1], params, f"warm-{length}", clocks)  # first use of each size: not timed
+            moved = [_migration(llm, p, params, f"m-{length}-{i}", clocks) for i, p in enumerate(prompts[:-1])]
+            supervisor.abort_requests([rid for rid in list(supervisor.ledger) if rid.startswith("bystander-")])
+            recomputed = [] if args.skip_recompute else [
+                _recompute(llm, p, params, f"r-{length}-{i}") for i, p in enumerate(prompts[:-1])]
             results[length] = {
                 "downtime": _summary([m["downtime_s"] for m in moved]),
                 "migration": _summary([m["seconds"] for m in moved]),
                 "inter_token": _summary([m["inter_token_s"] for m in moved]),
-                "recompute": _summary(recomputed),
+                "recompute": _summary(recomputed) if recomputed else None,
                 "mib_moved": moved[0]["num_bytes"] / 2**20,
             }
+            for side in ("source", "destination"):
+                values = [m[f"{side}_slowdown"] for m in moved if f"{side}_slowdown" in m]
+                results[length][f"{side}_slowdown_pct"] = 100 * statistics.median(values) if values else None
             r = results[length]
+            recompute = (f"  | recompute {r['recompute']['median_ms']:7.1f} ms (max {r['recompute']['p99_ms']:7.1f})"
+                         if r["recompute"] else "")
+            slowdown = (f"  | step slowdown source {r['source_slowdown_pct']:+.1f}% destination "
+                        f"{r['destination_slowdown_pct']:+.1f}%" if r["source_slowdown_pct"] is not None else "")
             print(f"L={length:5d}  downtime {r['downtime']['median_ms']:7.1f} ms (max {r['downtime']['p99_ms']:7.1f})"
-                  f"  | recompute {r['recompute']['median_ms']:7.1f} ms (max {r['recompute']['p99_ms']:7.1f})"
-                  f"  | inter-token {r['inter_token']['median_ms']:6.1f} ms  | whole migration "
-                  f"{r['migration']['median_ms']:6.1f} ms  | {r['mib_moved']:.1f} MiB", flush=True)
+                  f"{recompute}  | inter-token {r['inter_token']['median_ms']:6.1f} ms  | whole migration "
+                  f"{r['migration']['median_ms']:6.1f} ms  | {r['mib_moved']:.1f} MiB{slowdown}", flush=True)
     if args.output_json:
-        pathlib.Path(args.output_json).write_text(json.dumps({"model": args.model, "results": results}, indent=2))
+        pathlib.Path(args.output_json).write_text(json.dumps(
+            {"model": args.model, "sync_precopy": args.sync_precopy, "results": results}, indent=2))
 
 
 if __name__ == "__main__":

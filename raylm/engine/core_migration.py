@@ -13,6 +13,14 @@ source's transfer files into them; the final stage brings the request
 itself, which goes first in the queue and continues after the tokens whose
 K/V it imported. What it reserved is freed if the migration is abandoned.
 
+The stages before the last overlap the steps (the pre-copy): the source's
+ranks gather the filled blocks (immutable from then on) and the
+destination's read them into its reserved blocks on threads of their own
+(raylm.worker.kv_background) while both cores keep stepping; the destination
+reports such a stage once its ranks are done (`poll`). Only the final stage
+copies on the loop, the request paused. RAYLM_MIGRATION_SYNC_PRECOPY=1 makes
+every stage copy on the loop (the benchmark's baseline).
+
 Every transfer is one collective call per stage: each rank writes or reads
 its own file (raylm.worker.kv_transfer), so TP and PP engines move their
 shards rank to rank. Between cores on different nodes (the message carries
@@ -23,12 +31,20 @@ and the destination's rank fetches them (raylm.worker.kv_network).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import os
+import time
+from dataclasses import dataclass, field
 
 from raylm.core.request import RequestStatus
 from raylm.engine.protocol import MigrateEnd, MigrateExport, MigrateImport, MigrationReport
 
 logger = logging.getLogger(__name__)
+
+# Copies of the stages before the last run beside the steps (see above).
+OVERLAP_PRECOPY = os.environ.get("RAYLM_MIGRATION_SYNC_PRECOPY", "").strip().lower() not in ("1", "true", "yes")
+# How often a destination asks its ranks whether their background imports are
+# done (a collective call: not on every loop of a busy core).
+_COPY_POLL_INTERVAL_S = 0.005
 
 
 @dataclass
@@ -39,6 +55,19 @@ class _Outgoing:
     networked: bool = False
     # The final export waiting for the request's steps in flight to finish.
     final: MigrateExport | None = None
+    # The request's preemptions when the first stage was gathered: a
+    # preemption frees (and may reuse) blocks a background gather was reading.
+    preemptions: int | None = None
+
+
+@dataclass
+class _BackgroundImport:
+    """A stage being read in beside the steps, until the ranks say it is done."""
+
+    message: MigrateImport
+    block_ids: list[int]
+    abandoned: bool = False  # its migration ended: free the blocks once the ranks are done
+    ranks_done: dict[int, list] = field(default_factory=dict)  # rank -> [ok, bytes or error]
 
 
 class MigrationEndpoint:
@@ -46,6 +75,13 @@ class MigrationEndpoint:
         self.core = core  # EngineCore
         self._outgoing: dict[str, _Outgoing] = {}
         self._incoming: dict[str, str] = {}  # migration id -> request id, until its final stage
+        self._importing: dict[str, _BackgroundImport] = {}  # by migration id
+        self._next_copy_poll = 0.0
+
+    @property
+    def copying(self) -> bool:
+        """Background imports under way: the core's loop must come back to `poll` soon."""
+        return bool(self._importing)
 
     @property
     def _scheduler(self):
@@ -64,11 +100,16 @@ class MigrationEndpoint:
         raise TypeError(f"not a migration message: {type(message).__name__}")
 
     def poll(self) -> list[MigrationReport]:
-        """Final exports whose request has no step in flight any more."""
+        """Final exports whose request has no step in flight any more, and
+        stages whose background import has ended."""
         reports = []
         for migration_id, outgoing in list(self._outgoing.items()):
             if outgoing.final is not None and not self._in_flight(outgoing.request_id):
                 reports.append(self._export_final(migration_id, outgoing))
+        now = time.monotonic()
+        if self._importing and now >= self._next_copy_poll:
+            self._next_copy_poll = now + _COPY_POLL_INTERVAL_S
+            reports.extend(self._imports_done())
         return reports
 
     # ---- source --------------------------------------------------------------------
@@ -78,6 +119,8 @@ class MigrationEndpoint:
         if request is None or request.status == RequestStatus.PAUSED:
             return self._refused(message, "the request is not running here (finished, aborted or already paused)")
         outgoing = self._outgoing.setdefault(message.migration_id, _Outgoing(message.request_id))
+        if outgoing.preemptions is None:
+            outgoing.preemptions = request.num_preemptions
         if message.final:
             self._scheduler.stop_scheduling(message.request_id)
             outgoing.final = message
@@ -95,6 +138,9 @@ class MigrationEndpoint:
         if message.request_id not in self._scheduler.requests:
             del self._outgoing[migration_id]
             return self._refused(message, "the request finished before it could be paused")
+        if self._scheduler.requests[message.request_id].num_preemptions != outgoing.preemptions:
+            # Blocks an earlier stage read may have been freed and reused meanwhile.
+            return self._refused(message, "the request was preempted during the migration")
         request = self._scheduler.pause(message.request_id)
         num_blocks = -(-request.num_computed_tokens // self._block_size)
         return self._write(message, outgoing, num_blocks, request.num_computed_tokens, request.num_output_tokens)
@@ -103,14 +149,18 @@ class MigrationEndpoint:
                num_output: int) -> MigrationReport:
         block_ids = self._scheduler.kv_cache_manager.get_block_ids(message.request_id)[outgoing.blocks_sent:upto_block]
         sources = None
+        # Before the final stage the blocks are full: gathered beside the steps.
+        background = OVERLAP_PRECOPY and not message.final
         try:
             if message.network is None:
-                num_bytes = sum(self.core.executor.collective_rpc("export_kv", args=(message.path_prefix, block_ids)))
+                num_bytes = sum(self.core.executor.collective_rpc("export_kv", args=(
+                    message.path_prefix, block_ids, background)))
             else:
                 net = message.network
                 outgoing.networked = True
                 offered = self.core.executor.collective_rpc("serve_kv", args=(
-                    _transfer_name(message.path_prefix), block_ids, net.host, net.public_key, net.secret_key))
+                    _transfer_name(message.path_prefix), block_ids, net.host, net.public_key, net.secret_key,
+                    background))
                 num_bytes = sum(size for size, _ in offered)
                 sources = [address for _, address in offered]
         except Exception as e:  # the request is untouched (if paused, the supervisor resumes it)
@@ -141,32 +191,79 @@ class MigrationEndpoint:
         if block_ids is None:
             self._abandon(message.migration_id)
             return self._refused(message, f"no room for {message.num_blocks} more KV blocks")
+        background = OVERLAP_PRECOPY and not message.final
         try:
-            num_bytes = self._read(message, block_ids)
+            num_bytes = self._read(message, block_ids, background)
         except Exception as e:
             self._abandon(message.migration_id)
             return self._refused(message, f"importing its K/V failed: {type(e).__name__}: {e}")
+        if background:  # reported by `poll` once the ranks are done
+            self._importing[message.migration_id] = _BackgroundImport(message, block_ids)
+            return None
         if message.final:
             del self._incoming[message.migration_id]
             self._scheduler.add_imported(message.request.to_request(), message.num_computed_tokens)
         return MigrationReport(message.migration_id, rid, ok=True, final=message.final,
                                num_blocks=len(block_ids), num_bytes=num_bytes)
 
-    def _read(self, message: MigrateImport, block_ids: list[int]) -> int:
-        """Each rank reads the source's same rank's blocks: from its file, or over the network."""
+    def _read(self, message: MigrateImport, block_ids: list[int], background: bool) -> int | None:
+        """Each rank reads the source's same rank's blocks: from its file, or
+        over the network; `background`: on a thread of its own (None)."""
         if message.network is None:
-            return sum(self.core.executor.collective_rpc("import_kv", args=(message.path_prefix, block_ids)))
+            sizes = self.core.executor.collective_rpc("import_kv", args=(message.path_prefix, block_ids, background))
+            return None if background else sum(sizes)
         world_size = self.core.config.parallel_config.world_size
         if len(message.sources or []) != world_size:
             raise ValueError(f"the source offers {len(message.sources or [])} ranks' blocks, this engine has "
                              f"{world_size} ranks (engines must have the same TP/PP layout)")
         net = message.network
-        return sum(self.core.executor.collective_rpc("fetch_kv", args=(
-            _transfer_name(message.path_prefix), block_ids, message.sources, net.public_key, net.secret_key)))
+        sizes = self.core.executor.collective_rpc("fetch_kv", args=(
+            _transfer_name(message.path_prefix), block_ids, message.sources, net.public_key, net.secret_key,
+            background))
+        return None if background else sum(sizes)
+
+    def _imports_done(self) -> list[MigrationReport]:
+        """Ask the ranks which background imports have ended; report (or, for
+        an abandoned migration, free) those every rank has finished."""
+        names = {_transfer_name(job.message.path_prefix): mid for mid, job in self._importing.items()}
+        try:
+            per_rank = self.core.executor.collective_rpc("kv_copies_done", args=(list(names),))
+        except Exception as e:  # the executor is failing: its recovery ends these (on_executor_lost)
+            logger.warning("could not ask the ranks about their K/V copies: %s", e)
+            return []
+        reports = []
+        for name, migration_id in names.items():
+            job = self._importing[migration_id]
+            for rank, finished in enumerate(per_rank):
+                if name in finished:
+                    job.ranks_done[rank] = finished[name]
+            if len(job.ranks_done) < len(per_rank):
+                continue
+            del self._importing[migration_id]
+            message = job.message
+            errors = [str(outcome) for ok, outcome in job.ranks_done.values() if not ok]
+            if job.abandoned:
+                self._free_incoming(migration_id, message.request_id)
+            elif errors:
+                self._abandon(migration_id)
+                reports.append(self._refused(message, f"importing its K/V failed: {errors[0]}"))
+            else:
+                reports.append(MigrationReport(migration_id, message.request_id, ok=True, final=False,
+                                               num_blocks=len(job.block_ids),
+                                               num_bytes=sum(n for _, n in job.ranks_done.values())))
+        return reports
 
     def _abandon(self, migration_id: str) -> None:
-        """Free what an incoming migration reserved (its request never arrived)."""
+        """Free what an incoming migration reserved (its request never arrived);
+        blocks a background import still writes are freed once it has ended."""
         rid = self._incoming.pop(migration_id, None)
+        job = self._importing.get(migration_id)
+        if job is not None:
+            job.abandoned = True
+            return
+        self._free_incoming(migration_id, rid)
+
+    def _free_incoming(self, migration_id: str, rid: str | None) -> None:
         if rid is not None and rid not in self._scheduler.requests:
             self._scheduler.kv_cache_manager.free_by_id(rid)
 
@@ -194,6 +291,10 @@ class MigrationEndpoint:
         paused for the supervisor to end."""
         reports = []
         self._incoming.clear()  # the scheduler's blocks are reset with the executor
+        for migration_id, job in self._importing.items():
+            if not job.abandoned:
+                reports.append(self._refused(job.message, "the destination's executor failed during the import"))
+        self._importing.clear()
         for migration_id, outgoing in list(self._outgoing.items()):
             if outgoing.request_id not in self._scheduler.paused:
                 del self._outgoing[migration_id]

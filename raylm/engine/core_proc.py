@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 # How often an idle core wakes up to check that its parent is still alive.
 _IDLE_POLL_MS = 1000
+_COPY_POLL_MS = 2  # idle while a migration's background import runs
 
 
 class RunningAloneRecord:
@@ -104,7 +105,10 @@ class EngineCoreProc:
     def run(self) -> None:
         parent_pid = os.getppid() if self.watch_parent else None
         while True:
-            if not self._has_work():
+            if not self._has_work() and self.core.migrations.copying:
+                # Idle but for K/V being imported beside the steps: look again soon.
+                self.input.poll(_COPY_POLL_MS)
+            elif not self._has_work():
                 # Idle: block on the input socket, so an idle server costs ~0 CPU;
                 # wake now and then so an orphaned core exits instead of lingering.
                 while not self.input.poll(_IDLE_POLL_MS):

@@ -149,12 +149,16 @@ class KVNetworkEndpoint:
         self._server: KVBlockServer | None = None
 
     def serve(self, kv_caches: list[torch.Tensor], name: str, block_ids: list[int], host: str,
-              keys: CurveKeys) -> tuple[int, str]:
-        """Pack the blocks now and offer them as `name`; (bytes, address to fetch them from)."""
+              keys: CurveKeys, run_in_background=None) -> tuple[int, str]:
+        """Pack the blocks and offer them as `name`; (bytes, address to fetch them from).
+        `run_in_background(fn, *args) -> Future`: pack on another thread (a
+        fetch meanwhile waits for it); None: pack now."""
         server = self._server_for(host, keys)
-        packed = kv_transfer.pack_blocks(kv_caches, block_ids)
-        server.offer(name, packed)
-        return packed.numel(), server.address
+        if run_in_background is None:
+            server.offer(name, kv_transfer.pack_blocks(kv_caches, block_ids))
+        else:
+            server.offer(name, run_in_background(kv_transfer.pack_blocks, kv_caches, block_ids))
+        return kv_transfer.packed_size(kv_caches, len(block_ids)), server.address
 
     def fetch_into(self, kv_caches: list[torch.Tensor], name: str, block_ids: list[int], address: str,
                    keys: CurveKeys) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
 
 import torch
@@ -96,6 +97,8 @@ def _check_header(raw: bytes, size: int, kv_caches: list[torch.Tensor], num_bloc
         raise KVTransferError(f"{what} has no valid header") from e
     if not isinstance(header, dict) or header.get("magic") != _MAGIC or header.get("version") != _VERSION:
         raise KVTransferError(f"{what} is not a raylm KV transfer of version {_VERSION}")
+    if header.get("error"):
+        raise KVTransferError(f"the source rank could not export {what}: {header['error']}")
     mine = _layout(kv_caches)
     theirs = {key: header.get(key) for key in mine}
     if theirs != mine:
@@ -108,41 +111,76 @@ def _check_header(raw: bytes, size: int, kv_caches: list[torch.Tensor], num_bloc
         raise KVTransferError(f"{what} is truncated or padded ({size} bytes, {expected} expected)")
 
 
-def export_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], path: str) -> int:
-    """Write the blocks `block_ids` of every layer to `path`; returns the bytes written."""
+def create_file(kv_caches: list[torch.Tensor], num_blocks: int, path: str) -> int:
+    """Make the file of a transfer of `num_blocks` blocks, its header still
+    blank (`fill_file` writes it last); returns its size."""
     if not kv_caches:
         raise KVTransferError("this rank holds no KV cache")
-    encoded = _header_bytes(kv_caches, len(block_ids))
-    first = kv_caches[0]
-    data_bytes = _data_bytes(kv_caches, len(block_ids))
+    size = _HEADER_BYTES + _data_bytes(kv_caches, num_blocks)
     # Created fresh (O_EXCL): a stale file of an earlier transfer is never read as this one.
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, _HEADER_BYTES + data_bytes)
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    return size
+
+
+def fill_file(kv_caches: list[torch.Tensor], block_ids: list[int], path: str) -> int:
+    """Gather the blocks into a file `create_file` made, then write its header:
+    a reader that sees the header sees the data. On failure the header says why."""
+    size = _HEADER_BYTES + _data_bytes(kv_caches, len(block_ids))
+    try:
+        encoded = _header_bytes(kv_caches, len(block_ids))
+        if block_ids:
+            _gather(kv_caches, block_ids, _map(path, kv_caches[0].dtype, size, writable=True))
+    except Exception as e:
+        _write_header(path, json.dumps({"magic": _MAGIC, "version": _VERSION,
+                                        "error": f"{type(e).__name__}: {e}"}).encode()[:_HEADER_BYTES])
+        raise
+    _write_header(path, encoded)
+    return size
+
+
+def _write_header(path: str, encoded: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
         os.pwrite(fd, encoded, 0)
     finally:
         os.close(fd)
-    if not block_ids:
-        return _HEADER_BYTES
-    _gather(kv_caches, block_ids, _map(path, first.dtype, _HEADER_BYTES + data_bytes, writable=True))
-    return _HEADER_BYTES + data_bytes
 
 
-def import_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], path: str) -> int:
+def export_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], path: str) -> int:
+    """Write the blocks `block_ids` of every layer to `path`; returns the bytes written."""
+    create_file(kv_caches, len(block_ids), path)
+    return fill_file(kv_caches, block_ids, path)
+
+
+def import_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], path: str, wait_s: float = 0.0) -> int:
     """Read a file written by `export_blocks` into the blocks `block_ids`
-    (one per exported block, in order); returns the bytes read."""
+    (one per exported block, in order); returns the bytes read. `wait_s`:
+    how long to wait for a file whose source is still filling it."""
     if not kv_caches:
         raise KVTransferError("this rank holds no KV cache")
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(_HEADER_BYTES)
-            size = os.fstat(f.fileno()).st_size
-    except OSError as e:
-        raise KVTransferError(f"KV transfer file {path!r} cannot be read: {e}") from e
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(_HEADER_BYTES)
+                size = os.fstat(f.fileno()).st_size
+        except OSError as e:
+            raise KVTransferError(f"KV transfer file {path!r} cannot be read: {e}") from e
+        if raw[:1] not in (b"", b"\0") or time.monotonic() >= deadline:
+            break
+        time.sleep(0.001)  # the source's thread is still gathering the blocks
     _check_header(raw, size, kv_caches, len(block_ids), f"KV transfer file {path!r}")
     if block_ids:
         _scatter(kv_caches, block_ids, _map(path, kv_caches[0].dtype, size, writable=False))
     return size
+
+
+def packed_size(kv_caches: list[torch.Tensor], num_blocks: int) -> int:
+    return _HEADER_BYTES + _data_bytes(kv_caches, num_blocks)
 
 
 def pack_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:

@@ -19,7 +19,7 @@ from raylm.distributed import parallel_state
 from raylm.messages import GrammarOutput, KVCacheConfig, ModelRunnerOutput, SchedulerOutput
 from raylm.model.layers.cpu_kernels import get_cpu_kernels
 from raylm.distributed.tcp_auth import CurveKeys
-from raylm.worker import cpu_placement, kv_network, kv_transfer
+from raylm.worker import cpu_placement, kv_background, kv_network, kv_transfer
 from raylm.worker.fault_injection import FaultInjector
 from raylm.worker.model_runner import ModelRunner
 from raylm.worker.memory_profiling import (
@@ -51,6 +51,7 @@ class Worker:
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
         self.kv_network: kv_network.KVNetworkEndpoint | None = None  # started by the first cross-node export
+        self.kv_copies: kv_background.KVCopyJobs | None = None  # migration copies beside the steps
         # Free GPU memory before this rank allocated anything (see determine_available_memory).
         self._cuda_free_at_start: int | None = None
         self.cpu_placement: cpu_placement.RankPlacement | None = None
@@ -206,38 +207,69 @@ class Worker:
 
     # ---- live migration (raylm.worker.kv_transfer) ----------------------------------
 
-    def export_kv(self, path_prefix: str, block_ids: list[int]) -> int:
-        """This rank's K/V of `block_ids`, written to its own file of the transfer."""
-        return kv_transfer.export_blocks(self.model_runner.kv_caches, block_ids,
-                                         kv_transfer.rank_path(path_prefix, self.rank))
+    def export_kv(self, path_prefix: str, block_ids: list[int], background: bool = False) -> int:
+        """This rank's K/V of `block_ids`, written to its own file of the transfer
+        (`background`: filled by a thread beside the steps; the size is returned at once)."""
+        path = kv_transfer.rank_path(path_prefix, self.rank)
+        if not background:
+            return kv_transfer.export_blocks(self.model_runner.kv_caches, block_ids, path)
+        size = kv_transfer.create_file(self.model_runner.kv_caches, len(block_ids), path)
+        self._kv_jobs().export(kv_transfer.fill_file, self.model_runner.kv_caches, block_ids, path)
+        return size
 
-    def import_kv(self, path_prefix: str, block_ids: list[int]) -> int:
-        """Read the same rank's file of a transfer into `block_ids` of this rank's cache."""
-        return kv_transfer.import_blocks(self.model_runner.kv_caches, block_ids,
-                                         kv_transfer.rank_path(path_prefix, self.rank))
+    def import_kv(self, path_prefix: str, block_ids: list[int], background: bool = False) -> int | None:
+        """Read the same rank's file of a transfer into `block_ids` of this rank's cache
+        (`background`: by a thread beside the steps, which waits for the source to fill
+        the file; its outcome is `kv_copies_done`'s)."""
+        path = kv_transfer.rank_path(path_prefix, self.rank)
+        if not background:
+            return kv_transfer.import_blocks(self.model_runner.kv_caches, block_ids, path)
+        self._kv_jobs().import_(os.path.basename(path_prefix), kv_transfer.import_blocks,
+                                self.model_runner.kv_caches, block_ids, path, kv_network.FETCH_TIMEOUT_S)
+        return None
+
+    def kv_copies_done(self, names: list[str]) -> dict:
+        """The background imports of `names` that have ended: name -> [ok, bytes or error]."""
+        return self._kv_jobs().finished(names)
+
+    def _kv_jobs(self) -> kv_background.KVCopyJobs:
+        if self.kv_copies is None:
+            self.kv_copies = kv_background.KVCopyJobs()
+        return self.kv_copies
 
     # Cross-node transfers (raylm.worker.kv_network); keys are the supervisor's pre-shared CURVE pair.
 
-    def serve_kv(self, name: str, block_ids: list[int], host: str, public_key: bytes, secret_key: bytes) -> list:
-        """Pack this rank's K/V of `block_ids` and offer it on `host`; [bytes, address]."""
+    def serve_kv(self, name: str, block_ids: list[int], host: str, public_key: bytes, secret_key: bytes,
+                 background: bool = False) -> list:
+        """Pack this rank's K/V of `block_ids` and offer it on `host`; [bytes, address].
+        `background`: packed by a thread beside the steps (a fetch waits for it)."""
         if self.kv_network is None:
             self.kv_network = kv_network.KVNetworkEndpoint()
-        num_bytes, address = self.kv_network.serve(self.model_runner.kv_caches, f"{name}.rank{self.rank}",
-                                                   block_ids, host, CurveKeys(public_key, secret_key))
+        num_bytes, address = self.kv_network.serve(
+            self.model_runner.kv_caches, f"{name}.rank{self.rank}", block_ids, host,
+            CurveKeys(public_key, secret_key), self._kv_jobs().export if background else None)
         return [num_bytes, address]
 
     def fetch_kv(self, name: str, block_ids: list[int], addresses: list[str], public_key: bytes,
-                 secret_key: bytes) -> int:
-        """Fetch the same rank's offer of a transfer from `addresses[rank]` into `block_ids`."""
-        return kv_network.KVNetworkEndpoint().fetch_into(self.model_runner.kv_caches, f"{name}.rank{self.rank}",
-                                                         block_ids, addresses[self.rank],
-                                                         CurveKeys(public_key, secret_key))
+                 secret_key: bytes, background: bool = False) -> int | None:
+        """Fetch the same rank's offer of a transfer from `addresses[rank]` into `block_ids`
+        (`background`: by a thread beside the steps; its outcome is `kv_copies_done`'s)."""
+        fetch = kv_network.KVNetworkEndpoint().fetch_into
+        args = (self.model_runner.kv_caches, f"{name}.rank{self.rank}", block_ids, addresses[self.rank],
+                CurveKeys(public_key, secret_key))
+        if not background:
+            return fetch(*args)
+        self._kv_jobs().import_(name, fetch, *args)
+        return None
 
     def withdraw_kv(self, prefix: str) -> int:
         """Drop this rank's offers of a migration nobody fetched."""
         return self.kv_network.withdraw(prefix) if self.kv_network is not None else 0
 
     def shutdown(self) -> None:
+        if self.kv_copies is not None:
+            self.kv_copies.close()
+            self.kv_copies = None
         if self.kv_network is not None:
             self.kv_network.close()
             self.kv_network = None

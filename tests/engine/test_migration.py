@@ -58,7 +58,9 @@ def _run(llm: LLM, requests: dict, once_running=None, min_tokens: int = 6) -> di
     while engine.has_unfinished_requests():
         for out in engine.step():
             done[out.request_id] = out.outputs[0].token_ids
-        if not called and all(len(supervisor.ledger[r].token_ids) >= min_tokens for r in requests):
+        # (A request the ledger no longer holds has finished: well past min_tokens.)
+        if not called and all(r not in supervisor.ledger or len(supervisor.ledger[r].token_ids) >= min_tokens
+                              for r in requests):
             once_running(supervisor)
             called = True
     assert called

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 import pytest
 
@@ -17,6 +18,7 @@ from raylm.core.request import Request
 from raylm.distributed.tcp_auth import CurveKeys
 from raylm.engine.protocol import EngineCoreRequest, KVNetwork, MigrateEnd, MigrateExport, MigrateImport
 from raylm.testing.hf_oracle import hf_greedy
+from raylm.worker import kv_transfer
 
 PROMPT = [(5 * j) % 200 + 3 for j in range(37)]  # spans several 16-token blocks
 MAX_TOKENS = 40
@@ -55,11 +57,13 @@ def _migrate(src, dst, request_id: str, first: Request, tokens: list[int], shm_d
     stage1 = src.take_migration_reports(MigrateExport("m1", request_id, f"{shm_dir}/m1-0", False, network))[0]
     assert stage1.ok and stage1.num_blocks >= 2, stage1
     assert (stage1.sources is None) == (network is None)
-    imported = dst.take_migration_reports(MigrateImport("m1", request_id, f"{shm_dir}/m1-0", stage1.num_blocks,
-                                                        final=False, network=network, sources=stage1.sources))[0]
-    assert imported.ok, imported
-    # The source decodes on while the destination imports.
+    # A stage before the last is read in beside the steps: reported once the ranks are done.
+    early = dst.take_migration_reports(MigrateImport("m1", request_id, f"{shm_dir}/m1-0", stage1.num_blocks,
+                                                     final=False, network=network, sources=stage1.sources))
+    # The source decodes on while both sides copy.
     _run(src, request_id, lambda: len(tokens) >= stage1.num_output_tokens + 3, tokens)
+    imported = early[0] if early else _report(dst)
+    assert imported.ok and imported.num_blocks == stage1.num_blocks, imported
     final = src.take_migration_reports(MigrateExport("m1", request_id, f"{shm_dir}/m1-1", True, network))
     final = final[0] if final else _poll(src)
     assert final.ok and final.final and final.num_output_tokens == len(tokens), (final, len(tokens))
@@ -89,6 +93,18 @@ def _record_scheduled(core, request_id: str) -> list[int]:
 
     core.scheduler.schedule = recording
     return scheduled
+
+
+def _report(core, message=None, timeout_s: float = 30.0):
+    """`core`'s report on `message` (or on what it is doing), waiting for
+    one that runs beside the steps."""
+    reports = core.take_migration_reports(message)
+    deadline = time.monotonic() + timeout_s
+    while not reports and time.monotonic() < deadline:
+        time.sleep(0.002)
+        reports = core.take_migration_reports()
+    assert len(reports) == 1, reports
+    return reports[0]
 
 
 def _poll(core):
@@ -155,8 +171,7 @@ def test_abandoned_migration_leaves_the_request_running_at_the_source(cores, mod
     _run(src, request_id, lambda: len(tokens) >= 12, tokens)
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm_dir:
         stage1 = src.take_migration_reports(MigrateExport("m2", request_id, f"{shm_dir}/a", final=False))[0]
-        assert dst.take_migration_reports(MigrateImport("m2", request_id, f"{shm_dir}/a", stage1.num_blocks,
-                                                        final=False))[0].ok
+        assert _report(dst, MigrateImport("m2", request_id, f"{shm_dir}/a", stage1.num_blocks, final=False)).ok
         final = src.take_migration_reports(MigrateExport("m2", request_id, f"{shm_dir}/b", final=True))[0]
         assert final.ok and request_id in src.scheduler.paused
         # The destination cannot take it (the file is gone): it refuses and frees its reservation.
@@ -184,8 +199,7 @@ def test_engines_of_different_layouts_refuse(model, cores):
         _run(src, "layout", lambda: len(tokens) >= 2, tokens)
         with tempfile.TemporaryDirectory(dir="/dev/shm") as shm_dir:
             stage1 = src.take_migration_reports(MigrateExport("m3", "layout", f"{shm_dir}/a", final=False))[0]
-            refused = dst.take_migration_reports(MigrateImport("m3", "layout", f"{shm_dir}/a", stage1.num_blocks,
-                                                               final=False))[0]
+            refused = _report(dst, MigrateImport("m3", "layout", f"{shm_dir}/a", stage1.num_blocks, final=False))
             assert not refused.ok and "KV layouts differ" in refused.error
             assert not dst.scheduler.kv_cache_manager.req_blocks
             src.take_migration_reports(MigrateEnd("m3", "layout", commit=False))
@@ -207,3 +221,31 @@ def test_tensor_parallel_engines_move_each_rank_s_shard(model):
     finally:
         a.llm_engine.engine_core.shutdown()
         b.llm_engine.engine_core.shutdown()
+
+
+def test_blocks_of_an_abandoned_background_import_are_freed_once_it_ends(cores, monkeypatch):
+    """A stage read in beside the steps may be abandoned while its ranks still
+    write the reserved blocks: they are freed only once the ranks are done."""
+    src, dst = cores
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    src.add_request(Request("slow-import", PROMPT, params, eos_token_id=None))
+    tokens: list[int] = []
+    _run(src, "slow-import", lambda: len(tokens) >= 12, tokens)
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm_dir:
+        block_ids = src.scheduler.kv_cache_manager.get_block_ids("slow-import")[:2]
+        path = f"{shm_dir}/m4-0.rank0"
+        kv_transfer.create_file(src.executor.driver_worker.worker.model_runner.kv_caches, 2, path)
+        # The source has not filled the file yet: the destination's thread waits.
+        assert not dst.take_migration_reports(MigrateImport("m4", "slow-import", f"{shm_dir}/m4-0", 2, final=False))
+        assert dst.migrations.copying and "slow-import" in dst.scheduler.kv_cache_manager.req_blocks
+        dst.take_migration_reports(MigrateEnd("m4", "slow-import", commit=False))
+        assert "slow-import" in dst.scheduler.kv_cache_manager.req_blocks  # still being written
+        kv_transfer.fill_file(src.executor.driver_worker.worker.model_runner.kv_caches, block_ids, path)
+        deadline = time.monotonic() + 30
+        while dst.migrations.copying and time.monotonic() < deadline:
+            assert not dst.take_migration_reports()  # an abandoned stage is not reported
+            time.sleep(0.002)
+        assert not dst.migrations.copying
+        assert not dst.scheduler.kv_cache_manager.req_blocks
+    src.abort_requests(["slow-import"])
+    assert not src.scheduler.kv_cache_manager.req_blocks

@@ -95,3 +95,30 @@ def test_packed_blocks_equal_the_transfer_file(tmp_path):
     kv_transfer.export_blocks(source, [4, 0], path)
     with open(path, "rb") as f:
         assert f.read() == kv_transfer.pack_blocks(source, [4, 0]).numpy().tobytes()
+
+
+def test_an_import_waits_for_the_file_its_source_is_still_filling(tmp_path):
+    """The overlapped pre-copy: the source's thread gathers into a file whose
+    header it writes last; the destination's thread waits for that header."""
+    source, destination = _caches(2), _caches(None)
+    path = str(tmp_path / "stage.rank0")
+    kv_transfer.create_file(source, 2, path)
+    filler = threading.Timer(0.2, kv_transfer.fill_file, args=(source, [5, 6], path))
+    filler.start()
+    kv_transfer.import_blocks(destination, [1, 2], path, wait_s=30)
+    filler.join()
+    assert all(torch.equal(d[:, [1, 2]], s[:, [5, 6]]) for s, d in zip(source, destination))
+    # Without waiting, a blank header is refused.
+    kv_transfer.create_file(source, 1, path + "b")
+    with pytest.raises(kv_transfer.KVTransferError, match="no valid header"):
+        kv_transfer.import_blocks(destination, [0], path + "b")
+
+
+def test_a_failed_gather_is_named_at_the_destination(tmp_path):
+    source = _caches(2)
+    path = str(tmp_path / "stage.rank0")
+    kv_transfer.create_file(source, 1, path)
+    with pytest.raises(RuntimeError, match="out of DATA bounds"):
+        kv_transfer.fill_file(source, [NUM_BLOCKS + 5], path)  # no such block
+    with pytest.raises(kv_transfer.KVTransferError, match="could not export.*out of DATA bounds"):
+        kv_transfer.import_blocks(_caches(None), [0], path, wait_s=30)
