@@ -1,5 +1,11 @@
-"""Fixtures: a tiny llama model folder and a `raylm serve` subprocess on it,
-started once per module and always torn down (process tree checked)."""
+"""Fixtures: a tiny llama model folder and `raylm serve` subprocesses on it,
+started once per test session and always torn down (process tree checked).
+
+The plain and the trusting server are shared by every module that uses them
+(a start and stop costs ~35 s on a loaded two-core machine): a test on them
+leaves the server as it found it (no request left running) and reads counters
+as differences. A module that needs other flags, or breaks its server on
+purpose, starts its own."""
 
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ def llama_dir(tiny_model_dir) -> str:
     return tiny_model_dir("llama")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(llama_dir, tmp_path_factory):
     srv = RaylmServer(llama_dir, ["--api-key", API_KEY], str(tmp_path_factory.mktemp("serve") / "server.log"))
     try:
@@ -24,7 +30,7 @@ def server(llama_dir, tmp_path_factory):
         srv.terminate()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def trusting_server(llama_dir, tmp_path_factory):
     """A server that renders chat templates sent with requests; a module uses
     it as its `server` by defining `server` to return it."""
