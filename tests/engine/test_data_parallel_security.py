@@ -2,8 +2,10 @@
 engine serves, foreign sockets connect to every socket the front end listens
 on (replicas listen on none of theirs) and send garbage and well-formed
 messages; none gets through the CURVE handshake, nothing is stolen, forged or
-ended. A replica's own key speaks for that replica's requests only. Each test
-ends with no replica actor or placement group left."""
+ended. A replica's own key speaks for that replica's requests only. The two
+attack tests share one DP=2 engine (each ends with it serving, on the replicas
+it started with, and reads the drop counters as differences); once it is shut
+down, no replica actor or placement group is left."""
 
 from __future__ import annotations
 
@@ -43,8 +45,18 @@ def reference(model):
     return [r.token_ids for r in hf_greedy(model, PROMPTS, MAX_TOKENS)]
 
 
-def _dp_llm(model) -> LLM:
-    return LLM(model, dtype="float32", data_parallel_size=2, num_threads=1, kv_cache_memory_bytes=16 << 20)
+@pytest.fixture(scope="module")
+def dp_llm(model):
+    """One DP=2 engine for the attack tests (its start costs more than an attack)."""
+    import ray
+
+    if not ray.is_initialized():
+        # As tests/conftest.py's ray_session does (a module fixture cannot use it).
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    llm = LLM(model, dtype="float32", data_parallel_size=2, num_threads=1, kv_cache_memory_bytes=16 << 20)
+    yield llm
+    llm.shutdown()
+    _assert_nothing_left()
 
 
 def _assert_nothing_left() -> None:
@@ -125,115 +137,118 @@ def _step_until(engine, done: dict, predicate) -> None:
             done[out.request_id] = out.outputs[0].token_ids
 
 
-def test_foreign_sockets_steal_inject_and_end_nothing(ray_session, model, reference):
-    with _dp_llm(model) as llm:
-        engine = llm.llm_engine
-        client = engine.engine_core
-        actors = {i: h.actor for i, h in client.launcher.manager.replicas.items()}
-        first, second = range(0, 6), range(6, len(PROMPTS))
-        for i in first:
+def test_foreign_sockets_steal_inject_and_end_nothing(ray_session, dp_llm, reference):
+    llm = dp_llm
+    engine = llm.llm_engine
+    client = engine.engine_core
+    actors = {i: h.actor for i, h in client.launcher.manager.replicas.items()}
+    first, second = range(0, 6), range(6, len(PROMPTS))
+    for i in first:
+        engine.add_request(str(i), {"prompt_token_ids": PROMPTS[i]}, GREEDY)
+    done: dict[str, list[int]] = {}
+    _step_until(engine, done, lambda: all(client.ledger[str(i)].token_ids for i in first))
+    assert not done, "a request finished before the attack"
+
+    # Every socket the front end listens on: the output socket and each
+    # replica's input socket.
+    addresses = [client.launcher.output_address] + [r.address for r in client.channels.values()]
+    listening = {c.laddr.port for c in psutil.Process().net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN}
+    assert {int(a.rsplit(":", 1)[1]) for a in addresses} <= listening
+    ctx = zmq.Context()
+    intruders = [_Intruder(ctx, address, client.launcher.curve.keys.public) for address in addresses]
+    try:
+        for intruder in intruders:
+            intruder.send(_forged_frames([str(i) for i in range(len(PROMPTS))]))
+        wait_until(lambda: all(intruder.all_refused() for intruder in intruders), _DEADLINE_S,
+                   step=lambda: _step_and_pause(engine, 0.05),  # the requests in flight go on meanwhile
+                   message=lambda: f"every intruder to be refused: {[i.events for i in intruders]}")
+        # Sent while the foreign PULLs keep knocking: none gets a share.
+        for i in second:
             engine.add_request(str(i), {"prompt_token_ids": PROMPTS[i]}, GREEDY)
-        done: dict[str, list[int]] = {}
-        _step_until(engine, done, lambda: all(client.ledger[str(i)].token_ids for i in first))
-        assert not done, "a request finished before the attack"
+        _step_until(engine, done, lambda: not engine.has_unfinished_requests())
+        assert [done[str(i)] for i in range(len(PROMPTS))] == reference
+        for intruder in intruders:
+            intruder.read_events()
+            assert all(zmq.EVENT_HANDSHAKE_SUCCEEDED not in events for events in intruder.events.values())
+            # A foreign CURVE client of the right socket type is refused by
+            # the key check itself, not by a mismatch of types.
+            typed = [i for i, (sock, _, curve) in enumerate(intruder.sockets)
+                     if curve and sock.type == (zmq.PUSH if intruder is intruders[0] else zmq.PULL)]
+            assert all(zmq.EVENT_HANDSHAKE_FAILED_AUTH in intruder.events[i] for i in typed)
+            assert intruder.received() == []
+    finally:
+        for intruder in intruders:
+            intruder.close()
+        ctx.term()
 
-        # Every socket the front end listens on: the output socket and each
-        # replica's input socket.
-        addresses = [client.launcher.output_address] + [r.address for r in client.channels.values()]
-        listening = {c.laddr.port for c in psutil.Process().net_connections(kind="tcp")
-                     if c.status == psutil.CONN_LISTEN}
-        assert {int(a.rsplit(":", 1)[1]) for a in addresses} <= listening
-        ctx = zmq.Context()
-        intruders = [_Intruder(ctx, address, client.launcher.curve.keys.public) for address in addresses]
-        try:
-            for intruder in intruders:
-                intruder.send(_forged_frames([str(i) for i in range(len(PROMPTS))]))
-            wait_until(lambda: all(intruder.all_refused() for intruder in intruders), _DEADLINE_S,
-                       step=lambda: _step_and_pause(engine, 0.05),  # the requests in flight go on meanwhile
-                       message=lambda: f"every intruder to be refused: {[i.events for i in intruders]}")
-            # Sent while the foreign PULLs keep knocking: none gets a share.
-            for i in second:
-                engine.add_request(str(i), {"prompt_token_ids": PROMPTS[i]}, GREEDY)
-            _step_until(engine, done, lambda: not engine.has_unfinished_requests())
-            assert [done[str(i)] for i in range(len(PROMPTS))] == reference
-            for intruder in intruders:
-                intruder.read_events()
-                assert all(zmq.EVENT_HANDSHAKE_SUCCEEDED not in events for events in intruder.events.values())
-                # A foreign CURVE client of the right socket type is refused by
-                # the key check itself, not by a mismatch of types.
-                typed = [i for i, (sock, _, curve) in enumerate(intruder.sockets)
-                         if curve and sock.type == (zmq.PUSH if intruder is intruders[0] else zmq.PULL)]
-                assert all(zmq.EVENT_HANDSHAKE_FAILED_AUTH in intruder.events[i] for i in typed)
-                assert intruder.received() == []
-        finally:
-            for intruder in intruders:
-                intruder.close()
-            ctx.term()
-
-        # Nothing died or was replaced, and the engine still serves.
-        assert {i: h.actor for i, h in client.launcher.manager.replicas.items()} == actors
-        assert [r["state"] for r in client.replica_states()] == ["serving", "serving"]
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == reference[:4]
-    _assert_nothing_left()
+    # Nothing died or was replaced, and the engine still serves.
+    assert {i: h.actor for i, h in client.launcher.manager.replicas.items()} == actors
+    assert [r["state"] for r in client.replica_states()] == ["serving", "serving"]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference[:4]
 
 
-def test_a_replica_speaks_only_for_itself(ray_session, model, reference, caplog):
+def test_a_replica_speaks_only_for_itself(ray_session, dp_llm, reference, caplog):
     """A process holding replica 1's key (as replica 1 itself would) cannot
     finish replica 0's requests, sign as replica 0 or report its death, and
     what does not decode is dropped on both sides, with a warning."""
-    with _dp_llm(model) as llm, caplog.at_level(logging.WARNING, logger="raylm.engine"):
-        engine = llm.llm_engine
-        client = engine.engine_core
-        actors = {i: h.actor for i, h in client.launcher.manager.replicas.items()}
-        for i, prompt in enumerate(PROMPTS):
-            engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
-        on_replica_0 = [rid for rid, sent in client.ledger.items() if sent.channel == 0]
-        assert on_replica_0
-        done: dict[str, list[int]] = {}
-        _step_until(engine, done, lambda: all(client.ledger[rid].token_ids for rid in on_replica_0))
-        assert not done, "a request finished before the forgery"
+    llm = dp_llm
+    caplog.set_level(logging.WARNING, logger="raylm.engine")
+    engine = llm.llm_engine
+    client = engine.engine_core
+    actors = {i: h.actor for i, h in client.launcher.manager.replicas.items()}
+    # Request ids of this test's own: the engine served the other test's.
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"own-{i}", {"prompt_token_ids": prompt}, GREEDY)
+    on_replica_0 = [rid for rid, sent in client.ledger.items() if sent.channel == 0]
+    assert on_replica_0
+    done: dict[str, list[int]] = {}
+    _step_until(engine, done, lambda: all(client.ledger[rid].token_ids for rid in on_replica_0))
+    assert not done, "a request finished before the forgery"
 
-        ctx = zmq.Context()
-        posing = ctx.socket(zmq.PUSH)
-        posing.setsockopt(zmq.LINGER, 0)
-        secure_client(posing, client.launcher.keys_of(client.channels[1]), server_key=client.launcher.curve.keys.public)
-        posing.connect(client.launcher.output_address)
-        forged = [EngineCoreOutput(rid, [1, 2, 3], finish_reason="length") for rid in on_replica_0]
-        encode = msgspec.msgpack.encode
-        try:
-            for frame in (b"\x00not msgpack",
-                          encode(EngineCoreOutputs(outputs=forged, engine_index=1)),
-                          encode(EngineCoreOutputs(outputs=forged, engine_index=0)),
-                          encode(EngineCoreOutputs(error="Traceback\nRuntimeError: forged", engine_index=0))):
-                posing.send(frame)
-            # The front end's own input socket carries only what it encodes;
-            # a replica drops a frame that does not decode all the same.
-            client.channels[0].send(b"\x00not msgpack")
+    ctx = zmq.Context()
+    posing = ctx.socket(zmq.PUSH)
+    posing.setsockopt(zmq.LINGER, 0)
+    secure_client(posing, client.launcher.keys_of(client.channels[1]), server_key=client.launcher.curve.keys.public)
+    posing.connect(client.launcher.output_address)
+    forged = [EngineCoreOutput(rid, [1, 2, 3], finish_reason="length") for rid in on_replica_0]
+    encode = msgspec.msgpack.encode
+    # The drop counters are the engine's: this test's drops are what they add.
+    counted_before = client.foreign.count, client.launcher.misattributed.count, client.undecodable.count
+    try:
+        for frame in (b"\x00not msgpack",
+                      encode(EngineCoreOutputs(outputs=forged, engine_index=1)),
+                      encode(EngineCoreOutputs(outputs=forged, engine_index=0)),
+                      encode(EngineCoreOutputs(error="Traceback\nRuntimeError: forged", engine_index=0))):
+            posing.send(frame)
+        # The front end's own input socket carries only what it encodes;
+        # a replica drops a frame that does not decode all the same.
+        client.channels[0].send(b"\x00not msgpack")
 
-            def drops() -> tuple[int, int, int]:
-                return client.foreign.count, client.launcher.misattributed.count, client.undecodable.count
+        def drops() -> tuple[int, int, int]:
+            counts = client.foreign.count, client.launcher.misattributed.count, client.undecodable.count
+            return tuple(now - before for now, before in zip(counts, counted_before))
 
-            def all_dropped() -> bool:
-                foreign, misattributed, undecodable = drops()
-                return foreign >= 1 and misattributed >= 2 and undecodable >= 1
+        def all_dropped() -> bool:
+            foreign, misattributed, undecodable = drops()
+            return foreign >= 1 and misattributed >= 2 and undecodable >= 1
 
-            wait_until(all_dropped, _DEADLINE_S, step=lambda: _step_and_pause(engine, 0.01),
-                       message=lambda: f"the drops (foreign, misattributed, undecodable) to be counted: {drops()}")
-            _step_until(engine, done, lambda: not engine.has_unfinished_requests())
-        finally:
-            posing.close(linger=0)
-            ctx.term()
-        assert [done[str(i)] for i in range(len(PROMPTS))] == reference
-        assert {i: h.actor for i, h in client.launcher.manager.replicas.items()} == actors
-        messages = [r.getMessage() for r in caplog.records
-                    if r.name in ("raylm.engine.supervisor", "raylm.engine.ray_launcher")]
-        assert any("does not decode" in m for m in messages), messages
-        assert any("not routed to the core" in m for m in messages), messages
-        assert any("signed as replica 0" in m for m in messages), messages
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == reference[:4]
-    _assert_nothing_left()
+        wait_until(all_dropped, _DEADLINE_S, step=lambda: _step_and_pause(engine, 0.01),
+                   message=lambda: f"the drops (foreign, misattributed, undecodable) to be counted: {drops()}")
+        _step_until(engine, done, lambda: not engine.has_unfinished_requests())
+    finally:
+        posing.close(linger=0)
+        ctx.term()
+    assert [done[f"own-{i}"] for i in range(len(PROMPTS))] == reference
+    assert {i: h.actor for i, h in client.launcher.manager.replicas.items()} == actors
+    messages = [r.getMessage() for r in caplog.records
+                if r.name in ("raylm.engine.supervisor", "raylm.engine.ray_launcher")]
+    assert any("does not decode" in m for m in messages), messages
+    assert any("not routed to the core" in m for m in messages), messages
+    assert any("signed as replica 0" in m for m in messages), messages
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference[:4]
 
 
 class _IdleCore:
