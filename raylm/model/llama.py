@@ -31,6 +31,7 @@ from raylm.model.layers.linear import (
     default_weight_loader,
 )
 from raylm.model.layers.rotary import RotaryEmbedding
+from raylm.model.llama_decode import FusedDecode
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +117,9 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             num_tokens = q.shape[0]
-            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim)).view(num_tokens, -1)
-            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)).view(num_tokens, -1)
+            # One row per head: the rows the fused norm kernel takes (and decode_layers.cpp).
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, -1)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, -1)
         q, k = self._rotary[0](positions, q, k)
         return self.o_proj(self.attn(q, k, v.contiguous()))
 
@@ -172,6 +174,9 @@ class LlamaModel(nn.Module):
             for i in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
+        self.hidden_size, self.intermediate_size = arch.hidden_size, arch.intermediate_size
+        # Not a module: it holds no weights of its own, only this model's.
+        self._fused_decode = [FusedDecode(self)]
 
     def forward(
         self,
@@ -185,8 +190,12 @@ class LlamaModel(nn.Module):
             if intermediate is None:
                 raise ValueError("a non-first pipeline stage needs the previous stage's intermediate state")
             hidden_states, residual = intermediate[0], intermediate[1]
-        for layer in self.layers[self.start_layer : self.end_layer]:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+        fused = self._fused_decode[0](hidden_states, residual, positions)
+        if fused is not None:
+            hidden_states, residual = fused
+        else:
+            for layer in self.layers[self.start_layer : self.end_layer]:
+                hidden_states, residual = layer(positions, hidden_states, residual)
         if not self.is_last_stage:
             return torch.stack((hidden_states, residual))
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -209,6 +218,7 @@ class LlamaForCausalLM(nn.Module):
             elif arch.tie_word_embeddings and self.model.is_first_stage:
                 self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
                 self.lm_head.weight = self.model.embed_tokens.weight
+                self.lm_head.shares_embedding = True
             else:
                 self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
         self.logits_processor = LogitsProcessor(arch.vocab_size)

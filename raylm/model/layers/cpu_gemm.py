@@ -1,9 +1,19 @@
-"""Matmuls with weights pre-packed for oneDNN on CPU (bfloat16).
+"""Matmuls with weights packed once at load for the CPU kernels that read them (bfloat16).
 
-A plain bf16 `F.linear` on CPU re-lays out the weight for oneDNN on every
-call; packing each weight once at load time removes that cost (measured here:
-1.3-1.6x on the matmuls of a 7M and a 111M model). Elsewhere (CUDA, float32,
-a torch without oneDNN) layers keep using `F.linear`.
+Two layouts, each for the batch sizes it serves best:
+- raylm's own (csrc/bf16_gemm.cpp): tiles of 16 output columns in the pair
+  order AVX-512 BF16 multiplies, one sequential stream per thread. For a few
+  activation rows (decode), where the time is that of reading every weight
+  once: measured here 2.5-2.9x oneDNN's time per token at one row.
+- oneDNN's (torch.ops.mkldnn): for more rows (prefill, large decode
+  batches), where the matmul is compute-bound and oneDNN's blocking wins.
+  A plain bf16 `F.linear` would re-lay the weight out for oneDNN on every
+  call; packing once saved 1.3-1.6x on the matmuls of a 7M and a 111M model.
+
+Once packed, a layer needs its plain weight no more (`PackedWeight` keeps
+whatever its calls read), so the model holds two copies of each matrix, not
+three. Elsewhere (CUDA, float32, a torch without oneDNN and no kernels)
+layers keep `F.linear` on the plain weight.
 """
 
 from __future__ import annotations
@@ -13,10 +23,17 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from raylm.model.layers.cpu_kernels import get_cpu_kernels
+
 logger = logging.getLogger(__name__)
 
+# Activation rows up to which raylm's kernel runs rather than oneDNN's.
+# Measured with benchmarks/bench_cpu_gemm.py: raylm's kernel streams the
+# weights faster at 1-4 rows; from 8 rows on oneDNN's compute is faster.
+DECODE_MAX_ROWS = 4
 
-def packing_supported(weight: torch.Tensor) -> bool:
+
+def _onednn_supported(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
@@ -26,9 +43,9 @@ def packing_supported(weight: torch.Tensor) -> bool:
     )
 
 
-def pack_weight(weight: torch.Tensor, expected_rows: int = 64) -> torch.Tensor | None:
+def _pack_onednn(weight: torch.Tensor, expected_rows: int = 64) -> torch.Tensor | None:
     """The oneDNN-packed copy of a [out, in] weight, or None when unsupported."""
-    if not packing_supported(weight):
+    if not _onednn_supported(weight):
         return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), expected_rows)
@@ -40,11 +57,58 @@ def pack_weight(weight: torch.Tensor, expected_rows: int = 64) -> torch.Tensor |
             return None
         return packed
     except RuntimeError as e:  # an op this torch build lacks
-        logger.debug("weight packing unavailable: %s", e)
+        logger.debug("oneDNN weight packing unavailable: %s", e)
         return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+def _pack_rows_kernel(weight: torch.Tensor) -> torch.Tensor | None:
+    """raylm's decode layout of a [out, in] weight, or None without the kernels."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        return None
+    kernels = get_cpu_kernels()
+    return None if kernels is None else kernels.bf16_pack(weight)
+
+
+class PackedWeight:
+    """One [out, in] bf16 CPU weight in the layouts its matmuls read.
+
+    `large` serves any number of rows (oneDNN's packing, or the plain weight
+    where oneDNN is missing); `small`, when the kernels are built, serves up
+    to DECODE_MAX_ROWS rows.
+    """
+
+    def __init__(self, weight: torch.Tensor):
+        self.out_features = weight.shape[0]
+        self._onednn = _pack_onednn(weight)
+        self._plain = weight if self._onednn is None else None
+        self._small = _pack_rows_kernel(weight)
+        self._kernels = get_cpu_kernels() if self._small is not None else None
+
+    @property
+    def decode_layout(self) -> torch.Tensor | None:
+        """The weight in bf16_linear's layout, for callers of the kernel (decode_layers)."""
+        return self._small
+
+    @property
+    def useful(self) -> bool:
+        """Whether it does better than F.linear on the plain weight."""
+        return self._onednn is not None or self._small is not None
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self._small is not None and x.dim() == 2 and x.shape[0] <= DECODE_MAX_ROWS and x.dtype == torch.bfloat16:
+            return self._kernels.bf16_linear(x, self._small, self.out_features, bias)
+        if self._onednn is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self._onednn, bias, "none", [], "")
+        return F.linear(x, self._plain, bias)
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+    """The packed form of a [out, in] weight, or None where packing does not help."""
+    packed = PackedWeight(weight)
+    return packed if packed.useful else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None) -> torch.Tensor:
     if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return packed(x, bias)
     return F.linear(x, weight, bias)

@@ -59,14 +59,18 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, sharded by vocab rows like the embedding so the two
     can share one weight when the checkpoint ties them."""
 
-    packed_weight: torch.Tensor | None = None
+    packed_weight: cpu_gemm.PackedWeight | None = None
+    # Set by the model when the head is the embedding's matrix (tied weights).
+    shares_embedding: bool = False
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise TypeError("ParallelLMHead is applied through LogitsProcessor, not called directly")
 
     def pack_weights(self) -> None:
-        # A separate packed copy: a tied weight must stay plain for the embedding.
         self.packed_weight = cpu_gemm.pack_weight(self.weight.data)
+        if self.packed_weight is not None and not self.shares_embedding:
+            # The packed copies serve every call; a tied matrix stays for the embedding.
+            self.weight.data = self.weight.data.new_empty(0)
 
 
 class LogitsProcessor(nn.Module):

@@ -70,7 +70,7 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         # Set by pack_weights() after loading (CPU bf16 only).
-        self.packed_weight: torch.Tensor | None = None
+        self.packed_weight: cpu_gemm.PackedWeight | None = None
         # Weight rows that came quantized (GGUF blocks, int8), by first row, kept
         # as they are; finish_loading() turns them into quant_matmul.
         self._quantized_rows: dict[int, Any] = {}
@@ -101,6 +101,9 @@ class LinearBase(nn.Module):
     def pack_weights(self) -> None:
         if self.quant_matmul is None:
             self.packed_weight = cpu_gemm.pack_weight(self.weight.data)
+            if self.packed_weight is not None:
+                # The packed copies serve every call; the plain matrix would be a third.
+                self.weight.data = self.weight.data.new_empty(0)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_matmul is not None:

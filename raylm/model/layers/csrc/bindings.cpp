@@ -16,6 +16,14 @@ std::tuple<at::Tensor, at::Tensor> rotary_neox(const at::Tensor& positions, cons
                                                int64_t head_dim);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype);
 at::Tensor quant_dequantize(const at::Tensor& weight, int64_t qtype, int64_t K, at::ScalarType dtype);
+at::Tensor bf16_pack(const at::Tensor& weight);
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                       const c10::optional<at::Tensor>& bias);
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    at::Tensor hidden, at::Tensor residual, const at::Tensor& positions, const at::Tensor& slot_mapping,
+    const at::Tensor& block_table, const at::Tensor& context_lens, const at::Tensor& cos_cache,
+    const at::Tensor& sin_cache, const std::vector<at::Tensor>& params, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t hidden_size, int64_t intermediate_size, double eps, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -32,4 +40,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("qtype"));
   m.def("quant_dequantize", &quant_dequantize, "a GGUF-quantized weight widened to float32 or bfloat16",
         py::arg("weight"), py::arg("qtype"), py::arg("cols"), py::arg("dtype"));
+  m.def("bf16_pack", &bf16_pack, "a [out, in] bfloat16 weight in bf16_linear's tile layout", py::arg("weight"));
+  m.def("bf16_linear", &bf16_linear, "x @ W^T (+ bias) for few rows of x, W packed by bf16_pack", py::arg("x"),
+        py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());
+  m.def("decode_layers", &decode_layers, "the decoder layers of a Llama-family model for a decode step",
+        py::arg("hidden"), py::arg("residual"), py::arg("positions"), py::arg("slot_mapping"),
+        py::arg("block_table"), py::arg("context_lens"), py::arg("cos_cache"), py::arg("sin_cache"),
+        py::arg("params"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+        py::arg("hidden_size"), py::arg("intermediate_size"), py::arg("eps"), py::arg("scale"));
 }

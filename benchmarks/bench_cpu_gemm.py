@@ -1,0 +1,104 @@
+"""The bf16 matmuls of one decode token on CPU: raylm's packed kernel
+(csrc/bf16_gemm.cpp) against oneDNN's packed matmul, by number of rows.
+
+Runs every weight matrix of a Llama model of the given shape once per "token"
+(the work of one decode step's matmuls, nothing else) and reports the time
+per token, the weight bytes read per second, and that rate as a share of the
+machine's read bandwidth measured in the same run (a torch sum over a buffer
+much larger than the caches): the roofline of batch-1 decode.
+The two paths alternate round by round; each figure is the median round.
+
+  python benchmarks/bench_cpu_gemm.py                       # ~111M shapes, 1 thread
+  python benchmarks/bench_cpu_gemm.py --threads 2 --rows 1,2,4,8,16,64
+  python benchmarks/bench_cpu_gemm.py --preset small        # ~7M shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from raylm.model.layers import cpu_gemm
+from raylm.model.layers.cpu_kernels import get_cpu_kernels
+
+# (hidden, intermediate, layers, vocab, q heads, kv heads, head_dim): compare_vllm.py's presets.
+PRESETS = {
+    "large": (1024, 2816, 8, 8192, 16, 8, 64),
+    "small": (256, 688, 4, 8192, 8, 4, 32),
+}
+
+
+def weight_shapes(preset: str) -> list[tuple[int, int]]:
+    hidden, inter, layers, vocab, heads, kv_heads, head_dim = PRESETS[preset]
+    qkv = (heads + 2 * kv_heads) * head_dim
+    per_layer = [(qkv, hidden), (hidden, heads * head_dim), (2 * inter, hidden), (hidden, inter)]
+    return per_layer * layers + [(vocab, hidden)]
+
+
+def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """Bytes per second that a torch sum reads from a buffer far larger than the caches."""
+    buf = torch.ones(mib * 2**20 // 4)
+    buf.sum()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t)
+    return buf.numel() * 4 / statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="large")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rows", default="1,2,4,8,16")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens-per-round", type=int, default=10)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kernels = get_cpu_kernels()
+    if kernels is None:
+        raise SystemExit("the CPU kernels are not available here")
+
+    shapes = weight_shapes(args.preset)
+    gen = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(o, i, generator=gen) * 0.02).to(torch.bfloat16) for o, i in shapes]
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    onednn = [cpu_gemm._pack_onednn(w) for w in weights]
+    ours = [kernels.bf16_pack(w) for w in weights]
+    bandwidth = read_bandwidth()
+    print(f"preset {args.preset}: {len(weights)} matrices, {nbytes / 1e6:.1f} MB of bf16 weights; "
+          f"{args.threads} thread(s); read bandwidth {bandwidth / 1e9:.1f} GB/s "
+          f"(roofline {bandwidth / nbytes:.0f} tokens/s at one row)")
+    print(f"{'rows':>4} | {'oneDNN ms/token':>15} | {'raylm ms/token':>14} | {'raylm GB/s':>10} | "
+          f"{'of roofline':>11} | {'raylm / oneDNN speed':>20}")
+    for rows in [int(r) for r in args.rows.split(",")]:
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen).to(torch.bfloat16) for w in weights}
+
+        def run_onednn():
+            for w, p in zip(weights, onednn):
+                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+
+        def run_ours():
+            for w, p in zip(weights, ours):
+                kernels.bf16_linear(xs[w.shape[1]], p, w.shape[0], None)
+
+        times: dict[str, list[float]] = {"onednn": [], "ours": []}
+        for rnd in range(args.rounds):
+            order = [("onednn", run_onednn), ("ours", run_ours)]
+            for name, fn in order if rnd % 2 == 0 else order[::-1]:
+                fn()  # warm
+                t = time.perf_counter()
+                for _ in range(args.tokens_per_round):
+                    fn()
+                times[name].append((time.perf_counter() - t) / args.tokens_per_round)
+        a, b = statistics.median(times["onednn"]), statistics.median(times["ours"])
+        print(f"{rows:>4} | {a * 1e3:>15.2f} | {b * 1e3:>14.2f} | {nbytes / b / 1e9:>10.1f} | "
+              f"{nbytes / b / bandwidth:>10.0%} | {a / b:>19.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

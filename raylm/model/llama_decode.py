@@ -1,0 +1,135 @@
+"""The decoder layers of a decode step in one C++ call (csrc/decode_layers.cpp).
+
+A decode step of a small batch on CPU does little arithmetic per layer, and
+running a layer from Python costs ~20 operator dispatches: on the ~7M model
+that is most of the step, on the ~111M one a tenth of it. When a step can be
+served this way (CPU, bfloat16 weights packed for the decode kernel, one
+tensor-parallel rank, every token a decode, at most DECODE_MAX_ROWS of them),
+the layers run in one call of the same kernels, so the result is the same to
+the bit; otherwise LlamaModel runs its modules as usual.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from raylm.distributed.parallel_state import get_tp_group
+from raylm.model.forward_context import get_attention_metadata
+from raylm.model.layers import cpu_gemm
+from raylm.model.layers.cpu_kernels import get_cpu_kernels
+from raylm.model.layers.linear import LinearBase
+
+if TYPE_CHECKING:
+    from raylm.model.llama import LlamaDecoderLayer, LlamaModel
+
+# Tests turn it off to compare against the per-module path.
+ENABLED = True
+
+
+def _decode_layout(linear: LinearBase) -> torch.Tensor | None:
+    packed = linear.packed_weight
+    return None if packed is None else packed.decode_layout
+
+
+def _optional(t: torch.Tensor | None) -> torch.Tensor:
+    return _EMPTY if t is None else t
+
+
+_EMPTY = torch.empty(0)
+
+
+def _layer_params(layer: LlamaDecoderLayer) -> list[torch.Tensor] | None:
+    """The layer's tensors in decode_layers.cpp's order, or None when it cannot run there."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    layouts = [_decode_layout(linear) for linear in linears]
+    cache = attn.attn.kv_cache
+    if (
+        any(layout is None for layout in layouts)
+        or cache is None
+        or cache.dtype != torch.bfloat16
+        or attn.attn._decode_kernel(torch.bfloat16) is None
+    ):
+        return None
+    qkv, o, gate_up, down = layouts
+    return [
+        layer.input_layernorm.weight.data,
+        qkv,
+        _optional(attn.qkv_proj.bias),
+        _optional(None if attn.q_norm is None else attn.q_norm.weight.data),
+        _optional(None if attn.k_norm is None else attn.k_norm.weight.data),
+        o,
+        _optional(attn.o_proj.bias),
+        layer.post_attention_layernorm.weight.data,
+        gate_up,
+        _optional(mlp.gate_up_proj.bias),
+        down,
+        _optional(mlp.down_proj.bias),
+        cache,
+    ]
+
+
+class FusedDecode:
+    """Runs a LlamaModel's own layers for a decode step, when the step allows."""
+
+    def __init__(self, model: LlamaModel):
+        self._model = model
+        self._params: list[torch.Tensor] | None = None
+        self._caches: list[torch.Tensor | None] = []  # the KV caches _params were built with
+
+    def _current_params(self) -> list[torch.Tensor] | None:
+        layers = self._model.layers[self._model.start_layer : self._model.end_layer]
+        caches = [layer.self_attn.attn.kv_cache for layer in layers]
+        if len(caches) != len(self._caches) or any(a is not b for a, b in zip(caches, self._caches)):
+            # First call, or the runner bound new caches: collect again.
+            self._caches = caches
+            per_layer = [_layer_params(layer) for layer in layers]
+            self._params = None if any(p is None for p in per_layer) else [t for p in per_layer for t in p]
+        return self._params
+
+    def __call__(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(hidden, residual) after the stage's layers, or None: run the modules."""
+        meta = get_attention_metadata()
+        num_tokens = hidden.shape[0]
+        if (
+            not ENABLED
+            or meta is None
+            or meta.prefills
+            or meta.num_decode_tokens != num_tokens
+            or meta.decode_context_lens is None
+            or not 0 < num_tokens <= cpu_gemm.DECODE_MAX_ROWS
+            or hidden.dtype != torch.bfloat16
+            or not hidden.is_cpu
+            or positions.dtype != torch.int64
+            or self._model.rotary_emb.cos_cache.dtype != torch.float32
+            or get_tp_group().world_size != 1
+        ):
+            return None
+        params = self._current_params()
+        kernels = get_cpu_kernels()
+        if params is None or kernels is None:
+            return None
+        first = self._model.layers[self._model.start_layer]
+        attn, rotary = first.self_attn, self._model.rotary_emb
+        return kernels.decode_layers(
+            hidden.contiguous(),
+            _EMPTY if residual is None else residual.contiguous(),
+            positions.contiguous(),
+            meta.slot_mapping,
+            meta.decode_block_table,
+            meta.decode_context_lens,
+            rotary.cos_cache,
+            rotary.sin_cache,
+            params,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            self._model.hidden_size,
+            self._model.intermediate_size,
+            first.input_layernorm.eps,
+            attn.attn.scale,
+        )

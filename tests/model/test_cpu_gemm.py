@@ -1,0 +1,141 @@
+"""The bf16 matmul kernel for decode (csrc/bf16_gemm.cpp) and the packed
+weights of the linear layers (cpu_gemm.py), against float64 matmuls.
+
+The kernel accumulates in float and rounds once, so each output is the
+exact product rounded to bf16, but for the last bits of a float sum: within
+one bf16 unit in the last place (ulp) everywhere, and mostly equal."""
+
+from __future__ import annotations
+
+import shutil
+import sysconfig
+
+import pytest
+import torch
+
+from raylm.model.layers import cpu_gemm
+from raylm.model.layers.cpu_kernels import get_cpu_kernels
+from raylm.model.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+
+_HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++", sysconfig.get_config_var("CXX") or "c++"))
+pytestmark = pytest.mark.skipif(not _HAS_COMPILER, reason="no C++ compiler to build the CPU kernels")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = get_cpu_kernels()
+    assert module is not None, "a C++ compiler is present, so the kernels must build"
+    return module
+
+
+def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 numbers at |x| (8 significant bits)."""
+    exponent = torch.floor(torch.log2(x.abs().clamp_min(2.0**-120)))
+    return torch.pow(2.0, exponent - 7)
+
+
+def _assert_rounded_product(y: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor) -> None:
+    """y (bf16) is the float64 reference rounded to bf16, give or take one ulp
+    and the float accumulation's error (at most ~2^-20 of the sum of the terms'
+    magnitudes, `magnitude`, here: it matters where terms cancel)."""
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+    err = (y.double() - ref).abs()
+    bound = _bf16_ulp(ref) * 1.01 + magnitude * 2.0**-20
+    assert torch.all(err <= bound), f"max error {(err - bound).max().item()} above one bf16 ulp"
+    exact = (y == ref.to(torch.bfloat16)).double().mean().item()
+    assert exact >= 0.95, f"only {exact:.1%} of outputs are the correctly rounded product"
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None):
+    """(x @ w^T + bias, the sum of its terms' magnitudes) in float64."""
+    ref = x.double() @ w.double().T
+    magnitude = x.double().abs() @ w.double().abs().T
+    if bias is not None:
+        ref, magnitude = ref + bias.double(), magnitude + bias.double().abs()
+    return ref, magnitude
+
+
+@pytest.mark.parametrize(
+    "out_features,in_features",
+    [(16, 2), (33, 7), (100, 64), (64, 1024), (200, 30), (1000, 2816)],
+)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
+def test_kernel_equals_rounded_product(kernels, out_features, in_features, rows):
+    g = torch.Generator().manual_seed(out_features * 1000 + in_features + rows)
+    w = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=g).to(torch.bfloat16)
+    packed = kernels.bf16_pack(w)
+    # Odd widths and partial tiles are padded with zeros, which must not count.
+    assert packed.shape == ((out_features + 15) // 16, (in_features + 1) // 2, 16, 2)
+    _assert_rounded_product(kernels.bf16_linear(x, packed, out_features, None), *_reference(x, w))
+    _assert_rounded_product(kernels.bf16_linear(x, packed, out_features, bias), *_reference(x, w, bias))
+
+
+def test_kernel_reads_strided_rows(kernels):
+    # Rows of a wider tensor (e.g. q out of a fused qkv output) are read in place or copied.
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(48, 64, generator=g).to(torch.bfloat16)
+    wide = torch.randn(3, 128, generator=g).to(torch.bfloat16)
+    for x in (wide[:, :64], wide[:, ::2]):
+        y = kernels.bf16_linear(x, kernels.bf16_pack(w), 48, None)
+        _assert_rounded_product(y, *_reference(x, w))
+
+
+def test_kernel_rejects_mismatched_operands(kernels):
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    packed = kernels.bf16_pack(w)
+    with pytest.raises(RuntimeError, match="does not hold"):
+        kernels.bf16_linear(torch.randn(1, 62).to(torch.bfloat16), packed, 32, None)
+    with pytest.raises(RuntimeError, match="does not hold"):
+        kernels.bf16_linear(torch.randn(1, 64).to(torch.bfloat16), packed, 48, None)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernels.bf16_linear(torch.randn(1, 64), packed, 32, None)
+    with pytest.raises(RuntimeError, match="bf16_pack"):
+        kernels.bf16_linear(torch.randn(1, 64).to(torch.bfloat16), w, 32, None)
+
+
+@pytest.mark.parametrize("rows", [1, cpu_gemm.DECODE_MAX_ROWS, cpu_gemm.DECODE_MAX_ROWS + 1, 64])
+def test_packed_layers_compute_the_plain_matmul(kernels, rows):
+    """Through the layers: packing frees the plain weight, and both packed
+    paths (few rows: raylm's kernel; more: oneDNN) give the plain product."""
+    g = torch.Generator().manual_seed(rows)
+    layers = [ColumnParallelLinear(96, 80, bias=True), MergedColumnParallelLinear(96, [40, 40]), RowParallelLinear(80, 96)]
+    for layer in layers:
+        layer.to(torch.bfloat16)
+        for param in layer.parameters():
+            param.data.copy_(torch.randn(param.shape, generator=g))
+        weight = layer.weight.data.clone()
+        bias = None if layer.bias is None else layer.bias.data.clone()
+        layer.pack_weights()
+        assert layer.packed_weight is not None
+        assert layer.weight.numel() == 0, "the plain weight is dropped once packed"
+        counting = _Counting(kernels)
+        layer.packed_weight._kernels = counting
+        x = torch.randn(rows, weight.shape[1], generator=g).to(torch.bfloat16)
+        ref, magnitude = _reference(x, weight, bias)
+        y = layer(x)
+        if rows <= cpu_gemm.DECODE_MAX_ROWS:
+            assert counting.calls == [rows], "a few rows go through raylm's kernel"
+            _assert_rounded_product(y, ref, magnitude)
+        else:
+            assert counting.calls == []
+            # oneDNN's bf16 path (its own blocking and rounding): close, not bit-equal.
+            assert torch.allclose(y.double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+class _Counting:
+    """The kernel module, counting bf16_linear calls by their number of rows."""
+
+    def __init__(self, kernels):
+        self._kernels, self.calls = kernels, []
+
+    def bf16_linear(self, *args):
+        self.calls.append(args[0].shape[0])
+        return self._kernels.bf16_linear(*args)
+
+
+def test_float32_layers_stay_plain():
+    layer = ColumnParallelLinear(32, 16)
+    layer.pack_weights()
+    assert layer.packed_weight is None and layer.weight.shape == (16, 32)

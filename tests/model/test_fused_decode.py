@@ -1,0 +1,64 @@
+"""Decode steps through decode_layers.cpp (one call for all decoder layers)
+against the same model run module by module: the same kernels in the same
+order, so tokens and logprobs agree to the bit, for every architecture."""
+
+from __future__ import annotations
+
+import shutil
+import sysconfig
+
+import pytest
+import torch
+
+from raylm import LLM, SamplingParams
+from raylm.model import llama_decode
+from raylm.model.layers.cpu_kernels import get_cpu_kernels
+from raylm.testing.tiny_models import SUPPORTED_ARCHS, make_tiny_model
+
+_HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++", sysconfig.get_config_var("CXX") or "c++"))
+pytestmark = pytest.mark.skipif(not _HAS_COMPILER, reason="no C++ compiler to build the CPU kernels")
+
+
+class _CountingKernels:
+    def __init__(self, kernels):
+        self._kernels, self.calls = kernels, 0
+
+    def __getattr__(self, name):
+        return getattr(self._kernels, name)
+
+    def decode_layers(self, *args):
+        self.calls += 1
+        return self._kernels.decode_layers(*args)
+
+
+def _generate(model, prompts, max_tokens):
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in max_tokens
+    ]
+    with LLM(str(model), dtype="bfloat16", kv_cache_memory_bytes=16 << 20, distributed_executor_backend="uni",
+             enable_prefix_caching=False) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+def test_fused_decode_equals_module_path(arch, tmp_path, monkeypatch):
+    kernels = get_cpu_kernels()
+    assert kernels is not None, "a C++ compiler is present, so the kernels must build"
+    model = make_tiny_model(arch, tmp_path / arch, seed=3, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    # Six requests: the first steps decode more rows than the fused path takes
+    # (they run module by module), then requests finish and the rest is fused.
+    prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (1, 5, 17, 9, 30, 2)]
+    max_tokens = [6, 20, 12, 3, 24, 9]
+
+    counting = _CountingKernels(kernels)
+    monkeypatch.setattr(llama_decode, "get_cpu_kernels", lambda: counting)
+    fused = _generate(model, prompts, max_tokens)
+    assert counting.calls > 0, "no decode step went through decode_layers"
+
+    monkeypatch.setattr(llama_decode, "ENABLED", False)
+    counting.calls = 0
+    modules = _generate(model, prompts, max_tokens)
+    assert counting.calls == 0
+    assert fused == modules
