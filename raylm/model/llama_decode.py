@@ -11,18 +11,14 @@ the bit; otherwise LlamaModel runs its modules as usual.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from torch import nn
 
 from raylm.distributed.parallel_state import get_tp_group
 from raylm.model.forward_context import get_attention_metadata
 from raylm.model.layers import cpu_gemm
 from raylm.model.layers.cpu_kernels import get_cpu_kernels
 from raylm.model.layers.linear import LinearBase
-
-if TYPE_CHECKING:
-    from raylm.model.llama import LlamaDecoderLayer, LlamaModel
 
 # Tests turn it off to compare against the per-module path.
 ENABLED = True
@@ -40,8 +36,8 @@ def _optional(t: torch.Tensor | None) -> torch.Tensor:
 _EMPTY = torch.empty(0)
 
 
-def _layer_params(layer: LlamaDecoderLayer) -> list[torch.Tensor] | None:
-    """The layer's tensors in decode_layers.cpp's order, or None when it cannot run there."""
+def _layer_params(layer: nn.Module) -> list[torch.Tensor] | None:
+    """A LlamaDecoderLayer's tensors in decode_layers.cpp's order, or None when it cannot run there."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     layouts = [_decode_layout(linear) for linear in linears]
@@ -74,7 +70,7 @@ def _layer_params(layer: LlamaDecoderLayer) -> list[torch.Tensor] | None:
 class FusedDecode:
     """Runs a LlamaModel's own layers for a decode step, when the step allows."""
 
-    def __init__(self, model: LlamaModel):
+    def __init__(self, model: nn.Module):
         self._model = model
         self._params: list[torch.Tensor] | None = None
         self._caches: list[torch.Tensor | None] = []  # the KV caches _params were built with
