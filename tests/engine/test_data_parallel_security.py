@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from types import SimpleNamespace
 
 import msgspec
 import psutil
@@ -256,6 +257,7 @@ class _IdleCore:
 
     recoveries: list = []
     unhealthy_reason = None
+    migrations = SimpleNamespace(copying=False)  # no K/V being imported beside the steps
 
     def has_unfinished_requests(self) -> bool:
         return False
@@ -268,6 +270,9 @@ class _IdleCore:
 
     def stats(self) -> dict:
         return {}
+
+    def take_migration_reports(self, message=None) -> list:
+        return []  # nothing migrates in or out of an idle core
 
 
 def test_a_replica_drops_an_input_frame_that_does_not_decode(tmp_path, caplog):
