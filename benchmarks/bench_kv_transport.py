@@ -2,10 +2,11 @@
 object store, on the two-host harness (network namespaces joined by a veth
 pair, a Ray node on each; tests/multinode/harness.py, needs root and `ip`).
 
-    sudo python benchmarks/bench_kv_transport.py [--sizes-mib 4 16 32] [--repeats 7]
+    sudo python benchmarks/bench_kv_transport.py [--sizes-mib 0.25 1 4 16 32] [--repeats 7]
 
 One actor per host. For each size (the ~111M bf16 model's K/V is 16 KiB per
-token: 4, 16 and 32 MiB are requests of 256, 1k and 2k tokens), `--repeats`
+token: 4, 16 and 32 MiB are requests of 256, 1k and 2k tokens, 0.25-1 MiB a
+final stage's last blocks), `--repeats`
 times, the time from the source holding the packed blocks in memory to the
 destination holding them in its memory:
 
@@ -144,7 +145,7 @@ def drive(spec: dict) -> dict:
     public, secret = ray.get(source.keypair.remote())
     results: dict[str, dict[str, list[float]]] = {}
     for size_mib in spec["sizes_mib"]:
-        nbytes = size_mib << 20
+        nbytes = int(size_mib * 2**20)
         per = results.setdefault(str(size_mib), {m: [] for m in _METHODS})
         for repeat in range(spec["repeats"] + 1):  # the first is a warm-up (connections, object store)
             name = f"b-{size_mib}-{repeat}"
@@ -163,7 +164,7 @@ def drive(spec: dict) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[4, 16, 32])
+    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[0.25, 1, 4, 16, 32])
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
     from tests.multinode.harness import netns_unavailable, two_hosts
@@ -179,7 +180,7 @@ def main(argv=None) -> None:
     for size, per in out["results"].items():
         for method, times in per.items():
             median = statistics.median(times)
-            print(f"{size:>5} {method:>11} {1e3 * median:10.1f} {1e3 * min(times):8.1f} {int(size) / median:8.0f}")
+            print(f"{size:>5} {method:>11} {1e3 * median:10.1f} {1e3 * min(times):8.1f} {float(size) / median:8.0f}")
 
 
 if __name__ == "__main__":
