@@ -40,6 +40,10 @@ _OFFER_TTL_S = 300.0
 # long request's blocks over a slow link fits; a source that died does not
 # hold the destination's loop much longer.
 FETCH_TIMEOUT_S = 30.0
+# The final stage's fetch runs on the destination's loop (the request is
+# paused) and its few blocks are packed before the source reports: a source
+# that does not answer soon has died, and must not hold the loop for long.
+FINAL_FETCH_TIMEOUT_S = 5.0
 _STATUS_OK, _STATUS_MISSING, _STATUS_FAILED = b"ok", b"missing", b"failed"
 
 
@@ -161,8 +165,8 @@ class KVNetworkEndpoint:
         return kv_transfer.packed_size(kv_caches, len(block_ids)), server.address
 
     def fetch_into(self, kv_caches: list[torch.Tensor], name: str, block_ids: list[int], address: str,
-                   keys: CurveKeys) -> int:
-        frame = fetch(address, name, keys)
+                   keys: CurveKeys, timeout_s: float = FETCH_TIMEOUT_S) -> int:
+        frame = fetch(address, name, keys, timeout_s)
         return kv_transfer.unpack_blocks(kv_caches, block_ids, frame.buffer,
                                          f"the K/V blocks {name!r} from {address}")
 

@@ -258,7 +258,7 @@ class Worker:
         args = (self.model_runner.kv_caches, f"{name}.rank{self.rank}", block_ids, addresses[self.rank],
                 CurveKeys(public_key, secret_key))
         if not background:
-            return fetch(*args)
+            return fetch(*args, kv_network.FINAL_FETCH_TIMEOUT_S)
         self._kv_jobs().import_(name, fetch, *args)
         return None
 
