@@ -72,17 +72,22 @@ class FusedDecode:
 
     def __init__(self, model: nn.Module):
         self._model = model
+        self._layers: list[nn.Module] | None = None  # this stage's decoder layers
         self._params: list[torch.Tensor] | None = None
         self._caches: list[torch.Tensor | None] = []  # the KV caches _params were built with
 
     def _current_params(self) -> list[torch.Tensor] | None:
-        layers = self._model.layers[self._model.start_layer : self._model.end_layer]
-        caches = [layer.self_attn.attn.kv_cache for layer in layers]
-        if len(caches) != len(self._caches) or any(a is not b for a, b in zip(caches, self._caches)):
-            # First call, or the runner bound new caches: collect again.
-            self._caches = caches
-            per_layer = [_layer_params(layer) for layer in layers]
-            self._params = None if any(p is None for p in per_layer) else [t for p in per_layer for t in p]
+        if self._layers is None:
+            self._layers = list(self._model.layers)[self._model.start_layer : self._model.end_layer]
+        # Checked every step (cheaply: a plain attribute per layer), since the
+        # runner binds the caches after the model is built.
+        if len(self._caches) == len(self._layers) and all(
+            layer.self_attn.attn.kv_cache is cache for layer, cache in zip(self._layers, self._caches)
+        ):
+            return self._params
+        self._caches = [layer.self_attn.attn.kv_cache for layer in self._layers]
+        per_layer = [_layer_params(layer) for layer in self._layers]
+        self._params = None if any(p is None for p in per_layer) else [t for p in per_layer for t in p]
         return self._params
 
     def __call__(
