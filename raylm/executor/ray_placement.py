@@ -40,6 +40,10 @@ FORWARDED_ENV_VARS = (
     "RAY_CGRAPH_get_timeout",
     "RAY_CGRAPH_submit_timeout",
     "RAY_CGRAPH_teardown_timeout",
+    # The CPU kernels an actor builds or loads are the driver's: same compiler, same folder
+    # (a Ray started elsewhere would otherwise give its actors another build of their own).
+    "CXX",
+    "TORCH_EXTENSIONS_DIR",
 )
 PER_WORKER_ENV_VARS = ("CUDA_VISIBLE_DEVICES", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

@@ -10,6 +10,12 @@ extension builder; when it cannot be built (no compiler, a compile error,
 another process building it for too long), callers get None and keep the
 torch path. Set RAYLM_DISABLE_CPU_KERNELS=1 to force that path.
 
+Once: the build folder's name covers everything that goes into torch's
+compile and link commands (so every process that maps to a folder runs the
+same commands there, however the engine was started) and the sources'
+content; a finished build is marked so, and later processes import its
+binary without torch's build step (ninja would rebuild on a moved file time).
+
 Builds never hang on a dead process: each build folder has a `raylm.lock` held
 with flock(2), which the kernel releases when its holder dies, however it dies.
 Only the holder builds, so it also clears the `lock` file that torch's own
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -53,6 +60,8 @@ _LDFLAGS = ("-fopenmp",)
 # takes about a minute) before going on with the torch path.
 BUILD_WAIT_S = 300.0
 _LOCK_NAME = "raylm.lock"
+# Written once a build of the folder's sources has finished (holds their digest).
+_BUILT_NAME = "raylm.built"
 
 # The build is tried at most once per process.
 _module: ModuleType | None = None
@@ -99,27 +108,47 @@ def _compiler() -> tuple[str, str]:
     return os.path.realpath(path), (out.splitlines() or [""])[0]
 
 
-def _extension_name(compiler: tuple[str, str]) -> str:
-    # Everything the binary depends on is in the key, so machines sharing a home
-    # directory, or virtual environments sharing a machine, each get their own
-    # build folder instead of rebuilding one over each other. The torch include
-    # path tells two environments with the same torch version apart. torch's
-    # build files name the sources by path, so two checkouts (a clone beside
-    # the working copy) would rebuild over each other: their paths are in it.
+def _source_paths() -> list[str]:
+    """The sources as torch's build commands name them: real paths, so a process
+    that imported raylm through a symlink or a relative path runs the same command."""
+    return [str(source.resolve()) for source in _SOURCES]
+
+
+def _content_digest() -> str:
+    """What the compiler reads from this package: every source and header."""
+    headers = sorted({*_HEADERS, *_CSRC.glob("*.h")})  # a header nobody listed still counts
+    return hashlib.sha256(
+        "|".join(hashlib.sha256(path.read_bytes()).hexdigest() for path in (*_SOURCES, *headers)).encode()
+    ).hexdigest()
+
+
+def _extension_name(compiler: tuple[str, str], content: str | None = None) -> str:
+    # One build folder per command line: torch writes the commands into the
+    # folder's build.ninja, and ninja rebuilds everything whenever a process
+    # loads the folder with other commands than the last one. So everything
+    # that goes into those commands is in the key (the compiler as spelled,
+    # include and library paths, flags, source paths), and so is everything
+    # the binary depends on beyond them (CPU, compiler version, torch and
+    # Python versions, the sources' content): machines sharing a home
+    # directory, virtual environments or checkouts sharing a machine each get
+    # their own folder instead of rebuilding one over each other.
     from torch.utils import cpp_extension
 
     key = "|".join(
         [
             _cpu_signature(),
             torch.__version__,
+            cpp_extension.get_cxx_compiler(),  # build.ninja's `cxx`: $CXX as spelled, else c++
+            *compiler,  # what that spelling runs, and its version
             *cpp_extension.include_paths(),
-            *compiler,
+            cpp_extension.TORCH_LIB_PATH,
+            # Python.h's folder, asked for as torch asks for it (one scheme on every platform).
+            str(sysconfig.get_path("include", scheme="posix_prefix")),
             sys.version,
-            sysconfig.get_paths()["include"],
             " ".join(_CFLAGS),
             " ".join(_LDFLAGS),
-            *(str(source.resolve()) for source in _SOURCES),
-            *(hashlib.sha256(source.read_bytes()).hexdigest() for source in (*_SOURCES, *_HEADERS)),
+            *_source_paths(),
+            content or _content_digest(),
         ]
     )
     return "raylm_cpu_kernels_" + hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -191,7 +220,7 @@ def _compile(name: str, build_dir: Path):
 
     return cpp_extension.load(
         name=name,
-        sources=[str(source) for source in _SOURCES],
+        sources=_source_paths(),
         extra_cflags=list(_CFLAGS),
         extra_ldflags=list(_LDFLAGS),
         build_directory=str(build_dir),
@@ -199,23 +228,68 @@ def _compile(name: str, build_dir: Path):
     )
 
 
-def _build() -> ModuleType:
-    name = _extension_name(_compiler())
-    build_dir = _build_root() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    lock = _acquire_build_lock(build_dir, BUILD_WAIT_S)
+def _import_extension(name: str, path: Path) -> ModuleType:
+    """Import a built extension module from its file (as torch's loader does)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not an extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load_finished(name: str, build_dir: Path, content: str) -> ModuleType | None:
+    """The module of a finished build of exactly these sources, or None.
+
+    Loaded without torch's build step: ninja decides by file times, so a source
+    whose time moved but whose content did not (a checkout, an editor saving
+    unchanged text) would cost a whole rebuild; the folder's name and its
+    `raylm.built` mark already say the binary is up to date.
+    """
     try:
-        if not any(build_dir.glob("*.so")):
-            # Said at warning level: the CLI's default log level would otherwise
-            # leave a first run silent for the minute the compiler takes.
-            logger.warning(
-                "raylm: building the CPU kernels (first run on this machine, ~1 min) in %s", build_dir
-            )
-        started = time.perf_counter()
-        module = _compile(name, build_dir)
-    finally:
-        _release_build_lock(lock)
-    logger.info("CPU kernels ready (%s, %.1fs)", name, time.perf_counter() - started)
+        if (build_dir / _BUILT_NAME).read_text() != content:
+            return None
+        return _import_extension(name, build_dir / f"{name}.so")
+    except (OSError, ImportError) as e:  # no mark yet, or a binary that does not load: build
+        if not isinstance(e, FileNotFoundError):
+            logger.info("the CPU kernel build in %s does not load (%s); running torch's build step", build_dir, e)
+        return None
+
+
+def _mark_finished(build_dir: Path, content: str) -> None:
+    if _content_digest() != content:
+        # A source was edited while it compiled: the binary may be of either
+        # version, so let the next process run torch's build step again.
+        logger.info("CPU kernel sources changed during the build in %s; not marking it finished", build_dir)
+        return
+    partial = build_dir / f"{_BUILT_NAME}.{os.getpid()}"
+    partial.write_text(content)
+    partial.replace(build_dir / _BUILT_NAME)  # atomic: a reader sees no mark or the whole one
+
+
+def _build() -> ModuleType:
+    content = _content_digest()
+    name = _extension_name(_compiler(), content)
+    build_dir = _build_root() / name
+    started = time.perf_counter()
+    module = _load_finished(name, build_dir, content)
+    if module is None:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        lock = _acquire_build_lock(build_dir, BUILD_WAIT_S)
+        try:
+            module = _load_finished(name, build_dir, content)  # finished while we waited
+            if module is None:
+                if not any(build_dir.glob("*.so")):
+                    # Said at warning level: the CLI's default log level would otherwise
+                    # leave a first run silent for the minute the compiler takes.
+                    logger.warning(
+                        "raylm: building the CPU kernels (first run on this machine, ~1 min) in %s", build_dir
+                    )
+                module = _compile(name, build_dir)
+                _mark_finished(build_dir, content)
+        finally:
+            _release_build_lock(lock)
+    logger.info("CPU kernels ready (%s, %.1fs)", build_dir, time.perf_counter() - started)
     return module
 
 
