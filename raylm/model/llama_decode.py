@@ -11,6 +11,8 @@ the bit; otherwise LlamaModel runs its modules as usual.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -20,8 +22,10 @@ from raylm.model.layers import cpu_gemm
 from raylm.model.layers.cpu_kernels import get_cpu_kernels
 from raylm.model.layers.linear import LinearBase
 
-# Tests turn it off to compare against the per-module path.
-ENABLED = True
+# RAYLM_FUSED_DECODE=0 runs every step module by module (to compare, or to
+# rule this path out when chasing a problem). Worker processes read it too.
+FUSED_DECODE_ENV = "RAYLM_FUSED_DECODE"
+ENABLED = os.environ.get(FUSED_DECODE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _decode_layout(linear: LinearBase) -> torch.Tensor | None:

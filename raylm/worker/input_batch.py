@@ -67,6 +67,8 @@ def prepare_batch(
     slot_mapping: list[np.ndarray] = []
     batch = PreparedBatch(None, None, None, order, [num_scheduled_tokens[r] for r in order])  # type: ignore[arg-type]
 
+    decode_positions: list[int] = []
+    decode_slots: list[int] = []
     decode_ctx_lens = []
     decode_tables = []
     prefills: list[PrefillSeq] = []
@@ -77,18 +79,23 @@ def prepare_batch(
         start = state.num_computed_tokens
         end = start + n
         input_ids.extend(state.token_ids[start:end])
-        pos = np.arange(start, end, dtype=np.int64)
-        positions.append(pos)
-        slot_mapping.append(_slots(state.block_ids, pos, block_size))
         if idx < num_decodes:
+            # One token: its position and slot in plain integers (decodes are
+            # most steps' only work, and arrays per request cost more than it).
+            decode_positions.append(start)
+            decode_slots.append(state.block_ids[start // block_size] * block_size + start % block_size)
             decode_ctx_lens.append(end)
             decode_tables.append(state.block_ids)
-        elif start == 0:
-            prefills.append(PrefillSeq(offset, offset + n))
         else:
-            ctx_pos = np.arange(0, end, dtype=np.int64)
-            ctx_slots = torch.from_numpy(_slots(state.block_ids, ctx_pos, block_size)).to(device)
-            prefills.append(PrefillSeq(offset, offset + n, ctx_slots, num_context=start))
+            pos = np.arange(start, end, dtype=np.int64)
+            positions.append(pos)
+            slot_mapping.append(_slots(state.block_ids, pos, block_size))
+            if start == 0:
+                prefills.append(PrefillSeq(offset, offset + n))
+            else:
+                ctx_pos = np.arange(0, end, dtype=np.int64)
+                ctx_slots = torch.from_numpy(_slots(state.block_ids, ctx_pos, block_size)).to(device)
+                prefills.append(PrefillSeq(offset, offset + n, ctx_slots, num_context=start))
         if end == len(state.token_ids):
             batch.sample_req_ids.append(rid)
             batch.sample_indices.append(offset + n - 1)
@@ -104,6 +111,9 @@ def prepare_batch(
             batch.prompt_logprob_rows[rid] = (rows, targets)
         offset += n
 
+    # Decodes come first in the flat order.
+    positions.insert(0, np.asarray(decode_positions, dtype=np.int64))
+    slot_mapping.insert(0, np.asarray(decode_slots, dtype=np.int64))
     meta = AttentionMetadata(
         slot_mapping=torch.from_numpy(np.concatenate(slot_mapping)).to(device),
         num_decode_tokens=num_decodes,

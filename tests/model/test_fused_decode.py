@@ -31,12 +31,13 @@ class _CountingKernels:
         return self._kernels.decode_layers(*args)
 
 
-def _generate(model, prompts, max_tokens):
+def _generate(model, prompts, max_tokens, **engine_args):
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in max_tokens
     ]
-    with LLM(str(model), dtype="bfloat16", kv_cache_memory_bytes=16 << 20, distributed_executor_backend="uni",
-             enable_prefix_caching=False) as llm:
+    engine_args.setdefault("distributed_executor_backend", "uni")
+    with LLM(str(model), dtype="bfloat16", kv_cache_memory_bytes=16 << 20, enable_prefix_caching=False,
+             **engine_args) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
@@ -62,3 +63,19 @@ def test_fused_decode_equals_module_path(arch, tmp_path, monkeypatch):
     modules = _generate(model, prompts, max_tokens)
     assert counting.calls == 0
     assert fused == modules
+
+
+@pytest.mark.slow
+def test_fused_decode_on_pipeline_stages(tmp_path, monkeypatch):
+    """PP=2 on mp: the second stage enters decode_layers with the first
+    stage's residual; both stages' workers read RAYLM_FUSED_DECODE."""
+    assert get_cpu_kernels() is not None
+    model = make_tiny_model("qwen3", tmp_path / "m", seed=5, dtype=torch.bfloat16, num_hidden_layers=4)
+    prompts = [[5, 9, 11], [7] * 12]
+    pp = dict(pipeline_parallel_size=2, distributed_executor_backend="mp")
+    fused = _generate(model, prompts, [10, 14], **pp)
+    monkeypatch.setenv(llama_decode.FUSED_DECODE_ENV, "0")
+    modules = _generate(model, prompts, [10, 14], **pp)
+    assert fused == modules
+    # And one stage, module by module, computes the same.
+    assert _generate(model, prompts, [10, 14]) == modules
