@@ -219,7 +219,8 @@ def run_vllm(job: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     raise RuntimeError(f"vLLM child exited with code {proc.returncode} and no result:\n{log_tail}")
 
 
-def _mean_and_spread(values: list[float]) -> tuple[float, float]:
+def mean_and_spread(values: list[float]) -> tuple[float, float]:
+    """(mean, (max - min) / mean): how each row of these comparisons is reported."""
     mean = statistics.mean(values)
     return mean, (max(values) - min(values)) / mean if mean else float("nan")
 
@@ -232,7 +233,7 @@ def summarise(name: str, results: list[dict[str, Any]], job: dict[str, Any]) -> 
                                          for r in results]
     if job["latency_prompt"]:
         per_round["latency_s"] = [statistics.mean(r["latency"]["times_s"]) for r in results]
-    summary = {key: dict(zip(("mean", "spread"), _mean_and_spread(values)), rounds=values)
+    summary = {key: dict(zip(("mean", "spread"), mean_and_spread(values)), rounds=values)
                for key, values in per_round.items()}
     # Each round too: a spread is easier to read knowing whether one round or all were off.
     logger.info("%s: %s", name, {k: [round(x, 3) for x in v["rounds"]] for k, v in summary.items()})
