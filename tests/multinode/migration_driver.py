@@ -44,6 +44,9 @@ def main(spec: dict) -> dict:
         node_ips = {i: c.node_ip for i, c in supervisor.channels.items()}
         resubmitted = []  # requests recomputed (sent again): none should be
         abandoned = []  # why a migration was given up, if one was
+        events = []  # each ended migration as the supervisor measured it (downtime, bytes)
+        take_events = supervisor.take_migration_events
+        supervisor.take_migration_events = lambda: [events.append(e) or e for e in take_events()]
         end_migration = supervisor._end_migration
         supervisor._end_migration = lambda m, ok, why="", **kw: (
             abandoned.append(why) if not ok else None, end_migration(m, ok, why, **kw))
@@ -71,6 +74,8 @@ def main(spec: dict) -> dict:
             "moved": moved,
             "migration_counts": supervisor.migration_counts,
             "abandoned": abandoned,
+            "events": [{"ok": e.ok, "downtime_s": e.downtime_s, "seconds": e.seconds, "num_bytes": e.num_bytes}
+                       for e in events],
             "recomputed": resubmitted,
             "replica_restarts": supervisor.restart_budget.num_restarts,
             "preemptions": supervisor.aggregate_stats().num_preemptions,

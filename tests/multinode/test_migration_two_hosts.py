@@ -25,6 +25,9 @@ def test_requests_migrated_between_hosts_mid_decode_equal_hugging_face(hosts, ti
     assert all(m["network"] and m["host"] == result["node_ips"][str(1 - m["to"])] for m in moved.values()), moved
     assert result["abandoned"] == []
     assert result["migration_counts"] == {"migrated": len(moved), "abandoned": 0}
+    print("migrations across hosts:", result["events"])  # shown with -s: the pause per move
+    # Each move's pause was measured (the source's last token to the destination's first).
+    assert len(result["events"]) == len(moved) and all(e["ok"] and e["num_bytes"] > 0 for e in result["events"])
     assert result["recomputed"] == [] and result["replica_restarts"] == 0 and result["preemptions"] == 0
     assert result["kv_in_use"] == {"0": 0.0, "1": 0.0}
     assert result["token_ids"] == [r.token_ids for r in hf_greedy(model, PROMPTS, MAX_TOKENS)]
