@@ -139,3 +139,60 @@ def test_float32_layers_stay_plain():
     layer = ColumnParallelLinear(32, 16)
     layer.pack_weights()
     assert layer.packed_weight is None and layer.weight.shape == (16, 32)
+
+
+@pytest.mark.parametrize("out_features,in_features", [(16, 4), (33, 7), (100, 64), (1000, 2816)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_kernel_equals_dequantized_product(kernels, out_features, in_features, rows, dtype):
+    """int8 weights, one scale per row: the float matmul on the dequantized weight."""
+    g = torch.Generator().manual_seed(out_features + in_features + rows)
+    q = torch.randint(-127, 128, (out_features, in_features), generator=g, dtype=torch.int8)
+    scales = torch.rand(out_features, generator=g) * 0.01
+    bias = torch.randn(out_features, generator=g)
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    packed = kernels.int8_pack(q)
+    assert packed.shape == ((out_features + 15) // 16, (in_features + 3) // 4, 4, 16)
+    dequantized = q.double() * scales.double()[:, None]
+    for b in (None, bias):
+        y = kernels.int8_linear(x, packed, scales, out_features, b)
+        assert y.dtype == dtype and y.shape == (rows, out_features)
+        ref, magnitude = _reference(x, dequantized, b)
+        if dtype == torch.bfloat16:
+            _assert_rounded_product(y, ref, magnitude)
+        else:
+            assert torch.all((y.double() - ref).abs() <= magnitude * 2.0**-20)
+
+
+def test_int8_layers_use_the_kernel_for_few_rows(kernels):
+    """Through quant_kernels: decode rows go through int8_linear, more through
+    aten's kernel, and both compute the dequantized matmul."""
+    from raylm.model.layers import quant_kernels
+    from raylm.model.quantization import QuantizedWeight
+    from raylm.model.quantization.qtypes import quant_type
+
+    g = torch.Generator().manual_seed(7)
+    q = torch.randint(-127, 128, (48, 64), generator=g, dtype=torch.int8)
+    scales = torch.rand(48, generator=g) * 0.01
+    weight = QuantizedWeight(quant_type("INT8"), q, 64, scales=scales)
+    kernel = quant_kernels.kernel_for("INT8", torch.device("cpu"), torch.float32)
+    state = kernel.prepare(weight)
+    counting = _CountingInt8(kernels)
+    state = (*state[:2], counting, *state[3:])
+    dequantized = q.double() * scales.double()[:, None]
+    for rows in (1, quant_kernels.INT8_KERNEL_MAX_ROWS, quant_kernels.INT8_KERNEL_MAX_ROWS + 3):
+        x = torch.randn(rows, 64, generator=g)
+        counting.calls.clear()
+        y = kernel.linear(x, state)
+        ref, magnitude = _reference(x, dequantized)
+        assert torch.all((y.double() - ref).abs() <= magnitude * 2.0**-16)
+        assert counting.calls == ([rows] if rows <= quant_kernels.INT8_KERNEL_MAX_ROWS else [])
+
+
+class _CountingInt8:
+    def __init__(self, kernels):
+        self._kernels, self.calls = kernels, []
+
+    def int8_linear(self, *args):
+        self.calls.append(args[0].shape[0])
+        return self._kernels.int8_linear(*args)

@@ -1,9 +1,9 @@
 """Builds and loads raylm's C++ CPU kernels at first use: paged decode
 attention (csrc/paged_decode_attention.cpp), the fused elementwise ops of
 the Llama block (csrc/elementwise_ops.cpp), matmuls on GGUF-quantized
-weights (csrc/quant_gemm.cpp) and on packed bfloat16 weights for decode
-(csrc/bf16_gemm.cpp), and a decode step's decoder layers in one call
-(csrc/decode_layers.cpp): one extension module.
+weights (csrc/quant_gemm.cpp), on packed bfloat16 and int8 weights for
+decode (csrc/bf16_gemm.cpp, csrc/int8_gemm.cpp), and a decode step's decoder
+layers in one call (csrc/decode_layers.cpp): one extension module.
 
 The module is compiled once per machine and environment with torch's JIT
 extension builder; when it cannot be built (no compiler, a compile error,
@@ -49,7 +49,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = tuple(
     _CSRC / name
     for name in ("bindings.cpp", "paged_decode_attention.cpp", "elementwise_ops.cpp", "quant_gemm.cpp", "bf16_gemm.cpp",
-                 "decode_layers.cpp")
+                 "int8_gemm.cpp", "decode_layers.cpp")
 )
 # Headers the sources include: part of the build's identity too.
 _HEADERS = (_CSRC / "fast_exp.h",)

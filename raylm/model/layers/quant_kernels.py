@@ -31,15 +31,27 @@ class QuantKernel:
     linear: Callable[[torch.Tensor, Any], torch.Tensor]
 
 
+# Up to this many activation rows (decode), raylm's packed int8 kernel runs
+# (csrc/int8_gemm.cpp: one stream through the weight, ~2x aten's kernel at
+# one row here); from there on, aten's.
+INT8_KERNEL_MAX_ROWS = 4
+
+
 def _int8_prepare(weight: QuantizedWeight, dtype: torch.dtype):
-    return weight.data.contiguous(), weight.scales.to(dtype).contiguous()
+    data = weight.data.contiguous()
+    module = get_cpu_kernels()
+    packed = None if module is None else module.int8_pack(data)
+    return data, weight.scales.to(dtype).contiguous(), module, packed, weight.scales.float().contiguous()
 
 
 def _int8_linear(x: torch.Tensor, state) -> torch.Tensor:
-    data, scales = state
+    data, scales, module, packed, scales_f32 = state
     flat = x.reshape(-1, x.shape[-1])
-    # aten's weight-only int8 matmul (oneDNN/AVX-512 on CPU): int8 weights widened in registers.
-    y = torch.ops.aten._weight_int8pack_mm(flat.contiguous(), data, scales)
+    if packed is not None and flat.shape[0] <= INT8_KERNEL_MAX_ROWS:
+        y = module.int8_linear(flat, packed, scales_f32, data.shape[0])
+    else:
+        # aten's weight-only int8 matmul (oneDNN/AVX-512 on CPU): int8 weights widened in registers.
+        y = torch.ops.aten._weight_int8pack_mm(flat.contiguous(), data, scales)
     return y.reshape(*x.shape[:-1], data.shape[0])
 
 

@@ -19,6 +19,9 @@ at::Tensor quant_dequantize(const at::Tensor& weight, int64_t qtype, int64_t K, 
 at::Tensor bf16_pack(const at::Tensor& weight);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                        const c10::optional<at::Tensor>& bias);
+at::Tensor int8_pack(const at::Tensor& weight);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       int64_t out_features, const c10::optional<at::Tensor>& bias);
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     at::Tensor hidden, at::Tensor residual, const at::Tensor& positions, const at::Tensor& slot_mapping,
     const at::Tensor& block_table, const at::Tensor& context_lens, const at::Tensor& cos_cache,
@@ -43,6 +46,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_pack", &bf16_pack, "a [out, in] bfloat16 weight in bf16_linear's tile layout", py::arg("weight"));
   m.def("bf16_linear", &bf16_linear, "x @ W^T (+ bias) for few rows of x, W packed by bf16_pack", py::arg("x"),
         py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());
+  m.def("int8_pack", &int8_pack, "a [out, in] int8 weight in int8_linear's tile layout", py::arg("weight"));
+  m.def("int8_linear", &int8_linear, "x @ (scales * Q)^T (+ bias) for few rows of x, Q packed by int8_pack",
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("out_features"), py::arg("bias") = py::none());
   m.def("decode_layers", &decode_layers, "the decoder layers of a Llama-family model for a decode step",
         py::arg("hidden"), py::arg("residual"), py::arg("positions"), py::arg("slot_mapping"),
         py::arg("block_table"), py::arg("context_lens"), py::arg("cos_cache"), py::arg("sin_cache"),
