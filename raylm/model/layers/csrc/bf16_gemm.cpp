@@ -26,6 +26,9 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include "kernels.h"
+#include "tiled_gemm.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -257,32 +260,19 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   uint16_t* y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float* bias_p = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
 
-  // Threads split the tiles in groups of 4 (the widest a kernel takes), so
-  // each thread streams one contiguous range of the packed weight.
-  constexpr int64_t kGroup = 4;
-  const int64_t groups = (tiles + kGroup - 1) / kGroup;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t group_end = std::min(tiles, (g + 1) * kGroup);
-      for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
-        const int64_t block_rows = std::min(kMaxRows, rows - m0);
-        for (int64_t t = g * kGroup; t < group_end;) {
-          const int64_t n_tiles = std::min(preferred_tiles(block_rows), group_end - t);
-          Block b;
-          b.pairs = pairs;
-          b.tile = w + t * tile_stride;
-          b.tile_stride = tile_stride;
-          b.bias = bias_p ? bias_p + t * kTileCols : nullptr;
-          b.cols = out_features - t * kTileCols;
-          for (int64_t m = 0; m < block_rows; ++m) {
-            b.x[m] = x_pairs + (m0 + m) * x_row_pairs;
-            b.out[m] = y + (m0 + m) * out_features + t * kTileCols;
-          }
-          kernel_for(block_rows, n_tiles)(b);
-          t += n_tiles;
-        }
-      }
+  raylm::for_each_tile_block(rows, tiles, kMaxRows, preferred_tiles, [&](int64_t m0, int64_t block_rows, int64_t t,
+                                                                            int64_t n_tiles) {
+    Block b;
+    b.pairs = pairs;
+    b.tile = w + t * tile_stride;
+    b.tile_stride = tile_stride;
+    b.bias = bias_p ? bias_p + t * kTileCols : nullptr;
+    b.cols = out_features - t * kTileCols;
+    for (int64_t m = 0; m < block_rows; ++m) {
+      b.x[m] = x_pairs + (m0 + m) * x_row_pairs;
+      b.out[m] = y + (m0 + m) * out_features + t * kTileCols;
     }
+    kernel_for(block_rows, n_tiles)(b);
   });
   return out;
 }

@@ -8,22 +8,7 @@
 // Serves a step whose tokens are all decodes (one per request), few enough for
 // the bf16 matmul kernel, on one tensor-parallel rank. llama.py decides.
 
-#include <torch/extension.h>
-
-#include <tuple>
-#include <vector>
-
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                        const at::Tensor& context_lens, double scale);
-at::Tensor silu_and_mul(const at::Tensor& gate_up);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                const at::Tensor& weight, double eps);
-std::tuple<at::Tensor, at::Tensor> rotary_neox(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
-                                               const at::Tensor& cos_cache, const at::Tensor& sin_cache,
-                                               int64_t head_dim);
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                       const c10::optional<at::Tensor>& bias);
+#include "kernels.h"
 
 namespace {
 

@@ -17,6 +17,9 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include "kernels.h"
+#include "tiled_gemm.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -117,13 +120,13 @@ KernelFn kernel_with_tiles(int64_t tiles) {
 KernelFn kernel_for(int64_t rows, int64_t tiles) {
   switch (rows) {
     case 1: return kernel_with_tiles<1>(tiles);
-    case 2: return kernel_with_tiles<2>(std::min<int64_t>(tiles, 2));
-    case 3: return kernel_with_tiles<3>(std::min<int64_t>(tiles, 2));
-    case 4: return kernel_with_tiles<4>(std::min<int64_t>(tiles, 2));
-    case 5: return kernel_with_tiles<5>(std::min<int64_t>(tiles, 2));
-    case 6: return kernel_with_tiles<6>(std::min<int64_t>(tiles, 2));
-    case 7: return kernel_with_tiles<7>(std::min<int64_t>(tiles, 2));
-    default: return kernel_with_tiles<8>(std::min<int64_t>(tiles, 2));
+    case 2: return kernel_with_tiles<2>(tiles);
+    case 3: return kernel_with_tiles<3>(tiles);
+    case 4: return kernel_with_tiles<4>(tiles);
+    case 5: return kernel_with_tiles<5>(tiles);
+    case 6: return kernel_with_tiles<6>(tiles);
+    case 7: return kernel_with_tiles<7>(tiles);
+    default: return kernel_with_tiles<8>(tiles);
   }
 }
 
@@ -183,31 +186,20 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   float* y = out.data_ptr<float>();
   const float* sp = scales_f.data_ptr<float>();
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  constexpr int64_t kGroup = 4;
-  const int64_t groups = (tiles + kGroup - 1) / kGroup;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t group_end = std::min(tiles, (g + 1) * kGroup);
-      for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
-        const int64_t block_rows = std::min(kMaxRows, rows - m0);
-        for (int64_t t = g * kGroup; t < group_end;) {
-          const int64_t n_tiles = std::min(preferred_tiles(block_rows), group_end - t);
-          Block b;
-          b.quads = quads;
-          b.tile = w + t * tile_stride;
-          b.tile_stride = tile_stride;
-          b.scales = sp + t * kTileCols;
-          b.bias = bp ? bp + t * kTileCols : nullptr;
-          b.cols = out_features - t * kTileCols;
-          for (int64_t m = 0; m < block_rows; ++m) {
-            b.x[m] = xp + (m0 + m) * quads * kQuad;
-            b.out[m] = y + (m0 + m) * out_features + t * kTileCols;
-          }
-          kernel_for(block_rows, n_tiles)(b);
-          t += n_tiles;
-        }
-      }
+  raylm::for_each_tile_block(rows, tiles, kMaxRows, preferred_tiles, [&](int64_t m0, int64_t block_rows, int64_t t,
+                                                                            int64_t n_tiles) {
+    Block b;
+    b.quads = quads;
+    b.tile = w + t * tile_stride;
+    b.tile_stride = tile_stride;
+    b.scales = sp + t * kTileCols;
+    b.bias = bp ? bp + t * kTileCols : nullptr;
+    b.cols = out_features - t * kTileCols;
+    for (int64_t m = 0; m < block_rows; ++m) {
+      b.x[m] = xp + (m0 + m) * quads * kQuad;
+      b.out[m] = y + (m0 + m) * out_features + t * kTileCols;
     }
+    kernel_for(block_rows, n_tiles)(b);
   });
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }

@@ -1,0 +1,32 @@
+// The entry points of raylm's CPU kernels, one extension module (see
+// cpu_kernels.py): declared once here for the bindings and for the kernels
+// that call each other (decode_layers.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <tuple>
+#include <vector>
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                        const at::Tensor& context_lens, double scale);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> rotary_neox(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+                                               int64_t head_dim);
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype);
+at::Tensor quant_dequantize(const at::Tensor& weight, int64_t qtype, int64_t K, at::ScalarType dtype);
+at::Tensor bf16_pack(const at::Tensor& weight);
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                       const c10::optional<at::Tensor>& bias);
+at::Tensor int8_pack(const at::Tensor& weight);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       int64_t out_features, const c10::optional<at::Tensor>& bias);
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    at::Tensor hidden, at::Tensor residual, const at::Tensor& positions, const at::Tensor& slot_mapping,
+    const at::Tensor& block_table, const at::Tensor& context_lens, const at::Tensor& cos_cache,
+    const at::Tensor& sin_cache, const std::vector<at::Tensor>& params, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t hidden_size, int64_t intermediate_size, double eps, double scale);
