@@ -1,0 +1,55 @@
+"""Attention over a sequence whose keys are split into shards, merged exactly.
+
+The building block of context parallelism (issue 26): when the K/V of a
+sequence is spread over the ranks of a context-parallel group, each rank
+attends over its own shard and returns its partial output together with the
+log-sum-exp (LSE) of its scores. Softmax over all keys is then recovered
+exactly, without any rank seeing the others' keys:
+
+    out = sum_i exp(lse_i - lse) * out_i,   lse = log(sum_i exp(lse_i))
+
+A shard with no key a query may attend to (an empty shard, or keys all in the
+query's future) has out_i = 0 and lse_i = -inf and so weighs nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def partial_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [T, H, D] over one shard's k/v [S, KVH, D] (GQA: H a multiple of KVH).
+
+    mask [T, S] bool (True = may attend) or None (all). Returns (out [T, H, D] in
+    q's dtype, lse [T, H] float32); rows with nothing to attend give out 0, lse -inf.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[1]
+    if k.shape[0] == 0:
+        return q.new_zeros(q.shape), torch.full((num_tokens, num_heads), float("-inf"), device=q.device)
+    # [H, T, S] scores in float32, each query head against its kv head.
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(q.float().transpose(0, 1), kf.transpose(1, 2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [H, T]
+    empty = torch.isinf(lse)
+    probs = torch.exp(scores - torch.where(empty, 0.0, lse).unsqueeze(-1))
+    out = torch.matmul(probs, vf)  # [H, T, D]; a row of an empty shard is all zeros
+    return out.transpose(0, 1).to(q.dtype), lse.transpose(0, 1)
+
+
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """outs [shards, T, H, D], lses [shards, T, H] -> the attention over all shards [T, H, D].
+
+    Exact up to float rounding; a query no shard has a key for gets zeros.
+    """
+    total = torch.logsumexp(lses, dim=0)  # [T, H]
+    nothing = torch.isinf(total)
+    weights = torch.exp(lses - torch.where(nothing, 0.0, total).unsqueeze(0))  # [shards, T, H]
+    weights = torch.where(torch.isinf(lses), 0.0, weights)
+    merged = (weights.unsqueeze(-1) * outs.float()).sum(dim=0)
+    return merged.to(outs.dtype)
