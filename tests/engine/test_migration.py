@@ -153,11 +153,15 @@ def test_rebalancing_moves_requests_to_a_replica_that_emptied(model):
     """Round-robin routing gives each core half the requests; core 1's are
     short, core 0's long: once core 1 is empty, rebalancing moves half of
     core 0's to it (never a pinned one), and each still equals HF's."""
-    long_params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+    # Long enough (in steps) that the rebalancer's moves, each several steps of
+    # overlapped pre-copy, end before the requests do on a fast or a slow machine
+    # (300 tokens were not: in one CI run every request finished first).
+    long_tokens = 900
+    long_params = SamplingParams(temperature=0, max_tokens=long_tokens, ignore_eos=True)
     short_params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     prompts = PROMPTS[:8]
     params = [long_params if i % 2 == 0 else short_params for i in range(len(prompts))]
-    expected_long = hf_greedy(model, prompts[0::2], 300)
+    expected_long = hf_greedy(model, prompts[0::2], long_tokens)
     before = _children()
     with LLM(model, dtype="float32", data_parallel_size=2, data_parallel_backend="mp", num_threads=1,
              kv_cache_memory_bytes=16 << 20, data_parallel_rebalance=True) as llm:
