@@ -29,34 +29,10 @@ import tempfile
 from raylm import LLM, SamplingParams
 from raylm.config.engine_config import DEFAULT_MODEL_DIR
 from raylm.testing.gguf_writer import write_gguf
+from raylm.testing.held_out import HELD_OUT, q4_k_m
 
-# The Tempest, Epilogue (public domain); the passage of tests/model/test_quant_quality.py,
-# twice, so that llama-perplexity (which needs two chunks' worth of tokens) scores it.
-TEXT = """Now my charms are all o'erthrown,
-And what strength I have's mine own,
-Which is most faint: now, 'tis true,
-I must be here confined by you,
-Or sent to Naples. Let me not,
-Since I have my dukedom got
-And pardon'd the deceiver, dwell
-In this bare island by your spell;
-But release me from my bands
-With the help of your good hands:
-Gentle breath of yours my sails
-Must fill, or else my project fails,
-Which was to please. Now I want
-Spirits to enforce, art to enchant,
-And my ending is despair,
-Unless I be relieved by prayer,
-Which pierces so that it assaults
-Mercy itself and frees all faults.
-As you from crimes would pardon'd be,
-Let your indulgence set me free.
-"""
-
-
-def q4_k_m(name: str, shape) -> str:
-    return "Q6_K" if name.endswith(("attn_v.weight", "ffn_down.weight", "output.weight")) else "Q4_K"
+# llama-perplexity needs two chunks' worth of tokens: the passage twice.
+TEXT = HELD_OUT * 2
 
 
 def raylm_perplexity(path: str, text: str, ctx: int) -> tuple[float, int]:
@@ -98,7 +74,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         text_file = f"{tmp}/text.txt"
-        pathlib.Path(text_file).write_text(TEXT * 2)
+        pathlib.Path(text_file).write_text(TEXT)
         print("| file | raylm PPL | llama-perplexity PPL | raylm / llama.cpp | scored tokens |")
         print("|---|---|---|---|---|")
         variants = ("F32", "Q8_0", "Q4_K_M")
@@ -111,7 +87,7 @@ def main() -> None:
         theirs = {v: llamacpp_perplexity(args.llamacpp_bin / "llama-perplexity", p, text_file, args.ctx)
                   for v, p in paths.items()}
         for variant, path in paths.items():
-            ours, count = raylm_perplexity(path, TEXT * 2, args.ctx)
+            ours, count = raylm_perplexity(path, TEXT, args.ctx)
             other = theirs[variant]
             if isinstance(other, str):
                 print(f"| {variant} | {ours:.4f} | {other} | | {count} |", flush=True)

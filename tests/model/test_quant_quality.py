@@ -14,34 +14,7 @@ import pytest
 from raylm import LLM, SamplingParams
 from raylm.config.engine_config import DEFAULT_MODEL_DIR
 from raylm.testing.gguf_writer import write_gguf
-
-# The Tempest, Epilogue (public domain).
-HELD_OUT = """Now my charms are all o'erthrown,
-And what strength I have's mine own,
-Which is most faint: now, 'tis true,
-I must be here confined by you,
-Or sent to Naples. Let me not,
-Since I have my dukedom got
-And pardon'd the deceiver, dwell
-In this bare island by your spell;
-But release me from my bands
-With the help of your good hands:
-Gentle breath of yours my sails
-Must fill, or else my project fails,
-Which was to please. Now I want
-Spirits to enforce, art to enchant,
-And my ending is despair,
-Unless I be relieved by prayer,
-Which pierces so that it assaults
-Mercy itself and frees all faults.
-As you from crimes would pardon'd be,
-Let your indulgence set me free.
-"""
-
-
-def q4_k_m(name: str, shape) -> str:
-    return "Q6_K" if name.endswith(("attn_v.weight", "ffn_down.weight", "output.weight")) else "Q4_K"
-
+from raylm.testing.held_out import HELD_OUT, q4_k_m
 
 def perplexity(model: str) -> float:
     with LLM(model, dtype="bfloat16", num_threads=1, kv_cache_memory_bytes=16 << 20) as llm:
