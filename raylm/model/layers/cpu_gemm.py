@@ -61,12 +61,6 @@ def _pack_onednn(weight: torch.Tensor, expected_rows: int = 64) -> torch.Tensor 
         return None
 
 
-def _pack_rows_kernel(weight: torch.Tensor) -> torch.Tensor | None:
-    """raylm's decode layout of a [out, in] weight, or None without the kernels."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
-        return None
-    kernels = get_cpu_kernels()
-    return None if kernels is None else kernels.bf16_pack(weight)
 
 
 class PackedWeight:
@@ -81,8 +75,10 @@ class PackedWeight:
         self.out_features = weight.shape[0]
         self._onednn = _pack_onednn(weight)
         self._plain = weight if self._onednn is None else None
-        self._small = _pack_rows_kernel(weight)
-        self._kernels = get_cpu_kernels() if self._small is not None else None
+        # raylm's decode layout, where its kernels are built.
+        kernels = get_cpu_kernels() if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 else None
+        self._kernels = kernels
+        self._small = None if kernels is None else kernels.bf16_pack(weight)
 
     @property
     def decode_layout(self) -> torch.Tensor | None:
