@@ -12,9 +12,11 @@ from ctx/2 to ctx-2). raylm computes the same with prompt logprobs.
 
   python benchmarks/perplexity_llamacpp.py --llamacpp-bin /tmp/peer-llamacpp/bin
 
-A llama.cpp build that crashes on a type (as the one install.sh built here did on Q8_0 and
-Q4_K files: SIGILL, most likely its AMX int8 path, which this VM's CPU flags announce) is
-reported in its row rather than stopping the run.
+llama-perplexity runs with --no-repack: on this VM the build that install.sh makes dies with
+SIGILL on Q8_0 and Q4_K files otherwise (gdb: inside ggml_backend_amx_mul_mat; the CPU flags
+announce AMX int8, which the VM traps). Without repacking, llama.cpp multiplies the blocks as
+the file stores them, which changes its speed, not its arithmetic's precision class. A build
+that still crashes on a type is reported in its row rather than stopping the run.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def llamacpp_perplexity(binary: pathlib.Path, path: str, text_file: str, ctx: in
     """llama-perplexity's final estimate, or why there is none (a crash is reported, not raised:
     a build may lack a kernel for a type, e.g. one this machine's CPU flags promise but the VM traps)."""
     out = subprocess.run(
-        [str(binary), "-m", path, "-f", text_file, "-c", str(ctx), "-b", str(ctx), "-t", "1"],
+        [str(binary), "-m", path, "-f", text_file, "-c", str(ctx), "-b", str(ctx), "-t", "1", "--no-repack"],
         capture_output=True, text=True, timeout=600,
     )
     match = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)

@@ -92,6 +92,28 @@ def test_gguf_tp2_on_ray_matches_the_dequantized_model(ray_session, tiny_model_d
     assert _generate(str(path), distributed_executor_backend="ray") == _expected(reference)
 
 
+# Pipeline stages load only their own layers' blocks (the embedding on the
+# first, the norm and head on the last); greedy tokens cross the stage boundary.
+PIPELINE = dict(tensor_parallel_size=1, pipeline_parallel_size=2)
+
+
+@pytest.mark.parametrize("backend", ["mp", pytest.param("ray", marks=pytest.mark.ray)])
+def test_gguf_pp2_matches_the_dequantized_model(backend, request, tiny_model_dir, tmp_path, monkeypatch):
+    if backend == "ray":
+        request.getfixturevalue("ray_session")
+    monkeypatch.setenv("RAYLM_GGUF_CACHE", str(tmp_path / "cache"))
+    folder = tiny_model_dir("llama", **WIDE)
+    path = write_gguf(folder, tmp_path / "m.gguf", tensor_type=q4_k_m)
+    reference = write_dequantized_reference(folder, tmp_path / "reference", tensor_type=q4_k_m)
+    assert _generate(str(path), distributed_executor_backend=backend, **PIPELINE) == _expected(reference)
+
+
+def test_int8_pp2_on_processes_matches_the_dequantized_model(tiny_model_dir, tmp_path):
+    folder = tiny_model_dir("qwen2")
+    reference = write_int8_reference(folder, tmp_path / "reference")
+    assert _generate(folder, distributed_executor_backend="mp", quantization="int8", **PIPELINE) == _expected(reference)
+
+
 def test_gguf_data_parallel_replicas_on_processes(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("RAYLM_GGUF_CACHE", str(tmp_path / "cache"))
     folder = tiny_model_dir("llama", **NARROW)
