@@ -152,6 +152,10 @@ class EngineArgs:
     tensor_parallel_size: int = _parallel(1, "split every layer across N workers", short="-tp", metavar="N")
     pipeline_parallel_size: int = _parallel(
         1, "split the layers into N consecutive stages", short="-pp", metavar="N")
+    context_parallel_size: int = _parallel(
+        1, "shard every sequence's KV cache across N workers (each holds 1/N of it; attention is merged exactly "
+        "across them), so a CP group holds N times one worker's KV cache; with -tp, N x TP workers", short="-cp",
+        metavar="N")
     # A program may pass an Executor subclass instead of a name.
     distributed_executor_backend: str | type | None = _parallel(
         None, "how workers run: uni (in this process), mp (local processes), ray (Ray actors, local or on a "

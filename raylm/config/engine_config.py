@@ -123,6 +123,9 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Context parallelism: each sequence's KV cache sharded across this many
+    # ranks (DESIGN.md's pp x cp x tp layout; raylm.model.layers.attention).
+    context_parallel_size: int = 1
     distributed_executor_backend: str | type | None = None
     ray_address: str | None = None
     ray_placement_strategy: str = "PACK"
@@ -149,7 +152,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
 
 
 @dataclass
@@ -316,6 +319,26 @@ def _resolve_quantization(quantization: str | None, is_gguf: bool) -> str | None
     return method
 
 
+def _check_context_parallel(args: Any, device: str, data_parallel_size: int, autoscale) -> None:
+    """What context parallelism cannot be combined with yet, refused here
+    rather than run wrong (issue 26 lands in steps)."""
+    cp = args.context_parallel_size
+    if cp == 1:
+        return
+    refused = []
+    if args.pipeline_parallel_size > 1:
+        refused.append("pipeline_parallel_size > 1")
+    if data_parallel_size > 1 or autoscale is not None:
+        refused.append("data parallelism (data_parallel_size > 1, autoscale): live migration moves KV blocks "
+                       "rank by rank and knows no sharded cache yet")
+    if device != "cpu":
+        refused.append(f"device {device!r} (CP is checked on CPU only so far)")
+    if args.distributed_executor_backend == "ray" and args.ray_step_transport == "cgraph":
+        refused.append("ray_step_transport 'cgraph' (use mq)")
+    if refused:
+        raise ValueError(f"context_parallel_size {cp} cannot be combined yet with: " + "; ".join(refused))
+
+
 def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig:
     """Validate an EngineArgs (raylm.config.engine_args, read by attribute)
     against the model folder and the device, and resolve what it leaves unset.
@@ -374,11 +397,11 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
             f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
             f"({arch.max_position_embeddings})"
         )
-    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
         value = getattr(args, name)
-        if not isinstance(value, int) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    world_size = args.tensor_parallel_size * args.pipeline_parallel_size
+    world_size = args.tensor_parallel_size * args.pipeline_parallel_size * args.context_parallel_size
     if args.block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {args.block_size}")
     if args.max_num_seqs < 1:
@@ -421,6 +444,8 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
         value = getattr(args, name)
         if not isinstance(value, (int, float)) or value <= 0:
             raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+
+    _check_context_parallel(args, device, data_parallel_size, autoscale)
 
     env = {k: v for k, v in os.environ.items() if k.startswith("RAYLM_")}
     return EngineConfig(

@@ -1,12 +1,19 @@
-"""The TP x PP mesh: which ranks form which group, in one place.
+"""The PP x CP x TP mesh: which ranks form which group, in one place.
 
-Ranks are laid out with TP fastest: global rank = pp_rank * tp_size + tp_rank,
-so the ranks of one TP group are adjacent (and placed on one node by the
-executor whenever the cluster allows).
+Ranks are laid out with TP fastest, then CP, then PP:
 
-On CPU, a TP group whose ranks share a node all-reduces and all-gathers through
-shared memory (shm_collective), falling back to gloo for tensors too large for
-its slots; groups spanning nodes use gloo, and CUDA groups NCCL.
+    global rank = (pp_rank * cp_size + cp_rank) * tp_size + tp_rank
+
+so the ranks of one TP group are adjacent, and the CP groups of one pipeline
+stage (one per tp_rank, members tp_size apart) lie inside the stage's block of
+cp_size * tp_size consecutive ranks, which the executor places on one node
+whenever the cluster allows. A CP (context-parallel) group holds the shards of
+every sequence's KV cache (raylm.model.layers.attention) and merges its
+members' partial attention each layer.
+
+On CPU, a TP or CP group whose ranks share a node all-reduces and all-gathers
+through shared memory (shm_collective), falling back to gloo for tensors too
+large for its slots; groups spanning nodes use gloo, and CUDA groups NCCL.
 """
 
 from __future__ import annotations
@@ -75,6 +82,7 @@ class GroupCoordinator:
 
 _TP: GroupCoordinator | None = None
 _PP: GroupCoordinator | None = None
+_CP: GroupCoordinator | None = None
 # The timeout the global group was created with; subgroups and the shared-
 # memory collective take the same, so no wait on a dead peer is unbounded.
 _TIMEOUT: datetime.timedelta | None = None
@@ -84,12 +92,31 @@ def _single() -> GroupCoordinator:
     return GroupCoordinator(ranks=[0], rank_in_group=0, group=None)
 
 
-def tp_group_ranks(tp_size: int, pp_size: int) -> list[list[int]]:
-    return [[pp * tp_size + tp for tp in range(tp_size)] for pp in range(pp_size)]
+def global_rank(tp_rank: int, pp_rank: int, cp_rank: int, tp_size: int, cp_size: int = 1) -> int:
+    return (pp_rank * cp_size + cp_rank) * tp_size + tp_rank
 
 
-def pp_group_ranks(tp_size: int, pp_size: int) -> list[list[int]]:
-    return [[pp * tp_size + tp for pp in range(pp_size)] for tp in range(tp_size)]
+def rank_coordinates(rank: int, tp_size: int, cp_size: int = 1) -> tuple[int, int, int]:
+    """(tp_rank, pp_rank, cp_rank) of a global rank."""
+    return rank % tp_size, rank // (tp_size * cp_size), rank // tp_size % cp_size
+
+
+def tp_group_ranks(tp_size: int, pp_size: int, cp_size: int = 1) -> list[list[int]]:
+    """One group per (pp, cp) slot, in that order."""
+    return [[global_rank(tp, pp, cp, tp_size, cp_size) for tp in range(tp_size)]
+            for pp in range(pp_size) for cp in range(cp_size)]
+
+
+def pp_group_ranks(tp_size: int, pp_size: int, cp_size: int = 1) -> list[list[int]]:
+    """One group per (cp, tp) slot."""
+    return [[global_rank(tp, pp, cp, tp_size, cp_size) for pp in range(pp_size)]
+            for cp in range(cp_size) for tp in range(tp_size)]
+
+
+def cp_group_ranks(tp_size: int, pp_size: int, cp_size: int = 1) -> list[list[int]]:
+    """One group per (pp, tp) slot."""
+    return [[global_rank(tp, pp, cp, tp_size, cp_size) for cp in range(cp_size)]
+            for pp in range(pp_size) for tp in range(tp_size)]
 
 
 def init_distributed_environment(
@@ -108,35 +135,42 @@ def init_distributed_environment(
     dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank, **kwargs)
 
 
-def initialize_model_parallel(tp_size: int = 1, pp_size: int = 1, backend: str | None = None) -> None:
-    """Build the TP and PP groups. Every rank must call this with the same sizes:
+def initialize_model_parallel(
+    tp_size: int = 1, pp_size: int = 1, backend: str | None = None, cp_size: int = 1
+) -> None:
+    """Build the TP, PP and CP groups. Every rank must call this with the same sizes:
     `new_group` is collective, and creating groups in different orders deadlocks."""
-    global _TP, _PP
-    for coordinator in (_TP, _PP):
+    global _TP, _PP, _CP
+    for coordinator in (_TP, _PP, _CP):
         if coordinator is not None:
             coordinator.close()
-    if tp_size * pp_size == 1:
-        _TP, _PP = _single(), _single()
+    if tp_size * pp_size * cp_size == 1:
+        _TP, _PP, _CP = _single(), _single(), _single()
         return
     rank = dist.get_rank()
-    if dist.get_world_size() != tp_size * pp_size:
+    if dist.get_world_size() != tp_size * pp_size * cp_size:
         raise ValueError(
             f"world size {dist.get_world_size()} != tensor_parallel_size {tp_size} "
-            f"x pipeline_parallel_size {pp_size}"
+            f"x pipeline_parallel_size {pp_size} x context_parallel_size {cp_size}"
         )
-    for ranks in tp_group_ranks(tp_size, pp_size):
-        group = dist.new_group(ranks, backend=backend, timeout=_TIMEOUT)
-        if rank in ranks:
-            _TP = GroupCoordinator(ranks, ranks.index(rank), group)
-    for ranks in pp_group_ranks(tp_size, pp_size):
-        group = dist.new_group(ranks, backend=backend, timeout=_TIMEOUT)
-        if rank in ranks:
-            _PP = GroupCoordinator(ranks, ranks.index(rank), group)
-    # Collective over the TP group only (gloo, three small messages), so it runs
-    # once every world-wide new_group call is done.
-    if _TP.world_size > 1 and dist.get_backend(_TP.group) == "gloo":
-        timeout_s = (_TIMEOUT or dist.default_pg_timeout).total_seconds()
-        _TP.shm = create_shm_communicator(_TP.group, _TP.ranks, _TP.rank_in_group, timeout_s)
+    mine = {}
+    # Same order on every rank (TP, PP, CP; groups in list order): see above.
+    for kind, layout in (("tp", tp_group_ranks), ("pp", pp_group_ranks), ("cp", cp_group_ranks)):
+        for ranks in layout(tp_size, pp_size, cp_size):
+            group = dist.new_group(ranks, backend=backend, timeout=_TIMEOUT)
+            if rank in ranks:
+                mine[kind] = GroupCoordinator(ranks, ranks.index(rank), group)
+    _TP, _PP, _CP = mine["tp"], mine["pp"], mine["cp"]
+    # Collectives over the TP group, then the CP group (gloo, three small
+    # messages each), so they run once every world-wide new_group call is
+    # done; a rank belongs to one group of each kind, and every rank does TP
+    # before CP, so no member waits on a peer busy with the other group.
+    timeout_s = (_TIMEOUT or dist.default_pg_timeout).total_seconds()
+    for coordinator in (_TP, _CP):
+        if coordinator.world_size > 1 and dist.get_backend(coordinator.group) == "gloo":
+            coordinator.shm = create_shm_communicator(
+                coordinator.group, coordinator.ranks, coordinator.rank_in_group, timeout_s
+            )
 
 
 def get_tp_group() -> GroupCoordinator:
@@ -147,12 +181,16 @@ def get_pp_group() -> GroupCoordinator:
     return _PP if _PP is not None else _single()
 
 
+def get_cp_group() -> GroupCoordinator:
+    return _CP if _CP is not None else _single()
+
+
 def destroy_model_parallel() -> None:
-    global _TP, _PP, _TIMEOUT
-    for coordinator in (_TP, _PP):
+    global _TP, _PP, _CP, _TIMEOUT
+    for coordinator in (_TP, _PP, _CP):
         if coordinator is not None:
             coordinator.close()
-    _TP = _PP = None
+    _TP = _PP = _CP = None
     _TIMEOUT = None
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -123,7 +123,10 @@ class EngineCore:
         cc = self.config.cache_config
         available = min(self.executor.determine_available_memory())
         per_block = max(self.executor.get_kv_cache_bytes_per_block())
-        num_blocks = available // per_block if per_block else 0
+        # A context-parallel group holds cp ranks' caches, each sequence's
+        # blocks spread over them: the scheduler counts the group's blocks.
+        cp = self.config.parallel_config.context_parallel_size
+        num_blocks = cp * (available // per_block) if per_block else 0
         # One sequence of max_model_len must fit, or nothing long could ever run.
         min_blocks = -(-self.config.model_config.max_model_len // cc.block_size)
         if num_blocks < min_blocks:
@@ -135,8 +138,8 @@ class EngineCore:
         cc.num_blocks = int(num_blocks)
         self.executor.initialize_from_config(KVCacheConfig(num_blocks=cc.num_blocks, block_size=cc.block_size))
         logger.info(
-            "KV cache: %d blocks x %d tokens (%.1f MiB per rank)",
-            cc.num_blocks, cc.block_size, cc.num_blocks * per_block / 2**20,
+            "KV cache: %d blocks x %d tokens (%d blocks, %.1f MiB per rank)",
+            cc.num_blocks, cc.block_size, cc.num_blocks // cp, cc.num_blocks // cp * per_block / 2**20,
         )
 
     def add_request(self, request: Request) -> None:

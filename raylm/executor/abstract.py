@@ -66,9 +66,10 @@ class Executor(ABC):
 
     @property
     def _output_rank(self) -> int:
-        # The first TP rank of the last PP stage samples and replies.
+        # The first TP rank of the last PP stage's first CP slot samples and
+        # replies (every CP rank samples the same tokens).
         pc = self.config.parallel_config
-        return (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
+        return (pc.pipeline_parallel_size - 1) * pc.context_parallel_size * pc.tensor_parallel_size
 
     def determine_available_memory(self) -> list[int]:
         return self.collective_rpc("determine_available_memory", timeout=self.start_timeout_s)

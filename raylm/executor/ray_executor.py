@@ -131,13 +131,14 @@ class RayDistributedExecutor(Executor):
         self.worker_pids = self._startup_get([w.get_pid.remote() for w in self.workers], "get_pid")
 
         pc = self.config.parallel_config
-        tp = pc.tensor_parallel_size
+        # A stage's TP and CP groups are its block of tp x cp consecutive ranks.
+        stage_size = pc.tensor_parallel_size * pc.context_parallel_size
         for stage in range(pc.pipeline_parallel_size):
-            group_nodes = set(self.node_ids[stage * tp : (stage + 1) * tp])
+            group_nodes = set(self.node_ids[stage * stage_size : (stage + 1) * stage_size])
             if len(group_nodes) > 1:
                 logger.warning(
-                    "TP group of PP stage %d spans %d nodes; tensor parallelism across nodes is slow",
-                    stage, len(group_nodes),
+                    "TP/CP groups of PP stage %d span %d nodes; tensor and context parallelism across nodes "
+                    "is slow", stage, len(group_nodes),
                 )
         single_node = len(set(self.node_ids)) == 1
         host = "127.0.0.1" if single_node else self.node_ips[0]

@@ -62,6 +62,9 @@ class AttentionMetadata:
     # [num_decodes] int64: context length (tokens, including this step's) per request.
     decode_context_lens: torch.Tensor | None = None
     prefills: list[PrefillSeq] = field(default_factory=list)
+    # Under context parallelism, this rank's share of the step
+    # (raylm.model.layers.attention_merge.ContextParallelMetadata); None otherwise.
+    context_parallel: object | None = None
 
 
 _CURRENT: AttentionMetadata | None = None

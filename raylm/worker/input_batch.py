@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from raylm.model.forward_context import AttentionMetadata, PrefillSeq
+from raylm.model.layers.attention_merge import ContextParallelMetadata, ShardedQueries
 from raylm.sampling_params import SamplingParams
 
 
@@ -53,11 +54,80 @@ def _slots(block_ids: list[int], positions: np.ndarray, block_size: int) -> np.n
     return table[positions // block_size] * block_size + positions % block_size
 
 
+def cp_shard_of_blocks(block_ids: np.ndarray, cp_rank: int, cp_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Which of a block table's entries live on `cp_rank`, and where.
+
+    Under context parallelism the scheduler counts the blocks of the whole CP
+    group (cp_size times one rank's); block id g lives on rank g % cp_size as
+    that rank's block g // cp_size. So the block's id alone says where it is:
+    every rank reads the same table, the prefix cache shares blocks by id as
+    ever, and a freed block returns to its own rank's share. The pool hands
+    out ids in turn at first, so a sequence's blocks alternate between ranks
+    (and the ranks' caches fill evenly); any placement is exact, since the
+    merge weighs each shard by its own log-sum-exp. Returns (indices into the
+    table, local block ids)."""
+    mine = np.nonzero(block_ids % cp_size == cp_rank)[0]
+    return mine, block_ids[mine] // cp_size
+
+
+def _cp_local_slots(block_ids: list[int], num_tokens: int, block_size: int, cp_rank: int, cp_size: int):
+    """(positions, local slots) of this rank's keys among a sequence's first `num_tokens`."""
+    table = np.asarray(block_ids[: -(-num_tokens // block_size)], dtype=np.int64)
+    indices, local = cp_shard_of_blocks(table, cp_rank, cp_size)
+    offsets = np.arange(block_size, dtype=np.int64)
+    positions = (indices[:, None] * block_size + offsets).ravel()
+    slots = (local[:, None] * block_size + offsets).ravel()
+    keep = positions < num_tokens
+    return positions[keep], slots[keep]
+
+
+def _context_parallel_metadata(
+    states: dict[str, CachedRequestState],
+    order: list[str],
+    num_scheduled_tokens: dict[str, int],
+    block_size: int,
+    cp_rank: int,
+    cp_size: int,
+    device: torch.device,
+) -> ContextParallelMetadata:
+    store_rows, store_slots = [], []
+    sharded: list[ShardedQueries] = []
+    offset = 0
+    for rid in order:
+        state = states[rid]
+        n = num_scheduled_tokens[rid]
+        start, end = state.num_computed_tokens, state.num_computed_tokens + n
+        # This step's tokens that this rank stores: those of its blocks.
+        table = np.asarray(state.block_ids, dtype=np.int64)
+        pos = np.arange(start, end, dtype=np.int64)
+        owner_blocks = table[pos // block_size]
+        mine = owner_blocks % cp_size == cp_rank
+        store_rows.append(offset + np.nonzero(mine)[0])
+        store_slots.append(owner_blocks[mine] // cp_size * block_size + pos[mine] % block_size)
+        if start > 0 or n == 1:
+            # Earlier context lives across the group (a decode token, a later
+            # chunk, a prefix-cache hit; a one-token prompt runs as a decode
+            # too): attend over this rank's shard, merged across the group.
+            key_pos, key_slots = _cp_local_slots(state.block_ids, end, block_size, cp_rank, cp_size)
+            mask = None
+            if n > 1:
+                mask = torch.from_numpy(key_pos[None, :] <= pos[:, None]).to(device)
+            sharded.append(ShardedQueries(offset, offset + n, torch.from_numpy(key_slots).to(device), mask))
+        offset += n
+    return ContextParallelMetadata(
+        store_rows=torch.from_numpy(np.concatenate(store_rows) if store_rows else np.zeros(0, np.int64)).to(device),
+        store_slots=torch.from_numpy(np.concatenate(store_slots) if store_slots else np.zeros(0, np.int64)).to(device),
+        sharded=sharded,
+    )
+
+
 def prepare_batch(
     states: dict[str, CachedRequestState],
     num_scheduled_tokens: dict[str, int],
     block_size: int,
     device: torch.device,
+    cp_rank: int = 0,
+    cp_size: int = 1,
 ) -> PreparedBatch:
     order = sorted(num_scheduled_tokens, key=lambda rid: num_scheduled_tokens[rid] != 1)
     num_decodes = sum(1 for rid in order if num_scheduled_tokens[rid] == 1)
@@ -134,6 +204,10 @@ def prepare_batch(
         meta.decode_mask = torch.from_numpy(valid).to(device)[:, None, None, :]
         meta.decode_context_lens = torch.from_numpy(ctx).to(device)
 
+    if cp_size > 1:
+        meta.context_parallel = _context_parallel_metadata(
+            states, order, num_scheduled_tokens, block_size, cp_rank, cp_size, device
+        )
     batch.input_ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
     batch.positions = torch.from_numpy(np.concatenate(positions)).to(device)
     batch.attn_metadata = meta

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from raylm.config import EngineConfig
-from raylm.distributed.parallel_state import get_pp_group
+from raylm.distributed.parallel_state import get_cp_group, get_pp_group
 from raylm.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from raylm.model.forward_context import set_forward_context
 from raylm.model.layers.attention import Attention
@@ -144,7 +144,9 @@ class ModelRunner:
             if get_pp_group().is_last_rank:
                 self._pending = (so, None, None)
             return None
-        batch = prepare_batch(self.requests, so.num_scheduled_tokens, self.block_size, self.device)
+        cp = get_cp_group()
+        batch = prepare_batch(self.requests, so.num_scheduled_tokens, self.block_size, self.device,
+                              cp_rank=cp.rank_in_group, cp_size=cp.world_size)
         with set_forward_context(batch.attn_metadata):
             hidden = self.model(batch.input_ids, batch.positions, intermediate)
         if not get_pp_group().is_last_rank:

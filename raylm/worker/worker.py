@@ -57,8 +57,9 @@ class Worker:
         self.cpu_placement: cpu_placement.RankPlacement | None = None
         # (thread id, its CPUs) when this worker pinned a thread it does not own.
         self._affinity_before: tuple[int, set[int]] | None = None
-        # Watches a rank the plan pinned for other work on its cores.
-        self.contention_watch: cpu_placement.ContentionWatch | None = None
+        # Watches the forward passes of a rank the plan pinned (for other work on
+        # its cores) or of a single rank (whose thread count follows them).
+        self.contention_watch: cpu_placement.ContentionWatch | cpu_placement.ThreadGovernor | None = None
         # Tests of the failure model only (RAYLM_FAULT_INJECTION); None otherwise.
         self.fault_injector = FaultInjector.from_config(
             config.fault_tolerance.fault_injection, rank, config.parallel_config.world_size)
@@ -76,14 +77,15 @@ class Worker:
             # A worker process or Ray actor was placed by its executor before it
             # got here; the uni backend's model shares the engine's process.
             self.cpu_placement = cpu_placement.process_placement() or self._place_in_engine_process()
-            if self.cpu_placement.auto:  # pinned by the plan, not by the user
-                self.contention_watch = cpu_placement.ContentionWatch(self.cpu_placement.num_threads)
+            self.contention_watch = cpu_placement.watch_for(self.cpu_placement)
             backend = "gloo"
         parallel_state.init_distributed_environment(
             pc.world_size, self.rank, self.distributed_init_method, backend,
             timeout_s=cfg.fault_tolerance.execute_model_timeout_s,
         )
-        parallel_state.initialize_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size, backend)
+        parallel_state.initialize_model_parallel(
+            pc.tensor_parallel_size, pc.pipeline_parallel_size, backend, cp_size=pc.context_parallel_size
+        )
         torch.manual_seed(cfg.model_config.seed)
         self.model_runner = ModelRunner(cfg, self.device)
 
@@ -154,7 +156,11 @@ class Worker:
         return kv_bytes
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
-        self.model_runner.initialize_kv_cache(kv_cache_config.num_blocks)
+        # The scheduler counts the blocks of the whole CP group; this rank holds
+        # block ids g with g % cp == its cp rank, as its blocks g // cp
+        # (raylm.worker.input_batch.cp_shard_of_blocks).
+        cp = self.config.parallel_config.context_parallel_size
+        self.model_runner.initialize_kv_cache(-(-kv_cache_config.num_blocks // cp))
 
     @property
     def _pp_over_torch_distributed(self) -> bool:

@@ -41,6 +41,7 @@ NON_DEFAULT = {
     "seed": (["--seed", "7"], 7),
     "tensor_parallel_size": (["-tp", "2"], 2),
     "pipeline_parallel_size": (["-pp", "3"], 3),
+    "context_parallel_size": (["-cp", "2"], 2),
     "distributed_executor_backend": (["--distributed-executor-backend", "ray"], "ray"),
     "data_parallel_size": (["-dp", "2"], 2),
     # The only choice there is, so it cannot differ from the default.

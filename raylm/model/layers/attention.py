@@ -8,6 +8,13 @@ block and padded, with a mask (the runner zeroes fresh blocks for these paths so
 the padding is finite). Prefill sequences run one by one, so no query attends
 past its own position and no padding is spent on long prompts.
 On CUDA, gpu_attention.py's path batched over sequences runs instead.
+
+Under context parallelism (CP) each rank of a CP group stores only its share
+of every sequence's K/V (the blocks whose id the worker maps to it, see
+raylm.worker.input_batch); a query attends over the rank's share with
+`partial_attention`, and the group all-gathers (output, log-sum-exp) and
+merges them exactly (`merge_partials`), so every rank continues with the same
+hidden states.
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raylm.distributed.parallel_state import get_cp_group
 from raylm.model.forward_context import AttentionMetadata, get_attention_metadata
+from raylm.model.layers.attention_merge import ContextParallelMetadata, merge_partials, partial_attention
 from raylm.model.layers.cpu_kernels import get_paged_decode_kernel
 from raylm.model.layers.gpu_attention import batched_paged_attention
 
@@ -49,6 +58,9 @@ class Attention(nn.Module):
             # No engine around (e.g. a plain forward in a test): one causal sequence.
             return self._attend(q, k, v).reshape(num_tokens, -1)
 
+        if meta.context_parallel is not None:
+            return self._forward_context_parallel(q, k, v, meta, meta.context_parallel).reshape(num_tokens, -1)
+
         k_flat = v_flat = None
         if self.kv_cache is not None:
             k_flat = self.kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)
@@ -73,6 +85,43 @@ class Attention(nn.Module):
                 )
         return out.reshape(num_tokens, -1)
 
+    def _forward_context_parallel(self, q, k, v, meta: AttentionMetadata, cp: ContextParallelMetadata):
+        k_flat = self.kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)
+        v_flat = self.kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
+        k_flat.index_copy_(0, cp.store_slots, k.index_select(0, cp.store_rows).to(k_flat.dtype))
+        v_flat.index_copy_(0, cp.store_slots, v.index_select(0, cp.store_rows).to(v_flat.dtype))
+        out = torch.empty_like(q)
+        for seq in meta.prefills:
+            if seq.ctx_slots is None:
+                # A whole prompt in this step: every rank has all its keys (fresh),
+                # so plain causal attention is exact here without the group.
+                out[seq.q_start : seq.q_end] = self._attend(
+                    q[seq.q_start : seq.q_end], k[seq.q_start : seq.q_end], v[seq.q_start : seq.q_end]
+                )
+        if not cp.sharded:
+            return out
+        # Every rank has the same sharded rows in the same order (the step is
+        # the same on all of them), so one all-gather carries them all: the
+        # partial output and its log-sum-exp side by side, float32.
+        num_rows = sum(s.q_end - s.q_start for s in cp.sharded)
+        parts = torch.empty(num_rows, self.num_heads, self.head_dim + 1, dtype=torch.float32, device=q.device)
+        row = 0
+        for s in cp.sharded:
+            n = s.q_end - s.q_start
+            o, lse = partial_attention(q[s.q_start : s.q_end], k_flat[s.key_slots], v_flat[s.key_slots],
+                                       self.scale, s.mask)
+            parts[row : row + n, :, : self.head_dim] = o
+            parts[row : row + n, :, self.head_dim] = lse
+            row += n
+        gathered = get_cp_group().all_gather(parts.unsqueeze(0), dim=0)  # [cp, rows, H, D + 1]
+        merged = merge_partials(gathered[..., : self.head_dim], gathered[..., self.head_dim])
+        row = 0
+        for s in cp.sharded:
+            n = s.q_end - s.q_start
+            out[s.q_start : s.q_end] = merged[row : row + n].to(q.dtype)
+            row += n
+        return out
+
     def _attend(self, q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
         """One sequence: q [Tq, H, D] over k/v [Tk, KVH, D]; causal unless a mask is given."""
         o = F.scaled_dot_product_attention(
@@ -90,6 +139,7 @@ class Attention(nn.Module):
         """The C++ decode kernel when it serves this layer's decode (CPU), else None."""
         if (
             self.kv_cache is None
+            or get_cp_group().world_size > 1  # a shard per rank: partial attention, merged
             or self.kv_cache.device.type != "cpu"
             or self.batched_paged
             or dtype not in _KERNEL_DTYPES
@@ -106,6 +156,8 @@ class Attention(nn.Module):
         and NaN survives a zero attention weight, so the runner zeroes fresh
         blocks for them. The CPU kernel stops at each context's end: no need.
         """
+        if get_cp_group().world_size > 1:
+            return False  # the CP path reads exactly the slots its keys were written to
         return self.kv_cache is None or self._decode_kernel(self.kv_cache.dtype) is None
 
     def _decode(self, q, meta: AttentionMetadata) -> torch.Tensor:

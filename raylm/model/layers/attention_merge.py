@@ -14,6 +14,8 @@ query's future) has out_i = 0 and lse_i = -inf and so weighs nothing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 
@@ -53,3 +55,34 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     weights = torch.where(torch.isinf(lses), 0.0, weights)
     merged = (weights.unsqueeze(-1) * outs.float()).sum(dim=0)
     return merged.to(outs.dtype)
+
+
+@dataclass
+class ShardedQueries:
+    """Queries (rows [q_start, q_end) of the flat batch) of one sequence whose
+    context is spread over the CP group: this rank's keys of it sit at
+    `key_slots` of its own cache; `mask` [queries, keys] bool (True = attend),
+    or None when every key precedes every query (a decode token)."""
+
+    q_start: int
+    q_end: int
+    key_slots: torch.Tensor
+    mask: torch.Tensor | None = None
+
+
+@dataclass
+class ContextParallelMetadata:
+    """One CP rank's view of a step (built by raylm.worker.input_batch).
+
+    Every rank computes every token of the step (prefill compute is
+    replicated for now), but stores only the K/V of its own share: rows
+    `store_rows` of the step's tokens go to `store_slots` of its cache.
+    A prompt with no earlier context attends over its fresh keys locally
+    (every rank has them all); decode tokens and chunks with earlier context
+    (a later prefill chunk, a prefix-cache hit) attend over the rank's shard
+    and are merged across the group (`sharded`).
+    """
+
+    store_rows: torch.Tensor
+    store_slots: torch.Tensor
+    sharded: list[ShardedQueries] = field(default_factory=list)

@@ -1,0 +1,177 @@
+"""Context parallelism (issue 26): each sequence's KV cache sharded across the
+ranks of a CP group, partial attention merged exactly by log-sum-exp.
+
+Greedy outputs equal Hugging Face's at CP=2 for a prompt longer than one
+rank's KV cache holds (the same per-rank budget refuses it at CP=1), through
+chunked prefill and prefix-cache hits; the flag's validation; the rank
+layout; nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import psutil
+import pytest
+
+from raylm import LLM, SamplingParams
+from raylm.config import create_engine_config
+from raylm.distributed.parallel_state import cp_group_ranks, pp_group_ranks, rank_coordinates, tp_group_ranks
+from raylm.model.arch_config import ArchConfig
+from raylm.testing.hf_oracle import hf_greedy
+from raylm.worker.input_batch import CachedRequestState, prepare_batch
+from raylm.sampling_params import SamplingParams as Params
+from tests.conftest import executor_of
+
+MAX_TOKENS = 6
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+BLOCK = 16
+# Each rank holds 8 blocks (128 tokens); the long prompt needs 10 blocks.
+BLOCKS_PER_RANK = 8
+MAX_MODEL_LEN = 200
+
+
+def _bytes_per_block(model: str) -> int:
+    a = ArchConfig.from_model_dir(model)
+    return 2 * BLOCK * a.num_key_value_heads * a.head_dim * 4 * a.num_hidden_layers
+
+
+def _prompts(model: str) -> dict[str, list[int]]:
+    rng = random.Random(0)
+    vocab = ArchConfig.from_model_dir(model).vocab_size
+    long = [rng.randrange(vocab) for _ in range(150)]
+    return {
+        "long": long,
+        "short": [rng.randrange(vocab) for _ in range(7)],
+        "one": [rng.randrange(vocab)],
+        # Shares the long prompt's first 144 tokens: 9 cached blocks on the second call.
+        "shared": long[:144] + [rng.randrange(vocab) for _ in range(20)],
+    }
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    # GQA (2 kv heads for 4 query heads): partial attention must map heads as HF does.
+    return tiny_model_dir("qwen2", num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    prompts = _prompts(model)
+    return prompts, dict(zip(prompts, (r.token_ids for r in hf_greedy(model, list(prompts.values()), MAX_TOKENS))))
+
+
+def _engine_kwargs(model: str, **extra) -> dict:
+    return dict(dtype="float32", num_threads=1, kv_cache_memory_bytes=BLOCKS_PER_RANK * _bytes_per_block(model),
+                max_model_len=MAX_MODEL_LEN, **extra)
+
+
+def _run_and_compare(llm: LLM, reference) -> None:
+    prompts, ref = reference
+    first = ["long", "short", "one"]
+    outs = llm.generate([{"prompt_token_ids": prompts[k]} for k in first], GREEDY, use_tqdm=False)
+    assert {k: o.outputs[0].token_ids for k, o in zip(first, outs)} == {k: ref[k] for k in first}
+    # The long prompt's blocks are cached (spread over both ranks): a hit reads them from both.
+    [hit] = llm.generate([{"prompt_token_ids": prompts["shared"]}], GREEDY, use_tqdm=False)
+    assert hit.metrics["num_cached_tokens"] == 144
+    assert hit.outputs[0].token_ids == ref["shared"]
+
+
+# ---- one process, no engine ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [0, -1, "2", 1.5, True])
+def test_context_parallel_size_must_be_a_positive_integer(value, tiny_model_dir):
+    with pytest.raises(ValueError, match="context_parallel_size"):
+        create_engine_config(tiny_model_dir("llama"), context_parallel_size=value)
+
+
+@pytest.mark.parametrize(
+    "settings, named",
+    [
+        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
+        ({"data_parallel_size": 2}, "data parallelism"),
+        ({"autoscale": "1:2"}, "data parallelism"),
+        ({"distributed_executor_backend": "ray", "ray_step_transport": "cgraph"}, "cgraph"),
+        ({"device": "cuda"}, "device 'cuda'"),
+    ],
+)
+def test_what_context_parallelism_cannot_combine_with_yet_is_refused(settings, named, tiny_model_dir):
+    with pytest.raises(ValueError, match=f"context_parallel_size 2 cannot be combined yet with: .*{named}"):
+        create_engine_config(tiny_model_dir("llama"), context_parallel_size=2, **settings)
+
+
+def test_uni_backend_refuses_several_ranks(tiny_model_dir):
+    with pytest.raises(ValueError, match="context_parallel_size = 1"):
+        LLM(tiny_model_dir("llama"), context_parallel_size=2, distributed_executor_backend="uni")
+
+
+def test_world_size_and_rank_layout(tiny_model_dir):
+    config = create_engine_config(tiny_model_dir("llama"), tensor_parallel_size=2, context_parallel_size=2)
+    assert config.parallel_config.world_size == 4
+    # global rank = (pp_rank * cp + cp_rank) * tp + tp_rank
+    assert tp_group_ranks(2, 2, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert cp_group_ranks(2, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert pp_group_ranks(2, 2, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert rank_coordinates(6, tp_size=2, cp_size=2) == (0, 1, 1)  # (tp, pp, cp)
+    # Without CP the layout is the one TP x PP always had.
+    assert tp_group_ranks(2, 2) == [[0, 1], [2, 3]] and pp_group_ranks(2, 2) == [[0, 2], [1, 3]]
+
+
+def test_each_token_is_stored_on_exactly_one_cp_rank():
+    """The ranks' shares of a step partition its tokens, and each rank's keys
+    of a sequence are those of its blocks (block id g on rank g % cp)."""
+    block_ids = [5, 2, 7, 4, 9]  # rank of each block at cp=2: 1, 0, 1, 0, 1
+    state = CachedRequestState("r", list(range(70)), list(range(70)), Params(), block_ids, num_computed_tokens=40)
+    stored = []
+    for rank in range(2):
+        meta = prepare_batch({"r": state}, {"r": 30}, BLOCK, "cpu", cp_rank=rank, cp_size=2).attn_metadata
+        cp = meta.context_parallel
+        rows = cp.store_rows.numpy()
+        positions = 40 + rows
+        assert all(block_ids[p // BLOCK] % 2 == rank for p in positions)
+        # Local slot = (g // cp) * block_size + offset.
+        expected = [block_ids[p // BLOCK] // 2 * BLOCK + p % BLOCK for p in positions]
+        assert cp.store_slots.tolist() == expected
+        stored.append(set(positions.tolist()))
+        [seq] = cp.sharded  # a later chunk: its context is spread over the group
+        assert seq.key_slots.numel() == sum(min(BLOCK, 70 - j * BLOCK) for j, g in enumerate(block_ids)
+                                            if g % 2 == rank)
+        assert seq.mask.shape == (30, seq.key_slots.numel())
+    assert stored[0] | stored[1] == set(range(40, 70)) and not stored[0] & stored[1]
+    assert np.all(np.asarray(sorted(stored[0] | stored[1])) == np.arange(40, 70))
+
+
+def test_one_rank_refuses_what_a_cp_group_holds(model):
+    """The per-rank budget the CP=2 runs below use cannot hold max_model_len alone."""
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(model, **_engine_kwargs(model))
+
+
+# ---- worker processes -----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_cp2_on_mp_equals_hf_past_one_ranks_cache(model, reference):
+    """CP=2, chunked prefill (24-token steps), then a prefix-cache hit; both
+    ranks' processes and segments gone afterwards."""
+    llm = LLM(model, context_parallel_size=2, distributed_executor_backend="mp",
+              **_engine_kwargs(model, max_num_batched_tokens=24))
+    executor = executor_of(llm)
+    try:
+        # The scheduler counts both ranks' blocks.
+        assert llm.llm_engine.engine_core.engine_core.config.cache_config.num_blocks == 2 * BLOCKS_PER_RANK
+        _run_and_compare(llm, reference)
+    finally:
+        pids, segments = executor.worker_pids, executor.shm_segment_names
+        llm.shutdown()
+    assert len(pids) == 2 and all(_gone(p) for p in pids)
+    assert not set(segments) & set(os.listdir("/dev/shm"))
