@@ -124,3 +124,19 @@ def test_blocks_split_only_on_block_boundaries():
     torch.testing.assert_close(torch.cat([left.dequantize(), right.dequantize()], dim=1), weight.dequantize())
     with pytest.raises(ValueError, match="cannot split a Q4_K weight of 512 columns at column 128"):
         weight[:, 128:256]
+
+
+def test_a_quantized_lm_head_stays_quantized(tiny_model_dir, tmp_path):
+    """GGUF's output.weight runs on the quantized kernels (decode reads it every
+    token); the embedding is dequantized (its lookup reads one row per token)."""
+    folder = tiny_model_dir("llama", tie_word_embeddings=False, **QUANT_SHAPE)
+    path = write_gguf(folder, tmp_path / "model.gguf", "Q4_K", tensor_type=q4_k_m)
+    names = {t.name: t.tensor_type.name for t in open_gguf(path).reader.tensors}
+    assert names["output.weight"] == "Q6_K" and names["token_embd.weight"] == "Q4_K"
+    model = load_model(str(path), torch.float32, "cpu")
+    head = model.lm_head
+    assert head.quant_matmul is not None and head.weight.numel() == 0
+    assert [s.weight.qtype.name for s in head.quant_matmul.segments] == ["Q6_K"]
+    assert model.model.embed_tokens.weight.shape[0] >= 512
+    reference = write_dequantized_reference(folder, tmp_path / "reference", "Q4_K", tensor_type=q4_k_m)
+    torch.testing.assert_close(raylm_logits(model), hf_logits(reference), atol=2e-3, rtol=1e-3)

@@ -63,13 +63,75 @@ def test_matmul_equals_a_float_matmul_on_the_decoded_weight(qtype, rows, dtype, 
     kernel = quant_kernels.kernel_for(qtype, torch.device("cpu"), dtype)
     assert kernel is not None
     x = torch.randn(rows, weight.cols, generator=torch.Generator().manual_seed(rows)).to(dtype)
-    got = kernel.linear(x, kernel.prepare(weight))
+    state = kernel.prepare(weight)
+    got = kernel.linear(x, state)
     assert got.dtype == dtype and got.shape == (rows, weight.shape[0])
-    expected = x.float() @ reference.t()
+    if state.packed is not None and rows <= quant_kernels.PACKED_MAX_ROWS:
+        # The decode kernel quantizes the activations per block, as llama.cpp does.
+        expected = (_as_quantized(x, qtype).double() @ reference.double().t()).float()
+    else:
+        expected = x.float() @ reference.t()
     # float32: summation order only; bfloat16: the output's rounding (and, past
     # WIDEN_FROM_ROWS, the weight's rounding to bf16 for the float matmul).
     tolerance = dict(atol=1e-3, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.3, rtol=2e-2)
     torch.testing.assert_close(got.float(), expected, **tolerance)
+
+
+# Activations per int8 scale in the decode kernel: llama.cpp's Q8_0 blocks for
+# Q8_0/Q4_0 weights, its Q8_K blocks for the K types.
+ACTIVATION_BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q6_K": 256}
+
+
+def _as_quantized(x: torch.Tensor, qtype: str) -> torch.Tensor:
+    """x as the decode kernel multiplies it: per block, d = amax / 127 and
+    q = round(x * (127 / amax)) (to nearest even), in float32; x = q * d."""
+    block = ACTIVATION_BLOCK[qtype]
+    rows, cols = x.shape
+    xb = x.float().reshape(rows, cols // block, block)
+    amax = xb.abs().amax(-1, keepdim=True)
+    # Tensor by tensor: IEEE divisions (torch computes scalar / tensor as a reciprocal times the scalar).
+    c127 = torch.full_like(amax, 127.0)
+    inverse = torch.where(amax > 0, c127 / amax, torch.zeros_like(amax))
+    return (torch.round(xb * inverse) * (amax / c127)).reshape(rows, cols)
+
+
+def _packed_or_skip(kernels):
+    if not quant_kernels.packed_kernel_available(kernels):
+        pytest.skip("this build has no AVX-512 VNNI decode kernel (the row-tiled path serves decode)")
+
+
+@pytest.mark.parametrize("shape", [(16, 256), (40, 512), (33, 1024), (7, 256)])
+@pytest.mark.parametrize("qtype", list(ENCODERS))
+def test_packed_decode_kernel_equals_the_decoded_weights_times_quantized_activations(qtype, shape, kernels):
+    """Every row count it serves, output rows that fill no whole tile of 16, several blocks along K;
+    a zero row (no activation scale) gives zeros; bf16 activations are widened first."""
+    _packed_or_skip(kernels)
+    rows_out, cols = shape
+    w = np.random.default_rng(rows_out).standard_normal((rows_out, cols)).astype(np.float32)
+    data = ENCODERS[qtype](w)
+    reference = torch.from_numpy(quants.dequantize(data, T[qtype])).double()
+    code = quant_kernels.GGUF_TYPE_CODES[qtype]
+    packed = kernels.quant_pack(torch.from_numpy(data), code)
+    for rows in sorted({1, 2, 3, 4, 7, quant_kernels.PACKED_MAX_ROWS}):
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 3
+        x[-1, : ACTIVATION_BLOCK[qtype]] = 0  # a block with amax 0
+        got = kernels.quant_packed_linear(x, packed, code, rows_out)
+        expected = _as_quantized(x, qtype).double() @ reference.t()
+        torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-5)
+        got_bf16 = kernels.quant_packed_linear(x.bfloat16(), packed, code, rows_out)
+        expected_bf16 = _as_quantized(x.bfloat16(), qtype).double() @ reference.t()
+        assert got_bf16.dtype == torch.bfloat16
+        torch.testing.assert_close(got_bf16.double(), expected_bf16, atol=1e-4, rtol=1e-2)
+    zero = kernels.quant_packed_linear(torch.zeros(1, cols), packed, code, rows_out)
+    assert torch.equal(zero, torch.zeros(1, rows_out))
+
+
+def test_packed_decode_kernel_refuses_a_weight_of_another_shape(kernels):
+    _packed_or_skip(kernels)
+    weight, _ = _weight("Q4_K", rows=40, cols=512)
+    packed = kernels.quant_pack(weight.data, quant_kernels.GGUF_TYPE_CODES["Q4_K"])
+    with pytest.raises(RuntimeError, match="does not hold"):
+        kernels.quant_packed_linear(torch.randn(1, 256), packed, quant_kernels.GGUF_TYPE_CODES["Q4_K"], 40)
 
 
 def test_model_layers_keep_gguf_weights_quantized(tmp_path, tiny_model_dir, kernels):

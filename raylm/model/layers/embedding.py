@@ -10,6 +10,8 @@ from torch import nn
 from raylm.distributed.parallel_state import get_tp_group
 from raylm.model.layers import cpu_gemm
 from raylm.model.layers.linear import WeightSource, copy_checked, read_narrow, weight_shape
+from raylm.model.layers.quant_linear import QuantizedMatmul
+from raylm.model.quantization import is_quantized
 
 # Shards are kept a multiple of 64 rows so every rank's matmul has a friendly shape.
 VOCAB_PADDING = 64
@@ -62,11 +64,29 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed_weight: cpu_gemm.PackedWeight | None = None
     # Set by the model when the head is the embedding's matrix (tied weights).
     shares_embedding: bool = False
+    # A head that came quantized (a GGUF file's output.weight) stays so.
+    quant_matmul: QuantizedMatmul | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise TypeError("ParallelLMHead is applied through LogitsProcessor, not called directly")
 
+    def weight_loader(self, param: nn.Parameter, loaded_weight: WeightSource, shard_id=None) -> None:
+        if not is_quantized(loaded_weight) or self.shares_embedding:
+            super().weight_loader(param, loaded_weight, shard_id)
+            return
+        vocab, _ = weight_shape(loaded_weight)
+        if vocab != self.num_embeddings:
+            raise ValueError(f"checkpoint vocab {vocab} != config vocab_size {self.num_embeddings}")
+        # This rank's vocab rows stay quantized; padding rows past the vocab are float zeros.
+        rows = max(0, min(self.vocab_end, vocab) - self.vocab_start)
+        param.data[rows:].zero_()
+        quantized = {0: loaded_weight[self.vocab_start : self.vocab_start + rows].materialize()} if rows else {}
+        self.quant_matmul = QuantizedMatmul.build(param.data, quantized)
+        param.data = param.data.new_empty(0)
+
     def pack_weights(self) -> None:
+        if self.quant_matmul is not None:
+            return
         self.packed_weight = cpu_gemm.pack_weight(self.weight.data)
         if self.packed_weight is not None and not self.shares_embedding:
             # The packed copies serve every call; a tied matrix stays for the embedding.
@@ -81,6 +101,9 @@ class LogitsProcessor(nn.Module):
         self.vocab_size = vocab_size
 
     def forward(self, lm_head: ParallelLMHead, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = cpu_gemm.linear(hidden_states, lm_head.weight, None, lm_head.packed_weight)
+        if lm_head.quant_matmul is not None:
+            logits = lm_head.quant_matmul(hidden_states, None)
+        else:
+            logits = cpu_gemm.linear(hidden_states, lm_head.weight, None, lm_head.packed_weight)
         logits = get_tp_group().all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size].float()

@@ -18,6 +18,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("qtype"));
   m.def("quant_dequantize", &quant_dequantize, "a GGUF-quantized weight widened to float32 or bfloat16",
         py::arg("weight"), py::arg("qtype"), py::arg("cols"), py::arg("dtype"));
+  m.def("quant_packed_supported", &quant_packed_supported,
+        "whether this build has the AVX-512 VNNI decode kernel on packed GGUF weights");
+  m.def("quant_pack", &quant_pack, "a GGUF-quantized [rows, bytes] weight in quant_packed_linear's tile layout",
+        py::arg("weight"), py::arg("qtype"));
+  m.def("quant_packed_linear", &quant_packed_linear,
+        "x @ W^T for few rows of x (quantized per block to int8), W packed by quant_pack", py::arg("x"),
+        py::arg("packed"), py::arg("qtype"), py::arg("out_features"));
   m.def("bf16_pack", &bf16_pack, "a [out, in] bfloat16 weight in bf16_linear's tile layout", py::arg("weight"));
   m.def("bf16_linear", &bf16_linear, "x @ W^T (+ bias) for few rows of x, W packed by bf16_pack", py::arg("x"),
         py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());

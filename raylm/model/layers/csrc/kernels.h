@@ -19,6 +19,9 @@ std::tuple<at::Tensor, at::Tensor> rotary_neox(const at::Tensor& positions, cons
                                                int64_t head_dim);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype);
 at::Tensor quant_dequantize(const at::Tensor& weight, int64_t qtype, int64_t K, at::ScalarType dtype);
+bool quant_packed_supported();
+at::Tensor quant_pack(const at::Tensor& weight, int64_t qtype);
+at::Tensor quant_packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t out_features);
 at::Tensor bf16_pack(const at::Tensor& weight);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                        const c10::optional<at::Tensor>& bias);
