@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TextIO
 
 from raylm.config import EngineConfig
-from raylm.distributed.parallel_state import pp_group_ranks, tp_group_ranks
+from raylm.distributed.parallel_state import cp_group_ranks, pp_group_ranks, rank_coordinates, tp_group_ranks
 from raylm.engine.arg_utils import EngineArgs, HelpFormatter
 from raylm.executor import ray_placement
 from raylm.executor.ray_cluster import NodeState, cluster_nodes, connect_ray, disconnect_ray, gcs_address
@@ -51,6 +51,7 @@ class RankPlacement:
     device: str  # "cpu", or "cuda:N" (N: the index among the devices the node shows)
     local_rank: int
     gpu_ids: list[str] = field(default_factory=list)
+    cp_rank: int = 0
 
 
 @dataclass
@@ -68,6 +69,7 @@ class ReplicaPlacement:
     ranks: list[RankPlacement]
     tp_groups: list[GroupPlacement]
     pp_groups: list[GroupPlacement]
+    cp_groups: list[GroupPlacement] = field(default_factory=list)
 
 
 @dataclass
@@ -200,7 +202,7 @@ def _plan_engine(config: EngineConfig, plan_base: dict) -> Plan:
     order = ray_placement.sort_workers(infos, driver_node)
     ranks = []
     seen: dict[str, int] = {}
-    tp = pc.tensor_parallel_size
+    tp, cp = pc.tensor_parallel_size, pc.context_parallel_size
     for rank, i in enumerate(order):
         node_id, ip, gpu_ids = infos[i]
         local_rank = seen.get(node_id, 0)
@@ -209,15 +211,19 @@ def _plan_engine(config: EngineConfig, plan_base: dict) -> Plan:
         if indices is not None:
             local_rank = indices[i] if indices[i] is not None else -1
             device = f"cuda:{indices[i] if indices[i] is not None else '?'}"
-        ranks.append(RankPlacement(rank, rank % tp, rank // tp, node_id, ip, device, local_rank,
-                                   [str(g) for g in gpu_ids]))
+        ranks.append(_rank_placement(rank, pc, node_id, ip, device, local_rank, [str(g) for g in gpu_ids]))
     replica = _replica(0, None, None, ranks, pc)
     plan.replicas = [replica]
     plan.fits = not plan.missing
     for group in replica.tp_groups:
         if group.spans_nodes:
-            plan.warnings.append(f"the TP group of PP stage {group.ranks[0] // tp} (ranks {_ranks(group.ranks)}) "
-                                 f"spans {len(set(group.node_ids))} nodes: tensor parallelism across nodes is slow")
+            plan.warnings.append(f"the TP group of PP stage {group.ranks[0] // (tp * cp)} (ranks "
+                                 f"{_ranks(group.ranks)}) spans {len(set(group.node_ids))} nodes: tensor "
+                                 "parallelism across nodes is slow")
+    for group in replica.cp_groups:
+        if group.spans_nodes:
+            plan.warnings.append(f"the CP group of ranks {_ranks(group.ranks)} spans {len(set(group.node_ids))} "
+                                 "nodes: context parallelism merges attention every layer, slow across nodes")
     return plan
 
 
@@ -284,8 +290,8 @@ def _plan_replicas(config: EngineConfig, plan_base: dict) -> Plan:
         node = placed[index][0]  # the engine actor's bundle; all of a replica's share its node
         # The replica's executor is its own driver, on this node: ranks in
         # bundle order (Ray executor) or local processes (uni, mp).
-        ranks = [RankPlacement(r, r % tp, r // tp, placed[index][rank_bundles[r]] if rank_bundles else node,
-                               ip_of.get(node, "?"), "cuda:%d" % r if config.device == "cuda" else "cpu", r)
+        ranks = [_rank_placement(r, pc, placed[index][rank_bundles[r]] if rank_bundles else node,
+                                 ip_of.get(node, "?"), "cuda:%d" % r if config.device == "cuda" else "cpu", r)
                  for r in range(pc.world_size)]
         plan.replicas.append(_replica(index, node, ip_of.get(node, "?"), ranks, pc))
     if config.device == "cuda":
@@ -298,14 +304,21 @@ def _plan_replicas(config: EngineConfig, plan_base: dict) -> Plan:
 # ---- shared --------------------------------------------------------------------------
 
 
+def _rank_placement(rank: int, pc, node_id: str, ip: str, device: str, local_rank: int,
+                    gpu_ids: list[str] | None = None) -> RankPlacement:
+    tp_rank, pp_rank, cp_rank = rank_coordinates(rank, pc.tensor_parallel_size, pc.context_parallel_size)
+    return RankPlacement(rank, tp_rank, pp_rank, node_id, ip, device, local_rank, gpu_ids or [], cp_rank)
+
+
 def _replica(index, node_id, node_ip, ranks: list[RankPlacement], pc) -> ReplicaPlacement:
-    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+    tp, pp, cp = pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.context_parallel_size
     def group(members: list[int]) -> GroupPlacement:
         node_ids = [ranks[r].node_id for r in members]
         return GroupPlacement(members, node_ids, len(set(node_ids)) > 1)
 
-    return ReplicaPlacement(index, node_id, node_ip, ranks, [group(g) for g in tp_group_ranks(tp, pp)],
-                            [group(g) for g in pp_group_ranks(tp, pp)])
+    return ReplicaPlacement(index, node_id, node_ip, ranks, [group(g) for g in tp_group_ranks(tp, pp, cp)],
+                            [group(g) for g in pp_group_ranks(tp, pp, cp)],
+                            [group(g) for g in cp_group_ranks(tp, pp, cp)])
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -327,6 +340,7 @@ def make_plan(config: EngineConfig) -> Plan:
     base = {
         "tensor_parallel_size": pc.tensor_parallel_size,
         "pipeline_parallel_size": pc.pipeline_parallel_size,
+        "context_parallel_size": pc.context_parallel_size,
         "data_parallel_size": pc.data_parallel_size,
         "device": config.device,
     }
@@ -356,6 +370,8 @@ def format_plan(plan: Plan) -> str:
         driver = "  <- driver" if n.is_driver else ""
         lines.append(f"  {short[n.node_id]}  {n.ip:<15} {res or '-'} (free/total){driver}")
     layout = f"TP={req['tensor_parallel_size']} x PP={req['pipeline_parallel_size']}"
+    if req.get("context_parallel_size", 1) > 1:
+        layout += f" x CP={req['context_parallel_size']}"
     if req["data_parallel_size"] > 1:
         lines.append(f"Request: {req['data_parallel_size']} data-parallel replicas ({req['data_parallel_placement']}) "
                      f"of {layout}, executor {req['executor_backend']}, device {req['device']}; each replica: "
@@ -366,13 +382,15 @@ def format_plan(plan: Plan) -> str:
     if any(replica.ranks for replica in plan.replicas):
         lines.append("")
         dp = req["data_parallel_size"] > 1
-        header = (["replica"] if dp else []) + ["rank", "tp", "pp", "node", "ip", "device", "gpu"]
+        with_cp = req.get("context_parallel_size", 1) > 1
+        header = (["replica"] if dp else []) + ["rank", "tp", "pp"] + (["cp"] if with_cp else []) + \
+            ["node", "ip", "device", "gpu"]
         rows = []
         for replica in plan.replicas:
             for r in replica.ranks:
                 rows.append(([str(replica.replica)] if dp else [])
-                            + [str(r.rank), str(r.tp_rank), str(r.pp_rank), short.get(r.node_id, r.node_id[:12]),
-                               r.node_ip, r.device, ",".join(r.gpu_ids) or "-"])
+                            + [str(r.rank), str(r.tp_rank), str(r.pp_rank)] + ([str(r.cp_rank)] if with_cp else [])
+                            + [short.get(r.node_id, r.node_id[:12]), r.node_ip, r.device, ",".join(r.gpu_ids) or "-"])
         widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
         lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
         lines.extend("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
@@ -380,8 +398,8 @@ def format_plan(plan: Plan) -> str:
             lines.append("")
         # (A replica's groups never leave its node.)
         for replica in [] if dp else plan.replicas:
-            for kind, groups in (("TP", replica.tp_groups), ("PP", replica.pp_groups)):
-                if len(groups[0].ranks) < 2:
+            for kind, groups in (("TP", replica.tp_groups), ("PP", replica.pp_groups), ("CP", replica.cp_groups)):
+                if not groups or len(groups[0].ranks) < 2:
                     continue
                 parts = []
                 for g in groups:
@@ -406,7 +424,7 @@ def add_plan_subcommand(commands) -> None:
     parser = commands.add_parser(
         "plan", help="dry run: where each rank and replica would land on the Ray cluster",
         description="Reserve the placement groups a run with these flags would, show which rank (and "
-                    "data-parallel replica) lands on which node and device and which TP/PP groups span nodes, "
+                    "data-parallel replica) lands on which node and device and which TP/PP/CP groups span nodes, "
                     "then release them. Nothing loads. Exits 1, saying what is missing, when it does not fit.",
         formatter_class=HelpFormatter,
     )

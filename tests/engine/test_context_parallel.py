@@ -175,3 +175,49 @@ def test_cp2_on_mp_equals_hf_past_one_ranks_cache(model, reference):
         llm.shutdown()
     assert len(pids) == 2 and all(_gone(p) for p in pids)
     assert not set(segments) & set(os.listdir("/dev/shm"))
+
+
+def test_plan_shows_the_cp_groups(tiny_model_dir):
+    """`raylm plan`'s table: a cp column and the CP groups, each (pp, tp) slot's."""
+    from raylm.entrypoints.plan import Plan, _rank_placement, _replica, format_plan
+    from raylm.executor.ray_cluster import NodeState
+
+    pc = create_engine_config(tiny_model_dir("llama"), tensor_parallel_size=2,
+                              context_parallel_size=2).parallel_config
+    nodes = [NodeState("a" * 16, "10.0.0.1", {"CPU": 2}, {"CPU": 2}, True),
+             NodeState("b" * 16, "10.0.0.2", {"CPU": 2}, {"CPU": 2})]
+    ranks = [_rank_placement(r, pc, nodes[r // 2].node_id, nodes[r // 2].ip, "cpu", r % 2) for r in range(4)]
+    replica = _replica(0, None, None, ranks, pc)
+    assert [r.cp_rank for r in ranks] == [0, 0, 1, 1] and [r.tp_rank for r in ranks] == [0, 1, 0, 1]
+    request = {"tensor_parallel_size": 2, "pipeline_parallel_size": 1, "context_parallel_size": 2,
+               "data_parallel_size": 1, "bundles": 4, "bundle": {"CPU": 1}, "placement_strategy": "PACK",
+               "device": "cpu"}
+    text = format_plan(Plan(True, None, nodes[0].node_id, nodes, request, [replica]))
+    assert "TP=2 x PP=1 x CP=2 = 4 Ray workers" in text
+    assert "rank  tp  pp  cp  node" in text
+    assert "CP groups: ranks 0,2 across 2 nodes; ranks 1,3 across 2 nodes" in text
+    assert "TP groups: ranks 0,1 on aaaaaaaaaaaa; ranks 2,3 on bbbbbbbbbbbb" in text
+
+
+@pytest.mark.slow
+def test_tp2_x_cp2_on_mp_equals_hf(model, reference):
+    """Four ranks: TP groups {0,1}, {2,3}; CP groups {0,2}, {1,3} (each TP
+    rank's heads sharded over its CP group)."""
+    llm = LLM(model, context_parallel_size=2, tensor_parallel_size=2, distributed_executor_backend="mp",
+              **_engine_kwargs(model))
+    executor = executor_of(llm)
+    try:
+        _run_and_compare(llm, reference)
+    finally:
+        pids = executor.worker_pids
+        llm.shutdown()
+    assert len(pids) == 4 and all(_gone(p) for p in pids)
+
+
+def test_cp2_on_ray_equals_hf(model, reference, ray_session):
+    from tests.conftest import our_live_ray_state
+
+    with LLM(model, context_parallel_size=2, distributed_executor_backend="ray", **_engine_kwargs(model)) as llm:
+        assert len(executor_of(llm).workers) == 2
+        _run_and_compare(llm, reference)
+    assert our_live_ray_state() == ([], [])
