@@ -326,8 +326,6 @@ def _check_context_parallel(args: Any, device: str, data_parallel_size: int, aut
     if cp == 1:
         return
     refused = []
-    if args.pipeline_parallel_size > 1:
-        refused.append("pipeline_parallel_size > 1")
     if data_parallel_size > 1 or autoscale is not None:
         refused.append("data parallelism (data_parallel_size > 1, autoscale): live migration moves KV blocks "
                        "rank by rank and knows no sharded cache yet")

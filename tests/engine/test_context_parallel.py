@@ -1,10 +1,11 @@
 """Context parallelism (issue 26): each sequence's KV cache sharded across the
 ranks of a CP group, partial attention merged exactly by log-sum-exp.
 
-Greedy outputs equal Hugging Face's at CP=2 for a prompt longer than one
-rank's KV cache holds (the same per-rank budget refuses it at CP=1), through
-chunked prefill and prefix-cache hits; the flag's validation; the rank
-layout; nothing left behind."""
+Greedy outputs equal Hugging Face's at CP=2 (mp and Ray), TP=2 x CP=2 and
+PP=2 x CP=2 (mp) for a prompt longer than one rank's KV cache holds (the same
+per-rank budget refuses it at CP=1), through chunked prefill and prefix-cache
+hits; the flag's validation; the rank layout and `raylm plan`'s view of it;
+nothing left behind."""
 
 from __future__ import annotations
 
@@ -97,7 +98,6 @@ def test_context_parallel_size_must_be_a_positive_integer(value, tiny_model_dir)
 @pytest.mark.parametrize(
     "settings, named",
     [
-        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
         ({"data_parallel_size": 2}, "data parallelism"),
         ({"autoscale": "1:2"}, "data parallelism"),
         ({"distributed_executor_backend": "ray", "ray_step_transport": "cgraph"}, "cgraph"),
@@ -207,6 +207,22 @@ def test_tp2_x_cp2_on_mp_equals_hf(model, reference):
               **_engine_kwargs(model))
     executor = executor_of(llm)
     try:
+        _run_and_compare(llm, reference)
+    finally:
+        pids = executor.worker_pids
+        llm.shutdown()
+    assert len(pids) == 4 and all(_gone(p) for p in pids)
+
+
+@pytest.mark.slow
+def test_pp2_x_cp2_on_mp_equals_hf(model, reference):
+    """Two stages of one CP group each: stage-to-stage tensors go between the
+    ranks of the same cp slot, and the last stage's cp rank 0 replies."""
+    llm = LLM(model, context_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="mp",
+              **_engine_kwargs(model, max_num_batched_tokens=24))
+    executor = executor_of(llm)
+    try:
+        assert executor._output_rank == 2  # (pp - 1) * cp * tp
         _run_and_compare(llm, reference)
     finally:
         pids = executor.worker_pids
