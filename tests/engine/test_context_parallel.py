@@ -237,3 +237,32 @@ def test_cp2_on_ray_equals_hf(model, reference, ray_session):
         assert len(executor_of(llm).workers) == 2
         _run_and_compare(llm, reference)
     assert our_live_ray_state() == ([], [])
+
+
+@pytest.mark.slow
+def test_killed_cp_rank_mid_decode_is_recovered(model, reference):
+    """CP rank 1 (holding half of every sequence's KV) dies mid-decode: the
+    engine rebuilds the executor, the requests recompute their KV across the
+    new group, and the outputs are unchanged."""
+    import signal
+
+    from raylm.engine.protocol import RecoveryKind
+    from tests.engine.test_recovery import _executor_traces, assert_gone, generate_with_strike
+
+    prompts, ref = reference
+    keys = ["long", "short", "one"]
+    llm = LLM(model, context_parallel_size=2, distributed_executor_backend="mp", **_engine_kwargs(model))
+    try:
+        old = executor_of(llm)
+        old_traces = _executor_traces(old)
+        outputs = generate_with_strike(llm, [prompts[k] for k in keys], GREEDY,
+                                       lambda: os.kill(old.worker_pids[1], signal.SIGKILL), min_tokens=2)
+        assert [o.token_ids for o in outputs] == [ref[k] for k in keys]
+        core = llm.llm_engine.engine_core.engine_core
+        assert [e.kind for e in core.recoveries] == [RecoveryKind.WORKER_DIED]
+        assert core.scheduler.kv_cache_manager.num_blocks == 2 * BLOCKS_PER_RANK
+        assert_gone(old_traces)
+        new_traces = _executor_traces(executor_of(llm))
+    finally:
+        llm.shutdown()
+    assert_gone(new_traces)
