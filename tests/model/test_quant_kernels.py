@@ -121,6 +121,9 @@ def test_packed_decode_kernel_equals_the_decoded_weights_times_quantized_activat
         got_bf16 = kernels.quant_packed_linear(x.bfloat16(), packed, code, rows_out)
         expected_bf16 = _as_quantized(x.bfloat16(), qtype).double() @ reference.t()
         assert got_bf16.dtype == torch.bfloat16
+        # Written in bf16 by the kernel: the float result rounded as torch rounds.
+        via_float = kernels.quant_packed_linear(x.bfloat16().float(), packed, code, rows_out)
+        assert torch.equal(got_bf16, via_float.bfloat16())
         torch.testing.assert_close(got_bf16.double(), expected_bf16, atol=1e-4, rtol=1e-2)
     zero = kernels.quant_packed_linear(torch.zeros(1, cols), packed, code, rows_out)
     assert torch.equal(zero, torch.zeros(1, rows_out))

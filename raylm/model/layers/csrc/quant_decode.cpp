@@ -37,6 +37,7 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 
 #include "kernels.h"
 #include "tiled_gemm.h"
@@ -207,19 +208,28 @@ struct Activations {
   std::vector<int16_t> sum32;   // [rows][K / 32]
 };
 
+inline float as_float(float v) { return v; }
+inline float as_float(c10::BFloat16 v) { return float(v); }
+
 // Per block of `act_block` values: d = amax / 127, q = round(x * (127 / amax)) to
 // nearest even (the default rounding mode), as the tests' reference does.
-Activations quantize_rows(const float* x, int64_t rows, int64_t K, int64_t act_block) {
-  Activations a;
+// Into the calling thread's buffers (kept between calls: no allocation per call).
+template <typename T>
+const Activations& quantize_rows(const T* x, int64_t rows, int64_t K, int64_t act_block) {
+  thread_local Activations a;
   a.q.resize(rows * K);
   a.d.resize(rows * K / act_block);
   a.sum16.resize(rows * K / 16);
   a.sum32.resize(rows * K / 32);
+  float xb[256];
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t b = 0; b < K / act_block; ++b) {
-      const float* xb = x + m * K + b * act_block;
+      const T* src = x + m * K + b * act_block;
       float amax = 0.f;
-      for (int64_t i = 0; i < act_block; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      for (int64_t i = 0; i < act_block; ++i) {
+        xb[i] = as_float(src[i]);
+        amax = std::max(amax, std::fabs(xb[i]));
+      }
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
       a.d[m * (K / act_block) + b] = amax / 127.f;
       int8_t* qb = a.q.data() + m * K + b * act_block;
@@ -242,7 +252,8 @@ struct Call {
   int64_t K;
   const Activations* act;
   int64_t row0;          // first activation row
-  float* out[kMaxRows];  // first column of the tile in each row
+  void* out[kMaxRows];   // first column of the tile in each row, float or bfloat16
+  bool bf16_out;
   int64_t cols;          // valid columns (<= 16)
 };
 
@@ -268,10 +279,24 @@ inline void nibbles(const uint8_t* p, __m512i q[8]) {
   }
 }
 
+// 16 floats rounded to bfloat16 to nearest even, as torch rounds (NaN stays NaN).
+inline __m256i to_bf16(__m512 v) {
+  __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(bits);
+}
+
 template <int ROWS>
 void store(const Call& c, const __m512 acc[ROWS]) {
   const __mmask16 mask = c.cols >= kCols ? __mmask16(0xFFFF) : __mmask16((1u << c.cols) - 1);
-  for (int m = 0; m < ROWS; ++m) _mm512_mask_storeu_ps(c.out[m], mask, acc[m]);
+  for (int m = 0; m < ROWS; ++m) {
+    if (c.bf16_out)
+      _mm256_mask_storeu_epi16(c.out[m], mask, to_bf16(acc[m]));
+    else
+      _mm512_mask_storeu_ps(static_cast<float*>(c.out[m]), mask, acc[m]);
+  }
 }
 
 // Q8_0 and Q4_0: per block of 32, acc += d * dx * (sum q_u * x - offset * sum x),
@@ -471,13 +496,17 @@ at::Tensor quant_packed_linear(const at::Tensor& x, const at::Tensor& packed, in
                   packed.size(1) == K / g.block * g.packed,
               "quant_packed_linear: packed weight ", packed.sizes(), " does not hold [", out_features, ", ", K,
               "] in this type");
-  at::Tensor out = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
-  if (rows == 0 || out_features == 0) return out.to(x.scalar_type());
+  // In x's dtype, written by the kernel: no conversion of x or of the result around it.
+  at::Tensor out = at::empty({rows, out_features}, x.options());
+  if (rows == 0 || out_features == 0) return out;
 #ifdef RAYLM_QUANT_PACKED
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const Activations act = quantize_rows(xf.data_ptr<float>(), rows, K, g.act_block);
+  const at::Tensor xc = x.contiguous();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const Activations& act = bf16 ? quantize_rows(xc.data_ptr<c10::BFloat16>(), rows, K, g.act_block)
+                                : quantize_rows(xc.data_ptr<float>(), rows, K, g.act_block);
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  float* y = out.data_ptr<float>();
+  char* y = static_cast<char*>(out.data_ptr());
+  const int64_t elem = out.element_size();
   const int64_t blocks = K / g.block, tile_stride = blocks * g.packed;
   raylm::for_each_tile_block(rows, tiles, kMaxRows, [](int64_t) { return int64_t(1); },
                              [&](int64_t m0, int64_t block_rows, int64_t t, int64_t) {
@@ -488,9 +517,11 @@ at::Tensor quant_packed_linear(const at::Tensor& x, const at::Tensor& packed, in
                                c.act = &act;
                                c.row0 = m0;
                                c.cols = std::min(kCols, out_features - t * kCols);
-                               for (int64_t m = 0; m < block_rows; ++m) c.out[m] = y + (m0 + m) * out_features + t * kCols;
+                               c.bf16_out = bf16;
+                               for (int64_t m = 0; m < block_rows; ++m)
+                                 c.out[m] = y + ((m0 + m) * out_features + t * kCols) * elem;
                                tile_fn(qtype, block_rows)(c);
                              });
 #endif
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return out;
 }
