@@ -43,10 +43,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("model", ("raylm.model",)),
     ("distributed", ("raylm.distributed",)),
     # Plain values that cross layers: wire messages and sampling settings,
-    # user-facing outputs, the chat-template sandbox, CPU-core arithmetic.
+    # user-facing outputs, the chat-template sandbox, CPU-core arithmetic, the
+    # OpenMP spin setting (made at the package's import, read by the placements).
     (
         "values",
-        ("raylm.messages", "raylm.sampling_params", "raylm.outputs", "raylm.chat_template", "raylm.cpu_bind"),
+        ("raylm.messages", "raylm.sampling_params", "raylm.outputs", "raylm.chat_template", "raylm.cpu_bind",
+         "raylm.openmp_env"),
     ),
 ]
 

@@ -34,6 +34,10 @@ FORWARDED_ENV_VARS = (
     "TOKENIZERS_PARALLELISM",
     "OMP_NUM_THREADS",
     "MKL_NUM_THREADS",
+    # How idle OpenMP threads wait (raylm/openmp_env.py sets the spin short).
+    "OMP_WAIT_POLICY",
+    "GOMP_SPINCOUNT",
+    "KMP_BLOCKTIME",
     "NCCL_DEBUG",
     "NCCL_SOCKET_IFNAME",
     "GLOO_SOCKET_IFNAME",

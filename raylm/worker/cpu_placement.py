@@ -15,9 +15,19 @@ backend, `raylm bench throughput`; see the issue "Fast by default"):
 - torch on one core, the other left to the engine loop: 3855 under the same
   load, within 25% of the idle figure.
 
-So one physical core is kept out of the ranks' way whenever the ranks of the
-node can still have at least one core each; the other cores are split evenly
-between the ranks of the node (TP ranks wait for each other, so uneven
+With idle OpenMP threads that spin only briefly (raylm/openmp_env.py, the
+default), a single rank no longer needs that trade: two threads beside other
+work cost no more than one (111M bf16, one request 128 in / 128 out, 2 cores
+at load 5-6: 2.9-3.5 s on two threads, 3.0-3.4 s on one; 12.9-16.2 s on two
+with libgomp's default spin), and on a quiet machine the bandwidth-bound
+decode kernels read the weights about 1.6x faster on two (1 thread 2.13-2.46
+s, 2 threads 1.33-1.42 s). So a single rank (uni, mp TP=1) gets every core
+when the spin is short; when it is not (torch was imported before raylm, or
+the user chose a long spin) it keeps the trade below.
+
+Otherwise one physical core is kept out of the ranks' way whenever the ranks
+of the node can still have at least one core each; the other cores are split
+evenly between the ranks of the node (TP ranks wait for each other, so uneven
 shares buy nothing), whole physical cores at a time (one thread per core:
 SMT siblings share the FMA units that matmuls saturate), a rank's cores
 taken from one NUMA node when the ranks divide evenly over the nodes.
@@ -183,7 +193,7 @@ def format_cpus(cpus) -> str:
 
 def plan_cpu_placement(topology: CpuTopology, num_ranks: int, *, engine_loop_here: bool = True,
                        num_threads: int | None = None, cpu_bind: str | list[set[int]] = AUTO,
-                       max_threads_per_rank: int | None = None) -> CpuPlacement:
+                       max_threads_per_rank: int | None = None, openmp_spin_limited: bool = False) -> CpuPlacement:
     """Place the `num_ranks` ranks that run on one node.
 
     engine_loop_here: the engine loop (the driver's Python work) runs on this
@@ -191,6 +201,8 @@ def plan_cpu_placement(topology: CpuTopology, num_ranks: int, *, engine_loop_her
     num_threads: the user's threads per rank (overrides the count, not the cores).
     cpu_bind: "auto", "all", or parsed groups (see parse_cpu_bind).
     max_threads_per_rank: a cap, e.g. the CPUs of a Ray actor's bundle.
+    openmp_spin_limited: the ranks' idle OpenMP threads sleep soon (see the
+      module notes): a single rank then keeps no core back.
     """
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
@@ -200,7 +212,8 @@ def plan_cpu_placement(topology: CpuTopology, num_ranks: int, *, engine_loop_her
         return _plan_explicit(topology, num_ranks, cpu_bind, num_threads)
     all_cpus = tuple(sorted(topology.cpus))
     cores = list(topology.cores)
-    reserve = ENGINE_LOOP_CORES if engine_loop_here and len(cores) >= num_ranks + ENGINE_LOOP_CORES else 0
+    keep_loop_core = engine_loop_here and not (num_ranks == 1 and openmp_spin_limited)
+    reserve = ENGINE_LOOP_CORES if keep_loop_core and len(cores) >= num_ranks + ENGINE_LOOP_CORES else 0
     per_rank = (len(cores) - reserve) // num_ranks
     if num_threads and num_threads > per_rank and num_threads * num_ranks <= len(cores):
         # The user's thread count gets a core per thread, at the engine loop's expense.

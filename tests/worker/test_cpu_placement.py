@@ -47,6 +47,15 @@ def test_two_cores_uni_keeps_one_core_for_the_engine_loop():
     assert plan.engine_loop_cpus == (1,)
 
 
+def test_a_single_rank_whose_openmp_threads_sleep_soon_takes_every_core():
+    plan = plan_cpu_placement(flat(2), 1, openmp_spin_limited=True)
+    assert threads_of(plan) == [2] and cores_of(plan) == [None] and plan.engine_loop_cpus == ()
+    # Not with a Ray bundle's cap, nor for several ranks (they keep the static trade).
+    assert threads_of(plan_cpu_placement(flat(2), 1, openmp_spin_limited=True, max_threads_per_rank=1)) == [1]
+    several = plan_cpu_placement(flat(8), 2, openmp_spin_limited=True)
+    assert threads_of(several) == [3, 3] and several.engine_loop_cpus == (6, 7)
+
+
 def test_one_core_has_nothing_to_reserve():
     plan = plan_cpu_placement(flat(1), 1)
     assert threads_of(plan) == [1] and plan.engine_loop_cpus == ()
@@ -94,6 +103,7 @@ def test_hyperthreads_a_rank_gets_whole_cores_one_thread_each():
     assert set(plan.engine_loop_cpus) == {2, 6, 3, 7}
     uni = plan_cpu_placement(topo, 1)
     assert threads_of(uni) == [3]
+    assert threads_of(plan_cpu_placement(topo, 1, openmp_spin_limited=True)) == [4]
 
 
 def test_numa_ranks_stay_within_a_node():
@@ -269,3 +279,4 @@ def test_contention_watch_needs_enough_steps_and_time():
     watch = ContentionWatch(1, window_s=1.0, min_steps=4, clocks=fake.clocks())
     assert not any(fake.step(watch, 0.01, 0.001) for _ in range(50))
     assert fake.step(watch, 0.6, 0.06)
+
