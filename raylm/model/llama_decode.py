@@ -6,7 +6,9 @@ that is most of the step, on the ~111M one a tenth of it. When a step can be
 served this way (CPU, bfloat16 weights packed for the decode kernel, one
 tensor-parallel rank, every token a decode, at most DECODE_MAX_ROWS of them),
 the layers run in one call of the same kernels, so the result is the same to
-the bit; otherwise LlamaModel runs its modules as usual.
+the bit; otherwise LlamaModel runs its modules as usual. Layers whose weights
+came GGUF-quantized run the same way in csrc/quant_decode.cpp's
+quant_decode_layers (each matmul a stack of quantized or bf16 row segments).
 """
 
 from __future__ import annotations
@@ -40,12 +42,47 @@ def _optional(t: torch.Tensor | None) -> torch.Tensor:
 _EMPTY = torch.empty(0)
 
 
+def _quantized_layer_params(layer: nn.Module, cache: torch.Tensor) -> list[torch.Tensor] | None:
+    """A LlamaDecoderLayer with quantized weights in quant_decode_layers' order, or None."""
+    attn = layer.self_attn
+    linears = []
+    for linear in _linears(layer):
+        if linear.quant_matmul is not None:
+            slots = linear.quant_matmul.decode_slots()
+        else:
+            # A float weight beside quantized ones (e.g. rows that are not whole
+            # blocks) as one bf16 segment; only without a bias, which the module
+            # path adds inside bf16_linear and quant_decode_layers after it.
+            layout = _decode_layout(linear)
+            slots = None if layout is None or linear.bias is not None else [
+                torch.tensor([[-1, _layout_rows(linear)]], dtype=torch.int64), layout, *[_EMPTY] * 2]
+        if slots is None:
+            return None
+        linears.append([*slots, _optional(linear.bias)])
+    qkv, o, gate_up, down = linears
+    return [
+        layer.input_layernorm.weight.data,
+        *qkv,
+        _optional(None if attn.q_norm is None else attn.q_norm.weight.data),
+        _optional(None if attn.k_norm is None else attn.k_norm.weight.data),
+        *o,
+        layer.post_attention_layernorm.weight.data,
+        *gate_up,
+        *down,
+        cache,
+    ]
+
+
 def _layer_params(layer: nn.Module) -> list[torch.Tensor] | None:
-    """A LlamaDecoderLayer's tensors in decode_layers.cpp's order, or None when it cannot run there."""
+    """A LlamaDecoderLayer's tensors in decode_layers.cpp's order (or, for
+    quantized weights, quant_decode_layers'), or None when it cannot run there."""
     attn, mlp = layer.self_attn, layer.mlp
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    layouts = [_decode_layout(linear) for linear in linears]
     cache = attn.attn.kv_cache
+    if cache is None or cache.dtype != torch.bfloat16 or attn.attn._decode_kernel(torch.bfloat16) is None:
+        return None
+    if _is_quantized(layer):
+        return _quantized_layer_params(layer, cache)
+    layouts = [_decode_layout(linear) for linear in _linears(layer)]
     if (
         any(layout is None for layout in layouts)
         or cache is None
@@ -71,6 +108,18 @@ def _layer_params(layer: nn.Module) -> list[torch.Tensor] | None:
     ]
 
 
+def _layout_rows(linear: LinearBase) -> int:
+    return linear.packed_weight.out_features
+
+
+def _linears(layer: nn.Module) -> tuple[LinearBase, ...]:
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
+
+def _is_quantized(layer: nn.Module) -> bool:
+    return any(linear.quant_matmul is not None for linear in _linears(layer))
+
+
 class FusedDecode:
     """Runs a LlamaModel's own layers for a decode step, when the step allows."""
 
@@ -78,6 +127,7 @@ class FusedDecode:
         self._model = model
         self._layers: list[nn.Module] | None = None  # this stage's decoder layers
         self._params: list[torch.Tensor] | None = None
+        self._quantized = False  # whether _params are quant_decode_layers'
         self._caches: list[torch.Tensor | None] = []  # the KV caches _params were built with
 
     def _current_params(self) -> list[torch.Tensor] | None:
@@ -91,7 +141,10 @@ class FusedDecode:
             return self._params
         self._caches = [layer.self_attn.attn.kv_cache for layer in self._layers]
         per_layer = [_layer_params(layer) for layer in self._layers]
-        self._params = None if any(p is None for p in per_layer) else [t for p in per_layer for t in p]
+        kinds = {_is_quantized(layer) for layer in self._layers}  # one kernel serves all layers, or none
+        self._params = None if any(p is None for p in per_layer) or len(kinds) != 1 else [
+            t for p in per_layer for t in p]
+        self._quantized = kinds == {True}
         return self._params
 
     def __call__(
@@ -120,6 +173,15 @@ class FusedDecode:
             return None
         first = self._model.layers[self._model.start_layer]
         attn, rotary = first.self_attn, self._model.rotary_emb
+        if self._quantized:
+            if not hasattr(kernels, "quant_decode_layers"):
+                return None
+            return kernels.quant_decode_layers(
+                hidden.contiguous(), _EMPTY if residual is None else residual.contiguous(), positions.contiguous(),
+                meta.slot_mapping, meta.decode_block_table, meta.decode_context_lens, rotary.cos_cache,
+                rotary.sin_cache, params, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                self._model.hidden_size, first.input_layernorm.eps, attn.attn.scale,
+            )
         return kernels.decode_layers(
             hidden.contiguous(),
             _EMPTY if residual is None else residual.contiguous(),

@@ -140,3 +140,47 @@ def test_a_quantized_lm_head_stays_quantized(tiny_model_dir, tmp_path):
     assert model.model.embed_tokens.weight.shape[0] >= 512
     reference = write_dequantized_reference(folder, tmp_path / "reference", "Q4_K", tensor_type=q4_k_m)
     torch.testing.assert_close(raylm_logits(model), hf_logits(reference), atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_decode_of_quantized_layers_equals_the_module_path(arch, tiny_model_dir, tmp_path, monkeypatch):
+    """Decode steps of a Q4_K_M-like bf16 model through quant_decode_layers (one
+    call for the layers; q and k in Q4_K, v in Q6_K, a bias-free and a q/k-norm
+    architecture) against the same model module by module: the same kernels in
+    the same order, so tokens and logprobs agree to the bit."""
+    from raylm.model import llama_decode
+    from raylm.model.layers import quant_kernels
+    from raylm.model.layers.cpu_kernels import get_cpu_kernels
+
+    kernels = get_cpu_kernels()
+    if kernels is None or not quant_kernels.packed_kernel_available(kernels):
+        pytest.skip("no AVX-512 VNNI decode kernel in this build")
+
+    class Counting:
+        calls = 0
+
+        def __getattr__(self, name):
+            return getattr(kernels, name)
+
+        def quant_decode_layers(self, *args):
+            Counting.calls += 1
+            return kernels.quant_decode_layers(*args)
+
+    monkeypatch.setattr(llama_decode, "get_cpu_kernels", lambda: Counting())
+    path = write_gguf(tiny_model_dir(arch, **QUANT_SHAPE), tmp_path / "model.gguf", "Q4_K", tensor_type=q4_k_m)
+    prompts = [[1, 17, 300, 5], [1, 99, 640, 7, 3, 250, 11], [2, 3]]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (12, 5, 9)]
+
+    def generate():
+        with LLM(str(path), dtype="bfloat16", distributed_executor_backend="uni", enable_prefix_caching=False,
+                 **SMALL_ENGINE) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    fused = generate()
+    assert Counting.calls > 0, "no decode step went through quant_decode_layers"
+    monkeypatch.setattr(llama_decode, "ENABLED", False)
+    Counting.calls = 0
+    modules = generate()
+    assert Counting.calls == 0
+    assert fused == modules

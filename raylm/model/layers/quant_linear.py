@@ -95,6 +95,34 @@ class QuantizedMatmul:
     def nbytes(self) -> int:
         return sum(segment.nbytes for segment in self.segments)
 
+    # Segments one linear may have in csrc/quant_decode.cpp's quant_decode_layers.
+    DECODE_MAX_SEGMENTS = 3
+
+    def decode_slots(self) -> list[torch.Tensor] | None:
+        """This matmul as quant_decode_layers reads it (without the bias): a
+        [segments, 2] int64 spec of (type code, output rows; code -1: bf16 in
+        bf16_linear's layout), then each segment's packed weight, padded with
+        empty tensors; None when a segment has no decode layout."""
+        spec, weights = [], []
+        for segment in self.segments:
+            if isinstance(segment, QuantSegment):
+                state = segment.state
+                if not isinstance(state, quant_kernels.GGUFState) or state.packed is None:
+                    return None
+                spec.append((state.code, state.data.shape[0]))
+                weights.append(state.packed)
+            else:
+                layout = None if segment.packed is None else segment.packed.decode_layout
+                if layout is None:
+                    return None
+                spec.append((-1, segment.weight.shape[0]))
+                weights.append(layout)
+        if len(weights) > self.DECODE_MAX_SEGMENTS:
+            return None
+        empty = torch.empty(0)
+        return [torch.tensor(spec, dtype=torch.int64), *weights,
+                *[empty] * (self.DECODE_MAX_SEGMENTS - len(weights))]
+
 
 def _merge_same_type(parts):
     """Adjacent quantized parts of one type become one (one kernel call, not several)."""

@@ -25,6 +25,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_packed_linear", &quant_packed_linear,
         "x @ W^T for few rows of x (quantized per block to int8), W packed by quant_pack", py::arg("x"),
         py::arg("packed"), py::arg("qtype"), py::arg("out_features"));
+  m.def("quant_decode_params_per_layer", &quant_decode_params_per_layer,
+        "tensors per layer that quant_decode_layers reads");
+  m.def("quant_decode_layers", &quant_decode_layers,
+        "the decoder layers of a Llama-family model for a decode step, GGUF-quantized weights", py::arg("hidden"),
+        py::arg("residual"), py::arg("positions"), py::arg("slot_mapping"), py::arg("block_table"),
+        py::arg("context_lens"), py::arg("cos_cache"), py::arg("sin_cache"), py::arg("params"),
+        py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("hidden_size"),
+        py::arg("eps"), py::arg("scale"));
   m.def("bf16_pack", &bf16_pack, "a [out, in] bfloat16 weight in bf16_linear's tile layout", py::arg("weight"));
   m.def("bf16_linear", &bf16_linear, "x @ W^T (+ bias) for few rows of x, W packed by bf16_pack", py::arg("x"),
         py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());

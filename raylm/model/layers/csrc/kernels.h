@@ -22,6 +22,12 @@ at::Tensor quant_dequantize(const at::Tensor& weight, int64_t qtype, int64_t K, 
 bool quant_packed_supported();
 at::Tensor quant_pack(const at::Tensor& weight, int64_t qtype);
 at::Tensor quant_packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t out_features);
+int64_t quant_decode_params_per_layer();
+std::tuple<at::Tensor, at::Tensor> quant_decode_layers(
+    at::Tensor hidden, at::Tensor residual, const at::Tensor& positions, const at::Tensor& slot_mapping,
+    const at::Tensor& block_table, const at::Tensor& context_lens, const at::Tensor& cos_cache,
+    const at::Tensor& sin_cache, const std::vector<at::Tensor>& params, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t hidden_size, double eps, double scale);
 at::Tensor bf16_pack(const at::Tensor& weight);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                        const c10::optional<at::Tensor>& bias);

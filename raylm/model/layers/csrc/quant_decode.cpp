@@ -525,3 +525,98 @@ at::Tensor quant_packed_linear(const at::Tensor& x, const at::Tensor& packed, in
 #endif
   return out;
 }
+
+// ---- a decode step's layers in one call, with quantized weights -------------------
+//
+// decode_layers.cpp's loop (same kernels, same order, so the result equals
+// the module path to the bit), for layers whose matmuls are stacks of row
+// segments (quant_linear.py's QuantizedMatmul: a Q4_K_M file keeps q and k in
+// Q4_K and v in Q6_K; rows that are not whole blocks come as bf16). Each
+// linear is kLinearSlots tensors: a [segments, 2] int64 spec of (type code, output rows),
+// code -1 for a bf16 segment in bf16_linear's layout, then one packed weight
+// per segment (empty past the last), then the bias (empty when none).
+
+namespace {
+
+constexpr int64_t kMaxSegments = 3;
+constexpr int64_t kLinearSlots = 2 + kMaxSegments;
+
+enum QuantLayerParam : int64_t {
+  kQInputNorm = 0,
+  kQQkv = 1,
+  kQQNorm = kQQkv + kLinearSlots,
+  kQKNorm,
+  kQO,
+  kQPostNorm = kQO + kLinearSlots,
+  kQGateUp,
+  kQDown = kQGateUp + kLinearSlots,
+  kQKvCache = kQDown + kLinearSlots,
+  kQParamsPerLayer,
+};
+
+at::Tensor segmented_linear(const at::Tensor& x, const at::Tensor* slots) {
+  const at::Tensor& spec = slots[0];
+  const int64_t segments = spec.size(0);
+  const int64_t* s = spec.data_ptr<int64_t>();
+  std::vector<at::Tensor> outs;
+  for (int64_t i = 0; i < segments; ++i) {
+    const int64_t code = s[2 * i], rows = s[2 * i + 1];
+    outs.push_back(code < 0 ? bf16_linear(x, slots[1 + i], rows, c10::nullopt)
+                            : quant_packed_linear(x, slots[1 + i], code, rows));
+  }
+  at::Tensor y = segments == 1 ? outs[0] : at::cat(outs, 1);
+  const at::Tensor& bias = slots[1 + kMaxSegments];
+  return bias.numel() ? y + bias : y;
+}
+
+at::Tensor per_head_norm(const at::Tensor& x, const at::Tensor& weight, int64_t head_dim, double eps) {
+  const int64_t tokens = x.size(0);
+  return rms_norm(x.reshape({-1, head_dim}), weight, eps).view({tokens, -1});
+}
+
+}  // namespace
+
+int64_t quant_decode_params_per_layer() { return kQParamsPerLayer; }
+
+std::tuple<at::Tensor, at::Tensor> quant_decode_layers(
+    at::Tensor hidden, at::Tensor residual, const at::Tensor& positions, const at::Tensor& slot_mapping,
+    const at::Tensor& block_table, const at::Tensor& context_lens, const at::Tensor& cos_cache,
+    const at::Tensor& sin_cache, const std::vector<at::Tensor>& params, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t hidden_size, double eps, double scale) {
+  TORCH_CHECK(params.size() % kQParamsPerLayer == 0, "quant_decode_layers: ", kQParamsPerLayer,
+              " parameters per layer");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_size,
+              "quant_decode_layers: hidden must be [T, hidden_size]");
+  const int64_t tokens = hidden.size(0);
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == tokens,
+              "quant_decode_layers: one int64 slot per token");
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const int64_t layers = int64_t(params.size()) / kQParamsPerLayer;
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* p = params.data() + l * kQParamsPerLayer;
+    at::Tensor h;
+    if (residual.numel() == 0) {
+      residual = hidden;
+      h = rms_norm(hidden, p[kQInputNorm], eps);
+    } else {
+      std::tie(h, residual) = add_rms_norm(hidden, residual, p[kQInputNorm], eps);
+    }
+    const at::Tensor qkv = segmented_linear(h, p + kQQkv);
+    at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
+    if (p[kQQNorm].numel()) {
+      q = per_head_norm(q, p[kQQNorm], head_dim, eps);
+      k = per_head_norm(k, p[kQKNorm], head_dim, eps);
+    }
+    std::tie(q, k) = rotary_neox(positions, q, k, cos_cache, sin_cache, head_dim);
+    const at::Tensor& kv_cache = p[kQKvCache];
+    kv_cache[0].view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, k.view({tokens, num_kv_heads, head_dim}));
+    kv_cache[1].view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, v.view({tokens, num_kv_heads, head_dim}));
+    const at::Tensor attn =
+        paged_decode(q.view({tokens, num_heads, head_dim}), kv_cache, block_table, context_lens, scale);
+    const at::Tensor o = segmented_linear(attn.view({tokens, q_size}), p + kQO);
+    std::tie(h, residual) = add_rms_norm(o, residual, p[kQPostNorm], eps);
+    hidden = segmented_linear(silu_and_mul(segmented_linear(h, p + kQGateUp)), p + kQDown);
+  }
+  return {hidden, residual};
+}
