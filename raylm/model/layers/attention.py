@@ -108,8 +108,9 @@ class Attention(nn.Module):
         row = 0
         for s in cp.sharded:
             n = s.q_end - s.q_start
-            o, lse = partial_attention(q[s.q_start : s.q_end], k_flat[s.key_slots], v_flat[s.key_slots],
-                                       self.scale, s.mask)
+            # (index_select: several times faster than advanced indexing on CPU.)
+            o, lse = partial_attention(q[s.q_start : s.q_end], k_flat.index_select(0, s.key_slots),
+                                       v_flat.index_select(0, s.key_slots), self.scale, s.mask)
             parts[row : row + n, :, : self.head_dim] = o
             parts[row : row + n, :, self.head_dim] = lse
             row += n

@@ -28,20 +28,27 @@ def partial_attention(
     q's dtype, lse [T, H] float32); rows with nothing to attend give out 0, lse -inf.
     """
     num_tokens, num_heads, head_dim = q.shape
-    group = num_heads // k.shape[1]
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
     if k.shape[0] == 0:
         return q.new_zeros(q.shape), torch.full((num_tokens, num_heads), float("-inf"), device=q.device)
-    # [H, T, S] scores in float32, each query head against its kv head.
-    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
-    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = torch.matmul(q.float().transpose(0, 1), kf.transpose(1, 2)) * scale
+    # Query head h reads kv head h // group. The group's queries are stacked
+    # against their kv head ([KVH, group * T, D]) rather than the keys
+    # repeated per query head: no copy of the shard's K/V.
+    qf = q.float().view(num_tokens, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    qf = qf.reshape(num_kv_heads, group * num_tokens, head_dim)
+    kf, vf = k.float().transpose(0, 1), v.float().transpose(0, 1)  # [KVH, S, D]
+    scores = torch.matmul(qf, kf.transpose(1, 2)).mul_(scale)  # [KVH, group * T, S]
     if mask is not None:
-        scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [H, T]
+        scores = scores.view(num_kv_heads, group, num_tokens, -1).masked_fill(~mask, float("-inf"))
+        scores = scores.view(num_kv_heads, group * num_tokens, -1)
+    lse = torch.logsumexp(scores, dim=-1)  # [KVH, group * T]
     empty = torch.isinf(lse)
     probs = torch.exp(scores - torch.where(empty, 0.0, lse).unsqueeze(-1))
-    out = torch.matmul(probs, vf)  # [H, T, D]; a row of an empty shard is all zeros
-    return out.transpose(0, 1).to(q.dtype), lse.transpose(0, 1)
+    out = torch.matmul(probs, vf)  # [KVH, group * T, D]; a row of an empty shard is all zeros
+    out = out.view(num_kv_heads, group, num_tokens, head_dim).permute(2, 0, 1, 3).reshape(q.shape)
+    lse = lse.view(num_kv_heads, group, num_tokens).permute(2, 0, 1).reshape(num_tokens, num_heads)
+    return out.to(q.dtype), lse
 
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:

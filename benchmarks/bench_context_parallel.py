@@ -1,0 +1,89 @@
+"""Context parallelism (issue 26): time to first token and decode speed of one
+long request at CP=1 and CP=2, and the KV capacity of each engine, with the
+same KV budget per rank.
+
+    python benchmarks/bench_context_parallel.py --make-model large /tmp/bench_models/llama-111m-8k
+    python benchmarks/bench_context_parallel.py --model /tmp/bench_models/llama-111m-8k --prompt-len 4096
+
+Both engines stay open (mp workers) and the rounds alternate between them,
+so a busy shared machine loads both alike. Prefix caching is off:
+every round computes its prompt. At this step a CP group still computes the
+whole prompt on every rank (each stores only its share of the K/V), so TTFT
+is not expected to drop yet; see raylm.model.layers.attention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from raylm import LLM, SamplingParams  # noqa: E402
+from raylm.model.arch_config import ArchConfig  # noqa: E402
+
+
+def _time_generate(llm: LLM, prompt: list[int], max_tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model")
+    parser.add_argument("--make-model", nargs=2, metavar=("PRESET", "PATH"),
+                        help="build compare_vllm.py's preset with max_position_embeddings = 8192 first")
+    parser.add_argument("--prompt-len", type=int, default=4096)
+    parser.add_argument("--max-tokens", type=int, default=33, help="decode speed: tokens 2..N")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20, help="per rank")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--num-threads", type=int, default=None, help="per rank; default: planned from the cores")
+    args = parser.parse_args()
+    model = args.model
+    if args.make_model:
+        from compare_vllm import make_model
+
+        model = str(make_model(args.make_model[0], args.make_model[1], max_position_embeddings=8192))
+    if not model:
+        parser.error("--model or --make-model")
+    vocab = ArchConfig.from_model_dir(model).vocab_size
+    prompt = [random.Random(0).randrange(3, vocab) for _ in range(args.prompt_len)]
+    engines = {}
+    for cp in (1, 2):
+        engines[cp] = LLM(model, dtype=args.dtype, context_parallel_size=cp, distributed_executor_backend="mp",
+                          kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=False,
+                          num_threads=args.num_threads,
+                          max_model_len=args.prompt_len + args.max_tokens)
+    ttft: dict[int, list[float]] = {1: [], 2: []}
+    decode: dict[int, list[float]] = {1: [], 2: []}
+    try:
+        for cp, llm in engines.items():  # warm-up
+            _time_generate(llm, prompt[:64], 2)
+        for _ in range(args.rounds):
+            for cp, llm in engines.items():
+                first = _time_generate(llm, prompt, 1)
+                whole = _time_generate(llm, prompt, args.max_tokens)
+                ttft[cp].append(first)
+                decode[cp].append((args.max_tokens - 1) / max(whole - first, 1e-9))
+        for cp, llm in engines.items():
+            cc = llm.llm_engine.engine_core.engine_core.config.cache_config
+            print(f"CP={cp}: KV capacity {cc.num_blocks * cc.block_size} tokens "
+                  f"({cc.num_blocks // cp} blocks of {cc.block_size} per rank); "
+                  f"TTFT {statistics.median(ttft[cp]):.3f} s (rounds {[round(t, 3) for t in ttft[cp]]}); "
+                  f"decode {statistics.median(decode[cp]):.1f} tok/s (rounds {[round(d, 1) for d in decode[cp]]})")
+        print(f"CP=2 / CP=1: TTFT {statistics.median(ttft[2]) / statistics.median(ttft[1]):.2f}x, "
+              f"decode {statistics.median(decode[2]) / statistics.median(decode[1]):.2f}x")
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
