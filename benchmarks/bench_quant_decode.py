@@ -14,8 +14,11 @@ Two measurements per file:
   bytes of those matrices over the time of one step.
 - one request (unless --no-e2e): LLM(file) in bf16 decoding `output-len`
   tokens after a 16-token prompt, tok/s from the time of a (1 + output-len)-
-  token generation minus a 1-token one, with the packed kernel on and off
-  (quant_kernels.PACKED_MAX_ROWS = 0 sends decode back to the row-tiled path).
+  token generation minus a 1-token one, three ways: the row-tiled kernel with
+  the layers module by module (quant_kernels.PACKED_MAX_ROWS = 0, the fused
+  decode off: raylm before the packed kernel), the packed kernel module by
+  module, and the packed kernel with a step's layers in one call
+  (quant_decode_layers, the default).
 
 The roofline is a 512 MiB torch sum on the same threads, measured every round
 between the others; share = bytes of quantized weights per token x tok/s / it.
@@ -31,6 +34,7 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 
+from raylm.model import llama_decode
 from raylm.model.layers import quant_kernels
 from raylm.model.layers.cpu_kernels import get_cpu_kernels
 
@@ -121,26 +125,29 @@ def main() -> None:
             continue
         from raylm import LLM
 
+        # In this process ("uni"), so that the switches below reach the model.
         llm = LLM(path, dtype="bfloat16", num_threads=args.threads, enable_prefix_caching=False,
-                  kv_cache_memory_bytes=64 << 20)
-        tok_s: dict[bool, list[float]] = {False: [], True: []}
+                  kv_cache_memory_bytes=64 << 20, distributed_executor_backend="uni")
+        paths = {"row-tiled, modules": (0, False), "packed, modules": (default_rows := quant_kernels.PACKED_MAX_ROWS,
+                                                                     False),
+                 "packed, one call": (default_rows, True)}
+        tok_s: dict[str, list[float]] = {path: [] for path in paths}
         bandwidths = []
-        default_rows = quant_kernels.PACKED_MAX_ROWS
+        fused = llama_decode.ENABLED
         try:
             decode_tok_s(llm, 4)  # warm-up
             for _ in range(args.rounds):
                 bandwidths.append(bandwidth_gb_s())
-                for packed in (False, True):
-                    quant_kernels.PACKED_MAX_ROWS = default_rows if packed else 0
-                    tok_s[packed].append(decode_tok_s(llm, args.output_len))
+                for name, (rows, one_call) in paths.items():
+                    quant_kernels.PACKED_MAX_ROWS, llama_decode.ENABLED = rows, one_call
+                    tok_s[name].append(decode_tok_s(llm, args.output_len))
         finally:
-            quant_kernels.PACKED_MAX_ROWS = default_rows
+            quant_kernels.PACKED_MAX_ROWS, llama_decode.ENABLED = default_rows, fused
             llm.shutdown()
         bw = statistics.median(bandwidths)
-        for packed in (False, True):
-            rate = statistics.median(tok_s[packed])
-            print(f"one request, batch-1 decode, {'packed' if packed else 'row-tiled'}: {rate:.1f} tok/s "
-                  f"(spread {min(tok_s[packed]):.1f}-{max(tok_s[packed]):.1f}); "
+        for name, rates in tok_s.items():
+            rate = statistics.median(rates)
+            print(f"one request, batch-1 decode, {name}: {rate:.1f} tok/s (spread {min(rates):.1f}-{max(rates):.1f}); "
                   f"share of roofline {nbytes * rate / 1e9 / bw:.0%} (torch sum {bw:.1f} GB/s)")
 
 
