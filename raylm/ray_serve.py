@@ -186,7 +186,8 @@ def plan_replica(engine: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
     if (engine.get("data_parallel_size") or 1) != 1:
         raise ValueError("data_parallel_size: under Ray Serve, scale with replicas (num_replicas or "
                          "autoscaling_config) instead; each replica is one engine")
-    world = (engine.get("tensor_parallel_size") or 1) * (engine.get("pipeline_parallel_size") or 1)
+    world = ((engine.get("tensor_parallel_size") or 1) * (engine.get("pipeline_parallel_size") or 1)
+             * (engine.get("context_parallel_size") or 1))
     backend = engine.get("distributed_executor_backend") or ("ray" if world > 1 else None)
     if backend not in (None, "uni", "mp", "ray"):
         raise ValueError(f"distributed_executor_backend: one of uni, mp, ray under Ray Serve, got {backend!r}")

@@ -199,6 +199,15 @@ def test_plan_shows_the_cp_groups(tiny_model_dir):
     assert "TP groups: ranks 0,1 on aaaaaaaaaaaa; ranks 2,3 on bbbbbbbbbbbb" in text
 
 
+def test_a_ray_serve_replica_reserves_a_bundle_per_cp_rank():
+    from raylm.ray_serve import plan_replica, split_settings
+
+    engine, options = plan_replica(split_settings({"context_parallel_size": 2, "tensor_parallel_size": 2,
+                                                   "device": "cpu"})[0])
+    assert engine["distributed_executor_backend"] == "ray"
+    assert options["placement_group_bundles"] == [{"CPU": 0.01}] + [{"CPU": 1.0}] * 4
+
+
 @pytest.mark.slow
 def test_tp2_x_cp2_on_mp_equals_hf(model, reference):
     """Four ranks: TP groups {0,1}, {2,3}; CP groups {0,2}, {1,3} (each TP
