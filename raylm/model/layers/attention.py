@@ -14,7 +14,12 @@ of every sequence's K/V (the blocks whose id the worker maps to it, see
 raylm.worker.input_batch); a query attends over the rank's share with
 `partial_attention`, and the group all-gathers (output, log-sum-exp) and
 merges them exactly (`merge_partials`), so every rank continues with the same
-hidden states.
+hidden states. A prompt with no earlier context is still computed whole on
+every CP rank (each stores only its share of its K/V), which is exact and
+needs no communication but saves no prefill time. Next step (issue 26, item
+2): split the prompt's tokens across the CP ranks (balanced for causal
+attention, a chunk from each end per rank) and attend ring-wise or over
+all-gathered K/V, so each rank computes only its share of the prefill too.
 """
 
 from __future__ import annotations
