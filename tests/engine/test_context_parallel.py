@@ -211,9 +211,10 @@ def test_a_ray_serve_replica_reserves_a_bundle_per_cp_rank():
 @pytest.mark.slow
 def test_tp2_x_cp2_on_mp_equals_hf(model, reference):
     """Four ranks: TP groups {0,1}, {2,3}; CP groups {0,2}, {1,3} (each TP
-    rank's heads sharded over its CP group)."""
+    rank's heads sharded over its CP group). With async scheduling: every CP
+    rank fills in the token it sampled itself, the same on all of them."""
     llm = LLM(model, context_parallel_size=2, tensor_parallel_size=2, distributed_executor_backend="mp",
-              **_engine_kwargs(model))
+              **_engine_kwargs(model, async_scheduling=True))
     executor = executor_of(llm)
     try:
         _run_and_compare(llm, reference)
