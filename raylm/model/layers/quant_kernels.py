@@ -22,15 +22,18 @@ GGUF_TYPE_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q6_K": 3}
 # From this many activation rows on (prefill), the weight is widened once into a
 # transient float copy for a float matmul, instead of each block per row tile.
 WIDEN_FROM_ROWS = 16
-# Below WIDEN_FROM_ROWS rows (decode), in bfloat16 models where the build has
-# AVX-512 VNNI, the weight is read in the tile layout packed once at load
-# (csrc/quant_decode.cpp) and the activations are quantized per block to int8,
-# as llama.cpp does: the stream of 4-6-bit weights is then as fast as memory
-# reads it, where widening each weight to a float costs more than reading it
-# (the 111M model's matmuls, 2 threads, loaded machine: 1.8-3.2x the row-tiled
-# path at 1-4 rows, 2.3-4.2x at 8-15). float32 models keep float activations
-# (the row-tiled path): they asked for float precision.
-PACKED_MAX_ROWS = WIDEN_FROM_ROWS - 1
+# Up to PACKED_MAX_ROWS rows (decode steps, small batches of them), in bfloat16
+# models where the build has AVX-512 VNNI, the weight is read in the tile
+# layout packed once at load (csrc/quant_decode.cpp) and the activations are
+# quantized per block to int8, as llama.cpp does: the stream of 4-6-bit
+# weights is then as fast as memory reads it, where widening each weight to a
+# float costs more than reading it. Measured on the 111M model's matmuls
+# (loaded machine): 1.8-3.2x the row-tiled path at 1-4 rows, 2.3-4.2x at
+# 8-15; against widening the weight for oneDNN, 0.25-0.6x its time at 16 rows,
+# 0.5-1.05x at 64, 1.1-1.2x at 128 and 2x at 512 (so prefill keeps widening).
+# float32 models keep float activations (the paths above): they asked for
+# float precision.
+PACKED_MAX_ROWS = 64
 PACKED_DTYPES = (torch.bfloat16,)
 
 
