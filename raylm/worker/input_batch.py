@@ -92,6 +92,7 @@ def _context_parallel_metadata(
 ) -> ContextParallelMetadata:
     store_rows, store_slots = [], []
     sharded: list[ShardedQueries] = []
+    decode_keys: list[np.ndarray] = []
     offset = 0
     for rid in order:
         state = states[rid]
@@ -104,21 +105,36 @@ def _context_parallel_metadata(
         mine = owner_blocks % cp_size == cp_rank
         store_rows.append(offset + np.nonzero(mine)[0])
         store_slots.append(owner_blocks[mine] // cp_size * block_size + pos[mine] % block_size)
-        if start > 0 or n == 1:
-            # Earlier context lives across the group (a decode token, a later
-            # chunk, a prefix-cache hit; a one-token prompt runs as a decode
-            # too): attend over this rank's shard, merged across the group.
+        if n == 1:
+            # A decode token (a one-token prompt runs as one too): every key
+            # of this rank's shard precedes it; batched with the others.
+            decode_keys.append(_cp_local_slots(state.block_ids, end, block_size, cp_rank, cp_size)[1])
+        elif start > 0:
+            # A later chunk or a prefix-cache hit: earlier context lives
+            # across the group, so attend over this rank's shard, merged.
             key_pos, key_slots = _cp_local_slots(state.block_ids, end, block_size, cp_rank, cp_size)
-            mask = None
-            if n > 1:
-                mask = torch.from_numpy(key_pos[None, :] <= pos[:, None]).to(device)
+            mask = torch.from_numpy(key_pos[None, :] <= pos[:, None]).to(device)
             sharded.append(ShardedQueries(offset, offset + n, torch.from_numpy(key_slots).to(device), mask))
         offset += n
-    return ContextParallelMetadata(
+    meta = ContextParallelMetadata(
         store_rows=torch.from_numpy(np.concatenate(store_rows) if store_rows else np.zeros(0, np.int64)).to(device),
         store_slots=torch.from_numpy(np.concatenate(store_slots) if store_slots else np.zeros(0, np.int64)).to(device),
         sharded=sharded,
+        num_decodes=len(decode_keys),
     )
+    if decode_keys:
+        width = max(1, max(len(keys) for keys in decode_keys))
+        slots = np.zeros((len(decode_keys), width), dtype=np.int64)
+        valid = np.zeros((len(decode_keys), width), dtype=bool)
+        for i, keys in enumerate(decode_keys):
+            slots[i, : len(keys)] = keys
+            # Padding repeats a key the row owns (written, so finite): a zero
+            # weight times a never-written slot's NaN bits would be NaN.
+            slots[i, len(keys) :] = keys[0] if len(keys) else 0
+            valid[i, : len(keys)] = True
+        meta.decode_key_slots = torch.from_numpy(slots).to(device)
+        meta.decode_key_mask = torch.from_numpy(valid).to(device)
+    return meta
 
 
 def prepare_batch(

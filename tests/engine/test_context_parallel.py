@@ -150,6 +150,32 @@ def test_each_token_is_stored_on_exactly_one_cp_rank():
     assert np.all(np.asarray(sorted(stored[0] | stored[1])) == np.arange(40, 70))
 
 
+def test_batched_decode_partials_equal_one_by_one():
+    """partial_decode_attention over padded shards equals partial_attention
+    per sequence; a row with no key here gives out 0 and lse -inf even when
+    its padding holds NaN."""
+    import torch
+
+    from raylm.model.layers.attention_merge import partial_attention, partial_decode_attention
+
+    gen = torch.Generator().manual_seed(0)
+    lengths, width, heads, kv_heads, dim = [5, 1, 0, 3], 5, 4, 2, 8
+    q = torch.randn(len(lengths), heads, dim, generator=gen)
+    k = torch.randn(len(lengths), width, kv_heads, dim, generator=gen)
+    v = torch.randn(len(lengths), width, kv_heads, dim, generator=gen)
+    mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    k[2], v[2] = float("nan"), float("nan")
+    for row, n in enumerate(lengths):  # padding repeats a real key of the row, as the worker pads
+        if n:
+            k[row, n:], v[row, n:] = k[row, 0], v[row, 0]
+    out, lse = partial_decode_attention(q, k, v, 0.3, mask)
+    for row, n in enumerate(lengths):
+        ref_out, ref_lse = partial_attention(q[row : row + 1], k[row, :n], v[row, :n], 0.3)
+        torch.testing.assert_close(out[row : row + 1], ref_out, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lse[row : row + 1], ref_lse, rtol=1e-5, atol=1e-6)
+    assert torch.all(out[2] == 0) and torch.all(torch.isinf(lse[2]))
+
+
 def test_one_rank_refuses_what_a_cp_group_holds(model):
     """The per-rank budget the CP=2 runs below use cannot hold max_model_len alone."""
     with pytest.raises(ValueError, match="max_model_len"):

@@ -30,7 +30,12 @@ from torch import nn
 
 from raylm.distributed.parallel_state import get_cp_group
 from raylm.model.forward_context import AttentionMetadata, get_attention_metadata
-from raylm.model.layers.attention_merge import ContextParallelMetadata, merge_partials, partial_attention
+from raylm.model.layers.attention_merge import (
+    ContextParallelMetadata,
+    merge_partials,
+    partial_attention,
+    partial_decode_attention,
+)
 from raylm.model.layers.cpu_kernels import get_paged_decode_kernel
 from raylm.model.layers.gpu_attention import batched_paged_attention
 
@@ -103,17 +108,27 @@ class Attention(nn.Module):
                 out[seq.q_start : seq.q_end] = self._attend(
                     q[seq.q_start : seq.q_end], k[seq.q_start : seq.q_end], v[seq.q_start : seq.q_end]
                 )
-        if not cp.sharded:
+        if not cp.sharded and not cp.num_decodes:
             return out
         # Every rank has the same sharded rows in the same order (the step is
         # the same on all of them), so one all-gather carries them all: the
-        # partial output and its log-sum-exp side by side, float32.
-        num_rows = sum(s.q_end - s.q_start for s in cp.sharded)
+        # partial output and its log-sum-exp side by side, float32. Decode
+        # rows first (rows 0..num_decodes of the batch), then the chunks.
+        num_rows = cp.num_decodes + sum(s.q_end - s.q_start for s in cp.sharded)
         parts = torch.empty(num_rows, self.num_heads, self.head_dim + 1, dtype=torch.float32, device=q.device)
-        row = 0
+        row = cp.num_decodes
+        if cp.num_decodes:
+            b, width = cp.decode_key_slots.shape
+            flat = cp.decode_key_slots.view(-1)
+            shape = (b, width, self.num_kv_heads, self.head_dim)
+            # (index_select: several times faster than advanced indexing on CPU.)
+            o, lse = partial_decode_attention(q[:b], k_flat.index_select(0, flat).view(shape),
+                                              v_flat.index_select(0, flat).view(shape), self.scale,
+                                              cp.decode_key_mask)
+            parts[:b, :, : self.head_dim] = o
+            parts[:b, :, self.head_dim] = lse
         for s in cp.sharded:
             n = s.q_end - s.q_start
-            # (index_select: several times faster than advanced indexing on CPU.)
             o, lse = partial_attention(q[s.q_start : s.q_end], k_flat.index_select(0, s.key_slots),
                                        v_flat.index_select(0, s.key_slots), self.scale, s.mask)
             parts[row : row + n, :, : self.head_dim] = o
@@ -121,7 +136,8 @@ class Attention(nn.Module):
             row += n
         gathered = get_cp_group().all_gather(parts.unsqueeze(0), dim=0)  # [cp, rows, H, D + 1]
         merged = merge_partials(gathered[..., : self.head_dim], gathered[..., self.head_dim])
-        row = 0
+        out[: cp.num_decodes] = merged[: cp.num_decodes].to(q.dtype)
+        row = cp.num_decodes
         for s in cp.sharded:
             n = s.q_end - s.q_start
             out[s.q_start : s.q_end] = merged[row : row + n].to(q.dtype)

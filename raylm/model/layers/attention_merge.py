@@ -51,6 +51,29 @@ def partial_attention(
     return out.to(q.dtype), lse
 
 
+def partial_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`partial_attention` of B decode queries at once, one per sequence: q
+    [B, H, D] over each sequence's shard k/v [B, S, KVH, D], padded to S keys;
+    mask [B, S] bool, True = a real key. Padding must hold finite values (a
+    zero weight times NaN is NaN), except in a row with no real key at all,
+    which gives out 0 and lse -inf whatever it holds."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    qf = q.float().view(batch, num_kv_heads, group, head_dim)
+    kf, vf = k.float().permute(0, 2, 1, 3), v.float().permute(0, 2, 1, 3)  # [B, KVH, S, D]
+    scores = torch.matmul(qf, kf.transpose(-1, -2)).mul_(scale)  # [B, KVH, group, S]
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, KVH, group]
+    empty = torch.isinf(lse)
+    probs = torch.exp(scores - torch.where(empty, 0.0, lse).unsqueeze(-1))
+    out = torch.matmul(probs, vf)  # [B, KVH, group, D]
+    out = torch.where(empty.unsqueeze(-1), 0.0, out)
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype), lse.reshape(batch, num_heads)
+
+
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     """outs [shards, T, H, D], lses [shards, T, H] -> the attention over all shards [T, H, D].
 
@@ -93,3 +116,10 @@ class ContextParallelMetadata:
     store_rows: torch.Tensor
     store_slots: torch.Tensor
     sharded: list[ShardedQueries] = field(default_factory=list)
+    # The step's decode tokens (its first rows), attended in one batch: each
+    # one's keys on this rank, padded ([decodes, keys] slots and bool mask;
+    # a padding slot repeats one of the row's own keys, or any slot when it
+    # has none here).
+    num_decodes: int = 0
+    decode_key_slots: torch.Tensor | None = None
+    decode_key_mask: torch.Tensor | None = None
