@@ -131,16 +131,30 @@ def _run_tool(args: argparse.Namespace, tool: str, tool_args: list[str]) -> str:
     return proc.stdout
 
 
+def no_repack(variant: Variant) -> bool:
+    """Whether llama.cpp must not repack this file's weights: this VM's build dies with
+    SIGILL in its repacked (AMX int8) path on quantized files when a batch has more than
+    one row; batch-1 decode runs repacked as is."""
+    return variant.name not in ("F32", "F16", "BF16")
+
+
 def llamacpp_offline(args: argparse.Namespace, variant: Variant) -> dict[str, float]:
     threads = ["-t", str(args.threads)]
     result: dict[str, float] = {}
     if {"decode", "prefill"} & set(args.workloads):
-        prompts = args.prefill_lens if "prefill" in args.workloads else [0]
-        gens = [ONE_LEN] if "decode" in args.workloads else [0]
-        out = _run_tool(args, "llama-bench", ["-m", variant.gguf, *threads, "-r", str(args.repetitions),
-                                              "-p", ",".join(map(str, prompts)), "-n", ",".join(map(str, gens)),
-                                              "-o", "json"])
-        for test in json.loads(out):
+        # Decode and prefill in separate calls where prefill must not repack (decode may).
+        runs = [(args.prefill_lens if "prefill" in args.workloads else [0],
+                 [ONE_LEN] if "decode" in args.workloads else [0], [])]
+        if no_repack(variant) and "prefill" in args.workloads:
+            runs = [([0], [ONE_LEN], [])] if "decode" in args.workloads else []
+            runs.append((args.prefill_lens, [0], ["--repack", "0"]))
+        tests = []
+        for prompts, gens, repack in runs:
+            out = _run_tool(args, "llama-bench", ["-m", variant.gguf, *threads, "-r", str(args.repetitions),
+                                                  "-p", ",".join(map(str, prompts)), "-n", ",".join(map(str, gens)),
+                                                  *repack, "-o", "json"])
+            tests += json.loads(out)
+        for test in tests:
             if test["n_gen"] == ONE_LEN and test["n_prompt"] == 0:
                 result["decode_tok_s"] = test["avg_ts"]
             elif test["n_prompt"] and test["n_gen"] == 0:
@@ -150,7 +164,7 @@ def llamacpp_offline(args: argparse.Namespace, variant: Variant) -> dict[str, fl
         out = _run_tool(args, "llama-batched-bench", [
             "-m", variant.gguf, *threads, "-tb", str(args.threads), "-c", str(BATCH * 2 * ONE_LEN),
             "-npp", str(ONE_LEN), "-ntg", str(ONE_LEN), "-npl", ",".join(map(str, batches)),
-            "--output-format", "jsonl"])
+            *(["-nr"] if no_repack(variant) else []), "--output-format", "jsonl"])
         rows = {row["pl"]: row for row in map(json.loads, (x for x in out.splitlines() if x.startswith("{")))}
         if set(rows) != set(batches):
             raise RuntimeError(f"llama-batched-bench reported batches {sorted(rows)}, not {batches}")
@@ -168,7 +182,8 @@ def llama_server_command(args: argparse.Namespace, variant: Variant) -> list[str
     # One slot per stream, each with room for its prompt and output.
     return [str(pathlib.Path(args.llamacpp_bin, "llama-server")), "-m", variant.gguf, "--host", "127.0.0.1",
             "--port", str(args.port), "-t", str(args.threads), "-tb", str(args.threads),
-            "-np", str(BATCH), "-cb", "-c", str(BATCH * (2 * ONE_LEN + 64))]
+            "-np", str(BATCH), "-cb", "-c", str(BATCH * (2 * ONE_LEN + 64)),
+            *(["-nr"] if no_repack(variant) else [])]
 
 
 # ---- raylm ----------------------------------------------------------------------------
