@@ -1,5 +1,5 @@
-"""Context parallelism (issue 26): time to first token and decode speed of one
-long request at CP=1 and CP=2, and the KV capacity of each engine, with the
+"""Context parallelism (issue 26): time to first token and decode speed of
+long requests (one, or --num-requests at once) at CP=1 and CP=2, and the KV capacity of each engine, with the
 same KV budget per rank.
 
     python benchmarks/bench_context_parallel.py --make-model large /tmp/bench_models/llama-111m-8k
@@ -27,10 +27,10 @@ from raylm import LLM, SamplingParams  # noqa: E402
 from raylm.model.arch_config import ArchConfig  # noqa: E402
 
 
-def _time_generate(llm: LLM, prompt: list[int], max_tokens: int) -> float:
+def _time_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return time.perf_counter() - start
 
 
@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=4096)
     parser.add_argument("--max-tokens", type=int, default=33, help="decode speed: tokens 2..N")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--num-requests", type=int, default=1,
+                        help="requests at once (TTFT: until the last one's first token; decode: all of them)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20, help="per rank")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--num-threads", type=int, default=None, help="per rank; default: planned from the cores")
@@ -54,24 +56,25 @@ def main() -> None:
     if not model:
         parser.error("--model or --make-model")
     vocab = ArchConfig.from_model_dir(model).vocab_size
-    prompt = [random.Random(0).randrange(3, vocab) for _ in range(args.prompt_len)]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
     engines = {}
     for cp in (1, 2):
         engines[cp] = LLM(model, dtype=args.dtype, context_parallel_size=cp, distributed_executor_backend="mp",
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=False,
                           num_threads=args.num_threads,
-                          max_model_len=args.prompt_len + args.max_tokens)
+                          max_model_len=args.prompt_len + args.max_tokens, max_num_seqs=max(args.num_requests, 1))
     ttft: dict[int, list[float]] = {1: [], 2: []}
     decode: dict[int, list[float]] = {1: [], 2: []}
     try:
         for cp, llm in engines.items():  # warm-up
-            _time_generate(llm, prompt[:64], 2)
+            _time_generate(llm, [prompts[0][:64]], 2)
         for _ in range(args.rounds):
             for cp, llm in engines.items():
-                first = _time_generate(llm, prompt, 1)
-                whole = _time_generate(llm, prompt, args.max_tokens)
+                first = _time_generate(llm, prompts, 1)
+                whole = _time_generate(llm, prompts, args.max_tokens)
                 ttft[cp].append(first)
-                decode[cp].append((args.max_tokens - 1) / max(whole - first, 1e-9))
+                decode[cp].append(len(prompts) * (args.max_tokens - 1) / max(whole - first, 1e-9))
         for cp, llm in engines.items():
             cc = llm.llm_engine.engine_core.engine_core.config.cache_config
             print(f"CP={cp}: KV capacity {cc.num_blocks * cc.block_size} tokens "
