@@ -37,11 +37,3 @@ def test_a_users_choice_is_kept(env, limited):
     got = _run("import raylm", **env)
     assert got[0] is limited
     assert got[1] == env.get("GOMP_SPINCOUNT") and got[2] is None
-
-
-def test_the_uni_plan_follows_it():
-    code = ("import raylm; from raylm.worker.cpu_placement import plan_cpu_placement, CpuTopology; "
-            "from raylm.openmp_env import spin_is_limited; "
-            "print(plan_cpu_placement(CpuTopology.build({0, 1}), 1, openmp_spin_limited=spin_is_limited()).ranks[0].num_threads)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "2"

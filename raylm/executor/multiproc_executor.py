@@ -28,7 +28,6 @@ from raylm.distributed.shm_ring import unlink_segment
 from raylm.executor.abstract import Executor
 from raylm.executor.errors import WorkerHungError
 from raylm.executor.mq_rpc import MqRpcClient, WorkerDiedError, WorkerLoop
-from raylm.openmp_env import spin_is_limited
 from raylm.worker.cpu_placement import RankPlacement, apply_rank_placement, plan_cpu_placement, read_topology
 
 __all__ = ["MultiprocExecutor", "WorkerDiedError", "WorkerProc"]
@@ -204,10 +203,8 @@ class MultiprocExecutor(Executor):
         # shared-memory ring (never a socket; see raylm.executor.mq_rpc).
         res.broadcast = MessageQueue(num_local_readers=self.world_size, local_callables=True)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        # The workers inherit this process's OpenMP spin setting (raylm.openmp_env).
         plan = plan_cpu_placement(read_topology(), self.world_size, engine_loop_here=True,
-                                  num_threads=self.config.num_threads, cpu_bind=self.config.cpu_bind,
-                                  openmp_spin_limited=spin_is_limited())
+                                  num_threads=self.config.num_threads, cpu_bind=self.config.cpu_bind)
         logger.info("CPU placement: %s", plan.describe())
         ready_pipes = []
         for rank in range(self.world_size):

@@ -94,7 +94,11 @@ def cpus_per_rank(config: EngineConfig) -> int:
     if isinstance(bind, list):
         return min(len(group) for group in bind)
     world = config.parallel_config.world_size
-    return plan_cpu_placement(read_topology(), world, engine_loop_here=True).ranks[0].num_threads
+    planned = plan_cpu_placement(read_topology(), world, engine_loop_here=True).ranks[0]
+    # An actor keeps to its bundle's CPU tokens: a single rank's every-core
+    # count would claim the engine loop's token too, so the bundle holds the
+    # fallback count (and the actor runs that many threads).
+    return planned.contended_threads or planned.num_threads
 
 
 def rank_request(config: EngineConfig) -> RankRequest:

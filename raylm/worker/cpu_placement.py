@@ -15,18 +15,18 @@ backend, `raylm bench throughput`; see the issue "Fast by default"):
 - torch on one core, the other left to the engine loop: 3855 under the same
   load, within 25% of the idle figure.
 
-With idle OpenMP threads that spin only briefly (raylm/openmp_env.py, the
-default), a single rank no longer needs that trade: two threads beside other
-work cost no more than one (111M bf16, one request 128 in / 128 out, 2 cores
-at load 5-6: 2.9-3.5 s on two threads, 3.0-3.4 s on one; 12.9-16.2 s on two
-with libgomp's default spin), and on a quiet machine the bandwidth-bound
-decode kernels read the weights about 1.6x faster on two (1 thread 2.13-2.46
-s, 2 threads 1.33-1.42 s). So a single rank (uni, mp TP=1) gets every core
-when the spin is short; when it is not (torch was imported before raylm, or
-the user chose a long spin) it keeps the trade below.
+A single rank (uni, mp TP=1) makes that trade at run time instead
+(ThreadGovernor). The decode kernels now stream weights at the memory's
+speed, where one thread leaves about 40% of batch-1 decode on the table (111M
+bf16, one request 128 in / 128 out, 2 cores, quiet, alternating processes: 1
+thread 2.13-2.46 s, 2 threads 1.33-1.42 s), while beside other work two
+threads lose (at load 5-6: 2.9-4.8 s against 2.4-3.5 s on one, with the
+short OpenMP spin of raylm/openmp_env.py; 13-20 s with libgomp's default).
+So a single rank gets every core, gives the engine loop's core back while its
+threads wait for CPUs, and tries every core again after a back-off.
 
-Otherwise one physical core is kept out of the ranks' way whenever the ranks
-of the node can still have at least one core each; the other cores are split
+Several ranks keep the static trade: one physical core is kept out of the
+ranks' way whenever the ranks of the node can still have at least one core each; the other cores are split
 evenly between the ranks of the node (TP ranks wait for each other, so uneven
 shares buy nothing), whole physical cores at a time (one thread per core:
 SMT siblings share the FMA units that matmuls saturate), a rank's cores
@@ -149,9 +149,14 @@ class RankPlacement:
     # Pinned by the plan, not by the user: the rank may unpin itself when it
     # finds its cores contended (see ContentionWatch).
     auto: bool = False
+    # The threads a single rank falls back to while its threads wait for CPUs
+    # (see ThreadGovernor); None: its count is fixed.
+    contended_threads: int | None = None
 
     def describe(self) -> str:
         threads = f"{self.num_threads} thread{'s' if self.num_threads != 1 else ''}"
+        if self.contended_threads is not None:
+            threads += f", {self.contended_threads} while other work needs the cores"
         where = "not pinned" if self.cpus is None else f"cores {format_cpus(self.cpus)}"
         return f"{where} ({threads})"
 
@@ -193,7 +198,7 @@ def format_cpus(cpus) -> str:
 
 def plan_cpu_placement(topology: CpuTopology, num_ranks: int, *, engine_loop_here: bool = True,
                        num_threads: int | None = None, cpu_bind: str | list[set[int]] = AUTO,
-                       max_threads_per_rank: int | None = None, openmp_spin_limited: bool = False) -> CpuPlacement:
+                       max_threads_per_rank: int | None = None) -> CpuPlacement:
     """Place the `num_ranks` ranks that run on one node.
 
     engine_loop_here: the engine loop (the driver's Python work) runs on this
@@ -201,8 +206,6 @@ def plan_cpu_placement(topology: CpuTopology, num_ranks: int, *, engine_loop_her
     num_threads: the user's threads per rank (overrides the count, not the cores).
     cpu_bind: "auto", "all", or parsed groups (see parse_cpu_bind).
     max_threads_per_rank: a cap, e.g. the CPUs of a Ray actor's bundle.
-    openmp_spin_limited: the ranks' idle OpenMP threads sleep soon (see the
-      module notes): a single rank then keeps no core back.
     """
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
@@ -212,8 +215,7 @@ def plan_cpu_placement(topology: CpuTopology, num_ranks: int, *, engine_loop_her
         return _plan_explicit(topology, num_ranks, cpu_bind, num_threads)
     all_cpus = tuple(sorted(topology.cpus))
     cores = list(topology.cores)
-    keep_loop_core = engine_loop_here and not (num_ranks == 1 and openmp_spin_limited)
-    reserve = ENGINE_LOOP_CORES if keep_loop_core and len(cores) >= num_ranks + ENGINE_LOOP_CORES else 0
+    reserve = ENGINE_LOOP_CORES if engine_loop_here and len(cores) >= num_ranks + ENGINE_LOOP_CORES else 0
     per_rank = (len(cores) - reserve) // num_ranks
     if num_threads and num_threads > per_rank and num_threads * num_ranks <= len(cores):
         # The user's thread count gets a core per thread, at the engine loop's expense.
@@ -228,6 +230,12 @@ def plan_cpu_placement(topology: CpuTopology, num_ranks: int, *, engine_loop_her
         ranks = tuple(RankPlacement(num_threads or 1, (cores[i % len(cores)][0],) if cpu_bind == AUTO else None)
                       for i in range(num_ranks))
         return CpuPlacement(ranks, (), f"oversubscribed: {num_ranks} ranks on {len(cores)} cores")
+    if num_ranks == 1 and reserve and not num_threads:
+        # A single rank is not pinned: it takes the engine loop's core too while
+        # nothing else wants it (ThreadGovernor gives it back when it does).
+        every_core = min(len(cores), max_threads_per_rank or len(cores))
+        if every_core > per_rank:
+            return CpuPlacement((RankPlacement(every_core, contended_threads=per_rank),), ())
     groups = _split_cores(topology, num_ranks, per_rank, reserve)
     used = {cpu for group in groups for core in group for cpu in core}
     engine_loop = tuple(cpu for cpu in all_cpus if cpu not in used) if reserve else ()
@@ -379,6 +387,125 @@ class ContentionWatch:
         self._steps, self._wall_sum, self._cpu_sum = 0, 0.0, 0.0
         self.triggered = self.last_share < self.min_cpu_share
         return self.triggered
+
+
+class ThreadGovernor:
+    """A single rank's thread count, set from how long its threads wait for a CPU.
+
+    Around each forward pass it keeps the wall time; once a window of passes
+    (at least `window_s` and `min_steps` passes) is complete it reads how long
+    this process's threads were runnable but not running over the window
+    (the kernel's run-queue delay, /proc/self/task/*/schedstat). Waiting is
+    what other work on the cores costs a parallel pass: every region ends at
+    a barrier, so one thread kept off a core holds all of them. CPU time, as
+    ContentionWatch reads it, cannot tell this: a thread that sleeps at a
+    barrier once its short spin ends (raylm/openmp_env.py) looks the same
+    whether its peer is slow or preempted.
+
+    Above `max_wait_share` of the window's pass time per thread, the rank drops
+    to its `contended_threads` at once (two threads beside one busy process
+    on two cores wait about a third of the time; quiet, well under a tenth).
+    After `probe_after_s` it tries every core again for one window; a probe
+    that waits doubles the back-off (up to `max_probe_after_s`), one that does
+    not resets it. A probe under contention costs one window of slower
+    passes, so the back-off bounds that loss to a few per cent.
+
+    begin()/end() wrap each pass like ContentionWatch's; end() answers False
+    (there is nothing to unpin), having set the thread count itself."""
+
+    def __init__(self, placement: RankPlacement, *, window_s: float = 0.5, min_steps: int = 4,
+                 max_wait_share: float = 0.15, probe_after_s: float = 10.0, max_probe_after_s: float = 160.0,
+                 clock=time.monotonic, read_wait_s=None, set_threads=None):
+        if placement.contended_threads is None:
+            raise ValueError("a ThreadGovernor needs a placement with contended_threads")
+        self.every_core = placement.num_threads
+        self.contended = placement.contended_threads
+        self.window_s = window_s
+        self.min_steps = min_steps
+        self.max_wait_share = max_wait_share
+        self.probe_after_s = probe_after_s
+        self.max_probe_after_s = max_probe_after_s
+        self._clock = clock
+        self._read_wait_s = read_wait_s or process_run_queue_wait_s
+        self._set_threads = set_threads or _set_torch_threads
+        self.threads = self.every_core
+        self.last_wait_share: float | None = None
+        self._wait_s_backoff = probe_after_s
+        self._probing = False
+        self._next_probe: float | None = None  # while contended: when to try every core again
+        self._pass_started: float | None = None
+        self._window: tuple[float, int, float] | None = None  # (wait at its start, passes, pass seconds)
+
+    def begin(self) -> None:
+        now = self._clock()
+        if self._next_probe is not None and now >= self._next_probe:
+            self._next_probe, self._probing = None, True
+            self._switch(self.every_core)
+        if self._next_probe is None:
+            if self._window is None:
+                self._window = (self._read_wait_s(), 0, 0.0)
+            self._pass_started = now
+
+    def end(self) -> bool:
+        if self._pass_started is None:
+            return False
+        wait_at_start, passes, seconds = self._window
+        passes, seconds = passes + 1, seconds + self._clock() - self._pass_started
+        self._pass_started = None
+        if passes < self.min_steps or seconds < self.window_s:
+            self._window = (wait_at_start, passes, seconds)
+            return False
+        self._window = None
+        self.last_wait_share = (self._read_wait_s() - wait_at_start) / (seconds * self.every_core)
+        if self.last_wait_share > self.max_wait_share:
+            # Its threads wait for CPUs: give the core back; a probe that waited waits longer.
+            self._wait_s_backoff = (min(2 * self._wait_s_backoff, self.max_probe_after_s) if self._probing
+                                    else self.probe_after_s)
+            self._switch(self.contended)
+            self._probing = False
+            self._next_probe = self._clock() + self._wait_s_backoff
+            logger.info("this rank's threads waited for a CPU %.0f%% of the time: down to %d thread(s), trying %d "
+                        "again in %.0f s", 100 * self.last_wait_share, self.contended, self.every_core,
+                        self._wait_s_backoff)
+        elif self._probing:
+            self._probing, self._wait_s_backoff = False, self.probe_after_s
+        return False
+
+    def _switch(self, threads: int) -> None:
+        if threads != self.threads:
+            self._set_threads(threads)
+            self.threads = threads
+
+
+def process_run_queue_wait_s() -> float:
+    """Seconds this process's threads have spent runnable but off a CPU, in
+    all (the second field of each thread's schedstat); 0 where Linux does not
+    say (the governor then never sees contention)."""
+    total_ns = 0
+    for tid in _thread_ids():
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total_ns += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total_ns / 1e9
+
+
+def _set_torch_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def watch_for(placement: RankPlacement) -> "ContentionWatch | ThreadGovernor | None":
+    """What watches a CPU rank's forward passes: a governor for a single rank
+    with a fallback count, a contention watch for a rank the plan pinned,
+    nothing for a placement the user fixed."""
+    if placement.contended_threads is not None:
+        return ThreadGovernor(placement)
+    if placement.auto:
+        return ContentionWatch(placement.num_threads)
+    return None
 
 
 def _thread_ids() -> list[int]:

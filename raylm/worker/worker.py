@@ -17,7 +17,6 @@ import torch
 from raylm.config import EngineConfig
 from raylm.distributed import parallel_state
 from raylm.messages import GrammarOutput, KVCacheConfig, ModelRunnerOutput, SchedulerOutput
-from raylm.openmp_env import spin_is_limited
 from raylm.model.layers.cpu_kernels import get_cpu_kernels
 from raylm.distributed.tcp_auth import CurveKeys
 from raylm.worker import cpu_placement, kv_background, kv_network, kv_transfer
@@ -58,8 +57,9 @@ class Worker:
         self.cpu_placement: cpu_placement.RankPlacement | None = None
         # (thread id, its CPUs) when this worker pinned a thread it does not own.
         self._affinity_before: tuple[int, set[int]] | None = None
-        # Watches a rank the plan pinned for other work on its cores.
-        self.contention_watch: cpu_placement.ContentionWatch | None = None
+        # Watches the forward passes of a rank the plan pinned (for other work on
+        # its cores) or of a single rank (whose thread count follows them).
+        self.contention_watch: cpu_placement.ContentionWatch | cpu_placement.ThreadGovernor | None = None
         # Tests of the failure model only (RAYLM_FAULT_INJECTION); None otherwise.
         self.fault_injector = FaultInjector.from_config(
             config.fault_tolerance.fault_injection, rank, config.parallel_config.world_size)
@@ -77,8 +77,7 @@ class Worker:
             # A worker process or Ray actor was placed by its executor before it
             # got here; the uni backend's model shares the engine's process.
             self.cpu_placement = cpu_placement.process_placement() or self._place_in_engine_process()
-            if self.cpu_placement.auto:  # pinned by the plan, not by the user
-                self.contention_watch = cpu_placement.ContentionWatch(self.cpu_placement.num_threads)
+            self.contention_watch = cpu_placement.watch_for(self.cpu_placement)
             backend = "gloo"
         parallel_state.init_distributed_environment(
             pc.world_size, self.rank, self.distributed_init_method, backend,
@@ -97,7 +96,7 @@ class Worker:
         cfg = self.config
         plan = cpu_placement.plan_cpu_placement(
             cpu_placement.read_topology(), 1, engine_loop_here=True,
-            num_threads=cfg.num_threads, cpu_bind=cfg.cpu_bind, openmp_spin_limited=spin_is_limited(),
+            num_threads=cfg.num_threads, cpu_bind=cfg.cpu_bind,
         )
         placement = plan.ranks[0]
         if placement.cpus is not None:

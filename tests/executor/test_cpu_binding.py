@@ -16,7 +16,6 @@ import pytest
 import ray.cloudpickle
 
 from raylm import LLM, SamplingParams
-from raylm.openmp_env import spin_is_limited
 from raylm.testing.hf_oracle import hf_greedy
 from raylm.worker.cpu_placement import plan_cpu_placement, read_topology
 from tests.conftest import executor_of, our_live_ray_state
@@ -175,14 +174,38 @@ def test_ray_tp2_ranks_follow_the_plan(ray_session, model, reference, caplog, cp
 
 
 def test_uni_sets_threads_and_leaves_the_engine_thread_unpinned(model, reference):
-    plan = plan_cpu_placement(read_topology(), 1, openmp_spin_limited=True)
+    plan = plan_cpu_placement(read_topology(), 1)
     omp_before = os.environ.get("OMP_NUM_THREADS")
     llm = LLM(model, dtype="float32", kv_cache_memory_bytes=16 << 20)
     try:
         # Uni runs the model on this very thread, and leaves this process's environment alone.
         assert executor_of(llm).collective_rpc(thread_placement) == [(USABLE, plan.ranks[0].num_threads, omp_before)]
-        # Every core: raylm's import set a short OpenMP spin before torch loaded.
-        assert spin_is_limited() and plan.ranks[0].num_threads == len(USABLE)
+        # Every core, one given back to the engine loop when other work needs it.
+        assert plan.ranks[0].num_threads == len(USABLE)
+        assert plan.ranks[0].contended_threads == (len(USABLE) - 1 if len(USABLE) > 1 else None)
+        assert _generate(llm) == reference
+    finally:
+        llm.shutdown()
+
+
+def make_the_governor_drop(worker):
+    """A governor whose every window counts as waiting, and that never probes again."""
+    from raylm.worker.cpu_placement import ThreadGovernor
+
+    assert isinstance(worker.contention_watch, ThreadGovernor)
+    worker.contention_watch = ThreadGovernor(worker.cpu_placement, window_s=0.0, min_steps=1, max_wait_share=-1.0,
+                                             probe_after_s=3600.0)
+
+
+@needs_two_cpus
+def test_uni_under_contention_gives_the_engine_loop_its_core_back(model, reference):
+    llm = LLM(model, dtype="float32", kv_cache_memory_bytes=16 << 20)
+    executor = executor_of(llm)
+    try:
+        assert executor.collective_rpc(thread_placement)[0][1] == len(USABLE)
+        executor.collective_rpc(make_the_governor_drop)
+        assert _generate(llm) == reference
+        assert executor.collective_rpc(thread_placement)[0][1] == len(USABLE) - 1
         assert _generate(llm) == reference
     finally:
         llm.shutdown()

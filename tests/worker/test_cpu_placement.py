@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from raylm.worker.cpu_placement import (ContentionWatch, CpuTopology, RankPlacement, apply_rank_placement,
-                                        format_cpus, parse_cpu_bind, parse_cpu_list, plan_cpu_placement,
-                                        read_topology)
+from raylm.worker.cpu_placement import (ContentionWatch, CpuTopology, RankPlacement, ThreadGovernor,
+                                        apply_rank_placement, format_cpus, parse_cpu_bind, parse_cpu_list,
+                                        plan_cpu_placement, process_run_queue_wait_s, read_topology, watch_for)
 
 
 def flat(n: int) -> CpuTopology:
@@ -39,21 +39,25 @@ def threads_of(plan):
 # ---- the defaults -------------------------------------------------------------------------
 
 
-def test_two_cores_uni_keeps_one_core_for_the_engine_loop():
+def test_two_cores_uni_takes_both_and_falls_back_to_one():
     plan = plan_cpu_placement(flat(2), 1)
-    assert threads_of(plan) == [1]
+    # Every core while nothing else wants them; the engine loop's core is
+    # given back while the threads wait for CPUs (ThreadGovernor).
+    assert threads_of(plan) == [2] and plan.ranks[0].contended_threads == 1
     # A single rank is not pinned by default (it shares the engine's thread).
     assert cores_of(plan) == [None]
-    assert plan.engine_loop_cpus == (1,)
+    assert plan.engine_loop_cpus == ()
+    assert "rank 0 -> not pinned (2 threads, 1 while other work needs the cores)" in plan.describe()
 
 
-def test_a_single_rank_whose_openmp_threads_sleep_soon_takes_every_core():
-    plan = plan_cpu_placement(flat(2), 1, openmp_spin_limited=True)
-    assert threads_of(plan) == [2] and cores_of(plan) == [None] and plan.engine_loop_cpus == ()
-    # Not with a Ray bundle's cap, nor for several ranks (they keep the static trade).
-    assert threads_of(plan_cpu_placement(flat(2), 1, openmp_spin_limited=True, max_threads_per_rank=1)) == [1]
-    several = plan_cpu_placement(flat(8), 2, openmp_spin_limited=True)
-    assert threads_of(several) == [3, 3] and several.engine_loop_cpus == (6, 7)
+def test_a_single_rank_with_a_fixed_count_or_a_bundle_is_not_governed():
+    assert plan_cpu_placement(flat(2), 1, num_threads=1).ranks[0].contended_threads is None
+    # A Ray actor's bundle of one CPU: the static trade, one thread and a core for the loop.
+    capped = plan_cpu_placement(flat(2), 1, max_threads_per_rank=1)
+    assert threads_of(capped) == [1] and capped.ranks[0].contended_threads is None
+    assert capped.engine_loop_cpus == (1,)
+    # Several ranks keep the static plan.
+    assert all(r.contended_threads is None for r in plan_cpu_placement(flat(8), 2).ranks)
 
 
 def test_one_core_has_nothing_to_reserve():
@@ -102,8 +106,8 @@ def test_hyperthreads_a_rank_gets_whole_cores_one_thread_each():
     # The engine loop keeps a whole physical core (both siblings) and the spare.
     assert set(plan.engine_loop_cpus) == {2, 6, 3, 7}
     uni = plan_cpu_placement(topo, 1)
-    assert threads_of(uni) == [3]
-    assert threads_of(plan_cpu_placement(topo, 1, openmp_spin_limited=True)) == [4]
+    # One thread per physical core: all 4, or 3 when the loop needs its core.
+    assert threads_of(uni) == [4] and uni.ranks[0].contended_threads == 3
 
 
 def test_numa_ranks_stay_within_a_node():
@@ -280,3 +284,64 @@ def test_contention_watch_needs_enough_steps_and_time():
     assert not any(fake.step(watch, 0.01, 0.001) for _ in range(50))
     assert fake.step(watch, 0.6, 0.06)
 
+
+class FakeGovernor:
+    """A governor on a fake clock (windows of 4 passes >= 1 s, passes of
+    0.25 s) that records (time, thread count) at each change; each pass's
+    threads wait for a CPU `wait` of its time, each of them."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.waited = 0.0
+        self.changes: list[tuple[float, int]] = []
+        self.governor = ThreadGovernor(RankPlacement(2, contended_threads=1), window_s=1.0, min_steps=4,
+                                       max_wait_share=0.15, probe_after_s=10.0, max_probe_after_s=40.0,
+                                       clock=lambda: self.now, read_wait_s=lambda: self.waited,
+                                       set_threads=lambda n: self.changes.append((self.now, n)))
+
+    def run_for(self, seconds: float, wait: float) -> None:
+        for _ in range(round(seconds / 0.25)):
+            threads = self.governor.threads
+            self.governor.begin()
+            self.now += 0.25
+            self.waited += 0.25 * wait * threads
+            assert self.governor.end() is False
+
+
+def test_governor_keeps_every_core_while_its_threads_get_cpus():
+    g = FakeGovernor()
+    g.run_for(10, wait=0.05)
+    assert g.governor.threads == 2 and g.changes == []
+    assert g.governor.last_wait_share == pytest.approx(0.05)
+
+
+def test_governor_drops_while_its_threads_wait_and_probes_with_back_off():
+    g = FakeGovernor()
+    g.run_for(1, wait=0.3)  # one window waiting: down at once
+    assert g.changes == [(1.0, 1)]
+    g.run_for(11, wait=0.3)  # the probe 10 s later waits too (its window ends at 12 s)
+    assert g.changes == [(1.0, 1), (11.0, 2), (12.0, 1)]
+    g.run_for(21, wait=0.3)  # so the next one waits 20 s
+    assert g.changes[3:] == [(32.0, 2), (33.0, 1)]
+    g.run_for(100, wait=0.3)  # then 40 s, the cap, and 40 s again
+    assert g.changes[5:] == [(73.0, 2), (74.0, 1), (114.0, 2), (115.0, 1)]
+    # A probe that does not wait keeps every core and resets the back-off to 10 s.
+    g.run_for(43, wait=0.02)  # to 176 s; the probe is at 155 s
+    assert g.changes[9:] == [(155.0, 2)] and g.governor.threads == 2
+    g.run_for(1, wait=0.3)
+    g.run_for(11, wait=0.02)
+    assert g.changes[10:] == [(177.0, 1), (187.0, 2)]
+
+
+def test_watch_for_picks_by_placement():
+    assert isinstance(watch_for(RankPlacement(2, contended_threads=1)), ThreadGovernor)
+    assert isinstance(watch_for(RankPlacement(1, (0,), auto=True)), ContentionWatch)
+    assert watch_for(RankPlacement(2)) is None
+    with pytest.raises(ValueError, match="contended_threads"):
+        ThreadGovernor(RankPlacement(2))
+
+
+def test_run_queue_wait_is_read_from_this_process():
+    first = process_run_queue_wait_s()
+    sum(range(200_000))
+    assert 0.0 <= first <= process_run_queue_wait_s()
