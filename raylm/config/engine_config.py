@@ -109,6 +109,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     # Decided after profiling, identical on every rank.
     num_blocks: int | None = None
+    # Context parallelism: the blocks are spread over this many ranks (block
+    # id g on CP rank g % num_kv_shards); set from context_parallel_size.
+    num_kv_shards: int = 1
 
 
 @dataclass
@@ -460,7 +463,8 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
             chat_template=chat_template,
             quantization=quantization,
         ),
-        cache_config=_settings_of(CacheConfig, args, gpu_memory_utilization=gpu_memory_utilization),
+        cache_config=_settings_of(CacheConfig, args, gpu_memory_utilization=gpu_memory_utilization,
+                                  num_kv_shards=args.context_parallel_size),
         scheduler_config=_settings_of(SchedulerConfig, args, max_num_batched_tokens=max_num_batched_tokens),
         parallel_config=_settings_of(ParallelConfig, args, data_parallel_size=data_parallel_size),
         device=device,

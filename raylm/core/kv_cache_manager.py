@@ -56,21 +56,39 @@ def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int):
+    """The blocks and their free queues. With `num_shards` > 1 (context
+    parallelism: block id g lives on CP rank g % num_shards) each shard has
+    its own free queue, least recently freed first, and a request's j-th
+    block is taken from shard j % num_shards while it has one free: every
+    sequence's KV, and so its attention work, stays spread evenly over the
+    ranks however blocks were freed before. Any placement is exact; this
+    one is balanced."""
+
+    def __init__(self, num_blocks: int, num_shards: int = 1):
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        # Blocks nobody uses, least recently freed first (evicted first).
-        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.num_shards = num_shards
+        # Blocks nobody uses, per shard, least recently freed first (evicted first).
+        self.free_queues: list[OrderedDict[int, KVCacheBlock]] = [
+            OrderedDict((b.block_id, b) for b in self.blocks[shard::num_shards]) for shard in range(num_shards)
+        ]
         self.cached: dict[bytes, KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return sum(len(queue) for queue in self.free_queues)
 
-    def allocate(self, n: int) -> list[KVCacheBlock]:
-        assert n <= len(self.free_queue)
+    def _queue_of(self, block: KVCacheBlock) -> OrderedDict[int, KVCacheBlock]:
+        return self.free_queues[block.block_id % self.num_shards]
+
+    def allocate(self, n: int, first_index: int = 0) -> list[KVCacheBlock]:
+        """`n` free blocks for a request's blocks first_index, first_index + 1, ..."""
+        assert n <= self.num_free_blocks
         out = []
-        for _ in range(n):
-            _, block = self.free_queue.popitem(last=False)
+        for i in range(n):
+            queue = self.free_queues[(first_index + i) % self.num_shards]
+            if not queue:  # that shard is full: the fullest other one gives
+                queue = max(self.free_queues, key=len)
+            _, block = queue.popitem(last=False)
             if block.block_hash is not None:
                 # Evicting a cached block: it can no longer be found by hash.
                 if self.cached.get(block.block_hash) is block:
@@ -83,14 +101,14 @@ class BlockPool:
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         for block in blocks:
             if block.ref_cnt == 0:
-                del self.free_queue[block.block_id]
+                del self._queue_of(block)[block.block_id]
             block.ref_cnt += 1
 
     def free(self, blocks: list[KVCacheBlock]) -> None:
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue[block.block_id] = block
+                self._queue_of(block)[block.block_id] = block
 
     def register(self, block: KVCacheBlock, block_hash: bytes) -> None:
         block.block_hash = block_hash
@@ -105,11 +123,12 @@ class BlockPool:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_shards: int = 1):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.num_shards = num_shards
+        self.pool = BlockPool(num_blocks, num_shards)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         # Number of a request's leading blocks already registered in the cache.
         self.num_registered: dict[str, int] = {}
@@ -174,7 +193,7 @@ class KVCacheManager:
             return None
         self.pool.touch(computed_blocks)
         blocks.extend(computed_blocks)
-        new_blocks = self.pool.allocate(max(num_needed, 0))
+        new_blocks = self.pool.allocate(max(num_needed, 0), first_index=len(blocks))
         blocks.extend(new_blocks)
         if self.enable_prefix_caching:
             self._register_full_blocks(request, blocks, num_tokens_after)
@@ -202,8 +221,9 @@ class KVCacheManager:
         None (and nothing changed) when the pool cannot hold them."""
         if num_blocks > self.pool.num_free_blocks:
             return None
-        new_blocks = self.pool.allocate(num_blocks)
-        self.req_blocks.setdefault(request_id, []).extend(new_blocks)
+        blocks = self.req_blocks.setdefault(request_id, [])
+        new_blocks = self.pool.allocate(num_blocks, first_index=len(blocks))
+        blocks.extend(new_blocks)
         return [b.block_id for b in new_blocks]
 
     def free_by_id(self, request_id: str) -> None:

@@ -52,7 +52,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         assert cache_config.num_blocks is not None, "the KV cache must be sized before scheduling"
         self.kv_cache_manager = KVCacheManager(
-            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            num_shards=cache_config.num_kv_shards,
         )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -449,7 +450,8 @@ class Scheduler:
             request.num_computed_tokens = 0
             request.num_output_placeholders = 0
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.kv_cache_manager.block_size, self.kv_cache_manager.enable_prefix_caching
+            num_blocks, self.kv_cache_manager.block_size, self.kv_cache_manager.enable_prefix_caching,
+            num_shards=self.kv_cache_manager.num_shards,
         )
         # New workers know no request: each is sent in full, and none is finished there.
         self._needs_full_send = set(self.requests)

@@ -62,9 +62,10 @@ def cp_shard_of_blocks(block_ids: np.ndarray, cp_rank: int, cp_size: int) -> tup
     that rank's block g // cp_size. So the block's id alone says where it is:
     every rank reads the same table, the prefix cache shares blocks by id as
     ever, and a freed block returns to its own rank's share. The pool hands
-    out ids in turn at first, so a sequence's blocks alternate between ranks
-    (and the ranks' caches fill evenly); any placement is exact, since the
-    merge weighs each shard by its own log-sum-exp. Returns (indices into the
+    out a sequence's j-th block from rank j % cp_size while that rank has a
+    free one (raylm.core.kv_cache_manager.BlockPool), so its blocks alternate
+    between ranks and the ranks' caches fill evenly; any placement would be
+    exact, since the merge weighs each shard by its own log-sum-exp. Returns (indices into the
     table, local block ids)."""
     mine = np.nonzero(block_ids % cp_size == cp_rank)[0]
     return mine, block_ids[mine] // cp_size

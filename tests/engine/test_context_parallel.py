@@ -150,6 +150,27 @@ def test_each_token_is_stored_on_exactly_one_cp_rank():
     assert np.all(np.asarray(sorted(stored[0] | stored[1])) == np.arange(40, 70))
 
 
+def test_a_sequences_blocks_alternate_between_cp_ranks_whatever_was_freed():
+    from raylm.core.kv_cache_manager import KVCacheManager
+    from raylm.core.request import Request
+
+    def request(rid: str, num_tokens: int) -> Request:
+        return Request(rid, list(range(num_tokens)), Params(max_tokens=1), eos_token_id=None)
+
+    manager = KVCacheManager(num_blocks=12, block_size=4, enable_prefix_caching=False, num_shards=2)
+    first, second = request("a", 16), request("b", 8)
+    manager.allocate_slots(first, 16)
+    manager.allocate_slots(second, 8)
+    manager.free(first)  # frees 4 blocks tail first: the free queues' order is no longer by id
+    third = request("c", 40)
+    ids = manager.allocate_slots(third, 32)
+    assert [g % 2 for g in ids] == [0, 1] * 4
+    # A shard with no free block left: the other gives (capacity is the group's).
+    manager = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=False, num_shards=2)
+    assert manager.allocate_slots(request("p", 4), 4) == [0] and manager.allocate_slots(request("q", 4), 4) == [2]
+    assert manager.allocate_slots(request("r", 8), 8) == [1, 3]
+
+
 def test_batched_decode_partials_equal_one_by_one():
     """partial_decode_attention over padded shards equals partial_attention
     per sequence; a row with no key here gives out 0 and lse -inf even when
