@@ -31,8 +31,7 @@ def test_torch_first_is_left_alone_and_says_so():
     assert _run("import torch, raylm") == [False, None, None]
 
 
-@pytest.mark.parametrize("env,limited", [({"GOMP_SPINCOUNT": "300000"}, False), ({"GOMP_SPINCOUNT": "500"}, True),
-                                         ({"OMP_WAIT_POLICY": "PASSIVE"}, True), ({"OMP_WAIT_POLICY": "active"}, False)])
+@pytest.mark.parametrize("env,limited", [({"GOMP_SPINCOUNT": "300000"}, False), ({"OMP_WAIT_POLICY": "PASSIVE"}, True)])
 def test_a_users_choice_is_kept(env, limited):
     got = _run("import raylm", **env)
     assert got[0] is limited
