@@ -131,9 +131,10 @@ class EngineCore:
         min_blocks = -(-self.config.model_config.max_model_len // cc.block_size)
         if num_blocks < min_blocks:
             raise ValueError(
-                f"KV cache budget of {available} bytes holds {num_blocks} blocks of {cc.block_size} tokens, "
-                f"fewer than the {min_blocks} one sequence of max_model_len "
-                f"({self.config.model_config.max_model_len}) needs; raise kv_cache_memory_bytes or lower max_model_len"
+                f"KV cache budget of {available} bytes per rank holds {num_blocks} blocks of {cc.block_size} "
+                f"tokens{f' across the {cp} ranks of a context-parallel group' if cp > 1 else ''}, fewer than the "
+                f"{min_blocks} one sequence of max_model_len ({self.config.model_config.max_model_len}) needs; "
+                "raise kv_cache_memory_bytes or context_parallel_size, or lower max_model_len"
             )
         cc.num_blocks = int(num_blocks)
         self.executor.initialize_from_config(KVCacheConfig(num_blocks=cc.num_blocks, block_size=cc.block_size))
