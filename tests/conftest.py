@@ -10,10 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
-# Before torch, as in a user's script: raylm's import sets the OpenMP spin
-# that torch's runtime reads once, at load (raylm/openmp_env.py).
-import raylm  # noqa: F401, I001
 import torch
 
 from raylm.testing.tiny_models import make_tiny_model

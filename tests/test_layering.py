@@ -43,12 +43,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("model", ("raylm.model",)),
     ("distributed", ("raylm.distributed",)),
     # Plain values that cross layers: wire messages and sampling settings,
-    # user-facing outputs, the chat-template sandbox, CPU-core arithmetic, the
-    # OpenMP spin setting (made at the package's import, read by the placements).
+    # user-facing outputs, the chat-template sandbox, CPU-core arithmetic.
     (
         "values",
-        ("raylm.messages", "raylm.sampling_params", "raylm.outputs", "raylm.chat_template", "raylm.cpu_bind",
-         "raylm.openmp_env"),
+        ("raylm.messages", "raylm.sampling_params", "raylm.outputs", "raylm.chat_template", "raylm.cpu_bind"),
     ),
 ]
 

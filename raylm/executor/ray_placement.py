@@ -34,7 +34,7 @@ FORWARDED_ENV_VARS = (
     "TOKENIZERS_PARALLELISM",
     "OMP_NUM_THREADS",
     "MKL_NUM_THREADS",
-    # How idle OpenMP threads wait (raylm/openmp_env.py sets the spin short).
+    # How idle OpenMP threads wait, when the user chose it.
     "OMP_WAIT_POLICY",
     "GOMP_SPINCOUNT",
     "KMP_BLOCKTIME",

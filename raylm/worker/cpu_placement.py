@@ -16,18 +16,23 @@ backend, `raylm bench throughput`; see the issue "Fast by default"):
   load, within 25% of the idle figure.
 
 A single rank (uni, mp TP=1) makes that trade at run time instead
-(ThreadGovernor). The decode kernels now stream weights at the memory's
-speed, where one thread leaves about 40% of batch-1 decode on the table (111M
-bf16, one request 128 in / 128 out, 2 cores, quiet, alternating processes: 1
-thread 2.13-2.46 s, 2 threads 1.33-1.42 s), while beside other work two
-threads lose (at load 5-6: 2.9-4.8 s against 2.4-3.5 s on one, with the
-short OpenMP spin of raylm/openmp_env.py; 13-20 s with libgomp's default).
-So a single rank gets every core, gives the engine loop's core back while its
-threads wait for CPUs, and tries every core again after a back-off.
+(ThreadGovernor): it gets every core, gives the engine loop's core back
+while its threads wait for CPUs, and tries every core again after a
+back-off. The decode kernels now stream weights at the memory's speed, where
+one thread leaves much of batch-1 decode on the table. One request 128 in /
+128 out, bf16, 2 cores, alternating processes, best of 2 (quiet | beside one
+busy process):
+- 111M: governed 1.33-1.44 s | 2.37-2.55 s (it dropped); 1 thread 2.37-2.46 |
+  2.18-2.39; 2 threads 1.39-1.48 | 4.5-5.2.
+- 7M: governed 0.14-0.17 | 0.28-0.40; 1 thread 0.21 | 0.21-0.26; 2 threads
+  0.18-0.20 | 0.64-0.79.
+(A short OpenMP spin, GOMP_SPINCOUNT=1000, was tried instead of the governor:
+it kept 2 threads within 10% of 1 beside other work, but made the 7M model
+3x slower on a quiet machine, every parallel region waking its threads.)
 
 Several ranks keep the static trade: one physical core is kept out of the
-ranks' way whenever the ranks of the node can still have at least one core each; the other cores are split
-evenly between the ranks of the node (TP ranks wait for each other, so uneven
+ranks' way whenever the ranks of the node can still have at least one core
+each; the other cores are split evenly between the ranks of the node (TP ranks wait for each other, so uneven
 shares buy nothing), whole physical cores at a time (one thread per core:
 SMT siblings share the FMA units that matmuls saturate), a rank's cores
 taken from one NUMA node when the ranks divide evenly over the nodes.
@@ -398,9 +403,9 @@ class ThreadGovernor:
     (the kernel's run-queue delay, /proc/self/task/*/schedstat). Waiting is
     what other work on the cores costs a parallel pass: every region ends at
     a barrier, so one thread kept off a core holds all of them. CPU time, as
-    ContentionWatch reads it, cannot tell this: a thread that sleeps at a
-    barrier once its short spin ends (raylm/openmp_env.py) looks the same
-    whether its peer is slow or preempted.
+    ContentionWatch reads it, cannot tell this apart from a region that keeps
+    only one thread busy, or (with a short OpenMP spin) from a thread asleep
+    at a barrier.
 
     Above `max_wait_share` of the window's pass time per thread, the rank drops
     to its `contended_threads` at once (two threads beside one busy process
