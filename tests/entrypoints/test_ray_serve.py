@@ -8,6 +8,8 @@ local Ray: Serve's proxy on a free port, queried with the `openai` client.
   placement group (bundles 1 and 2 of it), same greedy text as offline;
 - a replica whose engine died for good fails Serve's health check and is
   replaced by one that serves;
+- Serve's autoscaling adds a replica (an engine) under concurrent streams
+  and removes it when idle, every stream complete;
 - deleting an application leaves no replica, rank actor or placement group.
 """
 
@@ -179,3 +181,60 @@ def test_serve_replaces_a_replica_whose_engine_died(serve_url):
         wait_until(replaced_and_serving, 300, step=1.0, message="a new replica to serve")
     finally:
         _delete_and_check_gone("raylm-health-app")
+
+
+def test_serve_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(serve_url):
+    """Serve's autoscaling drives raylm replicas: with a target of one ongoing
+    request per replica, four concurrent streams bring up a second replica
+    (an engine of its own), every stream completes in full, and once idle the
+    deployment returns to one replica."""
+    import concurrent.futures
+
+    from ray import serve
+
+    max_tokens = 200
+    autoscaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "metrics_interval_s": 0.5,
+                   "look_back_period_s": 1.0, "upscale_delay_s": 0.0, "downscale_delay_s": 2.0}
+    app = build_openai_app(ENGINE, deployment_config={"autoscaling_config": autoscaling})
+    serve.run(app, name="raylm-autoscale-app", route_prefix="/")
+    try:
+        client = openai.OpenAI(base_url=f"{serve_url}/v1", api_key="unused", max_retries=0, timeout=600)
+        assert len(_live_actors("ServeReplica")) == 1
+
+        def stream(seed: int) -> tuple[str | None, int | None]:
+            """(finish reason, completion tokens) of one long stream. Long enough for
+            Serve's controller to see the load (not a timing bound: the loop below
+            keeps sending streams until the second replica is up)."""
+            finish, tokens = None, None
+            for chunk in client.completions.create(model="raylm-default", prompt=PROMPT, max_tokens=max_tokens, stream=True,
+                                                   stream_options={"include_usage": True},
+                                                   extra_body={"ignore_eos": True, "seed": seed}):
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finish = chunk.choices[0].finish_reason
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+            return finish, tokens
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            seed = 0
+            while True:
+                futures = [pool.submit(stream, seed + i) for i in range(4)]
+                seed += 4
+                scaled = False
+                for future in futures:
+                    while not future.done():
+                        scaled = scaled or len(_live_actors("ServeReplica")) == 2
+                        try:
+                            future.result(timeout=0.5)
+                        except concurrent.futures.TimeoutError:
+                            pass
+                    assert future.result() == ("length", max_tokens)  # every stream complete, none errored
+                if scaled or len(_live_actors("ServeReplica")) == 2:
+                    break
+                assert seed < 40, "Serve never added a replica under four concurrent streams"
+        wait_until(lambda: len(_live_actors("ServeReplica")) == 1, 180, step=1.0,
+                   message="the idle deployment to return to one replica")
+        # The remaining replica still serves.
+        assert client.completions.create(model="raylm-default", prompt=PROMPT, max_tokens=2).choices[0].text
+    finally:
+        _delete_and_check_gone("raylm-autoscale-app")
