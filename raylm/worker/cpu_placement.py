@@ -32,10 +32,11 @@ it kept 2 threads within 10% of 1 beside other work, but made the 7M model
 
 Several ranks keep the static trade: one physical core is kept out of the
 ranks' way whenever the ranks of the node can still have at least one core
-each; the other cores are split evenly between the ranks of the node (TP ranks wait for each other, so uneven
-shares buy nothing), whole physical cores at a time (one thread per core:
-SMT siblings share the FMA units that matmuls saturate), a rank's cores
-taken from one NUMA node when the ranks divide evenly over the nodes.
+each; the other cores are split evenly between the ranks of the node (TP
+ranks wait for each other, so uneven shares buy nothing), whole physical
+cores at a time (one thread per core: SMT siblings share the FMA units that
+matmuls saturate), a rank's cores taken from one NUMA node when the ranks
+divide evenly over the nodes.
 
 Pinning (sched_setaffinity) is what keeps the ranks of one engine from
 landing on each other's cores, so by default it is done when a node holds

@@ -206,9 +206,10 @@ def test_serve_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(se
             Serve's controller to see the load (not a timing bound: the loop below
             keeps sending streams until the second replica is up)."""
             finish, tokens = None, None
-            for chunk in client.completions.create(model="raylm-default", prompt=PROMPT, max_tokens=max_tokens, stream=True,
-                                                   stream_options={"include_usage": True},
-                                                   extra_body={"ignore_eos": True, "seed": seed}):
+            chunks = client.completions.create(model="raylm-default", prompt=PROMPT, max_tokens=max_tokens,
+                                               stream=True, stream_options={"include_usage": True},
+                                               extra_body={"ignore_eos": True, "seed": seed})
+            for chunk in chunks:
                 if chunk.choices and chunk.choices[0].finish_reason:
                     finish = chunk.choices[0].finish_reason
                 if chunk.usage is not None:
