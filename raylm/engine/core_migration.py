@@ -235,7 +235,9 @@ class MigrationEndpoint:
         for name, migration_id in names.items():
             job = self._importing[migration_id]
             for rank, finished in enumerate(per_rank):
-                if name in finished:
+                # A rank answers for a copy once: asked again (another rank was
+                # still copying), it no longer knows the name.
+                if name in finished and rank not in job.ranks_done:
                     job.ranks_done[rank] = finished[name]
             if len(job.ranks_done) < len(per_rank):
                 continue

@@ -249,3 +249,40 @@ def test_blocks_of_an_abandoned_background_import_are_freed_once_it_ends(cores, 
         assert not dst.scheduler.kv_cache_manager.req_blocks
     src.abort_requests(["slow-import"])
     assert not src.scheduler.kv_cache_manager.req_blocks
+
+
+def test_a_background_import_whose_ranks_finish_at_different_polls_is_reported_once_all_are_done():
+    """Rank 0 finishes its copy a poll before rank 1: asked again, rank 0 no
+    longer knows the copy, and that must not count as its failure (a TP=2
+    migration was refused this way in a loaded CI run)."""
+    import threading
+    from types import SimpleNamespace
+
+    from raylm.engine.core_migration import MigrationEndpoint, _BackgroundImport
+    from raylm.worker.kv_background import KVCopyJobs
+
+    ranks = [KVCopyJobs(), KVCopyJobs()]
+    release = threading.Event()
+    try:
+        ranks[0].import_("m9-0", lambda: 100)
+        ranks[1].import_("m9-0", lambda: release.wait(30) and 200)
+        executor = SimpleNamespace(collective_rpc=lambda method, args: [r.finished(*args) for r in ranks])
+        endpoint = MigrationEndpoint(SimpleNamespace(executor=executor))
+        message = MigrateImport("m9", "r9", "/dev/shm/raylm-test/m9-0", 2, final=False)
+        endpoint._importing["m9"] = _BackgroundImport(message, [3, 4])
+        wait_for = time.monotonic() + 30
+        while "m9-0" in ranks[0]._jobs and time.monotonic() < wait_for:
+            assert endpoint._imports_done() == []  # rank 1 still copies
+            time.sleep(0.01)
+        assert endpoint._imports_done() == []  # rank 0 is asked again: it has forgotten the copy
+        release.set()
+        reports = []
+        while not reports and time.monotonic() < wait_for:
+            reports = endpoint._imports_done()
+        (report,) = reports
+        assert report.ok and report.num_blocks == 2 and report.num_bytes == 300, report
+        assert not endpoint.copying
+    finally:
+        release.set()
+        for r in ranks:
+            r.close()
