@@ -143,7 +143,7 @@ def get_placement_group(parallel_config: ParallelConfig, bundle: dict, world_siz
         if len(usable) < world_size:
             raise ValueError(
                 f"the placement group in use has {len(usable)} bundles with {key} >= {bundle[key]}, "
-                f"but tensor_parallel_size x pipeline_parallel_size = {world_size}"
+                f"but tensor_parallel_size x pipeline_parallel_size x context_parallel_size = {world_size}"
             )
         return PlacementInfo(current, False, usable[:world_size])
 
