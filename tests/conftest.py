@@ -101,6 +101,17 @@ def executor_of(llm):
     return llm.llm_engine.engine_core.engine_core.executor
 
 
+def process_gone(pid: int) -> bool:
+    """The process has exited. A worker orphaned by a killed engine may linger
+    as a zombie if nobody reaps it; a zombie has exited and holds nothing."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 POLL_S = 0.05
 
 

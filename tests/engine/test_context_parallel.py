@@ -13,7 +13,6 @@ import os
 import random
 
 import numpy as np
-import psutil
 import pytest
 
 from raylm import LLM, SamplingParams
@@ -23,7 +22,7 @@ from raylm.model.arch_config import ArchConfig
 from raylm.testing.hf_oracle import hf_greedy
 from raylm.worker.input_batch import CachedRequestState, prepare_batch
 from raylm.sampling_params import SamplingParams as Params
-from tests.conftest import executor_of
+from tests.conftest import executor_of, process_gone
 
 MAX_TOKENS = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -49,13 +48,6 @@ def _prompts(model: str) -> dict[str, list[int]]:
         # Shares the long prompt's first 144 tokens: 9 cached blocks on the second call.
         "shared": long[:144] + [rng.randrange(vocab) for _ in range(20)],
     }
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +212,7 @@ def test_cp2_on_mp_equals_hf_past_one_ranks_cache(model, reference):
     finally:
         pids, segments = executor.worker_pids, executor.shm_segment_names
         llm.shutdown()
-    assert len(pids) == 2 and all(_gone(p) for p in pids)
+    assert len(pids) == 2 and all(process_gone(p) for p in pids)
     assert not set(segments) & set(os.listdir("/dev/shm"))
 
 
@@ -268,7 +260,7 @@ def test_tp2_x_cp2_on_mp_equals_hf(model, reference):
     finally:
         pids = executor.worker_pids
         llm.shutdown()
-    assert len(pids) == 4 and all(_gone(p) for p in pids)
+    assert len(pids) == 4 and all(process_gone(p) for p in pids)
 
 
 @pytest.mark.slow
@@ -284,7 +276,7 @@ def test_pp2_x_cp2_on_mp_equals_hf(model, reference):
     finally:
         pids = executor.worker_pids
         llm.shutdown()
-    assert len(pids) == 4 and all(_gone(p) for p in pids)
+    assert len(pids) == 4 and all(process_gone(p) for p in pids)
 
 
 def test_cp2_on_ray_equals_hf(model, reference, ray_session):

@@ -24,7 +24,7 @@ from raylm.engine.protocol import RecoveryKind
 from raylm.executor.multiproc_executor import MultiprocExecutor
 from raylm.executor.uniproc_executor import UniProcExecutor
 from raylm.testing.hf_oracle import hf_greedy
-from tests.conftest import executor_of, our_live_ray_state, wait_until
+from tests.conftest import executor_of, our_live_ray_state, process_gone, wait_until
 from tests.executor.worker_callables import install_poison, point_rank_at_model_folder
 
 NUM_REQUESTS = 16
@@ -75,13 +75,6 @@ def generate_with_strike(llm: LLM, prompts, params, strike, min_tokens: int = 4)
     return [results[f"r{i}"].outputs[0] for i in range(len(prompts))]
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 def _left_in_dev_shm(names) -> set[str]:
     return set(names) & set(os.listdir("/dev/shm"))
 
@@ -96,8 +89,8 @@ def _executor_traces(executor) -> tuple[list[int], list[str], set[str], str | No
 def assert_gone(traces) -> None:
     pids, segments, actors, pg = traces
     # A Ray actor's process exits a moment after ray.kill.
-    wait_until(lambda: all(_gone(p) for p in pids), 10,
-               message=lambda: f"worker processes to exit; left: {[p for p in pids if not _gone(p)]}")
+    wait_until(lambda: all(process_gone(p) for p in pids), 10,
+               message=lambda: f"worker processes to exit; left: {[p for p in pids if not process_gone(p)]}")
     assert not _left_in_dev_shm(segments)
     if actors or pg:
         live_actors, live_pgs = our_live_ray_state()
@@ -166,7 +159,7 @@ def test_hung_worker_is_caught_by_the_step_deadline(model, reference):
         new_traces = _executor_traces(executor_of(llm))
     finally:
         for pid in old.worker_pids:
-            if not _gone(pid):
+            if not process_gone(pid):
                 os.kill(pid, signal.SIGKILL)
         llm.shutdown()
     assert_gone(new_traces)
@@ -282,8 +275,8 @@ def test_start_up_failure_on_one_rank_names_it_and_leaves_nothing(model, tmp_pat
     new_children = {p.pid for p in psutil.Process().children(recursive=True)
                     if not _is_resource_tracker(p)} - children_before
     # A killed worker is reaped a moment after the error; the bound only stops a wait that never ends.
-    wait_until(lambda: all(_gone(p) for p in new_children), 60,
-               message=lambda: f"the workers to be gone: {[p for p in new_children if not _gone(p)]}")
+    wait_until(lambda: all(process_gone(p) for p in new_children), 60,
+               message=lambda: f"the workers to be gone: {[p for p in new_children if not process_gone(p)]}")
     # Only the segments this test's processes made: other tests may run beside this one.
     ours = {str(os.getpid())} | {str(pid) for pid in new_children}
     left = {name for name in set(os.listdir("/dev/shm")) - segments_before

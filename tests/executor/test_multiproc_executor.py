@@ -11,14 +11,13 @@ import sys
 import textwrap
 import time
 
-import psutil
 import pytest
 
 from raylm import LLM, SamplingParams
 from raylm.distributed.shm_broadcast import SEGMENT_PREFIX
 from raylm.executor.multiproc_executor import MultiprocExecutor, WorkerDiedError
 from raylm.testing.hf_oracle import hf_greedy
-from tests.conftest import executor_of, wait_until
+from tests.conftest import executor_of, process_gone, wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 70)), [3]]
@@ -45,15 +44,6 @@ def _release(path) -> None:
         pass
 
 
-def _gone(pid: int) -> bool:
-    # A worker orphaned by a killed engine may linger as a zombie if nobody
-    # reaps it; a zombie has exited and holds nothing.
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
     return tiny_model_dir("llama", num_key_value_heads=2)
@@ -70,7 +60,7 @@ def tp2(model):
     yield llm
     pids, segments = _executor(llm).worker_pids, _executor(llm).shm_segment_names
     llm.shutdown()
-    assert all(_gone(p) for p in pids)
+    assert all(process_gone(p) for p in pids)
     assert not _left_in_dev_shm(segments)
 
 
@@ -188,12 +178,12 @@ def test_killed_worker_is_noticed_and_everything_is_cleaned_up(model, reference)
         out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
         assert out[0].outputs[0].token_ids == reference[0]
         assert _executor(llm) is not ex
-        assert all(_gone(p) for p in pids)  # the old executor is gone entirely
+        assert all(process_gone(p) for p in pids)  # the old executor is gone entirely
         assert not _left_in_dev_shm(segments)
         new_pids, new_segments = _executor(llm).worker_pids, _executor(llm).shm_segment_names
     finally:
         llm.shutdown()
-    assert all(_gone(p) for p in new_pids)
+    assert all(process_gone(p) for p in new_pids)
     assert not _left_in_dev_shm(new_segments)
 
 
@@ -219,19 +209,19 @@ def test_killed_engine_leaves_no_orphan_and_no_segment(model):
         line = engine.stdout.readline()
         assert line, engine.stderr.read()
         pids, segments = json.loads(line)
-        assert all(not _gone(p) for p in pids)
+        assert all(not process_gone(p) for p in pids)
         assert len(_left_in_dev_shm(segments)) == 3
         engine.send_signal(signal.SIGKILL)
         engine.wait(60)
         # Bounds against hanging only: each worker sees its death pipe close and exits.
-        wait_until(lambda: all(_gone(p) for p in pids), 60, message="the workers to exit")
+        wait_until(lambda: all(process_gone(p) for p in pids), 60, message="the workers to exit")
         assert not _left_in_dev_shm(segments)
     finally:
         if engine.poll() is None:
             engine.kill()
             engine.wait(10)
         for pid in pids:
-            if not _gone(pid):
+            if not process_gone(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
