@@ -28,6 +28,11 @@ import zmq
 import zmq.auth.thread
 
 UNAUTHENTICATED_TCP_ENV = "RAYLM_MQ_UNAUTHENTICATED_TCP"
+# A peer that has not finished the CURVE handshake this long after connecting
+# is dropped (libzmq's default is 30 s). A rightful peer needs a few round
+# trips; a stranger who connects and stays silent would otherwise hold one of
+# the process's file descriptors for half a minute per connection.
+HANDSHAKE_TIMEOUT_MS = 10_000
 
 
 def tcp_auth_enabled() -> bool:
@@ -87,6 +92,7 @@ class CurveServer:
         sock.curve_secretkey = self.keys.secret
         sock.curve_publickey = self.keys.public
         sock.curve_server = True
+        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
 
     @property
     def thread(self):

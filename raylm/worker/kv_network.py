@@ -65,6 +65,10 @@ class KVBlockServer:
         self._offers: dict[bytes, tuple[torch.Tensor | Future, float]] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        # Requests that reached this thread: only clients holding the key get
+        # past the handshake, which libzmq's I/O thread runs, so a stranger's
+        # traffic never wakes the thread (tests count on it).
+        self.requests_received = 0
         self._thread = threading.Thread(target=self._serve, name="raylm-kv-server", daemon=True)
         self._thread.start()
 
@@ -94,6 +98,7 @@ class KVBlockServer:
             if not self._sock.poll(100):
                 continue
             frames = self._sock.recv_multipart()
+            self.requests_received += 1
             if len(frames) != 2:
                 continue  # not a request of ours
             identity, name = frames

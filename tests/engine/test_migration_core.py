@@ -19,6 +19,7 @@ from raylm.distributed.tcp_auth import CurveKeys
 from raylm.engine.protocol import EngineCoreRequest, KVNetwork, MigrateEnd, MigrateExport, MigrateImport
 from raylm.testing.hf_oracle import hf_greedy
 from raylm.worker import kv_transfer
+from tests.conftest import wait_until
 
 PROMPT = [(5 * j) % 200 + 3 for j in range(37)]  # spans several 16-token blocks
 MAX_TOKENS = 40
@@ -154,6 +155,71 @@ def test_greedy_request_migrated_over_the_network_equals_hugging_face(cores, mod
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = hf_greedy(model, [PROMPT], MAX_TOKENS)[0].token_ids
     assert _generate(src, dst, params, migrate=True, network=network) == expected
+
+
+def _recording_tokens(core, request_id: str) -> list[int]:
+    """The tokens `core` makes for `request_id` from now on, whoever steps it."""
+    tokens: list[int] = []
+    step = core.step
+
+    def recording():
+        outputs = step()
+        for out in outputs:
+            if out.request_id == request_id:
+                tokens.extend(out.new_token_ids)
+        return outputs
+
+    core.step = recording
+    return tokens
+
+
+def test_a_stranger_hammering_the_kv_socket_hurts_no_stream(cores, model):
+    """While a stranger floods the source rank's K/V socket (junk, plain and
+    foreign-key CURVE clients asking for the offers by name), another
+    client's request decodes beside a request migrated over that socket:
+    both equal Hugging Face, the stranger gets nothing, and its traffic
+    never reaches raylm's code (the socket's thread saw only the two
+    rightful fetches)."""
+    from tests.worker.test_kv_network import KVSocketStranger
+
+    src, dst = cores
+    keys = CurveKeys.generate()
+    network = KVNetwork("127.0.0.1", keys.public, keys.secret)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    other_prompt = PROMPT[7:]
+    expected = [r.token_ids for r in hf_greedy(model, [PROMPT, other_prompt], MAX_TOKENS)]
+    # The socket the migration's stages will be offered on, made now by an offer withdrawn at once.
+    [[_, address]] = src.executor.collective_rpc("serve_kv", args=("warm-up", [0], "127.0.0.1", keys.public,
+                                                                    keys.secret))
+    assert src.executor.collective_rpc("withdraw_kv", args=("warm-up",)) == [1]
+    server = src.executor.driver_worker.worker.kv_network._server
+    assert server.address == address
+    already_received = server.requests_received
+    stranger = KVSocketStranger(address, keys.public, ["m5-0.rank0", "m5-1.rank0", "m1-0.rank0"])
+    first = Request("hammered", PROMPT, params, eos_token_id=None)
+    other_tokens = _recording_tokens(src, "other-client")
+    tokens: list[int] = []
+    stranger.start()
+    try:
+        wait_until(lambda: stranger.rounds >= 2, 60, message="the stranger's first rounds")
+        src.add_request(Request("hammered", PROMPT, params, eos_token_id=None))
+        src.add_request(Request("other-client", other_prompt, params, eos_token_id=None))
+        _run(src, "hammered", lambda: len(tokens) >= 12, tokens)
+        with tempfile.TemporaryDirectory(dir="/dev/shm") as shm_dir:
+            _migrate(src, dst, "hammered", first, tokens, shm_dir, network)
+        during = len(other_tokens)
+        _run(dst, "hammered", lambda: not dst.has_unfinished_requests(), tokens)
+    finally:
+        stranger.stop.set()
+        stranger.join(30)
+        del src.step
+    _run(src, "other-client", lambda: not src.has_unfinished_requests(), other_tokens)
+    assert 0 < during < MAX_TOKENS  # the other stream was decoding through the migration
+    assert [tokens, other_tokens] == expected
+    assert not stranger.is_alive() and stranger.answers == []
+    assert server.requests_received - already_received == 2  # the destination's two fetches
+    for core in (src, dst):
+        assert not core.scheduler.kv_cache_manager.req_blocks, "a block was left behind"
 
 
 def test_seeded_sampling_continues_its_stream(cores):

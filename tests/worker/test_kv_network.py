@@ -6,14 +6,18 @@ the reason."""
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 
 import pytest
 import torch
 import zmq
 
-from raylm.distributed.tcp_auth import CurveKeys
+from raylm.distributed import tcp_auth
+from raylm.distributed.tcp_auth import CurveKeys, secure_client
 from raylm.worker import kv_network, kv_transfer
+from tests.conftest import wait_until
 
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, LAYERS = 12, 4, 2, 8, 3
 
@@ -122,3 +126,96 @@ def test_a_failed_gather_is_named_at_the_destination(tmp_path):
         kv_transfer.fill_file(source, [NUM_BLOCKS + 5], path)  # no such block
     with pytest.raises(kv_transfer.KVTransferError, match="could not export.*out of DATA bounds"):
         kv_transfer.import_blocks(_caches(None), [0], path, wait_s=30)
+
+
+class KVSocketStranger(threading.Thread):
+    """Hammers a K/V socket until told to stop, as someone on the network
+    without the supervisor's key could: raw TCP connections that send junk
+    or nothing at all, plain ZMQ clients, and CURVE clients with a key of
+    their own (that even know the server's public key) asking for the
+    offers by name. `rounds` counts the rounds done, `answers` whatever any
+    of them got back (a ZMQ reply, never expected)."""
+
+    def __init__(self, address: str, server_key: bytes, names: list[str]):
+        super().__init__(name="kv-stranger", daemon=True)
+        self.address, self.server_key, self.names = address, server_key, names
+        self.rounds = 0
+        self.answers: list = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        host, port = self.address.removeprefix("tcp://").rsplit(":", 1)
+        ctx = zmq.Context()
+        try:
+            while not self.stop.is_set():
+                with socket.create_connection((host, int(port)), timeout=2) as raw:
+                    raw.sendall(bytes(range(256)) * 4)  # not a ZMTP greeting
+                clients = []
+                for curve in (False, True):
+                    client = ctx.socket(zmq.DEALER)
+                    client.setsockopt(zmq.LINGER, 0)
+                    if curve:
+                        secure_client(client, CurveKeys.generate(), server_key=self.server_key)
+                    client.connect(self.address)
+                    for name in self.names:
+                        client.send(name.encode(), flags=zmq.NOBLOCK)
+                    clients.append(client)
+                for client in clients:
+                    if client.poll(50):
+                        self.answers.append(client.recv_multipart())
+                    client.close(linger=0)
+                self.rounds += 1
+        finally:
+            ctx.term()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_strangers_reach_nothing_and_hold_nothing(endpoint):
+    """A flood of strangers at the K/V socket: none gets an answer or wakes
+    the server's thread, the rightful destination still fetches its blocks
+    meanwhile, and once the flood stops every connection it made is gone."""
+    keys = CurveKeys.generate()
+    names = [f"m-9-{i}.rank0" for i in range(3)]
+    _, address = endpoint.serve(_caches(0), names[0], [1, 2], "127.0.0.1", keys)
+    fds_before = _open_fds()
+    stranger = KVSocketStranger(address, keys.public, names)
+    stranger.start()
+    try:
+        for i, name in enumerate(names):
+            if i:
+                endpoint.serve(_caches(0), name, [1, 2], "127.0.0.1", keys)
+            # Each fetch while the flood goes on: a hang guard, not a speed check.
+            wait_until(lambda: stranger.rounds >= 3 * (i + 1), 60, message="the stranger's rounds")
+            destination = _caches(None)
+            kv_network.KVNetworkEndpoint().fetch_into(destination, name, [4, 7], address, keys)
+            assert torch.equal(destination[1][:, [4, 7]], _caches(0)[1][:, [1, 2]])
+    finally:
+        stranger.stop.set()
+        stranger.join(30)
+    assert not stranger.is_alive()
+    assert stranger.answers == []
+    assert endpoint._server.requests_received == len(names)  # the rightful fetches only
+    wait_until(lambda: _open_fds() <= fds_before, 30, message=lambda: f"fds back to {fds_before}: {_open_fds()}")
+
+
+def test_a_connection_that_never_finishes_its_handshake_is_dropped(monkeypatch):
+    """A stranger who connects and stays silent does not keep the connection
+    (and a file descriptor of the rank's process) beyond the handshake timeout."""
+    monkeypatch.setattr(tcp_auth, "HANDSHAKE_TIMEOUT_MS", 300)
+    ep = kv_network.KVNetworkEndpoint()
+    try:
+        _, address = ep.serve(_caches(0), "m-10.rank0", [1], "127.0.0.1", CurveKeys.generate())
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=30) as silent:
+            received = b""
+            while True:  # the server's greeting, then the end of the connection
+                chunk = silent.recv(4096)
+                if not chunk:
+                    break
+                received += chunk
+        assert len(received) < 4096
+    finally:
+        ep.close()
