@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import sysconfig
+import types
 
 import numpy as np
 import pytest
@@ -56,7 +57,7 @@ def test_dequantize_equals_the_gguf_decoder(qtype, kernels):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 4, 9, quant_kernels.WIDEN_FROM_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, quant_kernels.WIDEN_FROM_ROWS + 1, quant_kernels.PACKED_MAX_ROWS + 1])
 @pytest.mark.parametrize("qtype", list(ENCODERS))
 def test_matmul_equals_a_float_matmul_on_the_decoded_weight(qtype, rows, dtype, kernels):
     weight, reference = _weight(qtype)
@@ -66,6 +67,8 @@ def test_matmul_equals_a_float_matmul_on_the_decoded_weight(qtype, rows, dtype, 
     state = kernel.prepare(weight)
     got = kernel.linear(x, state)
     assert got.dtype == dtype and got.shape == (rows, weight.shape[0])
+    if state.packed is not None:
+        assert state.data is None  # the file's blocks are not kept beside the packed copy
     if state.packed is not None and rows <= quant_kernels.PACKED_MAX_ROWS:
         # The decode kernel quantizes the activations per block, as llama.cpp does.
         expected = (_as_quantized(x, qtype).double() @ reference.double().t()).float()
@@ -97,15 +100,28 @@ def _as_quantized(x: torch.Tensor, qtype: str) -> torch.Tensor:
 
 def _packed_or_skip(kernels):
     if not quant_kernels.packed_kernel_available(kernels):
-        pytest.skip("this build has no AVX-512 VNNI decode kernel (the row-tiled path serves decode)")
+        pytest.skip("this build has no AVX2 or AVX-512 VNNI decode kernel (the row-tiled path serves decode)")
+
+
+@pytest.fixture(params=["best", "avx2"])
+def isa(request, kernels):
+    """The packed kernel's instruction set: the best here, then AVX2 (forced where
+    the CPU has AVX-512 too: the kernel most consumer x86 CPUs run)."""
+    _packed_or_skip(kernels)
+    if request.param != "best" and request.param not in kernels.quant_packed_variants():
+        pytest.skip(f"no {request.param} decode kernel in this build")
+    kernels.quant_packed_use("auto" if request.param == "best" else request.param)
+    yield kernels.quant_packed_variant()
+    kernels.quant_packed_use("auto")
 
 
 @pytest.mark.parametrize("shape", [(16, 256), (40, 512), (33, 1024), (7, 256)])
 @pytest.mark.parametrize("qtype", list(ENCODERS))
-def test_packed_decode_kernel_equals_the_decoded_weights_times_quantized_activations(qtype, shape, kernels):
+def test_packed_decode_kernel_equals_the_decoded_weights_times_quantized_activations(qtype, shape, kernels, isa):
     """Every row count it serves, output rows that fill no whole tile of 16, several blocks along K;
-    a zero row (no activation scale) gives zeros; bf16 activations are widened first."""
-    _packed_or_skip(kernels)
+    a zero row (no activation scale) gives zeros; bf16 activations are widened first. On each
+    instruction set (AVX2 splits the dot in int16 pairs: large weights and activations must not
+    saturate them)."""
     rows_out, cols = shape
     w = np.random.default_rng(rows_out).standard_normal((rows_out, cols)).astype(np.float32)
     data = ENCODERS[qtype](w)
@@ -129,6 +145,58 @@ def test_packed_decode_kernel_equals_the_decoded_weights_times_quantized_activat
     assert torch.equal(zero, torch.zeros(1, rows_out))
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_packed_decode_kernel_at_the_extremes_of_its_integers(qtype, kernels, isa):
+    """Weights at their largest magnitude (Q8_0 -128 and 127, Q4_0 0 and 15) against
+    activations at +-127: the sums that would saturate a pairwise int16 dot."""
+    rows_out, cols = 16, 64
+    blocks = np.zeros((rows_out, cols // 32, 2 + (32 if qtype == "Q8_0" else 16)), dtype=np.uint8)
+    blocks[..., :2] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+    extreme = np.array([0x80, 0x7F] if qtype == "Q8_0" else [0x00, 0xFF], dtype=np.uint8)  # -128/127; 0|0, 15|15
+    blocks[0::2, :, 2:] = extreme[0]  # even columns all at one end, odd ones at the other
+    blocks[1::2, :, 2:] = extreme[1]
+    data = blocks.reshape(rows_out, -1)
+    reference = torch.from_numpy(quants.dequantize(data, T[qtype])).double()
+    code = quant_kernels.GGUF_TYPE_CODES[qtype]
+    packed = kernels.quant_pack(torch.from_numpy(data), code)
+    x = torch.full((2, cols), 5.0)
+    x[1, ::2] = -5.0
+    got = kernels.quant_packed_linear(x, packed, code, rows_out)
+    torch.testing.assert_close(got.double(), _as_quantized(x, qtype).double() @ reference.t(), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", list(ENCODERS))
+def test_the_packed_layout_holds_the_file_blocks_bit_for_bit(qtype, kernels):
+    """quant_unpack gives the file's blocks back and the tiles widen to the floats the
+    file's blocks widen to: a layer can drop the file's copy after packing."""
+    _packed_or_skip(kernels)
+    code = quant_kernels.GGUF_TYPE_CODES[qtype]
+    for rows, cols in [(40, 512), (7, 256)]:  # a last tile with padding columns
+        weight, reference = _weight(qtype, rows, cols)
+        packed = kernels.quant_pack(weight.data, code)
+        assert torch.equal(kernels.quant_unpack(packed, code, rows, cols), weight.data)
+        for dtype in (torch.float32, torch.bfloat16):
+            widened = kernels.quant_packed_dequantize(packed, code, rows, cols, dtype)
+            assert torch.equal(widened, kernels.quant_dequantize(weight.data, code, cols, dtype))
+        assert torch.equal(kernels.quant_packed_dequantize(packed, code, rows, cols, torch.float32), reference)
+    with pytest.raises(RuntimeError, match="does not hold"):
+        kernels.quant_unpack(packed, code, rows + 16, cols)
+
+
+def test_an_unknown_kernel_choice_is_refused(kernels, monkeypatch):
+    _packed_or_skip(kernels)
+    monkeypatch.setattr(quant_kernels, "_chosen_variant", None)
+    monkeypatch.setenv(quant_kernels.KERNEL_ENV, "avx1024")
+    with pytest.raises(ValueError, match="RAYLM_QUANT_KERNEL='avx1024'.*auto"):
+        quant_kernels.packed_kernel_available(kernels)
+    monkeypatch.setenv(quant_kernels.KERNEL_ENV, "avx2")
+    if "avx2" in kernels.quant_packed_variants():
+        try:
+            assert quant_kernels.packed_kernel_available(kernels) and kernels.quant_packed_variant() == "avx2"
+        finally:
+            kernels.quant_packed_use("auto")
+
+
 def test_packed_decode_kernel_refuses_a_weight_of_another_shape(kernels):
     _packed_or_skip(kernels)
     weight, _ = _weight("Q4_K", rows=40, cols=512)
@@ -149,5 +217,58 @@ def test_model_layers_keep_gguf_weights_quantized(tmp_path, tiny_model_dir, kern
     qkv = model.model.layers[0].self_attn.qkv_proj
     # q and k merged into one Q4_K segment, v its own Q6_K one: no float copy.
     assert [type(s) for s in qkv.quant_matmul.segments] == [QuantSegment, QuantSegment]
-    assert [s.weight.qtype.name for s in qkv.quant_matmul.segments] == ["Q4_K", "Q6_K"]
+    assert [s.qtype.name for s in qkv.quant_matmul.segments] == ["Q4_K", "Q6_K"]
     assert qkv.weight.numel() == 0
+
+
+def _reachable(root) -> list[object]:
+    """Every object reachable from `root` through attributes and containers
+    (not through modules, classes or functions)."""
+    skip = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+            str, bytes, int, float, bool, torch.dtype, torch.device)
+    seen, found, stack = set(), [], [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, skip) or obj is None:
+            continue
+        seen.add(id(obj))
+        found.append(obj)
+        if isinstance(obj, torch.Tensor):
+            continue
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+    return found
+
+
+@pytest.mark.parametrize("variant", ["Q8_0", "Q4_K_M"])
+def test_a_bf16_model_keeps_one_copy_of_its_quantized_weights(variant, tmp_path, tiny_model_dir, kernels):
+    """The file's blocks are dropped once packed: the uint8 bytes the loaded model
+    holds are those of the file's quantized matrices once (the packed layout adds
+    Q4_K's unpacked scales, 64 bytes per 16 x 144, and padding to tiles of 16
+    rows), not twice, and no loaded QuantizedWeight is left anywhere in it."""
+    _packed_or_skip(kernels)
+    from gguf import GGUFReader
+
+    from raylm.model.loader import load_model
+    from raylm.testing.gguf_writer import write_gguf
+
+    folder = tiny_model_dir("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                            num_key_value_heads=2)
+    mix = (lambda name, shape: "Q6_K" if name.endswith(("attn_v.weight", "ffn_down.weight", "output.weight"))
+           else "Q4_K") if variant == "Q4_K_M" else None
+    path = write_gguf(folder, tmp_path / "m.gguf", "Q8_0", tensor_type=mix)
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors
+                     if t.tensor_type.name in quant_kernels.GGUF_TYPE_CODES and t.name != "token_embd.weight")
+    model = load_model(str(path), torch.bfloat16, "cpu")
+    reachable = _reachable(model)
+    assert not [o for o in reachable if isinstance(o, QuantizedWeight)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in reachable if isinstance(t, torch.Tensor) and t.dtype == torch.uint8}
+    held = sum(storages.values())
+    assert file_bytes <= held <= 1.05 * file_bytes, (held, file_bytes)
+    linears = [m for m in model.modules() if getattr(m, "quant_matmul", None) is not None]
+    assert sum(m.quant_matmul.nbytes for m in linears) == held

@@ -1,7 +1,8 @@
 """Builds and loads raylm's C++ CPU kernels at first use: paged decode
 attention (csrc/paged_decode_attention.cpp), the fused elementwise ops of
 the Llama block (csrc/elementwise_ops.cpp), matmuls on GGUF-quantized
-weights (csrc/quant_gemm.cpp), on packed bfloat16 and int8 weights for
+weights (csrc/quant_gemm.cpp; re-laid for decode by csrc/quant_pack.cpp and
+read by csrc/quant_decode.cpp), on packed bfloat16 and int8 weights for
 decode (csrc/bf16_gemm.cpp, csrc/int8_gemm.cpp), and a decode step's decoder
 layers in one call (csrc/decode_layers.cpp): one extension module.
 
@@ -49,7 +50,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = tuple(
     _CSRC / name
     for name in ("bindings.cpp", "paged_decode_attention.cpp", "elementwise_ops.cpp", "quant_gemm.cpp", "bf16_gemm.cpp",
-                 "int8_gemm.cpp", "decode_layers.cpp", "quant_decode.cpp")
+                 "int8_gemm.cpp", "decode_layers.cpp", "quant_pack.cpp", "quant_decode.cpp")
 )
 # Headers the sources include: part of the build's identity too.
 _HEADERS = (_CSRC / "fast_exp.h",)

@@ -8,6 +8,7 @@ x @ W^T in x's dtype. `kernel_for` returns None where no kernel runs the type
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,7 +24,7 @@ GGUF_TYPE_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q6_K": 3}
 # transient float copy for a float matmul, instead of each block per row tile.
 WIDEN_FROM_ROWS = 16
 # Up to PACKED_MAX_ROWS rows (decode steps, small batches of them), in bfloat16
-# models where the build has AVX-512 VNNI, the weight is read in the tile
+# models where the build has AVX-512 VNNI or AVX2, the weight is read in the tile
 # layout packed once at load (csrc/quant_decode.cpp) and the activations are
 # quantized per block to int8, as llama.cpp does: the stream of 4-6-bit
 # weights is then as fast as memory reads it, where widening each weight to a
@@ -31,8 +32,9 @@ WIDEN_FROM_ROWS = 16
 # (loaded machine): 1.8-3.2x the row-tiled path at 1-4 rows, 2.3-4.2x at
 # 8-15; against widening the weight for oneDNN, 0.25-0.6x its time at 16 rows,
 # 0.5-1.05x at 64, 1.1-1.2x at 128 and 2x at 512 (so prefill keeps widening).
-# float32 models keep float activations (the paths above): they asked for
-# float precision.
+# Past PACKED_MAX_ROWS the packed tiles are widened (the file's blocks are not
+# kept beside them). float32 models keep float activations (the paths above):
+# they asked for float precision.
 PACKED_MAX_ROWS = 64
 PACKED_DTYPES = (torch.bfloat16,)
 
@@ -70,33 +72,68 @@ def _int8_linear(x: torch.Tensor, state) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class GGUFState:
+    """One GGUF weight as a layer keeps it: the packed tiles where the decode
+    kernel runs (the file's blocks are dropped: prefill widens the tiles), else
+    the file's blocks."""
     module: Any
-    data: torch.Tensor  # the file's blocks, [rows, bytes]
     code: int
-    cols: int
+    rows: int  # output features
+    cols: int  # input features
+    data: torch.Tensor | None  # the file's blocks, [rows, bytes], only without `packed`
     packed: torch.Tensor | None  # quant_decode.cpp's layout, where the build has it
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for t in (self.data, self.packed) if t is not None)
 
 
 def _gguf_prepare(weight: QuantizedWeight, module, dtype: torch.dtype) -> GGUFState:
     data, code = weight.data.contiguous(), GGUF_TYPE_CODES[weight.qtype.name]
-    packed = module.quant_pack(data, code) if dtype in PACKED_DTYPES and packed_kernel_available(module) else None
-    return GGUFState(module, data, code, weight.cols, packed)
+    rows, cols = weight.shape
+    if dtype in PACKED_DTYPES and packed_kernel_available(module):
+        return GGUFState(module, code, rows, cols, None, module.quant_pack(data, code))
+    return GGUFState(module, code, rows, cols, data, None)
+
+
+# Names the packed decode kernel's instruction set ("avx512_vnni", "avx2";
+# "auto", the default: the best this build and CPU run). For tests and
+# benchmarks of the AVX2 kernel on a CPU that has AVX-512 too; read once.
+KERNEL_ENV = "RAYLM_QUANT_KERNEL"
+_chosen_variant: str | None = None
 
 
 def packed_kernel_available(module) -> bool:
-    return hasattr(module, "quant_packed_supported") and module.quant_packed_supported()
+    if not hasattr(module, "quant_packed_supported"):
+        return False
+    _apply_kernel_choice(module)
+    return module.quant_packed_supported()
+
+
+def _apply_kernel_choice(module) -> None:
+    global _chosen_variant
+    if _chosen_variant is not None or not hasattr(module, "quant_packed_use"):
+        return
+    choice = os.environ.get(KERNEL_ENV, "").strip().lower() or "auto"
+    if choice != "auto" and choice not in module.quant_packed_variants():
+        raise ValueError(f"{KERNEL_ENV}={choice!r}: this build's packed decode kernel runs "
+                         f"{', '.join(['auto', *module.quant_packed_variants()])}")
+    module.quant_packed_use(choice)
+    _chosen_variant = choice
 
 
 def _gguf_linear(x: torch.Tensor, state: GGUFState) -> torch.Tensor:
-    module, data, code, cols = state.module, state.data, state.code, state.cols
+    module, code, cols = state.module, state.code, state.cols
     flat = x.reshape(-1, cols)
-    if state.packed is not None and flat.shape[0] <= PACKED_MAX_ROWS:
-        y = module.quant_packed_linear(flat, state.packed, code, data.shape[0])
+    if state.packed is not None:
+        if flat.shape[0] <= PACKED_MAX_ROWS:
+            y = module.quant_packed_linear(flat, state.packed, code, state.rows)
+        else:  # prefill: the tiles widened for oneDNN, one layer's weight at a time
+            y = F.linear(flat, module.quant_packed_dequantize(state.packed, code, state.rows, cols, x.dtype))
     elif flat.shape[0] >= WIDEN_FROM_ROWS:
-        y = F.linear(flat, module.quant_dequantize(data, code, cols, x.dtype))
+        y = F.linear(flat, module.quant_dequantize(state.data, code, cols, x.dtype))
     else:
-        y = module.quant_linear(flat.contiguous(), data, code)
-    return y.reshape(*x.shape[:-1], data.shape[0])
+        y = module.quant_linear(flat.contiguous(), state.data, code)
+    return y.reshape(*x.shape[:-1], state.rows)
 
 
 def kernel_for(qtype: str, device: torch.device, dtype: torch.dtype) -> QuantKernel | None:

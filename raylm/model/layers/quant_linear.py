@@ -36,8 +36,11 @@ class FloatSegment:
 
 
 class QuantSegment:
+    """Rows of one quantized type, as the kernel's state holds them: the loaded
+    weight is not kept (the state may be a re-laid copy of it)."""
+
     def __init__(self, weight: QuantizedWeight, kernel: quant_kernels.QuantKernel):
-        self.weight, self.kernel = weight, kernel
+        self.qtype, self.shape, self.kernel = weight.qtype, weight.shape, kernel
         self.state = kernel.prepare(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -45,7 +48,15 @@ class QuantSegment:
 
     @property
     def nbytes(self) -> int:
-        return self.weight.nbytes
+        """Bytes of the tensors the segment holds."""
+        return sum(t.nbytes for t in _tensors(self.state))
+
+
+def _tensors(state) -> list[torch.Tensor]:
+    if isinstance(state, quant_kernels.GGUFState):
+        return list(state.tensors)
+    tensors, seen = [t for t in state if isinstance(t, torch.Tensor)], set()
+    return [t for t in tensors if not (t.data_ptr() in seen or seen.add(t.data_ptr()))]
 
 
 class QuantizedMatmul:
@@ -109,7 +120,7 @@ class QuantizedMatmul:
                 state = segment.state
                 if not isinstance(state, quant_kernels.GGUFState) or state.packed is None:
                     return None
-                spec.append((state.code, state.data.shape[0]))
+                spec.append((state.code, state.rows))
                 weights.append(state.packed)
             else:
                 layout = None if segment.packed is None else segment.packed.decode_layout

@@ -19,9 +19,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_dequantize", &quant_dequantize, "a GGUF-quantized weight widened to float32 or bfloat16",
         py::arg("weight"), py::arg("qtype"), py::arg("cols"), py::arg("dtype"));
   m.def("quant_packed_supported", &quant_packed_supported,
-        "whether this build has the AVX-512 VNNI decode kernel on packed GGUF weights");
+        "whether a decode kernel on packed GGUF weights runs here (AVX-512 VNNI or AVX2)");
+  m.def("quant_packed_variants", &quant_packed_variants,
+        "the instruction sets of this build's packed decode kernel, best first");
+  m.def("quant_packed_variant", &quant_packed_variant, "the packed decode kernel's instruction set in use");
+  m.def("quant_packed_use", &quant_packed_use,
+        "run the packed decode kernel on this instruction set ('auto' or '': the best)", py::arg("name"));
   m.def("quant_pack", &quant_pack, "a GGUF-quantized [rows, bytes] weight in quant_packed_linear's tile layout",
         py::arg("weight"), py::arg("qtype"));
+  m.def("quant_unpack", &quant_unpack, "the file's blocks [rows, bytes] of a weight packed by quant_pack",
+        py::arg("packed"), py::arg("qtype"), py::arg("rows"), py::arg("cols"));
+  m.def("quant_packed_dequantize", &quant_packed_dequantize,
+        "a weight packed by quant_pack widened to float32 or bfloat16 [rows, cols]", py::arg("packed"),
+        py::arg("qtype"), py::arg("rows"), py::arg("cols"), py::arg("dtype"));
   m.def("quant_packed_linear", &quant_packed_linear,
         "x @ W^T for few rows of x (quantized per block to int8), W packed by quant_pack", py::arg("x"),
         py::arg("packed"), py::arg("qtype"), py::arg("out_features"));

@@ -5,6 +5,8 @@
 
 #include <torch/extension.h>
 
+#include <cstdint>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -19,8 +21,16 @@ std::tuple<at::Tensor, at::Tensor> rotary_neox(const at::Tensor& positions, cons
                                                int64_t head_dim);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype);
 at::Tensor quant_dequantize(const at::Tensor& weight, int64_t qtype, int64_t K, at::ScalarType dtype);
+void quant_dequantize_rows(const uint8_t* blocks, int64_t qtype, int64_t K, int64_t rows, float* out_f,
+                           c10::BFloat16* out_b);
 bool quant_packed_supported();
+std::vector<std::string> quant_packed_variants();
+std::string quant_packed_variant();
+void quant_packed_use(const std::string& name);
 at::Tensor quant_pack(const at::Tensor& weight, int64_t qtype);
+at::Tensor quant_unpack(const at::Tensor& packed, int64_t qtype, int64_t N, int64_t K);
+at::Tensor quant_packed_dequantize(const at::Tensor& packed, int64_t qtype, int64_t N, int64_t K,
+                                   at::ScalarType dtype);
 at::Tensor quant_packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t out_features);
 int64_t quant_decode_params_per_layer();
 std::tuple<at::Tensor, at::Tensor> quant_decode_layers(

@@ -1,203 +1,64 @@
 // Matmuls on GGUF-quantized weights (Q8_0, Q4_0, Q4_K, Q6_K) for CPU decode
-// (a few activation rows), on weights re-laid once at load for one stream:
-// y[m, n] = sum_k x[m, k] * W[n, k].
+// (a few activation rows), on weights re-laid once at load for one stream
+// (quant_layout.h, quant_pack.cpp): y[m, n] = sum_k x[m, k] * W[n, k].
 //
 // Decode reads every weight once per token, so its speed is that of the
 // weight stream, and with 4-6 bits a weight the stream is fast enough that
 // widening each weight to a float (quant_gemm.cpp's path) costs more than
 // reading it. Here, as llama.cpp does, the activations are quantized per
 // block to int8 (one float scale per 32 values for Q8_0/Q4_0 weights, per 256
-// for the K types) and blocks are multiplied in integers with AVX-512 VNNI
-// (vpdpbusd: 64 unsigned weight bytes times signed activation bytes, summed
-// by fours into 16 int32 lanes); the block's float scales are applied once per
-// block. The result is the float product of the dequantized weights with the
-// quantized activations, up to float rounding of the scales.
+// for the K types) and blocks are multiplied in integers: unsigned weight
+// bytes times signed activation bytes, summed by fours into one int32 lane per
+// output column; the block's float scales are applied once per block. The
+// result is the float product of the dequantized weights with the quantized
+// activations, up to float rounding of the scales. The K types' integer sums
+// need the activations' sums per sub-block, computed once per call with their
+// quants.
 //
-// Layout: tiles of 16 output columns (zero past N); a tile holds the whole K
-// for its columns, block after block, so a thread streams a contiguous range
-// of tiles. Within a tile's block, every group of 32 k is 8 "quads" (4
-// consecutive k); a 64-byte line holds one quad for the 16 columns, in the
-// order vpdpbusd reads it (lane = column, byte = k % 4). 4-bit values share a
-// line by nibbles: the low nibble holds quad r, the high nibble quad r + 4.
-// Per tile and block (fp16 scales copied from the file as they are):
-//   Q8_0  d[16] fp16 | 8 lines of q + 128 (u8)                           = 544 B
-//   Q4_0  d[16] fp16 | 4 nibble lines of q (0..15, value q - 8)          = 288 B
-//   Q4_K  d[16], dmin[16] fp16 | scales u8 [8 sub-blocks][16] |
-//         mins u8 [4 pairs][16 columns][2] | 8 x 4 nibble lines         = 2368 B
-//   Q6_K  d[16] fp16 | scales i8 [16 sub-blocks][16] |
-//         8 x (4 nibble lines of the low 4 bits, 2 lines of the high 2
-//         bits: line h, bits 2s..2s+1 = quad 4h + s)                     = 3360 B
-// Sub-block values: Q4_K w = d * sc * q - dmin * m (sub-blocks of 32),
-// Q6_K w = d * sc * (q - 32) (sub-blocks of 16), so the integer sums need the
-// activations' sums per sub-block, computed once per call with their quants.
-//
-// Built only where the compiler sees AVX-512 VNNI and BW (the build is
-// -march=native); elsewhere quant_packed_supported() says false and callers
-// keep quant_gemm.cpp's path.
+// The kernels are written once over an instruction set `V` that holds a
+// tile's 16 columns as 16 int32 / float lanes:
+//   Avx512Vnni  one 512-bit register; vpdpbusd does a 4-byte dot per lane.
+//   Avx2        two 256-bit registers (columns 0-7, 8-15); the 4-byte dot is
+//               vpmaddubsw + vpmaddwd. vpmaddubsw saturates pairs at int16, so
+//               Q8_0's bytes (q + 128, up to 255) are read signed instead, by
+//               the sign trick (|w| times x with w's sign).
+// Both exist where the compiler targets them (the build is -march=native, one
+// build per CPU kind: cpu_kernels.py), the best one runs by default, and
+// quant_packed_use("avx2") picks the AVX2 one on a machine that has both
+// (tests; RAYLM_QUANT_KERNEL=avx2 in quant_kernels.py). Without AVX2,
+// quant_packed_supported() says false and callers keep quant_gemm.cpp's path.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include "decode_layer_loop.h"
 #include "kernels.h"
+#include "quant_layout.h"
 #include "tiled_gemm.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define RAYLM_QUANT_PACKED 1
+#define RAYLM_QUANT_AVX512 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define RAYLM_QUANT_AVX2 1
 #endif
 
 namespace {
 
-enum QType : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3 };  // quant_gemm.cpp's codes
-
-constexpr int64_t kCols = 16;     // output columns per tile (one register of int32 lanes)
-constexpr int64_t kMaxRows = 4;   // activation rows per kernel call
-constexpr int kLine = 64;         // bytes: one quad of 16 columns
-
-struct Geometry {
-  int64_t block;       // weights per file block
-  int64_t file_bytes;  // bytes per file block
-  int64_t packed;      // bytes per tile per block
-  int64_t act_block;   // activations per int8 scale
-};
-
-Geometry geometry(int64_t qtype) {
-  switch (qtype) {
-    case Q8_0: return {32, 34, 32 + 8 * kLine, 32};
-    case Q4_0: return {32, 18, 32 + 4 * kLine, 32};
-    case Q4_K: return {256, 144, 64 + 128 + 128 + 32 * kLine, 256};
-    case Q6_K: return {256, 210, 32 + 256 + 8 * 6 * kLine, 256};
-  }
-  TORCH_CHECK(false, "quant_pack: unknown quantized type code ", qtype);
-}
-
-// ---- packing (once at load) ------------------------------------------------------
-
-// q[c][k] for 16 columns x 32 k (values < 16) -> 4 nibble lines.
-void put_nibbles(uint8_t* dst, const uint8_t q[kCols][32]) {
-  for (int r = 0; r < 4; ++r)
-    for (int c = 0; c < kCols; ++c)
-      for (int b = 0; b < 4; ++b) dst[r * kLine + c * 4 + b] = q[c][4 * r + b] | (q[c][4 * (r + 4) + b] << 4);
-}
-
-// q[c][k] for 16 columns x 32 k -> 8 byte lines.
-void put_bytes(uint8_t* dst, const uint8_t q[kCols][32]) {
-  for (int i = 0; i < 8; ++i)
-    for (int c = 0; c < kCols; ++c)
-      for (int b = 0; b < 4; ++b) dst[i * kLine + c * 4 + b] = q[c][4 * i + b];
-}
-
-// hi[c][k] for 16 columns x 32 k (values < 4) -> 2 lines of 2-bit fields.
-void put_crumbs(uint8_t* dst, const uint8_t hi[kCols][32]) {
-  for (int h = 0; h < 2; ++h)
-    for (int c = 0; c < kCols; ++c)
-      for (int b = 0; b < 4; ++b) {
-        uint8_t v = 0;
-        for (int s = 0; s < 4; ++s) v |= hi[c][4 * (4 * h + s) + b] << (2 * s);
-        dst[h * kLine + c * 4 + b] = v;
-      }
-}
-
-inline void scale_min_k4(int j, const uint8_t* s, uint8_t* sc, uint8_t* mn) {  // ggml's 6-bit packing
-  if (j < 4) {
-    *sc = s[j] & 63;
-    *mn = s[j + 4] & 63;
-  } else {
-    *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
-// One tile's block: `blocks[c]` is column c's file block, or null past N.
-void pack_block(int64_t qtype, const uint8_t* const blocks[kCols], uint8_t* dst) {
-  static const uint8_t zero_block[256] = {};
-  const uint8_t* src[kCols];
-  for (int c = 0; c < kCols; ++c) src[c] = blocks[c] ? blocks[c] : zero_block;  // all-zero: d = 0
-  uint8_t q[kCols][32];
-  uint8_t hi[kCols][32];
-  switch (qtype) {
-    case Q8_0:
-      for (int c = 0; c < kCols; ++c) {
-        std::memcpy(dst + 2 * c, src[c], 2);
-        for (int k = 0; k < 32; ++k) q[c][k] = uint8_t(int(int8_t(src[c][2 + k])) + 128);
-      }
-      put_bytes(dst + 32, q);
-      return;
-    case Q4_0:
-      for (int c = 0; c < kCols; ++c) {
-        std::memcpy(dst + 2 * c, src[c], 2);
-        for (int k = 0; k < 16; ++k) {
-          q[c][k] = src[c][2 + k] & 0xF;
-          q[c][k + 16] = src[c][2 + k] >> 4;
-        }
-      }
-      put_nibbles(dst + 32, q);
-      return;
-    case Q4_K: {
-      uint8_t* scales = dst + 64;
-      uint8_t* mins = dst + 192;
-      for (int c = 0; c < kCols; ++c) {
-        std::memcpy(dst + 2 * c, src[c], 2);
-        std::memcpy(dst + 32 + 2 * c, src[c] + 2, 2);
-        for (int j = 0; j < 8; ++j) {
-          uint8_t sc, mn;
-          scale_min_k4(j, src[c] + 4, &sc, &mn);
-          scales[j * kCols + c] = sc;
-          mins[(j / 2) * 2 * kCols + 2 * c + j % 2] = mn;
-        }
-      }
-      for (int j = 0; j < 8; ++j) {  // sub-block j: chunk j / 2, low nibbles if j is even
-        for (int c = 0; c < kCols; ++c) {
-          const uint8_t* qs = src[c] + 16 + 32 * (j / 2);
-          for (int l = 0; l < 32; ++l) q[c][l] = j % 2 ? qs[l] >> 4 : qs[l] & 0xF;
-        }
-        put_nibbles(dst + 320 + j * 4 * kLine, q);
-      }
-      return;
-    }
-    case Q6_K: {
-      int8_t* scales = reinterpret_cast<int8_t*>(dst + 32);
-      int q6[kCols][256];
-      for (int c = 0; c < kCols; ++c) {
-        const uint8_t* b = src[c];
-        std::memcpy(dst + 2 * c, b + 208, 2);
-        for (int j = 0; j < 16; ++j) scales[j * kCols + c] = int8_t(b[192 + j]);
-        for (int half = 0; half < 2; ++half) {
-          const uint8_t* ql = b + 64 * half;
-          const uint8_t* qh = b + 128 + 32 * half;
-          int* y = q6[c] + 128 * half;
-          for (int l = 0; l < 32; ++l) {
-            y[l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
-            y[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
-            y[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
-            y[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
-          }
-        }
-      }
-      for (int g = 0; g < 8; ++g) {
-        for (int c = 0; c < kCols; ++c)
-          for (int l = 0; l < 32; ++l) {
-            q[c][l] = q6[c][32 * g + l] & 0xF;
-            hi[c][l] = q6[c][32 * g + l] >> 4;
-          }
-        uint8_t* group = dst + 288 + g * 6 * kLine;
-        put_nibbles(group, q);
-        put_crumbs(group + 4 * kLine, hi);
-      }
-      return;
-    }
-  }
-}
+using namespace raylm::quant;
 
 // ---- activations, quantized per call ------------------------------------------------
 
@@ -244,249 +105,434 @@ const Activations& quantize_rows(const T* x, int64_t rows, int64_t K, int64_t ac
   return a;
 }
 
-#ifdef RAYLM_QUANT_PACKED
+constexpr int kMaxRowsAny = 4;  // the most activation rows any kernel call takes
 
 struct Call {
   const uint8_t* tile;  // packed data of the tile
   int64_t blocks;       // file blocks along K
   int64_t K;
   const Activations* act;
-  int64_t row0;          // first activation row
-  void* out[kMaxRows];   // first column of the tile in each row, float or bfloat16
+  int64_t row0;             // first activation row
+  void* out[kMaxRowsAny];   // first column of the tile in each row, float or bfloat16
   bool bf16_out;
-  int64_t cols;          // valid columns (<= 16)
+  int64_t cols;             // valid columns (<= 16)
+
+  const int8_t* x(int m, int64_t k) const { return act->q.data() + (row0 + m) * K + k; }
+  float dx(int m, int64_t block, int64_t act_block) const { return act->d[(row0 + m) * (K / act_block) + block]; }
 };
 
-inline __m512i bcast4(const int8_t* p) {
+inline int32_t four_bytes(const void* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
+  return v;
 }
 
-inline __m512 fp16x16(const uint8_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+// A scalar store of 16 lanes for the last tile of a row (fewer columns) or a
+// bf16 output (rounded to nearest even as torch rounds).
+inline void store_lanes(const float lanes[kCols], void* out, bool bf16, int64_t cols) {
+  if (bf16) {
+    auto* y = static_cast<c10::BFloat16*>(out);
+    for (int64_t c = 0; c < cols; ++c) y[c] = c10::BFloat16(lanes[c]);
+  } else {
+    std::memcpy(out, lanes, cols * sizeof(float));
+  }
 }
 
-inline __m512i line(const uint8_t* p) { return _mm512_loadu_si512(p); }
+#ifdef RAYLM_QUANT_AVX512
+
+struct Avx512Vnni {
+  static constexpr const char* kName = "avx512_vnni";
+  static constexpr int kMaxRows = 4;
+  static constexpr int kQ8Offset = 128;  // Q8_0 bytes are read unsigned (q + 128)
+  using I = __m512i;
+  using F = __m512;
+
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static I bcast4(const int8_t* p) { return _mm512_set1_epi32(four_bytes(p)); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I low_nibbles(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+  static I high_nibbles(I v) { return low_nibbles(_mm512_srli_epi16(v, 4)); }
+  // Bits 4 - S .. 5 - S of each byte (a 2-bit field) moved to bits 4..5, OR-ed into q.
+  template <int S>
+  static I with_crumb(I q, I h) {
+    I moved = h;
+    if constexpr (S > 0) moved = _mm512_slli_epi16(h, S);
+    if constexpr (S < 0) moved = _mm512_srli_epi16(h, -S);
+    return _mm512_or_si512(q, _mm512_and_si512(moved, _mm512_set1_epi8(0x30)));
+  }
+  // acc + per lane the sum over its 4 bytes of u (unsigned) times s (signed).
+  static I dot4(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  static I q8_weights(I stored) { return stored; }
+  static I q8_dot4(I acc, I w, I s) { return dot4(acc, w, s); }
+  static I u8_lanes(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I i8_lanes(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  // 32 bytes (2 per lane) as int16 pairs.
+  static I u8_pairs(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  // acc + per lane the dot of its int16 pair with the pair in `pair`.
+  static I dot2(I acc, I pairs, int32_t pair) { return _mm512_dpwssd_epi32(acc, pairs, _mm512_set1_epi32(pair)); }
+
+  static F zero_f() { return _mm512_setzero_ps(); }
+  static F fp16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F set1_f(float v) { return _mm512_set1_ps(v); }
+  static F to_f(I v) { return _mm512_cvtepi32_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  // 16 floats rounded to bfloat16 to nearest even, as torch rounds (NaN stays NaN).
+  static __m256i to_bf16(F v) {
+    __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(bits);
+  }
+  static void store(F v, void* out, bool bf16, int64_t cols) {
+    const __mmask16 mask = cols >= kCols ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+    if (bf16)
+      _mm256_mask_storeu_epi16(out, mask, to_bf16(v));
+    else
+      _mm512_mask_storeu_ps(out, mask, v);
+  }
+};
+
+#endif  // RAYLM_QUANT_AVX512
+
+#ifdef RAYLM_QUANT_AVX2
+
+struct Avx2 {
+  static constexpr const char* kName = "avx2";
+  static constexpr int kMaxRows = 2;      // 16 ymm registers
+  static constexpr int kQ8Offset = 0;     // Q8_0 bytes are read signed
+  struct I { __m256i lo, hi; };           // columns 0-7, 8-15 (bytes 0-31, 32-63 of a line)
+  struct F { __m256 lo, hi; };
+
+  template <typename Op>
+  static I each(I a, I b, Op op) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
+  static I load(const uint8_t* p) {
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+  }
+  static I zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+  static I set1(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+  static I bcast4(const int8_t* p) { return set1(four_bytes(p)); }
+  static I add(I a, I b) { return each(a, b, [](__m256i x, __m256i y) { return _mm256_add_epi32(x, y); }); }
+  static I mullo(I a, I b) { return each(a, b, [](__m256i x, __m256i y) { return _mm256_mullo_epi32(x, y); }); }
+  static I low_nibbles(I v) {
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    return {_mm256_and_si256(v.lo, m), _mm256_and_si256(v.hi, m)};
+  }
+  static I high_nibbles(I v) { return low_nibbles({_mm256_srli_epi16(v.lo, 4), _mm256_srli_epi16(v.hi, 4)}); }
+  template <int S>
+  static I with_crumb(I q, I h) {
+    const __m256i m = _mm256_set1_epi8(0x30);
+    const auto one = [&](__m256i x, __m256i y) {
+      __m256i moved = y;
+      if constexpr (S > 0) moved = _mm256_slli_epi16(y, S);
+      if constexpr (S < 0) moved = _mm256_srli_epi16(y, -S);
+      return _mm256_or_si256(x, _mm256_and_si256(moved, m));
+    };
+    return each(q, h, one);
+  }
+  // u * s summed by pairs into int16 (exact while u <= 128: |s| <= 127), then pairs into int32.
+  static I dot4(I acc, I u, I s) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const auto one = [&](__m256i a, __m256i x, __m256i y) {
+      return _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(x, y), ones));
+    };
+    return {one(acc.lo, u.lo, s.lo), one(acc.hi, u.hi, s.hi)};
+  }
+  // Q8_0's stored q + 128 back to signed q.
+  static I q8_weights(I stored) {
+    const __m256i flip = _mm256_set1_epi8(char(0x80));
+    return {_mm256_xor_si256(stored.lo, flip), _mm256_xor_si256(stored.hi, flip)};
+  }
+  // Signed w times signed s: |w| (unsigned, <= 128) times s with w's sign.
+  static I q8_dot4(I acc, I w, I s) {
+    return dot4(acc, {_mm256_sign_epi8(w.lo, w.lo), _mm256_sign_epi8(w.hi, w.hi)},
+                {_mm256_sign_epi8(s.lo, w.lo), _mm256_sign_epi8(s.hi, w.hi)});
+  }
+  static __m128i low8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+  static I u8_lanes(const uint8_t* p) { return {_mm256_cvtepu8_epi32(low8(p)), _mm256_cvtepu8_epi32(low8(p + 8))}; }
+  static I i8_lanes(const uint8_t* p) { return {_mm256_cvtepi8_epi32(low8(p)), _mm256_cvtepi8_epi32(low8(p + 8))}; }
+  static I u8_pairs(const uint8_t* p) {
+    const auto half = [](const uint8_t* q) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))); };
+    return {half(p), half(p + 16)};
+  }
+  static I dot2(I acc, I pairs, int32_t pair) {
+    const __m256i b = _mm256_set1_epi32(pair);
+    return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(pairs.lo, b)),
+            _mm256_add_epi32(acc.hi, _mm256_madd_epi16(pairs.hi, b))};
+  }
+
+  static F zero_f() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static F fp16(const uint8_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+  }
+  static F set1_f(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+  static F to_f(I v) { return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
+  static F mul(F a, F b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+  static F fmadd(F a, F b, F c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+  static F fnmadd(F a, F b, F c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
+  static void store(F v, void* out, bool bf16, int64_t cols) {
+    alignas(32) float lanes[kCols];
+    _mm256_store_ps(lanes, v.lo);
+    _mm256_store_ps(lanes + 8, v.hi);
+    store_lanes(lanes, out, bf16, cols);
+  }
+};
+
+#endif  // RAYLM_QUANT_AVX2
+
+// ---- the kernels, once for every instruction set -------------------------------------
 
 // 4 nibble lines -> the 8 quads of a 32-k group (low nibbles: quads 0..3).
-inline void nibbles(const uint8_t* p, __m512i q[8]) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+template <typename V>
+inline void nibbles(const uint8_t* p, typename V::I q[8]) {
   for (int r = 0; r < 4; ++r) {
-    const __m512i raw = line(p + r * kLine);
-    q[r] = _mm512_and_si512(raw, low4);
-    q[r + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+    const typename V::I raw = V::load(p + r * kLine);
+    q[r] = V::low_nibbles(raw);
+    q[r + 4] = V::high_nibbles(raw);
   }
 }
 
-// 16 floats rounded to bfloat16 to nearest even, as torch rounds (NaN stays NaN).
-inline __m256i to_bf16(__m512 v) {
-  __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  bits = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  bits = _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(bits);
+// The next block of a tile (its first 2 KB) on its way into L1.
+inline void prefetch_next(const uint8_t* block, int64_t bytes) {
+  __builtin_prefetch(block + bytes);
+  __builtin_prefetch(block + bytes + 1024);
 }
 
-template <int ROWS>
-void store(const Call& c, const __m512 acc[ROWS]) {
-  const __mmask16 mask = c.cols >= kCols ? __mmask16(0xFFFF) : __mmask16((1u << c.cols) - 1);
-  for (int m = 0; m < ROWS; ++m) {
-    if (c.bf16_out)
-      _mm256_mask_storeu_epi16(c.out[m], mask, to_bf16(acc[m]));
-    else
-      _mm512_mask_storeu_ps(static_cast<float*>(c.out[m]), mask, acc[m]);
-  }
+template <typename V, int ROWS>
+inline void store(const Call& c, const typename V::F acc[ROWS]) {
+  for (int m = 0; m < ROWS; ++m) V::store(acc[m], c.out[m], c.bf16_out, c.cols);
 }
 
 // Q8_0 and Q4_0: per block of 32, acc += d * dx * (sum q_u * x - offset * sum x),
-// q_u the stored unsigned value (q + 128 and q: offsets 128 and 8).
-template <int ROWS, bool FOUR_BIT>
+// q_u the weight as the dot reads it (Q4_0: q + 8, offset 8; Q8_0: V's choice).
+template <typename V, int ROWS, bool FOUR_BIT>
 void tile_32(const Call& c) {
+  using I = typename V::I;
   constexpr int64_t bytes = FOUR_BIT ? 32 + 4 * kLine : 32 + 8 * kLine;
-  constexpr int offset = FOUR_BIT ? 8 : 128;
-  const Activations& a = *c.act;
-  __m512 acc[ROWS];
-  for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
+  constexpr int offset = FOUR_BIT ? 8 : V::kQ8Offset;
+  typename V::F acc[ROWS];
+  for (int m = 0; m < ROWS; ++m) acc[m] = V::zero_f();
   for (int64_t b = 0; b < c.blocks; ++b) {
     const uint8_t* p = c.tile + b * bytes;
-    _mm_prefetch(reinterpret_cast<const char*>(p + 8 * bytes), _MM_HINT_T0);
-    const __m512 d = fp16x16(p);
-    __m512i q[8];
+    __builtin_prefetch(p + 8 * bytes);
+    const typename V::F d = V::fp16(p);
+    I q[8];
     if constexpr (FOUR_BIT) {
-      nibbles(p + 32, q);
+      nibbles<V>(p + 32, q);
     } else {
-      for (int i = 0; i < 8; ++i) q[i] = line(p + 32 + i * kLine);
+      for (int i = 0; i < 8; ++i) q[i] = V::q8_weights(V::load(p + 32 + i * kLine));
     }
     for (int m = 0; m < ROWS; ++m) {
-      const int64_t row = c.row0 + m;
-      const int8_t* x = a.q.data() + row * c.K + b * 32;
-      __m512i dot = _mm512_set1_epi32(-offset * a.sum32[row * (c.K / 32) + b]);
-      for (int i = 0; i < 8; ++i) dot = _mm512_dpbusd_epi32(dot, q[i], bcast4(x + 4 * i));
-      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(a.d[row * (c.K / 32) + b]));
-      acc[m] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc[m]);
+      const int8_t* x = c.x(m, b * 32);
+      I dot = V::set1(-offset * c.act->sum32[(c.row0 + m) * (c.K / 32) + b]);
+      for (int i = 0; i < 8; ++i)
+        dot = FOUR_BIT ? V::dot4(dot, q[i], V::bcast4(x + 4 * i)) : V::q8_dot4(dot, q[i], V::bcast4(x + 4 * i));
+      acc[m] = V::fmadd(V::mul(d, V::set1_f(c.dx(m, b, 32))), V::to_f(dot), acc[m]);
     }
   }
-  store<ROWS>(c, acc);
+  store<V, ROWS>(c, acc);
 }
 
 // Q4_K: per block of 256, acc += d * dx * sum_j sc_j * dot_j - dmin * dx * sum_j m_j * xsum_j.
-template <int ROWS>
+template <typename V, int ROWS>
 void tile_q4_k(const Call& c) {
-  constexpr int64_t bytes = 64 + 128 + 128 + 32 * kLine;
-  const Activations& a = *c.act;
-  __m512 acc[ROWS];
-  for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
+  using I = typename V::I;
+  constexpr int64_t bytes = kQ4KQuants + 32 * kLine;
+  typename V::F acc[ROWS];
+  for (int m = 0; m < ROWS; ++m) acc[m] = V::zero_f();
   for (int64_t b = 0; b < c.blocks; ++b) {
     const uint8_t* p = c.tile + b * bytes;
-    _mm_prefetch(reinterpret_cast<const char*>(p + bytes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p + bytes + 1024), _MM_HINT_T0);
-    __m512i isum[ROWS], msum[ROWS];
-    for (int m = 0; m < ROWS; ++m) isum[m] = msum[m] = _mm512_setzero_si512();
+    prefetch_next(p, bytes);
+    I isum[ROWS], msum[ROWS];
+    for (int m = 0; m < ROWS; ++m) isum[m] = msum[m] = V::zero();
     for (int j = 0; j < 8; ++j) {
-      __m512i q[8];
-      nibbles(p + 320 + j * 4 * kLine, q);
-      const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 64 + 16 * j)));
+      I q[8];
+      nibbles<V>(p + kQ4KQuants + j * 4 * kLine, q);
+      const I sc = V::u8_lanes(p + kQ4KScales + 16 * j);
       for (int m = 0; m < ROWS; ++m) {
-        const int8_t* x = a.q.data() + (c.row0 + m) * c.K + b * 256 + 32 * j;
-        __m512i dot = _mm512_setzero_si512();
-        for (int i = 0; i < 8; ++i) dot = _mm512_dpbusd_epi32(dot, q[i], bcast4(x + 4 * i));
-        isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(dot, sc));
+        const int8_t* x = c.x(m, b * 256 + 32 * j);
+        I dot = V::zero();
+        for (int i = 0; i < 8; ++i) dot = V::dot4(dot, q[i], V::bcast4(x + 4 * i));
+        isum[m] = V::add(isum[m], V::mullo(dot, sc));
       }
     }
     for (int pair = 0; pair < 4; ++pair) {  // mins as int16 pairs against pairs of sub-block sums
-      const __m512i mn = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 192 + 32 * pair)));
-      for (int m = 0; m < ROWS; ++m) {
-        int32_t sums;
-        std::memcpy(&sums, a.sum32.data() + (c.row0 + m) * (c.K / 32) + b * 8 + 2 * pair, 4);
-        msum[m] = _mm512_dpwssd_epi32(msum[m], mn, _mm512_set1_epi32(sums));
-      }
+      const I mn = V::u8_pairs(p + kQ4KMins + 32 * pair);
+      for (int m = 0; m < ROWS; ++m)
+        msum[m] = V::dot2(msum[m], mn, four_bytes(c.act->sum32.data() + (c.row0 + m) * (c.K / 32) + b * 8 + 2 * pair));
     }
-    const __m512 d = fp16x16(p), dmin = fp16x16(p + 32);
+    const typename V::F d = V::fp16(p), dmin = V::fp16(p + 32);
     for (int m = 0; m < ROWS; ++m) {
-      const __m512 dx = _mm512_set1_ps(a.d[(c.row0 + m) * (c.K / 256) + b]);
-      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum[m]), acc[m]);
-      acc[m] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(msum[m]), acc[m]);
+      const typename V::F dx = V::set1_f(c.dx(m, b, 256));
+      acc[m] = V::fmadd(V::mul(d, dx), V::to_f(isum[m]), acc[m]);
+      acc[m] = V::fnmadd(V::mul(dmin, dx), V::to_f(msum[m]), acc[m]);
     }
   }
-  store<ROWS>(c, acc);
+  store<V, ROWS>(c, acc);
 }
 
 // Q6_K: per block of 256, acc += d * dx * sum_j sc_j * (dot_j - 32 * xsum_j), sub-blocks of 16.
-template <int ROWS>
+template <typename V, int ROWS>
 void tile_q6_k(const Call& c) {
-  constexpr int64_t bytes = 32 + 256 + 8 * 6 * kLine;
-  const Activations& a = *c.act;
-  const __m512i bits45 = _mm512_set1_epi8(0x30);
-  __m512 acc[ROWS];
-  for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
+  using I = typename V::I;
+  constexpr int64_t bytes = kQ6KGroups + 8 * kQ6KGroupBytes;
+  typename V::F acc[ROWS];
+  for (int m = 0; m < ROWS; ++m) acc[m] = V::zero_f();
   for (int64_t b = 0; b < c.blocks; ++b) {
     const uint8_t* p = c.tile + b * bytes;
-    _mm_prefetch(reinterpret_cast<const char*>(p + bytes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p + bytes + 1024), _MM_HINT_T0);
-    __m512i isum[ROWS];
-    for (int m = 0; m < ROWS; ++m) isum[m] = _mm512_setzero_si512();
+    prefetch_next(p, bytes);
+    I isum[ROWS];
+    for (int m = 0; m < ROWS; ++m) isum[m] = V::zero();
     for (int g = 0; g < 8; ++g) {
-      const uint8_t* group = p + 288 + g * 6 * kLine;
-      __m512i q[8];
-      nibbles(group, q);
-      const __m512i h0 = line(group + 4 * kLine), h1 = line(group + 5 * kLine);
-      // bits 2s..2s+1 of each byte to bits 4..5 (16-bit shifts: the mask drops what crosses bytes)
-      q[0] = _mm512_or_si512(q[0], _mm512_and_si512(_mm512_slli_epi16(h0, 4), bits45));
-      q[1] = _mm512_or_si512(q[1], _mm512_and_si512(_mm512_slli_epi16(h0, 2), bits45));
-      q[2] = _mm512_or_si512(q[2], _mm512_and_si512(h0, bits45));
-      q[3] = _mm512_or_si512(q[3], _mm512_and_si512(_mm512_srli_epi16(h0, 2), bits45));
-      q[4] = _mm512_or_si512(q[4], _mm512_and_si512(_mm512_slli_epi16(h1, 4), bits45));
-      q[5] = _mm512_or_si512(q[5], _mm512_and_si512(_mm512_slli_epi16(h1, 2), bits45));
-      q[6] = _mm512_or_si512(q[6], _mm512_and_si512(h1, bits45));
-      q[7] = _mm512_or_si512(q[7], _mm512_and_si512(_mm512_srli_epi16(h1, 2), bits45));
-      const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 32 * g)));
-      const __m512i sc1 =
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 32 * g + 16)));
+      const uint8_t* group = p + kQ6KGroups + g * kQ6KGroupBytes;
+      I q[8];
+      nibbles<V>(group, q);
+      // line h, bits 2s..2s+1 -> bits 4..5 of quad 4h + s
+      const I h0 = V::load(group + 4 * kLine), h1 = V::load(group + 5 * kLine);
+      q[0] = V::template with_crumb<4>(q[0], h0);
+      q[1] = V::template with_crumb<2>(q[1], h0);
+      q[2] = V::template with_crumb<0>(q[2], h0);
+      q[3] = V::template with_crumb<-2>(q[3], h0);
+      q[4] = V::template with_crumb<4>(q[4], h1);
+      q[5] = V::template with_crumb<2>(q[5], h1);
+      q[6] = V::template with_crumb<0>(q[6], h1);
+      q[7] = V::template with_crumb<-2>(q[7], h1);
+      const I sc0 = V::i8_lanes(p + kQ6KScales + 32 * g), sc1 = V::i8_lanes(p + kQ6KScales + 32 * g + 16);
       for (int m = 0; m < ROWS; ++m) {
-        const int64_t row = c.row0 + m;
-        const int8_t* x = a.q.data() + row * c.K + b * 256 + 32 * g;
-        const int32_t* xsum = a.sum16.data() + row * (c.K / 16) + b * 16 + 2 * g;
-        __m512i dot0 = _mm512_set1_epi32(-32 * xsum[0]), dot1 = _mm512_set1_epi32(-32 * xsum[1]);
+        const int8_t* x = c.x(m, b * 256 + 32 * g);
+        const int32_t* xsum = c.act->sum16.data() + (c.row0 + m) * (c.K / 16) + b * 16 + 2 * g;
+        I dot0 = V::set1(-32 * xsum[0]), dot1 = V::set1(-32 * xsum[1]);
         for (int i = 0; i < 4; ++i) {
-          dot0 = _mm512_dpbusd_epi32(dot0, q[i], bcast4(x + 4 * i));
-          dot1 = _mm512_dpbusd_epi32(dot1, q[i + 4], bcast4(x + 16 + 4 * i));
+          dot0 = V::dot4(dot0, q[i], V::bcast4(x + 4 * i));
+          dot1 = V::dot4(dot1, q[i + 4], V::bcast4(x + 16 + 4 * i));
         }
-        isum[m] = _mm512_add_epi32(isum[m], _mm512_add_epi32(_mm512_mullo_epi32(dot0, sc0),
-                                                             _mm512_mullo_epi32(dot1, sc1)));
+        isum[m] = V::add(isum[m], V::add(V::mullo(dot0, sc0), V::mullo(dot1, sc1)));
       }
     }
-    const __m512 d = fp16x16(p);
-    for (int m = 0; m < ROWS; ++m) {
-      const __m512 dx = _mm512_set1_ps(a.d[(c.row0 + m) * (c.K / 256) + b]);
-      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum[m]), acc[m]);
-    }
+    const typename V::F d = V::fp16(p);
+    for (int m = 0; m < ROWS; ++m)
+      acc[m] = V::fmadd(V::mul(d, V::set1_f(c.dx(m, b, 256))), V::to_f(isum[m]), acc[m]);
   }
-  store<ROWS>(c, acc);
+  store<V, ROWS>(c, acc);
 }
 
 using TileFn = void (*)(const Call&);
 
-template <int ROWS>
+template <typename V, int ROWS>
 TileFn tile_fn(int64_t qtype) {
   switch (qtype) {
-    case Q8_0: return &tile_32<ROWS, false>;
-    case Q4_0: return &tile_32<ROWS, true>;
-    case Q4_K: return &tile_q4_k<ROWS>;
-    default: return &tile_q6_k<ROWS>;
+    case Q8_0: return &tile_32<V, ROWS, false>;
+    case Q4_0: return &tile_32<V, ROWS, true>;
+    case Q4_K: return &tile_q4_k<V, ROWS>;
+    default: return &tile_q6_k<V, ROWS>;
   }
 }
 
+template <typename V>
 TileFn tile_fn(int64_t qtype, int64_t rows) {
+  static_assert(V::kMaxRows == 2 || V::kMaxRows == 4, "row counts below");
   switch (rows) {
-    case 1: return tile_fn<1>(qtype);
-    case 2: return tile_fn<2>(qtype);
-    case 3: return tile_fn<3>(qtype);
-    default: return tile_fn<4>(qtype);
+    case 1: return tile_fn<V, 1>(qtype);
+    case 2: return tile_fn<V, 2>(qtype);
   }
+  if constexpr (V::kMaxRows == 4) return rows == 3 ? tile_fn<V, 3>(qtype) : tile_fn<V, 4>(qtype);
+  TORCH_CHECK(false, "quant_packed_linear: ", rows, " rows in one call");
+  return nullptr;
 }
 
-#endif  // RAYLM_QUANT_PACKED
+// y [rows, N] (x's dtype) = x @ W^T with V's kernels; x's rows quantized first.
+template <typename V>
+void packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, at::Tensor& out) {
+  const Geometry g = geometry(qtype);
+  const int64_t rows = x.size(0), K = x.size(1), N = out.size(1), tiles = packed.size(0);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const Activations& act = bf16 ? quantize_rows(x.data_ptr<c10::BFloat16>(), rows, K, g.act_block)
+                                : quantize_rows(x.data_ptr<float>(), rows, K, g.act_block);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  char* y = static_cast<char*>(out.data_ptr());
+  const int64_t elem = out.element_size(), tile_stride = packed.size(1);
+  raylm::for_each_tile_block(rows, tiles, V::kMaxRows, [](int64_t) { return int64_t(1); },
+                             [&](int64_t m0, int64_t block_rows, int64_t t, int64_t) {
+                               Call c;
+                               c.tile = w + t * tile_stride;
+                               c.blocks = K / g.block;
+                               c.K = K;
+                               c.act = &act;
+                               c.row0 = m0;
+                               c.cols = std::min(kCols, N - t * kCols);
+                               c.bf16_out = bf16;
+                               for (int64_t m = 0; m < block_rows; ++m)
+                                 c.out[m] = y + ((m0 + m) * N + t * kCols) * elem;
+                               tile_fn<V>(qtype, block_rows)(c);
+                             });
+}
+
+// ---- which instruction set runs ----------------------------------------------------------
+
+enum class Isa : int { kNone, kAvx2, kAvx512Vnni };
+
+// Best first.
+std::vector<std::pair<std::string, Isa>> built_variants() {
+  std::vector<std::pair<std::string, Isa>> v;
+#ifdef RAYLM_QUANT_AVX512
+  v.emplace_back(Avx512Vnni::kName, Isa::kAvx512Vnni);
+#endif
+#ifdef RAYLM_QUANT_AVX2
+  v.emplace_back(Avx2::kName, Isa::kAvx2);
+#endif
+  return v;
+}
+
+Isa best_isa() {
+  const auto v = built_variants();
+  return v.empty() ? Isa::kNone : v.front().second;
+}
+
+std::atomic<int> g_isa{int(best_isa())};
+
+Isa current_isa() { return Isa(g_isa.load(std::memory_order_relaxed)); }
 
 }  // namespace
 
-bool quant_packed_supported() {
-#ifdef RAYLM_QUANT_PACKED
-  return true;
-#else
-  return false;
-#endif
+bool quant_packed_supported() { return current_isa() != Isa::kNone; }
+
+std::vector<std::string> quant_packed_variants() {
+  std::vector<std::string> names;
+  for (const auto& [name, isa] : built_variants()) names.push_back(name);
+  return names;
 }
 
-// weight [N, K / block * bytes] uint8 as in the file -> [ceil(N / 16), K / block * packed bytes] uint8.
-at::Tensor quant_pack(const at::Tensor& weight, int64_t qtype) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.device().is_cpu(),
-              "quant_pack: weight is a [rows, bytes] uint8 CPU tensor");
-  const Geometry g = geometry(qtype);
-  TORCH_CHECK(weight.size(1) % g.file_bytes == 0, "quant_pack: rows of ", weight.size(1),
-              " bytes are not whole blocks of ", g.file_bytes);
-  const at::Tensor w = weight.contiguous();
-  const int64_t N = w.size(0), blocks = w.size(1) / g.file_bytes, tiles = (N + kCols - 1) / kCols;
-  at::Tensor packed = at::empty({tiles, blocks * g.packed}, w.options());
-  const uint8_t* src = w.data_ptr<uint8_t>();
-  uint8_t* dst = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* cols[kCols];
-        for (int64_t c = 0; c < kCols; ++c) {
-          const int64_t n = t * kCols + c;
-          cols[c] = n < N ? src + (n * blocks + b) * g.file_bytes : nullptr;
-        }
-        pack_block(qtype, cols, dst + (t * blocks + b) * g.packed);
-      }
-  });
-  return packed;
+std::string quant_packed_variant() {
+  for (const auto& [name, isa] : built_variants())
+    if (isa == current_isa()) return name;
+  return "";
 }
 
-// x [rows <= 4, K] float32 or bfloat16, packed from quant_pack -> [rows, out_features] in x's dtype.
+void quant_packed_use(const std::string& name) {
+  if (name.empty() || name == "auto") {
+    g_isa = int(best_isa());
+    return;
+  }
+  for (const auto& [variant, isa] : built_variants())
+    if (variant == name) {
+      g_isa = int(isa);
+      return;
+    }
+  std::string have;
+  for (const auto& variant : quant_packed_variants()) have += " " + variant;
+  TORCH_CHECK(false, "quant_packed_use: no '", name, "' decode kernel in this build (it has: auto", have, ")");
+}
+
+// x [rows, K] float32 or bfloat16, packed from quant_pack -> [rows, out_features] in x's dtype.
 at::Tensor quant_packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t out_features) {
-  TORCH_CHECK(quant_packed_supported(), "quant_packed_linear: this build has no AVX-512 VNNI kernel");
+  TORCH_CHECK(quant_packed_supported(), "quant_packed_linear: this build has no AVX2 or AVX-512 VNNI kernel");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "quant_packed_linear: x is [rows, K] float32 or bfloat16 on CPU");
@@ -499,37 +545,22 @@ at::Tensor quant_packed_linear(const at::Tensor& x, const at::Tensor& packed, in
   // In x's dtype, written by the kernel: no conversion of x or of the result around it.
   at::Tensor out = at::empty({rows, out_features}, x.options());
   if (rows == 0 || out_features == 0) return out;
-#ifdef RAYLM_QUANT_PACKED
   const at::Tensor xc = x.contiguous();
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  const Activations& act = bf16 ? quantize_rows(xc.data_ptr<c10::BFloat16>(), rows, K, g.act_block)
-                                : quantize_rows(xc.data_ptr<float>(), rows, K, g.act_block);
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  char* y = static_cast<char*>(out.data_ptr());
-  const int64_t elem = out.element_size();
-  const int64_t blocks = K / g.block, tile_stride = blocks * g.packed;
-  raylm::for_each_tile_block(rows, tiles, kMaxRows, [](int64_t) { return int64_t(1); },
-                             [&](int64_t m0, int64_t block_rows, int64_t t, int64_t) {
-                               Call c;
-                               c.tile = w + t * tile_stride;
-                               c.blocks = blocks;
-                               c.K = K;
-                               c.act = &act;
-                               c.row0 = m0;
-                               c.cols = std::min(kCols, out_features - t * kCols);
-                               c.bf16_out = bf16;
-                               for (int64_t m = 0; m < block_rows; ++m)
-                                 c.out[m] = y + ((m0 + m) * out_features + t * kCols) * elem;
-                               tile_fn(qtype, block_rows)(c);
-                             });
+  switch (current_isa()) {
+#ifdef RAYLM_QUANT_AVX512
+    case Isa::kAvx512Vnni: packed_linear<Avx512Vnni>(xc, packed, qtype, out); break;
 #endif
+#ifdef RAYLM_QUANT_AVX2
+    case Isa::kAvx2: packed_linear<Avx2>(xc, packed, qtype, out); break;
+#endif
+    default: break;
+  }
   return out;
 }
 
 // ---- a decode step's layers in one call, with quantized weights -------------------
 //
-// decode_layers.cpp's loop (same kernels, same order, so the result equals
-// the module path to the bit), for layers whose matmuls are stacks of row
+// decode_layer_loop.h's loop, for layers whose matmuls are stacks of row
 // segments (quant_linear.py's QuantizedMatmul: a Q4_K_M file keeps q and k in
 // Q4_K and v in Q6_K; rows that are not whole blocks come as bf16). Each
 // linear is kLinearSlots tensors: a [segments, 2] int64 spec of (type code, output rows),
@@ -569,11 +600,6 @@ at::Tensor segmented_linear(const at::Tensor& x, const at::Tensor* slots) {
   return bias.numel() ? y + bias : y;
 }
 
-at::Tensor per_head_norm(const at::Tensor& x, const at::Tensor& weight, int64_t head_dim, double eps) {
-  const int64_t tokens = x.size(0);
-  return rms_norm(x.reshape({-1, head_dim}), weight, eps).view({tokens, -1});
-}
-
 }  // namespace
 
 int64_t quant_decode_params_per_layer() { return kQParamsPerLayer; }
@@ -585,38 +611,18 @@ std::tuple<at::Tensor, at::Tensor> quant_decode_layers(
     int64_t head_dim, int64_t hidden_size, double eps, double scale) {
   TORCH_CHECK(params.size() % kQParamsPerLayer == 0, "quant_decode_layers: ", kQParamsPerLayer,
               " parameters per layer");
-  TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_size,
-              "quant_decode_layers: hidden must be [T, hidden_size]");
-  const int64_t tokens = hidden.size(0);
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == tokens,
-              "quant_decode_layers: one int64 slot per token");
-  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  const int64_t layers = int64_t(params.size()) / kQParamsPerLayer;
-  for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor* p = params.data() + l * kQParamsPerLayer;
-    at::Tensor h;
-    if (residual.numel() == 0) {
-      residual = hidden;
-      h = rms_norm(hidden, p[kQInputNorm], eps);
-    } else {
-      std::tie(h, residual) = add_rms_norm(hidden, residual, p[kQInputNorm], eps);
-    }
-    const at::Tensor qkv = segmented_linear(h, p + kQQkv);
-    at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
-    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
-    if (p[kQQNorm].numel()) {
-      q = per_head_norm(q, p[kQQNorm], head_dim, eps);
-      k = per_head_norm(k, p[kQKNorm], head_dim, eps);
-    }
-    std::tie(q, k) = rotary_neox(positions, q, k, cos_cache, sin_cache, head_dim);
-    const at::Tensor& kv_cache = p[kQKvCache];
-    kv_cache[0].view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, k.view({tokens, num_kv_heads, head_dim}));
-    kv_cache[1].view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, v.view({tokens, num_kv_heads, head_dim}));
-    const at::Tensor attn =
-        paged_decode(q.view({tokens, num_heads, head_dim}), kv_cache, block_table, context_lens, scale);
-    const at::Tensor o = segmented_linear(attn.view({tokens, q_size}), p + kQO);
-    std::tie(h, residual) = add_rms_norm(o, residual, p[kQPostNorm], eps);
-    hidden = segmented_linear(silu_and_mul(segmented_linear(h, p + kQGateUp)), p + kQDown);
-  }
-  return {hidden, residual};
+  const raylm::DecodeStep step{positions, slot_mapping, block_table, context_lens, cos_cache, sin_cache,
+                               num_heads,  num_kv_heads, head_dim,   hidden_size,  eps,       scale};
+  const auto layer = [&](int64_t l) { return params.data() + l * kQParamsPerLayer; };
+  return raylm::decode_layer_loop(
+      "quant_decode_layers", std::move(hidden), std::move(residual), step,
+      int64_t(params.size()) / kQParamsPerLayer,
+      [&](int64_t l) {
+        const at::Tensor* p = layer(l);
+        return raylm::DecodeLayer{p[kQInputNorm], p[kQQNorm], p[kQKNorm], p[kQPostNorm], p[kQKvCache]};
+      },
+      [&](int64_t l, raylm::Projection which, const at::Tensor& x) {
+        static constexpr int64_t first_slot[] = {kQQkv, kQO, kQGateUp, kQDown};  // by Projection
+        return segmented_linear(x, layer(l) + first_slot[int(which)]);
+      });
 }

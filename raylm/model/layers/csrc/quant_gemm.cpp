@@ -356,6 +356,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t q
   return M == 1 ? yf.view({1, N}).to(x.scalar_type()) : yf.t().contiguous().to(x.scalar_type());
 }
 
+// `rows` consecutive rows of file blocks (K weights each) widened into out_f
+// (float32) or, when it is null, out_b (bfloat16), [rows, K]: quant_pack.cpp
+// widens its tiles through here, so both widenings agree to the bit.
+void quant_dequantize_rows(const uint8_t* blocks, int64_t qtype, int64_t K, int64_t rows, float* out_f,
+                           c10::BFloat16* out_b) {
+  with_type(qtype, [&](auto q) { dequant_rows<decltype(q)>(blocks, K, 0, rows, out_f, out_b); });
+}
+
 // The whole weight as floats [N, K] in `dtype` (float32 or bfloat16).
 at::Tensor quant_dequantize(const at::Tensor& weight, int64_t qtype, int64_t K, at::ScalarType dtype) {
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.dim() == 2,
