@@ -502,6 +502,10 @@ class Scheduler:
             "prefix_cache_queries": self.kv_cache_manager.prefix_queries,
             "prefix_cache_hits": self.kv_cache_manager.prefix_hits,
             "num_preemptions": self.num_preemptions,
+            # What the KV cache holds: in all, and on each rank (a CP group's ranks share it out).
+            "kv_capacity_tokens": self.kv_cache_manager.num_blocks * self.kv_cache_manager.block_size,
+            "kv_capacity_tokens_per_rank": self.kv_cache_manager.num_blocks // self.kv_cache_manager.num_shards
+            * self.kv_cache_manager.block_size,
         }
 
 

@@ -139,8 +139,9 @@ class EngineCore:
         cc.num_blocks = int(num_blocks)
         self.executor.initialize_from_config(KVCacheConfig(num_blocks=cc.num_blocks, block_size=cc.block_size))
         logger.info(
-            "KV cache: %d blocks x %d tokens (%d blocks, %.1f MiB per rank)",
-            cc.num_blocks, cc.block_size, cc.num_blocks // cp, cc.num_blocks // cp * per_block / 2**20,
+            "KV cache: %d blocks x %d tokens (per rank: %d blocks, %d tokens, %.1f MiB)",
+            cc.num_blocks, cc.block_size, cc.num_blocks // cp, cc.num_blocks // cp * cc.block_size,
+            cc.num_blocks // cp * per_block / 2**20,
         )
 
     def add_request(self, request: Request) -> None:

@@ -38,6 +38,8 @@ class SchedulerStats(msgspec.Struct):
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found
     num_preemptions: int = 0
+    kv_capacity_tokens: int = 0  # tokens the KV cache holds, in all
+    kv_capacity_tokens_per_rank: int = 0  # of which each rank holds (a CP group shares a sequence out)
     # Set once failed requests caused more recoveries than the engine forgives
     # (EngineCore.unhealthy_reason): /health turns 503 for a supervisor to act.
     unhealthy: Union[str, None] = None

@@ -432,6 +432,8 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
             prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
             prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
             num_preemptions=sum(s.num_preemptions for s in stats),
+            kv_capacity_tokens=sum(s.kv_capacity_tokens for s in stats),
+            kv_capacity_tokens_per_rank=max((s.kv_capacity_tokens_per_rank for s in stats), default=0),
             unhealthy=next((s.unhealthy for s in stats if s.unhealthy), None),
         )
 

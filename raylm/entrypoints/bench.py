@@ -143,6 +143,7 @@ def _describe_engine(llm: Any) -> dict:
         "device": config.device,
         "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
         "pipeline_parallel_size": config.parallel_config.pipeline_parallel_size,
+        "context_parallel_size": config.parallel_config.context_parallel_size,
         "num_kv_cache_blocks": config.cache_config.num_blocks,
         "block_size": config.cache_config.block_size,
     }

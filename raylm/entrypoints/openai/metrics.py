@@ -49,6 +49,11 @@ class PrometheusStatLogger(StatLoggerBase):
         self.num_running = gauge("vllm:num_requests_running", "Requests in the running batch")
         self.num_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)")
+        # vLLM has no per-rank capacity gauge: raylm's own (context parallelism shares a sequence out).
+        self.kv_capacity = gauge("raylm:kv_cache_capacity_tokens",
+                                 "Tokens the engine's KV cache holds (a CP group's ranks together)")
+        self.kv_capacity_per_rank = gauge("raylm:kv_cache_capacity_tokens_per_rank",
+                                          "Tokens of KV cache each rank holds (the group holds cp times as many)")
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.num_preemptions = counter("vllm:num_preemptions", "Preemptions (requests sent back to the queue)")
@@ -113,6 +118,8 @@ class PrometheusStatLogger(StatLoggerBase):
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.kv_capacity.set(stats.kv_capacity_tokens)
+        self.kv_capacity_per_rank.set(stats.kv_capacity_tokens_per_rank)
         self._add_total(self.prefix_queries, "prefix_cache_queries", stats.prefix_cache_queries)
         self._add_total(self.prefix_hits, "prefix_cache_hits", stats.prefix_cache_hits)
         self._add_total(self.num_preemptions, "num_preemptions", stats.num_preemptions)
