@@ -7,9 +7,9 @@ same KV budget per rank.
 
 Both engines stay open (mp workers) and the rounds alternate between them,
 so a busy shared machine loads both alike. Prefix caching is off:
-every round computes its prompt. At this step a CP group still computes the
-whole prompt on every rank (each stores only its share of the K/V), so TTFT
-is not expected to drop yet; see raylm.model.layers.attention.
+every round computes its prompt. A CP group splits a long prompt's tokens
+over its ranks (raylm.model.layers.cp_prefill), each computing its share and
+exchanging K/V once per layer; decode attends over each rank's K/V shard.
 """
 
 from __future__ import annotations

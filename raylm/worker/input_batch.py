@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from raylm.model.forward_context import AttentionMetadata, PrefillSeq
-from raylm.model.layers.attention_merge import ContextParallelMetadata, ShardedQueries
 from raylm.sampling_params import SamplingParams
+from raylm.worker.cp_input import CPRows, build_cp_step, cp_shard_of_blocks  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -47,95 +47,15 @@ class PreparedBatch:
     sample_indices: list[int] = field(default_factory=list)
     # Prompt-logprob work: req_id -> (flat rows, target token ids).
     prompt_logprob_rows: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+    # Under context parallelism with a split chunk: which rows this rank
+    # computes (input_ids and positions hold only those; the row numbers
+    # above stay those of the whole flat layout). None: every row here.
+    cp_rows: CPRows | None = None
 
 
 def _slots(block_ids: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:
     table = np.asarray(block_ids, dtype=np.int64)
     return table[positions // block_size] * block_size + positions % block_size
-
-
-def cp_shard_of_blocks(block_ids: np.ndarray, cp_rank: int, cp_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Which of a block table's entries live on `cp_rank`, and where.
-
-    Under context parallelism the scheduler counts the blocks of the whole CP
-    group (cp_size times one rank's); block id g lives on rank g % cp_size as
-    that rank's block g // cp_size. So the block's id alone says where it is:
-    every rank reads the same table, the prefix cache shares blocks by id as
-    ever, and a freed block returns to its own rank's share. The pool hands
-    out a sequence's j-th block from rank j % cp_size while that rank has a
-    free one (raylm.core.kv_cache_manager.BlockPool), so its blocks alternate
-    between ranks and the ranks' caches fill evenly; any placement would be
-    exact, since the merge weighs each shard by its own log-sum-exp. Returns (indices into the
-    table, local block ids)."""
-    mine = np.nonzero(block_ids % cp_size == cp_rank)[0]
-    return mine, block_ids[mine] // cp_size
-
-
-def _cp_local_slots(block_ids: list[int], num_tokens: int, block_size: int, cp_rank: int, cp_size: int):
-    """(positions, local slots) of this rank's keys among a sequence's first `num_tokens`."""
-    table = np.asarray(block_ids[: -(-num_tokens // block_size)], dtype=np.int64)
-    indices, local = cp_shard_of_blocks(table, cp_rank, cp_size)
-    offsets = np.arange(block_size, dtype=np.int64)
-    positions = (indices[:, None] * block_size + offsets).ravel()
-    slots = (local[:, None] * block_size + offsets).ravel()
-    keep = positions < num_tokens
-    return positions[keep], slots[keep]
-
-
-def _context_parallel_metadata(
-    states: dict[str, CachedRequestState],
-    order: list[str],
-    num_scheduled_tokens: dict[str, int],
-    block_size: int,
-    cp_rank: int,
-    cp_size: int,
-    device: torch.device,
-) -> ContextParallelMetadata:
-    store_rows, store_slots = [], []
-    sharded: list[ShardedQueries] = []
-    decode_keys: list[np.ndarray] = []
-    offset = 0
-    for rid in order:
-        state = states[rid]
-        n = num_scheduled_tokens[rid]
-        start, end = state.num_computed_tokens, state.num_computed_tokens + n
-        # This step's tokens that this rank stores: those of its blocks.
-        table = np.asarray(state.block_ids, dtype=np.int64)
-        pos = np.arange(start, end, dtype=np.int64)
-        owner_blocks = table[pos // block_size]
-        mine = owner_blocks % cp_size == cp_rank
-        store_rows.append(offset + np.nonzero(mine)[0])
-        store_slots.append(owner_blocks[mine] // cp_size * block_size + pos[mine] % block_size)
-        if n == 1:
-            # A decode token (a one-token prompt runs as one too): every key
-            # of this rank's shard precedes it; batched with the others.
-            decode_keys.append(_cp_local_slots(state.block_ids, end, block_size, cp_rank, cp_size)[1])
-        elif start > 0:
-            # A later chunk or a prefix-cache hit: earlier context lives
-            # across the group, so attend over this rank's shard, merged.
-            key_pos, key_slots = _cp_local_slots(state.block_ids, end, block_size, cp_rank, cp_size)
-            mask = torch.from_numpy(key_pos[None, :] <= pos[:, None]).to(device)
-            sharded.append(ShardedQueries(offset, offset + n, torch.from_numpy(key_slots).to(device), mask))
-        offset += n
-    meta = ContextParallelMetadata(
-        store_rows=torch.from_numpy(np.concatenate(store_rows) if store_rows else np.zeros(0, np.int64)).to(device),
-        store_slots=torch.from_numpy(np.concatenate(store_slots) if store_slots else np.zeros(0, np.int64)).to(device),
-        sharded=sharded,
-        num_decodes=len(decode_keys),
-    )
-    if decode_keys:
-        width = max(1, max(len(keys) for keys in decode_keys))
-        slots = np.zeros((len(decode_keys), width), dtype=np.int64)
-        valid = np.zeros((len(decode_keys), width), dtype=bool)
-        for i, keys in enumerate(decode_keys):
-            slots[i, : len(keys)] = keys
-            # Padding repeats a key the row owns (written, so finite): a zero
-            # weight times a never-written slot's NaN bits would be NaN.
-            slots[i, len(keys) :] = keys[0] if len(keys) else 0
-            valid[i, : len(keys)] = True
-        meta.decode_key_slots = torch.from_numpy(slots).to(device)
-        meta.decode_key_mask = torch.from_numpy(valid).to(device)
-    return meta
 
 
 def prepare_batch(
@@ -221,11 +141,14 @@ def prepare_batch(
         meta.decode_mask = torch.from_numpy(valid).to(device)[:, None, None, :]
         meta.decode_context_lens = torch.from_numpy(ctx).to(device)
 
-    if cp_size > 1:
-        meta.context_parallel = _context_parallel_metadata(
-            states, order, num_scheduled_tokens, block_size, cp_rank, cp_size, device
-        )
     batch.input_ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
     batch.positions = torch.from_numpy(np.concatenate(positions)).to(device)
     batch.attn_metadata = meta
+    if cp_size > 1:
+        meta.context_parallel, batch.cp_rows = build_cp_step(
+            states, order, num_scheduled_tokens, block_size, cp_rank, cp_size, device
+        )
+        if batch.cp_rows is not None:
+            local = torch.from_numpy(batch.cp_rows.local_rows).to(device)
+            batch.input_ids, batch.positions = batch.input_ids[local], batch.positions[local]
     return batch

@@ -9,6 +9,7 @@ step at the same place.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -17,7 +18,9 @@ from raylm.distributed.parallel_state import get_cp_group, get_pp_group
 from raylm.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from raylm.model.forward_context import set_forward_context
 from raylm.model.layers.attention import Attention
+from raylm.model.layers.cp_prefill import num_rows_on_rank
 from raylm.model.loader import load_model
+from raylm.worker.cp_input import gather_rows
 from raylm.worker.input_batch import CachedRequestState, PreparedBatch, prepare_batch
 from raylm.worker.prompt_logprobs import prompt_logprobs_in_chunks
 from raylm.worker.sampler import Sampler, advance_generator, apply_grammar_bitmask
@@ -31,6 +34,19 @@ def _logprob_lists(token_ids: torch.Tensor, logprobs: torch.Tensor, ranks: torch
     return [(ids[i], lps[i], rks[i]) for i in range(len(ids))]
 
 
+@dataclass
+class RowCounts:
+    """Rows (tokens) this rank's forward passes ran, against the steps' rows:
+    under context parallelism a split prefill chunk's rows are shared out
+    over the CP group (raylm.model.layers.cp_prefill)."""
+
+    computed: int = 0
+    scheduled: int = 0
+    split_computed: int = 0  # this rank's rows of split prefill chunks
+    split_scheduled: int = 0  # the split chunks' rows in all
+    mixed_split_steps: int = 0  # steps with decode tokens beside a split chunk
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device):
         self.config = config
@@ -42,6 +58,7 @@ class ModelRunner:
         self._kv_cache_layers: list[Attention] = []  # the layers bound to kv_caches
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
+        self.row_counts = RowCounts()
         # Between execute_model and sample_tokens.
         self._pending: tuple[SchedulerOutput, PreparedBatch, torch.Tensor | None] | None = None
 
@@ -133,6 +150,13 @@ class ModelRunner:
     def make_empty_intermediate(self, num_tokens: int) -> torch.Tensor:
         return self.model.make_empty_intermediate(num_tokens, self.device)
 
+    def num_rows_on_this_rank(self, so: SchedulerOutput) -> int:
+        """Rows of the step this rank computes (and a later PP stage receives):
+        under context parallelism a long prefill chunk is split over the CP
+        group (raylm.model.layers.cp_prefill), so only this rank's share."""
+        cp = get_cp_group()
+        return num_rows_on_rank(so.num_scheduled_tokens.values(), cp.rank_in_group, cp.world_size)
+
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput, intermediate: torch.Tensor | None = None):
         """Run the forward. A non-first PP stage gets the previous stage's
@@ -149,11 +173,37 @@ class ModelRunner:
                               cp_rank=cp.rank_in_group, cp_size=cp.world_size)
         with set_forward_context(batch.attn_metadata):
             hidden = self.model(batch.input_ids, batch.positions, intermediate)
+        self._count_rows(so, batch)
         if not get_pp_group().is_last_rank:
             # Nothing to sample on this stage: the step ends here for it.
             return hidden
+        if batch.cp_rows is not None:
+            hidden = self._gather_sampled_rows(batch, hidden, cp)
         self._pending = (so, batch, hidden)
         return None
+
+    def _count_rows(self, so: SchedulerOutput, batch: PreparedBatch) -> None:
+        counts = self.row_counts
+        computed = batch.input_ids.numel()
+        counts.computed += computed
+        counts.scheduled += so.total_num_scheduled_tokens
+        if batch.cp_rows is not None:
+            split = batch.cp_rows.owner >= 0
+            counts.split_scheduled += int(split.sum())
+            counts.split_computed += int((batch.cp_rows.owner == get_cp_group().rank_in_group).sum())
+            counts.mixed_split_steps += batch.attn_metadata.num_decode_tokens > 0
+
+    def _gather_sampled_rows(self, batch: PreparedBatch, hidden: torch.Tensor, cp) -> torch.Tensor:
+        """A split chunk's rows live on the CP rank that computed them; every
+        rank samples (with async scheduling each fills in its own sampled
+        token), so the rows the sampler and prompt logprobs read are gathered
+        to every rank, and the batch's row numbers renumbered into them."""
+        rows = sorted(set(batch.sample_indices).union(*(r for r, _ in batch.prompt_logprob_rows.values())))
+        where = {row: i for i, row in enumerate(rows)}
+        batch.sample_indices = [where[row] for row in batch.sample_indices]
+        batch.prompt_logprob_rows = {rid: ([where[row] for row in r], targets)
+                                     for rid, (r, targets) in batch.prompt_logprob_rows.items()}
+        return gather_rows(hidden, rows, batch.cp_rows, cp)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput | None:

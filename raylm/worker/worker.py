@@ -182,7 +182,8 @@ class Worker:
         pp = parallel_state.get_pp_group()
         via_dist = self._pp_over_torch_distributed
         if via_dist and not pp.is_first_rank and scheduler_output.total_num_scheduled_tokens > 0:
-            buffer = self.model_runner.make_empty_intermediate(scheduler_output.total_num_scheduled_tokens)
+            num_rows = self.model_runner.num_rows_on_this_rank(scheduler_output)  # a CP rank's share
+            buffer = self.model_runner.make_empty_intermediate(num_rows)
             intermediate = pp.recv(buffer, pp.rank_in_group - 1)
         watch = self.contention_watch
         if watch is not None:

@@ -19,7 +19,7 @@ from raylm import LLM, SamplingParams
 from raylm.config import create_engine_config
 from raylm.distributed.parallel_state import cp_group_ranks, pp_group_ranks, rank_coordinates, tp_group_ranks
 from raylm.model.arch_config import ArchConfig
-from raylm.testing.hf_oracle import hf_greedy
+from raylm.testing.hf_oracle import hf_greedy, hf_prompt_logprobs
 from raylm.worker.input_batch import CachedRequestState, prepare_batch
 from raylm.sampling_params import SamplingParams as Params
 from tests.conftest import executor_of, process_gone
@@ -315,3 +315,108 @@ def test_killed_cp_rank_mid_decode_is_recovered(model, reference):
     finally:
         llm.shutdown()
     assert_gone(new_traces)
+
+
+# ---- the prefill split across the CP ranks (issue 26, item 2) ------------------------------
+
+
+def test_a_mixed_steps_split_chunk_is_shared_out_and_every_position_stored_once():
+    """A step with a decode, a short prompt and a long later chunk (earlier
+    context on both ranks): decode and short prompt on every rank, the chunk's
+    tokens split between the ranks (a piece from each end), each fresh
+    position stored by the rank owning its block, every rank's keys of the
+    chunk its positions 0..end in order, and the last token on rank 0."""
+    from raylm.model.layers.cp_prefill import prefill_share
+
+    long_blocks = [5, 2, 7, 4, 9, 6]  # rank of each block at cp=2: 1, 0, 1, 0, 1, 0
+    states = {
+        "decode": CachedRequestState("decode", list(range(9)), list(range(10)), Params(), [8],
+                                     num_computed_tokens=9),
+        "short": CachedRequestState("short", list(range(5)), list(range(5)), Params(), [3], num_computed_tokens=0),
+        "long": CachedRequestState("long", list(range(90)), list(range(90)), Params(), long_blocks,
+                                   num_computed_tokens=40),
+    }
+    scheduled = {"decode": 1, "short": 5, "long": 50}
+    inputs, stored = [], []
+    for rank in range(2):
+        batch = prepare_batch(states, scheduled, BLOCK, "cpu", cp_rank=rank, cp_size=2)
+        cp, rows = batch.attn_metadata.context_parallel, batch.cp_rows
+        assert batch.req_ids == ["decode", "short", "long"]
+        share = [40 + p for lo, hi in prefill_share(50, rank, 2) for p in range(lo, hi)]
+        assert batch.positions.tolist() == [9] + list(range(5)) + share
+        assert rows.owner[:6].tolist() == [-1] * 6  # decode and short prompt: every rank
+        assert cp.num_decodes == 1 and cp.local_prefills == [(1, 6)]
+        inputs.append(batch.input_ids.tolist())
+        split = cp.split
+        [seq] = split.sequences
+        # The gathered buffer is [2 ranks x send_len]: rank q's fresh rows, then its old context.
+        assert split.send_rows.tolist() == list(range(6, 6 + len(share)))
+        old_here = [p for p in range(40) if long_blocks[p // BLOCK] % 2 == rank]
+        assert split.send_slots.tolist() == [long_blocks[p // BLOCK] // 2 * BLOCK + p % BLOCK for p in old_here]
+        assert sorted(seq.key_index.tolist()) == seq.key_index.unique().tolist() and len(seq.key_index) == 90
+        assert [(p.q_end - p.q_start, p.num_keys) for p in seq.pieces] == [
+            (hi - lo, 40 + hi) for lo, hi in prefill_share(50, rank, 2)]
+        stored.append({p for p in range(40, 90) if long_blocks[p // BLOCK] % 2 == rank})
+        assert len(split.store_slots) == len(stored[-1])
+        assert batch.sample_indices == [0, 5, 55]  # rows of the whole step's layout
+        assert rows.owner[55] == 0  # the chunk's last token: on rank 0, where the sampler reads it
+    assert stored[0] | stored[1] == set(range(40, 90)) and not stored[0] & stored[1]
+    assert len(inputs[0]) + len(inputs[1]) == 2 * 6 + 50
+
+
+def _row_counts(worker) -> dict:
+    return dict(vars(worker.model_runner.row_counts))
+
+
+@pytest.mark.slow
+def test_cp2_splits_the_prefill_between_its_ranks(model, reference):
+    """CP=2, 64-token steps: a short prompt beside a long one's first chunk,
+    then the short one's decode beside the long one's later chunk (a mixed
+    step), then a prefix-cache hit whose 40 new tokens are split too. Outputs
+    equal HF; each rank's forwards ran about half of every split chunk's rows,
+    counted by the workers; prompt logprobs of a split prompt equal HF's."""
+    prompts, ref = reference
+    rng = random.Random(1)
+    vocab = ArchConfig.from_model_dir(model).vocab_size
+    hit_prompt = prompts["long"][:112] + [rng.randrange(vocab) for _ in range(40)]
+    [hit_ref] = hf_greedy(model, [hit_prompt], MAX_TOKENS)
+    llm = LLM(model, context_parallel_size=2, distributed_executor_backend="mp",
+              **_engine_kwargs(model, max_num_batched_tokens=64))
+    try:
+        outs = llm.generate([{"prompt_token_ids": prompts[k]} for k in ("short", "long")], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [ref["short"], ref["long"]]
+        [hit] = llm.generate([{"prompt_token_ids": hit_prompt}], GREEDY, use_tqdm=False)
+        assert hit.metrics["num_cached_tokens"] == 112
+        assert hit.outputs[0].token_ids == hit_ref.token_ids
+        # Prompt logprobs (no prefix cache for them): every position's row, from whichever rank computed it.
+        [scored] = llm.generate([{"prompt_token_ids": hit_prompt}],
+                                SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        hf_lps = hf_prompt_logprobs(model, hit_prompt)
+        assert len(scored.prompt_logprobs) == len(hit_prompt)
+        for token, position, hf_lp in zip(hit_prompt[1:], scored.prompt_logprobs[1:], hf_lps):
+            assert abs(position[token].logprob - hf_lp) < 1e-3
+        counts = executor_of(llm).collective_rpc(_row_counts)
+        # What /metrics shows as each rank's KV capacity (raylm:kv_cache_capacity_tokens_per_rank).
+        stats = llm.llm_engine.engine_core.engine_core.stats()
+        assert stats["kv_capacity_tokens_per_rank"] == BLOCKS_PER_RANK * BLOCK
+        assert stats["kv_capacity_tokens"] == 2 * BLOCKS_PER_RANK * BLOCK
+    finally:
+        llm.shutdown()
+    assert len(counts) == 2
+    # Split chunks: 57 and 63 tokens of the long prompt, 40 of the hit, 64 and 64 of the scored prompt.
+    assert [c["split_scheduled"] for c in counts] == [288, 288]
+    assert sum(c["split_computed"] for c in counts) == 288
+    assert all(0.45 < c["split_computed"] / c["split_scheduled"] < 0.55 for c in counts)
+    assert all(c["computed"] < 0.75 * c["scheduled"] for c in counts)
+    assert all(c["mixed_split_steps"] >= 1 for c in counts)
+
+
+def test_metrics_show_the_kv_capacity_per_rank():
+    from raylm.engine.protocol import SchedulerStats
+    from raylm.entrypoints.openai.metrics import PrometheusStatLogger
+
+    logger = PrometheusStatLogger("m")
+    logger.record_scheduler_stats(SchedulerStats(kv_capacity_tokens=256, kv_capacity_tokens_per_rank=128))
+    text = logger.render().decode()
+    assert 'raylm:kv_cache_capacity_tokens{engine="0",model_name="m"} 256.0' in text
+    assert 'raylm:kv_cache_capacity_tokens_per_rank{engine="0",model_name="m"} 128.0' in text

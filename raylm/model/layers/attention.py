@@ -11,15 +11,13 @@ On CUDA, gpu_attention.py's path batched over sequences runs instead.
 
 Under context parallelism (CP) each rank of a CP group stores only its share
 of every sequence's K/V (the blocks whose id the worker maps to it, see
-raylm.worker.input_batch); a query attends over the rank's share with
-`partial_attention`, and the group all-gathers (output, log-sum-exp) and
-merges them exactly (`merge_partials`), so every rank continues with the same
-hidden states. A prompt with no earlier context is still computed whole on
-every CP rank (each stores only its share of its K/V), which is exact and
-needs no communication but saves no prefill time. Next step (issue 26, item
-2): split the prompt's tokens across the CP ranks (balanced for causal
-attention, a chunk from each end per rank) and attend ring-wise or over
-all-gathered K/V, so each rank computes only its share of the prefill too.
+raylm.worker.cp_input). A long prefill chunk is split over the group: each
+rank computes its share of the tokens, the group all-gathers the K/V its
+queries need once per layer, and each rank attends its own queries locally
+(raylm.model.layers.cp_prefill). Decode tokens and short chunks run on every
+rank: a query attends over the rank's shard with `partial_attention`, and the
+group all-gathers (output, log-sum-exp) and merges them exactly
+(`merge_partials`), so every rank continues with the same hidden states.
 """
 
 from __future__ import annotations
@@ -36,6 +34,7 @@ from raylm.model.layers.attention_merge import (
     partial_attention,
     partial_decode_attention,
 )
+from raylm.model.layers.cp_prefill import exchange_split_kv
 from raylm.model.layers.cpu_kernels import get_paged_decode_kernel
 from raylm.model.layers.gpu_attention import batched_paged_attention
 
@@ -101,13 +100,20 @@ class Attention(nn.Module):
         k_flat.index_copy_(0, cp.store_slots, k.index_select(0, cp.store_rows).to(k_flat.dtype))
         v_flat.index_copy_(0, cp.store_slots, v.index_select(0, cp.store_rows).to(v_flat.dtype))
         out = torch.empty_like(q)
-        for seq in meta.prefills:
-            if seq.ctx_slots is None:
-                # A whole prompt in this step: every rank has all its keys (fresh),
-                # so plain causal attention is exact here without the group.
-                out[seq.q_start : seq.q_end] = self._attend(
-                    q[seq.q_start : seq.q_end], k[seq.q_start : seq.q_end], v[seq.q_start : seq.q_end]
-                )
+        if cp.split is not None:
+            # Split chunks: one exchange of K/V per layer, then each rank's
+            # own queries attend locally over their sequence's keys.
+            gathered = exchange_split_kv(k, v, k_flat, v_flat, cp.split, get_cp_group())
+            for seq in cp.split.sequences:
+                keys = gathered.index_select(0, seq.key_index)  # [end, 2, KVH, D], position order
+                for piece in seq.pieces:
+                    out[piece.q_start : piece.q_end] = self._attend(
+                        q[piece.q_start : piece.q_end], keys[: piece.num_keys, 0], keys[: piece.num_keys, 1],
+                        piece.mask)
+        for start, end in cp.local_prefills:
+            # A short whole prompt: every rank computed all its keys, so plain
+            # causal attention is exact here without the group.
+            out[start:end] = self._attend(q[start:end], k[start:end], v[start:end])
         if not cp.sharded and not cp.num_decodes:
             return out
         # Every rank has the same sharded rows in the same order (the step is

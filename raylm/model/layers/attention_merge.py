@@ -102,15 +102,18 @@ class ShardedQueries:
 
 @dataclass
 class ContextParallelMetadata:
-    """One CP rank's view of a step (built by raylm.worker.input_batch).
+    """One CP rank's view of a step (built by raylm.worker.cp_input); row
+    numbers are this rank's local rows.
 
-    Every rank computes every token of the step (prefill compute is
-    replicated for now), but stores only the K/V of its own share: rows
-    `store_rows` of the step's tokens go to `store_slots` of its cache.
-    A prompt with no earlier context attends over its fresh keys locally
-    (every rank has them all); decode tokens and chunks with earlier context
-    (a later prefill chunk, a prefix-cache hit) attend over the rank's shard
-    and are merged across the group (`sharded`).
+    A prefill chunk long enough is split over the group (`split`, see
+    raylm.model.layers.cp_prefill): each rank computes its share of the
+    tokens and the group exchanges their K/V per layer. Every other token
+    (decodes, short chunks) is computed whole by every rank, which stores
+    only the K/V of its own blocks: rows `store_rows` go to `store_slots` of
+    its cache. A short prompt with no earlier context attends over its fresh
+    keys locally (`local_prefills`, every rank has them all); decode tokens and
+    short chunks with earlier context attend over the rank's shard and are
+    merged across the group (`sharded`).
     """
 
     store_rows: torch.Tensor
@@ -123,3 +126,7 @@ class ContextParallelMetadata:
     num_decodes: int = 0
     decode_key_slots: torch.Tensor | None = None
     decode_key_mask: torch.Tensor | None = None
+    # Local rows [start, end) of short whole prompts, computed on every rank.
+    local_prefills: list[tuple[int, int]] = field(default_factory=list)
+    # The split chunks (raylm.model.layers.cp_prefill.SplitPrefillMetadata), or None.
+    split: object | None = None
