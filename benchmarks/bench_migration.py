@@ -11,9 +11,13 @@ data_parallel_backend="mp", num_threads=1 each), the ~111M ("large") or ~7M
   migration  one request of L random prompt tokens decodes alone on a core;
              once it has 8 tokens it is migrated live to the other core.
              downtime: its last token at the source -> its first at the
-             destination (raylm:migration_downtime_seconds); also the whole
-             migration's time and the KV bytes moved. Its inter-token gap
-             while not moving is the baseline the downtime adds to.
+             destination (raylm:migration_downtime_seconds); of it, the
+             handover: its last token at the source -> the destination
+             holding it, ready to schedule (the rest is the destination's
+             steps: those launched before it arrived, then its own); also
+             the whole migration's time and the KV bytes moved. Its
+             inter-token gap while not moving is the baseline the downtime
+             adds to.
   recompute  the same request sent to an idle core as a continuation (the
              prompt plus its 8 tokens: what recovery and scale-in without
              migration do): time from sending it to its first new token.
@@ -100,7 +104,8 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
     assert event.ok, event
     supervisor.abort_requests([rid])
     gaps = [b - a for a, b in zip(arrivals[1:], arrivals[2:])]
-    result = {"downtime_s": event.downtime_s, "seconds": event.seconds, "num_bytes": event.num_bytes,
+    result = {"downtime_s": event.downtime_s, "handover_s": event.handover_s, "seconds": event.seconds,
+              "num_bytes": event.num_bytes,
               "inter_token_s": statistics.median(gaps) if gaps else 0.0}
     for side, core in (("source", source), ("destination", 1 - source)):
         if core in clocks:
@@ -175,6 +180,7 @@ def main() -> None:
                 _recompute(llm, p, params, f"r-{length}-{i}") for i, p in enumerate(prompts[:-1])]
             results[length] = {
                 "downtime": _summary([m["downtime_s"] for m in moved]),
+                "handover": _summary([m["handover_s"] for m in moved]),
                 "migration": _summary([m["seconds"] for m in moved]),
                 "inter_token": _summary([m["inter_token_s"] for m in moved]),
                 "recompute": _summary(recomputed) if recomputed else None,
@@ -188,7 +194,8 @@ def main() -> None:
                          if r["recompute"] else "")
             slowdown = (f"  | step slowdown source {r['source_slowdown_pct']:+.1f}% destination "
                         f"{r['destination_slowdown_pct']:+.1f}%" if r["source_slowdown_pct"] is not None else "")
-            print(f"L={length:5d}  downtime {r['downtime']['median_ms']:7.1f} ms (max {r['downtime']['p99_ms']:7.1f})"
+            print(f"L={length:5d}  downtime {r['downtime']['median_ms']:7.1f} ms (max {r['downtime']['p99_ms']:7.1f}, "
+                  f"handover {r['handover']['median_ms']:5.1f})"
                   f"{recompute}  | inter-token {r['inter_token']['median_ms']:6.1f} ms  | whole migration "
                   f"{r['migration']['median_ms']:6.1f} ms  | {r['mib_moved']:.1f} MiB{slowdown}", flush=True)
     if args.output_json:

@@ -87,6 +87,8 @@ class Migration:
     last_token_at: float | None = None
     # How the K/V crosses between the cores' nodes; None: through /dev/shm.
     network: KVNetwork | None = None
+    # When the destination reported the request queued there (the final stage read in).
+    resumed_at: float | None = None
 
 
 class MigrationControl:
@@ -246,6 +248,7 @@ class MigrationControl:
             self._end_migration(migration, ok=False, why=report.error or "the destination refused")
             return
         if report.final:
+            migration.resumed_at = time.monotonic()
             self._end_migration(migration, ok=True)
             return
         last = report.num_blocks <= _FINAL_STAGE_BLOCKS or migration.stage >= _MAX_STAGES
@@ -321,7 +324,7 @@ class MigrationControl:
             paused_since = migration.last_token_at or migration.started
             self._migration_events.append(MigrationStats(
                 migration.reason, ok=True, seconds=seconds, num_bytes=migration.num_bytes,
-                downtime_s=time.monotonic() - paused_since))
+                downtime_s=time.monotonic() - paused_since, handover_s=migration.resumed_at - paused_since))
 
     def _migration_request_gone(self, request_id: str) -> None:
         """The client aborted `request_id`, or it finished: end its migration.

@@ -164,13 +164,18 @@ class MigrationReport(msgspec.Struct):
 class MigrationStats(msgspec.Struct):
     """One live migration as the supervisor saw it end, for metrics:
     `downtime_s` is the pause the client saw (the source's last token to the
-    destination's first), `seconds` the whole migration."""
+    destination's first), `seconds` the whole migration. `handover_s` is the
+    part of the pause the request was in no core's queue: the source's last
+    token to the destination's report that it holds the request, ready to be
+    scheduled. The rest of the pause is the destination's steps: the ones
+    already launched when the request arrived, then its own."""
 
     reason: str
     ok: bool
     seconds: float
     num_bytes: int
     downtime_s: float = 0.0
+    handover_s: float = 0.0
 
 
 class RecoveryStats(msgspec.Struct):

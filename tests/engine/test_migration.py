@@ -82,8 +82,23 @@ def _kv_in_use(supervisor) -> dict[int, float]:
     return {i: c.stats.kv_cache_usage for i, c in supervisor.channels.items()}
 
 
+def _record_migration_events(supervisor) -> list:
+    """Every MigrationStats the supervisor hands out from now on."""
+    events = []
+    take = supervisor.take_migration_events
+
+    def recording():
+        taken = take()
+        events.extend(taken)
+        return taken
+
+    supervisor.take_migration_events = recording
+    return events
+
+
 def test_scale_in_migrates_running_requests(llm, reference):
     supervisor = llm.llm_engine.engine_core
+    events = _record_migration_events(supervisor)
     moved = {}
 
     def scale_in(sup) -> None:
@@ -95,6 +110,8 @@ def test_scale_in_migrates_running_requests(llm, reference):
     assert [done[str(i)] for i in range(len(PROMPTS))] == reference
     assert list(supervisor.channels) == [0]
     assert supervisor.migration_counts == {"migrated": len(moved), "abandoned": 0}
+    # Each pause the client saw holds the handover (the request in no core's queue).
+    assert len(events) == len(moved) and all(e.ok and 0 < e.handover_s <= e.downtime_s for e in events), events
     assert supervisor.restart_budget.num_restarts == 0
     assert supervisor.aggregate_stats().num_preemptions == 0
     assert _kv_in_use(supervisor) == {0: 0.0}
