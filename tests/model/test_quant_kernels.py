@@ -103,10 +103,11 @@ def _packed_or_skip(kernels):
         pytest.skip("this build has no AVX2 or AVX-512 VNNI decode kernel (the row-tiled path serves decode)")
 
 
-@pytest.fixture(params=["best", "avx2"])
+@pytest.fixture(params=["best", "avx_vnni", "avx2"])
 def isa(request, kernels):
-    """The packed kernel's instruction set: the best here, then AVX2 (forced where
-    the CPU has AVX-512 too: the kernel most consumer x86 CPUs run)."""
+    """The packed kernel's instruction set: the best here, then the 256-bit ones
+    most consumer x86 CPUs run (forced where the CPU has AVX-512 too; avx_vnni
+    runs here on AVX-512 VL's encoding of the same instruction)."""
     _packed_or_skip(kernels)
     if request.param != "best" and request.param not in kernels.quant_packed_variants():
         pytest.skip(f"no {request.param} decode kernel in this build")

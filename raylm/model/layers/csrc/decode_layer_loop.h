@@ -16,21 +16,12 @@ enum class Projection { kQkv, kO, kGateUp, kDown };
 
 // One layer's tensors besides its matmuls; an absent q/k norm is empty.
 struct DecodeLayer {
-  const at::Tensor& input_norm;
-  const at::Tensor& q_norm;
-  const at::Tensor& k_norm;
-  const at::Tensor& post_norm;
-  const at::Tensor& kv_cache;
+  const at::Tensor &input_norm, &q_norm, &k_norm, &post_norm, &kv_cache;
 };
 
 // What every layer of the step reads.
 struct DecodeStep {
-  const at::Tensor& positions;
-  const at::Tensor& slot_mapping;
-  const at::Tensor& block_table;
-  const at::Tensor& context_lens;
-  const at::Tensor& cos_cache;
-  const at::Tensor& sin_cache;
+  const at::Tensor &positions, &slot_mapping, &block_table, &context_lens, &cos_cache, &sin_cache;
   int64_t num_heads, num_kv_heads, head_dim, hidden_size;
   double eps, scale;
 };

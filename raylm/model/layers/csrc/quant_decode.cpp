@@ -18,13 +18,14 @@
 // The kernels are written once over an instruction set `V` that holds a
 // tile's 16 columns as 16 int32 / float lanes:
 //   Avx512Vnni  one 512-bit register; vpdpbusd does a 4-byte dot per lane.
-//   Avx2        two 256-bit registers (columns 0-7, 8-15); the 4-byte dot is
-//               vpmaddubsw + vpmaddwd. vpmaddubsw saturates pairs at int16, so
-//               Q8_0's bytes (q + 128, up to 255) are read signed instead, by
-//               the sign trick (|w| times x with w's sign).
-// Both exist where the compiler targets them (the build is -march=native, one
+//   AvxVnni     two 256-bit registers (columns 0-7, 8-15), 256-bit vpdpbusd.
+//   Avx2        the same registers; the 4-byte dot is vpmaddubsw + vpmaddwd.
+//               vpmaddubsw saturates pairs at int16, so Q8_0's bytes (q + 128,
+//               up to 255) are read signed instead, by the sign trick (|w|
+//               times x with w's sign).
+// Each exists where the compiler targets it (the build is -march=native, one
 // build per CPU kind: cpu_kernels.py), the best one runs by default, and
-// quant_packed_use("avx2") picks the AVX2 one on a machine that has both
+// quant_packed_use("avx2") picks the AVX2 one on a machine that has more
 // (tests; RAYLM_QUANT_KERNEL=avx2 in quant_kernels.py). Without AVX2,
 // quant_packed_supported() says false and callers keep quant_gemm.cpp's path.
 
@@ -285,6 +286,29 @@ struct Avx2 {
   }
 };
 
+// AVX2 with 256-bit vpdpbusd (AVX-VNNI, as on Alder Lake and later; the same
+// instruction in its AVX-512 VL encoding where the CPU has that instead):
+// the 4-byte dot in one instruction, without int16 pairs that could saturate,
+// so Q8_0 is read unsigned as on AVX-512.
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define RAYLM_QUANT_AVX_VNNI 1
+
+struct AvxVnni : Avx2 {
+  static constexpr const char* kName = "avx_vnni";
+  static constexpr int kQ8Offset = 128;
+  static __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_dpbusd_epi32(acc, u, s);
+#endif
+  }
+  static I dot4(I acc, I u, I s) { return {dpbusd(acc.lo, u.lo, s.lo), dpbusd(acc.hi, u.hi, s.hi)}; }
+  static I q8_weights(I stored) { return stored; }
+  static I q8_dot4(I acc, I w, I s) { return dot4(acc, w, s); }
+};
+
+#endif  // AVX-VNNI
 #endif  // RAYLM_QUANT_AVX2
 
 // ---- the kernels, once for every instruction set -------------------------------------
@@ -299,14 +323,24 @@ inline void nibbles(const uint8_t* p, typename V::I q[8]) {
   }
 }
 
-// The next block of a tile (its first 2 KB) on its way into L1.
-inline void prefetch_next(const uint8_t* block, int64_t bytes) {
-  __builtin_prefetch(block + bytes);
-  __builtin_prefetch(block + bytes + 1024);
-}
-
-template <typename V, int ROWS>
-inline void store(const Call& c, const typename V::F acc[ROWS]) {
+// Runs block(p, b, acc) over the tile's blocks of `bytes` each (p: block b's
+// data; acc: the 16 columns of each row, from zero), then stores acc. Ahead
+// of each block goes a prefetch: 8 blocks ahead for the small 32-weight
+// blocks, the next block's first 2 KB for the K types' large ones.
+template <typename V, int ROWS, int64_t BYTES, typename Block>
+inline void over_blocks(const Call& c, Block block) {
+  typename V::F acc[ROWS];
+  for (int m = 0; m < ROWS; ++m) acc[m] = V::zero_f();
+  for (int64_t b = 0; b < c.blocks; ++b) {
+    const uint8_t* p = c.tile + b * BYTES;
+    if constexpr (BYTES < 1024) {
+      __builtin_prefetch(p + 8 * BYTES);
+    } else {
+      __builtin_prefetch(p + BYTES);
+      __builtin_prefetch(p + BYTES + 1024);
+    }
+    block(p, b, acc);
+  }
   for (int m = 0; m < ROWS; ++m) V::store(acc[m], c.out[m], c.bf16_out, c.cols);
 }
 
@@ -317,11 +351,7 @@ void tile_32(const Call& c) {
   using I = typename V::I;
   constexpr int64_t bytes = FOUR_BIT ? 32 + 4 * kLine : 32 + 8 * kLine;
   constexpr int offset = FOUR_BIT ? 8 : V::kQ8Offset;
-  typename V::F acc[ROWS];
-  for (int m = 0; m < ROWS; ++m) acc[m] = V::zero_f();
-  for (int64_t b = 0; b < c.blocks; ++b) {
-    const uint8_t* p = c.tile + b * bytes;
-    __builtin_prefetch(p + 8 * bytes);
+  over_blocks<V, ROWS, bytes>(c, [&](const uint8_t* p, int64_t b, typename V::F* acc) {
     const typename V::F d = V::fp16(p);
     I q[8];
     if constexpr (FOUR_BIT) {
@@ -336,20 +366,14 @@ void tile_32(const Call& c) {
         dot = FOUR_BIT ? V::dot4(dot, q[i], V::bcast4(x + 4 * i)) : V::q8_dot4(dot, q[i], V::bcast4(x + 4 * i));
       acc[m] = V::fmadd(V::mul(d, V::set1_f(c.dx(m, b, 32))), V::to_f(dot), acc[m]);
     }
-  }
-  store<V, ROWS>(c, acc);
+  });
 }
 
 // Q4_K: per block of 256, acc += d * dx * sum_j sc_j * dot_j - dmin * dx * sum_j m_j * xsum_j.
 template <typename V, int ROWS>
 void tile_q4_k(const Call& c) {
   using I = typename V::I;
-  constexpr int64_t bytes = kQ4KQuants + 32 * kLine;
-  typename V::F acc[ROWS];
-  for (int m = 0; m < ROWS; ++m) acc[m] = V::zero_f();
-  for (int64_t b = 0; b < c.blocks; ++b) {
-    const uint8_t* p = c.tile + b * bytes;
-    prefetch_next(p, bytes);
+  over_blocks<V, ROWS, kQ4KQuants + 32 * kLine>(c, [&](const uint8_t* p, int64_t b, typename V::F* acc) {
     I isum[ROWS], msum[ROWS];
     for (int m = 0; m < ROWS; ++m) isum[m] = msum[m] = V::zero();
     for (int j = 0; j < 8; ++j) {
@@ -374,20 +398,14 @@ void tile_q4_k(const Call& c) {
       acc[m] = V::fmadd(V::mul(d, dx), V::to_f(isum[m]), acc[m]);
       acc[m] = V::fnmadd(V::mul(dmin, dx), V::to_f(msum[m]), acc[m]);
     }
-  }
-  store<V, ROWS>(c, acc);
+  });
 }
 
 // Q6_K: per block of 256, acc += d * dx * sum_j sc_j * (dot_j - 32 * xsum_j), sub-blocks of 16.
 template <typename V, int ROWS>
 void tile_q6_k(const Call& c) {
   using I = typename V::I;
-  constexpr int64_t bytes = kQ6KGroups + 8 * kQ6KGroupBytes;
-  typename V::F acc[ROWS];
-  for (int m = 0; m < ROWS; ++m) acc[m] = V::zero_f();
-  for (int64_t b = 0; b < c.blocks; ++b) {
-    const uint8_t* p = c.tile + b * bytes;
-    prefetch_next(p, bytes);
+  over_blocks<V, ROWS, kQ6KGroups + 8 * kQ6KGroupBytes>(c, [&](const uint8_t* p, int64_t b, typename V::F* acc) {
     I isum[ROWS];
     for (int m = 0; m < ROWS; ++m) isum[m] = V::zero();
     for (int g = 0; g < 8; ++g) {
@@ -419,8 +437,7 @@ void tile_q6_k(const Call& c) {
     const typename V::F d = V::fp16(p);
     for (int m = 0; m < ROWS; ++m)
       acc[m] = V::fmadd(V::mul(d, V::set1_f(c.dx(m, b, 256))), V::to_f(isum[m]), acc[m]);
-  }
-  store<V, ROWS>(c, acc);
+  });
 }
 
 using TileFn = void (*)(const Call&);
@@ -476,13 +493,16 @@ void packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
 
 // ---- which instruction set runs ----------------------------------------------------------
 
-enum class Isa : int { kNone, kAvx2, kAvx512Vnni };
+enum class Isa : int { kNone, kAvx2, kAvxVnni, kAvx512Vnni };
 
 // Best first.
 std::vector<std::pair<std::string, Isa>> built_variants() {
   std::vector<std::pair<std::string, Isa>> v;
 #ifdef RAYLM_QUANT_AVX512
   v.emplace_back(Avx512Vnni::kName, Isa::kAvx512Vnni);
+#endif
+#ifdef RAYLM_QUANT_AVX_VNNI
+  v.emplace_back(AvxVnni::kName, Isa::kAvxVnni);
 #endif
 #ifdef RAYLM_QUANT_AVX2
   v.emplace_back(Avx2::kName, Isa::kAvx2);
@@ -549,6 +569,9 @@ at::Tensor quant_packed_linear(const at::Tensor& x, const at::Tensor& packed, in
   switch (current_isa()) {
 #ifdef RAYLM_QUANT_AVX512
     case Isa::kAvx512Vnni: packed_linear<Avx512Vnni>(xc, packed, qtype, out); break;
+#endif
+#ifdef RAYLM_QUANT_AVX_VNNI
+    case Isa::kAvxVnni: packed_linear<AvxVnni>(xc, packed, qtype, out); break;
 #endif
 #ifdef RAYLM_QUANT_AVX2
     case Isa::kAvx2: packed_linear<Avx2>(xc, packed, qtype, out); break;
