@@ -1,8 +1,9 @@
-"""GGUF decode on CPU: raylm's packed VNNI kernel (csrc/quant_decode.cpp, int8
-activations) against the row-tiled kernel it replaced at decode
-(csrc/quant_gemm.cpp's quant_linear, float activations), switched round by
-round in one process so a noisy machine hurts both alike, with the share of
-the memory-bandwidth roofline each reaches.
+"""GGUF decode on CPU: raylm's packed kernel (csrc/quant_decode.cpp, int8
+activations; on each instruction set this build runs: AVX-512 VNNI, AVX2)
+against the row-tiled kernel it replaced at decode (csrc/quant_gemm.cpp's
+quant_linear, float activations), switched round by round in one process so a
+noisy machine hurts all alike, with the share of the memory-bandwidth roofline
+each reaches.
 
     python benchmarks/bench_quant_decode.py FILE.gguf [FILE.gguf ...] [--threads 2] [--rounds 5]
                                             [--rows 1,2,4] [--output-len 64] [--no-e2e]
@@ -14,20 +15,25 @@ Two measurements per file:
   bytes of those matrices over the time of one step.
 - one request (unless --no-e2e): LLM(file) in bf16 decoding `output-len`
   tokens after a 16-token prompt, tok/s from the time of a (1 + output-len)-
-  token generation minus a 1-token one, three ways: the row-tiled kernel with
-  the layers module by module (quant_kernels.PACKED_MAX_ROWS = 0, the fused
-  decode off: raylm before the packed kernel), the packed kernel module by
-  module, and the packed kernel with a step's layers in one call
-  (quant_decode_layers, the default).
+  token generation minus a 1-token one, per instruction set two ways: the
+  packed kernel module by module (the fused decode off) and with a step's
+  layers in one call (quant_decode_layers, the default).
+- memory: in a fresh process, the growth of its anonymous RSS while the bf16
+  model loads (no KV cache), and the bytes its quantized layers hold against
+  the file's quantized matrices (one copy: the file's blocks are not kept
+  beside the packed tiles).
 
 The roofline is a 512 MiB torch sum on the same threads, measured every round
-between the others; share = bytes of quantized weights per token x tok/s / it.
+between the others (before each one-request measurement for its share);
+share = bytes of quantized weights per token x tok/s / it.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -86,6 +92,25 @@ def decode_tok_s(llm, output_len: int) -> float:
     return output_len / (run(1 + output_len) - run(1))
 
 
+def anon_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon")) / 1024
+
+
+def report_memory(path: str) -> None:
+    """Run in a fresh process (--memory-of): what loading the model costs in RAM."""
+    from raylm.model.loader import load_model
+
+    before = anon_rss_mib()
+    model = load_model(path, torch.bfloat16, "cpu")
+    grew = anon_rss_mib() - before
+    held = sum(m.quant_matmul.nbytes for m in model.modules() if getattr(m, "quant_matmul", None) is not None)
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors
+                     if t.tensor_type.name in quant_kernels.GGUF_TYPE_CODES and t.name != "token_embd.weight")
+    print(f"memory: anonymous RSS grew {grew:.1f} MiB while the bf16 model loaded; its quantized layers hold "
+          f"{held / 2**20:.1f} MiB for the file's {file_bytes / 2**20:.1f} MiB of quantized matrices")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+")
@@ -94,33 +119,48 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4")
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--no-e2e", action="store_true")
+    parser.add_argument("--memory-of", help=argparse.SUPPRESS)  # the fresh process of the memory figure
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.memory_of:
+        return report_memory(args.memory_of)
     module = get_cpu_kernels()
     if module is None or not quant_kernels.packed_kernel_available(module):
-        raise SystemExit("the CPU kernels have no packed VNNI kernel here (no build, or no AVX-512 VNNI)")
+        raise SystemExit("the CPU kernels have no packed decode kernel here (no build, or neither AVX2 nor AVX-512)")
+    isas = module.quant_packed_variants()
     rows_list = [int(r) for r in args.rows.split(",")]
     for path in args.files:
+        subprocess.run([sys.executable, __file__, path, "--memory-of", path, "--threads", str(args.threads)],
+                       check=True)
         matrices = decode_matrices(path, module)
         nbytes = sum(data.nbytes for _, data, *_ in matrices)
         steps = max(1, int(2e8 // nbytes))  # about 200 MB of weights per timing
-        times: dict[tuple[int, bool], list[float]] = {(r, p): [] for r in rows_list for p in (False, True)}
+        kernels = ["row-tiled", *isas]
+        times: dict[tuple[int, str], list[float]] = {(r, k): [] for r in rows_list for k in kernels}
         bandwidths = []
-        for _ in range(args.rounds):
-            bandwidths.append(bandwidth_gb_s())
-            for rows in rows_list:
-                for packed in (False, True):
-                    times[rows, packed].append(time_matmuls(module, matrices, rows, packed, steps))
+        try:
+            for _ in range(args.rounds):
+                bandwidths.append(bandwidth_gb_s())
+                for rows in rows_list:
+                    for kernel in kernels:
+                        if kernel != "row-tiled":
+                            module.quant_packed_use(kernel)
+                        times[rows, kernel].append(time_matmuls(module, matrices, rows, kernel != "row-tiled", steps))
+        finally:
+            module.quant_packed_use("auto")
         bw = statistics.median(bandwidths)
         print(f"\n{path}: {len(matrices)} quantized matrices, {nbytes / 1e6:.1f} MB per decode step; "
               f"{args.threads} threads; torch sum {bw:.1f} GB/s (median of {args.rounds}, "
               f"{min(bandwidths):.1f}-{max(bandwidths):.1f})")
-        print("| rows | row-tiled ms | packed ms | speed-up | packed GB/s | share of roofline |")
-        print("|---|---|---|---|---|---|")
+        print("| rows | " + " | ".join(f"{k} ms" for k in kernels) + " | " +
+              " | ".join(f"{k} speed-up, GB/s, share of roofline" for k in isas) + " |")
+        print("|---" * (1 + len(kernels) + len(isas)) + "|")
         for rows in rows_list:
-            old, new = statistics.median(times[rows, False]), statistics.median(times[rows, True])
-            print(f"| {rows} | {old * 1e3:.2f} | {new * 1e3:.2f} | {old / new:.2f} | {nbytes / new / 1e9:.1f} | "
-                  f"{nbytes / new / 1e9 / bw:.0%} |")
+            medians = {k: statistics.median(times[rows, k]) for k in kernels}
+            print(f"| {rows} | " + " | ".join(f"{medians[k] * 1e3:.2f}" for k in kernels) + " | " +
+                  " | ".join(f"{medians['row-tiled'] / medians[k]:.2f}x, {nbytes / medians[k] / 1e9:.1f}, "
+                             f"{nbytes / medians[k] / 1e9 / bw:.0%}" for k in isas) + " |")
+        del matrices
         if args.no_e2e:
             continue
         from raylm import LLM
@@ -128,27 +168,33 @@ def main() -> None:
         # In this process ("uni"), so that the switches below reach the model.
         llm = LLM(path, dtype="bfloat16", num_threads=args.threads, enable_prefix_caching=False,
                   kv_cache_memory_bytes=64 << 20, distributed_executor_backend="uni")
-        paths = {"row-tiled, modules": (0, False), "packed, modules": (default_rows := quant_kernels.PACKED_MAX_ROWS,
-                                                                     False),
-                 "packed, one call": (default_rows, True)}
+        paths = {f"{isa}, {how}": (isa, one_call) for isa in isas
+                 for how, one_call in (("modules", False), ("one call", True))}
         tok_s: dict[str, list[float]] = {path: [] for path in paths}
+        shares: dict[str, list[float]] = {path: [] for path in paths}
         bandwidths = []
         fused = llama_decode.ENABLED
         try:
             decode_tok_s(llm, 4)  # warm-up
             for _ in range(args.rounds):
-                bandwidths.append(bandwidth_gb_s())
-                for name, (rows, one_call) in paths.items():
-                    quant_kernels.PACKED_MAX_ROWS, llama_decode.ENABLED = rows, one_call
+                for name, (isa, one_call) in paths.items():
+                    # The roofline right before each measurement: on a shared machine the
+                    # load changes from one second to the next, so each share is a pair.
+                    bandwidths.append(bandwidth_gb_s())
+                    module.quant_packed_use(isa)
+                    llama_decode.ENABLED = one_call
                     tok_s[name].append(decode_tok_s(llm, args.output_len))
+                    shares[name].append(nbytes * tok_s[name][-1] / 1e9 / bandwidths[-1])
         finally:
-            quant_kernels.PACKED_MAX_ROWS, llama_decode.ENABLED = default_rows, fused
+            module.quant_packed_use("auto")
+            llama_decode.ENABLED = fused
             llm.shutdown()
-        bw = statistics.median(bandwidths)
         for name, rates in tok_s.items():
-            rate = statistics.median(rates)
-            print(f"one request, batch-1 decode, {name}: {rate:.1f} tok/s (spread {min(rates):.1f}-{max(rates):.1f}); "
-                  f"share of roofline {nbytes * rate / 1e9 / bw:.0%} (torch sum {bw:.1f} GB/s)")
+            print(f"one request, batch-1 decode, {name}: {statistics.median(rates):.1f} tok/s "
+                  f"(spread {min(rates):.1f}-{max(rates):.1f}); share of roofline, each round against the torch "
+                  f"sum just before it: median {statistics.median(shares[name]):.0%}, spread "
+                  f"{min(shares[name]):.0%}-{max(shares[name]):.0%}")
+        print(f"torch sum {statistics.median(bandwidths):.1f} GB/s ({min(bandwidths):.1f}-{max(bandwidths):.1f})")
 
 
 if __name__ == "__main__":
