@@ -273,3 +273,32 @@ def test_a_bf16_model_keeps_one_copy_of_its_quantized_weights(variant, tmp_path,
     assert file_bytes <= held <= 1.05 * file_bytes, (held, file_bytes)
     linears = [m for m in model.modules() if getattr(m, "quant_matmul", None) is not None]
     assert sum(m.quant_matmul.nbytes for m in linears) == held
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("march,kernels_expected,absent", [
+    ("haswell", ["avx2"], ("zmm", "vpdpbusd")),  # AVX2 only
+    ("alderlake", ["avx_vnni", "avx2"], ("zmm",)),  # AVX2 + AVX-VNNI, no AVX-512
+])
+def test_the_decode_kernel_builds_for_cpus_without_avx512(march, kernels_expected, absent, tmp_path):
+    """This machine runs the 256-bit kernels with AVX-512 enabled around them; compiled for
+    a consumer CPU (as its -march=native build would be), quant_decode.cpp must build and
+    use no AVX-512 register or (on plain AVX2) no vpdpbusd."""
+    import subprocess
+
+    from torch.utils import cpp_extension
+
+    from raylm.model.layers.cpu_kernels import _CSRC
+
+    include = [f"-I{p}" for p in [*cpp_extension.include_paths(), sysconfig.get_path("include")]]
+    assembly = tmp_path / "quant_decode.s"
+    subprocess.run([cpp_extension.get_cxx_compiler(), "-std=c++17", "-O1", f"-march={march}", "-fopenmp", "-S",
+                    "-DTORCH_EXTENSION_NAME=check", "-DTORCH_API_INCLUDE_EXTENSION_H", *include,
+                    str(_CSRC / "quant_decode.cpp"), "-o", str(assembly)], check=True, capture_output=True)
+    text = assembly.read_text()
+    for name in absent:
+        assert name not in text, f"{name} in the -march={march} build"
+    # The variants this build registers are string literals in its data.
+    for name in kernels_expected:
+        assert f'"{name}"' in text
+    assert '"avx512_vnni"' not in text
