@@ -133,13 +133,15 @@ class FusedDecode:
     def _current_params(self) -> list[torch.Tensor] | None:
         if self._layers is None:
             self._layers = list(self._model.layers)[self._model.start_layer : self._model.end_layer]
+            # The layers' Attention modules, looked up once (each hop through
+            # nn.Module.__getattr__ costs, and this runs every step).
+            self._attns = [layer.self_attn.attn for layer in self._layers]
         # Checked every step (cheaply: a plain attribute per layer), since the
         # runner binds the caches after the model is built.
-        if len(self._caches) == len(self._layers) and all(
-            layer.self_attn.attn.kv_cache is cache for layer, cache in zip(self._layers, self._caches)
-        ):
+        caches = [attn.kv_cache for attn in self._attns]
+        if len(caches) == len(self._caches) and all(c is old for c, old in zip(caches, self._caches)):
             return self._params
-        self._caches = [layer.self_attn.attn.kv_cache for layer in self._layers]
+        self._caches = caches
         per_layer = [_layer_params(layer) for layer in self._layers]
         kinds = {_is_quantized(layer) for layer in self._layers}  # one kernel serves all layers, or none
         self._params = None if any(p is None for p in per_layer) or len(kinds) != 1 else [

@@ -118,6 +118,13 @@ def prepare_batch(
             batch.prompt_logprob_rows[rid] = (rows, targets)
         offset += n
 
+    if 0 < num_decodes == len(order) and cp_size == 1:
+        # A step of decodes only (most steps): the same tensors straight from
+        # the Python lists, without the numpy round trips prefills need.
+        _finish_decode_batch(batch, input_ids, decode_positions, decode_slots, decode_ctx_lens, decode_tables,
+                             block_size, device)
+        return batch
+
     # Decodes come first in the flat order.
     positions.insert(0, np.asarray(decode_positions, dtype=np.int64))
     slot_mapping.insert(0, np.asarray(decode_slots, dtype=np.int64))
@@ -152,3 +159,34 @@ def prepare_batch(
             local = torch.from_numpy(batch.cp_rows.local_rows).to(device)
             batch.input_ids, batch.positions = batch.input_ids[local], batch.positions[local]
     return batch
+
+
+def _finish_decode_batch(
+    batch: PreparedBatch,
+    input_ids: list[int],
+    positions: list[int],
+    slots: list[int],
+    ctx_lens: list[int],
+    tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> None:
+    """prepare_batch's tensors for a step whose every token is a decode: equal
+    to the general path's (same values, dtypes and shapes), built from lists."""
+    max_blocks = -(-max(ctx_lens) // block_size)
+    # Padding entries repeat the request's first block: any real block will
+    # do, the mask hides it.
+    table = [blocks[:max_blocks] + [blocks[0]] * (max_blocks - len(blocks)) for blocks in tables]
+    ctx = torch.tensor(ctx_lens, dtype=torch.int64)
+    valid = torch.arange(max_blocks * block_size).unsqueeze(0) < ctx.unsqueeze(1)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        num_decode_tokens=len(slots),
+        prefills=[],
+    )
+    meta.decode_block_table = torch.tensor(table, dtype=torch.int64, device=device)
+    meta.decode_mask = valid.to(device)[:, None, None, :]
+    meta.decode_context_lens = ctx.to(device)
+    batch.input_ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
+    batch.positions = torch.tensor(positions, dtype=torch.int64, device=device)
+    batch.attn_metadata = meta

@@ -24,7 +24,7 @@ from raylm.worker.cp_input import gather_rows
 from raylm.worker.input_batch import CachedRequestState, PreparedBatch, prepare_batch
 from raylm.worker.prompt_logprobs import prompt_logprobs_in_chunks
 from raylm.worker.sampler import Sampler, advance_generator, apply_grammar_bitmask
-from raylm.worker.sampling_metadata import SamplingRow, build_sampling_metadata
+from raylm.worker.sampling_metadata import SamplingMetadata, SamplingRow, build_sampling_metadata, same_every_step
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,9 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         self.row_counts = RowCounts()
+        # The last step's sampling metadata and the requests it was built for,
+        # when it can serve the next step of the same requests (see _sampling_metadata).
+        self._reusable_metadata: tuple[list[str], SamplingMetadata] | None = None
         # Between execute_model and sample_tokens.
         self._pending: tuple[SchedulerOutput, PreparedBatch, torch.Tensor | None] | None = None
 
@@ -164,6 +167,8 @@ class ModelRunner:
         if self._pending is not None:
             raise RuntimeError("execute_model called twice without sample_tokens in between")
         self._update_states(so)
+        if so.scheduled_new_reqs or so.finished_req_ids:
+            self._reusable_metadata = None  # requests came or went (or came back)
         if so.total_num_scheduled_tokens == 0:
             if get_pp_group().is_last_rank:
                 self._pending = (so, None, None)
@@ -205,6 +210,22 @@ class ModelRunner:
                                      for rid, (r, targets) in batch.prompt_logprob_rows.items()}
         return gather_rows(hidden, rows, batch.cp_rows, cp)
 
+    def _sampling_metadata(self, req_ids: list[str], states: list[CachedRequestState]) -> SamplingMetadata:
+        """The step's SamplingMetadata. Steady decoding samples the same
+        requests step after step; when none of them reads its output so far
+        (penalties, bad words, min_tokens), the metadata of the previous step
+        is the same and is reused instead of rebuilt."""
+        reusable = self._reusable_metadata
+        if reusable is not None and reusable[0] == req_ids:
+            return reusable[1]
+        rows = [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in states]
+        metadata = build_sampling_metadata(rows, self.vocab_size, self.device)
+        if all(same_every_step(s.sampling_params) for s in states):
+            self._reusable_metadata = (list(req_ids), metadata)
+        else:
+            self._reusable_metadata = None
+        return metadata
+
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput | None:
         if not get_pp_group().is_last_rank:
@@ -219,13 +240,14 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, tuple] = {}
         if batch.sample_req_ids:
-            logits = self.model.compute_logits(hidden[batch.sample_indices])
+            # A decode step samples every row in order: no gather needed.
+            sample_hidden = hidden
+            if len(batch.sample_indices) != hidden.shape[0] or batch.sample_indices[-1] != hidden.shape[0] - 1:
+                sample_hidden = hidden[batch.sample_indices]
+            logits = self.model.compute_logits(sample_hidden)
             apply_grammar_bitmask(logits, batch.sample_req_ids, grammar_output)
             states = [self.requests[rid] for rid in batch.sample_req_ids]
-            rows = [
-                SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in states
-            ]
-            metadata = build_sampling_metadata(rows, self.vocab_size, self.device)
+            metadata = self._sampling_metadata(batch.sample_req_ids, states)
             out = self.sampler(logits.float(), metadata)
             tokens = out.sampled_token_ids.tolist()
             lp_lists = None

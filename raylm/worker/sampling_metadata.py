@@ -109,6 +109,13 @@ def _uses_penalties(params: SamplingParams) -> bool:
     )
 
 
+def same_every_step(params: SamplingParams) -> bool:
+    """Whether a row's part of SamplingMetadata stays the same from step to
+    step (it does unless it reads the output so far: penalties, bad words,
+    min_tokens), so that a batch of such rows can reuse one step's metadata."""
+    return params.min_tokens == 0 and not params.bad_words_token_ids and not _uses_penalties(params)
+
+
 def _float_tensor(values: list[float], device: torch.device | str) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)
 
