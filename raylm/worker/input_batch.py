@@ -172,21 +172,25 @@ def _finish_decode_batch(
     device: torch.device,
 ) -> None:
     """prepare_batch's tensors for a step whose every token is a decode: equal
-    to the general path's (same values, dtypes and shapes), built from lists."""
-    max_blocks = -(-max(ctx_lens) // block_size)
+    to the general path's (same values, dtypes and shapes), without its
+    per-request arrays and concatenations. Small lists become tensors through
+    numpy (np.asarray + torch.from_numpy costs a third of torch.tensor's time,
+    and numpy's elementwise ops on a few hundred values a quarter of torch's)."""
+
+    def as_tensor(values) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(device)
+
+    max_ctx = max(ctx_lens)
+    max_blocks = -(-max_ctx // block_size)
     # Padding entries repeat the request's first block: any real block will
     # do, the mask hides it.
     table = [blocks[:max_blocks] + [blocks[0]] * (max_blocks - len(blocks)) for blocks in tables]
-    ctx = torch.tensor(ctx_lens, dtype=torch.int64)
-    valid = torch.arange(max_blocks * block_size).unsqueeze(0) < ctx.unsqueeze(1)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        num_decode_tokens=len(slots),
-        prefills=[],
-    )
-    meta.decode_block_table = torch.tensor(table, dtype=torch.int64, device=device)
-    meta.decode_mask = valid.to(device)[:, None, None, :]
-    meta.decode_context_lens = ctx.to(device)
-    batch.input_ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
-    batch.positions = torch.tensor(positions, dtype=torch.int64, device=device)
+    ctx = np.asarray(ctx_lens, dtype=np.int64)
+    valid = np.arange(max_blocks * block_size)[None, :] < ctx[:, None]
+    meta = AttentionMetadata(slot_mapping=as_tensor(slots), num_decode_tokens=len(slots), prefills=[])
+    meta.decode_block_table = as_tensor(table)
+    meta.decode_mask = torch.from_numpy(valid).to(device)[:, None, None, :]
+    meta.decode_context_lens = torch.from_numpy(ctx).to(device)
+    batch.input_ids = as_tensor(input_ids)
+    batch.positions = as_tensor(positions)
     batch.attn_metadata = meta
