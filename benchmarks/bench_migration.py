@@ -1,11 +1,14 @@
 """What a live migration costs, against recomputing the request instead.
 
     python benchmarks/bench_migration.py [--model large] [--lengths 256 1024 2048] [--repeats 5] \\
-        [--model-root /tmp/raylm_bench_models] [--output-json migration.json]
+        [--model-root /tmp/raylm_bench_models] [--two-hosts] [--output-json migration.json]
 
 One engine with two local engine-core processes (data_parallel_size=2,
 data_parallel_backend="mp", num_threads=1 each), the ~111M ("large") or ~7M
-("small") bf16 Llama of `compare_vllm.py --make-model`. For each length L,
+("small") bf16 Llama of `compare_vllm.py --make-model`. `--two-hosts` (root):
+two Ray replicas on the two hosts of tests/multinode's network-namespace
+harness instead, the requests moved from the worker host's to the head's,
+their K/V over the CURVE sockets between the hosts. For each length L,
 `--repeats` times:
 
   migration  one request of L random prompt tokens decodes alone on a core;
@@ -45,6 +48,7 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests.multinode, for --two-hosts
 
 from compare_vllm import MODEL_PRESETS, make_model, random_prompts  # noqa: E402
 
@@ -83,14 +87,16 @@ def _mean_gap(times: list[float], start: float, end: float) -> float | None:
     return statistics.fmean(gaps) if gaps else None
 
 
-def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, clocks: dict[int, str]) -> dict:
-    """`clocks`: core -> a bystander request decoding there (its token gaps time the core's steps)."""
+def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, clocks: dict[int, str],
+               source: int) -> dict:
+    """`clocks`: core -> a bystander request decoding there (its token gaps
+    time the core's steps); the request starts on core `source`."""
     supervisor = llm.llm_engine.engine_core
-    supervisor.add_request(Request(rid, prompt, params, None), data_parallel_rank=0 if clocks else None)
+    supervisor.add_request(Request(rid, prompt, params, None), data_parallel_rank=source)
     arrivals = list(_decode_until(supervisor, rid, _WARM_TOKENS))
-    # The baseline of the bystanders' steps: 2 s (at least 4 steps) with the request decoding at its source.
+    # The baseline of the bystanders' steps: 1 s (at least 4 steps) with the request decoding at its source.
     baseline_from = time.perf_counter()
-    while clocks and (time.perf_counter() - baseline_from < 2.0 or len(
+    while clocks and (time.perf_counter() - baseline_from < 1.0 or len(
             [t for t in _arrivals[clocks[0]] if t > baseline_from]) < 4):
         _pump(supervisor)
     source = supervisor.ledger[rid].channel
@@ -98,6 +104,8 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
     assert supervisor.migrate(rid, 1 - source, reason="manual")
     event = None
     while event is None:
+        if rid not in supervisor.ledger:
+            raise RuntimeError(f"{rid} finished before its migration was measured: give it more positions")
         outputs = _pump(supervisor)
         event = next((m for m in outputs.migrated), None)
     ended = time.perf_counter()
@@ -116,14 +124,16 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
     return result
 
 
-def _recompute(llm: LLM, prompt: list[int], params: SamplingParams, rid: str) -> float:
+def _recompute(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, core: int) -> float:
+    """The request decodes on `core` (the migrations' destination), then is sent there again."""
     supervisor = llm.llm_engine.engine_core
-    supervisor.add_request(Request(rid, prompt, params, None))
+    supervisor.add_request(Request(rid, prompt, params, None), data_parallel_rank=core)
     _decode_until(supervisor, rid, _WARM_TOKENS)
     tokens = list(supervisor.ledger[rid].token_ids)
     supervisor.abort_requests([rid])
     started = time.perf_counter()
-    supervisor.add_request(Request(rid + "-again", prompt, params, None, output_token_ids=tokens))
+    supervisor.add_request(Request(rid + "-again", prompt, params, None, output_token_ids=tokens),
+                           data_parallel_rank=core)
     _decode_until(supervisor, rid + "-again", len(tokens) + 1)
     seconds = time.perf_counter() - started
     supervisor.abort_requests([rid + "-again"])
@@ -132,6 +142,90 @@ def _recompute(llm: LLM, prompt: list[int], params: SamplingParams, rid: str) ->
 
 def _summary(values: list[float]) -> dict:
     return {"median_ms": 1000 * statistics.median(values), "p99_ms": 1000 * max(values)}
+
+
+def measure(llm: LLM, folder: pathlib.Path, spec: dict) -> dict:
+    """Every length's figures on `llm` (two cores), its requests starting on
+    core `spec["source"]` and moved to the other one."""
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    supervisor = llm.llm_engine.engine_core
+    results = {}
+    for length in spec["lengths"]:
+        # Bystanders: fresh for each length, so that none reaches the end of the model's positions.
+        clocks: dict[int, str] = {}
+        bystander_params = llm.llm_engine.input_processor.finish_params(
+            SamplingParams(temperature=0, max_tokens=spec["max_len"] - 64, ignore_eos=True))
+        for core in range(2 if spec["bystanders"] else 0):
+            for i, prompt in enumerate(random_prompts(spec["bystanders"], 16, vocab, seed=core)):
+                rid = f"bystander-{length}-{core}-{i}"
+                supervisor.add_request(Request(rid, prompt, bystander_params, None), data_parallel_rank=core)
+                clocks.setdefault(core, rid)
+        # Room to decode through the baseline window and the migration (then it is aborted).
+        params = llm.llm_engine.input_processor.finish_params(
+            SamplingParams(temperature=0, max_tokens=spec["max_len"] - length - 16, ignore_eos=True))
+        prompts = random_prompts(spec["repeats"] + 1, length, vocab, seed=length)
+        source = spec["source"]
+        _migration(llm, prompts[-1], params, f"warm-{length}", clocks, source)  # first use of each size: not timed
+        moved = [_migration(llm, p, params, f"m-{length}-{i}", clocks, source) for i, p in enumerate(prompts[:-1])]
+        supervisor.abort_requests([rid for rid in list(supervisor.ledger) if rid.startswith("bystander-")])
+        recomputed = [] if spec["skip_recompute"] else [
+            _recompute(llm, p, params, f"r-{length}-{i}", 1 - source) for i, p in enumerate(prompts[:-1])]
+        results[length] = {
+            "downtime": _summary([m["downtime_s"] for m in moved]),
+            "handover": _summary([m["handover_s"] for m in moved]),
+            "migration": _summary([m["seconds"] for m in moved]),
+            "inter_token": _summary([m["inter_token_s"] for m in moved]),
+            "recompute": _summary(recomputed) if recomputed else None,
+            "mib_moved": moved[0]["num_bytes"] / 2**20,
+        }
+        for side in ("source", "destination"):
+            values = [m[f"{side}_slowdown"] for m in moved if f"{side}_slowdown" in m]
+            results[length][f"{side}_slowdown_pct"] = 100 * statistics.median(values) if values else None
+        if not spec.get("quiet"):
+            _print_row(length, results[length])
+    return results
+
+
+def _print_row(length: int, r: dict) -> None:
+    recompute = (f"  | recompute {r['recompute']['median_ms']:7.1f} ms (max {r['recompute']['p99_ms']:7.1f})"
+                 if r["recompute"] else "")
+    def pct(side: str) -> str:
+        value = r[f"{side}_slowdown_pct"]
+        return "n/a" if value is None else f"{value:+.1f}%"
+
+    slowdown = f"  | step slowdown source {pct('source')} destination {pct('destination')}"
+    print(f"L={int(length):5d}  downtime {r['downtime']['median_ms']:7.1f} ms (max {r['downtime']['p99_ms']:7.1f}, "
+          f"handover {r['handover']['median_ms']:5.1f})"
+          f"{recompute}  | inter-token {r['inter_token']['median_ms']:6.1f} ms  | whole migration "
+          f"{r['migration']['median_ms']:6.1f} ms  | {r['mib_moved']:.1f} MiB{slowdown}", flush=True)
+
+
+def _engine_args(spec: dict) -> dict:
+    return dict(dtype="bfloat16", data_parallel_size=2, num_threads=1, max_model_len=spec["max_len"],
+                kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False)
+
+
+def drive(spec: dict) -> dict:
+    """On the head host of the two-host harness: one replica per host, the
+    requests started on the worker host's and moved to the head's (the K/V
+    crosses the hosts' link)."""
+    import ray
+
+    from raylm.config import ParallelConfig
+    from raylm.executor import ray_cluster
+    from tests.multinode.driver import _wait_for_nodes
+
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("raylm.engine.supervisor").setLevel(logging.INFO)  # each migration, on stderr
+    ray_cluster.connect_ray(ParallelConfig(ray_address=spec["address"]), num_cpus_hint=0)
+    _wait_for_nodes(2, timeout=60)
+    folder = pathlib.Path(spec["folder"])
+    with LLM(str(folder), data_parallel_placement="spread", ray_address=spec["address"],
+             **_engine_args(spec)) as llm:
+        channels = llm.llm_engine.engine_core.channels
+        head_ip = ray.util.get_node_ip_address()
+        [worker_core] = [i for i, c in channels.items() if c.node_ip != head_ip]
+        return measure(llm, folder, {**spec, "source": worker_core, "quiet": True})
 
 
 def main() -> None:
@@ -145,64 +239,44 @@ def main() -> None:
     parser.add_argument("--sync-precopy", action="store_true",
                         help="copy every stage on the cores' loops (no overlap), for comparison")
     parser.add_argument("--skip-recompute", action="store_true")
+    parser.add_argument("--two-hosts", action="store_true",
+                        help="the cores on two hosts of the network-namespace harness (root), K/V over CURVE")
+    parser.add_argument("--timeout", type=float, default=1800, help="--two-hosts: the driver's limit, seconds")
     parser.add_argument("--output-json")
     args = parser.parse_args()
     if args.sync_precopy:  # read by the core processes (raylm.engine.core_migration)
         os.environ["RAYLM_MIGRATION_SYNC_PRECOPY"] = "1"
     logging.basicConfig(level=logging.WARNING)
-    max_len = max(args.lengths) + 256
+    max_len = max(args.lengths) + 4096
     # The preset's weights, with room for the longest request (the presets hold 1024 positions).
     folder = pathlib.Path(args.model_root) / f"{args.model}-{max_len}-positions"
     if not (folder / "config.json").is_file():
         make_model(args.model, str(folder), max_position_embeddings=max_len)
-    results = {}
-    with LLM(str(folder), dtype="bfloat16", data_parallel_size=2, data_parallel_backend="mp", num_threads=1,
-             max_model_len=max_len, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False) as llm:
-        params = llm.llm_engine.input_processor.finish_params(
-            SamplingParams(temperature=0, max_tokens=256, ignore_eos=True))
-        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-        supervisor = llm.llm_engine.engine_core
-        for length in args.lengths:
-            # Bystanders: fresh for each length, so that none reaches the end of the model's positions.
-            clocks: dict[int, str] = {}
-            bystander_params = llm.llm_engine.input_processor.finish_params(
-                SamplingParams(temperature=0, max_tokens=max_len - 64, ignore_eos=True))
-            for core in range(2 if args.bystanders else 0):
-                for i, prompt in enumerate(random_prompts(args.bystanders, 16, vocab, seed=core)):
-                    rid = f"bystander-{length}-{core}-{i}"
-                    supervisor.add_request(Request(rid, prompt, bystander_params, None), data_parallel_rank=core)
-                    clocks.setdefault(core, rid)
-            prompts = random_prompts(args.repeats + 1, length, vocab, seed=length)
-            _migration(llm, prompts[-1], params, f"warm-{length}", clocks)  # first use of each size: not timed
-            moved = [_migration(llm, p, params, f"m-{length}-{i}", clocks) for i, p in enumerate(prompts[:-1])]
-            supervisor.abort_requests([rid for rid in list(supervisor.ledger) if rid.startswith("bystander-")])
-            recomputed = [] if args.skip_recompute else [
-                _recompute(llm, p, params, f"r-{length}-{i}") for i, p in enumerate(prompts[:-1])]
-            results[length] = {
-                "downtime": _summary([m["downtime_s"] for m in moved]),
-                "handover": _summary([m["handover_s"] for m in moved]),
-                "migration": _summary([m["seconds"] for m in moved]),
-                "inter_token": _summary([m["inter_token_s"] for m in moved]),
-                "recompute": _summary(recomputed) if recomputed else None,
-                "mib_moved": moved[0]["num_bytes"] / 2**20,
-            }
-            for side in ("source", "destination"):
-                values = [m[f"{side}_slowdown"] for m in moved if f"{side}_slowdown" in m]
-                results[length][f"{side}_slowdown_pct"] = 100 * statistics.median(values) if values else None
-            r = results[length]
-            recompute = (f"  | recompute {r['recompute']['median_ms']:7.1f} ms (max {r['recompute']['p99_ms']:7.1f})"
-                         if r["recompute"] else "")
-            slowdown = (f"  | step slowdown source {r['source_slowdown_pct']:+.1f}% destination "
-                        f"{r['destination_slowdown_pct']:+.1f}%" if r["source_slowdown_pct"] is not None else "")
-            print(f"L={length:5d}  downtime {r['downtime']['median_ms']:7.1f} ms (max {r['downtime']['p99_ms']:7.1f}, "
-                  f"handover {r['handover']['median_ms']:5.1f})"
-                  f"{recompute}  | inter-token {r['inter_token']['median_ms']:6.1f} ms  | whole migration "
-                  f"{r['migration']['median_ms']:6.1f} ms  | {r['mib_moved']:.1f} MiB{slowdown}", flush=True)
+    spec = {"lengths": args.lengths, "repeats": args.repeats, "bystanders": args.bystanders,
+            "skip_recompute": args.skip_recompute, "max_len": max_len, "source": 0}
+    if args.two_hosts:
+        from tests.multinode.harness import netns_unavailable, two_hosts
+
+        reason = netns_unavailable()
+        if reason:
+            sys.exit(f"cannot build two hosts here: {reason}")
+        with two_hosts() as hosts:
+            results = hosts.run_driver({**spec, "address": hosts.address, "folder": str(folder.resolve())},
+                                       timeout=args.timeout, module="benchmarks.bench_migration")
+        for length, row in results.items():
+            _print_row(length, row)
+    else:
+        with LLM(str(folder), data_parallel_backend="mp", **_engine_args(spec)) as llm:
+            results = measure(llm, folder, spec)
     if args.output_json:
         pathlib.Path(args.output_json).write_text(json.dumps(
-            {"model": args.model, "sync_precopy": args.sync_precopy, "results": results}, indent=2))
+            {"model": args.model, "sync_precopy": args.sync_precopy, "two_hosts": args.two_hosts,
+             "results": results}, indent=2))
 
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main()
+    if len(sys.argv) == 2 and sys.argv[1].startswith("{"):  # the driver, on the head host
+        print("RESULT " + json.dumps(drive(json.loads(sys.argv[1]))), flush=True)
+    else:
+        main()
