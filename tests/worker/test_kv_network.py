@@ -2,7 +2,9 @@
 on loopback: the blocks arrive bit for bit in the reserved blocks, an offer
 is handed out once, only a client holding the supervisor's key gets it, and
 what cannot be imported (another layout, a withdrawn offer) is refused with
-the reason."""
+the reason. A stranger flooding the socket gets nothing, never reaches the
+server's thread and holds no connection once it stops, and one that connects
+and stays silent is dropped at the handshake timeout."""
 
 from __future__ import annotations
 
