@@ -13,7 +13,7 @@ import torch
 
 from raylm.model.forward_context import AttentionMetadata, PrefillSeq
 from raylm.sampling_params import SamplingParams
-from raylm.worker.cp_input import CPRows, build_cp_step, cp_shard_of_blocks  # noqa: F401 (re-exported)
+from raylm.worker.cp_input import CPRows, build_cp_step
 
 
 @dataclass
@@ -134,19 +134,7 @@ def prepare_batch(
         prefills=prefills,
     )
     if num_decodes:
-        ctx = np.asarray(decode_ctx_lens, dtype=np.int64)
-        max_blocks = -(-int(ctx.max()) // block_size)
-        # Padding entries repeat the request's first block: any real block
-        # will do, the mask hides it.
-        table = np.empty((num_decodes, max_blocks), dtype=np.int64)
-        for i, blocks in enumerate(decode_tables):
-            nb = min(len(blocks), max_blocks)
-            table[i, :nb] = blocks[:nb]
-            table[i, nb:] = blocks[0]
-        valid = np.arange(max_blocks * block_size)[None, :] < ctx[:, None]
-        meta.decode_block_table = torch.from_numpy(table).to(device)
-        meta.decode_mask = torch.from_numpy(valid).to(device)[:, None, None, :]
-        meta.decode_context_lens = torch.from_numpy(ctx).to(device)
+        _set_decode_tensors(meta, decode_ctx_lens, decode_tables, block_size, device)
 
     batch.input_ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
     batch.positions = torch.from_numpy(np.concatenate(positions)).to(device)
@@ -161,6 +149,25 @@ def prepare_batch(
     return batch
 
 
+def _int64_tensor(values, device: torch.device) -> torch.Tensor:
+    # np.asarray + torch.from_numpy costs a third of torch.tensor's time on small lists.
+    return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(device)
+
+
+def _set_decode_tensors(meta: AttentionMetadata, ctx_lens: list[int], tables: list[list[int]], block_size: int,
+                        device: torch.device) -> None:
+    """The decodes' block table, key mask and context lengths."""
+    max_blocks = -(-max(ctx_lens) // block_size)
+    # Padding entries repeat the request's first block: any real block will
+    # do, the mask hides it.
+    table = [blocks[:max_blocks] + [blocks[0]] * (max_blocks - len(blocks)) for blocks in tables]
+    ctx = np.asarray(ctx_lens, dtype=np.int64)
+    valid = np.arange(max_blocks * block_size)[None, :] < ctx[:, None]
+    meta.decode_block_table = _int64_tensor(table, device)
+    meta.decode_mask = torch.from_numpy(valid).to(device)[:, None, None, :]
+    meta.decode_context_lens = torch.from_numpy(ctx).to(device)
+
+
 def _finish_decode_batch(
     batch: PreparedBatch,
     input_ids: list[int],
@@ -173,24 +180,9 @@ def _finish_decode_batch(
 ) -> None:
     """prepare_batch's tensors for a step whose every token is a decode: equal
     to the general path's (same values, dtypes and shapes), without its
-    per-request arrays and concatenations. Small lists become tensors through
-    numpy (np.asarray + torch.from_numpy costs a third of torch.tensor's time,
-    and numpy's elementwise ops on a few hundred values a quarter of torch's)."""
-
-    def as_tensor(values) -> torch.Tensor:
-        return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(device)
-
-    max_ctx = max(ctx_lens)
-    max_blocks = -(-max_ctx // block_size)
-    # Padding entries repeat the request's first block: any real block will
-    # do, the mask hides it.
-    table = [blocks[:max_blocks] + [blocks[0]] * (max_blocks - len(blocks)) for blocks in tables]
-    ctx = np.asarray(ctx_lens, dtype=np.int64)
-    valid = np.arange(max_blocks * block_size)[None, :] < ctx[:, None]
-    meta = AttentionMetadata(slot_mapping=as_tensor(slots), num_decode_tokens=len(slots), prefills=[])
-    meta.decode_block_table = as_tensor(table)
-    meta.decode_mask = torch.from_numpy(valid).to(device)[:, None, None, :]
-    meta.decode_context_lens = torch.from_numpy(ctx).to(device)
-    batch.input_ids = as_tensor(input_ids)
-    batch.positions = as_tensor(positions)
+    per-request arrays and concatenations."""
+    meta = AttentionMetadata(slot_mapping=_int64_tensor(slots, device), num_decode_tokens=len(slots), prefills=[])
+    _set_decode_tensors(meta, ctx_lens, tables, block_size, device)
+    batch.input_ids = _int64_tensor(input_ids, device)
+    batch.positions = _int64_tensor(positions, device)
     batch.attn_metadata = meta

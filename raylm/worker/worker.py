@@ -158,7 +158,7 @@ class Worker:
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         # The scheduler counts the blocks of the whole CP group; this rank holds
         # block ids g with g % cp == its cp rank, as its blocks g // cp
-        # (raylm.worker.input_batch.cp_shard_of_blocks).
+        # (raylm.worker.cp_input.cp_shard_of_blocks).
         cp = self.config.parallel_config.context_parallel_size
         self.model_runner.initialize_kv_cache(-(-kv_cache_config.num_blocks // cp))
 
