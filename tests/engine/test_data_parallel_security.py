@@ -127,8 +127,11 @@ class _Intruder:
             sock.close(linger=0)
 
 
-def _step_and_pause(engine, pause_s: float) -> None:
-    engine.step()
+def _step_and_pause(engine, done: dict, pause_s: float) -> None:
+    """One step, its finished requests kept in `done` (a request may finish
+    while a test waits on something else), then a pause."""
+    for out in engine.step():
+        done[out.request_id] = out.outputs[0].token_ids
     time.sleep(pause_s)
 
 
@@ -162,7 +165,7 @@ def test_foreign_sockets_steal_inject_and_end_nothing(ray_session, dp_llm, refer
         for intruder in intruders:
             intruder.send(_forged_frames([str(i) for i in range(len(PROMPTS))]))
         wait_until(lambda: all(intruder.all_refused() for intruder in intruders), _DEADLINE_S,
-                   step=lambda: _step_and_pause(engine, 0.05),  # the requests in flight go on meanwhile
+                   step=lambda: _step_and_pause(engine, done, 0.05),  # the requests in flight go on meanwhile
                    message=lambda: f"every intruder to be refused: {[i.events for i in intruders]}")
         # Sent while the foreign PULLs keep knocking: none gets a share.
         for i in second:
@@ -235,7 +238,7 @@ def test_a_replica_speaks_only_for_itself(ray_session, dp_llm, reference, caplog
             foreign, misattributed, undecodable = drops()
             return foreign >= 1 and misattributed >= 2 and undecodable >= 1
 
-        wait_until(all_dropped, _DEADLINE_S, step=lambda: _step_and_pause(engine, 0.01),
+        wait_until(all_dropped, _DEADLINE_S, step=lambda: _step_and_pause(engine, done, 0.01),
                    message=lambda: f"the drops (foreign, misattributed, undecodable) to be counted: {drops()}")
         _step_until(engine, done, lambda: not engine.has_unfinished_requests())
     finally:

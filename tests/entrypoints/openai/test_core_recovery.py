@@ -23,25 +23,30 @@ MIN_TOKENS_BEFORE_KILL = 3
 PROMPTS = [f"Story {i}: once upon a time" for i in range(NUM_STREAMS)]
 
 
-def _body(prompt: str, stream: bool) -> dict:
+def _body(prompt: str | list[str], stream: bool) -> dict:
     return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True,
             "temperature": 0, "stream": stream}
 
 
-class _Stream:
-    """One streaming completion read in a thread: its text, finish reason and
-    error events, and how many chunks have arrived so far."""
+class _Streams:
+    """Every prompt in one streaming completion, read in a thread: per prompt
+    its text, finish reason and how many chunks have arrived so far, plus the
+    error events. One HTTP request, so the engine admits the prompts together
+    and they decode in step: however fast the machine, none can finish while
+    another has yet to start (separate requests raced their own admission)."""
 
-    def __init__(self, server: RaylmServer, prompt: str):
-        self.text, self.finish_reason, self.errors = "", None, []
-        self.num_chunks = 0
+    def __init__(self, server: RaylmServer, prompts: list[str]):
+        self.texts = [""] * len(prompts)
+        self.finish_reasons: list[str | None] = [None] * len(prompts)
+        self.num_chunks = [0] * len(prompts)
+        self.errors: list = []
         self.done = False
-        self.thread = threading.Thread(target=self._run, args=(server, prompt), daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(server, prompts), daemon=True)
         self.thread.start()
 
-    def _run(self, server: RaylmServer, prompt: str) -> None:
+    def _run(self, server: RaylmServer, prompts: list[str]) -> None:
         try:
-            with httpx.stream("POST", server.url("/v1/completions"), json=_body(prompt, True),
+            with httpx.stream("POST", server.url("/v1/completions"), json=_body(prompts, True),
                               timeout=120) as response:
                 for line in response.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -50,14 +55,18 @@ class _Stream:
                     if "error" in event:
                         self.errors.append(event["error"])
                         continue
-                    choice = event["choices"][0]
-                    self.text += choice["text"]
-                    self.finish_reason = choice["finish_reason"] or self.finish_reason
-                    self.num_chunks += 1
+                    for choice in event["choices"]:
+                        i = choice["index"]
+                        self.texts[i] += choice["text"]
+                        self.finish_reasons[i] = choice["finish_reason"] or self.finish_reasons[i]
+                        self.num_chunks[i] += 1
         except httpx.HTTPError as e:
             self.errors.append(repr(e))
         finally:
             self.done = True
+
+    def each_has(self, num_chunks: int) -> bool:
+        return all(n >= num_chunks for n in self.num_chunks)
 
 
 class _HealthPoller:
@@ -84,11 +93,11 @@ class _HealthPoller:
         return self.results
 
 
-def _start_streams(server: RaylmServer) -> list[_Stream]:
-    streams = [_Stream(server, prompt) for prompt in PROMPTS]
-    wait_until(lambda: all(s.num_chunks >= MIN_TOKENS_BEFORE_KILL or s.done for s in streams), 60,
+def _start_streams(server: RaylmServer) -> _Streams:
+    streams = _Streams(server, PROMPTS)
+    wait_until(lambda: streams.each_has(MIN_TOKENS_BEFORE_KILL) or streams.done, 60,
                message="every stream to receive a few tokens")
-    assert not any(s.done for s in streams), [s.errors for s in streams]
+    assert not streams.done, (streams.errors, streams.finish_reasons)
     return streams
 
 
@@ -124,12 +133,11 @@ def test_killed_core_is_replaced_and_streams_continue(llama_dir, tmp_path):
         new_core = _wait_new_core(server, old_pid)
         # Whatever the new core starts (workers, Ray) must go at shutdown too.
         server.tree.extend([new_core, *new_core.children(recursive=True)])
-        for stream in streams:
-            stream.thread.join(120)
+        streams.thread.join(120)
         health = poller.stop()
 
-        assert all(s.done and not s.errors for s in streams), [s.errors for s in streams]
-        assert [s.finish_reason for s in streams] == ["length"] * NUM_STREAMS
+        assert streams.done and not streams.errors, streams.errors
+        assert streams.finish_reasons == ["length"] * NUM_STREAMS
         # The server kept answering /health while it recovered (a pause, not an outage).
         assert health and all(status == 200 for status in health), health
         log = server.log()
@@ -145,7 +153,7 @@ def test_killed_core_is_replaced_and_streams_continue(llama_dir, tmp_path):
             httpx.post(server.url("/v1/completions"), json=_body(prompt, False), timeout=120).json()
             for prompt in PROMPTS
         ]
-        assert [s.text for s in streams] == [r["choices"][0]["text"] for r in reference]
+        assert streams.texts == [r["choices"][0]["text"] for r in reference]
     finally:
         server.terminate(timeout=30)
 
@@ -165,30 +173,38 @@ def _post_in_background(server: RaylmServer, prompt: str) -> tuple[threading.Thr
     return thread, result
 
 
+def _requests_in_engine(server: RaylmServer) -> float:
+    return (scrape_metric(server.base_url, "vllm:num_requests_running")
+            + scrape_metric(server.base_url, "vllm:num_requests_waiting"))
+
+
 @pytest.mark.server
 def test_past_the_restart_budget_the_server_answers_503_and_exits(llama_dir, tmp_path):
     server = RaylmServer(llama_dir, ["--max-restarts", "1"], str(tmp_path / "server.log"))
     try:
-        # In flight through both deaths: resubmitted after the first, a 503 after the second.
-        blocking, blocking_result = _post_in_background(server, "a request that is in flight")
         streams = _start_streams(server)
+        # In flight through both deaths: resubmitted after the first, a 503 after the second.
+        # Sent after the streams, so it cannot finish before them; the kill waits for the
+        # engine to hold it.
+        blocking, blocking_result = _post_in_background(server, "a request that is in flight")
+        wait_until(lambda: _requests_in_engine(server) == NUM_STREAMS + 1, 60,
+                   message="the engine to hold the non-streaming request")
         old_pid = _kill_core(server)
         new_core = _wait_new_core(server, old_pid)
         server.tree.extend([new_core, *new_core.children(recursive=True)])
         # The first death is within the budget: the streams continue on the new core.
-        wait_until(lambda: all(s.num_chunks >= 2 * MIN_TOKENS_BEFORE_KILL or s.done for s in streams), 60,
+        wait_until(lambda: streams.each_has(2 * MIN_TOKENS_BEFORE_KILL) or streams.done, 60,
                    message="the streams to continue")
-        assert not any(s.errors for s in streams), [s.errors for s in streams]
+        assert not streams.errors, streams.errors
+        assert not streams.done, streams.finish_reasons
 
         poller = _HealthPoller(server)
         _kill_core(server)
 
-        for stream in streams:
-            stream.thread.join(60)
+        streams.thread.join(60)
         blocking.join(60)
-        assert all(s.done for s in streams)
-        for stream in streams:
-            assert stream.errors and stream.errors[-1]["code"] == 503, stream.errors
+        assert streams.done
+        assert streams.errors and streams.errors[-1]["code"] == 503, streams.errors
         assert blocking_result.get("status") == 503, blocking_result
         assert "error" in blocking_result["body"]
         # New requests too, until the server is gone.
