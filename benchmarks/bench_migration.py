@@ -28,7 +28,11 @@ their K/V over the CURVE sockets between the hosts. For each length L,
              each core throughout: their mean step time (the gap between
              their tokens) on the source and on the destination while a
              migration runs (from `migrate()` to its end), against the mean
-             over the 2 s before it.
+             over the 1 s before it. Also over the pre-copy alone (from
+             `migrate()` to the request's pause): there both batches are as
+             in the baseline, while after it the destination decodes one
+             request more (and the source one less), which is serving, not
+             migrating.
 
 `--sync-precopy` copies every stage on the cores' loops (the behaviour
 before the overlapped pre-copy), for comparison.
@@ -115,12 +119,22 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
     result = {"downtime_s": event.downtime_s, "handover_s": event.handover_s, "seconds": event.seconds,
               "num_bytes": event.num_bytes,
               "inter_token_s": statistics.median(gaps) if gaps else 0.0}
+    # The pause: the request's longest gap in the migration (its last token at the
+    # source, then its first at the destination). Before it, both cores' batches
+    # are as in the baseline and only the pre-copy runs beside their steps; from
+    # it on, the source has one request less and the destination one more, whose
+    # cost is decoding, not migrating.
+    mine = [t for t in _arrivals[rid] if started - 1.0 < t <= ended]
+    paused_at = max(zip(mine, mine[1:]), key=lambda gap: gap[1] - gap[0])[0] if len(mine) > 1 else ended
     for side, core in (("source", source), ("destination", 1 - source)):
         if core in clocks:
             times = _arrivals[clocks[core]]
-            before, during = _mean_gap(times, baseline_from, started), _mean_gap(times, started, ended)
-            if before and during:
-                result[f"{side}_slowdown"] = during / before - 1
+            before = _mean_gap(times, baseline_from, started)
+            windows = {"slowdown": (started, ended), "precopy_slowdown": (started, paused_at)}
+            for name, (start, end) in windows.items():
+                during = _mean_gap(times, start, end)
+                if before and during:
+                    result[f"{side}_{name}"] = during / before - 1
     return result
 
 
@@ -179,8 +193,9 @@ def measure(llm: LLM, folder: pathlib.Path, spec: dict) -> dict:
             "mib_moved": moved[0]["num_bytes"] / 2**20,
         }
         for side in ("source", "destination"):
-            values = [m[f"{side}_slowdown"] for m in moved if f"{side}_slowdown" in m]
-            results[length][f"{side}_slowdown_pct"] = 100 * statistics.median(values) if values else None
+            for name in ("slowdown", "precopy_slowdown"):
+                values = [m[f"{side}_{name}"] for m in moved if f"{side}_{name}" in m]
+                results[length][f"{side}_{name}_pct"] = 100 * statistics.median(values) if values else None
         if not spec.get("quiet"):
             _print_row(length, results[length])
     return results
@@ -189,11 +204,12 @@ def measure(llm: LLM, folder: pathlib.Path, spec: dict) -> dict:
 def _print_row(length: int, r: dict) -> None:
     recompute = (f"  | recompute {r['recompute']['median_ms']:7.1f} ms (max {r['recompute']['p99_ms']:7.1f})"
                  if r["recompute"] else "")
-    def pct(side: str) -> str:
-        value = r[f"{side}_slowdown_pct"]
+    def pct(side: str, name: str = "slowdown") -> str:
+        value = r[f"{side}_{name}_pct"]
         return "n/a" if value is None else f"{value:+.1f}%"
 
-    slowdown = f"  | step slowdown source {pct('source')} destination {pct('destination')}"
+    slowdown = (f"  | step slowdown source {pct('source')} destination {pct('destination')}"
+                f" (pre-copy only: {pct('source', 'precopy_slowdown')} / {pct('destination', 'precopy_slowdown')})")
     print(f"L={int(length):5d}  downtime {r['downtime']['median_ms']:7.1f} ms (max {r['downtime']['p99_ms']:7.1f}, "
           f"handover {r['handover']['median_ms']:5.1f})"
           f"{recompute}  | inter-token {r['inter_token']['median_ms']:6.1f} ms  | whole migration "
