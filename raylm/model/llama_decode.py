@@ -129,6 +129,7 @@ class FusedDecode:
         self._params: list[torch.Tensor] | None = None
         self._quantized = False  # whether _params are quant_decode_layers'
         self._caches: list[torch.Tensor | None] = []  # the KV caches _params were built with
+        self._shape_args: tuple | None = None  # the kernel's other arguments, see _model_shape_args
 
     def _current_params(self) -> list[torch.Tensor] | None:
         if self._layers is None:
@@ -147,7 +148,22 @@ class FusedDecode:
         self._params = None if any(p is None for p in per_layer) or len(kinds) != 1 else [
             t for p in per_layer for t in p]
         self._quantized = kinds == {True}
+        self._shape_args = self._model_shape_args()
         return self._params
+
+    def _model_shape_args(self) -> tuple | None:
+        """The kernel's arguments after the layers' tensors (rotary tables, head
+        counts, sizes, eps, scale): the same every step, so looked up with the
+        params rather than through a dozen module attributes per step. None
+        when the rotary tables are not float32 (the kernel reads them so)."""
+        first = self._layers[0]
+        attn, rotary = first.self_attn, self._model.rotary_emb
+        if rotary.cos_cache.dtype != torch.float32:
+            return None
+        sizes = (self._model.hidden_size,) if self._quantized else (
+            self._model.hidden_size, self._model.intermediate_size)
+        return (rotary.cos_cache, rotary.sin_cache, self._params, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                *sizes, first.input_layernorm.eps, attn.attn.scale)
 
     def __call__(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
@@ -165,40 +181,25 @@ class FusedDecode:
             or hidden.dtype != torch.bfloat16
             or not hidden.is_cpu
             or positions.dtype != torch.int64
-            or self._model.rotary_emb.cos_cache.dtype != torch.float32
             or get_tp_group().world_size != 1
         ):
             return None
         params = self._current_params()
         kernels = get_cpu_kernels()
-        if params is None or kernels is None:
+        if params is None or kernels is None or self._shape_args is None:
             return None
-        first = self._model.layers[self._model.start_layer]
-        attn, rotary = first.self_attn, self._model.rotary_emb
         if self._quantized:
             if not hasattr(kernels, "quant_decode_layers"):
                 return None
-            return kernels.quant_decode_layers(
-                hidden.contiguous(), _EMPTY if residual is None else residual.contiguous(), positions.contiguous(),
-                meta.slot_mapping, meta.decode_block_table, meta.decode_context_lens, rotary.cos_cache,
-                rotary.sin_cache, params, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                self._model.hidden_size, first.input_layernorm.eps, attn.attn.scale,
-            )
-        return kernels.decode_layers(
+            run = kernels.quant_decode_layers
+        else:
+            run = kernels.decode_layers
+        return run(
             hidden.contiguous(),
             _EMPTY if residual is None else residual.contiguous(),
             positions.contiguous(),
             meta.slot_mapping,
             meta.decode_block_table,
             meta.decode_context_lens,
-            rotary.cos_cache,
-            rotary.sin_cache,
-            params,
-            attn.num_heads,
-            attn.num_kv_heads,
-            attn.head_dim,
-            self._model.hidden_size,
-            self._model.intermediate_size,
-            first.input_layernorm.eps,
-            attn.attn.scale,
+            *self._shape_args,
         )

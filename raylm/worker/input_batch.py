@@ -151,7 +151,12 @@ def prepare_batch(
 
 def _int64_tensor(values, device: torch.device) -> torch.Tensor:
     # np.asarray + torch.from_numpy costs a third of torch.tensor's time on small lists.
-    return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(device)
+    return _on(torch.from_numpy(np.asarray(values, dtype=np.int64)), device)
+
+
+def _on(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    # A CPU step skips .to(): even a no-op costs a dispatch, several per step.
+    return t if getattr(device, "type", device) == "cpu" else t.to(device)
 
 
 def _set_decode_tensors(meta: AttentionMetadata, ctx_lens: list[int], tables: list[list[int]], block_size: int,
@@ -164,8 +169,8 @@ def _set_decode_tensors(meta: AttentionMetadata, ctx_lens: list[int], tables: li
     ctx = np.asarray(ctx_lens, dtype=np.int64)
     valid = np.arange(max_blocks * block_size)[None, :] < ctx[:, None]
     meta.decode_block_table = _int64_tensor(table, device)
-    meta.decode_mask = torch.from_numpy(valid).to(device)[:, None, None, :]
-    meta.decode_context_lens = torch.from_numpy(ctx).to(device)
+    meta.decode_mask = _on(torch.from_numpy(valid), device)[:, None, None, :]
+    meta.decode_context_lens = _on(torch.from_numpy(ctx), device)
 
 
 def _finish_decode_batch(

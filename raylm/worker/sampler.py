@@ -208,6 +208,8 @@ class Sampler(torch.nn.Module):
     """Samples the next token of every row of the batch in one vectorized pass."""
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        if metadata.plain_greedy:
+            return SamplerOutput(sampled_token_ids=greedy_tokens(logits), logprobs=None)
         logits = logits.float()
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
@@ -263,6 +265,17 @@ class Sampler(torch.nn.Module):
         if greedy_tokens is None:
             return random_tokens
         return torch.where(metadata.temperature == 0.0, greedy_tokens, random_tokens)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's most likely token (the first on ties), as the full sampler
+    picks it for a greedy row."""
+    logits = logits.float()
+    if logits.is_cpu and logits.dim() == 2:
+        # numpy's argmax picks the same token (the first maximum) at a fraction
+        # of a torch reduction's fixed cost, which is most of a small batch's.
+        return torch.from_numpy(logits.numpy().argmax(-1))
+    return _argmax(logits)
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:

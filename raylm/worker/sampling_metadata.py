@@ -53,6 +53,21 @@ class SamplingMetadata:
     # (row, token) pair of the rows' logit_bias; None when no row sets it.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row takes its most likely token and nothing edits or reads the
+        logits first (no logprobs, masks, bad words, min_tokens, bias or
+        penalties): the whole sampler is one argmax."""
+        return (
+            self.all_greedy
+            and self.max_num_logprobs is None
+            and self.no_penalties
+            and self.disallowed_mask is None
+            and not self.bad_words_token_ids
+            and not self.min_tokens
+            and self.logit_bias is None
+        )
+
 
 class BadWordsIndex:
     """One request's bad words arranged for the check at every step: the

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from raylm.sampling_params import SamplingParams
-from raylm.worker.sampler import Sampler, apply_penalties, compute_prompt_logprobs
+from raylm.worker.sampler import Sampler, apply_penalties, compute_prompt_logprobs, greedy_tokens
 from raylm.worker.sampling_metadata import SamplingRow, build_sampling_metadata
 
 VOCAB = 32
@@ -43,6 +43,33 @@ def test_greedy_is_argmax():
     out = sample(logits, [SamplingParams(temperature=0.0) for _ in range(64)])
     assert torch.equal(out.sampled_token_ids, logits.argmax(dim=-1))
     assert out.logprobs is None
+
+
+def test_plain_greedy_takes_the_first_maximum_like_the_full_sampler():
+    logits = torch.randn(6, VOCAB, generator=seeded(1))
+    logits[1] = float("-inf")  # a row a grammar masked out entirely
+    logits[2, 3] = logits[2, 9] = logits[2].max() + 1  # a tie: the first one wins
+    logits[3, VOCAB - 1] = float("inf")
+    metadata = build_sampling_metadata(make_rows([SamplingParams(temperature=0.0)] * 6), VOCAB, "cpu")
+    assert metadata.plain_greedy
+    expected = Sampler()._sample(logits, metadata)  # the general path's greedy pick
+    assert expected[2] == 3
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(greedy_tokens(logits.to(dtype)), Sampler()._sample(logits.to(dtype).float(), metadata))
+    assert torch.equal(greedy_tokens(logits), expected)
+    assert greedy_tokens(logits).dtype == torch.int64
+    assert torch.equal(sample(logits, [SamplingParams(temperature=0.0)] * 6).sampled_token_ids, expected)
+
+
+@pytest.mark.parametrize("knob", [
+    {"temperature": 0.5}, {"logprobs": 0}, {"repetition_penalty": 1.2}, {"logit_bias": {3: 1.0}},
+    {"allowed_token_ids": [1, 2]}, {"bad_words_token_ids": [[4]]}, {"min_tokens": 2, "stop_token_ids": [5]},
+])
+def test_plain_greedy_is_off_when_anything_edits_or_reads_the_logits(knob):
+    params = SamplingParams(**{"temperature": 0.0, **knob})
+    metadata = build_sampling_metadata(make_rows([SamplingParams(temperature=0.0), params]), VOCAB, "cpu")
+    assert metadata.all_greedy == (knob.get("temperature", 0.0) == 0.0)
+    assert not metadata.plain_greedy
 
 
 def test_all_greedy_metadata_skips_optional_tensors():

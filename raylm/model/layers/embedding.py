@@ -106,4 +106,6 @@ class LogitsProcessor(nn.Module):
         else:
             logits = cpu_gemm.linear(hidden_states, lm_head.weight, None, lm_head.packed_weight)
         logits = get_tp_group().all_gather(logits, dim=-1)
-        return logits[..., : self.vocab_size].float()
+        if logits.shape[-1] != self.vocab_size:  # padding rows (a vocab split over TP ranks)
+            logits = logits[..., : self.vocab_size]
+        return logits.float()
