@@ -318,19 +318,27 @@ class MigrationControl:
         if migration_id is not None:
             self.migrations[migration_id].last_token_at = time.monotonic()
             return
+        self._record_resumed(request_id, saw_token=True)
+
+    def _record_resumed(self, request_id: str, saw_token: bool) -> None:
+        """The event of a migration that moved `request_id`, once: at its first
+        token from the destination (the pause ends there), or when it ended
+        before one (no downtime to tell, but it did move)."""
         resumed = self._resumed.pop(request_id, None)
-        if resumed is not None:
-            migration, seconds = resumed
-            paused_since = migration.last_token_at or migration.started
-            self._migration_events.append(MigrationStats(
-                migration.reason, ok=True, seconds=seconds, num_bytes=migration.num_bytes,
-                downtime_s=time.monotonic() - paused_since, handover_s=migration.resumed_at - paused_since))
+        if resumed is None:
+            return
+        migration, seconds = resumed
+        paused_since = migration.last_token_at or migration.started
+        self._migration_events.append(MigrationStats(
+            migration.reason, ok=True, seconds=seconds, num_bytes=migration.num_bytes,
+            downtime_s=time.monotonic() - paused_since if saw_token else None,
+            handover_s=migration.resumed_at - paused_since))
 
     def _migration_request_gone(self, request_id: str) -> None:
         """The client aborted `request_id`, or it finished: end its migration.
         (An abort went to the core that owns it in the ledger; the other
         side drops or frees what it holds.)"""
-        self._resumed.pop(request_id, None)
+        self._record_resumed(request_id, saw_token=False)
         self._retry_at.pop(request_id, None)
         self._moved_at.pop(request_id, None)
         migration_id = self._migrating.get(request_id)

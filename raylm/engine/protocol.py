@@ -168,13 +168,15 @@ class MigrationStats(msgspec.Struct):
     part of the pause the request was in no core's queue: the source's last
     token to the destination's report that it holds the request, ready to be
     scheduled. The rest of the pause is the destination's steps: the ones
-    already launched when the request arrived, then its own."""
+    already launched when the request arrived, then its own. A request that
+    ended (finished, aborted, or stopped by the front end) before its first
+    token from the destination has no downtime (None)."""
 
     reason: str
     ok: bool
     seconds: float
     num_bytes: int
-    downtime_s: float = 0.0
+    downtime_s: float | None = None
     handover_s: float = 0.0
 
 

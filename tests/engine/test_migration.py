@@ -117,6 +117,31 @@ def test_scale_in_migrates_running_requests(llm, reference):
     assert _kv_in_use(supervisor) == {0: 0.0}
 
 
+def test_a_request_that_ends_before_its_first_token_at_the_destination_still_counts(llm):
+    """Ended (here: aborted, as a stop string found by the front end ends it)
+    between the migration's end and the destination's first token: the move
+    is counted and reported, with no pause to tell (downtime None)."""
+    engine, supervisor = llm.llm_engine, llm.llm_engine.engine_core
+    events = _record_migration_events(supervisor)
+    engine.add_request("brief", {"prompt_token_ids": PROMPTS[2]}, GREEDY)
+    while "brief" not in supervisor.ledger or len(supervisor.ledger["brief"].token_ids) < 6:
+        engine.step()
+    assert supervisor.migrate("brief", 1 - supervisor.ledger["brief"].channel)
+    # One core message at a time, up to the destination's report that it holds
+    # the request: its first token comes in a later message.
+    wait_until(lambda: "brief" in supervisor._resumed, 30, step=lambda: _read_one(supervisor),
+               message="the migration to end")
+    assert supervisor.ledger["brief"].channel == supervisor._resumed["brief"][0].destination
+    engine.abort_request("brief")
+    while engine.has_unfinished_requests():
+        engine.step()
+    supervisor.take_migration_events()  # any not handed out yet (recorded into `events`)
+    [event] = events
+    assert event.ok and event.downtime_s is None and event.handover_s > 0, event
+    assert supervisor.migration_counts == {"migrated": 1, "abandoned": 0}
+    assert _kv_in_use(supervisor) == {0: 0.0, 1: 0.0}
+
+
 def test_seeded_and_structured_requests_continue_exactly(llm):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                                 "n": {"type": "integer"}}, "required": ["name", "n"]}

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -262,9 +263,31 @@ def _start_ray(host: NetnsHost, *args: str, num_cpus: int = 2) -> None:
 
 
 @contextmanager
+def sigterm_unwinds():
+    """Inside: SIGTERM (timeout's, a CI runner's) raises SystemExit, so the
+    `finally` blocks run and tear down what they started, instead of the
+    process dying with its namespaces and Ray nodes left behind. Only where
+    SIGTERM has no handler yet, and only on the main thread (Python's rule)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
 def two_hosts(system_config: dict | None = None, head_cpus: int = 2):
     """Two namespace hosts on 10.99.0.0/24, a Ray head (`head_cpus` CPUs) on
-    the first and a Ray worker node (2 CPUs) on the second; all torn down on exit."""
+    the first and a Ray worker node (2 CPUs) on the second; all torn down on
+    exit, SIGTERM included."""
+    with sigterm_unwinds():
+        yield from _two_hosts(system_config, head_cpus)
+
+
+def _two_hosts(system_config: dict | None, head_cpus: int):
     remove_stale_netns()
     tag = f"{NETNS_PREFIX}{os.getpid()}_{next(_cluster_numbers) % 100}"
     head = NetnsHost(tag + "h", HEAD_IP, _host_temp_dir(tag + "h"))

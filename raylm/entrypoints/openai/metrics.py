@@ -167,7 +167,8 @@ class PrometheusStatLogger(StatLoggerBase):
             self.migrations_abandoned.labels(**labels).inc()
             return
         self.migrations.labels(**labels).inc()
-        self.migration_downtime.observe(migration.downtime_s)
+        if migration.downtime_s is not None:  # None: it ended before the destination's first token
+            self.migration_downtime.observe(migration.downtime_s)
 
     def record_target_replicas(self, num_replicas: int) -> None:
         self.target_replicas.set(num_replicas)
