@@ -32,7 +32,9 @@ their K/V over the CURVE sockets between the hosts. For each length L,
              `migrate()` to the request's pause): there both batches are as
              in the baseline, while after it the destination decodes one
              request more (and the source one less), which is serving, not
-             migrating.
+             migrating. On one node, also the CPU time each core's process
+             uses per step over the pre-copy against before it: the copy's
+             own cost, little moved by other work on a shared machine.
 
 `--sync-precopy` copies every stage on the cores' loops (the behaviour
 before the overlapped pre-copy), for comparison.
@@ -51,6 +53,8 @@ import statistics
 import sys
 import time
 
+import psutil
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests.multinode, for --two-hosts
 
@@ -65,16 +69,36 @@ _WARM_TOKENS = 8
 
 # Token arrivals of every request: request id -> times.
 _arrivals: dict[str, list[float]] = {}
+# The engine-core processes (one node only), and the CPU seconds each had used
+# at every arrival time: core -> {time: seconds}.
+_core_processes: dict[int, psutil.Process] = {}
+_core_cpu: dict[int, dict[float, float]] = {}
 
 
 def _pump(supervisor):
-    """One get_output, every new token's arrival recorded."""
+    """One get_output, every new token's arrival recorded (with the cores' CPU time then)."""
     outputs = supervisor.get_output()
     now = time.perf_counter()
     for o in outputs.outputs:
         if o.new_token_ids:
             _arrivals.setdefault(o.request_id, []).append(now)
+    if outputs.outputs:
+        for core, process in _core_processes.items():
+            cpu = process.cpu_times()
+            _core_cpu.setdefault(core, {})[now] = cpu.user + cpu.system
     return outputs
+
+
+def _cpu_per_step(core: int, times: list[float], start: float, end: float) -> float | None:
+    """CPU seconds core `core`'s process used per step of its bystander
+    (arrivals `times`) in [start, end]. Unlike a step's wall time, hardly
+    moved by other work on the machine: what a migration adds to it is the
+    copying's own CPU, which slows the steps where no core is spare."""
+    cpu = _core_cpu.get(core, {})
+    inside = [t for t in times if start <= t <= end and t in cpu]
+    if len(inside) < 2:
+        return None
+    return (cpu[inside[-1]] - cpu[inside[0]]) / (len(inside) - 1)
 
 
 def _decode_until(supervisor, request_id: str, num_tokens: int) -> list[float]:
@@ -135,6 +159,10 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
                 during = _mean_gap(times, start, end)
                 if before and during:
                     result[f"{side}_{name}"] = during / before - 1
+            cpu_before, cpu_during = (_cpu_per_step(core, times, baseline_from, started),
+                                      _cpu_per_step(core, times, started, paused_at))
+            if cpu_before and cpu_during:
+                result[f"{side}_precopy_cpu"] = cpu_during / cpu_before - 1
     return result
 
 
@@ -193,7 +221,7 @@ def measure(llm: LLM, folder: pathlib.Path, spec: dict) -> dict:
             "mib_moved": moved[0]["num_bytes"] / 2**20,
         }
         for side in ("source", "destination"):
-            for name in ("slowdown", "precopy_slowdown"):
+            for name in ("slowdown", "precopy_slowdown", "precopy_cpu"):
                 values = [m[f"{side}_{name}"] for m in moved if f"{side}_{name}" in m]
                 results[length][f"{side}_{name}_pct"] = 100 * statistics.median(values) if values else None
         if not spec.get("quiet"):
@@ -209,7 +237,8 @@ def _print_row(length: int, r: dict) -> None:
         return "n/a" if value is None else f"{value:+.1f}%"
 
     slowdown = (f"  | step slowdown source {pct('source')} destination {pct('destination')}"
-                f" (pre-copy only: {pct('source', 'precopy_slowdown')} / {pct('destination', 'precopy_slowdown')})")
+                f" (pre-copy only: {pct('source', 'precopy_slowdown')} / {pct('destination', 'precopy_slowdown')};"
+                f" CPU per step {pct('source', 'precopy_cpu')} / {pct('destination', 'precopy_cpu')})")
     print(f"L={int(length):5d}  downtime {r['downtime']['median_ms']:7.1f} ms (max {r['downtime']['p99_ms']:7.1f}, "
           f"handover {r['handover']['median_ms']:5.1f})"
           f"{recompute}  | inter-token {r['inter_token']['median_ms']:6.1f} ms  | whole migration "
@@ -283,6 +312,9 @@ def main() -> None:
             _print_row(length, row)
     else:
         with LLM(str(folder), data_parallel_backend="mp", **_engine_args(spec)) as llm:
+            # (The launcher's own record of its processes: a benchmark may peek.)
+            launcher = llm.llm_engine.engine_core.launcher
+            _core_processes.update({i: psutil.Process(p.pid) for i, p in launcher._processes.items()})
             results = measure(llm, folder, spec)
     if args.output_json:
         pathlib.Path(args.output_json).write_text(json.dumps(
