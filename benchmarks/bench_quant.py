@@ -3,6 +3,7 @@ of memory bandwidth that decode reaches, per weight type.
 
     python benchmarks/bench_quant.py [--models default,large] [--variants bf16,int8,Q8_0,Q4_K_M]
                                      [--rounds 3] [--output-len 128] [--threads 2]
+    python benchmarks/bench_quant.py --widen FILE.gguf [FILE.gguf ...] [--rounds 7] [--threads 1]
 
 Models: `default`, the ~7M model embedded in raylm; `large`, the ~111M Llama
 of benchmarks/compare_vllm.py (written once, deterministic weights). Variants:
@@ -17,6 +18,12 @@ max_tokens / (time of a (1 + max_tokens)-token generation minus a 1-token
 one) for one 16-token prompt; load time is raylm.model.loader.load_model alone
 (file cache warm after the first round). "GB/s" is the bytes of weights read
 per token (linear layers as stored, plus the LM head) times tok/s.
+
+--widen times what a prefill step (more than 64 rows) does to each quantized
+matrix of a bf16 model before oneDNN's matmul: layer 0's matrices of each
+GGUF file widened to bf16, from the packed tiles that layers keep
+(quant_packed_dequantize) against from the file's blocks (quant_dequantize),
+alternating call by call; the minimum and median per layer over the rounds.
 """
 
 from __future__ import annotations
@@ -110,6 +117,54 @@ def measure(path: str, quantization: str | None, args) -> dict:
             "GB_s": bytes_per_token * tok_s / 1e9}
 
 
+def layer_matrices(path: str, layer: int = 0) -> list[tuple[str, int, torch.Tensor, int, int]]:
+    """(name, type code, file blocks, rows, cols) of one layer's quantized matrices."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from raylm.model.layers.quant_kernels import GGUF_TYPE_CODES
+
+    return [(t.name, GGUF_TYPE_CODES[t.tensor_type.name], torch.from_numpy(np.array(t.data)), int(t.shape[1]),
+             int(t.shape[0]))
+            for t in GGUFReader(path).tensors
+            if t.name.startswith(f"blk.{layer}.") and t.tensor_type.name in GGUF_TYPE_CODES]
+
+
+def time_widening(module, path: str, rounds: int) -> dict[str, list[float]]:
+    """Seconds per layer to widen layer 0's matrices to bf16, per round, from the
+    packed tiles ("tiles") and from the file's blocks ("blocks"), alternating."""
+    matrices = [(code, data, module.quant_pack(data, code), rows, cols)
+                for _, code, data, rows, cols in layer_matrices(path)]
+    times: dict[str, list[float]] = {"tiles": [], "blocks": []}
+    for _ in range(rounds):
+        for source in times:
+            start = time.perf_counter()
+            for code, data, packed, rows, cols in matrices:
+                if source == "tiles":
+                    module.quant_packed_dequantize(packed, code, rows, cols, torch.bfloat16)
+                else:
+                    module.quant_dequantize(data, code, cols, torch.bfloat16)
+            times[source].append(time.perf_counter() - start)
+    return times
+
+
+def report_widening(paths: list[str], rounds: int, threads: int) -> None:
+    from raylm.model.layers.cpu_kernels import get_cpu_kernels
+
+    torch.set_num_threads(threads)
+    module = get_cpu_kernels()
+    print(f"layer 0 widened to bf16, {threads} thread(s), {rounds} rounds, load average "
+          f"{os.getloadavg()[0]:.2f} before")
+    print(f"{'file':40s} {'tiles ms min/median':>20s} {'blocks ms min/median':>21s} {'tiles/blocks':>12s}")
+    for path in paths:
+        times = time_widening(module, path, rounds)
+        tiles, blocks = (1e3 * min(times["tiles"]), 1e3 * statistics.median(times["tiles"])), \
+            (1e3 * min(times["blocks"]), 1e3 * statistics.median(times["blocks"]))
+        print(f"{pathlib.Path(path).name:40s} {tiles[0]:9.2f} / {tiles[1]:8.2f} {blocks[0]:10.2f} / {blocks[1]:8.2f} "
+              f"{tiles[0] / blocks[0]:12.2f}")
+    print(f"load average {os.getloadavg()[0]:.2f} after")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="default,large")
@@ -119,7 +174,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workdir", default="/tmp/raylm_bench_quant")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--widen", nargs="+", metavar="FILE.gguf",
+                        help="only time prefill's widening of these files' layer 0 (see above)")
     args = parser.parse_args(argv)
+    if args.widen:
+        report_widening(args.widen, args.rounds, args.threads)
+        return
     logging.basicConfig(level=logging.WARNING)
     workdir = pathlib.Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)

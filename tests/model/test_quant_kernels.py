@@ -184,6 +184,25 @@ def test_the_packed_layout_holds_the_file_blocks_bit_for_bit(qtype, kernels):
         kernels.quant_unpack(packed, code, rows + 16, cols)
 
 
+@pytest.mark.parametrize("qtype", list(ENCODERS))
+def test_tiles_of_any_bytes_widen_as_the_file_blocks_do(qtype, kernels):
+    """Random bytes as blocks (every quant value and scale, fp16 infinities and NaNs
+    among them: c10 writes every NaN as 0x7FC0 in bf16, where a bf16 instruction
+    keeps its sign and payload) widen from the tiles bit for bit as from the blocks."""
+    _packed_or_skip(kernels)
+    code = quant_kernels.GGUF_TYPE_CODES[qtype]
+    qt = quant_type(qtype)
+    rows, blocks = 61, 4  # a last tile with padding columns
+    data = torch.from_numpy(np.random.default_rng(7).integers(0, 256, (rows, blocks * qt.type_size), dtype=np.uint8))
+    cols = blocks * qt.block_size
+    packed = kernels.quant_pack(data, code)
+    for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+        from_blocks = kernels.quant_dequantize(data, code, cols, dtype)
+        assert from_blocks.isnan().any()
+        assert torch.equal(kernels.quant_packed_dequantize(packed, code, rows, cols, dtype).view(bits),
+                           from_blocks.view(bits))
+
+
 def test_an_unknown_kernel_choice_is_refused(kernels, monkeypatch):
     _packed_or_skip(kernels)
     monkeypatch.setattr(quant_kernels, "_chosen_variant", None)
@@ -245,6 +264,16 @@ def _reachable(root) -> list[object]:
     return found
 
 
+def bytes_held_once(model, dtype: torch.dtype) -> int:
+    """Bytes of the `dtype` storages reachable from `model`, each counted once;
+    asserts that no loaded QuantizedWeight is reachable (nothing kept beside)."""
+    reachable = _reachable(model)
+    assert not [o for o in reachable if isinstance(o, QuantizedWeight)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in reachable if isinstance(t, torch.Tensor) and t.dtype == dtype}
+    return sum(storages.values())
+
+
 @pytest.mark.parametrize("variant", ["Q8_0", "Q4_K_M"])
 def test_a_bf16_model_keeps_one_copy_of_its_quantized_weights(variant, tmp_path, tiny_model_dir, kernels):
     """The file's blocks are dropped once packed: the uint8 bytes the loaded model
@@ -265,11 +294,7 @@ def test_a_bf16_model_keeps_one_copy_of_its_quantized_weights(variant, tmp_path,
     file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors
                      if t.tensor_type.name in quant_kernels.GGUF_TYPE_CODES and t.name != "token_embd.weight")
     model = load_model(str(path), torch.bfloat16, "cpu")
-    reachable = _reachable(model)
-    assert not [o for o in reachable if isinstance(o, QuantizedWeight)]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in reachable if isinstance(t, torch.Tensor) and t.dtype == torch.uint8}
-    held = sum(storages.values())
+    held = bytes_held_once(model, torch.uint8)
     assert file_bytes <= held <= 1.05 * file_bytes, (held, file_bytes)
     linears = [m for m in model.modules() if getattr(m, "quant_matmul", None) is not None]
     assert sum(m.quant_matmul.nbytes for m in linears) == held
