@@ -164,9 +164,9 @@ def test_int8_kernel_equals_dequantized_product(kernels, out_features, in_featur
             assert torch.all((y.double() - ref).abs() <= magnitude * 2.0**-20)
 
 
-def test_int8_layers_use_the_kernel_for_few_rows(kernels):
-    """Through quant_kernels: decode rows go through int8_linear, more through
-    aten's kernel, and both compute the dequantized matmul."""
+def test_int8_layers_use_the_kernel_for_every_row_count(kernels):
+    """Through quant_kernels: every row count goes through int8_linear (layers keep
+    only its packed weight) and computes the dequantized matmul."""
     from raylm.model.layers import quant_kernels
     from raylm.model.quantization import QuantizedWeight
     from raylm.model.quantization.qtypes import quant_type
@@ -180,13 +180,13 @@ def test_int8_layers_use_the_kernel_for_few_rows(kernels):
     counting = _CountingInt8(kernels)
     state = (*state[:2], counting, *state[3:])
     dequantized = q.double() * scales.double()[:, None]
-    for rows in (1, quant_kernels.INT8_KERNEL_MAX_ROWS, quant_kernels.INT8_KERNEL_MAX_ROWS + 3):
+    for rows in (1, 4, 7, 67):
         x = torch.randn(rows, 64, generator=g)
         counting.calls.clear()
         y = kernel.linear(x, state)
         ref, magnitude = _reference(x, dequantized)
         assert torch.all((y.double() - ref).abs() <= magnitude * 2.0**-16)
-        assert counting.calls == ([rows] if rows <= quant_kernels.INT8_KERNEL_MAX_ROWS else [])
+        assert counting.calls == [rows]
 
 
 class _CountingInt8:

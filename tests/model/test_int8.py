@@ -44,6 +44,33 @@ def test_int8_engine_generates_what_the_dequantized_model_does(tiny_model_dir, t
     assert got == expected
 
 
+def test_an_int8_model_keeps_one_copy_of_its_weights(tiny_model_dir):
+    """Layers keep the packed int8 weight only (not the row-major matrix beside it):
+    the int8 bytes reachable from the loaded model are the checkpoint's linear
+    weights once, up to the packing's padding, and no QuantizedWeight is left."""
+    from raylm.model.layers.cpu_kernels import get_cpu_kernels
+    from tests.model.test_quant_kernels import bytes_held_once
+
+    if get_cpu_kernels() is None:
+        pytest.skip("no CPU kernels here: layers keep the int8 rows for aten's kernel")
+    folder = tiny_model_dir("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                            num_key_value_heads=2)
+    model = load_model(folder, torch.bfloat16, "cpu", quantization="int8")
+    linears = [m for m in model.modules() if getattr(m, "quant_matmul", None) is not None]
+    int8_bytes = sum(segment.shape[0] * segment.shape[1] for m in linears for segment in m.quant_matmul.segments)
+    held = bytes_held_once(model, torch.int8)
+    assert int8_bytes <= held <= 1.05 * int8_bytes, (held, int8_bytes)
+    # Decode and prefill rows (the packed kernel, for any count) equal the dequantized matmul.
+    segment = linears[0].quant_matmul.segments[0]
+    state = segment.state
+    packed, scales = state[3], state[4]  # tiles [N / 16, K / 4, 4, 16 columns]
+    rows_of_packed = packed.permute(0, 3, 1, 2).reshape(packed.shape[0] * 16, -1)[:segment.shape[0]]
+    dequantized = rows_of_packed[:, :segment.shape[1]].double() * scales.double()[:, None]
+    for rows in (1, 4, 5, 300):
+        x = torch.randn(rows, segment.shape[1]).bfloat16()
+        torch.testing.assert_close(segment(x).double(), x.double() @ dequantized.t(), atol=0.05, rtol=0.02)
+
+
 @pytest.mark.parametrize("method", ["awq", "gguf"])
 def test_unsupported_or_misplaced_method_is_refused(method, tiny_model_dir):
     with pytest.raises(ValueError, match=f"quantization '{method}'"):

@@ -46,28 +46,35 @@ class QuantKernel:
     linear: Callable[[torch.Tensor, Any], torch.Tensor]
 
 
-# Up to this many activation rows (decode), raylm's packed int8 kernel runs
-# (csrc/int8_gemm.cpp: one stream through the weight, ~2x aten's kernel at
-# one row here); from there on, aten's.
-INT8_KERNEL_MAX_ROWS = 4
+# Where the build has it, raylm's packed int8 kernel (csrc/int8_gemm.cpp) runs
+# every row count: ~2x aten's weight-only int8 kernel at one row (one stream
+# through the weight), and 1.3-3.6x at 5-512 rows (111M model's gate_up, one
+# thread, loaded machine). A layer then keeps the packed weight only, not the
+# row-major int8 matrix beside it (one copy, as GGUF layers keep). Without
+# the build, aten's kernel on the row-major matrix.
 
 
 def _int8_prepare(weight: QuantizedWeight, dtype: torch.dtype):
+    """(row-major int8 weight or None, scales in `dtype`, module, packed weight or
+    None, float32 scales): the packed weight where the build has the kernel,
+    else the int8 rows."""
     data = weight.data.contiguous()
     module = get_cpu_kernels()
     packed = None if module is None else module.int8_pack(data)
-    return data, weight.scales.to(dtype).contiguous(), module, packed, weight.scales.float().contiguous()
+    return None if packed is not None else data, weight.scales.to(dtype).contiguous(), module, packed, \
+        weight.scales.float().contiguous()
 
 
 def _int8_linear(x: torch.Tensor, state) -> torch.Tensor:
     data, scales, module, packed, scales_f32 = state
+    rows = scales.shape[0]
     flat = x.reshape(-1, x.shape[-1])
-    if packed is not None and flat.shape[0] <= INT8_KERNEL_MAX_ROWS:
-        y = module.int8_linear(flat, packed, scales_f32, data.shape[0])
+    if packed is not None:
+        y = module.int8_linear(flat, packed, scales_f32, rows)
     else:
-        # aten's weight-only int8 matmul (oneDNN/AVX-512 on CPU): int8 weights widened in registers.
+        # aten's weight-only int8 matmul: int8 weights widened in registers.
         y = torch.ops.aten._weight_int8pack_mm(flat.contiguous(), data, scales)
-    return y.reshape(*x.shape[:-1], data.shape[0])
+    return y.reshape(*x.shape[:-1], rows)
 
 
 @dataclass(frozen=True)
@@ -140,7 +147,7 @@ def kernel_for(qtype: str, device: torch.device, dtype: torch.dtype) -> QuantKer
     if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
     if qtype == "INT8" and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
-        return QuantKernel("aten._weight_int8pack_mm", lambda w: _int8_prepare(w, dtype), _int8_linear)
+        return QuantKernel("raylm int8_gemm", lambda w: _int8_prepare(w, dtype), _int8_linear)
     if qtype in GGUF_TYPE_CODES:
         module = get_cpu_kernels()
         if module is not None and hasattr(module, "quant_linear"):
