@@ -39,6 +39,24 @@ def _time_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float
     return time.perf_counter() - start
 
 
+def _decode_step_seconds(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[float]:
+    """Wall time of each engine step once every request has its first token
+    (steps of decode tokens only): the prompts are prefilled first, untimed."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"decode-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    scheduler, times = llm.llm_engine.engine_core.engine_core.scheduler, []
+    while engine.has_unfinished_requests():
+        decoding = all(rid in scheduler.requests and scheduler.requests[rid].num_output_tokens > 0 for rid in ids)
+        start = time.perf_counter()
+        engine.step()
+        if decoding:
+            times.append(time.perf_counter() - start)
+    return times
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -55,6 +73,9 @@ def main() -> None:
                         help="requests at once (TTFT: until the last one's first token; decode: all of them)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20, help="per rank")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2], help="context parallel sizes to run")
+    parser.add_argument("--decode-steps-only", action="store_true",
+                        help="measure only the decode steps' wall time (median per round), no TTFT")
     parser.add_argument("--num-threads", type=int, default=None, help="per rank; default: planned from the cores")
     args = parser.parse_args()
     model = args.model
@@ -68,16 +89,25 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
     engines = {}
-    for cp in (1, 2):
+    for cp in args.cp:
         engines[cp] = LLM(model, dtype=args.dtype, context_parallel_size=cp, distributed_executor_backend="mp",
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=False,
                           num_threads=args.num_threads,
                           max_model_len=args.prompt_len + args.max_tokens, max_num_seqs=max(args.num_requests, 1))
-    ttft: dict[int, list[float]] = {1: [], 2: []}
-    decode: dict[int, list[float]] = {1: [], 2: []}
+    ttft: dict[int, list[float]] = {cp: [] for cp in args.cp}
+    decode: dict[int, list[float]] = {cp: [] for cp in args.cp}
     try:
         for cp, llm in engines.items():  # warm-up
             _time_generate(llm, [prompts[0][:64]], 2)
+        if args.decode_steps_only:
+            step_ms: dict[int, list[float]] = {cp: [] for cp in args.cp}
+            for _ in range(args.rounds):
+                for cp, llm in engines.items():
+                    step_ms[cp].append(1e3 * statistics.median(_decode_step_seconds(llm, prompts, args.max_tokens)))
+            for cp in args.cp:
+                print(f"CP={cp}: decode step {statistics.median(step_ms[cp]):.2f} ms median "
+                      f"(rounds' medians {[round(t, 2) for t in step_ms[cp]]})")
+            return
         for _ in range(args.rounds):
             for cp, llm in engines.items():
                 first = _time_generate(llm, prompts, 1)
@@ -93,6 +123,8 @@ def main() -> None:
                   f"({cc.num_blocks // cp} blocks of {cc.block_size} per rank); "
                   f"TTFT {statistics.median(ttft[cp]):.3f} s (rounds {[round(t, 3) for t in ttft[cp]]}); "
                   f"decode {_median(decode[cp]):.1f} tok/s (rounds {[round(d, 1) for d in decode[cp]]})")
+        if set(args.cp) != {1, 2}:
+            return
         print(f"CP=2 / CP=1: TTFT {statistics.median(ttft[2]) / statistics.median(ttft[1]):.2f}x, "
               f"decode {_median(decode[2]) / _median(decode[1]):.2f}x")
     finally:

@@ -49,15 +49,29 @@ def cp_shard_of_blocks(block_ids: np.ndarray, cp_rank: int, cp_size: int) -> tup
     return mine, block_ids[mine] // cp_size
 
 
+def _shard_of_sequence(block_ids: list[int], num_tokens: int, block_size: int, cp_rank: int, cp_size: int):
+    """cp_shard_of_blocks over the blocks that hold a sequence's first `num_tokens`."""
+    table = np.asarray(block_ids[: -(-num_tokens // block_size)], dtype=np.int64)
+    return cp_shard_of_blocks(table, cp_rank, cp_size)
+
+
 def cp_local_slots(block_ids: list[int], num_tokens: int, block_size: int, cp_rank: int, cp_size: int):
     """(positions, local slots) of `cp_rank`'s keys among a sequence's first `num_tokens`."""
-    table = np.asarray(block_ids[: -(-num_tokens // block_size)], dtype=np.int64)
-    indices, local = cp_shard_of_blocks(table, cp_rank, cp_size)
+    indices, local = _shard_of_sequence(block_ids, num_tokens, block_size, cp_rank, cp_size)
     offsets = np.arange(block_size, dtype=np.int64)
     positions = (indices[:, None] * block_size + offsets).ravel()
     slots = (local[:, None] * block_size + offsets).ravel()
     keep = positions < num_tokens
     return positions[keep], slots[keep]
+
+
+def _local_blocks(block_ids: list[int], num_tokens: int, block_size: int, cp_rank: int,
+                  cp_size: int) -> tuple[np.ndarray, int]:
+    """`cp_rank`'s local block ids of a sequence's first `num_tokens`, and how
+    many of those tokens they hold (only the sequence's last block is partly
+    filled, and if this rank has it, it is the last here too)."""
+    indices, local = _shard_of_sequence(block_ids, num_tokens, block_size, cp_rank, cp_size)
+    return local, int(np.minimum(block_size, num_tokens - indices * block_size).sum())
 
 
 def _share_offsets(num_tokens: int, cp_rank: int, cp_size: int) -> np.ndarray:
@@ -102,7 +116,8 @@ def build_cp_step(states, order: list[str], num_scheduled_tokens: dict[str, int]
     local_rows: list[np.ndarray] = []
     store_rows, store_slots = [], []
     sharded: list[ShardedQueries] = []
-    decode_keys: list[np.ndarray] = []
+    decode_blocks: list[np.ndarray] = []  # per decode row: its local block ids here
+    decode_lens: list[int] = []  # per decode row: its keys in them
     local_prefills: list[tuple[int, int]] = []
     split: list[_SplitChunk] = []
     row = local = 0
@@ -127,7 +142,9 @@ def build_cp_step(states, order: list[str], num_scheduled_tokens: dict[str, int]
         if n == 1:
             # A decode token (a one-token prompt runs as one too): every key
             # of this rank's shard precedes it; batched with the others.
-            decode_keys.append(cp_local_slots(state.block_ids, end, block_size, cp_rank, cp_size)[1])
+            blocks, num_keys = _local_blocks(state.block_ids, end, block_size, cp_rank, cp_size)
+            decode_blocks.append(blocks)
+            decode_lens.append(num_keys)
         elif start > 0:
             # A short later chunk or prefix-cache hit: earlier context lives
             # across the group, so attend over this rank's shard, merged.
@@ -145,19 +162,13 @@ def build_cp_step(states, order: list[str], num_scheduled_tokens: dict[str, int]
         return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64)).to(device)
 
     meta = ContextParallelMetadata(store_rows=tensor(store_rows), store_slots=tensor(store_slots),
-                                   sharded=sharded, num_decodes=len(decode_keys), local_prefills=local_prefills)
-    if decode_keys:
-        width = max(1, max(len(keys) for keys in decode_keys))
-        slots = np.zeros((len(decode_keys), width), dtype=np.int64)
-        valid = np.zeros((len(decode_keys), width), dtype=bool)
-        for i, keys in enumerate(decode_keys):
-            slots[i, : len(keys)] = keys
-            # Padding repeats a key the row owns (written, so finite): a zero
-            # weight times a never-written slot's NaN bits would be NaN.
-            slots[i, len(keys) :] = keys[0] if len(keys) else 0
-            valid[i, : len(keys)] = True
-        meta.decode_key_slots = torch.from_numpy(slots).to(device)
-        meta.decode_key_mask = torch.from_numpy(valid).to(device)
+                                   sharded=sharded, num_decodes=len(decode_blocks), local_prefills=local_prefills)
+    if decode_blocks:
+        table = np.zeros((len(decode_blocks), max(1, max(len(b) for b in decode_blocks))), dtype=np.int64)
+        for i, blocks in enumerate(decode_blocks):
+            table[i, : len(blocks)] = blocks
+        meta.decode_block_table = torch.from_numpy(table).to(device)
+        meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.int64, device=device)
     if not split:
         return meta, None
     meta.split = _split_metadata(split, block_size, cp_rank, cp_size, device)

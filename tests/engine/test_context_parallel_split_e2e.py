@@ -21,17 +21,10 @@ from raylm.model.arch_config import ArchConfig
 from raylm.sampling_params import StructuredOutputsParams
 from raylm.testing.hf_oracle import hf_greedy
 from tests.conftest import executor_of, process_gone
+from tests.engine.test_context_parallel import GREEDY, MAX_TOKENS, _bytes_per_block
 
-MAX_TOKENS = 6
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-BLOCK = 16
-BLOCKS_PER_RANK = 16
+BLOCKS_PER_RANK = 16  # the per-rank KV budget in blocks of 16 tokens (float32)
 STEP_TOKENS = 64
-
-
-def _bytes_per_block(model: str) -> int:
-    a = ArchConfig.from_model_dir(model)
-    return 2 * BLOCK * a.num_key_value_heads * a.head_dim * 4 * a.num_hidden_layers
 
 
 def _engine(model: str, blocks: int = BLOCKS_PER_RANK, **extra) -> LLM:

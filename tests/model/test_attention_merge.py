@@ -88,3 +88,72 @@ def test_bf16_partials_merge_in_float():
     merged = merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
     assert merged.dtype == torch.bfloat16
     torch.testing.assert_close(merged.double(), _full_attention(q, k, v, 0.25, mask), rtol=2e-2, atol=2e-2)
+
+
+# ---- the C++ decode kernel's partials (CP decode on CPU) -------------------------------
+
+
+def _paged_decode_partial():
+    from raylm.model.layers.cpu_kernels import get_cpu_kernels
+
+    module = get_cpu_kernels()
+    if module is None:
+        pytest.skip("the CPU kernels are not built here")
+    return module.paged_decode_partial
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (8, 2, 64), (4, 4, 32)])
+def test_kernel_partials_merged_over_rank_shards_equal_attention_over_all_keys(dtype, heads, kv_heads, head_dim):
+    """Decode queries whose sequences' blocks alternate between two CP ranks
+    (block j on rank j % 2, as the pool hands them out): the kernel's
+    (out, lse) over each rank's blocks equals partial_attention's (the torch
+    path) and the merge equals attention over the whole sequence. Sequences
+    of one block leave rank 1 empty (out 0, lse -inf), a partly filled last
+    block sits on either rank."""
+    kernel = _paged_decode_partial()
+    g = torch.Generator().manual_seed(heads * head_dim)
+    block_size, num_blocks = 16, 24
+    lengths = [1, 16, 17, 40, 55, 64]
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(len(lengths), heads, head_dim, generator=g).to(dtype)
+    tables = [torch.randperm(num_blocks, generator=g)[: -(-n // block_size)] for n in lengths]
+    k_flat, v_flat = (cache[i].view(-1, kv_heads, head_dim) for i in (0, 1))
+    scale, tol = head_dim**-0.5, (1e-5 if dtype == torch.float32 else 2e-2)
+    partials = []
+    for rank in (0, 1):
+        shard = [t[rank::2] for t in tables]
+        lens = [int(sum(min(block_size, n - j * block_size) for j in range(rank, len(t), 2)))
+                for n, t in zip(lengths, tables)]
+        table = torch.zeros(len(lengths), max(len(s) for s in shard), dtype=torch.int64)
+        for i, s in enumerate(shard):
+            table[i, : len(s)] = s
+        out, lse = kernel(q, cache, table, torch.tensor(lens), scale)
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        for i, n in enumerate(lens):
+            slots = (shard[i][:, None] * block_size + torch.arange(block_size)).flatten()[:n]
+            ref_out, ref_lse = partial_attention(q[i : i + 1], k_flat[slots], v_flat[slots], scale)
+            torch.testing.assert_close(out[i : i + 1].float(), ref_out.float(), rtol=tol, atol=tol)
+            torch.testing.assert_close(lse[i : i + 1], ref_lse, rtol=1e-5, atol=1e-4)
+        partials.append((out, lse))
+    assert torch.all(partials[1][0][0] == 0) and torch.all(torch.isinf(partials[1][1][0]))  # the 1-token row
+    merged = merge_partials(torch.stack([o for o, _ in partials]), torch.stack([lse for _, lse in partials]))
+    for i, n in enumerate(lengths):
+        slots = (tables[i][:, None] * block_size + torch.arange(block_size)).flatten()[:n]
+        expected = _full_attention(q[i : i + 1], k_flat[slots], v_flat[slots], scale, torch.ones(1, n, dtype=torch.bool))
+        torch.testing.assert_close(merged[i : i + 1].double(), expected, rtol=tol, atol=tol)
+
+
+def test_kernel_refuses_an_empty_context_outside_a_shard():
+    """paged_decode (a whole sequence) still requires a context; only the partial allows none."""
+    kernel = _paged_decode_partial()
+    from raylm.model.layers.cpu_kernels import get_paged_decode_kernel
+
+    cache, q = torch.randn(2, 2, 16, 2, 8), torch.randn(1, 2, 8)
+    table, empty = torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="context length 0 out of range"):
+        get_paged_decode_kernel()(q, cache, table, empty, 0.3)
+    out, lse = kernel(q, cache, table, empty, 0.3)
+    assert torch.all(out == 0) and torch.all(torch.isinf(lse) & (lse < 0))
+    with pytest.raises(RuntimeError, match="block id 5 out of range"):
+        kernel(q, cache, torch.full((1, 1), 5), torch.ones(1, dtype=torch.int64), 0.3)

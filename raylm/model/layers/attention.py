@@ -15,7 +15,8 @@ raylm.worker.cp_input). A long prefill chunk is split over the group: each
 rank computes its share of the tokens, the group all-gathers the K/V its
 queries need once per layer, and each rank attends its own queries locally
 (raylm.model.layers.cp_prefill). Decode tokens and short chunks run on every
-rank: a query attends over the rank's shard with `partial_attention`, and the
+rank: a query attends over the rank's shard (decode tokens on CPU with the C++
+kernel's `paged_decode_partial`, else `partial_attention` in torch), and the
 group all-gathers (output, log-sum-exp) and merges them exactly
 (`merge_partials`), so every rank continues with the same hidden states.
 """
@@ -35,7 +36,7 @@ from raylm.model.layers.attention_merge import (
     partial_decode_attention,
 )
 from raylm.model.layers.cp_prefill import exchange_split_kv
-from raylm.model.layers.cpu_kernels import get_paged_decode_kernel
+from raylm.model.layers.cpu_kernels import get_cpu_kernels, get_paged_decode_kernel
 from raylm.model.layers.gpu_attention import batched_paged_attention
 
 # Query/cache dtypes the CPU decode kernel is built for.
@@ -124,13 +125,8 @@ class Attention(nn.Module):
         parts = torch.empty(num_rows, self.num_heads, self.head_dim + 1, dtype=torch.float32, device=q.device)
         row = cp.num_decodes
         if cp.num_decodes:
-            b, width = cp.decode_key_slots.shape
-            flat = cp.decode_key_slots.view(-1)
-            shape = (b, width, self.num_kv_heads, self.head_dim)
-            # (index_select: several times faster than advanced indexing on CPU.)
-            o, lse = partial_decode_attention(q[:b], k_flat.index_select(0, flat).view(shape),
-                                              v_flat.index_select(0, flat).view(shape), self.scale,
-                                              cp.decode_key_mask)
+            b = cp.num_decodes
+            o, lse = self._cp_decode_partials(q[:b], k_flat, v_flat, cp)
             parts[:b, :, : self.head_dim] = o
             parts[:b, :, self.head_dim] = lse
         for s in cp.sharded:
@@ -150,6 +146,28 @@ class Attention(nn.Module):
             row += n
         return out
 
+    def _cp_decode_partials(self, q, k_flat, v_flat, cp: ContextParallelMetadata):
+        """(out [B, H, D], lse [B, H] float32) of the decode queries over this
+        CP rank's blocks of their sequences."""
+        kernels = get_cpu_kernels() if self._kernel_serves(q.dtype) else None
+        if kernels is not None:
+            # On CPU the C++ kernel walks the rank's blocks as it walks a whole
+            # sequence's, returning each head's log-sum-exp beside its output.
+            return kernels.paged_decode_partial(q, self.kv_cache, cp.decode_block_table,
+                                                          cp.decode_context_lens, self.scale)
+        # Torch: gather each row's slots, padded. A padding slot repeats the
+        # row's first (written, so finite) key: a zero weight times a
+        # never-written slot's NaN bits would be NaN.
+        table, lens = cp.decode_block_table, cp.decode_context_lens
+        block_size = self.kv_cache.shape[2]
+        slots = (table.unsqueeze(-1) * block_size + torch.arange(block_size, device=q.device)).flatten(1)
+        mask = torch.arange(slots.shape[1], device=q.device) < lens.unsqueeze(1)
+        slots = torch.where(mask, slots, slots[:, :1])
+        flat, shape = slots.view(-1), (*slots.shape, self.num_kv_heads, self.head_dim)
+        # (index_select: several times faster than advanced indexing on CPU.)
+        return partial_decode_attention(q, k_flat.index_select(0, flat).view(shape),
+                                        v_flat.index_select(0, flat).view(shape), self.scale, mask)
+
     def _attend(self, q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
         """One sequence: q [Tq, H, D] over k/v [Tk, KVH, D]; causal unless a mask is given."""
         o = F.scaled_dot_product_attention(
@@ -163,18 +181,21 @@ class Attention(nn.Module):
         )
         return o.squeeze(0).transpose(0, 1)
 
-    def _decode_kernel(self, dtype: torch.dtype):
-        """The C++ decode kernel when it serves this layer's decode (CPU), else None."""
-        if (
+    def _kernel_serves(self, dtype: torch.dtype) -> bool:
+        """Whether the C++ decode kernels (CPU), if built, serve this layer's decode queries of `dtype`."""
+        return not (
             self.kv_cache is None
-            or get_cp_group().world_size > 1  # a shard per rank: partial attention, merged
             or self.kv_cache.device.type != "cpu"
             or self.batched_paged
             or dtype not in _KERNEL_DTYPES
             or self.head_dim % 8 != 0
             or self.head_dim > 256
-        ):
-            return None
+        )
+
+    def _decode_kernel(self, dtype: torch.dtype):
+        """The C++ decode kernel when it serves this layer's (whole-sequence) decode, else None."""
+        if get_cp_group().world_size > 1 or not self._kernel_serves(dtype):
+            return None  # under CP a rank holds a shard: _cp_decode_partials
         return get_paged_decode_kernel()
 
     def reads_unwritten_slots(self) -> bool:

@@ -119,13 +119,15 @@ class ContextParallelMetadata:
     store_rows: torch.Tensor
     store_slots: torch.Tensor
     sharded: list[ShardedQueries] = field(default_factory=list)
-    # The step's decode tokens (its first rows), attended in one batch: each
-    # one's keys on this rank, padded ([decodes, keys] slots and bool mask;
-    # a padding slot repeats one of the row's own keys, or any slot when it
-    # has none here).
+    # The step's decode tokens (its first rows), attended in one batch over
+    # this rank's blocks of each: [decodes, blocks] local block ids (padded
+    # with 0) and [decodes] the number of keys in them, int64. Only a
+    # sequence's last block is partly filled, so a row's keys are the first
+    # `decode_context_lens` slots of its blocks here, as the paged decode
+    # kernel reads a whole sequence's (0 when the rank holds none of it).
     num_decodes: int = 0
-    decode_key_slots: torch.Tensor | None = None
-    decode_key_mask: torch.Tensor | None = None
+    decode_block_table: torch.Tensor | None = None
+    decode_context_lens: torch.Tensor | None = None
     # Local rows [start, end) of short whole prompts, computed on every rank.
     local_prefills: list[tuple[int, int]] = field(default_factory=list)
     # The split chunks (raylm.model.layers.cp_prefill.SplitPrefillMetadata), or None.

@@ -7,6 +7,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("paged_decode", &paged_decode, "Paged decode attention over a block table", py::arg("q"),
         py::arg("kv_cache"), py::arg("block_table"), py::arg("context_lens"), py::arg("scale"));
+  m.def("paged_decode_partial", &paged_decode_partial,
+        "(out, lse): paged decode attention over one CP rank's shard of each context, and each head's log-sum-exp",
+        py::arg("q"), py::arg("kv_cache"), py::arg("block_table"), py::arg("context_lens"), py::arg("scale"));
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a merged [rows, 2 * width] gate_up", py::arg("gate_up"));
   m.def("rms_norm", &rms_norm, "RMSNorm of [rows, width] rows times weight", py::arg("x"), py::arg("weight"),
         py::arg("eps"));

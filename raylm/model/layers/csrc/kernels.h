@@ -12,6 +12,9 @@
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                         const at::Tensor& context_lens, double scale);
+std::tuple<at::Tensor, at::Tensor> paged_decode_partial(const at::Tensor& q, const at::Tensor& kv_cache,
+                                                        const at::Tensor& block_table,
+                                                        const at::Tensor& context_lens, double scale);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,

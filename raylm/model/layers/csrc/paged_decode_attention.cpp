@@ -8,6 +8,10 @@
 // exp/normalise, then the weighted V sum.
 // Each K/V block is converted to float once and reused by every query head of
 // the group (GQA); no padded copy of the context is ever made.
+// Under context parallelism a rank holds only its shard of each request's
+// blocks: `paged_decode_partial` attends over that shard (a context may be
+// empty there) and also returns each head's log-sum-exp of scores, by which
+// the shards' outputs are merged exactly (attention_merge.merge_partials).
 // With a bf16 query and cache on an AVX512-BF16 core a dedicated path scores
 // with vdpbf16ps on the raw bf16 values, widens V inside the FMA, and
 // prefetches the next block: it then runs at about the core's memory bandwidth.
@@ -24,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -223,18 +228,33 @@ inline float max_of(const float* s, int64_t n) {
 }
 
 // Each of `heads` rows of `ctx` scores becomes exp(score - row max), unnormalised;
-// inv_sum[h] is the reciprocal of row h's sum (applied to the output at the end).
-inline void softmax_rows(float* scores, int64_t heads, int64_t ctx, float* inv_sum) {
+// inv_sum[h] is the reciprocal of row h's sum (applied to the output at the end),
+// lse[h] (when asked for) the row's log-sum-exp: -inf for an empty row.
+inline void softmax_rows(float* scores, int64_t heads, int64_t ctx, float* inv_sum, float* lse) {
   for (int64_t h = 0; h < heads; ++h) {
     float* s = scores + h * ctx;
-    const float sum = exp_shifted_and_sum(s, ctx, max_of(s, ctx));
+    const float shift = max_of(s, ctx);
+    const float sum = exp_shifted_and_sum(s, ctx, shift);
     inv_sum[h] = sum > 0.f ? 1.f / sum : 0.f;
+    if (lse != nullptr) lse[h] = sum > 0.f ? shift + std::log(sum) : -std::numeric_limits<float>::infinity();
+  }
+}
+
+// The task's output rows (acc / sum, in q's dtype) and, when asked for, their log-sum-exp.
+template <typename q_t>
+inline void write_heads(const float* acc, const float* inv_sum, const float* head_lse, int64_t heads,
+                        int64_t head_dim, q_t* out, int64_t out_head_stride, float* lse_out) {
+  for (int64_t h = 0; h < heads; ++h) {
+    q_t* dst = out + h * out_head_stride;
+    const float* src = acc + h * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<q_t>(src[d] * inv_sum[h]);
+    if (lse_out != nullptr) lse_out[h] = head_lse[h];
   }
 }
 
 template <typename q_t, typename cache_t>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                       const at::Tensor& context_lens, double scale, at::Tensor& out) {
+                       const at::Tensor& context_lens, double scale, at::Tensor& out, at::Tensor* lse) {
   const int64_t num_reqs = q.size(0);
   const int64_t num_heads = q.size(1);
   const int64_t head_dim = q.size(2);
@@ -257,6 +277,8 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at
   const int64_t table_stride = block_table.stride(0);
   const int64_t* ctx_lens = context_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
+  // [B, H] float32, contiguous, or none.
+  float* lse_ptr = lse != nullptr ? lse->data_ptr<float>() : nullptr;
 
   // A task is one request and a run of its kv heads: reading all heads of a
   // block at once keeps the cache reads contiguous. Requests are split into
@@ -293,6 +315,8 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at
     std::vector<float> q_heads(max_heads * head_dim);
     std::vector<float> acc(max_heads * head_dim);
     std::vector<float> inv_sum(max_heads);
+    std::vector<float> head_lse(max_heads);
+    float* const want_lse = lse_ptr != nullptr ? head_lse.data() : nullptr;
     // One block of K or V for the task's kv heads, as float: [block_size, heads_per_chunk, D].
     std::vector<float> block_buffer(block_size * heads_per_chunk * head_dim);
     std::vector<float> scores;  // [heads][ctx]
@@ -305,6 +329,8 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at
       const int64_t first_head = kv_first * group;
       const int64_t width = kv_count * head_dim;  // contiguous: the cache is [.., KVH, D]
       const int64_t ctx = ctx_lens[b];
+      q_t* const out_heads = out_ptr + b * out_req_stride + first_head * out_head_stride;
+      float* const lse_heads = lse_ptr != nullptr ? lse_ptr + b * num_heads + first_head : nullptr;
 
 #ifdef RAYLM_AVX512_BF16
       if (bf16_dot) {
@@ -332,7 +358,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at
                               std::min<int64_t>(kTile, n - t), fscale, scores.data() + h * ctx + start + t);
           }
         }
-        softmax_rows(scores.data(), heads, ctx, inv_sum.data());
+        softmax_rows(scores.data(), heads, ctx, inv_sum.data(), want_lse);
         std::fill(acc.begin(), acc.begin() + heads * head_dim, 0.f);
         for (int64_t start = 0; start < ctx; start += block_size) {
           const int64_t n = std::min(block_size, ctx - start);
@@ -364,11 +390,8 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at
                                   group_acc.data(), group);
           }
         }
-        for (int64_t h = 0; h < heads; ++h) {
-          q_t* dst = out_ptr + b * out_req_stride + (first_head + h) * out_head_stride;
-          const float* src = acc.data() + h * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<q_t>(src[d] * inv_sum[h]);
-        }
+        write_heads(acc.data(), inv_sum.data(), head_lse.data(), heads, head_dim, out_heads, out_head_stride,
+                    lse_heads);
         continue;
       }
 #endif
@@ -394,7 +417,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at
       }
 
       // Softmax per head, in float, shifted by the max for stability.
-      softmax_rows(scores.data(), heads, ctx, inv_sum.data());
+      softmax_rows(scores.data(), heads, ctx, inv_sum.data(), want_lse);
 
       // Pass 2: probability-weighted sum of V rows.
       std::fill(acc.begin(), acc.begin() + heads * head_dim, 0.f);
@@ -407,36 +430,34 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at
                           acc.data() + h * head_dim);
       }
 
-      for (int64_t h = 0; h < heads; ++h) {
-        q_t* dst = out_ptr + b * out_req_stride + (first_head + h) * out_head_stride;
-        const float* src = acc.data() + h * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<q_t>(src[d] * inv_sum[h]);
-      }
+      write_heads(acc.data(), inv_sum.data(), head_lse.data(), heads, head_dim, out_heads, out_head_stride,
+                  lse_heads);
     }
   });
 }
 
 template <typename q_t>
 void dispatch_cache(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                    const at::Tensor& context_lens, double scale, at::Tensor& out) {
+                    const at::Tensor& context_lens, double scale, at::Tensor& out, at::Tensor* lse) {
   switch (kv_cache.scalar_type()) {
     case at::kFloat:
-      return paged_decode_impl<q_t, float>(q, kv_cache, block_table, context_lens, scale, out);
+      return paged_decode_impl<q_t, float>(q, kv_cache, block_table, context_lens, scale, out, lse);
     case at::kBFloat16:
-      return paged_decode_impl<q_t, c10::BFloat16>(q, kv_cache, block_table, context_lens, scale, out);
+      return paged_decode_impl<q_t, c10::BFloat16>(q, kv_cache, block_table, context_lens, scale, out, lse);
     case at::kHalf:
-      return paged_decode_impl<q_t, c10::Half>(q, kv_cache, block_table, context_lens, scale, out);
+      return paged_decode_impl<q_t, c10::Half>(q, kv_cache, block_table, context_lens, scale, out, lse);
     default:
       TORCH_CHECK(false, "paged_decode: unsupported cache dtype ", kv_cache.scalar_type());
   }
 }
 
-}  // namespace
-
-// q [B, H, D] (last dim contiguous); kv_cache [2, num_blocks, block_size, KVH, D];
-// block_table [B, max_blocks] int64; context_lens [B] int64 -> out [B, H, D] in q's dtype.
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                        const at::Tensor& context_lens, double scale) {
+// Checks the arguments and every block index the kernel will touch (so a
+// bad table is an error here rather than an out-of-bounds read in the
+// parallel loop), then runs it: (out, lse), lse undefined unless `with_lse`.
+// A context may be empty only with lse (a CP rank's shard): out 0, lse -inf.
+std::tuple<at::Tensor, at::Tensor> run_paged_decode(const at::Tensor& q, const at::Tensor& kv_cache,
+                                                    const at::Tensor& block_table, const at::Tensor& context_lens,
+                                                    double scale, bool with_lse) {
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode: q must be [B, H, D] with contiguous D");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
@@ -452,14 +473,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "paged_decode: heads not a multiple of kv heads");
   TORCH_CHECK(block_table.size(0) == num_reqs && context_lens.size(0) == num_reqs, "paged_decode: batch mismatch");
 
-  // Validate every block index the kernel will touch, so a bad table is an
-  // error here rather than an out-of-bounds read in the parallel loop.
+  const int64_t min_ctx = with_lse ? 0 : 1;
   const int64_t max_blocks = block_table.size(1);
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t* ctx_lens = context_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < num_reqs; ++b) {
     const int64_t ctx = ctx_lens[b];
-    TORCH_CHECK(ctx >= 1 && ctx <= max_blocks * block_size, "paged_decode: context length ", ctx,
+    TORCH_CHECK(ctx >= min_ctx && ctx <= max_blocks * block_size, "paged_decode: context length ", ctx,
                 " out of range for request ", b);
     const int64_t used = (ctx + block_size - 1) / block_size;
     for (int64_t j = 0; j < used; ++j) {
@@ -469,18 +489,37 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
   }
 
   at::Tensor out = at::empty({num_reqs, num_heads, head_dim}, q.options());
+  at::Tensor lse = with_lse ? at::empty({num_reqs, num_heads}, q.options().dtype(at::kFloat)) : at::Tensor();
+  at::Tensor* lse_arg = with_lse ? &lse : nullptr;
   switch (q.scalar_type()) {
     case at::kFloat:
-      dispatch_cache<float>(q, kv_cache, block_table, context_lens, scale, out);
+      dispatch_cache<float>(q, kv_cache, block_table, context_lens, scale, out, lse_arg);
       break;
     case at::kBFloat16:
-      dispatch_cache<c10::BFloat16>(q, kv_cache, block_table, context_lens, scale, out);
+      dispatch_cache<c10::BFloat16>(q, kv_cache, block_table, context_lens, scale, out, lse_arg);
       break;
     case at::kHalf:
-      dispatch_cache<c10::Half>(q, kv_cache, block_table, context_lens, scale, out);
+      dispatch_cache<c10::Half>(q, kv_cache, block_table, context_lens, scale, out, lse_arg);
       break;
     default:
       TORCH_CHECK(false, "paged_decode: unsupported query dtype ", q.scalar_type());
   }
-  return out;
+  return {out, lse};
+}
+
+}  // namespace
+
+// q [B, H, D] (last dim contiguous); kv_cache [2, num_blocks, block_size, KVH, D];
+// block_table [B, max_blocks] int64; context_lens [B] int64 -> out [B, H, D] in q's dtype.
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                        const at::Tensor& context_lens, double scale) {
+  return std::get<0>(run_paged_decode(q, kv_cache, block_table, context_lens, scale, false));
+}
+
+// As paged_decode over one shard of each request's context (context_lens may
+// be 0), also returning lse [B, H] float32, each head's log-sum-exp of scores.
+std::tuple<at::Tensor, at::Tensor> paged_decode_partial(const at::Tensor& q, const at::Tensor& kv_cache,
+                                                        const at::Tensor& block_table,
+                                                        const at::Tensor& context_lens, double scale) {
+  return run_paged_decode(q, kv_cache, block_table, context_lens, scale, true);
 }
