@@ -177,6 +177,9 @@ class FusedDecode:
             or meta.prefills
             or meta.num_decode_tokens != num_tokens
             or meta.decode_context_lens is None
+            # Under CP a rank holds a shard of each context: its partial
+            # attention must be merged over the ranks, which the fused loop does not.
+            or meta.context_parallel is not None
             or not 0 < num_tokens <= cpu_gemm.DECODE_MAX_ROWS
             or hidden.dtype != torch.bfloat16
             or not hidden.is_cpu

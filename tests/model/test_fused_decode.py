@@ -79,3 +79,23 @@ def test_fused_decode_on_pipeline_stages(tmp_path, monkeypatch):
     assert fused == modules
     # And one stage, module by module, computes the same.
     assert _generate(model, prompts, [10, 14]) == modules
+
+
+@pytest.mark.parametrize("context_parallel", [None, object()])
+def test_fused_decode_declines_a_context_parallel_step(context_parallel, monkeypatch):
+    """Under CP a rank holds a shard of each context, whose partial attention
+    the fused loop cannot merge over the ranks: such a step runs module by
+    module. (The same step without CP goes on to the fused path's params.)"""
+    from types import SimpleNamespace
+
+    meta = SimpleNamespace(prefills=None, num_decode_tokens=2, decode_context_lens=torch.tensor([3, 4]),
+                           context_parallel=context_parallel)
+    monkeypatch.setattr(llama_decode, "get_attention_metadata", lambda: meta)
+    monkeypatch.setattr(llama_decode, "get_tp_group", lambda: SimpleNamespace(world_size=1))
+    monkeypatch.setattr(llama_decode, "ENABLED", True)
+    fused = llama_decode.FusedDecode(model=None)
+    reached = []
+    monkeypatch.setattr(fused, "_current_params", lambda: reached.append(True))
+    hidden = torch.zeros(2, 8, dtype=torch.bfloat16)
+    assert fused(hidden, None, torch.tensor([2, 3])) is None
+    assert reached == ([] if context_parallel is not None else [True])
