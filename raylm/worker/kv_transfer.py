@@ -9,9 +9,14 @@ V blocks, raw. The destination checks the header against its own cache, so
 engines of different layouts (TP, PP, dtype, block size, model) refuse the
 transfer with a clear error instead of importing wrong data.
 
-Both sides map the file (torch's from_file) and copy once: gather the blocks
-from the cache into the mapping, scatter them from the mapping into the cache.
-A file on /dev/shm never touches a disk.
+Both sides map the file and copy once: gather the blocks from the cache into
+the mapping, scatter them from the mapping into the cache. A file on /dev/shm
+never touches a disk. What costs CPU there is not the bytes but the pages:
+a fresh file's shared-memory pages are allocated and zeroed one fault at a
+time, several times the copy's own cost. So a source rank keeps the files it
+made (hard links in the same folder, `_SpareFiles`) and fills one again once
+its transfer is over (the supervisor unlinks a migration's files at its
+end), and mappings are populated in one go (MAP_POPULATE).
 
 Between nodes the same bytes travel in memory instead (`pack_blocks` /
 `unpack_blocks`, carried by raylm.worker.kv_network).
@@ -20,6 +25,7 @@ Between nodes the same bytes travel in memory instead (`pack_blocks` /
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import time
 import warnings
@@ -111,18 +117,69 @@ def _check_header(raw: bytes, size: int, kv_caches: list[torch.Tensor], num_bloc
         raise KVTransferError(f"{what} is truncated or padded ({size} bytes, {expected} expected)")
 
 
+class _SpareFiles:
+    """The transfer files this process made, each kept under a second name
+    (a hard link) in its folder, so that its pages outlive the transfer: once
+    the transfer's own name is unlinked (its link count back to 1), the file
+    can be filled again under the next transfer's name, its pages already
+    allocated. At most `_MAX_SPARES` per folder; they go with the folder (the
+    supervisor removes it at shutdown)."""
+
+    _MAX_SPARES = 2
+
+    def __init__(self):
+        self._spares: dict[str, list[str]] = {}  # folder -> spare names
+
+    def take(self, path: str, size: int) -> bool:
+        """Give a free spare the name `path`, `size` bytes, header blank; False: none free."""
+        folder = os.path.dirname(path)
+        spares = self._spares.get(folder, [])
+        for spare in list(spares):
+            try:
+                if os.stat(spare).st_nlink != 1:
+                    continue  # still named by a transfer in progress
+                fd = os.open(spare, os.O_RDWR)
+            except FileNotFoundError:  # its folder went with an engine
+                spares.remove(spare)
+                continue
+            try:
+                os.ftruncate(fd, size)
+                # Blank before it gets the new name: a reader never sees the last transfer's header.
+                os.pwrite(fd, bytes(_HEADER_BYTES), 0)
+            finally:
+                os.close(fd)
+            os.link(spare, path)  # FileExistsError if `path` exists: never read a stale file as this one
+            return True
+        return False
+
+    def keep(self, path: str) -> None:
+        """Keep the file just made at `path` as a spare, if there is room."""
+        folder = os.path.dirname(path)
+        spares = self._spares.setdefault(folder, [])
+        if len(spares) < self._MAX_SPARES:
+            spare = os.path.join(folder, f"spare-{os.getpid()}-{os.path.basename(path)}")
+            os.link(path, spare)
+            spares.append(spare)
+
+
+_spare_files = _SpareFiles()
+
+
 def create_file(kv_caches: list[torch.Tensor], num_blocks: int, path: str) -> int:
     """Make the file of a transfer of `num_blocks` blocks, its header still
     blank (`fill_file` writes it last); returns its size."""
     if not kv_caches:
         raise KVTransferError("this rank holds no KV cache")
     size = _HEADER_BYTES + _data_bytes(kv_caches, num_blocks)
+    if _spare_files.take(path, size):
+        return size
     # Created fresh (O_EXCL): a stale file of an earlier transfer is never read as this one.
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, size)
     finally:
         os.close(fd)
+    _spare_files.keep(path)
     return size
 
 
@@ -213,9 +270,16 @@ def unpack_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], packed, w
 
 
 def _map(path: str, dtype: torch.dtype, size: int, writable: bool) -> torch.Tensor:
-    """The data part of the file as a flat tensor of `dtype`, mapped (no copy).
-    shared=True writes through to the file; shared=False maps it privately
-    (copy on write), which reading never triggers."""
-    storage = torch.UntypedStorage.from_file(path, shared=writable, nbytes=size)
-    element = torch.empty((), dtype=dtype).element_size()
-    return torch.tensor([], dtype=dtype).set_(storage, _HEADER_BYTES // element, ((size - _HEADER_BYTES) // element,))
+    """The data part of the file as a flat tensor of `dtype`, mapped (no copy;
+    the tensor keeps the mapping alive). Populated at once: one call maps
+    every page, where touching them would fault once per page."""
+    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                            prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():
+        # A read-only mapping is only read here.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(mapping, dtype=dtype, offset=_HEADER_BYTES)

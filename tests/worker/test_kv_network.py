@@ -9,6 +9,7 @@ and stays silent is dropped at the handshake timeout."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import threading
 
@@ -118,6 +119,50 @@ def test_an_import_waits_for_the_file_its_source_is_still_filling(tmp_path):
     kv_transfer.create_file(source, 1, path + "b")
     with pytest.raises(kv_transfer.KVTransferError, match="no valid header"):
         kv_transfer.import_blocks(destination, [0], path + "b")
+
+
+def test_a_transfer_file_is_filled_again_once_its_transfer_is_over(tmp_path):
+    """A source keeps the files it made (their pages stay allocated) and fills
+    one again under the next transfer's name once the last one's name is gone;
+    a file whose transfer still holds its name is never reused, and a reused
+    file's header is blank until it is filled (its last contents are never read)."""
+    source, destination = _caches(3), _caches(None)
+    first = str(tmp_path / "m1-0.rank0")
+    kv_transfer.export_blocks(source, [1, 2, 3], first)
+    inode = os.stat(first).st_ino
+    # The first transfer still holds its name: the next gets a file of its own.
+    second = str(tmp_path / "m2-0.rank0")
+    kv_transfer.export_blocks(source, [4], second)
+    assert os.stat(second).st_ino != inode
+    os.unlink(first)  # as the supervisor does at the migration's end
+    third = str(tmp_path / "m3-0.rank0")
+    kv_transfer.create_file(source, 2, third)
+    assert os.stat(third).st_ino == inode
+    assert os.path.getsize(third) == kv_transfer.packed_size(source, 2)
+    with pytest.raises(kv_transfer.KVTransferError, match="no valid header"):
+        kv_transfer.import_blocks(destination, [0, 1], third)
+    kv_transfer.fill_file(source, [7, 5], third)
+    kv_transfer.import_blocks(destination, [0, 1], third)
+    assert all(torch.equal(d[:, [0, 1]], s[:, [7, 5]]) for s, d in zip(source, destination))
+    # At most two kept per folder: a third concurrent transfer's file is not kept.
+    fourth = str(tmp_path / "m4-0.rank0")
+    kv_transfer.export_blocks(source, [0], fourth)
+    assert os.stat(fourth).st_nlink == 1
+    assert sorted(p.name.split("-", 2)[2] for p in tmp_path.glob("spare-*")) == ["m1-0.rank0", "m2-0.rank0"]
+
+
+def test_kept_files_go_with_their_folder(tmp_path):
+    source = _caches(4)
+    folder = tmp_path / "engine"
+    folder.mkdir()
+    kv_transfer.export_blocks(source, [1], str(folder / "m1-0.rank0"))
+    shutil.rmtree(folder)  # the supervisor removes its folder at shutdown
+    folder.mkdir()
+    path = str(folder / "m1-0.rank0")
+    kv_transfer.export_blocks(source, [2], path)
+    destination = _caches(None)
+    kv_transfer.import_blocks(destination, [0], path)
+    assert all(torch.equal(d[:, 0], s[:, 2]) for s, d in zip(source, destination))
 
 
 def test_a_failed_gather_is_named_at_the_destination(tmp_path):
