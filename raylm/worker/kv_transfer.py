@@ -122,16 +122,20 @@ class _SpareFiles:
     (a hard link) in its folder, so that its pages outlive the transfer: once
     the transfer's own name is unlinked (its link count back to 1), the file
     can be filled again under the next transfer's name, its pages already
-    allocated. At most `_MAX_SPARES` per folder; they go with the folder (the
-    supervisor removes it at shutdown)."""
+    allocated. At most `_MAX_SPARES` per folder, of at most `_MAX_SPARE_BYTES`
+    each (a long request's first stage is not held on to); they go with the
+    folder (the supervisor removes it at shutdown)."""
 
     _MAX_SPARES = 2
+    _MAX_SPARE_BYTES = 128 << 20
 
     def __init__(self):
         self._spares: dict[str, list[str]] = {}  # folder -> spare names
 
     def take(self, path: str, size: int) -> bool:
         """Give a free spare the name `path`, `size` bytes, header blank; False: none free."""
+        if size > self._MAX_SPARE_BYTES:
+            return False
         folder = os.path.dirname(path)
         spares = self._spares.get(folder, [])
         for spare in list(spares):
@@ -152,11 +156,11 @@ class _SpareFiles:
             return True
         return False
 
-    def keep(self, path: str) -> None:
+    def keep(self, path: str, size: int) -> None:
         """Keep the file just made at `path` as a spare, if there is room."""
         folder = os.path.dirname(path)
         spares = self._spares.setdefault(folder, [])
-        if len(spares) < self._MAX_SPARES:
+        if len(spares) < self._MAX_SPARES and size <= self._MAX_SPARE_BYTES:
             spare = os.path.join(folder, f"spare-{os.getpid()}-{os.path.basename(path)}")
             os.link(path, spare)
             spares.append(spare)
@@ -179,7 +183,7 @@ def create_file(kv_caches: list[torch.Tensor], num_blocks: int, path: str) -> in
         os.ftruncate(fd, size)
     finally:
         os.close(fd)
-    _spare_files.keep(path)
+    _spare_files.keep(path, size)
     return size
 
 

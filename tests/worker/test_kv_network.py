@@ -151,6 +151,23 @@ def test_a_transfer_file_is_filled_again_once_its_transfer_is_over(tmp_path):
     assert sorted(p.name.split("-", 2)[2] for p in tmp_path.glob("spare-*")) == ["m1-0.rank0", "m2-0.rank0"]
 
 
+def test_a_large_transfer_file_is_not_kept(tmp_path, monkeypatch):
+    """A long request's first stage can be large: its pages are not held on to."""
+    source = _caches(5)
+    monkeypatch.setattr(kv_transfer._SpareFiles, "_MAX_SPARE_BYTES", kv_transfer.packed_size(source, 2))
+    large = str(tmp_path / "m1-0.rank0")
+    kv_transfer.export_blocks(source, [1, 2, 3], large)
+    assert os.stat(large).st_nlink == 1
+    small = str(tmp_path / "m2-0.rank0")
+    kv_transfer.export_blocks(source, [1, 2], small)
+    assert os.stat(small).st_nlink == 2  # kept
+    os.unlink(small)
+    # Not handed out for a transfer larger than the limit either.
+    again = str(tmp_path / "m3-0.rank0")
+    kv_transfer.create_file(source, 3, again)
+    assert os.stat(again).st_nlink == 1
+
+
 def test_kept_files_go_with_their_folder(tmp_path):
     source = _caches(4)
     folder = tmp_path / "engine"
