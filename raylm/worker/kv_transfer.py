@@ -27,8 +27,10 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import threading
 import time
 import warnings
+from contextlib import contextmanager
 
 import torch
 
@@ -131,17 +133,40 @@ class _SpareFiles:
 
     def __init__(self):
         self._spares: dict[str, list[str]] = {}  # folder -> spare names
+        # Files a fill is writing into (inodes): never handed to another transfer
+        # meanwhile, even when their transfer was withdrawn (its name unlinked)
+        # mid-fill. The lock orders a fill's start against `take`.
+        self._filling: set[int] = set()
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def filling(self, path: str):
+        """Around a fill of `path`'s file. FileNotFoundError: the transfer is
+        gone (its name unlinked), so nothing is written."""
+        with self._lock:
+            inode = os.stat(path).st_ino
+            self._filling.add(inode)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._filling.discard(inode)
 
     def take(self, path: str, size: int) -> bool:
         """Give a free spare the name `path`, `size` bytes, header blank; False: none free."""
         if size > self._MAX_SPARE_BYTES:
             return False
+        with self._lock:
+            return self._take(path, size)
+
+    def _take(self, path: str, size: int) -> bool:
         folder = os.path.dirname(path)
         spares = self._spares.get(folder, [])
         for spare in list(spares):
             try:
-                if os.stat(spare).st_nlink != 1:
-                    continue  # still named by a transfer in progress
+                stat = os.stat(spare)
+                if stat.st_nlink != 1 or stat.st_ino in self._filling:
+                    continue  # still named by a transfer in progress, or being written
                 fd = os.open(spare, os.O_RDWR)
             except FileNotFoundError:  # its folder went with an engine
                 spares.remove(spare)
@@ -191,15 +216,16 @@ def fill_file(kv_caches: list[torch.Tensor], block_ids: list[int], path: str) ->
     """Gather the blocks into a file `create_file` made, then write its header:
     a reader that sees the header sees the data. On failure the header says why."""
     size = _HEADER_BYTES + _data_bytes(kv_caches, len(block_ids))
-    try:
-        encoded = _header_bytes(kv_caches, len(block_ids))
-        if block_ids:
-            _gather(kv_caches, block_ids, _map(path, kv_caches[0].dtype, size, writable=True))
-    except Exception as e:
-        _write_header(path, json.dumps({"magic": _MAGIC, "version": _VERSION,
-                                        "error": f"{type(e).__name__}: {e}"}).encode()[:_HEADER_BYTES])
-        raise
-    _write_header(path, encoded)
+    with _spare_files.filling(path):
+        try:
+            encoded = _header_bytes(kv_caches, len(block_ids))
+            if block_ids:
+                _gather(kv_caches, block_ids, _map(path, kv_caches[0].dtype, size, writable=True))
+        except Exception as e:
+            _write_header(path, json.dumps({"magic": _MAGIC, "version": _VERSION,
+                                            "error": f"{type(e).__name__}: {e}"}).encode()[:_HEADER_BYTES])
+            raise
+        _write_header(path, encoded)
     return size
 
 

@@ -151,6 +151,46 @@ def test_a_transfer_file_is_filled_again_once_its_transfer_is_over(tmp_path):
     assert sorted(p.name.split("-", 2)[2] for p in tmp_path.glob("spare-*")) == ["m1-0.rank0", "m2-0.rank0"]
 
 
+def test_a_file_being_filled_is_not_handed_out_even_once_its_transfer_is_withdrawn(tmp_path, monkeypatch):
+    """A transfer withdrawn (its name unlinked) while its fill runs: the fill
+    may still be writing into the file, so the next transfer gets another."""
+    source = _caches(6)
+    first = str(tmp_path / "m1-0.rank0")
+    kv_transfer.create_file(source, 2, first)
+    inode = os.stat(first).st_ino
+    gathering, release = threading.Event(), threading.Event()
+    real_gather = kv_transfer._gather
+
+    def slow_gather(*args):
+        gathering.set()
+        release.wait(30)
+        real_gather(*args)
+
+    monkeypatch.setattr(kv_transfer, "_gather", slow_gather)
+    outcome = []
+
+    def fill() -> None:
+        try:
+            kv_transfer.fill_file(source, [1, 2], first)
+        except FileNotFoundError as e:  # its header has no name to go to any more
+            outcome.append(e)
+
+    filler = threading.Thread(target=fill)
+    filler.start()
+    assert gathering.wait(30)
+    os.unlink(first)  # withdrawn mid-fill
+    second = str(tmp_path / "m2-0.rank0")
+    kv_transfer.create_file(source, 2, second)
+    assert os.stat(second).st_ino != inode
+    release.set()
+    filler.join(30)
+    assert len(outcome) == 1, "the withdrawn fill ends in an error, as before"
+    os.unlink(second)
+    third = str(tmp_path / "m3-0.rank0")  # the fill is over: now it may be reused
+    kv_transfer.create_file(source, 2, third)
+    assert os.stat(third).st_ino == inode
+
+
 def test_a_large_transfer_file_is_not_kept(tmp_path, monkeypatch):
     """A long request's first stage can be large: its pages are not held on to."""
     source = _caches(5)
