@@ -23,7 +23,7 @@ from raylm.model.loader import load_model
 from raylm.worker.cp_input import gather_rows
 from raylm.worker.input_batch import CachedRequestState, PreparedBatch, prepare_batch
 from raylm.worker.prompt_logprobs import prompt_logprobs_in_chunks
-from raylm.worker.sampler import Sampler, advance_generator, apply_grammar_bitmask, greedy_tokens
+from raylm.worker.sampler import Sampler, advance_generator, apply_grammar_bitmask
 from raylm.worker.sampling_metadata import SamplingMetadata, SamplingRow, build_sampling_metadata, same_every_step
 
 logger = logging.getLogger(__name__)
@@ -248,15 +248,11 @@ class ModelRunner:
             apply_grammar_bitmask(logits, batch.sample_req_ids, grammar_output)
             states = [self.requests[rid] for rid in batch.sample_req_ids]
             metadata = self._sampling_metadata(batch.sample_req_ids, states)
+            out = self.sampler(logits.float(), metadata)  # a plain greedy step is one argmax there
+            tokens = out.sampled_token_ids.tolist()
             lp_lists = None
-            if metadata.plain_greedy:
-                # The whole sampler is an argmax: skip its module call and its checks.
-                tokens = greedy_tokens(logits).tolist()
-            else:
-                out = self.sampler(logits.float(), metadata)
-                tokens = out.sampled_token_ids.tolist()
-                if out.logprobs is not None:
-                    lp_lists = _logprob_lists(out.logprobs.token_ids, out.logprobs.logprobs, out.logprobs.ranks)
+            if out.logprobs is not None:
+                lp_lists = _logprob_lists(out.logprobs.token_ids, out.logprobs.logprobs, out.logprobs.ranks)
             fill_in = self.config.scheduler_config.async_scheduling
             for i, (rid, state) in enumerate(zip(batch.sample_req_ids, states)):
                 sampled[rid] = [tokens[i]]
