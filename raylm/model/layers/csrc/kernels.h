@@ -52,3 +52,6 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& block_table, const at::Tensor& context_lens, const at::Tensor& cos_cache,
     const at::Tensor& sin_cache, const std::vector<at::Tensor>& params, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t hidden_size, int64_t intermediate_size, double eps, double scale);
+// For tests of work_team.h: how often each of `items` ran over `rounds` calls,
+// and how many runs were off the calling thread.
+std::tuple<at::Tensor, int64_t> work_team_probe(int64_t items, int64_t rounds);

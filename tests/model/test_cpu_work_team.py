@@ -1,0 +1,88 @@
+"""The work team that runs the decode matmuls' items (csrc/work_team.cpp):
+every item once per call whatever the thread count, the caller alone with one
+thread, a forked child with a team of its own, and the matmuls' results the
+same bits on any number of threads."""
+
+from __future__ import annotations
+
+import multiprocessing
+import shutil
+import sysconfig
+
+import pytest
+import torch
+
+from raylm.model.layers.cpu_kernels import get_cpu_kernels
+
+_HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++", sysconfig.get_config_var("CXX") or "c++"))
+pytestmark = pytest.mark.skipif(not _HAS_COMPILER, reason="no C++ compiler to build the CPU kernels")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = get_cpu_kernels()
+    assert module is not None, "a C++ compiler is present, so the kernels must build"
+    return module
+
+
+@pytest.fixture
+def threads():
+    """Sets torch's thread count for one test and puts it back."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("items", [1, 2, 3, 7, 64, 1000])
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_every_item_runs_once_per_call(kernels, threads, items, num_threads):
+    threads(num_threads)
+    counts, _ = kernels.work_team_probe(items, 40)
+    assert counts.tolist() == [40] * items
+
+
+def test_one_thread_runs_every_item_on_the_caller(kernels, threads):
+    threads(2)
+    kernels.work_team_probe(64, 20)  # the team's worker exists and spins
+    threads(1)
+    counts, off_caller = kernels.work_team_probe(64, 200)
+    assert counts.tolist() == [200] * 64
+    assert off_caller == 0
+
+
+def _probe_in_child(queue) -> None:
+    kernels = get_cpu_kernels()
+    torch.set_num_threads(2)
+    counts, _ = kernels.work_team_probe(100, 30)
+    queue.put(counts.tolist())
+
+
+def test_forked_child_gets_a_team_of_its_own(kernels, threads):
+    threads(2)
+    kernels.work_team_probe(100, 30)  # the parent's worker runs before the fork
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_probe_in_child, args=(queue,))
+    child.start()
+    try:
+        assert queue.get(timeout=120) == [30] * 100
+        child.join(timeout=60)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
+    assert not child.is_alive()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_matmuls_give_the_same_bits_on_any_thread_count(kernels, threads, rows):
+    torch.manual_seed(rows)
+    weight = torch.randn(1000, 264).to(torch.bfloat16)  # 63 tiles: a group ends mid-way
+    packed = kernels.bf16_pack(weight)
+    x = torch.randn(rows, 264).to(torch.bfloat16)
+    threads(1)
+    alone = kernels.bf16_linear(x, packed, 1000)
+    threads(2)
+    for _ in range(50):
+        assert torch.equal(kernels.bf16_linear(x, packed, 1000), alone)
