@@ -39,6 +39,14 @@ their K/V over the CURVE sockets between the hosts. For each length L,
 `--sync-precopy` copies every stage on the cores' loops (the behaviour
 before the overlapped pre-copy), for comparison.
 
+`--copy-cost` measures instead what one stage's copy costs a rank, in
+isolation (one thread, no engine): the ~111M model's cache geometry, bf16,
+`--copy-mib` of blocks exported into a reused transfer file and imported
+into blocks already used and into blocks never touched (a fresh cache's
+pages are allocated at first write), by the ranks' vector I/O and by a
+mapping of the file (`index_select` / `index_copy_`, the accelerator path);
+the copying thread's CPU time and the wall time, median of `--repeats`.
+
 Reported: median and P99 (the maximum, at these few repeats) per length.
 """
 
@@ -245,6 +253,68 @@ def _print_row(length: int, r: dict) -> None:
           f"{r['migration']['median_ms']:6.1f} ms  | {r['mib_moved']:.1f} MiB{slowdown}", flush=True)
 
 
+def copy_cost(mib: int, repeats: int) -> dict:
+    """One stage's export and import CPU and wall time (see the module's doc)."""
+    import tempfile
+
+    import torch
+
+    from raylm.worker import kv_transfer
+
+    torch.set_num_threads(1)
+    preset = MODEL_PRESETS["large"]
+    heads, head_dim = preset["num_key_value_heads"], preset["hidden_size"] // preset["num_attention_heads"]
+    block_size, num_layers = 16, preset["num_hidden_layers"]
+    bytes_per_block = 2 * num_layers * block_size * heads * head_dim * 2
+    n = max(1, (mib << 20) // bytes_per_block)
+    # Room for the source's blocks plus a fresh destination range for every import into untouched pages.
+    total = n * (2 + 2 * repeats + 2)
+    caches = [torch.empty(2, total, block_size, heads, head_dim, dtype=torch.bfloat16) for _ in range(num_layers)]
+    for cache in caches:
+        cache[:, : 2 * n].normal_()  # the source's blocks and the "already used" destination's
+    source, used = list(range(0, 2 * n, 2)), list(range(1, 2 * n, 2))
+    fresh = iter(range(2 * n, total, n))
+
+    def mapped_export(path: str, size: int) -> None:
+        kv_transfer._gather(caches, source, kv_transfer._map(path, torch.bfloat16, size, writable=True))
+
+    def mapped_import(path: str, size: int, blocks: list[int]) -> None:
+        kv_transfer._scatter(caches, blocks, kv_transfer._map(path, torch.bfloat16, size, writable=False))
+
+    ways = {
+        "vector I/O": (lambda path, size: kv_transfer._copy_with_file(caches, source, path, True, None),
+                       lambda path, size, blocks: kv_transfer._copy_with_file(caches, blocks, path, False, None)),
+        "mapping": (mapped_export, mapped_import),
+    }
+    timings: dict[str, list[tuple[float, float]]] = {}
+
+    def timed(name: str, fn, *args) -> None:
+        cpu, wall = time.thread_time(), time.perf_counter()
+        fn(*args)
+        timings.setdefault(name, []).append((time.thread_time() - cpu, time.perf_counter() - wall))
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as folder:
+        path = os.path.join(folder, "stage")
+        size = kv_transfer.create_file(caches, n, path)  # its pages allocated once, as a kept file's are
+        kv_transfer.fill_file(caches, source, path)
+        for _ in range(repeats):
+            for way, (export, import_) in ways.items():  # alternating
+                timed(f"{way}: export into a reused file", export, path, size)
+                timed(f"{way}: import into used blocks", import_, path, size, used)
+                fresh_blocks = list(range(next(fresh), total))[:n]
+                timed(f"{way}: import into untouched blocks", import_, path, size, fresh_blocks)
+                assert all(torch.equal(c[:, fresh_blocks], c[:, source]) for c in caches)
+    mib_moved = n * bytes_per_block / 2**20
+    results = {}
+    for name, values in timings.items():
+        cpu_ms = 1000 * statistics.median(c for c, _ in values)
+        wall_ms = 1000 * statistics.median(w for _, w in values)
+        results[name] = {"cpu_ms": cpu_ms, "wall_ms": wall_ms, "mib": mib_moved}
+        print(f"{name:45s} {mib_moved:5.1f} MiB: CPU {cpu_ms:6.1f} ms, wall {wall_ms:6.1f} ms "
+              f"(median of {len(values)})", flush=True)
+    return results
+
+
 def _engine_args(spec: dict) -> dict:
     return dict(dtype="bfloat16", data_parallel_size=2, num_threads=1, max_model_len=spec["max_len"],
                 kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False)
@@ -287,8 +357,16 @@ def main() -> None:
     parser.add_argument("--two-hosts", action="store_true",
                         help="the cores on two hosts of the network-namespace harness (root), K/V over CURVE")
     parser.add_argument("--timeout", type=float, default=1800, help="--two-hosts: the driver's limit, seconds")
+    parser.add_argument("--copy-cost", action="store_true",
+                        help="only one stage's export and import cost, in isolation (no engine)")
+    parser.add_argument("--copy-mib", type=int, default=32, help="--copy-cost: the stage's size")
     parser.add_argument("--output-json")
     args = parser.parse_args()
+    if args.copy_cost:
+        results = copy_cost(args.copy_mib, args.repeats)
+        if args.output_json:
+            pathlib.Path(args.output_json).write_text(json.dumps({"copy_cost": results}, indent=2))
+        return
     if args.sync_precopy:  # read by the core processes (raylm.engine.core_migration)
         os.environ["RAYLM_MIGRATION_SYNC_PRECOPY"] = "1"
     logging.basicConfig(level=logging.WARNING)

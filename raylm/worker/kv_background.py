@@ -10,16 +10,72 @@ stepping, and only the final stage (the request paused) copies on the loop.
 Exports and imports have a thread each: an import may wait on another rank's
 export (its file not yet written, its offer not yet packed), and two cores
 that migrate to each other must not each hold their one thread in such a
-wait. Torch's copy kernels release the GIL, so the loop runs meanwhile.
+wait. Torch's copy kernels and file I/O release the GIL, so the loop runs
+meanwhile.
+
+A thread beside the steps is not free where no core is spare (one decode
+thread per core, as on a small host): every millisecond it copies is taken
+from a step. So a paced copy (`paced=True`; the file copies, which come in
+chunks) sleeps after each burst of about 1 ms of CPU (or one chunk, at
+most 1 MiB) for as long as makes the burst's CPU time `COPY_CPU_SHARE` of
+the whole: a step is never held by more than a burst, and the steps around
+the copy lose at most that share of their time.
+The pre-copy takes longer for it (about its CPU time / the share), which the
+request, still decoding at the source, does not see.
+RAYLM_MIGRATION_COPY_CPU_SHARE sets the share (1: unpaced).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 logger = logging.getLogger(__name__)
+
+
+def _copy_cpu_share() -> float:
+    raw = os.environ.get("RAYLM_MIGRATION_COPY_CPU_SHARE", "").strip()
+    try:
+        share = float(raw) if raw else 0.05
+    except ValueError:
+        share = -1.0
+    if not 0 < share <= 1:
+        raise ValueError(f"RAYLM_MIGRATION_COPY_CPU_SHARE must be a number in (0, 1], not {raw!r}")
+    return share
+
+
+COPY_CPU_SHARE = _copy_cpu_share()
+
+
+class CopyPacer:
+    """`pause` between a copy's chunks: once the thread has used `burst_s`
+    of CPU since it last slept, sleeps so that this CPU time was `share` of
+    the time since then. So a small copy (a short request's blocks, a tiny
+    model's) runs at once, and a large one goes by bursts of about one
+    chunk or `burst_s`, whichever is larger. Burst by burst: a copy that
+    first waited (for its source's file) has no credit for the wait to
+    spend in one go; the waiting's own CPU counts."""
+
+    def __init__(self, share: float = COPY_CPU_SHARE, burst_s: float = 0.001):
+        self.share = share
+        self.burst_s = burst_s
+        self._cpu_mark = time.thread_time()
+
+    def pause(self) -> None:
+        if self.share >= 1:
+            return
+        used = time.thread_time() - self._cpu_mark
+        if used < self.burst_s:
+            return
+        time.sleep(used * (1 / self.share - 1))
+        self._cpu_mark = time.thread_time()
+
+
+def _paced(fn: Callable, *args):
+    return fn(*args, pause=CopyPacer().pause)
 
 
 class KVCopyJobs:
@@ -28,13 +84,15 @@ class KVCopyJobs:
         self._imports = ThreadPoolExecutor(1, thread_name_prefix="raylm-kv-import")
         self._jobs: dict[str, Future] = {}  # imports, by name, until their outcome is taken
 
-    def export(self, fn: Callable, *args) -> Future:
-        """Run an export (a gather of filled blocks) beside the steps."""
-        return self._exports.submit(fn, *args)
+    def export(self, fn: Callable, *args, paced: bool = False) -> Future:
+        """Run an export (a gather of filled blocks) beside the steps;
+        `paced`: `fn` takes a `pause` to call between its chunks."""
+        return self._exports.submit(_paced, fn, *args) if paced else self._exports.submit(fn, *args)
 
-    def import_(self, name: str, fn: Callable, *args) -> None:
-        """Run an import (into reserved blocks) beside the steps; its outcome: `finished`."""
-        self._jobs[name] = self._imports.submit(fn, *args)
+    def import_(self, name: str, fn: Callable, *args, paced: bool = False) -> None:
+        """Run an import (into reserved blocks) beside the steps; its outcome:
+        `finished`. `paced`: as for `export`."""
+        self._jobs[name] = self._imports.submit(_paced, fn, *args) if paced else self._imports.submit(fn, *args)
 
     def finished(self, names: list[str]) -> dict[str, list]:
         """The imports of `names` that have ended, each [ok, bytes or the error]; taken once."""

@@ -221,7 +221,7 @@ class Worker:
         if not background:
             return kv_transfer.export_blocks(self.model_runner.kv_caches, block_ids, path)
         size = kv_transfer.create_file(self.model_runner.kv_caches, len(block_ids), path)
-        self._kv_jobs().export(kv_transfer.fill_file, self.model_runner.kv_caches, block_ids, path)
+        self._kv_jobs().export(kv_transfer.fill_file, self.model_runner.kv_caches, block_ids, path, paced=True)
         return size
 
     def import_kv(self, path_prefix: str, block_ids: list[int], background: bool = False) -> int | None:
@@ -232,7 +232,7 @@ class Worker:
         if not background:
             return kv_transfer.import_blocks(self.model_runner.kv_caches, block_ids, path)
         self._kv_jobs().import_(os.path.basename(path_prefix), kv_transfer.import_blocks,
-                                self.model_runner.kv_caches, block_ids, path, kv_network.FETCH_TIMEOUT_S)
+                                self.model_runner.kv_caches, block_ids, path, kv_network.FETCH_TIMEOUT_S, paced=True)
         return None
 
     def kv_copies_done(self, names: list[str]) -> dict:

@@ -159,14 +159,14 @@ def test_a_file_being_filled_is_not_handed_out_even_once_its_transfer_is_withdra
     kv_transfer.create_file(source, 2, first)
     inode = os.stat(first).st_ino
     gathering, release = threading.Event(), threading.Event()
-    real_gather = kv_transfer._gather
+    real_copy = kv_transfer._copy_blocks
 
-    def slow_gather(*args):
+    def slow_copy(*args):
         gathering.set()
         release.wait(30)
-        real_gather(*args)
+        real_copy(*args)
 
-    monkeypatch.setattr(kv_transfer, "_gather", slow_gather)
+    monkeypatch.setattr(kv_transfer, "_copy_blocks", slow_copy)
     outcome = []
 
     def fill() -> None:
@@ -226,10 +226,14 @@ def test_a_failed_gather_is_named_at_the_destination(tmp_path):
     source = _caches(2)
     path = str(tmp_path / "stage.rank0")
     kv_transfer.create_file(source, 1, path)
-    with pytest.raises(RuntimeError, match="out of DATA bounds"):
+    with pytest.raises(kv_transfer.KVTransferError, match="block 17 is out of bounds"):
         kv_transfer.fill_file(source, [NUM_BLOCKS + 5], path)  # no such block
-    with pytest.raises(kv_transfer.KVTransferError, match="could not export.*out of DATA bounds"):
+    with pytest.raises(kv_transfer.KVTransferError, match="could not export.*block 17 is out of bounds"):
         kv_transfer.import_blocks(_caches(None), [0], path, wait_s=30)
+    # Nor below: a negative id would count from the cache's end.
+    kv_transfer.create_file(source, 1, path + "b")
+    with pytest.raises(kv_transfer.KVTransferError, match="block -1 is out of bounds"):
+        kv_transfer.fill_file(source, [-1], path + "b")
 
 
 class KVSocketStranger(threading.Thread):

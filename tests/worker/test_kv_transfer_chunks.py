@@ -1,0 +1,132 @@
+"""A CPU cache's transfer file is written and read in chunks of vector I/O
+(raylm.worker.kv_transfer), paced beside the steps (raylm.worker.kv_background):
+whatever the blocks' order and however the copy is cut, the file holds the
+same bytes as the in-memory format and reads back bit for bit; a copy beside
+the steps pauses between its chunks for the time its share asks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from raylm.worker import kv_background, kv_transfer
+from tests.conftest import wait_until
+
+NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, LAYERS = 16, 4, 2, 8, 3
+BLOCK_BYTES = BLOCK_SIZE * KV_HEADS * HEAD_DIM * 2  # bf16, one of K or V
+
+
+def _caches(seed: int | None) -> list[torch.Tensor]:
+    shape = (2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    if seed is None:
+        return [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+
+
+# Runs up and down, single blocks, a run longer than a chunk (3 blocks below).
+SOURCE_BLOCKS = [3, 4, 5, 6, 7, 9, 0, 15, 14, 13, 1, 2]
+DESTINATION_BLOCKS = [10, 11, 12, 13, 14, 15, 0, 8, 7, 6, 1, 2]
+
+
+@pytest.mark.parametrize("chunk_blocks, iov_max", [(3, 1024), (100, 2), (1, 1)])
+def test_a_file_cut_in_chunks_holds_the_packed_bytes_and_reads_back(tmp_path, monkeypatch, chunk_blocks, iov_max):
+    monkeypatch.setattr(kv_transfer, "_CHUNK_BYTES", chunk_blocks * BLOCK_BYTES)
+    monkeypatch.setattr(kv_transfer, "_IOV_MAX", iov_max)
+    source, destination = _caches(1), _caches(None)
+    path = str(tmp_path / "stage.rank0")
+    kv_transfer.create_file(source, len(SOURCE_BLOCKS), path)
+    pauses = []
+    kv_transfer.fill_file(source, SOURCE_BLOCKS, path, pause=lambda: pauses.append("export"))
+    with open(path, "rb") as f:
+        assert f.read() == kv_transfer.pack_blocks(source, SOURCE_BLOCKS).numpy().tobytes()
+    kv_transfer.import_blocks(destination, DESTINATION_BLOCKS, path, pause=lambda: pauses.append("import"))
+    for s, d in zip(source, destination):
+        assert torch.equal(d[:, DESTINATION_BLOCKS], s[:, SOURCE_BLOCKS])
+    untouched = sorted(set(range(NUM_BLOCKS)) - set(DESTINATION_BLOCKS))
+    assert all(not d[:, untouched].any() for d in destination)
+    # A pause after every chunk: at least one per layer and K/V, more as chunks shrink
+    # (and, with few ranges a call, as the blocks make more runs).
+    fewest = 2 * LAYERS * -(-len(SOURCE_BLOCKS) // chunk_blocks)
+    assert pauses.count("export") >= fewest and pauses.count("import") >= fewest
+
+
+def test_a_cache_that_is_not_dense_goes_through_a_mapping(tmp_path):
+    """A cache that is not one dense tensor (or not on the CPU) is gathered into a mapping instead."""
+    source = [c.transpose(3, 4).contiguous().transpose(3, 4) for c in _caches(2)]
+    assert not source[0].is_contiguous()
+    destination = _caches(None)
+    path = str(tmp_path / "stage.rank0")
+    kv_transfer.export_blocks(source, [5, 2, 3], path)
+    kv_transfer.import_blocks(destination, [0, 1, 9], path)
+    assert all(torch.equal(d[:, [0, 1, 9]], s[:, [5, 2, 3]]) for s, d in zip(source, destination))
+
+
+def test_a_short_read_or_write_is_continued(tmp_path):
+    """A vector read may move fewer bytes than asked: the rest follows."""
+    path = str(tmp_path / "f")
+    data = os.urandom(100)
+    with open(path, "wb") as f:
+        f.write(data)
+    buffers = [memoryview(bytearray(n)) for n in (7, 1, 30, 2)]
+    calls = []
+
+    def stingy_preadv(fd, bufs, offset):
+        calls.append(offset)
+        first = bufs[0][:3]  # at most 3 bytes a call, out of the first buffer only
+        return os.preadv(fd, [first], offset)
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        kv_transfer._vector_io(stingy_preadv, fd, buffers, 10, 40)
+        with pytest.raises(kv_transfer.KVTransferError, match="ended 10 bytes early"):
+            kv_transfer._vector_io(os.preadv, fd, [memoryview(bytearray(20))], 90, 20)
+    finally:
+        os.close(fd)
+    assert b"".join(bytes(b) for b in buffers) == data[10:50]
+    assert len(calls) > len(buffers)
+
+
+def test_the_pacer_sleeps_each_burst_to_its_share(monkeypatch):
+    """With share s, a burst that took c of the thread's CPU (at least the
+    burst's size) is followed by c/s - c of sleep; smaller chunks add up."""
+    cpu = iter([1.0, 1.01, 1.01, 1.0105, 1.0110, 1.022, 1.022, 2.0])
+    slept = []
+    monkeypatch.setattr(kv_background.time, "thread_time", lambda: next(cpu))
+    monkeypatch.setattr(kv_background.time, "sleep", slept.append)
+    pacer = kv_background.CopyPacer(share=0.25, burst_s=0.005)
+    pacer.pause()  # a chunk of 10 ms of CPU
+    pacer.pause()  # 0.5 ms: below the burst, no sleep yet
+    pacer.pause()  # 1 ms
+    pacer.pause()  # 12 ms since the last sleep
+    assert slept == pytest.approx([0.03, 0.036])
+    unpaced = kv_background.CopyPacer(share=1.0)
+    unpaced.pause()
+    assert len(slept) == 2
+
+
+@pytest.mark.parametrize("value", ["0", "-0.5", "1.5", "fast"])
+def test_a_bad_copy_share_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv("RAYLM_MIGRATION_COPY_CPU_SHARE", value)
+    with pytest.raises(ValueError, match="RAYLM_MIGRATION_COPY_CPU_SHARE"):
+        kv_background._copy_cpu_share()
+    monkeypatch.setenv("RAYLM_MIGRATION_COPY_CPU_SHARE", "0.2")
+    assert kv_background._copy_cpu_share() == 0.2
+
+
+def test_paced_copies_beside_the_steps_get_a_pause_and_end(tmp_path):
+    """The copy jobs hand a paced copy its pause; the outcome is reported as before."""
+    source, destination = _caches(3), _caches(None)
+    path = str(tmp_path / "m1-0.rank0")
+    jobs = kv_background.KVCopyJobs()
+    try:
+        kv_transfer.create_file(source, 2, path)
+        jobs.export(kv_transfer.fill_file, source, [4, 5], path, paced=True).result(30)
+        jobs.import_("m1-0", kv_transfer.import_blocks, destination, [7, 8], path, 30.0, paced=True)
+        finished = wait_until(lambda: jobs.finished(["m1-0"]), 60, message="the paced import to end")
+        assert finished == {"m1-0": [True, kv_transfer.packed_size(source, 2)]}
+    finally:
+        jobs.close()
+    assert all(torch.equal(d[:, [7, 8]], s[:, [4, 5]]) for s, d in zip(source, destination))
