@@ -78,16 +78,32 @@ def test_no_key_anywhere_gives_zeros_not_nan():
     assert torch.equal(merged, torch.zeros_like(merged))
 
 
-def test_bf16_partials_merge_in_float():
+def _rounded_merge_error(partials, reference, dtype) -> float:
+    """What the merge missed by when each partial was rounded to the model's `dtype` first (the old way)."""
+    outs = torch.stack([o.to(dtype) for o, _ in partials])
+    merged = merge_partials(outs, torch.stack([lse for _, lse in partials]))
+    return float((merged.double() - reference).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_partials_stay_float32_and_merge_to_the_float_reference(dtype):
+    """bf16/fp16 queries and keys (a CP rank of a bf16 model): the shards'
+    partial outputs are float32 and so is their merge, equal to the attention
+    over all keys computed in float64 from the same inputs to float32
+    precision. Rounding each partial to the model's dtype before the merge
+    (what CP once did) misses by far more: the test fails on that code."""
     g = torch.Generator().manual_seed(2)
-    q = torch.randn(3, 4, 16, generator=g).to(torch.bfloat16)
-    k = torch.randn(20, 4, 16, generator=g).to(torch.bfloat16)
-    v = torch.randn(20, 4, 16, generator=g).to(torch.bfloat16)
-    mask = torch.ones(3, 20, dtype=torch.bool)
-    parts = [partial_attention(q, k[idx], v[idx], 0.25, mask[:, idx]) for idx in _shards(20, "round_robin", 2)]
+    q = torch.randn(3, 4, 16, generator=g).to(dtype)
+    k = torch.randn(40, 4, 16, generator=g).to(dtype)
+    v = torch.randn(40, 4, 16, generator=g).to(dtype)
+    mask = torch.ones(3, 40, dtype=torch.bool)
+    parts = [partial_attention(q, k[idx], v[idx], 0.25, mask[:, idx]) for idx in _shards(40, "round_robin", 2)]
+    assert all(o.dtype == torch.float32 and lse.dtype == torch.float32 for o, lse in parts)
     merged = merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
-    assert merged.dtype == torch.bfloat16
-    torch.testing.assert_close(merged.double(), _full_attention(q, k, v, 0.25, mask), rtol=2e-2, atol=2e-2)
+    assert merged.dtype == torch.float32
+    reference = _full_attention(q, k, v, 0.25, mask)
+    torch.testing.assert_close(merged.double(), reference, rtol=1e-5, atol=1e-5)
+    assert _rounded_merge_error(parts, reference, dtype) > 1e-4
 
 
 # ---- the C++ decode kernel's partials (CP decode on CPU) -------------------------------
@@ -119,7 +135,7 @@ def test_kernel_partials_merged_over_rank_shards_equal_attention_over_all_keys(d
     q = torch.randn(len(lengths), heads, head_dim, generator=g).to(dtype)
     tables = [torch.randperm(num_blocks, generator=g)[: -(-n // block_size)] for n in lengths]
     k_flat, v_flat = (cache[i].view(-1, kv_heads, head_dim) for i in (0, 1))
-    scale, tol = head_dim**-0.5, (1e-5 if dtype == torch.float32 else 2e-2)
+    scale = head_dim**-0.5
     partials = []
     for rank in (0, 1):
         shard = [t[rank::2] for t in tables]
@@ -129,19 +145,23 @@ def test_kernel_partials_merged_over_rank_shards_equal_attention_over_all_keys(d
         for i, s in enumerate(shard):
             table[i, : len(s)] = s
         out, lse = kernel(q, cache, table, torch.tensor(lens), scale)
-        assert out.dtype == dtype and lse.dtype == torch.float32
+        # float32 whatever the dtype: a partial is merged before it is rounded.
+        assert out.dtype == torch.float32 and lse.dtype == torch.float32
         for i, n in enumerate(lens):
             slots = (shard[i][:, None] * block_size + torch.arange(block_size)).flatten()[:n]
             ref_out, ref_lse = partial_attention(q[i : i + 1], k_flat[slots], v_flat[slots], scale)
-            torch.testing.assert_close(out[i : i + 1].float(), ref_out.float(), rtol=tol, atol=tol)
+            torch.testing.assert_close(out[i : i + 1], ref_out, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(lse[i : i + 1], ref_lse, rtol=1e-5, atol=1e-4)
         partials.append((out, lse))
     assert torch.all(partials[1][0][0] == 0) and torch.all(torch.isinf(partials[1][1][0]))  # the 1-token row
     merged = merge_partials(torch.stack([o for o, _ in partials]), torch.stack([lse for _, lse in partials]))
-    for i, n in enumerate(lengths):
-        slots = (tables[i][:, None] * block_size + torch.arange(block_size)).flatten()[:n]
-        expected = _full_attention(q[i : i + 1], k_flat[slots], v_flat[slots], scale, torch.ones(1, n, dtype=torch.bool))
-        torch.testing.assert_close(merged[i : i + 1].double(), expected, rtol=tol, atol=tol)
+    expected = torch.cat([
+        _full_attention(q[i : i + 1], k_flat[slots], v_flat[slots], scale, torch.ones(1, n, dtype=torch.bool))
+        for i, n in enumerate(lengths)
+        for slots in [(tables[i][:, None] * block_size + torch.arange(block_size)).flatten()[:n]]])
+    torch.testing.assert_close(merged.double(), expected, rtol=1e-5, atol=1e-5)
+    if dtype != torch.float32:
+        assert _rounded_merge_error(partials, expected, dtype) > 1e-4
 
 
 def test_kernel_refuses_an_empty_context_outside_a_shard():

@@ -121,6 +121,8 @@ class Attention(nn.Module):
         # the same on all of them), so one all-gather carries them all: the
         # partial output and its log-sum-exp side by side, float32. Decode
         # rows first (rows 0..num_decodes of the batch), then the chunks.
+        # Partials and merge stay float32 and the merged rows are rounded to
+        # q's dtype once: a bf16 rounding per partial made CP=2 drift from CP=1.
         num_rows = cp.num_decodes + sum(s.q_end - s.q_start for s in cp.sharded)
         parts = torch.empty(num_rows, self.num_heads, self.head_dim + 1, dtype=torch.float32, device=q.device)
         row = cp.num_decodes
@@ -147,7 +149,7 @@ class Attention(nn.Module):
         return out
 
     def _cp_decode_partials(self, q, k_flat, v_flat, cp: ContextParallelMetadata):
-        """(out [B, H, D], lse [B, H] float32) of the decode queries over this
+        """(out [B, H, D], lse [B, H]), both float32, of the decode queries over this
         CP rank's blocks of their sequences."""
         kernels = get_cpu_kernels() if self._kernel_serves(q.dtype) else None
         if kernels is not None:

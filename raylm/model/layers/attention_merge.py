@@ -10,6 +10,11 @@ exactly, without any rank seeing the others' keys:
 
 A shard with no key a query may attend to (an empty shard, or keys all in the
 query's future) has out_i = 0 and lse_i = -inf and so weighs nothing.
+
+The partial outputs stay float32 whatever the model's dtype, and so does the
+merge: the caller rounds once, after it. Rounding each out_i to bf16 first
+(as this did once) adds a rounding per shard, and bf16 CP=2 drifted from
+CP=1 token-wise on the ~111M model.
 """
 
 from __future__ import annotations
@@ -24,14 +29,15 @@ def partial_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [T, H, D] over one shard's k/v [S, KVH, D] (GQA: H a multiple of KVH).
 
-    mask [T, S] bool (True = may attend) or None (all). Returns (out [T, H, D] in
-    q's dtype, lse [T, H] float32); rows with nothing to attend give out 0, lse -inf.
+    mask [T, S] bool (True = may attend) or None (all). Returns (out [T, H, D],
+    lse [T, H]), both float32; rows with nothing to attend give out 0, lse -inf.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     if k.shape[0] == 0:
-        return q.new_zeros(q.shape), torch.full((num_tokens, num_heads), float("-inf"), device=q.device)
+        return (q.new_zeros(q.shape, dtype=torch.float32),
+                torch.full((num_tokens, num_heads), float("-inf"), device=q.device))
     # Query head h reads kv head h // group. The group's queries are stacked
     # against their kv head ([KVH, group * T, D]) rather than the keys
     # repeated per query head: no copy of the shard's K/V.
@@ -48,7 +54,7 @@ def partial_attention(
     out = torch.matmul(probs, vf)  # [KVH, group * T, D]; a row of an empty shard is all zeros
     out = out.view(num_kv_heads, group, num_tokens, head_dim).permute(2, 0, 1, 3).reshape(q.shape)
     lse = lse.view(num_kv_heads, group, num_tokens).permute(2, 0, 1).reshape(num_tokens, num_heads)
-    return out.to(q.dtype), lse
+    return out, lse
 
 
 def partial_decode_attention(
@@ -58,7 +64,7 @@ def partial_decode_attention(
     [B, H, D] over each sequence's shard k/v [B, S, KVH, D], padded to S keys;
     mask [B, S] bool, True = a real key. Padding must hold finite values (a
     zero weight times NaN is NaN), except in a row with no real key at all,
-    which gives out 0 and lse -inf whatever it holds."""
+    which gives out 0 and lse -inf whatever it holds. out and lse float32."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
@@ -71,20 +77,21 @@ def partial_decode_attention(
     probs = torch.exp(scores - torch.where(empty, 0.0, lse).unsqueeze(-1))
     out = torch.matmul(probs, vf)  # [B, KVH, group, D]
     out = torch.where(empty.unsqueeze(-1), 0.0, out)
-    return out.reshape(batch, num_heads, head_dim).to(q.dtype), lse.reshape(batch, num_heads)
+    return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
 
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
-    """outs [shards, T, H, D], lses [shards, T, H] -> the attention over all shards [T, H, D].
+    """outs [shards, T, H, D], lses [shards, T, H] -> the attention over all shards [T, H, D], float32
+    (the caller rounds it to the model's dtype: one rounding for the whole attention).
 
     Exact up to float rounding; a query no shard has a key for gets zeros.
     """
+    lses = lses.float()
     total = torch.logsumexp(lses, dim=0)  # [T, H]
     nothing = torch.isinf(total)
     weights = torch.exp(lses - torch.where(nothing, 0.0, total).unsqueeze(0))  # [shards, T, H]
     weights = torch.where(torch.isinf(lses), 0.0, weights)
-    merged = (weights.unsqueeze(-1) * outs.float()).sum(dim=0)
-    return merged.to(outs.dtype)
+    return (weights.unsqueeze(-1) * outs.float()).sum(dim=0)
 
 
 @dataclass

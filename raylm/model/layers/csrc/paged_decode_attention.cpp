@@ -12,6 +12,8 @@
 // blocks: `paged_decode_partial` attends over that shard (a context may be
 // empty there) and also returns each head's log-sum-exp of scores, by which
 // the shards' outputs are merged exactly (attention_merge.merge_partials).
+// Its output stays float32 whatever q's dtype: rounding each shard's partial
+// to bf16 before the merge made CP=2 drift from CP=1; the merge rounds once.
 // With a bf16 query and cache on an AVX512-BF16 core a dedicated path scores
 // with vdpbf16ps on the raw bf16 values, widens V inside the FMA, and
 // prefetches the next block: it then runs at about the core's memory bandwidth.
@@ -240,16 +242,34 @@ inline void softmax_rows(float* scores, int64_t heads, int64_t ctx, float* inv_s
   }
 }
 
-// The task's output rows (acc / sum, in q's dtype) and, when asked for, their log-sum-exp.
-template <typename q_t>
-inline void write_heads(const float* acc, const float* inv_sum, const float* head_lse, int64_t heads,
-                        int64_t head_dim, q_t* out, int64_t out_head_stride, float* lse_out) {
+template <typename out_t>
+inline void write_rows(const float* acc, const float* inv_sum, int64_t heads, int64_t head_dim, out_t* out,
+                       int64_t out_head_stride) {
   for (int64_t h = 0; h < heads; ++h) {
-    q_t* dst = out + h * out_head_stride;
+    out_t* dst = out + h * out_head_stride;
     const float* src = acc + h * head_dim;
-    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<q_t>(src[d] * inv_sum[h]);
-    if (lse_out != nullptr) lse_out[h] = head_lse[h];
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<out_t>(src[d] * inv_sum[h]);
   }
+}
+
+// Where a task's output rows go: q's dtype for a whole sequence, float32 for a
+// CP shard's partial (with its log-sum-exp), which is merged before rounding.
+template <typename q_t>
+struct OutRows {
+  q_t* whole;      // [B, H, D] in q's dtype, or null
+  float* partial;  // [B, H, D] float32, or null
+  float* lse;      // [B, H] float32 beside `partial`, or null
+  int64_t req_stride, head_stride, num_heads;
+};
+
+// The task's rows (acc / sum) of request b from head `first_head` on.
+template <typename q_t>
+inline void write_heads(const OutRows<q_t>& out, int64_t b, int64_t first_head, const float* acc,
+                        const float* inv_sum, const float* head_lse, int64_t heads, int64_t head_dim) {
+  const int64_t offset = b * out.req_stride + first_head * out.head_stride;
+  if (out.partial == nullptr) return write_rows(acc, inv_sum, heads, head_dim, out.whole + offset, out.head_stride);
+  write_rows(acc, inv_sum, heads, head_dim, out.partial + offset, out.head_stride);
+  std::copy(head_lse, head_lse + heads, out.lse + b * out.num_heads + first_head);
 }
 
 template <typename q_t, typename cache_t>
@@ -264,8 +284,11 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at
 
   const q_t* q_ptr = q.data_ptr<q_t>();
   const int64_t q_req_stride = q.stride(0), q_head_stride = q.stride(1);
-  q_t* out_ptr = out.data_ptr<q_t>();
-  const int64_t out_req_stride = out.stride(0), out_head_stride = out.stride(1);
+  // With lse (a CP shard) `out` is float32, else q's dtype; either way [B, H, D] contiguous.
+  const OutRows<q_t> rows_out{lse != nullptr ? nullptr : out.data_ptr<q_t>(),
+                              lse != nullptr ? out.data_ptr<float>() : nullptr,
+                              lse != nullptr ? lse->data_ptr<float>() : nullptr, out.stride(0), out.stride(1),
+                              num_heads};
 
   const cache_t* k_cache = kv_cache.data_ptr<cache_t>();
   const cache_t* v_cache = k_cache + kv_cache.stride(0);
@@ -277,8 +300,6 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at
   const int64_t table_stride = block_table.stride(0);
   const int64_t* ctx_lens = context_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
-  // [B, H] float32, contiguous, or none.
-  float* lse_ptr = lse != nullptr ? lse->data_ptr<float>() : nullptr;
 
   // A task is one request and a run of its kv heads: reading all heads of a
   // block at once keeps the cache reads contiguous. Requests are split into
@@ -316,7 +337,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at
     std::vector<float> acc(max_heads * head_dim);
     std::vector<float> inv_sum(max_heads);
     std::vector<float> head_lse(max_heads);
-    float* const want_lse = lse_ptr != nullptr ? head_lse.data() : nullptr;
+    float* const want_lse = rows_out.lse != nullptr ? head_lse.data() : nullptr;
     // One block of K or V for the task's kv heads, as float: [block_size, heads_per_chunk, D].
     std::vector<float> block_buffer(block_size * heads_per_chunk * head_dim);
     std::vector<float> scores;  // [heads][ctx]
@@ -329,8 +350,6 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at
       const int64_t first_head = kv_first * group;
       const int64_t width = kv_count * head_dim;  // contiguous: the cache is [.., KVH, D]
       const int64_t ctx = ctx_lens[b];
-      q_t* const out_heads = out_ptr + b * out_req_stride + first_head * out_head_stride;
-      float* const lse_heads = lse_ptr != nullptr ? lse_ptr + b * num_heads + first_head : nullptr;
 
 #ifdef RAYLM_AVX512_BF16
       if (bf16_dot) {
@@ -390,8 +409,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at
                                   group_acc.data(), group);
           }
         }
-        write_heads(acc.data(), inv_sum.data(), head_lse.data(), heads, head_dim, out_heads, out_head_stride,
-                    lse_heads);
+        write_heads(rows_out, b, first_head, acc.data(), inv_sum.data(), head_lse.data(), heads, head_dim);
         continue;
       }
 #endif
@@ -430,8 +448,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at
                           acc.data() + h * head_dim);
       }
 
-      write_heads(acc.data(), inv_sum.data(), head_lse.data(), heads, head_dim, out_heads, out_head_stride,
-                  lse_heads);
+      write_heads(rows_out, b, first_head, acc.data(), inv_sum.data(), head_lse.data(), heads, head_dim);
     }
   });
 }
@@ -488,7 +505,7 @@ std::tuple<at::Tensor, at::Tensor> run_paged_decode(const at::Tensor& q, const a
     }
   }
 
-  at::Tensor out = at::empty({num_reqs, num_heads, head_dim}, q.options());
+  at::Tensor out = at::empty({num_reqs, num_heads, head_dim}, with_lse ? q.options().dtype(at::kFloat) : q.options());
   at::Tensor lse = with_lse ? at::empty({num_reqs, num_heads}, q.options().dtype(at::kFloat)) : at::Tensor();
   at::Tensor* lse_arg = with_lse ? &lse : nullptr;
   switch (q.scalar_type()) {
@@ -517,7 +534,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
 }
 
 // As paged_decode over one shard of each request's context (context_lens may
-// be 0), also returning lse [B, H] float32, each head's log-sum-exp of scores.
+// be 0): out [B, H, D] float32 (not q's dtype: it is merged before any rounding)
+// and lse [B, H] float32, each head's log-sum-exp of scores.
 std::tuple<at::Tensor, at::Tensor> paged_decode_partial(const at::Tensor& q, const at::Tensor& kv_cache,
                                                         const at::Tensor& block_table,
                                                         const at::Tensor& context_lens, double scale) {
