@@ -322,16 +322,19 @@ def _resolve_quantization(quantization: str | None, is_gguf: bool) -> str | None
     return method
 
 
-def _check_context_parallel(args: Any, device: str, data_parallel_size: int, autoscale) -> None:
+def _check_context_parallel(args: Any, device: str) -> None:
     """What context parallelism cannot be combined with yet, refused here
     rather than run wrong (issue 26 lands in steps)."""
     cp = args.context_parallel_size
     if cp == 1:
         return
     refused = []
-    if data_parallel_size > 1 or autoscale is not None:
-        refused.append("data parallelism (data_parallel_size > 1, autoscale): live migration moves KV blocks "
-                       "rank by rank and knows no sharded cache yet")
+    # Data-parallel replicas are each a CP group of their own; only moving a
+    # request between them is not done: live migration moves KV blocks rank
+    # by rank and knows no sharded cache (a scale-in lets requests finish).
+    if args.data_parallel_rebalance:
+        refused.append("data_parallel_rebalance (live migration moves KV blocks rank by rank and knows no "
+                       "sharded cache yet)")
     if device != "cpu":
         refused.append(f"device {device!r} (CP is checked on CPU only so far)")
     if args.distributed_executor_backend == "ray" and args.ray_step_transport == "cgraph":
@@ -446,7 +449,7 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
         if not isinstance(value, (int, float)) or value <= 0:
             raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
 
-    _check_context_parallel(args, device, data_parallel_size, autoscale)
+    _check_context_parallel(args, device)
 
     env = {k: v for k, v in os.environ.items() if k.startswith("RAYLM_")}
     return EngineConfig(

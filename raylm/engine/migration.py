@@ -120,10 +120,12 @@ class MigrationControl:
     def migrate(self, request_id: str, destination: int | None = None, reason: str = "manual") -> bool:
         """Start moving `request_id` to core `destination` (None: the least
         loaded other serving core). False when it cannot move (unknown,
-        already moving, no destination)."""
+        already moving, no destination, a context-parallel engine)."""
         entry = self.ledger.get(request_id)
         if entry is None or request_id in self._migrating or entry.channel < 0:
             return False
+        if self.config.parallel_config.context_parallel_size > 1:
+            return False  # a CP group's KV is sharded over its ranks: not movable yet (issue 26)
         source = self.channels.get(entry.channel)
         if source is None:
             return False

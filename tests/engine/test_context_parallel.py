@@ -90,8 +90,7 @@ def test_context_parallel_size_must_be_a_positive_integer(value, tiny_model_dir)
 @pytest.mark.parametrize(
     "settings, named",
     [
-        ({"data_parallel_size": 2}, "data parallelism"),
-        ({"autoscale": "1:2"}, "data parallelism"),
+        ({"data_parallel_size": 2, "data_parallel_rebalance": True}, "data_parallel_rebalance"),
         ({"distributed_executor_backend": "ray", "ray_step_transport": "cgraph"}, "cgraph"),
         ({"device": "cuda"}, "device 'cuda'"),
     ],
