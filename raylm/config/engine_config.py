@@ -322,7 +322,7 @@ def _resolve_quantization(quantization: str | None, is_gguf: bool) -> str | None
     return method
 
 
-def _check_context_parallel(args: Any, device: str) -> None:
+def _check_context_parallel(args: Any) -> None:
     """What context parallelism cannot be combined with yet, refused here
     rather than run wrong (issue 26 lands in steps)."""
     cp = args.context_parallel_size
@@ -335,8 +335,6 @@ def _check_context_parallel(args: Any, device: str) -> None:
     if args.data_parallel_rebalance:
         refused.append("data_parallel_rebalance (live migration moves KV blocks rank by rank and knows no "
                        "sharded cache yet)")
-    if device != "cpu":
-        refused.append(f"device {device!r} (CP is checked on CPU only so far)")
     if args.distributed_executor_backend == "ray" and args.ray_step_transport == "cgraph":
         refused.append("ray_step_transport 'cgraph' (use mq)")
     if refused:
@@ -449,7 +447,7 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
         if not isinstance(value, (int, float)) or value <= 0:
             raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
 
-    _check_context_parallel(args, device)
+    _check_context_parallel(args)
 
     env = {k: v for k, v in os.environ.items() if k.startswith("RAYLM_")}
     return EngineConfig(

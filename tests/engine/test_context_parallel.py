@@ -92,12 +92,19 @@ def test_context_parallel_size_must_be_a_positive_integer(value, tiny_model_dir)
     [
         ({"data_parallel_size": 2, "data_parallel_rebalance": True}, "data_parallel_rebalance"),
         ({"distributed_executor_backend": "ray", "ray_step_transport": "cgraph"}, "cgraph"),
-        ({"device": "cuda"}, "device 'cuda'"),
     ],
 )
 def test_what_context_parallelism_cannot_combine_with_yet_is_refused(settings, named, tiny_model_dir):
     with pytest.raises(ValueError, match=f"context_parallel_size 2 cannot be combined yet with: .*{named}"):
         create_engine_config(tiny_model_dir("llama"), context_parallel_size=2, **settings)
+
+
+def test_cuda_is_accepted(tiny_model_dir):
+    """CP on CUDA runs torch's partial attention and the merge (the C++ kernel is
+    CPU's); tests/model/test_context_parallel_decode_paths proves that path on CPU,
+    tests/gpu/test_context_parallel_cuda on a GPU."""
+    config = create_engine_config(tiny_model_dir("llama"), context_parallel_size=2, device="cuda")
+    assert config.device == "cuda" and config.cache_config.num_kv_shards == 2
 
 
 def test_uni_backend_refuses_several_ranks(tiny_model_dir):

@@ -16,7 +16,8 @@ rank computes its share of the tokens, the group all-gathers the K/V its
 queries need once per layer, and each rank attends its own queries locally
 (raylm.model.layers.cp_prefill). Decode tokens and short chunks run on every
 rank: a query attends over the rank's shard (decode tokens on CPU with the C++
-kernel's `paged_decode_partial`, else `partial_attention` in torch), and the
+kernel's `paged_decode_partial`; on CUDA, or without the kernels, torch's
+`partial_decode_attention`; chunks `partial_attention`), and the
 group all-gathers (output, log-sum-exp) and merges them exactly
 (`merge_partials`), so every rank continues with the same hidden states.
 """
