@@ -79,6 +79,7 @@ class TrainSettings:
     eval_batches: int = 4
     val_fraction: float = 0.05
     seed: int = 1234
+    json_turns: int = 3000
     threads: int = 2
 
 
@@ -152,6 +153,91 @@ def split_document(text: str, val_fraction: float) -> tuple[str, str]:
     cut = int(len(text) * (1.0 - val_fraction))
     cut = text.rfind("\n", 0, cut) + 1 or cut
     return text[:cut], text[cut:]
+
+
+# ---------------------------------------------------------------- JSON replies
+
+# A few chat turns whose reply is a small JSON object, built from the corpus itself (speakers,
+# works, short lines). Why: a model that has never seen JSON, held to a JSON-object grammar,
+# opens a string and writes Shakespeare in it until max_tokens; one that has seen objects
+# close closes its own. The tokenizer is still trained on Shakespeare alone, so it is unchanged.
+JSON_REQUESTS = [
+    "Describe a {thing} as JSON.", "Give me a {thing} from {work} as JSON.", "Answer in JSON.",
+    "Reply with a JSON object.", "Return a {thing} as a JSON object.", "Who speaks in {work}? Answer in JSON.",
+    "A line from {work}, as JSON.", "Describe {speaker} as JSON.", "JSON, please: a {thing}.",
+    "Write a JSON object about {work}.",
+]
+JSON_THINGS = ["person", "character", "king", "lady", "soldier", "speaker", "scene", "line", "play", "lord"]
+JSON_SYSTEM_PROMPT = "You answer in JSON."
+JSON_LINE = re.compile(r"^[A-Za-z][A-Za-z ,;'!?.-]{8,48}$")
+
+
+@dataclass(frozen=True)
+class JsonVocabulary:
+    """What the JSON replies talk about, all taken from the training texts."""
+    speakers: list[str]
+    works: list[str]
+    lines: list[str]
+
+
+def json_vocabulary(documents: list[tuple[str, str]]) -> JsonVocabulary:
+    speakers, lines = set(), set()
+    for _, text in documents:
+        for line in text.split("\n"):
+            stripped = line.strip()
+            if re.fullmatch(r"[A-Z][A-Z' -]{1,20}:", stripped):
+                speakers.add(stripped[:-1].title())
+            elif JSON_LINE.match(stripped):
+                lines.add(stripped)
+    works = [name.removesuffix("_gut").replace("_", " ") for name, _ in documents]
+    return JsonVocabulary(sorted(speakers), works, sorted(lines))
+
+
+def json_reply_object(vocabulary: JsonVocabulary, rng: random.Random, depth: int = 0) -> dict:
+    """One object of one to four fields: strings, integers, booleans, a short list, or (rarely) a nested object."""
+    makers = {
+        "name": lambda: rng.choice(vocabulary.speakers),
+        "speaker": lambda: rng.choice(vocabulary.speakers),
+        "play": lambda: rng.choice(vocabulary.works),
+        "line": lambda: rng.choice(vocabulary.lines),
+        "age": lambda: rng.randint(1, 90),
+        "act": lambda: rng.randint(1, 5),
+        "scene": lambda: rng.randint(1, 7),
+        "lines": lambda: rng.randint(1, 900),
+        "title": lambda: rng.choice(["King", "Queen", "Lord", "Lady", "Duke", "Prince", "Fool", "Soldier"]),
+        "noble": lambda: rng.random() < 0.5,
+        "alive": lambda: rng.random() < 0.5,
+        "friends": lambda: [rng.choice(vocabulary.speakers) for _ in range(rng.randint(0, 3))],
+        "acts": lambda: sorted(rng.sample(range(1, 6), rng.randint(1, 3))),
+    }
+    if depth == 0 and rng.random() < 0.15:
+        makers["person"] = lambda: json_reply_object(vocabulary, rng, depth + 1)
+    keys = rng.sample(sorted(makers), rng.randint(1, 4))
+    if rng.random() < 0.5 and "name" not in keys:
+        keys[0] = "name"  # most replies name someone, as most requests ask for a person
+    return {key: makers[key]() for key in keys}
+
+
+def json_chat_turns(vocabulary: JsonVocabulary, count: int, seed: int) -> list[str]:
+    """`count` chat turns in the shipped chat template's format, each a request and an object reply
+    written compact, with single spaces, or indented by two (the blanks the JSON grammars allow)."""
+    rng = random.Random(seed)
+    turns = []
+    for _ in range(count):
+        template = rng.choice(JSON_REQUESTS)
+        work, speaker = rng.choice(vocabulary.works), rng.choice(vocabulary.speakers)
+        request = template.format(thing=rng.choice(JSON_THINGS), work=work, speaker=speaker)
+        reply_object = json_reply_object(vocabulary, rng)
+        # The reply answers the request where it names someone or something.
+        if "{speaker}" in template:
+            reply_object = {"name": speaker, **{k: v for k, v in reply_object.items() if k != "name"}}
+        if "{work}" in template:
+            reply_object = {**reply_object, "play": work}
+        layout = rng.choice([{"separators": (",", ":")}, {}, {"indent": 2}])
+        reply = json.dumps(reply_object, **layout)
+        system = f"SYSTEM: {JSON_SYSTEM_PROMPT}\n" if rng.random() < 0.2 else ""
+        turns.append(f"{system}USER: {request}\nASSISTANT: {reply}")
+    return turns
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -372,7 +458,9 @@ def write_readme(output_dir: Path, command: str, settings: TrainSettings, parame
 The model `raylm generate "ROMEO:"` runs when no model is named. It is a
 {parameter_count / 1e6:.2f} M-parameter Llama-architecture causal LM (weights stored in
 float32, files {total_bytes / 1e6:.1f} MB in all) trained from scratch on the works of
-Shakespeare. It writes Shakespeare-flavoured English; it knows nothing else.
+Shakespeare, with a few thousand short chat turns whose replies are JSON objects.
+It writes Shakespeare-flavoured English, and closes the JSON it opens; it knows
+nothing else.
 
 ## Corpus and licence
 
@@ -390,8 +478,16 @@ Shakespeare. It writes Shakespeare-flavoured English; it knows nothing else.
 - Preprocessing: speaker headings such as `Romeo.` / `DUNCAN.` become `ROMEO:` /
   `DUNCAN:`; runs of blank lines are collapsed. The last {settings.val_fraction:.0%} of each work
   is held out for validation.
-- Size: {corpus_stats['train_chars']:,} training characters ({corpus_stats['train_tokens']:,} tokens),
+- Size: {corpus_stats['train_chars']:,} training characters
+  ({corpus_stats['train_tokens'] - corpus_stats['json_tokens']:,} tokens),
   {corpus_stats['val_chars']:,} validation characters ({corpus_stats['val_tokens']:,} tokens).
+- JSON replies: {corpus_stats['json_turns']:,} chat turns in the chat template's format
+  (`USER: Describe Achilles as JSON.` / `ASSISTANT: {{"name": "Achilles", "scene": 1}}`),
+  {corpus_stats['json_tokens']:,} tokens, made by the script from the corpus's own speakers,
+  works and short lines: objects of one to four fields (strings, integers, booleans, short
+  lists, now and then a nested object), written compact, with single spaces, or indented
+  by two. Without them the model, held to a JSON-object grammar, opened a string and
+  wrote verse in it until `max_tokens`. Validation is on Shakespeare alone.
 
 ## Model
 
@@ -476,11 +572,15 @@ def main(argv: list[str] | None = None) -> None:
     val_texts = [val for _, val in splits]
 
     tokenizer = train_tokenizer(train_texts, settings.vocab_size)
-    train_stream = encode_documents(tokenizer, train_texts)
+    json_turns = json_chat_turns(json_vocabulary(documents), settings.json_turns, settings.seed)
+    # The JSON turns follow the works in one stream; training windows are drawn uniformly from it.
+    train_stream = encode_documents(tokenizer, train_texts + json_turns)
     val_stream = encode_documents(tokenizer, val_texts)
     corpus_stats = {"documents": len(documents),
                     "train_chars": sum(map(len, train_texts)), "val_chars": sum(map(len, val_texts)),
-                    "train_tokens": int(len(train_stream)), "val_tokens": int(len(val_stream))}
+                    "train_tokens": int(len(train_stream)), "val_tokens": int(len(val_stream)),
+                    "json_turns": len(json_turns),
+                    "json_tokens": int(len(encode_documents(tokenizer, json_turns)))}
     logger.info("tokens: %s", corpus_stats)
 
     bos_id, eos_id = tokenizer.token_to_id(BOS_TOKEN), tokenizer.token_to_id(EOS_TOKEN)

@@ -1,5 +1,5 @@
-"""Structured outputs that finish, on the embedded default model (a weak
-Shakespeare model that knows nothing of JSON) through `raylm serve` and the
+"""Structured outputs that finish, on the embedded default model (a small
+Shakespeare model that has seen a few JSON replies) through `raylm serve` and the
 openai client, at temperature 1.0: JSON grammars bound the whitespace between
 tokens (one space, or a newline and an indent of at most 20) and the digits of
 numbers, so a schema-held object finishes with "stop" and validates;
@@ -59,9 +59,9 @@ def blanks_outside_strings(text: str) -> list[str]:
     return runs + ([run] if run else [])
 
 
-def _choices(client, response_format=None, seed=0, **extra_body):
+def _choices(client, response_format=None, seed=0, messages=MESSAGES, **extra_body):
     response = client.chat.completions.create(
-        model=MODEL_NAME, messages=MESSAGES, n=PER_REQUEST, temperature=1.0, max_tokens=MAX_TOKENS, seed=seed,
+        model=MODEL_NAME, messages=messages, n=PER_REQUEST, temperature=1.0, max_tokens=MAX_TOKENS, seed=seed,
         response_format=response_format, extra_body=extra_body or None)
     return response.choices
 
@@ -80,23 +80,20 @@ def test_json_schema_outputs_finish_and_validate(client):
         assert all(BOUNDED_RUN.fullmatch(run) for run in blanks_outside_strings(text)), text
 
 
-def test_json_object_outputs_never_spin_on_blanks(client):
-    """Any object: the blanks are bounded, so an object that ends is valid
-    JSON. This model, asked for any object, mostly writes Shakespeare inside
-    its first key until max_tokens (a string has no length bound in JSON):
-    those are cut inside the string, never in a run of blanks."""
-    choices = [c for seed in range(2) for c in _choices(client, {"type": "json_object"}, seed=seed)]
+def test_json_object_outputs_finish_and_parse(client):
+    """Any object (no schema: a string has no length bound), at temperature 1.0:
+    every one ends with "stop" as a JSON object, its blanks bounded. The model
+    closes its strings and objects because its training saw JSON replies; the
+    second request's wording is not one of its training requests."""
+    unseen = [{"role": "user", "content": "What cargo does the ship carry? Reply in JSON."}]
+    choices = [c for seed, messages in enumerate([MESSAGES, unseen])
+               for c in _choices(client, {"type": "json_object"}, seed=seed, messages=messages)]
     assert len(choices) == 10
     for choice in choices:
         text = choice.message.content
-        assert text.startswith("{"), text
+        assert choice.finish_reason == "stop", text
+        assert isinstance(json.loads(text), dict), text
         assert all(BOUNDED_RUN.fullmatch(run) for run in blanks_outside_strings(text)), text
-        if choice.finish_reason == "stop":
-            assert isinstance(json.loads(text), dict), text
-        else:
-            assert choice.finish_reason == "length"
-            with pytest.raises(ValueError):
-                json.loads(text)
 
 
 @pytest.mark.parametrize("response_format", [_schema_format(), {"type": "json_object"}], ids=["schema", "object"])
