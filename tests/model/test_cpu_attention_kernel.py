@@ -6,10 +6,8 @@ Hugging Face, with chunked prefill and prefix-cache hits."""
 from __future__ import annotations
 
 import math
-import shutil
 import subprocess
 import sys
-import sysconfig
 import textwrap
 
 import pytest
@@ -21,10 +19,10 @@ from raylm.model.layers.attention import Attention
 from raylm.model.layers.cpu_kernels import DISABLE_ENV, get_paged_decode_kernel
 from raylm.testing import make_tiny_model
 from raylm.testing.hf_oracle import hf_greedy
+from tests.model.cpu_kernel_utils import needs_compiler
 from tests.model.paged_steps import CASES, attend, random_step
 
-_HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++", sysconfig.get_config_var("CXX") or "c++"))
-pytestmark = pytest.mark.skipif(not _HAS_COMPILER, reason="no C++ compiler to build the CPU kernel")
+pytestmark = needs_compiler
 
 CONTEXT_LENS = [1, 15, 16, 17, 200]
 

@@ -5,8 +5,6 @@ to the bit except where a float exp or sum differs in its last bit."""
 
 from __future__ import annotations
 
-import shutil
-import sysconfig
 from types import SimpleNamespace
 
 import pytest
@@ -15,21 +13,14 @@ import torch
 from raylm.model.arch_config import RopeScaling
 from raylm.model.layers import activation, layernorm, rotary
 from raylm.model.layers.activation import SiluAndMul
-from raylm.model.layers.cpu_kernels import DISABLE_ENV, get_cpu_kernels
+from raylm.model.layers.cpu_kernels import DISABLE_ENV
 from raylm.model.layers.layernorm import RMSNorm
 from raylm.model.layers.rotary import RotaryEmbedding
+from tests.model.cpu_kernel_utils import needs_compiler
 
-_HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++", sysconfig.get_config_var("CXX") or "c++"))
-pytestmark = pytest.mark.skipif(not _HAS_COMPILER, reason="no C++ compiler to build the CPU kernels")
+pytestmark = needs_compiler
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = get_cpu_kernels()
-    assert module is not None, "a C++ compiler is present, so the kernels must build"
-    return module
 
 
 @pytest.fixture

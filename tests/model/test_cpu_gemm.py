@@ -7,25 +7,15 @@ one bf16 unit in the last place (ulp) everywhere, and mostly equal."""
 
 from __future__ import annotations
 
-import shutil
-import sysconfig
 
 import pytest
 import torch
 
 from raylm.model.layers import cpu_gemm
-from raylm.model.layers.cpu_kernels import get_cpu_kernels
 from raylm.model.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from tests.model.cpu_kernel_utils import needs_compiler
 
-_HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++", sysconfig.get_config_var("CXX") or "c++"))
-pytestmark = pytest.mark.skipif(not _HAS_COMPILER, reason="no C++ compiler to build the CPU kernels")
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = get_cpu_kernels()
-    assert module is not None, "a C++ compiler is present, so the kernels must build"
-    return module
+pytestmark = needs_compiler
 
 
 def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:

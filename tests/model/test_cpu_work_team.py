@@ -6,23 +6,14 @@ same bits on any number of threads."""
 from __future__ import annotations
 
 import multiprocessing
-import shutil
-import sysconfig
 
 import pytest
 import torch
 
 from raylm.model.layers.cpu_kernels import get_cpu_kernels
+from tests.model.cpu_kernel_utils import needs_compiler
 
-_HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++", sysconfig.get_config_var("CXX") or "c++"))
-pytestmark = pytest.mark.skipif(not _HAS_COMPILER, reason="no C++ compiler to build the CPU kernels")
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = get_cpu_kernels()
-    assert module is not None, "a C++ compiler is present, so the kernels must build"
-    return module
+pytestmark = needs_compiler
 
 
 @pytest.fixture

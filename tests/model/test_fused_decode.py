@@ -4,8 +4,6 @@ order, so tokens and logprobs agree to the bit, for every architecture."""
 
 from __future__ import annotations
 
-import shutil
-import sysconfig
 
 import pytest
 import torch
@@ -14,9 +12,9 @@ from raylm import LLM, SamplingParams
 from raylm.model import llama_decode
 from raylm.model.layers.cpu_kernels import get_cpu_kernels
 from raylm.testing.tiny_models import SUPPORTED_ARCHS, make_tiny_model
+from tests.model.cpu_kernel_utils import needs_compiler
 
-_HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++", sysconfig.get_config_var("CXX") or "c++"))
-pytestmark = pytest.mark.skipif(not _HAS_COMPILER, reason="no C++ compiler to build the CPU kernels")
+pytestmark = needs_compiler
 
 
 class _CountingKernels:

@@ -6,7 +6,6 @@ activations; and the model keeps such weights quantized when they run there."""
 
 from __future__ import annotations
 
-import shutil
 import sysconfig
 import types
 
@@ -17,13 +16,12 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 
 from raylm.model.layers import quant_kernels
-from raylm.model.layers.cpu_kernels import get_cpu_kernels
 from raylm.model.layers.quant_linear import QuantSegment
 from raylm.model.quantization import QuantizedWeight, quant_type
 from raylm.testing.kquants import quantize_q4_k, quantize_q6_k
+from tests.model.cpu_kernel_utils import needs_compiler
 
-_HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++", sysconfig.get_config_var("CXX") or "c++"))
-pytestmark = pytest.mark.skipif(not _HAS_COMPILER, reason="no C++ compiler to build the CPU kernels")
+pytestmark = needs_compiler
 
 ENCODERS = {
     "Q8_0": lambda w: quants.quantize(w, T.Q8_0),
@@ -31,13 +29,6 @@ ENCODERS = {
     "Q4_K": quantize_q4_k,
     "Q6_K": quantize_q6_k,
 }
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = get_cpu_kernels()
-    assert module is not None, "a C++ compiler is present, so the kernels must build"
-    return module
 
 
 def _weight(qtype: str, rows: int = 40, cols: int = 512) -> tuple[QuantizedWeight, torch.Tensor]:
