@@ -77,3 +77,42 @@ def test_matmuls_give_the_same_bits_on_any_thread_count(kernels, threads, rows):
     threads(2)
     for _ in range(50):
         assert torch.equal(kernels.bf16_linear(x, packed, 1000), alone)
+
+
+@pytest.mark.parametrize("n,grain", [(0, 1), (1, 1), (5, 8), (8, 8), (9, 8), (100, 1), (1000, 3), (64, 16)])
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_ranges_cover_every_index_once(kernels, threads, n, grain, num_threads):
+    threads(num_threads)
+    counts, ranges = kernels.work_team_range_probe(n, grain)
+    assert counts.tolist() == [1] * n
+    if n <= grain:  # small work stays whole, on the caller
+        assert ranges == min(n, 1)
+    else:  # at least `grain` per range (but the last), at most 4 ranges per thread
+        assert ranges <= min(-(-n // grain), 4 * num_threads)
+
+
+def test_attention_and_elementwise_ops_give_the_same_bits_on_any_thread_count(kernels, threads):
+    """Paged decode attention and the fused elementwise ops run their decode-sized
+    calls on the team: split into ranges differently on 1 and 2 threads, each
+    request's or row's result must not change."""
+    torch.manual_seed(0)
+    block_size, kv_heads, heads, head_dim, num_blocks = 16, 4, 8, 64, 160
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(torch.bfloat16)
+    lengths = torch.tensor([1, 17, 300, 5, 64, 129, 2, 250], dtype=torch.int64)  # uneven requests
+    table = torch.randperm(num_blocks).view(len(lengths), 20)  # 320 tokens per request at most
+    q = torch.randn(len(lengths), heads, head_dim).to(torch.bfloat16)
+    rows = torch.randn(40, 1024).to(torch.bfloat16)
+    residual = torch.randn(40, 1024).to(torch.bfloat16)
+    weight = torch.randn(1024).to(torch.bfloat16)
+    gate_up = torch.randn(40, 2 * 1024).to(torch.bfloat16)
+
+    def run():
+        return [kernels.paged_decode(q, cache, table, lengths, 0.125), kernels.rms_norm(rows, weight, 1e-6),
+                *kernels.add_rms_norm(rows, residual, weight, 1e-6), kernels.silu_and_mul(gate_up)]
+
+    threads(1)
+    alone = run()
+    threads(2)
+    for _ in range(20):
+        for got, want in zip(run(), alone):
+            assert torch.equal(got, want)

@@ -60,4 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("work_team_probe", &work_team_probe,
         "(runs per item, runs off the caller) over `rounds` calls of the decode matmuls' work team",
         py::arg("items"), py::arg("rounds"));
+  m.def("work_team_range_probe", &work_team_range_probe,
+        "(runs per index, ranges) of one for_each_range over [0, n) in ranges of at least `grain`", py::arg("n"),
+        py::arg("grain"));
 }

@@ -59,7 +59,7 @@ void block_kernel(const Block& b) {
     __m512 w[TILES][kQuad];
     for (int t = 0; t < TILES; ++t) {
       const int8_t* src = b.tile + t * b.tile_stride + qd * kQuadBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(src + 16 * kQuadBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(src + 16 * kQuadBytes), _MM_HINT_T1);
       for (int j = 0; j < kQuad; ++j)
         w[t][j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * j))));
     }

@@ -55,3 +55,4 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
 // For tests of work_team.h: how often each of `items` ran over `rounds` calls,
 // and how many runs were off the calling thread.
 std::tuple<at::Tensor, int64_t> work_team_probe(int64_t items, int64_t rounds);
+std::tuple<at::Tensor, int64_t> work_team_range_probe(int64_t n, int64_t grain);

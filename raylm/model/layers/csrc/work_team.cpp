@@ -170,6 +170,8 @@ Team& team() {
 
 }  // namespace
 
+int max_team_threads() { return std::max(1, at::get_num_threads()); }
+
 void run_items(int64_t items, void (*fn)(void*, int64_t), void* ctx) {
   const int workers = std::min<int>(at::get_num_threads(), int(items)) - 1;
   if (workers <= 0 || items > kMaxItems || at::in_parallel_region()) {
@@ -203,4 +205,18 @@ std::tuple<at::Tensor, int64_t> work_team_probe(int64_t items, int64_t rounds) {
   at::Tensor counts = at::empty({items}, at::kLong);
   for (int64_t i = 0; i < items; ++i) counts.data_ptr<int64_t>()[i] = runs[i].load();
   return {counts, off.load()};
+}
+
+std::tuple<at::Tensor, int64_t> work_team_range_probe(int64_t n, int64_t grain) {
+  TORCH_CHECK(n >= 0, "work_team_range_probe: n must be >= 0");
+  std::vector<std::atomic<int64_t>> runs(n);
+  std::atomic<int64_t> ranges{0};
+  raylm::for_each_range(n, grain, [&](int64_t begin, int64_t end) {
+    TORCH_CHECK(begin < end, "work_team_range_probe: an empty range");
+    ranges.fetch_add(1, std::memory_order_relaxed);
+    for (int64_t i = begin; i < end; ++i) runs[i].fetch_add(1, std::memory_order_relaxed);
+  });
+  at::Tensor counts = at::empty({n}, at::kLong);
+  for (int64_t i = 0; i < n; ++i) counts.data_ptr<int64_t>()[i] = runs[i].load();
+  return {counts, ranges.load()};
 }

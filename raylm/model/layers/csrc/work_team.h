@@ -13,6 +13,7 @@
 // result: each item is computed the same way whoever runs it.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 namespace raylm {
@@ -28,6 +29,29 @@ template <typename Item>
 void for_each_item(int64_t items, const Item& item) {
   run_items(items, [](void* ctx, int64_t i) { (*static_cast<const Item*>(ctx))(i); },
             const_cast<void*>(static_cast<const void*>(&item)));
+}
+
+// range(begin, end) over [0, n) in contiguous ranges of at least `grain`
+// (the whole of [0, n) on the caller when n <= grain), as at::parallel_for
+// splits its range, but on the team: an OpenMP region here would wake
+// OpenMP's own threads while the team's still spin for the next matmul, two
+// pools fighting over the same cores (a decode step's attention took ~20%
+// of a 111M model's step that way). Ranges are at most kRangesPerThread per
+// thread, so uneven ones (requests of different lengths) still balance.
+constexpr int64_t kRangesPerThread = 4;
+int max_team_threads();
+
+template <typename Range>
+void for_each_range(int64_t n, int64_t grain, const Range& range) {
+  if (n <= 0) return;
+  grain = std::max<int64_t>(grain, 1);
+  if (n <= grain) {
+    range(int64_t(0), n);
+    return;
+  }
+  const int64_t ranges = std::min<int64_t>((n + grain - 1) / grain, kRangesPerThread * max_team_threads());
+  const int64_t size = (n + ranges - 1) / ranges;
+  for_each_item((n + size - 1) / size, [&](int64_t i) { range(i * size, std::min(n, (i + 1) * size)); });
 }
 
 }  // namespace raylm
