@@ -325,20 +325,19 @@ inline void nibbles(const uint8_t* p, typename V::I q[8]) {
 
 // Runs block(p, b, acc) over the tile's blocks of `bytes` each (p: block b's
 // data; acc: the 16 columns of each row, from zero), then stores acc. Ahead
-// of each block goes a prefetch: 8 blocks ahead for the small 32-weight
-// blocks, the next block's first 2 KB for the K types' large ones.
+// of each block, every line of the bytes kPrefetchAhead further on is asked
+// for, into L2 (an L1 prefetch holds one of the core's few fill buffers
+// until the line arrives; the tile's stream is sequential, so L2 can keep
+// far more of it in flight).
+constexpr int64_t kPrefetchAhead = 4096;
+
 template <typename V, int ROWS, int64_t BYTES, typename Block>
 inline void over_blocks(const Call& c, Block block) {
   typename V::F acc[ROWS];
   for (int m = 0; m < ROWS; ++m) acc[m] = V::zero_f();
   for (int64_t b = 0; b < c.blocks; ++b) {
     const uint8_t* p = c.tile + b * BYTES;
-    if constexpr (BYTES < 1024) {
-      __builtin_prefetch(p + 8 * BYTES);
-    } else {
-      __builtin_prefetch(p + BYTES);
-      __builtin_prefetch(p + BYTES + 1024);
-    }
+    for (int64_t line = 0; line < BYTES; line += kLine) __builtin_prefetch(p + kPrefetchAhead + line, 0, 2);
     block(p, b, acc);
   }
   for (int m = 0; m < ROWS; ++m) V::store(acc[m], c.out[m], c.bf16_out, c.cols);
@@ -361,10 +360,13 @@ void tile_32(const Call& c) {
     }
     for (int m = 0; m < ROWS; ++m) {
       const int8_t* x = c.x(m, b * 32);
-      I dot = V::set1(-offset * c.act->sum32[(c.row0 + m) * (c.K / 32) + b]);
-      for (int i = 0; i < 8; ++i)
-        dot = FOUR_BIT ? V::dot4(dot, q[i], V::bcast4(x + 4 * i)) : V::q8_dot4(dot, q[i], V::bcast4(x + 4 * i));
-      acc[m] = V::fmadd(V::mul(d, V::set1_f(c.dx(m, b, 32))), V::to_f(dot), acc[m]);
+      I dot0 = V::set1(-offset * c.act->sum32[(c.row0 + m) * (c.K / 32) + b]), dot1 = V::zero();
+      for (int i = 0; i < 8; i += 2) {  // two chains, as in tile_q4_k
+        dot0 = FOUR_BIT ? V::dot4(dot0, q[i], V::bcast4(x + 4 * i)) : V::q8_dot4(dot0, q[i], V::bcast4(x + 4 * i));
+        dot1 = FOUR_BIT ? V::dot4(dot1, q[i + 1], V::bcast4(x + 4 * i + 4))
+                        : V::q8_dot4(dot1, q[i + 1], V::bcast4(x + 4 * i + 4));
+      }
+      acc[m] = V::fmadd(V::mul(d, V::set1_f(c.dx(m, b, 32))), V::to_f(V::add(dot0, dot1)), acc[m]);
     }
   });
 }
@@ -382,9 +384,12 @@ void tile_q4_k(const Call& c) {
       const I sc = V::u8_lanes(p + kQ4KScales + 16 * j);
       for (int m = 0; m < ROWS; ++m) {
         const int8_t* x = c.x(m, b * 256 + 32 * j);
-        I dot = V::zero();
-        for (int i = 0; i < 8; ++i) dot = V::dot4(dot, q[i], V::bcast4(x + 4 * i));
-        isum[m] = V::add(isum[m], V::mullo(dot, sc));
+        // Four chains of dots, not one: the integer sums are exact in any
+        // order, and a chain of 8 dependent vpdpbusd was the kernel's limit.
+        I dot[4];
+        for (int i = 0; i < 4; ++i) dot[i] = V::dot4(V::zero(), q[i], V::bcast4(x + 4 * i));
+        for (int i = 4; i < 8; ++i) dot[i - 4] = V::dot4(dot[i - 4], q[i], V::bcast4(x + 4 * i));
+        isum[m] = V::add(isum[m], V::mullo(V::add(V::add(dot[0], dot[1]), V::add(dot[2], dot[3])), sc));
       }
     }
     for (int pair = 0; pair < 4; ++pair) {  // mins as int16 pairs against pairs of sub-block sums
