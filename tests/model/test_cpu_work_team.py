@@ -92,9 +92,10 @@ def test_ranges_cover_every_index_once(kernels, threads, n, grain, num_threads):
 
 
 def test_attention_and_elementwise_ops_give_the_same_bits_on_any_thread_count(kernels, threads):
-    """Paged decode attention and the fused elementwise ops run their decode-sized
-    calls on the team: split into ranges differently on 1 and 2 threads, each
-    request's or row's result must not change."""
+    """Paged decode attention and the fused elementwise ops split their requests
+    or rows over threads (called from Python, as here, with OpenMP; inside a
+    fused decode step on the team, which test_fused_decode holds to the module
+    path's bits): however they are split, each result must not change."""
     torch.manual_seed(0)
     block_size, kv_heads, heads, head_dim, num_blocks = 16, 4, 8, 64, 160
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(torch.bfloat16)

@@ -7,6 +7,7 @@
 #pragma once
 
 #include "kernels.h"
+#include "work_team.h"
 
 #include <tuple>
 
@@ -45,6 +46,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_loop(const char* caller, at::Ten
   TORCH_CHECK(s.slot_mapping.scalar_type() == at::kLong && s.slot_mapping.numel() == tokens, caller,
               ": one int64 slot per token");
   const int64_t q_size = s.num_heads * s.head_dim, kv_size = s.num_kv_heads * s.head_dim;
+  const FusedDecodeScope on_the_team;  // attention and elementwise ops beside the team's matmuls
   for (int64_t l = 0; l < layers; ++l) {
     const DecodeLayer p = layer_at(l);
     at::Tensor h;

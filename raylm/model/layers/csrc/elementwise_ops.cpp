@@ -9,7 +9,8 @@
 // last bit (the exp here is a polynomial; the sums run in another order).
 //
 // Loops run over contiguous float rows so that -O3 vectorises them; rows are
-// split over threads (for_each_row_range).
+// split over threads (raylm::parallel_ranges: the work team inside a fused
+// decode step, OpenMP elsewhere).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -76,22 +77,6 @@ inline float round_to(float v) {
 // Rows per parallel task: enough work to be worth a thread's wake-up.
 inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
 
-// Decode-sized calls (a step's few rows, between matmuls that run on the
-// work team) go to the same team; prefill-sized ones, between torch's
-// OpenMP matmuls, stay on OpenMP. Either way the threads that run the call
-// are the ones already awake, instead of one pool waking while the other
-// still spins on the same cores.
-constexpr int64_t kTeamMaxRows = 256;
-
-template <typename Range>
-void for_each_row_range(int64_t rows, int64_t width, const Range& range) {
-  if (rows <= kTeamMaxRows) {
-    raylm::for_each_range(rows, grain_rows(width), range);
-  } else {
-    at::parallel_for(0, rows, grain_rows(width), range);
-  }
-}
-
 void check_cpu_rows(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu(), what, ": CPU tensors only");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, what, ": expected [rows, width] with contiguous rows");
@@ -110,7 +95,7 @@ void silu_and_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t rows = gate_up.size(0), width = out.size(1), in_stride = gate_up.stride(0);
   const scalar_t* in = gate_up.data_ptr<scalar_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
-  for_each_row_range(rows, width, [&](int64_t begin, int64_t end) {
+  raylm::parallel_ranges(rows, grain_rows(width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* gate = in + r * in_stride;
       const scalar_t* up = gate + width;
@@ -142,7 +127,7 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Te
   scalar_t* op = out.data_ptr<scalar_t>();
   scalar_t* rop = residual_out ? residual_out->data_ptr<scalar_t>() : nullptr;
   const float inv_width = 1.f / float(width);
-  for_each_row_range(rows, width, [&](int64_t begin, int64_t end) {
+  raylm::parallel_ranges(rows, grain_rows(width), [&](int64_t begin, int64_t end) {
     std::vector<float> row(width);
     float* h = row.data();
     for (int64_t r = begin; r < end; ++r) {
@@ -181,7 +166,7 @@ void rotate_impl(const at::Tensor& x, const int64_t* positions, const float* cos
   const int64_t x_stride = x.stride(0);
   const scalar_t* xp = x.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
-  for_each_row_range(rows, width, [&](int64_t begin, int64_t end) {
+  raylm::parallel_ranges(rows, grain_rows(width), [&](int64_t begin, int64_t end) {
     std::vector<float> cs(2 * half);
     float* c = cs.data();
     float* s = c + half;

@@ -325,7 +325,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at
   const int64_t num_pairs = head_dim / kBf16Pair;
 #endif
 
-  raylm::for_each_range(num_tasks, grain, [&](int64_t begin, int64_t end) {
+  raylm::parallel_ranges(num_tasks, grain, [&](int64_t begin, int64_t end) {
     const int64_t max_heads = heads_per_chunk * group;
 #ifdef RAYLM_AVX512_BF16
     // The query heads as raw bf16 bits, unscaled so they stay exact; the scale

@@ -172,6 +172,14 @@ Team& team() {
 
 int max_team_threads() { return std::max(1, at::get_num_threads()); }
 
+namespace {
+thread_local bool t_in_fused_decode = false;
+}  // namespace
+
+FusedDecodeScope::FusedDecodeScope() : outer_(t_in_fused_decode) { t_in_fused_decode = true; }
+FusedDecodeScope::~FusedDecodeScope() { t_in_fused_decode = outer_; }
+bool in_fused_decode() { return t_in_fused_decode; }
+
 void run_items(int64_t items, void (*fn)(void*, int64_t), void* ctx) {
   const int workers = std::min<int>(at::get_num_threads(), int(items)) - 1;
   if (workers <= 0 || items > kMaxItems || at::in_parallel_region()) {

@@ -13,6 +13,8 @@
 // result: each item is computed the same way whoever runs it.
 #pragma once
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <cstdint>
 
@@ -33,10 +35,7 @@ void for_each_item(int64_t items, const Item& item) {
 
 // range(begin, end) over [0, n) in contiguous ranges of at least `grain`
 // (the whole of [0, n) on the caller when n <= grain), as at::parallel_for
-// splits its range, but on the team: an OpenMP region here would wake
-// OpenMP's own threads while the team's still spin for the next matmul, two
-// pools fighting over the same cores (a decode step's attention took ~20%
-// of a 111M model's step that way). Ranges are at most kRangesPerThread per
+// splits its range, but on the team. Ranges are at most kRangesPerThread per
 // thread, so uneven ones (requests of different lengths) still balance.
 constexpr int64_t kRangesPerThread = 4;
 int max_team_threads();
@@ -52,6 +51,35 @@ void for_each_range(int64_t n, int64_t grain, const Range& range) {
   const int64_t ranges = std::min<int64_t>((n + grain - 1) / grain, kRangesPerThread * max_team_threads());
   const int64_t size = (n + ranges - 1) / ranges;
   for_each_item((n + size - 1) / size, [&](int64_t i) { range(i * size, std::min(n, (i + 1) * size)); });
+}
+
+// While a fused decode step (decode_layer_loop.h) runs on this thread, its
+// matmuls run on the team, so its attention and elementwise ops must too: an
+// OpenMP region between them wakes OpenMP's threads while the team's still
+// spin for the next matmul, two pools fighting over the same cores (on 2
+// cores a 111M model's batch-1 step spent ~20% of its time so, in attention
+// over at most 129 tokens). Outside one (prefill, larger batches, the module
+// path) the matmuls are torch's, on OpenMP, and so are these ops.
+class FusedDecodeScope {
+ public:
+  FusedDecodeScope();
+  ~FusedDecodeScope();
+  FusedDecodeScope(const FusedDecodeScope&) = delete;
+  FusedDecodeScope& operator=(const FusedDecodeScope&) = delete;
+
+ private:
+  bool outer_;
+};
+bool in_fused_decode();
+
+// for_each_range inside a fused decode step, at::parallel_for outside one.
+template <typename Range>
+void parallel_ranges(int64_t n, int64_t grain, const Range& range) {
+  if (in_fused_decode()) {
+    for_each_range(n, grain, range);
+  } else {
+    at::parallel_for(0, n, grain, range);
+  }
 }
 
 }  // namespace raylm
