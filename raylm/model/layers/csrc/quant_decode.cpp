@@ -375,6 +375,7 @@ void tile_32(const Call& c) {
 template <typename V, int ROWS>
 void tile_q4_k(const Call& c) {
   using I = typename V::I;
+  constexpr int kChains = ROWS == 1 ? 4 : ROWS == 2 ? 2 : 1;
   over_blocks<V, ROWS, kQ4KQuants + 32 * kLine>(c, [&](const uint8_t* p, int64_t b, typename V::F* acc) {
     I isum[ROWS], msum[ROWS];
     for (int m = 0; m < ROWS; ++m) isum[m] = msum[m] = V::zero();
@@ -384,12 +385,15 @@ void tile_q4_k(const Call& c) {
       const I sc = V::u8_lanes(p + kQ4KScales + 16 * j);
       for (int m = 0; m < ROWS; ++m) {
         const int8_t* x = c.x(m, b * 256 + 32 * j);
-        // Four chains of dots, not one: the integer sums are exact in any
-        // order, and a chain of 8 dependent vpdpbusd was the kernel's limit.
-        I dot[4];
-        for (int i = 0; i < 4; ++i) dot[i] = V::dot4(V::zero(), q[i], V::bcast4(x + 4 * i));
-        for (int i = 4; i < 8; ++i) dot[i - 4] = V::dot4(dot[i - 4], q[i], V::bcast4(x + 4 * i));
-        isum[m] = V::add(isum[m], V::mullo(V::add(V::add(dot[0], dot[1]), V::add(dot[2], dot[3])), sc));
+        // Independent chains of dots, not one: the integer sums are exact in
+        // any order, and at one row a chain of 8 dependent vpdpbusd was the
+        // kernel's limit. More rows are chains of their own already, and more
+        // accumulators there would spill registers.
+        I dot[kChains];
+        for (int i = 0; i < kChains; ++i) dot[i] = V::zero();
+        for (int i = 0; i < 8; ++i) dot[i % kChains] = V::dot4(dot[i % kChains], q[i], V::bcast4(x + 4 * i));
+        for (int i = 1; i < kChains; ++i) dot[0] = V::add(dot[0], dot[i]);
+        isum[m] = V::add(isum[m], V::mullo(dot[0], sc));
       }
     }
     for (int pair = 0; pair < 4; ++pair) {  // mins as int16 pairs against pairs of sub-block sums
