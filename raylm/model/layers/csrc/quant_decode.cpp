@@ -323,6 +323,23 @@ inline void nibbles(const uint8_t* p, typename V::I q[8]) {
   }
 }
 
+// init + the sum over i < 8 of dot(q[i], the 4 activations x[4i..4i+3]), in
+// CHAINS independent chains of dots instead of one: the sums are integers,
+// exact in any order, and at one row a chain of 8 dependent vpdpbusd was the
+// kernel's limit. More rows are chains of their own already, and more
+// accumulators there would spill registers (dot_chains).
+template <typename V, int CHAINS, typename Dot>
+inline typename V::I chained_dot8(typename V::I init, const typename V::I q[8], const int8_t* x, Dot dot) {
+  typename V::I chain[CHAINS];
+  chain[0] = init;
+  for (int i = 1; i < CHAINS; ++i) chain[i] = V::zero();
+  for (int i = 0; i < 8; ++i) chain[i % CHAINS] = dot(chain[i % CHAINS], q[i], V::bcast4(x + 4 * i));
+  for (int i = 1; i < CHAINS; ++i) chain[0] = V::add(chain[0], chain[i]);
+  return chain[0];
+}
+
+constexpr int dot_chains(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
+
 // Runs block(p, b, acc) over the tile's blocks of `bytes` each (p: block b's
 // data; acc: the 16 columns of each row, from zero), then stores acc. Ahead
 // of each block, every line of the bytes kPrefetchAhead further on is asked
@@ -360,13 +377,9 @@ void tile_32(const Call& c) {
     }
     for (int m = 0; m < ROWS; ++m) {
       const int8_t* x = c.x(m, b * 32);
-      I dot0 = V::set1(-offset * c.act->sum32[(c.row0 + m) * (c.K / 32) + b]), dot1 = V::zero();
-      for (int i = 0; i < 8; i += 2) {  // two chains, as in tile_q4_k
-        dot0 = FOUR_BIT ? V::dot4(dot0, q[i], V::bcast4(x + 4 * i)) : V::q8_dot4(dot0, q[i], V::bcast4(x + 4 * i));
-        dot1 = FOUR_BIT ? V::dot4(dot1, q[i + 1], V::bcast4(x + 4 * i + 4))
-                        : V::q8_dot4(dot1, q[i + 1], V::bcast4(x + 4 * i + 4));
-      }
-      acc[m] = V::fmadd(V::mul(d, V::set1_f(c.dx(m, b, 32))), V::to_f(V::add(dot0, dot1)), acc[m]);
+      const I dot = chained_dot8<V, 2>(V::set1(-offset * c.act->sum32[(c.row0 + m) * (c.K / 32) + b]), q, x,
+                                       [](I a, I w, I s) { return FOUR_BIT ? V::dot4(a, w, s) : V::q8_dot4(a, w, s); });
+      acc[m] = V::fmadd(V::mul(d, V::set1_f(c.dx(m, b, 32))), V::to_f(dot), acc[m]);
     }
   });
 }
@@ -375,7 +388,6 @@ void tile_32(const Call& c) {
 template <typename V, int ROWS>
 void tile_q4_k(const Call& c) {
   using I = typename V::I;
-  constexpr int kChains = ROWS == 1 ? 4 : ROWS == 2 ? 2 : 1;
   over_blocks<V, ROWS, kQ4KQuants + 32 * kLine>(c, [&](const uint8_t* p, int64_t b, typename V::F* acc) {
     I isum[ROWS], msum[ROWS];
     for (int m = 0; m < ROWS; ++m) isum[m] = msum[m] = V::zero();
@@ -385,15 +397,8 @@ void tile_q4_k(const Call& c) {
       const I sc = V::u8_lanes(p + kQ4KScales + 16 * j);
       for (int m = 0; m < ROWS; ++m) {
         const int8_t* x = c.x(m, b * 256 + 32 * j);
-        // Independent chains of dots, not one: the integer sums are exact in
-        // any order, and at one row a chain of 8 dependent vpdpbusd was the
-        // kernel's limit. More rows are chains of their own already, and more
-        // accumulators there would spill registers.
-        I dot[kChains];
-        for (int i = 0; i < kChains; ++i) dot[i] = V::zero();
-        for (int i = 0; i < 8; ++i) dot[i % kChains] = V::dot4(dot[i % kChains], q[i], V::bcast4(x + 4 * i));
-        for (int i = 1; i < kChains; ++i) dot[0] = V::add(dot[0], dot[i]);
-        isum[m] = V::add(isum[m], V::mullo(dot[0], sc));
+        const I dot = chained_dot8<V, dot_chains(ROWS)>(V::zero(), q, x, [](I a, I w, I s) { return V::dot4(a, w, s); });
+        isum[m] = V::add(isum[m], V::mullo(dot, sc));
       }
     }
     for (int pair = 0; pair < 4; ++pair) {  // mins as int16 pairs against pairs of sub-block sums

@@ -160,6 +160,8 @@ class Team {
 // exits. A forked child has none of the parent's threads (or a lock it held),
 // so it starts a team of its own.
 Team* g_team = nullptr;
+
+thread_local bool t_in_fused_decode = false;
 std::once_flag g_atfork_once;
 
 Team& team() {
@@ -168,12 +170,6 @@ Team& team() {
   return *g_team;
 }
 
-}  // namespace
-
-int max_team_threads() { return std::max(1, at::get_num_threads()); }
-
-namespace {
-thread_local bool t_in_fused_decode = false;
 }  // namespace
 
 FusedDecodeScope::FusedDecodeScope() : outer_(t_in_fused_decode) { t_in_fused_decode = true; }

@@ -38,7 +38,6 @@ void for_each_item(int64_t items, const Item& item) {
 // splits its range, but on the team. Ranges are at most kRangesPerThread per
 // thread, so uneven ones (requests of different lengths) still balance.
 constexpr int64_t kRangesPerThread = 4;
-int max_team_threads();
 
 template <typename Range>
 void for_each_range(int64_t n, int64_t grain, const Range& range) {
@@ -48,7 +47,7 @@ void for_each_range(int64_t n, int64_t grain, const Range& range) {
     range(int64_t(0), n);
     return;
   }
-  const int64_t ranges = std::min<int64_t>((n + grain - 1) / grain, kRangesPerThread * max_team_threads());
+  const int64_t ranges = std::min<int64_t>((n + grain - 1) / grain, kRangesPerThread * std::max(1, at::get_num_threads()));
   const int64_t size = (n + ranges - 1) / ranges;
   for_each_item((n + size - 1) / size, [&](int64_t i) { range(i * size, std::min(n, (i + 1) * size)); });
 }
