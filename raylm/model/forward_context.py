@@ -18,31 +18,15 @@ class PrefillSeq:
 
     Queries are rows [q_start, q_end) of the flat batch. When the sequence has
     context before this chunk (prefix-cache hit or a later prefill chunk),
-    `ctx_slots` lists the cache slots of the whole context (old + new tokens) and
-    `mask` is the causal mask with that offset; otherwise both are None and the
-    fresh keys are used directly with a plain causal mask.
+    `ctx_slots` lists the cache slots of the whole context (old + new tokens),
+    the first `num_context` of them before the chunk; otherwise it is None and
+    the fresh keys are used directly, plain causal.
     """
 
     q_start: int
     q_end: int
     ctx_slots: torch.Tensor | None = None
     num_context: int = 0  # tokens before this chunk
-    _mask: torch.Tensor | None = field(default=None, repr=False)
-
-    @property
-    def mask(self) -> torch.Tensor | None:
-        """[1, 1, queries, context] bool, True = attend. Built at first use and
-        then shared by every layer; the batched GPU path never reads it, and it
-        grows with queries x context (16 MB for a 2048-token chunk at 8192)."""
-        if self.ctx_slots is None:
-            return None
-        if self._mask is None:
-            end = self.num_context + self.q_end - self.q_start
-            device = self.ctx_slots.device
-            # Query i sits at absolute position num_context + i and sees keys 0..num_context + i.
-            positions = torch.arange(self.num_context, end, device=device)
-            self._mask = (torch.arange(end, device=device)[None, :] <= positions[:, None])[None, None]
-        return self._mask
 
 
 @dataclass

@@ -215,13 +215,7 @@ def _split_metadata(chunks: list[_SplitChunk], block_size: int, cp_rank: int, cp
         store_slots.append(slots)
         pieces, q_start = [], chunk.local_start
         for lo, hi in prefill_share(chunk.end - chunk.start, cp_rank, cp_size):
-            first, num_keys = chunk.start + lo, chunk.start + hi
-            if first == 0:
-                mask = None  # queries and keys both start at position 0: plain causal
-            else:
-                positions = np.arange(first, num_keys)
-                mask = torch.from_numpy(np.arange(num_keys)[None, :] <= positions[:, None]).to(device)[None, None]
-            pieces.append(SplitPiece(q_start, q_start + hi - lo, num_keys, mask))
+            pieces.append(SplitPiece(q_start, q_start + hi - lo, chunk.start + hi))
             q_start += hi - lo
         sequences.append(SplitSequence(torch.from_numpy(where).to(device), pieces))
 

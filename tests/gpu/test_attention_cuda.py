@@ -33,8 +33,7 @@ def _to_cuda(batch):
         if isinstance(value, torch.Tensor):
             moved[name] = value.cuda()
     moved["prefills"] = [
-        dataclasses.replace(p, ctx_slots=None if p.ctx_slots is None else p.ctx_slots.cuda(),
-                            mask=None if p.mask is None else p.mask.cuda())
+        dataclasses.replace(p, ctx_slots=None if p.ctx_slots is None else p.ctx_slots.cuda())
         for p in meta.prefills
     ]
     return dataclasses.replace(batch, attn_metadata=type(meta)(**moved))

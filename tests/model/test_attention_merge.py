@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raylm.model.layers.attention_merge import merge_partials, partial_attention
+from raylm.model.layers.attention_merge import attention_after_context, merge_partials, partial_attention
 
 
 def _full_attention(q, k, v, scale, mask):
@@ -177,3 +177,32 @@ def test_kernel_refuses_an_empty_context_outside_a_shard():
     assert torch.all(out == 0) and torch.all(torch.isinf(lse) & (lse < 0))
     with pytest.raises(RuntimeError, match="block id 5 out of range"):
         kernel(q, cache, torch.full((1, 1), 5), torch.ones(1, dtype=torch.int64), 0.3)
+
+
+@pytest.mark.parametrize("num_context", [0, 1, 45, 300])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+def test_attention_after_context_is_causal_attention_over_context_and_chunk(num_context, heads, kv_heads, dtype, tol):
+    """A chunk after earlier context (a later prefill chunk, a prefix-cache hit,
+    a CP rank's piece of a split prompt): on CPU two attentions merged, the
+    context unmasked and the chunk's own keys causal, equal one causal
+    attention with the offset mask. The chunk is long enough (200 queries) for
+    torch's flash kernel to skip blocks above the diagonal."""
+    g = torch.Generator().manual_seed(num_context + heads)
+    num_queries, head_dim = 200, 32
+    total = num_context + num_queries
+    q = torch.randn(num_queries, heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype)
+    scale = head_dim**-0.5
+    positions = torch.arange(num_context, total)
+    mask = torch.arange(total)[None, :] <= positions[:, None]
+    out = attention_after_context(q, k, v, num_context, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.double(), _full_attention(q, k, v, scale, mask), rtol=tol, atol=tol)
+
+
+def test_attention_after_context_refuses_a_key_count_that_does_not_add_up():
+    q, k = torch.randn(3, 2, 8), torch.randn(10, 2, 8)
+    with pytest.raises(ValueError, match="10 keys for 5 of context and 3 queries"):
+        attention_after_context(q, k, k, 5, 0.3)

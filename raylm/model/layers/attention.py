@@ -6,7 +6,9 @@ Decode queries are batched: on CPU a C++ kernel reads each request's context
 from its blocks (cpu_kernels.py); otherwise their contexts are gathered block by
 block and padded, with a mask (the runner zeroes fresh blocks for these paths so
 the padding is finite). Prefill sequences run one by one, so no query attends
-past its own position and no padding is spent on long prompts.
+past its own position and no padding is spent on long prompts; a chunk after
+earlier context attends over that context and over its own keys causally
+(`attention_after_context`).
 On CUDA, gpu_attention.py's path batched over sequences runs instead.
 
 Under context parallelism (CP) each rank of a CP group stores only its share
@@ -32,6 +34,7 @@ from raylm.distributed.parallel_state import get_cp_group
 from raylm.model.forward_context import AttentionMetadata, get_attention_metadata
 from raylm.model.layers.attention_merge import (
     ContextParallelMetadata,
+    attention_after_context,
     merge_partials,
     partial_attention,
     partial_decode_attention,
@@ -91,9 +94,8 @@ class Attention(nn.Module):
             if seq.ctx_slots is None:
                 out[seq.q_start : seq.q_end] = self._attend(qs, k[seq.q_start : seq.q_end], v[seq.q_start : seq.q_end])
             else:
-                out[seq.q_start : seq.q_end] = self._attend(
-                    qs, k_flat[seq.ctx_slots], v_flat[seq.ctx_slots], seq.mask
-                )
+                out[seq.q_start : seq.q_end] = attention_after_context(
+                    qs, k_flat[seq.ctx_slots], v_flat[seq.ctx_slots], seq.num_context, self.scale)
         return out.reshape(num_tokens, -1)
 
     def _forward_context_parallel(self, q, k, v, meta: AttentionMetadata, cp: ContextParallelMetadata):
@@ -109,9 +111,9 @@ class Attention(nn.Module):
             for seq in cp.split.sequences:
                 keys = gathered.index_select(0, seq.key_index)  # [end, 2, KVH, D], position order
                 for piece in seq.pieces:
-                    out[piece.q_start : piece.q_end] = self._attend(
+                    out[piece.q_start : piece.q_end] = attention_after_context(
                         q[piece.q_start : piece.q_end], keys[: piece.num_keys, 0], keys[: piece.num_keys, 1],
-                        piece.mask)
+                        piece.num_keys - (piece.q_end - piece.q_start), self.scale)
         for start, end in cp.local_prefills:
             # A short whole prompt: every rank computed all its keys, so plain
             # causal attention is exact here without the group.

@@ -94,6 +94,49 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     return (weights.unsqueeze(-1) * outs.float()).sum(dim=0)
 
 
+def attention_after_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int,
+                            scale: float) -> torch.Tensor:
+    """Causal attention of a chunk that follows `num_context` tokens of context:
+    q [T, H, D] at positions num_context .. num_context + T - 1 over k/v
+    [num_context + T, KVH, D] in position order (GQA: H a multiple of KVH).
+    Every query sees the whole context and the chunk's keys up to its own.
+    Returns [T, H, D] in q's dtype.
+
+    One attention with a mask would compute the chunk's upper triangle only to
+    mask it away (for a CP rank's share of an 8k prompt, a fifth of its
+    attention); torch skips masked blocks only for a plain causal mask. So on
+    CPU it is two attentions, merged by their log-sum-exp: the context with
+    no mask, the chunk's own keys plain causal.
+    """
+    num_queries = q.shape[0]
+    if k.shape[0] != num_context + num_queries:
+        raise ValueError(f"{k.shape[0]} keys for {num_context} of context and {num_queries} queries")
+
+    def heads_first(x: torch.Tensor) -> torch.Tensor:  # [S, heads, D] -> [1, heads, S, D], a view
+        return x.transpose(0, 1).unsqueeze(0).to(q.dtype)
+
+    if q.device.type != "cpu" or num_context == 0:
+        mask = None
+        if num_context:
+            positions = torch.arange(num_context, num_context + num_queries, device=q.device)
+            mask = torch.arange(k.shape[0], device=q.device)[None, :] <= positions[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            heads_first(q), heads_first(k), heads_first(v), attn_mask=mask, is_causal=mask is None, scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1])
+        return o.squeeze(0).transpose(0, 1)
+    # torch's CPU flash kernel returns the log-sum-exp beside the output and
+    # takes grouped K/V heads as they are. (It must not see zero keys: it
+    # divides by the key count.)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    qh = heads_first(q)
+    ctx_out, ctx_lse = flash(qh, heads_first(k[:num_context]), heads_first(v[:num_context]), scale=scale)
+    own_out, own_lse = flash(qh, heads_first(k[num_context:]), heads_first(v[num_context:]), is_causal=True,
+                             scale=scale)
+    outs = torch.stack((ctx_out[0], own_out[0])).transpose(1, 2)  # [2, T, H, D]
+    lses = torch.stack((ctx_lse[0], own_lse[0])).transpose(1, 2)  # [2, T, H]
+    return merge_partials(outs, lses).to(q.dtype)
+
+
 @dataclass
 class ShardedQueries:
     """Queries (rows [q_start, q_end) of the flat batch) of one sequence whose

@@ -63,13 +63,12 @@ def num_rows_on_rank(num_tokens_per_request, cp_rank: int, cp_size: int) -> int:
 @dataclass
 class SplitPiece:
     """One of this rank's query ranges of a split sequence: local rows
-    [q_start, q_end), attending to the sequence's first `num_keys` keys;
-    mask [1, 1, queries, num_keys] bool (True = attend)."""
+    [q_start, q_end), the last of the sequence's first `num_keys` positions,
+    attending causally to those keys."""
 
     q_start: int
     q_end: int
     num_keys: int
-    mask: torch.Tensor
 
 
 @dataclass
