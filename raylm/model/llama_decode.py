@@ -4,7 +4,8 @@ A decode step of a small batch on CPU does little arithmetic per layer, and
 running a layer from Python costs ~20 operator dispatches: on the ~7M model
 that is most of the step, on the ~111M one a tenth of it. When a step can be
 served this way (CPU, bfloat16 weights packed for the decode kernel, one
-tensor-parallel rank, every token a decode, at most DECODE_MAX_ROWS of them),
+tensor-parallel rank, every token a decode, at most DECODE_MAX_ROWS of them,
+or PACKED_MAX_ROWS with quantized weights),
 the layers run in one call of the same kernels, so the result is the same to
 the bit; otherwise LlamaModel runs its modules as usual. Layers whose weights
 came GGUF-quantized run the same way in csrc/quant_decode.cpp's
@@ -20,7 +21,7 @@ from torch import nn
 
 from raylm.distributed.parallel_state import get_tp_group
 from raylm.model.forward_context import get_attention_metadata
-from raylm.model.layers import cpu_gemm
+from raylm.model.layers import cpu_gemm, quant_kernels
 from raylm.model.layers.cpu_kernels import get_cpu_kernels
 from raylm.model.layers.linear import LinearBase
 
@@ -180,7 +181,7 @@ class FusedDecode:
             # Under CP a rank holds a shard of each context: its partial
             # attention must be merged over the ranks, which the fused loop does not.
             or meta.context_parallel is not None
-            or not 0 < num_tokens <= cpu_gemm.DECODE_MAX_ROWS
+            or not 0 < num_tokens <= quant_kernels.PACKED_MAX_ROWS
             or hidden.dtype != torch.bfloat16
             or not hidden.is_cpu
             or positions.dtype != torch.int64
@@ -190,6 +191,16 @@ class FusedDecode:
         params = self._current_params()
         kernels = get_cpu_kernels()
         if params is None or kernels is None or self._shape_args is None:
+            return None
+        # The bf16 decode kernel takes DECODE_MAX_ROWS rows; past them oneDNN's
+        # GEMM (on OpenMP) serves the module path better. The quantized one
+        # serves every row count its packed tiles do, on the work team: run
+        # module by module, each norm and attention between two of its
+        # matmuls would open an OpenMP region while the team spins (16 rows
+        # of the ~111M Q4_K_M model: a step of 20-24 ms, against 23-26 ms
+        # module by module; at 64 rows, where the matmuls dominate, the same
+        # within the noise).
+        if not self._quantized and num_tokens > cpu_gemm.DECODE_MAX_ROWS:
             return None
         if self._quantized:
             if not hasattr(kernels, "quant_decode_layers"):

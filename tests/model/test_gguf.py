@@ -147,7 +147,9 @@ def test_fused_decode_of_quantized_layers_equals_the_module_path(arch, tiny_mode
     """Decode steps of a Q4_K_M-like bf16 model through quant_decode_layers (one
     call for the layers; q and k in Q4_K, v in Q6_K, a bias-free and a q/k-norm
     architecture) against the same model module by module: the same kernels in
-    the same order, so tokens and logprobs agree to the bit."""
+    the same order, so tokens and logprobs agree to the bit. Seven requests:
+    steps of 5-7 rows take the fused loop too (the packed kernels serve up to
+    PACKED_MAX_ROWS), then fewer as requests finish."""
     from raylm.model import llama_decode
     from raylm.model.layers import quant_kernels
     from raylm.model.layers.cpu_kernels import get_cpu_kernels
@@ -158,18 +160,21 @@ def test_fused_decode_of_quantized_layers_equals_the_module_path(arch, tiny_mode
 
     class Counting:
         calls = 0
+        rows: set[int] = set()
 
         def __getattr__(self, name):
             return getattr(kernels, name)
 
         def quant_decode_layers(self, *args):
             Counting.calls += 1
+            Counting.rows.add(args[0].shape[0])
             return kernels.quant_decode_layers(*args)
 
     monkeypatch.setattr(llama_decode, "get_cpu_kernels", lambda: Counting())
     path = write_gguf(tiny_model_dir(arch, **QUANT_SHAPE), tmp_path / "model.gguf", "Q4_K", tensor_type=q4_k_m)
-    prompts = [[1, 17, 300, 5], [1, 99, 640, 7, 3, 250, 11], [2, 3]]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (12, 5, 9)]
+    prompts = [[1, 17, 300, 5], [1, 99, 640, 7, 3, 250, 11], [2, 3], [8, 400], [9] * 6, [700, 1, 2], [33, 44, 55]]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2)
+              for n in (12, 5, 9, 7, 3, 10, 6)]
 
     def generate():
         with LLM(str(path), dtype="bfloat16", distributed_executor_backend="uni", enable_prefix_caching=False,
@@ -179,6 +184,7 @@ def test_fused_decode_of_quantized_layers_equals_the_module_path(arch, tiny_mode
 
     fused = generate()
     assert Counting.calls > 0, "no decode step went through quant_decode_layers"
+    assert max(Counting.rows) == len(prompts) and min(Counting.rows) <= 2, Counting.rows
     monkeypatch.setattr(llama_decode, "ENABLED", False)
     Counting.calls = 0
     modules = generate()

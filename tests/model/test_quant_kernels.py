@@ -318,3 +318,26 @@ def test_the_decode_kernel_builds_for_cpus_without_avx512(march, kernels_expecte
     for name in kernels_expected:
         assert f'"{name}"' in text
     assert '"avx512_vnni"' not in text
+
+
+@pytest.mark.parametrize("qtype", list(ENCODERS))
+def test_every_variant_gives_the_same_bits(qtype, kernels):
+    """A model gives the same tokens whichever instruction set its CPU runs
+    (RAYLM_QUANT_KERNEL, or another machine of the cluster): integer dots in
+    any order, then the same float operations per column, to the bit."""
+    _packed_or_skip(kernels)
+    weight, _ = _weight(qtype, rows=40, cols=512)
+    code = quant_kernels.GGUF_TYPE_CODES[qtype]
+    packed = kernels.quant_pack(weight.data, code)
+    try:
+        for rows in (1, 2, 3, 9):
+            x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
+            outs = {}
+            for variant in kernels.quant_packed_variants():
+                kernels.quant_packed_use(variant)
+                outs[variant] = kernels.quant_packed_linear(x, packed, code, 40)
+            first = next(iter(outs.values()))
+            assert all(torch.equal(first, out) for out in outs.values()), f"{rows} rows: variants differ"
+    finally:
+        kernels.quant_packed_use("auto")
+
