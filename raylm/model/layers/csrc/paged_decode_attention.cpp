@@ -175,10 +175,14 @@ inline void score_tile_bf16(const __m512i* q_pairs, int64_t num_pairs, const uin
 
 // The next block of the table is at an unrelated address, so the hardware
 // prefetcher cannot run ahead into it: ask for its rows while this block computes.
+// Into L2, not L1: a block's rows are 256 lines, far more than the core's L1
+// fill buffers, which an L1 prefetch holds until its line arrives (64 requests
+// x 192 tokens of the ~111M model's heads: 0.90-1.19 ms a layer against
+// 1.83-2.19 with L1 prefetches; one request of 128 tokens the same).
 inline void prefetch_rows(const uint16_t* rows, int64_t n, int64_t row_stride, int64_t width) {
   for (int64_t t = 0; t < n; ++t)
     for (int64_t d = 0; d < width; d += 32)  // one 64-byte line holds 32 bf16
-      _mm_prefetch(reinterpret_cast<const char*>(rows + t * row_stride + d), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(rows + t * row_stride + d), _MM_HINT_T1);
 }
 
 inline __m512 widen_bf16(const uint16_t* src) {
