@@ -340,4 +340,3 @@ def test_every_variant_gives_the_same_bits(qtype, kernels):
             assert all(torch.equal(first, out) for out in outs.values()), f"{rows} rows: variants differ"
     finally:
         kernels.quant_packed_use("auto")
-
