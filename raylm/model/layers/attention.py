@@ -38,6 +38,7 @@ from raylm.model.layers.attention_merge import (
     merge_partials,
     partial_attention,
     partial_decode_attention,
+    sequence_attention,
 )
 from raylm.model.layers.cp_prefill import exchange_split_kv
 from raylm.model.layers.cpu_kernels import get_cpu_kernels, get_paged_decode_kernel
@@ -175,16 +176,7 @@ class Attention(nn.Module):
 
     def _attend(self, q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
         """One sequence: q [Tq, H, D] over k/v [Tk, KVH, D]; causal unless a mask is given."""
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0).to(q.dtype),
-            v.transpose(0, 1).unsqueeze(0).to(q.dtype),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return o.squeeze(0).transpose(0, 1)
+        return sequence_attention(q, k, v, self.scale, mask)
 
     def _kernel_serves(self, dtype: torch.dtype) -> bool:
         """Whether the C++ decode kernels (CPU), if built, serve this layer's decode queries of `dtype`."""

@@ -94,6 +94,21 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     return (weights.unsqueeze(-1) * outs.float()).sum(dim=0)
 
 
+def _heads_first(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[S, heads, D] -> [1, heads, S, D] in `dtype` (a view when it already is)."""
+    return x.transpose(0, 1).unsqueeze(0).to(dtype)
+
+
+def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One sequence: q [Tq, H, D] over k/v [Tk, KVH, D] -> [Tq, H, D] in q's
+    dtype; causal unless a mask [Tq, Tk] (True = attend) is given."""
+    o = torch.nn.functional.scaled_dot_product_attention(
+        _heads_first(q, q.dtype), _heads_first(k, q.dtype), _heads_first(v, q.dtype), attn_mask=mask,
+        is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return o.squeeze(0).transpose(0, 1)
+
+
 def attention_after_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int,
                             scale: float) -> torch.Tensor:
     """Causal attention of a chunk that follows `num_context` tokens of context:
@@ -111,27 +126,21 @@ def attention_after_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n
     num_queries = q.shape[0]
     if k.shape[0] != num_context + num_queries:
         raise ValueError(f"{k.shape[0]} keys for {num_context} of context and {num_queries} queries")
-
-    def heads_first(x: torch.Tensor) -> torch.Tensor:  # [S, heads, D] -> [1, heads, S, D], a view
-        return x.transpose(0, 1).unsqueeze(0).to(q.dtype)
-
     if q.device.type != "cpu" or num_context == 0:
         mask = None
         if num_context:
             positions = torch.arange(num_context, num_context + num_queries, device=q.device)
             mask = torch.arange(k.shape[0], device=q.device)[None, :] <= positions[:, None]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            heads_first(q), heads_first(k), heads_first(v), attn_mask=mask, is_causal=mask is None, scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1])
-        return o.squeeze(0).transpose(0, 1)
+        return sequence_attention(q, k, v, scale, mask)
     # torch's CPU flash kernel returns the log-sum-exp beside the output and
     # takes grouped K/V heads as they are. (It must not see zero keys: it
     # divides by the key count.)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    qh = heads_first(q)
-    ctx_out, ctx_lse = flash(qh, heads_first(k[:num_context]), heads_first(v[:num_context]), scale=scale)
-    own_out, own_lse = flash(qh, heads_first(k[num_context:]), heads_first(v[num_context:]), is_causal=True,
-                             scale=scale)
+    qh = _heads_first(q, q.dtype)
+    ctx_k, ctx_v = (_heads_first(t[:num_context], q.dtype) for t in (k, v))
+    own_k, own_v = (_heads_first(t[num_context:], q.dtype) for t in (k, v))
+    ctx_out, ctx_lse = flash(qh, ctx_k, ctx_v, scale=scale)
+    own_out, own_lse = flash(qh, own_k, own_v, is_causal=True, scale=scale)
     outs = torch.stack((ctx_out[0], own_out[0])).transpose(1, 2)  # [2, T, H, D]
     lses = torch.stack((ctx_lse[0], own_lse[0])).transpose(1, 2)  # [2, T, H]
     return merge_partials(outs, lses).to(q.dtype)
