@@ -22,7 +22,7 @@
 // Accumulation is in float; the result is rounded to bfloat16 (to nearest
 // even, as torch rounds) after the bias is added, as torch's linear does.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 

@@ -1,5 +1,9 @@
 // The Python module of raylm's CPU kernels: one extension built from every
-// source in this folder by cpu_kernels.py.
+// source in this folder by cpu_kernels.py. The only source that includes
+// torch/extension.h (pybind11 and torch's Python bindings): it takes ~30 s to
+// compile where the kernels' ATen/ATen.h takes ~9.
+
+#include <torch/extension.h>
 
 #include "kernels.h"
 

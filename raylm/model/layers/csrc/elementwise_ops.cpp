@@ -12,7 +12,7 @@
 // split over threads (raylm::parallel_ranges: the work team inside a fused
 // decode step, OpenMP elsewhere).
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

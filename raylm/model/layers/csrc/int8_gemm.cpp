@@ -13,7 +13,7 @@
 // to summation order: the same as aten's weight-only int8 matmul computes,
 // reading half the bytes of bf16.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 

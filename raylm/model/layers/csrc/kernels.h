@@ -3,7 +3,7 @@
 // that call each other (decode_layers.cpp).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <cstdint>
 #include <string>

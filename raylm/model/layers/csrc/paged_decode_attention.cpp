@@ -18,7 +18,7 @@
 // with vdpbf16ps on the raw bf16 values, widens V inside the FMA, and
 // prefetches the next block: it then runs at about the core's memory bandwidth.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

@@ -29,7 +29,7 @@
 // (tests; RAYLM_QUANT_KERNEL=avx2 in quant_kernels.py). Without AVX2,
 // quant_packed_supported() says false and callers keep quant_gemm.cpp's path.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 

@@ -14,7 +14,7 @@
 // registers; without it, a block is widened into an L1 buffer by loops that
 // -O3 vectorises (AVX2).
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

@@ -4,7 +4,7 @@
 // (equal to quant_dequantize on the file's blocks to the bit). A layer
 // therefore keeps only the packed copy.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
