@@ -335,12 +335,13 @@ class EngineCore:
 
     def _diagnose(self, error: BaseException) -> tuple[RecoveryKind, str]:
         """(kind, cause) of a failure. A step error is a death if the executor
-        reports one within a short grace, whatever the surviving ranks raised."""
+        reports one within a short grace, whatever the surviving ranks raised
+        (no grace where the workers cannot die apart from this process)."""
         if isinstance(error, WorkerHungError):
             return RecoveryKind.WORKER_HUNG, str(error)
         if isinstance(error, WorkerDiedError):
             return RecoveryKind.WORKER_DIED, str(error)
-        deadline = time.monotonic() + _DEATH_VERDICT_GRACE_S
+        deadline = time.monotonic() + (_DEATH_VERDICT_GRACE_S if self.executor.workers_die_apart else 0.0)
         while True:
             try:
                 self.executor.check_liveness()

@@ -17,6 +17,11 @@ logger = logging.getLogger(__name__)
 
 class Executor(ABC):
     uses_ray = False
+    # Whether a worker runs apart from the engine core (another process or an
+    # actor), so that it can die on its own and its death be seen a moment
+    # after its peers' errors (a connection reset): the core then waits a short
+    # grace before it calls a failed step a step error (EngineCore._diagnose).
+    workers_die_apart = True
 
     def __init__(self, config: EngineConfig):
         self.config = config

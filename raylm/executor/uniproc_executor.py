@@ -14,6 +14,8 @@ from raylm.worker.worker import WorkerWrapper
 
 
 class UniProcExecutor(Executor):
+    workers_die_apart = False  # the worker is this process: no death to wait for
+
     def _init_executor(self) -> None:
         self._shutdown = False
         self._thread: ThreadPoolExecutor | None = None
