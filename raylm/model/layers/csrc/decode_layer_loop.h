@@ -9,6 +9,7 @@
 #include "kernels.h"
 #include "work_team.h"
 
+#include <cstring>
 #include <tuple>
 
 namespace raylm {
@@ -31,6 +32,26 @@ struct DecodeStep {
 inline at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, int64_t head_dim, double eps) {
   const int64_t tokens = x.size(0);
   return rms_norm(x.reshape({-1, head_dim}), weight, eps).view({tokens, -1});
+}
+
+// cache[slot_mapping[t]] = rows[t] for every token t, one layer's K or V
+// ([slots, kv_heads, head_dim] by slot). A plain copy of each row, where
+// index_copy_ went through the dispatcher and a TensorIterator (~4 us a call,
+// two a layer: ~30 us of a ~7M model's 4-layer decode step of ~600 us).
+inline void write_cache_rows(const at::Tensor& cache, const at::Tensor& slot_mapping, const at::Tensor& rows,
+                             int64_t row_size) {
+  TORCH_CHECK(cache.is_contiguous() && slot_mapping.is_contiguous() && cache.scalar_type() == rows.scalar_type() &&
+                  rows.dim() == 2 && rows.size(1) == row_size && rows.stride(1) == 1,
+              "decode_layer_loop: the KV cache must be contiguous and of the model's dtype, with K/V rows of ",
+              row_size, " values");
+  const int64_t slots = cache.numel() / row_size, tokens = rows.size(0), elem = rows.element_size();
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  char* dst = static_cast<char*>(cache.data_ptr());
+  const char* src = static_cast<const char*>(rows.data_ptr());
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "KV cache slot ", slot[t], " out of range [0, ", slots, ")");
+    std::memcpy(dst + slot[t] * row_size * elem, src + t * rows.stride(0) * elem, row_size * elem);
+  }
 }
 
 // hidden [T, H]: the embedded tokens (first layer) or the previous stage's
@@ -66,9 +87,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_loop(const char* caller, at::Ten
     }
     std::tie(q, k) = rotary_neox(s.positions, q, k, s.cos_cache, s.sin_cache, s.head_dim);
 
-    const auto by_slot = [&](const at::Tensor& t) { return t.view({-1, s.num_kv_heads, s.head_dim}); };
-    by_slot(p.kv_cache[0]).index_copy_(0, s.slot_mapping, by_slot(k));
-    by_slot(p.kv_cache[1]).index_copy_(0, s.slot_mapping, by_slot(v));
+    write_cache_rows(p.kv_cache[0], s.slot_mapping, k, kv_size);
+    write_cache_rows(p.kv_cache[1], s.slot_mapping, v, kv_size);
     const at::Tensor attn = paged_decode(q.view({tokens, s.num_heads, s.head_dim}), p.kv_cache, s.block_table,
                                          s.context_lens, s.scale);
 
