@@ -97,3 +97,31 @@ def test_fused_decode_declines_a_context_parallel_step(context_parallel, monkeyp
     hidden = torch.zeros(2, 8, dtype=torch.bfloat16)
     assert fused(hidden, None, torch.tensor([2, 3])) is None
     assert reached == ([] if context_parallel is not None else [True])
+
+
+def test_fused_decode_refuses_a_kv_slot_outside_the_cache(tmp_path, monkeypatch):
+    """The loop writes each token's K/V row to its slot by a plain copy: a slot
+    past the cache (or negative) is refused with its number, nothing written."""
+    kernels = get_cpu_kernels()
+    assert kernels is not None
+    captured = []
+
+    class _Capturing(_CountingKernels):
+        def decode_layers(self, *args):
+            captured.append(args)
+            return super().decode_layers(*args)
+
+    monkeypatch.setattr(llama_decode, "get_cpu_kernels", lambda: _Capturing(kernels))
+    model = make_tiny_model("llama", tmp_path / "m", seed=3, dtype=torch.bfloat16)
+    _generate(model, [[5, 9, 11]], [3])
+    assert captured, "no decode step went through decode_layers"
+    args = list(captured[-1])
+    hidden, residual, positions, slot_mapping = args[:4]
+    caches = [t for t in args[8] if t.dim() == 5]  # each layer's [2, blocks, block_size, kv_heads, D]
+    before = [c.clone() for c in caches]
+    slots = caches[0][0].numel() // (caches[0].shape[-2] * caches[0].shape[-1])
+    for bad in (slots, -1):
+        args[3] = torch.full_like(slot_mapping, bad)
+        with pytest.raises(RuntimeError, match=f"KV cache slot {bad} out of range"):
+            kernels.decode_layers(hidden.clone(), residual, *args[2:])
+    assert all(torch.equal(c, b) for c, b in zip(caches, before))
