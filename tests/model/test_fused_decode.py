@@ -116,7 +116,7 @@ def test_fused_decode_refuses_a_kv_slot_outside_the_cache(tmp_path, monkeypatch)
     _generate(model, [[5, 9, 11]], [3])
     assert captured, "no decode step went through decode_layers"
     args = list(captured[-1])
-    hidden, residual, positions, slot_mapping = args[:4]
+    hidden, residual, _, slot_mapping = args[:4]  # then positions, slot_mapping, ...
     caches = [t for t in args[8] if t.dim() == 5]  # each layer's [2, blocks, block_size, kv_heads, D]
     before = [c.clone() for c in caches]
     slots = caches[0][0].numel() // (caches[0].shape[-2] * caches[0].shape[-1])

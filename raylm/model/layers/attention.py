@@ -71,7 +71,7 @@ class Attention(nn.Module):
         meta = get_attention_metadata()
         if meta is None:
             # No engine around (e.g. a plain forward in a test): one causal sequence.
-            return self._attend(q, k, v).reshape(num_tokens, -1)
+            return sequence_attention(q, k, v, self.scale).reshape(num_tokens, -1)
 
         if meta.context_parallel is not None:
             return self._forward_context_parallel(q, k, v, meta, meta.context_parallel).reshape(num_tokens, -1)
@@ -93,7 +93,8 @@ class Attention(nn.Module):
         for seq in meta.prefills:
             qs = q[seq.q_start : seq.q_end]
             if seq.ctx_slots is None:
-                out[seq.q_start : seq.q_end] = self._attend(qs, k[seq.q_start : seq.q_end], v[seq.q_start : seq.q_end])
+                out[seq.q_start : seq.q_end] = sequence_attention(
+                    qs, k[seq.q_start : seq.q_end], v[seq.q_start : seq.q_end], self.scale)
             else:
                 out[seq.q_start : seq.q_end] = attention_after_context(
                     qs, k_flat[seq.ctx_slots], v_flat[seq.ctx_slots], seq.num_context, self.scale)
@@ -118,7 +119,7 @@ class Attention(nn.Module):
         for start, end in cp.local_prefills:
             # A short whole prompt: every rank computed all its keys, so plain
             # causal attention is exact here without the group.
-            out[start:end] = self._attend(q[start:end], k[start:end], v[start:end])
+            out[start:end] = sequence_attention(q[start:end], k[start:end], v[start:end], self.scale)
         if not cp.sharded and not cp.num_decodes:
             return out
         # Every rank has the same sharded rows in the same order (the step is
@@ -173,10 +174,6 @@ class Attention(nn.Module):
         # (index_select: several times faster than advanced indexing on CPU.)
         return partial_decode_attention(q, k_flat.index_select(0, flat).view(shape),
                                         v_flat.index_select(0, flat).view(shape), self.scale, mask)
-
-    def _attend(self, q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """One sequence: q [Tq, H, D] over k/v [Tk, KVH, D]; causal unless a mask is given."""
-        return sequence_attention(q, k, v, self.scale, mask)
 
     def _kernel_serves(self, dtype: torch.dtype) -> bool:
         """Whether the C++ decode kernels (CPU), if built, serve this layer's decode queries of `dtype`."""
