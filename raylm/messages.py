@@ -45,6 +45,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests finished or aborted since the last step: workers drop their state.
     finished_req_ids: set[str] = field(default_factory=set)
+    # A decode burst (raylm.core.decode_burst): this many decode steps in a
+    # row, each step's sampled tokens the next one's input; every request
+    # then has one token scheduled and KV slots for this many.
+    num_decode_steps: int = 1
 
     @property
     def is_empty(self) -> bool:

@@ -120,6 +120,14 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     async_scheduling: bool = False
+    # Most decode steps one schedule() may hand out at once (a decode burst,
+    # see raylm.core.decode_burst); 1 schedules every step.
+    num_scheduler_steps: int = 8
+    # How long a burst may take, at the pace of the last decode steps: what a
+    # request arriving meanwhile waits at most to start. Online serving keeps
+    # it short; offline every request is queued before the first step, so a
+    # burst holds nobody back (see DECODE_BURST_BUDGET_S).
+    decode_burst_budget_s: float = 0.01
 
 
 @dataclass
@@ -256,6 +264,11 @@ class EngineConfig:
 # what counts; "api_server", online streams (raylm serve, AsyncLLM), where time
 # to first token counts as well.
 USAGE_CONTEXTS = ("llm", "api_server")
+# A decode burst holds new requests back for its length (see
+# raylm.core.decode_burst): past this many steps nothing is gained.
+MAX_SCHEDULER_STEPS = 64
+# SchedulerConfig.decode_burst_budget_s by usage context.
+DECODE_BURST_BUDGET_S = {"llm": 0.05, "api_server": 0.01}
 
 
 def default_max_num_batched_tokens(usage_context: str, device: str, world_size: int, max_num_seqs: int) -> int:
@@ -408,6 +421,9 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
         raise ValueError(f"block_size must be >= 1, got {args.block_size}")
     if args.max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {args.max_num_seqs}")
+    steps = args.num_scheduler_steps
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= MAX_SCHEDULER_STEPS:
+        raise ValueError(f"num_scheduler_steps must be an integer from 1 to {MAX_SCHEDULER_STEPS}, got {steps!r}")
     if usage_context not in USAGE_CONTEXTS:
         raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {usage_context!r}")
     max_num_batched_tokens = args.max_num_batched_tokens
@@ -466,7 +482,8 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
         ),
         cache_config=_settings_of(CacheConfig, args, gpu_memory_utilization=gpu_memory_utilization,
                                   num_kv_shards=args.context_parallel_size),
-        scheduler_config=_settings_of(SchedulerConfig, args, max_num_batched_tokens=max_num_batched_tokens),
+        scheduler_config=_settings_of(SchedulerConfig, args, max_num_batched_tokens=max_num_batched_tokens,
+                                      decode_burst_budget_s=DECODE_BURST_BUDGET_S[usage_context]),
         parallel_config=_settings_of(ParallelConfig, args, data_parallel_size=data_parallel_size),
         device=device,
         num_threads=args.num_threads,

@@ -27,6 +27,7 @@ from collections import deque
 
 from raylm.config import CacheConfig, SchedulerConfig
 from raylm.core import quarantine
+from raylm.core.decode_burst import BurstPlanner
 from raylm.core.kv_cache_manager import KVCacheManager
 from raylm.core.outputs import EngineCoreOutput
 from raylm.core.request import Request, RequestStatus
@@ -46,6 +47,7 @@ class Scheduler:
         cache_config: CacheConfig,
         max_model_len: int,
         structured_output_manager: StructuredOutputManager | None = None,
+        burst_planner: BurstPlanner | None = None,
     ):
         self.config = scheduler_config
         self.async_scheduling = scheduler_config.async_scheduling
@@ -76,6 +78,8 @@ class Scheduler:
         # scheduled (being paused), and those paused, holding their blocks.
         self.unscheduled: set[str] = set()
         self.paused: dict[str, Request] = {}
+        # Decode bursts (raylm.core.decode_burst); None: one step at a time.
+        self.burst_planner = burst_planner
 
     # ---- requests in and out -------------------------------------------------
 
@@ -203,7 +207,30 @@ class Scheduler:
             self.structured_output_manager.wait_for_compilation(_GRAMMAR_WAIT_S)
 
         self.running_alone = isolated.request_id if isolated is not None and num_scheduled else None
-        return self._make_output(num_scheduled, new_block_ids)
+        steps = 1
+        if not self.waiting and not preempted_now and isolated is None and not self.unscheduled:
+            steps = self._burst_length(num_scheduled, new_block_ids)
+        return self._make_output(num_scheduled, new_block_ids, steps)
+
+    def _burst_length(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]]) -> int:
+        """How many decode steps this step's requests take at once (a decode
+        burst), with their KV slots allocated for them all; 1 when they cannot."""
+        if self.burst_planner is None or self.async_scheduling:
+            return 1
+        som = self.structured_output_manager
+        steps = self.burst_planner.length(
+            [(self.requests[rid], n) for rid, n in num_scheduled.items()], self.max_model_len,
+            lambda rid: som is not None and som.is_constrained(rid))
+        if steps == 1:
+            return 1
+        for rid in num_scheduled:
+            more = self.kv_cache_manager.allocate_slots(self.requests[rid], steps)
+            if more is None:
+                # The pool is nearly full: one step, as usual. Blocks already
+                # added stay with their requests, whose next tokens use them.
+                return 1
+            new_block_ids[rid] = new_block_ids[rid] + more
+        return steps
 
     def _isolated_request(self) -> Request | None:
         """While quarantined requests remain, the one allowed to run (alone): a
@@ -250,7 +277,8 @@ class Scheduler:
         self._needs_full_send.add(request.request_id)
         logger.debug("preempted %s (KV cache full)", request.request_id)
 
-    def _make_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]]) -> SchedulerOutput:
+    def _make_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
+                     num_decode_steps: int = 1) -> SchedulerOutput:
         new_reqs, cached_reqs = [], []
         for rid, n in num_scheduled.items():
             request = self.requests[rid]
@@ -276,7 +304,9 @@ class Scheduler:
                     )
                 )
             request.unsent_token_ids = []
-            request.num_computed_tokens += n
+            # A burst computes the K/V of each step's input token: its own and
+            # the tokens it samples but the last.
+            request.num_computed_tokens += n + num_decode_steps - 1
             if self.async_scheduling and request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1
         output = SchedulerOutput(
@@ -285,6 +315,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self.finished_req_ids,
+            num_decode_steps=num_decode_steps,
         )
         self.finished_req_ids = set()
         return output
@@ -302,10 +333,12 @@ class Scheduler:
             error = None
             if token_ids and request.num_output_placeholders:
                 request.num_output_placeholders -= 1
+            # Async scheduling and bursts: the workers keep the tokens they sampled.
+            workers_hold_tokens = self.async_scheduling or scheduler_output.num_decode_steps > 1
             for token_id in token_ids:
                 request.append_output_token(token_id)
-                if self.async_scheduling:
-                    request.unsent_token_ids.clear()  # the workers sampled it themselves
+                if workers_hold_tokens:
+                    request.unsent_token_ids.clear()
                 new_tokens.append(token_id)
                 error = self._advance_grammar(request)
                 if request.is_finished or self._check_stop(request):

@@ -100,18 +100,27 @@ class IncrementalDetokenizer:
         self._returned_chars = 0
 
     def update(self, new_token_ids: Sequence[int]) -> str | None:
-        """Append tokens, extend ``output_text`` and return the stop string they completed."""
+        """Append tokens, extend ``output_text`` and return the stop string they completed.
+
+        Several tokens (a decode burst's) are taken one at a time, so the text
+        never depends on how the tokens were grouped: where bytes never make a
+        whole character, what is released and when depends on the tokens seen
+        so far (see _decode_window), and tokens after a stop string are ignored.
+        """
         if not new_token_ids:
             return None
         self.token_ids.extend(new_token_ids)
         if self.matched_stop is not None:
             logger.debug("tokens arrived after stop string %r; ignored", self.matched_stop)
             return None
-        self._window_ids.extend(new_token_ids)
-        new_text = self._decode_window(final=False, num_new_tokens=len(new_token_ids))
-        if not new_text:
-            return None
-        return self._append_text(new_text)
+        for token_id in new_token_ids:
+            self._window_ids.append(token_id)
+            new_text = self._decode_window(final=False, num_new_tokens=1)
+            if new_text:
+                stop = self._append_text(new_text)
+                if stop is not None:
+                    return stop
+        return None
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The whole text, or only the part not yet returned when ``delta``.

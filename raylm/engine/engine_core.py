@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from raylm.config import EngineConfig
+from raylm.core.decode_burst import BurstPlanner
 from raylm.core.outputs import EngineCoreOutput
 from raylm.core.request import Request
 from raylm.core.scheduler import Scheduler
@@ -105,7 +106,8 @@ class EngineCore:
             self._initialize_kv_cache()
             mc = config.model_config
             grammars = StructuredOutputManager(mc.tokenizer, mc.vocab_size)
-            self.scheduler = Scheduler(config.scheduler_config, config.cache_config, mc.max_model_len, grammars)
+            self.scheduler = Scheduler(config.scheduler_config, config.cache_config, mc.max_model_len, grammars,
+                                       self._burst_planner())
         except BaseException:
             self.executor.shutdown()
             raise
@@ -118,6 +120,15 @@ class EngineCore:
         if self.config.scheduler_config.async_scheduling:
             self.batch_queue_size = max(self.batch_queue_size, 2)
         return executor
+
+    def _burst_planner(self) -> BurstPlanner:
+        """Decode bursts run where a step's sampled tokens are at hand for the
+        next step's input: one pipeline stage, no context parallelism (whose
+        ranks split a step's rows), and steps scheduled one at a time."""
+        pc, sc = self.config.parallel_config, self.config.scheduler_config
+        runs = pc.pipeline_parallel_size == 1 and pc.context_parallel_size == 1 and not sc.async_scheduling
+        return BurstPlanner(sc.num_scheduler_steps if runs else 1, sc.decode_burst_budget_s,
+                            workers_sample_alike=pc.tensor_parallel_size == 1)
 
     def _initialize_kv_cache(self) -> None:
         cc = self.config.cache_config
@@ -187,6 +198,7 @@ class EngineCore:
         scheduler_output = self._schedule()
         if scheduler_output.is_empty:
             return self.scheduler.take_outputs_outside_step()
+        started = time.perf_counter()
         try:
             forward = self.executor.execute_model(scheduler_output, non_block=True)
             # Structured outputs: the bitmask is computed while the forward runs.
@@ -198,6 +210,8 @@ class EngineCore:
                 raise
         except Exception as e:
             raise _StepFailed(e, scheduler_output) from e
+        if self.scheduler.burst_planner is not None:
+            self.scheduler.burst_planner.observe(scheduler_output, time.perf_counter() - started)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _step_with_batch_queue(self) -> list[EngineCoreOutput]:

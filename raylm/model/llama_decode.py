@@ -173,20 +173,36 @@ class FusedDecode:
         meta = get_attention_metadata()
         num_tokens = hidden.shape[0]
         if (
-            not ENABLED
-            or meta is None
+            meta is None
             or meta.prefills
             or meta.num_decode_tokens != num_tokens
             or meta.decode_context_lens is None
             # Under CP a rank holds a shard of each context: its partial
             # attention must be merged over the ranks, which the fused loop does not.
             or meta.context_parallel is not None
-            or not 0 < num_tokens <= quant_kernels.PACKED_MAX_ROWS
             or hidden.dtype != torch.bfloat16
             or not hidden.is_cpu
             or positions.dtype != torch.int64
-            or get_tp_group().world_size != 1
         ):
+            return None
+        kernels = self._kernels_for(num_tokens)
+        if kernels is None:
+            return None
+        run = kernels.quant_decode_layers if self._quantized else kernels.decode_layers
+        return run(
+            hidden.contiguous(),
+            _EMPTY if residual is None else residual.contiguous(),
+            positions.contiguous(),
+            meta.slot_mapping,
+            meta.decode_block_table,
+            meta.decode_context_lens,
+            *self._shape_args,
+        )
+
+    def _kernels_for(self, num_tokens: int):
+        """The kernel module when a decode step of `num_tokens` tokens runs here
+        (self._params and self._shape_args then set), else None."""
+        if not ENABLED or not 0 < num_tokens <= quant_kernels.PACKED_MAX_ROWS or get_tp_group().world_size != 1:
             return None
         params = self._current_params()
         kernels = get_cpu_kernels()
@@ -202,18 +218,46 @@ class FusedDecode:
         # within the noise).
         if not self._quantized and num_tokens > cpu_gemm.DECODE_MAX_ROWS:
             return None
+        if self._quantized and not hasattr(kernels, "quant_decode_layers"):
+            return None
+        return kernels
+
+    def greedy_steps(self, lm_head: nn.Module, vocab_size: int, tokens: torch.Tensor, positions: torch.Tensor,
+                     block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                     steps: int) -> torch.Tensor | None:
+        """[steps, rows] tokens of `steps` greedy decode steps in one call
+        (csrc/greedy_decode.cpp), each step's tokens the next one's input:
+        `tokens` are the first step's input, `positions` and `context_lens`
+        its own, and `block_table` holds every position of the steps. The
+        same kernels as the steps run one by one from Python, so the same
+        tokens. None where the model cannot run them so (the caller then
+        runs the steps one by one)."""
+        model = self._model
+        kernels = self._kernels_for(tokens.numel())
+        if kernels is None or not hasattr(kernels, "greedy_decode_steps") or not model.is_first_stage:
+            return None
+        embedding, norm = model.embed_tokens.weight, model.norm
+        if embedding.device.type != "cpu" or embedding.dtype != torch.bfloat16 or norm.weight.dtype != torch.bfloat16:
+            return None
+        head = _lm_head_slots(lm_head, tokens.numel())
+        if head is None:
+            return None
+        shape_args = list(self._shape_args)
         if self._quantized:
-            if not hasattr(kernels, "quant_decode_layers"):
-                return None
-            run = kernels.quant_decode_layers
-        else:
-            run = kernels.decode_layers
-        return run(
-            hidden.contiguous(),
-            _EMPTY if residual is None else residual.contiguous(),
-            positions.contiguous(),
-            meta.slot_mapping,
-            meta.decode_block_table,
-            meta.decode_context_lens,
-            *self._shape_args,
-        )
+            shape_args.insert(7, 0)  # after hidden_size: the intermediate size, which quantized layers do not read
+        return kernels.greedy_decode_steps(
+            tokens, positions, block_table, context_lens, block_size, steps, embedding.data, norm.weight.data,
+            norm.eps, head, vocab_size, self._quantized, *shape_args)
+
+
+def _lm_head_slots(lm_head: nn.Module, rows: int) -> list[torch.Tensor] | None:
+    """The LM head as csrc's segmented_linear reads it, when its module path
+    (LogitsProcessor) runs the same kernel for `rows` rows; else None."""
+    if getattr(lm_head, "quant_matmul", None) is not None:
+        slots = lm_head.quant_matmul.decode_slots() if rows <= quant_kernels.PACKED_MAX_ROWS else None
+    else:
+        packed = getattr(lm_head, "packed_weight", None)
+        layout = None if packed is None else packed.decode_layout
+        slots = None if layout is None or rows > cpu_gemm.DECODE_MAX_ROWS else [
+            torch.tensor([[-1, packed.out_features]], dtype=torch.int64), layout, _EMPTY, _EMPTY]
+    return None if slots is None else [*slots, _EMPTY]  # no bias

@@ -250,6 +250,8 @@ class ModelRunner:
             metadata = self._sampling_metadata(batch.sample_req_ids, states)
             out = self.sampler(logits.float(), metadata)  # a plain greedy step is one argmax there
             tokens = out.sampled_token_ids.tolist()
+            if so.num_decode_steps > 1:
+                return self._finish_burst(so, batch, states, metadata, tokens)
             lp_lists = None
             if out.logprobs is not None:
                 lp_lists = _logprob_lists(out.logprobs.token_ids, out.logprobs.logprobs, out.logprobs.ranks)
@@ -277,3 +279,67 @@ class ModelRunner:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _finish_burst(self, so: SchedulerOutput, batch: PreparedBatch, states: list[CachedRequestState],
+                      metadata: SamplingMetadata, tokens: list[int]) -> ModelRunnerOutput:
+        """The rest of a decode burst (raylm.core.decode_burst), whose first
+        step sampled `tokens`: each further step computes the last step's
+        tokens, with the same sampling inputs (the scheduler admits only
+        requests whose inputs stay the same). Greedy steps run in one call
+        where the model can (the same kernels, so the same tokens). The
+        workers keep every token they sampled; the scheduler does not send
+        them back."""
+        if len(batch.sample_req_ids) != len(batch.req_ids):
+            raise RuntimeError("a decode burst whose every request does not sample each step")
+        remaining = so.num_decode_steps - 1
+        later = self._greedy_steps_at_once(states, tokens, remaining) if metadata.plain_greedy else None
+        if later is not None:
+            sampled = [[token, *rest] for token, rest in zip(tokens, later)]
+            for state, row in zip(states, sampled):
+                state.token_ids.extend(row)
+                state.num_computed_tokens += remaining
+            self.row_counts.computed += remaining * len(states)
+            self.row_counts.scheduled += remaining * len(states)
+        else:
+            sampled = self._burst_step_by_step(so, states, metadata, tokens, remaining)
+        by_request = dict(zip(batch.sample_req_ids, sampled))
+        return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=[by_request[rid] for rid in batch.req_ids])
+
+    def _greedy_steps_at_once(self, states: list[CachedRequestState], tokens: list[int],
+                              steps: int) -> list[list[int]] | None:
+        """Each row's tokens of `steps` greedy decode steps after one that
+        sampled `tokens`, run by the model in one call; None where it cannot."""
+        greedy = getattr(self.model, "greedy_decode_steps", None)
+        if greedy is None:
+            return None
+        size = self.block_size
+        positions = [state.num_computed_tokens + 1 for state in states]  # of `tokens`
+        num_blocks = (max(positions) + steps - 1) // size + 1
+        for state, position in zip(states, positions):
+            if (position + steps - 1) // size >= len(state.block_ids):
+                raise RuntimeError(f"request {state.req_id}: a decode burst past its KV blocks")
+        table = [state.block_ids[:num_blocks] + [state.block_ids[0]] * (num_blocks - len(state.block_ids))
+                 for state in states]
+        out = greedy(torch.tensor(tokens, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
+                     torch.tensor(table, dtype=torch.int64), torch.tensor([p + 1 for p in positions], dtype=torch.int64),
+                     size, steps)
+        return None if out is None else out.t().tolist()
+
+    def _burst_step_by_step(self, so: SchedulerOutput, states: list[CachedRequestState], metadata: SamplingMetadata,
+                            tokens: list[int], steps: int) -> list[list[int]]:
+        sampled = [[token] for token in tokens]
+        for _ in range(steps):
+            for state, token in zip(states, tokens):
+                state.token_ids.append(token)
+                state.num_computed_tokens += 1
+            batch = prepare_batch(self.requests, so.num_scheduled_tokens, self.block_size, self.device)
+            with set_forward_context(batch.attn_metadata):
+                hidden = self.model(batch.input_ids, batch.positions, None)
+            self._count_rows(so, batch)
+            logits = self.model.compute_logits(hidden)
+            tokens = self.sampler(logits.float(), metadata).sampled_token_ids.tolist()
+            for row, token in zip(sampled, tokens):
+                row.append(token)
+        for state, token in zip(states, tokens):
+            state.token_ids.append(token)
+        return sampled

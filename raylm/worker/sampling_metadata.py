@@ -128,7 +128,7 @@ def same_every_step(params: SamplingParams) -> bool:
     """Whether a row's part of SamplingMetadata stays the same from step to
     step (it does unless it reads the output so far: penalties, bad words,
     min_tokens), so that a batch of such rows can reuse one step's metadata."""
-    return params.min_tokens == 0 and not params.bad_words_token_ids and not _uses_penalties(params)
+    return not params.reads_own_output
 
 
 def _float_tensor(values: list[float], device: torch.device | str) -> torch.Tensor:

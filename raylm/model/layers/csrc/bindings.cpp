@@ -61,6 +61,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("block_table"), py::arg("context_lens"), py::arg("cos_cache"), py::arg("sin_cache"),
         py::arg("params"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
         py::arg("hidden_size"), py::arg("intermediate_size"), py::arg("eps"), py::arg("scale"));
+  m.def("greedy_decode_steps", &greedy_decode_steps,
+        "[steps, rows] tokens of greedy decode steps in one call: embedding, decoder layers, final norm, LM head "
+        "and argmax per step, each step's tokens the next one's input",
+        py::arg("tokens"), py::arg("positions"), py::arg("block_table"), py::arg("context_lens"),
+        py::arg("block_size"), py::arg("steps"), py::arg("embedding"), py::arg("final_norm"), py::arg("final_eps"),
+        py::arg("lm_head"), py::arg("vocab_size"), py::arg("quantized"), py::arg("cos_cache"), py::arg("sin_cache"),
+        py::arg("params"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+        py::arg("hidden_size"), py::arg("intermediate_size"), py::arg("eps"), py::arg("scale"));
   m.def("work_team_probe", &work_team_probe,
         "(runs per item, runs off the caller) over `rounds` calls of the decode matmuls' work team",
         py::arg("items"), py::arg("rounds"));

@@ -41,6 +41,18 @@ std::tuple<at::Tensor, at::Tensor> quant_decode_layers(
     const at::Tensor& block_table, const at::Tensor& context_lens, const at::Tensor& cos_cache,
     const at::Tensor& sin_cache, const std::vector<at::Tensor>& params, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t hidden_size, double eps, double scale);
+// A linear as a stack of row segments (quant_decode.cpp): slots are a [segments, 2]
+// int64 spec of (type code, rows; -1: bf16 in bf16_linear's layout), a weight per
+// segment padded with empty tensors to 3, then the bias (empty when none).
+at::Tensor segmented_linear(const at::Tensor& x, const at::Tensor* slots);
+at::Tensor greedy_decode_steps(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& block_table,
+                               const at::Tensor& context_lens, int64_t block_size, int64_t steps,
+                               const at::Tensor& embedding, const at::Tensor& final_norm, double final_eps,
+                               const std::vector<at::Tensor>& lm_head, int64_t vocab_size, bool quantized,
+                               const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+                               const std::vector<at::Tensor>& params, int64_t num_heads, int64_t num_kv_heads,
+                               int64_t head_dim, int64_t hidden_size, int64_t intermediate_size, double eps,
+                               double scale);
 at::Tensor bf16_pack(const at::Tensor& weight);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                        const c10::optional<at::Tensor>& bias);

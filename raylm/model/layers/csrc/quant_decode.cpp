@@ -622,6 +622,8 @@ enum QuantLayerParam : int64_t {
   kQParamsPerLayer,
 };
 
+}  // namespace
+
 at::Tensor segmented_linear(const at::Tensor& x, const at::Tensor* slots) {
   const at::Tensor& spec = slots[0];
   const int64_t segments = spec.size(0);
@@ -637,7 +639,6 @@ at::Tensor segmented_linear(const at::Tensor& x, const at::Tensor* slots) {
   return bias.numel() ? y + bias : y;
 }
 
-}  // namespace
 
 int64_t quant_decode_params_per_layer() { return kQParamsPerLayer; }
 
