@@ -206,11 +206,11 @@ class EngineArgs:
         True, "split long prompts across steps so that one prefill never exceeds --max-num-batched-tokens")
     async_scheduling: bool = _cache(
         False, "schedule step N+1 while step N runs on the workers (needs -pp 1)")
-    num_scheduler_steps: int = _cache(
-        8, "most decode steps scheduled at once: while every running request decodes and none waits, the workers "
-        "run up to N steps in a row, each step's tokens the next one's input, as many as take about 10 ms (50 ms "
-        "offline, where every request is queued before the first step); 1 schedules every step (see README, "
-        "decode bursts)", metavar="N")
+    num_scheduler_steps: int | None = _cache(
+        None, "most decode steps scheduled at once: while every running request decodes and none waits, the "
+        "workers run up to N steps in a row, each step's tokens the next one's input, as many as take about 50 ms "
+        "offline (10 ms serving); default 8 offline (LLM, generate, bench latency/throughput), 1 serving; 1 "
+        "schedules every step (see README, decode bursts)", metavar="N")
 
     device: str | None = _device(None, "default: cuda when available, else cpu", choices=("cpu", "cuda"))
     num_threads: int | None = _device(

@@ -269,6 +269,11 @@ USAGE_CONTEXTS = ("llm", "api_server")
 MAX_SCHEDULER_STEPS = 64
 # SchedulerConfig.decode_burst_budget_s by usage context.
 DECODE_BURST_BUDGET_S = {"llm": 0.05, "api_server": 0.01}
+# num_scheduler_steps when not given, by usage context. Serving keeps single
+# steps: at 64 streams of the ~7M model on 2 cores, bursts gave 7-15% less
+# output throughput and 11-12% longer median TTFT (benchmarks/README.md,
+# "Decode bursts"), where the server's front end shares the cores.
+DEFAULT_SCHEDULER_STEPS = {"llm": 8, "api_server": 1}
 
 
 def default_max_num_batched_tokens(usage_context: str, device: str, world_size: int, max_num_seqs: int) -> int:
@@ -422,6 +427,8 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
     if args.max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {args.max_num_seqs}")
     steps = args.num_scheduler_steps
+    if steps is None:
+        steps = DEFAULT_SCHEDULER_STEPS[usage_context]
     if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= MAX_SCHEDULER_STEPS:
         raise ValueError(f"num_scheduler_steps must be an integer from 1 to {MAX_SCHEDULER_STEPS}, got {steps!r}")
     if usage_context not in USAGE_CONTEXTS:
@@ -483,6 +490,7 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
         cache_config=_settings_of(CacheConfig, args, gpu_memory_utilization=gpu_memory_utilization,
                                   num_kv_shards=args.context_parallel_size),
         scheduler_config=_settings_of(SchedulerConfig, args, max_num_batched_tokens=max_num_batched_tokens,
+                                      num_scheduler_steps=steps,
                                       decode_burst_budget_s=DECODE_BURST_BUDGET_S[usage_context]),
         parallel_config=_settings_of(ParallelConfig, args, data_parallel_size=data_parallel_size),
         device=device,

@@ -27,7 +27,8 @@ after one are dropped, computed in vain (at most k - 1 steps of one request).
 How long: at most `num_scheduler_steps`, at most each request's remaining
 max_tokens and room to max_model_len, and only as many steps as take about
 the budget (SchedulerConfig.decode_burst_budget_s) at the pace of the last
-decode steps. A request that arrives during a burst waits for its end to
+decode steps (measured with as many rows or more: after requests join, one
+single step measures the new pace first). A request that arrives during a burst waits for its end to
 start, a finished request's seat stays empty until then, and an abort waits
 as long: online serving keeps the budget short (10 ms), and where steps are
 longer than it there is no burst at all (the share of time a burst saves is
@@ -64,7 +65,9 @@ class BurstPlanner:
         self.budget_s = budget_s  # the longest a burst should take
         # One worker samples (no pipeline, tensor or context parallelism).
         self.workers_sample_alike = workers_sample_alike
-        self.step_seconds: float | None = None  # one decode step's time, from the last decode-only step
+        # One decode step's time, from the last decode-only step, and its rows.
+        self.step_seconds: float | None = None
+        self.step_rows = 0
         self.num_bursts = 0  # bursts run, and their steps in all
         self.num_burst_steps = 0
 
@@ -76,11 +79,16 @@ class BurstPlanner:
         counts = scheduler_output.num_scheduled_tokens
         if counts and all(n == 1 for n in counts.values()):
             self.step_seconds = seconds / scheduler_output.num_decode_steps
+            self.step_rows = len(counts)
 
     def length(self, scheduled: list[tuple[Request, int]], max_model_len: int,
                is_constrained: Callable[[str], bool]) -> int:
         """Steps for these (request, tokens scheduled) of a step: 1 unless all can burst."""
         if self.max_steps <= 1 or not scheduled or self.step_seconds is None:
+            return 1
+        if len(scheduled) > self.step_rows:
+            # More rows than the measured pace had (requests just admitted): a
+            # step of these takes longer. One single step measures it first.
             return 1
         steps = min(self.max_steps, int(self.budget_s / max(self.step_seconds, 1e-6)))
         for request, num_new in scheduled:

@@ -208,7 +208,10 @@ class Scheduler:
 
         self.running_alone = isolated.request_id if isolated is not None and num_scheduled else None
         steps = 1
-        if not self.waiting and not preempted_now and isolated is None and not self.unscheduled:
+        # A burst holds back whoever is not in it: only when nobody waits and
+        # every running request is in the step.
+        if (not self.waiting and not preempted_now and isolated is None and not self.unscheduled
+                and len(num_scheduled) == len(self.running)):
             steps = self._burst_length(num_scheduled, new_block_ids)
         return self._make_output(num_scheduled, new_block_ids, steps)
 

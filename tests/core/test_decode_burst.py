@@ -134,6 +134,7 @@ def test_no_burst_while_a_request_waits_or_with_prefills_in_the_step():
     scheduler.add_request(_request("b", prompt_len=9, max_tokens=100))
     so = _step(scheduler)  # b's prefill (past the prefix-cached block) beside a's decode
     assert so.num_scheduled_tokens == {"a": 1, "b": 5} and so.num_decode_steps == 1
+    assert _step(scheduler).num_decode_steps == 1  # two rows, paced on one
     assert _step(scheduler).num_decode_steps == 8
 
 
@@ -159,3 +160,34 @@ def test_bursts_off_with_one_step_or_async_scheduling():
             assert so.num_decode_steps == 1
             scheduler.burst_planner.observe(so, 0.001)
             scheduler.update_from_output(so, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[100]]))
+
+
+def test_no_burst_while_a_running_request_is_left_out_of_the_step():
+    scheduler = _scheduler()
+    for rid in "ab":
+        scheduler.add_request(_request(rid, max_tokens=100))
+    _step(scheduler)
+    _step(scheduler)
+    # Both running; a token budget of one now leaves one of them out of each step.
+    scheduler.config.max_num_batched_tokens = 1
+    for _ in range(4):
+        so = _step(scheduler)
+        assert len(so.num_scheduled_tokens) == 1 and so.num_decode_steps == 1
+    scheduler.config.max_num_batched_tokens = 8
+    assert _step(scheduler).num_decode_steps == 1  # two rows, paced on one
+    assert _step(scheduler).num_decode_steps == 8
+
+
+def test_after_requests_join_a_single_step_measures_the_pace_first():
+    scheduler = _scheduler()
+    scheduler.add_request(_request("a", max_tokens=100))
+    _step(scheduler)
+    _step(scheduler)
+    assert _step(scheduler).num_decode_steps == 8  # paced on one row
+    for rid in "bc":
+        scheduler.add_request(_request(rid, prompt_len=9, max_tokens=100))
+    assert _step(scheduler).num_decode_steps == 1  # b and c's prefills
+    so = _step(scheduler)
+    assert len(so.num_scheduled_tokens) == 3 and so.num_decode_steps == 1  # three rows, paced on one
+    assert _step(scheduler, seconds=0.002).num_decode_steps == 8
+    assert _step(scheduler).num_decode_steps == 5  # 10 ms at 2 ms a step

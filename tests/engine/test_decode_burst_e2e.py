@@ -63,6 +63,20 @@ def _compare(model, **engine_args):
     return burst
 
 
+def _count_greedy_calls(monkeypatch) -> list[bool]:
+    """Whether each call of the model's greedy_decode_steps ran (True) or declined."""
+    calls = []
+    original = LlamaForCausalLM.greedy_decode_steps
+
+    def counting(self, *args):
+        out = original(self, *args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(LlamaForCausalLM, "greedy_decode_steps", counting)
+    return calls
+
+
 def test_bursts_equal_single_steps_step_by_step(tmp_path):
     model = make_tiny_model("llama", tmp_path / "m", seed=7)  # float32: each burst step runs from Python
     _compare(model)
@@ -73,15 +87,7 @@ def test_greedy_bursts_in_one_call_equal_single_steps(arch, tmp_path, monkeypatc
     if get_cpu_kernels() is None:
         pytest.skip("no C++ compiler: the CPU kernels are not built")
     model = make_tiny_model(arch, tmp_path / arch, seed=3, dtype=torch.bfloat16)
-    calls = []
-    original = LlamaForCausalLM.greedy_decode_steps
-
-    def counting(self, *args):
-        out = original(self, *args)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(LlamaForCausalLM, "greedy_decode_steps", counting)
+    calls = _count_greedy_calls(monkeypatch)
     # Bursts of 4 rows or fewer: bfloat16 weights run the fused decode up to 4 rows.
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (45, 19, 33, 8)]
     with LLM(str(model), dtype="bfloat16", kv_cache_memory_bytes=32 << 20, enable_prefix_caching=False,
@@ -96,15 +102,17 @@ def test_greedy_bursts_in_one_call_equal_single_steps(arch, tmp_path, monkeypatc
     assert burst == single
 
 
-def test_quantized_greedy_bursts_in_one_call_equal_single_steps(tmp_path):
+def test_quantized_greedy_bursts_in_one_call_equal_single_steps(tmp_path, monkeypatch):
     if get_cpu_kernels() is None:
         pytest.skip("no C++ compiler: the CPU kernels are not built")
+    calls = _count_greedy_calls(monkeypatch)
     # Rows of 256 and 512 weights: whole K-quant super-blocks. A Q4_K_M-like mix.
     folder = make_tiny_model("llama", tmp_path / "m", seed=9, hidden_size=256, intermediate_size=512,
                              num_attention_heads=4, num_key_value_heads=2)
     path = write_gguf(folder, tmp_path / "m.gguf", "Q4_K", tensor_type=lambda name, shape: "Q6_K" if name.endswith(
         ("attn_v.weight", "ffn_down.weight", "output.weight")) else "Q4_K")
     _compare(path, dtype="bfloat16")
+    assert any(calls), "no burst ran its greedy steps in one call (once the random rows are done)"
 
 
 @pytest.mark.slow

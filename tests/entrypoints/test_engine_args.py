@@ -155,6 +155,10 @@ def test_flags_round_trip_into_the_engine_config(tiny_model_dir, tmp_path):
         ])).create_engine_config()
     with pytest.raises(ValueError, match="health_check_timeout"):
         create_engine_config(tiny_model_dir("llama"), health_check_timeout=0)
+    # Decode bursts by default offline, single steps serving (raylm.core.decode_burst).
+    assert create_engine_config(tiny_model_dir("llama")).scheduler_config.num_scheduler_steps == 8
+    served = create_engine_config(tiny_model_dir("llama"), usage_context="api_server").scheduler_config
+    assert served.num_scheduler_steps == 1 and served.decode_burst_budget_s < 0.05
     for bad in (0, 65, 2.5, True):
         with pytest.raises(ValueError, match="num_scheduler_steps must be an integer from 1 to 64"):
             create_engine_config(tiny_model_dir("llama"), num_scheduler_steps=bad)
@@ -173,7 +177,6 @@ def test_nothing_said_is_what_engine_args_say(tiny_model_dir):
         "max_num_seqs": config.scheduler_config.max_num_seqs,
         "enable_chunked_prefill": config.scheduler_config.enable_chunked_prefill,
         "async_scheduling": config.scheduler_config.async_scheduling,
-        "num_scheduler_steps": config.scheduler_config.num_scheduler_steps,
         "num_threads": config.num_threads,
         "max_restarts": config.fault_tolerance.max_restarts,
         "restart_window": config.fault_tolerance.restart_window_s,
@@ -194,7 +197,6 @@ def test_nothing_said_is_what_engine_args_say(tiny_model_dir):
         "max_num_seqs": SchedulerConfig().max_num_seqs,
         "enable_chunked_prefill": SchedulerConfig().enable_chunked_prefill,
         "async_scheduling": SchedulerConfig().async_scheduling,
-        "num_scheduler_steps": SchedulerConfig().num_scheduler_steps,
         "max_restarts": FaultToleranceConfig().max_restarts,
         "restart_window": FaultToleranceConfig().restart_window_s,
         "execute_model_timeout": FaultToleranceConfig().execute_model_timeout_s,
