@@ -1,6 +1,6 @@
 """Greedy generation equals Hugging Face transformers token for token, for every
 architecture, and stays identical under prefix caching, chunked prefill,
-preemption and batch size."""
+preemption, batch size and decode bursts."""
 
 from __future__ import annotations
 
@@ -75,6 +75,25 @@ def test_same_outputs_under_scheduling_pressure(engine_kwargs, reference):
     assert [o.outputs[0].token_ids for o in outs] == [r.token_ids for r in ref]
     if "max_model_len" in engine_kwargs:
         assert stats["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("arch,pressure", [*((a, False) for a in ARCHS), ("llama", True)])
+def test_decode_bursts_match_hf(arch, pressure, reference):
+    """Without logprobs, greedy decoding runs in decode bursts
+    (raylm.core.decode_burst): still Hugging Face's tokens, with the KV cache
+    roomy or so small that requests are preempted between bursts."""
+    model, prompts, ref = reference(arch)
+    engine_kwargs = {"num_scheduler_steps": 8}
+    if pressure:
+        engine_kwargs.update(kv_cache_memory_bytes=40 * _bytes_per_block(model), max_model_len=400)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(model, dtype="float32", **{"kv_cache_memory_bytes": 64 << 20, **engine_kwargs}) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        bursts = llm.llm_engine.engine_core.engine_core.scheduler.burst_planner.num_bursts
+        preemptions = llm.llm_engine.stats()["num_preemptions"]
+    assert [o.outputs[0].token_ids for o in outs] == [r.token_ids for r in ref]
+    assert bursts > 0
+    assert preemptions > 0 if pressure else True
 
 
 def _bytes_per_block(model) -> int:
