@@ -426,13 +426,13 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
         raise ValueError(f"block_size must be >= 1, got {args.block_size}")
     if args.max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {args.max_num_seqs}")
+    if usage_context not in USAGE_CONTEXTS:
+        raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {usage_context!r}")
     steps = args.num_scheduler_steps
     if steps is None:
         steps = DEFAULT_SCHEDULER_STEPS[usage_context]
     if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= MAX_SCHEDULER_STEPS:
         raise ValueError(f"num_scheduler_steps must be an integer from 1 to {MAX_SCHEDULER_STEPS}, got {steps!r}")
-    if usage_context not in USAGE_CONTEXTS:
-        raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {usage_context!r}")
     max_num_batched_tokens = args.max_num_batched_tokens
     if max_num_batched_tokens is None:
         max_num_batched_tokens = default_max_num_batched_tokens(usage_context, device, world_size, args.max_num_seqs)
