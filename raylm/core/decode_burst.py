@@ -27,14 +27,16 @@ after one are dropped, computed in vain (at most k - 1 steps of one request).
 How long: at most `num_scheduler_steps`, at most each request's remaining
 max_tokens and room to max_model_len, and only as many steps as take about
 the budget (SchedulerConfig.decode_burst_budget_s) at the pace of the last
-decode steps (measured with as many rows or more: after requests join, one
-single step measures the new pace first). A request that arrives during a burst waits for its end to
-start, a finished request's seat stays empty until then, and an abort waits
-as long: online serving keeps the budget short (10 ms), and where steps are
-longer than it there is no burst at all (the share of time a burst saves is
-largest where steps are shortest). Offline (LLM.generate) every request is
-queued before the first step and none is aborted, so a longer budget (50 ms)
-holds nobody back.
+decode steps, measured with as many rows or more (after requests join, one
+single step measures the new pace first). A request that arrives during a
+burst waits for its end to start, a finished request's seat stays empty until
+then, and an abort waits as long. Offline (LLM.generate) every request is
+queued before the first step and none is aborted, so a burst holds nobody
+back: 8 steps within 50 ms by default. A server runs single steps unless told
+otherwise (measured on 2 cores, where its front end shares the cores with the
+engine, bursts cost throughput and TTFT), and then keeps the budget at 10 ms;
+where steps are longer than the budget there is no burst at all (the share of
+time a burst saves is largest where steps are shortest).
 """
 
 from __future__ import annotations
