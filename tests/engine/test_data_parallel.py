@@ -28,6 +28,9 @@ def reference(model):
 
 
 def _dp_llm(model, dp=2, **kwargs) -> LLM:
+    # Single decode steps: a strike must land while every request is mid-stream,
+    # and a decode burst can take a 16-token request from 2 tokens to done.
+    kwargs.setdefault("num_scheduler_steps", 1)
     return LLM(model, dtype="float32", data_parallel_size=dp, num_threads=1, kv_cache_memory_bytes=16 << 20,
                **kwargs)
 

@@ -20,8 +20,9 @@ pytestmark = pytest.mark.slow
 
 
 def _local_dp_llm(model: str) -> LLM:
+    # Single decode steps, as in test_data_parallel's strikes.
     return LLM(model, dtype="float32", data_parallel_size=2, data_parallel_backend="mp", num_threads=1,
-               kv_cache_memory_bytes=16 << 20)
+               kv_cache_memory_bytes=16 << 20, num_scheduler_steps=1)
 
 
 def test_local_cores_match_hf_and_share_the_load(model, reference):
