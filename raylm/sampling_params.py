@@ -290,16 +290,14 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
     def reads_own_output(self) -> bool:
         """Whether sampling reads the tokens generated so far (penalties, bad
         words, min_tokens), so that its inputs change from step to step."""
-        return (
-            self.min_tokens > 0
-            or bool(self.bad_words_token_ids)
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
+        return self.min_tokens > 0 or bool(self.bad_words_token_ids) or self.uses_penalties
 
     def clone(self) -> "SamplingParams":
         import copy

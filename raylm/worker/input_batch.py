@@ -159,13 +159,18 @@ def _on(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return t if getattr(device, "type", device) == "cpu" else t.to(device)
 
 
+def padded_block_table(tables: list[list[int]], num_blocks: int) -> list[list[int]]:
+    """Each request's first `num_blocks` block ids, a shorter table padded
+    with its first block: any real block will do, attention reads no slot past
+    the request's context."""
+    return [blocks[:num_blocks] + [blocks[0]] * (num_blocks - len(blocks)) for blocks in tables]
+
+
 def _set_decode_tensors(meta: AttentionMetadata, ctx_lens: list[int], tables: list[list[int]], block_size: int,
                         device: torch.device) -> None:
     """The decodes' block table, key mask and context lengths."""
     max_blocks = -(-max(ctx_lens) // block_size)
-    # Padding entries repeat the request's first block: any real block will
-    # do, the mask hides it.
-    table = [blocks[:max_blocks] + [blocks[0]] * (max_blocks - len(blocks)) for blocks in tables]
+    table = padded_block_table(tables, max_blocks)
     ctx = np.asarray(ctx_lens, dtype=np.int64)
     valid = np.arange(max_blocks * block_size)[None, :] < ctx[:, None]
     meta.decode_block_table = _int64_tensor(table, device)

@@ -21,7 +21,7 @@ from raylm.model.layers.attention import Attention
 from raylm.model.layers.cp_prefill import num_rows_on_rank
 from raylm.model.loader import load_model
 from raylm.worker.cp_input import gather_rows
-from raylm.worker.input_batch import CachedRequestState, PreparedBatch, prepare_batch
+from raylm.worker.input_batch import CachedRequestState, PreparedBatch, padded_block_table, prepare_batch
 from raylm.worker.prompt_logprobs import prompt_logprobs_in_chunks
 from raylm.worker.sampler import Sampler, advance_generator, apply_grammar_bitmask
 from raylm.worker.sampling_metadata import SamplingMetadata, SamplingRow, build_sampling_metadata, same_every_step
@@ -318,8 +318,7 @@ class ModelRunner:
         for state, position in zip(states, positions):
             if (position + steps - 1) // size >= len(state.block_ids):
                 raise RuntimeError(f"request {state.req_id}: a decode burst past its KV blocks")
-        table = [state.block_ids[:num_blocks] + [state.block_ids[0]] * (num_blocks - len(state.block_ids))
-                 for state in states]
+        table = padded_block_table([state.block_ids for state in states], num_blocks)
         out = greedy(torch.tensor(tokens, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
                      torch.tensor(table, dtype=torch.int64), torch.tensor([p + 1 for p in positions], dtype=torch.int64),
                      size, steps)

@@ -116,14 +116,6 @@ def bad_words_index(params: SamplingParams) -> BadWordsIndex:
     return index
 
 
-def _uses_penalties(params: SamplingParams) -> bool:
-    return (
-        params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
-        or params.repetition_penalty != 1.0
-    )
-
-
 def same_every_step(params: SamplingParams) -> bool:
     """Whether a row's part of SamplingMetadata stays the same from step to
     step (it does unless it reads the output so far: penalties, bad words,
@@ -212,7 +204,7 @@ def build_sampling_metadata(
     requested = [p.logprobs for p in params_list if p.logprobs is not None]
     max_num_logprobs = max(requested) if requested else None
 
-    no_penalties = not any(_uses_penalties(p) for p in params_list)
+    no_penalties = not any(p.uses_penalties for p in params_list)
     presence = frequency = repetition = prompt_ids = None
     if not no_penalties:
         presence = _float_tensor([p.presence_penalty for p in params_list], device)
