@@ -85,10 +85,23 @@ def test_kernel_rejects_mismatched_operands(kernels):
         kernels.bf16_linear(torch.randn(1, 64).to(torch.bfloat16), w, 32, None)
 
 
-@pytest.mark.parametrize("rows", [1, cpu_gemm.DECODE_MAX_ROWS, cpu_gemm.DECODE_MAX_ROWS + 1, 64])
-def test_packed_layers_compute_the_plain_matmul(kernels, rows):
-    """Through the layers: packing frees the plain weight, and both packed
-    paths (few rows: raylm's kernel; more: oneDNN) give the plain product."""
+# (rows, whether the CPU has bf16 arithmetic): with it, raylm's kernel serves up to
+# DECODE_MAX_ROWS rows and oneDNN more; without it (AVX2), the kernel serves up to
+# EMULATED_BF16_KERNEL_MAX_ROWS and float32's matmul more. Both are forced here, so
+# either machine runs both.
+_ROW_CASES = [(rows, True) for rows in (1, cpu_gemm.DECODE_MAX_ROWS, cpu_gemm.DECODE_MAX_ROWS + 1, 64)] + [
+    (rows, False) for rows in (1, cpu_gemm.DECODE_MAX_ROWS + 1, cpu_gemm.EMULATED_BF16_KERNEL_MAX_ROWS,
+                               cpu_gemm.EMULATED_BF16_KERNEL_MAX_ROWS + 1, 300)]
+
+
+@pytest.mark.parametrize("rows,bf16_arithmetic", _ROW_CASES)
+def test_packed_layers_compute_the_plain_matmul(kernels, monkeypatch, rows, bf16_arithmetic):
+    """Through the layers: packing frees the plain weight, and every packed
+    path gives the plain product."""
+    monkeypatch.setattr(cpu_gemm, "cpu_has_bf16_arithmetic", lambda: bf16_arithmetic)
+    # Widen 16 output columns at a time, so that a layer takes several slices.
+    monkeypatch.setattr(cpu_gemm, "_WIDEN_ELEMENTS", 16 * 96)
+    kernel_rows = cpu_gemm.DECODE_MAX_ROWS if bf16_arithmetic else cpu_gemm.EMULATED_BF16_KERNEL_MAX_ROWS
     g = torch.Generator().manual_seed(rows)
     layers = [ColumnParallelLinear(96, 80, bias=True), MergedColumnParallelLinear(96, [40, 40]), RowParallelLinear(80, 96)]
     for layer in layers:
@@ -105,13 +118,32 @@ def test_packed_layers_compute_the_plain_matmul(kernels, rows):
         x = torch.randn(rows, weight.shape[1], generator=g).to(torch.bfloat16)
         ref, magnitude = _reference(x, weight, bias)
         y = layer(x)
-        if rows <= cpu_gemm.DECODE_MAX_ROWS:
+        assert y.dtype == torch.bfloat16
+        if rows <= kernel_rows:
             assert counting.calls == [rows], "a few rows go through raylm's kernel"
             _assert_rounded_product(y, ref, magnitude)
-        else:
+        elif bf16_arithmetic:
             assert counting.calls == []
             # oneDNN's bf16 path (its own blocking and rounding): close, not bit-equal.
             assert torch.allclose(y.double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+        else:
+            # float32's matmul on the widened weight: float accumulation, rounded once.
+            assert counting.calls == []
+            _assert_rounded_product(y, ref, magnitude)
+
+
+def test_bf16_arithmetic_is_read_off_the_cpu(monkeypatch):
+    """AVX-512 (any of its bf16 paths) or AMX count as bf16 arithmetic; AVX2 alone does not."""
+    cpu_gemm.cpu_has_bf16_arithmetic.cache_clear()
+    for flags, expected in (({"_is_avx512_supported"}, True), ({"_is_amx_tile_supported"}, True),
+                            ({"_is_avx2_supported"}, False), (set(), False)):
+        for probe in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported",
+                      "_is_avx2_supported"):
+            monkeypatch.setattr(torch.cpu, probe, lambda on=probe in flags: on)
+        cpu_gemm.cpu_has_bf16_arithmetic.cache_clear()
+        assert cpu_gemm.cpu_has_bf16_arithmetic() is expected, flags
+    monkeypatch.undo()
+    cpu_gemm.cpu_has_bf16_arithmetic.cache_clear()
 
 
 class _Counting:

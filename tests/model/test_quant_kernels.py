@@ -6,6 +6,7 @@ activations; and the model keeps such weights quantized when they run there."""
 
 from __future__ import annotations
 
+import dataclasses
 import sysconfig
 import types
 
@@ -69,6 +70,33 @@ def test_matmul_equals_a_float_matmul_on_the_decoded_weight(qtype, rows, dtype, 
     # WIDEN_FROM_ROWS, the weight's rounding to bf16 for the float matmul).
     tolerance = dict(atol=1e-3, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.3, rtol=2e-2)
     torch.testing.assert_close(got.float(), expected, **tolerance)
+
+
+@pytest.mark.parametrize("rows", [quant_kernels.WIDEN_FROM_ROWS + 1, quant_kernels.PACKED_MAX_ROWS + 1])
+@pytest.mark.parametrize("qtype", list(ENCODERS))
+def test_bf16_prefill_widens_to_float32_without_bf16_arithmetic(qtype, rows, kernels, monkeypatch):
+    """On a CPU without bf16 arithmetic (AVX2), a bf16 prefill widens the weight
+    to float32, not bf16: the float matmul on the decoded weight, rounded once."""
+    monkeypatch.setattr(quant_kernels.cpu_gemm, "cpu_has_bf16_arithmetic", lambda: False)
+    weight, reference = _weight(qtype)
+    kernel = quant_kernels.kernel_for(qtype, torch.device("cpu"), torch.bfloat16)
+    state = kernel.prepare(weight)
+    widened = []
+    spy = types.SimpleNamespace(**{name: getattr(state.module, name) for name in dir(state.module)
+                                   if not name.startswith("__")})
+    for name in ("quant_dequantize", "quant_packed_dequantize"):
+        real = getattr(state.module, name)
+        setattr(spy, name, lambda *args, real=real: widened.append(args[-1]) or real(*args))
+    state = dataclasses.replace(state, module=spy)
+    x = torch.randn(rows, weight.cols, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    got = kernel.linear(x, state)
+    if widened:  # the packed kernel serves up to PACKED_MAX_ROWS rows without widening
+        assert widened == [torch.float32]
+        assert got.dtype == torch.bfloat16
+        expected = (x.float() @ reference.t()).bfloat16()
+        torch.testing.assert_close(got, expected, atol=1e-3, rtol=1 / 128)
+    else:
+        assert state.packed is not None and rows <= quant_kernels.PACKED_MAX_ROWS
 
 
 # Activations per int8 scale in the decode kernel: llama.cpp's Q8_0 blocks for

@@ -14,10 +14,19 @@ Once packed, a layer needs its plain weight no more (`PackedWeight` keeps
 whatever its calls read), so the model holds two copies of each matrix, not
 three. Elsewhere (CUDA, float32, a torch without oneDNN and no kernels)
 layers keep `F.linear` on the plain weight.
+
+A CPU without AVX-512 (AVX2 only: AMD Zen 1-3, Intel before Skylake-SP and
+most desktop parts) has no bfloat16 arithmetic, and oneDNN's bf16 matmul
+there is an emulation: measured on a 2-core Zen 3, 10-18 GFLOP/s against
+float32's 85-110. There raylm's kernel (its AVX2 path) serves up to
+EMULATED_BF16_KERNEL_MAX_ROWS rows (90-127 GFLOP/s at 2-64 rows), and larger
+matmuls widen the weight to float32 a slice at a time and run float32's
+matmul: the same float accumulation, bf16 in and out.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -31,6 +40,39 @@ logger = logging.getLogger(__name__)
 # Measured with benchmarks/bench_cpu_gemm.py: raylm's kernel streams the
 # weights faster at 1-4 rows; from 8 rows on oneDNN's compute is faster.
 DECODE_MAX_ROWS = 4
+# The same on a CPU without bfloat16 arithmetic, where oneDNN's bf16 matmul is
+# slow at every size: raylm's kernel up to here, float32 above (measured on a
+# 2-core Zen 3: the kernel 87-92 GFLOP/s at 64 rows, float32 45-55 at 64 rows
+# and 83-89 at 128 once the weight is widened, 85-117 from 256).
+EMULATED_BF16_KERNEL_MAX_ROWS = 64
+# Output columns widened to float32 at a time: a slice of at most this many
+# elements (16 MiB), so the temporary stays small whatever the layer's size.
+_WIDEN_ELEMENTS = 1 << 22
+
+
+@functools.cache
+def cpu_has_bf16_arithmetic() -> bool:
+    """Whether this CPU's matmuls run bfloat16 at full speed: AVX-512 (whose
+    oneDNN kernels convert in registers), AVX-512 BF16 or AMX. AVX2-only
+    CPUs do not."""
+    cpu = torch.cpu
+    return any(getattr(cpu, probe, lambda: False)() for probe in
+               ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+def linear_in_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear of bf16 x and weight, computed in float32 and rounded to bf16:
+    for CPUs without bf16 arithmetic. The weight is widened a slice of output
+    columns at a time."""
+    rows, cols = x.shape[:-1], weight.shape[0]
+    flat = x.reshape(-1, x.shape[-1]).float()
+    out = torch.empty(flat.shape[0], cols, dtype=x.dtype)
+    step = max(1, _WIDEN_ELEMENTS // max(1, weight.shape[1]))
+    for start in range(0, cols, step):
+        end = min(cols, start + step)
+        part_bias = None if bias is None else bias[start:end].float()
+        out[:, start:end] = F.linear(flat, weight[start:end].float(), part_bias)
+    return out.reshape(*rows, cols)
 
 
 def _onednn_supported(weight: torch.Tensor) -> bool:
@@ -67,13 +109,17 @@ class PackedWeight:
     """One [out, in] bf16 CPU weight in the layouts its matmuls read.
 
     `large` serves any number of rows (oneDNN's packing, or the plain weight
-    where oneDNN is missing); `small`, when the kernels are built, serves up
-    to DECODE_MAX_ROWS rows.
+    where oneDNN is missing or the CPU has no bf16 arithmetic); `small`, when
+    the kernels are built, serves up to DECODE_MAX_ROWS rows
+    (EMULATED_BF16_KERNEL_MAX_ROWS without bf16 arithmetic).
     """
 
     def __init__(self, weight: torch.Tensor):
         self.out_features = weight.shape[0]
-        self._onednn = _pack_onednn(weight)
+        native = cpu_has_bf16_arithmetic()
+        self._widen = weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not native
+        self._small_max_rows = DECODE_MAX_ROWS if native else EMULATED_BF16_KERNEL_MAX_ROWS
+        self._onednn = None if self._widen else _pack_onednn(weight)
         self._plain = weight if self._onednn is None else None
         # raylm's decode layout, where its kernels are built.
         kernels = get_cpu_kernels() if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 else None
@@ -88,13 +134,16 @@ class PackedWeight:
     @property
     def useful(self) -> bool:
         """Whether it does better than F.linear on the plain weight."""
-        return self._onednn is not None or self._small is not None
+        return self._onednn is not None or self._small is not None or self._widen
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self._small is not None and x.dim() == 2 and x.shape[0] <= DECODE_MAX_ROWS and x.dtype == torch.bfloat16:
+        if (self._small is not None and x.dim() == 2 and x.shape[0] <= self._small_max_rows
+                and x.dtype == torch.bfloat16):
             return self._kernels.bf16_linear(x, self._small, self.out_features, bias)
         if self._onednn is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._onednn, bias, "none", [], "")
+        if self._widen and x.dtype == torch.bfloat16:
+            return linear_in_float32(x, self._plain, bias)
         return F.linear(x, self._plain, bias)
 
 

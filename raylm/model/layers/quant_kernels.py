@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from raylm.model.layers import cpu_gemm
 from raylm.model.layers.cpu_kernels import get_cpu_kernels
 from raylm.model.quantization import QuantizedWeight
 
@@ -128,6 +129,15 @@ def _apply_kernel_choice(module) -> None:
     _chosen_variant = choice
 
 
+def _widened_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a quantized weight is widened to for a float matmul: the
+    activations', except bfloat16 on a CPU without bf16 arithmetic, whose
+    bf16 matmul is emulated (~5x slower than float32's; cpu_gemm)."""
+    if dtype == torch.bfloat16 and not cpu_gemm.cpu_has_bf16_arithmetic():
+        return torch.float32
+    return dtype
+
+
 def _gguf_linear(x: torch.Tensor, state: GGUFState) -> torch.Tensor:
     module, code, cols = state.module, state.code, state.cols
     flat = x.reshape(-1, cols)
@@ -135,12 +145,14 @@ def _gguf_linear(x: torch.Tensor, state: GGUFState) -> torch.Tensor:
         if flat.shape[0] <= PACKED_MAX_ROWS:
             y = module.quant_packed_linear(flat, state.packed, code, state.rows)
         else:  # prefill: the tiles widened for oneDNN, one layer's weight at a time
-            y = F.linear(flat, module.quant_packed_dequantize(state.packed, code, state.rows, cols, x.dtype))
+            wide = _widened_dtype(x.dtype)
+            y = F.linear(flat.to(wide), module.quant_packed_dequantize(state.packed, code, state.rows, cols, wide))
     elif flat.shape[0] >= WIDEN_FROM_ROWS:
-        y = F.linear(flat, module.quant_dequantize(state.data, code, cols, x.dtype))
+        wide = _widened_dtype(x.dtype)
+        y = F.linear(flat.to(wide), module.quant_dequantize(state.data, code, cols, wide))
     else:
         y = module.quant_linear(flat.contiguous(), state.data, code)
-    return y.reshape(*x.shape[:-1], state.rows)
+    return y.to(x.dtype).reshape(*x.shape[:-1], state.rows)
 
 
 def kernel_for(qtype: str, device: torch.device, dtype: torch.dtype) -> QuantKernel | None:

@@ -16,9 +16,12 @@
 // each weight register. Rows come in blocks of up to kMaxRows, so a larger
 // batch re-reads a tile from L2, not memory.
 //
-// Three paths, chosen when the build (-march=native) sees the CPU:
+// Four paths, chosen when the build (-march=native) sees the CPU:
 // AVX-512 BF16 (one vdpbf16ps per 32 weights), AVX-512F (each pair widened to
-// floats and multiplied by two FMAs) and plain loops the compiler vectorises.
+// floats and multiplied by two FMAs), AVX2 with FMA (the same in 256-bit
+// halves of a tile, the rows' x widened to floats once per call, blocks of at
+// most kAvx2MaxRows rows to stay in 16 registers) and plain loops the
+// compiler vectorises.
 // Accumulation is in float; the result is rounded to bfloat16 (to nearest
 // even, as torch rounds) after the bias is added, as torch's linear does.
 
@@ -29,8 +32,13 @@
 #include "kernels.h"
 #include "tiled_gemm.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+
+// The AVX2 path reads the rows' x as floats, widened once per call.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define RAYLM_BF16_AVX2 1
 #endif
 
 #include <algorithm>
@@ -66,6 +74,9 @@ struct Block {
   const uint16_t* tile;         // packed data of the first tile
   int64_t tile_stride;          // uint16 elements per tile = pairs * 32
   const float* bias;            // per column of the first tile, or null
+#if RAYLM_BF16_AVX2
+  const float* xf[kMaxRows];    // row m as floats: k-pair p at xf[m][2p], xf[m][2p + 1]
+#endif
   uint16_t* out[kMaxRows];      // first column of the first tile in each row
   int64_t cols;                 // valid columns from the first tile's first (may end mid-tile)
 };
@@ -154,6 +165,67 @@ void block_kernel(const Block& b) {
   }
 }
 
+#elif RAYLM_BF16_AVX2
+
+// Rows per block: a block holds ROWS x TILES x 2 accumulators (a tile is two
+// 8-column halves), and 16 registers leave room for 8 beside the widened
+// weights and the broadcast x.
+constexpr int64_t kAvx2MaxRows = 4;
+
+inline __m128i round_to_bf16(__m256 v) {
+  // Round to nearest even by integer arithmetic (inputs here are finite sums).
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i top = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+}
+
+template <int ROWS, int TILES>
+void block_kernel(const Block& b) {
+  __m256 acc[ROWS][TILES][2];
+  for (int m = 0; m < ROWS; ++m)
+    for (int t = 0; t < TILES; ++t) acc[m][t][0] = acc[m][t][1] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(int(0xFFFF0000u));
+  const uint16_t* w = b.tile;
+  for (int64_t p = 0; p < b.pairs; ++p) {
+    for (int t = 0; t < TILES; ++t) {
+      const uint16_t* src = w + t * b.tile_stride + p * kPairWidth;
+      _mm_prefetch(reinterpret_cast<const char*>(src + 16 * kPairWidth), _MM_HINT_T1);
+      // Each half: 8 columns' (even k, odd k) pairs; the low halves shifted up
+      // are the even-k floats, the high halves masked the odd-k ones.
+      __m256 even[2], odd[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + h * kTileCols));
+        even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        odd[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+      }
+      for (int m = 0; m < ROWS; ++m) {
+        const __m256 x0 = _mm256_broadcast_ss(b.xf[m] + 2 * p), x1 = _mm256_broadcast_ss(b.xf[m] + 2 * p + 1);
+        for (int h = 0; h < 2; ++h) {
+          acc[m][t][h] = _mm256_fmadd_ps(x0, even[h], acc[m][t][h]);
+          acc[m][t][h] = _mm256_fmadd_ps(x1, odd[h], acc[m][t][h]);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < TILES; ++t) {
+    const int64_t first = t * kTileCols;
+    if (first >= b.cols) break;
+    const int64_t n = std::min<int64_t>(kTileCols, b.cols - first);
+    for (int m = 0; m < ROWS; ++m) {
+      alignas(32) uint16_t y[kTileCols];
+      for (int h = 0; h < 2; ++h) {
+        // Only the valid columns' bias: the last tile may end mid-way.
+        const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n - h * 8)),
+                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 bias = b.bias ? _mm256_maskload_ps(b.bias + first + h * 8, valid) : _mm256_setzero_ps();
+        _mm_store_si128(reinterpret_cast<__m128i*>(y + h * 8), round_to_bf16(_mm256_add_ps(acc[m][t][h], bias)));
+      }
+      std::memcpy(b.out[m] + first, y, n * sizeof(uint16_t));
+    }
+  }
+}
+
 #else
 
 template <int ROWS, int TILES>
@@ -180,7 +252,13 @@ using KernelFn = void (*)(const Block&);
 
 // Tiles per call: enough independent accumulators to hide the FMA latency
 // (and, at one row, four memory streams), few enough to fit the registers.
+#if RAYLM_BF16_AVX2
+inline int64_t preferred_tiles(int64_t rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
+constexpr int64_t kBlockRows = kAvx2MaxRows;
+#else
 inline int64_t preferred_tiles(int64_t rows) { return rows <= 4 ? 4 : 2; }
+constexpr int64_t kBlockRows = kMaxRows;
+#endif
 
 template <int ROWS>
 constexpr KernelFn kernel_with_tiles(int64_t tiles) {
@@ -262,7 +340,11 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   uint16_t* y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float* bias_p = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
 
-  raylm::for_each_tile_block(rows, tiles, kMaxRows, preferred_tiles, [&](int64_t m0, int64_t block_rows, int64_t t,
+#if RAYLM_BF16_AVX2
+  const at::Tensor xf = xp.to(at::kFloat).contiguous();
+  const float* x_floats = xf.data_ptr<float>();
+#endif
+  raylm::for_each_tile_block(rows, tiles, kBlockRows, preferred_tiles, [&](int64_t m0, int64_t block_rows, int64_t t,
                                                                             int64_t n_tiles) {
     Block b;
     b.pairs = pairs;
@@ -272,6 +354,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
     b.cols = out_features - t * kTileCols;
     for (int64_t m = 0; m < block_rows; ++m) {
       b.x[m] = x_pairs + (m0 + m) * x_row_pairs;
+#if RAYLM_BF16_AVX2
+      b.xf[m] = x_floats + (m0 + m) * 2 * x_row_pairs;
+#endif
       b.out[m] = y + (m0 + m) * out_features + t * kTileCols;
     }
     kernel_for(block_rows, n_tiles)(b);
