@@ -8,6 +8,8 @@ one bf16 unit in the last place (ulp) everywhere, and mostly equal."""
 from __future__ import annotations
 
 
+import re
+
 import pytest
 import torch
 
@@ -218,3 +220,43 @@ class _CountingInt8:
     def int8_linear(self, *args):
         self.calls.append(args[0].shape[0])
         return self._kernels.int8_linear(*args)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not getattr(torch.cpu, "_is_avx2_supported", lambda: False)(),
+                    reason="runs the AVX2 build, so needs an AVX2 CPU")
+def test_the_avx2_path_equals_the_rounded_product(tmp_path):
+    """CPUs without AVX-512 (most consumer CPUs, AMD before Zen 4) build
+    bf16_gemm.cpp's AVX2 path. Built here for such a CPU (-march=haswell: AVX2
+    and FMA, no AVX-512) and run, whatever this machine's own build uses."""
+    import subprocess
+
+    from torch.utils import cpp_extension
+
+    from raylm.model.layers.cpu_kernels import _CSRC
+
+    binding = tmp_path / "bindings.cpp"
+    binding.write_text('#include <torch/extension.h>\n#include "kernels.h"\n'
+                       "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n"
+                       '  m.def("bf16_pack", &bf16_pack);\n'
+                       '  m.def("bf16_linear", &bf16_linear, py::arg("x"), py::arg("packed"), '
+                       'py::arg("out_features"), py::arg("bias") = py::none());\n}\n')
+    flags = ["-O2", "-march=haswell", "-fopenmp", f"-I{_CSRC}"]
+    module = cpp_extension.load(name="raylm_bf16_avx2_check", build_directory=str(tmp_path),
+                                sources=[str(binding), str(_CSRC / "bf16_gemm.cpp"), str(_CSRC / "work_team.cpp")],
+                                extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+    assembly = tmp_path / "bf16_gemm.s"
+    subprocess.run([cpp_extension.get_cxx_compiler(), "-std=c++17", *flags, "-S", "-DTORCH_EXTENSION_NAME=check",
+                    *[f"-I{p}" for p in cpp_extension.include_paths()], str(_CSRC / "bf16_gemm.cpp"),
+                    "-o", str(assembly)], check=True, capture_output=True)
+    text = assembly.read_text()
+    assert "zmm" not in text and re.search(r"vfmadd\d+ps\s+[^\n]*%ymm", text)
+    for out_features, in_features in ((33, 7), (100, 64), (1000, 2816)):
+        for rows in (1, 2, 3, 4, 5, 9, 64):
+            g = torch.Generator().manual_seed(out_features + rows)
+            w = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
+            x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+            bias = torch.randn(out_features, generator=g).to(torch.bfloat16)
+            packed = module.bf16_pack(w)
+            _assert_rounded_product(module.bf16_linear(x, packed, out_features, None), *_reference(x, w))
+            _assert_rounded_product(module.bf16_linear(x, packed, out_features, bias), *_reference(x, w, bias))
