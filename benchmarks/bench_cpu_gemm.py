@@ -1,5 +1,7 @@
 """The bf16 matmuls of one decode token on CPU: raylm's packed kernel
-(csrc/bf16_gemm.cpp) against oneDNN's packed matmul, by number of rows.
+(csrc/bf16_gemm.cpp) against oneDNN's packed matmul and against float32's
+matmul on the weight widened per call (what a CPU without bf16 arithmetic
+runs above cpu_gemm.EMULATED_BF16_KERNEL_MAX_ROWS rows), by number of rows.
 
 Runs every weight matrix of a Llama model of the given shape once per "token"
 (the work of one decode step's matmuls, nothing else) and reports the time
@@ -73,8 +75,9 @@ def main() -> None:
     print(f"preset {args.preset}: {len(weights)} matrices, {nbytes / 1e6:.1f} MB of bf16 weights; "
           f"{args.threads} thread(s); read bandwidth {bandwidth / 1e9:.1f} GB/s "
           f"(roofline {bandwidth / nbytes:.0f} tokens/s at one row)")
-    print(f"{'rows':>4} | {'oneDNN ms/token':>15} | {'raylm ms/token':>14} | {'raylm GB/s':>10} | "
-          f"{'of roofline':>11} | {'raylm / oneDNN speed':>20}")
+    print(f"bf16 arithmetic on this CPU: {cpu_gemm.cpu_has_bf16_arithmetic()}")
+    print(f"{'rows':>4} | {'oneDNN ms/token':>15} | {'float32 ms/token':>16} | {'raylm ms/token':>14} | "
+          f"{'raylm GB/s':>10} | {'of roofline':>11} | {'raylm / oneDNN speed':>20} | {'raylm / float32':>15}")
     for rows in [int(r) for r in args.rows.split(",")]:
         xs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen).to(torch.bfloat16) for w in weights}
 
@@ -82,22 +85,26 @@ def main() -> None:
             for w, p in zip(weights, onednn):
                 torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
 
+        def run_float32():
+            for w in weights:
+                cpu_gemm.linear_in_float32(xs[w.shape[1]], w, None)
+
         def run_ours():
             for w, p in zip(weights, ours):
                 kernels.bf16_linear(xs[w.shape[1]], p, w.shape[0], None)
 
-        times: dict[str, list[float]] = {"onednn": [], "ours": []}
+        times: dict[str, list[float]] = {"onednn": [], "float32": [], "ours": []}
         for rnd in range(args.rounds):
-            order = [("onednn", run_onednn), ("ours", run_ours)]
+            order = [("onednn", run_onednn), ("float32", run_float32), ("ours", run_ours)]
             for name, fn in order if rnd % 2 == 0 else order[::-1]:
                 fn()  # warm
                 t = time.perf_counter()
                 for _ in range(args.tokens_per_round):
                     fn()
                 times[name].append((time.perf_counter() - t) / args.tokens_per_round)
-        a, b = statistics.median(times["onednn"]), statistics.median(times["ours"])
-        print(f"{rows:>4} | {a * 1e3:>15.2f} | {b * 1e3:>14.2f} | {nbytes / b / 1e9:>10.1f} | "
-              f"{nbytes / b / bandwidth:>10.0%} | {a / b:>19.2f}x", flush=True)
+        a, f, b = (statistics.median(times[name]) for name in ("onednn", "float32", "ours"))
+        print(f"{rows:>4} | {a * 1e3:>15.2f} | {f * 1e3:>16.2f} | {b * 1e3:>14.2f} | {nbytes / b / 1e9:>10.1f} | "
+              f"{nbytes / b / bandwidth:>10.0%} | {a / b:>19.2f}x | {f / b:>14.2f}x", flush=True)
 
 
 if __name__ == "__main__":
