@@ -41,8 +41,12 @@ def reference(model):
 def llm(model):
     before = _children()
     folders_before = _transfer_folders()
+    # Single decode steps: each core runs ahead of the supervisor's reads, and a
+    # burst of 8 tokens per output let a core finish requests that the test's
+    # view (the ledger) still showed mid-stream when it scaled in (the clean-clone
+    # CI of 95dd03e migrated 2 of the 4 it expected).
     with LLM(model, dtype="float32", data_parallel_size=2, data_parallel_backend="mp", num_threads=1,
-             kv_cache_memory_bytes=16 << 20) as llm:
+             kv_cache_memory_bytes=16 << 20, num_scheduler_steps=1) as llm:
         yield llm
     wait_until(lambda: not (_children() - before), 30, message=lambda: f"processes left: {_children() - before}")
     # The transfer files (and the ones the sources kept to fill again) went with the engine's folder.
