@@ -141,14 +141,13 @@ def _widened_dtype(dtype: torch.dtype) -> torch.dtype:
 def _gguf_linear(x: torch.Tensor, state: GGUFState) -> torch.Tensor:
     module, code, cols = state.module, state.code, state.cols
     flat = x.reshape(-1, cols)
+    wide = _widened_dtype(x.dtype)
     if state.packed is not None:
         if flat.shape[0] <= PACKED_MAX_ROWS:
             y = module.quant_packed_linear(flat, state.packed, code, state.rows)
         else:  # prefill: the tiles widened for oneDNN, one layer's weight at a time
-            wide = _widened_dtype(x.dtype)
             y = F.linear(flat.to(wide), module.quant_packed_dequantize(state.packed, code, state.rows, cols, wide))
     elif flat.shape[0] >= WIDEN_FROM_ROWS:
-        wide = _widened_dtype(x.dtype)
         y = F.linear(flat.to(wide), module.quant_dequantize(state.data, code, cols, wide))
     else:
         y = module.quant_linear(flat.contiguous(), state.data, code)
