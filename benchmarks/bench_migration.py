@@ -20,7 +20,10 @@ their K/V over the CURVE sockets between the hosts. For each length L,
              steps: those launched before it arrived, then its own); also
              the whole migration's time and the KV bytes moved. Its
              inter-token gap while not moving is the baseline the downtime
-             adds to.
+             adds to; "over a normal gap" is the downtime less that gap
+             (the destination steps on its own clock, so its first token
+             comes one step after the next boundary of its steps: at best
+             one normal gap, on average another half step later).
   recompute  the same request sent to an idle core as a continuation (the
              prompt plus its 8 tokens: what recovery and scale-in without
              migration do): time from sending it to its first new token.
@@ -225,6 +228,8 @@ def measure(llm: LLM, folder: pathlib.Path, spec: dict) -> dict:
             "handover": _summary([m["handover_s"] for m in moved]),
             "migration": _summary([m["seconds"] for m in moved]),
             "inter_token": _summary([m["inter_token_s"] for m in moved]),
+            # What the move added to the gap the client would have seen anyway.
+            "extra_pause": _summary([m["downtime_s"] - m["inter_token_s"] for m in moved]),
             "recompute": _summary(recomputed) if recomputed else None,
             "mib_moved": moved[0]["num_bytes"] / 2**20,
         }
@@ -248,7 +253,7 @@ def _print_row(length: int, r: dict) -> None:
                 f" (pre-copy only: {pct('source', 'precopy_slowdown')} / {pct('destination', 'precopy_slowdown')};"
                 f" CPU per step {pct('source', 'precopy_cpu')} / {pct('destination', 'precopy_cpu')})")
     print(f"L={int(length):5d}  downtime {r['downtime']['median_ms']:7.1f} ms (max {r['downtime']['p99_ms']:7.1f}, "
-          f"handover {r['handover']['median_ms']:5.1f})"
+          f"handover {r['handover']['median_ms']:5.1f}, over a normal gap {r['extra_pause']['median_ms']:5.1f})"
           f"{recompute}  | inter-token {r['inter_token']['median_ms']:6.1f} ms  | whole migration "
           f"{r['migration']['median_ms']:6.1f} ms  | {r['mib_moved']:.1f} MiB{slowdown}", flush=True)
 
@@ -317,7 +322,8 @@ def copy_cost(mib: int, repeats: int) -> dict:
 
 def _engine_args(spec: dict) -> dict:
     return dict(dtype="bfloat16", data_parallel_size=2, num_threads=1, max_model_len=spec["max_len"],
-                kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False)
+                kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False,
+                num_scheduler_steps=spec.get("num_scheduler_steps"))
 
 
 def drive(spec: dict) -> dict:
@@ -360,6 +366,8 @@ def main() -> None:
     parser.add_argument("--copy-cost", action="store_true",
                         help="only one stage's export and import cost, in isolation (no engine)")
     parser.add_argument("--copy-mib", type=int, default=32, help="--copy-cost: the stage's size")
+    parser.add_argument("--num-scheduler-steps", type=int,
+                        help="the engine's decode bursts; default: LLM's (8); `raylm serve` runs 1")
     parser.add_argument("--output-json")
     args = parser.parse_args()
     if args.copy_cost:
@@ -376,7 +384,8 @@ def main() -> None:
     if not (folder / "config.json").is_file():
         make_model(args.model, str(folder), max_position_embeddings=max_len)
     spec = {"lengths": args.lengths, "repeats": args.repeats, "bystanders": args.bystanders,
-            "skip_recompute": args.skip_recompute, "max_len": max_len, "source": 0}
+            "skip_recompute": args.skip_recompute, "max_len": max_len, "source": 0,
+            "num_scheduler_steps": args.num_scheduler_steps}
     if args.two_hosts:
         from tests.multinode.harness import netns_unavailable, two_hosts
 

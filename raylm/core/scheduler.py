@@ -78,6 +78,10 @@ class Scheduler:
         # scheduled (being paused), and those paused, holding their blocks.
         self.unscheduled: set[str] = set()
         self.paused: dict[str, Request] = {}
+        # A request is migrating here: no decode bursts, so that it joins a
+        # step as soon as its final stage is read in (a burst would hold it
+        # back for up to the burst's length, a pause its client sees).
+        self.expecting_imports = False
         # Decode bursts (raylm.core.decode_burst); None: one step at a time.
         self.burst_planner = burst_planner
 
@@ -211,7 +215,7 @@ class Scheduler:
         # A burst holds back whoever is not in it: only when nobody waits and
         # every running request is in the step.
         if (not self.waiting and not preempted_now and isolated is None and not self.unscheduled
-                and len(num_scheduled) == len(self.running)):
+                and not self.expecting_imports and len(num_scheduled) == len(self.running)):
             steps = self._burst_length(num_scheduled, new_block_ids)
         return self._make_output(num_scheduled, new_block_ids, steps)
 

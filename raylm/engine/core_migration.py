@@ -186,6 +186,7 @@ class MigrationEndpoint:
         if message.final and message.request is None:
             return self._refused(message, "the final stage carries no request")
         self._incoming[message.migration_id] = rid
+        self._scheduler.expecting_imports = True
         kv = self._scheduler.kv_cache_manager
         block_ids = kv.allocate_for_import(rid, message.num_blocks)
         if block_ids is None:
@@ -202,6 +203,7 @@ class MigrationEndpoint:
             return None
         if message.final:
             del self._incoming[message.migration_id]
+            self._scheduler.expecting_imports = bool(self._incoming)
             self._scheduler.add_imported(message.request.to_request(), message.num_computed_tokens)
         return MigrationReport(message.migration_id, rid, ok=True, final=message.final,
                                num_blocks=len(block_ids), num_bytes=num_bytes)
@@ -259,6 +261,7 @@ class MigrationEndpoint:
         """Free what an incoming migration reserved (its request never arrived);
         blocks a background import still writes are freed once it has ended."""
         rid = self._incoming.pop(migration_id, None)
+        self._scheduler.expecting_imports = bool(self._incoming)
         job = self._importing.get(migration_id)
         if job is not None:
             job.abandoned = True
@@ -293,6 +296,7 @@ class MigrationEndpoint:
         paused for the supervisor to end."""
         reports = []
         self._incoming.clear()  # the scheduler's blocks are reset with the executor
+        self._scheduler.expecting_imports = False
         for migration_id, job in self._importing.items():
             if not job.abandoned:
                 reports.append(self._refused(job.message, "the destination's executor failed during the import"))

@@ -178,6 +178,19 @@ def test_no_burst_while_a_running_request_is_left_out_of_the_step():
     assert _step(scheduler).num_decode_steps == 8
 
 
+def test_no_burst_while_a_migrating_request_is_expected():
+    # A burst would hold the arriving request back for its whole length.
+    scheduler = _scheduler()
+    scheduler.add_request(_request("a", max_tokens=100))
+    _step(scheduler)
+    _step(scheduler)
+    scheduler.expecting_imports = True
+    for _ in range(3):
+        assert _step(scheduler).num_decode_steps == 1
+    scheduler.expecting_imports = False
+    assert _step(scheduler).num_decode_steps == 8
+
+
 def test_after_requests_join_a_single_step_measures_the_pace_first():
     scheduler = _scheduler()
     scheduler.add_request(_request("a", max_tokens=100))

@@ -61,6 +61,8 @@ def _migrate(src, dst, request_id: str, first: Request, tokens: list[int], shm_d
     # A stage before the last is read in beside the steps: reported once the ranks are done.
     early = dst.take_migration_reports(MigrateImport("m1", request_id, f"{shm_dir}/m1-0", stage1.num_blocks,
                                                      final=False, network=network, sources=stage1.sources))
+    # Until the request arrives the destination runs single steps (no decode burst to hold it back).
+    assert dst.scheduler.expecting_imports
     # The source decodes on while both sides copy.
     _run(src, request_id, lambda: len(tokens) >= stage1.num_output_tokens + 3, tokens)
     imported = early[0] if early else _report(dst)
@@ -75,6 +77,7 @@ def _migrate(src, dst, request_id: str, first: Request, tokens: list[int], shm_d
                                                     num_computed_tokens=final.num_computed_tokens,
                                                     network=network, sources=final.sources))[0]
     assert done.ok, done
+    assert not dst.scheduler.expecting_imports
     src.take_migration_reports(MigrateEnd("m1", request_id, commit=True))
     if network is not None:  # every offer was fetched, none is left behind
         assert src.executor.collective_rpc(lambda worker: worker.kv_network.withdraw("")) == [0]
@@ -248,6 +251,7 @@ def test_abandoned_migration_leaves_the_request_running_at_the_source(cores, mod
                                                            num_computed_tokens=final.num_computed_tokens))[0]
         assert not refused.ok and "cannot be read" in refused.error
         assert not dst.scheduler.kv_cache_manager.req_blocks and not dst.has_unfinished_requests()
+        assert not dst.scheduler.expecting_imports
         src.take_migration_reports(MigrateEnd("m2", request_id, commit=False))
     _run(src, request_id, lambda: not src.has_unfinished_requests(), tokens)
     assert tokens == hf_greedy(model, [PROMPT], MAX_TOKENS)[0].token_ids
