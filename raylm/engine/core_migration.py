@@ -264,7 +264,15 @@ class MigrationEndpoint:
         self._scheduler.expecting_imports = bool(self._incoming)
         job = self._importing.get(migration_id)
         if job is not None:
-            job.abandoned = True
+            if not job.abandoned:
+                job.abandoned = True
+                # A rank still waiting for the source (dead, maybe) gives up now
+                # instead of holding the blocks until its timeout.
+                try:
+                    self.core.executor.collective_rpc("cancel_kv_copies", args=(
+                        [_transfer_name(job.message.path_prefix)],))
+                except Exception as e:  # the executor is failing: its recovery frees the blocks
+                    logger.warning("could not cancel the K/V copies of migration %s: %s", migration_id, e)
             return
         self._free_incoming(migration_id, rid)
 

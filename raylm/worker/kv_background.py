@@ -23,12 +23,18 @@ the copy lose at most that share of their time.
 The pre-copy takes longer for it (about its CPU time / the share), which the
 request, still decoding at the source, does not see.
 RAYLM_MIGRATION_COPY_CPU_SHARE sets the share (1: unpaced).
+
+An import that waits for its source (a file not yet filled, an offer not yet
+answered) can be cancelled: its migration was abandoned (the source died,
+say), or the rank is closing. It then ends at once with an error instead of
+holding its reserved blocks, or the rank's shutdown, for its whole timeout.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
@@ -74,8 +80,8 @@ class CopyPacer:
         self._cpu_mark = time.thread_time()
 
 
-def _paced(fn: Callable, *args):
-    return fn(*args, pause=CopyPacer().pause)
+def _paced(fn: Callable, *args, **kwargs):
+    return fn(*args, pause=CopyPacer().pause, **kwargs)
 
 
 class KVCopyJobs:
@@ -83,6 +89,7 @@ class KVCopyJobs:
         self._exports = ThreadPoolExecutor(1, thread_name_prefix="raylm-kv-export")
         self._imports = ThreadPoolExecutor(1, thread_name_prefix="raylm-kv-import")
         self._jobs: dict[str, Future] = {}  # imports, by name, until their outcome is taken
+        self._cancels: dict[str, threading.Event] = {}  # set: the import's wait gives up
 
     def export(self, fn: Callable, *args, paced: bool = False) -> Future:
         """Run an export (a gather of filled blocks) beside the steps;
@@ -91,8 +98,21 @@ class KVCopyJobs:
 
     def import_(self, name: str, fn: Callable, *args, paced: bool = False) -> None:
         """Run an import (into reserved blocks) beside the steps; its outcome:
-        `finished`. `paced`: as for `export`."""
-        self._jobs[name] = self._imports.submit(_paced, fn, *args) if paced else self._imports.submit(fn, *args)
+        `finished`. `fn` takes a `cancelled` event (see `cancel`); `paced`:
+        as for `export`."""
+        cancelled = self._cancels[name] = threading.Event()
+        if paced:
+            self._jobs[name] = self._imports.submit(_paced, fn, *args, cancelled=cancelled)
+        else:
+            self._jobs[name] = self._imports.submit(fn, *args, cancelled=cancelled)
+
+    def cancel(self, names: list[str]) -> None:
+        """Imports of `names` still waiting for their source give up (their
+        outcome: an error); one already copying finishes its copy."""
+        for name in names:
+            event = self._cancels.get(name)
+            if event is not None:
+                event.set()
 
     def finished(self, names: list[str]) -> dict[str, list]:
         """The imports of `names` that have ended, each [ok, bytes or the error]; taken once."""
@@ -103,11 +123,14 @@ class KVCopyJobs:
                 done[name] = [False, "no such K/V copy on this rank"]
             elif job.done():
                 del self._jobs[name]
+                self._cancels.pop(name, None)
                 error = job.exception()
                 done[name] = [True, job.result()] if error is None else [False, f"{type(error).__name__}: {error}"]
         return done
 
     def close(self) -> None:
+        self.cancel(list(self._cancels))  # no wait for a source outlives the rank
         self._exports.shutdown(wait=True, cancel_futures=True)
         self._imports.shutdown(wait=True, cancel_futures=True)
         self._jobs.clear()
+        self._cancels.clear()

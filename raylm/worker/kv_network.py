@@ -44,6 +44,8 @@ FETCH_TIMEOUT_S = 30.0
 # paused) and its few blocks are packed before the source reports: a source
 # that does not answer soon has died, and must not hold the loop for long.
 FINAL_FETCH_TIMEOUT_S = 5.0
+# How often a waiting fetch looks whether it was cancelled.
+_CANCEL_CHECK_S = 0.1
 _STATUS_OK, _STATUS_MISSING, _STATUS_FAILED = b"ok", b"missing", b"failed"
 
 
@@ -127,17 +129,23 @@ class KVBlockServer:
             self._offers.clear()
 
 
-def fetch(address: str, name: str, keys: CurveKeys, timeout_s: float = FETCH_TIMEOUT_S) -> zmq.Frame:
-    """The packed blocks offered as `name` at `address` (a read-only frame)."""
+def fetch(address: str, name: str, keys: CurveKeys, timeout_s: float = FETCH_TIMEOUT_S,
+          cancelled: threading.Event | None = None) -> zmq.Frame:
+    """The packed blocks offered as `name` at `address` (a read-only frame);
+    the wait for them gives up after `timeout_s`, or once `cancelled` is set."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     secure_client(sock, keys)
     sock.connect(address)
     try:
         sock.send(name.encode())
-        if not sock.poll(int(timeout_s * 1000)):
-            raise kv_transfer.KVTransferError(
-                f"the source rank at {address} did not send the K/V blocks {name!r} within {timeout_s:.0f} s")
+        deadline = time.monotonic() + timeout_s
+        while not sock.poll(int(1000 * max(0.0, min(_CANCEL_CHECK_S, deadline - time.monotonic())))):
+            if cancelled is not None and cancelled.is_set():
+                raise kv_transfer.KVTransferError(f"the fetch of the K/V blocks {name!r} from {address} was cancelled")
+            if time.monotonic() >= deadline:
+                raise kv_transfer.KVTransferError(
+                    f"the source rank at {address} did not send the K/V blocks {name!r} within {timeout_s:.0f} s")
         frames = sock.recv_multipart(copy=False)
     finally:
         sock.close(linger=0)
@@ -170,8 +178,8 @@ class KVNetworkEndpoint:
         return kv_transfer.packed_size(kv_caches, len(block_ids)), server.address
 
     def fetch_into(self, kv_caches: list[torch.Tensor], name: str, block_ids: list[int], address: str,
-                   keys: CurveKeys, timeout_s: float = FETCH_TIMEOUT_S) -> int:
-        frame = fetch(address, name, keys, timeout_s)
+                   keys: CurveKeys, timeout_s: float = FETCH_TIMEOUT_S, cancelled: threading.Event | None = None) -> int:
+        frame = fetch(address, name, keys, timeout_s, cancelled)
         return kv_transfer.unpack_blocks(kv_caches, block_ids, frame.buffer,
                                          f"the K/V blocks {name!r} from {address}")
 

@@ -348,11 +348,12 @@ def export_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], path: str
 
 
 def import_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], path: str, wait_s: float = 0.0,
-                  pause: Callable[[], None] | None = None) -> int:
+                  pause: Callable[[], None] | None = None, cancelled: threading.Event | None = None) -> int:
     """Read a file written by `export_blocks` into the blocks `block_ids`
     (one per exported block, in order); returns the bytes read. `wait_s`:
-    how long to wait for a file whose source is still filling it. `pause`:
-    called between chunks (a paced copy beside the steps)."""
+    how long to wait for a file whose source is still filling it, unless
+    `cancelled` is set meanwhile. `pause`: called between chunks (a paced
+    copy beside the steps)."""
     if not kv_caches:
         raise KVTransferError("this rank holds no KV cache")
     deadline = time.monotonic() + wait_s
@@ -368,7 +369,10 @@ def import_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], path: str
             break
         # The source's thread is still filling the file (paced, it may take a
         # while): look again, less often as the wait goes on (each look costs CPU).
-        time.sleep(retry_s)
+        if cancelled is None:
+            time.sleep(retry_s)
+        elif cancelled.wait(retry_s):
+            raise KVTransferError(f"the import of {path!r} was cancelled while it waited for its source")
         retry_s = min(2 * retry_s, _MAX_RETRY_S)
     _check_header(raw, size, kv_caches, len(block_ids), f"KV transfer file {path!r}")
     if block_ids:

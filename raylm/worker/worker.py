@@ -239,6 +239,12 @@ class Worker:
         """The background imports of `names` that have ended: name -> [ok, bytes or error]."""
         return self._kv_jobs().finished(names)
 
+    def cancel_kv_copies(self, names: list[str]) -> None:
+        """Background imports of `names` (their migration was abandoned) stop
+        waiting for their source; their outcome is still `kv_copies_done`'s."""
+        if self.kv_copies is not None:
+            self.kv_copies.cancel(names)
+
     def _kv_jobs(self) -> kv_background.KVCopyJobs:
         if self.kv_copies is None:
             self.kv_copies = kv_background.KVCopyJobs()

@@ -321,6 +321,25 @@ def test_blocks_of_an_abandoned_background_import_are_freed_once_it_ends(cores, 
     assert not src.scheduler.kv_cache_manager.req_blocks
 
 
+def test_an_abandoned_import_waiting_for_a_dead_source_frees_its_blocks_at_once(cores):
+    """The source died before it filled its file: abandoning the migration
+    cancels the destination's wait, so its reserved blocks are free within
+    a poll or two, not after the import's 30 s timeout."""
+    src, dst = cores
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm_dir:
+        kv_transfer.create_file(src.executor.driver_worker.worker.model_runner.kv_caches, 2, f"{shm_dir}/m5-0.rank0")
+        assert not dst.take_migration_reports(MigrateImport("m5", "dead-source", f"{shm_dir}/m5-0", 2, final=False))
+        assert dst.migrations.copying and "dead-source" in dst.scheduler.kv_cache_manager.req_blocks
+        time.sleep(0.05)  # the rank's thread is in its wait
+        abandoned = time.monotonic()
+        dst.take_migration_reports(MigrateEnd("m5", "dead-source", commit=False))
+        while dst.migrations.copying and time.monotonic() - abandoned < 30:
+            assert not dst.take_migration_reports()  # an abandoned stage is not reported
+            time.sleep(0.002)
+        assert time.monotonic() - abandoned < 5
+        assert not dst.scheduler.kv_cache_manager.req_blocks and not dst.scheduler.expecting_imports
+
+
 def test_a_background_import_whose_ranks_finish_at_different_polls_is_reported_once_all_are_done():
     """Rank 0 finishes its copy a poll before rank 1: asked again, rank 0 no
     longer knows the copy, and that must not count as its failure (a TP=2
@@ -334,8 +353,8 @@ def test_a_background_import_whose_ranks_finish_at_different_polls_is_reported_o
     ranks = [KVCopyJobs(), KVCopyJobs()]
     release = threading.Event()
     try:
-        ranks[0].import_("m9-0", lambda: 100)
-        ranks[1].import_("m9-0", lambda: release.wait(30) and 200)
+        ranks[0].import_("m9-0", lambda cancelled: 100)
+        ranks[1].import_("m9-0", lambda cancelled: release.wait(30) and 200)
         executor = SimpleNamespace(collective_rpc=lambda method, args: [r.finished(*args) for r in ranks])
         endpoint = MigrationEndpoint(SimpleNamespace(executor=executor))
         message = MigrateImport("m9", "r9", "/dev/shm/raylm-test/m9-0", 2, final=False)

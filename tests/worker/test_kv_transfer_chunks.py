@@ -130,3 +130,54 @@ def test_paced_copies_beside_the_steps_get_a_pause_and_end(tmp_path):
     finally:
         jobs.close()
     assert all(torch.equal(d[:, [7, 8]], s[:, [4, 5]]) for s, d in zip(source, destination))
+
+
+def test_an_import_waiting_for_its_source_gives_up_when_cancelled(tmp_path):
+    """A source that died never fills its file: cancelling the import (its
+    migration abandoned) ends its wait at once, not after its 30 s timeout,
+    and the blocks it was to write stay as they were."""
+    import time
+
+    source, destination = _caches(3), _caches(None)
+    path = str(tmp_path / "m2-0.rank0")
+    kv_transfer.create_file(source, 2, path)  # created, never filled
+    jobs = kv_background.KVCopyJobs()
+    try:
+        jobs.import_("m2-0", kv_transfer.import_blocks, destination, [7, 8], path, 30.0, paced=True)
+        time.sleep(0.05)
+        assert jobs.finished(["m2-0"]) == {}  # still waiting
+        started = time.monotonic()
+        jobs.cancel(["m2-0", "not-a-copy"])
+        (ok, error), = wait_until(lambda: jobs.finished(["m2-0"]), 10, message="the cancelled import to end").values()
+        assert time.monotonic() - started < 5
+        assert not ok and "cancelled" in error, error
+    finally:
+        jobs.close()
+    assert all(not d.any() for d in destination)
+
+
+def test_closing_the_copy_jobs_does_not_wait_for_a_source_that_never_answers(tmp_path):
+    """A rank shutting down while an import waits for a dead source's file,
+    or for its network offer, is not held for the import's timeout."""
+    import time
+
+    from raylm.distributed.tcp_auth import CurveKeys
+    from raylm.worker import kv_network
+
+    source, destination = _caches(3), _caches(None)
+    path = str(tmp_path / "m3-0.rank0")
+    kv_transfer.create_file(source, 2, path)
+    jobs = kv_background.KVCopyJobs()
+    jobs.import_("m3-0", kv_transfer.import_blocks, destination, [7, 8], path, 30.0, paced=True)
+    time.sleep(0.05)
+    started = time.monotonic()
+    jobs.close()
+    assert time.monotonic() - started < 5
+    # A fetch from an address where nobody answers, cancelled mid-wait.
+    jobs = kv_background.KVCopyJobs()
+    jobs.import_("m3-1", kv_network.KVNetworkEndpoint().fetch_into, destination, "m3-1.rank0", [7, 8],
+                 "tcp://127.0.0.1:9", CurveKeys.generate())
+    time.sleep(0.2)
+    started = time.monotonic()
+    jobs.close()
+    assert time.monotonic() - started < 5
