@@ -178,10 +178,13 @@ class KVNetworkEndpoint:
         return kv_transfer.packed_size(kv_caches, len(block_ids)), server.address
 
     def fetch_into(self, kv_caches: list[torch.Tensor], name: str, block_ids: list[int], address: str,
-                   keys: CurveKeys, timeout_s: float = FETCH_TIMEOUT_S, cancelled: threading.Event | None = None) -> int:
+                   keys: CurveKeys, timeout_s: float = FETCH_TIMEOUT_S, cancelled: threading.Event | None = None,
+                   pause=None) -> int:
+        """Fetch the offer `name` into `block_ids`; `pause`: called between
+        layers of the unpacking (a paced copy beside the steps)."""
         frame = fetch(address, name, keys, timeout_s, cancelled)
         return kv_transfer.unpack_blocks(kv_caches, block_ids, frame.buffer,
-                                         f"the K/V blocks {name!r} from {address}")
+                                         f"the K/V blocks {name!r} from {address}", pause)
 
     def withdraw(self, prefix: str) -> int:
         return self._server.withdraw(prefix) if self._server is not None else 0

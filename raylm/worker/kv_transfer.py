@@ -88,8 +88,10 @@ def _data_bytes(kv_caches: list[torch.Tensor], num_blocks: int) -> int:
     return _block_numel(kv_caches) * num_blocks * len(kv_caches) * kv_caches[0].element_size()
 
 
-def _gather(kv_caches: list[torch.Tensor], block_ids: list[int], data: torch.Tensor) -> None:
-    """Copy the blocks `block_ids` of every layer into `data` (flat, of the caches' dtype), layer by layer."""
+def _gather(kv_caches: list[torch.Tensor], block_ids: list[int], data: torch.Tensor,
+            pause: Callable[[], None] | None = None) -> None:
+    """Copy the blocks `block_ids` of every layer into `data` (flat, of the
+    caches' dtype), layer by layer; `pause` runs after each layer."""
     first = kv_caches[0]
     per_layer = _block_numel(kv_caches) * len(block_ids)
     index = torch.tensor(block_ids, dtype=torch.int64, device=first.device)
@@ -99,16 +101,22 @@ def _gather(kv_caches: list[torch.Tensor], block_ids: list[int], data: torch.Ten
             torch.index_select(cache, 1, index, out=out)  # gathered straight into the destination
         else:
             out.copy_(cache.index_select(1, index))
+        if pause is not None:
+            pause()
 
 
-def _scatter(kv_caches: list[torch.Tensor], block_ids: list[int], data: torch.Tensor) -> None:
-    """The inverse of `_gather`: `data` into the blocks `block_ids` of every layer."""
+def _scatter(kv_caches: list[torch.Tensor], block_ids: list[int], data: torch.Tensor,
+             pause: Callable[[], None] | None = None) -> None:
+    """The inverse of `_gather`: `data` into the blocks `block_ids` of every
+    layer; `pause` runs after each layer."""
     first = kv_caches[0]
     per_layer = _block_numel(kv_caches) * len(block_ids)
     index = torch.tensor(block_ids, dtype=torch.int64, device=first.device)
     for layer, cache in enumerate(kv_caches):
         src = data[layer * per_layer : (layer + 1) * per_layer].view(2, len(block_ids), *cache.shape[2:])
         cache.index_copy_(1, index, src.to(cache.device))
+        if pause is not None:
+            pause()
 
 
 def _copies_by_file_io(kv_caches: list[torch.Tensor]) -> bool:
@@ -384,22 +392,26 @@ def packed_size(kv_caches: list[torch.Tensor], num_blocks: int) -> int:
     return _HEADER_BYTES + _data_bytes(kv_caches, num_blocks)
 
 
-def pack_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
+def pack_blocks(kv_caches: list[torch.Tensor], block_ids: list[int],
+                pause: Callable[[], None] | None = None) -> torch.Tensor:
     """The same bytes `export_blocks` writes to a file, in memory (a flat
-    uint8 tensor): what a rank sends to another node (raylm.worker.kv_network)."""
+    uint8 tensor): what a rank sends to another node (raylm.worker.kv_network).
+    `pause`: called after each layer (a paced copy beside the steps)."""
     if not kv_caches:
         raise KVTransferError("this rank holds no KV cache")
     encoded = _header_bytes(kv_caches, len(block_ids))
     packed = torch.zeros(_HEADER_BYTES + _data_bytes(kv_caches, len(block_ids)), dtype=torch.uint8)
     packed[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
     if block_ids:
-        _gather(kv_caches, block_ids, packed[_HEADER_BYTES:].view(kv_caches[0].dtype))
+        _gather(kv_caches, block_ids, packed[_HEADER_BYTES:].view(kv_caches[0].dtype), pause)
     return packed
 
 
-def unpack_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], packed, what: str) -> int:
+def unpack_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], packed, what: str,
+                  pause: Callable[[], None] | None = None) -> int:
     """Read what `pack_blocks` made (any buffer: bytes, a ZMQ frame's memoryview)
-    into the blocks `block_ids`; returns its size in bytes."""
+    into the blocks `block_ids`; returns its size in bytes. `pause`: as for
+    `pack_blocks`."""
     if not kv_caches:
         raise KVTransferError("this rank holds no KV cache")
     view = memoryview(packed).cast("B")
@@ -409,7 +421,7 @@ def unpack_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], packed, w
             # A received frame is read-only; it is only read here.
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             data = torch.frombuffer(view, dtype=kv_caches[0].dtype, offset=_HEADER_BYTES)
-        _scatter(kv_caches, block_ids, data)
+        _scatter(kv_caches, block_ids, data, pause)
     return len(view)
 
 

@@ -245,6 +245,10 @@ class Worker:
         if self.kv_copies is not None:
             self.kv_copies.cancel(names)
 
+    def _paced_export(self, fn, *args):
+        """A network offer's packing beside the steps, paced as a file's filling."""
+        return self._kv_jobs().export(fn, *args, paced=True)
+
     def _kv_jobs(self) -> kv_background.KVCopyJobs:
         if self.kv_copies is None:
             self.kv_copies = kv_background.KVCopyJobs()
@@ -260,7 +264,7 @@ class Worker:
             self.kv_network = kv_network.KVNetworkEndpoint()
         num_bytes, address = self.kv_network.serve(
             self.model_runner.kv_caches, f"{name}.rank{self.rank}", block_ids, host,
-            CurveKeys(public_key, secret_key), self._kv_jobs().export if background else None)
+            CurveKeys(public_key, secret_key), self._paced_export if background else None)
         return [num_bytes, address]
 
     def fetch_kv(self, name: str, block_ids: list[int], addresses: list[str], public_key: bytes,
@@ -272,7 +276,7 @@ class Worker:
                 CurveKeys(public_key, secret_key))
         if not background:
             return fetch(*args, kv_network.FINAL_FETCH_TIMEOUT_S)
-        self._kv_jobs().import_(name, fetch, *args)
+        self._kv_jobs().import_(name, fetch, *args, paced=True)
         return None
 
     def withdraw_kv(self, prefix: str) -> int:

@@ -181,3 +181,16 @@ def test_closing_the_copy_jobs_does_not_wait_for_a_source_that_never_answers(tmp
     started = time.monotonic()
     jobs.close()
     assert time.monotonic() - started < 5
+
+
+def test_a_transfer_between_nodes_packs_and_unpacks_layer_by_layer_with_pauses():
+    """The network path's in-memory copies are paced too: a pause after each
+    layer, and the blocks arrive bit for bit."""
+    source, destination = _caches(5), _caches(None)
+    pauses: list[str] = []
+    packed = kv_transfer.pack_blocks(source, [4, 9, 2], pause=lambda: pauses.append("pack"))
+    size = kv_transfer.unpack_blocks(destination, [1, 2, 3], packed.numpy().tobytes(), "a test's blocks",
+                                     pause=lambda: pauses.append("unpack"))
+    assert size == kv_transfer.packed_size(source, 3)
+    assert pauses == ["pack"] * LAYERS + ["unpack"] * LAYERS
+    assert all(torch.equal(d[:, [1, 2, 3]], s[:, [4, 9, 2]]) for s, d in zip(source, destination))
