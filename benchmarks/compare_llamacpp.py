@@ -36,11 +36,17 @@ Workloads (--workloads), every one greedy with EOS ignored on raylm's side, rand
            same two sides with B=64 (64 * 128 / (T_PP + T_TG * 127/128) for llama.cpp).
   online   servers at saturation: `llama-server -np 64 -cb` and `raylm serve` in turn, each
            loaded by `raylm bench serve` (64 streaming completions of 128 random token ids ->
-           128 tokens, all sent at once): output tok/s and median TTFT.
+           128 tokens, all sent at once): output tok/s and median TTFT. With
+           `--online-warm-up`, each server first serves one such load of other prompts
+           (`--seed 1`), so that neither is measured on its first requests (raylm's first
+           steps build and touch what later steps reuse) and neither can reuse a measured
+           prompt's cache; without it, each is measured on its first load.
 
 Both engines get --threads threads (default 2): llama.cpp `-t N -tb N`, raylm
-`num_threads=N` / `--num-threads N`. raylm runs in bfloat16 activations with prefix caching
-off. Every row is the mean over --rounds rounds with the spread ((max - min) / mean); the
+`num_threads=N`; online, `raylm serve` runs at its own default (on a small machine it
+keeps a core for its front end and engine loop, one decode thread on 2 cores) unless
+`--online-raylm-threads N` is given, and llama-server gets --threads (its own default is
+one thread per core). raylm runs in bfloat16 activations with prefix caching off. Every row is the mean over --rounds rounds with the spread ((max - min) / mean); the
 engines alternate round by round (raylm first on even rounds, llama.cpp first on odd ones),
 and inside a round each engine runs every workload of one variant back to back, so a busy
 shared machine hurts both alike. The "speed" column is raylm / llama.cpp in speed: tok/s
@@ -235,7 +241,8 @@ def raylm_offline(args: argparse.Namespace, variant: Variant, vocab_size: int, r
 def raylm_server_command(args: argparse.Namespace, variant: Variant) -> list[str]:
     return [sys.executable, "-m", "raylm.entrypoints.cli", "serve", variant.raylm_model, "--host", "127.0.0.1",
             "--port", str(args.port), "--dtype", "bfloat16", "--max-model-len", str(2 * ONE_LEN + 64),
-            "--num-threads", str(args.threads), "--no-enable-prefix-caching"]
+            "--no-enable-prefix-caching",
+            *(["--num-threads", str(args.online_raylm_threads)] if args.online_raylm_threads else [])]
 
 
 # ---- both -----------------------------------------------------------------------------
@@ -248,11 +255,15 @@ def online(args: argparse.Namespace, command: list[str], workdir: pathlib.Path, 
         try:
             wait_healthy(args.port, server, args.tool_timeout)
             result_path = workdir / f"{label}.json"
-            subprocess.run([sys.executable, "-m", "raylm.entrypoints.cli", "bench", "serve",
-                            "--base-url", f"http://127.0.0.1:{args.port}", "--num-prompts", str(BATCH),
-                            "--random-input-len", str(ONE_LEN), "--random-output-len", str(ONE_LEN),
-                            "--output-json", str(result_path)],
-                           check=True, stdout=subprocess.DEVNULL, timeout=args.tool_timeout)
+            loads = [(0, result_path)]
+            if args.online_warm_up:
+                loads.insert(0, (1, workdir / f"{label}.warm-up.json"))
+            for seed, output in loads:
+                subprocess.run([sys.executable, "-m", "raylm.entrypoints.cli", "bench", "serve",
+                                "--base-url", f"http://127.0.0.1:{args.port}", "--num-prompts", str(BATCH),
+                                "--random-input-len", str(ONE_LEN), "--random-output-len", str(ONE_LEN),
+                                "--seed", str(seed), "--output-json", str(output)],
+                               check=True, stdout=subprocess.DEVNULL, timeout=args.tool_timeout)
         finally:
             stop(server)
     result = json.loads(result_path.read_text())
@@ -293,7 +304,8 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
                                for key in results[0]}
                       for engine, results in per_engine.items()}
                for name, per_engine in rounds.items()}
-    return {"model": args.model, "variants": [v.__dict__ for v in variants], "threads": args.threads,
+    return {"model": args.model, "variants": [v.__dict__ for v in variants], "threads": args.threads, "online_raylm_threads": args.online_raylm_threads,
+            "online_warm_up": args.online_warm_up,
             "rounds": args.rounds, "workloads": args.workloads, "prefill_lens": args.prefill_lens,
             "load_average_before": load_before, "load_average_after": os.getloadavg(), "summary": summary}
 
@@ -324,6 +336,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--prefill-lens", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--threads", type=int, default=2, help="threads for both engines")
+    parser.add_argument("--online-raylm-threads", type=int,
+                        help="`raylm serve --num-threads` in the online workload; default: raylm's own")
+    parser.add_argument("--online-warm-up", action="store_true",
+                        help="online: measure each server's second load (the first, other prompts, warms it up)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating raylm / llama.cpp rounds")
     parser.add_argument("--repetitions", type=int, default=3,
                         help="timed repetitions inside a round (llama-bench -r; raylm's decode, prefill and "

@@ -18,6 +18,7 @@ import msgspec
 import zmq
 
 from raylm.config import EngineConfig
+from raylm.startup_heap import freeze_startup_heap
 from raylm.engine.protocol import (
     AbortRequests,
     ClientMessage,
@@ -226,6 +227,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
                           incarnation=incarnation)
     ready_conn.send(("ready", config.cache_config.num_blocks))
     ready_conn.close()
+    freeze_startup_heap()
     try:
         proc.run()
     except Exception:

@@ -35,6 +35,7 @@ from raylm.engine.protocol import ClientMessage
 from raylm.executor.ray_cluster import connect_ray
 from raylm.executor.ray_placement import (place_replica, replica_bundles, replica_num_cpus_hint,
                                           replica_target_nodes, worker_env_vars)
+from raylm.startup_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ class EngineCoreActor:
 
     def run(self) -> None:
         """Until the front end sends Shutdown; always releases the executor."""
+        freeze_startup_heap()
         try:
             self.proc.run()
         finally:

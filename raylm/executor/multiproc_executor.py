@@ -28,6 +28,7 @@ from raylm.distributed.shm_ring import unlink_segment
 from raylm.executor.abstract import Executor
 from raylm.executor.errors import WorkerHungError
 from raylm.executor.mq_rpc import MqRpcClient, WorkerDiedError, WorkerLoop
+from raylm.startup_heap import freeze_startup_heap
 from raylm.worker.cpu_placement import RankPlacement, apply_rank_placement, plan_cpu_placement, read_topology
 
 __all__ = ["MultiprocExecutor", "WorkerDiedError", "WorkerProc"]
@@ -116,6 +117,7 @@ class WorkerProc:
         proc.run_loop()
 
     def run_loop(self) -> None:
+        freeze_startup_heap()
         WorkerLoop(self.wrapper, self.broadcast, self.response).run()
 
 

@@ -17,6 +17,7 @@ from raylm.distributed.tcp_auth import CurveKeys
 from raylm.executor.mq_rpc import CallableRegistry, WorkerLoop
 from raylm.worker.cpu_placement import RankPlacement, apply_rank_placement, plan_cpu_placement, read_topology
 from raylm.worker.worker import WorkerWrapper
+from raylm.startup_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +229,7 @@ class RayWorkerWrapper(WorkerWrapper):
         self._mq_thread.start()
 
     def _run_mq_loop(self) -> None:
+        freeze_startup_heap()
         try:
             self._mq_loop.run()  # returns when the driver closes the broadcast queue
         except Exception:

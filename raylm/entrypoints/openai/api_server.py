@@ -50,6 +50,7 @@ from raylm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from raylm.entrypoints.openai.serving_tools import ToolCallConfig
 from raylm.entrypoints.openai.structured_outputs import StructuredOutputDefaults
 from raylm.entrypoints.openai.serving_tokenize import install_tokenize_routes
+from raylm.startup_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -342,6 +343,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
         server = GracefulServer(config, engine, args.shutdown_grace_period, app.state.admission)
         # Printed whatever the log level: where to connect and what runs there.
         print(startup_line(engine.config, names, args), file=sys.stderr, flush=True)
+        freeze_startup_heap()
         asyncio.run(server.serve())
     finally:
         engine.shutdown()
