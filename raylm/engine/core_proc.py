@@ -18,7 +18,6 @@ import msgspec
 import zmq
 
 from raylm.config import EngineConfig
-from raylm.startup_heap import freeze_startup_heap
 from raylm.engine.protocol import (
     AbortRequests,
     ClientMessage,
@@ -32,6 +31,7 @@ from raylm.engine.protocol import (
     SchedulerStats,
     Shutdown,
 )
+from raylm.startup_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 

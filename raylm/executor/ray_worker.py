@@ -15,9 +15,9 @@ from raylm.distributed.shm_broadcast import MessageQueue, MessageQueueHandle
 from raylm.distributed.shm_ring import unlink_segment
 from raylm.distributed.tcp_auth import CurveKeys
 from raylm.executor.mq_rpc import CallableRegistry, WorkerLoop
+from raylm.startup_heap import freeze_startup_heap
 from raylm.worker.cpu_placement import RankPlacement, apply_rank_placement, plan_cpu_placement, read_topology
 from raylm.worker.worker import WorkerWrapper
-from raylm.startup_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 

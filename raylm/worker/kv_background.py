@@ -18,9 +18,10 @@ thread per core, as on a small host): every millisecond it copies is taken
 from a step. So a paced copy (`paced=True`: the file copies, which come in
 chunks, and the packing and unpacking of a transfer between nodes, layer by
 layer) sleeps after each burst of about 1 ms of CPU (or one chunk: at most
-1 MiB of a file, one layer of a network transfer) for as long as makes the burst's CPU time `COPY_CPU_SHARE` of
-the whole: a step is never held by more than a burst, and the steps around
-the copy lose at most that share of their time.
+1 MiB of a file, one layer of a network transfer) for as long as makes the
+burst's CPU time `COPY_CPU_SHARE` of the whole: a step is never held by more
+than a burst, and the steps around the copy lose at most that share of
+their time.
 The pre-copy takes longer for it (about its CPU time / the share), which the
 request, still decoding at the source, does not see.
 RAYLM_MIGRATION_COPY_CPU_SHARE sets the share (1: unpaced).
