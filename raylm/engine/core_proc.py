@@ -225,9 +225,9 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         return
     proc = EngineCoreProc(core, input_address, output_address, engine_index, running_alone_path=running_alone_path,
                           incarnation=incarnation)
+    freeze_startup_heap()  # before "ready": the first requests must not wait for its collection
     ready_conn.send(("ready", config.cache_config.num_blocks))
     ready_conn.close()
-    freeze_startup_heap()
     try:
         proc.run()
     except Exception:

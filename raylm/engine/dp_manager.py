@@ -129,6 +129,7 @@ class EngineCoreActor:
                                     watch_parent=False, secure_socket=channel.secure)
         if channel.running_alone_key:
             self.core.on_running_alone = RunningAloneRecordInRay(channel.running_alone_key).write
+        freeze_startup_heap()  # here, not in `run`: the replica gets traffic once it is ready
 
     def ready(self) -> dict:
         import ray
@@ -142,7 +143,6 @@ class EngineCoreActor:
 
     def run(self) -> None:
         """Until the front end sends Shutdown; always releases the executor."""
-        freeze_startup_heap()
         try:
             self.proc.run()
         finally:
