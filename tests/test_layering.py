@@ -43,10 +43,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("model", ("raylm.model",)),
     ("distributed", ("raylm.distributed",)),
     # Plain values that cross layers: wire messages and sampling settings,
-    # user-facing outputs, the chat-template sandbox, CPU-core arithmetic.
+    # user-facing outputs, the chat-template sandbox, CPU-core arithmetic; and
+    # the start-up heap's freeze, which every serving process calls.
     (
         "values",
-        ("raylm.messages", "raylm.sampling_params", "raylm.outputs", "raylm.chat_template", "raylm.cpu_bind"),
+        ("raylm.messages", "raylm.sampling_params", "raylm.outputs", "raylm.chat_template", "raylm.cpu_bind",
+         "raylm.startup_heap"),
     ),
 ]
 
