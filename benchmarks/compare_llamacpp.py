@@ -46,8 +46,9 @@ Both engines get --threads threads (default 2): llama.cpp `-t N -tb N`, raylm
 `num_threads=N`; online, `raylm serve` runs at its own default (on a small machine it
 keeps a core for its front end and engine loop, one decode thread on 2 cores) unless
 `--online-raylm-threads N` is given, and llama-server gets --threads (its own default is
-one thread per core). raylm runs in bfloat16 activations with prefix caching off. Every row is the mean over --rounds rounds with the spread ((max - min) / mean); the
-engines alternate round by round (raylm first on even rounds, llama.cpp first on odd ones),
+one thread per core). raylm runs in bfloat16 activations with prefix caching off. Every
+row is the mean over --rounds rounds with the spread ((max - min) / mean); the engines
+alternate round by round (raylm first on even rounds, llama.cpp first on odd ones),
 and inside a round each engine runs every workload of one variant back to back, so a busy
 shared machine hurts both alike. The "speed" column is raylm / llama.cpp in speed: tok/s
 over tok/s, or llama.cpp's seconds over raylm's; above 1, raylm is faster.
@@ -304,8 +305,8 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
                                for key in results[0]}
                       for engine, results in per_engine.items()}
                for name, per_engine in rounds.items()}
-    return {"model": args.model, "variants": [v.__dict__ for v in variants], "threads": args.threads, "online_raylm_threads": args.online_raylm_threads,
-            "online_warm_up": args.online_warm_up,
+    return {"model": args.model, "variants": [v.__dict__ for v in variants], "threads": args.threads,
+            "online_raylm_threads": args.online_raylm_threads, "online_warm_up": args.online_warm_up,
             "rounds": args.rounds, "workloads": args.workloads, "prefill_lens": args.prefill_lens,
             "load_average_before": load_before, "load_average_after": os.getloadavg(), "summary": summary}
 

@@ -263,18 +263,19 @@ class MigrationEndpoint:
         rid = self._incoming.pop(migration_id, None)
         self._scheduler.expecting_imports = bool(self._incoming)
         job = self._importing.get(migration_id)
-        if job is not None:
-            if not job.abandoned:
-                job.abandoned = True
-                # A rank still waiting for the source (dead, maybe) gives up now
-                # instead of holding the blocks until its timeout.
-                try:
-                    self.core.executor.collective_rpc("cancel_kv_copies", args=(
-                        [_transfer_name(job.message.path_prefix)],))
-                except Exception as e:  # the executor is failing: its recovery frees the blocks
-                    logger.warning("could not cancel the K/V copies of migration %s: %s", migration_id, e)
-            return
-        self._free_incoming(migration_id, rid)
+        if job is None:
+            self._free_incoming(migration_id, rid)
+        elif not job.abandoned:
+            job.abandoned = True
+            self._cancel_background_import(migration_id, job)
+
+    def _cancel_background_import(self, migration_id: str, job: _BackgroundImport) -> None:
+        """A rank still waiting for the source (dead, maybe) gives up now
+        instead of holding the blocks until its timeout."""
+        try:
+            self.core.executor.collective_rpc("cancel_kv_copies", args=([_transfer_name(job.message.path_prefix)],))
+        except Exception as e:  # the executor is failing: its recovery frees the blocks
+            logger.warning("could not cancel the K/V copies of migration %s: %s", migration_id, e)
 
     def _free_incoming(self, migration_id: str, rid: str | None) -> None:
         if rid is not None and rid not in self._scheduler.requests:

@@ -34,6 +34,7 @@ holding its reserved blocks, or the rank's shutdown, for its whole timeout.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -103,10 +104,8 @@ class KVCopyJobs:
         `finished`. `fn` takes a `cancelled` event (see `cancel`); `paced`:
         as for `export`."""
         cancelled = self._cancels[name] = threading.Event()
-        if paced:
-            self._jobs[name] = self._imports.submit(_paced, fn, *args, cancelled=cancelled)
-        else:
-            self._jobs[name] = self._imports.submit(fn, *args, cancelled=cancelled)
+        runner = functools.partial(_paced, fn) if paced else fn
+        self._jobs[name] = self._imports.submit(runner, *args, cancelled=cancelled)
 
     def cancel(self, names: list[str]) -> None:
         """Imports of `names` still waiting for their source give up (their
