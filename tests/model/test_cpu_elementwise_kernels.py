@@ -60,15 +60,21 @@ def _assert_matches(out, ref, dtype, exact_share: float = 1.0):
     torch.testing.assert_close(out.float(), ref.float(), atol=1e-3, rtol=ulp)
 
 
+@pytest.mark.parametrize("width", [344, 341])  # a multiple of the kernel's 8 lanes, and one with a tail
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul(dtype, counted, monkeypatch):
+def test_silu_and_mul(dtype, width, counted, monkeypatch):
     gen = torch.Generator().manual_seed(0)
-    gate_up = (torch.randn(67, 2 * 344, generator=gen) * 4).to(dtype)
+    gate_up = (torch.randn(67, 2 * width, generator=gen) * 4).to(dtype)
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturated exp, both signs; zeros
+    special = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    gate_up[1, :3] = special  # in the vectorised body
+    gate_up[2, width - 3 : width] = special  # in the tail, where there is one
     act = SiluAndMul()
     out = act(gate_up)
     assert counted == {"silu_and_mul": 1}
-    _assert_matches(out, _torch_path(lambda: act(gate_up), monkeypatch), dtype)
+    ref = _torch_path(lambda: act(gate_up), monkeypatch)
+    assert torch.equal(out.isnan(), ref.isnan())  # silu(-inf) and silu(nan) are NaN in both
+    _assert_matches(out.nan_to_num(0.0), ref.nan_to_num(0.0), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -121,9 +121,18 @@ inline void accumulate_rows(const float* probs, const float* rows, int64_t row_s
 
 // In place: s[i] = exp(s[i] - shift) for s[i] <= shift, returning the sum.
 inline float exp_shifted_and_sum(float* s, int64_t n, float shift) {
+  raylm::Floats8 sums{};
+  int64_t i = 0;
+  for (; i + raylm::kFloats8 <= n; i += raylm::kFloats8) {
+    raylm::Floats8 v;
+    std::memcpy(&v, s + i, sizeof(v));
+    v = raylm::fast_exp(v - shift);
+    std::memcpy(s + i, &v, sizeof(v));
+    sums += v;
+  }
   float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) {
+  for (int l = 0; l < raylm::kFloats8; ++l) sum += sums[l];
+  for (; i < n; ++i) {
     s[i] = raylm::fast_exp(s[i] - shift);
     sum += s[i];
   }
