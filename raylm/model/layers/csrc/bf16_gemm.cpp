@@ -341,7 +341,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   const float* bias_p = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
 
 #if RAYLM_BF16_AVX2
-  const at::Tensor xf = xp.to(at::kFloat).contiguous();
+  const at::Tensor xf = raylm::rows_as_float(xp, xp.size(1));
   const float* x_floats = xf.data_ptr<float>();
 #endif
   raylm::for_each_tile_block(rows, tiles, kBlockRows, preferred_tiles, [&](int64_t m0, int64_t block_rows, int64_t t,

@@ -176,8 +176,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   }
   const int64_t quads = packed.size(1), tiles = packed.size(0), tile_stride = quads * kQuadBytes;
   // Activations as float rows of whole quads (a small copy: few rows).
-  at::Tensor xf = at::zeros({rows, quads * kQuad}, x.options().dtype(at::kFloat));
-  xf.narrow(1, 0, in_features).copy_(x);
+  const at::Tensor xf = raylm::rows_as_float(x.stride(1) == 1 ? x : x.contiguous(), quads * kQuad);
   at::Tensor out = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
   if (rows == 0 || out_features == 0) return out.to(x.scalar_type());
 
@@ -201,5 +200,5 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     }
     kernel_for(block_rows, n_tiles)(b);
   });
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return raylm::float_rows_to(out, x.scalar_type());
 }
