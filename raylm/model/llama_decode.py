@@ -4,8 +4,9 @@ A decode step of a small batch on CPU does little arithmetic per layer, and
 running a layer from Python costs ~20 operator dispatches: on the ~7M model
 that is most of the step, on the ~111M one a tenth of it. When a step can be
 served this way (CPU, bfloat16 weights packed for the decode kernel, one
-tensor-parallel rank, every token a decode, at most DECODE_MAX_ROWS of them,
-or PACKED_MAX_ROWS with quantized weights),
+tensor-parallel rank, every token a decode, at most as many as the bf16
+kernel serves (cpu_gemm.kernel_max_rows), or PACKED_MAX_ROWS with quantized
+weights),
 the layers run in one call of the same kernels, so the result is the same to
 the bit; otherwise LlamaModel runs its modules as usual. Layers whose weights
 came GGUF-quantized run the same way in csrc/quant_decode.cpp's
@@ -208,15 +209,17 @@ class FusedDecode:
         kernels = get_cpu_kernels()
         if params is None or kernels is None or self._shape_args is None:
             return None
-        # The bf16 decode kernel takes DECODE_MAX_ROWS rows; past them oneDNN's
-        # GEMM (on OpenMP) serves the module path better. The quantized one
-        # serves every row count its packed tiles do, on the work team: run
-        # module by module, each norm and attention between two of its
-        # matmuls would open an OpenMP region while the team spins (16 rows
-        # of the ~111M Q4_K_M model: a step of 20-24 ms, against 23-26 ms
-        # module by module; at 64 rows, where the matmuls dominate, the same
-        # within the noise).
-        if not self._quantized and num_tokens > cpu_gemm.DECODE_MAX_ROWS:
+        # The bf16 decode kernel takes the rows it serves best
+        # (cpu_gemm.kernel_max_rows: 4 where the CPU has bf16 arithmetic,
+        # past which oneDNN's GEMM on OpenMP serves the module path better; 64
+        # on AVX2). The quantized one serves every row count its packed tiles
+        # do. Both run on the work team: run module by module, each norm and
+        # attention between two of its matmuls would open an OpenMP region
+        # while the team spins (16 rows of the ~111M Q4_K_M model: a step of
+        # 20-24 ms, against 23-26 ms module by module; 64 rows of the ~111M
+        # bf16 model on AVX2: 190-195 ms module by module, ~177-181 ms with
+        # every op on the team).
+        if not self._quantized and num_tokens > cpu_gemm.kernel_max_rows():
             return None
         if self._quantized and not hasattr(kernels, "quant_decode_layers"):
             return None
@@ -258,6 +261,6 @@ def _lm_head_slots(lm_head: nn.Module, rows: int) -> list[torch.Tensor] | None:
     else:
         packed = getattr(lm_head, "packed_weight", None)
         layout = None if packed is None else packed.decode_layout
-        slots = None if layout is None or rows > cpu_gemm.DECODE_MAX_ROWS else [
+        slots = None if layout is None or rows > cpu_gemm.kernel_max_rows() else [
             torch.tensor([[-1, packed.out_features]], dtype=torch.int64), layout, _EMPTY, _EMPTY]
     return None if slots is None else [*slots, _EMPTY]  # no bias

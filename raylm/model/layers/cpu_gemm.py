@@ -60,6 +60,11 @@ def cpu_has_bf16_arithmetic() -> bool:
                ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
+def kernel_max_rows() -> int:
+    """Activation rows up to which bf16 matmuls run raylm's kernel on this CPU."""
+    return DECODE_MAX_ROWS if cpu_has_bf16_arithmetic() else EMULATED_BF16_KERNEL_MAX_ROWS
+
+
 def linear_in_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear of bf16 x and weight, computed in float32 and rounded to bf16:
     for CPUs without bf16 arithmetic. The weight is widened a slice of output
@@ -118,7 +123,7 @@ class PackedWeight:
         self.out_features = weight.shape[0]
         native = cpu_has_bf16_arithmetic()
         self._widen = weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not native
-        self._small_max_rows = DECODE_MAX_ROWS if native else EMULATED_BF16_KERNEL_MAX_ROWS
+        self._small_max_rows = kernel_max_rows()
         self._onednn = None if self._widen else _pack_onednn(weight)
         self._plain = weight if self._onednn is None else None
         # raylm's decode layout, where its kernels are built.
