@@ -10,6 +10,7 @@ import torch
 
 from raylm import LLM, SamplingParams
 from raylm.model import llama_decode
+from raylm.model.layers import cpu_gemm
 from raylm.model.layers.cpu_kernels import get_cpu_kernels
 from raylm.testing.tiny_models import SUPPORTED_ARCHS, make_tiny_model
 from tests.model.cpu_kernel_utils import needs_compiler
@@ -19,13 +20,14 @@ pytestmark = needs_compiler
 
 class _CountingKernels:
     def __init__(self, kernels):
-        self._kernels, self.calls = kernels, 0
+        self._kernels, self.calls, self.max_rows = kernels, 0, 0
 
     def __getattr__(self, name):
         return getattr(self._kernels, name)
 
     def decode_layers(self, *args):
         self.calls += 1
+        self.max_rows = max(self.max_rows, args[0].shape[0])
         return self._kernels.decode_layers(*args)
 
 
@@ -63,6 +65,26 @@ def test_fused_decode_equals_module_path(arch, tmp_path, monkeypatch):
     modules = _generate(model, prompts, max_tokens)
     assert counting.calls == 0
     assert fused == modules
+
+
+@pytest.mark.parametrize("bf16_arithmetic", [True, False])
+def test_fused_decode_takes_the_rows_the_bf16_kernel_serves(bf16_arithmetic, tmp_path, monkeypatch):
+    """4 decode rows where the CPU has bf16 arithmetic (oneDNN above), 64 without
+    (raylm's kernel serves them all on its thread team): 12 requests that end
+    one after another decode fused from their first step only in the second
+    case, from when at most 4 remain in the first, with the module path's
+    tokens either way."""
+    monkeypatch.setattr(cpu_gemm, "cpu_has_bf16_arithmetic", lambda: bf16_arithmetic)
+    model = make_tiny_model("llama", tmp_path / "m", seed=4, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in range(1, 13)]
+    counting = _CountingKernels(get_cpu_kernels())
+    monkeypatch.setattr(llama_decode, "get_cpu_kernels", lambda: counting)
+    max_tokens = list(range(2, 14))
+    fused = _generate(model, prompts, max_tokens, num_scheduler_steps=1)
+    assert counting.max_rows == (cpu_gemm.DECODE_MAX_ROWS if bf16_arithmetic else 12)
+    monkeypatch.setattr(llama_decode, "ENABLED", False)
+    assert fused == _generate(model, prompts, max_tokens, num_scheduler_steps=1)
 
 
 @pytest.mark.slow
