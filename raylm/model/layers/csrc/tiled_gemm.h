@@ -23,7 +23,7 @@ namespace raylm {
 // Conversions of a matmul's activations, run on the team rather than with
 // torch's .to(): above 32k elements that is an OpenMP region, and its worker
 // then spins on a core for a while, against the team's worker in the matmul
-// that follows (64-row bf16 matmuls with K >= 640 ran 1.3-1.8x slower on two
+// that follows (64-row bf16 matmuls with K >= 640 ran 1.2-1.8x slower on two
 // threads than on one, on 2 cores, until the widening of their x moved here).
 
 // x [rows, in] (float or bf16, unit column stride) as float rows `width` >= in
