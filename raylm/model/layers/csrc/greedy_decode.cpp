@@ -8,31 +8,50 @@
 // ~7M model is as long as the layers' arithmetic.
 
 #include "kernels.h"
+#include "work_team.h"
 
 #include <cmath>
 #include <cstring>
 
 namespace {
 
+inline float logit(const float* row, int64_t i) { return row[i]; }
+inline float logit(const uint16_t* row, int64_t i) {  // bf16 bits: widening is exact
+  const uint32_t bits = uint32_t(row[i]) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+template <typename T>
+int64_t argmax_row(const T* row, int64_t vocab) {
+  int64_t best = 0;
+  float best_value = logit(row, 0);
+  for (int64_t i = 0; i < vocab; ++i) {
+    const float value = logit(row, i);
+    if (std::isnan(value)) return i;
+    if (value > best_value) best = i, best_value = value;
+  }
+  return best;
+}
+
 // The index of each row's first maximum over its first `vocab` logits, a NaN
 // counting as the maximum (the first NaN): numpy's argmax over the float
-// logits, which the sampler's greedy rows take.
+// logits, which the sampler's greedy rows take. bf16 logits are read as they
+// are, rows split over the work team: a .to(float) would be an OpenMP region
+// between the team's matmuls of two steps (see tiled_gemm.h).
 void argmax_rows(const at::Tensor& logits, int64_t vocab, int64_t* out) {
-  const at::Tensor f = logits.scalar_type() == at::kFloat ? logits.contiguous() : logits.to(at::kFloat).contiguous();
-  const int64_t rows = f.size(0), stride = f.size(1);
-  const float* data = f.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = data + r * stride;
-    int64_t best = 0;
-    for (int64_t i = 0; i < vocab; ++i) {
-      if (std::isnan(row[i])) {
-        best = i;
-        break;
-      }
-      if (row[i] > row[best]) best = i;
-    }
-    out[r] = best;
-  }
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && vocab >= 1 &&
+                  (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
+              "greedy_decode_steps: float32 or bfloat16 [rows, vocab] logits with contiguous rows");
+  const int64_t stride = logits.stride(0);
+  const bool bf16 = logits.scalar_type() == at::kBFloat16;
+  const void* data = logits.data_ptr();
+  raylm::for_each_range(logits.size(0), 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      out[r] = bf16 ? argmax_row(static_cast<const uint16_t*>(data) + r * stride, vocab)
+                    : argmax_row(static_cast<const float*>(data) + r * stride, vocab);
+  });
 }
 
 }  // namespace
@@ -60,6 +79,8 @@ at::Tensor greedy_decode_steps(const at::Tensor& tokens, const at::Tensor& posit
   TORCH_CHECK(embedding.dim() == 2 && embedding.size(1) == hidden_size && embedding.is_contiguous() &&
                   embedding.scalar_type() == at::kBFloat16,
               "greedy_decode_steps: the embedding must be a contiguous [vocab, hidden_size] bfloat16 matrix");
+  // The final norm and the argmax run on the team too, as the layers' ops do.
+  const raylm::FusedDecodeScope on_the_team;
   // Each step's inputs, written here between steps (the callers' stay as they were).
   at::Tensor ids = tokens.contiguous().clone(), pos = positions.contiguous().clone();
   at::Tensor ctx = context_lens.contiguous().clone(), slots = at::empty({rows}, pos.options());
