@@ -135,6 +135,25 @@ def test_packed_layers_compute_the_plain_matmul(kernels, monkeypatch, rows, bf16
             _assert_rounded_product(y, ref, magnitude)
 
 
+@pytest.mark.parametrize("rows", [1, 3, cpu_gemm.DECODE_MAX_ROWS + 1, 64, 65])
+def test_logits_widen_exactly_on_either_path(kernels, rows):
+    """as_float32 (the LM head's logits) widens the kernel's rows on the work
+    team, more rows with torch: either way exactly .float(), padding columns
+    trimmed by a view and inf and NaN kept."""
+    g = torch.Generator().manual_seed(rows)
+    padded = torch.randn(rows, 1000, generator=g).mul(30).to(torch.bfloat16)
+    padded[0, 5], padded[-1, 7], padded[rows // 2, 11] = float("nan"), float("inf"), float("-inf")
+    logits = padded[:, :997]  # a vocabulary split over TP ranks is trimmed so
+    widened = cpu_gemm.as_float32(logits)
+    assert widened.dtype == torch.float32 and widened.shape == (rows, 997)
+    assert torch.equal(widened.nan_to_num(), logits.float().nan_to_num())
+    assert torch.equal(widened.isnan(), logits.float().isnan())
+    with pytest.raises(RuntimeError, match="widen_rows"):
+        kernels.widen_rows(logits[0])
+    with pytest.raises(RuntimeError, match="dtype"):
+        kernels.widen_rows(logits.half())
+
+
 def test_bf16_arithmetic_is_read_off_the_cpu(monkeypatch):
     """AVX-512 (any of its bf16 paths) or AMX count as bf16 arithmetic; AVX2 alone does not."""
     cpu_gemm.cpu_has_bf16_arithmetic.cache_clear()

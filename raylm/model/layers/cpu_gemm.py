@@ -65,6 +65,20 @@ def kernel_max_rows() -> int:
     return DECODE_MAX_ROWS if cpu_has_bf16_arithmetic() else EMULATED_BF16_KERNEL_MAX_ROWS
 
 
+def as_float32(y: torch.Tensor) -> torch.Tensor:
+    """y as float32. The bf16 output of raylm's kernel (2-D, at most
+    kernel_max_rows() rows) is widened on the kernels' work team, where its
+    matmul ran: a .float() there is an OpenMP region, whose thread then spins
+    on a core that the team's next matmul wants (the LM head's logits of a
+    64-row decode step of the ~7M model on 2 cores: ~10% of the CPU)."""
+    if (y.dtype == torch.bfloat16 and y.is_cpu and y.dim() == 2 and 0 < y.shape[0] <= kernel_max_rows()
+            and y.stride(1) == 1):
+        kernels = get_cpu_kernels()
+        if kernels is not None:
+            return kernels.widen_rows(y)
+    return y.float()
+
+
 def linear_in_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear of bf16 x and weight, computed in float32 and rounded to bf16:
     for CPUs without bf16 arithmetic. The weight is widened a slice of output

@@ -108,4 +108,4 @@ class LogitsProcessor(nn.Module):
         logits = get_tp_group().all_gather(logits, dim=-1)
         if logits.shape[-1] != self.vocab_size:  # padding rows (a vocab split over TP ranks)
             logits = logits[..., : self.vocab_size]
-        return logits.float()
+        return cpu_gemm.as_float32(logits)

@@ -363,3 +363,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   });
   return out;
 }
+
+at::Tensor widen_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "widen_rows: expected [rows, cols] CPU rows");
+  return raylm::rows_as_float(x, x.size(1));
+}

@@ -69,6 +69,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("lm_head"), py::arg("vocab_size"), py::arg("quantized"), py::arg("cos_cache"), py::arg("sin_cache"),
         py::arg("params"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
         py::arg("hidden_size"), py::arg("intermediate_size"), py::arg("eps"), py::arg("scale"));
+  m.def("widen_rows", &widen_rows, "[rows, cols] float32 or bfloat16 rows as float32, rows on the work team",
+        py::arg("x"));
   m.def("work_team_probe", &work_team_probe,
         "(runs per item, runs off the caller) over `rounds` calls of the decode matmuls' work team",
         py::arg("items"), py::arg("rounds"));

@@ -53,6 +53,8 @@ at::Tensor greedy_decode_steps(const at::Tensor& tokens, const at::Tensor& posit
                                const std::vector<at::Tensor>& params, int64_t num_heads, int64_t num_kv_heads,
                                int64_t head_dim, int64_t hidden_size, int64_t intermediate_size, double eps,
                                double scale);
+// [rows, cols] float32 or bfloat16 rows (contiguous each) as float32, rows on the work team.
+at::Tensor widen_rows(const at::Tensor& x);
 at::Tensor bf16_pack(const at::Tensor& weight);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                        const c10::optional<at::Tensor>& bias);
