@@ -83,7 +83,8 @@ def test_kernel_matches_torch_fp32(kernel, num_kv_heads, head_dim, block_size, m
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("head_dim", [32, 128])
+# 40: a head of five 8-float slices, which the AVX2 path's V sums take partly one at a time.
+@pytest.mark.parametrize("head_dim", [32, 40, 128])
 @pytest.mark.parametrize("num_kv_heads", [8, 2, 1])
 def test_kernel_matches_float_reference_bf16(kernel, num_kv_heads, head_dim, block_size, monkeypatch):
     num_heads = 8
@@ -97,8 +98,9 @@ def test_kernel_matches_float_reference_bf16(kernel, num_kv_heads, head_dim, blo
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (6, 2), (10, 2)])
 def test_kernel_bf16_gqa_groups(kernel, num_heads, num_kv_heads, monkeypatch):
-    # Groups of 2, 3 and 5 query heads per kv head: the bf16 path shares each V
-    # row among up to four heads at a time, so odd group sizes take the remainder paths.
+    # Groups of 2, 3 and 5 query heads per kv head: the bf16 paths share each K
+    # and V row among the heads of a group (AVX-512: up to four at a time; AVX2:
+    # groups of 1, 2, 4 or 8), so odd group sizes take the remainder paths.
     head_dim, block_size = 64, 16
     q, cache, meta = _random_case(num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, seed=11)
     ref = _torch_path(q.float(), cache.float(), meta, num_heads, num_kv_heads, head_dim, monkeypatch)
