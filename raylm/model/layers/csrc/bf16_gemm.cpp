@@ -29,6 +29,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include "huge_pages.h"
 #include "kernels.h"
 #include "tiled_gemm.h"
 
@@ -298,7 +299,7 @@ at::Tensor bf16_pack(const at::Tensor& weight) {
   const at::Tensor w = weight.contiguous();
   const int64_t n = w.size(0), k = w.size(1);
   const int64_t tiles = round_up(n, kTileCols) / kTileCols, pairs = round_up(k, 2) / 2;
-  at::Tensor packed = at::zeros({tiles, pairs, kTileCols, 2}, w.options());
+  at::Tensor packed = raylm::zeros_on_huge_pages({tiles, pairs, kTileCols, 2}, w.options());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {

@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include "huge_pages.h"
 #include "kernels.h"
 #include "tiled_gemm.h"
 
@@ -138,7 +139,7 @@ at::Tensor int8_pack(const at::Tensor& weight) {
   const at::Tensor w = weight.contiguous();
   const int64_t n = w.size(0), k = w.size(1);
   const int64_t tiles = round_up(n, kTileCols) / kTileCols, quads = round_up(k, kQuad) / kQuad;
-  at::Tensor packed = at::zeros({tiles, quads, kQuad, kTileCols}, w.options());
+  at::Tensor packed = raylm::zeros_on_huge_pages({tiles, quads, kQuad, kTileCols}, w.options());
   const int8_t* src = w.data_ptr<int8_t>();
   int8_t* dst = packed.data_ptr<int8_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {

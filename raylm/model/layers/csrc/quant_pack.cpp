@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include "huge_pages.h"
 #include "kernels.h"
 #include "quant_layout.h"
 
@@ -532,7 +533,7 @@ at::Tensor quant_pack(const at::Tensor& weight, int64_t qtype) {
               " bytes are not whole blocks of ", g.file_bytes);
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), blocks = w.size(1) / g.file_bytes, tiles = (N + kCols - 1) / kCols;
-  at::Tensor packed = at::empty({tiles, blocks * g.packed}, w.options());
+  at::Tensor packed = raylm::zeros_on_huge_pages({tiles, blocks * g.packed}, w.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
