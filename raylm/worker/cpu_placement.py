@@ -378,8 +378,9 @@ class ContentionWatch:
         if not self.triggered:
             self._started = (self._wall(), self._cpu())
 
-    def end(self) -> bool:
-        """After a pass: True once, when the window just completed was starved."""
+    def end(self, work: int = 1) -> bool:
+        """After a pass (of `work` tokens, unused here): True once, when the
+        window just completed was starved."""
         if self._started is None:
             return False
         wall0, cpu0 = self._started
@@ -396,32 +397,40 @@ class ContentionWatch:
 
 
 class ThreadGovernor:
-    """A single rank's thread count, set from how long its threads wait for a CPU.
+    """A single rank's thread count, set from how long its threads wait for a
+    CPU and from how fast its passes then go.
 
-    Around each forward pass it keeps the wall time; once a window of passes
-    (at least `window_s` and `min_steps` passes) is complete it reads how long
-    this process's threads were runnable but not running over the window
-    (the kernel's run-queue delay, /proc/self/task/*/schedstat). Waiting is
-    what other work on the cores costs a parallel pass: every region ends at
-    a barrier, so one thread kept off a core holds all of them. CPU time, as
-    ContentionWatch reads it, cannot tell this apart from a region that keeps
-    only one thread busy, or (with a short OpenMP spin) from a thread asleep
-    at a barrier.
+    Around each forward pass it keeps the wall time and the pass's work (its
+    scheduled tokens); once a window of passes (at least `window_s` and
+    `min_steps` passes) is complete it reads how long this process's threads
+    were runnable but not running over the window (the kernel's run-queue
+    delay, /proc/self/task/*/schedstat). Waiting is what other work on the
+    cores costs a parallel pass: every region ends at a barrier, so one thread
+    kept off a core holds all of them. CPU time, as ContentionWatch reads it,
+    cannot tell this apart from a region that keeps only one thread busy, or
+    (with a short OpenMP spin) from a thread asleep at a barrier.
 
-    Above `max_wait_share` of the window's pass time per thread, the rank drops
-    to its `contended_threads` at once (two threads beside one busy process
-    on two cores wait about a third of the time; quiet, well under a tenth).
-    After `probe_after_s` it tries every core again for one window; a probe
-    that waits doubles the back-off (up to `max_probe_after_s`), one that does
-    not resets it. A probe under contention costs one window of slower
-    passes, so the back-off bounds that loss to a few per cent.
+    Above `tolerated_wait` (at first `max_wait_share`) of the window's pass
+    time per thread, the rank drops to its `contended_threads` at once (two
+    threads beside one busy process on two cores wait about a third of the
+    time; quiet, well under a tenth). After `probe_after_s` it tries every core
+    again for one window. A probe that does not wait keeps every core; one
+    that waits keeps them only if its passes went faster (seconds per token,
+    by `min_gain`) than in the window before it, on fewer threads: a server's
+    own front end waits for the same cores without taking much of them (~111M
+    model, 64 streams on 2 cores: 148 output tok/s on one thread, 208 on two),
+    where a busy process beside the rank takes them. Waiting as much as that
+    probe did is then tolerated (with a margin), so that only more contention
+    drops the rank again. A probe that loses doubles the back-off (up to
+    `max_probe_after_s`), one that wins resets it; under contention a probe
+    costs one window of slower passes, which the back-off bounds to a few per cent.
 
     begin()/end() wrap each pass like ContentionWatch's; end() answers False
     (there is nothing to unpin), having set the thread count itself."""
 
     def __init__(self, placement: RankPlacement, *, window_s: float = 0.5, min_steps: int = 4,
                  max_wait_share: float = 0.15, probe_after_s: float = 10.0, max_probe_after_s: float = 160.0,
-                 clock=time.monotonic, read_wait_s=None, set_threads=None):
+                 min_gain: float = 0.05, clock=time.monotonic, read_wait_s=None, set_threads=None):
         if placement.contended_threads is None:
             raise ValueError("a ThreadGovernor needs a placement with contended_threads")
         self.every_core = placement.num_threads
@@ -429,8 +438,10 @@ class ThreadGovernor:
         self.window_s = window_s
         self.min_steps = min_steps
         self.max_wait_share = max_wait_share
+        self.tolerated_wait = max_wait_share
         self.probe_after_s = probe_after_s
         self.max_probe_after_s = max_probe_after_s
+        self.min_gain = min_gain
         self._clock = clock
         self._read_wait_s = read_wait_s or process_run_queue_wait_s
         self._set_threads = set_threads or _set_torch_threads
@@ -439,43 +450,63 @@ class ThreadGovernor:
         self._wait_s_backoff = probe_after_s
         self._probing = False
         self._next_probe: float | None = None  # while contended: when to try every core again
+        self._contended_pace: float | None = None  # seconds per token of the last window on fewer threads
         self._pass_started: float | None = None
-        self._window: tuple[float, int, float] | None = None  # (wait at its start, passes, pass seconds)
+        # (wait at its start, passes, pass seconds, tokens)
+        self._window: tuple[float, int, float, int] | None = None
 
     def begin(self) -> None:
         now = self._clock()
         if self._next_probe is not None and now >= self._next_probe:
-            self._next_probe, self._probing = None, True
+            # A window of the old count measured nothing of the new one.
+            self._next_probe, self._probing, self._window = None, True, None
             self._switch(self.every_core)
-        if self._next_probe is None:
-            if self._window is None:
-                self._window = (self._read_wait_s(), 0, 0.0)
-            self._pass_started = now
+        if self._window is None:
+            self._window = (self._read_wait_s(), 0, 0.0, 0)
+        self._pass_started = now
 
-    def end(self) -> bool:
+    def end(self, work: int = 1) -> bool:
+        """After a pass of `work` tokens."""
         if self._pass_started is None:
             return False
-        wait_at_start, passes, seconds = self._window
-        passes, seconds = passes + 1, seconds + self._clock() - self._pass_started
+        wait_at_start, passes, seconds, tokens = self._window
+        passes, seconds, tokens = passes + 1, seconds + self._clock() - self._pass_started, tokens + max(work, 1)
         self._pass_started = None
         if passes < self.min_steps or seconds < self.window_s:
-            self._window = (wait_at_start, passes, seconds)
+            self._window = (wait_at_start, passes, seconds, tokens)
             return False
         self._window = None
+        pace = seconds / tokens
+        if self.threads != self.every_core:
+            self._contended_pace = pace
+            return False
         self.last_wait_share = (self._read_wait_s() - wait_at_start) / (seconds * self.every_core)
-        if self.last_wait_share > self.max_wait_share:
-            # Its threads wait for CPUs: give the core back; a probe that waited waits longer.
-            self._wait_s_backoff = (min(2 * self._wait_s_backoff, self.max_probe_after_s) if self._probing
-                                    else self.probe_after_s)
-            self._switch(self.contended)
+        if self._probing:
             self._probing = False
-            self._next_probe = self._clock() + self._wait_s_backoff
-            logger.info("this rank's threads waited for a CPU %.0f%% of the time: down to %d thread(s), trying %d "
-                        "again in %.0f s", 100 * self.last_wait_share, self.contended, self.every_core,
-                        self._wait_s_backoff)
-        elif self._probing:
-            self._probing, self._wait_s_backoff = False, self.probe_after_s
+            if self.last_wait_share <= self.max_wait_share:
+                self._keep_every_core(self.max_wait_share)
+            elif self._contended_pace is not None and pace <= self._contended_pace * (1 - self.min_gain):
+                self._keep_every_core(min(1.0, 1.5 * self.last_wait_share + 0.05))
+                logger.info("this rank's threads waited for a CPU %.0f%% of the time on %d threads, but its passes "
+                            "went %.0f%% faster: keeping %d", 100 * self.last_wait_share, self.every_core,
+                            100 * (1 - pace / self._contended_pace), self.every_core)
+            else:
+                # A probe that waited for nothing waits longer.
+                self._drop(min(2 * self._wait_s_backoff, self.max_probe_after_s))
+        elif self.last_wait_share > self.tolerated_wait:
+            self._drop(self.probe_after_s)
         return False
+
+    def _keep_every_core(self, tolerated_wait: float) -> None:
+        self._wait_s_backoff, self.tolerated_wait = self.probe_after_s, tolerated_wait
+
+    def _drop(self, backoff_s: float) -> None:
+        """Give the core back; try every core again after `backoff_s`."""
+        self._wait_s_backoff, self.tolerated_wait = backoff_s, self.max_wait_share
+        self._switch(self.contended)
+        self._next_probe = self._clock() + backoff_s
+        logger.info("this rank's threads waited for a CPU %.0f%% of the time: down to %d thread(s), trying %d "
+                    "again in %.0f s", 100 * self.last_wait_share, self.contended, self.every_core, backoff_s)
 
     def _switch(self, threads: int) -> None:
         if threads != self.threads:

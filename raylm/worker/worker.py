@@ -189,7 +189,7 @@ class Worker:
         if watch is not None:
             watch.begin()
         out = self.model_runner.execute_model(scheduler_output, intermediate)
-        if watch is not None and watch.end():
+        if watch is not None and watch.end(scheduler_output.total_num_scheduled_tokens):
             self._unpin(watch)
         if via_dist and out is not None and not pp.is_last_rank:
             pp.send(out, pp.rank_in_group + 1)

@@ -299,13 +299,14 @@ class FakeGovernor:
                                        clock=lambda: self.now, read_wait_s=lambda: self.waited,
                                        set_threads=lambda n: self.changes.append((self.now, n)))
 
-    def run_for(self, seconds: float, wait: float) -> None:
+    def run_for(self, seconds: float, wait: float, tokens_on_every_core: int = 1) -> None:
+        """Passes of 0.25 s, of one token on fewer threads, `tokens_on_every_core` on every core."""
         for _ in range(round(seconds / 0.25)):
+            self.governor.begin()  # a probe starts here
             threads = self.governor.threads
-            self.governor.begin()
             self.now += 0.25
             self.waited += 0.25 * wait * threads
-            assert self.governor.end() is False
+            assert self.governor.end(tokens_on_every_core if threads == 2 else 1) is False
 
 
 def test_governor_keeps_every_core_while_its_threads_get_cpus():
@@ -331,6 +332,23 @@ def test_governor_drops_while_its_threads_wait_and_probes_with_back_off():
     g.run_for(1, wait=0.3)
     g.run_for(11, wait=0.02)
     assert g.changes[10:] == [(177.0, 1), (187.0, 2)]
+
+
+def test_governor_keeps_every_core_where_it_waits_but_runs_faster():
+    """A server's front end on the other core: the threads wait for it, yet
+    passes on every core still do more; only more waiting drops them again."""
+    g = FakeGovernor()
+    g.run_for(1, wait=0.3, tokens_on_every_core=2)  # waiting: down at once
+    g.run_for(11, wait=0.3, tokens_on_every_core=2)  # the probe at 11 s waits, but its passes did twice the work
+    assert g.changes == [(1.0, 1), (11.0, 2)]
+    assert g.governor.tolerated_wait == pytest.approx(0.5)
+    g.run_for(60, wait=0.3, tokens_on_every_core=2)  # waiting as much as the probe did is the price: kept
+    assert g.changes == [(1.0, 1), (11.0, 2)]
+    g.run_for(1, wait=0.6, tokens_on_every_core=2)  # more contention: down again, back to the plain threshold
+    assert g.changes[2:] == [(73.0, 1)] and g.governor.tolerated_wait == pytest.approx(0.15)
+    # A probe that waits and gains too little (under min_gain) gives the core back.
+    g.run_for(11, wait=0.3, tokens_on_every_core=1)
+    assert g.changes[3:] == [(83.0, 2), (84.0, 1)]
 
 
 def test_watch_for_picks_by_placement():
