@@ -411,19 +411,21 @@ class ThreadGovernor:
     (with a short OpenMP spin) from a thread asleep at a barrier.
 
     Above `tolerated_wait` (at first `max_wait_share`) of the window's pass
-    time per thread, the rank drops to its `contended_threads` at once (two
-    threads beside one busy process on two cores wait about a third of the
-    time; quiet, well under a tenth). After `probe_after_s` it tries every core
-    again for one window. A probe that does not wait keeps every core; one
-    that waits keeps them only if its passes went faster (seconds per token,
-    by `min_gain`) than in the window before it, on fewer threads: a server's
-    own front end waits for the same cores without taking much of them (~111M
-    model, 64 streams on 2 cores: 148 output tok/s on one thread, 208 on two),
-    where a busy process beside the rank takes them. Waiting as much as that
-    probe did is then tolerated (with a margin), so that only more contention
-    drops the rank again. A probe that loses doubles the back-off (up to
-    `max_probe_after_s`), one that wins resets it; under contention a probe
-    costs one window of slower passes, which the back-off bounds to a few per cent.
+    time per thread, the rank drops to its `contended_threads` (two threads
+    beside one busy process on two cores wait about a third of the time;
+    quiet, well under a tenth), and the next window says whether that paid:
+    unless its passes went faster (seconds per token, by `min_gain`), the rank
+    takes every core back and tolerates that much waiting (with a margin), so
+    that only more contention drops it again. Waiting alone cannot tell: a
+    server's own front end makes the threads wait for the other core without
+    taking much of it (~111M model, 64 streams on 2 cores: 148 output tok/s on
+    one thread, 208 on two), where a busy process beside the rank takes it.
+    After `probe_after_s` on fewer threads it tries every core again for one
+    window; a probe that does not wait keeps them, one that waits keeps them
+    only if its passes went faster than in the window before it. A probe that
+    loses doubles the back-off (up to `max_probe_after_s`), one that wins
+    resets it; under contention a probe costs one window of slower passes,
+    which the back-off bounds to a few per cent.
 
     begin()/end() wrap each pass like ContentionWatch's; end() answers False
     (there is nothing to unpin), having set the thread count itself."""
@@ -450,7 +452,10 @@ class ThreadGovernor:
         self._wait_s_backoff = probe_after_s
         self._probing = False
         self._next_probe: float | None = None  # while contended: when to try every core again
-        self._contended_pace: float | None = None  # seconds per token of the last window on fewer threads
+        # Seconds per token of the last window on fewer threads, and on every core.
+        self._contended_pace: float | None = None
+        self._every_core_pace: float | None = None
+        self._checking = False  # the window after a drop for waiting: does it pay?
         self._pass_started: float | None = None
         # (wait at its start, passes, pass seconds, tokens)
         self._window: tuple[float, int, float, int] | None = None
@@ -479,8 +484,17 @@ class ThreadGovernor:
         pace = seconds / tokens
         if self.threads != self.every_core:
             self._contended_pace = pace
+            if self._checking:
+                self._checking = False
+                if pace > self._every_core_pace * (1 - self.min_gain):
+                    logger.info("%d thread(s) went no faster than %d waiting for a CPU %.0f%% of the time: back to %d",
+                                self.contended, self.every_core, 100 * self.last_wait_share, self.every_core)
+                    self._next_probe = None
+                    self._switch(self.every_core)
+                    self._keep_every_core(min(1.0, 1.5 * self.last_wait_share + 0.05))
             return False
         self.last_wait_share = (self._read_wait_s() - wait_at_start) / (seconds * self.every_core)
+        self._every_core_pace = pace
         if self._probing:
             self._probing = False
             if self.last_wait_share <= self.max_wait_share:
@@ -495,6 +509,7 @@ class ThreadGovernor:
                 self._drop(min(2 * self._wait_s_backoff, self.max_probe_after_s))
         elif self.last_wait_share > self.tolerated_wait:
             self._drop(self.probe_after_s)
+            self._checking = True
         return False
 
     def _keep_every_core(self, tolerated_wait: float) -> None:

@@ -299,14 +299,15 @@ class FakeGovernor:
                                        clock=lambda: self.now, read_wait_s=lambda: self.waited,
                                        set_threads=lambda n: self.changes.append((self.now, n)))
 
-    def run_for(self, seconds: float, wait: float, tokens_on_every_core: int = 1) -> None:
-        """Passes of 0.25 s, of one token on fewer threads, `tokens_on_every_core` on every core."""
+    def run_for(self, seconds: float, wait: float, tokens_on_every_core: int = 4) -> None:
+        """Passes of 0.25 s, of 4 tokens on fewer threads and `tokens_on_every_core`
+        on every core (fewer: contention makes every core slower)."""
         for _ in range(round(seconds / 0.25)):
             self.governor.begin()  # a probe starts here
             threads = self.governor.threads
             self.now += 0.25
             self.waited += 0.25 * wait * threads
-            assert self.governor.end(tokens_on_every_core if threads == 2 else 1) is False
+            assert self.governor.end(tokens_on_every_core if threads == 2 else 4) is False
 
 
 def test_governor_keeps_every_core_while_its_threads_get_cpus():
@@ -318,37 +319,45 @@ def test_governor_keeps_every_core_while_its_threads_get_cpus():
 
 def test_governor_drops_while_its_threads_wait_and_probes_with_back_off():
     g = FakeGovernor()
-    g.run_for(1, wait=0.3)  # one window waiting: down at once
+    slower = 2  # tokens a pass on every core does, against 4 on one thread
+    g.run_for(1, wait=0.3, tokens_on_every_core=slower)  # one window waiting: down at once
     assert g.changes == [(1.0, 1)]
-    g.run_for(11, wait=0.3)  # the probe 10 s later waits too (its window ends at 12 s)
+    g.run_for(11, wait=0.3, tokens_on_every_core=slower)  # one thread paid; the probe 10 s later waits too
     assert g.changes == [(1.0, 1), (11.0, 2), (12.0, 1)]
-    g.run_for(21, wait=0.3)  # so the next one waits 20 s
+    g.run_for(21, wait=0.3, tokens_on_every_core=slower)  # so the next one waits 20 s
     assert g.changes[3:] == [(32.0, 2), (33.0, 1)]
-    g.run_for(100, wait=0.3)  # then 40 s, the cap, and 40 s again
+    g.run_for(100, wait=0.3, tokens_on_every_core=slower)  # then 40 s, the cap, and 40 s again
     assert g.changes[5:] == [(73.0, 2), (74.0, 1), (114.0, 2), (115.0, 1)]
     # A probe that does not wait keeps every core and resets the back-off to 10 s.
     g.run_for(43, wait=0.02)  # to 176 s; the probe is at 155 s
     assert g.changes[9:] == [(155.0, 2)] and g.governor.threads == 2
-    g.run_for(1, wait=0.3)
+    g.run_for(1, wait=0.3, tokens_on_every_core=slower)
     g.run_for(11, wait=0.02)
     assert g.changes[10:] == [(177.0, 1), (187.0, 2)]
 
 
 def test_governor_keeps_every_core_where_it_waits_but_runs_faster():
     """A server's front end on the other core: the threads wait for it, yet
-    passes on every core still do more; only more waiting drops them again."""
+    passes on every core do more; only more waiting drops them again."""
     g = FakeGovernor()
-    g.run_for(1, wait=0.3, tokens_on_every_core=2)  # waiting: down at once
-    g.run_for(11, wait=0.3, tokens_on_every_core=2)  # the probe at 11 s waits, but its passes did twice the work
-    assert g.changes == [(1.0, 1), (11.0, 2)]
+    g.run_for(1, wait=0.3, tokens_on_every_core=8)  # waiting: down, to see whether one thread pays
+    g.run_for(1, wait=0.3, tokens_on_every_core=8)  # it did half the work: back to two
+    assert g.changes == [(1.0, 1), (2.0, 2)]
     assert g.governor.tolerated_wait == pytest.approx(0.5)
-    g.run_for(60, wait=0.3, tokens_on_every_core=2)  # waiting as much as the probe did is the price: kept
-    assert g.changes == [(1.0, 1), (11.0, 2)]
-    g.run_for(1, wait=0.6, tokens_on_every_core=2)  # more contention: down again, back to the plain threshold
-    assert g.changes[2:] == [(73.0, 1)] and g.governor.tolerated_wait == pytest.approx(0.15)
-    # A probe that waits and gains too little (under min_gain) gives the core back.
-    g.run_for(11, wait=0.3, tokens_on_every_core=1)
-    assert g.changes[3:] == [(83.0, 2), (84.0, 1)]
+    g.run_for(60, wait=0.3, tokens_on_every_core=8)  # waiting as much is the price of every core: kept
+    assert g.changes == [(1.0, 1), (2.0, 2)]
+    g.run_for(1, wait=0.6, tokens_on_every_core=8)  # more waiting: down again, and the check
+    g.run_for(1, wait=0.6, tokens_on_every_core=4)  # finds one thread as fast (within min_gain): back
+    assert g.changes[2:] == [(63.0, 1), (64.0, 2)] and g.governor.tolerated_wait == pytest.approx(0.95)
+    # Where one thread pays, it stays (and the plain threshold is back); a probe
+    # that waits and gains too little gives the core back.
+    g.run_for(1, wait=0.99, tokens_on_every_core=3)
+    g.run_for(11, wait=0.3, tokens_on_every_core=4)
+    assert g.governor.tolerated_wait == pytest.approx(0.15)
+    assert g.changes[4:] == [(65.0, 1), (75.0, 2), (76.0, 1)]
+    # One that waits but does more per second keeps every core.
+    g.run_for(21, wait=0.3, tokens_on_every_core=8)
+    assert g.changes[7:] == [(96.0, 2)] and g.governor.threads == 2
 
 
 def test_watch_for_picks_by_placement():
