@@ -418,8 +418,9 @@ class ThreadGovernor:
     takes every core back and tolerates that much waiting (with a margin), so
     that only more contention drops it again. Waiting alone cannot tell: a
     server's own front end makes the threads wait for the other core without
-    taking much of it (~111M model, 64 streams on 2 cores: 148 output tok/s on
-    one thread, 208 on two), where a busy process beside the rank takes it.
+    taking much of it (`raylm serve` of the ~111M model, 64 streams on 2 cores:
+    146 output tok/s when it dropped for good, 209 so), where a busy process
+    beside the rank takes it.
     After `probe_after_s` on fewer threads it tries every core again for one
     window; a probe that does not wait keeps them, one that waits keeps them
     only if its passes went faster than in the window before it. A probe that

@@ -189,12 +189,14 @@ def test_uni_sets_threads_and_leaves_the_engine_thread_unpinned(model, reference
 
 
 def make_the_governor_drop(worker):
-    """A governor whose every window counts as waiting, and that never probes again."""
+    """A governor whose every window counts as waiting, where fewer threads
+    always count as paying (any slowdown is within its min_gain), and that
+    never probes again."""
     from raylm.worker.cpu_placement import ThreadGovernor
 
     assert isinstance(worker.contention_watch, ThreadGovernor)
     worker.contention_watch = ThreadGovernor(worker.cpu_placement, window_s=0.0, min_steps=1, max_wait_share=-1.0,
-                                             probe_after_s=3600.0)
+                                             probe_after_s=3600.0, min_gain=-float("inf"))
 
 
 @needs_two_cpus
