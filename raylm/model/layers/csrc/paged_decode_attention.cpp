@@ -291,17 +291,26 @@ inline void score_rows_bf16(const float* q, int64_t head_dim, const uint16_t* ro
     for (int g = 0; g < G; ++g) scores[g * ctx + t0] = dot_bf16(q + g * head_dim, rows + t0 * row_stride, head_dim);
 }
 
+// body(G, g) over a kv head's `group` query heads: G = group at once, from
+// head g = 0, where the group is 1, 2, 4 or 8 heads (kLanes / G rows then
+// fill a register's eight dot products); else G = 1 for each head g.
+template <typename Body>
+inline void for_group(int64_t group, const Body& body) {
+  switch (group) {
+    case 1: return body(std::integral_constant<int, 1>{}, 0);
+    case 2: return body(std::integral_constant<int, 2>{}, 0);
+    case 4: return body(std::integral_constant<int, 4>{}, 0);
+    case 8: return body(std::integral_constant<int, 8>{}, 0);
+    default:
+      for (int64_t g = 0; g < group; ++g) body(std::integral_constant<int, 1>{}, g);
+  }
+}
+
 inline void score_group_bf16(const float* q, int64_t group, int64_t head_dim, const uint16_t* rows,
                              int64_t row_stride, int64_t n, float* scores, int64_t ctx) {
-  switch (group) {
-    case 1: return score_rows_bf16<1>(q, head_dim, rows, row_stride, n, scores, ctx);
-    case 2: return score_rows_bf16<2>(q, head_dim, rows, row_stride, n, scores, ctx);
-    case 4: return score_rows_bf16<4>(q, head_dim, rows, row_stride, n, scores, ctx);
-    case 8: return score_rows_bf16<8>(q, head_dim, rows, row_stride, n, scores, ctx);
-    default:  // other group sizes: each head on its own
-      for (int64_t g = 0; g < group; ++g)
-        score_rows_bf16<1>(q + g * head_dim, head_dim, rows, row_stride, n, scores + g * ctx, ctx);
-  }
+  for_group(group, [&](auto heads, int64_t g) {
+    score_rows_bf16<decltype(heads)::value>(q + g * head_dim, head_dim, rows, row_stride, n, scores + g * ctx, ctx);
+  });
 }
 
 // acc[g][s-th slice of 8] += sum_t probs[g * ctx + t] * rows[t][slice] for G
@@ -337,15 +346,10 @@ inline void accumulate_rows_bf16(const float* probs, int64_t ctx, const uint16_t
 
 inline void accumulate_group_rows_bf16(const float* probs, int64_t group, int64_t ctx, const uint16_t* rows,
                                        int64_t row_stride, int64_t n, float* acc, int64_t head_dim) {
-  switch (group) {
-    case 1: return accumulate_rows_bf16<1>(probs, ctx, rows, row_stride, n, acc, head_dim);
-    case 2: return accumulate_rows_bf16<2>(probs, ctx, rows, row_stride, n, acc, head_dim);
-    case 4: return accumulate_rows_bf16<4>(probs, ctx, rows, row_stride, n, acc, head_dim);
-    case 8: return accumulate_rows_bf16<8>(probs, ctx, rows, row_stride, n, acc, head_dim);
-    default:
-      for (int64_t g = 0; g < group; ++g)
-        accumulate_rows_bf16<1>(probs + g * ctx, ctx, rows, row_stride, n, acc + g * head_dim, head_dim);
-  }
+  for_group(group, [&](auto heads, int64_t g) {
+    accumulate_rows_bf16<decltype(heads)::value>(probs + g * ctx, ctx, rows, row_stride, n, acc + g * head_dim,
+                                                 head_dim);
+  });
 }
 #endif  // RAYLM_AVX2_BF16_CACHE
 
