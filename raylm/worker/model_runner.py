@@ -19,7 +19,6 @@ from raylm.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from raylm.model.forward_context import set_forward_context
 from raylm.model.layers.attention import Attention
 from raylm.model.layers.cp_prefill import num_rows_on_rank
-from raylm.model.layers.cpu_kernels import get_cpu_kernels
 from raylm.model.loader import load_model
 from raylm.worker.cp_input import gather_rows
 from raylm.worker.input_batch import CachedRequestState, PreparedBatch, padded_block_table, prepare_batch
@@ -91,16 +90,12 @@ class ModelRunner:
         dtype = self.config.model_config.dtype
         self.kv_caches = []
         self._kv_cache_layers = self.attention_layers()
-        kernels = get_cpu_kernels() if self.device.type == "cpu" else None
         for layer in self._kv_cache_layers:
-            shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            # Pages are only touched (and counted in RSS) once used. On CPU,
-            # blocks at scattered addresses are read at every decode step: on
-            # 2 MiB pages where the OS gives them (csrc/huge_pages.h).
-            if kernels is not None:
-                cache = kernels.zeros_on_huge_pages(list(shape), dtype)
-            else:
-                cache = torch.empty(shape, dtype=dtype, device=self.device)
+            # torch.empty: pages are only touched (and counted in RSS) once used.
+            # (Not on huge pages yet: see csrc/huge_pages.h.)
+            cache = torch.empty(
+                (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim), dtype=dtype, device=self.device
+            )
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 

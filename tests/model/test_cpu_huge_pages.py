@@ -1,4 +1,4 @@
-"""Packed weights and the paged KV cache ask the OS for 2 MiB pages
+"""Packed weights ask the OS for 2 MiB pages
 (csrc/huge_pages.h): checked in /proc/self/smaps, where the OS's setting of
 transparent huge pages lets them be asked for ("madvise" or "always")."""
 
@@ -9,8 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from raylm import LLM
-from raylm.testing import make_tiny_model
 from tests.model.cpu_kernel_utils import needs_compiler
 
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -43,15 +41,3 @@ def test_packed_weights_sit_on_huge_pages(kernels):
     assert _huge_kib_under(packed) >= 2048
     quantized = kernels.int8_pack(torch.randint(-127, 128, (8192, 2048), dtype=torch.int8))
     assert _huge_kib_under(quantized) >= 2048
-
-
-def test_the_kv_cache_sits_on_huge_pages(tmp_path):
-    model = make_tiny_model("llama", tmp_path / "model")
-    llm = LLM(str(model), dtype="bfloat16", num_threads=1, kv_cache_memory_bytes=64 << 20)
-    try:
-        caches = llm.llm_engine.engine_core.engine_core.executor.driver_worker.worker.model_runner.kv_caches
-        cache = caches[0]
-        cache.view(torch.uint8).view(-1)[:: 4096] = 1  # touch every page, as the blocks fill up
-        assert _huge_kib_under(cache) >= 2048
-    finally:
-        llm.shutdown()

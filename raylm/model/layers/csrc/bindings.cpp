@@ -5,14 +5,7 @@
 
 #include <torch/extension.h>
 
-#include "huge_pages.h"
 #include "kernels.h"
-
-namespace {
-at::Tensor zeros_for_python(const std::vector<int64_t>& sizes, at::ScalarType dtype) {
-  return raylm::zeros_on_huge_pages(sizes, at::TensorOptions().dtype(dtype));
-}
-}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -78,9 +71,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("hidden_size"), py::arg("intermediate_size"), py::arg("eps"), py::arg("scale"));
   m.def("widen_rows", &widen_rows, "[rows, cols] float32 or bfloat16 rows as float32, rows on the work team",
         py::arg("x"));
-  m.def("zeros_on_huge_pages", &zeros_for_python,
-        "a CPU tensor of zeros on memory that asked for 2 MiB pages (madvise MADV_HUGEPAGE, on Linux), backed "
-        "once touched", py::arg("sizes"), py::arg("dtype"));
   m.def("work_team_probe", &work_team_probe,
         "(runs per item, runs off the caller) over `rounds` calls of the decode matmuls' work team",
         py::arg("items"), py::arg("rounds"));
