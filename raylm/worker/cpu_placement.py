@@ -492,16 +492,16 @@ class ThreadGovernor:
                                 self.contended, self.every_core, 100 * self.last_wait_share, self.every_core)
                     self._next_probe = None
                     self._switch(self.every_core)
-                    self._keep_every_core(min(1.0, 1.5 * self.last_wait_share + 0.05))
+                    self._keep_every_core(tolerating_this_wait=True)
             return False
         self.last_wait_share = (self._read_wait_s() - wait_at_start) / (seconds * self.every_core)
         self._every_core_pace = pace
         if self._probing:
             self._probing = False
             if self.last_wait_share <= self.max_wait_share:
-                self._keep_every_core(self.max_wait_share)
+                self._keep_every_core(tolerating_this_wait=False)
             elif self._contended_pace is not None and pace <= self._contended_pace * (1 - self.min_gain):
-                self._keep_every_core(min(1.0, 1.5 * self.last_wait_share + 0.05))
+                self._keep_every_core(tolerating_this_wait=True)
                 logger.info("this rank's threads waited for a CPU %.0f%% of the time on %d threads, but its passes "
                             "went %.0f%% faster: keeping %d", 100 * self.last_wait_share, self.every_core,
                             100 * (1 - pace / self._contended_pace), self.every_core)
@@ -513,8 +513,12 @@ class ThreadGovernor:
             self._checking = True
         return False
 
-    def _keep_every_core(self, tolerated_wait: float) -> None:
-        self._wait_s_backoff, self.tolerated_wait = self.probe_after_s, tolerated_wait
+    def _keep_every_core(self, tolerating_this_wait: bool) -> None:
+        """Every core stays; with `tolerating_this_wait`, waiting as much as the
+        last window did (with a margin) no longer drops them."""
+        self._wait_s_backoff = self.probe_after_s
+        self.tolerated_wait = (min(1.0, 1.5 * self.last_wait_share + 0.05) if tolerating_this_wait
+                               else self.max_wait_share)
 
     def _drop(self, backoff_s: float) -> None:
         """Give the core back; try every core again after `backoff_s`."""
