@@ -52,7 +52,9 @@ def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     [(16, 2), (33, 7), (100, 64), (64, 1024), (200, 30), (1000, 2816)],
 )
 # 37 and 64 rows: a narrow weight's rows are split over several items (tiled_gemm.h's TileItems).
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17, 37, 64])
+# From 16 rows the AVX2 build widens each tile once into a panel (6-row blocks:
+# 16, 17, 23, 37 end on a partial block; 200 goes through several row chunks).
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 17, 23, 37, 64, 200])
 def test_kernel_equals_rounded_product(kernels, out_features, in_features, rows):
     g = torch.Generator().manual_seed(out_features * 1000 + in_features + rows)
     w = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
@@ -63,6 +65,21 @@ def test_kernel_equals_rounded_product(kernels, out_features, in_features, rows)
     assert packed.shape == ((out_features + 15) // 16, (in_features + 1) // 2, 16, 2)
     _assert_rounded_product(kernels.bf16_linear(x, packed, out_features, None), *_reference(x, w))
     _assert_rounded_product(kernels.bf16_linear(x, packed, out_features, bias), *_reference(x, w, bias))
+
+
+@pytest.mark.parametrize("out_features,in_features", [(40, 30), (1000, 2816)])
+def test_a_row_comes_out_the_same_in_any_batch(kernels, out_features, in_features):
+    """Each row's sums run in the same order whatever the batch (one row, a
+    block of 4, or the AVX2 panel path from 16 rows): a request's output does
+    not depend on which others share its step."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
+    x = torch.randn(70, in_features, generator=g).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=g).to(torch.bfloat16)
+    packed = kernels.bf16_pack(w)
+    alone = torch.cat([kernels.bf16_linear(x[i:i + 1], packed, out_features, bias) for i in range(70)])
+    for rows in (4, 16, 23, 70):
+        assert torch.equal(kernels.bf16_linear(x[:rows], packed, out_features, bias), alone[:rows]), rows
 
 
 def test_kernel_reads_strided_rows(kernels):
@@ -272,7 +289,7 @@ def test_the_avx2_path_equals_the_rounded_product(tmp_path):
     text = assembly.read_text()
     assert "zmm" not in text and re.search(r"vfmadd\d+ps\s+[^\n]*%ymm", text)
     for out_features, in_features in ((33, 7), (100, 64), (1000, 2816)):
-        for rows in (1, 2, 3, 4, 5, 9, 64):
+        for rows in (1, 2, 3, 4, 5, 9, 16, 23, 64, 130):
             g = torch.Generator().manual_seed(out_features + rows)
             w = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
             x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)

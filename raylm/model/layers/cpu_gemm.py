@@ -43,7 +43,11 @@ DECODE_MAX_ROWS = 4
 # The same on a CPU without bfloat16 arithmetic, where oneDNN's bf16 matmul is
 # slow at every size: raylm's kernel up to here, float32 above (measured on a
 # 2-core Zen 3: the kernel 87-92 GFLOP/s at 64 rows, float32 45-55 at 64 rows
-# and 83-89 at 128 once the weight is widened, 85-117 from 256).
+# and 83-89 at 128 once the weight is widened, 85-117 from 256; with its
+# panel path, 140-170 at 32-64 rows. It also beat float32 in isolation at
+# 128-512 rows, but not inside a prefill, where torch's OpenMP ops between
+# the matmuls spin against its threads: a 128-token prompt of the ~111M model
+# took 202 ms with float32 there, 259 ms with the kernel).
 EMULATED_BF16_KERNEL_MAX_ROWS = 64
 # Output columns widened to float32 at a time: a slice of at most this many
 # elements (16 MiB), so the temporary stays small whatever the layer's size.
