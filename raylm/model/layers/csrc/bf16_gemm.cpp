@@ -32,6 +32,7 @@
 
 #include "huge_pages.h"
 #include "kernels.h"
+#include "panel_gemm.h"
 #include "tiled_gemm.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -46,7 +47,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 
 namespace {
 
@@ -175,30 +175,7 @@ void block_kernel(const Block& b) {
 // weights and the broadcast x.
 constexpr int64_t kAvx2MaxRows = 4;
 
-inline __m128i round_to_bf16(__m256 v) {
-  // Round to nearest even by integer arithmetic (inputs here are finite sums).
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i top = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  return _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
-}
-
-// One row of a tile's sums (two halves of 8 columns) plus bias, rounded to
-// bf16 into the row's first `n` columns (the last tile may end mid-way).
-// (The sums come by value: an accumulator whose address is taken stays in
-// memory through the whole k loop.)
-inline void store_tile_row(__m256 low, __m256 high, const float* bias, int64_t n, uint16_t* out) {
-  alignas(32) uint16_t y[kTileCols];
-  const __m256 acc[2] = {low, high};
-  for (int h = 0; h < 2; ++h) {
-    // Only the valid columns' bias.
-    const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n - h * 8)),
-                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256 b = bias ? _mm256_maskload_ps(bias + h * 8, valid) : _mm256_setzero_ps();
-    _mm_store_si128(reinterpret_cast<__m128i*>(y + h * 8), round_to_bf16(_mm256_add_ps(acc[h], b)));
-  }
-  std::memcpy(out, y, n * sizeof(uint16_t));
-}
+using raylm::panel::store_tile_row;
 
 template <int ROWS, int TILES>
 void block_kernel(const Block& b) {
@@ -237,20 +214,11 @@ void block_kernel(const Block& b) {
   }
 }
 
-// Many rows (batched decode, prefill): each tile is widened to floats once,
-// into a thread's own panel laid out [k][16 columns], and every block of
-// kPanelRows rows of the item multiplies it from cache. The block kernel
-// above widens the weights again for every block of 4 rows; its two FMAs per
-// k-pair on each of its 8 accumulators leave the FMA pipes no slack. Here a
-// block holds 6 x 2 accumulators, one FMA each per k, and nothing but the
-// broadcast x and two loads beside them. The sums are the same, in the same
-// order: the results are identical to the block kernel's.
-constexpr int64_t kPanelRows = 6;
-// From this many rows on a call takes the panel path (below it, widening a
-// tile costs more than the block kernel's re-widening).
+// Many rows (batched decode): from kPanelMinRows rows each tile is widened to
+// floats once into a panel that blocks of 6 rows multiply (panel_gemm.h).
+// The sums are the same, in the same order: the results are identical to the
+// block kernel's.
 constexpr int64_t kPanelMinRows = 16;
-// Bytes of float rows multiplied by a group's tiles before the next rows.
-constexpr int64_t kPanelChunkBytes = 192 * 1024;
 
 // One packed tile (`pairs` k-pairs x 16 columns x 2) as floats [2 * pairs][16].
 void widen_tile(const uint16_t* tile, int64_t pairs, float* panel) {
@@ -263,97 +231,6 @@ void widen_tile(const uint16_t* tile, int64_t pairs, float* panel) {
       _mm256_store_ps(even + kTileCols + h * 8, _mm256_castsi256_ps(_mm256_and_si256(v, high)));
     }
   }
-}
-
-struct PanelBlock {
-  const float* panel;             // [k][16] floats of the tile
-  int64_t k;                      // 2 * pairs
-  const float* xf[kPanelRows];    // the block's rows as floats (zero past K)
-  const float* bias;              // per column of the tile, or null
-  uint16_t* out[kPanelRows];      // the tile's first column in each row
-  int64_t cols;                   // valid columns of the tile (at most 16)
-};
-
-template <int ROWS>
-void panel_kernel(const PanelBlock& b) {
-  __m256 acc[ROWS][2];
-  for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-  const float* xf[ROWS];
-  for (int m = 0; m < ROWS; ++m) xf[m] = b.xf[m];
-  const float* panel = b.panel;
-  const int64_t k_end = b.k;
-  for (int64_t k = 0; k < k_end; ++k) {
-    const __m256 w0 = _mm256_load_ps(panel + k * kTileCols), w1 = _mm256_load_ps(panel + k * kTileCols + 8);
-    for (int m = 0; m < ROWS; ++m) {
-      const __m256 x = _mm256_broadcast_ss(xf[m] + k);
-      acc[m][0] = _mm256_fmadd_ps(x, w0, acc[m][0]);
-      acc[m][1] = _mm256_fmadd_ps(x, w1, acc[m][1]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int m = 0; m < ROWS; ++m) store_tile_row(acc[m][0], acc[m][1], b.bias, b.cols, b.out[m]);
-}
-
-using PanelFn = void (*)(const PanelBlock&);
-
-PanelFn panel_kernel_for(int64_t rows) {
-  switch (rows) {
-    case 1: return &panel_kernel<1>;
-    case 2: return &panel_kernel<2>;
-    case 3: return &panel_kernel<3>;
-    case 4: return &panel_kernel<4>;
-    case 5: return &panel_kernel<5>;
-    default: return &panel_kernel<6>;
-  }
-}
-
-// This thread's panel, at least `floats` long and 64-byte aligned (the team's
-// threads live as long as the process, and so do their panels).
-float* thread_panel(int64_t floats) {
-  thread_local std::unique_ptr<float[]> storage;
-  thread_local int64_t capacity = 0;
-  if (capacity < floats) {
-    storage.reset(new float[floats + 16]);
-    capacity = floats;
-  }
-  const uintptr_t address = reinterpret_cast<uintptr_t>(storage.get());
-  return reinterpret_cast<float*>((address + 63) / 64 * 64);
-}
-
-// y = x W^T (+ bias) over every row, tile by tile through the panel.
-void panel_linear(int64_t rows, int64_t tiles, int64_t pairs, const uint16_t* w, const float* x_floats,
-                  const float* bias, uint16_t* y, int64_t out_features) {
-  const int64_t tile_stride = pairs * kPairWidth, k = 2 * pairs;
-  const raylm::TileItems items(rows, tiles, kPanelRows);
-  // Rows go through a group's tiles a chunk at a time, a chunk's x small
-  // enough to stay in L2 while each tile of the group multiplies it (a
-  // prefill's rows would otherwise stream from memory once per tile).
-  const int64_t chunk_rows = std::max<int64_t>(1, kPanelChunkBytes / (k * int64_t(sizeof(float))) / kPanelRows) * kPanelRows;
-  raylm::for_each_item(items.count(), [&](int64_t item) {
-    float* panel = thread_panel(k * kTileCols);
-    const int64_t group = items.group(item), first_row = items.first_row(item);
-    const int64_t group_end = std::min(tiles, (group + 1) * raylm::kTilesPerGroup);
-    const int64_t span_end = std::min(rows, first_row + items.rows_per_span);
-    for (int64_t chunk = first_row; chunk < span_end; chunk += chunk_rows) {
-      const int64_t chunk_end = std::min(span_end, chunk + chunk_rows);
-      for (int64_t t = group * raylm::kTilesPerGroup; t < group_end; ++t) {
-        widen_tile(w + t * tile_stride, pairs, panel);
-        PanelBlock b;
-        b.panel = panel;
-        b.k = k;
-        b.bias = bias ? bias + t * kTileCols : nullptr;
-        b.cols = std::min(kTileCols, out_features - t * kTileCols);
-        for (int64_t m0 = chunk; m0 < chunk_end; m0 += kPanelRows) {
-          const int64_t block_rows = std::min(kPanelRows, chunk_end - m0);
-          for (int64_t m = 0; m < block_rows; ++m) {
-            b.xf[m] = x_floats + (m0 + m) * k;
-            b.out[m] = y + (m0 + m) * out_features + t * kTileCols;
-          }
-          panel_kernel_for(block_rows)(b);
-        }
-      }
-    }
-  });
 }
 
 #else
@@ -474,7 +351,10 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   const at::Tensor xf = raylm::rows_as_float(xp, xp.size(1));
   const float* x_floats = xf.data_ptr<float>();
   if (rows >= kPanelMinRows) {
-    panel_linear(rows, tiles, pairs, w, x_floats, bias_p, y, out_features);
+    const int64_t tile_stride = pairs * kPairWidth;
+    raylm::panel::linear(rows, tiles, 2 * pairs,
+                         [&](int64_t t, float* panel) { widen_tile(w + t * tile_stride, pairs, panel); },
+                         x_floats, bias_p, y, out_features);
     return out;
   }
 #endif
