@@ -161,8 +161,9 @@ class CoreRecovery:
         self._restart_if_allowed(index, Replacement(noticed, cause, len(orphans)), blamed)
 
     def _forget_pings_to(self, index: int) -> None:
-        """A dead core will not answer: a ping only it had left to answer is
-        answered here (the supervisor serves on; requests wait if need be)."""
+        """A core that died, or left after draining (scale-in, a restart),
+        will not answer: a ping only it had left to answer is answered here
+        (the supervisor serves on; requests wait if need be)."""
         for nonce, waiting in list(self._pings.items()):
             waiting.discard(index)
             if not waiting:

@@ -305,6 +305,8 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
                 del self.channels[index]
                 self.launcher.stop(index, wait_s=_DRAINED_STOP_S)
                 self.launcher.close_channel(channel)
+                # Its answer to a ping in flight is no longer read.
+                self._forget_pings_to(index)
                 logger.info("engine core %d drained and removed", index)
                 if index in self.restarting:
                     self._restart_retired(index)

@@ -105,6 +105,18 @@ def _record_migration_events(supervisor) -> list:
     return events
 
 
+def test_a_ping_in_flight_when_a_core_leaves_is_still_answered(llm):
+    """/health pings every core and waits for all; a core that scale-in
+    retires before its answer is read must not hold the answer back (the
+    server's /health answered 503 after its 10 s ping timeout while an
+    autoscaler scaled in: clean-clone CI of c890392)."""
+    supervisor = llm.llm_engine.engine_core
+    supervisor.ping()
+    supervisor.scale(1)  # core 1 is idle: it leaves at the supervisor's next housekeeping
+    wait_until(lambda: not supervisor._pings, 30, step=lambda: _read_one(supervisor), message="pongs")
+    assert list(supervisor.channels) == [0]
+
+
 def test_scale_in_migrates_running_requests(llm, reference):
     supervisor = llm.llm_engine.engine_core
     events = _record_migration_events(supervisor)
