@@ -391,9 +391,11 @@ class MqRpcClient:
     def _raise_if_a_peer_failed(self, call: _PendingCall) -> None:
         """Another rank already answered this call with an error: raise it now.
         The rank being waited on may never answer: it may wait for the failed
-        one in a collective (a rendezvous, an all-reduce) until a far timeout."""
+        one in a collective (a rendezvous, an all-reduce) until a far timeout.
+        A reply already collected (the ranks are collected in order, so rank
+        0's, while rank 1 is waited on) counts as much as one still stashed."""
         for rank in call.ranks:
-            reply = self._stash[rank].get(call.seq)
+            reply = call.replies.get(rank) or self._stash[rank].get(call.seq)
             if reply is not None and reply.status != OK:
                 raise WorkerCallError(reply.payload)
 

@@ -15,9 +15,11 @@ import pytest
 
 from raylm import LLM, SamplingParams
 from raylm.distributed.shm_broadcast import SEGMENT_PREFIX
+from raylm.executor.mq_rpc import WorkerCallError
 from raylm.executor.multiproc_executor import MultiprocExecutor, WorkerDiedError
 from raylm.testing.hf_oracle import hf_greedy
 from tests.conftest import executor_of, process_gone, wait_until
+from tests.executor.worker_callables import fail_on_rank_0_while_rank_1_waits, rank_times
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 70)), [3]]
@@ -243,3 +245,20 @@ def test_future_result_honours_its_timeout_and_a_later_wait_resumes(tp2, tmp_pat
     assert not future.done()
     _release(released)
     assert future.result(timeout=60) == [0, 1]  # the call was still pending, its replies kept
+
+
+def test_an_error_on_rank_0_ends_the_call_while_rank_1_still_waits(tp2, tmp_path):
+    """Replies are collected rank by rank: rank 0's error must end the call at
+    once although rank 1 has not answered (it may wait for rank 0 in a
+    rendezvous until a far timeout: a rebuilt executor's init_device hung for
+    its 600 s start timeout so in the clean-clone CI of 9cf8e54). Before the
+    fix this raised the 60 s deadline's WorkerHungError instead."""
+    ex = _executor(tp2)
+    release = tmp_path / "release"
+    try:
+        with pytest.raises(WorkerCallError, match="rank zero says no"):
+            ex.collective_rpc(fail_on_rank_0_while_rank_1_waits, args=(str(release),), timeout=60)
+    finally:
+        release.touch()
+    # Rank 1's late answer is dropped, not taken for the next call's.
+    assert ex.collective_rpc(rank_times, args=(10,)) == [0, 10]

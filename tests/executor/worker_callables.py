@@ -48,6 +48,14 @@ def fail_on_rank_1(worker):
     return "fine"
 
 
+def fail_on_rank_0_while_rank_1_waits(worker, path):
+    """Rank 0 raises at once; rank 1 answers once `path` exists (as a rank
+    waits for a failed peer in a rendezvous)."""
+    if worker.rank == 0:
+        raise ValueError("rank zero says no")
+    return wait_for_release(worker, path, ranks=(1,))
+
+
 def marker_env(worker):
     return os.environ.get("RAYLM_TEST_MARKER"), "CUDA_VISIBLE_DEVICES" in os.environ
 
