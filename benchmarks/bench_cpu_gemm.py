@@ -108,8 +108,8 @@ def main() -> None:
                 times[name].append((time.perf_counter() - t) / args.tokens_per_round)
         f, b = (statistics.median(times[name]) for name in ("float32", "ours"))
         a = statistics.median(times["onednn"]) if with_onednn else None
-        onednn_ms = f"{a * 1e3:>15.2f}" if a else f"{'-':>15}"
-        onednn_ratio = f"{a / b:>19.2f}x" if a else f"{'-':>20}"
+        onednn_ms = f"{a * 1e3:>15.2f}" if a is not None else f"{'-':>15}"
+        onednn_ratio = f"{a / b:>19.2f}x" if a is not None else f"{'-':>20}"
         print(f"{rows:>4} | {onednn_ms} | {f * 1e3:>16.2f} | {b * 1e3:>14.2f} | {nbytes / b / 1e9:>10.1f} | "
               f"{nbytes / b / bandwidth:>10.0%} | {onednn_ratio} | {f / b:>14.2f}x", flush=True)
 

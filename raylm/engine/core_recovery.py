@@ -143,7 +143,7 @@ class CoreRecovery:
         """Core `index` is gone: its requests go to the others (or wait for
         its replacement) as continuations, and it is replaced within budget."""
         noticed = time.monotonic()
-        channel = self.channels.pop(index, None)
+        channel = self._remove_channel(index)
         if channel is None:
             return
         self.launcher.close_channel(channel)
@@ -157,13 +157,22 @@ class CoreRecovery:
         logger.error("engine core %d died (%s); resubmitting its %d request(s)", index, cause, len(orphans))
         for request_id in orphans:
             self._resubmit(request_id)
-        self._forget_pings_to(index)
         self._restart_if_allowed(index, Replacement(noticed, cause, len(orphans)), blamed)
 
+    def _remove_channel(self, index: int):
+        """Core `index`'s channel, out of the supervisor's (None if it was
+        gone already): every way a core leaves (it died, or drained for a
+        scale-in or a restart) comes through here, so none leaves a ping
+        waiting for an answer that is no longer read."""
+        channel = self.channels.pop(index, None)
+        if channel is not None:
+            self._forget_pings_to(index)
+        return channel
+
     def _forget_pings_to(self, index: int) -> None:
-        """A core that died, or left after draining (scale-in, a restart),
-        will not answer: a ping only it had left to answer is answered here
-        (the supervisor serves on; requests wait if need be)."""
+        """A core that left will not answer: a ping only it had left to
+        answer is answered here (the supervisor serves on; requests wait if
+        need be)."""
         for nonce, waiting in list(self._pings.items()):
             waiting.discard(index)
             if not waiting:

@@ -302,11 +302,9 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
         for index, channel in list(self.channels.items()):
             if channel.draining and not channel.in_flight and not self._is_migration_source(index):
                 channel.send(self._encoder.encode(Shutdown()))
-                del self.channels[index]
+                self._remove_channel(index)
                 self.launcher.stop(index, wait_s=_DRAINED_STOP_S)
                 self.launcher.close_channel(channel)
-                # Its answer to a ping in flight is no longer read.
-                self._forget_pings_to(index)
                 logger.info("engine core %d drained and removed", index)
                 if index in self.restarting:
                     self._restart_retired(index)

@@ -176,6 +176,7 @@ void block_kernel(const Block& b) {
 constexpr int64_t kAvx2MaxRows = 4;
 
 using raylm::panel::store_tile_row;
+static_assert(raylm::panel::kCols == kTileCols, "the panel path multiplies this file's tiles");
 
 template <int ROWS, int TILES>
 void block_kernel(const Block& b) {
