@@ -73,7 +73,7 @@ PY"
 install_missing() {
   local need=() mod pkg
   for pair in msgspec:msgspec zmq:pyzmq psutil:psutil pytest:pytest pluggy:pluggy iniconfig:iniconfig \
-              packaging:packaging pytest_timeout:pytest-timeout; do
+              packaging:packaging pytest_timeout:pytest-timeout gguf:gguf; do
     mod=${pair%%:*} pkg=${pair#*:}
     $PY -c "import $mod" 2>/dev/null || need+=("$pkg")
   done

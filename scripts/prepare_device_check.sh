@@ -23,6 +23,8 @@ done
 # dependencies (the GPU machine may not have a test runner).
 pip download --quiet --no-deps --only-binary=:all: --python-version 3.10 "${PLATFORMS[@]}" -d "$DEST" \
   psutil pytest pluggy iniconfig packaging pytest-timeout exceptiongroup tomli
+# gguf (a dependency of raylm: GGUF checkpoints), pure Python, at the version CI pins.
+pip download --quiet --no-deps --only-binary=:all: -d "$DEST" "$(grep -i '^gguf==' constraints.txt)"
 
 du -sh "$DEST"
 ls "$DEST"

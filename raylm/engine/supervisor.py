@@ -503,7 +503,9 @@ class SyncEngineCoreSupervisor(EngineCoreSupervisor):
             pending = self._pending()
             if pending is not None:
                 return pending
-            if not self.ledger:
+            # Nothing in flight: read what is already queued (a core's error,
+            # a stray frame), but do not wait for more.
+            if not self.ledger and not self._output.poll(0):
                 return EngineCoreOutputs()
             if self._output.poll(_POLL_MS):
                 outputs = self._receive(self._output.recv(copy=False))

@@ -241,6 +241,11 @@ def test_a_replica_speaks_only_for_itself(ray_session, dp_llm, reference, caplog
         wait_until(all_dropped, _DEADLINE_S, step=lambda: _step_and_pause(engine, done, 0.01),
                    message=lambda: f"the drops (foreign, misattributed, undecodable) to be counted: {drops()}")
         _step_until(engine, done, lambda: not engine.has_unfinished_requests())
+        # With nothing in flight a step still reads what has come (it used
+        # not to: frames sent as the last request finished sat unread).
+        posing.send(b"\x00late, not msgpack")
+        wait_until(lambda: drops()[2] >= 2, _DEADLINE_S, step=lambda: _step_and_pause(engine, done, 0.01),
+                   message=lambda: f"a frame sent while idle to be counted: {drops()}")
     finally:
         posing.close(linger=0)
         ctx.term()
