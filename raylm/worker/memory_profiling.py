@@ -13,12 +13,13 @@ arithmetic can be tested on a machine without a GPU.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Protocol
+from contextlib import contextmanager
+from typing import Callable, Iterator, Protocol
 
 import torch
 
 from raylm.distributed.parallel_state import get_pp_group
-from raylm.model.forward_context import set_forward_context
+from raylm.model.forward_context import AttentionMetadata, PrefillSeq, set_forward_context
 from raylm.sampling_params import SamplingParams
 from raylm.worker.sampling_metadata import SamplingRow, build_sampling_metadata
 
@@ -80,11 +81,51 @@ def kv_cache_budget_bytes(total: int, utilization: float, held_by_rank: int, pea
 
 
 @torch.inference_mode()
-def run_profiling_step(model_runner, num_tokens: int, num_seqs: int, max_model_len: int) -> None:
+@contextmanager
+def largest_prefill_attention(model_runner, num_tokens: int, max_model_len: int) -> Iterator[AttentionMetadata]:
+    """The attention of the largest prefill step, for `run_profiling_step`:
+    `num_tokens` tokens as fresh sequences of `max_model_len` tokens (the last
+    one shorter), over scratch paged caches bound to the attention layers for
+    the duration (their own caches, if any, are put back after).
+
+    Without it the profiling step runs each layer's attention as one plain
+    causal sequence, which on a GPU takes a fused kernel with no score
+    matrix; the paged path a real step takes builds masks of
+    sequences x query length x context length, and a KV cache sized without
+    them overran gpu_memory_utilization (by 70 MB on a 40 GiB share, in the
+    first run of tests/gpu on an H200). The scratch caches are allocated
+    before the caller measures, so they are not counted as activations."""
+    block_size = model_runner.block_size
+    seq_len = max(1, min(num_tokens, max_model_len))
+    blocks_per_seq = -(-seq_len // block_size)
+    # Each sequence starts on a block of its own, as a scheduled one does.
+    starts = range(0, num_tokens, seq_len)
+    slot_mapping = torch.cat([
+        torch.arange(min(seq_len, num_tokens - start)) + i * blocks_per_seq * block_size
+        for i, start in enumerate(starts)
+    ]).to(model_runner.device)
+    prefills = [PrefillSeq(start, min(start + seq_len, num_tokens)) for start in starts]
+    layers = model_runner.attention_layers()
+    own = [layer.kv_cache for layer in layers]
+    dtype = model_runner.config.model_config.dtype
+    try:
+        for layer in layers:
+            layer.kv_cache = torch.empty((2, len(prefills) * blocks_per_seq, block_size, layer.num_kv_heads,
+                                          layer.head_dim), dtype=dtype, device=model_runner.device)
+        yield AttentionMetadata(slot_mapping=slot_mapping, prefills=prefills)
+    finally:
+        for layer, cache in zip(layers, own):
+            layer.kv_cache = cache
+
+
+def run_profiling_step(model_runner, num_tokens: int, num_seqs: int, max_model_len: int,
+                       attention: AttentionMetadata | None = None) -> None:
     """The largest step this rank can be given, on dummy inputs: `num_tokens`
-    tokens through its layers (no KV cache yet), and on the last PP stage the
-    logits of `num_seqs` rows through the sampler with top-k/top-p, its most
-    memory-hungry settings (it sorts the vocabulary)."""
+    tokens through its layers, and on the last PP stage the logits of
+    `num_seqs` rows through the sampler with top-k/top-p, its most
+    memory-hungry settings (it sorts the vocabulary). `attention`: the
+    step's layout (`largest_prefill_attention`); None runs each layer's
+    attention as one causal sequence, without a KV cache."""
     device = model_runner.device
     model = model_runner.model
     input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
@@ -92,7 +133,7 @@ def run_profiling_step(model_runner, num_tokens: int, num_seqs: int, max_model_l
     positions = torch.arange(num_tokens, device=device) % max_model_len
     pp = get_pp_group()
     intermediate = None if pp.is_first_rank else model_runner.make_empty_intermediate(num_tokens)
-    with set_forward_context(None):
+    with set_forward_context(attention):
         hidden = model(input_ids, positions, intermediate)
     if not pp.is_last_rank:
         return

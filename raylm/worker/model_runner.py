@@ -99,6 +99,14 @@ class ModelRunner:
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 
+    def release_device_memory(self) -> None:
+        """Drop the KV caches and the weights (at shutdown): the runner is not used again."""
+        for layer in self.attention_layers():
+            layer.kv_cache = None
+        self.kv_caches = []
+        self._kv_cache_layers = []
+        self.model = None
+
     # ---- one step -----------------------------------------------------------------
 
     def _update_states(self, so: SchedulerOutput) -> None:

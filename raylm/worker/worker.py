@@ -7,6 +7,7 @@ reaches it (a direct call, a shared-memory queue, a Ray actor method).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -25,6 +26,7 @@ from raylm.worker.model_runner import ModelRunner
 from raylm.worker.memory_profiling import (
     CudaMemory,
     kv_cache_budget_bytes,
+    largest_prefill_attention,
     measure_peak_activation_bytes,
     run_profiling_step,
 )
@@ -70,6 +72,12 @@ class Worker:
         if cfg.device == "cuda":
             self.device = torch.device(f"cuda:{self.local_rank}")
             torch.cuda.set_device(self.device)
+            # What this process's allocator caches, and what an engine shut
+            # down before this one in the same process still holds in reference
+            # cycles, is free for this one too; it must not be freed while this
+            # one measures what it holds (below).
+            gc.collect()
+            torch.cuda.empty_cache()
             self._cuda_free_at_start = torch.cuda.mem_get_info(self.device)[0]
             backend = "nccl"
         else:
@@ -132,13 +140,6 @@ class Worker:
         a profiling step at the largest batch (memory_profiling.py)."""
         cfg = self.config
         util = cfg.cache_config.gpu_memory_utilization
-        peak_activation = measure_peak_activation_bytes(
-            lambda: run_profiling_step(
-                self.model_runner, cfg.scheduler_config.max_num_batched_tokens,
-                cfg.scheduler_config.max_num_seqs, cfg.model_config.max_model_len,
-            ),
-            CudaMemory(self.device),
-        )
         free, total = torch.cuda.mem_get_info(self.device)
         free_at_start = self._cuda_free_at_start if self._cuda_free_at_start is not None else free
         budget = int(total * util)
@@ -148,7 +149,19 @@ class Worker:
                 f"{budget / 2**30:.1f} GiB, but only {free_at_start / 2**30:.1f} GiB was free at start-up "
                 "(other processes hold the rest); lower gpu_memory_utilization"
             )
-        weights_and_context = free_at_start - free
+        num_tokens, max_len = cfg.scheduler_config.max_num_batched_tokens, cfg.model_config.max_model_len
+        with largest_prefill_attention(self.model_runner, num_tokens, max_len) as attention:
+            peak_activation = measure_peak_activation_bytes(
+                lambda: run_profiling_step(
+                    self.model_runner, num_tokens, cfg.scheduler_config.max_num_seqs, max_len, attention),
+                CudaMemory(self.device),
+            )
+        torch.cuda.empty_cache()  # the scratch caches' blocks: free memory below must not count them
+        free = torch.cuda.mem_get_info(self.device)[0]
+        # At least what torch's allocator holds for this rank (the weights):
+        # memory something else in this process freed meanwhile must not make
+        # the difference of the two readings small, or negative.
+        weights_and_context = max(free_at_start - free, torch.cuda.memory_allocated(self.device))
         kv_bytes = kv_cache_budget_bytes(total, util, weights_and_context, peak_activation)
         logger.info("KV cache budget on %s: %.2f GiB (%.0f%% of %.1f GiB; this rank holds %.2f GiB, "
                     "its largest step peaks at %.2f GiB more)", self.device, kv_bytes / 2**30, util * 100,
@@ -290,7 +303,12 @@ class Worker:
         if self.kv_network is not None:
             self.kv_network.close()
             self.kv_network = None
-        self.model_runner = None
+        runner, self.model_runner = self.model_runner, None
+        if runner is not None and self.device is not None and self.device.type == "cuda":
+            # Hand the device memory back now, even where something still holds
+            # the runner (a test's traceback, a user's reference).
+            runner.release_device_memory()
+            torch.cuda.empty_cache()
         if self._affinity_before is not None:
             # The pinned thread is the engine's (maybe the user's main thread):
             # give it back its cores.

@@ -5,6 +5,7 @@ request defaults and stop tokens, and the flag parsers follow vLLM's."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import ipaddress
 import json
@@ -177,6 +178,7 @@ def test_gpu_memory_utilization_sizes_the_kv_cache(tiny_model_dir, monkeypatch):
     worker._cuda_free_at_start = 60 * gib  # 20 GiB of 80 held by other processes
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (58 * gib, 80 * gib))  # 2 GiB of weights
     monkeypatch.setattr(worker_module, "measure_peak_activation_bytes", lambda step, memory: gib // 4)
+    monkeypatch.setattr(worker_module, "largest_prefill_attention", lambda *args: contextlib.nullcontext())
     assert worker.determine_available_memory() == 40 * gib - 2 * gib - gib // 4
     config.cache_config.gpu_memory_utilization = 0.8  # 64 GiB wanted, 60 free
     with pytest.raises(ValueError, match=r"gpu_memory_utilization: 0.8 .* 60.0 GiB was free"):

@@ -13,8 +13,11 @@ from tests.conftest import ARCHS, executor_of, oracle_prompts
 from tests.gpu.conftest import hf_greedy_cuda
 
 MAX_TOKENS = 24
-# (dtype, logprob tolerance, what counts as a near-tie in HF's log-probs)
-TOLERANCES = {torch.float32: (1e-3, 0.0), torch.bfloat16: (0.15, 0.15)}
+# (dtype, logprob tolerance, what counts as a near-tie in HF's log-probs).
+# bf16: a logit between 8 and 16 is a multiple of 0.0625 there, and the two
+# engines' matmuls (different kernels, different sums) put the top two a few
+# such steps apart: the first H200 run saw a flip at a margin of 0.1875 (3 steps).
+TOLERANCES = {torch.float32: (1e-3, 0.0), torch.bfloat16: (0.15, 0.25)}
 
 
 def _raylm_greedy(model, prompts, dtype, **engine_kwargs):

@@ -8,7 +8,12 @@ import torch
 
 from raylm import LLM
 from raylm.worker import memory_profiling, worker as worker_module
-from raylm.worker.memory_profiling import kv_cache_budget_bytes, measure_peak_activation_bytes, run_profiling_step
+from raylm.worker.memory_profiling import (
+    kv_cache_budget_bytes,
+    largest_prefill_attention,
+    measure_peak_activation_bytes,
+    run_profiling_step,
+)
 from tests.conftest import executor_of
 
 GiB = 1 << 30
@@ -92,6 +97,34 @@ def test_profiling_step_runs_the_largest_batch(uni_llm):
     assert seen == {"tokens": 1500, "rows": (5, runner.vocab_size)}
 
 
+def test_profiling_step_runs_the_paged_attention_of_full_length_prefills(uni_llm, monkeypatch):
+    """On a GPU the step's attention is the batched paged path with its masks
+    (not one causal sequence): 1500 tokens at max_model_len 1024 are two
+    prefills, 1024 and 476 tokens, over scratch caches; the layers get their
+    own caches back afterwards."""
+    from raylm.model.layers import gpu_attention
+
+    runner = executor_of(uni_llm).driver_worker.worker.model_runner
+    layers = runner.attention_layers()
+    own = [layer.kv_cache for layer in layers]
+    seen = []
+    real_prefill = gpu_attention.sdpa_prefill
+
+    def watch(q, kv_cache, layout, scale):
+        seen.append((layout.num_prefills, layout.max_query_len, layout.prefill_seq_lens, kv_cache.shape[1]))
+        return real_prefill(q, kv_cache, layout, scale)
+
+    monkeypatch.setattr(gpu_attention, "sdpa_prefill", watch)
+    for layer in layers:
+        monkeypatch.setattr(layer, "batched_paged", True)  # the GPU's path, on this CPU
+    with largest_prefill_attention(runner, num_tokens=1500, max_model_len=1024) as attention:
+        assert all(layer.kv_cache is not cache for layer, cache in zip(layers, own))
+        run_profiling_step(runner, num_tokens=1500, num_seqs=5, max_model_len=1024, attention=attention)
+    blocks = 2 * -(-1024 // runner.block_size)
+    assert seen == [(2, 1024, [1024, 476], blocks)] * len(layers)
+    assert all(layer.kv_cache is cache for layer, cache in zip(layers, own))
+
+
 def test_worker_sizes_the_cache_from_the_profile(uni_llm, monkeypatch):
     """The worker's CUDA sizing with torch.cuda replaced by the fake: it runs
     the profiling step at max_num_batched_tokens / max_num_seqs, and gives the
@@ -101,8 +134,8 @@ def test_worker_sizes_the_cache_from_the_profile(uni_llm, monkeypatch):
     total, free_at_start, held = 80 * GiB, 79 * GiB, 3 * GiB
     asked = {}
 
-    def fake_step(runner, num_tokens, num_seqs, max_model_len):
-        asked.update(tokens=num_tokens, seqs=num_seqs)
+    def fake_step(runner, num_tokens, num_seqs, max_model_len, attention=None):
+        asked.update(tokens=num_tokens, seqs=num_seqs, prefills=len(attention.prefills))
         memory.alloc(6 * GiB)
         memory.free(6 * GiB)
 
@@ -114,7 +147,7 @@ def test_worker_sizes_the_cache_from_the_profile(uni_llm, monkeypatch):
     monkeypatch.setattr(worker.config.cache_config, "gpu_memory_utilization", 0.5)
     monkeypatch.setattr(worker, "device", torch.device("cuda", 0))
     assert worker.determine_available_memory() == int(total * 0.5) - held - 6 * GiB
-    assert asked == {"tokens": 96, "seqs": 5}
+    assert asked == {"tokens": 96, "seqs": 5, "prefills": 1}
 
 
 def test_memory_module_uses_no_cuda_at_import():
