@@ -20,6 +20,7 @@ import torch
 
 from raylm.distributed.parallel_state import get_pp_group
 from raylm.model.forward_context import AttentionMetadata, PrefillSeq, set_forward_context
+from raylm.model.layers.gpu_attention import full_length_prefill_geometry
 from raylm.sampling_params import SamplingParams
 from raylm.worker.sampling_metadata import SamplingRow, build_sampling_metadata
 
@@ -93,10 +94,12 @@ def largest_prefill_attention(model_runner, num_tokens: int, max_model_len: int)
     matrix; the paged path a real step takes builds masks of
     sequences x query length x context length, and a KV cache sized without
     them overran gpu_memory_utilization (by 70 MB on a 40 GiB share, in the
-    first run of tests/gpu on an H200). The scratch caches are allocated
-    before the caller measures, so they are not counted as activations."""
+    first run of tests/gpu on an H200). This step is the largest SDPA
+    prefill call the layers allow (gpu_attention.prefill_budget): a real
+    step's calls are cut to fit it. The scratch caches are allocated before
+    the caller measures, so they are not counted as activations."""
     block_size = model_runner.block_size
-    seq_len = max(1, min(num_tokens, max_model_len))
+    _, seq_len = full_length_prefill_geometry(num_tokens, max_model_len)
     blocks_per_seq = -(-seq_len // block_size)
     # Each sequence starts on a block of its own, as a scheduled one does.
     starts = range(0, num_tokens, seq_len)

@@ -19,6 +19,7 @@ from raylm.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from raylm.model.forward_context import set_forward_context
 from raylm.model.layers.attention import Attention
 from raylm.model.layers.cp_prefill import num_rows_on_rank
+from raylm.model.layers.gpu_attention import prefill_budget
 from raylm.model.loader import load_model
 from raylm.worker.cp_input import gather_rows
 from raylm.worker.input_batch import CachedRequestState, PreparedBatch, padded_block_table, prepare_batch
@@ -74,6 +75,12 @@ class ModelRunner:
         for module in self.model.modules():
             if hasattr(module, "pack_weights"):
                 module.pack_weights()
+        # The KV-cache sizing profiles one SDPA prefill call of this size
+        # (memory_profiling.largest_prefill_attention); no step's may be larger.
+        budget = prefill_budget(self.config.scheduler_config.max_num_batched_tokens,
+                                mc.max_model_len, self.block_size)
+        for layer in self.attention_layers():
+            layer.prefill_budget = budget
 
     def attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]

@@ -44,10 +44,11 @@ def random_step(specs, num_kv_heads, head_dim, dtype, seed):
     return batch, cache, gen
 
 
-def attend(batched: bool, batch, cache, q, k, v, num_heads, num_kv_heads, head_dim):
+def attend(batched: bool, batch, cache, q, k, v, num_heads, num_kv_heads, head_dim, prefill_budget=None):
     attn = Attention(num_heads, num_kv_heads, head_dim, scale=head_dim**-0.5)
     attn.kv_cache = cache.clone()  # forward writes this step's K/V into it
     attn.batched_paged = batched
+    attn.prefill_budget = prefill_budget
     with set_forward_context(batch.attn_metadata):
         return attn(q, k, v), attn.kv_cache
 

@@ -32,6 +32,50 @@ def test_batched_path_equals_per_sequence_path(case, num_heads, num_kv_heads, he
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+# Small enough that the mixed steps' prefills go in several SDPA calls.
+SMALL_BUDGET = gpu_attention.PrefillBudget(context_rows=160, elements=64 * 128)
+
+
+@pytest.mark.parametrize("case", ["fresh-prefills", "chunks-with-context", "mixed", "one-prefill"])
+def test_prefills_cut_to_the_budget_equal_the_per_sequence_path(case, monkeypatch):
+    """Over the budget the prefills go in several SDPA calls, each within it
+    (a sequence alone always goes), and the step's result is the same."""
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    batch, cache, gen = _random_step(CASES[case], 2, 32, torch.float32, seed=len(case))
+    t = batch.input_ids.shape[0]
+    q, k, v = (torch.randn(t, n * 32, generator=gen) for n in (8, 2, 2))
+    calls = []
+    real_prefill = gpu_attention.sdpa_prefill
+
+    def watch(q, kv_cache, layout, scale):
+        padded_context = layout.prefill_block_table.shape[1] * layout.block_size
+        calls.append((layout.num_prefills, layout.max_query_len, padded_context))
+        return real_prefill(q, kv_cache, layout, scale)
+
+    monkeypatch.setattr(gpu_attention, "sdpa_prefill", watch)
+    ref, _ = _attend(False, batch, cache, q, k, v, 8, 2, 32)
+    out, _ = _attend(True, batch, cache, q, k, v, 8, 2, 32, prefill_budget=SMALL_BUDGET)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    prefills = len(batch.attn_metadata.prefills)
+    assert sum(n for n, _, _ in calls) == prefills  # each prefill in exactly one call
+    for n, max_q, context in calls:
+        assert n == 1 or (n * context <= SMALL_BUDGET.context_rows and n * max_q * context <= SMALL_BUDGET.elements)
+    if case in ("fresh-prefills", "mixed"):
+        assert len(calls) > 1, calls  # these steps are over the budget as one call
+    if case == "one-prefill":
+        assert calls == [(1, 257, 272)]  # one sequence goes alone, whatever its size
+
+
+def test_the_budget_fits_the_largest_step_in_one_call():
+    """The largest prefill step (the one the KV-cache sizing profiles) is
+    exactly one call at the budget: 4096 tokens at max_model_len 1024 are four
+    sequences of 1024, 2000 tokens are one of 1024 and one of 976."""
+    budget = gpu_attention.prefill_budget(4096, 1024, 16)
+    assert budget == gpu_attention.PrefillBudget(context_rows=4 * 1024, elements=4 * 1024 * 1024)
+    assert gpu_attention.prefill_budget(2000, 1024, 16) == gpu_attention.PrefillBudget(2 * 1024, 2 * 1024 * 1024)
+    assert gpu_attention.prefill_budget(100, 1024, 16) == gpu_attention.PrefillBudget(112, 100 * 112)
+
+
 def test_batched_path_bf16_close_to_fp32(monkeypatch):
     monkeypatch.setenv(DISABLE_ENV, "1")
     batch, cache, gen = _random_step(CASES["mixed"], 2, 32, torch.float32, seed=7)

@@ -107,6 +107,10 @@ def test_profiling_step_runs_the_paged_attention_of_full_length_prefills(uni_llm
     runner = executor_of(uni_llm).driver_worker.worker.model_runner
     layers = runner.attention_layers()
     own = [layer.kv_cache for layer in layers]
+    # The runner bounds the layers' SDPA prefill calls by the engine's limits.
+    max_model_len = uni_llm.llm_engine.config.model_config.max_model_len
+    assert {layer.prefill_budget for layer in layers} == {gpu_attention.prefill_budget(96, max_model_len,
+                                                                                        runner.block_size)}
     seen = []
     real_prefill = gpu_attention.sdpa_prefill
 
@@ -117,6 +121,8 @@ def test_profiling_step_runs_the_paged_attention_of_full_length_prefills(uni_llm
     monkeypatch.setattr(gpu_attention, "sdpa_prefill", watch)
     for layer in layers:
         monkeypatch.setattr(layer, "batched_paged", True)  # the GPU's path, on this CPU
+        # As the runner sets it for an engine of 1500-token steps: the profile is one call.
+        monkeypatch.setattr(layer, "prefill_budget", gpu_attention.prefill_budget(1500, 1024, runner.block_size))
     with largest_prefill_attention(runner, num_tokens=1500, max_model_len=1024) as attention:
         assert all(layer.kv_cache is not cache for layer, cache in zip(layers, own))
         run_profiling_step(runner, num_tokens=1500, num_seqs=5, max_model_len=1024, attention=attention)

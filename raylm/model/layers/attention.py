@@ -42,7 +42,7 @@ from raylm.model.layers.attention_merge import (
 )
 from raylm.model.layers.cp_prefill import exchange_split_kv
 from raylm.model.layers.cpu_kernels import get_cpu_kernels, get_paged_decode_kernel
-from raylm.model.layers.gpu_attention import batched_paged_attention
+from raylm.model.layers.gpu_attention import PrefillBudget, batched_paged_attention
 
 # Query/cache dtypes the CPU decode kernel is built for.
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -61,6 +61,9 @@ class Attention(nn.Module):
         # this file's per-sequence path; None = by device (batched on CUDA).
         # Tests set True on CPU to prove the GPU path against this one.
         self.batched_paged: bool | None = None
+        # How large one call of the batched path's SDPA prefill may get (set
+        # by the model runner from the scheduler's limits; None: no limit).
+        self.prefill_budget: PrefillBudget | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, num_heads*head_dim], k/v: [T, num_kv_heads*head_dim] -> [T, num_heads*head_dim]."""
@@ -84,7 +87,8 @@ class Attention(nn.Module):
             v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
 
         if k_flat is not None and (self.kv_cache.is_cuda if self.batched_paged is None else self.batched_paged):
-            return batched_paged_attention(q, self.kv_cache, meta, self.scale).reshape(num_tokens, -1)
+            return batched_paged_attention(q, self.kv_cache, meta, self.scale,
+                                           self.prefill_budget).reshape(num_tokens, -1)
 
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens

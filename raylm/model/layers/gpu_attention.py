@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from raylm.model.forward_context import AttentionMetadata
+from raylm.model.forward_context import AttentionMetadata, PrefillSeq
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,38 @@ _FLASHINFER_WORKSPACE_BYTES = 128 << 20
 
 
 # ---- the per-step layout --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefillBudget:
+    """How large one batched SDPA prefill call may get. A call pads every
+    sequence to the longest query and the longest context of its batch, so
+    its masks and gathered K/V grow with sequences x query x context, not with
+    the tokens of the step: prefills beside one long chunk (later chunks,
+    prefix-cache hits) could make it many times the size of any one sequence.
+    The calls of a step are therefore cut to at most `context_rows` gathered
+    context rows (sequences x padded context) and `elements` mask rows x
+    columns (sequences x padded queries x padded context). The KV-cache
+    sizing profiles one call at exactly these limits (`prefill_budget`)."""
+
+    context_rows: int
+    elements: int
+
+
+def full_length_prefill_geometry(num_tokens: int, max_model_len: int) -> tuple[int, int]:
+    """(sequences, tokens each) of the largest prefill step: `num_tokens` tokens
+    as fresh sequences of max_model_len (the last one shorter)."""
+    seq_len = max(1, min(num_tokens, max_model_len))
+    return -(-num_tokens // seq_len), seq_len
+
+
+def prefill_budget(num_tokens: int, max_model_len: int, block_size: int) -> PrefillBudget:
+    """The budget of an engine whose steps hold at most `num_tokens` tokens:
+    the size of the largest prefill step's single call, padded as the call
+    pads it, which every lone sequence fits."""
+    num_seqs, seq_len = full_length_prefill_geometry(num_tokens, max_model_len)
+    context = -(-seq_len // block_size) * block_size
+    return PrefillBudget(context_rows=num_seqs * context, elements=num_seqs * seq_len * context)
 
 
 @dataclass
@@ -69,6 +101,9 @@ class PagedLayout:
     _grouped_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     # FlashInfer plans for this step (built by the first layer that runs them).
     flashinfer_planned: bool = False
+    # Where the prefills are over the budget: the SDPA calls they are cut
+    # into, each a layout of its own and the flat rows of q it answers.
+    sdpa_batches: list[tuple[PagedLayout, torch.Tensor]] | None = None
 
     def grouped_prefill_mask(self, group: int) -> torch.Tensor:
         mask = self._grouped_masks.get(group)
@@ -79,7 +114,7 @@ class PagedLayout:
         return mask
 
 
-def build_paged_layout(meta: AttentionMetadata, block_size: int) -> PagedLayout:
+def build_paged_layout(meta: AttentionMetadata, block_size: int, budget: PrefillBudget | None = None) -> PagedLayout:
     """Batch the step's prefill sequences; the decode group comes ready-made.
 
     A sequence's context slots are `ctx_slots` when it has context before this
@@ -128,19 +163,49 @@ def build_paged_layout(meta: AttentionMetadata, block_size: int) -> PagedLayout:
     layout.prefill_mask = mask[:, None].to(device, non_blocking=True)
     layout.prefill_query_lens = q_lens
     layout.prefill_seq_lens = seq_lens
+    padded_context = table.shape[1] * block_size
+    if budget is not None and (num_prefills * padded_context > budget.context_rows
+                               or num_prefills * max_q * padded_context > budget.elements):
+        layout.sdpa_batches = [
+            (build_paged_layout(AttentionMetadata(slot_mapping=meta.slot_mapping, prefills=batch), block_size),
+             torch.cat([torch.arange(p.q_start, p.q_end) for p in batch]).to(device, non_blocking=True))
+            for batch in split_prefills(prefills, block_size, budget)
+        ]
     return layout
 
 
+def split_prefills(prefills: list[PrefillSeq], block_size: int, budget: PrefillBudget) -> list[list[PrefillSeq]]:
+    """The prefills in batches within `budget` (a sequence alone always
+    forms one), longest queries first so that a batch pads little."""
+
+    def sizes(p: PrefillSeq) -> tuple[int, int]:
+        context = p.ctx_slots.shape[0] if p.ctx_slots is not None else p.q_end - p.q_start
+        return p.q_end - p.q_start, -(-int(context) // block_size) * block_size
+
+    batches: list[list[PrefillSeq]] = []
+    max_q = max_context = 0
+    for p in sorted(prefills, key=sizes, reverse=True):
+        q, context = sizes(p)
+        n, grown_q, grown_context = len(batches[-1]) + 1 if batches else 1, max(max_q, q), max(max_context, context)
+        if batches and n * grown_context <= budget.context_rows and n * grown_q * grown_context <= budget.elements:
+            batches[-1].append(p)
+            max_q, max_context = grown_q, grown_context
+        else:
+            batches.append([p])
+            max_q, max_context = q, context
+    return batches
+
+
 # One layout per step: the first layer builds it, the next ones find it here.
-_cached: tuple[weakref.ref, PagedLayout] | None = None
+_cached: tuple[weakref.ref, int, PrefillBudget | None, PagedLayout] | None = None
 
 
-def paged_layout_for(meta: AttentionMetadata, block_size: int) -> PagedLayout:
+def paged_layout_for(meta: AttentionMetadata, block_size: int, budget: PrefillBudget | None = None) -> PagedLayout:
     global _cached
-    if _cached is not None and _cached[0]() is meta and _cached[1].block_size == block_size:
-        return _cached[1]
-    layout = build_paged_layout(meta, block_size)
-    _cached = (weakref.ref(meta), layout)
+    if _cached is not None and _cached[0]() is meta and _cached[1:3] == (block_size, budget):
+        return _cached[3]
+    layout = build_paged_layout(meta, block_size, budget)
+    _cached = (weakref.ref(meta), block_size, budget, layout)
     return layout
 
 
@@ -191,7 +256,10 @@ def sdpa_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layout: PagedL
     nd = layout.num_decodes
     if nd:
         out[:nd] = sdpa_decode(q[:nd], kv_cache, layout, scale)
-    if layout.num_prefills:
+    if layout.sdpa_batches is not None:
+        for batch, rows in layout.sdpa_batches:
+            out.index_copy_(0, rows, sdpa_prefill(q, kv_cache, batch, scale))
+    elif layout.num_prefills:
         out[nd:] = sdpa_prefill(q, kv_cache, layout, scale)
     return out
 
@@ -289,11 +357,13 @@ def active_backend_name() -> str:
 
 
 def batched_paged_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    budget: PrefillBudget | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D] (the step's flat batch; its K/V already in `kv_cache`) -> [T, H, D]."""
+    """q [T, H, D] (the step's flat batch; its K/V already in `kv_cache`) -> [T, H, D].
+    `budget`: how large one SDPA prefill call may get (None: no limit)."""
     global _flashinfer_failed
-    layout = paged_layout_for(meta, kv_cache.shape[2])
+    layout = paged_layout_for(meta, kv_cache.shape[2], budget)
     flashinfer = _flashinfer_for(q, kv_cache)
     if flashinfer is not None:
         try:
