@@ -18,6 +18,7 @@ the config layer may not import the engine layer above it.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import typing
 from dataclasses import dataclass, field, fields
@@ -289,6 +290,13 @@ class EngineArgs:
     def to_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `raylm.LLM` or `AsyncLLM.from_engine_args`."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def __post_init__(self):
+        # A folder or file given as a pathlib.Path (LLM(model=Path(...))) reads as its string.
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, os.PathLike):
+                setattr(self, f.name, os.fspath(value))
 
     def create_engine_config(self, usage_context: str = "llm") -> EngineConfig:
         """Validated settings (a Hub model resolved to its local folder).

@@ -10,6 +10,12 @@ it whenever a request whose prompt contains token id ID is in its step: a
 "poison request", as a real one (a prompt that crashes a kernel, exhausts
 memory or deadlocks a collective) would behave.
 
+    RAYLM_FAULT_INJECTION="slow:token=ID:ms=N[:rank=R]"
+
+makes each such step N ms longer instead (a straggler: a replica on a slow
+or busy host): tests of what must happen while a request still runs
+(migration, rebalancing) then do not depend on how fast the machine is.
+
 The front end reads the variable once into `FaultToleranceConfig.fault_injection`,
 so it reaches mp workers, Ray actors and data-parallel replicas with the
 config, whatever environment they were started in.
@@ -21,6 +27,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 
 from raylm.messages import SchedulerOutput
@@ -28,7 +35,7 @@ from raylm.messages import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "RAYLM_FAULT_INJECTION"
-ACTIONS = ("kill", "hang", "raise")
+ACTIONS = ("kill", "hang", "raise", "slow")
 
 
 class InjectedFault(RuntimeError):
@@ -40,22 +47,25 @@ class FaultSpec:
     action: str
     token_id: int
     rank: int | None = None  # None: the highest rank
+    delay_ms: int = 0  # `slow`: how much longer each step is
 
     @classmethod
     def parse(cls, text: str) -> "FaultSpec":
-        """`kill:token=7`, `hang:token=7:rank=0`; ValueError naming the variable."""
+        """`kill:token=7`, `hang:token=7:rank=0`, `slow:token=7:ms=5`; ValueError naming the variable."""
         action, *fields = text.strip().split(":")
         if action not in ACTIONS:
             raise ValueError(f"{ENV_VAR}: action must be one of {', '.join(ACTIONS)}, got {action!r}")
         values: dict[str, int] = {}
         for item in fields:
             key, sep, value = item.partition("=")
-            if not sep or key not in ("token", "rank") or not value.strip().lstrip("-").isdigit():
-                raise ValueError(f"{ENV_VAR}: expected token=ID[:rank=R], got {item!r} in {text!r}")
+            if not sep or key not in ("token", "rank", "ms") or not value.strip().lstrip("-").isdigit():
+                raise ValueError(f"{ENV_VAR}: expected token=ID[:rank=R][:ms=N], got {item!r} in {text!r}")
             values[key] = int(value)
         if "token" not in values:
             raise ValueError(f"{ENV_VAR}: token=ID is required, got {text!r}")
-        return cls(action, values["token"], values.get("rank"))
+        if (action == "slow") != ("ms" in values) or values.get("ms", 1) <= 0:
+            raise ValueError(f"{ENV_VAR}: ms=N (N > 0) goes with the slow action, and only with it: {text!r}")
+        return cls(action, values["token"], values.get("rank"), values.get("ms", 0))
 
 
 def spec_from_env() -> str | None:
@@ -90,6 +100,9 @@ class FaultInjector:
                 self._poisoned.add(new.req_id)
         self._poisoned.difference_update(scheduler_output.finished_req_ids)
         if not any(rid in self._poisoned for rid in scheduler_output.num_scheduled_tokens):
+            return
+        if self.spec.action == "slow":
+            time.sleep(self.spec.delay_ms / 1000)
             return
         logger.warning("fault injection: %s (a request with token %d is in this step)",
                        self.spec.action, self.spec.token_id)

@@ -16,6 +16,7 @@ import pytest
 from raylm import LLM, SamplingParams
 from raylm.sampling_params import StructuredOutputsParams
 from raylm.testing.hf_oracle import hf_greedy
+from raylm.worker.fault_injection import ENV_VAR as FAULT_ENV
 from tests.conftest import wait_until
 from tests.engine.test_start_deadlines import _children
 
@@ -212,17 +213,23 @@ def test_a_core_killed_mid_migration_loses_nothing(llm, reference, victim):
     assert not supervisor.migrations
 
 
-def test_rebalancing_moves_requests_to_a_replica_that_emptied(model):
+# A token of the long requests' prompts only (the prompts' ids are 3..252).
+STRAGGLER_TOKEN = 500
+
+
+def test_rebalancing_moves_requests_to_a_replica_that_emptied(model, monkeypatch):
     """Round-robin routing gives each core half the requests; core 1's are
     short, core 0's long: once core 1 is empty, rebalancing moves half of
     core 0's to it (never a pinned one), and each still equals HF's."""
-    # Long enough (in steps) that the rebalancer's moves, each several steps of
-    # overlapped pre-copy, end before the requests do on a fast or a slow machine
-    # (300 tokens were not: in one CI run every request finished first).
-    long_tokens = 900
+    # The long requests' steps take at least 5 ms (fault injection's straggler),
+    # so that the rebalancer (every 0.5 s) and its moves, each several steps of
+    # overlapped pre-copy, come before the requests end however fast the machine
+    # is: 900 tokens took 0.4 s here, and no move was made (clean-clone CI of 919e26d).
+    monkeypatch.setenv(FAULT_ENV, f"slow:token={STRAGGLER_TOKEN}:ms=5")
+    long_tokens = 600
     long_params = SamplingParams(temperature=0, max_tokens=long_tokens, ignore_eos=True)
     short_params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    prompts = PROMPTS[:8]
+    prompts = [[STRAGGLER_TOKEN] + p if i % 2 == 0 else p for i, p in enumerate(PROMPTS[:8])]
     params = [long_params if i % 2 == 0 else short_params for i in range(len(prompts))]
     expected_long = hf_greedy(model, prompts[0::2], long_tokens)
     before = _children()

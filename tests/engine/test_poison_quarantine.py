@@ -113,7 +113,9 @@ def test_a_lone_first_failure_is_retried_alone_once():
 def test_fault_specs_parse_and_typos_are_refused():
     assert FaultSpec.parse("kill:token=7") == FaultSpec("kill", 7, None)
     assert FaultSpec.parse("hang:token=7:rank=0") == FaultSpec("hang", 7, 0)
-    for bad in ("explode:token=1", "kill", "kill:tok=1", "raise:token=x", "raise:token=1:rank"):
+    assert FaultSpec.parse("slow:token=7:ms=5") == FaultSpec("slow", 7, None, delay_ms=5)
+    for bad in ("explode:token=1", "kill", "kill:tok=1", "raise:token=x", "raise:token=1:rank",
+                "slow:token=7", "slow:token=7:ms=0", "kill:token=7:ms=5"):
         with pytest.raises(ValueError, match=ENV_VAR):
             FaultSpec.parse(bad)
     assert not FaultInjector(FaultSpec("raise", 7), rank=0, world_size=2).armed  # default: the highest rank

@@ -165,3 +165,13 @@ def test_uncached_id_with_hub_unreachable_is_a_clear_error(offline_hub, monkeypa
 def test_a_path_that_is_neither_folder_nor_id_is_refused(tmp_path):
     with pytest.raises(ValueError, match="model .* is not a folder"):
         create_engine_config(model=str(tmp_path / "missing"))
+
+
+def test_a_model_folder_given_as_a_path_object_is_read_as_its_string(tiny_model_dir):
+    """LLM(model=pathlib.Path(...)) raised a TypeError deep in the config's
+    resolution ('PosixPath' is not iterable); a path-like names the same folder."""
+    folder = tiny_model_dir("llama")
+    from_path = create_engine_config(pathlib.Path(folder), tokenizer=pathlib.Path(folder), device="cpu")
+    from_str = create_engine_config(str(folder), tokenizer=str(folder), device="cpu")
+    assert from_path.model_config.model == from_str.model_config.model
+    assert from_path.model_config.tokenizer == from_str.model_config.tokenizer
