@@ -10,11 +10,21 @@ import pytest
 
 from raylm import LLM, SamplingParams
 from raylm.testing.hf_oracle import hf_greedy
+from raylm.worker.fault_injection import ENV_VAR as FAULT_ENV
 from tests.conftest import our_live_ray_state, wait_until
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(1 + 3 * i)] for i in range(16)]
+# Every prompt starts with this token (the others are 3..252): with fault
+# injection's straggler on it (`straggling`), each step takes a while, so a
+# strike lands while the requests still run, however fast the machine.
+STRAGGLER_TOKEN = 500
+PROMPTS = [[STRAGGLER_TOKEN] + [(7 * i + j) % 250 + 3 for j in range(1 + 3 * i)] for i in range(16)]
+
+
+def straggling(monkeypatch, ms: int = 20) -> None:
+    """Engines made from now on step at least `ms` ms longer while these prompts run."""
+    monkeypatch.setenv(FAULT_ENV, f"slow:token={STRAGGLER_TOKEN}:ms={ms}")
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +118,10 @@ def test_scale_up_and_down_while_requests_run(ray_session, model, reference):
     _assert_nothing_left()
 
 
-def test_killed_replica_is_replaced_and_loses_no_request(ray_session, model, reference):
+def test_killed_replica_is_replaced_and_loses_no_request(ray_session, model, reference, monkeypatch):
     import ray
 
+    straggling(monkeypatch)
     with _dp_llm(model) as llm:
         client = _client(llm)
         victim = client.launcher.manager.replicas[1].actor

@@ -10,6 +10,7 @@ down, no replica actor or placement group is left."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from types import SimpleNamespace
 
@@ -25,11 +26,15 @@ from raylm.distributed.tcp_auth import CurveKeys, secure_client
 from raylm.engine.protocol import AbortRequests, EngineCoreOutputs, EngineCoreRequest, Ping, Shutdown
 from raylm.engine.dp_manager import ReplicaCoreProc
 from raylm.testing.hf_oracle import hf_greedy
+from raylm.worker.fault_injection import ENV_VAR as FAULT_ENV
 from tests.conftest import our_live_ray_state, wait_until
+from tests.engine.test_data_parallel import STRAGGLER_TOKEN
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-PROMPTS = [[(5 * i + j) % 250 + 3 for j in range(2 + 3 * i)] for i in range(12)]
+# Every prompt starts with STRAGGLER_TOKEN (the others are 3..252), on which
+# the engine's steps are slowed (`dp_llm`): the attacks land while requests run.
+PROMPTS = [[STRAGGLER_TOKEN] + [(5 * i + j) % 250 + 3 for j in range(2 + 3 * i)] for i in range(12)]
 # A hang guard for things that happen in the background, not a speed assertion.
 _DEADLINE_S = 60.0
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
@@ -54,7 +59,16 @@ def dp_llm(model):
     if not ray.is_initialized():
         # As tests/conftest.py's ray_session does (a module fixture cannot use it).
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    llm = LLM(model, dtype="float32", data_parallel_size=2, num_threads=1, kv_cache_memory_bytes=16 << 20)
+    # (A module fixture has no monkeypatch: the variable is read at the engine's start.)
+    saved = os.environ.get(FAULT_ENV)
+    os.environ[FAULT_ENV] = f"slow:token={STRAGGLER_TOKEN}:ms=10"
+    try:
+        llm = LLM(model, dtype="float32", data_parallel_size=2, num_threads=1, kv_cache_memory_bytes=16 << 20)
+    finally:
+        if saved is None:
+            del os.environ[FAULT_ENV]
+        else:
+            os.environ[FAULT_ENV] = saved
     yield llm
     llm.shutdown()
     _assert_nothing_left()

@@ -13,13 +13,17 @@ Speed-independent: max-num-seqs 1 queues most requests behind a long one, so
 they are unfinished when the signal comes; the signal is sent only once
 streams have made progress, and what is checked after it is judged by what
 was still open when it was sent (a stream that ended before is not expected
-to end with "abort"). The streams are long (thousands of tokens), so that
-more than one is open at the signal however fast the machine.
+to end with "abort"). The streams are long (hundreds to thousands of
+tokens) and each of their steps takes at least 5 ms (fault injection's
+straggler, on the BOS token every prompt starts with), so that more than one
+is open at the signal however fast the machine decodes (1000 tokens took
+~0.5 s, and a run ended its streams before the signal).
 """
 
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
 import time
 
@@ -27,6 +31,8 @@ import httpx
 import psutil
 import pytest
 
+import raylm
+from raylm.worker.fault_injection import ENV_VAR as FAULT_ENV
 from tests.conftest import wait_until
 from tests.entrypoints.openai.server_utils import MODEL_NAME, RaylmServer
 from tests.entrypoints.openai.stream_utils import BackgroundPost, BackgroundStream, long_body, metric
@@ -43,6 +49,17 @@ GONE_WITHIN_S = 120
 # An idle server that waited out this grace period would outlast GONE_WITHIN_S.
 IDLE_GRACE_S = 3600
 MP_TP2 = ["--distributed-executor-backend", "mp", "-tp", "2"]
+
+
+def _straggler_env(model_dir: str | None) -> dict[str, str]:
+    """The server's environment for steps of at least 5 ms while a request
+    starting with the model's BOS token (every prompt here) is in them."""
+    from transformers import AutoTokenizer
+
+    folder = model_dir or str(pathlib.Path(raylm.__file__).parent / "data" / "default_model")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer("Story 0:").input_ids[0] == tokenizer.bos_token_id
+    return {FAULT_ENV: f"slow:token={tokenizer.bos_token_id}:ms=5"}
 
 
 def _chat_body(max_tokens: int, stream: bool) -> dict:
@@ -134,7 +151,8 @@ def test_sigterm_while_idle_exits_at_once(llama_dir, tmp_path):
 
 def test_sigterm_during_streams_ends_them_within_the_grace_period(llama_dir, tmp_path):
     server = RaylmServer(llama_dir, ["--shutdown-grace-period", str(GRACE_S), "--max-num-seqs", "1",
-                                     "--max-model-len", "1024"], str(tmp_path / "server.log"))
+                                     "--max-model-len", "1024"], str(tmp_path / "server.log"),
+                         env=_straggler_env(llama_dir))
     try:
         load = _Load(server, max_tokens=1000)
         _sigterm_and_time(server, load)
@@ -152,7 +170,7 @@ def test_sigterm_to_the_process_group_during_streams(tiny_model_dir, tmp_path):
     model = tiny_model_dir("llama", max_position_embeddings=LONG_TOKENS + 96)
     server = RaylmServer(model, ["--shutdown-grace-period", str(GRACE_S), "--max-num-seqs", "1",
                                  "--max-model-len", str(LONG_TOKENS + 96), *MP_TP2],
-                         str(tmp_path / "server.log"), new_session=True)
+                         str(tmp_path / "server.log"), new_session=True, env=_straggler_env(model))
     try:
         assert len(server.tree) >= 4, server.tree  # front end, core, two workers (and the resource tracker)
         load = _Load(server, max_tokens=LONG_TOKENS)
@@ -203,6 +221,6 @@ def test_sigkill_while_idle_takes_the_engine_core_along(tmp_path):
 
 
 def test_sigkill_while_busy_takes_the_engine_core_and_workers_along(tmp_path):
-    server = RaylmServer(None, [*MP_TP2], str(tmp_path / "server.log"))
+    server = RaylmServer(None, [*MP_TP2], str(tmp_path / "server.log"), env=_straggler_env(None))
     assert len(server.tree) >= 4, server.tree  # front end, core, two workers (and the resource tracker)
     _run_sigkill(server, busy=True)
