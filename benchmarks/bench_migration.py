@@ -35,9 +35,15 @@ their K/V over the CURVE sockets between the hosts. For each length L,
              `migrate()` to the request's pause): there both batches are as
              in the baseline, while after it the destination decodes one
              request more (and the source one less), which is serving, not
-             migrating. On one node, also the CPU time each core's process
-             uses per step over the pre-copy against before it: the copy's
-             own cost, little moved by other work on a shared machine.
+             migrating. The bystanders' contexts grow meanwhile (each step
+             reads more K/V), which slows a long window by itself: the
+             pre-copy is also compared with the mean of the 1 s before it
+             and the 1 s after the move (the request aborted): "against
+             the windows before and after" (an overestimate at the source,
+             whose window after no longer holds the request). On one node,
+             also the CPU time each core's process uses per step over the
+             pre-copy against before it: the copy's own cost, little moved
+             by other work on a shared machine.
 
 `--sync-precopy` copies every stage on the cores' loops (the behaviour
 before the overlapped pre-copy), for comparison.
@@ -150,6 +156,16 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
     ended = time.perf_counter()
     assert event.ok, event
     supervisor.abort_requests([rid])
+    # A second baseline after the move: the bystanders' contexts grow all the
+    # while (each step reads more K/V), so a slow pre-copy window would be
+    # slower than the baseline before it without any copying. The mean of the
+    # windows before and after brackets that drift (at the source the request
+    # has left, so its window after is lighter: an overestimate there).
+    after_from = time.perf_counter()
+    while clocks and (time.perf_counter() - after_from < 1.0 or len(
+            [t for t in _arrivals[clocks[0]] if t > after_from]) < 4):
+        _pump(supervisor)
+    after_to = time.perf_counter()
     gaps = [b - a for a, b in zip(arrivals[1:], arrivals[2:])]
     result = {"downtime_s": event.downtime_s, "handover_s": event.handover_s, "seconds": event.seconds,
               "num_bytes": event.num_bytes,
@@ -166,10 +182,13 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
             times = _arrivals[clocks[core]]
             before = _mean_gap(times, baseline_from, started)
             windows = {"slowdown": (started, ended), "precopy_slowdown": (started, paused_at)}
+            after = _mean_gap(times, after_from, after_to)
             for name, (start, end) in windows.items():
                 during = _mean_gap(times, start, end)
                 if before and during:
                     result[f"{side}_{name}"] = during / before - 1
+                if name == "precopy_slowdown" and before and after and during:
+                    result[f"{side}_precopy_bracketed"] = during / ((before + after) / 2) - 1
             cpu_before, cpu_during = (_cpu_per_step(core, times, baseline_from, started),
                                       _cpu_per_step(core, times, started, paused_at))
             if cpu_before and cpu_during:
@@ -234,7 +253,7 @@ def measure(llm: LLM, folder: pathlib.Path, spec: dict) -> dict:
             "mib_moved": moved[0]["num_bytes"] / 2**20,
         }
         for side in ("source", "destination"):
-            for name in ("slowdown", "precopy_slowdown", "precopy_cpu"):
+            for name in ("slowdown", "precopy_slowdown", "precopy_bracketed", "precopy_cpu"):
                 values = [m[f"{side}_{name}"] for m in moved if f"{side}_{name}" in m]
                 results[length][f"{side}_{name}_pct"] = 100 * statistics.median(values) if values else None
         if not spec.get("quiet"):
@@ -251,6 +270,8 @@ def _print_row(length: int, r: dict) -> None:
 
     slowdown = (f"  | step slowdown source {pct('source')} destination {pct('destination')}"
                 f" (pre-copy only: {pct('source', 'precopy_slowdown')} / {pct('destination', 'precopy_slowdown')};"
+                f" against the windows before and after: {pct('source', 'precopy_bracketed')} /"
+                f" {pct('destination', 'precopy_bracketed')};"
                 f" CPU per step {pct('source', 'precopy_cpu')} / {pct('destination', 'precopy_cpu')})")
     print(f"L={int(length):5d}  downtime {r['downtime']['median_ms']:7.1f} ms (max {r['downtime']['p99_ms']:7.1f}, "
           f"handover {r['handover']['median_ms']:5.1f}, over a normal gap {r['extra_pause']['median_ms']:5.1f})"

@@ -73,13 +73,9 @@ class CopyPacer:
         self.burst_s = burst_s
         self._cpu_mark = time.thread_time()
 
-    def pause(self, elsewhere_s: float = 0.0) -> None:
-        """`elsewhere_s`: work the copy caused on other threads since the last
-        call (a network piece's encryption and decryption on ZMQ's I/O
-        threads), counted as this thread's own."""
+    def pause(self) -> None:
         if self.share >= 1:
             return
-        self._cpu_mark -= elsewhere_s
         used = time.thread_time() - self._cpu_mark
         if used < self.burst_s:
             return

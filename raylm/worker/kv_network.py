@@ -47,14 +47,6 @@ FINAL_FETCH_TIMEOUT_S = 5.0
 # How often a waiting fetch looks whether it was cancelled.
 _CANCEL_CHECK_S = 0.1
 _STATUS_OK, _STATUS_MISSING, _STATUS_FAILED = b"ok", b"missing", b"failed"
-# A paced fetch (the pre-copy, beside both ranks' steps) asks for its offer
-# this much at a time. CURVE encrypts and decrypts a whole message on ZMQ's
-# I/O threads, outside any pacing of the copying thread: one message of a
-# long request's blocks (74 MB for 2k tokens of the ~111M model) took ~90 ms
-# of CPU at each end in one go, on cores that were stepping. By pieces, each
-# piece's round trip is paid for by a pause (`pause(elsewhere_s)`).
-PACED_PIECE_BYTES = 1 << 20
-_WHOLE = 1 << 62  # a length that asks for the rest of an offer
 
 
 class KVBlockServer:
@@ -109,37 +101,23 @@ class KVBlockServer:
                 continue
             frames = self._sock.recv_multipart()
             self.requests_received += 1
-            request = _parse_request(frames)
-            if request is None:
+            if len(frames) != 2:
                 continue  # not a request of ours
-            identity, name, start, length = request
+            identity, name = frames
             with self._lock:
-                entry = self._offers.get(name)
+                entry = self._offers.pop(name, None)
             if entry is None:
-                self._sock.send_multipart([identity, _STATUS_MISSING, b"0", b""])
+                self._sock.send_multipart([identity, _STATUS_MISSING, b""])
                 continue
-            packed, offered_at = entry
+            packed = entry[0]
             try:
                 if isinstance(packed, Future):
                     packed = packed.result()
             except Exception as e:  # the packing failed: the destination says why
-                self._drop(name)
-                self._sock.send_multipart([identity, _STATUS_FAILED, b"0", f"{type(e).__name__}: {e}".encode()])
+                self._sock.send_multipart([identity, _STATUS_FAILED, f"{type(e).__name__}: {e}".encode()])
                 continue
-            data = packed.numpy()
-            end = min(start + length, data.nbytes)
-            if end >= data.nbytes:
-                self._drop(name)  # handed out to the end: once
-            else:
-                with self._lock:
-                    if name in self._offers:
-                        self._offers[name] = (packed, offered_at)  # packed now: no Future to wait on
-            # Zero-copy: ZMQ holds the slice (and the array) until it is sent.
-            self._sock.send_multipart([identity, _STATUS_OK, b"%d" % data.nbytes, data[start:end]], copy=False)
-
-    def _drop(self, name: bytes) -> None:
-        with self._lock:
-            self._offers.pop(name, None)
+            # Zero-copy: ZMQ holds the array until it is sent.
+            self._sock.send_multipart([identity, _STATUS_OK, packed.numpy()], copy=False)
 
     def close(self) -> None:
         self._closed.set()
@@ -151,73 +129,33 @@ class KVBlockServer:
             self._offers.clear()
 
 
-def _parse_request(frames: list[bytes]) -> tuple[bytes, bytes, int, int] | None:
-    """(identity, name, start, length) of a fetch's request
-    [identity, name, start, length], the numbers in ASCII; None if it is not one."""
-    if len(frames) != 4:
-        return None
-    identity, name, start, length = frames
-    if not (start.isdigit() and length.isdigit() and len(start) <= 20 and len(length) <= 20):
-        return None
-    return identity, name, int(start), int(length)
-
-
 def fetch(address: str, name: str, keys: CurveKeys, timeout_s: float = FETCH_TIMEOUT_S,
-          cancelled: threading.Event | None = None, pause=None):
-    """The packed blocks offered as `name` at `address` (a read-only buffer);
-    each wait for the source gives up after `timeout_s`, or once `cancelled`
-    is set. `pause(elsewhere_s)`: fetch by pieces of PACED_PIECE_BYTES, and
-    call it after each with the piece's round trip (the encryption and
-    decryption it cost, on other threads); None: all in one message."""
+          cancelled: threading.Event | None = None) -> zmq.Frame:
+    """The packed blocks offered as `name` at `address` (a read-only frame);
+    the wait for them gives up after `timeout_s`, or once `cancelled` is set."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     secure_client(sock, keys)
     sock.connect(address)
     try:
-        if pause is None:
-            return _ask(sock, address, name, 0, _WHOLE, timeout_s, cancelled)[1]
-        started = time.monotonic()
-        total, piece = _ask(sock, address, name, 0, PACED_PIECE_BYTES, timeout_s, cancelled)
-        buffer = bytearray(total)
-        received = len(piece)
-        buffer[:received] = piece
-        pause(time.monotonic() - started)
-        while received < total:
-            started = time.monotonic()
-            _, piece = _ask(sock, address, name, received, PACED_PIECE_BYTES, timeout_s, cancelled)
-            if not piece:
-                raise kv_transfer.KVTransferError(f"the source rank at {address} sent an empty piece of {name!r}")
-            buffer[received : received + len(piece)] = piece
-            received += len(piece)
-            pause(time.monotonic() - started)
-        return buffer
+        sock.send(name.encode())
+        deadline = time.monotonic() + timeout_s
+        while not sock.poll(int(1000 * max(0.0, min(_CANCEL_CHECK_S, deadline - time.monotonic())))):
+            if cancelled is not None and cancelled.is_set():
+                raise kv_transfer.KVTransferError(f"the fetch of the K/V blocks {name!r} from {address} was cancelled")
+            if time.monotonic() >= deadline:
+                raise kv_transfer.KVTransferError(
+                    f"the source rank at {address} did not send the K/V blocks {name!r} within {timeout_s:.0f} s")
+        frames = sock.recv_multipart(copy=False)
     finally:
         sock.close(linger=0)
-
-
-def _ask(sock: zmq.Socket, address: str, name: str, start: int, length: int, timeout_s: float,
-         cancelled: threading.Event | None) -> tuple[int, memoryview]:
-    """One request for bytes [start, start + length) of an offer: (the offer's size, the bytes)."""
-    sock.send_multipart([name.encode(), b"%d" % start, b"%d" % length])
-    deadline = time.monotonic() + timeout_s
-    while not sock.poll(int(1000 * max(0.0, min(_CANCEL_CHECK_S, deadline - time.monotonic())))):
-        if cancelled is not None and cancelled.is_set():
-            raise kv_transfer.KVTransferError(f"the fetch of the K/V blocks {name!r} from {address} was cancelled")
-        if time.monotonic() >= deadline:
-            raise kv_transfer.KVTransferError(
-                f"the source rank at {address} did not send the K/V blocks {name!r} within {timeout_s:.0f} s")
-    frames = sock.recv_multipart(copy=False)
-    if len(frames) != 3:
-        raise kv_transfer.KVTransferError(f"the source rank at {address} answered {name!r} with {len(frames)} frames")
-    status, total, payload = frames[0].bytes, frames[1].bytes, frames[2]
+    status, payload = frames[0].bytes, frames[1]
     if status == _STATUS_MISSING:
         raise kv_transfer.KVTransferError(f"the source rank at {address} offers no K/V blocks {name!r}")
     if status != _STATUS_OK:
         raise kv_transfer.KVTransferError(f"the source rank at {address} failed to pack {name!r}: "
                                           f"{payload.bytes.decode(errors='replace')}")
-    if not total.isdigit() or len(payload.buffer) > int(total) - start:
-        raise kv_transfer.KVTransferError(f"the source rank at {address} sent a malformed piece of {name!r}")
-    return int(total), payload.buffer
+    return payload
 
 
 class KVNetworkEndpoint:
@@ -242,11 +180,10 @@ class KVNetworkEndpoint:
     def fetch_into(self, kv_caches: list[torch.Tensor], name: str, block_ids: list[int], address: str,
                    keys: CurveKeys, timeout_s: float = FETCH_TIMEOUT_S, cancelled: threading.Event | None = None,
                    pause=None) -> int:
-        """Fetch the offer `name` into `block_ids`; `pause`: a paced copy
-        beside the steps (fetched by pieces, a pause after each piece and
-        after each layer of the unpacking; see `fetch`)."""
-        data = fetch(address, name, keys, timeout_s, cancelled, pause)
-        return kv_transfer.unpack_blocks(kv_caches, block_ids, data,
+        """Fetch the offer `name` into `block_ids`; `pause`: called between
+        layers of the unpacking (a paced copy beside the steps)."""
+        frame = fetch(address, name, keys, timeout_s, cancelled)
+        return kv_transfer.unpack_blocks(kv_caches, block_ids, frame.buffer,
                                          f"the K/V blocks {name!r} from {address}", pause)
 
     def withdraw(self, prefix: str) -> int:

@@ -59,49 +59,6 @@ def test_blocks_arrive_bit_for_bit_in_the_reserved_blocks(endpoint, dtype):
         kv_network.fetch(address, "m-0.rank0", keys, timeout_s=5)
 
 
-def test_a_paced_fetch_comes_by_pieces_each_paid_for_by_a_pause(endpoint, monkeypatch):
-    """Beside the steps a fetch asks for its offer a piece at a time (the
-    encryption of each piece runs on ZMQ's threads, where no pacing reaches)
-    and pauses after each with its round trip; the blocks arrive bit for bit
-    and the offer is gone once fetched to its end."""
-    monkeypatch.setattr(kv_network, "PACED_PIECE_BYTES", 1000)
-    keys = CurveKeys.generate()
-    source, destination = _caches(4), _caches(None)
-    num_bytes, address = endpoint.serve(source, "m-7.rank0", [3, 1, 8], "127.0.0.1", keys)
-    pauses = []
-    got = kv_network.KVNetworkEndpoint().fetch_into(destination, "m-7.rank0", [2, 4, 6], address, keys,
-                                                     pause=lambda elsewhere_s=0.0: pauses.append(elsewhere_s))
-    assert got == num_bytes
-    assert all(torch.equal(d[:, [2, 4, 6]], s[:, [3, 1, 8]]) for s, d in zip(source, destination))
-    pieces = -(-num_bytes // 1000)
-    assert endpoint._server.requests_received == pieces
-    assert len(pauses) == pieces + LAYERS  # one per piece, then one per layer of the unpacking
-    assert all(p > 0 for p in pauses[:pieces]) and pauses[pieces:] == [0.0] * LAYERS
-    assert endpoint._server.num_offers == 0
-
-
-def test_requests_that_are_not_ours_get_no_answer(endpoint):
-    """A client holding the key but sending what is not a request (the old
-    one-frame form, a non-numeric range) is not answered, and the offer stays."""
-    keys = CurveKeys.generate()
-    _, address = endpoint.serve(_caches(0), "m-8.rank0", [1], "127.0.0.1", keys)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    kv_network.secure_client(sock, keys)
-    sock.connect(address)
-    try:
-        for frames in ([b"m-8.rank0"], [b"m-8.rank0", b"-1", b"10"], [b"m-8.rank0", b"0", b"9" * 30]):
-            sock.send_multipart(frames)
-        wait_until(lambda: endpoint._server.requests_received == 3, 30, message="the three requests")
-        assert not sock.poll(200)
-    finally:
-        sock.close()
-    assert endpoint._server.num_offers == 1
-    destination = _caches(None)
-    kv_network.KVNetworkEndpoint().fetch_into(destination, "m-8.rank0", [5], address, keys)
-    assert torch.equal(destination[0][:, 5], _caches(0)[0][:, 1])
-
-
 def test_a_client_without_the_key_gets_nothing(endpoint):
     keys = CurveKeys.generate()
     _, address = endpoint.serve(_caches(0), "m-1.rank0", [1], "127.0.0.1", keys)

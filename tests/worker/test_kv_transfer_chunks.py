@@ -107,19 +107,6 @@ def test_the_pacer_sleeps_each_burst_to_its_share(monkeypatch):
     assert len(slept) == 2
 
 
-def test_work_on_other_threads_is_paid_for_as_the_copys_own(monkeypatch):
-    """A network piece's round trip (its encryption and decryption ran on
-    ZMQ's threads) counts as the burst's CPU: 10 ms of it with none of the
-    thread's own is followed by 30 ms of sleep at a share of 0.25."""
-    monkeypatch.setattr(kv_background.time, "thread_time", lambda: 5.0)
-    slept = []
-    monkeypatch.setattr(kv_background.time, "sleep", slept.append)
-    pacer = kv_background.CopyPacer(share=0.25, burst_s=0.005)
-    pacer.pause(elsewhere_s=0.01)
-    pacer.pause(elsewhere_s=0.001)  # below the burst: no sleep yet
-    assert slept == pytest.approx([0.03])
-
-
 @pytest.mark.parametrize("value", ["0", "-0.5", "1.5", "fast"])
 def test_a_bad_copy_share_is_refused_by_name(monkeypatch, value):
     monkeypatch.setenv("RAYLM_MIGRATION_COPY_CPU_SHARE", value)
