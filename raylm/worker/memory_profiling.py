@@ -81,7 +81,6 @@ def kv_cache_budget_bytes(total: int, utilization: float, held_by_rank: int, pea
     return max(int(total * utilization) - held_by_rank - peak_activation, 0)
 
 
-@torch.inference_mode()
 @contextmanager
 def largest_prefill_attention(model_runner, num_tokens: int, max_model_len: int) -> Iterator[AttentionMetadata]:
     """The attention of the largest prefill step, for `run_profiling_step`:
@@ -121,6 +120,7 @@ def largest_prefill_attention(model_runner, num_tokens: int, max_model_len: int)
             layer.kv_cache = cache
 
 
+@torch.inference_mode()
 def run_profiling_step(model_runner, num_tokens: int, num_seqs: int, max_model_len: int,
                        attention: AttentionMetadata | None = None) -> None:
     """The largest step this rank can be given, on dummy inputs: `num_tokens`
