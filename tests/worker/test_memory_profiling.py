@@ -85,7 +85,9 @@ def uni_llm(tiny_model_dir):
 def test_profiling_step_runs_the_largest_batch(uni_llm):
     runner = executor_of(uni_llm).driver_worker.worker.model_runner
     seen = {}
-    hook = runner.model.register_forward_pre_hook(lambda m, args: seen.__setitem__("tokens", args[0].shape[0]))
+    # (Under inference mode: no autograd state kept, as in a real step.)
+    hook = runner.model.register_forward_pre_hook(
+        lambda m, args: seen.update(tokens=args[0].shape[0], inference=torch.is_inference_mode_enabled()))
     real_sampler = runner.sampler
     try:
         runner.sampler = lambda logits, meta: seen.setdefault("rows", tuple(logits.shape)) and real_sampler(logits, meta)
@@ -94,7 +96,7 @@ def test_profiling_step_runs_the_largest_batch(uni_llm):
     finally:
         hook.remove()
         runner.sampler = real_sampler
-    assert seen == {"tokens": 1500, "rows": (5, runner.vocab_size)}
+    assert seen == {"tokens": 1500, "inference": True, "rows": (5, runner.vocab_size)}
 
 
 def test_profiling_step_runs_the_paged_attention_of_full_length_prefills(uni_llm, monkeypatch):
