@@ -119,6 +119,22 @@ def cp_group_ranks(tp_size: int, pp_size: int, cp_size: int = 1) -> list[list[in
             for pp in range(pp_size) for tp in range(tp_size)]
 
 
+# An init_method naming a rendezvous store its launcher already serves
+# (`hosted_store_init_method`): no rank binds a port of its own. With
+# tcp://host:port rank 0 binds a port its launcher found free moments
+# before, which something else may have taken meanwhile.
+_HOSTED_STORE_SCHEME = "raylm-store://"
+
+
+def host_rendezvous_store(timeout_s: float) -> tuple[dist.TCPStore, str]:
+    """A rendezvous store served by this process on a port the OS picks, and
+    the init_method that sends the ranks to it; keep the store alive until
+    the ranks are gone (their process group uses it to make its subgroups)."""
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    return store, f"{_HOSTED_STORE_SCHEME}127.0.0.1:{store.port}"
+
+
 def init_distributed_environment(
     world_size: int, rank: int, init_method: str, backend: str, timeout_s: float | None = None
 ) -> None:
@@ -132,6 +148,11 @@ def init_distributed_environment(
         return
     _TIMEOUT = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     kwargs = {} if _TIMEOUT is None else {"timeout": _TIMEOUT}
+    if init_method.startswith(_HOSTED_STORE_SCHEME):
+        host, port = init_method[len(_HOSTED_STORE_SCHEME):].rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), None, is_master=False, **kwargs)
+        dist.init_process_group(backend=backend, store=store, world_size=world_size, rank=rank, **kwargs)
+        return
     dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank, **kwargs)
 
 

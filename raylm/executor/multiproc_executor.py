@@ -23,6 +23,7 @@ from typing import Any, Callable
 import psutil
 
 from raylm.config import EngineConfig
+from raylm.distributed.parallel_state import host_rendezvous_store
 from raylm.distributed.shm_broadcast import MessageQueue, MessageQueueHandle
 from raylm.distributed.shm_ring import unlink_segment
 from raylm.executor.abstract import Executor
@@ -38,12 +39,6 @@ logger = logging.getLogger(__name__)
 WORKER_SHUTDOWN_TIMEOUT_S = 5.0
 FAILED_WORKER_GRACE_S = 0.5
 _HOSTNAME = socket.gethostname()
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _abnormal_state(pid: int) -> str:
     """", stopped" for a process that is not running normally, else "": a
@@ -137,6 +132,8 @@ class _Resources:
         self.shutting_down = threading.Event()
         self.monitor_wakeup: tuple | None = None
         self.monitor: threading.Thread | None = None
+        # The ranks' rendezvous store, served from this process (world size > 1).
+        self.store = None
         # A failed executor's workers get no grace: some are dead, stopped or
         # stuck in a collective with a dead peer, and recovery is waiting.
         self.failed = False
@@ -170,6 +167,7 @@ class _Resources:
             self.monitor.join(2.0)
         if self.monitor_wakeup is not None:
             self.monitor_wakeup[0].close()
+        self.store = None  # its server stops with it; the ranks that used it are gone
 
 
 class MultiprocExecutor(Executor):
@@ -204,7 +202,9 @@ class MultiprocExecutor(Executor):
         # One node, one user: a collective_rpc callable may ride inline in the
         # shared-memory ring (never a socket; see raylm.executor.mq_rpc).
         res.broadcast = MessageQueue(num_local_readers=self.world_size, local_callables=True)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = "tcp://127.0.0.1:0"  # unused by a single rank
+        if self.world_size > 1:
+            res.store, init_method = host_rendezvous_store(self.start_timeout_s)
         plan = plan_cpu_placement(read_topology(), self.world_size, engine_loop_here=True,
                                   num_threads=self.config.num_threads, cpu_bind=self.config.cpu_bind)
         logger.info("CPU placement: %s", plan.describe())

@@ -72,12 +72,33 @@ def _tp_collective(worker) -> str:
     return "gloo" if parallel_state.get_tp_group().shm is None else "shm"
 
 
+def _world(worker) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
 def test_tp2_matches_hf(tp2, reference):
     # Two ranks on one node all-reduce through shared memory by default (the
     # gloo fallback: tests/distributed/test_shm_collective.py).
     assert _executor(tp2).collective_rpc(_tp_collective, timeout=60) == ["shm", "shm"]
     outs = tp2.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
+
+
+def test_the_ranks_meet_at_a_store_this_process_serves(tp2):
+    """No rank binds a port the executor probed free beforehand (something
+    else may take it in between: a rebuilt TP=2 executor's init_device failed
+    so in CI): the executor serves the rendezvous store on a port the OS gave
+    it, and both ranks joined through it."""
+    import psutil
+    import torch.distributed as dist
+
+    store = _executor(tp2)._res.store
+    assert isinstance(store, dist.TCPStore)
+    listening = {c.laddr.port for c in psutil.Process().net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+    assert store.port in listening
+    assert _executor(tp2).collective_rpc(_world, timeout=60) == [(0, 2), (1, 2)]
 
 
 @pytest.mark.slow
