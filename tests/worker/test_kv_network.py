@@ -59,6 +59,36 @@ def test_blocks_arrive_bit_for_bit_in_the_reserved_blocks(endpoint, dtype):
         kv_network.fetch(address, "m-0.rank0", keys, timeout_s=5)
 
 
+def _zmq_threads_and_nice(tids: set[int]) -> dict[int, int]:
+    out = {}
+    for tid in tids:
+        try:
+            comm = open(f"/proc/self/task/{tid}/comm").read()
+            if comm.startswith("ZMQbg/"):
+                out[tid] = os.getpriority(os.PRIO_PROCESS, tid)
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux: per-thread nice values")
+def test_the_transfer_threads_yield_to_the_steps(endpoint):
+    """CURVE encrypts and decrypts a stage's blocks on ZMQ's I/O threads, in
+    one burst per message: the K/V contexts' threads run at nice 10, so that
+    where no core is spare the decode steps keep theirs."""
+    before = {int(t) for t in os.listdir("/proc/self/task")}
+    keys = CurveKeys.generate()
+    _, address = endpoint.serve(_caches(0), "m-6.rank0", [1, 2], "127.0.0.1", keys)
+    destination = _caches(None)
+    kv_network.KVNetworkEndpoint().fetch_into(destination, "m-6.rank0", [4, 7], address, keys)
+    assert torch.equal(destination[1][:, [4, 7]], _caches(0)[1][:, [1, 2]])
+    new = _zmq_threads_and_nice({int(t) for t in os.listdir("/proc/self/task")} - before)
+    assert new and all(nice >= 10 for nice in new.values()), new
+    # The server's own thread, which hands out the offers, keeps its priority.
+    (server_thread,) = [t for t in threading.enumerate() if t.name == "raylm-kv-server"]
+    assert os.getpriority(os.PRIO_PROCESS, server_thread.native_id) == os.getpriority(os.PRIO_PROCESS, 0)
+
+
 def test_a_client_without_the_key_gets_nothing(endpoint):
     keys = CurveKeys.generate()
     _, address = endpoint.serve(_caches(0), "m-1.rank0", [1], "127.0.0.1", keys)
