@@ -120,7 +120,7 @@ def cp_group_ranks(tp_size: int, pp_size: int, cp_size: int = 1) -> list[list[in
 
 
 # An init_method naming a rendezvous store its launcher already serves
-# (`hosted_store_init_method`): no rank binds a port of its own. With
+# (`host_rendezvous_store`): no rank binds a port of its own. With
 # tcp://host:port rank 0 binds a port its launcher found free moments
 # before, which something else may have taken meanwhile.
 _HOSTED_STORE_SCHEME = "raylm-store://"

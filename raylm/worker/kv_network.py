@@ -140,19 +140,39 @@ def _thread_ids() -> set[int]:
 
 
 def _yield_to_the_steps(new_threads: set[int]) -> None:
-    """Lower the priority of `new_threads`: the threads a K/V transfer's ZMQ
-    context just started (its I/O thread and its reaper; by their ids, as a
-    new thread may not have named itself yet). CURVE encrypts and decrypts a stage's blocks
-    on them, a whole message at a time (35 MiB for 2k tokens of the ~111M
-    model, ~90 ms of CPU at each end): where no core is spare, at the default
-    priority that burst took its share of a core that was stepping. At nice
-    10 the kernel runs it in what the steps leave; where cores are spare it
-    makes no difference. Linux only (a thread's own nice value)."""
-    for tid in new_threads:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), _KV_IO_NICE))
-        except OSError:  # gone, or not allowed: the transfer works all the same
-            pass
+    """Lower the priority of the ZMQ threads among `new_threads` (those a K/V
+    transfer's context just started: its I/O thread and its reaper). CURVE
+    encrypts and decrypts a stage's blocks on the I/O thread, a whole message
+    at a time (35 MiB for 2k tokens of the ~111M model, ~90 ms of CPU at each
+    end): where no core is spare, at the default priority that burst took its
+    share of a core that was stepping. At nice 10 the kernel runs it in what
+    the steps leave; where cores are spare it makes no difference. Only
+    threads that have named themselves ZMQbg/... (a new thread does so as it
+    starts: waited for briefly), so that no other thread started meanwhile is
+    slowed. Linux only (a thread's own nice value)."""
+    pending, deadline = set(new_threads), time.monotonic() + 0.2
+    while pending:
+        for tid in list(pending):
+            comm = _thread_name(tid)
+            if comm is None or comm.startswith("ZMQbg/"):
+                pending.discard(tid)
+            if comm is not None and comm.startswith("ZMQbg/"):
+                try:
+                    os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), _KV_IO_NICE))
+                except OSError:  # gone, or not allowed: the transfer works all the same
+                    pass
+        if pending and time.monotonic() >= deadline:
+            break  # not ZMQ's, or never named: left alone
+        if pending:
+            time.sleep(0.005)
+
+
+def _thread_name(tid: int) -> str | None:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:  # the thread ended
+        return None
 
 
 _KV_IO_NICE = 10
