@@ -132,6 +132,15 @@ def _mean_gap(times: list[float], start: float, end: float) -> float | None:
     return statistics.fmean(gaps) if gaps else None
 
 
+def _bystander_window(supervisor, clocks: dict[int, str]) -> tuple[float, float]:
+    """Serve for 1 s and at least 4 of core 0's bystander steps; (start, end)."""
+    start = time.perf_counter()
+    while clocks and (time.perf_counter() - start < 1.0 or len(
+            [t for t in _arrivals[clocks[0]] if t > start]) < 4):
+        _pump(supervisor)
+    return start, time.perf_counter()
+
+
 def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, clocks: dict[int, str],
                source: int) -> dict:
     """`clocks`: core -> a bystander request decoding there (its token gaps
@@ -139,11 +148,8 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
     supervisor = llm.llm_engine.engine_core
     supervisor.add_request(Request(rid, prompt, params, None), data_parallel_rank=source)
     arrivals = list(_decode_until(supervisor, rid, _WARM_TOKENS))
-    # The baseline of the bystanders' steps: 1 s (at least 4 steps) with the request decoding at its source.
-    baseline_from = time.perf_counter()
-    while clocks and (time.perf_counter() - baseline_from < 1.0 or len(
-            [t for t in _arrivals[clocks[0]] if t > baseline_from]) < 4):
-        _pump(supervisor)
+    # The baseline of the bystanders' steps, with the request decoding at its source.
+    baseline_from, _ = _bystander_window(supervisor, clocks)
     source = supervisor.ledger[rid].channel
     started = time.perf_counter()
     assert supervisor.migrate(rid, 1 - source, reason="manual")
@@ -161,11 +167,7 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
     # slower than the baseline before it without any copying. The mean of the
     # windows before and after brackets that drift (at the source the request
     # has left, so its window after is lighter: an overestimate there).
-    after_from = time.perf_counter()
-    while clocks and (time.perf_counter() - after_from < 1.0 or len(
-            [t for t in _arrivals[clocks[0]] if t > after_from]) < 4):
-        _pump(supervisor)
-    after_to = time.perf_counter()
+    after_from, after_to = _bystander_window(supervisor, clocks)
     gaps = [b - a for a, b in zip(arrivals[1:], arrivals[2:])]
     result = {"downtime_s": event.downtime_s, "handover_s": event.handover_s, "seconds": event.seconds,
               "num_bytes": event.num_bytes,

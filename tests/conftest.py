@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from raylm.testing.tiny_models import make_tiny_model
+from raylm.worker.fault_injection import ENV_VAR as FAULT_INJECTION_ENV
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -110,6 +111,25 @@ def process_gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+# A token id no test prompt otherwise holds (theirs are 3..252), within every
+# tiny model's vocabulary: prompts that carry it can be slowed (`straggling`).
+STRAGGLER_TOKEN = 500
+
+
+def straggler_env(token_id: int = STRAGGLER_TOKEN, ms: int = 20) -> dict[str, str]:
+    """The environment of fault injection's straggler: each step holding a
+    request with `token_id` takes `ms` ms longer, so that what a test waits
+    for (a kill, an attack, a signal, a migration) lands while requests still
+    run, however fast the machine decodes."""
+    return {FAULT_INJECTION_ENV: f"slow:token={token_id}:ms={ms}"}
+
+
+def straggling(monkeypatch, token_id: int = STRAGGLER_TOKEN, ms: int = 20) -> None:
+    """`straggler_env` for the engines this test starts (read at their start)."""
+    for name, value in straggler_env(token_id, ms).items():
+        monkeypatch.setenv(name, value)
 
 
 POLL_S = 0.05

@@ -315,7 +315,7 @@ def apply_rank_placement(placement: RankPlacement, whole_process: bool) -> None:
         if whole_process:
             global _affinity_before_pinning
             _affinity_before_pinning = os.sched_getaffinity(0)
-            for tid in _thread_ids():
+            for tid in thread_ids():
                 try:
                     os.sched_setaffinity(tid, cpus)
                 except OSError:  # a thread that ended meanwhile
@@ -335,7 +335,7 @@ def unpin_process() -> set[int]:
     if _affinity_before_pinning is None:
         return os.sched_getaffinity(0)
     cpus = _affinity_before_pinning
-    for tid in _thread_ids():
+    for tid in thread_ids():
         try:
             os.sched_setaffinity(tid, cpus)
         except OSError:  # a thread that ended meanwhile
@@ -539,7 +539,7 @@ def process_run_queue_wait_s() -> float:
     all (the second field of each thread's schedstat); 0 where Linux does not
     say (the governor then never sees contention)."""
     total_ns = 0
-    for tid in _thread_ids():
+    for tid in thread_ids():
         try:
             with open(f"/proc/self/task/{tid}/schedstat") as f:
                 total_ns += int(f.read().split()[1])
@@ -565,7 +565,8 @@ def watch_for(placement: RankPlacement) -> "ContentionWatch | ThreadGovernor | N
     return None
 
 
-def _thread_ids() -> list[int]:
+def thread_ids() -> list[int]:
+    """This process's threads (Linux task ids; none where /proc is missing)."""
     try:
         return [int(tid) for tid in os.listdir("/proc/self/task")]
     except OSError:

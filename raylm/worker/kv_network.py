@@ -31,6 +31,7 @@ import zmq
 
 from raylm.distributed.tcp_auth import CurveKeys, CurveServer, secure_client, terminate_context
 from raylm.worker import kv_transfer
+from raylm.worker.cpu_placement import thread_ids
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +57,8 @@ class KVBlockServer:
 
     def __init__(self, host: str, keys: CurveKeys):
         self.keys = keys
-        threads_before = _thread_ids()
-        self._context = zmq.Context()
-        self._sock = self._context.socket(zmq.ROUTER)  # starts the context's threads
-        _yield_to_the_steps(_thread_ids() - threads_before)  # (not the handshakes' authenticator, made next)
+        # (Niced before the handshakes' authenticator is made: it keeps its priority.)
+        self._context, self._sock = _context_yielding_to_the_steps(zmq.ROUTER)
         self._curve = CurveServer(self._context, keys)  # before bind: no client connects unchecked
         self._curve.secure(self._sock)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -132,39 +131,40 @@ class KVBlockServer:
             self._offers.clear()
 
 
-def _thread_ids() -> set[int]:
-    try:
-        return {int(tid) for tid in os.listdir("/proc/self/task")}
-    except OSError:  # no /proc: nothing to renice
-        return set()
+def _context_yielding_to_the_steps(socket_type: int) -> tuple[zmq.Context, zmq.Socket]:
+    """A ZMQ context for K/V transfers and its first socket (which starts the
+    context's threads), those threads at nice 10. CURVE encrypts and decrypts
+    a stage's blocks on its I/O thread, a whole message at a time (35 MiB for
+    2k tokens of the ~111M model, ~90 ms of CPU at each end): where no core is
+    spare, at the default priority that burst took its share of a core that
+    was stepping. At nice 10 the kernel runs it in what the steps leave; where
+    cores are spare it makes no difference. Linux only."""
+    before = set(thread_ids())
+    context = zmq.Context()
+    sock = context.socket(socket_type)
+    _lower_priority_of_zmq_threads(set(thread_ids()) - before)
+    return context, sock
 
 
-def _yield_to_the_steps(new_threads: set[int]) -> None:
-    """Lower the priority of the ZMQ threads among `new_threads` (those a K/V
-    transfer's context just started: its I/O thread and its reaper). CURVE
-    encrypts and decrypts a stage's blocks on the I/O thread, a whole message
-    at a time (35 MiB for 2k tokens of the ~111M model, ~90 ms of CPU at each
-    end): where no core is spare, at the default priority that burst took its
-    share of a core that was stepping. At nice 10 the kernel runs it in what
-    the steps leave; where cores are spare it makes no difference. Only
-    threads that have named themselves ZMQbg/... (a new thread does so as it
-    starts: waited for briefly), so that no other thread started meanwhile is
-    slowed. Linux only (a thread's own nice value)."""
-    pending, deadline = set(new_threads), time.monotonic() + 0.2
-    while pending:
-        for tid in list(pending):
-            comm = _thread_name(tid)
-            if comm is None or comm.startswith("ZMQbg/"):
-                pending.discard(tid)
-            if comm is not None and comm.startswith("ZMQbg/"):
+def _lower_priority_of_zmq_threads(new_threads: set[int]) -> None:
+    """Nice 10 for the threads among `new_threads` that name themselves
+    ZMQbg/... (a new thread does so as it starts: waited for briefly), so
+    that no other thread started meanwhile is slowed."""
+    deadline = time.monotonic() + 0.2
+    while new_threads:
+        for tid in list(new_threads):
+            name = _thread_name(tid)
+            if name is not None and not name.startswith("ZMQbg/"):
+                continue  # not named yet, or another's: looked at again
+            new_threads.discard(tid)
+            if name is not None:
                 try:
                     os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), _KV_IO_NICE))
                 except OSError:  # gone, or not allowed: the transfer works all the same
                     pass
-        if pending and time.monotonic() >= deadline:
-            break  # not ZMQ's, or never named: left alone
-        if pending:
-            time.sleep(0.005)
+        if not new_threads or time.monotonic() >= deadline:
+            return
+        time.sleep(0.005)
 
 
 def _thread_name(tid: int) -> str | None:
@@ -181,14 +181,12 @@ _fetch_context_lock = threading.Lock()
 
 
 def _fetch_zmq_context() -> zmq.Context:
-    """The context every fetch of this process uses, its I/O thread niced (see above)."""
+    """The context every fetch of this process uses, its threads niced (see above)."""
     global _fetch_context
     with _fetch_context_lock:
         if _fetch_context is None:
-            threads_before = _thread_ids()
-            context = zmq.Context()
-            context.socket(zmq.DEALER).close(linger=0)  # starts its I/O thread
-            _yield_to_the_steps(_thread_ids() - threads_before)
+            context, first = _context_yielding_to_the_steps(zmq.DEALER)
+            first.close(linger=0)
             _fetch_context = context
         return _fetch_context
 

@@ -10,21 +10,14 @@ import pytest
 
 from raylm import LLM, SamplingParams
 from raylm.testing.hf_oracle import hf_greedy
-from raylm.worker.fault_injection import ENV_VAR as FAULT_ENV
-from tests.conftest import our_live_ray_state, wait_until
+from tests.conftest import STRAGGLER_TOKEN, our_live_ray_state, straggling, wait_until
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-# Every prompt starts with this token (the others are 3..252): with fault
-# injection's straggler on it (`straggling`), each step takes a while, so a
-# strike lands while the requests still run, however fast the machine.
-STRAGGLER_TOKEN = 500
+# Every prompt starts with STRAGGLER_TOKEN: with the straggler on
+# (`straggling`), a strike lands while the requests still run.
 PROMPTS = [[STRAGGLER_TOKEN] + [(7 * i + j) % 250 + 3 for j in range(1 + 3 * i)] for i in range(16)]
 
-
-def straggling(monkeypatch, ms: int = 20) -> None:
-    """Engines made from now on step at least `ms` ms longer while these prompts run."""
-    monkeypatch.setenv(FAULT_ENV, f"slow:token={STRAGGLER_TOKEN}:ms={ms}")
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,13 @@ import signal
 import pytest
 
 from raylm import LLM
-from tests.conftest import wait_until
+from tests.conftest import straggling, wait_until
 from tests.engine.test_data_parallel import (  # noqa: F401
     GREEDY,
     PROMPTS,
     generate_with_strike_dp,
     model,
     reference,
-    straggling,
 )
 from tests.engine.test_start_deadlines import _children
 

@@ -10,7 +10,6 @@ down, no replica actor or placement group is left."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 from types import SimpleNamespace
 
@@ -26,9 +25,7 @@ from raylm.distributed.tcp_auth import CurveKeys, secure_client
 from raylm.engine.protocol import AbortRequests, EngineCoreOutputs, EngineCoreRequest, Ping, Shutdown
 from raylm.engine.dp_manager import ReplicaCoreProc
 from raylm.testing.hf_oracle import hf_greedy
-from raylm.worker.fault_injection import ENV_VAR as FAULT_ENV
-from tests.conftest import our_live_ray_state, wait_until
-from tests.engine.test_data_parallel import STRAGGLER_TOKEN
+from tests.conftest import STRAGGLER_TOKEN, our_live_ray_state, straggling, wait_until
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -59,16 +56,9 @@ def dp_llm(model):
     if not ray.is_initialized():
         # As tests/conftest.py's ray_session does (a module fixture cannot use it).
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    # (A module fixture has no monkeypatch: the variable is read at the engine's start.)
-    saved = os.environ.get(FAULT_ENV)
-    os.environ[FAULT_ENV] = f"slow:token={STRAGGLER_TOKEN}:ms=10"
-    try:
+    with pytest.MonkeyPatch.context() as patch:  # the variable is read at the engine's start
+        straggling(patch, ms=10)
         llm = LLM(model, dtype="float32", data_parallel_size=2, num_threads=1, kv_cache_memory_bytes=16 << 20)
-    finally:
-        if saved is None:
-            del os.environ[FAULT_ENV]
-        else:
-            os.environ[FAULT_ENV] = saved
     yield llm
     llm.shutdown()
     _assert_nothing_left()

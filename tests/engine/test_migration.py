@@ -7,7 +7,6 @@ of a migration loses no request and leaks no KV block."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 
@@ -16,8 +15,7 @@ import pytest
 from raylm import LLM, SamplingParams
 from raylm.sampling_params import StructuredOutputsParams
 from raylm.testing.hf_oracle import hf_greedy
-from raylm.worker.fault_injection import ENV_VAR as FAULT_ENV
-from tests.conftest import wait_until
+from tests.conftest import STRAGGLER_TOKEN, straggling, wait_until
 from tests.engine.test_start_deadlines import _children
 
 pytestmark = pytest.mark.slow
@@ -78,8 +76,9 @@ def _run(llm: LLM, requests: dict, once_running=None, min_tokens: int = 6) -> di
 
 
 def _read_one(supervisor) -> None:
-    """Read what the cores sent (the sync supervisor's get_output reads
-    nothing while no request is in flight)."""
+    """Read what the cores sent, waiting up to 100 ms for it (the sync
+    supervisor's get_output, with no request in flight, reads only what has
+    come already)."""
     supervisor._housekeeping()
     if supervisor._output.poll(100):
         supervisor._receive(supervisor._output.recv(copy=False))
@@ -213,10 +212,6 @@ def test_a_core_killed_mid_migration_loses_nothing(llm, reference, victim):
     assert not supervisor.migrations
 
 
-# A token of the long requests' prompts only (the prompts' ids are 3..252).
-STRAGGLER_TOKEN = 500
-
-
 def test_rebalancing_moves_requests_to_a_replica_that_emptied(model, monkeypatch):
     """Round-robin routing gives each core half the requests; core 1's are
     short, core 0's long: once core 1 is empty, rebalancing moves half of
@@ -225,7 +220,7 @@ def test_rebalancing_moves_requests_to_a_replica_that_emptied(model, monkeypatch
     # so that the rebalancer (every 0.5 s) and its moves, each several steps of
     # overlapped pre-copy, come before the requests end however fast the machine
     # is: 900 tokens took 0.4 s here, and no move was made (clean-clone CI of 919e26d).
-    monkeypatch.setenv(FAULT_ENV, f"slow:token={STRAGGLER_TOKEN}:ms=5")
+    straggling(monkeypatch, ms=5)  # on the long requests' prompts only
     long_tokens = 600
     long_params = SamplingParams(temperature=0, max_tokens=long_tokens, ignore_eos=True)
     short_params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)

@@ -59,6 +59,11 @@ class PrefillBudget:
     context_rows: int
     elements: int
 
+    def fits(self, num_seqs: int, max_query: int, padded_context: int) -> bool:
+        """Whether one call of `num_seqs` sequences, padded to these sizes, is within the budget."""
+        return (num_seqs * padded_context <= self.context_rows
+                and num_seqs * max_query * padded_context <= self.elements)
+
 
 def full_length_prefill_geometry(num_tokens: int, max_model_len: int) -> tuple[int, int]:
     """(sequences, tokens each) of the largest prefill step: `num_tokens` tokens
@@ -163,9 +168,7 @@ def build_paged_layout(meta: AttentionMetadata, block_size: int, budget: Prefill
     layout.prefill_mask = mask[:, None].to(device, non_blocking=True)
     layout.prefill_query_lens = q_lens
     layout.prefill_seq_lens = seq_lens
-    padded_context = table.shape[1] * block_size
-    if budget is not None and (num_prefills * padded_context > budget.context_rows
-                               or num_prefills * max_q * padded_context > budget.elements):
+    if budget is not None and not budget.fits(num_prefills, max_q, table.shape[1] * block_size):
         layout.sdpa_batches = [
             (build_paged_layout(AttentionMetadata(slot_mapping=meta.slot_mapping, prefills=batch), block_size),
              torch.cat([torch.arange(p.q_start, p.q_end) for p in batch]).to(device, non_blocking=True))
@@ -186,10 +189,9 @@ def split_prefills(prefills: list[PrefillSeq], block_size: int, budget: PrefillB
     max_q = max_context = 0
     for p in sorted(prefills, key=sizes, reverse=True):
         q, context = sizes(p)
-        n, grown_q, grown_context = len(batches[-1]) + 1 if batches else 1, max(max_q, q), max(max_context, context)
-        if batches and n * grown_context <= budget.context_rows and n * grown_q * grown_context <= budget.elements:
+        if batches and budget.fits(len(batches[-1]) + 1, max(max_q, q), max(max_context, context)):
             batches[-1].append(p)
-            max_q, max_context = grown_q, grown_context
+            max_q, max_context = max(max_q, q), max(max_context, context)
         else:
             batches.append([p])
             max_q, max_context = q, context

@@ -32,8 +32,7 @@ import psutil
 import pytest
 
 import raylm
-from raylm.worker.fault_injection import ENV_VAR as FAULT_ENV
-from tests.conftest import wait_until
+from tests.conftest import straggler_env, wait_until
 from tests.entrypoints.openai.server_utils import MODEL_NAME, RaylmServer
 from tests.entrypoints.openai.stream_utils import BackgroundPost, BackgroundStream, long_body, metric
 
@@ -59,7 +58,7 @@ def _straggler_env(model_dir: str | None) -> dict[str, str]:
     folder = model_dir or str(pathlib.Path(raylm.__file__).parent / "data" / "default_model")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert tokenizer("Story 0:").input_ids[0] == tokenizer.bos_token_id
-    return {FAULT_ENV: f"slow:token={tokenizer.bos_token_id}:ms=5"}
+    return straggler_env(tokenizer.bos_token_id, ms=5)
 
 
 def _chat_body(max_tokens: int, stream: bool) -> dict:
