@@ -209,6 +209,34 @@ def _grow_own_local_ray(num_cpus_hint: int) -> None:
     _start_own_local_ray(num_cpus_hint)
 
 
+# How long a caller of ray.kill waits for Ray to report the actors dead.
+KILL_WAIT_S = 5.0
+
+
+def wait_until_dead(actors: list, timeout: float = KILL_WAIT_S) -> None:
+    """Wait until Ray reports the killed `actors` dead: ray.kill only asks the
+    GCS, which reports them later (under load, a while later). An engine that
+    failed to start or was shut down must not return while its actors still
+    hold their resources: the next engine of the process (a test's, a
+    restarted replica's) would be placed beside them."""
+    from ray._private.state import actors as actor_table
+
+    deadline = time.monotonic() + timeout
+    pending = [actor._actor_id.hex() for actor in actors]
+    while True:
+        try:
+            pending = [i for i in pending if actor_table(actor_id=i).get("State") not in ("DEAD", None)]
+        except Exception as e:  # noqa: BLE001 - Ray going down: nothing left to wait for
+            logger.debug("cannot read the actors' states: %s", e)
+            return
+        if not pending:
+            return
+        if time.monotonic() >= deadline:
+            logger.warning("%d killed Ray actor(s) are not reported dead yet", len(pending))
+            return
+        time.sleep(0.02)
+
+
 def _wait_until_unused(timeout: float) -> str:
     """'' once no actor or placement group lives in the connected Ray (a shut
     down engine's are removed asynchronously), else what still lives there."""

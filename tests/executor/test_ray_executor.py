@@ -125,3 +125,28 @@ def test_dead_worker_is_noticed_and_reported(ray_session, tiny_model_dir):
     for old_or_new in (ex, new_ex):
         assert not {w._actor_id.hex() for w in old_or_new.workers} & {a["ActorID"] for a in live_actors}
         assert old_or_new._created_pg.id.hex() not in {g["placement_group_id"] for g in live_pgs}
+
+
+def test_cleanup_returns_once_ray_reports_the_killed_actors_dead(ray_session, monkeypatch):
+    """ray.kill only asks the GCS, which reports the actor dead later (under
+    load, later than a caller's next look: CI once saw an engine that failed
+    to start leave an actor ALIVE). Here every kill lands 0.5 s late; the
+    cleanup returns with both actors reported dead all the same."""
+    import threading
+
+    import ray
+    from ray._private.state import actors
+
+    from raylm.executor.ray_executor import RayDistributedExecutor
+
+    @ray.remote(num_cpus=0)
+    class Idle:
+        def ready(self):
+            return True
+
+    idle = [Idle.remote() for _ in range(2)]
+    assert ray.get([a.ready.remote() for a in idle]) == [True, True]
+    kill = ray.kill
+    monkeypatch.setattr(ray, "kill", lambda actor: threading.Timer(0.5, kill, (actor,)).start())
+    RayDistributedExecutor._cleanup(idle, [])
+    assert [actors(actor_id=a._actor_id.hex())["State"] for a in idle] == ["DEAD", "DEAD"]
