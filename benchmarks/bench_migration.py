@@ -40,8 +40,8 @@ their K/V over the CURVE sockets between the hosts. For each length L,
              pre-copy is also compared with the mean of the 1 s before it
              and the 1 s after the move (the request aborted): "against
              the windows before and after" (an overestimate at the source,
-             whose window after no longer holds the request). On one node,
-             also the CPU time each core's process uses per step over the
+             whose window after no longer holds the request). Also the
+             CPU time each core's process uses per step over the
              pre-copy against before it: the copy's own cost, little moved
              by other work on a shared machine.
 
@@ -86,7 +86,7 @@ _WARM_TOKENS = 8
 
 # Token arrivals of every request: request id -> times.
 _arrivals: dict[str, list[float]] = {}
-# The engine-core processes (one node only), and the CPU seconds each had used
+# The engine-core processes, and the CPU seconds each had used
 # at every arrival time: core -> {time: seconds}.
 _core_processes: dict[int, psutil.Process] = {}
 _core_cpu: dict[int, dict[float, float]] = {}
@@ -369,6 +369,10 @@ def drive(spec: dict) -> dict:
         channels = llm.llm_engine.engine_core.channels
         head_ip = ray.util.get_node_ip_address()
         [worker_core] = [i for i, c in channels.items() if c.node_ip != head_ip]
+        # The hosts share this machine's process table (network namespaces only):
+        # each replica's actor is a process here, its CPU time readable.
+        replicas = llm.llm_engine.engine_core.launcher.manager.replicas
+        _core_processes.update({i: psutil.Process(h.pid) for i, h in replicas.items()})
         return measure(llm, folder, {**spec, "source": worker_core, "quiet": True})
 
 
