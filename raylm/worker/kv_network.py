@@ -20,6 +20,7 @@ benchmarks/bench_kv_transport.py.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -51,6 +52,56 @@ _CANCEL_CHECK_S = 0.1
 _STATUS_OK, _STATUS_MISSING, _STATUS_FAILED = b"ok", b"missing", b"failed"
 
 
+class PackBuffers:
+    """The buffers a source rank packs stages into, each used again once ZMQ
+    has sent what it held. A fresh buffer the size of a long request's first
+    stage (35 MiB for 2k tokens of the ~111M model) is paged in and zeroed a
+    fault at a time, and unmapped again when freed: the same cost that
+    kv_transfer's spare files save on one node, here on the source's cores
+    while they step."""
+
+    MAX_BUFFERS = 3  # a long request's first stage, a later one, a final one
+    MAX_BUFFER_BYTES = 128 << 20  # a larger stage's buffer is not kept
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        # (buffer, the tracker of its last send or None); free once that send is done.
+        self._kept: list[tuple[torch.Tensor, zmq.MessageTracker | None]] = []
+
+    def take(self, size: int) -> torch.Tensor:
+        """A flat uint8 buffer of at least `size` bytes, nobody else's until given back."""
+        with self._lock:
+            free = [entry for entry in self._kept if entry[1] is None or entry[1].done]
+            fitting = [entry for entry in free if entry[0].numel() >= size]
+            if fitting:
+                entry = min(fitting, key=lambda e: e[0].numel())
+                self._drop(entry)
+                return entry[0]
+        return torch.empty(size, dtype=torch.uint8)
+
+    def give_back(self, buffer: torch.Tensor, sending: zmq.MessageTracker | None = None) -> None:
+        """`sending`: the tracker of a send that still reads `buffer`."""
+        if buffer.numel() > self.MAX_BUFFER_BYTES:
+            return
+        with self._lock:
+            if len(self._kept) >= self.MAX_BUFFERS:
+                # Room for it only in place of a smaller free one.
+                free = [e for e in self._kept if (e[1] is None or e[1].done) and e[0].numel() < buffer.numel()]
+                if not free:
+                    return
+                self._drop(min(free, key=lambda e: e[0].numel()))
+            self._kept.append((buffer, sending))
+
+    def _drop(self, entry: tuple) -> None:
+        # By identity: list.remove would compare the tensors element-wise.
+        self._kept = [kept for kept in self._kept if kept is not entry]
+
+    @property
+    def num_kept(self) -> int:
+        with self._lock:
+            return len(self._kept)
+
+
 class KVBlockServer:
     """Offers packed blocks by name on one CURVE ROUTER socket, answered by a
     daemon thread (the rank's loop never waits on a destination)."""
@@ -65,8 +116,10 @@ class KVBlockServer:
         self._sock.setsockopt(zmq.SNDHWM, 0)
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        # name -> (packed blocks, or the Future of a packing still running; when offered)
-        self._offers: dict[bytes, tuple[torch.Tensor | Future, float]] = {}
+        # name -> (packed blocks, or the Future of a packing still running;
+        # when offered; the pool's buffer they are packed into, or None)
+        self._offers: dict[bytes, tuple[torch.Tensor | Future, float, torch.Tensor | None]] = {}
+        self.buffers = PackBuffers()
         self._lock = threading.Lock()
         self._closed = threading.Event()
         # Requests that reached this thread: only clients holding the key get
@@ -76,21 +129,34 @@ class KVBlockServer:
         self._thread = threading.Thread(target=self._serve, name="raylm-kv-server", daemon=True)
         self._thread.start()
 
-    def offer(self, name: str, packed: torch.Tensor | Future) -> None:
+    def offer(self, name: str, packed: torch.Tensor | Future, buffer: torch.Tensor | None = None) -> None:
+        """`buffer`: the one `packed` is (being) packed into, from `self.buffers`:
+        handed back once sent, or once the offer is dropped."""
         now = time.monotonic()
         with self._lock:
-            for stale in [n for n, (_, at) in self._offers.items() if now - at > _OFFER_TTL_S]:
-                del self._offers[stale]
-            self._offers[name.encode()] = (packed, now)
+            stale = [n for n, (_, at, _) in self._offers.items() if now - at > _OFFER_TTL_S]
+            dropped = [self._offers.pop(n) for n in stale]
+            self._offers[name.encode()] = (packed, now, buffer)
+        for packed_or_future, _, old_buffer in dropped:
+            self._give_back_when_packed(packed_or_future, old_buffer)
 
     def withdraw(self, prefix: str) -> int:
         """Drop the offers whose name starts with `prefix`; how many."""
         key = prefix.encode()
         with self._lock:
-            names = [n for n in self._offers if n.startswith(key)]
-            for name in names:
-                del self._offers[name]
-        return len(names)
+            dropped = [self._offers.pop(n) for n in [n for n in self._offers if n.startswith(key)]]
+        for packed_or_future, _, buffer in dropped:
+            self._give_back_when_packed(packed_or_future, buffer)
+        return len(dropped)
+
+    def _give_back_when_packed(self, packed: torch.Tensor | Future, buffer: torch.Tensor | None) -> None:
+        """A dropped offer's buffer back to the pool, once no packing writes to it."""
+        if buffer is None:
+            return
+        if isinstance(packed, Future):
+            packed.add_done_callback(lambda _: self.buffers.give_back(buffer))
+        else:
+            self.buffers.give_back(buffer)
 
     @property
     def num_offers(self) -> int:
@@ -111,15 +177,19 @@ class KVBlockServer:
             if entry is None:
                 self._sock.send_multipart([identity, _STATUS_MISSING, b""])
                 continue
-            packed = entry[0]
+            packed, _, buffer = entry
             try:
                 if isinstance(packed, Future):
                     packed = packed.result()
             except Exception as e:  # the packing failed: the destination says why
                 self._sock.send_multipart([identity, _STATUS_FAILED, f"{type(e).__name__}: {e}".encode()])
+                if buffer is not None:
+                    self.buffers.give_back(buffer)
                 continue
-            # Zero-copy: ZMQ holds the array until it is sent.
-            self._sock.send_multipart([identity, _STATUS_OK, packed.numpy()], copy=False)
+            # Zero-copy: ZMQ holds the array until it is sent, which the tracker tells.
+            tracker = self._sock.send_multipart([identity, _STATUS_OK, packed.numpy()], copy=False, track=True)
+            if buffer is not None:
+                self.buffers.give_back(buffer, tracker)
 
     def close(self) -> None:
         self._closed.set()
@@ -233,11 +303,19 @@ class KVNetworkEndpoint:
         `run_in_background(fn, *args) -> Future`: pack on another thread (a
         fetch meanwhile waits for it); None: pack now."""
         server = self._server_for(host, keys)
-        if run_in_background is None:
-            server.offer(name, kv_transfer.pack_blocks(kv_caches, block_ids))
-        else:
-            server.offer(name, run_in_background(kv_transfer.pack_blocks, kv_caches, block_ids))
-        return kv_transfer.packed_size(kv_caches, len(block_ids)), server.address
+        size = kv_transfer.packed_size(kv_caches, len(block_ids))
+        buffer = server.buffers.take(size)
+        try:
+            if run_in_background is None:
+                packed = kv_transfer.pack_blocks(kv_caches, block_ids, into=buffer)
+            else:
+                packed = run_in_background(functools.partial(kv_transfer.pack_blocks, into=buffer), kv_caches,
+                                           block_ids)
+        except BaseException:
+            server.buffers.give_back(buffer)
+            raise
+        server.offer(name, packed, buffer)
+        return size, server.address
 
     def fetch_into(self, kv_caches: list[torch.Tensor], name: str, block_ids: list[int], address: str,
                    keys: CurveKeys, timeout_s: float = FETCH_TIMEOUT_S, cancelled: threading.Event | None = None,

@@ -393,14 +393,22 @@ def packed_size(kv_caches: list[torch.Tensor], num_blocks: int) -> int:
 
 
 def pack_blocks(kv_caches: list[torch.Tensor], block_ids: list[int],
-                pause: Callable[[], None] | None = None) -> torch.Tensor:
+                pause: Callable[[], None] | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
     """The same bytes `export_blocks` writes to a file, in memory (a flat
     uint8 tensor): what a rank sends to another node (raylm.worker.kv_network).
-    `pause`: called after each layer (a paced copy beside the steps)."""
+    `pause`: called after each layer (a paced copy beside the steps).
+    `into`: a flat uint8 buffer at least that large to pack into (the result
+    is its start); None: a new one."""
     if not kv_caches:
         raise KVTransferError("this rank holds no KV cache")
     encoded = _header_bytes(kv_caches, len(block_ids))
-    packed = torch.zeros(_HEADER_BYTES + _data_bytes(kv_caches, len(block_ids)), dtype=torch.uint8)
+    size = _HEADER_BYTES + _data_bytes(kv_caches, len(block_ids))
+    if into is not None and (into.dtype != torch.uint8 or into.dim() != 1 or into.numel() < size):
+        raise ValueError(f"cannot pack {size} bytes into a buffer of {into.numel()} {into.dtype}")
+    packed = torch.empty(size, dtype=torch.uint8) if into is None else into[:size]
+    # The header's room is zeros after the header, as in a file; the blocks
+    # overwrite every byte after it.
+    packed[:_HEADER_BYTES].zero_()
     packed[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
     if block_ids:
         _gather(kv_caches, block_ids, packed[_HEADER_BYTES:].view(kv_caches[0].dtype), pause)

@@ -12,6 +12,7 @@ import os
 import shutil
 import socket
 import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -131,7 +132,71 @@ def test_packed_blocks_equal_the_transfer_file(tmp_path):
     path = str(tmp_path / "stage.rank0")
     kv_transfer.export_blocks(source, [4, 0], path)
     with open(path, "rb") as f:
-        assert f.read() == kv_transfer.pack_blocks(source, [4, 0]).numpy().tobytes()
+        exported = f.read()
+    assert exported == kv_transfer.pack_blocks(source, [4, 0]).numpy().tobytes()
+    # Packed into a used buffer larger than the stage: its start, every old byte overwritten.
+    used = torch.full((len(exported) + 999,), 0xAB, dtype=torch.uint8)
+    packed = kv_transfer.pack_blocks(source, [4, 0], into=used)
+    assert packed.data_ptr() == used.data_ptr() and packed.numpy().tobytes() == exported
+    with pytest.raises(ValueError, match="cannot pack"):
+        kv_transfer.pack_blocks(source, [4, 0], into=used[:100])
+
+
+def _assert_arrives(source, name: str, sent: list[int], address: str, keys: CurveKeys) -> None:
+    destination = _caches(None)
+    reserved = list(range(len(sent)))
+    kv_network.KVNetworkEndpoint().fetch_into(destination, name, reserved, address, keys)
+    assert all(torch.equal(d[:, reserved], s[:, sent]) for s, d in zip(source, destination))
+
+
+def test_a_sent_stage_lends_its_buffer_to_the_next(endpoint):
+    """A source packs each stage into a buffer of its pool, used again once
+    ZMQ has sent it (a fresh one is paged in a fault at a time, on cores that
+    step); an offer not yet sent keeps its own, and the bytes arrive exact."""
+    keys = CurveKeys.generate()
+    source = _caches(8)
+    _, address = endpoint.serve(source, "m-1.rank0", [1, 2, 3], "127.0.0.1", keys)
+    server = endpoint._server
+    first = server._offers[b"m-1.rank0"][2]
+    endpoint.serve(source, "m-2.rank0", [4, 5], "127.0.0.1", keys)
+    second = server._offers[b"m-2.rank0"][2]
+    assert first.data_ptr() != second.data_ptr()  # the first is not sent yet
+    _assert_arrives(source, "m-1.rank0", [1, 2, 3], address, keys)
+    _assert_arrives(source, "m-2.rank0", [4, 5], address, keys)
+    wait_until(lambda: server.buffers.num_kept == 2 and all(t.done for _, t in server.buffers._kept),
+               within_s=10, message="both sends done")
+    # The smallest buffer that fits packs the next stage (its old bytes overwritten).
+    endpoint.serve(source, "m-3.rank0", [6], "127.0.0.1", keys)
+    assert server._offers[b"m-3.rank0"][2].data_ptr() == second.data_ptr()
+    _assert_arrives(source, "m-3.rank0", [6], address, keys)
+    # A stage larger than every kept buffer gets a new one.
+    endpoint.serve(source, "m-4.rank0", [0, 1, 2, 3, 4], "127.0.0.1", keys)
+    assert server._offers[b"m-4.rank0"][2].data_ptr() not in (first.data_ptr(), second.data_ptr())
+    assert endpoint.withdraw("m-4") == 1
+
+
+def test_a_buffer_withdrawn_while_packing_is_kept_only_once_packed(endpoint):
+    keys = CurveKeys.generate()
+    source = _caches(9)
+    packing, release = threading.Event(), threading.Event()
+
+    def slow_background(fn, *args) -> Future:
+        future = Future()
+
+        def run() -> None:
+            packing.set()
+            release.wait(30)
+            future.set_result(fn(*args))
+
+        threading.Thread(target=run, daemon=True).start()
+        return future
+
+    endpoint.serve(source, "m-5.rank0", [1, 2], "127.0.0.1", keys, run_in_background=slow_background)
+    assert packing.wait(10)
+    assert endpoint.withdraw("m-5") == 1
+    assert endpoint._server.buffers.num_kept == 0  # still written to: nobody may take it
+    release.set()
+    wait_until(lambda: endpoint._server.buffers.num_kept == 1, within_s=10, message="the buffer kept once packed")
 
 
 def test_an_import_waits_for_the_file_its_source_is_still_filling(tmp_path):
