@@ -50,15 +50,23 @@ FINAL_FETCH_TIMEOUT_S = 5.0
 # How often a waiting fetch looks whether it was cancelled.
 _CANCEL_CHECK_S = 0.1
 _STATUS_OK, _STATUS_MISSING, _STATUS_FAILED = b"ok", b"missing", b"failed"
+# A stage travels as frames of at most this many bytes. CURVE encrypts and
+# decrypts frame by frame into messages libzmq allocates: a 64 MiB stage as
+# one frame cost the sender 89-94 ms and the receiver 56-60 ms of CPU, as 64
+# frames of 1 MiB 36-37 and 29-30 (the allocator keeps blocks of that size
+# and hands them out again; one larger than 32 MiB is mapped fresh and
+# unmapped after, every time).
+_FRAME_BYTES = 1 << 20
 
 
-class PackBuffers:
-    """The buffers a source rank packs stages into, each used again once ZMQ
-    has sent what it held. A fresh buffer the size of a long request's first
-    stage (35 MiB for 2k tokens of the ~111M model) is paged in and zeroed a
-    fault at a time, and unmapped again when freed: the same cost that
-    kv_transfer's spare files save on one node, here on the source's cores
-    while they step."""
+class StageBuffers:
+    """Buffers of stages, each used again once nothing reads it any more: a
+    source rank packs its stages into them (free again once ZMQ's tracker
+    says the send is done), a destination joins a stage's frames in them. A
+    fresh buffer the size of a long request's first stage (35 MiB for 2k
+    tokens of the ~111M model) is paged in and zeroed a fault at a time, and
+    unmapped again when freed: the cost kv_transfer's spare files save on
+    one node, here on cores that step."""
 
     MAX_BUFFERS = 3  # a long request's first stage, a later one, a final one
     MAX_BUFFER_BYTES = 128 << 20  # a larger stage's buffer is not kept
@@ -119,7 +127,7 @@ class KVBlockServer:
         # name -> (packed blocks, or the Future of a packing still running;
         # when offered; the pool's buffer they are packed into, or None)
         self._offers: dict[bytes, tuple[torch.Tensor | Future, float, torch.Tensor | None]] = {}
-        self.buffers = PackBuffers()
+        self.buffers = StageBuffers()
         self._lock = threading.Lock()
         self._closed = threading.Event()
         # Requests that reached this thread: only clients holding the key get
@@ -186,10 +194,16 @@ class KVBlockServer:
                 if buffer is not None:
                     self.buffers.give_back(buffer)
                 continue
-            # Zero-copy: ZMQ holds the array until it is sent, which the tracker tells.
-            tracker = self._sock.send_multipart([identity, _STATUS_OK, packed.numpy()], copy=False, track=True)
+            # Zero-copy: ZMQ holds the frames until they are sent, which their trackers tell.
+            data = packed.numpy()
+            frames = [zmq.Frame(data[at : at + _FRAME_BYTES], copy=False, track=True)
+                      for at in range(0, len(data), _FRAME_BYTES)]
+            self._sock.send_multipart([identity, _STATUS_OK, *frames], copy=False)
+            sending = zmq.MessageTracker(*frames)
+            # A frame's send is done only once this thread holds it no more either.
+            del frames, data, packed
             if buffer is not None:
-                self.buffers.give_back(buffer, tracker)
+                self.buffers.give_back(buffer, sending)
 
     def close(self) -> None:
         self._closed.set()
@@ -199,6 +213,7 @@ class KVBlockServer:
         terminate_context(self._context)
         with self._lock:
             self._offers.clear()
+        self.buffers = StageBuffers()  # the kept buffers' memory goes with the server
 
 
 def _context_yielding_to_the_steps(socket_type: int) -> tuple[zmq.Context, zmq.Socket]:
@@ -262,9 +277,10 @@ def _fetch_zmq_context() -> zmq.Context:
 
 
 def fetch(address: str, name: str, keys: CurveKeys, timeout_s: float = FETCH_TIMEOUT_S,
-          cancelled: threading.Event | None = None) -> zmq.Frame:
-    """The packed blocks offered as `name` at `address` (a read-only frame);
-    the wait for them gives up after `timeout_s`, or once `cancelled` is set."""
+          cancelled: threading.Event | None = None) -> list[zmq.Frame]:
+    """The packed blocks offered as `name` at `address`, as the read-only
+    frames they came in; the wait for them gives up after `timeout_s`, or
+    once `cancelled` is set."""
     sock = _fetch_zmq_context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     secure_client(sock, keys)
@@ -281,13 +297,18 @@ def fetch(address: str, name: str, keys: CurveKeys, timeout_s: float = FETCH_TIM
         frames = sock.recv_multipart(copy=False)
     finally:
         sock.close(linger=0)
-    status, payload = frames[0].bytes, frames[1]
+    status, payload = frames[0].bytes, frames[1:]
     if status == _STATUS_MISSING:
         raise kv_transfer.KVTransferError(f"the source rank at {address} offers no K/V blocks {name!r}")
-    if status != _STATUS_OK:
-        raise kv_transfer.KVTransferError(f"the source rank at {address} failed to pack {name!r}: "
-                                          f"{payload.bytes.decode(errors='replace')}")
+    if status != _STATUS_OK or not payload:
+        reason = payload[0].bytes.decode(errors="replace") if payload else "no answer"
+        raise kv_transfer.KVTransferError(f"the source rank at {address} failed to pack {name!r}: {reason}")
     return payload
+
+
+# Where a destination joins a stage's frames (process-wide: the fetches of
+# all its migrations).
+_joined_stages = StageBuffers()
 
 
 class KVNetworkEndpoint:
@@ -322,9 +343,25 @@ class KVNetworkEndpoint:
                    pause=None) -> int:
         """Fetch the offer `name` into `block_ids`; `pause`: called between
         layers of the unpacking (a paced copy beside the steps)."""
-        frame = fetch(address, name, keys, timeout_s, cancelled)
-        return kv_transfer.unpack_blocks(kv_caches, block_ids, frame.buffer,
-                                         f"the K/V blocks {name!r} from {address}", pause)
+        frames = fetch(address, name, keys, timeout_s, cancelled)
+        what = f"the K/V blocks {name!r} from {address}"
+        if len(frames) == 1:
+            return kv_transfer.unpack_blocks(kv_caches, block_ids, frames[0].buffer, what, pause)
+        size = sum(len(frame.buffer) for frame in frames)
+        buffer = _joined_stages.take(size)
+        try:
+            joined = memoryview(buffer.numpy())[:size]
+            at = 0
+            for frame in frames:
+                part = frame.buffer
+                joined[at : at + len(part)] = part
+                at += len(part)
+                if pause is not None:
+                    pause()
+            del frames  # their memory back before the unpacking
+            return kv_transfer.unpack_blocks(kv_caches, block_ids, joined, what, pause)
+        finally:
+            _joined_stages.give_back(buffer)
 
     def withdraw(self, prefix: str) -> int:
         return self._server.withdraw(prefix) if self._server is not None else 0

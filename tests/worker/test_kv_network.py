@@ -175,6 +175,25 @@ def test_a_sent_stage_lends_its_buffer_to_the_next(endpoint):
     assert endpoint.withdraw("m-4") == 1
 
 
+def test_a_stage_travels_in_frames_joined_exactly_at_the_destination(endpoint, monkeypatch):
+    """CURVE encrypts frame by frame into buffers libzmq allocates: a stage
+    goes in frames of at most _FRAME_BYTES (a large one costs both ends
+    page faults each time), and the destination joins them in a kept buffer."""
+    monkeypatch.setattr(kv_network, "_FRAME_BYTES", 1000)
+    keys = CurveKeys.generate()
+    source = _caches(10, torch.bfloat16)
+    num_bytes, address = endpoint.serve(source, "m-6.rank0", [7, 2, 9], "127.0.0.1", keys)
+    frames = kv_network.fetch(address, "m-6.rank0", keys, timeout_s=5)
+    assert [len(f.buffer) for f in frames] == [1000] * (num_bytes // 1000) + [num_bytes % 1000]
+    assert b"".join(f.bytes for f in frames) == kv_transfer.pack_blocks(source, [7, 2, 9]).numpy().tobytes()
+    for name, sent in (("m-7.rank0", [1, 0, 11]), ("m-8.rank0", [5, 6])):
+        endpoint.serve(source, name, sent, "127.0.0.1", keys)
+        destination = _caches(None, torch.bfloat16)
+        kv_network.KVNetworkEndpoint().fetch_into(destination, name, [3, 4, 8][: len(sent)], address, keys)
+        assert all(torch.equal(d[:, [3, 4, 8][: len(sent)]], s[:, sent]) for s, d in zip(source, destination))
+        assert kv_network._joined_stages.num_kept >= 1  # the join's buffer, kept for the next stage
+
+
 def test_a_buffer_withdrawn_while_packing_is_kept_only_once_packed(endpoint):
     keys = CurveKeys.generate()
     source = _caches(9)
