@@ -2,12 +2,15 @@
 on one node they go through files in shared memory, raylm.worker.kv_transfer).
 
 The source rank packs the blocks of a stage in memory (the same bytes as a
-transfer file: header, then each layer's K and V) and offers them, by name,
-on a ZMQ ROUTER socket of its own, bound on its node's address. The
-destination's rank of the same index connects, asks for the name once, and
-scatters the answer into the blocks it reserved. An offer is handed out once
-and then dropped; one never asked for is withdrawn when its migration ends
-(and, as a safety net, expires).
+transfer file: header, then each layer's K and V; into buffers it keeps) and
+offers them, by name, on a ZMQ ROUTER socket of its own, bound on its node's
+address. The destination's rank of the same index connects, asks for the
+name once, and gets the stage as messages of up to 1 MiB each, which it
+joins and scatters into the blocks it reserved. A pre-copy stage's messages
+are paced so that their encryption and decryption stay within the copy's
+CPU share; a final stage's go at once, between them if need be. An offer is
+handed out once and then dropped; one never asked for is withdrawn when its
+migration ends (and, as a safety net, expires).
 
 Trust: ZMQ CURVE with a keypair the supervisor makes and sends both sides
 inside their migration messages, which travel on the cores' authenticated
@@ -22,7 +25,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
+import struct
 import threading
 import time
 from concurrent.futures import Future
@@ -32,6 +37,7 @@ import zmq
 
 from raylm.distributed.tcp_auth import CurveKeys, CurveServer, secure_client, terminate_context
 from raylm.worker import kv_transfer
+from raylm.worker.kv_background import COPY_CPU_SHARE
 from raylm.worker.cpu_placement import thread_ids
 
 logger = logging.getLogger(__name__)
@@ -57,6 +63,19 @@ _STATUS_OK, _STATUS_MISSING, _STATUS_FAILED = b"ok", b"missing", b"failed"
 # and hands them out again; one larger than 32 MiB is mapped fresh and
 # unmapped after, every time).
 _FRAME_BYTES = 1 << 20
+# Each frame is a message of its own ([status, index and count, bytes]), so
+# that a pre-copy stage can be paced frame by frame (see _StageSend) and a
+# final stage of another migration is answered between its frames.
+_FRAME_META = struct.Struct("<II")
+# Whose CPU the encryption's cost stands for: the source's I/O thread
+# encrypts a frame, the destination's decrypts it, at about the same cost.
+_CRYPTO_ENDS = 2
+# The least CPU encrypting a byte takes (libsodium's cipher runs ~1.5 GB/s
+# on a fast core): a frame counts at least this much at once, before its
+# encryption shows in the I/O thread's clock, so frames do not go in a burst.
+_MIN_CRYPTO_S_PER_BYTE = 0.5e-3 / 2**20
+# How often the server looks whether a stage's packing has ended.
+_PACKING_POLL_S = 0.005
 
 
 class StageBuffers:
@@ -110,6 +129,84 @@ class StageBuffers:
             return len(self._kept)
 
 
+class _StageSend:
+    """One stage on its way to a destination, a frame per message. A final
+    stage goes at once (its request is paused). A pre-copy stage goes no
+    faster than lets the encryption's CPU at both ends, reckoned from this
+    server's I/O threads, stay within COPY_CPU_SHARE of the time since it
+    began: where no core is spare that CPU comes out of the decode steps
+    (the packing and unpacking threads are paced the same way); sent in
+    one burst, a 2k-token stage made the destination's steps 4-22% slower
+    over its pre-copy on the two-host benchmark."""
+
+    def __init__(self, identity: bytes, packed: torch.Tensor | Future, buffer: torch.Tensor | None,
+                 buffers: StageBuffers, io_cpu_s=None):
+        self.identity = identity
+        self._packed = packed
+        self._buffer, self._buffers = buffer, buffers
+        self._io_cpu_s = io_cpu_s  # None: unpaced
+        self._chunks: list | None = None  # the frames' arrays, once packed
+        self._next = 0
+        self._frames: list[zmq.Frame] = []
+        self._started_at = self._cpu_at_start = 0.0
+        self._bytes_sent = 0
+
+    def due_in(self, now: float) -> float:
+        """Seconds until `advance` has something to send."""
+        if self._chunks is None:
+            return 0.0 if not isinstance(self._packed, Future) or self._packed.done() else _PACKING_POLL_S
+        if self._io_cpu_s is None:
+            return 0.0
+        measured = self._io_cpu_s() - self._cpu_at_start
+        spent = _CRYPTO_ENDS * max(measured, self._bytes_sent * _MIN_CRYPTO_S_PER_BYTE)
+        return max(0.0, self._started_at + spent / COPY_CPU_SHARE - now)
+
+    def advance(self, sock: zmq.Socket) -> bool:
+        """Send what is due; True once the stage has gone (or failed)."""
+        if self._chunks is None:
+            if isinstance(self._packed, Future):
+                if not self._packed.done():
+                    return False
+                error = self._packed.exception()
+                if error is not None:  # the packing failed: the destination says why
+                    sock.send_multipart([self.identity, _STATUS_FAILED, f"{type(error).__name__}: {error}".encode()])
+                    self._finish(None)
+                    return True
+                self._packed = self._packed.result()
+            data = self._packed.numpy()
+            self._chunks = [data[at : at + _FRAME_BYTES] for at in range(0, len(data), _FRAME_BYTES)]
+            self._started_at = time.monotonic()
+            self._cpu_at_start = self._io_cpu_s() if self._io_cpu_s is not None else 0.0
+        while self._next < len(self._chunks) and self.due_in(time.monotonic()) <= 0:
+            # Zero-copy: ZMQ holds the frame until it is sent, which its tracker tells.
+            frame = zmq.Frame(self._chunks[self._next], copy=False, track=True)
+            sock.send_multipart([self.identity, _STATUS_OK, _FRAME_META.pack(self._next, len(self._chunks)), frame],
+                                copy=False)
+            self._frames.append(frame)
+            self._bytes_sent += len(self._chunks[self._next])
+            self._next += 1
+        if self._next < len(self._chunks):
+            return False
+        self._finish(zmq.MessageTracker(*self._frames))
+        return True
+
+    def _finish(self, sending: zmq.MessageTracker | None) -> None:
+        # A frame's send is done only once nothing here holds it either.
+        self._frames = self._chunks = self._packed = None
+        if self._buffer is not None:
+            self._buffers.give_back(self._buffer, sending)
+            self._buffer = None
+
+
+def _thread_cpu_s(tid: int) -> float:
+    """CPU seconds thread `tid` of this process has run (0 where it is gone or /proc is missing)."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 class KVBlockServer:
     """Offers packed blocks by name on one CURVE ROUTER socket, answered by a
     daemon thread (the rank's loop never waits on a destination)."""
@@ -117,7 +214,7 @@ class KVBlockServer:
     def __init__(self, host: str, keys: CurveKeys):
         self.keys = keys
         # (Niced before the handshakes' authenticator is made: it keeps its priority.)
-        self._context, self._sock = _context_yielding_to_the_steps(zmq.ROUTER)
+        self._context, self._sock, self._io_threads = _context_yielding_to_the_steps(zmq.ROUTER)
         self._curve = CurveServer(self._context, keys)  # before bind: no client connects unchecked
         self._curve.secure(self._sock)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -172,38 +269,34 @@ class KVBlockServer:
             return len(self._offers)
 
     def _serve(self) -> None:
+        sends: list[_StageSend] = []
         while not self._closed.is_set():
-            if not self._sock.poll(100):
-                continue
-            frames = self._sock.recv_multipart()
-            self.requests_received += 1
-            if len(frames) != 2:
-                continue  # not a request of ours
-            identity, name = frames
-            with self._lock:
-                entry = self._offers.pop(name, None)
-            if entry is None:
-                self._sock.send_multipart([identity, _STATUS_MISSING, b""])
-                continue
-            packed, _, buffer = entry
-            try:
-                if isinstance(packed, Future):
-                    packed = packed.result()
-            except Exception as e:  # the packing failed: the destination says why
-                self._sock.send_multipart([identity, _STATUS_FAILED, f"{type(e).__name__}: {e}".encode()])
-                if buffer is not None:
-                    self.buffers.give_back(buffer)
-                continue
-            # Zero-copy: ZMQ holds the frames until they are sent, which their trackers tell.
-            data = packed.numpy()
-            frames = [zmq.Frame(data[at : at + _FRAME_BYTES], copy=False, track=True)
-                      for at in range(0, len(data), _FRAME_BYTES)]
-            self._sock.send_multipart([identity, _STATUS_OK, *frames], copy=False)
-            sending = zmq.MessageTracker(*frames)
-            # A frame's send is done only once this thread holds it no more either.
-            del frames, data, packed
-            if buffer is not None:
-                self.buffers.give_back(buffer, sending)
+            now = time.monotonic()
+            wait_s = min([send.due_in(now) for send in sends], default=0.1)
+            if self._sock.poll(math.ceil(1000 * wait_s)):
+                self._answer(self._sock.recv_multipart(), sends)
+            for send in list(sends):
+                if send.advance(self._sock):
+                    sends.remove(send)
+
+    def _answer(self, frames: list[bytes], sends: list[_StageSend]) -> None:
+        self.requests_received += 1
+        if len(frames) != 2:
+            return  # not a request of ours
+        identity, name = frames
+        with self._lock:
+            entry = self._offers.pop(name, None)
+        if entry is None:
+            self._sock.send_multipart([identity, _STATUS_MISSING, b""])
+            return
+        packed, _, buffer = entry
+        # Packed beside the steps: a pre-copy stage, paced as its packing was.
+        sends.append(_StageSend(identity, packed, buffer, self.buffers,
+                                self._io_cpu_s if isinstance(packed, Future) else None))
+
+    def _io_cpu_s(self) -> float:
+        """CPU seconds this server's ZMQ I/O threads have run (they encrypt)."""
+        return sum(_thread_cpu_s(tid) for tid in self._io_threads)
 
     def close(self) -> None:
         self._closed.set()
@@ -216,26 +309,27 @@ class KVBlockServer:
         self.buffers = StageBuffers()  # the kept buffers' memory goes with the server
 
 
-def _context_yielding_to_the_steps(socket_type: int) -> tuple[zmq.Context, zmq.Socket]:
+def _context_yielding_to_the_steps(socket_type: int) -> tuple[zmq.Context, zmq.Socket, list[int]]:
     """A ZMQ context for K/V transfers and its first socket (which starts the
-    context's threads), those threads at nice 10. CURVE encrypts and decrypts
-    a stage's blocks on its I/O thread, a whole message at a time (35 MiB for
-    2k tokens of the ~111M model, ~90 ms of CPU at each end): where no core is
-    spare, at the default priority that burst took its share of a core that
-    was stepping. At nice 10 the kernel runs it in what the steps leave; where
-    cores are spare it makes no difference. Linux only."""
+    context's threads), those threads at nice 10, and their ids. CURVE
+    encrypts and decrypts a stage's blocks on its I/O thread (a 2k-token
+    stage of the ~111M model, 35 MiB, sent as one message cost ~90 ms of CPU
+    at each end): where no core is spare, at the default priority that burst
+    took its share of a core that was stepping. At nice 10 the kernel runs
+    it in what the steps leave; where cores are spare it makes no
+    difference. Linux only."""
     before = set(thread_ids())
     context = zmq.Context()
     sock = context.socket(socket_type)
-    _lower_priority_of_zmq_threads(set(thread_ids()) - before)
-    return context, sock
+    return context, sock, _lower_priority_of_zmq_threads(set(thread_ids()) - before)
 
 
-def _lower_priority_of_zmq_threads(new_threads: set[int]) -> None:
+def _lower_priority_of_zmq_threads(new_threads: set[int]) -> list[int]:
     """Nice 10 for the threads among `new_threads` that name themselves
     ZMQbg/... (a new thread does so as it starts: waited for briefly), so
-    that no other thread started meanwhile is slowed."""
+    that no other thread started meanwhile is slowed; their ids."""
     deadline = time.monotonic() + 0.2
+    found = []
     while new_threads:
         for tid in list(new_threads):
             name = _thread_name(tid)
@@ -243,13 +337,15 @@ def _lower_priority_of_zmq_threads(new_threads: set[int]) -> None:
                 continue  # not named yet, or another's: looked at again
             new_threads.discard(tid)
             if name is not None:
+                found.append(tid)
                 try:
                     os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), _KV_IO_NICE))
                 except OSError:  # gone, or not allowed: the transfer works all the same
                     pass
         if not new_threads or time.monotonic() >= deadline:
-            return
+            return found
         time.sleep(0.005)
+    return found
 
 
 def _thread_name(tid: int) -> str | None:
@@ -270,7 +366,7 @@ def _fetch_zmq_context() -> zmq.Context:
     global _fetch_context
     with _fetch_context_lock:
         if _fetch_context is None:
-            context, first = _context_yielding_to_the_steps(zmq.DEALER)
+            context, first, _ = _context_yielding_to_the_steps(zmq.DEALER)
             first.close(linger=0)
             _fetch_context = context
         return _fetch_context
@@ -279,31 +375,45 @@ def _fetch_zmq_context() -> zmq.Context:
 def fetch(address: str, name: str, keys: CurveKeys, timeout_s: float = FETCH_TIMEOUT_S,
           cancelled: threading.Event | None = None) -> list[zmq.Frame]:
     """The packed blocks offered as `name` at `address`, as the read-only
-    frames they came in; the wait for them gives up after `timeout_s`, or
-    once `cancelled` is set."""
+    frames they came in (a message each); the wait gives up once nothing
+    came for `timeout_s` (a paced stage takes longer than that as a whole),
+    or once `cancelled` is set."""
     sock = _fetch_zmq_context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     secure_client(sock, keys)
     sock.connect(address)
+    parts: list[zmq.Frame] = []
     try:
         sock.send(name.encode())
-        deadline = time.monotonic() + timeout_s
-        while not sock.poll(int(1000 * max(0.0, min(_CANCEL_CHECK_S, deadline - time.monotonic())))):
-            if cancelled is not None and cancelled.is_set():
-                raise kv_transfer.KVTransferError(f"the fetch of the K/V blocks {name!r} from {address} was cancelled")
-            if time.monotonic() >= deadline:
-                raise kv_transfer.KVTransferError(
-                    f"the source rank at {address} did not send the K/V blocks {name!r} within {timeout_s:.0f} s")
-        frames = sock.recv_multipart(copy=False)
+        count = None
+        while count is None or len(parts) < count:
+            message = _next_message(sock, address, name, timeout_s, cancelled)
+            status = message[0].bytes
+            if status == _STATUS_MISSING:
+                raise kv_transfer.KVTransferError(f"the source rank at {address} offers no K/V blocks {name!r}")
+            if status != _STATUS_OK or len(message) != 3:
+                reason = message[1].bytes.decode(errors="replace") if len(message) > 1 else "no answer"
+                raise kv_transfer.KVTransferError(f"the source rank at {address} failed to pack {name!r}: {reason}")
+            index, total = _FRAME_META.unpack(message[1].bytes)
+            if index != len(parts) or (count is not None and total != count):
+                raise kv_transfer.KVTransferError(f"the K/V blocks {name!r} from {address} came out of order")
+            count = total
+            parts.append(message[2])
     finally:
         sock.close(linger=0)
-    status, payload = frames[0].bytes, frames[1:]
-    if status == _STATUS_MISSING:
-        raise kv_transfer.KVTransferError(f"the source rank at {address} offers no K/V blocks {name!r}")
-    if status != _STATUS_OK or not payload:
-        reason = payload[0].bytes.decode(errors="replace") if payload else "no answer"
-        raise kv_transfer.KVTransferError(f"the source rank at {address} failed to pack {name!r}: {reason}")
-    return payload
+    return parts
+
+
+def _next_message(sock: zmq.Socket, address: str, name: str, timeout_s: float,
+                  cancelled: threading.Event | None) -> list[zmq.Frame]:
+    deadline = time.monotonic() + timeout_s
+    while not sock.poll(int(1000 * max(0.0, min(_CANCEL_CHECK_S, deadline - time.monotonic())))):
+        if cancelled is not None and cancelled.is_set():
+            raise kv_transfer.KVTransferError(f"the fetch of the K/V blocks {name!r} from {address} was cancelled")
+        if time.monotonic() >= deadline:
+            raise kv_transfer.KVTransferError(
+                f"the source rank at {address} did not send the K/V blocks {name!r} within {timeout_s:.0f} s")
+    return sock.recv_multipart(copy=False)
 
 
 # Where a destination joins a stage's frames (process-wide: the fetches of

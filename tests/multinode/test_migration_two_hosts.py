@@ -7,13 +7,18 @@ Hugging Face's greedy run (float32): nothing recomputed, no block left."""
 from __future__ import annotations
 
 from raylm.testing.hf_oracle import hf_greedy
+from tests.conftest import STRAGGLER_TOKEN, straggling
 from tests.multinode.harness import HEAD_IP, WORKER_IP
 
-MAX_TOKENS = 200  # long enough that no request ends before its migration does
-PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(5 + 9 * i)] for i in range(4)]
+MAX_TOKENS = 200
+# Each prompt holds the straggler token, so that every step takes 20 ms more:
+# on a fast machine the tiny model decoded 200 tokens before a migration of
+# ~0.1 s ended, and the move was given up ("the request ended").
+PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(5 + 9 * i)] + [STRAGGLER_TOKEN] for i in range(4)]
 
 
-def test_requests_migrated_between_hosts_mid_decode_equal_hugging_face(hosts, tiny_model_dir):
+def test_requests_migrated_between_hosts_mid_decode_equal_hugging_face(hosts, tiny_model_dir, monkeypatch):
+    straggling(monkeypatch)  # read by the replicas' engines (RAYLM_* reaches Ray actors)
     model = tiny_model_dir("llama", num_key_value_heads=2)
     result = hosts.run_driver({"model": model, "address": hosts.address, "prompts": PROMPTS,
                                "max_tokens": MAX_TOKENS, "min_tokens": 2},

@@ -12,6 +12,7 @@ import os
 import shutil
 import socket
 import threading
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -192,6 +193,46 @@ def test_a_stage_travels_in_frames_joined_exactly_at_the_destination(endpoint, m
         kv_network.KVNetworkEndpoint().fetch_into(destination, name, [3, 4, 8][: len(sent)], address, keys)
         assert all(torch.equal(d[:, [3, 4, 8][: len(sent)]], s[:, sent]) for s, d in zip(source, destination))
         assert kv_network._joined_stages.num_kept >= 1  # the join's buffer, kept for the next stage
+
+
+def _packed_at_once(fn, *args) -> Future:
+    future = Future()
+    future.set_result(fn(*args))
+    return future
+
+
+def test_a_pre_copy_stage_is_paced_and_a_final_stage_goes_between_its_frames(endpoint, monkeypatch):
+    """A stage packed beside the steps goes a frame at a time, no faster than
+    the encryption's CPU at both ends allows within the copy's share (here
+    each 1000-byte frame counts 5 ms, at a share of 0.05: 0.2 s a frame); a
+    final stage, whose request is paused, is answered between its frames."""
+    monkeypatch.setattr(kv_network, "_FRAME_BYTES", 1000)
+    monkeypatch.setattr(kv_network, "_MIN_CRYPTO_S_PER_BYTE", 5e-6)
+    monkeypatch.setattr(kv_network, "COPY_CPU_SHARE", 0.05)
+    keys = CurveKeys.generate()
+    source = _caches(11)
+    num_bytes, address = endpoint.serve(source, "m-9-0.rank0", [1, 2, 3], "127.0.0.1", keys,
+                                        run_in_background=_packed_at_once)
+    num_frames = -(-num_bytes // 1000)
+    done_at = {}
+
+    def fetch_pre_copy() -> None:
+        destination = _caches(None)
+        kv_network.KVNetworkEndpoint().fetch_into(destination, "m-9-0.rank0", [4, 5, 6], address, keys)
+        done_at["pre-copy"] = time.monotonic()
+        assert all(torch.equal(d[:, [4, 5, 6]], s[:, [1, 2, 3]]) for s, d in zip(source, destination))
+
+    started = time.monotonic()
+    pre_copy = threading.Thread(target=fetch_pre_copy)
+    pre_copy.start()
+    time.sleep(0.2)  # a frame or two on their way
+    endpoint.serve(source, "m-10-1.rank0", [7], "127.0.0.1", keys)
+    _assert_arrives(source, "m-10-1.rank0", [7], address, keys)
+    done_at["final"] = time.monotonic()
+    pre_copy.join(30)
+    assert "pre-copy" in done_at
+    assert done_at["pre-copy"] - started >= 0.2 * (num_frames - 1) * 0.9
+    assert done_at["final"] < done_at["pre-copy"]
 
 
 def test_a_buffer_withdrawn_while_packing_is_kept_only_once_packed(endpoint):
