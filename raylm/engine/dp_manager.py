@@ -32,7 +32,7 @@ from raylm.distributed.tcp_auth import CurveKeys, secure_client
 from raylm.engine.core_channel import DropLog
 from raylm.engine.core_proc import EngineCoreProc
 from raylm.engine.protocol import ClientMessage
-from raylm.executor.ray_cluster import connect_ray, wait_until_dead
+from raylm.executor.ray_cluster import connect_ray, kill_actors
 from raylm.executor.ray_placement import (place_replica, replica_bundles, replica_num_cpus_hint,
                                           replica_target_nodes, worker_env_vars)
 from raylm.startup_heap import freeze_startup_heap
@@ -229,8 +229,7 @@ class CoreEngineActorManager:
             run_ref = actor.run.remote()
         except BaseException as e:
             if actor is not None:
-                ray.kill(actor)
-                wait_until_dead([actor])
+                kill_actors([actor])
             remove_placement_group(pg)
             if isinstance(e, ray.exceptions.RayActorError):
                 raise RuntimeError(f"data-parallel replica {index} failed to start: {_first_line(e)}") from e
@@ -302,11 +301,7 @@ class CoreEngineActorManager:
     def _release(self, handle: ReplicaHandle) -> None:
         from ray.util.placement_group import remove_placement_group
 
-        try:
-            self._ray.kill(handle.actor)
-            wait_until_dead([handle.actor])
-        except Exception:  # already dead
-            pass
+        kill_actors([handle.actor])
         try:
             remove_placement_group(handle.placement_group)
         except Exception as e:

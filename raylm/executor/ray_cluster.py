@@ -209,17 +209,25 @@ def _grow_own_local_ray(num_cpus_hint: int) -> None:
     _start_own_local_ray(num_cpus_hint)
 
 
-# How long a caller of ray.kill waits for Ray to report the actors dead.
+# How long kill_actors waits for Ray to report the actors dead.
 KILL_WAIT_S = 5.0
 
 
-def wait_until_dead(actors: list, timeout: float = KILL_WAIT_S) -> None:
-    """Wait until Ray reports the killed `actors` dead: ray.kill only asks the
-    GCS, which reports them later (under load, a while later). An engine that
-    failed to start or was shut down must not return while its actors still
-    hold their resources: the next engine of the process (a test's, a
-    restarted replica's) would be placed beside them."""
+def kill_actors(actors: list, timeout: float = KILL_WAIT_S) -> None:
+    """Kill the `actors` (one already dead is skipped) and wait until Ray
+    reports them dead: ray.kill only asks the GCS, which reports them later
+    (under load, a while later). An engine that failed to start or was shut
+    down must not return while its actors still hold their resources: the
+    next engine of the process (a test's, a restarted replica's) would be
+    placed beside them."""
+    import ray
     from ray._private.state import actors as actor_table
+
+    for actor in actors:
+        try:
+            ray.kill(actor)
+        except Exception:  # noqa: BLE001 - already dead
+            pass
 
     deadline = time.monotonic() + timeout
     pending = [actor._actor_id.hex() for actor in actors]

@@ -23,7 +23,7 @@ from raylm.executor.ray_cgraph import CompiledGraphTransport, check_cupy_for_ncc
 from raylm.executor import ray_placement
 from raylm.executor.abstract import Executor
 from raylm.executor.errors import WorkerDiedError, WorkerHungError
-from raylm.executor.ray_cluster import check_ray_version, wait_until_dead
+from raylm.executor.ray_cluster import check_ray_version, kill_actors
 from raylm.executor.ray_mq_transport import MqStepTransport
 from raylm.executor.ray_transport import RankActors, StepTransport
 from raylm.executor.ray_worker import RayWorkerWrapper
@@ -308,12 +308,7 @@ class RayDistributedExecutor(Executor):
             if transport is not None:
                 transport.release()
             return
-        for worker in workers:
-            try:
-                ray.kill(worker)
-            except Exception:  # already dead
-                pass
-        wait_until_dead(workers)
+        kill_actors(workers)
         if transport is not None:
             transport.after_kill()
         from ray.util.placement_group import remove_placement_group

@@ -536,13 +536,23 @@ class ThreadGovernor:
 
 def process_run_queue_wait_s() -> float:
     """Seconds this process's threads have spent runnable but off a CPU, in
-    all (the second field of each thread's schedstat); 0 where Linux does not
-    say (the governor then never sees contention)."""
+    all; 0 where Linux does not say (the governor then never sees contention)."""
+    return _schedstat_s(thread_ids(), 1)
+
+
+def threads_cpu_s(tids: list[int]) -> float:
+    """Seconds the threads `tids` of this process have run on a CPU (0 for one gone)."""
+    return _schedstat_s(tids, 0)
+
+
+def _schedstat_s(tids: list[int], field: int) -> float:
+    """The sum of field `field` of the threads' /proc schedstat (0: on a CPU,
+    1: runnable but waiting), in seconds."""
     total_ns = 0
-    for tid in thread_ids():
+    for tid in tids:
         try:
             with open(f"/proc/self/task/{tid}/schedstat") as f:
-                total_ns += int(f.read().split()[1])
+                total_ns += int(f.read().split()[field])
         except (OSError, IndexError, ValueError):
             pass
     return total_ns / 1e9

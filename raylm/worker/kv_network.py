@@ -38,7 +38,7 @@ import zmq
 from raylm.distributed.tcp_auth import CurveKeys, CurveServer, secure_client, terminate_context
 from raylm.worker import kv_transfer
 from raylm.worker.kv_background import COPY_CPU_SHARE
-from raylm.worker.cpu_placement import thread_ids
+from raylm.worker.cpu_placement import thread_ids, threads_cpu_s
 
 logger = logging.getLogger(__name__)
 
@@ -198,15 +198,6 @@ class _StageSend:
             self._buffer = None
 
 
-def _thread_cpu_s(tid: int) -> float:
-    """CPU seconds thread `tid` of this process has run (0 where it is gone or /proc is missing)."""
-    try:
-        with open(f"/proc/self/task/{tid}/schedstat") as f:
-            return int(f.read().split()[0]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
 class KVBlockServer:
     """Offers packed blocks by name on one CURVE ROUTER socket, answered by a
     daemon thread (the rank's loop never waits on a destination)."""
@@ -296,7 +287,7 @@ class KVBlockServer:
 
     def _io_cpu_s(self) -> float:
         """CPU seconds this server's ZMQ I/O threads have run (they encrypt)."""
-        return sum(_thread_cpu_s(tid) for tid in self._io_threads)
+        return threads_cpu_s(self._io_threads)
 
     def close(self) -> None:
         self._closed.set()
