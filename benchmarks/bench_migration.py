@@ -43,7 +43,10 @@ their K/V over the CURVE sockets between the hosts. For each length L,
              whose window after no longer holds the request). Also the
              CPU time each core's process uses per step over the
              pre-copy against before it: the copy's own cost, little moved
-             by other work on a shared machine.
+             by other work on a shared machine. And the copies' own CPU
+             (each process's threads named raylm-kv-...) over the
+             migration, as a share of a core: what the copy budget holds
+             to RAYLM_MIGRATION_COPY_CPU_SHARE (5%) at each end.
 
 `--sync-precopy` copies every stage on the cores' loops (the behaviour
 before the overlapped pre-copy), for comparison.
@@ -106,6 +109,27 @@ def _pump(supervisor):
     return outputs
 
 
+def _copy_cpu_s(core: int) -> float | None:
+    """CPU seconds that core `core`'s process has spent on its K/V copies so
+    far: its threads named raylm-kv-... (raylm.worker.kv_background,
+    kv_network: the copying threads, the K/V server's and ZMQ's I/O threads
+    of the K/V sockets)."""
+    process = _core_processes.get(core)
+    if process is None:
+        return None
+    total_ns = 0
+    for tid in os.listdir(f"/proc/{process.pid}/task"):
+        try:
+            with open(f"/proc/{process.pid}/task/{tid}/comm") as f:
+                if not f.read().startswith("raylm-kv-"):
+                    continue
+            with open(f"/proc/{process.pid}/task/{tid}/schedstat") as f:
+                total_ns += int(f.read().split()[0])
+        except OSError:  # the thread ended
+            continue
+    return total_ns / 1e9
+
+
 def _cpu_per_step(core: int, times: list[float], start: float, end: float) -> float | None:
     """CPU seconds core `core`'s process used per step of its bystander
     (arrivals `times`) in [start, end]. Unlike a step's wall time, hardly
@@ -151,6 +175,7 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
     # The baseline of the bystanders' steps, with the request decoding at its source.
     baseline_from, _ = _bystander_window(supervisor, clocks)
     source = supervisor.ledger[rid].channel
+    copy_cpu_before = {core: _copy_cpu_s(core) for core in (0, 1)}
     started = time.perf_counter()
     assert supervisor.migrate(rid, 1 - source, reason="manual")
     event = None
@@ -160,6 +185,7 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
         outputs = _pump(supervisor)
         event = next((m for m in outputs.migrated), None)
     ended = time.perf_counter()
+    copy_cpu_after = {core: _copy_cpu_s(core) for core in (0, 1)}
     assert event.ok, event
     supervisor.abort_requests([rid])
     # A second baseline after the move: the bystanders' contexts grow all the
@@ -195,6 +221,9 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
                                       _cpu_per_step(core, times, started, paused_at))
             if cpu_before and cpu_during:
                 result[f"{side}_precopy_cpu"] = cpu_during / cpu_before - 1
+        if copy_cpu_before[core] is not None and copy_cpu_after[core] is not None:
+            # The share of a core the copies took over the migration.
+            result[f"{side}_copy_cpu"] = (copy_cpu_after[core] - copy_cpu_before[core]) / (ended - started)
     return result
 
 
@@ -255,7 +284,7 @@ def measure(llm: LLM, folder: pathlib.Path, spec: dict) -> dict:
             "mib_moved": moved[0]["num_bytes"] / 2**20,
         }
         for side in ("source", "destination"):
-            for name in ("slowdown", "precopy_slowdown", "precopy_bracketed", "precopy_cpu"):
+            for name in ("slowdown", "precopy_slowdown", "precopy_bracketed", "precopy_cpu", "copy_cpu"):
                 values = [m[f"{side}_{name}"] for m in moved if f"{side}_{name}" in m]
                 results[length][f"{side}_{name}_pct"] = 100 * statistics.median(values) if values else None
         if not spec.get("quiet"):
@@ -266,15 +295,17 @@ def measure(llm: LLM, folder: pathlib.Path, spec: dict) -> dict:
 def _print_row(length: int, r: dict) -> None:
     recompute = (f"  | recompute {r['recompute']['median_ms']:7.1f} ms (max {r['recompute']['p99_ms']:7.1f})"
                  if r["recompute"] else "")
-    def pct(side: str, name: str = "slowdown") -> str:
-        value = r[f"{side}_{name}_pct"]
-        return "n/a" if value is None else f"{value:+.1f}%"
+    def pct(side: str, name: str = "slowdown", sign: str = "+") -> str:
+        value = r.get(f"{side}_{name}_pct")
+        return "n/a" if value is None else f"{value:{sign}.1f}%"
 
     slowdown = (f"  | step slowdown source {pct('source')} destination {pct('destination')}"
                 f" (pre-copy only: {pct('source', 'precopy_slowdown')} / {pct('destination', 'precopy_slowdown')};"
                 f" against the windows before and after: {pct('source', 'precopy_bracketed')} /"
                 f" {pct('destination', 'precopy_bracketed')};"
-                f" CPU per step {pct('source', 'precopy_cpu')} / {pct('destination', 'precopy_cpu')})")
+                f" CPU per step {pct('source', 'precopy_cpu')} / {pct('destination', 'precopy_cpu')};"
+                f" the copies' CPU {pct('source', 'copy_cpu', sign='')} / {pct('destination', 'copy_cpu', sign='')}"
+                " of a core)")
     print(f"L={int(length):5d}  downtime {r['downtime']['median_ms']:7.1f} ms (max {r['downtime']['p99_ms']:7.1f}, "
           f"handover {r['handover']['median_ms']:5.1f}, over a normal gap {r['extra_pause']['median_ms']:5.1f})"
           f"{recompute}  | inter-token {r['inter_token']['median_ms']:6.1f} ms  | whole migration "

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -540,22 +541,41 @@ def process_run_queue_wait_s() -> float:
     return _schedstat_s(thread_ids(), 1)
 
 
-def threads_cpu_s(tids: list[int]) -> float:
-    """Seconds the threads `tids` of this process have run on a CPU (0 for one gone)."""
-    return _schedstat_s(tids, 0)
+def name_thread(tid: int, name: str) -> None:
+    """Give the thread `tid` of this process `name` (15 bytes at most) where
+    the OS shows it (top -H, ps -L, /proc/.../comm): Python names its
+    threads only for itself, and a thread beside the steps should be told
+    from the loop when one looks where a process's CPU goes. Linux only;
+    elsewhere, or for a thread gone, nothing."""
+    try:
+        with open(f"/proc/self/task/{tid}/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
+
+
+def name_this_thread(name: str) -> None:
+    name_thread(threading.get_native_id(), name)
+
+
+def thread_cpu_s(tid: int) -> float | None:
+    """Seconds the thread `tid` of this process has run on a CPU; None once it
+    has ended (or where Linux does not say)."""
+    return _schedstat_field_s(tid, 0)
 
 
 def _schedstat_s(tids: list[int], field: int) -> float:
     """The sum of field `field` of the threads' /proc schedstat (0: on a CPU,
-    1: runnable but waiting), in seconds."""
-    total_ns = 0
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                total_ns += int(f.read().split()[field])
-        except (OSError, IndexError, ValueError):
-            pass
-    return total_ns / 1e9
+    1: runnable but waiting), in seconds; a thread gone counts 0."""
+    return sum(value for value in (_schedstat_field_s(tid, field) for tid in tids) if value is not None)
+
+
+def _schedstat_field_s(tid: int, field: int) -> float | None:
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            return int(f.read().split()[field]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _set_torch_threads(threads: int) -> None:

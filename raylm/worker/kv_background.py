@@ -15,13 +15,14 @@ meanwhile.
 
 A thread beside the steps is not free where no core is spare (one decode
 thread per core, as on a small host): every millisecond it copies is taken
-from a step. So a paced copy (`paced=True`: the file copies, which come in
-chunks, and the packing and unpacking of a transfer between nodes, layer by
-layer) sleeps after each burst of about 1 ms of CPU (or one chunk: at most
-1 MiB of a file, one layer of a network transfer) for as long as makes the
-burst's CPU time `COPY_CPU_SHARE` of the whole: a step is never held by more
-than a burst, and the steps around the copy lose at most that share of
-their time.
+from a step. So the process's copies share one CPU budget (`CopyBudget`):
+a paced copy (`paced=True`: the file copies, which come in chunks, and the
+packing and unpacking of a transfer between nodes, layer by layer; and the
+frames of a transfer between nodes, raylm.worker.kv_network) waits between
+its chunks while the CPU that all of them spent (encryption included) is
+more than `COPY_CPU_SHARE` of the time: a step is never held by more than a
+burst of about 1 ms or a chunk, and the steps around the copies lose at
+most that share of their time.
 The pre-copy takes longer for it (about its CPU time / the share), which the
 request, still decoding at the source, does not see.
 RAYLM_MIGRATION_COPY_CPU_SHARE sets the share (1: unpaced).
@@ -34,13 +35,14 @@ holding its reserved blocks, or the rank's shutdown, for its whole timeout.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
+
+from raylm.worker.cpu_placement import name_this_thread, thread_cpu_s
 
 logger = logging.getLogger(__name__)
 
@@ -59,53 +61,128 @@ def _copy_cpu_share() -> float:
 COPY_CPU_SHARE = _copy_cpu_share()
 
 
-class CopyPacer:
-    """`pause` between a copy's chunks: once the thread has used `burst_s`
-    of CPU since it last slept, sleeps so that this CPU time was `share` of
-    the time since then. So a small copy (a short request's blocks, a tiny
-    model's) runs at once, and a large one goes by bursts of about one
-    chunk or `burst_s`, whichever is larger. Burst by burst: a copy that
-    first waited (for its source's file) has no credit for the wait to
-    spend in one go; the waiting's own CPU counts."""
+class CopyBudget:
+    """The CPU of all of a process's copies beside its steps, held together
+    within `share` of the wall time: every thread that copies is counted
+    (the export and import threads, and, for a transfer between nodes, the
+    K/V server's thread and the ZMQ I/O threads that encrypt and decrypt),
+    and every copy waits between its chunks (`pause`, or `wait_s` where the
+    caller waits its own way) while what they spent together is more than
+    the share has paid for. One budget, not one per thread: each thread kept
+    to the share on its own let a source that packed and encrypted, or a
+    destination that decrypted, joined and unpacked, take two or three times
+    the share from its steps (a 2k-token stage across two hosts slowed them
+    7-11%).
 
-    def __init__(self, share: float = COPY_CPU_SHARE, burst_s: float = 0.001):
-        self.share = share
+    Spent CPU is a debt the passing time pays at `share` seconds a second,
+    never below nothing (idle time saves no credit for a later burst): a
+    copy goes on while the debt is at most `burst_s`, and otherwise waits
+    until the debt is paid. So a small copy (a short request's blocks, a
+    tiny model's) runs at once, and a large one goes by bursts of about one
+    chunk or `burst_s`, whichever is larger."""
+
+    def __init__(self, share: float | None = None, burst_s: float = 0.001, clock=time.monotonic,
+                 cpu_of=thread_cpu_s):
+        self.share = COPY_CPU_SHARE if share is None else share
         self.burst_s = burst_s
-        self._cpu_mark = time.thread_time()
+        self._clock, self._cpu_of = clock, cpu_of
+        self._lock = threading.Lock()
+        self._cpu_s: dict[int, float] = {}  # counted thread -> its CPU seconds when last read
+        self._debt_s = 0.0
+        self._read_at = clock()
+        self.spent_s = 0.0  # the CPU counted in all
+
+    def count(self, tids: list[int]) -> None:
+        """Count the CPU of the threads `tids` (of this process) from now on."""
+        with self._lock:
+            for tid in tids:
+                cpu = self._cpu_of(tid)
+                if cpu is not None:
+                    self._cpu_s.setdefault(tid, cpu)
+
+    def count_this_thread(self) -> None:
+        self.count([threading.get_native_id()])
+
+    def forget(self, tids: list[int]) -> None:
+        """Stop counting `tids` (threads about to end), what they spent so far kept."""
+        with self._lock:
+            self._settle()
+            for tid in tids:
+                self._cpu_s.pop(tid, None)
+
+    def wait_s(self) -> float:
+        """Seconds a copy should wait before its next chunk; 0: go on."""
+        if self.share >= 1:
+            return 0.0
+        with self._lock:
+            debt = self._settle()
+        return 0.0 if debt <= self.burst_s else debt / self.share
 
     def pause(self) -> None:
-        if self.share >= 1:
-            return
-        used = time.thread_time() - self._cpu_mark
-        if used < self.burst_s:
-            return
-        time.sleep(used * (1 / self.share - 1))
-        self._cpu_mark = time.thread_time()
+        wait = self.wait_s()
+        if wait > 0:
+            time.sleep(wait)
+
+    def _settle(self) -> float:
+        now = self._clock()
+        spent = 0.0
+        for tid, before in list(self._cpu_s.items()):
+            cpu = self._cpu_of(tid)
+            if cpu is None:  # ended: what it spent since the last reading is not known
+                del self._cpu_s[tid]
+                continue
+            spent += max(0.0, cpu - before)
+            self._cpu_s[tid] = cpu
+        self.spent_s += spent
+        self._debt_s = max(0.0, self._debt_s + spent - self.share * (now - self._read_at))
+        self._read_at = now
+        return self._debt_s
 
 
-def _paced(fn: Callable, *args, **kwargs):
-    return fn(*args, pause=CopyPacer().pause, **kwargs)
+_process_budget: CopyBudget | None = None
+_process_budget_lock = threading.Lock()
+
+
+def process_copy_budget() -> CopyBudget:
+    """This process's budget: every rank's copies beside the steps share the
+    cores of the process (one rank per process here, as the executors place them)."""
+    global _process_budget
+    with _process_budget_lock:
+        if _process_budget is None:
+            _process_budget = CopyBudget()
+        return _process_budget
 
 
 class KVCopyJobs:
-    def __init__(self):
-        self._exports = ThreadPoolExecutor(1, thread_name_prefix="raylm-kv-export")
-        self._imports = ThreadPoolExecutor(1, thread_name_prefix="raylm-kv-import")
+    def __init__(self, budget: CopyBudget | None = None):
+        self.budget = budget or process_copy_budget()
+        self._thread_ids: list[int] = []  # the two threads', counted in the budget
+        self._exports = ThreadPoolExecutor(1, thread_name_prefix="raylm-kv-export", initializer=self._start_thread,
+                                           initargs=("raylm-kv-export",))
+        self._imports = ThreadPoolExecutor(1, thread_name_prefix="raylm-kv-import", initializer=self._start_thread,
+                                           initargs=("raylm-kv-import",))
         self._jobs: dict[str, Future] = {}  # imports, by name, until their outcome is taken
         self._cancels: dict[str, threading.Event] = {}  # set: the import's wait gives up
+
+    def _start_thread(self, name: str) -> None:
+        name_this_thread(name)
+        self._thread_ids.append(threading.get_native_id())
+        self.budget.count_this_thread()
 
     def export(self, fn: Callable, *args, paced: bool = False) -> Future:
         """Run an export (a gather of filled blocks) beside the steps;
         `paced`: `fn` takes a `pause` to call between its chunks."""
-        return self._exports.submit(_paced, fn, *args) if paced else self._exports.submit(fn, *args)
+        if paced:
+            return self._exports.submit(fn, *args, pause=self.budget.pause)
+        return self._exports.submit(fn, *args)
 
     def import_(self, name: str, fn: Callable, *args, paced: bool = False) -> None:
         """Run an import (into reserved blocks) beside the steps; its outcome:
         `finished`. `fn` takes a `cancelled` event (see `cancel`); `paced`:
         as for `export`."""
         cancelled = self._cancels[name] = threading.Event()
-        runner = functools.partial(_paced, fn) if paced else fn
-        self._jobs[name] = self._imports.submit(runner, *args, cancelled=cancelled)
+        pacing = {"pause": self.budget.pause} if paced else {}
+        self._jobs[name] = self._imports.submit(fn, *args, cancelled=cancelled, **pacing)
 
     def cancel(self, names: list[str]) -> None:
         """Imports of `names` still waiting for their source give up (their
@@ -133,5 +210,6 @@ class KVCopyJobs:
         self.cancel(list(self._cancels))  # no wait for a source outlives the rank
         self._exports.shutdown(wait=True, cancel_futures=True)
         self._imports.shutdown(wait=True, cancel_futures=True)
+        self.budget.forget(self._thread_ids)
         self._jobs.clear()
         self._cancels.clear()

@@ -7,8 +7,10 @@ offers them, by name, on a ZMQ ROUTER socket of its own, bound on its node's
 address. The destination's rank of the same index connects, asks for the
 name once, and gets the stage as messages of up to 1 MiB each, which it
 joins and scatters into the blocks it reserved. A pre-copy stage's messages
-are paced so that their encryption and decryption stay within the copy's
-CPU share; a final stage's go at once, between them if need be. An offer is
+go no faster than each end's copy budget allows (raylm.worker.kv_background:
+the source's packing and encryption, the destination's decryption, joining
+and unpacking, each end within the copy's CPU share); a final stage's go at
+once, between them if need be. An offer is
 handed out once and then dropped; one never asked for is withdrawn when its
 migration ends (and, as a safety net, expires).
 
@@ -37,8 +39,8 @@ import zmq
 
 from raylm.distributed.tcp_auth import CurveKeys, CurveServer, secure_client, terminate_context
 from raylm.worker import kv_transfer
-from raylm.worker.kv_background import COPY_CPU_SHARE
-from raylm.worker.cpu_placement import thread_ids, threads_cpu_s
+from raylm.worker.cpu_placement import name_this_thread, name_thread, thread_ids
+from raylm.worker.kv_background import CopyBudget, process_copy_budget
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +69,19 @@ _FRAME_BYTES = 1 << 20
 # that a pre-copy stage can be paced frame by frame (see _StageSend) and a
 # final stage of another migration is answered between its frames.
 _FRAME_META = struct.Struct("<II")
-# Whose CPU the encryption's cost stands for: the source's I/O thread
-# encrypts a frame, the destination's decrypts it, at about the same cost.
-_CRYPTO_ENDS = 2
-# The least CPU encrypting a byte takes (libsodium's cipher runs ~1.5 GB/s
-# on a fast core): a frame counts at least this much at once, before its
-# encryption shows in the I/O thread's clock, so frames do not go in a burst.
-_MIN_CRYPTO_S_PER_BYTE = 0.5e-3 / 2**20
+# A paced fetch's socket holds at most this many messages decrypted ahead of
+# its reading: libzmq's I/O thread decrypts a message as it reads it, and
+# stops reading (the source then stops sending) while the socket's queue is
+# full, so the destination's reading, paced by its CPU budget, paces its
+# decryption too.
+_PACED_RECEIVE_QUEUE = 2
+# How often the server looks whether a paced stage's last frame has been
+# encrypted (its tracker done) and the next may be sent: soon after sending
+# it (encrypting 1 MiB takes about a millisecond), then less and less often
+# (a destination pacing its reading holds a frame back for tens of
+# milliseconds: polled every millisecond, the waiting cost about as much
+# CPU as the encryption).
+_SENT_POLL_S, _SENT_POLL_MAX_S = 0.001, 0.01
 # How often the server looks whether a stage's packing has ended.
 _PACKING_POLL_S = 0.005
 
@@ -131,35 +139,45 @@ class StageBuffers:
 
 class _StageSend:
     """One stage on its way to a destination, a frame per message. A final
-    stage goes at once (its request is paused). A pre-copy stage goes no
-    faster than lets the encryption's CPU at both ends, reckoned from this
-    server's I/O threads, stay within COPY_CPU_SHARE of the time since it
-    began: where no core is spare that CPU comes out of the decode steps
-    (the packing and unpacking threads are paced the same way); sent in
-    one burst, a 2k-token stage made the destination's steps 4-22% slower
-    over its pre-copy on the two-host benchmark."""
+    stage goes at once (its request is paused). A pre-copy stage goes a
+    frame at a time: the next once the last one has been encrypted (its
+    tracker done: its cost is then on the I/O thread's clock) and the
+    process's copy budget allows, so that the encryption, with the packing
+    and the rest of the process's copies, stays within their CPU share
+    (sent in one burst, a 2k-token stage made the destination's steps 4-22%
+    slower over its pre-copy on the two-host benchmark). The destination
+    paces its reading by its own budget, which holds the frames back here
+    (its socket's queue full, then TCP's window)."""
 
     def __init__(self, identity: bytes, packed: torch.Tensor | Future, buffer: torch.Tensor | None,
-                 buffers: StageBuffers, io_cpu_s=None):
+                 buffers: StageBuffers, budget: CopyBudget | None = None):
         self.identity = identity
         self._packed = packed
         self._buffer, self._buffers = buffer, buffers
-        self._io_cpu_s = io_cpu_s  # None: unpaced
+        self._budget = budget  # None: unpaced
         self._chunks: list | None = None  # the frames' arrays, once packed
         self._next = 0
-        self._frames: list[zmq.Frame] = []
-        self._started_at = self._cpu_at_start = 0.0
-        self._bytes_sent = 0
+        # The sent frames' trackers (a frame object kept here would hold its
+        # message: its tracker is done only once libzmq and the frame let go).
+        self._sent: list[zmq.MessageTracker] = []
+        self._last_sent_at = 0.0
 
     def due_in(self, now: float) -> float:
-        """Seconds until `advance` has something to send."""
+        """Seconds until `advance` may have something to send."""
         if self._chunks is None:
             return 0.0 if not isinstance(self._packed, Future) or self._packed.done() else _PACKING_POLL_S
-        if self._io_cpu_s is None:
+        if self._budget is None:
             return 0.0
-        measured = self._io_cpu_s() - self._cpu_at_start
-        spent = _CRYPTO_ENDS * max(measured, self._bytes_sent * _MIN_CRYPTO_S_PER_BYTE)
-        return max(0.0, self._started_at + spent / COPY_CPU_SHARE - now)
+        if self._sent and not self._sent[-1].done:
+            return min(_SENT_POLL_MAX_S, max(_SENT_POLL_S, (now - self._last_sent_at) / 4))
+        return self._budget.wait_s()
+
+    def stalled(self, now: float) -> bool:
+        """A paced frame not taken for FETCH_TIMEOUT_S: its destination has
+        stopped reading (hung; one that died closes its connection, which
+        ends the send)."""
+        return (self._budget is not None and bool(self._sent) and not self._sent[-1].done
+                and now - self._last_sent_at > FETCH_TIMEOUT_S)
 
     def advance(self, sock: zmq.Socket) -> bool:
         """Send what is due; True once the stage has gone (or failed)."""
@@ -175,24 +193,27 @@ class _StageSend:
                 self._packed = self._packed.result()
             data = self._packed.numpy()
             self._chunks = [data[at : at + _FRAME_BYTES] for at in range(0, len(data), _FRAME_BYTES)]
-            self._started_at = time.monotonic()
-            self._cpu_at_start = self._io_cpu_s() if self._io_cpu_s is not None else 0.0
         while self._next < len(self._chunks) and self.due_in(time.monotonic()) <= 0:
             # Zero-copy: ZMQ holds the frame until it is sent, which its tracker tells.
             frame = zmq.Frame(self._chunks[self._next], copy=False, track=True)
             sock.send_multipart([self.identity, _STATUS_OK, _FRAME_META.pack(self._next, len(self._chunks)), frame],
                                 copy=False)
-            self._frames.append(frame)
-            self._bytes_sent += len(self._chunks[self._next])
+            self._sent.append(frame.tracker)
+            del frame
+            self._last_sent_at = time.monotonic()
             self._next += 1
         if self._next < len(self._chunks):
             return False
-        self._finish(zmq.MessageTracker(*self._frames))
+        self._finish(zmq.MessageTracker(*self._sent))
         return True
 
+    def abandon(self) -> None:
+        """Give up a stalled send; its buffer, which ZMQ may still read, is not kept."""
+        self._buffer = None
+        self._finish(None)
+
     def _finish(self, sending: zmq.MessageTracker | None) -> None:
-        # A frame's send is done only once nothing here holds it either.
-        self._frames = self._chunks = self._packed = None
+        self._sent = self._chunks = self._packed = None
         if self._buffer is not None:
             self._buffers.give_back(self._buffer, sending)
             self._buffer = None
@@ -202,8 +223,10 @@ class KVBlockServer:
     """Offers packed blocks by name on one CURVE ROUTER socket, answered by a
     daemon thread (the rank's loop never waits on a destination)."""
 
-    def __init__(self, host: str, keys: CurveKeys):
+    def __init__(self, host: str, keys: CurveKeys, budget: CopyBudget | None = None):
         self.keys = keys
+        # What paces a pre-copy stage's frames: with the packing, the process's copies' CPU.
+        self._budget = budget or process_copy_budget()
         # (Niced before the handshakes' authenticator is made: it keeps its priority.)
         self._context, self._sock, self._io_threads = _context_yielding_to_the_steps(zmq.ROUTER)
         self._curve = CurveServer(self._context, keys)  # before bind: no client connects unchecked
@@ -222,6 +245,7 @@ class KVBlockServer:
         # past the handshake, which libzmq's I/O thread runs, so a stranger's
         # traffic never wakes the thread (tests count on it).
         self.requests_received = 0
+        self._budget.count(self._io_threads)  # they encrypt
         self._thread = threading.Thread(target=self._serve, name="raylm-kv-server", daemon=True)
         self._thread.start()
 
@@ -260,15 +284,23 @@ class KVBlockServer:
             return len(self._offers)
 
     def _serve(self) -> None:
+        name_this_thread("raylm-kv-server")
+        self._budget.count_this_thread()
         sends: list[_StageSend] = []
         while not self._closed.is_set():
             now = time.monotonic()
             wait_s = min([send.due_in(now) for send in sends], default=0.1)
             if self._sock.poll(math.ceil(1000 * wait_s)):
                 self._answer(self._sock.recv_multipart(), sends)
+            now = time.monotonic()
             for send in list(sends):
-                if send.advance(self._sock):
+                if send.stalled(now):
+                    logger.warning("a destination stopped reading the K/V blocks sent to it: the send is dropped")
+                    send.abandon()
                     sends.remove(send)
+                elif send.advance(self._sock):
+                    sends.remove(send)
+        self._budget.forget([threading.get_native_id()])
 
     def _answer(self, frames: list[bytes], sends: list[_StageSend]) -> None:
         self.requests_received += 1
@@ -283,11 +315,7 @@ class KVBlockServer:
         packed, _, buffer = entry
         # Packed beside the steps: a pre-copy stage, paced as its packing was.
         sends.append(_StageSend(identity, packed, buffer, self.buffers,
-                                self._io_cpu_s if isinstance(packed, Future) else None))
-
-    def _io_cpu_s(self) -> float:
-        """CPU seconds this server's ZMQ I/O threads have run (they encrypt)."""
-        return threads_cpu_s(self._io_threads)
+                                self._budget if isinstance(packed, Future) else None))
 
     def close(self) -> None:
         self._closed.set()
@@ -295,6 +323,7 @@ class KVBlockServer:
         self._sock.close(linger=0)
         self._curve.stop()
         terminate_context(self._context)
+        self._budget.forget(self._io_threads)
         with self._lock:
             self._offers.clear()
         self.buffers = StageBuffers()  # the kept buffers' memory goes with the server
@@ -318,7 +347,9 @@ def _context_yielding_to_the_steps(socket_type: int) -> tuple[zmq.Context, zmq.S
 def _lower_priority_of_zmq_threads(new_threads: set[int]) -> list[int]:
     """Nice 10 for the threads among `new_threads` that name themselves
     ZMQbg/... (a new thread does so as it starts: waited for briefly), so
-    that no other thread started meanwhile is slowed; their ids."""
+    that no other thread started meanwhile is slowed; renamed raylm-kv-...
+    (told from the step queues' ZMQ threads where one looks at a process's
+    threads); their ids."""
     deadline = time.monotonic() + 0.2
     found = []
     while new_threads:
@@ -329,6 +360,7 @@ def _lower_priority_of_zmq_threads(new_threads: set[int]) -> list[int]:
             new_threads.discard(tid)
             if name is not None:
                 found.append(tid)
+                name_thread(tid, "raylm-kv-" + name.removeprefix("ZMQbg/"))
                 try:
                     os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), _KV_IO_NICE))
                 except OSError:  # gone, or not allowed: the transfer works all the same
@@ -349,35 +381,46 @@ def _thread_name(tid: int) -> str | None:
 
 _KV_IO_NICE = 10
 _fetch_context: zmq.Context | None = None
+_fetch_io_threads: list[int] = []  # its threads' ids
 _fetch_context_lock = threading.Lock()
 
 
 def _fetch_zmq_context() -> zmq.Context:
-    """The context every fetch of this process uses, its threads niced (see above)."""
+    """The context every fetch of this process uses, its threads niced (see
+    above) and counted in the process's copy budget (they decrypt)."""
     global _fetch_context
     with _fetch_context_lock:
         if _fetch_context is None:
-            context, first, _ = _context_yielding_to_the_steps(zmq.DEALER)
+            context, first, io_threads = _context_yielding_to_the_steps(zmq.DEALER)
             first.close(linger=0)
+            process_copy_budget().count(io_threads)
+            _fetch_io_threads[:] = io_threads
             _fetch_context = context
         return _fetch_context
 
 
 def fetch(address: str, name: str, keys: CurveKeys, timeout_s: float = FETCH_TIMEOUT_S,
-          cancelled: threading.Event | None = None) -> list[zmq.Frame]:
+          cancelled: threading.Event | None = None, pause=None, on_frame=None) -> list[zmq.Frame]:
     """The packed blocks offered as `name` at `address`, as the read-only
     frames they came in (a message each); the wait gives up once nothing
     came for `timeout_s` (a paced stage takes longer than that as a whole),
-    or once `cancelled` is set."""
+    or once `cancelled` is set. `pause`: called after each message (a
+    paced copy beside the steps: no more is decrypted meanwhile, see
+    _PACED_RECEIVE_QUEUE). `on_frame(frame, index, count)`: takes each frame
+    as it comes instead (none is returned), so that its memory goes back
+    at once."""
     sock = _fetch_zmq_context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if pause is not None:
+        sock.setsockopt(zmq.RCVHWM, _PACED_RECEIVE_QUEUE)
     secure_client(sock, keys)
     sock.connect(address)
     parts: list[zmq.Frame] = []
+    received = 0
     try:
         sock.send(name.encode())
         count = None
-        while count is None or len(parts) < count:
+        while count is None or received < count:
             message = _next_message(sock, address, name, timeout_s, cancelled)
             status = message[0].bytes
             if status == _STATUS_MISSING:
@@ -386,10 +429,17 @@ def fetch(address: str, name: str, keys: CurveKeys, timeout_s: float = FETCH_TIM
                 reason = message[1].bytes.decode(errors="replace") if len(message) > 1 else "no answer"
                 raise kv_transfer.KVTransferError(f"the source rank at {address} failed to pack {name!r}: {reason}")
             index, total = _FRAME_META.unpack(message[1].bytes)
-            if index != len(parts) or (count is not None and total != count):
+            if index != received or (count is not None and total != count):
                 raise kv_transfer.KVTransferError(f"the K/V blocks {name!r} from {address} came out of order")
             count = total
-            parts.append(message[2])
+            received += 1
+            if on_frame is None:
+                parts.append(message[2])
+            else:
+                on_frame(message[2], index, count)
+            del message
+            if pause is not None:
+                pause()
     finally:
         sock.close(linger=0)
     return parts
@@ -412,12 +462,52 @@ def _next_message(sock: zmq.Socket, address: str, name: str, timeout_s: float,
 _joined_stages = StageBuffers()
 
 
+class _JoinedStage:
+    """A stage's frames joined as they arrive, each one's memory (libzmq's)
+    freed at once, so that the next is decrypted into the same (a stage
+    held whole until its end is 35 MiB of fresh pages for a 2k-token
+    request of the ~111M model). A stage of one frame is read from it."""
+
+    def __init__(self, what: str):
+        self._what = what
+        self._only_frame: zmq.Frame | None = None
+        self._buffer: torch.Tensor | None = None
+        self._view: memoryview | None = None
+        self._size = 0
+
+    def add(self, frame: zmq.Frame, index: int, count: int) -> None:
+        if count == 1:
+            self._only_frame = frame
+            return
+        part = frame.buffer
+        if self._buffer is None:
+            # The sender's frames are at most _FRAME_BYTES (the same code at both ends).
+            self._buffer = _joined_stages.take(count * _FRAME_BYTES)
+            self._view = memoryview(self._buffer.numpy())
+        if self._size + len(part) > len(self._view):
+            raise kv_transfer.KVTransferError(f"{self._what} came in frames over {_FRAME_BYTES} bytes")
+        self._view[self._size : self._size + len(part)] = part
+        self._size += len(part)
+
+    def joined(self):
+        if self._only_frame is not None:
+            return self._only_frame.buffer
+        return self._view[: self._size] if self._view is not None else b""
+
+    def release(self) -> None:
+        self._only_frame = self._view = None
+        if self._buffer is not None:
+            _joined_stages.give_back(self._buffer)
+            self._buffer = None
+
+
 class KVNetworkEndpoint:
     """A rank's side of cross-node transfers: its server (started on the first
     export, remade if the supervisor's key changes) and its fetches."""
 
-    def __init__(self):
+    def __init__(self, budget: CopyBudget | None = None):
         self._server: KVBlockServer | None = None
+        self._budget = budget  # what paces its server's pre-copy stages; None: the process's
 
     def serve(self, kv_caches: list[torch.Tensor], name: str, block_ids: list[int], host: str,
               keys: CurveKeys, run_in_background=None) -> tuple[int, str]:
@@ -443,26 +533,14 @@ class KVNetworkEndpoint:
                    keys: CurveKeys, timeout_s: float = FETCH_TIMEOUT_S, cancelled: threading.Event | None = None,
                    pause=None) -> int:
         """Fetch the offer `name` into `block_ids`; `pause`: called between
-        layers of the unpacking (a paced copy beside the steps)."""
-        frames = fetch(address, name, keys, timeout_s, cancelled)
+        frames and between layers of the unpacking (a paced copy beside the steps)."""
         what = f"the K/V blocks {name!r} from {address}"
-        if len(frames) == 1:
-            return kv_transfer.unpack_blocks(kv_caches, block_ids, frames[0].buffer, what, pause)
-        size = sum(len(frame.buffer) for frame in frames)
-        buffer = _joined_stages.take(size)
+        join = _JoinedStage(what)
         try:
-            joined = memoryview(buffer.numpy())[:size]
-            at = 0
-            for frame in frames:
-                part = frame.buffer
-                joined[at : at + len(part)] = part
-                at += len(part)
-                if pause is not None:
-                    pause()
-            del frames  # their memory back before the unpacking
-            return kv_transfer.unpack_blocks(kv_caches, block_ids, joined, what, pause)
+            fetch(address, name, keys, timeout_s, cancelled, pause, on_frame=join.add)
+            return kv_transfer.unpack_blocks(kv_caches, block_ids, join.joined(), what, pause)
         finally:
-            _joined_stages.give_back(buffer)
+            join.release()
 
     def withdraw(self, prefix: str) -> int:
         return self._server.withdraw(prefix) if self._server is not None else 0
@@ -473,7 +551,7 @@ class KVNetworkEndpoint:
             server.close()
             server = None
         if server is None:
-            server = self._server = KVBlockServer(host, keys)
+            server = self._server = KVBlockServer(host, keys, self._budget)
         return server
 
     def close(self) -> None:

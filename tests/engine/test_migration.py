@@ -24,6 +24,10 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 96
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(5 + 6 * i)] for i in range(8)]
+# The same behind the straggler's token (each step holding one takes 20 ms):
+# for tests whose moves must end while every request still runs, however
+# fast the machine decodes.
+STRAGGLING_PROMPTS = [[STRAGGLER_TOKEN] + p for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +40,14 @@ def reference(model):
     return [r.token_ids for r in hf_greedy(model, PROMPTS, MAX_TOKENS)]
 
 
+@pytest.fixture(scope="module")
+def straggling_reference(model):
+    return [r.token_ids for r in hf_greedy(model, STRAGGLING_PROMPTS, MAX_TOKENS)]
+
+
 @pytest.fixture
-def llm(model):
+def llm(model, monkeypatch):
+    straggling(monkeypatch)  # on prompts that carry STRAGGLER_TOKEN only
     before = _children()
     folders_before = _transfer_folders()
     # Single decode steps: each core runs ahead of the supervisor's reads, and a
@@ -117,7 +127,7 @@ def test_a_ping_in_flight_when_a_core_leaves_is_still_answered(llm):
     assert list(supervisor.channels) == [0]
 
 
-def test_scale_in_migrates_running_requests(llm, reference):
+def test_scale_in_migrates_running_requests(llm, straggling_reference):
     supervisor = llm.llm_engine.engine_core
     events = _record_migration_events(supervisor)
     moved = {}
@@ -127,8 +137,10 @@ def test_scale_in_migrates_running_requests(llm, reference):
         assert moved
         sup.scale(1)
 
-    done = _run(llm, {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)}, scale_in)
-    assert [done[str(i)] for i in range(len(PROMPTS))] == reference
+    # (Four moves of overlapped pre-copy from one core, each several steps: a
+    # request once ended before its move did, which was given up.)
+    done = _run(llm, {str(i): (p, GREEDY) for i, p in enumerate(STRAGGLING_PROMPTS)}, scale_in)
+    assert [done[str(i)] for i in range(len(PROMPTS))] == straggling_reference
     assert list(supervisor.channels) == [0]
     assert supervisor.migration_counts == {"migrated": len(moved), "abandoned": 0}
     # Each pause the client saw holds the handover (the request in no core's queue).
@@ -166,10 +178,16 @@ def test_a_request_that_ends_before_its_first_token_at_the_destination_still_cou
 def test_seeded_and_structured_requests_continue_exactly(llm):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                                 "n": {"type": "integer"}}, "required": ["name", "n"]}
+    # The JSON object ends after a few tokens: the prompts carry the straggler
+    # (20 ms a step), so that the moves end before the requests do however fast
+    # the machine decodes (the overlapped pre-copy takes a few steps; the JSON
+    # once ended first here, and its move was given up).
     requests = {
-        "seeded": (PROMPTS[3], SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)),
-        "json": (PROMPTS[4], SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_TOKENS,
-                                            structured_outputs=StructuredOutputsParams(json=schema))),
+        "seeded": (STRAGGLING_PROMPTS[3],
+                   SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)),
+        "json": (STRAGGLING_PROMPTS[4],
+                 SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_TOKENS,
+                                structured_outputs=StructuredOutputsParams(json=schema))),
     }
     unmoved = _run(llm, {f"{rid}-a": r for rid, r in requests.items()})
 

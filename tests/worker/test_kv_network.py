@@ -21,14 +21,15 @@ import zmq
 
 from raylm.distributed import tcp_auth
 from raylm.distributed.tcp_auth import CurveKeys, secure_client
-from raylm.worker import kv_network, kv_transfer
+from raylm.worker import cpu_placement, kv_background, kv_network, kv_transfer
 from tests.conftest import wait_until
 
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, LAYERS = 12, 4, 2, 8, 3
 
 
-def _caches(seed: int | None, dtype=torch.float32, block_size: int = BLOCK_SIZE) -> list[torch.Tensor]:
-    shape = (2, NUM_BLOCKS, block_size, KV_HEADS, HEAD_DIM)
+def _caches(seed: int | None, dtype=torch.float32, block_size: int = BLOCK_SIZE,
+            num_blocks: int = NUM_BLOCKS) -> list[torch.Tensor]:
+    shape = (2, num_blocks, block_size, KV_HEADS, HEAD_DIM)
     if seed is None:
         return [torch.zeros(shape, dtype=dtype) for _ in range(LAYERS)]
     gen = torch.Generator().manual_seed(seed)
@@ -66,7 +67,7 @@ def _zmq_threads_and_nice(tids: set[int]) -> dict[int, int]:
     for tid in tids:
         try:
             comm = open(f"/proc/self/task/{tid}/comm").read()
-            if comm.startswith("ZMQbg/"):
+            if comm.startswith(("raylm-kv-IO/", "raylm-kv-Reaper")):
                 out[tid] = os.getpriority(os.PRIO_PROCESS, tid)
         except OSError:
             pass
@@ -201,38 +202,78 @@ def _packed_at_once(fn, *args) -> Future:
     return future
 
 
-def test_a_pre_copy_stage_is_paced_and_a_final_stage_goes_between_its_frames(endpoint, monkeypatch):
-    """A stage packed beside the steps goes a frame at a time, no faster than
-    the encryption's CPU at both ends allows within the copy's share (here
-    each 1000-byte frame counts 5 ms, at a share of 0.05: 0.2 s a frame); a
-    final stage, whose request is paused, is answered between its frames."""
-    monkeypatch.setattr(kv_network, "_FRAME_BYTES", 1000)
-    monkeypatch.setattr(kv_network, "_MIN_CRYPTO_S_PER_BYTE", 5e-6)
-    monkeypatch.setattr(kv_network, "COPY_CPU_SHARE", 0.05)
+def test_a_pre_copy_stage_is_paced_and_a_final_stage_goes_between_its_frames(monkeypatch):
+    """A stage packed beside the steps goes a frame at a time, each once the
+    last is encrypted and the copy budget allows: the server's encryption
+    (its I/O threads' CPU, counted in the budget) takes no more than the
+    budget's share of the time the stage takes. A final stage, whose
+    request is paused, is answered between its frames."""
+    monkeypatch.setattr(kv_network, "_FRAME_BYTES", 256 << 10)
+    share = 0.01
+    budget = kv_background.CopyBudget(share=share)
+    endpoint = kv_network.KVNetworkEndpoint(budget)
     keys = CurveKeys.generate()
-    source = _caches(11)
-    num_bytes, address = endpoint.serve(source, "m-9-0.rank0", [1, 2, 3], "127.0.0.1", keys,
-                                        run_in_background=_packed_at_once)
-    num_frames = -(-num_bytes // 1000)
-    done_at = {}
+    source = _caches(11, num_blocks=2048)  # 3 MiB, 12 frames
+    try:
+        started = time.monotonic()
+        num_bytes, address = endpoint.serve(source, "m-9-0.rank0", list(range(2048)), "127.0.0.1", keys,
+                                            run_in_background=_packed_at_once)
+        first_frame, done_at = threading.Event(), {}
 
-    def fetch_pre_copy() -> None:
-        destination = _caches(None)
-        kv_network.KVNetworkEndpoint().fetch_into(destination, "m-9-0.rank0", [4, 5, 6], address, keys)
-        done_at["pre-copy"] = time.monotonic()
-        assert all(torch.equal(d[:, [4, 5, 6]], s[:, [1, 2, 3]]) for s, d in zip(source, destination))
+        def fetch_pre_copy() -> None:
+            joined = bytearray()
 
-    started = time.monotonic()
-    pre_copy = threading.Thread(target=fetch_pre_copy)
-    pre_copy.start()
-    time.sleep(0.2)  # a frame or two on their way
-    endpoint.serve(source, "m-10-1.rank0", [7], "127.0.0.1", keys)
-    _assert_arrives(source, "m-10-1.rank0", [7], address, keys)
-    done_at["final"] = time.monotonic()
-    pre_copy.join(30)
-    assert "pre-copy" in done_at
-    assert done_at["pre-copy"] - started >= 0.2 * (num_frames - 1) * 0.9
-    assert done_at["final"] < done_at["pre-copy"]
+            def on_frame(frame, index, count):
+                joined.extend(frame.buffer)
+                first_frame.set()
+
+            kv_network.fetch(address, "m-9-0.rank0", keys, on_frame=on_frame)
+            done_at["pre-copy"] = time.monotonic()
+            assert bytes(joined) == kv_transfer.pack_blocks(source, list(range(2048))).numpy().tobytes()
+
+        pre_copy = threading.Thread(target=fetch_pre_copy)
+        pre_copy.start()
+        assert first_frame.wait(30)
+        endpoint.serve(source, "m-10-1.rank0", [7], "127.0.0.1", keys)
+        _assert_arrives(source, "m-10-1.rank0", [7], address, keys)
+        done_at["final"] = time.monotonic()
+        pre_copy.join(60)
+        assert "pre-copy" in done_at and done_at["final"] < done_at["pre-copy"]
+        assert budget.spent_s > 0
+        # Within the share, less the bursts it allows (and the last frame's, paid after).
+        assert budget.spent_s - 2 * budget.burst_s <= share * (done_at["pre-copy"] - started) * 1.1
+    finally:
+        endpoint.close()
+
+
+def test_a_paced_fetch_decrypts_no_more_than_it_reads(endpoint):
+    """A destination's reading paced by its budget paces its decryption too:
+    while its pause holds it after the first frame, libzmq's I/O thread
+    decrypts at most the few messages its socket's queue holds, not the
+    stage (the source waits on TCP meanwhile)."""
+    keys = CurveKeys.generate()
+    source = _caches(12, num_blocks=16384)  # 24 MiB, 24 frames
+    num_bytes, address = endpoint.serve(source, "m-11.rank0", list(range(16384)), "127.0.0.1", keys)
+    kv_network._fetch_zmq_context()
+    io_threads = list(kv_network._fetch_io_threads)
+
+    def decrypting_cpu_s() -> float:
+        return sum(cpu_placement.thread_cpu_s(tid) or 0.0 for tid in io_threads)
+
+    cpu_at = {}
+
+    def pause() -> None:
+        if "first" not in cpu_at:
+            cpu_at["first"] = decrypting_cpu_s()
+            time.sleep(1.0)  # the destination's budget holds its reading
+            cpu_at["held"] = decrypting_cpu_s()
+
+    frames = kv_network.fetch(address, "m-11.rank0", keys, pause=pause)
+    spent = decrypting_cpu_s() - cpu_at["first"]
+    assert b"".join(f.bytes for f in frames) == kv_transfer.pack_blocks(source, list(range(16384))).numpy().tobytes()
+    assert spent > 0
+    # Held a second: a few frames of the 24 decrypted meanwhile, at most.
+    assert cpu_at["held"] - cpu_at["first"] <= 0.3 * spent
 
 
 def test_a_buffer_withdrawn_while_packing_is_kept_only_once_packed(endpoint):

@@ -89,22 +89,63 @@ def test_a_short_read_or_write_is_continued(tmp_path):
     assert len(calls) > len(buffers)
 
 
-def test_the_pacer_sleeps_each_burst_to_its_share(monkeypatch):
-    """With share s, a burst that took c of the thread's CPU (at least the
-    burst's size) is followed by c/s - c of sleep; smaller chunks add up."""
-    cpu = iter([1.0, 1.01, 1.01, 1.0105, 1.0110, 1.022, 1.022, 2.0])
+def test_the_copy_budget_holds_all_the_copying_threads_together_to_the_share(monkeypatch):
+    """One debt for every counted thread: what any of them spends adds to it,
+    the passing time pays `share` a second, a copy goes on while it is at
+    most the burst and otherwise waits until it is paid; idle time saves
+    no credit, a thread that ended is dropped, a forgotten one no longer
+    counts, and a share of 1 never waits."""
+    now = [100.0]
+    cpu = {11: 5.0, 12: 7.0}
+    budget = kv_background.CopyBudget(share=0.25, burst_s=0.005, clock=lambda: now[0], cpu_of=cpu.get)
+    budget.count([11, 12, 13])  # 13 does not exist: not counted
+    assert budget.wait_s() == 0.0
+    cpu[11] += 0.004  # one thread's burst: within the burst allowance
+    assert budget.wait_s() == 0.0
+    cpu[12] += 0.006  # the other's: 10 ms of debt together
+    assert budget.wait_s() == pytest.approx(0.04)
+    now[0] += 0.021  # 21 ms pay 5.25 ms
+    assert budget.wait_s() == 0.0
+    now[0] += 10.0  # idle: the debt is paid, no credit saved
+    assert budget.wait_s() == 0.0
+    cpu[11] += 0.012
+    assert budget.wait_s() == pytest.approx(0.048)
+    assert budget.spent_s == pytest.approx(0.022)
+    now[0] += 0.048
+    del cpu[12]  # ended
+    cpu[11] += 0.001
+    assert budget.wait_s() == 0.0
+    budget.forget([11])
+    cpu[11] += 1.0
+    assert budget.wait_s() == 0.0 and budget.spent_s == pytest.approx(0.023)
     slept = []
-    monkeypatch.setattr(kv_background.time, "thread_time", lambda: next(cpu))
     monkeypatch.setattr(kv_background.time, "sleep", slept.append)
-    pacer = kv_background.CopyPacer(share=0.25, burst_s=0.005)
-    pacer.pause()  # a chunk of 10 ms of CPU
-    pacer.pause()  # 0.5 ms: below the burst, no sleep yet
-    pacer.pause()  # 1 ms
-    pacer.pause()  # 12 ms since the last sleep
-    assert slept == pytest.approx([0.03, 0.036])
-    unpaced = kv_background.CopyPacer(share=1.0)
-    unpaced.pause()
-    assert len(slept) == 2
+    budget.count([11])
+    cpu[11] += 0.01
+    budget.pause()
+    assert slept == [pytest.approx((0.001 + 0.01) / 0.25)]  # the 1 ms left over, and 10 ms
+    unlimited = kv_background.CopyBudget(share=1.0, clock=lambda: now[0], cpu_of=cpu.get)
+    unlimited.count([11])
+    cpu[11] += 5.0
+    assert unlimited.wait_s() == 0.0
+
+
+def test_the_copy_threads_are_counted_in_one_budget():
+    """The export and import threads of a rank's copies count in the same
+    budget, and no longer once the jobs close."""
+    import threading
+
+    budget = kv_background.CopyBudget(share=0.5)
+    jobs = kv_background.KVCopyJobs(budget)
+    exporter = jobs.export(threading.get_native_id).result(10)
+    paced_pause = jobs.export(lambda pause: pause, paced=True).result(10)
+    assert paced_pause == budget.pause
+    assert set(budget._cpu_s) == {exporter}
+    jobs.import_("m-1", lambda cancelled, pause: sum(range(100_000)), paced=True)
+    wait_until(lambda: jobs.finished(["m-1"]), 10, message="the import to end")
+    assert len(budget._cpu_s) == 2
+    jobs.close()
+    assert budget._cpu_s == {}
 
 
 @pytest.mark.parametrize("value", ["0", "-0.5", "1.5", "fast"])
