@@ -40,7 +40,10 @@ their K/V over the CURVE sockets between the hosts. For each length L,
              pre-copy is also compared with the mean of the 1 s before it
              and the 1 s after the move (the request aborted): "against
              the windows before and after" (an overestimate at the source,
-             whose window after no longer holds the request). Also the
+             whose window after no longer holds the request); and
+             against the window before carried forward at the drift
+             the destination's windows before and after show ("drift
+             corrected", both sides: their bystanders are alike). Also the
              CPU time each core's process uses per step over the
              pre-copy against before it: the copy's own cost, little moved
              by other work on a shared machine. And the copies' own CPU
@@ -205,10 +208,26 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
     # cost is decoding, not migrating.
     mine = [t for t in _arrivals[rid] if started - 1.0 < t <= ended]
     paused_at = max(zip(mine, mine[1:]), key=lambda gap: gap[1] - gap[0])[0] if len(mine) > 1 else ended
+    # The drift of the steps' time (the bystanders' contexts grow), a share a
+    # second, read at the destination: there the windows before and after hold
+    # the same batch (the request is gone again). Both cores' bystanders are
+    # alike, so the source's steps drift alike: each side's pre-copy is also
+    # compared with its window before, carried forward at that rate ("drift
+    # corrected"), which at the source the window after cannot do.
+    drift_per_s = None
+    if 1 - source in clocks:
+        times = _arrivals[clocks[1 - source]]
+        before, after = _mean_gap(times, baseline_from, started), _mean_gap(times, after_from, after_to)
+        if before and after:
+            drift_per_s = (after / before - 1) / ((after_from + after_to) / 2 - (baseline_from + started) / 2)
     for side, core in (("source", source), ("destination", 1 - source)):
         if core in clocks:
             times = _arrivals[clocks[core]]
             before = _mean_gap(times, baseline_from, started)
+            during = _mean_gap(times, started, paused_at)
+            if drift_per_s is not None and before and during:
+                elapsed = (started + paused_at) / 2 - (baseline_from + started) / 2
+                result[f"{side}_precopy_drift_corrected"] = during / (before * (1 + drift_per_s * elapsed)) - 1
             windows = {"slowdown": (started, ended), "precopy_slowdown": (started, paused_at)}
             after = _mean_gap(times, after_from, after_to)
             for name, (start, end) in windows.items():
@@ -284,7 +303,8 @@ def measure(llm: LLM, folder: pathlib.Path, spec: dict) -> dict:
             "mib_moved": moved[0]["num_bytes"] / 2**20,
         }
         for side in ("source", "destination"):
-            for name in ("slowdown", "precopy_slowdown", "precopy_bracketed", "precopy_cpu", "copy_cpu"):
+            for name in ("slowdown", "precopy_slowdown", "precopy_bracketed", "precopy_drift_corrected",
+                         "precopy_cpu", "copy_cpu"):
                 values = [m[f"{side}_{name}"] for m in moved if f"{side}_{name}" in m]
                 results[length][f"{side}_{name}_pct"] = 100 * statistics.median(values) if values else None
         if not spec.get("quiet"):
@@ -302,7 +322,8 @@ def _print_row(length: int, r: dict) -> None:
     slowdown = (f"  | step slowdown source {pct('source')} destination {pct('destination')}"
                 f" (pre-copy only: {pct('source', 'precopy_slowdown')} / {pct('destination', 'precopy_slowdown')};"
                 f" against the windows before and after: {pct('source', 'precopy_bracketed')} /"
-                f" {pct('destination', 'precopy_bracketed')};"
+                f" {pct('destination', 'precopy_bracketed')}; drift corrected:"
+                f" {pct('source', 'precopy_drift_corrected')} / {pct('destination', 'precopy_drift_corrected')};"
                 f" CPU per step {pct('source', 'precopy_cpu')} / {pct('destination', 'precopy_cpu')};"
                 f" the copies' CPU {pct('source', 'copy_cpu', sign='')} / {pct('destination', 'copy_cpu', sign='')}"
                 " of a core)")
