@@ -464,12 +464,13 @@ _joined_stages = StageBuffers()
 
 class _JoinedStage:
     """A stage's frames joined as they arrive, each one's memory (libzmq's)
-    freed at once, so that the next is decrypted into the same (a stage
-    held whole until its end is 35 MiB of fresh pages for a 2k-token
-    request of the ~111M model). A stage of one frame is read from it."""
+    let go once copied rather than the whole stage held to its end. A stage
+    of one frame is read from it. `limit`: the bytes of the blocks reserved
+    for it; a stage of more frames than those fill is refused at its first
+    frame, before any buffer is taken for it."""
 
-    def __init__(self, what: str):
-        self._what = what
+    def __init__(self, what: str, limit: int):
+        self._what, self._limit = what, limit
         self._only_frame: zmq.Frame | None = None
         self._buffer: torch.Tensor | None = None
         self._view: memoryview | None = None
@@ -481,6 +482,10 @@ class _JoinedStage:
             return
         part = frame.buffer
         if self._buffer is None:
+            if (count - 1) * _FRAME_BYTES >= self._limit:
+                raise kv_transfer.KVTransferError(
+                    f"{self._what} come in {count} frames, more than the {self._limit} bytes of the blocks "
+                    "reserved for them fill (another KV layout, or other blocks)")
             # The sender's frames are at most _FRAME_BYTES (the same code at both ends).
             self._buffer = _joined_stages.take(count * _FRAME_BYTES)
             self._view = memoryview(self._buffer.numpy())
@@ -535,7 +540,9 @@ class KVNetworkEndpoint:
         """Fetch the offer `name` into `block_ids`; `pause`: called between
         frames and between layers of the unpacking (a paced copy beside the steps)."""
         what = f"the K/V blocks {name!r} from {address}"
-        join = _JoinedStage(what)
+        if not kv_caches:
+            raise kv_transfer.KVTransferError("this rank holds no KV cache")
+        join = _JoinedStage(what, kv_transfer.packed_size(kv_caches, len(block_ids)))
         try:
             fetch(address, name, keys, timeout_s, cancelled, pause, on_frame=join.add)
             return kv_transfer.unpack_blocks(kv_caches, block_ids, join.joined(), what, pause)

@@ -128,6 +128,21 @@ def test_withdrawn_offers_and_other_layouts_are_refused(endpoint):
         kv_network.KVNetworkEndpoint().fetch_into(_caches(None), "m-3.rank0", [0], address, keys)
 
 
+def test_a_stage_in_more_frames_than_its_blocks_fill_is_refused_at_its_first(endpoint, monkeypatch):
+    """The frame count is the source's word: more frames than the reserved
+    blocks' bytes fill is refused before a buffer is taken for them."""
+    monkeypatch.setattr(kv_network, "_FRAME_BYTES", 1000)
+    keys = CurveKeys.generate()
+    _, address = endpoint.serve(_caches(0), "m-12.rank0", [1, 2, 3], "127.0.0.1", keys)
+    kept = kv_network._joined_stages.num_kept
+    with pytest.raises(kv_transfer.KVTransferError, match="more than the .* bytes of the blocks reserved"):
+        kv_network.KVNetworkEndpoint().fetch_into(_caches(None), "m-12.rank0", [0], address, keys)
+    assert kv_network._joined_stages.num_kept == kept
+    endpoint.serve(_caches(0), "m-13.rank0", [1], "127.0.0.1", keys)
+    with pytest.raises(kv_transfer.KVTransferError, match="no KV cache"):
+        kv_network.KVNetworkEndpoint().fetch_into([], "m-13.rank0", [0], address, keys)
+
+
 def test_packed_blocks_equal_the_transfer_file(tmp_path):
     """One format both ways: a file export and an in-memory pack hold the same bytes."""
     source = _caches(1)
