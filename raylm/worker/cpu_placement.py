@@ -558,6 +558,15 @@ def name_this_thread(name: str) -> None:
     name_thread(threading.get_native_id(), name)
 
 
+def thread_name(tid: int) -> str | None:
+    """The name the OS shows for the thread `tid` of this process; None once it ended."""
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def thread_cpu_s(tid: int) -> float | None:
     """Seconds the thread `tid` of this process has run on a CPU; None once it
     has ended (or where Linux does not say)."""

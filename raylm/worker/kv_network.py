@@ -39,7 +39,7 @@ import zmq
 
 from raylm.distributed.tcp_auth import CurveKeys, CurveServer, secure_client, terminate_context
 from raylm.worker import kv_transfer
-from raylm.worker.cpu_placement import name_this_thread, name_thread, thread_ids
+from raylm.worker.cpu_placement import name_this_thread, name_thread, thread_ids, thread_name
 from raylm.worker.kv_background import CopyBudget, process_copy_budget
 
 logger = logging.getLogger(__name__)
@@ -354,7 +354,7 @@ def _lower_priority_of_zmq_threads(new_threads: set[int]) -> list[int]:
     found = []
     while new_threads:
         for tid in list(new_threads):
-            name = _thread_name(tid)
+            name = thread_name(tid)
             if name is not None and not name.startswith("ZMQbg/"):
                 continue  # not named yet, or another's: looked at again
             new_threads.discard(tid)
@@ -369,14 +369,6 @@ def _lower_priority_of_zmq_threads(new_threads: set[int]) -> list[int]:
             return found
         time.sleep(0.005)
     return found
-
-
-def _thread_name(tid: int) -> str | None:
-    try:
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            return f.read().strip()
-    except OSError:  # the thread ended
-        return None
 
 
 _KV_IO_NICE = 10
