@@ -126,6 +126,20 @@ def straggler_env(token_id: int = STRAGGLER_TOKEN, ms: int = 20) -> dict[str, st
     return {FAULT_INJECTION_ENV: f"slow:token={token_id}:ms={ms}"}
 
 
+def bos_straggler_env(model_dir: str | None = None, ms: int = 5) -> dict[str, str]:
+    """`straggler_env` for a server of `model_dir` (None: the embedded model)
+    whose every prompt starts with the model's BOS token: each step holding
+    any request takes at least `ms` ms."""
+    from transformers import AutoTokenizer
+
+    import raylm
+
+    folder = model_dir or str(Path(raylm.__file__).parent / "data" / "default_model")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer("Story 0:").input_ids[0] == tokenizer.bos_token_id
+    return straggler_env(tokenizer.bos_token_id, ms)
+
+
 def straggling(monkeypatch, token_id: int = STRAGGLER_TOKEN, ms: int = 20) -> None:
     """`straggler_env` for the engines this test starts (read at their start)."""
     for name, value in straggler_env(token_id, ms).items():

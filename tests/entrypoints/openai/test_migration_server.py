@@ -12,12 +12,20 @@ import httpx
 import pytest
 
 from raylm import LLM, SamplingParams
+from tests.conftest import bos_straggler_env
 from tests.entrypoints.openai.server_utils import API_KEY, RaylmServer, scrape_metric
 from tests.entrypoints.openai.stream_utils import stream_completion
 
 PROMPTS = [f"ROMEO {i}: speak" for i in range(24)]
 # Room to move: the streams are far from their end when replicas leave.
 MAX_TOKENS = 300
+# Every step of the replicas at least this long (a straggler on the BOS token
+# every prompt starts with): the streams last at least MAX_TOKENS x this
+# (6 s) however fast the machine decodes, so their moves, paced to a small
+# share of a core beside the steps, land before they end (without it, a
+# loaded CI run once saw a scale-in move none of them: they completed while
+# their replica drained).
+STEP_MS = 20
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 
@@ -28,7 +36,8 @@ def mp_dp_server(tmp_path_factory):
     # moment of a scale) would lag behind the streams' real progress.
     srv = RaylmServer(None, ["--api-key", API_KEY, "-dp", "2", "--data-parallel-backend", "mp",
                             "--kv-cache-memory-bytes", "32MiB"],
-                      str(tmp_path_factory.mktemp("serve-dp-mp") / "server.log"), startup_timeout=300.0)
+                      str(tmp_path_factory.mktemp("serve-dp-mp") / "server.log"), startup_timeout=300.0,
+                      env=bos_straggler_env(ms=STEP_MS))
     try:
         yield srv
     finally:

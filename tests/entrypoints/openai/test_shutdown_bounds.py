@@ -23,7 +23,6 @@ is open at the signal however fast the machine decodes (1000 tokens took
 from __future__ import annotations
 
 import os
-import pathlib
 import signal
 import time
 
@@ -31,8 +30,7 @@ import httpx
 import psutil
 import pytest
 
-import raylm
-from tests.conftest import straggler_env, wait_until
+from tests.conftest import bos_straggler_env, wait_until
 from tests.entrypoints.openai.server_utils import MODEL_NAME, RaylmServer
 from tests.entrypoints.openai.stream_utils import BackgroundPost, BackgroundStream, long_body, metric
 
@@ -48,17 +46,6 @@ GONE_WITHIN_S = 120
 # An idle server that waited out this grace period would outlast GONE_WITHIN_S.
 IDLE_GRACE_S = 3600
 MP_TP2 = ["--distributed-executor-backend", "mp", "-tp", "2"]
-
-
-def _straggler_env(model_dir: str | None) -> dict[str, str]:
-    """The server's environment for steps of at least 5 ms while a request
-    starting with the model's BOS token (every prompt here) is in them."""
-    from transformers import AutoTokenizer
-
-    folder = model_dir or str(pathlib.Path(raylm.__file__).parent / "data" / "default_model")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    assert tokenizer("Story 0:").input_ids[0] == tokenizer.bos_token_id
-    return straggler_env(tokenizer.bos_token_id, ms=5)
 
 
 def _chat_body(max_tokens: int, stream: bool) -> dict:
@@ -151,7 +138,7 @@ def test_sigterm_while_idle_exits_at_once(llama_dir, tmp_path):
 def test_sigterm_during_streams_ends_them_within_the_grace_period(llama_dir, tmp_path):
     server = RaylmServer(llama_dir, ["--shutdown-grace-period", str(GRACE_S), "--max-num-seqs", "1",
                                      "--max-model-len", "1024"], str(tmp_path / "server.log"),
-                         env=_straggler_env(llama_dir))
+                         env=bos_straggler_env(llama_dir))
     try:
         load = _Load(server, max_tokens=1000)
         _sigterm_and_time(server, load)
@@ -169,7 +156,7 @@ def test_sigterm_to_the_process_group_during_streams(tiny_model_dir, tmp_path):
     model = tiny_model_dir("llama", max_position_embeddings=LONG_TOKENS + 96)
     server = RaylmServer(model, ["--shutdown-grace-period", str(GRACE_S), "--max-num-seqs", "1",
                                  "--max-model-len", str(LONG_TOKENS + 96), *MP_TP2],
-                         str(tmp_path / "server.log"), new_session=True, env=_straggler_env(model))
+                         str(tmp_path / "server.log"), new_session=True, env=bos_straggler_env(model))
     try:
         assert len(server.tree) >= 4, server.tree  # front end, core, two workers (and the resource tracker)
         load = _Load(server, max_tokens=LONG_TOKENS)
@@ -220,6 +207,6 @@ def test_sigkill_while_idle_takes_the_engine_core_along(tmp_path):
 
 
 def test_sigkill_while_busy_takes_the_engine_core_and_workers_along(tmp_path):
-    server = RaylmServer(None, [*MP_TP2], str(tmp_path / "server.log"), env=_straggler_env(None))
+    server = RaylmServer(None, [*MP_TP2], str(tmp_path / "server.log"), env=bos_straggler_env(None))
     assert len(server.tree) >= 4, server.tree  # front end, core, two workers (and the resource tracker)
     _run_sigkill(server, busy=True)
