@@ -1,15 +1,17 @@
 """What a live migration costs, against recomputing the request instead.
 
     python benchmarks/bench_migration.py [--model large] [--lengths 256 1024 2048] [--repeats 5] \\
-        [--model-root /tmp/raylm_bench_models] [--two-hosts] [--output-json migration.json]
+        [--model-root /tmp/raylm_bench_models] [--two-hosts [--pin-hosts]] [--output-json migration.json]
 
 One engine with two local engine-core processes (data_parallel_size=2,
 data_parallel_backend="mp", num_threads=1 each), the ~111M ("large") or ~7M
 ("small") bf16 Llama of `compare_vllm.py --make-model`. `--two-hosts` (root):
 two Ray replicas on the two hosts of tests/multinode's network-namespace
 harness instead, the requests moved from the worker host's to the head's,
-their K/V over the CURVE sockets between the hosts. For each length L,
-`--repeats` times:
+their K/V over the CURVE sockets between the hosts; `--pin-hosts`: each host
+on its own half of the CPUs (on two cores, one each: the copies share a core
+only with their own host's steps, as on two machines with no spare core).
+For each length L, `--repeats` times:
 
   migration  one request of L random prompt tokens decodes alone on a core;
              once it has 8 tokens it is migrated live to the other core.
@@ -38,12 +40,22 @@ their K/V over the CURVE sockets between the hosts. For each length L,
              migrating. The bystanders' contexts grow meanwhile (each step
              reads more K/V), which slows a long window by itself: the
              pre-copy is also compared with the mean of the 1 s before it
-             and the 1 s after the move (the request aborted): "against
-             the windows before and after" (an overestimate at the source,
-             whose window after no longer holds the request); and
+             and 1 s of the same batch after the move: "against the
+             windows before and after" (at the destination its window
+             after the move, the request aborted; at the source, whose
+             window after no longer holds the request, the null twin's
+             window before, see below); and
              against the window before carried forward at the drift
              the destination's windows before and after show ("drift
-             corrected", both sides: their bystanders are alike). Also the
+             corrected", both sides: their bystanders are alike). And
+             against its null twin: right after each migration the same
+             request decodes at the source through the same baseline
+             window and then a window as long as that pre-copy, nothing
+             copied; the pre-copy's slowdown less the twin's ("net of the
+             null twins", paired per repeat) would be the copies' if the
+             drift were the same in both (it reads 4-9 points above the
+             bracket in every run so far: benchmarks/README). Means and
+             standard errors of both beside the medians. Also the
              CPU time each core's process uses per step over the
              pre-copy against before it: the copy's own cost, little moved
              by other work on a shared machine. And the copies' own CPU
@@ -164,6 +176,8 @@ def _bystander_window(supervisor, clocks: dict[int, str]) -> tuple[float, float]
     start = time.perf_counter()
     while clocks and (time.perf_counter() - start < 1.0 or len(
             [t for t in _arrivals[clocks[0]] if t > start]) < 4):
+        if clocks[0] not in supervisor.ledger:
+            raise RuntimeError(f"bystander {clocks[0]} finished: give it more positions")
         _pump(supervisor)
     return start, time.perf_counter()
 
@@ -208,6 +222,7 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
     # cost is decoding, not migrating.
     mine = [t for t in _arrivals[rid] if started - 1.0 < t <= ended]
     paused_at = max(zip(mine, mine[1:]), key=lambda gap: gap[1] - gap[0])[0] if len(mine) > 1 else ended
+    result["precopy_s"] = paused_at - started
     # The drift of the steps' time (the bystanders' contexts grow), a share a
     # second, read at the destination: there the windows before and after hold
     # the same batch (the request is gone again). Both cores' bystanders are
@@ -234,8 +249,10 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
                 during = _mean_gap(times, start, end)
                 if before and during:
                     result[f"{side}_{name}"] = during / before - 1
-                if name == "precopy_slowdown" and before and after and during:
-                    result[f"{side}_precopy_bracketed"] = during / ((before + after) / 2) - 1
+                if name == "precopy_slowdown" and before and during:
+                    result[f"{side}_precopy_gaps"] = (before, during, after)
+                    if after:
+                        result[f"{side}_precopy_bracketed"] = during / ((before + after) / 2) - 1
             cpu_before, cpu_during = (_cpu_per_step(core, times, baseline_from, started),
                                       _cpu_per_step(core, times, started, paused_at))
             if cpu_before and cpu_during:
@@ -243,6 +260,32 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
         if copy_cpu_before[core] is not None and copy_cpu_after[core] is not None:
             # The share of a core the copies took over the migration.
             result[f"{side}_copy_cpu"] = (copy_cpu_after[core] - copy_cpu_before[core]) / (ended - started)
+    return result
+
+
+def _control(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, clocks: dict[int, str],
+             source: int, window_s: float) -> dict:
+    """A migration's null twin: the same request decodes at `source` through
+    the same baseline window, then for `window_s` (the pre-copy's length)
+    with nothing copied: its bystanders' slowdown over that window against
+    the one before, and (at the source) that window before, the same batch
+    as before the migration, a few seconds later."""
+    supervisor = llm.llm_engine.engine_core
+    supervisor.add_request(Request(rid, prompt, params, None), data_parallel_rank=source)
+    _decode_until(supervisor, rid, _WARM_TOKENS)
+    baseline_from, started = _bystander_window(supervisor, clocks)
+    while time.perf_counter() - started < window_s:
+        _pump(supervisor)
+    ended = time.perf_counter()
+    supervisor.abort_requests([rid])
+    result = {}
+    for side, core in (("source", source), ("destination", 1 - source)):
+        if core in clocks:
+            times = _arrivals[clocks[core]]
+            before, during = _mean_gap(times, baseline_from, started), _mean_gap(times, started, ended)
+            if before and during:
+                result[f"{side}_control_slowdown"] = during / before - 1
+                result[f"{side}_control_before"] = before
     return result
 
 
@@ -266,6 +309,28 @@ def _summary(values: list[float]) -> dict:
     return {"median_ms": 1000 * statistics.median(values), "p99_ms": 1000 * max(values)}
 
 
+def _fresh_bystanders(llm: LLM, vocab: int, spec: dict, tag: str) -> dict[int, str]:
+    """`spec["bystanders"]` short requests decoding on each core (the last
+    ones aborted), so that their contexts, which slow their steps as they
+    grow, stay short and alike from one repeat to the next; once each has
+    its first token. Core -> the one whose token gaps time its steps."""
+    supervisor = llm.llm_engine.engine_core
+    supervisor.abort_requests([rid for rid in list(supervisor.ledger) if rid.startswith("bystander-")])
+    params = llm.llm_engine.input_processor.finish_params(
+        SamplingParams(temperature=0, max_tokens=spec["max_len"] - 64, ignore_eos=True))
+    clocks: dict[int, str] = {}
+    started = []
+    for core in range(2 if spec["bystanders"] else 0):
+        for i, prompt in enumerate(random_prompts(spec["bystanders"], 16, vocab, seed=core)):
+            rid = f"bystander-{tag}-{core}-{i}"
+            supervisor.add_request(Request(rid, prompt, params, None), data_parallel_rank=core)
+            clocks.setdefault(core, rid)
+            started.append(rid)
+    for rid in started:
+        _decode_until(supervisor, rid, 1)
+    return clocks
+
+
 def measure(llm: LLM, folder: pathlib.Path, spec: dict) -> dict:
     """Every length's figures on `llm` (two cores), its requests starting on
     core `spec["source"]` and moved to the other one."""
@@ -273,22 +338,29 @@ def measure(llm: LLM, folder: pathlib.Path, spec: dict) -> dict:
     supervisor = llm.llm_engine.engine_core
     results = {}
     for length in spec["lengths"]:
-        # Bystanders: fresh for each length, so that none reaches the end of the model's positions.
-        clocks: dict[int, str] = {}
-        bystander_params = llm.llm_engine.input_processor.finish_params(
-            SamplingParams(temperature=0, max_tokens=spec["max_len"] - 64, ignore_eos=True))
-        for core in range(2 if spec["bystanders"] else 0):
-            for i, prompt in enumerate(random_prompts(spec["bystanders"], 16, vocab, seed=core)):
-                rid = f"bystander-{length}-{core}-{i}"
-                supervisor.add_request(Request(rid, prompt, bystander_params, None), data_parallel_rank=core)
-                clocks.setdefault(core, rid)
         # Room to decode through the baseline window and the migration (then it is aborted).
         params = llm.llm_engine.input_processor.finish_params(
             SamplingParams(temperature=0, max_tokens=spec["max_len"] - length - 16, ignore_eos=True))
         prompts = random_prompts(spec["repeats"] + 1, length, vocab, seed=length)
         source = spec["source"]
+        clocks = _fresh_bystanders(llm, vocab, spec, f"{length}-warm")
         _migration(llm, prompts[-1], params, f"warm-{length}", clocks, source)  # first use of each size: not timed
-        moved = [_migration(llm, p, params, f"m-{length}-{i}", clocks, source) for i, p in enumerate(prompts[:-1])]
+        moved = []
+        for i, p in enumerate(prompts[:-1]):
+            clocks = _fresh_bystanders(llm, vocab, spec, f"{length}-{i}")
+            moved.append(_migration(llm, p, params, f"m-{length}-{i}", clocks, source))
+            if clocks:  # its null twin, right after it: the pre-copy's slowdown less the twin's is the copies'
+                control = _control(llm, p, params, f"c-{length}-{i}", clocks, source, moved[-1]["precopy_s"])
+                for side in ("source", "destination"):
+                    if f"{side}_precopy_slowdown" in moved[-1] and f"{side}_control_slowdown" in control:
+                        moved[-1][f"{side}_precopy_net"] = (moved[-1][f"{side}_precopy_slowdown"]
+                                                            - control[f"{side}_control_slowdown"])
+                        moved[-1][f"{side}_control"] = control[f"{side}_control_slowdown"]
+                # The source's window after the move no longer holds the request; the twin's
+                # window before its own (1 s of the same batch, a few seconds later) does.
+                gaps, twin_before = moved[-1].get("source_precopy_gaps"), control.get("source_control_before")
+                if gaps and twin_before:
+                    moved[-1]["source_precopy_bracketed"] = gaps[1] / ((gaps[0] + twin_before) / 2) - 1
         supervisor.abort_requests([rid for rid in list(supervisor.ledger) if rid.startswith("bystander-")])
         recomputed = [] if spec["skip_recompute"] else [
             _recompute(llm, p, params, f"r-{length}-{i}", 1 - source) for i, p in enumerate(prompts[:-1])]
@@ -304,9 +376,16 @@ def measure(llm: LLM, folder: pathlib.Path, spec: dict) -> dict:
         }
         for side in ("source", "destination"):
             for name in ("slowdown", "precopy_slowdown", "precopy_bracketed", "precopy_drift_corrected",
-                         "precopy_cpu", "copy_cpu"):
+                         "control", "precopy_net", "precopy_cpu", "copy_cpu"):
                 values = [m[f"{side}_{name}"] for m in moved if f"{side}_{name}" in m]
                 results[length][f"{side}_{name}_pct"] = 100 * statistics.median(values) if values else None
+            # Means and their standard errors too: one window's figure scatters by several
+            # points on a shared machine, so many repeats are needed to resolve a few percent.
+            for name in ("precopy_bracketed", "precopy_net"):
+                values = [m[f"{side}_{name}"] for m in moved if f"{side}_{name}" in m]
+                if len(values) > 1:
+                    results[length][f"{side}_{name}_mean_pct"] = 100 * statistics.fmean(values)
+                    results[length][f"{side}_{name}_sem_pct"] = 100 * statistics.stdev(values) / len(values) ** 0.5
         if not spec.get("quiet"):
             _print_row(length, results[length])
     return results
@@ -319,11 +398,17 @@ def _print_row(length: int, r: dict) -> None:
         value = r.get(f"{side}_{name}_pct")
         return "n/a" if value is None else f"{value:{sign}.1f}%"
 
+    def mean_sem(name: str) -> str:
+        return (f"mean {pct('source', name + '_mean')} +- {pct('source', name + '_sem', sign='')} /"
+                f" {pct('destination', name + '_mean')} +- {pct('destination', name + '_sem', sign='')}")
+
     slowdown = (f"  | step slowdown source {pct('source')} destination {pct('destination')}"
                 f" (pre-copy only: {pct('source', 'precopy_slowdown')} / {pct('destination', 'precopy_slowdown')};"
                 f" against the windows before and after: {pct('source', 'precopy_bracketed')} /"
-                f" {pct('destination', 'precopy_bracketed')}; drift corrected:"
+                f" {pct('destination', 'precopy_bracketed')} ({mean_sem('precopy_bracketed')}); drift corrected:"
                 f" {pct('source', 'precopy_drift_corrected')} / {pct('destination', 'precopy_drift_corrected')};"
+                f" null twins {pct('source', 'control')} / {pct('destination', 'control')}, so net of them"
+                f" {pct('source', 'precopy_net')} / {pct('destination', 'precopy_net')} ({mean_sem('precopy_net')});"
                 f" CPU per step {pct('source', 'precopy_cpu')} / {pct('destination', 'precopy_cpu')};"
                 f" the copies' CPU {pct('source', 'copy_cpu', sign='')} / {pct('destination', 'copy_cpu', sign='')}"
                 " of a core)")
@@ -412,7 +497,8 @@ def drive(spec: dict) -> dict:
     from tests.multinode.driver import _wait_for_nodes
 
     logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("raylm.engine.supervisor").setLevel(logging.INFO)  # each migration, on stderr
+    # Each migration and its stages' times, on stderr (shown when the driver fails).
+    logging.getLogger("raylm.engine.supervisor").setLevel(logging.DEBUG)
     ray_cluster.connect_ray(ParallelConfig(ray_address=spec["address"]), num_cpus_hint=0)
     _wait_for_nodes(2, timeout=60)
     folder = pathlib.Path(spec["folder"])
@@ -428,6 +514,15 @@ def drive(spec: dict) -> dict:
         return measure(llm, folder, {**spec, "source": worker_core, "quiet": True})
 
 
+def _halves_of_the_cpus() -> tuple[str, str]:
+    """This machine's usable CPUs in two halves (taskset lists): the head's and the worker's."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        sys.exit("--pin-hosts needs at least two CPUs")
+    half = len(cpus) // 2
+    return ",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODEL_PRESETS), default="large")
@@ -441,6 +536,9 @@ def main() -> None:
     parser.add_argument("--skip-recompute", action="store_true")
     parser.add_argument("--two-hosts", action="store_true",
                         help="the cores on two hosts of the network-namespace harness (root), K/V over CURVE")
+    parser.add_argument("--pin-hosts", action="store_true",
+                        help="--two-hosts: each host on its own half of this machine's CPUs (as two machines), "
+                             "instead of both sharing them all")
     parser.add_argument("--timeout", type=float, default=1800, help="--two-hosts: the driver's limit, seconds")
     parser.add_argument("--copy-cost", action="store_true",
                         help="only one stage's export and import cost, in isolation (no engine)")
@@ -454,6 +552,8 @@ def main() -> None:
         if args.output_json:
             pathlib.Path(args.output_json).write_text(json.dumps({"copy_cost": results}, indent=2))
         return
+    if args.pin_hosts and not args.two_hosts:
+        parser.error("--pin-hosts goes with --two-hosts")
     if args.sync_precopy:  # read by the core processes (raylm.engine.core_migration)
         os.environ["RAYLM_MIGRATION_SYNC_PRECOPY"] = "1"
     logging.basicConfig(level=logging.WARNING)
@@ -471,7 +571,7 @@ def main() -> None:
         reason = netns_unavailable()
         if reason:
             sys.exit(f"cannot build two hosts here: {reason}")
-        with two_hosts() as hosts:
+        with two_hosts(pinned=_halves_of_the_cpus() if args.pin_hosts else None) as hosts:
             results = hosts.run_driver({**spec, "address": hosts.address, "folder": str(folder.resolve())},
                                        timeout=args.timeout, module="benchmarks.bench_migration")
         for length, row in results.items():
@@ -485,6 +585,7 @@ def main() -> None:
     if args.output_json:
         pathlib.Path(args.output_json).write_text(json.dumps(
             {"model": args.model, "sync_precopy": args.sync_precopy, "two_hosts": args.two_hosts,
+             "pin_hosts": args.pin_hosts,
              "results": results}, indent=2))
 
 

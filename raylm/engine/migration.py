@@ -89,6 +89,8 @@ class Migration:
     network: KVNetwork | None = None
     # When the destination reported the request queued there (the final stage read in).
     resumed_at: float | None = None
+    # When the current stage's export was asked for (each stage's time is logged, at DEBUG).
+    stage_started: float = field(default_factory=time.monotonic)
 
 
 class MigrationControl:
@@ -210,6 +212,7 @@ class MigrationControl:
         return os.path.join(self._transfer_dir, f"{migration.migration_id}-{migration.stage}")
 
     def _export_stage(self, migration: Migration, final: bool) -> None:
+        migration.stage_started = time.monotonic()
         self.channels[migration.source].send(self._encoder.encode(
             MigrateExport(migration.migration_id, migration.request_id, self._stage_path(migration), final,
                           migration.network)))
@@ -253,6 +256,8 @@ class MigrationControl:
             migration.resumed_at = time.monotonic()
             self._end_migration(migration, ok=True)
             return
+        logger.debug("migration %s, stage %d: %d blocks (%d bytes) in %.3f s", migration.migration_id,
+                     migration.stage, report.num_blocks, report.num_bytes, time.monotonic() - migration.stage_started)
         last = report.num_blocks <= _FINAL_STAGE_BLOCKS or migration.stage >= _MAX_STAGES
         self._export_stage(migration, final=last)
 

@@ -211,9 +211,11 @@ class NetnsHost:
     name: str
     ip: str
     temp_dir: str  # RAY_TMPDIR of this host: Ray's temp dir is temp_dir/ray
+    cpus: str | None = None  # the CPUs every process of this host runs on (taskset's list); None: all
 
     def cmd(self, *args: str) -> list[str]:
-        return ["ip", "netns", "exec", self.name, *args]
+        pinned = ["taskset", "-c", self.cpus] if self.cpus is not None else []
+        return ["ip", "netns", "exec", self.name, *pinned, *args]
 
 
 @dataclass
@@ -279,19 +281,22 @@ def sigterm_unwinds():
 
 
 @contextmanager
-def two_hosts(system_config: dict | None = None, head_cpus: int = 2):
+def two_hosts(system_config: dict | None = None, head_cpus: int = 2, pinned: tuple[str, str] | None = None):
     """Two namespace hosts on 10.99.0.0/24, a Ray head (`head_cpus` CPUs) on
     the first and a Ray worker node (2 CPUs) on the second; all torn down on
-    exit, SIGTERM included."""
+    exit, SIGTERM included. `pinned`: the CPUs of the head and of the worker
+    (taskset lists, "0" and "1"): every process a host starts (its Ray node,
+    its actors, the driver on the head) runs on its own, as on two machines,
+    instead of both hosts sharing this machine's cores."""
     with sigterm_unwinds():
-        yield from _two_hosts(system_config, head_cpus)
+        yield from _two_hosts(system_config, head_cpus, pinned or (None, None))
 
 
-def _two_hosts(system_config: dict | None, head_cpus: int):
+def _two_hosts(system_config: dict | None, head_cpus: int, pinned: tuple[str | None, str | None]):
     remove_stale_netns()
     tag = f"{NETNS_PREFIX}{os.getpid()}_{next(_cluster_numbers) % 100}"
-    head = NetnsHost(tag + "h", HEAD_IP, _host_temp_dir(tag + "h"))
-    worker = NetnsHost(tag + "w", WORKER_IP, _host_temp_dir(tag + "w"))
+    head = NetnsHost(tag + "h", HEAD_IP, _host_temp_dir(tag + "h"), pinned[0])
+    worker = NetnsHost(tag + "w", WORKER_IP, _host_temp_dir(tag + "w"), pinned[1])
     try:
         for host in (head, worker):
             _ip("netns", "add", host.name)
