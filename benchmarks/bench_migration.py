@@ -61,7 +61,7 @@ For each length L, `--repeats` times:
              by other work on a shared machine. And the copies' own CPU
              (each process's threads named raylm-kv-...) over the
              migration, as a share of a core: what the copy budget holds
-             to RAYLM_MIGRATION_COPY_CPU_SHARE (5%) at each end.
+             to RAYLM_MIGRATION_COPY_CPU_SHARE (3%) at each end.
 
 `--sync-precopy` copies every stage on the cores' loops (the behaviour
 before the overlapped pre-copy), for comparison.

@@ -47,15 +47,14 @@ from raylm.worker.cpu_placement import name_this_thread, thread_cpu_s
 logger = logging.getLogger(__name__)
 
 
-# What the copies of a process may take, in all, of a core's time. At 5%
-# the copies' CPU stayed within it (measured 4.1-4.5% at a destination,
-# 2.0-3.5% at a source on the two-host benchmark, 2k tokens), yet the
-# destination's steps were 6-15% slower over its pre-copy: a copy costs a
-# core that steps more than its own CPU time. 3% measured better there
-# (+3.5..+6.9%) with migrations 1.5-2.8x longer; but a scale-in under 24
-# streams through the server then once moved none of its requests (they
-# were drained instead) in a loaded clean-clone CI, so the default stays 5%.
-_DEFAULT_COPY_CPU_SHARE = 0.05
+# What the copies of a process may take, in all, of a core's time. The
+# steps beside a pre-copy lose about what the copies spend, where no core is
+# spare (benchmarks/README, "Each host on its own core"; ~111M bf16, 2k
+# tokens, 16 repeats, against the same batch before and after): at 5%, two
+# hosts +3.6% / +2.3% (source / destination), one node +1.2% / +5.1%; at 3%,
+# two hosts +0.4..+1.9% / -1.1..+0.2%, one node +3.8% / +0.7%, for a
+# migration about 1.3x longer (2.8 s against 2.2 s across the hosts).
+_DEFAULT_COPY_CPU_SHARE = 0.03
 
 
 def _copy_cpu_share() -> float:
