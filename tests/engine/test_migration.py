@@ -36,11 +36,6 @@ def model(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def reference(model):
-    return [r.token_ids for r in hf_greedy(model, PROMPTS, MAX_TOKENS)]
-
-
-@pytest.fixture(scope="module")
 def straggling_reference(model):
     return [r.token_ids for r in hf_greedy(model, STRAGGLING_PROMPTS, MAX_TOKENS)]
 
@@ -203,7 +198,7 @@ def test_seeded_and_structured_requests_continue_exactly(llm):
 
 
 @pytest.mark.parametrize("victim", ["source", "destination"])
-def test_a_core_killed_mid_migration_loses_nothing(llm, reference, victim):
+def test_a_core_killed_mid_migration_loses_nothing(llm, straggling_reference, victim):
     supervisor = llm.llm_engine.engine_core
     struck = []
     on_imported = supervisor._on_imported
@@ -221,9 +216,12 @@ def test_a_core_killed_mid_migration_loses_nothing(llm, reference, victim):
         rid = next(r for r in sorted(sup.channels[1].in_flight))
         assert sup.migrate(rid, 0)
 
-    done = _run(llm, {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)}, move_one)
+    # Straggling prompts: the first stage is read in before the requests end
+    # however fast the machine decodes (a paced pre-copy takes several steps;
+    # at the 3% share one clean-clone CI saw every request end first).
+    done = _run(llm, {str(i): (p, GREEDY) for i, p in enumerate(STRAGGLING_PROMPTS)}, move_one)
     assert struck
-    assert [done[str(i)] for i in range(len(PROMPTS))] == reference
+    assert [done[str(i)] for i in range(len(PROMPTS))] == straggling_reference
     wait_until(lambda: len(supervisor.channels) == 2, 120, step=lambda: _read_one(supervisor),
                message="the killed core's replacement")
     assert _kv_in_use(supervisor) == {0: 0.0, 1: 0.0}
