@@ -223,6 +223,9 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
     mine = [t for t in _arrivals[rid] if started - 1.0 < t <= ended]
     paused_at = max(zip(mine, mine[1:]), key=lambda gap: gap[1] - gap[0])[0] if len(mine) > 1 else ended
     result["precopy_s"] = paused_at - started
+    # The windows' bounds (perf_counter seconds), for a look at the drift in --output-json.
+    result["windows"] = {"before": (baseline_from, started), "precopy": (started, paused_at),
+                         "after": (after_from, after_to)}
     # The drift of the steps' time (the bystanders' contexts grow), a share a
     # second, read at the destination: there the windows before and after hold
     # the same batch (the request is gone again). Both cores' bystanders are
@@ -285,7 +288,8 @@ def _control(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cloc
             before, during = _mean_gap(times, baseline_from, started), _mean_gap(times, started, ended)
             if before and during:
                 result[f"{side}_control_slowdown"] = during / before - 1
-                result[f"{side}_control_before"] = before
+                result[f"{side}_control_before"], result[f"{side}_control_during"] = before, during
+    result["windows"] = {"before": (baseline_from, started), "during": (started, ended)}
     return result
 
 
@@ -356,6 +360,9 @@ def measure(llm: LLM, folder: pathlib.Path, spec: dict) -> dict:
                         moved[-1][f"{side}_precopy_net"] = (moved[-1][f"{side}_precopy_slowdown"]
                                                             - control[f"{side}_control_slowdown"])
                         moved[-1][f"{side}_control"] = control[f"{side}_control_slowdown"]
+                        moved[-1][f"{side}_control_gaps"] = (control[f"{side}_control_before"],
+                                                             control[f"{side}_control_during"])
+                moved[-1]["twin_windows"] = control["windows"]
                 # The source's window after the move no longer holds the request; the twin's
                 # window before its own (1 s of the same batch, a few seconds later) does.
                 gaps, twin_before = moved[-1].get("source_precopy_gaps"), control.get("source_control_before")
@@ -373,6 +380,7 @@ def measure(llm: LLM, folder: pathlib.Path, spec: dict) -> dict:
             "extra_pause": _summary([m["downtime_s"] - m["inter_token_s"] for m in moved]),
             "recompute": _summary(recomputed) if recomputed else None,
             "mib_moved": moved[0]["num_bytes"] / 2**20,
+            "per_repeat": moved,  # every figure of every repeat, for --output-json
         }
         for side in ("source", "destination"):
             for name in ("slowdown", "precopy_slowdown", "precopy_bracketed", "precopy_drift_corrected",
