@@ -37,25 +37,19 @@ For each length L, `--repeats` times:
              `migrate()` to the request's pause): there both batches are as
              in the baseline, while after it the destination decodes one
              request more (and the source one less), which is serving, not
-             migrating. The bystanders' contexts grow meanwhile (each step
-             reads more K/V), which slows a long window by itself: the
-             pre-copy is also compared with the mean of the 1 s before it
-             and 1 s of the same batch after the move: "against the
-             windows before and after" (at the destination its window
-             after the move, the request aborted; at the source, whose
-             window after no longer holds the request, the null twin's
-             window before, see below); and
-             against the window before carried forward at the drift
-             the destination's windows before and after show ("drift
-             corrected", both sides: their bystanders are alike). And
-             against its null twin: right after each migration the same
-             request decodes at the source through the same baseline
-             window and then a window as long as that pre-copy, nothing
-             copied; the pre-copy's slowdown less the twin's ("net of the
-             null twins", paired per repeat) would be the copies' if the
-             drift were the same in both (it reads 4-9 points above the
-             bracket in every run so far: benchmarks/README). Means and
-             standard errors of both beside the medians. Also the
+             migrating. The bystanders (started afresh for each repeat)
+             grow their contexts meanwhile, each step reading more K/V:
+             their steps drift slower by a few ms a second, which slows
+             a long window by itself. So each side's pre-copy is also
+             compared with its batch's step time then: "against the same
+             batch before and after", the window before and a window of
+             the same batch after, interpolated in time to the pre-copy's
+             middle (at the destination its 1 s after the move, the
+             request aborted; at the source, whose window after lacks the
+             request, its null twin's window before: right after each
+             migration the same request decodes at the source again,
+             nothing copied, through 1 s and then a window as long as the
+             pre-copy). Median, and mean with its standard error. Also the
              CPU time each core's process uses per step over the
              pre-copy against before it: the copy's own cost, little moved
              by other work on a shared machine. And the copies' own CPU
@@ -206,10 +200,10 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
     assert event.ok, event
     supervisor.abort_requests([rid])
     # A second baseline after the move: the bystanders' contexts grow all the
-    # while (each step reads more K/V), so a slow pre-copy window would be
-    # slower than the baseline before it without any copying. The mean of the
-    # windows before and after brackets that drift (at the source the request
-    # has left, so its window after is lighter: an overestimate there).
+    # while (each step reads more K/V), so a pre-copy window is slower than
+    # the window before it without any copying. At the destination this one
+    # holds the same batch as the window before (the request is gone again);
+    # the source's window of the same batch is its null twin's (_control).
     after_from, after_to = _bystander_window(supervisor, clocks)
     gaps = [b - a for a, b in zip(arrivals[1:], arrivals[2:])]
     result = {"downtime_s": event.downtime_s, "handover_s": event.handover_s, "seconds": event.seconds,
@@ -226,26 +220,10 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
     # The windows' bounds (perf_counter seconds), for a look at the drift in --output-json.
     result["windows"] = {"before": (baseline_from, started), "precopy": (started, paused_at),
                          "after": (after_from, after_to)}
-    # The drift of the steps' time (the bystanders' contexts grow), a share a
-    # second, read at the destination: there the windows before and after hold
-    # the same batch (the request is gone again). Both cores' bystanders are
-    # alike, so the source's steps drift alike: each side's pre-copy is also
-    # compared with its window before, carried forward at that rate ("drift
-    # corrected"), which at the source the window after cannot do.
-    drift_per_s = None
-    if 1 - source in clocks:
-        times = _arrivals[clocks[1 - source]]
-        before, after = _mean_gap(times, baseline_from, started), _mean_gap(times, after_from, after_to)
-        if before and after:
-            drift_per_s = (after / before - 1) / ((after_from + after_to) / 2 - (baseline_from + started) / 2)
     for side, core in (("source", source), ("destination", 1 - source)):
         if core in clocks:
             times = _arrivals[clocks[core]]
             before = _mean_gap(times, baseline_from, started)
-            during = _mean_gap(times, started, paused_at)
-            if drift_per_s is not None and before and during:
-                elapsed = (started + paused_at) / 2 - (baseline_from + started) / 2
-                result[f"{side}_precopy_drift_corrected"] = during / (before * (1 + drift_per_s * elapsed)) - 1
             windows = {"slowdown": (started, ended), "precopy_slowdown": (started, paused_at)}
             after = _mean_gap(times, after_from, after_to)
             for name, (start, end) in windows.items():
@@ -254,8 +232,6 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
                     result[f"{side}_{name}"] = during / before - 1
                 if name == "precopy_slowdown" and before and during:
                     result[f"{side}_precopy_gaps"] = (before, during, after)
-                    if after:
-                        result[f"{side}_precopy_bracketed"] = during / ((before + after) / 2) - 1
             cpu_before, cpu_during = (_cpu_per_step(core, times, baseline_from, started),
                                       _cpu_per_step(core, times, started, paused_at))
             if cpu_before and cpu_during:
@@ -269,10 +245,10 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
 def _control(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, clocks: dict[int, str],
              source: int, window_s: float) -> dict:
     """A migration's null twin: the same request decodes at `source` through
-    the same baseline window, then for `window_s` (the pre-copy's length)
-    with nothing copied: its bystanders' slowdown over that window against
-    the one before, and (at the source) that window before, the same batch
-    as before the migration, a few seconds later."""
+    the same 1 s window, then for `window_s` (the pre-copy's length), with
+    nothing copied. Its bystanders' mean gaps over both and the windows'
+    bounds: the first is the source's window of the same batch after the
+    migration (see _against_the_same_batch)."""
     supervisor = llm.llm_engine.engine_core
     supervisor.add_request(Request(rid, prompt, params, None), data_parallel_rank=source)
     _decode_until(supervisor, rid, _WARM_TOKENS)
@@ -287,10 +263,47 @@ def _control(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cloc
             times = _arrivals[clocks[core]]
             before, during = _mean_gap(times, baseline_from, started), _mean_gap(times, started, ended)
             if before and during:
-                result[f"{side}_control_slowdown"] = during / before - 1
                 result[f"{side}_control_before"], result[f"{side}_control_during"] = before, during
     result["windows"] = {"before": (baseline_from, started), "during": (started, ended)}
     return result
+
+
+def _center(window: tuple[float, float]) -> float:
+    return (window[0] + window[1]) / 2
+
+
+def _against_the_same_batch(moved: dict, control: dict) -> None:
+    """Each side's pre-copy against the step time its batch had then: the
+    windows before and after of the same batch, interpolated in time to the
+    pre-copy's middle (the bystanders' steps grow by a few ms a second, a
+    drift linear in time: in one run the destination's windows at -0.5,
+    2.5, 5.5, 8.4 and 11.4 s from the pre-copy's start read +0, +12, +22,
+    +34 and +45%). At the destination the window after is its own after the
+    move; at the source, whose window after lacks the request, its null
+    twin's window before. (A twin's own slowdown is no null figure for the
+    pre-copy's: its window before is already slower, so the same drift in
+    ms is a smaller share of it.)"""
+    for side, gaps in (("source", moved.get("source_precopy_gaps")),
+                       ("destination", moved.get("destination_precopy_gaps"))):
+        if not gaps:
+            continue
+        before, during, after = gaps
+        if side == "source":
+            twin_before = control.get("source_control_before")
+            if twin_before is None:
+                continue
+            later, later_at = twin_before, _center(control["windows"]["before"])
+        elif after:
+            later, later_at = after, _center(moved["windows"]["after"])
+        else:
+            continue
+        before_at, during_at = _center(moved["windows"]["before"]), _center(moved["windows"]["precopy"])
+        expected = before + (later - before) * (during_at - before_at) / (later_at - before_at)
+        moved[f"{side}_precopy_same_batch"] = during / expected - 1
+    for side in ("source", "destination"):
+        if f"{side}_control_before" in control:
+            moved[f"{side}_control_gaps"] = (control[f"{side}_control_before"], control[f"{side}_control_during"])
+    moved["twin_windows"] = control["windows"]
 
 
 def _recompute(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, core: int) -> float:
@@ -353,21 +366,9 @@ def measure(llm: LLM, folder: pathlib.Path, spec: dict) -> dict:
         for i, p in enumerate(prompts[:-1]):
             clocks = _fresh_bystanders(llm, vocab, spec, f"{length}-{i}")
             moved.append(_migration(llm, p, params, f"m-{length}-{i}", clocks, source))
-            if clocks:  # its null twin, right after it: the pre-copy's slowdown less the twin's is the copies'
+            if clocks:  # its null twin, right after it
                 control = _control(llm, p, params, f"c-{length}-{i}", clocks, source, moved[-1]["precopy_s"])
-                for side in ("source", "destination"):
-                    if f"{side}_precopy_slowdown" in moved[-1] and f"{side}_control_slowdown" in control:
-                        moved[-1][f"{side}_precopy_net"] = (moved[-1][f"{side}_precopy_slowdown"]
-                                                            - control[f"{side}_control_slowdown"])
-                        moved[-1][f"{side}_control"] = control[f"{side}_control_slowdown"]
-                        moved[-1][f"{side}_control_gaps"] = (control[f"{side}_control_before"],
-                                                             control[f"{side}_control_during"])
-                moved[-1]["twin_windows"] = control["windows"]
-                # The source's window after the move no longer holds the request; the twin's
-                # window before its own (1 s of the same batch, a few seconds later) does.
-                gaps, twin_before = moved[-1].get("source_precopy_gaps"), control.get("source_control_before")
-                if gaps and twin_before:
-                    moved[-1]["source_precopy_bracketed"] = gaps[1] / ((gaps[0] + twin_before) / 2) - 1
+                _against_the_same_batch(moved[-1], control)
         supervisor.abort_requests([rid for rid in list(supervisor.ledger) if rid.startswith("bystander-")])
         recomputed = [] if spec["skip_recompute"] else [
             _recompute(llm, p, params, f"r-{length}-{i}", 1 - source) for i, p in enumerate(prompts[:-1])]
@@ -383,13 +384,12 @@ def measure(llm: LLM, folder: pathlib.Path, spec: dict) -> dict:
             "per_repeat": moved,  # every figure of every repeat, for --output-json
         }
         for side in ("source", "destination"):
-            for name in ("slowdown", "precopy_slowdown", "precopy_bracketed", "precopy_drift_corrected",
-                         "control", "precopy_net", "precopy_cpu", "copy_cpu"):
+            for name in ("slowdown", "precopy_slowdown", "precopy_same_batch", "precopy_cpu", "copy_cpu"):
                 values = [m[f"{side}_{name}"] for m in moved if f"{side}_{name}" in m]
                 results[length][f"{side}_{name}_pct"] = 100 * statistics.median(values) if values else None
             # Means and their standard errors too: one window's figure scatters by several
             # points on a shared machine, so many repeats are needed to resolve a few percent.
-            for name in ("precopy_bracketed", "precopy_net"):
+            for name in ("precopy_same_batch",):
                 values = [m[f"{side}_{name}"] for m in moved if f"{side}_{name}" in m]
                 if len(values) > 1:
                     results[length][f"{side}_{name}_mean_pct"] = 100 * statistics.fmean(values)
@@ -412,11 +412,8 @@ def _print_row(length: int, r: dict) -> None:
 
     slowdown = (f"  | step slowdown source {pct('source')} destination {pct('destination')}"
                 f" (pre-copy only: {pct('source', 'precopy_slowdown')} / {pct('destination', 'precopy_slowdown')};"
-                f" against the windows before and after: {pct('source', 'precopy_bracketed')} /"
-                f" {pct('destination', 'precopy_bracketed')} ({mean_sem('precopy_bracketed')}); drift corrected:"
-                f" {pct('source', 'precopy_drift_corrected')} / {pct('destination', 'precopy_drift_corrected')};"
-                f" null twins {pct('source', 'control')} / {pct('destination', 'control')}, so net of them"
-                f" {pct('source', 'precopy_net')} / {pct('destination', 'precopy_net')} ({mean_sem('precopy_net')});"
+                f" against the same batch before and after: {pct('source', 'precopy_same_batch')} /"
+                f" {pct('destination', 'precopy_same_batch')} ({mean_sem('precopy_same_batch')});"
                 f" CPU per step {pct('source', 'precopy_cpu')} / {pct('destination', 'precopy_cpu')};"
                 f" the copies' CPU {pct('source', 'copy_cpu', sign='')} / {pct('destination', 'copy_cpu', sign='')}"
                 " of a core)")

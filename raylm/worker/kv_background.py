@@ -47,13 +47,12 @@ from raylm.worker.cpu_placement import name_this_thread, thread_cpu_s
 logger = logging.getLogger(__name__)
 
 
-# What the copies of a process may take, in all, of a core's time. The
-# steps beside a pre-copy lose about what the copies spend, where no core is
-# spare (benchmarks/README, "Each host on its own core"; ~111M bf16, 2k
-# tokens, 16 repeats, against the same batch before and after): at 5%, two
-# hosts +3.6% / +2.3% (source / destination), one node +1.2% / +5.1%; at 3%,
-# two hosts +0.4..+1.9% / -1.1..+0.2%, one node +3.8% / +0.7%, for a
-# migration about 1.3x longer (2.8 s against 2.2 s across the hosts).
+# What the copies of a process may take, in all, of a core's time. Where no
+# core is spare (benchmarks/README, "Each host on its own core"; ~111M bf16,
+# 2k tokens, 16 repeats, against the same batch before and after), at 3% a
+# destination's steps lost -0.1..+1.3% (two hosts and one node), a source's
+# +5.2..+5.8% (its copies 2.8% of a core); at 5% +1.0% / +4.5% (one node)
+# and +6.7%; a migration about 1.5x longer at 3%.
 _DEFAULT_COPY_CPU_SHARE = 0.03
 
 
