@@ -387,13 +387,13 @@ def measure(llm: LLM, folder: pathlib.Path, spec: dict) -> dict:
             for name in ("slowdown", "precopy_slowdown", "precopy_same_batch", "precopy_cpu", "copy_cpu"):
                 values = [m[f"{side}_{name}"] for m in moved if f"{side}_{name}" in m]
                 results[length][f"{side}_{name}_pct"] = 100 * statistics.median(values) if values else None
-            # Means and their standard errors too: one window's figure scatters by several
-            # points on a shared machine, so many repeats are needed to resolve a few percent.
-            for name in ("precopy_same_batch",):
-                values = [m[f"{side}_{name}"] for m in moved if f"{side}_{name}" in m]
-                if len(values) > 1:
-                    results[length][f"{side}_{name}_mean_pct"] = 100 * statistics.fmean(values)
-                    results[length][f"{side}_{name}_sem_pct"] = 100 * statistics.stdev(values) / len(values) ** 0.5
+            # The same-batch figure's mean and standard error too: one window's figure scatters
+            # by several points on a shared machine; many repeats resolve a few percent.
+            same_batch = [m[f"{side}_precopy_same_batch"] for m in moved if f"{side}_precopy_same_batch" in m]
+            if len(same_batch) > 1:
+                results[length][f"{side}_precopy_same_batch_mean_pct"] = 100 * statistics.fmean(same_batch)
+                results[length][f"{side}_precopy_same_batch_sem_pct"] = (
+                    100 * statistics.stdev(same_batch) / len(same_batch) ** 0.5)
         if not spec.get("quiet"):
             _print_row(length, results[length])
     return results
