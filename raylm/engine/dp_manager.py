@@ -34,7 +34,7 @@ from raylm.engine.core_proc import EngineCoreProc
 from raylm.engine.protocol import ClientMessage
 from raylm.executor.ray_cluster import connect_ray, kill_actors
 from raylm.executor.ray_placement import (place_replica, replica_bundles, replica_num_cpus_hint,
-                                          replica_target_nodes, worker_env_vars)
+                                          replica_target_nodes, undo_ray_worker_niceness, worker_env_vars)
 from raylm.startup_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
@@ -122,6 +122,7 @@ class EngineCoreActor:
                  log_level: int = logging.WARNING):
         from raylm.engine.engine_core import EngineCore
 
+        undo_ray_worker_niceness()  # the model loads and warms up on this thread
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.engine_index = engine_index
         self.core = EngineCore(config)
@@ -143,6 +144,9 @@ class EngineCoreActor:
 
     def run(self) -> None:
         """Until the front end sends Shutdown; always releases the executor."""
+        # A threaded actor (max_concurrency=2): the loop may run on another
+        # thread than __init__, and its helpers (the K/V copies') start from it.
+        undo_ray_worker_niceness()
         try:
             self.proc.run()
         finally:

@@ -15,6 +15,7 @@ from raylm.distributed.shm_broadcast import MessageQueue, MessageQueueHandle
 from raylm.distributed.shm_ring import unlink_segment
 from raylm.distributed.tcp_auth import CurveKeys
 from raylm.executor.mq_rpc import CallableRegistry, WorkerLoop
+from raylm.executor.ray_placement import undo_ray_worker_niceness
 from raylm.startup_heap import freeze_startup_heap
 from raylm.worker.cpu_placement import RankPlacement, apply_rank_placement, plan_cpu_placement, read_topology
 from raylm.worker.worker import WorkerWrapper
@@ -102,21 +103,6 @@ def _is_loopback_init(init_method: str) -> bool:
     return host in ("127.0.0.1", "localhost", "::1")
 
 
-def _undo_ray_worker_niceness() -> None:
-    """Ray starts worker processes at niceness 15 (its `worker_niceness`) so
-    background tasks yield to the driver; a model rank is the opposite of a
-    background task: at nice 15 it loses every contended core to any other
-    process (measured here: ray TP=2 ~10% behind mp TP=2 on a busy 2-core
-    host). Raise it back to the driver's level where the OS allows."""
-    try:
-        current = os.getpriority(os.PRIO_PROCESS, 0)
-        target = int(os.environ.get("RAYLM_DRIVER_NICENESS", "0"))
-        if current > target:
-            os.setpriority(os.PRIO_PROCESS, 0, target)
-    except (OSError, ValueError) as e:  # no CAP_SYS_NICE: keep Ray's niceness
-        logger.debug("could not lower the worker's niceness: %s", e)
-
-
 class RayWorkerWrapper(WorkerWrapper):
     """The actor of one rank: a WorkerWrapper plus what only Ray can tell
     (node identity, GPU ids), the entry point of the compiled graph, and the
@@ -127,7 +113,7 @@ class RayWorkerWrapper(WorkerWrapper):
 
     def __init__(self, rank: int = 0):
         super().__init__(rank)
-        _undo_ray_worker_niceness()
+        undo_ray_worker_niceness()
     _mq_loop: WorkerLoop | None = None
     _mq_thread: threading.Thread | None = None
 

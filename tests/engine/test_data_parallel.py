@@ -4,6 +4,7 @@ ends with no replica actor, worker actor or placement group left."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -48,12 +49,33 @@ def _assert_nothing_left() -> None:
     assert not live_pgs, "placement groups left"
 
 
+def _threads_cpu_s(pid: int) -> dict[int, float]:
+    """Seconds each thread of process `pid` has run on a CPU."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0]) / 1e9
+        except OSError:  # the thread ended
+            pass
+    return out
+
+
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "dp2xtp2"])
 def test_replicas_match_hf_and_share_the_load(ray_session, model, reference, tp):
     extra = {"tensor_parallel_size": 2, "distributed_executor_backend": "ray"} if tp == 2 else {}
     with _dp_llm(model, **extra) as llm:
+        pids = [r.pid for r in _client(llm).launcher.manager.replicas.values()]
+        before = {pid: _threads_cpu_s(pid) for pid in pids}
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == reference
+        if os.path.isdir("/proc/self/task") and os.geteuid() == 0:  # allowed to undo Ray's nice 15
+            # Each replica's loop (the thread that stepped the most meanwhile) runs at
+            # the driver's niceness, not at the nice 15 Ray starts its workers at.
+            for pid in pids:
+                after = _threads_cpu_s(pid)
+                loop = max(after, key=lambda tid: after[tid] - before[pid].get(tid, 0.0))
+                assert os.getpriority(os.PRIO_PROCESS, loop) == os.getpriority(os.PRIO_PROCESS, 0), pid
         routed = [r["num_routed"] for r in _client(llm).replica_states()]
         assert len(routed) == 2 and sum(routed) == len(PROMPTS)
         assert max(routed) <= 1.25 * len(PROMPTS) / 2  # within 25% of even
