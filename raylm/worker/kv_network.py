@@ -29,6 +29,7 @@ import functools
 import logging
 import math
 import os
+import queue
 import struct
 import threading
 import time
@@ -75,15 +76,10 @@ _FRAME_META = struct.Struct("<II")
 # full, so the destination's reading, paced by its CPU budget, paces its
 # decryption too.
 _PACED_RECEIVE_QUEUE = 2
-# How often the server looks whether a paced stage's last frame has been
-# encrypted (its tracker done) and the next may be sent: soon after sending
-# it (encrypting 1 MiB takes about a millisecond), then less and less often
-# (a destination pacing its reading holds a frame back for tens of
-# milliseconds: polled every millisecond, the waiting cost about as much
-# CPU as the encryption).
-_SENT_POLL_S, _SENT_POLL_MAX_S = 0.001, 0.01
-# How often the server looks whether a stage's packing has ended.
-_PACKING_POLL_S = 0.005
+# The server's thread wakes when a request comes, a packing ends, a paced
+# frame has been encrypted (_SentFrames) or its copy budget allows the next;
+# with none of those due it still looks this often whether a send has stalled.
+_STALL_CHECK_S = 1.0
 
 
 class StageBuffers:
@@ -150,11 +146,12 @@ class _StageSend:
     (its socket's queue full, then TCP's window)."""
 
     def __init__(self, identity: bytes, packed: torch.Tensor | Future, buffer: torch.Tensor | None,
-                 buffers: StageBuffers, budget: CopyBudget | None = None):
+                 buffers: StageBuffers, budget: CopyBudget | None = None, sent_frames: _SentFrames | None = None):
         self.identity = identity
         self._packed = packed
         self._buffer, self._buffers = buffer, buffers
         self._budget = budget  # None: unpaced
+        self._sent_frames = sent_frames  # what wakes the server once a paced frame has gone
         self._chunks: list | None = None  # the frames' arrays, once packed
         self._next = 0
         # The sent frames' trackers (a frame object kept here would hold its
@@ -162,14 +159,15 @@ class _StageSend:
         self._sent: list[zmq.MessageTracker] = []
         self._last_sent_at = 0.0
 
-    def due_in(self, now: float) -> float:
-        """Seconds until `advance` may have something to send."""
+    def due_in(self) -> float:
+        """Seconds until `advance` may have something to send; math.inf:
+        not before the server is woken (its packing ends, its last frame goes)."""
         if self._chunks is None:
-            return 0.0 if not isinstance(self._packed, Future) or self._packed.done() else _PACKING_POLL_S
+            return 0.0 if not isinstance(self._packed, Future) or self._packed.done() else math.inf
         if self._budget is None:
             return 0.0
         if self._sent and not self._sent[-1].done:
-            return min(_SENT_POLL_MAX_S, max(_SENT_POLL_S, (now - self._last_sent_at) / 4))
+            return math.inf
         return self._budget.wait_s()
 
     def stalled(self, now: float) -> bool:
@@ -193,12 +191,14 @@ class _StageSend:
                 self._packed = self._packed.result()
             data = self._packed.numpy()
             self._chunks = [data[at : at + _FRAME_BYTES] for at in range(0, len(data), _FRAME_BYTES)]
-        while self._next < len(self._chunks) and self.due_in(time.monotonic()) <= 0:
+        while self._next < len(self._chunks) and self.due_in() <= 0:
             # Zero-copy: ZMQ holds the frame until it is sent, which its tracker tells.
             frame = zmq.Frame(self._chunks[self._next], copy=False, track=True)
             sock.send_multipart([self.identity, _STATUS_OK, _FRAME_META.pack(self._next, len(self._chunks)), frame],
                                 copy=False)
             self._sent.append(frame.tracker)
+            if self._budget is not None and self._sent_frames is not None:
+                self._sent_frames.watch(frame.tracker)
             del frame
             self._last_sent_at = time.monotonic()
             self._next += 1
@@ -217,6 +217,79 @@ class _StageSend:
         if self._buffer is not None:
             self._buffers.give_back(self._buffer, sending)
             self._buffer = None
+
+
+class _Wakeup:
+    """A pipe whose reading end the server's poll watches: any thread (a
+    packing's callback, _SentFrames) writes a byte to wake it at once."""
+
+    def __init__(self):
+        self.fd, self._write_fd = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._write_fd, False)
+        self._lock = threading.Lock()  # no write once closed: the number may be another file's by then
+        self._closed = False
+
+    def wake(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._write_fd, b"\0")
+            except BlockingIOError:  # the pipe is full: a wake-up is pending anyway
+                pass
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            os.close(self._write_fd)
+            os.close(self.fd)
+
+
+class _SentFrames:
+    """Wakes the server once each paced frame has been encrypted and sent
+    (its tracker done: pyzmq sets a threading.Event that no poll can
+    watch), so that it sleeps meanwhile instead of looking again and
+    again. One thread, asleep on the trackers in turn; counted in the
+    copy budget."""
+
+    def __init__(self, wakeup: _Wakeup, budget: CopyBudget):
+        self._wakeup, self._budget = wakeup, budget
+        self._trackers: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="raylm-kv-sent", daemon=True)
+        self._thread.start()
+
+    def watch(self, tracker: zmq.MessageTracker) -> None:
+        self._trackers.put(tracker)
+
+    def _run(self) -> None:
+        name_this_thread("raylm-kv-sent")
+        self._budget.count_this_thread()
+        while True:
+            tracker = self._trackers.get()
+            if tracker is None:
+                break
+            while not self._closed.is_set():
+                try:
+                    tracker.wait(_CANCEL_CHECK_S)  # and looks whether the server closed
+                    break
+                except zmq.NotDone:
+                    continue
+            self._wakeup.wake()
+        self._budget.forget([threading.get_native_id()])
+
+    def close(self) -> None:
+        self._closed.set()
+        self._trackers.put(None)
+        self._thread.join(timeout=5)
 
 
 class KVBlockServer:
@@ -246,6 +319,8 @@ class KVBlockServer:
         # traffic never wakes the thread (tests count on it).
         self.requests_received = 0
         self._budget.count(self._io_threads)  # they encrypt
+        self._wakeup = _Wakeup()
+        self._sent_frames = _SentFrames(self._wakeup, self._budget)
         self._thread = threading.Thread(target=self._serve, name="raylm-kv-server", daemon=True)
         self._thread.start()
 
@@ -284,13 +359,24 @@ class KVBlockServer:
             return len(self._offers)
 
     def _serve(self) -> None:
+        """Asleep but when there is something to do: a request, a send that
+        may go on (its packing ended, its last frame encrypted, the budget
+        allows the next). Every wake-up of a thread beside the steps takes
+        a core from them where none is spare, and polled (every 1-10 ms while
+        a frame waited for its destination) this thread spent more CPU than
+        the packing and about as much as the encryption."""
         name_this_thread("raylm-kv-server")
         self._budget.count_this_thread()
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wakeup.fd, zmq.POLLIN)
         sends: list[_StageSend] = []
         while not self._closed.is_set():
-            now = time.monotonic()
-            wait_s = min([send.due_in(now) for send in sends], default=0.1)
-            if self._sock.poll(math.ceil(1000 * wait_s)):
+            wait_s = min([send.due_in() for send in sends] + [_STALL_CHECK_S])
+            ready = dict(poller.poll(math.ceil(1000 * wait_s)))
+            if self._wakeup.fd in ready:
+                self._wakeup.drain()
+            if self._sock in ready:
                 self._answer(self._sock.recv_multipart(), sends)
             now = time.monotonic()
             for send in list(sends):
@@ -313,13 +399,18 @@ class KVBlockServer:
             self._sock.send_multipart([identity, _STATUS_MISSING, b""])
             return
         packed, _, buffer = entry
+        if isinstance(packed, Future):  # still packing, maybe: the server is woken when it ends
+            packed.add_done_callback(lambda _: self._wakeup.wake())
         # Packed beside the steps: a pre-copy stage, paced as its packing was.
         sends.append(_StageSend(identity, packed, buffer, self.buffers,
-                                self._budget if isinstance(packed, Future) else None))
+                                self._budget if isinstance(packed, Future) else None, self._sent_frames))
 
     def close(self) -> None:
         self._closed.set()
+        self._wakeup.wake()
         self._thread.join(timeout=5)
+        self._sent_frames.close()
+        self._wakeup.close()
         self._sock.close(linger=0)
         self._curve.stop()
         terminate_context(self._context)

@@ -41,7 +41,8 @@ def endpoint():
     ep = kv_network.KVNetworkEndpoint()
     yield ep
     ep.close()
-    assert not [t for t in threading.enumerate() if t.name == "raylm-kv-server"], "the server thread lives on"
+    left = [t.name for t in threading.enumerate() if t.name in ("raylm-kv-server", "raylm-kv-sent")]
+    assert not left, f"the server's threads live on: {left}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -289,6 +290,41 @@ def test_a_paced_fetch_decrypts_no_more_than_it_reads(endpoint):
     assert spent > 0
     # Held a second: a few frames of the 24 decrypted meanwhile, at most.
     assert cpu_at["held"] - cpu_at["first"] <= 0.3 * spent
+
+
+def _context_switches(tid: int) -> int:
+    with open(f"/proc/self/task/{tid}/status") as f:
+        return sum(int(line.split()[1]) for line in f if line.split(":")[0].endswith("ctxt_switches"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux: per-thread context switches")
+def test_the_server_sleeps_while_a_paced_frame_waits_for_its_destination():
+    """While a destination holds its reading (its budget pauses it), the
+    source's server thread sleeps until the frame it sent last has gone: a
+    thread waking beside the steps takes a core from them where none is
+    spare (it used to look every 1-10 ms, hundreds of times a stage)."""
+    endpoint = kv_network.KVNetworkEndpoint(kv_background.CopyBudget(share=1.0))
+    keys = CurveKeys.generate()
+    source = _caches(13, num_blocks=16384)  # 24 MiB, 24 frames
+    try:
+        _, address = endpoint.serve(source, "m-12-0.rank0", list(range(16384)), "127.0.0.1", keys,
+                                    run_in_background=_packed_at_once)
+        (server,) = [t for t in threading.enumerate() if t.name == "raylm-kv-server"]
+        switches = {}
+
+        def pause() -> None:
+            if not switches:
+                time.sleep(0.5)  # the source sends what TCP's buffers take, then waits
+                switches["held"] = _context_switches(server.native_id)
+                time.sleep(1.0)
+                switches["later"] = _context_switches(server.native_id)
+
+        frames = kv_network.fetch(address, "m-12-0.rank0", keys, pause=pause)
+        assert b"".join(f.bytes for f in frames) == kv_transfer.pack_blocks(source, list(range(16384))).numpy().tobytes()
+        # A second held: the server looked whether its send had stalled once, not every few ms.
+        assert switches["later"] - switches["held"] <= 3, switches
+    finally:
+        endpoint.close()
 
 
 def test_a_buffer_withdrawn_while_packing_is_kept_only_once_packed(endpoint):
