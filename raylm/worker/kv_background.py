@@ -148,6 +148,52 @@ class CopyBudget:
         return self._debt_s
 
 
+def no_wakeup_preemption(tid: int | None = None) -> None:
+    """The thread `tid` (this one by default) runs as SCHED_BATCH: its
+    wake-ups do not preempt a step that holds the core (Linux runs it when
+    the step's time slice ends or the step waits), at its niceness.
+    Elsewhere, or where not allowed, nothing."""
+    _set_policy(tid or 0, "SCHED_BATCH")
+
+
+def _set_policy(tid: int, policy: str) -> None:
+    try:
+        os.sched_setscheduler(tid, getattr(os, policy), os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux, not allowed, or the thread is gone
+        pass
+
+
+class ThreadsBesideTheSteps:
+    """Threads that copy for both kinds of stage (ZMQ's I/O threads, which
+    encrypt and decrypt): SCHED_BATCH for a pre-copy, beside the steps; at
+    the steps' own policy while a final stage needs them (`urgent`), whose
+    request is paused meanwhile: a wake-up that waited for the step's time
+    slice to end would stretch the pause. (A policy, not a niceness: a
+    thread may go back from SCHED_BATCH, not to a lower niceness, without
+    privileges.)"""
+
+    def __init__(self, tids: list[int]):
+        self.tids = list(tids)
+        self._lock = threading.Lock()
+        self._urgent = 0
+        for tid in self.tids:
+            no_wakeup_preemption(tid)
+
+    def urgent_begin(self) -> None:
+        with self._lock:
+            self._urgent += 1
+            if self._urgent == 1:
+                for tid in self.tids:
+                    _set_policy(tid, "SCHED_OTHER")
+
+    def urgent_end(self) -> None:
+        with self._lock:
+            self._urgent -= 1
+            if self._urgent == 0:
+                for tid in self.tids:
+                    no_wakeup_preemption(tid)
+
+
 _process_budget: CopyBudget | None = None
 _process_budget_lock = threading.Lock()
 
@@ -175,6 +221,7 @@ class KVCopyJobs:
 
     def _start_thread(self, name: str) -> None:
         name_this_thread(name)
+        no_wakeup_preemption()
         self._thread_ids.append(threading.get_native_id())
         self.budget.count_this_thread()
 

@@ -34,6 +34,7 @@ import struct
 import threading
 import time
 from concurrent.futures import Future
+from typing import Callable
 
 import torch
 import zmq
@@ -41,7 +42,7 @@ import zmq
 from raylm.distributed.tcp_auth import CurveKeys, CurveServer, secure_client, terminate_context
 from raylm.worker import kv_transfer
 from raylm.worker.cpu_placement import name_this_thread, name_thread, thread_ids, thread_name
-from raylm.worker.kv_background import CopyBudget, process_copy_budget
+from raylm.worker.kv_background import CopyBudget, ThreadsBesideTheSteps, no_wakeup_preemption, process_copy_budget
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,9 @@ class _StageSend:
         # message: its tracker is done only once libzmq and the frame let go).
         self._sent: list[zmq.MessageTracker] = []
         self._last_sent_at = 0.0
+        # Every frame's tracker once all are sent (done: the stage has left); None until then,
+        # or for a stage that failed.
+        self.sending: zmq.MessageTracker | None = None
 
     def due_in(self) -> float:
         """Seconds until `advance` may have something to send; math.inf:
@@ -204,7 +208,8 @@ class _StageSend:
             self._next += 1
         if self._next < len(self._chunks):
             return False
-        self._finish(zmq.MessageTracker(*self._sent))
+        self.sending = zmq.MessageTracker(*self._sent)
+        self._finish(self.sending)
         return True
 
     def abandon(self) -> None:
@@ -267,23 +272,26 @@ class _SentFrames:
         self._thread = threading.Thread(target=self._run, name="raylm-kv-sent", daemon=True)
         self._thread.start()
 
-    def watch(self, tracker: zmq.MessageTracker) -> None:
-        self._trackers.put(tracker)
+    def watch(self, tracker: zmq.MessageTracker, then: Callable[[], None] | None = None) -> None:
+        """Once `tracker` is done: `then()`, or wake the server."""
+        self._trackers.put((tracker, then or self._wakeup.wake))
 
     def _run(self) -> None:
         name_this_thread("raylm-kv-sent")
+        no_wakeup_preemption()
         self._budget.count_this_thread()
         while True:
-            tracker = self._trackers.get()
-            if tracker is None:
+            item = self._trackers.get()
+            if item is None:
                 break
+            tracker, then = item
             while not self._closed.is_set():
                 try:
                     tracker.wait(_CANCEL_CHECK_S)  # and looks whether the server closed
                     break
                 except zmq.NotDone:
                     continue
-            self._wakeup.wake()
+            then()
         self._budget.forget([threading.get_native_id()])
 
     def close(self) -> None:
@@ -319,6 +327,7 @@ class KVBlockServer:
         # traffic never wakes the thread (tests count on it).
         self.requests_received = 0
         self._budget.count(self._io_threads)  # they encrypt
+        self._io_policy = ThreadsBesideTheSteps(self._io_threads)
         self._wakeup = _Wakeup()
         self._sent_frames = _SentFrames(self._wakeup, self._budget)
         self._thread = threading.Thread(target=self._serve, name="raylm-kv-server", daemon=True)
@@ -401,9 +410,19 @@ class KVBlockServer:
         packed, _, buffer = entry
         if isinstance(packed, Future):  # still packing, maybe: the server is woken when it ends
             packed.add_done_callback(lambda _: self._wakeup.wake())
-        # Packed beside the steps: a pre-copy stage, paced as its packing was.
-        sends.append(_StageSend(identity, packed, buffer, self.buffers,
-                                self._budget if isinstance(packed, Future) else None, self._sent_frames))
+            # Packed beside the steps: a pre-copy stage, paced as its packing was.
+            sends.append(_StageSend(identity, packed, buffer, self.buffers, self._budget, self._sent_frames))
+            return
+        # A final stage (its request paused): encrypted at the steps' priority, sent at once.
+        self._io_policy.urgent_begin()
+        send = _StageSend(identity, packed, buffer, self.buffers)
+        try:
+            send.advance(self._sock)
+        finally:
+            if send.sending is None:  # nothing left to encrypt
+                self._io_policy.urgent_end()
+            else:
+                self._sent_frames.watch(send.sending, then=self._io_policy.urgent_end)
 
     def close(self) -> None:
         self._closed.set()
@@ -422,24 +441,23 @@ class KVBlockServer:
 
 def _context_yielding_to_the_steps(socket_type: int) -> tuple[zmq.Context, zmq.Socket, list[int]]:
     """A ZMQ context for K/V transfers and its first socket (which starts the
-    context's threads), those threads at nice 10, and their ids. CURVE
-    encrypts and decrypts a stage's blocks on its I/O thread (a 2k-token
-    stage of the ~111M model, 35 MiB, sent as one message cost ~90 ms of CPU
-    at each end): where no core is spare, at the default priority that burst
-    took its share of a core that was stepping. At nice 10 the kernel runs
-    it in what the steps leave; where cores are spare it makes no
-    difference. Linux only."""
+    context's threads), and those threads' ids, named raylm-kv-... . CURVE
+    encrypts and decrypts a stage's blocks on its I/O threads; the caller
+    makes them yield to the steps but for a final stage
+    (kv_background.ThreadsBesideTheSteps). They were at nice 10 until the
+    final stage's encryption and decryption, at a tenth of the steps'
+    weight, stretched the pause. Linux only."""
     before = set(thread_ids())
     context = zmq.Context()
     sock = context.socket(socket_type)
-    return context, sock, _lower_priority_of_zmq_threads(set(thread_ids()) - before)
+    return context, sock, _name_zmq_threads(set(thread_ids()) - before)
 
 
-def _lower_priority_of_zmq_threads(new_threads: set[int]) -> list[int]:
-    """Nice 10 for the threads among `new_threads` that name themselves
-    ZMQbg/... (a new thread does so as it starts: waited for briefly), so
-    that no other thread started meanwhile is slowed; renamed raylm-kv-...
-    (told from the step queues' ZMQ threads where one looks at a process's
+def _name_zmq_threads(new_threads: set[int]) -> list[int]:
+    """The threads among `new_threads` that name themselves ZMQbg/... (a new
+    thread does so as it starts: waited for briefly), so that no other
+    thread started meanwhile is taken for one, renamed raylm-kv-... (told
+    from the step queues' ZMQ threads where one looks at a process's
     threads); their ids."""
     deadline = time.monotonic() + 0.2
     found = []
@@ -452,32 +470,29 @@ def _lower_priority_of_zmq_threads(new_threads: set[int]) -> list[int]:
             if name is not None:
                 found.append(tid)
                 name_thread(tid, "raylm-kv-" + name.removeprefix("ZMQbg/"))
-                try:
-                    os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), _KV_IO_NICE))
-                except OSError:  # gone, or not allowed: the transfer works all the same
-                    pass
         if not new_threads or time.monotonic() >= deadline:
             return found
         time.sleep(0.005)
     return found
 
 
-_KV_IO_NICE = 10
 _fetch_context: zmq.Context | None = None
 _fetch_io_threads: list[int] = []  # its threads' ids
+_fetch_threads = ThreadsBesideTheSteps([])
 _fetch_context_lock = threading.Lock()
 
 
 def _fetch_zmq_context() -> zmq.Context:
-    """The context every fetch of this process uses, its threads niced (see
-    above) and counted in the process's copy budget (they decrypt)."""
-    global _fetch_context
+    """The context every fetch of this process uses, its threads yielding to
+    the steps (see above) and counted in the process's copy budget (they decrypt)."""
+    global _fetch_context, _fetch_threads
     with _fetch_context_lock:
         if _fetch_context is None:
             context, first, io_threads = _context_yielding_to_the_steps(zmq.DEALER)
             first.close(linger=0)
             process_copy_budget().count(io_threads)
             _fetch_io_threads[:] = io_threads
+            _fetch_threads = ThreadsBesideTheSteps(io_threads)
             _fetch_context = context
         return _fetch_context
 
@@ -500,6 +515,9 @@ def fetch(address: str, name: str, keys: CurveKeys, timeout_s: float = FETCH_TIM
     sock.connect(address)
     parts: list[zmq.Frame] = []
     received = 0
+    urgent = pause is None  # a final stage, its request paused: decrypted at the steps' priority
+    if urgent:
+        _fetch_threads.urgent_begin()
     try:
         sock.send(name.encode())
         count = None
@@ -525,6 +543,8 @@ def fetch(address: str, name: str, keys: CurveKeys, timeout_s: float = FETCH_TIM
                 pause()
     finally:
         sock.close(linger=0)
+        if urgent:
+            _fetch_threads.urgent_end()
     return parts
 
 

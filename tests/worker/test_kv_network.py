@@ -63,34 +63,61 @@ def test_blocks_arrive_bit_for_bit_in_the_reserved_blocks(endpoint, dtype):
         kv_network.fetch(address, "m-0.rank0", keys, timeout_s=5)
 
 
-def _zmq_threads_and_nice(tids: set[int]) -> dict[int, int]:
+def _zmq_threads_and_policy(tids: set[int]) -> dict[int, int]:
     out = {}
     for tid in tids:
         try:
             comm = open(f"/proc/self/task/{tid}/comm").read()
             if comm.startswith(("raylm-kv-IO/", "raylm-kv-Reaper")):
-                out[tid] = os.getpriority(os.PRIO_PROCESS, tid)
+                out[tid] = os.sched_getscheduler(tid)
         except OSError:
             pass
     return out
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux: per-thread nice values")
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux: per-thread scheduling policies")
 def test_the_transfer_threads_yield_to_the_steps(endpoint):
-    """CURVE encrypts and decrypts a stage's blocks on ZMQ's I/O threads, in
-    one burst per message: the K/V contexts' threads run at nice 10, so that
-    where no core is spare the decode steps keep theirs."""
+    """CURVE encrypts and decrypts a stage's blocks on ZMQ's I/O threads: the
+    K/V contexts' threads run as SCHED_BATCH (waking, they do not preempt a
+    step) but while a final stage, its request paused, needs them; so does
+    the thread that waits for the paced frames to leave. The server's own
+    thread, which answers a final stage's request, keeps the steps' policy
+    and niceness."""
     before = {int(t) for t in os.listdir("/proc/self/task")}
     keys = CurveKeys.generate()
     _, address = endpoint.serve(_caches(0), "m-6.rank0", [1, 2], "127.0.0.1", keys)
     destination = _caches(None)
     kv_network.KVNetworkEndpoint().fetch_into(destination, "m-6.rank0", [4, 7], address, keys)
     assert torch.equal(destination[1][:, [4, 7]], _caches(0)[1][:, [1, 2]])
-    new = _zmq_threads_and_nice({int(t) for t in os.listdir("/proc/self/task")} - before)
-    assert new and all(nice >= 10 for nice in new.values()), new
-    # The server's own thread, which hands out the offers, keeps its priority.
+    new = _zmq_threads_and_policy({int(t) for t in os.listdir("/proc/self/task")} - before)
+    wait_until(lambda: all(policy == os.SCHED_BATCH for policy in _zmq_threads_and_policy(set(new)).values()), 10,
+               message="the final stage's send to end")
     (server_thread,) = [t for t in threading.enumerate() if t.name == "raylm-kv-server"]
     assert os.getpriority(os.PRIO_PROCESS, server_thread.native_id) == os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.sched_getscheduler(server_thread.native_id) == os.sched_getscheduler(0)
+    (sent_thread,) = [t for t in threading.enumerate() if t.name == "raylm-kv-sent"]
+    assert os.sched_getscheduler(sent_thread.native_id) == os.SCHED_BATCH
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_threads_beside_the_steps_go_back_to_the_steps_policy_while_a_final_stage_needs_them():
+    ready, done = threading.Event(), threading.Event()
+    helper = threading.Thread(target=lambda: (ready.set(), done.wait(10)))
+    helper.start()
+    ready.wait(10)
+    try:
+        threads = kv_background.ThreadsBesideTheSteps([helper.native_id])
+        assert os.sched_getscheduler(helper.native_id) == os.SCHED_BATCH
+        threads.urgent_begin()
+        threads.urgent_begin()  # two final stages at once
+        assert os.sched_getscheduler(helper.native_id) == os.SCHED_OTHER
+        threads.urgent_end()
+        assert os.sched_getscheduler(helper.native_id) == os.SCHED_OTHER  # one still needs it
+        threads.urgent_end()
+        assert os.sched_getscheduler(helper.native_id) == os.SCHED_BATCH
+    finally:
+        done.set()
+        helper.join()
 
 
 def test_a_client_without_the_key_gets_nothing(endpoint):

@@ -138,6 +138,8 @@ def test_the_copy_threads_are_counted_in_one_budget():
     budget = kv_background.CopyBudget(share=0.5)
     jobs = kv_background.KVCopyJobs(budget)
     exporter = jobs.export(threading.get_native_id).result(10)
+    if hasattr(os, "SCHED_BATCH"):  # waking, a copy does not preempt a step
+        assert jobs.export(lambda: os.sched_getscheduler(0)).result(10) == os.SCHED_BATCH
     paced_pause = jobs.export(lambda pause: pause, paced=True).result(10)
     assert paced_pause == budget.pause
     assert set(budget._cpu_s) == {exporter}
