@@ -102,6 +102,17 @@ _arrivals: dict[str, list[float]] = {}
 # at every arrival time: core -> {time: seconds}.
 _core_processes: dict[int, psutil.Process] = {}
 _core_cpu: dict[int, dict[float, float]] = {}
+# Each core's step thread (its busiest thread but the copies', found at its
+# first migration) and, at every arrival, the seconds it had run on a CPU
+# and waited runnable for one: core -> {time: (run, wait)}.
+_step_threads: dict[int, int] = {}
+_step_sched: dict[int, dict[float, tuple[float, float]]] = {}
+# The copies' CPU seconds, read every 0.1 s: core -> {time: seconds}; from the
+# threads found at the migration's start (_kv_threads: listing them all is a
+# few ms of the head's core, which the destination and the supervisor share).
+_copy_cpu: dict[int, dict[float, float]] = {}
+_kv_threads: dict[int, list[int]] = {}
+_COPY_CPU_EVERY_S = 0.1
 
 
 def _pump(supervisor):
@@ -115,28 +126,94 @@ def _pump(supervisor):
         for core, process in _core_processes.items():
             cpu = process.cpu_times()
             _core_cpu.setdefault(core, {})[now] = cpu.user + cpu.system
+            if core in _step_threads:
+                sched = _schedstat_s(process.pid, _step_threads[core])
+                if sched is not None:
+                    _step_sched.setdefault(core, {})[now] = sched
+            copies = _copy_cpu.setdefault(core, {})
+            if core in _kv_threads and (not copies or now - max(copies) >= _COPY_CPU_EVERY_S):
+                copies[now] = sum(sched[0] for sched in (_schedstat_s(process.pid, tid) for tid in _kv_threads[core])
+                                  if sched is not None)
     return outputs
 
 
-def _copy_cpu_s(core: int) -> float | None:
+def _schedstat_s(pid: int, tid: int) -> tuple[float, float] | None:
+    """Seconds the thread `tid` of process `pid` has run on a CPU, and waited runnable for one."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            run_ns, wait_ns = f.read().split()[:2]
+    except OSError:
+        return None
+    return int(run_ns) / 1e9, int(wait_ns) / 1e9
+
+
+def _find_step_threads() -> None:
+    """Each core's step thread: the one of its process that has run longest, the copies' aside."""
+    for core, process in _core_processes.items():
+        if core in _step_threads:
+            continue
+        busiest = (0.0, None)
+        for tid in os.listdir(f"/proc/{process.pid}/task"):
+            try:
+                with open(f"/proc/{process.pid}/task/{tid}/comm") as f:
+                    if f.read().startswith("raylm-kv-"):
+                        continue
+            except OSError:
+                continue
+            sched = _schedstat_s(process.pid, int(tid))
+            if sched is not None and sched[0] > busiest[0]:
+                busiest = (sched[0], int(tid))
+        if busiest[1] is not None:
+            _step_threads[core] = busiest[1]
+
+
+def _step_thread_per_step(core: int, times: list[float], start: float, end: float) -> dict | None:
+    """Per step of core `core`'s bystander (arrivals `times`) in [start, end]:
+    the wall time, and the seconds its step thread ran, waited runnable for a
+    CPU (another thread held it: the copies, where no core is spare), and
+    was off a CPU otherwise (blocked: on the GIL, on a socket)."""
+    sched = _step_sched.get(core, {})
+    inside = [t for t in times if start <= t <= end and t in sched]
+    if len(inside) < 2:
+        return None
+    steps = len(inside) - 1
+    run, wait = (b - a for a, b in zip(sched[inside[0]], sched[inside[-1]]))
+    wall = inside[-1] - inside[0]
+    return {"wall": wall / steps, "run": run / steps, "wait": wait / steps, "blocked": (wall - run - wait) / steps}
+
+
+def _copy_share(core: int, start: float, end: float) -> float | None:
+    """The share of a core that core `core`'s copies took in [start, end] (its readings nearest inside)."""
+    readings = sorted(t for t in _copy_cpu.get(core, {}) if start <= t <= end)
+    if len(readings) < 2:
+        return None
+    spent = _copy_cpu[core]
+    return (spent[readings[-1]] - spent[readings[0]]) / (readings[-1] - readings[0])
+
+
+def _copy_cpu_by_thread(core: int) -> dict[str, float] | None:
     """CPU seconds that core `core`'s process has spent on its K/V copies so
-    far: its threads named raylm-kv-... (raylm.worker.kv_background,
+    far, by thread name: its threads named raylm-kv-... (raylm.worker.kv_background,
     kv_network: the copying threads, the K/V server's and ZMQ's I/O threads
     of the K/V sockets)."""
     process = _core_processes.get(core)
     if process is None:
         return None
-    total_ns = 0
+    spent: dict[str, float] = {}
+    tids = []
     for tid in os.listdir(f"/proc/{process.pid}/task"):
         try:
             with open(f"/proc/{process.pid}/task/{tid}/comm") as f:
-                if not f.read().startswith("raylm-kv-"):
-                    continue
+                name = f.read().strip()
+            if not name.startswith("raylm-kv-"):
+                continue
             with open(f"/proc/{process.pid}/task/{tid}/schedstat") as f:
-                total_ns += int(f.read().split()[0])
+                spent[name] = spent.get(name, 0.0) + int(f.read().split()[0]) / 1e9
+            tids.append(int(tid))
         except OSError:  # the thread ended
             continue
-    return total_ns / 1e9
+    _kv_threads[core] = tids
+    return spent
 
 
 def _cpu_per_step(core: int, times: list[float], start: float, end: float) -> float | None:
@@ -186,7 +263,7 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
     # The baseline of the bystanders' steps, with the request decoding at its source.
     baseline_from, _ = _bystander_window(supervisor, clocks)
     source = supervisor.ledger[rid].channel
-    copy_cpu_before = {core: _copy_cpu_s(core) for core in (0, 1)}
+    copy_cpu_before = {core: _copy_cpu_by_thread(core) for core in (0, 1)}
     started = time.perf_counter()
     assert supervisor.migrate(rid, 1 - source, reason="manual")
     event = None
@@ -196,7 +273,7 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
         outputs = _pump(supervisor)
         event = next((m for m in outputs.migrated), None)
     ended = time.perf_counter()
-    copy_cpu_after = {core: _copy_cpu_s(core) for core in (0, 1)}
+    copy_cpu_after = {core: _copy_cpu_by_thread(core) for core in (0, 1)}
     assert event.ok, event
     supervisor.abort_requests([rid])
     # A second baseline after the move: the bystanders' contexts grow all the
@@ -236,9 +313,24 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
                                       _cpu_per_step(core, times, started, paused_at))
             if cpu_before and cpu_during:
                 result[f"{side}_precopy_cpu"] = cpu_during / cpu_before - 1
+            # Where the pre-copy's steps lost their time, against the window before: a
+            # thread that waits runnable for a CPU, or blocks, longer per step is held
+            # by something beside it; a longer run is the step's own work (which the
+            # drift grows too, and the copies' traffic through the caches).
+            step_before, step_during = (_step_thread_per_step(core, times, baseline_from, started),
+                                        _step_thread_per_step(core, times, started, paused_at))
+            if step_before and step_during:
+                for part in ("run", "wait", "blocked"):
+                    result[f"{side}_precopy_{part}_added"] = (step_during[part] - step_before[part]) / step_before["wall"]
+            share = _copy_share(core, started, paused_at)
+            if share is not None:
+                result[f"{side}_precopy_copy_cpu"] = share
         if copy_cpu_before[core] is not None and copy_cpu_after[core] is not None:
-            # The share of a core the copies took over the migration.
-            result[f"{side}_copy_cpu"] = (copy_cpu_after[core] - copy_cpu_before[core]) / (ended - started)
+            # The share of a core the copies took over the migration, in all and by thread.
+            by_thread = {name: (spent - copy_cpu_before[core].get(name, 0.0)) / (ended - started)
+                         for name, spent in copy_cpu_after[core].items()}
+            result[f"{side}_copy_cpu"] = sum(by_thread.values())
+            result[f"{side}_copy_cpu_by_thread"] = by_thread
     return result
 
 
@@ -264,6 +356,10 @@ def _control(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cloc
             before, during = _mean_gap(times, baseline_from, started), _mean_gap(times, started, ended)
             if before and during:
                 result[f"{side}_control_before"], result[f"{side}_control_during"] = before, during
+            step_before, step_during = (_step_thread_per_step(core, times, baseline_from, started),
+                                        _step_thread_per_step(core, times, started, ended))
+            if step_before and step_during:
+                result[f"{side}_control_run_drift"] = step_during["run"] - step_before["run"]
     result["windows"] = {"before": (baseline_from, started), "during": (started, ended)}
     return result
 
@@ -300,6 +396,15 @@ def _against_the_same_batch(moved: dict, control: dict) -> None:
         before_at, during_at = _center(moved["windows"]["before"]), _center(moved["windows"]["precopy"])
         expected = before + (later - before) * (during_at - before_at) / (later_at - before_at)
         moved[f"{side}_precopy_same_batch"] = during / expected - 1
+        # The step thread's run per step grew by the drift and by what the copies
+        # cost it (their traffic through the caches); the twin's grew by the
+        # drift alone, in seconds the same over a window as long (linear in time).
+        drift = control.get(f"{side}_control_run_drift")
+        if drift is not None and f"{side}_precopy_run_added" in moved:
+            net_run = moved[f"{side}_precopy_run_added"] - drift / before
+            moved[f"{side}_precopy_run_net"] = net_run
+            moved[f"{side}_precopy_held"] = (net_run + moved[f"{side}_precopy_wait_added"]
+                                            + moved[f"{side}_precopy_blocked_added"])
     for side in ("source", "destination"):
         if f"{side}_control_before" in control:
             moved[f"{side}_control_gaps"] = (control[f"{side}_control_before"], control[f"{side}_control_during"])
@@ -362,6 +467,7 @@ def measure(llm: LLM, folder: pathlib.Path, spec: dict) -> dict:
         source = spec["source"]
         clocks = _fresh_bystanders(llm, vocab, spec, f"{length}-warm")
         _migration(llm, prompts[-1], params, f"warm-{length}", clocks, source)  # first use of each size: not timed
+        _find_step_threads()
         moved = []
         for i, p in enumerate(prompts[:-1]):
             clocks = _fresh_bystanders(llm, vocab, spec, f"{length}-{i}")
@@ -384,16 +490,18 @@ def measure(llm: LLM, folder: pathlib.Path, spec: dict) -> dict:
             "per_repeat": moved,  # every figure of every repeat, for --output-json
         }
         for side in ("source", "destination"):
-            for name in ("slowdown", "precopy_slowdown", "precopy_same_batch", "precopy_cpu", "copy_cpu"):
+            for name in ("slowdown", "precopy_slowdown", "precopy_same_batch", "precopy_cpu", "copy_cpu",
+                         "precopy_copy_cpu", "precopy_run_added", "precopy_wait_added", "precopy_blocked_added",
+                         "precopy_run_net", "precopy_held"):
                 values = [m[f"{side}_{name}"] for m in moved if f"{side}_{name}" in m]
                 results[length][f"{side}_{name}_pct"] = 100 * statistics.median(values) if values else None
             # The same-batch figure's mean and standard error too: one window's figure scatters
             # by several points on a shared machine; many repeats resolve a few percent.
-            same_batch = [m[f"{side}_precopy_same_batch"] for m in moved if f"{side}_precopy_same_batch" in m]
-            if len(same_batch) > 1:
-                results[length][f"{side}_precopy_same_batch_mean_pct"] = 100 * statistics.fmean(same_batch)
-                results[length][f"{side}_precopy_same_batch_sem_pct"] = (
-                    100 * statistics.stdev(same_batch) / len(same_batch) ** 0.5)
+            for name in ("precopy_same_batch", "precopy_held"):
+                values = [m[f"{side}_{name}"] for m in moved if f"{side}_{name}" in m]
+                if len(values) > 1:
+                    results[length][f"{side}_{name}_mean_pct"] = 100 * statistics.fmean(values)
+                    results[length][f"{side}_{name}_sem_pct"] = 100 * statistics.stdev(values) / len(values) ** 0.5
         if not spec.get("quiet"):
             _print_row(length, results[length])
     return results
@@ -416,7 +524,15 @@ def _print_row(length: int, r: dict) -> None:
                 f" {pct('destination', 'precopy_same_batch')} ({mean_sem('precopy_same_batch')});"
                 f" CPU per step {pct('source', 'precopy_cpu')} / {pct('destination', 'precopy_cpu')};"
                 f" the copies' CPU {pct('source', 'copy_cpu', sign='')} / {pct('destination', 'copy_cpu', sign='')}"
-                " of a core)")
+                f" of a core, over the pre-copy {pct('source', 'precopy_copy_cpu', sign='')} /"
+                f" {pct('destination', 'precopy_copy_cpu', sign='')};"
+                f" the step thread's time per step added over the pre-copy, run"
+                f" {pct('source', 'precopy_run_added')} / {pct('destination', 'precopy_run_added')},"
+                f" waiting for a CPU {pct('source', 'precopy_wait_added')} / {pct('destination', 'precopy_wait_added')},"
+                f" blocked {pct('source', 'precopy_blocked_added')} / {pct('destination', 'precopy_blocked_added')};"
+                f" run net of the twin's drift {pct('source', 'precopy_run_net')} /"
+                f" {pct('destination', 'precopy_run_net')}; held in all {pct('source', 'precopy_held')} /"
+                f" {pct('destination', 'precopy_held')} ({mean_sem('precopy_held')}))")
     print(f"L={int(length):5d}  downtime {r['downtime']['median_ms']:7.1f} ms (max {r['downtime']['p99_ms']:7.1f}, "
           f"handover {r['handover']['median_ms']:5.1f}, over a normal gap {r['extra_pause']['median_ms']:5.1f})"
           f"{recompute}  | inter-token {r['inter_token']['median_ms']:6.1f} ms  | whole migration "
