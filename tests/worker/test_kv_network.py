@@ -76,20 +76,31 @@ def _zmq_threads_and_policy(tids: set[int]) -> dict[int, int]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux: per-thread scheduling policies")
-def test_the_transfer_threads_yield_to_the_steps(endpoint):
+def test_the_transfer_threads_yield_to_the_steps(endpoint, monkeypatch):
     """CURVE encrypts and decrypts a stage's blocks on ZMQ's I/O threads: the
     K/V contexts' threads run as SCHED_BATCH (waking, they do not preempt a
     step) but while a final stage, its request paused, needs them; so does
     the thread that waits for the paced frames to leave. The server's own
     thread, which answers a final stage's request, keeps the steps' policy
     and niceness."""
+    urgent = []  # whose threads a final stage asked for, at which policy then
+    urgent_begin = kv_background.ThreadsBesideTheSteps.urgent_begin
+
+    def recording_urgent_begin(threads):
+        urgent_begin(threads)
+        urgent.append({tid: os.sched_getscheduler(tid) for tid in threads.tids})
+
+    monkeypatch.setattr(kv_background.ThreadsBesideTheSteps, "urgent_begin", recording_urgent_begin)
     before = {int(t) for t in os.listdir("/proc/self/task")}
     keys = CurveKeys.generate()
-    _, address = endpoint.serve(_caches(0), "m-6.rank0", [1, 2], "127.0.0.1", keys)
+    _, address = endpoint.serve(_caches(0), "m-6.rank0", [1, 2], "127.0.0.1", keys)  # a final stage
     destination = _caches(None)
     kv_network.KVNetworkEndpoint().fetch_into(destination, "m-6.rank0", [4, 7], address, keys)
     assert torch.equal(destination[1][:, [4, 7]], _caches(0)[1][:, [1, 2]])
+    # The source's I/O threads and the fetch's, at the default policy while they carried it.
+    assert len(urgent) == 2 and all(policy == os.SCHED_OTHER for threads in urgent for policy in threads.values())
     new = _zmq_threads_and_policy({int(t) for t in os.listdir("/proc/self/task")} - before)
+    assert new
     wait_until(lambda: all(policy == os.SCHED_BATCH for policy in _zmq_threads_and_policy(set(new)).values()), 10,
                message="the final stage's send to end")
     (server_thread,) = [t for t in threading.enumerate() if t.name == "raylm-kv-server"]
