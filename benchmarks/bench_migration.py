@@ -54,8 +54,15 @@ For each length L, `--repeats` times:
              pre-copy against before it: the copy's own cost, little moved
              by other work on a shared machine. And the copies' own CPU
              (each process's threads named raylm-kv-...) over the
-             migration, as a share of a core: what the copy budget holds
-             to RAYLM_MIGRATION_COPY_CPU_SHARE (3%) at each end.
+             migration and over the pre-copy, as a share of a core: what the
+             copy budget holds to RAYLM_MIGRATION_COPY_CPU_SHARE (3%) at each
+             end, by thread in --output-json. And where the pre-copy's steps
+             lose their time, per step against the window before: the time
+             each core's step thread ran (net of its null twin's drift),
+             waited runnable for a CPU and was blocked, and their sum
+             ("held in all"): drift moves only the run, so the wait is a
+             drift-free reading of what the copies take from the steps
+             where no core is spare.
 
 `--sync-precopy` copies every stage on the cores' loops (the behaviour
 before the overlapped pre-copy), for comparison.

@@ -48,11 +48,11 @@ logger = logging.getLogger(__name__)
 
 
 # What the copies of a process may take, in all, of a core's time. Where no
-# core is spare (benchmarks/README, "Each host on its own core"; ~111M bf16,
-# 2k tokens, 16 repeats, against the same batch before and after), at 3% a
-# destination's steps lost -0.1..+1.3% (two hosts and one node), a source's
-# +5.2..+5.8% (its copies 2.8% of a core); at 5% +1.0% / +4.5% (one node)
-# and +6.7%; a migration about 1.5x longer at 3%.
+# core is spare (benchmarks/README, "Each host on its own core" and "Where a
+# pre-copy's steps lose their time"; ~111M bf16, 2k tokens, against the same
+# batch before and after), at 3% the steps lose about what the copies spend:
+# +3.5% at a source, +3.9% at a destination across two hosts, +2.3 / +2.8%
+# on one node; at 5% a one-node destination reached +4.5%.
 _DEFAULT_COPY_CPU_SHARE = 0.03
 
 
