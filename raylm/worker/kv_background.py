@@ -50,9 +50,10 @@ logger = logging.getLogger(__name__)
 # What the copies of a process may take, in all, of a core's time. Where no
 # core is spare (benchmarks/README, "Each host on its own core" and "Where a
 # pre-copy's steps lose their time"; ~111M bf16, 2k tokens, against the same
-# batch before and after), at 3% the steps lose about what the copies spend:
-# +3.5% at a source, +3.9% at a destination across two hosts, +2.3 / +2.8%
-# on one node; at 5% a one-node destination reached +4.5%.
+# batch before and after), at 3% a source's steps lost +3.5% and +7.2% in two
+# runs across two hosts (waiting for a CPU about as long as its copies ran,
+# 2.6% of a core), a destination's +1.1 and +3.9%; on one node +2.3 / +2.8%;
+# at 5% a one-node destination reached +4.5%.
 _DEFAULT_COPY_CPU_SHARE = 0.03
 
 
