@@ -202,7 +202,7 @@ def _copy_cpu_by_thread(core: int) -> dict[str, float] | None:
     """CPU seconds that core `core`'s process has spent on its K/V copies so
     far, by thread name: its threads named raylm-kv-... (raylm.worker.kv_background,
     kv_network: the copying threads, the K/V server's and ZMQ's I/O threads
-    of the K/V sockets)."""
+    of the K/V sockets). Remembers their ids for _pump's sampling (_kv_threads)."""
     process = _core_processes.get(core)
     if process is None:
         return None

@@ -152,7 +152,7 @@ class _StageSend:
         self._packed = packed
         self._buffer, self._buffers = buffer, buffers
         self._budget = budget  # None: unpaced
-        self._sent_frames = sent_frames  # what wakes the server once a paced frame has gone
+        self._sent_frames = sent_frames  # a paced send's: wakes the server once a frame has gone
         self._chunks: list | None = None  # the frames' arrays, once packed
         self._next = 0
         # The sent frames' trackers (a frame object kept here would hold its
@@ -201,7 +201,7 @@ class _StageSend:
             sock.send_multipart([self.identity, _STATUS_OK, _FRAME_META.pack(self._next, len(self._chunks)), frame],
                                 copy=False)
             self._sent.append(frame.tracker)
-            if self._budget is not None and self._sent_frames is not None:
+            if self._sent_frames is not None:  # paced: the next frame waits for this one to go
                 self._sent_frames.watch(frame.tracker)
             del frame
             self._last_sent_at = time.monotonic()
