@@ -1,16 +1,16 @@
 """What one cross-host migration stage costs each end in CPU: the source
-packs its blocks and ZMQ encrypts and sends them (raylm.worker.kv_network),
-the destination receives, decrypts and unpacks them into its cache. On a node
+packs its blocks, seals and sends them (raylm.worker.kv_network), the
+destination receives, opens and unpacks them into its cache. On a node
 with no spare core that CPU comes out of the decode steps, so it is the
 copy's own cost, little moved by other work on a shared machine (a stage's
 wall time is not).
 
     python benchmarks/bench_kv_stage_cpu.py [--mib 32 64] [--repeats 12]
 
-The source is this process, the destination a child process, over CURVE on
+The source is this process, the destination a child process, over
 127.0.0.1; the caches have the ~111M bf16 model's geometry per layer (4 KV
 heads of 64, blocks of 16 tokens; 8 layers). Each side's CPU is its whole
-process's (every thread: ZMQ's I/O thread encrypts and decrypts), from the
+process's (every thread: ZMQ's I/O thread sends and receives), from the
 offer to the destination holding the blocks, plus a short settle for ZMQ to
 finish; the first two repeats warm up and are left out. Reported: median and
 minimum per stage size.
@@ -30,7 +30,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from raylm.distributed.tcp_auth import CurveKeys  # noqa: E402
+from raylm.distributed.sealed_frames import TransferKey, new_key  # noqa: E402
 from raylm.worker import kv_network, kv_transfer  # noqa: E402
 
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 8, 16, 4, 64
@@ -50,33 +50,33 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _destination(requests, replies, keys: CurveKeys, num_blocks: int) -> None:
+def _destination(requests, replies, key: bytes, num_blocks: int) -> None:
     caches = _caches(num_blocks, fill=False)
     endpoint = kv_network.KVNetworkEndpoint()
     while (request := requests.get()) is not None:
         name, address, blocks = request
         start = _cpu_s()
-        endpoint.fetch_into(caches, name, list(range(blocks)), address, keys)
+        endpoint.fetch_into(caches, name, list(range(blocks)), address, TransferKey(key))
         time.sleep(_SETTLE_S)
         replies.put(_cpu_s() - start)
 
 
 def measure(mib: float, repeats: int) -> dict:
-    keys = CurveKeys.generate()
+    key = new_key()
     per_block = kv_transfer.packed_size(_caches(1, fill=False), 1) - kv_transfer.packed_size(
         _caches(1, fill=False), 0)
     blocks = max(1, int(mib * 2**20 / per_block))
     source = _caches(blocks, fill=True)
     context = mp.get_context("spawn")
     requests, replies = context.Queue(), context.Queue()
-    child = context.Process(target=_destination, args=(requests, replies, keys, blocks))
+    child = context.Process(target=_destination, args=(requests, replies, key, blocks))
     child.start()
     endpoint = kv_network.KVNetworkEndpoint()
     source_cpu, destination_cpu = [], []
     try:
         for i in range(repeats + _WARM_UP):
             start = _cpu_s()
-            _, address = endpoint.serve(source, f"stage-{i}.rank0", list(range(blocks)), "127.0.0.1", keys)
+            _, address = endpoint.serve(source, f"stage-{i}.rank0", list(range(blocks)), "127.0.0.1", TransferKey(key))
             requests.put((f"stage-{i}.rank0", address, blocks))
             destination_cpu.append(replies.get(timeout=120))
             time.sleep(_SETTLE_S)

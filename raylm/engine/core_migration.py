@@ -159,8 +159,7 @@ class MigrationEndpoint:
                 net = message.network
                 outgoing.networked = True
                 offered = self.core.executor.collective_rpc("serve_kv", args=(
-                    _transfer_name(message.path_prefix), block_ids, net.host, net.public_key, net.secret_key,
-                    background))
+                    _transfer_name(message.path_prefix), block_ids, net.host, net.key, background))
                 num_bytes = sum(size for size, _ in offered)
                 sources = [address for _, address in offered]
         except Exception as e:  # the request is untouched (if paused, the supervisor resumes it)
@@ -220,8 +219,7 @@ class MigrationEndpoint:
                              f"{world_size} ranks (engines must have the same TP/PP layout)")
         net = message.network
         sizes = self.core.executor.collective_rpc("fetch_kv", args=(
-            _transfer_name(message.path_prefix), block_ids, message.sources, net.public_key, net.secret_key,
-            background))
+            _transfer_name(message.path_prefix), block_ids, message.sources, net.key, background))
         return None if background else sum(sizes)
 
     def _imports_done(self) -> list[MigrationReport]:

@@ -25,9 +25,9 @@ usual recovery too.
 The K/V takes one of two ways, chosen per pair of cores: when both run on
 the supervisor's node, files in its private folder in /dev/shm; otherwise
 (either core on another node) over the network, each source rank offering
-its blocks on a CURVE socket of its own and the destination's rank fetching
-them (raylm.worker.kv_network), with a keypair this supervisor makes and
-sends both sides inside their migration messages.
+its blocks on a socket of its own and the destination's rank fetching them
+(raylm.worker.kv_network), sealed with a key this supervisor makes and sends
+both sides inside their migration messages (raylm.distributed.sealed_frames).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-from raylm.distributed.tcp_auth import CurveKeys
+from raylm.distributed import sealed_frames
 from raylm.engine.core_channel import CoreChannel
 from raylm.engine.routing import CoreLoad, plan_rebalance
 from raylm.engine.protocol import (
@@ -110,7 +110,7 @@ class MigrationControl:
         self._migration_ids = itertools.count()
         self._transfer_dir: str | None = None
         self._transfer_dir_cleanup = None
-        self._kv_keys: CurveKeys | None = None  # made by the first migration across nodes
+        self._kv_key: bytes | None = None  # made by the first migration across nodes
 
     def _close_migration(self) -> None:
         """At shutdown: no transfer file outlives the engine."""
@@ -200,9 +200,9 @@ class MigrationControl:
     def _kv_network(self, source: CoreChannel, destination: CoreChannel) -> KVNetwork | None:
         if self._shares_node(source, destination):
             return None
-        if self._kv_keys is None:
-            self._kv_keys = CurveKeys.generate()
-        return KVNetwork(source.node_ip, self._kv_keys.public, self._kv_keys.secret)
+        if self._kv_key is None:
+            self._kv_key = sealed_frames.new_key()
+        return KVNetwork(source.node_ip, self._kv_key)
 
     def _stage_path(self, migration: Migration) -> str:
         if self._transfer_dir is None:

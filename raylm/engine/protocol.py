@@ -88,12 +88,12 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 class KVNetwork(msgspec.Struct):
     """How a migration's K/V crosses nodes (raylm.worker.kv_network): the
     source's ranks offer their blocks on `host` (its node's address); both
-    sides hold the supervisor's pre-shared CURVE pair. None in a migration
-    message: the two cores share a node, and the K/V goes through files."""
+    sides hold the supervisor's pre-shared transfer `key`
+    (raylm.distributed.sealed_frames). None in a migration message: the two
+    cores share a node, and the K/V goes through files."""
 
     host: str
-    public_key: bytes
-    secret_key: bytes
+    key: bytes
 
 
 class MigrateExport(msgspec.Struct, tag="migrate_export"):

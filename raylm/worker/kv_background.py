@@ -19,7 +19,7 @@ from a step. So the process's copies share one CPU budget (`CopyBudget`):
 a paced copy (`paced=True`: the file copies, which come in chunks, and the
 packing and unpacking of a transfer between nodes, layer by layer; and the
 frames of a transfer between nodes, raylm.worker.kv_network) waits between
-its chunks while the CPU that all of them spent (encryption included) is
+its chunks while the CPU that all of them spent (sealing and sending included) is
 more than `COPY_CPU_SHARE` of the time: a step is never held by more than a
 burst of about 1 ms or a chunk, and the steps around the copies lose at
 most that share of their time.
@@ -75,14 +75,14 @@ class CopyBudget:
     """The CPU of all of a process's copies beside its steps, held together
     within `share` of the wall time: every thread that copies is counted
     (the export and import threads, and, for a transfer between nodes, the
-    K/V server's thread and the ZMQ I/O threads that encrypt and decrypt),
-    and every copy waits between its chunks (`pause`, or `wait_s` where the
-    caller waits its own way) while what they spent together is more than
-    the share has paid for. One budget, not one per thread: each thread kept
-    to the share on its own let a source that packed and encrypted, or a
-    destination that decrypted, joined and unpacked, take two or three times
-    the share from its steps (a 2k-token stage across two hosts slowed them
-    7-11%).
+    K/V server's thread, which seals, and the ZMQ I/O threads that send and
+    receive), and every copy waits between its chunks (`pause`, or `wait_s`
+    where the caller waits its own way) while what they spent together is
+    more than the share has paid for. One budget, not one per thread: each
+    thread kept to the share on its own let a source that packed and
+    encrypted, or a destination that decrypted, joined and unpacked (with
+    CURVE, then), take two or three times the share from its steps (a
+    2k-token stage across two hosts slowed them 7-11%).
 
     Spent CPU is a debt the passing time pays at `share` seconds a second,
     never below nothing (idle time saves no credit for a later burst): a
@@ -166,7 +166,7 @@ def _set_policy(tid: int, policy: str) -> None:
 
 class ThreadsBesideTheSteps:
     """Threads that copy for both kinds of stage (ZMQ's I/O threads, which
-    encrypt and decrypt): SCHED_BATCH for a pre-copy, beside the steps; at
+    send and receive the frames): SCHED_BATCH for a pre-copy, beside the steps; at
     the steps' own policy while a final stage needs them (`urgent`), whose
     request is paused meanwhile: a wake-up that waited for the step's time
     slice to end would stretch the pause. (A policy, not a niceness: a

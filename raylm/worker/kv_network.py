@@ -6,21 +6,22 @@ transfer file: header, then each layer's K and V; into buffers it keeps) and
 offers them, by name, on a ZMQ ROUTER socket of its own, bound on its node's
 address. The destination's rank of the same index connects, asks for the
 name once, and gets the stage as messages of up to 1 MiB each, which it
-joins and scatters into the blocks it reserved. A pre-copy stage's messages
-go no faster than each end's copy budget allows (raylm.worker.kv_background:
-the source's packing and encryption, the destination's decryption, joining
-and unpacking, each end within the copy's CPU share); a final stage's go at
-once, between them if need be. An offer is
+opens and joins, then scatters into the blocks it reserved. A pre-copy
+stage's messages go no faster than each end's copy budget allows
+(raylm.worker.kv_background: the source's packing and sealing, the
+destination's opening, joining and unpacking, each end within the copy's
+CPU share); a final stage's go at once, between them if need be. An offer is
 handed out once and then dropped; one never asked for is withdrawn when its
 migration ends (and, as a safety net, expires).
 
-Trust: ZMQ CURVE with a keypair the supervisor makes and sends both sides
-inside their migration messages, which travel on the cores' authenticated
-input sockets (the pre-shared-key scheme of the step queues,
-raylm.distributed.tcp_auth). The server admits only clients presenting that
-key, the client accepts only a server holding it, and the K/V is encrypted
-on the wire. Measured against Ray's object store on the two-host harness:
-benchmarks/bench_kv_transport.py.
+Trust: a key the supervisor makes and sends both sides inside their
+migration messages, which travel on the cores' authenticated input sockets
+(raylm.distributed.tcp_auth). The destination seals its request with it, and
+the source answers only a request that opens, with every message of the
+answer sealed for that request (raylm.distributed.sealed_frames, AES-256-GCM):
+a stranger's request gets nothing, the K/V is encrypted on the wire, and a
+message changed on the way fails the fetch. Measured against Ray's object
+store on the two-host harness: benchmarks/bench_kv_transport.py.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ from typing import Callable
 import torch
 import zmq
 
-from raylm.distributed.tcp_auth import CurveKeys, CurveServer, secure_client, terminate_context
+from raylm.distributed import tcp_auth
+from raylm.distributed.sealed_frames import AnswerSeal, SealBroken, TransferKey
+from raylm.distributed.tcp_auth import terminate_context
 from raylm.worker import kv_transfer
 from raylm.worker.cpu_placement import name_this_thread, name_thread, thread_ids, thread_name
 from raylm.worker.kv_background import CopyBudget, ThreadsBesideTheSteps, no_wakeup_preemption, process_copy_budget
@@ -60,39 +63,44 @@ FINAL_FETCH_TIMEOUT_S = 5.0
 # How often a waiting fetch looks whether it was cancelled.
 _CANCEL_CHECK_S = 0.1
 _STATUS_OK, _STATUS_MISSING, _STATUS_FAILED = b"ok", b"missing", b"failed"
-# A stage travels as frames of at most this many bytes. CURVE encrypts and
-# decrypts frame by frame into messages libzmq allocates: a 64 MiB stage as
-# one frame cost the sender 89-94 ms and the receiver 56-60 ms of CPU, as 64
-# frames of 1 MiB 36-37 and 29-30 (the allocator keeps blocks of that size
-# and hands them out again; one larger than 32 MiB is mapped fresh and
-# unmapped after, every time).
+# A stage travels as frames of at most this many bytes (sealed, each
+# TAG_BYTES more): a paced stage goes a frame at a time, so this is about
+# the burst a copy may take from a step before it looks at its budget again.
 _FRAME_BYTES = 1 << 20
-# Each frame is a message of its own ([status, index and count, bytes]), so
-# that a pre-copy stage can be paced frame by frame (see _StageSend) and a
-# final stage of another migration is answered between its frames.
+# Each frame is a message of its own ([status, index and count, sealed
+# bytes]), so that a pre-copy stage can be paced frame by frame (see
+# _StageSend) and a final stage of another migration is answered between its
+# frames. Status, index and count travel in the clear, bound to the frame by
+# its seal.
 _FRAME_META = struct.Struct("<II")
-# A paced fetch's socket holds at most this many messages decrypted ahead of
-# its reading: libzmq's I/O thread decrypts a message as it reads it, and
-# stops reading (the source then stops sending) while the socket's queue is
-# full, so the destination's reading, paced by its CPU budget, paces its
-# decryption too.
+# The seal index of an answer's one message that is not a frame (missing,
+# failed): frames number theirs from 0.
+_STATUS_SEAL_INDEX = (1 << 32) - 1
+# A request is a stage's name sealed: a message longer than this is no
+# request, and libzmq drops its connection before taking it in.
+_MAX_REQUEST_BYTES = 1024
+# A paced fetch's socket holds at most this many messages ahead of its
+# reading: libzmq's I/O thread stops reading (and the source, its TCP window
+# full, stops sending) while the socket's queue is full, so the
+# destination's reading, paced by its CPU budget, paces the source's sending.
 _PACED_RECEIVE_QUEUE = 2
 # The server's thread wakes when a request comes, a packing ends, a paced
-# frame has been encrypted (_SentFrames) or its copy budget allows the next;
+# frame has been sent (_SentFrames) or its copy budget allows the next;
 # with none of those due it still looks this often whether a send has stalled.
 _STALL_CHECK_S = 1.0
 
 
 class StageBuffers:
     """Buffers of stages, each used again once nothing reads it any more: a
-    source rank packs its stages into them (free again once ZMQ's tracker
-    says the send is done), a destination joins a stage's frames in them. A
+    source rank packs its stages into them and seals their frames into
+    others (free again once ZMQ's tracker says the send is done), a
+    destination opens a stage's frames into them. A
     fresh buffer the size of a long request's first stage (35 MiB for 2k
     tokens of the ~111M model) is paged in and zeroed a fault at a time, and
     unmapped again when freed: the cost kv_transfer's spare files save on
     one node, here on cores that step."""
 
-    MAX_BUFFERS = 3  # a long request's first stage, a later one, a final one
+    MAX_BUFFERS = 6  # a long request's first stage, a later one, a final one; each packed and sealed
     MAX_BUFFER_BYTES = 128 << 20  # a larger stage's buffer is not kept
 
     def __init__(self):
@@ -135,25 +143,30 @@ class StageBuffers:
 
 
 class _StageSend:
-    """One stage on its way to a destination, a frame per message. A final
-    stage goes at once (its request is paused). A pre-copy stage goes a
-    frame at a time: the next once the last one has been encrypted (its
-    tracker done: its cost is then on the I/O thread's clock) and the
-    process's copy budget allows, so that the encryption, with the packing
-    and the rest of the process's copies, stays within their CPU share
-    (sent in one burst, a 2k-token stage made the destination's steps 4-22%
-    slower over its pre-copy on the two-host benchmark). The destination
-    paces its reading by its own budget, which holds the frames back here
-    (its socket's queue full, then TCP's window)."""
+    """One stage on its way to a destination, a frame per message, each
+    sealed for the request it answers just before it goes. A final stage
+    goes at once (its request is paused). A pre-copy stage goes a frame at a
+    time: the next once the last one has been sent (its tracker done: libzmq
+    has written it to the socket, on the I/O thread's clock) and the
+    process's copy budget allows, so that sealing and sending, with the
+    packing and the rest of the process's copies, stay within their CPU
+    share (sent in one burst, a 2k-token stage made the destination's steps
+    4-22% slower over its pre-copy on the two-host benchmark). The
+    destination paces its reading by its own budget, which holds the frames
+    back here (its socket's queue full, then TCP's window)."""
 
-    def __init__(self, identity: bytes, packed: torch.Tensor | Future, buffer: torch.Tensor | None,
-                 buffers: StageBuffers, budget: CopyBudget | None = None, sent_frames: _SentFrames | None = None):
+    def __init__(self, identity: bytes, seal: AnswerSeal, packed: torch.Tensor | Future,
+                 buffer: torch.Tensor | None, buffers: StageBuffers, budget: CopyBudget | None = None,
+                 sent_frames: _SentFrames | None = None):
         self.identity = identity
+        self._seal = seal
         self._packed = packed
         self._buffer, self._buffers = buffer, buffers
+        self._sealed: torch.Tensor | None = None  # the frames sealed, from `buffers` too
         self._budget = budget  # None: unpaced
         self._sent_frames = sent_frames  # a paced send's: wakes the server once a frame has gone
         self._chunks: list | None = None  # the frames' arrays, once packed
+        self._sealed_frames: list[int] = []  # their sealed sizes
         self._next = 0
         # The sent frames' trackers (a frame object kept here would hold its
         # message: its tracker is done only once libzmq and the frame let go).
@@ -189,17 +202,26 @@ class _StageSend:
                     return False
                 error = self._packed.exception()
                 if error is not None:  # the packing failed: the destination says why
-                    sock.send_multipart([self.identity, _STATUS_FAILED, f"{type(error).__name__}: {error}".encode()])
+                    reason = f"{type(error).__name__}: {error}".encode()
+                    sock.send_multipart([self.identity, _STATUS_FAILED,
+                                         self._seal.seal(_STATUS_SEAL_INDEX, _STATUS_FAILED, reason)])
                     self._finish(None)
                     return True
                 self._packed = self._packed.result()
             data = self._packed.numpy()
             self._chunks = [data[at : at + _FRAME_BYTES] for at in range(0, len(data), _FRAME_BYTES)]
+            # Frame i sealed at i * (its sealed size): all but the last are full.
+            self._sealed_frames = [AnswerSeal.sealed_size(len(chunk)) for chunk in self._chunks]
+            self._sealed = self._buffers.take(sum(self._sealed_frames))
         while self._next < len(self._chunks) and self.due_in() <= 0:
+            index, chunk = self._next, self._chunks[self._next]
+            header = _FRAME_META.pack(index, len(self._chunks))
+            at = index * self._sealed_frames[0]
+            sealed = self._sealed.numpy()[at : at + self._sealed_frames[index]]
+            self._seal.seal_into(index, _STATUS_OK + header, chunk, sealed)
             # Zero-copy: ZMQ holds the frame until it is sent, which its tracker tells.
-            frame = zmq.Frame(self._chunks[self._next], copy=False, track=True)
-            sock.send_multipart([self.identity, _STATUS_OK, _FRAME_META.pack(self._next, len(self._chunks)), frame],
-                                copy=False)
+            frame = zmq.Frame(sealed, copy=False, track=True)
+            sock.send_multipart([self.identity, _STATUS_OK, header, frame], copy=False)
             self._sent.append(frame.tracker)
             if self._sent_frames is not None:  # paced: the next frame waits for this one to go
                 self._sent_frames.watch(frame.tracker)
@@ -213,15 +235,18 @@ class _StageSend:
         return True
 
     def abandon(self) -> None:
-        """Give up a stalled send; its buffer, which ZMQ may still read, is not kept."""
-        self._buffer = None
+        """Give up a stalled send; its sealed buffer, which ZMQ may still read, is not kept."""
+        self._sealed = None
         self._finish(None)
 
     def _finish(self, sending: zmq.MessageTracker | None) -> None:
         self._sent = self._chunks = self._packed = None
-        if self._buffer is not None:
-            self._buffers.give_back(self._buffer, sending)
+        if self._buffer is not None:  # only the sealing read it
+            self._buffers.give_back(self._buffer)
             self._buffer = None
+        if self._sealed is not None:
+            self._buffers.give_back(self._sealed, sending)
+            self._sealed = None
 
 
 class _Wakeup:
@@ -259,7 +284,7 @@ class _Wakeup:
 
 
 class _SentFrames:
-    """Wakes the server once each paced frame has been encrypted and sent
+    """Wakes the server once each paced frame has been sent
     (its tracker done: pyzmq sets a threading.Event that no poll can
     watch), so that it sleeps meanwhile instead of looking again and
     again. One thread, asleep on the trackers in turn; counted in the
@@ -301,19 +326,21 @@ class _SentFrames:
 
 
 class KVBlockServer:
-    """Offers packed blocks by name on one CURVE ROUTER socket, answered by a
-    daemon thread (the rank's loop never waits on a destination)."""
+    """Offers packed blocks by name on one ROUTER socket, answered by a
+    daemon thread (the rank's loop never waits on a destination) to requests
+    sealed with `key` only."""
 
-    def __init__(self, host: str, keys: CurveKeys, budget: CopyBudget | None = None):
-        self.keys = keys
+    def __init__(self, host: str, key: TransferKey, budget: CopyBudget | None = None):
+        self.key = key
         # What paces a pre-copy stage's frames: with the packing, the process's copies' CPU.
         self._budget = budget or process_copy_budget()
-        # (Niced before the handshakes' authenticator is made: it keeps its priority.)
         self._context, self._sock, self._io_threads = _context_yielding_to_the_steps(zmq.ROUTER)
-        self._curve = CurveServer(self._context, keys)  # before bind: no client connects unchecked
-        self._curve.secure(self._sock)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
+        # A stranger's connection: dropped at its first message longer than a
+        # request, and if it has not finished ZMTP's greeting by then.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)
+        self._sock.setsockopt(zmq.HANDSHAKE_IVL, tcp_auth.HANDSHAKE_TIMEOUT_MS)
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         # name -> (packed blocks, or the Future of a packing still running;
@@ -322,11 +349,10 @@ class KVBlockServer:
         self.buffers = StageBuffers()
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        # Requests that reached this thread: only clients holding the key get
-        # past the handshake, which libzmq's I/O thread runs, so a stranger's
-        # traffic never wakes the thread (tests count on it).
+        # Requests answered (sealed with the key), and messages refused (not).
         self.requests_received = 0
-        self._budget.count(self._io_threads)  # they encrypt
+        self.requests_refused = 0
+        self._budget.count(self._io_threads)  # they send the frames
         self._io_policy = ThreadsBesideTheSteps(self._io_threads)
         self._wakeup = _Wakeup()
         self._sent_frames = _SentFrames(self._wakeup, self._budget)
@@ -369,11 +395,11 @@ class KVBlockServer:
 
     def _serve(self) -> None:
         """Asleep but when there is something to do: a request, a send that
-        may go on (its packing ended, its last frame encrypted, the budget
+        may go on (its packing ended, its last frame sent, the budget
         allows the next). Every wake-up of a thread beside the steps takes
         a core from them where none is spare, and polled (every 1-10 ms while
         a frame waited for its destination) this thread spent more CPU than
-        the packing and about as much as the encryption."""
+        the packing and about as much as the encryption (CURVE's, then)."""
         name_this_thread("raylm-kv-server")
         self._budget.count_this_thread()
         poller = zmq.Poller()
@@ -398,28 +424,36 @@ class KVBlockServer:
         self._budget.forget([threading.get_native_id()])
 
     def _answer(self, frames: list[bytes], sends: list[_StageSend]) -> None:
+        """A request that opens with the key is answered; anything else gets
+        no answer (a stranger learns nothing, not even whether a name is offered)."""
+        try:
+            if len(frames) != 2:
+                raise SealBroken("not a request")
+            identity, request = frames
+            name, seal = self.key.open_request(request)
+        except SealBroken:
+            self.requests_refused += 1
+            return
         self.requests_received += 1
-        if len(frames) != 2:
-            return  # not a request of ours
-        identity, name = frames
         with self._lock:
             entry = self._offers.pop(name, None)
         if entry is None:
-            self._sock.send_multipart([identity, _STATUS_MISSING, b""])
+            self._sock.send_multipart([identity, _STATUS_MISSING,
+                                       seal.seal(_STATUS_SEAL_INDEX, _STATUS_MISSING, b"")])
             return
         packed, _, buffer = entry
         if isinstance(packed, Future):  # still packing, maybe: the server is woken when it ends
             packed.add_done_callback(lambda _: self._wakeup.wake())
             # Packed beside the steps: a pre-copy stage, paced as its packing was.
-            sends.append(_StageSend(identity, packed, buffer, self.buffers, self._budget, self._sent_frames))
+            sends.append(_StageSend(identity, seal, packed, buffer, self.buffers, self._budget, self._sent_frames))
             return
-        # A final stage (its request paused): encrypted at the steps' priority, sent at once.
+        # A final stage (its request paused): sent at once, the I/O thread at the steps' priority.
         self._io_policy.urgent_begin()
-        send = _StageSend(identity, packed, buffer, self.buffers)
+        send = _StageSend(identity, seal, packed, buffer, self.buffers)
         try:
             send.advance(self._sock)
         finally:
-            if send.sending is None:  # nothing left to encrypt
+            if send.sending is None:  # nothing left to send
                 self._io_policy.urgent_end()
             else:
                 self._sent_frames.watch(send.sending, then=self._io_policy.urgent_end)
@@ -431,7 +465,6 @@ class KVBlockServer:
         self._sent_frames.close()
         self._wakeup.close()
         self._sock.close(linger=0)
-        self._curve.stop()
         terminate_context(self._context)
         self._budget.forget(self._io_threads)
         with self._lock:
@@ -441,12 +474,12 @@ class KVBlockServer:
 
 def _context_yielding_to_the_steps(socket_type: int) -> tuple[zmq.Context, zmq.Socket, list[int]]:
     """A ZMQ context for K/V transfers and its first socket (which starts the
-    context's threads), and those threads' ids, named raylm-kv-... . CURVE
-    encrypts and decrypts a stage's blocks on its I/O threads; the caller
+    context's threads), and those threads' ids, named raylm-kv-... . Its I/O
+    threads move a stage's frames between the socket and TCP; the caller
     makes them yield to the steps but for a final stage
     (kv_background.ThreadsBesideTheSteps). They were at nice 10 until the
-    final stage's encryption and decryption, at a tenth of the steps'
-    weight, stretched the pause. Linux only."""
+    final stage's encryption and decryption (CURVE's, then), at a tenth of
+    the steps' weight, stretched the pause. Linux only."""
     before = set(thread_ids())
     context = zmq.Context()
     sock = context.socket(socket_type)
@@ -484,7 +517,7 @@ _fetch_context_lock = threading.Lock()
 
 def _fetch_zmq_context() -> zmq.Context:
     """The context every fetch of this process uses, its threads yielding to
-    the steps (see above) and counted in the process's copy budget (they decrypt)."""
+    the steps (see above) and counted in the process's copy budget (they take the frames in)."""
     global _fetch_context, _fetch_threads
     with _fetch_context_lock:
         if _fetch_context is None:
@@ -497,48 +530,62 @@ def _fetch_zmq_context() -> zmq.Context:
         return _fetch_context
 
 
-def fetch(address: str, name: str, keys: CurveKeys, timeout_s: float = FETCH_TIMEOUT_S,
-          cancelled: threading.Event | None = None, pause=None, on_frame=None) -> list[zmq.Frame]:
-    """The packed blocks offered as `name` at `address`, as the read-only
-    frames they came in (a message each); the wait gives up once nothing
-    came for `timeout_s` (a paced stage takes longer than that as a whole),
-    or once `cancelled` is set. `pause`: called after each message (a
-    paced copy beside the steps: no more is decrypted meanwhile, see
-    _PACED_RECEIVE_QUEUE). `on_frame(frame, index, count)`: takes each frame
-    as it comes instead (none is returned), so that its memory goes back
-    at once."""
+def fetch(address: str, name: str, key: TransferKey, timeout_s: float = FETCH_TIMEOUT_S,
+          cancelled: threading.Event | None = None, pause=None, into=None) -> list[bytes]:
+    """The packed blocks offered as `name` at `address`, as the frames they
+    came in, opened; the wait gives up once nothing came for `timeout_s` (a
+    paced stage takes longer than that as a whole), or once `cancelled` is
+    set. `pause`: called after each message (a paced copy beside the steps:
+    no more is taken in meanwhile, see _PACED_RECEIVE_QUEUE). `into(index,
+    count, size)`: a writable view of `size` bytes to open frame `index` of
+    `count` into (none is returned), so that a stage is joined as it comes
+    and each message's memory goes back at once. A message that does not
+    open with the key fails the fetch."""
     sock = _fetch_zmq_context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, AnswerSeal.sealed_size(_FRAME_BYTES))  # no larger frame is ours
     if pause is not None:
         sock.setsockopt(zmq.RCVHWM, _PACED_RECEIVE_QUEUE)
-    secure_client(sock, keys)
     sock.connect(address)
-    parts: list[zmq.Frame] = []
+    parts: list[bytes] = []
     received = 0
-    urgent = pause is None  # a final stage, its request paused: decrypted at the steps' priority
+    urgent = pause is None  # a final stage, its request paused: taken in at the steps' priority
     if urgent:
         _fetch_threads.urgent_begin()
     try:
-        sock.send(name.encode())
+        request, seal = key.seal_request(name.encode())
+        sock.send(request)
         count = None
         while count is None or received < count:
             message = _next_message(sock, address, name, timeout_s, cancelled)
             status = message[0].bytes
-            if status == _STATUS_MISSING:
-                raise kv_transfer.KVTransferError(f"the source rank at {address} offers no K/V blocks {name!r}")
-            if status != _STATUS_OK or len(message) != 3:
-                reason = message[1].bytes.decode(errors="replace") if len(message) > 1 else "no answer"
-                raise kv_transfer.KVTransferError(f"the source rank at {address} failed to pack {name!r}: {reason}")
-            index, total = _FRAME_META.unpack(message[1].bytes)
+            if status in (_STATUS_MISSING, _STATUS_FAILED) and len(message) == 2:
+                reason = _open(seal, _STATUS_SEAL_INDEX, status, message[1].buffer, address, name)
+                if status == _STATUS_MISSING:
+                    raise kv_transfer.KVTransferError(f"the source rank at {address} offers no K/V blocks {name!r}")
+                raise kv_transfer.KVTransferError(
+                    f"the source rank at {address} failed to pack {name!r}: {reason.decode(errors='replace')}")
+            if status != _STATUS_OK or len(message) != 3 or len(message[1].bytes) != _FRAME_META.size:
+                raise kv_transfer.KVTransferError(f"the source rank at {address} answered {name!r} out of form")
+            header = message[1].bytes
+            index, total = _FRAME_META.unpack(header)
             if index != received or (count is not None and total != count):
                 raise kv_transfer.KVTransferError(f"the K/V blocks {name!r} from {address} came out of order")
             count = total
             received += 1
-            if on_frame is None:
-                parts.append(message[2])
+            sealed = message[2].buffer
+            size = len(sealed) - AnswerSeal.sealed_size(0)
+            if size < 0:
+                raise kv_transfer.KVTransferError(f"the source rank at {address} answered {name!r} out of form")
+            if into is None:
+                parts.append(_open(seal, index, status + header, sealed, address, name))
             else:
-                on_frame(message[2], index, count)
-            del message
+                out = into(index, count, size)
+                try:
+                    seal.open_into(index, status + header, sealed, out)
+                except SealBroken:
+                    raise _broken(address, name) from None
+            del message, sealed
             if pause is not None:
                 pause()
     finally:
@@ -546,6 +593,19 @@ def fetch(address: str, name: str, keys: CurveKeys, timeout_s: float = FETCH_TIM
         if urgent:
             _fetch_threads.urgent_end()
     return parts
+
+
+def _open(seal: AnswerSeal, index: int, header: bytes, sealed, address: str, name: str) -> bytes:
+    try:
+        return seal.open(index, header, sealed)
+    except SealBroken:
+        raise _broken(address, name) from None
+
+
+def _broken(address: str, name: str) -> kv_transfer.KVTransferError:
+    return kv_transfer.KVTransferError(
+        f"an answer for the K/V blocks {name!r} from {address} does not open with the transfer key "
+        "(not sent by the source rank, or changed on the way)")
 
 
 def _next_message(sock: zmq.Socket, address: str, name: str, timeout_s: float,
@@ -566,24 +626,20 @@ _joined_stages = StageBuffers()
 
 
 class _JoinedStage:
-    """A stage's frames joined as they arrive, each one's memory (libzmq's)
-    let go once copied rather than the whole stage held to its end. A stage
-    of one frame is read from it. `limit`: the bytes of the blocks reserved
-    for it; a stage of more frames than those fill is refused at its first
-    frame, before any buffer is taken for it."""
+    """A stage's frames opened into one buffer as they arrive, each
+    message's memory (libzmq's) let go once opened rather than the whole
+    stage held to its end. `limit`: the bytes of the blocks reserved for it;
+    a stage of more frames than those fill is refused at its first frame,
+    before any buffer is taken for it."""
 
     def __init__(self, what: str, limit: int):
         self._what, self._limit = what, limit
-        self._only_frame: zmq.Frame | None = None
         self._buffer: torch.Tensor | None = None
         self._view: memoryview | None = None
         self._size = 0
 
-    def add(self, frame: zmq.Frame, index: int, count: int) -> None:
-        if count == 1:
-            self._only_frame = frame
-            return
-        part = frame.buffer
+    def into(self, index: int, count: int, size: int) -> memoryview:
+        """Where frame `index` of `count`, of `size` bytes, is opened (see fetch)."""
         if self._buffer is None:
             if (count - 1) * _FRAME_BYTES >= self._limit:
                 raise kv_transfer.KVTransferError(
@@ -592,18 +648,17 @@ class _JoinedStage:
             # The sender's frames are at most _FRAME_BYTES (the same code at both ends).
             self._buffer = _joined_stages.take(count * _FRAME_BYTES)
             self._view = memoryview(self._buffer.numpy())
-        if self._size + len(part) > len(self._view):
+        if size > _FRAME_BYTES or self._size + size > len(self._view):
             raise kv_transfer.KVTransferError(f"{self._what} came in frames over {_FRAME_BYTES} bytes")
-        self._view[self._size : self._size + len(part)] = part
-        self._size += len(part)
+        out = self._view[self._size : self._size + size]
+        self._size += size
+        return out
 
     def joined(self):
-        if self._only_frame is not None:
-            return self._only_frame.buffer
         return self._view[: self._size] if self._view is not None else b""
 
     def release(self) -> None:
-        self._only_frame = self._view = None
+        self._view = None
         if self._buffer is not None:
             _joined_stages.give_back(self._buffer)
             self._buffer = None
@@ -611,18 +666,18 @@ class _JoinedStage:
 
 class KVNetworkEndpoint:
     """A rank's side of cross-node transfers: its server (started on the first
-    export, remade if the supervisor's key changes) and its fetches."""
+    export, remade if the supervisor's transfer key changes) and its fetches."""
 
     def __init__(self, budget: CopyBudget | None = None):
         self._server: KVBlockServer | None = None
         self._budget = budget  # what paces its server's pre-copy stages; None: the process's
 
     def serve(self, kv_caches: list[torch.Tensor], name: str, block_ids: list[int], host: str,
-              keys: CurveKeys, run_in_background=None) -> tuple[int, str]:
+              key: TransferKey, run_in_background=None) -> tuple[int, str]:
         """Pack the blocks and offer them as `name`; (bytes, address to fetch them from).
         `run_in_background(fn, *args) -> Future`: pack on another thread (a
         fetch meanwhile waits for it); None: pack now."""
-        server = self._server_for(host, keys)
+        server = self._server_for(host, key)
         size = kv_transfer.packed_size(kv_caches, len(block_ids))
         buffer = server.buffers.take(size)
         try:
@@ -638,7 +693,7 @@ class KVNetworkEndpoint:
         return size, server.address
 
     def fetch_into(self, kv_caches: list[torch.Tensor], name: str, block_ids: list[int], address: str,
-                   keys: CurveKeys, timeout_s: float = FETCH_TIMEOUT_S, cancelled: threading.Event | None = None,
+                   key: TransferKey, timeout_s: float = FETCH_TIMEOUT_S, cancelled: threading.Event | None = None,
                    pause=None) -> int:
         """Fetch the offer `name` into `block_ids`; `pause`: called between
         frames and between layers of the unpacking (a paced copy beside the steps)."""
@@ -647,7 +702,7 @@ class KVNetworkEndpoint:
             raise kv_transfer.KVTransferError("this rank holds no KV cache")
         join = _JoinedStage(what, kv_transfer.packed_size(kv_caches, len(block_ids)))
         try:
-            fetch(address, name, keys, timeout_s, cancelled, pause, on_frame=join.add)
+            fetch(address, name, key, timeout_s, cancelled, pause, into=join.into)
             return kv_transfer.unpack_blocks(kv_caches, block_ids, join.joined(), what, pause)
         finally:
             join.release()
@@ -655,13 +710,13 @@ class KVNetworkEndpoint:
     def withdraw(self, prefix: str) -> int:
         return self._server.withdraw(prefix) if self._server is not None else 0
 
-    def _server_for(self, host: str, keys: CurveKeys) -> KVBlockServer:
+    def _server_for(self, host: str, key: TransferKey) -> KVBlockServer:
         server = self._server
-        if server is not None and (server.keys != keys or not server.address.startswith(f"tcp://{host}:")):
+        if server is not None and (server.key != key or not server.address.startswith(f"tcp://{host}:")):
             server.close()
             server = None
         if server is None:
-            server = self._server = KVBlockServer(host, keys, self._budget)
+            server = self._server = KVBlockServer(host, key, self._budget)
         return server
 
     def close(self) -> None:

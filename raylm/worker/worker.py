@@ -19,7 +19,7 @@ from raylm.config import EngineConfig
 from raylm.distributed import parallel_state
 from raylm.messages import GrammarOutput, KVCacheConfig, ModelRunnerOutput, SchedulerOutput
 from raylm.model.layers.cpu_kernels import get_cpu_kernels
-from raylm.distributed.tcp_auth import CurveKeys
+from raylm.distributed.sealed_frames import TransferKey
 from raylm.worker import cpu_placement, kv_background, kv_network, kv_transfer
 from raylm.worker.fault_injection import FaultInjector
 from raylm.worker.model_runner import ModelRunner
@@ -267,26 +267,25 @@ class Worker:
             self.kv_copies = kv_background.KVCopyJobs()
         return self.kv_copies
 
-    # Cross-node transfers (raylm.worker.kv_network); keys are the supervisor's pre-shared CURVE pair.
+    # Cross-node transfers (raylm.worker.kv_network); `key` is the supervisor's pre-shared transfer key.
 
-    def serve_kv(self, name: str, block_ids: list[int], host: str, public_key: bytes, secret_key: bytes,
-                 background: bool = False) -> list:
+    def serve_kv(self, name: str, block_ids: list[int], host: str, key: bytes, background: bool = False) -> list:
         """Pack this rank's K/V of `block_ids` and offer it on `host`; [bytes, address].
         `background`: packed by a thread beside the steps (a fetch waits for it)."""
         if self.kv_network is None:
             self.kv_network = kv_network.KVNetworkEndpoint()
         num_bytes, address = self.kv_network.serve(
             self.model_runner.kv_caches, f"{name}.rank{self.rank}", block_ids, host,
-            CurveKeys(public_key, secret_key), self._paced_export if background else None)
+            TransferKey(key), self._paced_export if background else None)
         return [num_bytes, address]
 
-    def fetch_kv(self, name: str, block_ids: list[int], addresses: list[str], public_key: bytes,
-                 secret_key: bytes, background: bool = False) -> int | None:
+    def fetch_kv(self, name: str, block_ids: list[int], addresses: list[str], key: bytes,
+                 background: bool = False) -> int | None:
         """Fetch the same rank's offer of a transfer from `addresses[rank]` into `block_ids`
         (`background`: by a thread beside the steps; its outcome is `kv_copies_done`'s)."""
         fetch = kv_network.KVNetworkEndpoint().fetch_into
         args = (self.model_runner.kv_caches, f"{name}.rank{self.rank}", block_ids, addresses[self.rank],
-                CurveKeys(public_key, secret_key))
+                TransferKey(key))
         if not background:
             return fetch(*args, kv_network.FINAL_FETCH_TIMEOUT_S)
         self._kv_jobs().import_(name, fetch, *args, paced=True)

@@ -15,7 +15,7 @@ import pytest
 
 from raylm import LLM, SamplingParams
 from raylm.core.request import Request
-from raylm.distributed.tcp_auth import CurveKeys
+from raylm.distributed import sealed_frames
 from raylm.engine.protocol import EngineCoreRequest, KVNetwork, MigrateEnd, MigrateExport, MigrateImport
 from raylm.testing.hf_oracle import hf_greedy
 from raylm.worker import kv_transfer
@@ -151,10 +151,9 @@ def test_greedy_migrated_request_equals_hugging_face(cores, model):
 
 
 def test_greedy_request_migrated_over_the_network_equals_hugging_face(cores, model):
-    """The cross-node path (CURVE sockets, raylm.worker.kv_network), on loopback."""
+    """The cross-node path (sealed frames over TCP, raylm.worker.kv_network), on loopback."""
     src, dst = cores
-    keys = CurveKeys.generate()
-    network = KVNetwork("127.0.0.1", keys.public, keys.secret)
+    network = KVNetwork("127.0.0.1", sealed_frames.new_key())
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = hf_greedy(model, [PROMPT], MAX_TOKENS)[0].token_ids
     assert _generate(src, dst, params, migrate=True, network=network) == expected
@@ -177,28 +176,25 @@ def _recording_tokens(core, request_id: str) -> list[int]:
 
 
 def test_a_stranger_hammering_the_kv_socket_hurts_no_stream(cores, model):
-    """While a stranger floods the source rank's K/V socket (junk, plain and
-    foreign-key CURVE clients asking for the offers by name), another
-    client's request decodes beside a request migrated over that socket:
-    both equal Hugging Face, the stranger gets nothing, and its traffic
-    never reaches raylm's code (the socket's thread saw only the two
-    rightful fetches)."""
+    """While a stranger floods the source rank's K/V socket (junk, and
+    requests by name in the clear, sealed with a foreign key, or oversized),
+    another client's request decodes beside a request migrated over that
+    socket: both equal Hugging Face, the stranger gets nothing, and the
+    socket's thread answered only the two rightful fetches."""
     from tests.worker.test_kv_network import KVSocketStranger
 
     src, dst = cores
-    keys = CurveKeys.generate()
-    network = KVNetwork("127.0.0.1", keys.public, keys.secret)
+    network = KVNetwork("127.0.0.1", sealed_frames.new_key())
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     other_prompt = PROMPT[7:]
     expected = [r.token_ids for r in hf_greedy(model, [PROMPT, other_prompt], MAX_TOKENS)]
     # The socket the migration's stages will be offered on, made now by an offer withdrawn at once.
-    [[_, address]] = src.executor.collective_rpc("serve_kv", args=("warm-up", [0], "127.0.0.1", keys.public,
-                                                                    keys.secret))
+    [[_, address]] = src.executor.collective_rpc("serve_kv", args=("warm-up", [0], "127.0.0.1", network.key))
     assert src.executor.collective_rpc("withdraw_kv", args=("warm-up",)) == [1]
     server = src.executor.driver_worker.worker.kv_network._server
     assert server.address == address
     already_received = server.requests_received
-    stranger = KVSocketStranger(address, keys.public, ["m5-0.rank0", "m5-1.rank0", "m1-0.rank0"])
+    stranger = KVSocketStranger(address, ["m5-0.rank0", "m5-1.rank0", "m1-0.rank0"])
     first = Request("hammered", PROMPT, params, eos_token_id=None)
     other_tokens = _recording_tokens(src, "other-client")
     tokens: list[int] = []

@@ -1,10 +1,11 @@
 """K/V blocks between ranks over the network (raylm.worker.kv_network), here
 on loopback: the blocks arrive bit for bit in the reserved blocks, an offer
-is handed out once, only a client holding the supervisor's key gets it, and
-what cannot be imported (another layout, a withdrawn offer) is refused with
-the reason. A stranger flooding the socket gets nothing, never reaches the
-server's thread and holds no connection once it stops, and one that connects
-and stays silent is dropped at the handshake timeout."""
+is handed out once, only a request sealed with the supervisor's key gets
+it, an answer that does not open with the key fails the fetch, and what
+cannot be imported (another layout, a withdrawn offer) is refused with the
+reason. A stranger flooding the socket gets nothing and holds no connection
+once it stops, and one that connects and stays silent is dropped at the
+handshake timeout."""
 
 from __future__ import annotations
 
@@ -19,12 +20,16 @@ import pytest
 import torch
 import zmq
 
-from raylm.distributed import tcp_auth
-from raylm.distributed.tcp_auth import CurveKeys, secure_client
+from raylm.distributed import sealed_frames, tcp_auth
+from raylm.distributed.sealed_frames import TransferKey
 from raylm.worker import cpu_placement, kv_background, kv_network, kv_transfer
 from tests.conftest import wait_until
 
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, LAYERS = 12, 4, 2, 8, 3
+
+
+def _key() -> TransferKey:
+    return TransferKey(sealed_frames.new_key())
 
 
 def _caches(seed: int | None, dtype=torch.float32, block_size: int = BLOCK_SIZE,
@@ -47,12 +52,12 @@ def endpoint():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_blocks_arrive_bit_for_bit_in_the_reserved_blocks(endpoint, dtype):
-    keys = CurveKeys.generate()
+    key = _key()
     source, destination = _caches(0, dtype), _caches(None, dtype)
     sent, reserved = [7, 2, 9], [0, 5, 11]
-    num_bytes, address = endpoint.serve(source, "m-0.rank0", sent, "127.0.0.1", keys)
+    num_bytes, address = endpoint.serve(source, "m-0.rank0", sent, "127.0.0.1", key)
     assert address.startswith("tcp://127.0.0.1:")
-    got = kv_network.KVNetworkEndpoint().fetch_into(destination, "m-0.rank0", reserved, address, keys)
+    got = kv_network.KVNetworkEndpoint().fetch_into(destination, "m-0.rank0", reserved, address, key)
     assert got == num_bytes
     for src, dst in zip(source, destination):
         assert torch.equal(dst[:, reserved], src[:, sent])
@@ -60,7 +65,7 @@ def test_blocks_arrive_bit_for_bit_in_the_reserved_blocks(endpoint, dtype):
         assert not dst[:, untouched].any()
     # Handed out once: a second fetch of the same name is refused.
     with pytest.raises(kv_transfer.KVTransferError, match="offers no K/V blocks"):
-        kv_network.fetch(address, "m-0.rank0", keys, timeout_s=5)
+        kv_network.fetch(address, "m-0.rank0", key, timeout_s=5)
 
 
 def _zmq_threads_and_policy(tids: set[int]) -> dict[int, int]:
@@ -77,7 +82,7 @@ def _zmq_threads_and_policy(tids: set[int]) -> dict[int, int]:
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux: per-thread scheduling policies")
 def test_the_transfer_threads_yield_to_the_steps(endpoint, monkeypatch):
-    """CURVE encrypts and decrypts a stage's blocks on ZMQ's I/O threads: the
+    """ZMQ's I/O threads move a stage's frames to and from TCP: the
     K/V contexts' threads run as SCHED_BATCH (waking, they do not preempt a
     step) but while a final stage, its request paused, needs them; so does
     the thread that waits for the paced frames to leave. The server's own
@@ -92,10 +97,10 @@ def test_the_transfer_threads_yield_to_the_steps(endpoint, monkeypatch):
 
     monkeypatch.setattr(kv_background.ThreadsBesideTheSteps, "urgent_begin", recording_urgent_begin)
     before = {int(t) for t in os.listdir("/proc/self/task")}
-    keys = CurveKeys.generate()
-    _, address = endpoint.serve(_caches(0), "m-6.rank0", [1, 2], "127.0.0.1", keys)  # a final stage
+    key = _key()
+    _, address = endpoint.serve(_caches(0), "m-6.rank0", [1, 2], "127.0.0.1", key)  # a final stage
     destination = _caches(None)
-    kv_network.KVNetworkEndpoint().fetch_into(destination, "m-6.rank0", [4, 7], address, keys)
+    kv_network.KVNetworkEndpoint().fetch_into(destination, "m-6.rank0", [4, 7], address, key)
     assert torch.equal(destination[1][:, [4, 7]], _caches(0)[1][:, [1, 2]])
     # The source's I/O threads and the fetch's, at the default policy while they carried it.
     assert len(urgent) == 2 and all(policy == os.SCHED_OTHER for threads in urgent for policy in threads.values())
@@ -132,54 +137,138 @@ def test_threads_beside_the_steps_go_back_to_the_steps_policy_while_a_final_stag
 
 
 def test_a_client_without_the_key_gets_nothing(endpoint):
-    keys = CurveKeys.generate()
-    _, address = endpoint.serve(_caches(0), "m-1.rank0", [1], "127.0.0.1", keys)
-    stranger = CurveKeys.generate()
-    # The server admits only the supervisor's key: the handshake fails, no answer comes.
+    key = _key()
+    _, address = endpoint.serve(_caches(0), "m-1.rank0", [1], "127.0.0.1", key)
+    stranger = _key()
+    # The server answers only requests sealed with the supervisor's key: none comes.
     with pytest.raises(kv_transfer.KVTransferError, match="did not send"):
         kv_network.fetch(address, "m-1.rank0", stranger, timeout_s=0.5)
-    # A plain (unencrypted) client gets nothing either.
+    # Nor to the name in the clear, or to a request of another form.
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     sock.send(b"m-1.rank0")
+    sock.send_multipart([b"m-1.rank0", b"m-1.rank0"])
     assert not sock.poll(500)
     sock.close()
+    assert endpoint._server.requests_refused == 3 and endpoint._server.requests_received == 0
     # The offer is still there for the rightful destination.
     destination = _caches(None)
-    kv_network.KVNetworkEndpoint().fetch_into(destination, "m-1.rank0", [3], address, keys)
+    kv_network.KVNetworkEndpoint().fetch_into(destination, "m-1.rank0", [3], address, key)
     assert torch.equal(destination[0][:, 3], _caches(0)[0][:, 1])
 
 
+def _forged_answer(forgery: str, key: TransferKey, request: bytes) -> list[bytes]:
+    """What someone posing as the source, or changing its answer on the way,
+    sends back to `request`."""
+    data = bytes(range(200))
+    header = kv_network._FRAME_META.pack(0, 1)
+    if forgery == "junk":
+        return [b"ok", header, data + bytes(16)]
+    if forgery == "missing, not sealed":
+        return [b"missing", b""]
+    if forgery == "another request's answer":  # recorded on the wire, played back
+        _, other = key.seal_request(b"m-1.rank0")
+        return [b"ok", header, other.seal(0, b"ok" + header, data)]
+    _, seal = key.open_request(request)  # the rightful answer, then changed
+    sealed = bytearray(seal.seal(0, b"ok" + header, data))
+    if forgery == "a byte changed":
+        sealed[100] ^= 1
+        return [b"ok", header, bytes(sealed)]
+    if forgery == "its index changed":
+        return [b"ok", kv_network._FRAME_META.pack(0, 2), bytes(sealed)]
+    raise AssertionError(forgery)
+
+
+@pytest.mark.parametrize("forgery", ["junk", "missing, not sealed", "another request's answer", "a byte changed",
+                                     "its index changed"])
+def test_an_answer_that_does_not_open_with_the_key_fails_the_fetch(forgery):
+    """The destination takes nothing that was not sealed for its request by
+    a holder of the key: a stranger at the source's address, a recorded
+    answer played back, or the rightful answer changed on the way fail the
+    fetch (the migration is then abandoned, its request left at the source)."""
+    key = _key()
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.ROUTER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    port = rogue.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer() -> None:
+        if rogue.poll(10_000):
+            identity, request = rogue.recv_multipart()
+            rogue.send_multipart([identity] + _forged_answer(forgery, key, request))
+
+    answering = threading.Thread(target=answer, daemon=True)
+    answering.start()
+    try:
+        with pytest.raises(kv_transfer.KVTransferError, match="does not open with the transfer key"):
+            kv_network.fetch(f"tcp://127.0.0.1:{port}", "m-1.rank0", key, timeout_s=10)
+    finally:
+        answering.join(15)
+        rogue.close(linger=0)
+        ctx.term()
+
+
+def test_a_request_played_back_gets_nothing_it_can_use(endpoint):
+    """An offer is handed out once: a sealed request recorded on the wire and
+    sent again gets 'missing' (sealed for it: a stranger cannot even read
+    that), and the stage it first fetched is not sent again."""
+    key = _key()
+    _, address = endpoint.serve(_caches(0), "m-1.rank0", [1], "127.0.0.1", key)
+    request, seal = key.seal_request(b"m-1.rank0")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        for attempt in range(2):
+            sock.send(request)
+            assert sock.poll(10_000)
+            status, *rest = sock.recv_multipart()
+            if attempt == 0:
+                assert status == b"ok"
+                index, count = kv_network._FRAME_META.unpack(rest[0])
+                assert seal.open(index, status + rest[0], rest[1]) == kv_transfer.pack_blocks(
+                    _caches(0), [1]).numpy().tobytes()
+            else:
+                assert status == b"missing"
+                assert seal.open(kv_network._STATUS_SEAL_INDEX, status, rest[0]) == b""
+                with pytest.raises(sealed_frames.SealBroken):
+                    _key()._answer_seal(request[: sealed_frames.NONCE_BYTES]).open(
+                        kv_network._STATUS_SEAL_INDEX, status, rest[0])
+    finally:
+        sock.close()
+    assert endpoint._server.requests_received == 2
+
+
 def test_withdrawn_offers_and_other_layouts_are_refused(endpoint):
-    keys = CurveKeys.generate()
-    _, address = endpoint.serve(_caches(0), "m-2-0.rank0", [1, 2], "127.0.0.1", keys)
-    endpoint.serve(_caches(0), "m-2-1.rank0", [3], "127.0.0.1", keys)
-    endpoint.serve(_caches(0), "m-20-0.rank0", [4], "127.0.0.1", keys)
+    key = _key()
+    _, address = endpoint.serve(_caches(0), "m-2-0.rank0", [1, 2], "127.0.0.1", key)
+    endpoint.serve(_caches(0), "m-2-1.rank0", [3], "127.0.0.1", key)
+    endpoint.serve(_caches(0), "m-20-0.rank0", [4], "127.0.0.1", key)
     assert endpoint.withdraw("m-2-") == 2  # that migration's offers, not m-20's
     with pytest.raises(kv_transfer.KVTransferError, match="offers no K/V blocks"):
-        kv_network.fetch(address, "m-2-0.rank0", keys, timeout_s=5)
+        kv_network.fetch(address, "m-2-0.rank0", key, timeout_s=5)
     other_layout = _caches(None, block_size=2 * BLOCK_SIZE)
     with pytest.raises(kv_transfer.KVTransferError, match="KV layouts differ"):
-        kv_network.KVNetworkEndpoint().fetch_into(other_layout, "m-20-0.rank0", [0], address, keys)
-    endpoint.serve(_caches(0), "m-3.rank0", [1, 2], "127.0.0.1", keys)
+        kv_network.KVNetworkEndpoint().fetch_into(other_layout, "m-20-0.rank0", [0], address, key)
+    endpoint.serve(_caches(0), "m-3.rank0", [1, 2], "127.0.0.1", key)
     with pytest.raises(kv_transfer.KVTransferError, match="holds 2 blocks, 1 were reserved"):
-        kv_network.KVNetworkEndpoint().fetch_into(_caches(None), "m-3.rank0", [0], address, keys)
+        kv_network.KVNetworkEndpoint().fetch_into(_caches(None), "m-3.rank0", [0], address, key)
 
 
 def test_a_stage_in_more_frames_than_its_blocks_fill_is_refused_at_its_first(endpoint, monkeypatch):
     """The frame count is the source's word: more frames than the reserved
     blocks' bytes fill is refused before a buffer is taken for them."""
     monkeypatch.setattr(kv_network, "_FRAME_BYTES", 1000)
-    keys = CurveKeys.generate()
-    _, address = endpoint.serve(_caches(0), "m-12.rank0", [1, 2, 3], "127.0.0.1", keys)
+    key = _key()
+    _, address = endpoint.serve(_caches(0), "m-12.rank0", [1, 2, 3], "127.0.0.1", key)
     kept = kv_network._joined_stages.num_kept
     with pytest.raises(kv_transfer.KVTransferError, match="more than the .* bytes of the blocks reserved"):
-        kv_network.KVNetworkEndpoint().fetch_into(_caches(None), "m-12.rank0", [0], address, keys)
+        kv_network.KVNetworkEndpoint().fetch_into(_caches(None), "m-12.rank0", [0], address, key)
     assert kv_network._joined_stages.num_kept == kept
-    endpoint.serve(_caches(0), "m-13.rank0", [1], "127.0.0.1", keys)
+    endpoint.serve(_caches(0), "m-13.rank0", [1], "127.0.0.1", key)
     with pytest.raises(kv_transfer.KVTransferError, match="no KV cache"):
-        kv_network.KVNetworkEndpoint().fetch_into([], "m-13.rank0", [0], address, keys)
+        kv_network.KVNetworkEndpoint().fetch_into([], "m-13.rank0", [0], address, key)
 
 
 def test_packed_blocks_equal_the_transfer_file(tmp_path):
@@ -198,54 +287,54 @@ def test_packed_blocks_equal_the_transfer_file(tmp_path):
         kv_transfer.pack_blocks(source, [4, 0], into=used[:100])
 
 
-def _assert_arrives(source, name: str, sent: list[int], address: str, keys: CurveKeys) -> None:
+def _assert_arrives(source, name: str, sent: list[int], address: str, key: TransferKey) -> None:
     destination = _caches(None)
     reserved = list(range(len(sent)))
-    kv_network.KVNetworkEndpoint().fetch_into(destination, name, reserved, address, keys)
+    kv_network.KVNetworkEndpoint().fetch_into(destination, name, reserved, address, key)
     assert all(torch.equal(d[:, reserved], s[:, sent]) for s, d in zip(source, destination))
 
 
 def test_a_sent_stage_lends_its_buffer_to_the_next(endpoint):
-    """A source packs each stage into a buffer of its pool, used again once
-    ZMQ has sent it (a fresh one is paged in a fault at a time, on cores that
-    step); an offer not yet sent keeps its own, and the bytes arrive exact."""
-    keys = CurveKeys.generate()
+    """A source packs each stage into a buffer of its pool and seals it into
+    another, each used again once ZMQ has sent it (a fresh one is paged in a
+    fault at a time, on cores that step); an offer not yet sent keeps its
+    own, and the bytes arrive exact."""
+    key = _key()
     source = _caches(8)
-    _, address = endpoint.serve(source, "m-1.rank0", [1, 2, 3], "127.0.0.1", keys)
+    _, address = endpoint.serve(source, "m-1.rank0", [1, 2, 3], "127.0.0.1", key)
     server = endpoint._server
     first = server._offers[b"m-1.rank0"][2]
-    endpoint.serve(source, "m-2.rank0", [4, 5], "127.0.0.1", keys)
+    endpoint.serve(source, "m-2.rank0", [4, 5], "127.0.0.1", key)
     second = server._offers[b"m-2.rank0"][2]
     assert first.data_ptr() != second.data_ptr()  # the first is not sent yet
-    _assert_arrives(source, "m-1.rank0", [1, 2, 3], address, keys)
-    _assert_arrives(source, "m-2.rank0", [4, 5], address, keys)
-    wait_until(lambda: server.buffers.num_kept == 2 and all(t.done for _, t in server.buffers._kept),
-               within_s=10, message="both sends done")
+    _assert_arrives(source, "m-1.rank0", [1, 2, 3], address, key)
+    _assert_arrives(source, "m-2.rank0", [4, 5], address, key)
+    wait_until(lambda: server.buffers.num_kept == 3 and all(t is None or t.done for _, t in server.buffers._kept),
+               within_s=10, message="both sends done, each stage's packed and sealed buffers kept")
     # The smallest buffer that fits packs the next stage (its old bytes overwritten).
-    endpoint.serve(source, "m-3.rank0", [6], "127.0.0.1", keys)
+    endpoint.serve(source, "m-3.rank0", [6], "127.0.0.1", key)
     assert server._offers[b"m-3.rank0"][2].data_ptr() == second.data_ptr()
-    _assert_arrives(source, "m-3.rank0", [6], address, keys)
+    _assert_arrives(source, "m-3.rank0", [6], address, key)
     # A stage larger than every kept buffer gets a new one.
-    endpoint.serve(source, "m-4.rank0", [0, 1, 2, 3, 4], "127.0.0.1", keys)
+    endpoint.serve(source, "m-4.rank0", [0, 1, 2, 3, 4], "127.0.0.1", key)
     assert server._offers[b"m-4.rank0"][2].data_ptr() not in (first.data_ptr(), second.data_ptr())
     assert endpoint.withdraw("m-4") == 1
 
 
 def test_a_stage_travels_in_frames_joined_exactly_at_the_destination(endpoint, monkeypatch):
-    """CURVE encrypts frame by frame into buffers libzmq allocates: a stage
-    goes in frames of at most _FRAME_BYTES (a large one costs both ends
-    page faults each time), and the destination joins them in a kept buffer."""
+    """A stage goes in frames of at most _FRAME_BYTES, each sealed on its
+    own, and the destination opens them into a kept buffer."""
     monkeypatch.setattr(kv_network, "_FRAME_BYTES", 1000)
-    keys = CurveKeys.generate()
+    key = _key()
     source = _caches(10, torch.bfloat16)
-    num_bytes, address = endpoint.serve(source, "m-6.rank0", [7, 2, 9], "127.0.0.1", keys)
-    frames = kv_network.fetch(address, "m-6.rank0", keys, timeout_s=5)
-    assert [len(f.buffer) for f in frames] == [1000] * (num_bytes // 1000) + [num_bytes % 1000]
-    assert b"".join(f.bytes for f in frames) == kv_transfer.pack_blocks(source, [7, 2, 9]).numpy().tobytes()
+    num_bytes, address = endpoint.serve(source, "m-6.rank0", [7, 2, 9], "127.0.0.1", key)
+    frames = kv_network.fetch(address, "m-6.rank0", key, timeout_s=5)
+    assert [len(f) for f in frames] == [1000] * (num_bytes // 1000) + [num_bytes % 1000]
+    assert b"".join(frames) == kv_transfer.pack_blocks(source, [7, 2, 9]).numpy().tobytes()
     for name, sent in (("m-7.rank0", [1, 0, 11]), ("m-8.rank0", [5, 6])):
-        endpoint.serve(source, name, sent, "127.0.0.1", keys)
+        endpoint.serve(source, name, sent, "127.0.0.1", key)
         destination = _caches(None, torch.bfloat16)
-        kv_network.KVNetworkEndpoint().fetch_into(destination, name, [3, 4, 8][: len(sent)], address, keys)
+        kv_network.KVNetworkEndpoint().fetch_into(destination, name, [3, 4, 8][: len(sent)], address, key)
         assert all(torch.equal(d[:, [3, 4, 8][: len(sent)]], s[:, sent]) for s, d in zip(source, destination))
         assert kv_network._joined_stages.num_kept >= 1  # the join's buffer, kept for the next stage
 
@@ -258,38 +347,39 @@ def _packed_at_once(fn, *args) -> Future:
 
 def test_a_pre_copy_stage_is_paced_and_a_final_stage_goes_between_its_frames(monkeypatch):
     """A stage packed beside the steps goes a frame at a time, each once the
-    last is encrypted and the copy budget allows: the server's encryption
-    (its I/O threads' CPU, counted in the budget) takes no more than the
-    budget's share of the time the stage takes. A final stage, whose
-    request is paused, is answered between its frames."""
+    last has been sent and the copy budget allows: the server's sealing and
+    sending (its thread's and its I/O threads' CPU, counted in the budget)
+    take no more than the budget's share of the time the stage takes. A
+    final stage, whose request is paused, is answered between its frames."""
     monkeypatch.setattr(kv_network, "_FRAME_BYTES", 256 << 10)
     share = 0.01
     budget = kv_background.CopyBudget(share=share)
     endpoint = kv_network.KVNetworkEndpoint(budget)
-    keys = CurveKeys.generate()
+    key = _key()
     source = _caches(11, num_blocks=2048)  # 3 MiB, 12 frames
     try:
         started = time.monotonic()
-        num_bytes, address = endpoint.serve(source, "m-9-0.rank0", list(range(2048)), "127.0.0.1", keys,
+        num_bytes, address = endpoint.serve(source, "m-9-0.rank0", list(range(2048)), "127.0.0.1", key,
                                             run_in_background=_packed_at_once)
         first_frame, done_at = threading.Event(), {}
 
         def fetch_pre_copy() -> None:
-            joined = bytearray()
+            frames = []
 
-            def on_frame(frame, index, count):
-                joined.extend(frame.buffer)
+            def into(index, count, size):
+                frames.append(bytearray(size))
                 first_frame.set()
+                return memoryview(frames[-1])
 
-            kv_network.fetch(address, "m-9-0.rank0", keys, on_frame=on_frame)
+            kv_network.fetch(address, "m-9-0.rank0", key, into=into)
             done_at["pre-copy"] = time.monotonic()
-            assert bytes(joined) == kv_transfer.pack_blocks(source, list(range(2048))).numpy().tobytes()
+            assert b"".join(frames) == kv_transfer.pack_blocks(source, list(range(2048))).numpy().tobytes()
 
         pre_copy = threading.Thread(target=fetch_pre_copy)
         pre_copy.start()
         assert first_frame.wait(30)
-        endpoint.serve(source, "m-10-1.rank0", [7], "127.0.0.1", keys)
-        _assert_arrives(source, "m-10-1.rank0", [7], address, keys)
+        endpoint.serve(source, "m-10-1.rank0", [7], "127.0.0.1", key)
+        _assert_arrives(source, "m-10-1.rank0", [7], address, key)
         done_at["final"] = time.monotonic()
         pre_copy.join(60)
         assert "pre-copy" in done_at and done_at["final"] < done_at["pre-copy"]
@@ -300,33 +390,33 @@ def test_a_pre_copy_stage_is_paced_and_a_final_stage_goes_between_its_frames(mon
         endpoint.close()
 
 
-def test_a_paced_fetch_decrypts_no_more_than_it_reads(endpoint):
-    """A destination's reading paced by its budget paces its decryption too:
+def test_a_paced_fetch_takes_in_no_more_than_it_reads(endpoint):
+    """A destination's reading paced by its budget paces its I/O thread too:
     while its pause holds it after the first frame, libzmq's I/O thread
-    decrypts at most the few messages its socket's queue holds, not the
+    takes in at most the few messages its socket's queue holds, not the
     stage (the source waits on TCP meanwhile)."""
-    keys = CurveKeys.generate()
+    key = _key()
     source = _caches(12, num_blocks=16384)  # 24 MiB, 24 frames
-    num_bytes, address = endpoint.serve(source, "m-11.rank0", list(range(16384)), "127.0.0.1", keys)
+    num_bytes, address = endpoint.serve(source, "m-11.rank0", list(range(16384)), "127.0.0.1", key)
     kv_network._fetch_zmq_context()
     io_threads = list(kv_network._fetch_io_threads)
 
-    def decrypting_cpu_s() -> float:
+    def receiving_cpu_s() -> float:
         return sum(cpu_placement.thread_cpu_s(tid) or 0.0 for tid in io_threads)
 
     cpu_at = {}
 
     def pause() -> None:
         if "first" not in cpu_at:
-            cpu_at["first"] = decrypting_cpu_s()
+            cpu_at["first"] = receiving_cpu_s()
             time.sleep(1.0)  # the destination's budget holds its reading
-            cpu_at["held"] = decrypting_cpu_s()
+            cpu_at["held"] = receiving_cpu_s()
 
-    frames = kv_network.fetch(address, "m-11.rank0", keys, pause=pause)
-    spent = decrypting_cpu_s() - cpu_at["first"]
-    assert b"".join(f.bytes for f in frames) == kv_transfer.pack_blocks(source, list(range(16384))).numpy().tobytes()
+    frames = kv_network.fetch(address, "m-11.rank0", key, pause=pause)
+    spent = receiving_cpu_s() - cpu_at["first"]
+    assert b"".join(frames) == kv_transfer.pack_blocks(source, list(range(16384))).numpy().tobytes()
     assert spent > 0
-    # Held a second: a few frames of the 24 decrypted meanwhile, at most.
+    # Held a second: a few frames of the 24 taken in meanwhile, at most.
     assert cpu_at["held"] - cpu_at["first"] <= 0.3 * spent
 
 
@@ -342,10 +432,10 @@ def test_the_server_sleeps_while_a_paced_frame_waits_for_its_destination():
     thread waking beside the steps takes a core from them where none is
     spare (it used to look every 1-10 ms, hundreds of times a stage)."""
     endpoint = kv_network.KVNetworkEndpoint(kv_background.CopyBudget(share=1.0))
-    keys = CurveKeys.generate()
+    key = _key()
     source = _caches(13, num_blocks=16384)  # 24 MiB, 24 frames
     try:
-        _, address = endpoint.serve(source, "m-12-0.rank0", list(range(16384)), "127.0.0.1", keys,
+        _, address = endpoint.serve(source, "m-12-0.rank0", list(range(16384)), "127.0.0.1", key,
                                     run_in_background=_packed_at_once)
         (server,) = [t for t in threading.enumerate() if t.name == "raylm-kv-server"]
         switches = {}
@@ -357,8 +447,8 @@ def test_the_server_sleeps_while_a_paced_frame_waits_for_its_destination():
                 time.sleep(1.0)
                 switches["later"] = _context_switches(server.native_id)
 
-        frames = kv_network.fetch(address, "m-12-0.rank0", keys, pause=pause)
-        assert b"".join(f.bytes for f in frames) == kv_transfer.pack_blocks(source, list(range(16384))).numpy().tobytes()
+        frames = kv_network.fetch(address, "m-12-0.rank0", key, pause=pause)
+        assert b"".join(frames) == kv_transfer.pack_blocks(source, list(range(16384))).numpy().tobytes()
         # A second held: the server looked whether its send had stalled once, not every few ms.
         assert switches["later"] - switches["held"] <= 3, switches
     finally:
@@ -366,7 +456,7 @@ def test_the_server_sleeps_while_a_paced_frame_waits_for_its_destination():
 
 
 def test_a_buffer_withdrawn_while_packing_is_kept_only_once_packed(endpoint):
-    keys = CurveKeys.generate()
+    key = _key()
     source = _caches(9)
     packing, release = threading.Event(), threading.Event()
 
@@ -381,7 +471,7 @@ def test_a_buffer_withdrawn_while_packing_is_kept_only_once_packed(endpoint):
         threading.Thread(target=run, daemon=True).start()
         return future
 
-    endpoint.serve(source, "m-5.rank0", [1, 2], "127.0.0.1", keys, run_in_background=slow_background)
+    endpoint.serve(source, "m-5.rank0", [1, 2], "127.0.0.1", key, run_in_background=slow_background)
     assert packing.wait(10)
     assert endpoint.withdraw("m-5") == 1
     assert endpoint._server.buffers.num_kept == 0  # still written to: nobody may take it
@@ -524,14 +614,14 @@ def test_a_failed_gather_is_named_at_the_destination(tmp_path):
 class KVSocketStranger(threading.Thread):
     """Hammers a K/V socket until told to stop, as someone on the network
     without the supervisor's key could: raw TCP connections that send junk
-    or nothing at all, plain ZMQ clients, and CURVE clients with a key of
-    their own (that even know the server's public key) asking for the
-    offers by name. `rounds` counts the rounds done, `answers` whatever any
-    of them got back (a ZMQ reply, never expected)."""
+    or nothing at all, and ZMQ clients asking for the offers by name in the
+    clear, sealed with a key of their own, or in a message larger than any
+    request. `rounds` counts the rounds done, `answers` whatever any of
+    them got back (a ZMQ reply, never expected)."""
 
-    def __init__(self, address: str, server_key: bytes, names: list[str]):
+    def __init__(self, address: str, names: list[str]):
         super().__init__(name="kv-stranger", daemon=True)
-        self.address, self.server_key, self.names = address, server_key, names
+        self.address, self.names = address, names
         self.rounds = 0
         self.answers: list = []
         self.stop = threading.Event()
@@ -539,19 +629,19 @@ class KVSocketStranger(threading.Thread):
     def run(self) -> None:
         host, port = self.address.removeprefix("tcp://").rsplit(":", 1)
         ctx = zmq.Context()
+        own_key = _key()
         try:
             while not self.stop.is_set():
                 with socket.create_connection((host, int(port)), timeout=2) as raw:
                     raw.sendall(bytes(range(256)) * 4)  # not a ZMTP greeting
                 clients = []
-                for curve in (False, True):
+                for ask in (lambda name: name, lambda name: own_key.seal_request(name)[0],
+                            lambda name: name * (kv_network._MAX_REQUEST_BYTES // len(name) + 1)):
                     client = ctx.socket(zmq.DEALER)
                     client.setsockopt(zmq.LINGER, 0)
-                    if curve:
-                        secure_client(client, CurveKeys.generate(), server_key=self.server_key)
                     client.connect(self.address)
                     for name in self.names:
-                        client.send(name.encode(), flags=zmq.NOBLOCK)
+                        client.send(ask(name.encode()), flags=zmq.NOBLOCK)
                     clients.append(client)
                 for client in clients:
                     if client.poll(50):
@@ -567,23 +657,23 @@ def _open_fds() -> int:
 
 
 def test_strangers_reach_nothing_and_hold_nothing(endpoint):
-    """A flood of strangers at the K/V socket: none gets an answer or wakes
-    the server's thread, the rightful destination still fetches its blocks
+    """A flood of strangers at the K/V socket: none gets an answer or has an
+    offer handed out, the rightful destination still fetches its blocks
     meanwhile, and once the flood stops every connection it made is gone."""
-    keys = CurveKeys.generate()
+    key = _key()
     names = [f"m-9-{i}.rank0" for i in range(3)]
-    _, address = endpoint.serve(_caches(0), names[0], [1, 2], "127.0.0.1", keys)
+    _, address = endpoint.serve(_caches(0), names[0], [1, 2], "127.0.0.1", key)
     fds_before = _open_fds()
-    stranger = KVSocketStranger(address, keys.public, names)
+    stranger = KVSocketStranger(address, names)
     stranger.start()
     try:
         for i, name in enumerate(names):
             if i:
-                endpoint.serve(_caches(0), name, [1, 2], "127.0.0.1", keys)
+                endpoint.serve(_caches(0), name, [1, 2], "127.0.0.1", key)
             # Each fetch while the flood goes on: a hang guard, not a speed check.
             wait_until(lambda: stranger.rounds >= 3 * (i + 1), 60, message="the stranger's rounds")
             destination = _caches(None)
-            kv_network.KVNetworkEndpoint().fetch_into(destination, name, [4, 7], address, keys)
+            kv_network.KVNetworkEndpoint().fetch_into(destination, name, [4, 7], address, key)
             assert torch.equal(destination[1][:, [4, 7]], _caches(0)[1][:, [1, 2]])
     finally:
         stranger.stop.set()
@@ -591,6 +681,7 @@ def test_strangers_reach_nothing_and_hold_nothing(endpoint):
     assert not stranger.is_alive()
     assert stranger.answers == []
     assert endpoint._server.requests_received == len(names)  # the rightful fetches only
+    assert endpoint._server.requests_refused >= stranger.rounds  # the sealed ones at least reached it
     wait_until(lambda: _open_fds() <= fds_before, 30, message=lambda: f"fds back to {fds_before}: {_open_fds()}")
 
 
@@ -600,7 +691,7 @@ def test_a_connection_that_never_finishes_its_handshake_is_dropped(monkeypatch):
     monkeypatch.setattr(tcp_auth, "HANDSHAKE_TIMEOUT_MS", 300)
     ep = kv_network.KVNetworkEndpoint()
     try:
-        _, address = ep.serve(_caches(0), "m-10.rank0", [1], "127.0.0.1", CurveKeys.generate())
+        _, address = ep.serve(_caches(0), "m-10.rank0", [1], "127.0.0.1", _key())
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=30) as silent:
             received = b""
