@@ -55,7 +55,7 @@ For each length L, `--repeats` times:
              by other work on a shared machine. And the copies' own CPU
              (each process's threads named raylm-kv-...) over the
              migration and over the pre-copy, as a share of a core: what the
-             copy budget holds to RAYLM_MIGRATION_COPY_CPU_SHARE (3%) at each
+             copy budget holds to RAYLM_MIGRATION_COPY_CPU_SHARE (2%) at each
              end, by thread in --output-json. And where the pre-copy's steps
              lose their time, per step against the window before: the time
              each core's step thread ran (net of its null twin's drift),

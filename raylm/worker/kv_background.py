@@ -48,13 +48,16 @@ logger = logging.getLogger(__name__)
 
 
 # What the copies of a process may take, in all, of a core's time. Where no
-# core is spare (benchmarks/README, "Each host on its own core" and "Where a
-# pre-copy's steps lose their time"; ~111M bf16, 2k tokens, against the same
-# batch before and after), at 3% a source's steps lost +3.5% and +7.2% in two
-# runs across two hosts (waiting for a CPU about as long as its copies ran,
-# 2.6% of a core), a destination's +1.1 and +3.9%; on one node +2.3 / +2.8%;
-# at 5% a one-node destination reached +4.5%.
-_DEFAULT_COPY_CPU_SHARE = 0.03
+# core is spare (benchmarks/README, "Each host on its own core", "Where a
+# pre-copy's steps lose their time" and "K/V across hosts: the seal"; ~111M
+# bf16, 2k tokens, against the same batch before and after): with CURVE at
+# 3%, a source's steps lost +3.5% and +7.2% in two runs across two hosts, a
+# destination's +1.1 and +3.9%. With the sealed frames, which halved the
+# source's CPU per byte, at 3% the source lost +4.5% and the destination
+# +3.8% (a migration 1.1 s); at 2% the source +4.9 / +4.2% and the
+# destination +1.4 / -1.0% in two runs (1.6-1.8 s, what CURVE took at 3%),
+# the source waiting for a CPU 2.1% of the time; on one node +3.4 / -1.6%.
+_DEFAULT_COPY_CPU_SHARE = 0.02
 
 
 def _copy_cpu_share() -> float:
