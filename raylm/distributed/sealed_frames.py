@@ -9,9 +9,9 @@ an answer is good only for the request it answers. A message that fails its
 seal (a stranger's, or one changed on the way) is refused.
 
 Why not ZMQ CURVE, as the step queues: CURVE (libsodium's XSalsa20-Poly1305,
-on libzmq's I/O thread) cost ~1 ms of CPU per MiB at each end, most of what a
-migration's copies take from the decode steps of a host with no core to
-spare; AES-GCM runs at ~20 GB/s per core where the CPU has AES instructions
+on libzmq's I/O thread) cost about 0.5 ms of CPU per MiB at each end, two
+thirds of what a source's copies took from the decode steps of a host with
+no core to spare; AES-GCM runs at ~20 GB/s per core where the CPU has AES instructions
 (benchmarks/README, "K/V across hosts: the seal"). What CURVE adds besides,
 forward secrecy, a per-connection handshake, matters less for blocks whose
 key lives no longer than the supervisor that made it and travels only on the
