@@ -49,7 +49,7 @@ def _cpu_s() -> float:
 
 
 class _Side:
-    """One host's end (a Ray actor). Each call returns its wall time and
+    """One host's end (a Ray actor). Each fetch returns its wall time and
     the CPU its process spent meanwhile."""
 
     def __init__(self):
@@ -64,7 +64,7 @@ class _Side:
         self.raw: dict[bool, tuple] = {}  # curve? -> (context, socket, address)
         self.payloads: dict = {}
         # Where a fetch opens the frames it gets (as a destination's pool of joined stages).
-        self.joined = bytearray(64 << 20)
+        self.joined = bytearray()
         self.zmq = zmq
 
     def node_ip(self) -> str:
@@ -117,10 +117,12 @@ class _Side:
         threading.Thread(target=answer, daemon=True).start()
         return address
 
-    def fetch(self, address: str, name: str, key: bytes) -> tuple[float, float]:
+    def fetch(self, address: str, name: str, nbytes: int, key: bytes) -> tuple[float, float]:
         from raylm.distributed.sealed_frames import TransferKey
         from raylm.worker.kv_network import fetch
 
+        if len(self.joined) < nbytes:
+            self.joined = bytearray(nbytes)  # outside the timing, once per size
         joined, size = memoryview(self.joined), 0
 
         def into(index: int, count: int, frame_bytes: int):
@@ -196,7 +198,7 @@ def drive(spec: dict) -> dict:
             name = f"b-{size_mib}-{repeat}"
             runs = {  # each: (wall seconds, the destination's CPU seconds)
                 "sealed": lambda: ray.get(destination.fetch.remote(
-                    ray.get(source.offer.remote(name, nbytes, key)), name, key)),
+                    ray.get(source.offer.remote(name, nbytes, key)), name, nbytes, key)),
                 "curve": lambda: ray.get(destination.fetch_raw.remote(
                     ray.get(source.offer_raw.remote(nbytes, True)), nbytes, (public, secret))),
                 "plain-tcp": lambda: ray.get(destination.fetch_raw.remote(
