@@ -102,6 +102,7 @@ class StageBuffers:
 
     MAX_BUFFERS = 6  # a long request's first stage, a later one, a final one; each packed and sealed
     MAX_BUFFER_BYTES = 128 << 20  # a larger stage's buffer is not kept
+    MAX_KEPT_BYTES = 256 << 20  # all kept buffers together (each rank holds its pools as long as it lives)
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -124,12 +125,22 @@ class StageBuffers:
         if buffer.numel() > self.MAX_BUFFER_BYTES:
             return
         with self._lock:
-            if len(self._kept) >= self.MAX_BUFFERS:
-                # Room for it only in place of a smaller free one.
-                free = [e for e in self._kept if (e[1] is None or e[1].done) and e[0].numel() < buffer.numel()]
-                if not free:
-                    return
-                self._drop(min(free, key=lambda e: e[0].numel()))
+            # Past either limit, room for it only in place of smaller free ones, the smallest first.
+            count = len(self._kept) + 1
+            total = sum(e[0].numel() for e in self._kept) + buffer.numel()
+            smaller_free = sorted(
+                (e for e in self._kept if (e[1] is None or e[1].done) and e[0].numel() < buffer.numel()),
+                key=lambda e: e[0].numel())
+            dropped = []
+            for entry in smaller_free:
+                if count <= self.MAX_BUFFERS and total <= self.MAX_KEPT_BYTES:
+                    break
+                dropped.append(entry)
+                count, total = count - 1, total - entry[0].numel()
+            if count > self.MAX_BUFFERS or total > self.MAX_KEPT_BYTES:
+                return
+            for entry in dropped:
+                self._drop(entry)
             self._kept.append((buffer, sending))
 
     def _drop(self, entry: tuple) -> None:

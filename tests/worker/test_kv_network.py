@@ -294,6 +294,33 @@ def _assert_arrives(source, name: str, sent: list[int], address: str, key: Trans
     assert all(torch.equal(d[:, reserved], s[:, sent]) for s, d in zip(source, destination))
 
 
+def test_a_pool_keeps_at_most_its_count_and_bytes_the_larger_buffers_first(monkeypatch):
+    """A rank keeps its pools as long as it lives: past either limit a
+    buffer given back takes the place of smaller free ones, or is not kept;
+    one still being sent is never dropped."""
+    monkeypatch.setattr(kv_network.StageBuffers, "MAX_BUFFERS", 3)
+    monkeypatch.setattr(kv_network.StageBuffers, "MAX_KEPT_BYTES", 1000)
+    pool = kv_network.StageBuffers()
+
+    def kept() -> list[int]:
+        return sorted(buffer.numel() for buffer, _ in pool._kept)
+
+    class Sending:
+        done = False
+
+    for size in (100, 200, 300):
+        pool.give_back(torch.empty(size, dtype=torch.uint8))
+    pool.give_back(torch.empty(50, dtype=torch.uint8))  # three kept, none smaller
+    assert kept() == [100, 200, 300]
+    pool.give_back(torch.empty(600, dtype=torch.uint8))  # 1200 bytes: the 100 and the 200 make room
+    assert kept() == [300, 600]
+    pool.give_back(torch.empty(400, dtype=torch.uint8), Sending())  # over the bytes, the 300 goes
+    assert kept() == [400, 600]
+    pool.give_back(torch.empty(500, dtype=torch.uint8))  # only the 400 is smaller, and it is being sent
+    assert kept() == [400, 600]
+    assert pool.take(450).numel() == 600 and kept() == [400]
+
+
 def test_a_sent_stage_lends_its_buffer_to_the_next(endpoint):
     """A source packs each stage into a buffer of its pool and seals it into
     another, each used again once ZMQ has sent it (a fresh one is paged in a
