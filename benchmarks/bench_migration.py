@@ -154,22 +154,28 @@ def _schedstat_s(pid: int, tid: int) -> tuple[float, float] | None:
     return int(run_ns) / 1e9, int(wait_ns) / 1e9
 
 
+def _named_threads(pid: int) -> list[tuple[int, str]]:
+    """The threads of process `pid` alive now: (id, name)."""
+    threads = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                threads.append((int(tid), f.read().strip()))
+        except OSError:  # the thread ended
+            continue
+    return threads
+
+
 def _find_step_threads() -> None:
     """Each core's step thread: the one of its process that has run longest, the copies' aside."""
     for core, process in _core_processes.items():
         if core in _step_threads:
             continue
         busiest = (0.0, None)
-        for tid in os.listdir(f"/proc/{process.pid}/task"):
-            try:
-                with open(f"/proc/{process.pid}/task/{tid}/comm") as f:
-                    if f.read().startswith("raylm-kv-"):
-                        continue
-            except OSError:
-                continue
-            sched = _schedstat_s(process.pid, int(tid))
+        for tid, name in _named_threads(process.pid):
+            sched = None if name.startswith("raylm-kv-") else _schedstat_s(process.pid, tid)
             if sched is not None and sched[0] > busiest[0]:
-                busiest = (sched[0], int(tid))
+                busiest = (sched[0], tid)
         if busiest[1] is not None:
             _step_threads[core] = busiest[1]
 
@@ -208,17 +214,11 @@ def _copy_cpu_by_thread(core: int) -> dict[str, float] | None:
         return None
     spent: dict[str, float] = {}
     tids = []
-    for tid in os.listdir(f"/proc/{process.pid}/task"):
-        try:
-            with open(f"/proc/{process.pid}/task/{tid}/comm") as f:
-                name = f.read().strip()
-            if not name.startswith("raylm-kv-"):
-                continue
-            with open(f"/proc/{process.pid}/task/{tid}/schedstat") as f:
-                spent[name] = spent.get(name, 0.0) + int(f.read().split()[0]) / 1e9
-            tids.append(int(tid))
-        except OSError:  # the thread ended
-            continue
+    for tid, name in _named_threads(process.pid):
+        sched = _schedstat_s(process.pid, tid) if name.startswith("raylm-kv-") else None
+        if sched is not None:  # (None: not a copy's, or it ended)
+            spent[name] = spent.get(name, 0.0) + sched[0]
+            tids.append(tid)
     _kv_threads[core] = tids
     return spent
 

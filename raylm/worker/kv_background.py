@@ -19,8 +19,8 @@ from a step. So the process's copies share one CPU budget (`CopyBudget`):
 a paced copy (`paced=True`: the file copies, which come in chunks, and the
 packing and unpacking of a transfer between nodes, layer by layer; and the
 frames of a transfer between nodes, raylm.worker.kv_network) waits between
-its chunks while the CPU that all of them spent (sealing and sending included) is
-more than `COPY_CPU_SHARE` of the time: a step is never held by more than a
+its chunks while the CPU that all of them spent (sealing and sending
+included) is more than `COPY_CPU_SHARE` of the time: a step is never held by more than a
 burst of about 1 ms or a chunk, and the steps around the copies lose at
 most that share of their time.
 The pre-copy takes longer for it (about its CPU time / the share), which the
@@ -169,8 +169,8 @@ def _set_policy(tid: int, policy: str) -> None:
 
 class ThreadsBesideTheSteps:
     """Threads that copy for both kinds of stage (ZMQ's I/O threads, which
-    send and receive the frames): SCHED_BATCH for a pre-copy, beside the steps; at
-    the steps' own policy while a final stage needs them (`urgent`), whose
+    send and receive the frames): SCHED_BATCH for a pre-copy, beside the
+    steps; at the steps' own policy while a final stage needs them (`urgent`), whose
     request is paused meanwhile: a wake-up that waited for the step's time
     slice to end would stretch the pause. (A policy, not a niceness: a
     thread may go back from SCHED_BATCH, not to a lower niceness, without

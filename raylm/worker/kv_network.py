@@ -521,8 +521,7 @@ def _name_zmq_threads(new_threads: set[int]) -> list[int]:
 
 
 _fetch_context: zmq.Context | None = None
-_fetch_io_threads: list[int] = []  # its threads' ids
-_fetch_threads = ThreadsBesideTheSteps([])
+_fetch_threads = ThreadsBesideTheSteps([])  # its I/O threads
 _fetch_context_lock = threading.Lock()
 
 
@@ -535,14 +534,13 @@ def _fetch_zmq_context() -> zmq.Context:
             context, first, io_threads = _context_yielding_to_the_steps(zmq.DEALER)
             first.close(linger=0)
             process_copy_budget().count(io_threads)
-            _fetch_io_threads[:] = io_threads
             _fetch_threads = ThreadsBesideTheSteps(io_threads)
             _fetch_context = context
         return _fetch_context
 
 
 def fetch(address: str, name: str, key: TransferKey, timeout_s: float = FETCH_TIMEOUT_S,
-          cancelled: threading.Event | None = None, pause=None, into=None) -> list[bytes]:
+          cancelled: threading.Event | None = None, pause=None, into=None) -> list[bytearray]:
     """The packed blocks offered as `name` at `address`, as the frames they
     came in, opened; the wait gives up once nothing came for `timeout_s` (a
     paced stage takes longer than that as a whole), or once `cancelled` is
@@ -550,15 +548,20 @@ def fetch(address: str, name: str, key: TransferKey, timeout_s: float = FETCH_TI
     no more is taken in meanwhile, see _PACED_RECEIVE_QUEUE). `into(index,
     count, size)`: a writable view of `size` bytes to open frame `index` of
     `count` into (none is returned), so that a stage is joined as it comes
-    and each message's memory goes back at once. A message that does not
-    open with the key fails the fetch."""
+    and each message's memory goes back at once; without it, each frame is
+    opened into a bytearray of its own. A message that does not open with
+    the key fails the fetch."""
     sock = _fetch_zmq_context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, AnswerSeal.sealed_size(_FRAME_BYTES))  # no larger frame is ours
     if pause is not None:
         sock.setsockopt(zmq.RCVHWM, _PACED_RECEIVE_QUEUE)
     sock.connect(address)
-    parts: list[bytes] = []
+    parts: list[bytearray] = []
+    if into is None:
+        def into(index: int, count: int, size: int) -> memoryview:
+            parts.append(bytearray(size))
+            return memoryview(parts[-1])
     received = 0
     urgent = pause is None  # a final stage, its request paused: taken in at the steps' priority
     if urgent:
@@ -571,7 +574,10 @@ def fetch(address: str, name: str, key: TransferKey, timeout_s: float = FETCH_TI
             message = _next_message(sock, address, name, timeout_s, cancelled)
             status = message[0].bytes
             if status in (_STATUS_MISSING, _STATUS_FAILED) and len(message) == 2:
-                reason = _open(seal, _STATUS_SEAL_INDEX, status, message[1].buffer, address, name)
+                try:
+                    reason = seal.open(_STATUS_SEAL_INDEX, status, message[1].buffer)
+                except SealBroken:
+                    raise _broken(address, name) from None
                 if status == _STATUS_MISSING:
                     raise kv_transfer.KVTransferError(f"the source rank at {address} offers no K/V blocks {name!r}")
                 raise kv_transfer.KVTransferError(
@@ -588,14 +594,10 @@ def fetch(address: str, name: str, key: TransferKey, timeout_s: float = FETCH_TI
             size = len(sealed) - AnswerSeal.sealed_size(0)
             if size < 0:
                 raise kv_transfer.KVTransferError(f"the source rank at {address} answered {name!r} out of form")
-            if into is None:
-                parts.append(_open(seal, index, status + header, sealed, address, name))
-            else:
-                out = into(index, count, size)
-                try:
-                    seal.open_into(index, status + header, sealed, out)
-                except SealBroken:
-                    raise _broken(address, name) from None
+            try:
+                seal.open_into(index, status + header, sealed, into(index, count, size))
+            except SealBroken:
+                raise _broken(address, name) from None
             del message, sealed
             if pause is not None:
                 pause()
@@ -604,13 +606,6 @@ def fetch(address: str, name: str, key: TransferKey, timeout_s: float = FETCH_TI
         if urgent:
             _fetch_threads.urgent_end()
     return parts
-
-
-def _open(seal: AnswerSeal, index: int, header: bytes, sealed, address: str, name: str) -> bytes:
-    try:
-        return seal.open(index, header, sealed)
-    except SealBroken:
-        raise _broken(address, name) from None
 
 
 def _broken(address: str, name: str) -> kv_transfer.KVTransferError:

@@ -426,7 +426,7 @@ def test_a_paced_fetch_takes_in_no_more_than_it_reads(endpoint):
     source = _caches(12, num_blocks=16384)  # 24 MiB, 24 frames
     num_bytes, address = endpoint.serve(source, "m-11.rank0", list(range(16384)), "127.0.0.1", key)
     kv_network._fetch_zmq_context()
-    io_threads = list(kv_network._fetch_io_threads)
+    io_threads = list(kv_network._fetch_threads.tids)
 
     def receiving_cpu_s() -> float:
         return sum(cpu_placement.thread_cpu_s(tid) or 0.0 for tid in io_threads)
