@@ -44,11 +44,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("distributed", ("raylm.distributed",)),
     # Plain values that cross layers: wire messages and sampling settings,
     # user-facing outputs, the chat-template sandbox, CPU-core arithmetic; and
-    # the start-up heap's freeze, which every serving process calls.
+    # the start-up heap's freeze, which every serving process calls; client
+    # text escaped for the logs.
     (
         "values",
         ("raylm.messages", "raylm.sampling_params", "raylm.outputs", "raylm.chat_template", "raylm.cpu_bind",
-         "raylm.startup_heap"),
+         "raylm.startup_heap", "raylm.log_text"),
     ),
 ]
 

@@ -33,6 +33,7 @@ from raylm.engine.restart_budget import BlameLedger, RestartBudget
 from raylm.engine.stat_logger import StatLoggerBase
 from raylm.engine.supervisor import AsyncEngineCoreSupervisor
 from raylm.engine.tokenizer import load_tokenizer
+from raylm.log_text import loggable, traceback_frames
 from raylm.outputs import RequestOutput
 from raylm.sampling_params import SamplingParams
 
@@ -328,7 +329,9 @@ class AsyncLLM:
         except EngineDeadError as e:
             self._mark_dead(e)
         except Exception as e:  # a bug here would otherwise hang every client silently
-            logger.exception("output handler failed")
+            # Its message may quote a request id: escaped, the frames apart.
+            logger.error("output handler failed: %s\n%s", loggable(f"{type(e).__name__}: {e}"),
+                         traceback_frames(e))
             self._mark_dead(EngineDeadError(f"output handler failed: {e}"))
 
     def _process(self, outputs: EngineCoreOutputs) -> None:
@@ -411,7 +414,8 @@ class AsyncLLM:
         self._record(lambda s: s.record_recovery(recovery.kind, recovery.seconds, recovery.num_requests))
 
     def _mark_dead(self, error: EngineDeadError) -> None:
-        logger.error("engine is dead: %s", error)
+        # Mostly the server's words (a core's error), but they may quote a request.
+        logger.error("engine is dead: %s", loggable(error, limit=1000))
         self.dead_error = error
         for state in self._requests.values():
             state.queue.put_nowait(error)

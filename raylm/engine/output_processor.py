@@ -13,6 +13,7 @@ from typing import Any
 
 from raylm.core.outputs import EngineCoreOutput
 from raylm.engine.detokenizer import IncrementalDetokenizer, detokenize_logprobs
+from raylm.log_text import loggable
 from raylm.messages import PositionLogprobsLists
 from raylm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from raylm.sampling_params import SamplingParams
@@ -104,7 +105,7 @@ class OutputProcessor:
         if out.prompt_logprobs_start > held:
             # Positions before these never arrived: placing these would shift them.
             logger.error("request %s: prompt logprobs from token %d, but only %d held; dropped",
-                         parent.request_id, out.prompt_logprobs_start, held)
+                         loggable(parent.request_id), out.prompt_logprobs_start, held)
             return
         new = out.new_prompt_logprobs[held - out.prompt_logprobs_start :]
         parent.prompt_logprobs.extend(self._to_logprobs(e) for e in new)

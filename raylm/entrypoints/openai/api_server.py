@@ -31,6 +31,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import raylm
 from raylm.engine.async_llm import AsyncLLM
@@ -39,7 +40,7 @@ from raylm.entrypoints.openai.limits import (
     AdmissionControl,
     BodySizeLimitMiddleware,
     ServerLimits,
-    max_running_sequences,
+    running_capacity,
 )
 from raylm.entrypoints.openai.data_parallel_routes import install_data_parallel_routes, replica_states
 from raylm.entrypoints.openai.metrics import PrometheusStatLogger
@@ -50,6 +51,7 @@ from raylm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from raylm.entrypoints.openai.serving_tools import ToolCallConfig
 from raylm.entrypoints.openai.structured_outputs import StructuredOutputDefaults
 from raylm.entrypoints.openai.serving_tokenize import install_tokenize_routes
+from raylm.log_text import loggable, traceback_frames
 from raylm.startup_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
@@ -112,10 +114,36 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(str(exc.detail), exc.status_code)
 
-    @app.exception_handler(Exception)
-    async def server_fault(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s", request.url.path)
-        return error_response(f"internal server error: {type(exc).__name__}", 500)
+
+class UnhandledErrorMiddleware:
+    """A 500 for a fault nothing else answered, logged with what the client
+    wrote escaped (raylm.log_text): the decoded path and the exception's
+    message, which may quote the body; the traceback's frames apart.
+
+    Not Starlette's handler for Exception: that one answers, then re-raises
+    to uvicorn, which logs the raw message ("Exception in ASGI application")."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            logger.error("unhandled error on %s: %s\n%s", loggable(scope.get("path", "")),
+                         loggable(f"{type(exc).__name__}: {exc}"), traceback_frames(exc))
+            if not started:  # else the answer is cut off: uvicorn closes the connection
+                await error_response(f"internal server error: {type(exc).__name__}", 500)(scope, receive, send)
 
 
 @dataclass
@@ -133,14 +161,16 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
               cors: CorsSettings | None = None, tool_config: ToolCallConfig | None = None,
               trust_request_chat_template: bool = False,
               structured_outputs_defaults: StructuredOutputDefaults | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, host: str | None = None) -> FastAPI:
     """The app; `app.state.admission` is its AdmissionControl (closed at shutdown).
-    `trust_request_chat_template`: render chat templates sent with requests."""
+    `trust_request_chat_template`: render chat templates sent with requests.
+    `host`: the address it is served on; without `api_key`, the admin routes
+    (/scale, /replicas/{i}/restart) are refused unless it is a loopback one."""
     limits = limits or ServerLimits()
     cors = cors or CorsSettings()
     app = FastAPI(title="raylm", version=raylm.__version__)
     admission = AdmissionControl(
-        max_running_sequences(engine.config), limits.max_waiting_requests,
+        running_capacity(engine), limits.max_waiting_requests,
         on_change=stat_logger.record_admitted if stat_logger is not None else None,
         on_refused=stat_logger.record_refused if stat_logger is not None else None,
     )
@@ -164,6 +194,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     # A body is measured before anything else reads it.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes,
                        on_refused=admission.refused)
+    # Around them: a fault anywhere inside is answered (with the CORS headers)
+    # and logged escaped.
+    app.add_middleware(UnhandledErrorMiddleware)
     # Outermost: a browser's preflight is answered without an API key, and
     # every answer, errors too, carries the CORS headers the browser needs.
     app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
@@ -208,7 +241,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
     install_tokenize_routes(app, engine, served_model_names, trust_request_chat_template)
     install_data_parallel_routes(app, engine, api_key, stat_logger,
-                                 served_model_names[0] if served_model_names else "")
+                                 served_model_names[0] if served_model_names else "", host=host)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -254,7 +287,8 @@ class GracefulServer(uvicorn.Server):
         """Every request already gets a 503 once the engine is dead; after a
         short linger, stop serving so run_server can exit non-zero."""
         error = await self.engine.wait_until_dead()
-        logger.error("the engine is dead (%s); exiting in %.0fs", error, _DEAD_ENGINE_LINGER_S)
+        logger.error("the engine is dead (%s); exiting in %.0fs", loggable(error, limit=1000),
+                     _DEAD_ENGINE_LINGER_S)
         await asyncio.sleep(_DEAD_ENGINE_LINGER_S)
         self.engine_error = error
         self.should_exit = True
@@ -330,7 +364,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
                         trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
                         structured_outputs_defaults=StructuredOutputDefaults.from_json(
                             getattr(args, "structured_outputs_config", None)),
-                        reasoning_parser=getattr(args, "reasoning_parser", None))
+                        reasoning_parser=getattr(args, "reasoning_parser", None), host=args.host)
         config = uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
@@ -348,5 +382,5 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
     finally:
         engine.shutdown()
     if server.engine_error is not None:
-        logger.error("exiting with status %d: %s", EXIT_ENGINE_DEAD, server.engine_error)
+        logger.error("exiting with status %d: %s", EXIT_ENGINE_DEAD, loggable(server.engine_error, limit=1000))
         raise SystemExit(EXIT_ENGINE_DEAD)

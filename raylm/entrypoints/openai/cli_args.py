@@ -49,11 +49,15 @@ def add_serve_subcommand(subparsers: argparse._SubParsersAction) -> argparse.Arg
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="Hugging Face model folder (same as --model)")
     server = serve.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on; on any but a loopback one (127.0.0.1, ::1, localhost), "
+                             "POST /scale and /replicas/{i}/restart need --api-key")
     server.add_argument("--port", type=int, default=8000, help="port to listen on")
     server.add_argument("--api-key", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on every endpoint but /health, /metrics and "
-                             "/version; default: RAYLM_API_KEY, else VLLM_API_KEY, else no key")
+                             "/version; default: RAYLM_API_KEY, else VLLM_API_KEY, else no key (then every "
+                             "endpoint answers anyone who reaches --host, except the admin ones, /scale and "
+                             "/replicas/{i}/restart, which a non-loopback --host refuses with HTTP 403)")
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="render a chat_template sent with a request (chat completions, /tokenize); without "
                              "it such a request gets HTTP 400. Any render is bounded in time and size")

@@ -3,6 +3,12 @@
 state for `/health`, and per-replica gauges on `/metrics`, read from the
 routing client when scraped.
 
+Without an API key the admin routes answer anyone who can reach the server,
+which is safe only when that is this machine: a server bound to a loopback
+address (127.0.0.0/8, ::1, localhost) serves them without a key; one bound
+to any other address (0.0.0.0 included) refuses them with a 403 that says to
+set an API key (--api-key, RAYLM_API_KEY).
+
 `/scale` is bounded and serialized: at most MAX_DATA_PARALLEL_SIZE replicas
 (and, on a Ray cluster, no more than it has CPUs: a replica needs one at
 least), past that a 400; one scale at a time, so that two calls racing cannot
@@ -12,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 from typing import Any
 
@@ -26,6 +33,15 @@ from raylm.entrypoints.openai.serving_common import error_response
 logger = logging.getLogger(__name__)
 
 
+def is_loopback_host(host: str) -> bool:
+    """Whether a server bound to `host` is reachable from this machine only.
+    A name other than localhost may resolve anywhere: not loopback."""
+    if host.strip().lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class ScaleRequest(BaseModel):
@@ -80,24 +96,39 @@ async def max_data_parallel_size() -> tuple[int, str]:
 
 
 def install_data_parallel_routes(app: FastAPI, engine: Any, api_key: str | None, stat_logger=None,
-                                 model_name: str = "") -> None:
+                                 model_name: str = "", host: str | None = None) -> None:
+    """`host`: the address the server is bound to; without an API key, the
+    admin routes answer only on a loopback one (None: not bound by raylm
+    serve, e.g. an app driven in-process; taken as loopback)."""
     if stat_logger is not None and replica_states(engine) is not None:
         stat_logger.registry.register(ReplicaCollector(engine, model_name))
 
     scaling = asyncio.Lock()
+    open_to_others = not api_key and host is not None and not is_loopback_host(host)
+    if open_to_others:
+        logger.warning("no API key on a server bound to %s: POST /scale and /replicas/{i}/restart are refused "
+                       "(set --api-key or RAYLM_API_KEY to use them)", host)
 
     def refused(request: Request) -> JSONResponse | None:
         if api_key:
             given = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
                 return error_response("missing or invalid API key (Authorization: Bearer ...)", 401)
+        elif open_to_others:
+            # Anyone on the network could change the replica count or restart
+            # replicas; without a key there is no telling who asks.
+            return error_response(
+                f"{request.url.path} needs an API key on a server bound to a non-loopback address ({host}): "
+                "start it with --api-key KEY (or RAYLM_API_KEY) and send 'Authorization: Bearer KEY', "
+                "or bind it to 127.0.0.1", 403, error_type="permission_error")
         return None
 
     @app.post("/replicas/{index}/restart")
     async def restart_replica(index: int, request: Request) -> JSONResponse:
         """Restart one replica without losing a request (its requests migrate
         to the others); answers once it serves again. 400 if it does not
-        serve or no other replica could take its requests."""
+        serve or no other replica could take its requests. Admin: needs the
+        API key; without one, answers only on a loopback bind (403 otherwise)."""
         if (denied := refused(request)) is not None:
             return denied
         try:
@@ -114,7 +145,8 @@ def install_data_parallel_routes(app: FastAPI, engine: Any, api_key: str | None,
         """Change the number of replicas; answers once new ones serve (removed
         ones migrate their requests away and leave in the background). 400 if
         the engine has no replicas or the size is past the bound; a call
-        waits for the one before it."""
+        waits for the one before it. Admin: needs the API key; without one,
+        answers only on a loopback bind (403 otherwise)."""
         if (denied := refused(request)) is not None:
             return denied
         limit, why = await max_data_parallel_size()

@@ -3,8 +3,10 @@ and what one request may ask for. Past a bound the client gets a clear refusal
 (OpenAI-style error body), never a slow death of the server.
 
 - Admission (`AdmissionControl`): the server holds at most
-  `max_num_seqs x data_parallel_size + max_waiting_requests` sequences: what
-  the engine can run at once plus a bounded queue. Sequences are counted as the
+  `max_num_seqs x serving replicas + max_waiting_requests` sequences: what
+  the engine can run at once plus a bounded queue. The replicas are counted
+  at each admission (`running_capacity`), so the bound follows `/scale`, the
+  autoscaler and replicas that leave or restart. Sequences are counted as the
   scheduler counts them: each of a request's `n` completions, for each of its
   prompts, is one. A request arriving when they would not fit is answered 429
   with `Retry-After`; one that could never fit (its prompts x n alone exceed the
@@ -116,12 +118,13 @@ class Reservation:
 class AdmissionControl:
     """Counts the sequences the server has admitted and not yet answered."""
 
-    def __init__(self, max_running: int, max_waiting: int,
+    def __init__(self, max_running: int | Callable[[], int], max_waiting: int,
                  on_change: Callable[[int], None] | None = None,
                  on_refused: Callable[[str], None] | None = None):
-        self.max_running = max_running
+        # A callable is asked at each admission: what the engine runs at once
+        # changes with its replica count.
+        self._max_running = max_running if callable(max_running) else (lambda: max_running)
         self.max_waiting = max_waiting
-        self.capacity = max_running + max_waiting
         self.in_flight = 0
         self.closed = False
         self._on_change = on_change
@@ -129,7 +132,15 @@ class AdmissionControl:
 
     @classmethod
     def for_engine(cls, engine: Any, max_waiting: int = DEFAULT_MAX_WAITING_REQUESTS, **kwargs: Any) -> "AdmissionControl":
-        return cls(max_running_sequences(engine.config), max_waiting, **kwargs)
+        return cls(running_capacity(engine), max_waiting, **kwargs)
+
+    @property
+    def max_running(self) -> int:
+        return self._max_running()
+
+    @property
+    def capacity(self) -> int:
+        return self.max_running + self.max_waiting
 
     def refused(self, reason: str) -> None:
         if self._on_refused is not None:
@@ -141,14 +152,16 @@ class AdmissionControl:
         if self.closed:
             self.refused("shutting_down")
             raise ShuttingDown()
-        if cost > self.capacity:
+        max_running = self.max_running  # read once: the replica count may change meanwhile
+        capacity = max_running + self.max_waiting
+        if cost > capacity:
             raise OpenAIError(
                 f"this request asks for {cost} sequences (prompts x n); the server holds at most "
-                f"{self.capacity} at once ({self.max_running} running + {self.max_waiting} waiting)", 400, param)
-        if self.in_flight + cost > self.capacity:
+                f"{capacity} at once ({max_running} running + {self.max_waiting} waiting)", 400, param)
+        if self.in_flight + cost > capacity:
             self.refused("queue_full")
             raise Overloaded(
-                f"the server is at capacity ({self.in_flight} sequences in flight: {self.max_running} can run "
+                f"the server is at capacity ({self.in_flight} sequences in flight: {max_running} can run "
                 f"and {self.max_waiting} may wait); retry after {RETRY_AFTER_S}s")
         self.in_flight += cost
         self._changed()
@@ -324,6 +337,24 @@ class ReleasingStreamingResponse(StreamingResponse):
 
 
 def max_running_sequences(config: Any) -> int:
-    """What the engine runs at once: max_num_seqs per engine-core replica."""
+    """What the engine runs at once at its start: max_num_seqs per engine-core replica."""
     replicas = getattr(config.parallel_config, "data_parallel_size", 1) or 1
     return config.scheduler_config.max_num_seqs * replicas
+
+
+def running_capacity(engine: Any) -> Callable[[], int]:
+    """What `engine` runs at once now, for AdmissionControl: max_num_seqs per
+    replica that serves (a starting, draining or restarting one takes no new
+    request), read from the engine at each call, so that it follows /scale
+    and the autoscaler. At least one replica's worth: while the only one
+    recovers, requests wait for it rather than all being refused."""
+    per_replica = engine.config.scheduler_config.max_num_seqs
+    start = max_running_sequences(engine.config)
+
+    def current() -> int:
+        states = engine.replica_states()
+        if states is None:  # no data parallelism: the size never changes
+            return start
+        return per_replica * max(1, sum(1 for s in states if s.get("state") == "serving"))
+
+    return current

@@ -58,6 +58,7 @@ from raylm.entrypoints.openai.serving_tools import (
     plan_tools,
     tools_for_template,
 )
+from raylm.log_text import loggable
 from raylm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from raylm.sampling_params import SamplingParams
 
@@ -348,6 +349,6 @@ class OpenAIServingChat:
                                   total_tokens=prompt_tokens + completion_tokens)
                 yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage))
         except Exception as e:  # the status line is gone; the stream itself must say it failed
-            logger.warning("chat stream %s failed: %s", request_id, e)
+            logger.warning("chat stream %s failed: %s", loggable(request_id), loggable(e))
             yield stream_error_event(e)
         yield SSE_DONE

@@ -41,6 +41,7 @@ from raylm.entrypoints.openai.serving_common import (
     tokenize_bad_words,
 )
 from raylm.entrypoints.openai.structured_outputs import checked_structured_outputs
+from raylm.log_text import loggable
 from raylm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from raylm.sampling_params import check_prompt_logprobs_size
 
@@ -223,6 +224,6 @@ class OpenAIServingCompletion:
                                   total_tokens=total)
                 yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))
         except Exception as e:  # the status line is gone; the stream itself must say it failed
-            logger.warning("completion stream %s failed: %s", request_id, e)
+            logger.warning("completion stream %s failed: %s", loggable(request_id), loggable(e))
             yield stream_error_event(e)
         yield SSE_DONE
