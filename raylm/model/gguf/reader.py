@@ -1,9 +1,12 @@
 """Open and check a GGUF file, and read the model's config from its metadata.
 
-Everything is checked before anything is loaded: the file parses, every
-tensor's data lies inside the file (a truncated download fails here, naming
-the first tensor cut off), the architecture is one raylm serves, and every
-tensor's type is one raylm can run (else the error names the tensor and type).
+Everything is checked before anything is loaded: the header walks cleanly
+within the file's bytes and limits (header.py: a crafted count or length fails
+there, before gguf's reader would believe it), every tensor's data lies inside
+the file (a truncated download fails here, naming the first tensor cut off),
+the architecture is one raylm serves, every tensor's type is one raylm can run
+(else the error names the tensor and type), and the metadata that sizes the
+model is within sane limits and matches the tensors the file holds.
 """
 
 from __future__ import annotations
@@ -11,12 +14,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGUFReader
 
+from raylm.model.gguf.header import check_header
 from raylm.model.quantization import FLOAT_GGUF_TYPES, QUANT_TYPES
 
 logger = logging.getLogger(__name__)
@@ -27,6 +31,31 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
 # Types raylm loads, by ggml type.
 QUANT_GGML = {q.ggml_type: name for name, q in QUANT_TYPES.items() if q.ggml_type is not None}
 SUPPORTED_TYPES = {**FLOAT_GGUF_TYPES, **QUANT_GGML}
+
+# Bounds on the metadata that sizes what raylm allocates from the config alone
+# (the model's parameters before any weight is read, the rotary caches, the KV
+# cache): each well above every released Llama/Qwen model (in brackets), low
+# enough that a crafted value fails here instead of exhausting memory. The
+# weights' sizes are also held to the tensors in the file (_check_tensor_shapes).
+METADATA_LIMITS = {
+    "context_length": 1 << 22,  # 4,194,304 [Llama-3 finetunes of 4,194,304; Qwen2.5-1M 1,010,000]
+    "embedding_length": 1 << 16,  # 65,536 [Llama 3.1 405B 16,384]
+    "feed_forward_length": 1 << 18,  # 262,144 [405B 53,248]
+    "block_count": 512,  # llama.cpp's LLAMA_MAX_LAYERS [405B 126]
+    "attention.head_count": 1024,  # [405B 128]
+    "attention.head_count_kv": 1024,
+    "attention.key_length": 1024,  # the head dim [256]
+    "vocab_size": 1 << 20,  # 1,048,576 [262,144]
+    "expert_count": 1024,  # not used by raylm (no MoE), bounded all the same [384]
+    "expert_used_count": 1024,
+}
+# The weights of every block, by their shape in the file (ggml order: the
+# input dimension first); hidden, q and kv widths, feed-forward width.
+_BLOCK_WEIGHTS = {
+    "attn_q.weight": ("hidden", "q"), "attn_k.weight": ("hidden", "kv"), "attn_v.weight": ("hidden", "kv"),
+    "attn_output.weight": ("q", "hidden"), "ffn_gate.weight": ("hidden", "ff"),
+    "ffn_up.weight": ("hidden", "ff"), "ffn_down.weight": ("ff", "hidden"),
+}
 
 
 def is_gguf_path(path: str | os.PathLike) -> bool:
@@ -60,14 +89,21 @@ class GGUFFile:
 
     def config_dict(self) -> dict[str, Any]:
         """A Hugging Face config.json's fields, from the metadata (llama.cpp's keys)."""
-        need = self._need
-        heads = int(need("attention.head_count"))
-        hidden = int(need("embedding_length"))
+        size = self._size
+        heads = size("attention.head_count")
+        hidden = size("embedding_length")
         tensors = self.tensors
         vocab = self.arch_field("vocab_size") or len(self.field("tokenizer.ggml.tokens") or [])
         if not vocab and "token_embd.weight" in tensors:
-            vocab = int(tensors["token_embd.weight"].shape[1])
-        head_dim = self.arch_field("attention.key_length") or hidden // heads
+            vocab = int(tensors["token_embd.weight"].shape[-1])
+        self._bounded("vocab_size", vocab)
+        head_dim, derived = self.arch_field("attention.key_length"), ""
+        if head_dim is None:  # not written when it is the embedding width over the heads
+            head_dim, derived = hidden // heads, f"(absent: embedding_length {hidden} / head_count {heads}) "
+        head_dim = self._bounded("attention.key_length", head_dim, derived)
+        for key in ("expert_count", "expert_used_count"):
+            if self.arch_field(key) is not None:
+                self._bounded(key, self.arch_field(key), lowest=0)  # 0: a dense model
         rope_dims = self.arch_field("rope.dimension_count")
         if rope_dims is not None and int(rope_dims) != int(head_dim):
             raise ValueError(f"{self.path}: partial rotary (rope.dimension_count {rope_dims} < head dim "
@@ -82,18 +118,18 @@ class GGUFFile:
                 raise ValueError(f"{self.path}: rope scaling {scaling!r} is not supported (linear is)")
             rope.update(rope_type="linear", factor=float(self.arch_field("rope.scaling.factor")))
         eos = self.field("tokenizer.ggml.eos_token_id")
-        return {
+        config = {
             "architectures": [GGUF_ARCHITECTURES[self.architecture]],
-            "vocab_size": int(vocab),
+            "vocab_size": vocab,
             "hidden_size": hidden,
-            "intermediate_size": int(need("feed_forward_length")),
-            "num_hidden_layers": int(need("block_count")),
+            "intermediate_size": size("feed_forward_length"),
+            "num_hidden_layers": size("block_count"),
             "num_attention_heads": heads,
-            "num_key_value_heads": int(self.arch_field("attention.head_count_kv", heads)),
-            "head_dim": int(head_dim),
-            "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+            "num_key_value_heads": size("attention.head_count_kv", heads),
+            "head_dim": head_dim,
+            "rms_norm_eps": float(self._need("attention.layer_norm_rms_epsilon")),
             "rope_parameters": rope,
-            "max_position_embeddings": int(need("context_length")),
+            "max_position_embeddings": size("context_length"),
             "tie_word_embeddings": "output.weight" not in tensors,
             "attention_bias": "blk.0.attn_q.bias" in tensors,
             "mlp_bias": "blk.0.ffn_up.bias" in tensors,
@@ -103,6 +139,39 @@ class GGUFFile:
             # bf16 checkpoint would run); the weights keep their own types.
             "dtype": "float32" if set(self.type_counts()) == {"F32"} else "bfloat16",
         }
+        self._check_tensor_shapes(config)
+        return config
+
+    def _check_tensor_shapes(self, config: dict[str, Any]) -> None:
+        """Every weight the config implies is in the file, in the config's shape.
+        The model is allocated from the config before any weight is read: a
+        config larger than the file's tensors would allocate memory they never
+        fill (a tiny file claiming a 65,536-wide, million-token embedding)."""
+        widths = {
+            "hidden": config["hidden_size"], "ff": config["intermediate_size"],
+            "q": config["num_attention_heads"] * config["head_dim"],
+            "kv": config["num_key_value_heads"] * config["head_dim"],
+        }
+        expected = {"token_embd.weight": (config["hidden_size"], config["vocab_size"])}
+        if not config["tie_word_embeddings"]:
+            expected["output.weight"] = expected["token_embd.weight"]
+        blocks = config["num_hidden_layers"]
+        for i in range(blocks):
+            for part, dims in _BLOCK_WEIGHTS.items():
+                expected[f"blk.{i}.{part}"] = tuple(widths[d] for d in dims)
+        tensors = self.tensors
+        for name, shape in expected.items():
+            if name not in tensors:
+                raise ValueError(f"{self.path}: GGUF file lacks tensor {name!r}, which its metadata implies "
+                                 f"({self.architecture}.block_count {blocks})")
+            found = tuple(int(d) for d in tensors[name].shape)
+            if found != shape:
+                raise ValueError(f"{self.path}: tensor {name!r} has shape {list(found)}, the metadata "
+                                 f"({self.architecture}.*) implies {list(shape)}")
+        for name in tensors:
+            parts = name.split(".")
+            if len(parts) > 1 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) >= blocks:
+                raise ValueError(f"{self.path}: tensor {name!r} lies past {self.architecture}.block_count {blocks}")
 
     def check_tensor_parallel(self, tp_size: int) -> None:
         """Refuse a tensor-parallel size that would split a row-parallel weight
@@ -127,28 +196,17 @@ class GGUFFile:
             raise ValueError(f"{self.path}: GGUF metadata lacks {self.architecture}.{key}")
         return value
 
+    def _size(self, key: str, default: Any = None) -> int:
+        """A required (or defaulted) metadata size, within METADATA_LIMITS."""
+        return self._bounded(key, self._need(key) if default is None else self.arch_field(key, default))
 
-class _TruncationCheckingReader(GGUFReader):
-    """GGUFReader that names the first tensor whose data lies past the end of the
-    file, instead of failing on a numpy reshape of the short memory map."""
-
-    def _build_tensors(self, start_offs: int, fields: list) -> None:
-        size = len(self.data)
-        for field in fields:
-            try:
-                _, name_data, _, dims, raw_dtype, offset = field.parts
-                block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_dtype[0]))]
-                end = int(start_offs + offset[0]) + int(np.prod(dims)) * type_size // block_size
-                name = bytes(name_data).decode("utf-8", "replace")
-            except (ValueError, KeyError, TypeError):
-                continue  # an unknown type: refused by name later
-            if end > size:
-                raise _Truncated(f"tensor {name!r} needs bytes up to {end}, the file has {size}")
-        super()._build_tensors(start_offs, fields)
-
-
-class _Truncated(Exception):
-    pass
+    def _bounded(self, key: str, value: Any, derived: str = "", lowest: int = 1) -> int:
+        """`value` of `key` (or, `derived` says how, in its place), within METADATA_LIMITS."""
+        highest = METADATA_LIMITS[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not lowest <= value <= highest:
+            raise ValueError(f"{self.path}: GGUF metadata {self.architecture}.{key} {derived}is "
+                             f"{reprlib.repr(value)}, not a whole number from {lowest} to {highest}")
+        return value
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
@@ -166,18 +224,14 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
 
 @functools.lru_cache(maxsize=4)
 def _open_checked(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    try:  # first our bounded walk: gguf's reader believes every count in the header
+        check_header(path)
+    except ValueError as e:
+        raise ValueError(f"corrupt or truncated GGUF file {path!r}: {e}") from None
     try:
-        reader = _TruncationCheckingReader(path, "r")
-    except _Truncated as e:
-        raise ValueError(f"truncated GGUF file {path!r}: {e}") from None
+        reader = GGUFReader(path, "r")
     except Exception as e:  # the reader raises ValueError, IndexError, struct errors... on bad bytes
         raise ValueError(f"corrupt or truncated GGUF file {path!r}: {type(e).__name__}: {e}") from e
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise ValueError(
-                f"truncated GGUF file {path!r}: tensor {t.name!r} needs bytes up to {t.data_offset + t.n_bytes}, "
-                f"the file has {size}"
-            )
     arch_field = reader.fields.get("general.architecture")
     arch = arch_field.contents() if arch_field is not None else None
     if arch not in GGUF_ARCHITECTURES:
@@ -191,4 +245,6 @@ def _open_checked(path: str, size: int, mtime_ns: int) -> GGUFFile:
                 f"GGUF file {path!r}: tensor {t.name!r} has type {t.tensor_type.name}, which raylm cannot run; "
                 f"supported types: {', '.join(SUPPORTED_TYPES.values())}"
             )
-    return GGUFFile(path, reader, arch)
+    gguf_file = GGUFFile(path, reader, arch)
+    gguf_file.config_dict()  # the metadata's sizes, checked before anyone allocates by them
+    return gguf_file

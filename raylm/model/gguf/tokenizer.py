@@ -11,6 +11,8 @@ import os
 import shutil
 from pathlib import Path
 
+from raylm.model.gguf.reader import open_gguf
+
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "RAYLM_GGUF_CACHE"
@@ -25,6 +27,9 @@ def _cache_root() -> Path:
 def materialize_tokenizer(gguf_path: str) -> str:
     """A folder holding the file's tokenizer (made on first use, then reused
     while the file is unchanged)."""
+    # Checked by raylm's bounded reader first: transformers reads the file
+    # with gguf's reader, which believes every count in the header.
+    open_gguf(gguf_path)
     real = os.path.realpath(gguf_path)
     stat = os.stat(real)
     key = hashlib.sha256(f"{real}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
