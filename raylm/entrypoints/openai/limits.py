@@ -12,7 +12,10 @@ and what one request may ask for. Past a bound the client gets a clear refusal
   with `Retry-After`; one that could never fit (its prompts x n alone exceed the
   bound) is a 400. Requests are counted from admission (before tokenizing)
   until their response is sent, so a burst of arrivals cannot all slip past
-  the check while they tokenize. Once shutdown starts, new requests get 503.
+  the check while they tokenize. /tokenize and /detokenize are admitted too,
+  as one sequence each, counted until their work (which runs in a thread) is
+  done, even if the client has gone (`run_admitted`). Once shutdown starts,
+  new requests get 503.
 - Request bodies (`BodySizeLimitMiddleware`): a declared Content-Length past
   the limit is a 413 before a byte is read; a body that grows past it while it
   streams in (chunked encoding, or a client sending more than it declared) is
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -314,6 +317,24 @@ def _content_length(scope: Scope) -> Any:
                 return "invalid"
             return length if length >= 0 else "invalid"
     return None
+
+
+async def run_admitted(admission: AdmissionControl, cost: int, param: str | None,
+                       work: Callable[[], Awaitable[Any]]) -> Any:
+    """work(), admitted for `cost` sequences (429/400/503 as `admit` refuses)
+    and started once admitted. The reservation is held until the work ends,
+    not merely until its caller stops waiting: a client that goes away cannot
+    free its slot while a thread still works for it."""
+    reservation = admission.admit(cost, param)
+    task = asyncio.ensure_future(work())
+
+    def done(finished: asyncio.Future) -> None:
+        reservation.release()
+        if not finished.cancelled():
+            finished.exception()  # retrieved: nobody may be waiting for it any more
+
+    task.add_done_callback(done)
+    return await asyncio.shield(task)
 
 
 class ReleasingStreamingResponse(StreamingResponse):
