@@ -36,6 +36,7 @@ holding its reserved blocks, or the rank's shutdown, for its whole timeout.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -101,17 +102,29 @@ class CopyBudget:
         self._clock, self._cpu_of = clock, cpu_of
         self._lock = threading.Lock()
         self._cpu_s: dict[int, float] = {}  # counted thread -> its CPU seconds when last read
+        self._allowances: dict[int, CPUAllowance] = {}  # counted thread -> what caps its count, if anything
+        self._excused_s = 0.0  # CPU of counted threads that was no copy's (see `excuse`), not yet settled
         self._debt_s = 0.0
         self._read_at = clock()
         self.spent_s = 0.0  # the CPU counted in all
 
-    def count(self, tids: list[int]) -> None:
-        """Count the CPU of the threads `tids` (of this process) from now on."""
+    def count(self, tids: list[int], allowance: "CPUAllowance | None" = None) -> None:
+        """Count the CPU of the threads `tids` (of this process) from now on;
+        with `allowance`, no more of it than that allows (threads that also
+        do other work than copies: a listening socket's I/O threads)."""
         with self._lock:
             for tid in tids:
                 cpu = self._cpu_of(tid)
                 if cpu is not None:
                     self._cpu_s.setdefault(tid, cpu)
+                    if allowance is not None:
+                        self._allowances[tid] = allowance
+
+    def excuse(self, cpu_s: float) -> None:
+        """`cpu_s` that a counted thread spent on no copy (refusing a
+        stranger's message, say) is not counted."""
+        with self._lock:
+            self._excused_s += cpu_s
 
     def count_this_thread(self) -> None:
         self.count([threading.get_native_id()])
@@ -122,6 +135,7 @@ class CopyBudget:
             self._settle()
             for tid in tids:
                 self._cpu_s.pop(tid, None)
+                self._allowances.pop(tid, None)
 
     def wait_s(self) -> float:
         """Seconds a copy should wait before its next chunk; 0: go on."""
@@ -143,13 +157,52 @@ class CopyBudget:
             cpu = self._cpu_of(tid)
             if cpu is None:  # ended: what it spent since the last reading is not known
                 del self._cpu_s[tid]
+                self._allowances.pop(tid, None)
                 continue
-            spent += max(0.0, cpu - before)
+            allowance = self._allowances.get(tid)
+            spent += max(0.0, cpu - before) if allowance is None else allowance.take(max(0.0, cpu - before))
             self._cpu_s[tid] = cpu
+        excused = min(spent, self._excused_s)
+        spent -= excused
+        self._excused_s -= excused
         self.spent_s += spent
         self._debt_s = max(0.0, self._debt_s + spent - self.share * (now - self._read_at))
         self._read_at = now
         return self._debt_s
+
+
+class CPUAllowance:
+    """What counted threads may charge a budget for work they are given:
+    `allow(s)` for each piece (a frame handed to a K/V socket's I/O thread:
+    a bound on what sending it costs), and a reading of their CPU is counted
+    up to what is allowed and not yet taken; the rest (`excess_s`) was
+    other work. A K/V server's I/O threads also accept and refuse every
+    stranger's connection (at 2k a second, 6-11% of a core here, three to
+    five times the copies' whole share), which must not hold the copies
+    back. What is not taken lapses `ttl_s` after the last allowance, so that
+    an old transfer's unspent allowance does not pay for later refusals."""
+
+    def __init__(self, ttl_s: float, clock=time.monotonic):
+        self._ttl_s, self._clock = ttl_s, clock
+        self._lock = threading.Lock()
+        self._left_s = 0.0
+        self._allowed_at = -math.inf
+        self.excess_s = 0.0
+
+    def allow(self, cpu_s: float) -> None:
+        with self._lock:
+            self._left_s += cpu_s
+            self._allowed_at = self._clock()
+
+    def take(self, spent_s: float) -> float:
+        """The part of `spent_s` that is counted."""
+        with self._lock:
+            if self._clock() - self._allowed_at > self._ttl_s:
+                self._left_s = 0.0
+            counted = min(spent_s, self._left_s)
+            self._left_s -= counted
+            self.excess_s += spent_s - counted
+            return counted
 
 
 def no_wakeup_preemption(tid: int | None = None) -> None:

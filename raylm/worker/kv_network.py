@@ -16,16 +16,38 @@ migration ends (and, as a safety net, expires).
 
 Trust: a key the supervisor makes and sends both sides inside their
 migration messages, which travel on the cores' authenticated input sockets
-(raylm.distributed.tcp_auth). The destination seals its request with it, and
-the source answers only a request that opens, with every message of the
-answer sealed for that request (raylm.distributed.sealed_frames, AES-256-GCM):
-a stranger's request gets nothing, the K/V is encrypted on the wire, and a
-message changed on the way fails the fetch. Measured against Ray's object
-store on the two-host harness: benchmarks/bench_kv_transport.py.
+(raylm.distributed.tcp_auth). The server's socket admits a connection only
+at its handshake, and only one that presents a fresh token sealed with that
+key (`SealedAdmission`; ZMQ's PLAIN mechanism carries the token to a ZAP
+handler): anything else, junk, a silent connection, another mechanism, a
+token that does not open or was used before, is closed by libzmq before it
+can send a single message. An admitted destination seals its request with
+the key too, and the source answers only a request that opens and that it
+has not taken before, with every message of the answer sealed for that
+request (raylm.distributed.sealed_frames, AES-256-GCM): a stranger's
+request gets nothing, a request played back gets nothing, the K/V is
+encrypted on the wire, and a message changed on the way fails the fetch.
+
+What strangers can still cost the rank, bounded: a connection each for at
+most _HANDSHAKE_TIMEOUT_MS (so as many file descriptors as connections they
+open in that time; libzmq cannot cap them, nor drop one peer of a ROUTER),
+a kilobyte of handshake each (MAXMSGSIZE), and the CPU of refusing them
+(the I/O thread's accept and close, the ZAP handler's check), which is
+counted and logged apart (`Refusals`) and not charged to the copies' CPU
+budget (their I/O threads are charged at most _SEND_CPU_PER_MIB_S per MiB
+they send). Not bounded: whoever reads the wire can race a destination
+with a copy of its token (PLAIN sends it in the clear), and a connection so
+admitted could send a multipart message without end, which libzmq keeps
+until its last part comes (see `SealedAdmission`). An admitted peer that
+stops answering ZMTP's heartbeats is dropped after _HEARTBEAT_TIMEOUT_MS.
+Measured against Ray's object store on the two-host harness:
+benchmarks/bench_kv_transport.py; under a flood of strangers:
+benchmarks/bench_kv_flood.py.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import math
@@ -40,12 +62,13 @@ from typing import Callable
 import torch
 import zmq
 
-from raylm.distributed import tcp_auth
-from raylm.distributed.sealed_frames import AnswerSeal, SealBroken, TransferKey
+from raylm.distributed.sealed_frames import (REQUEST_LIFETIME_S, AnswerSeal, Replayed, SealBroken, SeenRequests,
+                                             TransferKey)
 from raylm.distributed.tcp_auth import terminate_context
 from raylm.worker import kv_transfer
-from raylm.worker.cpu_placement import name_this_thread, name_thread, thread_ids, thread_name
-from raylm.worker.kv_background import CopyBudget, ThreadsBesideTheSteps, no_wakeup_preemption, process_copy_budget
+from raylm.worker.cpu_placement import name_this_thread, name_thread, thread_cpu_s, thread_ids, thread_name
+from raylm.worker.kv_background import (CopyBudget, CPUAllowance, ThreadsBesideTheSteps, no_wakeup_preemption,
+                                        process_copy_budget)
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +100,46 @@ _FRAME_META = struct.Struct("<II")
 # failed): frames number theirs from 0.
 _STATUS_SEAL_INDEX = (1 << 32) - 1
 # A request is a stage's name sealed: a message longer than this is no
-# request, and libzmq drops its connection before taking it in.
+# request, and libzmq drops its connection before taking it in (a
+# handshake's commands too).
 _MAX_REQUEST_BYTES = 1024
+# A connection that has not been admitted this long after it connected (a
+# stranger's: silent, sending junk, or waiting on a handshake it cannot
+# finish) is closed. A rightful handshake takes two round trips and a ZAP
+# check: milliseconds, or a second or so where a segment is lost and sent
+# again. It bounds what strangers hold: their connections' rate times this.
+_HANDSHAKE_TIMEOUT_MS = 2000
+# An admitted peer is sent a ZMTP heartbeat this often, and dropped when it
+# has sent nothing back for _HEARTBEAT_TIMEOUT_MS (its host gone without a
+# word: TCP alone would keep an idle connection for ever). As long as a
+# stalled send's wait (FETCH_TIMEOUT_S): a paced destination stops reading,
+# heartbeats included, while its copy budget holds it back.
+_HEARTBEAT_IVL_MS = 5000
+_HEARTBEAT_TIMEOUT_MS = int(1000 * FETCH_TIMEOUT_S)
+# What a server's I/O threads may charge the copy budget for each MiB of
+# frames they send: they also accept and refuse every stranger's connection,
+# which is no copy's work. Sending costs them 0.16-0.41 ms a MiB over
+# loopback (4 runs of 128 MiB, the 2-core AMD EPYC VM); more than this is
+# the refusals' (counted in CPUAllowance.excess_s).
+_SEND_CPU_PER_MIB_S = 0.5e-3
+# The user name a K/V connection's handshake gives beside its token (PLAIN's
+# password); any other is refused.
+_ADMISSION_USER = b"raylm-kv"
+# Refusals are logged at most this often (a summary since the last line).
+_REFUSAL_LOG_S = 60.0
+# How many events of its socket's monitor the admission keeps unread (about
+# 100 bytes each; one per connection): past that libzmq drops them, which
+# only loses counts.
+_MONITOR_QUEUE = 50_000
+# The admission reads its socket's monitor (counts) at most this often.
+_MONITOR_BATCH_S = 0.05
+# A monitor event's first frame: the event, and its value (for a closed
+# connection, its file descriptor).
+_MONITOR_EVENT = struct.Struct("=HI")
+# After a fault of its own code a server's or admission's thread drops what
+# it was doing and goes on after this pause (a fault on every message logs
+# at most once a second).
+_FAULT_PAUSE_S = 1.0
 # A paced fetch's socket holds at most this many messages ahead of its
 # reading: libzmq's I/O thread stops reading (and the source, its TCP window
 # full, stops sending) while the socket's queue is full, so the
@@ -168,8 +229,9 @@ class _StageSend:
 
     def __init__(self, identity: bytes, seal: AnswerSeal, packed: torch.Tensor | Future,
                  buffer: torch.Tensor | None, buffers: StageBuffers, budget: CopyBudget | None = None,
-                 sent_frames: _SentFrames | None = None):
+                 sent_frames: _SentFrames | None = None, io_allowance: CPUAllowance | None = None):
         self.identity = identity
+        self._io_allowance = io_allowance  # what the I/O threads may charge the budget for sending
         self._seal = seal
         self._packed = packed
         self._buffer, self._buffers = buffer, buffers
@@ -233,6 +295,8 @@ class _StageSend:
             # Zero-copy: ZMQ holds the frame until it is sent, which its tracker tells.
             frame = zmq.Frame(sealed, copy=False, track=True)
             sock.send_multipart([self.identity, _STATUS_OK, header, frame], copy=False)
+            if self._io_allowance is not None:
+                self._io_allowance.allow(_SEND_CPU_PER_MIB_S * len(sealed) / (1 << 20))
             self._sent.append(frame.tracker)
             if self._sent_frames is not None:  # paced: the next frame waits for this one to go
                 self._sent_frames.watch(frame.tracker)
@@ -246,8 +310,11 @@ class _StageSend:
         return True
 
     def abandon(self) -> None:
-        """Give up a stalled send; its sealed buffer, which ZMQ may still read, is not kept."""
+        """Give up the send; its sealed buffer, which ZMQ may still read, is
+        not kept, nor the packing's while a packing may still write to it."""
         self._sealed = None
+        if isinstance(self._packed, Future) and not self._packed.done():
+            self._buffer = None
         self._finish(None)
 
     def _finish(self, sending: zmq.MessageTracker | None) -> None:
@@ -336,10 +403,241 @@ class _SentFrames:
         self._thread.join(timeout=5)
 
 
+class Refusals:
+    """What a listening socket refused, kept apart from the work it does for
+    its peers: counts by reason, and a warning at most every _REFUSAL_LOG_S
+    (a summary of those since the last one; a flood writes a line a minute,
+    not one per stranger). Reasons: 'connection', every connection that
+    closed without asking anything, whatever refused it (junk, silence,
+    another mechanism, a refused token, the handshake's timeout); 'token',
+    an admission refused for a token that does not open; 'replayed',
+    'stale' and 'too many', a token or a request that opens but is not
+    taken (sealed_frames.Replayed); 'request', an admitted connection's
+    message that is no request or does not open."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.server_cpu_s = 0.0  # the server thread's, excused from the copy budget
+        self._lock = threading.Lock()
+        self._unlogged: collections.Counter[str] = collections.Counter()
+        self._logged_at = -math.inf
+        self._last_peer = ""
+
+    def add(self, reason: str, peer: str = "", count: int = 1) -> None:
+        with self._lock:
+            self.counts[reason] += count
+            self._unlogged[reason] += count
+            self._last_peer = peer or self._last_peer
+            now = time.monotonic()
+            if now - self._logged_at < _REFUSAL_LOG_S:
+                return
+            since = "" if self._logged_at == -math.inf else f" in the last {now - self._logged_at:.0f} s"
+            unlogged, self._unlogged, self._logged_at = self._unlogged, collections.Counter(), now
+            peer = self._last_peer
+        stale = (f" ('stale': sealed more than {REQUEST_LIFETIME_S:.0f} s from this host's clock: played back, "
+                 "or the hosts' clocks that far apart)" if "stale" in unlogged else "")
+        logger.warning("%s refused %s%s%s: strangers without the transfer key (or a flood of them); "
+                       "nothing was served to them%s (at most one such line every %.0f s)", self.what,
+                       ", ".join(f"{n} {reason}" for reason, n in sorted(unlogged.items())), since,
+                       f", the last from {peer}" if peer else "", stale, _REFUSAL_LOG_S)
+
+
+class SealedAdmission:
+    """Admits a connection to a ROUTER socket at its handshake, and only one
+    that presents a fresh token sealed with the transfer key (`present`):
+    the socket speaks ZMQ's PLAIN mechanism, and libzmq hands each
+    connection's user name and password, before it takes any message from
+    it, to this ZAP handler (a thread of its own, raylm-kv-admit), which
+    admits a password that opens as a token and that `seen` takes (each
+    admits one connection). libzmq closes any other connection at its
+    handshake: junk, a NULL or CURVE peer, a refused token, one not admitted
+    within _HANDSHAKE_TIMEOUT_MS; and, with no handler (closed), every one.
+
+    Why at the handshake and not at a connection's first message: libzmq
+    shows a ROUTER a message only once its last part has come, and bounds
+    the socket's queue by whole messages (MAXMSGSIZE by frames), so a
+    stranger's endless multipart message grew the rank until the OOM killer
+    took it, and a ROUTER cannot drop one peer. A peer that cannot finish
+    its handshake sends no message at all.
+
+    Reusable by any server whose peers hold the transfer key: a context has
+    one ZAP handler, so one admission per context (the K/V server has a
+    context of its own). `refusals` counts what was refused; the socket's
+    monitor (an event per closed connection, read in batches: 7 us of this
+    thread's a junk connection, here) counts those that left without
+    asking anything; the server says which asked (`asked`)."""
+
+    def __init__(self, context: zmq.Context, sock: zmq.Socket, key: TransferKey, seen: SeenRequests,
+                 refusals: Refusals, max_message_bytes: int):
+        """Configures `sock`, which must not be bound yet."""
+        self._key, self._seen, self.refusals = key, seen, refusals
+        self._zap = context.socket(zmq.REP)
+        self._zap.setsockopt(zmq.LINGER, 0)
+        self._zap.bind("inproc://zeromq.zap.01")  # the context's ZAP handler (RFC 27)
+        sock.setsockopt(zmq.PLAIN_SERVER, 1)
+        sock.setsockopt(zmq.ZAP_DOMAIN, b"raylm")
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no handler, no admission
+        sock.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_TIMEOUT_MS)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+        monitor = f"inproc://raylm-admission-{id(self)}"
+        sock.monitor(monitor, zmq.EVENT_DISCONNECTED)
+        self._events = context.socket(zmq.PAIR)
+        self._events.setsockopt(zmq.LINGER, 0)
+        self._events.setsockopt(zmq.RCVHWM, _MONITOR_QUEUE)
+        self._events.connect(monitor)
+        self._lock = threading.Lock()
+        # Connections that sent something (only admitted ones can), until the
+        # monitor tells they closed: how many on each file descriptor (one
+        # closes and the next opens on it before the monitor's events are
+        # read), and the routing id that asked last on it.
+        self._asked: collections.Counter[int] = collections.Counter()
+        self._asked_by: dict[int, bytes] = {}
+        self._cpu_s = 0.0  # the thread's CPU, of its runs before this one
+        self._closed = threading.Event()
+        self._wakeup = _Wakeup()
+        self._start()
+
+    @staticmethod
+    def present(sock: zmq.Socket, key: TransferKey) -> None:
+        """The connecting side, before connect: a token of `key` for the handshake.
+        It admits one connection: the socket is not to connect again."""
+        sock.setsockopt(zmq.PLAIN_USERNAME, _ADMISSION_USER)
+        sock.setsockopt(zmq.PLAIN_PASSWORD, key.admission_token())
+        sock.setsockopt(zmq.RECONNECT_IVL, -1)
+
+    def asked(self, fd: int, routing_id: bytes) -> None:
+        """The connection of `fd` and `routing_id` sent a message: not a
+        refusal when it closes. (Should the monitor tell of its closing
+        first, it is counted as one, and the next connection on that
+        descriptor that closes without asking is not: the count stays right.)"""
+        with self._lock:
+            if self._asked_by.get(fd) != routing_id:  # its first message
+                self._asked_by[fd] = routing_id
+                self._asked[fd] += 1
+
+    @property
+    def cpu_s(self) -> float:
+        """The CPU its thread has taken: all of it refusals' but the rightful handshakes' ZAP checks."""
+        tid = self._tid
+        return self._cpu_s + ((thread_cpu_s(tid) or 0.0) if tid is not None else 0.0)
+
+    def keep_running(self) -> None:
+        """Start its thread again if it has ended (a fault no handler caught)."""
+        if not self._thread.is_alive() and not self._closed.is_set():
+            logger.error("%s: the admission's thread had ended (%s); started again", self.refusals.what,
+                         self._ended_by)
+            self._start()
+
+    def _start(self) -> None:
+        self._ended_by = None
+        self._tid: int | None = None
+        self._thread = threading.Thread(target=self._run, name="raylm-kv-admit", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        """Refusing strangers is not the copies' work: this thread is not counted in the copy budget,
+        and yields to the steps (SCHED_BATCH: a flood's wake-ups do not preempt them)."""
+        name_this_thread("raylm-kv-admit")
+        no_wakeup_preemption()
+        self._tid = threading.get_native_id()
+        # The monitor's events are read in batches, at most every
+        # _MONITOR_BATCH_S: read as each came (a flood's junk connections, 2k a
+        # second) a wake-up and a poll each cost this thread 37 us a
+        # connection, here; the ZAP requests are answered at once.
+        zap_only, everything = zmq.Poller(), zmq.Poller()
+        for watched in (self._zap, self._wakeup.fd):
+            zap_only.register(watched, zmq.POLLIN)
+            everything.register(watched, zmq.POLLIN)
+        everything.register(self._events, zmq.POLLIN)
+        events_due = 0.0
+        try:
+            while not self._closed.is_set():
+                try:
+                    wait_s = events_due - time.monotonic()
+                    if wait_s > 0:
+                        ready = dict(zap_only.poll(math.ceil(1000 * wait_s)))
+                    else:
+                        ready = dict(everything.poll())
+                    if self._zap in ready:
+                        self._answer_zap()
+                    if self._events in ready:
+                        self._count_events()
+                        events_due = time.monotonic() + _MONITOR_BATCH_S
+                    if self._wakeup.fd in ready:
+                        self._wakeup.drain()
+                except Exception:
+                    if self._closed.is_set():
+                        break
+                    logger.exception("%s: the admission failed; it goes on", self.refusals.what)
+                    self._closed.wait(_FAULT_PAUSE_S)
+        except BaseException as ended:
+            self._ended_by = repr(ended)
+            raise
+        finally:
+            self._cpu_s += thread_cpu_s(threading.get_native_id()) or 0.0
+            self._tid = None
+
+    def _answer_zap(self) -> None:
+        # A ZAP request: version, request id, domain, address, routing id, mechanism, credentials.
+        version, request_id, *request = self._zap.recv_multipart()
+        status = b"400"
+        try:
+            status = self._admits(request)
+        finally:  # answered whatever happens: libzmq waits for it (REP: one answer per request)
+            self._zap.send_multipart([version, request_id, status, b"", b"", b""])
+
+    def _admits(self, request: list[bytes]) -> bytes:
+        address = request[1].decode(errors="replace") if len(request) > 1 else ""
+        if len(request) != 6 or request[3] != b"PLAIN" or request[4] != _ADMISSION_USER:
+            self.refusals.add("token", address)
+            return b"400"
+        try:
+            self._key.admit(request[5], self._seen)
+        except Replayed as refused:
+            self.refusals.add(refused.reason, address)
+            return b"400"
+        except SealBroken:
+            self.refusals.add("token", address)
+            return b"400"
+        return b"200"
+
+    def _count_events(self) -> None:
+        refused = 0
+        while True:
+            try:
+                event_frames = self._events.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            _, fd = _MONITOR_EVENT.unpack_from(event_frames[0])  # a connection closed
+            with self._lock:
+                if self._asked[fd] > 0:
+                    self._asked[fd] -= 1
+                else:
+                    refused += 1
+        if refused:
+            self.refusals.add("connection", count=refused)
+
+    def close(self) -> None:
+        """After its socket is closed."""
+        self._closed.set()
+        self._wakeup.wake()
+        self._thread.join(timeout=5)
+        self._wakeup.close()
+        self._zap.close(linger=0)
+        self._events.close(linger=0)
+
+
+
 class KVBlockServer:
     """Offers packed blocks by name on one ROUTER socket, answered by a
-    daemon thread (the rank's loop never waits on a destination) to requests
-    sealed with `key` only."""
+    daemon thread (the rank's loop never waits on a destination) to
+    requests sealed with `key` only, on connections admitted with it
+    (SealedAdmission). The thread goes on after a fault of its own (logged;
+    the sends under way are dropped), and the endpoint starts it again
+    should it end (`keep_serving`)."""
 
     def __init__(self, host: str, key: TransferKey, budget: CopyBudget | None = None):
         self.key = key
@@ -348,27 +646,29 @@ class KVBlockServer:
         self._context, self._sock, self._io_threads = _context_yielding_to_the_steps(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
-        # A stranger's connection: dropped at its first message longer than a
-        # request, and if it has not finished ZMTP's greeting by then.
-        self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)
-        self._sock.setsockopt(zmq.HANDSHAKE_IVL, tcp_auth.HANDSHAKE_TIMEOUT_MS)
+        # The admission's tokens and the requests: each taken once.
+        self._seen = SeenRequests()
+        self.refusals = Refusals("the K/V server")
+        self._admission = SealedAdmission(self._context, self._sock, key, self._seen, self.refusals,
+                                          _MAX_REQUEST_BYTES)
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
+        self.refusals.what = f"the K/V server at {self.address}"
         # name -> (packed blocks, or the Future of a packing still running;
         # when offered; the pool's buffer they are packed into, or None)
         self._offers: dict[bytes, tuple[torch.Tensor | Future, float, torch.Tensor | None]] = {}
         self.buffers = StageBuffers()
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        # Requests answered (sealed with the key), and messages refused (not).
-        self.requests_received = 0
-        self.requests_refused = 0
-        self._budget.count(self._io_threads)  # they send the frames
+        self.requests_received = 0  # requests answered (opened with the key)
+        self.faults = 0  # faults of the server thread's own, each logged
+        # They send the frames, and refuse strangers: charged for the frames only.
+        self._io_allowance = CPUAllowance(ttl_s=FETCH_TIMEOUT_S)
+        self._budget.count(self._io_threads, allowance=self._io_allowance)
         self._io_policy = ThreadsBesideTheSteps(self._io_threads)
         self._wakeup = _Wakeup()
         self._sent_frames = _SentFrames(self._wakeup, self._budget)
-        self._thread = threading.Thread(target=self._serve, name="raylm-kv-server", daemon=True)
-        self._thread.start()
+        self._start()
 
     def offer(self, name: str, packed: torch.Tensor | Future, buffer: torch.Tensor | None = None) -> None:
         """`buffer`: the one `packed` is (being) packed into, from `self.buffers`:
@@ -404,26 +704,67 @@ class KVBlockServer:
         with self._lock:
             return len(self._offers)
 
+    def keep_serving(self) -> None:
+        """Start the server's threads again if one has ended (a fault that
+        its own handling did not catch), saying why."""
+        if self._closed.is_set():
+            return
+        if not self._thread.is_alive():
+            logger.error("%s: its thread had ended (%s); started again, its offers kept", self.refusals.what,
+                         self._ended_by)
+            self._start()
+        self._admission.keep_running()
+
+    def _start(self) -> None:
+        self._ended_by = None
+        self._thread = threading.Thread(target=self._serve, name="raylm-kv-server", daemon=True)
+        self._thread.start()
+
     def _serve(self) -> None:
+        """Serves until closed. A fault of this code (a peer's message is
+        refused, never raised) drops the sends under way, whose
+        destinations' fetches then fail and their migrations are given up,
+        and the thread goes on with the offers it holds."""
+        name_this_thread("raylm-kv-server")
+        self._budget.count_this_thread()
+        sends: list[_StageSend] = []
+        try:
+            while not self._closed.is_set():
+                try:
+                    self._serve_until_closed(sends)
+                except Exception:
+                    if self._closed.is_set():
+                        break
+                    self.faults += 1
+                    logger.exception("%s failed; it drops the %d sends under way and serves again",
+                                     self.refusals.what, len(sends))
+                    for send in sends:
+                        send.abandon()
+                    sends.clear()
+                    self._closed.wait(_FAULT_PAUSE_S)
+        except BaseException as ended:
+            self._ended_by = repr(ended)
+            raise
+        finally:
+            self._budget.forget([threading.get_native_id()])
+
+    def _serve_until_closed(self, sends: list[_StageSend]) -> None:
         """Asleep but when there is something to do: a request, a send that
         may go on (its packing ended, its last frame sent, the budget
         allows the next). Every wake-up of a thread beside the steps takes
         a core from them where none is spare, and polled (every 1-10 ms while
         a frame waited for its destination) this thread spent more CPU than
         the packing and about as much as the encryption (CURVE's, then)."""
-        name_this_thread("raylm-kv-server")
-        self._budget.count_this_thread()
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wakeup.fd, zmq.POLLIN)
-        sends: list[_StageSend] = []
         while not self._closed.is_set():
             wait_s = min([send.due_in() for send in sends] + [_STALL_CHECK_S])
             ready = dict(poller.poll(math.ceil(1000 * wait_s)))
             if self._wakeup.fd in ready:
                 self._wakeup.drain()
             if self._sock in ready:
-                self._answer(self._sock.recv_multipart(), sends)
+                self._answer(sends)
             now = time.monotonic()
             for send in list(sends):
                 if send.stalled(now):
@@ -432,18 +773,26 @@ class KVBlockServer:
                     sends.remove(send)
                 elif send.advance(self._sock):
                     sends.remove(send)
-        self._budget.forget([threading.get_native_id()])
 
-    def _answer(self, frames: list[bytes], sends: list[_StageSend]) -> None:
-        """A request that opens with the key is answered; anything else gets
-        no answer (a stranger learns nothing, not even whether a name is offered)."""
+    def _answer(self, sends: list[_StageSend]) -> None:
+        """A request that opens with the key, and was not taken before, is
+        answered; anything else gets no answer (a stranger learns nothing,
+        not even whether a name is offered)."""
+        started = time.thread_time()
+        frames = self._sock.recv_multipart(copy=False)
+        self._admission.asked(frames[0].get(zmq.SRCFD), frames[0].bytes)
         try:
             if len(frames) != 2:
                 raise SealBroken("not a request")
-            identity, request = frames
-            name, seal = self.key.open_request(request)
-        except SealBroken:
-            self.requests_refused += 1
+            identity, request = frames[0].bytes, frames[1].bytes
+            name, seal = self.key.open_request(request, self._seen)
+        except SealBroken as refused:
+            # Only an admitted connection gets here: a holder of the key, or
+            # someone who raced one with a copy of its token. Not the copies' work either.
+            self.refusals.add(refused.reason if isinstance(refused, Replayed) else "request")
+            spent = time.thread_time() - started
+            self.refusals.server_cpu_s += spent
+            self._budget.excuse(spent)
             return
         self.requests_received += 1
         with self._lock:
@@ -456,11 +805,12 @@ class KVBlockServer:
         if isinstance(packed, Future):  # still packing, maybe: the server is woken when it ends
             packed.add_done_callback(lambda _: self._wakeup.wake())
             # Packed beside the steps: a pre-copy stage, paced as its packing was.
-            sends.append(_StageSend(identity, seal, packed, buffer, self.buffers, self._budget, self._sent_frames))
+            sends.append(_StageSend(identity, seal, packed, buffer, self.buffers, self._budget, self._sent_frames,
+                                    self._io_allowance))
             return
         # A final stage (its request paused): sent at once, the I/O thread at the steps' priority.
         self._io_policy.urgent_begin()
-        send = _StageSend(identity, seal, packed, buffer, self.buffers)
+        send = _StageSend(identity, seal, packed, buffer, self.buffers, io_allowance=self._io_allowance)
         try:
             send.advance(self._sock)
         finally:
@@ -469,13 +819,22 @@ class KVBlockServer:
             else:
                 self._sent_frames.watch(send.sending, then=self._io_policy.urgent_end)
 
+    @property
+    def refusal_cpu_s(self) -> float:
+        """The CPU refusing strangers has taken, none of it charged to the copy
+        budget: the admission's thread, the I/O threads' beyond what the frames
+        they sent allow, and the server thread's refusals of admitted connections' messages."""
+        return self._admission.cpu_s + self._io_allowance.excess_s + self.refusals.server_cpu_s
+
     def close(self) -> None:
         self._closed.set()
         self._wakeup.wake()
         self._thread.join(timeout=5)
         self._sent_frames.close()
         self._wakeup.close()
+        self._sock.disable_monitor()
         self._sock.close(linger=0)
+        self._admission.close()
         terminate_context(self._context)
         self._budget.forget(self._io_threads)
         with self._lock:
@@ -554,8 +913,10 @@ def fetch(address: str, name: str, key: TransferKey, timeout_s: float = FETCH_TI
     sock = _fetch_zmq_context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, AnswerSeal.sealed_size(_FRAME_BYTES))  # no larger frame is ours
+    SealedAdmission.present(sock, key)
     if pause is not None:
         sock.setsockopt(zmq.RCVHWM, _PACED_RECEIVE_QUEUE)
+    request, seal = key.seal_request(name.encode())
     sock.connect(address)
     parts: list[bytearray] = []
     if into is None:
@@ -567,8 +928,15 @@ def fetch(address: str, name: str, key: TransferKey, timeout_s: float = FETCH_TI
     if urgent:
         _fetch_threads.urgent_begin()
     try:
-        request, seal = key.seal_request(name.encode())
-        sock.send(request)
+        try:
+            # Queued at once on the connection connect() made: with no
+            # reconnection (a token admits once) a connection whose handshake
+            # has already been refused leaves the socket none, and a send would wait for ever.
+            sock.send(request, zmq.NOBLOCK)
+        except zmq.Again:
+            raise kv_transfer.KVTransferError(
+                f"the source rank at {address} refused the connection to fetch {name!r} "
+                "(its handshake: the transfer key, or the source gone)") from None
         count = None
         while count is None or received < count:
             message = _next_message(sock, address, name, timeout_s, cancelled)
@@ -714,7 +1082,10 @@ class KVNetworkEndpoint:
             join.release()
 
     def withdraw(self, prefix: str) -> int:
-        return self._server.withdraw(prefix) if self._server is not None else 0
+        if self._server is None:
+            return 0
+        self._server.keep_serving()
+        return self._server.withdraw(prefix)
 
     def _server_for(self, host: str, key: TransferKey) -> KVBlockServer:
         server = self._server
@@ -723,6 +1094,8 @@ class KVNetworkEndpoint:
             server = None
         if server is None:
             server = self._server = KVBlockServer(host, key, self._budget)
+        else:
+            server.keep_serving()
         return server
 
     def close(self) -> None:

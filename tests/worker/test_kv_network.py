@@ -20,7 +20,7 @@ import pytest
 import torch
 import zmq
 
-from raylm.distributed import sealed_frames, tcp_auth
+from raylm.distributed import sealed_frames
 from raylm.distributed.sealed_frames import TransferKey
 from raylm.worker import cpu_placement, kv_background, kv_network, kv_transfer
 from tests.conftest import wait_until
@@ -66,6 +66,8 @@ def test_blocks_arrive_bit_for_bit_in_the_reserved_blocks(endpoint, dtype):
     # Handed out once: a second fetch of the same name is refused.
     with pytest.raises(kv_transfer.KVTransferError, match="offers no K/V blocks"):
         kv_network.fetch(address, "m-0.rank0", key, timeout_s=5)
+    time.sleep(0.5)  # the fetches' connections closed, and the server's monitor read
+    assert not endpoint._server.refusals.counts  # a rightful fetch is no refusal
 
 
 def _zmq_threads_and_policy(tids: set[int]) -> dict[int, int]:
@@ -140,18 +142,24 @@ def test_a_client_without_the_key_gets_nothing(endpoint):
     key = _key()
     _, address = endpoint.serve(_caches(0), "m-1.rank0", [1], "127.0.0.1", key)
     stranger = _key()
-    # The server answers only requests sealed with the supervisor's key: none comes.
+    # The server admits only connections whose token opens with the supervisor's key: none comes.
     with pytest.raises(kv_transfer.KVTransferError, match="did not send"):
         kv_network.fetch(address, "m-1.rank0", stranger, timeout_s=0.5)
-    # Nor to the name in the clear, or to a request of another form.
+    # Nor to the name in the clear, or to a request of another form, from a client with no token.
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
-    sock.send(b"m-1.rank0")
-    sock.send_multipart([b"m-1.rank0", b"m-1.rank0"])
+    try:  # without waiting: refused, the connection leaves the socket nowhere to send
+        sock.send(b"m-1.rank0", zmq.NOBLOCK)
+        sock.send_multipart([b"m-1.rank0", b"m-1.rank0"], zmq.NOBLOCK)
+    except zmq.Again:
+        pass
     assert not sock.poll(500)
     sock.close()
-    assert endpoint._server.requests_refused == 3 and endpoint._server.requests_received == 0
+    refusals = endpoint._server.refusals.counts
+    assert refusals["token"] == 1 and endpoint._server.requests_received == 0
+    # Each connection refused at its handshake.
+    wait_until(lambda: refusals["connection"] >= 2, 10, message=lambda: f"connections refused: {refusals}")
     # The offer is still there for the rightful destination.
     destination = _caches(None)
     kv_network.KVNetworkEndpoint().fetch_into(destination, "m-1.rank0", [3], address, key)
@@ -170,7 +178,7 @@ def _forged_answer(forgery: str, key: TransferKey, request: bytes) -> list[bytes
     if forgery == "another request's answer":  # recorded on the wire, played back
         _, other = key.seal_request(b"m-1.rank0")
         return [b"ok", header, other.seal(0, b"ok" + header, data)]
-    _, seal = key.open_request(request)  # the rightful answer, then changed
+    _, seal = key.open_request(request, sealed_frames.SeenRequests())  # the rightful answer, then changed
     sealed = bytearray(seal.seal(0, b"ok" + header, data))
     if forgery == "a byte changed":
         sealed[100] ^= 1
@@ -191,9 +199,16 @@ def test_an_answer_that_does_not_open_with_the_key_fails_the_fetch(forgery):
     ctx = zmq.Context()
     rogue = ctx.socket(zmq.ROUTER)
     rogue.setsockopt(zmq.LINGER, 0)
+    rogue.setsockopt(zmq.PLAIN_SERVER, 1)
+    zap = ctx.socket(zmq.REP)  # a ZAP handler that admits any token
+    zap.setsockopt(zmq.LINGER, 0)
+    zap.bind("inproc://zeromq.zap.01")
     port = rogue.bind_to_random_port("tcp://127.0.0.1")
 
     def answer() -> None:
+        if zap.poll(10_000):
+            version, request_id, *_ = zap.recv_multipart()
+            zap.send_multipart([version, request_id, b"200", b"", b"", b""])
         if rogue.poll(10_000):
             identity, request = rogue.recv_multipart()
             rogue.send_multipart([identity] + _forged_answer(forgery, key, request))
@@ -206,38 +221,58 @@ def test_an_answer_that_does_not_open_with_the_key_fails_the_fetch(forgery):
     finally:
         answering.join(15)
         rogue.close(linger=0)
+        zap.close(linger=0)
         ctx.term()
 
 
-def test_a_request_played_back_gets_nothing_it_can_use(endpoint):
-    """An offer is handed out once: a sealed request recorded on the wire and
-    sent again gets 'missing' (sealed for it: a stranger cannot even read
-    that), and the stage it first fetched is not sent again."""
-    key = _key()
-    _, address = endpoint.serve(_caches(0), "m-1.rank0", [1], "127.0.0.1", key)
-    request, seal = key.seal_request(b"m-1.rank0")
+def _admitted_dealer(address: str, key: TransferKey, token: bytes | None = None) -> zmq.Socket:
+    """A client as a destination's fetch makes it, presenting `token` (a fresh one by default)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    kv_network.SealedAdmission.present(sock, key)
+    if token is not None:
+        sock.setsockopt(zmq.PLAIN_PASSWORD, token)
     sock.connect(address)
+    return sock
+
+
+def test_a_request_played_back_gets_nothing_it_can_use(endpoint):
+    """An offer is handed out once, and a sealed request or admission token
+    is taken once: a request recorded on the wire and sent again gets no
+    answer at all (a second answer under the first one's key would reuse
+    its nonces), and a token played back admits no connection."""
+    key = _key()
+    _, address = endpoint.serve(_caches(0), "m-1.rank0", [1], "127.0.0.1", key)
+    endpoint.serve(_caches(0), "m-2.rank0", [1], "127.0.0.1", key)
+    request, seal = key.seal_request(b"m-1.rank0")
+    token = key.admission_token()
+    sock = _admitted_dealer(address, key, token)
     try:
-        for attempt in range(2):
-            sock.send(request)
-            assert sock.poll(10_000)
-            status, *rest = sock.recv_multipart()
-            if attempt == 0:
-                assert status == b"ok"
-                index, count = kv_network._FRAME_META.unpack(rest[0])
-                assert seal.open(index, status + rest[0], rest[1]) == kv_transfer.pack_blocks(
-                    _caches(0), [1]).numpy().tobytes()
-            else:
-                assert status == b"missing"
-                assert seal.open(kv_network._STATUS_SEAL_INDEX, status, rest[0]) == b""
-                with pytest.raises(sealed_frames.SealBroken):
-                    _key()._answer_seal(request[: sealed_frames.NONCE_BYTES]).open(
-                        kv_network._STATUS_SEAL_INDEX, status, rest[0])
+        sock.send(request)
+        assert sock.poll(10_000)
+        status, header, sealed = sock.recv_multipart()
+        assert status == b"ok"
+        index, count = kv_network._FRAME_META.unpack(header)
+        assert seal.open(index, status + header, sealed) == kv_transfer.pack_blocks(_caches(0), [1]).numpy().tobytes()
+        sock.send(request)  # played back on an admitted connection
+        assert not sock.poll(500)
     finally:
         sock.close()
-    assert endpoint._server.requests_received == 2
+    refusals = endpoint._server.refusals.counts
+    assert refusals["replayed"] == 1
+    # The token played back: its connection is refused at the handshake, its request never read.
+    replayed = _admitted_dealer(address, key, token)
+    try:
+        try:
+            replayed.send(key.seal_request(b"m-2.rank0")[0], zmq.NOBLOCK)
+        except zmq.Again:  # refused already
+            pass
+        assert not replayed.poll(500)
+    finally:
+        replayed.close()
+    assert refusals["replayed"] == 2
+    assert endpoint._server.requests_received == 1
+    assert endpoint._server.num_offers == 1  # m-2 is still there for its rightful fetch
 
 
 def test_withdrawn_offers_and_other_layouts_are_refused(endpoint):
@@ -711,14 +746,16 @@ def test_strangers_reach_nothing_and_hold_nothing(endpoint):
     assert not stranger.is_alive()
     assert stranger.answers == []
     assert endpoint._server.requests_received == len(names)  # the rightful fetches only
-    assert endpoint._server.requests_refused >= stranger.rounds  # the sealed ones at least reached it
+    refusals = endpoint._server.refusals.counts
+    wait_until(lambda: refusals["connection"] >= 4 * stranger.rounds, 30,  # refused at their handshakes
+               message=lambda: f"{4 * stranger.rounds} connections refused: {refusals}")
     wait_until(lambda: _open_fds() <= fds_before, 30, message=lambda: f"fds back to {fds_before}: {_open_fds()}")
 
 
 def test_a_connection_that_never_finishes_its_handshake_is_dropped(monkeypatch):
     """A stranger who connects and stays silent does not keep the connection
     (and a file descriptor of the rank's process) beyond the handshake timeout."""
-    monkeypatch.setattr(tcp_auth, "HANDSHAKE_TIMEOUT_MS", 300)
+    monkeypatch.setattr(kv_network, "_HANDSHAKE_TIMEOUT_MS", 300)
     ep = kv_network.KVNetworkEndpoint()
     try:
         _, address = ep.serve(_caches(0), "m-10.rank0", [1], "127.0.0.1", _key())
