@@ -130,6 +130,12 @@ class KVCacheManager:
         self.num_shards = num_shards
         self.pool = BlockPool(num_blocks, num_shards)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Blocks reserved for the K/V a migration brings in, by migration id,
+        # until its request arrives (`adopt_import`). Apart from req_blocks:
+        # a request of the same id that comes another way (resubmitted after
+        # a failure, while an abandoned import still writes its blocks) must
+        # never find them in its block table.
+        self.imports: dict[str, list[KVCacheBlock]] = {}
         # Number of a request's leading blocks already registered in the cache.
         self.num_registered: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up
@@ -215,19 +221,37 @@ class KVCacheManager:
         # Tail blocks first, so a shared prefix outlives the request's own suffix in the LRU.
         self.free_by_id(request.request_id)
 
-    def allocate_for_import(self, request_id: str, num_blocks: int) -> list[int] | None:
-        """`num_blocks` more blocks at the end of `request_id`'s table, for
-        K/V that a migration brings in (the request itself may arrive later);
-        None (and nothing changed) when the pool cannot hold them."""
+    def allocate_for_import(self, migration_id: str, num_blocks: int) -> list[int] | None:
+        """`num_blocks` more blocks for migration `migration_id`'s K/V (its
+        request arrives with the last stage); None (and nothing changed)
+        when the pool cannot hold them."""
         if num_blocks > self.pool.num_free_blocks:
             return None
-        blocks = self.req_blocks.setdefault(request_id, [])
+        blocks = self.imports.setdefault(migration_id, [])
         new_blocks = self.pool.allocate(num_blocks, first_index=len(blocks))
         blocks.extend(new_blocks)
         return [b.block_id for b in new_blocks]
 
+    def adopt_import(self, migration_id: str, request_id: str, num_computed_tokens: int) -> str | None:
+        """The blocks a migration imported become `request_id`'s block table,
+        its first `num_computed_tokens` tokens' K/V in them. None, or why
+        not (nothing changed then): the blocks must be exactly those tokens'
+        (a stage lost on the way would leave the request reading blocks
+        nobody wrote), and the request must have no blocks here yet."""
+        blocks = self.imports.get(migration_id, [])
+        needed = -(-num_computed_tokens // self.block_size)
+        if len(blocks) != needed:
+            return f"{len(blocks)} KV blocks were imported, its {num_computed_tokens} tokens fill {needed}"
+        if request_id in self.req_blocks:
+            return "a request with this id holds KV blocks here already"
+        self.req_blocks[request_id] = self.imports.pop(migration_id, [])
+        return None
+
+    def free_import(self, migration_id: str) -> None:
+        """Free what an import that never became a request reserved."""
+        self.pool.free(list(reversed(self.imports.pop(migration_id, []))))
+
     def free_by_id(self, request_id: str) -> None:
-        """Free a request's blocks when there is no Request (an import abandoned)."""
         self.num_registered.pop(request_id, None)
         self.pool.free(list(reversed(self.req_blocks.pop(request_id, []))))
 

@@ -30,6 +30,7 @@ and the destination's rank fetches them (raylm.worker.kv_network).
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import time
@@ -58,6 +59,8 @@ class _Outgoing:
     # The request's preemptions when the first stage was gathered: a
     # preemption frees (and may reuse) blocks a background gather was reading.
     preemptions: int | None = None
+    # Where its stages' files were written (through /dev/shm): removed at the end.
+    files: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -153,6 +156,7 @@ class MigrationEndpoint:
         background = OVERLAP_PRECOPY and not message.final
         try:
             if message.network is None:
+                outgoing.files.add(message.path_prefix)
                 num_bytes = sum(self.core.executor.collective_rpc("export_kv", args=(
                     message.path_prefix, block_ids, background)))
             else:
@@ -178,33 +182,41 @@ class MigrationEndpoint:
     # ---- destination -----------------------------------------------------------------
 
     def _import(self, message: MigrateImport) -> MigrationReport:
-        rid = message.request_id
-        known = self._incoming.get(message.migration_id)
-        if (known is None and rid in self._scheduler.kv_cache_manager.req_blocks) or rid in self._scheduler.requests:
+        rid, migration_id = message.request_id, message.migration_id
+        if rid in self._scheduler.requests:
             return self._refused(message, "a request with this id is already here")
+        if migration_id not in self._incoming and message.stage > 0:
+            # Its earlier stages' blocks are not here (an executor rebuilt
+            # since, or they were refused): the request would read blocks
+            # nobody wrote.
+            return self._refused(message, f"stage {message.stage} of a migration this core holds no stage of")
         if message.final and message.request is None:
             return self._refused(message, "the final stage carries no request")
-        self._incoming[message.migration_id] = rid
+        self._incoming[migration_id] = rid
         self._scheduler.expecting_imports = True
         kv = self._scheduler.kv_cache_manager
-        block_ids = kv.allocate_for_import(rid, message.num_blocks)
+        block_ids = kv.allocate_for_import(migration_id, message.num_blocks)
         if block_ids is None:
-            self._abandon(message.migration_id)
+            self._abandon(migration_id)
             return self._refused(message, f"no room for {message.num_blocks} more KV blocks")
         background = OVERLAP_PRECOPY and not message.final
         try:
             num_bytes = self._read(message, block_ids, background)
         except Exception as e:
-            self._abandon(message.migration_id)
+            self._abandon(migration_id)
             return self._refused(message, f"importing its K/V failed: {type(e).__name__}: {e}")
         if background:  # reported by `poll` once the ranks are done
-            self._importing[message.migration_id] = _BackgroundImport(message, block_ids)
+            self._importing[migration_id] = _BackgroundImport(message, block_ids)
             return None
         if message.final:
-            del self._incoming[message.migration_id]
+            error = kv.adopt_import(migration_id, rid, message.num_computed_tokens)
+            if error is not None:
+                self._abandon(migration_id)
+                return self._refused(message, error)
+            del self._incoming[migration_id]
             self._scheduler.expecting_imports = bool(self._incoming)
             self._scheduler.add_imported(message.request.to_request(), message.num_computed_tokens)
-        return MigrationReport(message.migration_id, rid, ok=True, final=message.final,
+        return MigrationReport(migration_id, rid, ok=True, final=message.final,
                                num_blocks=len(block_ids), num_bytes=num_bytes)
 
     def _read(self, message: MigrateImport, block_ids: list[int], background: bool) -> int | None:
@@ -245,7 +257,7 @@ class MigrationEndpoint:
             message = job.message
             errors = [str(outcome) for ok, outcome in job.ranks_done.values() if not ok]
             if job.abandoned:
-                self._free_incoming(migration_id, message.request_id)
+                self._scheduler.kv_cache_manager.free_import(migration_id)
             elif errors:
                 self._abandon(migration_id)
                 reports.append(self._refused(message, f"importing its K/V failed: {errors[0]}"))
@@ -258,11 +270,11 @@ class MigrationEndpoint:
     def _abandon(self, migration_id: str) -> None:
         """Free what an incoming migration reserved (its request never arrived);
         blocks a background import still writes are freed once it has ended."""
-        rid = self._incoming.pop(migration_id, None)
+        self._incoming.pop(migration_id, None)
         self._scheduler.expecting_imports = bool(self._incoming)
         job = self._importing.get(migration_id)
         if job is None:
-            self._free_incoming(migration_id, rid)
+            self._scheduler.kv_cache_manager.free_import(migration_id)
         elif not job.abandoned:
             job.abandoned = True
             self._cancel_background_import(migration_id, job)
@@ -275,15 +287,12 @@ class MigrationEndpoint:
         except Exception as e:  # the executor is failing: its recovery frees the blocks
             logger.warning("could not cancel the K/V copies of migration %s: %s", migration_id, e)
 
-    def _free_incoming(self, migration_id: str, rid: str | None) -> None:
-        if rid is not None and rid not in self._scheduler.requests:
-            self._scheduler.kv_cache_manager.free_by_id(rid)
-
     # ---- either side -------------------------------------------------------------------
 
     def _end(self, message: MigrateEnd) -> None:
         outgoing = self._outgoing.pop(message.migration_id, None)
         if outgoing is not None:
+            _remove_stage_files(outgoing.files)
             if outgoing.networked:  # offers the destination never fetched (it gave up, or died)
                 try:
                     self.core.executor.collective_rpc("withdraw_kv", args=(f"{message.migration_id}-",))
@@ -297,17 +306,23 @@ class MigrationEndpoint:
         self._abandon(message.migration_id)
 
     def on_executor_lost(self) -> list[MigrationReport]:
-        """The workers (and the K/V) are gone: incoming migrations lose what
-        they reserved, and outgoing ones that have not paused their request
-        give up (the request continues here, recomputed). A paused one stays
-        paused for the supervisor to end."""
+        """The workers (and the K/V) are gone: every incoming migration is
+        refused (the blocks of its stages so far are lost; a later stage
+        would be refused as one of a migration this core holds no stage of),
+        and outgoing ones that have not paused their request give up (the
+        request continues here, recomputed). A paused one stays paused for
+        the supervisor to end."""
         reports = []
+        for migration_id, rid in self._incoming.items():
+            job = self._importing.get(migration_id)
+            if job is None or not job.abandoned:
+                logger.info("migration %s of request %s refused: the destination's executor failed",
+                            migration_id, rid[:64])
+                reports.append(MigrationReport(migration_id, rid, ok=False, final=False,
+                                               error="the destination's executor failed during the import"))
         self._incoming.clear()  # the scheduler's blocks are reset with the executor
-        self._scheduler.expecting_imports = False
-        for migration_id, job in self._importing.items():
-            if not job.abandoned:
-                reports.append(self._refused(job.message, "the destination's executor failed during the import"))
         self._importing.clear()
+        self._scheduler.expecting_imports = False
         for migration_id, outgoing in list(self._outgoing.items()):
             if outgoing.request_id not in self._scheduler.paused:
                 del self._outgoing[migration_id]
@@ -325,6 +340,20 @@ class MigrationEndpoint:
         logger.info("migration %s of request %s refused: %s", message.migration_id, message.request_id[:64], reason)
         return MigrationReport(message.migration_id, message.request_id, ok=False,
                                final=getattr(message, "final", True), error=reason)
+
+
+def _remove_stage_files(path_prefixes: set[str]) -> None:
+    """The files of a migration's stages (each rank's), once it ended: the
+    supervisor removes those it finds when it ends the migration, but a
+    stage the source wrote after that (its export was already on its way)
+    would stay until the engine shuts down. The destination has read them
+    (or given up) by the time the source hears the end."""
+    for prefix in path_prefixes:
+        for path in glob.glob(f"{glob.escape(prefix)}.rank*"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
 
 def _transfer_name(path_prefix: str) -> str:

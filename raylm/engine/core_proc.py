@@ -106,36 +106,48 @@ class EngineCoreProc:
     def run(self) -> None:
         parent_pid = os.getppid() if self.watch_parent else None
         while True:
-            if not self._has_work() and self.core.migrations.copying:
-                # Idle but for K/V being imported beside the steps: look again soon.
-                self.input.poll(_COPY_POLL_MS)
-            elif not self._has_work():
-                # Idle: block on the input socket, so an idle server costs ~0 CPU;
-                # wake now and then so an orphaned core exits instead of lingering.
-                while not self.input.poll(_IDLE_POLL_MS):
-                    if parent_pid is not None and os.getppid() != parent_pid:
-                        logger.warning("engine core: parent process is gone, exiting")
-                        self._orphaned()
-                        return
-                    self._check_health_while_idle()
-            elif parent_pid is not None and os.getppid() != parent_pid:  # busy, yet nobody reads the outputs
-                logger.warning("engine core: parent process is gone, exiting")
-                self._orphaned()
+            if not self._wait_for_work(parent_pid) or not self.run_once():
                 return
-            handled, keep_running = self._drain_inputs()
-            if not keep_running:
-                return
-            reports = self.core.take_migration_reports()
-            if reports:
-                self._send(EngineCoreOutputs(migrations=reports, stats=self._stats()))
-            if self._has_work():
-                outputs = self.core.step()
-                self._send(EngineCoreOutputs(outputs=outputs, stats=self._stats(),
-                                             recoveries=self._new_recoveries(),
-                                             migrations=self.core.take_migration_reports()))
-            elif handled:
-                # Aborts change the counts without a step; report them anyway.
-                self._send(EngineCoreOutputs(stats=self._stats()))
+
+    def _wait_for_work(self, parent_pid: int | None) -> bool:
+        """Block until there is something to do; False: the parent is gone, exit."""
+        if not self._has_work() and self.core.migrations.copying:
+            # Idle but for K/V being imported beside the steps: look again soon.
+            self.input.poll(_COPY_POLL_MS)
+        elif not self._has_work():
+            # Idle: block on the input socket, so an idle server costs ~0 CPU;
+            # wake now and then so an orphaned core exits instead of lingering.
+            while not self.input.poll(_IDLE_POLL_MS):
+                if parent_pid is not None and os.getppid() != parent_pid:
+                    logger.warning("engine core: parent process is gone, exiting")
+                    self._orphaned()
+                    return False
+                self._check_health_while_idle()
+        elif parent_pid is not None and os.getppid() != parent_pid:  # busy, yet nobody reads the outputs
+            logger.warning("engine core: parent process is gone, exiting")
+            self._orphaned()
+            return False
+        return True
+
+    def run_once(self) -> bool:
+        """One turn of the loop: apply every waiting message, report, step
+        once if there is work. False once told to shut down. (The chaos
+        harness, raylm.testing.chaos, turns a core's loop by this.)"""
+        handled, keep_running = self._drain_inputs()
+        if not keep_running:
+            return False
+        reports = self.core.take_migration_reports()
+        if reports:
+            self._send(EngineCoreOutputs(migrations=reports, stats=self._stats()))
+        if self._has_work():
+            outputs = self.core.step()
+            self._send(EngineCoreOutputs(outputs=outputs, stats=self._stats(),
+                                         recoveries=self._new_recoveries(),
+                                         migrations=self.core.take_migration_reports()))
+        elif handled:
+            # Aborts change the counts without a step; report them anyway.
+            self._send(EngineCoreOutputs(stats=self._stats()))
+        return True
 
     def _orphaned(self) -> None:
         """Nobody will read the outputs still queued for a front end that is

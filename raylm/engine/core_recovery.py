@@ -49,9 +49,6 @@ class CoreRecovery:
         target = self.launcher.plan_targets(1)[0]
 
         def start() -> None:
-            if self._closed.wait(backoff_s):
-                self._started.put((channel, EngineDeadError("the engine was shut down")))
-                return
             try:
                 self.launcher.start(channel, target)
             except BaseException as e:
@@ -61,7 +58,23 @@ class CoreRecovery:
                 self.launcher.stop(index, wait_s=0)
             self._started.put((channel, None))
 
-        threading.Thread(target=start, name=f"raylm-core-replace-{index}", daemon=True).start()
+        def shut_down_meanwhile() -> None:
+            self._started.put((channel, EngineDeadError("the engine was shut down")))
+
+        self._in_background(backoff_s, start, shut_down_meanwhile, name=f"raylm-core-replace-{index}")
+
+    def _in_background(self, delay_s: float, run, cancelled, name: str) -> None:
+        """`run` in a thread of its own after `delay_s`, or `cancelled` if the
+        engine shuts down first. (The chaos harness, raylm.testing.chaos,
+        runs these at points of its schedule instead.)"""
+
+        def body() -> None:
+            if self._closed.wait(delay_s):
+                cancelled()
+            else:
+                run()
+
+        threading.Thread(target=body, name=name, daemon=True).start()
 
     def _on_started(self, channel: CoreChannel, error: BaseException | None) -> None:
         replacement = self._starting.pop(channel.index)
@@ -148,9 +161,6 @@ class CoreRecovery:
             return
         self.launcher.close_channel(channel)
         self._last_failure = cause
-        # Before the resubmissions: a paused copy of a request handed over to
-        # this core is dropped at its source before the request may go there.
-        self._migrations_on_death(index)
         orphans = sorted(channel.in_flight)
         blamed = self._charge_death(index, orphans, cause)
         orphans = [rid for rid in orphans if rid in self.ledger]
@@ -159,14 +169,18 @@ class CoreRecovery:
             self._resubmit(request_id)
         self._restart_if_allowed(index, Replacement(noticed, cause, len(orphans)), blamed)
 
-    def _remove_channel(self, index: int):
+    def _remove_channel(self, index: int, why: str = "died"):
         """Core `index`'s channel, out of the supervisor's (None if it was
         gone already): every way a core leaves (it died, or drained for a
         scale-in or a restart) comes through here, so none leaves a ping
-        waiting for an answer that is no longer read."""
+        waiting for an answer that is no longer read, and none leaves a
+        migration naming it (either side). The migrations end before the
+        core's requests are resubmitted: a paused copy of a request handed
+        over to it is dropped at its source before the request may go there."""
         channel = self.channels.pop(index, None)
         if channel is not None:
             self._forget_pings_to(index)
+            self._migrations_on_channel_removed(channel, why)
         return channel
 
     def _forget_pings_to(self, index: int) -> None:

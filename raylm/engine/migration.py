@@ -77,7 +77,7 @@ class Migration:
     source: int
     destination: int
     reason: str
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=lambda: time.monotonic())
     stage: int = 0
     # Sent the final import: the request is the destination's in the ledger.
     handed_over: bool = False
@@ -90,7 +90,11 @@ class Migration:
     # When the destination reported the request queued there (the final stage read in).
     resumed_at: float | None = None
     # When the current stage's export was asked for (each stage's time is logged, at DEBUG).
-    stage_started: float = field(default_factory=time.monotonic)
+    stage_started: float = field(default_factory=lambda: time.monotonic())
+    # The two cores as they were when it started: an index may be served by
+    # a replacement later (a new start, which never had the request).
+    source_channel: CoreChannel | None = field(default=None, repr=False)
+    destination_channel: CoreChannel | None = field(default=None, repr=False)
 
 
 class MigrationControl:
@@ -135,7 +139,8 @@ class MigrationControl:
         if target is None:
             return False
         migration = Migration(f"{os.getpid()}-{next(self._migration_ids)}", request_id, source.index,
-                              target.index, reason, network=self._kv_network(source, target))
+                              target.index, reason, network=self._kv_network(source, target),
+                              source_channel=source, destination_channel=target)
         self.migrations[migration.migration_id] = migration
         self._migrating[request_id] = migration.migration_id
         logger.info("migrating request %s from core %d to core %d (%s, %s)", request_id[:64], source.index,
@@ -211,9 +216,13 @@ class MigrationControl:
             self._transfer_dir_cleanup = weakref.finalize(self, shutil.rmtree, self._transfer_dir, True)
         return os.path.join(self._transfer_dir, f"{migration.migration_id}-{migration.stage}")
 
+    def _serves(self, channel: CoreChannel) -> bool:
+        """Whether this start of a core is still the one serving its index."""
+        return self.channels.get(channel.index) is channel
+
     def _export_stage(self, migration: Migration, final: bool) -> None:
         migration.stage_started = time.monotonic()
-        self.channels[migration.source].send(self._encoder.encode(
+        migration.source_channel.send(self._encoder.encode(
             MigrateExport(migration.migration_id, migration.request_id, self._stage_path(migration), final,
                           migration.network)))
 
@@ -223,9 +232,9 @@ class MigrationControl:
         migration = self.migrations.get(report.migration_id)
         if migration is None:
             return  # ended already (aborted, a core died): its sides were told
-        if channel.index == migration.source and not migration.handed_over:
+        if channel is migration.source_channel and not migration.handed_over:
             self._on_exported(migration, report)
-        elif channel.index == migration.destination:
+        elif channel is migration.destination_channel:
             self._on_imported(migration, report)
 
     def _on_exported(self, migration: Migration, report: MigrationReport) -> None:
@@ -241,9 +250,9 @@ class MigrationControl:
                 return
             request = EngineCoreRequest.from_request(entry.continuation())
             self._hand_over(migration)
-        self.channels[migration.destination].send(self._encoder.encode(MigrateImport(
+        migration.destination_channel.send(self._encoder.encode(MigrateImport(
             migration.migration_id, migration.request_id, self._stage_path(migration), report.num_blocks,
-            report.final, request, report.num_computed_tokens, migration.network, report.sources)))
+            report.final, request, report.num_computed_tokens, migration.network, report.sources, migration.stage)))
         migration.stage += 1
 
     def _on_imported(self, migration: Migration, report: MigrationReport) -> None:
@@ -263,9 +272,10 @@ class MigrationControl:
 
     def _hand_over(self, migration: Migration) -> None:
         """The request becomes the destination's in the ledger: its outputs are
-        believed from there, and a death there recovers it."""
-        self.channels[migration.source].in_flight.discard(migration.request_id)
-        destination = self.channels[migration.destination]
+        believed from there, and a death there recovers it. (Both cores
+        serve: a core that left ended the migrations naming it.)"""
+        migration.source_channel.in_flight.discard(migration.request_id)
+        destination = migration.destination_channel
         if not destination.in_flight:
             destination.last_heard = time.monotonic()
         destination.in_flight.add(migration.request_id)
@@ -276,16 +286,15 @@ class MigrationControl:
         """The destination refused the final stage: the source resumes the
         request, or, gone meanwhile, it goes to the usual recovery."""
         entry = self.ledger.get(migration.request_id)
-        destination = self.channels.get(migration.destination)
-        if destination is not None:
-            destination.in_flight.discard(migration.request_id)
-        source = self.channels.get(migration.source)
+        migration.destination_channel.in_flight.discard(migration.request_id)
         if entry is None:
             return
-        if source is not None:
-            source.in_flight.add(migration.request_id)
-            entry.channel = source.index
+        if self._serves(migration.source_channel):
+            migration.source_channel.in_flight.add(migration.request_id)
+            entry.channel = migration.source
         else:
+            # Its source died (after the hand-over, so its migration went on):
+            # a replacement under the same index never had the request.
             self._resubmit(migration.request_id)
 
     def _end_migration(self, migration: Migration, ok: bool, why: str = "", drop_at_source: bool | None = None) -> None:
@@ -295,9 +304,10 @@ class MigrationControl:
         del self.migrations[migration.migration_id]
         self._migrating.pop(migration.request_id, None)
         drop = ok if drop_at_source is None else drop_at_source
-        self._send_to(migration.source, MigrateEnd(migration.migration_id, migration.request_id, commit=drop))
+        self._send_to(migration.source_channel, MigrateEnd(migration.migration_id, migration.request_id,
+                                                           commit=drop))
         if not ok:  # whatever the destination reserved is freed
-            self._send_to(migration.destination, MigrateEnd(migration.migration_id, migration.request_id,
+            self._send_to(migration.destination_channel, MigrateEnd(migration.migration_id, migration.request_id,
                                                             commit=False))
         for path in glob.glob(os.path.join(self._transfer_dir or "/nonexistent", f"{migration.migration_id}-*")):
             os.unlink(path)
@@ -355,25 +365,27 @@ class MigrationControl:
             # not yet: the destination holds a reservation (abandoning frees it).
             self._end_migration(migration, ok=False, why="the request ended", drop_at_source=True)
 
-    def _migrations_on_death(self, index: int) -> None:
-        """Core `index` died: end the migrations it took part in. What it owned
-        in the ledger is recovered as usual; a paused copy at a live source
-        whose destination owned the request is dropped."""
-        for migration in [m for m in self.migrations.values() if index in (m.source, m.destination)]:
-            if migration.handed_over and index == migration.source:
-                continue  # the destination owns the request and resumes it
-            # Handed over to a dead destination: the ledger recovers the
+    def _migrations_on_channel_removed(self, channel: CoreChannel, why: str) -> None:
+        """Core `channel` left (it died, or drained away): end every migration
+        that names it, on both sides, before anything else may reach either
+        side (a report naming a core that left would have nowhere to go).
+        What it owned in the ledger is recovered as usual; a paused copy at a
+        live source whose destination owned the request is dropped."""
+        for migration in [m for m in self.migrations.values()
+                          if channel in (m.source_channel, m.destination_channel)]:
+            if migration.handed_over and channel is migration.source_channel:
+                continue  # the destination owns the request and resumes it (or gives it back: _take_back)
+            # Handed over to a destination that left: the ledger recovers the
             # request (after this, so the source's paused copy is gone first).
-            self._end_migration(migration, ok=False, why=f"engine core {index} died",
+            self._end_migration(migration, ok=False, why=f"engine core {channel.index} {why}",
                                 drop_at_source=migration.handed_over)
 
-    def _send_to(self, index: int, message) -> None:
-        channel = self.channels.get(index)
-        if channel is not None:
+    def _send_to(self, channel: CoreChannel, message) -> None:
+        if self._serves(channel):
             channel.send(self._encoder.encode(message))
 
     def _is_migration_source(self, index: int) -> bool:
-        return any(m.source == index for m in self.migrations.values())
+        return any(m.source_channel is self.channels.get(index) for m in self.migrations.values())
 
     def take_migration_events(self) -> list[MigrationStats]:
         events, self._migration_events = self._migration_events, []

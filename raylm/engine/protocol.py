@@ -127,6 +127,9 @@ class MigrateImport(msgspec.Struct, tag="migrate_import"):
     # (rank i fetches from sources[i]).
     network: Union[KVNetwork, None] = None
     sources: Union[list[str], None] = None
+    # Which stage this is (0 first): a destination refuses a later stage of
+    # a migration it does not know (it lost the earlier stages' blocks).
+    stage: int = 0
 
 
 class MigrateEnd(msgspec.Struct, tag="migrate_end"):

@@ -79,6 +79,16 @@ def make_launcher(config: EngineConfig) -> CoreLauncher:
 
 
 @dataclass
+class ScaleUp:
+    """A scale-up under way: the new cores, starting."""
+
+    size: int  # the data parallel size once they serve
+    indices: list[int]
+    channels: list[CoreChannel]
+    targets: list
+
+
+@dataclass
 class LedgerEntry:
     """A request in flight in a core: as first sent, and what came back."""
 
@@ -263,6 +273,8 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
 
     def _adopt(self, channels: list[CoreChannel]) -> None:
         for channel in channels:
+            if channel.index in self.channels:  # would orphan the requests of the core serving it
+                raise RuntimeError(f"engine core {channel.index} started twice")
             self.channels[channel.index] = channel
 
     def _plan_scale(self, data_parallel_size: int) -> list[int]:
@@ -271,6 +283,13 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
             raise ValueError("scaling needs an engine started with data_parallel_size > 1")
         if self.restarting:
             raise ValueError(f"replica(s) {sorted(self.restarting)} are restarting: scale once they serve again")
+        # A replica being replaced or added will serve without being counted
+        # here: a scale planned meanwhile would count wrong (or take the same
+        # index twice). One change at a time.
+        if self._starting:
+            raise ValueError(f"replica(s) {sorted(self._starting)} are being replaced: scale once they serve")
+        if self._scaling_up:
+            raise ValueError(f"replica(s) {sorted(self._scaling_up)} are starting: scale once they serve")
         if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
         active = sorted(i for i, c in self.channels.items() if not c.draining)
@@ -285,24 +304,52 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
         free = (i for i in range(data_parallel_size + len(taken)) if i not in taken)
         return [next(free) for _ in range(data_parallel_size - len(active))]
 
+    def begin_scale(self, data_parallel_size: int) -> "ScaleUp | None":
+        """Plan a scale (ValueError if it cannot be): a scale-down drains its
+        cores now; a scale-up's new cores are returned to start
+        (`start_scaled`, blocking, from any thread) and then adopt
+        (`end_scale`, on the reading thread)."""
+        new = self._plan_scale(data_parallel_size)
+        if not new:
+            logger.info("data parallel size is now %d", data_parallel_size)
+            return None
+        channels, targets = self._new_channels(new)
+        self._scaling_up.update(new)
+        return ScaleUp(data_parallel_size, new, channels, targets)
+
+    def start_scaled(self, scale_up: "ScaleUp") -> None:
+        """Blocking, and touches no socket: the new cores load (in parallel)."""
+        self._wait_started(scale_up.channels, scale_up.targets)
+
+    def end_scale(self, scale_up: "ScaleUp", started: bool) -> None:
+        """The new cores take traffic (`started`), or are given up."""
+        self._scaling_up.difference_update(scale_up.indices)
+        if not started:
+            for channel in scale_up.channels:
+                self.launcher.close_channel(channel)
+            return
+        self._adopt(scale_up.channels)
+        logger.info("data parallel size is now %d", scale_up.size)
+
     def scale(self, data_parallel_size: int) -> None:
         """Scale up (new cores placed and warmed before they get traffic) or
         down (the highest cores get no new requests and leave once theirs
         finish). A scale-up that cannot be placed raises and changes nothing."""
-        new = self._plan_scale(data_parallel_size)
-        if new:
-            self._scaling_up.update(new)
-            try:
-                self._start_cores(new)
-            finally:
-                self._scaling_up.difference_update(new)
-        logger.info("data parallel size is now %d", data_parallel_size)
+        scale_up = self.begin_scale(data_parallel_size)
+        if scale_up is None:
+            return
+        started = False
+        try:
+            self.start_scaled(scale_up)
+            started = True
+        finally:
+            self.end_scale(scale_up, started)
 
     def _retire_drained(self) -> None:
         for index, channel in list(self.channels.items()):
             if channel.draining and not channel.in_flight and not self._is_migration_source(index):
                 channel.send(self._encoder.encode(Shutdown()))
-                self._remove_channel(index)
+                self._remove_channel(index, why="drained and left")
                 self.launcher.stop(index, wait_s=_DRAINED_STOP_S)
                 self.launcher.close_channel(channel)
                 logger.info("engine core %d drained and removed", index)
@@ -334,10 +381,14 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
     def _housekeeping(self) -> None:
         """Between reads: adopt new cores, heal dead ones, resend, kill hung
         ones, retire drained ones; EngineDeadError once none is left."""
-        for index, cause in self.launcher.deaths():
-            self._on_death(index, cause)
+        # Cores that started first: one that died before it was adopted is
+        # then found dead as the core serving its index (its death, handled
+        # before it was adopted, would be lost, and its requests stall until
+        # the step deadline).
         while not self._started.empty():
             self._on_started(*self._started.get())
+        for index, cause in self.launcher.deaths():
+            self._on_death(index, cause)
         if self._waiting and any(not c.draining for c in self.channels.values()):
             waiting, self._waiting = self._waiting, []
             for request_id in waiting:
@@ -437,6 +488,10 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
             unhealthy=next((s.unhealthy for s in stats if s.unhealthy), None),
         )
 
+    def _housekeeping_and_pending(self) -> EngineCoreOutputs | None:
+        self._housekeeping()
+        return self._pending()
+
     def _pending(self) -> EngineCoreOutputs | None:
         """What the supervisor itself has to pass up: its recoveries, culprits
         failed, pings answered for dead cores, migrations ended."""
@@ -466,25 +521,19 @@ class AsyncEngineCoreSupervisor(EngineCoreSupervisor, AsyncReplicaRestart):
 
     async def scale_async(self, data_parallel_size: int) -> None:
         """`scale` without blocking the event loop while new cores load."""
-        new = self._plan_scale(data_parallel_size)
-        if new:
-            channels, targets = self._new_channels(new)
-            self._scaling_up.update(new)
-            try:
-                await asyncio.get_running_loop().run_in_executor(None, self._wait_started, channels, targets)
-            except BaseException:
-                for channel in channels:
-                    self.launcher.close_channel(channel)
-                raise
-            finally:
-                self._scaling_up.difference_update(new)
-            self._adopt(channels)
-        logger.info("data parallel size is now %d", data_parallel_size)
+        scale_up = self.begin_scale(data_parallel_size)
+        if scale_up is None:
+            return
+        started = False
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.start_scaled, scale_up)
+            started = True
+        finally:
+            self.end_scale(scale_up, started)
 
     async def get_output(self) -> EngineCoreOutputs:
         while True:
-            self._housekeeping()
-            pending = self._pending()
+            pending = self._housekeeping_and_pending()
             if pending is not None:
                 return pending
             if await self._output.poll(_POLL_MS):
@@ -499,8 +548,7 @@ class SyncEngineCoreSupervisor(EngineCoreSupervisor):
 
     def get_output(self) -> EngineCoreOutputs:
         while True:
-            self._housekeeping()
-            pending = self._pending()
+            pending = self._housekeeping_and_pending()
             if pending is not None:
                 return pending
             # Nothing in flight: read what is already queued (a core's error,

@@ -137,7 +137,8 @@ def _generate(src, dst, params: SamplingParams, migrate: bool, network: KVNetwor
         _run(src, request_id, lambda: not src.has_unfinished_requests(), tokens)
     for core in (src, dst):
         assert core.scheduler.kv_cache_manager.usage == 0.0 or not core.scheduler.kv_cache_manager.req_blocks
-        assert not core.scheduler.kv_cache_manager.req_blocks, "a block was left behind"
+        kv = core.scheduler.kv_cache_manager
+        assert not kv.req_blocks and not kv.imports, "a block was left behind"
     return tokens
 
 
@@ -218,7 +219,8 @@ def test_a_stranger_hammering_the_kv_socket_hurts_no_stream(cores, model):
     assert not stranger.is_alive() and stranger.answers == []
     assert server.requests_received - already_received == 2  # the destination's two fetches
     for core in (src, dst):
-        assert not core.scheduler.kv_cache_manager.req_blocks, "a block was left behind"
+        kv = core.scheduler.kv_cache_manager
+        assert not kv.req_blocks and not kv.imports, "a block was left behind"
 
 
 def test_seeded_sampling_continues_its_stream(cores):
@@ -303,16 +305,16 @@ def test_blocks_of_an_abandoned_background_import_are_freed_once_it_ends(cores, 
         kv_transfer.create_file(src.executor.driver_worker.worker.model_runner.kv_caches, 2, path)
         # The source has not filled the file yet: the destination's thread waits.
         assert not dst.take_migration_reports(MigrateImport("m4", "slow-import", f"{shm_dir}/m4-0", 2, final=False))
-        assert dst.migrations.copying and "slow-import" in dst.scheduler.kv_cache_manager.req_blocks
+        assert dst.migrations.copying and "m4" in dst.scheduler.kv_cache_manager.imports
         dst.take_migration_reports(MigrateEnd("m4", "slow-import", commit=False))
-        assert "slow-import" in dst.scheduler.kv_cache_manager.req_blocks  # still being written
+        assert "m4" in dst.scheduler.kv_cache_manager.imports  # still being written
         kv_transfer.fill_file(src.executor.driver_worker.worker.model_runner.kv_caches, block_ids, path)
         deadline = time.monotonic() + 30
         while dst.migrations.copying and time.monotonic() < deadline:
             assert not dst.take_migration_reports()  # an abandoned stage is not reported
             time.sleep(0.002)
         assert not dst.migrations.copying
-        assert not dst.scheduler.kv_cache_manager.req_blocks
+        assert not dst.scheduler.kv_cache_manager.imports
     src.abort_requests(["slow-import"])
     assert not src.scheduler.kv_cache_manager.req_blocks
 
@@ -325,7 +327,7 @@ def test_an_abandoned_import_waiting_for_a_dead_source_frees_its_blocks_at_once(
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm_dir:
         kv_transfer.create_file(src.executor.driver_worker.worker.model_runner.kv_caches, 2, f"{shm_dir}/m5-0.rank0")
         assert not dst.take_migration_reports(MigrateImport("m5", "dead-source", f"{shm_dir}/m5-0", 2, final=False))
-        assert dst.migrations.copying and "dead-source" in dst.scheduler.kv_cache_manager.req_blocks
+        assert dst.migrations.copying and "m5" in dst.scheduler.kv_cache_manager.imports
         time.sleep(0.05)  # the rank's thread is in its wait
         abandoned = time.monotonic()
         dst.take_migration_reports(MigrateEnd("m5", "dead-source", commit=False))
@@ -333,7 +335,7 @@ def test_an_abandoned_import_waiting_for_a_dead_source_frees_its_blocks_at_once(
             assert not dst.take_migration_reports()  # an abandoned stage is not reported
             time.sleep(0.002)
         assert time.monotonic() - abandoned < 5
-        assert not dst.scheduler.kv_cache_manager.req_blocks and not dst.scheduler.expecting_imports
+        assert not dst.scheduler.kv_cache_manager.imports and not dst.scheduler.expecting_imports
 
 
 def test_a_background_import_whose_ranks_finish_at_different_polls_is_reported_once_all_are_done():
@@ -371,3 +373,67 @@ def test_a_background_import_whose_ranks_finish_at_different_polls_is_reported_o
         release.set()
         for r in ranks:
             r.close()
+
+
+def test_a_destination_that_rebuilt_its_executor_refuses_the_migration_s_later_stages(cores, model):
+    """Issue 48, finding 2: the destination's executor is rebuilt between a
+    completed stage and the final one. The blocks of that stage are gone with
+    it: the core reports the migration refused, and refuses its later stages
+    (accepting the final one would resume the request over blocks nobody
+    wrote, and register them in the prefix cache under the real prefix)."""
+    from raylm.executor.errors import WorkerDiedError
+
+    src, dst = cores
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    request_id = "rebuilt-destination"
+    src.add_request(Request(request_id, PROMPT, params, eos_token_id=None))
+    tokens: list[int] = []
+    _run(src, request_id, lambda: len(tokens) >= 12, tokens)
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm_dir:
+        stage1 = src.take_migration_reports(MigrateExport("m6", request_id, f"{shm_dir}/m6-0", final=False))[0]
+        assert _report(dst, MigrateImport("m6", request_id, f"{shm_dir}/m6-0", stage1.num_blocks, final=False)).ok
+        dst._recover(WorkerDiedError("a worker was killed"), None)
+        lost = dst.take_migration_reports()
+        assert [(r.migration_id, r.ok) for r in lost] == [("m6", False)], lost
+        final = _report(src, MigrateExport("m6", request_id, f"{shm_dir}/m6-1", final=True))
+        assert final.ok
+        refused = dst.take_migration_reports(MigrateImport(
+            "m6", request_id, f"{shm_dir}/m6-1", final.num_blocks, final=True,
+            request=EngineCoreRequest(request_id, PROMPT, params, None, 0.0, list(tokens)),
+            num_computed_tokens=final.num_computed_tokens, stage=1))[0]
+        assert not refused.ok and "holds no stage" in refused.error
+        assert not dst.has_unfinished_requests() and not dst.scheduler.kv_cache_manager.imports
+        src.take_migration_reports(MigrateEnd("m6", request_id, commit=False))
+    _run(src, request_id, lambda: not src.has_unfinished_requests(), tokens)
+    assert tokens == hf_greedy(model, [PROMPT], MAX_TOKENS)[0].token_ids
+
+
+def test_a_request_resubmitted_while_its_abandoned_import_still_writes_computes_its_own_kv(cores, model):
+    """The cause of the changed streams in issue 48: a migration to this core
+    is abandoned (its source died) while a background import still writes
+    the blocks it reserved, and the request, resubmitted after the death,
+    arrives here under the same id. Import reservations were kept under the
+    request's id, so the new request's block table began with those blocks
+    and it continued over K/V that was not its own. They are kept apart now
+    (by migration), and freed once the import ends."""
+    src, dst = cores
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    other = "other-request"
+    src.add_request(Request(other, PROMPT[::-1], params, eos_token_id=None))
+    _run(src, other, lambda: src.scheduler.requests[other].num_computed_tokens >= 32, [])
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm_dir:
+        path = f"{shm_dir}/m7-0.rank0"
+        caches = src.executor.driver_worker.worker.model_runner.kv_caches
+        kv_transfer.create_file(caches, 2, path)
+        assert not dst.take_migration_reports(MigrateImport("m7", "resubmitted", f"{shm_dir}/m7-0", 2, final=False))
+        dst.take_migration_reports(MigrateEnd("m7", "resubmitted", commit=False))  # its source died
+        dst.add_request(Request("resubmitted", PROMPT, params, eos_token_id=None))  # recovered here
+        tokens: list[int] = []
+        _run(dst, "resubmitted", lambda: len(tokens) >= 4, tokens)
+        # The abandoned import now writes another request's K/V into the blocks it reserved.
+        kv_transfer.fill_file(caches, src.scheduler.kv_cache_manager.get_block_ids(other)[:2], path)
+        _run(dst, "resubmitted", lambda: not dst.has_unfinished_requests() and not dst.migrations.copying, tokens)
+    src.abort_requests([other])
+    assert tokens == hf_greedy(model, [PROMPT], MAX_TOKENS)[0].token_ids
+    kv = dst.scheduler.kv_cache_manager
+    assert not kv.req_blocks and not kv.imports

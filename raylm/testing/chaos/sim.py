@@ -1,0 +1,552 @@
+"""The chaos harness's fast tier: the real supervisor (EngineCoreSupervisor)
+and real engine cores (EngineCore: scheduler, KV-cache manager, migration
+endpoint, recovery), each core's loop turned by the harness, on a clock the
+harness owns, with the content model (content_model.py) for a model.
+
+Nothing runs by itself: no socket, thread, sleep or housekeeping timer. A
+core's loop turns when the schedule says (`turn`), the supervisor reads when
+it says (`read`), the clock moves when it says (`advance`), a replacement
+core starts when it says (`run_background`), a copy beside the steps ends
+when it says (`progress`). So a schedule replays exactly from its seed, and
+Hypothesis can shrink it. What this tier does not have: the processes and
+sockets themselves (a kill is a core that stops answering and a death the
+launcher reports), the network, and timing inside a step; the real-engine
+tier (tests/chaos/test_real_engine.py) replays schedules against those.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+import types
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import msgspec
+
+from raylm.config import EngineConfig, create_engine_config
+from raylm.core.kv_cache_manager import hash_block, root_hash
+from raylm.engine import (
+    core_channel,
+    core_migration,
+    core_proc,
+    core_recovery,
+    engine_core,
+    migration,
+    replica_restart,
+    supervisor,
+)
+from raylm.engine.core_channel import CoreChannel, CoreLauncher
+from raylm.engine.engine_core import EngineCore
+from raylm.engine.errors import EngineDeadError
+from raylm.engine.protocol import ClientMessage, EngineCoreOutputs, RecoveryKind
+from raylm.core import request as request_module
+from raylm.core import scheduler as scheduler_module
+from raylm.core.request import Request
+from raylm.sampling_params import SamplingParams
+from raylm.testing.chaos.content_model import ContentModelExecutor, reference_tokens
+
+# Modules whose `time.monotonic` (and `time.sleep`) the simulated clock replaces.
+_CLOCKED_MODULES = (supervisor, migration, core_recovery, core_channel, replica_restart, engine_core,
+                    core_migration, core_proc, scheduler_module, request_module)
+
+
+class SimClock:
+    """Seconds that pass only when the harness says; a sleep passes them."""
+
+    def __init__(self):
+        # Where the real clock is: values some dataclass read from it at
+        # import (their default factories) stay comparable.
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(0.0, seconds)
+
+    def install(self) -> Callable[[], None]:
+        """Make the engine's modules read this clock; returns the undo."""
+        fake = types.SimpleNamespace(monotonic=self.monotonic, sleep=self.sleep, perf_counter=time.perf_counter,
+                                     time=time.time, monotonic_ns=time.monotonic_ns)
+        saved = [(m, m.time) for m in _CLOCKED_MODULES]
+        for module in _CLOCKED_MODULES:
+            module.time = fake
+        # A rebuild's gc.collect() frees a real model's memory; here it would
+        # only cost a quarter of a second each time.
+        free_released_memory, engine_core._free_released_memory = engine_core._free_released_memory, lambda: None
+
+        def undo() -> None:
+            for module, original in saved:
+                module.time = original
+            engine_core._free_released_memory = free_released_memory
+
+        return undo
+
+
+def chaos_config(**overrides) -> EngineConfig:
+    """The engine the fast tier runs: the embedded default model's config
+    (its weights are never loaded), small blocks and a small cache, so that
+    a few short requests span several blocks, stages and a full cache."""
+    settings = dict(dtype="float32", data_parallel_size=2, block_size=4, max_model_len=64,
+                    num_scheduler_steps=1, data_parallel_rebalance=True, max_num_seqs=8)
+    settings.update(overrides)
+    return create_engine_config(None, **settings)
+
+
+# ---- a core --------------------------------------------------------------------------------
+
+
+class _Frame:
+    """What a zmq.Frame is to its readers here: bytes behind `.buffer`."""
+
+    def __init__(self, data: bytes):
+        self.buffer = memoryview(data)
+        self.bytes = data
+
+
+class _Inbox:
+    """A core's input socket, as its loop reads it."""
+
+    def __init__(self):
+        self.frames: deque[bytes] = deque()
+
+    def poll(self, timeout=None) -> bool:
+        return bool(self.frames)
+
+    def recv(self, copy: bool = True):
+        return _Frame(self.frames.popleft())
+
+    def close(self, linger=None) -> None:
+        self.frames.clear()
+
+
+class _Outbox:
+    """A core's output socket: what it sends lands in the supervisor's inbox."""
+
+    def __init__(self, inbox: deque):
+        self.inbox = inbox
+        self.closed = False
+
+    def send(self, data, copy: bool = True) -> None:
+        if not self.closed:
+            self.inbox.append(bytes(data))
+
+    def close(self, linger=None) -> None:
+        self.closed = True
+
+
+class SimEngineCore(EngineCore):
+    """The real EngineCore on the content model; `faults` are the harness's
+    to fill (ContentModelExecutor)."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int):
+        self.faults: list[str] = []
+        self._num_blocks = num_blocks
+        super().__init__(config)
+
+    def _make_executor(self):
+        self.batch_queue_size = 1
+        return ContentModelExecutor(self.config, self._num_blocks, self.faults)
+
+
+class SimCoreProc(core_proc.EngineCoreProc):
+    """The real core loop (EngineCoreProc.run_once) on the harness's sockets."""
+
+    def __init__(self, core: SimEngineCore, engine_index: int, incarnation: int, world: "World"):
+        self.core = core
+        self.incarnation = incarnation
+        self.engine_index = engine_index
+        self.watch_parent = False
+        core.on_rebuilding = self._announce_rebuilding
+        core.on_running_alone = lambda rid: world.running_alone.__setitem__(engine_index, rid)
+        self.input = _Inbox()
+        self.output = _Outbox(world.inbox)
+        self.decoder = msgspec.msgpack.Decoder(ClientMessage)
+        self.encoder = msgspec.msgpack.Encoder()
+        self._num_reported_recoveries = 0
+        self.alive = True  # False once killed (kill -9) or stopped by the supervisor
+        self.frozen = False  # SIGSTOP: alive, but its loop does not turn
+        self.shut_down = False  # left its loop on a Shutdown message
+
+    def turn(self) -> bool:
+        """One turn of its loop, if it can; whether anything happened."""
+        if not self.alive or self.frozen or self.shut_down:
+            return False
+        if not self.input.frames and not self._has_work() and not self.core.migrations.copying:
+            return False
+        if not self.run_once():
+            self.shut_down = True
+        return True
+
+    def kill(self) -> None:
+        """kill -9: nothing more is read or sent; what it sent stays sent."""
+        self.alive = False
+        self.output.close()
+        self.core.executor.shutdown()
+
+
+# ---- the launcher ---------------------------------------------------------------------------
+
+
+class _SimChannel(CoreChannel):
+    """Delivers what the supervisor sends to its core's inbox once the core
+    runs; a dead core's frames are lost, as a killed process's are."""
+
+    proc: SimCoreProc | None = None
+
+    def flush(self) -> None:
+        if self.proc is None:
+            return
+        while self.unsent:
+            frame = self.unsent.popleft()
+            if self.proc.alive:
+                self.proc.input.frames.append(frame)
+
+
+class SimLauncher(CoreLauncher):
+    recovery_kind = RecoveryKind.DP_REPLICA
+    can_scale = True
+
+    def __init__(self, world: "World"):
+        self.world = world
+        self._incarnations = itertools.count(1)
+
+    def bind_output(self, ctx):
+        world = self.world
+
+        class Output:
+            def poll(self, timeout=None) -> bool:
+                return bool(world.inbox)
+
+            def recv(self, copy: bool = True):
+                return _Frame(world.inbox.popleft())
+
+            def close(self, linger=None) -> None:
+                pass
+
+        return Output()
+
+    def new_channel(self, ctx, index: int) -> CoreChannel:
+        return _SimChannel(index, input=None, address="", incarnation=next(self._incarnations))
+
+    def close_channel(self, channel: CoreChannel) -> None:
+        pass
+
+    def sender(self, frame, outputs: EngineCoreOutputs, channels: dict[int, CoreChannel]) -> CoreChannel | None:
+        channel = channels.get(outputs.engine_index)
+        return channel if channel is not None and channel.incarnation == outputs.incarnation else None
+
+    def start(self, channel: CoreChannel, target=None) -> None:
+        world = self.world
+        if world.fail_next_start:
+            world.fail_next_start = False
+            raise RuntimeError("chaos: the replica failed to start")
+        core = SimEngineCore(world.config, world.num_blocks)
+        world.set_clock_of(core)
+        proc = SimCoreProc(core, channel.index, channel.incarnation, world)
+        channel.node_ip = "127.0.0.1"
+        channel.proc = proc
+        world.procs.append(proc)
+        world.cores[channel.index] = proc
+        channel.flush()
+
+    def stop(self, index: int, wait_s: float) -> None:
+        proc = self.world.cores.pop(index, None)
+        if proc is not None and proc.alive:
+            proc.kill()
+
+    def deaths(self) -> list[tuple[int, str]]:
+        found, self.world.deaths = self.world.deaths, []
+        for index, _ in found:
+            proc = self.world.cores.get(index)
+            if proc is not None and not proc.alive:
+                del self.world.cores[index]
+        return found
+
+    def is_local(self, index: int) -> bool:
+        return True
+
+    def take_running_alone(self, index: int) -> str | None:
+        return self.world.running_alone.pop(index, None)
+
+    def shutdown(self) -> None:
+        for index in list(self.world.cores):
+            self.stop(index, 0)
+
+
+# ---- the supervisor -------------------------------------------------------------------------
+
+
+@dataclass
+class _Background:
+    due: float
+    run: Callable[[], None]
+    cancelled: Callable[[], None]
+    name: str
+
+
+class ChaosSupervisor(supervisor.SyncEngineCoreSupervisor):
+    """The real supervisor, but what it would run in threads waits in
+    `world.background` for the schedule to run it."""
+
+    def __init__(self, config: EngineConfig, world: "World"):
+        self.world = world
+        super().__init__(config, SimLauncher(world))
+
+    def _in_background(self, delay_s: float, run, cancelled, name: str) -> None:
+        self.world.background.append(_Background(self.world.clock.now + delay_s, run, cancelled, name))
+
+
+# ---- the world ---------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """What the front end (the harness) received for one request."""
+
+    prompt: list[int]
+    max_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    finished: bool = False
+    error: str | None = None
+    aborted: bool = False
+    poisoned: bool = False
+
+
+class World:
+    """One engine under the harness: a supervisor, its cores, the clock and
+    what the front end received."""
+
+    def __init__(self, config: EngineConfig | None = None, num_blocks: int = 40):
+        self.config = config or chaos_config()
+        self.num_blocks = num_blocks
+        self.clock = SimClock()
+        self.inbox: deque[bytes] = deque()
+        self.cores: dict[int, SimCoreProc] = {}  # by index: the current start of each core
+        self.procs: list[SimCoreProc] = []  # every start, for the leak checks
+        self.running_alone: dict[int, str | None] = {}
+        self.deaths: list[tuple[int, str]] = []
+        self.background: list[_Background] = []
+        self.fail_next_start = False
+        self.outcomes: dict[str, Outcome] = {}
+        self.scale_ups: list = []  # supervisor.ScaleUp, started by `finish_scale`
+        self.log: list[str] = []  # what the schedule did, for a failure's report
+        self._undo_clock = self.clock.install()
+        try:
+            self.sup = ChaosSupervisor(self.config, self)
+            self.set_clock_of(self.sup)
+        except BaseException:
+            self._undo_clock()
+            raise
+
+    def set_clock_of(self, owner) -> None:
+        """Restart budgets read their clock through an argument bound at import."""
+        owner.restart_budget._clock = self.clock.monotonic
+        owner.blame._blamed._clock = self.clock.monotonic
+
+    def close(self) -> None:
+        try:
+            self.sup.shutdown()
+        finally:
+            for proc in self.procs:
+                if proc.alive:
+                    proc.kill()
+            self._undo_clock()
+
+    # ---- the front end's side ----------------------------------------------------------
+
+    def submit(self, request_id: str, prompt: list[int], max_tokens: int, poisoned: bool = False) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        params.all_stop_token_ids = set()
+        self.outcomes[request_id] = Outcome(list(prompt), max_tokens, poisoned=poisoned)
+        self.sup.add_request(Request(request_id, list(prompt), params, None, self.clock.now))
+
+    def abort(self, request_id: str) -> None:
+        outcome = self.outcomes[request_id]
+        if not outcome.finished:
+            outcome.aborted = True
+            outcome.finished = True
+            self.sup.abort_requests([request_id])
+
+    def read(self, max_frames: int = 1000) -> None:
+        """The front end's read: housekeeping, then up to `max_frames` messages."""
+        self._deliver(self.sup._housekeeping_and_pending())
+        for _ in range(max_frames):
+            if not self.inbox:
+                return
+            self._deliver(self.sup._receive(_Frame(self.inbox.popleft())))
+
+    def _deliver(self, outputs: EngineCoreOutputs | None) -> None:
+        if outputs is None:
+            return
+        for out in outputs.outputs:
+            outcome = self.outcomes[out.request_id]
+            if outcome.aborted:
+                continue
+            outcome.tokens.extend(out.new_token_ids)
+            if out.finished:
+                outcome.finished = True
+                outcome.error = out.error if out.finish_reason == "error" else None
+
+    # ---- the schedule's operations ----------------------------------------------------------
+
+    def turn(self, index: int) -> bool:
+        proc = self.cores.get(index)
+        return proc is not None and proc.turn()
+
+    def kill(self, index: int, report: bool = True) -> None:
+        proc = self.cores.get(index)
+        if proc is None or not proc.alive:
+            return
+        proc.kill()
+        if report:
+            self.deaths.append((index, "chaos: killed (SIGKILL)"))
+
+    def run_background(self, which: int = 0) -> bool:
+        """Run one background task that is due (the clock moves to it)."""
+        if not self.background:
+            return False
+        task = self.background.pop(which % len(self.background))
+        self.clock.now = max(self.clock.now, task.due)
+        task.run()
+        return True
+
+    def progress(self, index: int, which: int = 0) -> bool:
+        proc = self.cores.get(index)
+        if proc is None or not proc.alive or proc.frozen:
+            return False
+        return proc.core.executor.progress(which)
+
+    def begin_scale(self, size: int) -> None:
+        scale_up = self.sup.begin_scale(size)
+        if scale_up is not None:
+            self.scale_ups.append(scale_up)
+
+    def finish_scale(self) -> bool:
+        """The oldest scale-up's cores have loaded (or failed to)."""
+        if not self.scale_ups:
+            return False
+        scale_up = self.scale_ups.pop(0)
+        started = False
+        try:
+            self.sup.start_scaled(scale_up)
+            started = True
+        except RuntimeError:
+            pass  # a start the schedule made fail: the scale-up changes nothing
+        finally:
+            self.sup.end_scale(scale_up, started)
+        return True
+
+    # ---- the end of a schedule --------------------------------------------------------
+
+    def drain(self, max_rounds: int = 400) -> None:
+        """No more faults: run until every request has ended (or the engine
+        died, or `max_rounds` passed: a hang)."""
+        for proc in self.cores.values():
+            proc.frozen = False
+            proc.core.faults.clear()
+        for _ in range(max_rounds):
+            while self.scale_ups:
+                self.finish_scale()
+            while self.background:
+                self.run_background()
+            for index in list(self.cores):
+                while self.progress(index):
+                    pass
+                self.turn(index)
+            self.read()
+            if self._quiet():
+                return
+            self.clock.now += 0.05
+        raise AssertionError(f"requests never ended (hung): "
+                             f"{[rid for rid, o in self.outcomes.items() if not o.finished]}; "
+                             f"ledger {sorted(self.sup.ledger)}, migrations {list(self.sup.migrations.values())}")
+
+    def _quiet(self) -> bool:
+        """Every request ended, and nothing is left to do anywhere."""
+        if not all(o.finished for o in self.outcomes.values()) or self.sup.ledger or self.sup.migrations:
+            return False
+        if self.inbox or self.background or self.scale_ups:
+            return False
+        for proc in self.cores.values():
+            if proc.input.frames or proc._has_work() or proc.core.migrations.copying:
+                return False
+            if proc.core.executor.copies.pending:
+                return False
+        return True
+
+    def check(self) -> None:
+        """The invariants of a drained schedule (AssertionError naming the first broken)."""
+        vocab = self.config.model_config.vocab_size
+        for rid, outcome in self.outcomes.items():
+            expected = reference_tokens(outcome.prompt, outcome.max_tokens, vocab)
+            assert outcome.finished, f"{rid} never ended"
+            if outcome.poisoned and not outcome.aborted:
+                assert outcome.error is not None, f"poison request {rid} ended without an error: {outcome}"
+                continue
+            if outcome.poisoned:
+                continue
+            assert outcome.error is None, f"innocent request {rid} failed (framed): {outcome.error}"
+            if outcome.aborted:
+                assert outcome.tokens == expected[:len(outcome.tokens)], f"aborted {rid} diverged: {outcome}"
+            else:
+                assert outcome.tokens == expected, (f"request {rid} continued over K/V not its own: got "
+                                                    f"{outcome.tokens}, an undisturbed run gives {expected}")
+        sup = self.sup
+        assert sup.dead_error is None, f"the engine died: {sup.dead_error}"
+        assert not sup.ledger and not sup.migrations and not sup._migrating, "the supervisor kept requests"
+        folder = sup._transfer_dir
+        if folder is not None:
+            assert os.listdir(folder) == [], f"transfer files left behind: {os.listdir(folder)}"
+        hashes = self._expected_blocks()
+        for index, proc in self.cores.items():
+            self._check_core(index, proc, hashes)
+
+    def _check_core(self, index: int, proc: SimCoreProc, hashes: dict[bytes, list]) -> None:
+        core = proc.core
+        scheduler = core.scheduler
+        assert not scheduler.requests and not scheduler.paused, f"core {index} kept {list(scheduler.requests)}"
+        kv = scheduler.kv_cache_manager
+        assert not kv.req_blocks and not kv.imports, f"core {index} kept blocks of {list(kv.req_blocks)} {kv.imports}"
+        assert kv.pool.num_free_blocks == kv.num_blocks, f"core {index} leaked blocks"
+        endpoint = core.migrations
+        assert not (endpoint._outgoing or endpoint._incoming or endpoint._importing), \
+            f"core {index} kept migrations: {endpoint._outgoing} {endpoint._incoming} {endpoint._importing}"
+        executor = core.executor
+        for block_hash, block in kv.pool.cached.items():
+            expected = hashes.get(block_hash)
+            assert expected is not None, f"core {index}: a cached block under a hash no request's tokens name"
+            actual = [tuple(slot) for slot in executor.kv[block.block_id]]
+            assert actual == expected, (f"core {index}: prefix-cache block {block.block_id} holds {actual}, "
+                                        f"its hash names {expected}")
+
+    def _expected_blocks(self) -> dict[bytes, list]:
+        """hash -> the slots its block must hold, for every full block of
+        every request's tokens (an undisturbed run's)."""
+        vocab, bs = self.config.model_config.vocab_size, self.config.cache_config.block_size
+        table = {}
+        for outcome in self.outcomes.values():
+            tokens = outcome.prompt + reference_tokens(outcome.prompt, outcome.max_tokens, vocab)
+            parent = root_hash(None)
+            for start in range(0, len(tokens) - bs + 1, bs):
+                parent = hash_block(parent, tokens[start:start + bs])
+                table[parent] = [(tokens[p], p) for p in range(start, start + bs)]
+        return table
+
+    def prefixes_hold(self) -> None:
+        """Mid-schedule: what every stream received so far is its reference's beginning."""
+        vocab = self.config.model_config.vocab_size
+        for rid, outcome in self.outcomes.items():
+            if outcome.poisoned or not outcome.tokens:
+                continue
+            expected = reference_tokens(outcome.prompt, len(outcome.tokens), vocab)
+            assert outcome.tokens == expected, (f"request {rid} continued over K/V not its own at token "
+                                                f"{_first_difference(outcome.tokens, expected)}")
+
+
+def _first_difference(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

@@ -1,0 +1,125 @@
+"""Each hole of issue 48 the harness found or the review named, as the
+schedule that shows it, scripted on the fast tier's world (the real
+supervisor and real engine cores on the content model,
+raylm.testing.chaos.sim). Each fails on da5dc4b."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+
+import pytest
+
+from raylm.testing.chaos.sim import World
+
+PROMPT = [600 + j for j in range(13)]  # four blocks of 4: a migration of several stages
+
+
+@pytest.fixture
+def world():
+    logger = logging.getLogger("raylm")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    world = World()
+    yield world
+    world.close()
+    logger.setLevel(level)
+
+
+def _serving_core(world: World, request_id: str) -> int:
+    return world.sup.ledger[request_id].channel
+
+
+def _run_until(world: World, done, rounds: int = 200) -> None:
+    """Every loop turns, every copy ends, the supervisor reads, until `done()`."""
+    for _ in range(rounds):
+        if done():
+            return
+        for index in list(world.cores):
+            while world.progress(index):
+                pass
+            world.turn(index)
+        world.read()
+        world.clock.now += 0.01
+    raise AssertionError("the schedule did not get there")
+
+
+def _decoding(world: World, request_id: str, tokens: int = 3) -> None:
+    _run_until(world, lambda: len(world.outcomes[request_id].tokens) >= tokens)
+
+
+def test_a_replica_restarted_while_it_is_a_migration_s_destination_does_not_end_the_server(world):
+    """Finding 1: a draining core that is the destination of a migration still
+    in pre-copy was retired; the source's next report then named a channel
+    that no longer existed (KeyError), which ended the engine."""
+    world.submit("r0", PROMPT, 20)
+    _decoding(world, "r0")
+    source = _serving_core(world, "r0")
+    destination = 1 - source
+    assert world.sup.migrate("r0", destination)
+    world.sup.begin_restart(destination)
+    world.drain()
+    world.check()
+
+
+def test_a_refused_hand_over_does_not_go_to_the_replacement_of_a_dead_source(world):
+    """Finding 3: the source died after the hand-over and was replaced under
+    the same index; the destination then refused the final stage, and the
+    request was given back to the replacement, which never had it: the
+    stream hung until the step deadline killed a healthy core."""
+    world.submit("r0", PROMPT, 24)
+    _decoding(world, "r0")
+    source = _serving_core(world, "r0")
+    destination = 1 - source
+    assert world.sup.migrate("r0", destination)
+    migration = next(iter(world.sup.migrations.values()))
+    _run_until(world, lambda: migration.handed_over)  # the final stage is on its way to the destination
+    world.kill(source)
+    world.read()  # the death: the destination owns the request now
+    assert world.run_background()  # the source's replacement starts...
+    world.read()  # ...and serves
+    for path in glob.glob(os.path.join(world.sup._transfer_dir, "*")):
+        os.unlink(path)  # the final stage cannot be read: the destination refuses it
+    world.drain()
+    world.check()
+
+
+def test_a_core_that_dies_before_it_is_adopted_is_replaced(world):
+    """A replacement that started, then died before the supervisor adopted
+    it: its death, handled first, found no channel and was lost, and the
+    requests routed to it stalled until the step deadline."""
+    world.kill(0)
+    world.read()
+    assert world.run_background()  # the replacement has started, not yet adopted
+    world.kill(0)
+    world.read()
+    world.submit("r0", PROMPT, 6)
+    world.submit("r1", PROMPT[:5], 6)
+    world.drain()
+    world.check()
+
+
+def test_a_scale_planned_while_another_starts_cores_is_refused(world):
+    """Two scales planned while the first one's core was starting took the
+    same index twice: the second core adopted replaced the first one under
+    it, and its requests hung. One change at a time now."""
+    world.begin_scale(3)
+    with pytest.raises(ValueError, match="are starting"):
+        world.begin_scale(3)
+    world.finish_scale()
+    world.submit("r0", PROMPT, 6)
+    world.drain()
+    world.check()
+
+
+def test_a_stage_written_after_its_migration_ended_is_removed(world):
+    """An abort that ends a migration before its source has written the
+    stage it was asked for: the file the source then wrote stayed in
+    /dev/shm until the engine shut down."""
+    world.submit("r0", PROMPT, 20)
+    _decoding(world, "r0")
+    assert world.sup.migrate("r0", 1 - _serving_core(world, "r0"))
+    world.abort("r0")
+    world.drain()
+    world.check()

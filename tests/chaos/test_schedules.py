@@ -1,0 +1,227 @@
+"""The chaos harness's fast tier: Hypothesis draws schedules of faults and
+control operations against the real supervisor and real engine cores on the
+content model (raylm.testing.chaos), and checks the invariants after every
+step and every schedule: each stream's tokens are an undisturbed run's
+(the content model's oracle), only the poison request fails, the engine
+answers, nothing is left behind, and every prefix-cache block holds the
+tokens its hash names.
+
+A failing schedule is shrunk by Hypothesis and printed as the steps to
+replay; RAYLM_CHAOS_SEED reruns the same search, RAYLM_CHAOS_SCHEDULES sets
+how many schedules it tries (the soak: 2000 and more).
+
+External faults (kills, worker faults, a frozen core) stay below the
+quarantine threshold per request: a request is exposed to at most one, so a
+request the quarantine fails as a culprit is framed, a failure of the rules.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings, seed, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from raylm.testing.chaos.content_model import FIRST_SAMPLED, POISON_TOKEN
+from raylm.testing.chaos.sim import World
+
+SCHEDULES = int(os.environ.get("RAYLM_CHAOS_SCHEDULES", "500"))
+SEED = int(os.environ.get("RAYLM_CHAOS_SEED", "20261207"))
+STEPS = int(os.environ.get("RAYLM_CHAOS_STEPS", "60"))
+
+_SHARED = [FIRST_SAMPLED + 7, 40, 41, 42, 43, 44, 45, 46, 47]  # two blocks and a bit: prefix-cache hits
+PROMPTS = [
+    _SHARED + [100, 101],
+    _SHARED + [200],
+    _SHARED + [300, 301, 302, 303, 304],
+    [500, 501, 502],
+    [600 + j for j in range(13)],
+    [700 + j for j in range(6)],
+]
+POISON_PROMPT = [800, POISON_TOKEN, 801, 802]
+MAX_REQUESTS = 10
+# Faults the schedule may strike (each exposing requests no fault exposed before).
+MAX_FAULTS = 2
+
+
+class ChaosSchedule(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.world = World()
+        self.faults = 0
+        self.frozen_once = False
+        self.num_requests = 0
+        self.poisoned = False
+        self.failed_start = False
+
+    def teardown(self) -> None:
+        try:
+            self.world.drain()
+            self.world.check()
+        finally:
+            self.world.close()
+
+    def _note(self, what: str) -> None:
+        self.world.log.append(what)
+
+    # ---- requests ----------------------------------------------------------------------
+
+    @precondition(lambda self: self.num_requests < MAX_REQUESTS)
+    @rule(prompt=st.sampled_from(PROMPTS), max_tokens=st.integers(2, 30))
+    def submit(self, prompt, max_tokens):
+        self.world.submit(f"r{self.num_requests}", prompt, max_tokens)
+        self.num_requests += 1
+
+    @precondition(lambda self: not self.poisoned and self.num_requests < MAX_REQUESTS)
+    @rule()
+    def submit_poison(self):
+        self.world.submit(f"r{self.num_requests}", POISON_PROMPT, 10, poisoned=True)
+        self.num_requests += 1
+        self.poisoned = True
+
+    @precondition(lambda self: self.num_requests > 0)
+    @rule(which=st.integers(0, MAX_REQUESTS))
+    def abort(self, which):
+        self.world.abort(f"r{which % self.num_requests}")
+
+    # ---- the loops turning ----------------------------------------------------------------
+
+    @rule(index=st.integers(0, 3), times=st.integers(1, 4))
+    def turn(self, index, times):
+        for _ in range(times):
+            self.world.turn(index)
+
+    @rule(frames=st.integers(1, 6))
+    def read(self, frames):
+        self.world.read(frames)
+
+    @rule(seconds=st.sampled_from([0.01, 0.1, 0.3, 0.6, 2.0, 40.0]))
+    def advance(self, seconds):
+        self.world.clock.now += seconds
+
+    @rule(index=st.integers(0, 3), which=st.integers(0, 3))
+    def copy_progress(self, index, which):
+        self.world.progress(index, which)
+
+    @rule(which=st.integers(0, 3))
+    def run_background(self, which):
+        self.world.run_background(which)
+
+    # ---- control operations ----------------------------------------------------------------
+
+    @rule(size=st.integers(1, 3))
+    def scale(self, size):
+        try:
+            self.world.begin_scale(size)
+        except ValueError:
+            pass  # refused (a restart under way): the server answers 409
+
+    @rule()
+    def finish_scale(self):
+        self.world.finish_scale()
+
+    @precondition(lambda self: self.num_requests > 0)
+    @rule(which=st.integers(0, MAX_REQUESTS), destination=st.one_of(st.none(), st.integers(0, 3)))
+    def migrate(self, which, destination):
+        self.world.sup.migrate(f"r{which % self.num_requests}", destination)
+
+    @rule(index=st.integers(0, 3))
+    def restart(self, index):
+        try:
+            self.world.sup.begin_restart(index)
+        except ValueError:
+            pass
+
+    @precondition(lambda self: not self.failed_start)
+    @rule()
+    def next_start_fails(self):
+        """Once: failed starts spend the restart budget, and past it the
+        engine rightly gives up."""
+        self.failed_start = True
+        self.world.fail_next_start = True
+
+    # ---- faults ------------------------------------------------------------------------------
+
+    def _may_strike(self, index: int) -> bool:
+        """A fault on core `index` is allowed if the schedule has faults
+        left, the last one has been dealt with (a death not yet noticed
+        still takes the requests routed to it), and it exposes no request a
+        failure exposed before (their records say so: the ledger's and the
+        core's)."""
+        world = self.world
+        proc = world.cores.get(index)
+        if proc is None or not proc.alive or self.faults >= MAX_FAULTS or self.frozen_once:
+            return False
+        if world.deaths or any(not p.alive for i, p in world.cores.items()):
+            return False
+        exposed = list(proc.core.scheduler.requests.values())
+        channel = world.sup.channels.get(index)
+        if channel is not None:
+            exposed += [world.sup.ledger[rid].request for rid in channel.in_flight if rid in world.sup.ledger]
+        if any(r.num_recoveries or r.quarantined for r in exposed):
+            return False
+        self.faults += 1
+        return True
+
+    @rule(index=st.integers(0, 3))
+    def kill(self, index):
+        if self._may_strike(index):
+            self.world.kill(index)
+
+    @rule(index=st.integers(0, 3), kind=st.sampled_from(["died", "hung", "raise"]))
+    def worker_fault(self, index, kind):
+        """The next step fails (the core rebuilds its executor): struck now,
+        in a turn of the core, so that it exposes what runs now, or not at all."""
+        proc = self.world.cores.get(index)
+        if proc is None or proc.frozen or not proc.core.has_unfinished_requests() or not self._may_strike(index):
+            return
+        proc.core.faults.append(kind)
+        proc.turn()
+        proc.core.faults.clear()  # no step ran (nothing schedulable): no fault
+
+    @precondition(lambda self: self.faults == 0 and not self.frozen_once)
+    @rule(index=st.integers(0, 3))
+    def freeze(self, index):
+        """SIGSTOP: the supervisor kills it once it is silent past the step deadline."""
+        proc = self.world.cores.get(index)
+        if proc is not None and proc.alive:
+            self.frozen_once = True
+            proc.frozen = True
+
+    @rule(index=st.integers(0, 3))
+    def thaw(self, index):
+        proc = self.world.cores.get(index)
+        if proc is not None:
+            proc.frozen = False
+
+    # ---- what holds after every step --------------------------------------------------------
+
+    @invariant()
+    def streams_follow_their_reference(self):
+        self.world.prefixes_hold()
+
+
+ChaosSchedule.TestCase.settings = settings(
+    max_examples=SCHEDULES, stateful_step_count=STEPS, deadline=None, database=None,
+    suppress_health_check=list(HealthCheck), print_blob=True,
+)
+
+
+@pytest.fixture
+def quiet_engine_logs():
+    """Thousands of schedules log thousands of recoveries: only errors the
+    engine cannot handle are worth reading (a failing schedule is printed)."""
+    logger = logging.getLogger("raylm")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    yield
+    logger.setLevel(level)
+
+
+@pytest.mark.timeout(600)
+def test_chaos_schedules(quiet_engine_logs):
+    print(f"chaos fast tier: seed {SEED}, {SCHEDULES} schedules of up to {STEPS} steps "
+          f"(RAYLM_CHAOS_SEED / RAYLM_CHAOS_SCHEDULES to change)")
+    seed(SEED)(ChaosSchedule.TestCase)().runTest()
