@@ -1,0 +1,235 @@
+"""The chaos harness's real-engine tier: a seeded schedule of operations
+against a real engine (LLM with data-parallel engine-core processes), under
+greedy float32 streams, and what it ended with.
+
+A schedule is a list of operations, each at a step of the front end's loop
+(`make_schedule(seed)`: the same seed, the same schedule). The cores run
+beside that loop, so the same schedule meets the engine in another state
+each time it is replayed: a replay is a sample, and the tier reports how
+often a seed's replays fail. The fast tier (sim.py) is where a schedule
+replays exactly and shrinks.
+
+Operations: kill -9 of a core process, SIGSTOP then SIGCONT of one (shorter
+than the step deadline), a scale to 1..3 replicas (started beside the loop,
+as the server's /scale does), a migration, a replica restart, a client
+abort, and a stranger sending junk to the supervisor's output socket. At
+most one kill per schedule: the quarantine rules cannot tell a kill from a
+poison request, and a request exposed to one failure is never failed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import psutil
+import zmq
+
+OPERATIONS = ("kill", "freeze", "scale", "migrate", "restart", "abort", "stranger")
+# A frozen core is thawed after this long: well short of the step deadline.
+FREEZE_S = 0.3
+STRANGER_FRAMES = 32
+
+
+@dataclass(frozen=True)
+class Operation:
+    at_step: int  # the front end's step before which it runs
+    name: str
+    arg: int  # which core, request or size (taken modulo what exists)
+
+
+def make_schedule(seed: int, num_ops: int = 8, span_steps: int = 60) -> list[Operation]:
+    rng = random.Random(seed)
+    ops, killed = [], False
+    for _ in range(num_ops):
+        name = rng.choice(OPERATIONS)
+        if name == "kill":
+            if killed:
+                name = "migrate"
+            killed = True
+        ops.append(Operation(rng.randrange(1, span_steps), name, rng.randrange(0, 1 << 16)))
+    return sorted(ops, key=lambda op: op.at_step)
+
+
+@dataclass
+class Replay:
+    """What one replay of a schedule did and ended with."""
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    finished: set[str] = field(default_factory=set)
+    aborted: set[str] = field(default_factory=set)
+    errors: dict[str, str] = field(default_factory=dict)
+    done: list[str] = field(default_factory=list)  # the operations as they ran (or why not)
+
+    def failures(self, reference: dict[str, list[int]]) -> list[str]:
+        """The invariants a replay must hold, broken (empty: it held)."""
+        broken = []
+        for rid, expected in reference.items():
+            got = self.tokens.get(rid, [])
+            if rid in self.errors:
+                broken.append(f"{rid} failed: {self.errors[rid]}")
+            elif rid in self.aborted:
+                if got != expected[:len(got)]:
+                    broken.append(f"aborted {rid} diverged before its abort: {got} vs {expected}")
+            elif rid not in self.finished:
+                broken.append(f"{rid} never finished")
+            elif got != expected:
+                broken.append(f"{rid} differs from an undisturbed run: {got} vs {expected}")
+        return broken
+
+
+class ScheduleRunner:
+    """Runs one schedule against `llm` (an LLM with data_parallel_size > 1
+    on local core processes) while it serves `requests` (id -> (prompt, params))."""
+
+    def __init__(self, llm, schedule: list[Operation]):
+        self.engine = llm.llm_engine
+        self.sup = self.engine.engine_core
+        self.schedule = list(schedule)
+        self.replay = Replay()
+        self._scale_up = None
+        self._scale_thread: threading.Thread | None = None
+        self._scale_error: list[BaseException] = []
+
+    def run(self, requests: dict, max_steps: int = 20000) -> Replay:
+        for rid, (prompt, params) in requests.items():
+            self.engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        step = 0
+        while self.engine.has_unfinished_requests() or self.schedule or self._scale_up is not None:
+            while self.schedule and self.schedule[0].at_step <= step:
+                self._apply(self.schedule.pop(0))
+            self._end_scale_if_started()
+            if self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    self._record(out)
+            else:
+                time.sleep(0.01)
+            step += 1
+            if step > max_steps:
+                raise AssertionError(f"the schedule did not end within {max_steps} steps")
+        return self.replay
+
+    def _record(self, out) -> None:
+        self.replay.tokens[out.request_id] = list(out.outputs[0].token_ids)
+        if out.finished:
+            self.replay.finished.add(out.request_id)
+            if out.outputs[0].finish_reason == "error":
+                self.replay.errors[out.request_id] = str(getattr(out, "error", None) or "error")
+
+    # ---- the operations ----------------------------------------------------------------
+
+    def _apply(self, op: Operation) -> None:
+        try:
+            what = getattr(self, f"_{op.name}")(op.arg)
+        except ValueError as e:  # refused, as the server would answer 400/409
+            what = f"refused: {e}"
+        self.replay.done.append(f"{op.name}({op.arg}): {what}")
+
+    def _core_pid(self, arg: int) -> tuple[int, int] | None:
+        processes = self.sup.launcher._processes
+        alive = sorted(i for i, p in processes.items() if p.is_alive())
+        if not alive:
+            return None
+        index = alive[arg % len(alive)]
+        return index, processes[index].pid
+
+    def _kill(self, arg: int) -> str:
+        core = self._core_pid(arg)
+        if core is None:
+            return "no core"
+        os.kill(core[1], signal.SIGKILL)
+        return f"killed core {core[0]}"
+
+    def _freeze(self, arg: int) -> str:
+        core = self._core_pid(arg)
+        if core is None:
+            return "no core"
+        os.kill(core[1], signal.SIGSTOP)
+        timer = threading.Timer(FREEZE_S, _thaw, args=(core[1],))
+        timer.daemon = True
+        timer.start()
+        return f"froze core {core[0]} for {FREEZE_S} s"
+
+    def _scale(self, arg: int) -> str:
+        size = 1 + arg % 3
+        if self._scale_up is not None:
+            return f"scale to {size} not sent: the last one still starts"
+        scale_up = self.sup.begin_scale(size)
+        if scale_up is None:
+            return f"scaled in to {size}"
+        self._scale_up, self._scale_error = scale_up, []
+        self._scale_thread = threading.Thread(target=self._start_scaled, name="chaos-scale", daemon=True)
+        self._scale_thread.start()
+        return f"scaling out to {size}"
+
+    def _start_scaled(self) -> None:
+        try:
+            self.sup.start_scaled(self._scale_up)
+        except BaseException as e:
+            self._scale_error.append(e)
+
+    def _end_scale_if_started(self) -> None:
+        if self._scale_up is None or self._scale_thread.is_alive():
+            return
+        self.sup.end_scale(self._scale_up, started=not self._scale_error)
+        self._scale_up = None
+
+    def _in_flight(self, arg: int) -> str | None:
+        ids = sorted(self.sup.ledger)
+        return ids[arg % len(ids)] if ids else None
+
+    def _migrate(self, arg: int) -> str:
+        rid = self._in_flight(arg)
+        return f"{rid}: {self.sup.migrate(rid)}" if rid is not None else "nothing in flight"
+
+    def _restart(self, arg: int) -> str:
+        index = sorted(self.sup.channels)[arg % len(self.sup.channels)]
+        return f"restarting {index}, {self.sup.begin_restart(index)} moving"
+
+    def _abort(self, arg: int) -> str:
+        rid = self._in_flight(arg)
+        if rid is None:
+            return "nothing in flight"
+        self.engine.abort_request(rid)
+        self.replay.aborted.add(rid)
+        return f"aborted {rid}"
+
+    def _stranger(self, arg: int) -> str:
+        """Junk on the supervisor's output socket (a process of the same user:
+        the socket's folder admits no other)."""
+        rng = random.Random(arg)
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 1000)
+        try:
+            sock.connect(self.sup.launcher.output_address)
+            for _ in range(STRANGER_FRAMES):
+                sock.send(rng.randbytes(rng.randrange(1, 256)))
+        finally:
+            sock.close()
+            ctx.term()
+        return f"{STRANGER_FRAMES} junk frames"
+
+
+def _thaw(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+
+
+def descendants() -> set[int]:
+    """This process's descendants but multiprocessing's resource tracker
+    (it lives as long as this process)."""
+    pids = set()
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if "resource_tracker" not in " ".join(proc.cmdline()):
+                pids.add(proc.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return pids

@@ -1,0 +1,91 @@
+"""The chaos harness's real-engine tier: seeded schedules (raylm.testing.chaos.
+schedule) of kills, freezes, scales, migrations, restarts, aborts and junk
+on the supervisor's socket, against two engine-core processes serving
+greedy float32 streams of the embedded model. Each seed is replayed several
+times (the cores run beside the schedule: each replay meets them in another
+state); every replay must end with each stream equal to an undisturbed run
+of the same requests, and leave no process, transfer file or descriptor
+behind. The failure rate over the replays is printed.
+
+RAYLM_CHAOS_REAL_SEEDS (comma-separated) and RAYLM_CHAOS_REAL_REPLAYS set the
+size (the soak: more of both)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from raylm import LLM, SamplingParams
+from raylm.testing.chaos.schedule import ScheduleRunner, descendants, make_schedule
+from tests.conftest import bos_straggler_env, wait_until
+
+pytestmark = pytest.mark.slow
+
+SEEDS = [int(s) for s in os.environ.get("RAYLM_CHAOS_REAL_SEEDS", "1,2,3").split(",")]
+REPLAYS = int(os.environ.get("RAYLM_CHAOS_REAL_REPLAYS", "2"))
+MAX_TOKENS = 40
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def bos_token_id():
+    from transformers import AutoTokenizer
+
+    import raylm
+
+    folder = os.path.join(os.path.dirname(raylm.__file__), "data", "default_model")
+    return AutoTokenizer.from_pretrained(folder).bos_token_id
+
+
+@pytest.fixture(scope="module")
+def requests(bos_token_id):
+    """Eight prompts behind the BOS token (its straggler makes each step last
+    at least 20 ms: the streams outlast the schedule however fast the machine)."""
+    prompts = [[bos_token_id] + [(11 * i + 7 * j) % 90 + 5 for j in range(3 + 4 * i)] for i in range(8)]
+    return {f"s{i}": (p, GREEDY) for i, p in enumerate(prompts)}
+
+
+def _llm(**kwargs) -> LLM:
+    return LLM(None, dtype="float32", num_threads=1, kv_cache_memory_bytes=16 << 20, num_scheduler_steps=1,
+               **kwargs)
+
+
+@pytest.fixture(scope="module")
+def reference(requests):
+    """An undisturbed run of the same requests."""
+    with _llm() as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p, _ in requests.values()], GREEDY)
+    return {rid: list(out.outputs[0].token_ids) for rid, out in zip(requests, outputs)}
+
+
+def _transfer_folders() -> set[str]:
+    return {p for p in os.listdir("/dev/shm") if p.startswith("raylm-migration-")}
+
+
+@pytest.mark.timeout(600)
+def test_seeded_schedules_against_real_cores(requests, reference, monkeypatch, bos_token_id):
+    for name, value in bos_straggler_env(ms=20).items():
+        monkeypatch.setenv(name, value)
+    failed = []
+    for seed in SEEDS:
+        schedule = make_schedule(seed)
+        for replay in range(REPLAYS):
+            before, folders, fds = descendants(), _transfer_folders(), len(os.listdir("/proc/self/fd"))
+            with _llm(data_parallel_size=2, data_parallel_backend="mp") as llm:
+                result = ScheduleRunner(llm, schedule).run(requests)
+                broken = result.failures(reference)
+                if llm.llm_engine.engine_core.dead_error is not None:
+                    broken.append(f"the engine died: {llm.llm_engine.engine_core.dead_error}")
+            wait_until(lambda: not (descendants() - before), 30,
+                       message=lambda: f"processes left: {descendants() - before}")
+            if _transfer_folders() - folders:
+                broken.append(f"transfer folders left: {_transfer_folders() - folders}")
+            if len(os.listdir("/proc/self/fd")) > fds + 4:
+                broken.append(f"descriptors: {fds} before, {len(os.listdir('/proc/self/fd'))} after")
+            print(f"seed {seed}, replay {replay}: {'ok' if not broken else 'FAILED'}; " + "; ".join(result.done))
+            if broken:
+                failed.append((seed, replay, broken))
+    runs = len(SEEDS) * REPLAYS
+    print(f"chaos real-engine tier: {len(failed)} of {runs} replays failed")
+    assert not failed, failed
