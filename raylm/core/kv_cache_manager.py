@@ -14,6 +14,15 @@ optional cache salt goes into its first block's hash, so salted requests
 share blocks only with requests of the same salt: no one can learn from
 timing whether another tenant sent a prompt. Hashing costs a few
 microseconds per block, once, when the block fills.
+
+The rule that keeps the cache honest across migrations and failures: a block
+is shareable only under a hash this engine computed itself from the
+request's committed tokens, and only once its K/V were fully written here,
+by a forward or by a migration's import whose every stage arrived. Imported
+blocks are kept apart (`imports`, by migration) and join a request's table
+only when it arrives with exactly as many blocks as its tokens fill
+(`adopt_import`); they are registered, under this engine's hashes, once the
+request is scheduled. A hash another engine supplies is never a key.
 """
 
 from __future__ import annotations
