@@ -171,6 +171,7 @@ class SimCoreProc(core_proc.EngineCoreProc):
         self.alive = True  # False once killed (kill -9) or stopped by the supervisor
         self.frozen = False  # SIGSTOP: alive, but its loop does not turn
         self.shut_down = False  # left its loop on a Shutdown message
+        self.released = False
 
     def turn(self) -> bool:
         """One turn of its loop, if it can; whether anything happened."""
@@ -180,13 +181,20 @@ class SimCoreProc(core_proc.EngineCoreProc):
             return False
         if not self.run_once():
             self.shut_down = True
+            self._release()
         return True
 
     def kill(self) -> None:
         """kill -9: nothing more is read or sent; what it sent stays sent."""
         self.alive = False
         self.output.close()
-        self.core.executor.shutdown()
+        self._release()
+
+    def _release(self) -> None:
+        """What the process's exit would free (the core's grammar threads)."""
+        if not self.released:
+            self.released = True
+            self.core.shutdown()
 
 
 # ---- the launcher ---------------------------------------------------------------------------
@@ -353,8 +361,7 @@ class World:
             self.sup.shutdown()
         finally:
             for proc in self.procs:
-                if proc.alive:
-                    proc.kill()
+                proc.kill()
             self._undo_clock()
 
     # ---- the front end's side ----------------------------------------------------------
