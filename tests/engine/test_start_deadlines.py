@@ -24,6 +24,7 @@ from raylm.engine.restart_budget import RestartBudget
 from raylm.engine.errors import EngineCoreDiedError, EngineStartTimeoutError
 from raylm.engine.process_launcher import ProcessCoreLauncher
 from raylm.engine.supervisor import AsyncEngineCoreSupervisor
+from raylm.testing.chaos.schedule import descendants
 from raylm.executor.errors import WorkerHungError
 from raylm.executor.ray_executor import RayDistributedExecutor
 from tests.conftest import our_live_ray_state
@@ -37,16 +38,8 @@ START_TIMEOUT_S = 20.0
 
 
 def _children() -> set[int]:
-    """This process's descendants, but for multiprocessing's resource tracker
-    (started by the first spawn, it lives as long as this process)."""
-    pids = set()
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            if "resource_tracker" not in " ".join(proc.cmdline()):
-                pids.add(proc.pid)
-        except psutil.NoSuchProcess:
-            pass
-    return pids
+    """This process's descendants, but for multiprocessing's resource tracker."""
+    return descendants()
 
 
 def _wait_gone(pids: set[int]) -> list[int]:
