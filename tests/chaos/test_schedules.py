@@ -55,6 +55,7 @@ class ChaosSchedule(RuleBasedStateMachine):
         self.num_requests = 0
         self.poisoned = False
         self.failed_start = False
+        self.transfer_faults = 0
 
     def teardown(self) -> None:
         try:
@@ -117,6 +118,16 @@ class ChaosSchedule(RuleBasedStateMachine):
             self.world.begin_scale(size)
         except ValueError:
             pass  # refused (a restart under way): the server answers 409
+
+    @precondition(lambda self: self.transfer_faults < 3)
+    @rule(index=st.integers(0, 3))
+    def transfer_fault(self, index):
+        """The core's next K/V import fails (a stage that cannot be read):
+        the migration is refused, at any stage, the final one included."""
+        proc = self.world.cores.get(index)
+        if proc is not None:
+            self.transfer_faults += 1
+            proc.core.transfer_faults.append("import")
 
     @rule()
     def finish_scale(self):

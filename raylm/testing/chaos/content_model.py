@@ -94,9 +94,13 @@ class ContentModelExecutor(Executor):
 
     workers_die_apart = False
 
-    def __init__(self, config, num_blocks: int, faults: list[str], on_step: Callable[[], None] | None = None):
+    def __init__(self, config, num_blocks: int, faults: list[str], on_step: Callable[[], None] | None = None,
+                 transfer_faults: list[str] | None = None):
         self._num_blocks = num_blocks
         self.faults = faults
+        # The harness's too: the next imports fail ("import"), as a stage whose
+        # file or frames cannot be read does. No worker dies of it.
+        self.transfer_faults = transfer_faults if transfer_faults is not None else []
         self.on_step = on_step
         super().__init__(config)
 
@@ -247,6 +251,9 @@ class ContentModelExecutor(Executor):
         return True
 
     def _read_into(self, path: str, block_ids: list[int]) -> int:
+        if self.transfer_faults:
+            self.transfer_faults.pop(0)
+            raise ValueError(f"chaos: {path} could not be read")
         slots = _read_slots(path)
         if slots is None:
             raise ValueError(f"{path} was never filled (its source's copy died)")

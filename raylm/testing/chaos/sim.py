@@ -145,12 +145,14 @@ class SimEngineCore(EngineCore):
 
     def __init__(self, config: EngineConfig, num_blocks: int):
         self.faults: list[str] = []
+        self.transfer_faults: list[str] = []
         self._num_blocks = num_blocks
         super().__init__(config)
 
     def _make_executor(self):
         self.batch_queue_size = 1
-        return ContentModelExecutor(self.config, self._num_blocks, self.faults)
+        return ContentModelExecutor(self.config, self._num_blocks, self.faults,
+                                    transfer_faults=self.transfer_faults)
 
 
 class SimCoreProc(core_proc.EngineCoreProc):
@@ -456,6 +458,7 @@ class World:
         for proc in self.cores.values():
             proc.frozen = False
             proc.core.faults.clear()
+            proc.core.transfer_faults.clear()
         for _ in range(max_rounds):
             while self.scale_ups:
                 self.finish_scale()
