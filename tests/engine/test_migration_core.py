@@ -432,7 +432,9 @@ def test_a_request_resubmitted_while_its_abandoned_import_still_writes_computes_
         _run(dst, "resubmitted", lambda: len(tokens) >= 4, tokens)
         # The abandoned import now writes another request's K/V into the blocks it reserved.
         kv_transfer.fill_file(caches, src.scheduler.kv_cache_manager.get_block_ids(other)[:2], path)
-        _run(dst, "resubmitted", lambda: not dst.has_unfinished_requests() and not dst.migrations.copying, tokens)
+        # (The core's loop polls its copies; here the test does, between steps.)
+        _run(dst, "resubmitted", lambda: not (dst.has_unfinished_requests() or dst.take_migration_reports()
+                                              or dst.migrations.copying), tokens)
     src.abort_requests([other])
     assert tokens == hf_greedy(model, [PROMPT], MAX_TOKENS)[0].token_ids
     kv = dst.scheduler.kv_cache_manager
