@@ -105,6 +105,11 @@ class ContentModelExecutor(Executor):
         super().__init__(config)
 
     def _init_executor(self) -> None:
+        # Each step's tokens come back to the scheduler before the next step
+        # (a decode burst would feed them back inside the worker).
+        if self.config.scheduler_config.num_scheduler_steps != 1:
+            raise ValueError("the content model runs single steps: num_scheduler_steps must be 1, got "
+                             f"{self.config.scheduler_config.num_scheduler_steps}")
         self.block_size = self.config.cache_config.block_size
         self.vocab_size = self.config.model_config.vocab_size
         self.kv: list[list[tuple[int, int]]] = []
@@ -161,9 +166,10 @@ class ContentModelExecutor(Executor):
         return done
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False, unique_reply_rank=None):
-        if callable(method):
-            raise NotImplementedError("the content model runs no callables")
-        reply = getattr(self, f"_rpc_{method}")(*args, **(kwargs or {}))
+        # One rank, in this process: the executor is its own worker (a
+        # callable gets it, as the uni backend passes its worker).
+        call = (lambda *a, **k: method(self, *a, **k)) if callable(method) else getattr(self, f"_rpc_{method}")
+        reply = call(*args, **(kwargs or {}))
         return reply if unique_reply_rank is not None else [reply]
 
     # ---- a step ----------------------------------------------------------------------
@@ -182,8 +188,6 @@ class ContentModelExecutor(Executor):
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _forward(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        if so.num_decode_steps != 1:
-            raise NotImplementedError("the content model runs single steps (num_scheduler_steps=1)")
         req_ids, sampled = [], []
         bs = self.block_size
         for rid, n in so.num_scheduled_tokens.items():
