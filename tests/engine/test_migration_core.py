@@ -229,13 +229,19 @@ def test_seeded_sampling_continues_its_stream(cores):
     assert _generate(src, dst, params, migrate=True) == _generate(src, dst, params, migrate=False)
 
 
+def _decoding_at(core, request_id: str) -> tuple[SamplingParams, list[int]]:
+    """A greedy request of PROMPT on `core`, 12 tokens into its decode: its params and tokens so far."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    core.add_request(Request(request_id, PROMPT, params, eos_token_id=None))
+    tokens: list[int] = []
+    _run(core, request_id, lambda: len(tokens) >= 12, tokens)
+    return params, tokens
+
+
 def test_abandoned_migration_leaves_the_request_running_at_the_source(cores, model):
     src, dst = cores
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     request_id = "abandoned"
-    src.add_request(Request(request_id, PROMPT, params, eos_token_id=None))
-    tokens: list[int] = []
-    _run(src, request_id, lambda: len(tokens) >= 12, tokens)
+    params, tokens = _decoding_at(src, request_id)
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm_dir:
         stage1 = src.take_migration_reports(MigrateExport("m2", request_id, f"{shm_dir}/a", final=False))[0]
         assert _report(dst, MigrateImport("m2", request_id, f"{shm_dir}/a", stage1.num_blocks, final=False)).ok
@@ -384,11 +390,8 @@ def test_a_destination_that_rebuilt_its_executor_refuses_the_migration_s_later_s
     from raylm.executor.errors import WorkerDiedError
 
     src, dst = cores
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     request_id = "rebuilt-destination"
-    src.add_request(Request(request_id, PROMPT, params, eos_token_id=None))
-    tokens: list[int] = []
-    _run(src, request_id, lambda: len(tokens) >= 12, tokens)
+    params, tokens = _decoding_at(src, request_id)
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm_dir:
         stage1 = src.take_migration_reports(MigrateExport("m6", request_id, f"{shm_dir}/m6-0", final=False))[0]
         assert _report(dst, MigrateImport("m6", request_id, f"{shm_dir}/m6-0", stage1.num_blocks, final=False)).ok
