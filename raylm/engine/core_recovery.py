@@ -8,7 +8,10 @@ its unfinished requests go to the other cores, or wait, as continuations
 (raylm.core.quarantine); a culprit is failed alone and its deaths are
 forgiven. A replacement starts in a thread after the budget's backoff, and
 its recovery is reported, with the seconds from the death to serving again,
-once the read loop adopts it.
+once the read loop adopts it. A death past the budget leaves the replica
+waiting until the oldest restart leaves the budget's window (listed as
+"waiting_for_restart_budget" meanwhile), then it is tried again: a server
+that lost a replica to a burst of failures gets it back.
 """
 
 from __future__ import annotations
@@ -35,6 +38,14 @@ class Replacement:
     num_requests: int
     # A restart asked for (replica_restart.py), not a failure: no recovery to report.
     planned: bool = False
+
+
+@dataclass
+class BudgetWait:
+    """A core the restart budget refused to replace, and when to try again."""
+
+    replacement: Replacement
+    retry_at: float
 
 
 class CoreRecovery:
@@ -102,18 +113,53 @@ class CoreRecovery:
 
     def _restart_if_allowed(self, index: int, replacement: Replacement, blamed: int = 0) -> None:
         """Replace core `index` if the budget allows (past it while a culprit
-        is being hunted, within the blame rate); else serve without it."""
+        is being hunted, within the blame rate); else serve without it until
+        the budget's window allows (`_restart_when_budget_allows`)."""
         budget = self.restart_budget
+        recorded = budget.num_recent
         hunting = budget.max_restarts > 0 and any(e.request.quarantined for e in self.ledger.values())
         allowed = budget.allow() or (hunting and self.blame.excuse())
         if blamed:  # the culprit's doing, this failure included: not the core's
             allowed = self.blame.forgive(blamed) or allowed
         if not allowed:
-            logger.error("no restart left for engine core %d (%d allowed within %g s): serving with %d core(s)",
-                         index, budget.max_restarts, budget.window_s, len(self.channels))
+            if budget.num_recent > recorded:
+                # A refused restart did not happen: it must not hold a place in
+                # the window, or the retry would find the window full again.
+                budget.forgive(1)
+            self._wait_for_budget(index, replacement)
             return
         logger.warning("restarting engine core %d (%s)", index, budget.describe())
         self._replace_in_background(index, replacement, 0.0 if hunting else budget.backoff_s())
+
+    def _wait_for_budget(self, index: int, replacement: Replacement) -> None:
+        budget = self.restart_budget
+        serving = f"serving with {len(self.channels)} core(s)"
+        if budget.max_restarts == 0:  # no restart is ever allowed: nothing to wait for
+            logger.error("no restart left for engine core %d (0 allowed): %s", index, serving)
+            return
+        retry_in = _window_frees_in(budget)
+        self._budget_waits[index] = BudgetWait(replacement, time.monotonic() + retry_in)
+        logger.error("no restart left for engine core %d (%d allowed within %g s): %s; it is restarted in "
+                     "%.0f s, when the oldest restart leaves the window", index, budget.max_restarts,
+                     budget.window_s, serving, retry_in)
+
+    def _restart_when_budget_allows(self) -> None:
+        """Housekeeping: try again the restarts the budget refused, once due."""
+        now = time.monotonic()
+        for index, wait in list(self._budget_waits.items()):
+            if wait.retry_at <= now:
+                del self._budget_waits[index]
+                self._restart_if_allowed(index, wait.replacement)
+
+    def _give_up_budget_waits(self, why: str) -> None:
+        for index in sorted(self._budget_waits):
+            logger.warning("engine core %d no longer waits for the restart budget: %s", index, why)
+        self._budget_waits.clear()
+
+    def budget_waits(self) -> dict[int, float]:
+        """The cores waiting for the restart budget: index -> seconds until they are tried again."""
+        now = time.monotonic()
+        return {index: max(0.0, wait.retry_at - now) for index, wait in self._budget_waits.items()}
 
     def recovery_status(self) -> dict | None:
         """The recovery in progress while no core can serve, if any: what
@@ -207,3 +253,14 @@ class CoreRecovery:
         del self.ledger[culprit]
         self._culprit_outputs.append(quarantine.culprit_output(verdict, cause))
         return verdict.culprit_recoveries + 1
+
+
+def _window_frees_in(budget) -> float:
+    """Seconds until the restart budget's window has room for one more: the
+    oldest restart in it leaves (RestartBudget keeps them oldest first)."""
+    recent = budget._recent
+    if len(recent) < budget.max_restarts:
+        return 0.0
+    # Restarts excused past the budget (a culprit hunted) hold places too:
+    # the window has room once all but max_restarts - 1 of them left.
+    return max(0.0, recent[len(recent) - budget.max_restarts] + budget.window_s - time.monotonic())

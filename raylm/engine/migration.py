@@ -28,6 +28,14 @@ the supervisor's node, files in its private folder in /dev/shm; otherwise
 its blocks on a socket of its own and the destination's rank fetching them
 (raylm.worker.kv_network), sealed with a key this supervisor makes and sends
 both sides inside their migration messages (raylm.distributed.sealed_frames).
+
+Neither way serves a replica whose ranks span nodes: every rank writes or
+reads its own stage file in this node's /dev/shm folder (a rank elsewhere
+does not have it), or offers its blocks on its core's node's address (a rank
+elsewhere cannot bind it). Its transfers fail the same way every time, so a
+core whose transfers keep failing is marked unable to move K/V, once, with a
+warning that says why: no migration from or to it is tried again (a drain
+waits for its requests to finish) until another start of it serves.
 """
 
 from __future__ import annotations
@@ -68,6 +76,16 @@ _RETRY_AFTER_S = 0.25
 # was moved stays where it went (hysteresis: requests do not bounce).
 _REBALANCE_INTERVAL_S = 0.5
 _MOVED_COOLDOWN_S = 30.0
+# A core whose K/V transfers failed this many times in a row, none moving
+# between, is taken to be unable to move K/V at all (see above). A refusal
+# for room, a preemption or a request that ended says nothing of the kind.
+_MAX_TRANSFER_FAILURES = 3
+# How a core reports a transfer that failed (core_migration.py's words).
+_TRANSFER_FAILED = ("exporting its K/V failed", "importing its K/V failed")
+# Failures that cannot pass, marked at the first: a rank that cannot bind
+# its core's node's address runs on another node (EADDRNOTAVAIL); an engine
+# of another TP/PP layout cannot take the source's ranks' blocks.
+_PERMANENT_FAILURES = ("Cannot assign requested address", "same TP/PP layout")
 
 
 @dataclass
@@ -97,6 +115,16 @@ class Migration:
     destination_channel: CoreChannel | None = field(default=None, repr=False)
 
 
+@dataclass
+class _Transfers:
+    """How the K/V transfers of one start of a core have gone."""
+
+    channel: CoreChannel
+    failures: int = 0  # in a row
+    # Why it cannot move K/V (its last failure); no migration from or to it then.
+    unable: str | None = None
+
+
 class MigrationControl:
     """Mixed into EngineCoreSupervisor, whose ledger and channels it shares."""
 
@@ -115,6 +143,7 @@ class MigrationControl:
         self._transfer_dir: str | None = None
         self._transfer_dir_cleanup = None
         self._kv_key: bytes | None = None  # made by the first migration across nodes
+        self._transfers: dict[int, _Transfers] = {}  # by core index, for the start of it that serves
 
     def _close_migration(self) -> None:
         """At shutdown: no transfer file outlives the engine."""
@@ -126,14 +155,15 @@ class MigrationControl:
     def migrate(self, request_id: str, destination: int | None = None, reason: str = "manual") -> bool:
         """Start moving `request_id` to core `destination` (None: the least
         loaded other serving core). False when it cannot move (unknown,
-        already moving, no destination, a context-parallel engine)."""
+        already moving, no destination, a context-parallel engine, a
+        source that cannot move K/V)."""
         entry = self.ledger.get(request_id)
         if entry is None or request_id in self._migrating or entry.channel < 0:
             return False
         if self.config.parallel_config.context_parallel_size > 1:
             return False  # a CP group's KV is sharded over its ranks: not movable yet (issue 26)
         source = self.channels.get(entry.channel)
-        if source is None:
+        if source is None or self._cannot_move_kv(source):
             return False
         target = self._migration_destination(source, destination)
         if target is None:
@@ -156,9 +186,10 @@ class MigrationControl:
         return sum(self.migrate(request_id, reason=reason) for request_id in sorted(channel.in_flight))
 
     def _retry_draining_migrations(self) -> None:
-        """Requests still on a draining replica move as soon as they can."""
+        """Requests still on a draining replica move as soon as they can
+        (those of a core that cannot move K/V finish where they run)."""
         now = time.monotonic()
-        for channel in [c for c in self.channels.values() if c.draining]:
+        for channel in [c for c in self.channels.values() if c.draining and not self._cannot_move_kv(c)]:
             reason = "restart" if channel.index in self.restarting else "scale_in"
             for request_id in sorted(channel.in_flight):
                 if request_id not in self._migrating and self._retry_at.get(request_id, 0.0) <= now:
@@ -176,7 +207,8 @@ class MigrationControl:
         self._next_rebalance = now + _REBALANCE_INTERVAL_S
         loads = [CoreLoad(c.index, len(c.in_flight), c.stats.num_waiting if c.stats else 0,
                           c.stats.kv_cache_usage if c.stats else 0.0)
-                 for c in self.channels.values() if not c.draining and c.rebuilding_since is None]
+                 for c in self.channels.values()
+                 if not c.draining and c.rebuilding_since is None and not self._cannot_move_kv(c)]
         plan = plan_rebalance(loads)
         if plan is None:
             return
@@ -192,7 +224,7 @@ class MigrationControl:
     def _migration_destination(self, source: CoreChannel, index: int | None) -> CoreChannel | None:
         candidates = [c for i, c in self.channels.items()
                       if i != source.index and not c.draining and c.rebuilding_since is None
-                      and (index is None or i == index)]
+                      and not self._cannot_move_kv(c) and (index is None or i == index)]
         if not candidates:
             return None
         return min(candidates, key=lambda c: (len(c.in_flight), c.stats.kv_cache_usage if c.stats else 0.0))
@@ -238,6 +270,7 @@ class MigrationControl:
             self._on_imported(migration, report)
 
     def _on_exported(self, migration: Migration, report: MigrationReport) -> None:
+        self._count_transfer(migration.source_channel, report)
         if not report.ok:
             self._end_migration(migration, ok=False, why=report.error or "the source refused")
             return
@@ -256,6 +289,7 @@ class MigrationControl:
         migration.stage += 1
 
     def _on_imported(self, migration: Migration, report: MigrationReport) -> None:
+        self._count_transfer(migration.destination_channel, report)
         if not report.ok:
             if migration.handed_over:
                 self._take_back(migration)
@@ -326,6 +360,35 @@ class MigrationControl:
                                                          num_bytes=migration.num_bytes))
             self.migration_counts["abandoned"] += 1
 
+    # ---- cores that cannot move K/V ---------------------------------------------------------
+
+    def _count_transfer(self, channel: CoreChannel, report: MigrationReport) -> None:
+        """A stage `channel` exported or imported, or refused to: past
+        _MAX_TRANSFER_FAILURES failed transfers in a row (or one that cannot
+        pass), the core is marked unable to move K/V, and says so once."""
+        record = self._transfers.get(channel.index)
+        if record is None or record.channel is not channel:  # a new start of the core: its own record
+            record = self._transfers[channel.index] = _Transfers(channel)
+        if report.ok:
+            record.failures = 0
+            return
+        error = report.error or ""
+        if not error.startswith(_TRANSFER_FAILED):
+            return
+        record.failures += 1
+        permanent = any(sign in error for sign in _PERMANENT_FAILURES)
+        if record.unable is None and (permanent or record.failures >= _MAX_TRANSFER_FAILURES):
+            record.unable = error
+            logger.warning(
+                "engine core %d cannot move K/V (%s; %d transfer(s) in a row failed): no migration from or to it "
+                "is tried again, its requests finish where they run. A replica whose ranks span nodes fails so: "
+                "its ranks move their blocks through this node's shared memory, or offer them on the address "
+                "of its core's node", channel.index, error[:300], record.failures)
+
+    def _cannot_move_kv(self, channel: CoreChannel) -> bool:
+        record = self._transfers.get(channel.index)
+        return record is not None and record.channel is channel and record.unable is not None
+
     # ---- hooks for the rest of the supervisor -----------------------------------------------
 
     def _migration_saw_tokens(self, channel: CoreChannel, request_id: str) -> None:
@@ -371,6 +434,9 @@ class MigrationControl:
         side (a report naming a core that left would have nowhere to go).
         What it owned in the ledger is recovered as usual; a paused copy at a
         live source whose destination owned the request is dropped."""
+        record = self._transfers.get(channel.index)
+        if record is not None and record.channel is channel:
+            del self._transfers[channel.index]
         for migration in [m for m in self.migrations.values()
                           if channel in (m.source_channel, m.destination_channel)]:
             if migration.handed_over and channel is migration.source_channel:

@@ -42,7 +42,7 @@ from raylm.core.outputs import EngineCoreOutput
 from raylm.core.request import Request
 from raylm.distributed.tcp_auth import terminate_context
 from raylm.engine.core_channel import CoreChannel, CoreLauncher, DropLog
-from raylm.engine.core_recovery import CoreRecovery, Replacement
+from raylm.engine.core_recovery import BudgetWait, CoreRecovery, Replacement
 from raylm.engine.errors import EngineDeadError
 from raylm.engine.migration import MigrationControl
 from raylm.engine.replica_restart import AsyncReplicaRestart, ReplicaRestart
@@ -122,8 +122,13 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
         self.ledger: dict[str, LedgerEntry] = {}
         self._waiting: list[str] = []  # ledger ids with no core to go to yet
         self._starting: dict[int, Replacement] = {}  # cores being replaced, by index
+        self._budget_waits: dict[int, BudgetWait] = {}  # cores lost past the restart budget, by index
         self._scaling_up: set[int] = set()  # cores a scale-up is starting
         self._started: queue.Queue = queue.Queue()
+        # Drained cores being stopped off the reading thread, by index, and
+        # those whose stop returned (taken up by housekeeping: `_on_stopped`).
+        self._stopping: dict[int, CoreChannel] = {}
+        self._stopped: queue.Queue = queue.Queue()
         self._recoveries: list[RecoveryStats] = []
         self._culprit_outputs: list[EngineCoreOutput] = []
         self._pings: dict[int, set[int]] = {}
@@ -292,6 +297,9 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
             raise ValueError(f"replica(s) {sorted(self._scaling_up)} are starting: scale once they serve")
         if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
+        # The size asked for is what serves: a replica lost past the restart
+        # budget is not started later on top of it.
+        self._give_up_budget_waits(f"the scale to {data_parallel_size} replica(s) replaces it")
         active = sorted(i for i, c in self.channels.items() if not c.draining)
         if data_parallel_size <= len(active):
             for index in active[data_parallel_size:]:
@@ -300,7 +308,9 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
                 self._migrate_away(index, reason="scale_in")
             self._retire_drained()
             return []
-        taken = set(self.channels) | set(self._starting)
+        # A drained core still being stopped keeps its index until it is gone:
+        # two cores of one index would share its launcher's slot.
+        taken = set(self.channels) | set(self._starting) | set(self._stopping)
         free = (i for i in range(data_parallel_size + len(taken)) if i not in taken)
         return [next(free) for _ in range(data_parallel_size - len(active))]
 
@@ -346,23 +356,60 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
             self.end_scale(scale_up, started)
 
     def _retire_drained(self) -> None:
+        """A draining core with nothing left is sent Shutdown and leaves the
+        supervisor at once; the launcher stops it (waiting up to
+        _DRAINED_STOP_S for its loop to end, then killing it) in the
+        background: this runs on the reading thread, which is the event loop
+        for AsyncLLM, and must not wait that long."""
         for index, channel in list(self.channels.items()):
             if channel.draining and not channel.in_flight and not self._is_migration_source(index):
                 channel.send(self._encoder.encode(Shutdown()))
                 self._remove_channel(index, why="drained and left")
+                self._stop_in_background(channel)
+
+    def _stop_in_background(self, channel: CoreChannel) -> None:
+        index = channel.index
+        self._stopping[index] = channel
+
+        def stop() -> None:
+            try:
                 self.launcher.stop(index, wait_s=_DRAINED_STOP_S)
-                self.launcher.close_channel(channel)
-                logger.info("engine core %d drained and removed", index)
-                if index in self.restarting:
-                    self._restart_retired(index)
+            except Exception as e:  # nothing else to try: the launcher's shutdown stops what it still runs
+                logger.warning("stopping drained engine core %d failed: %s", index, e)
+            self._stopped.put(channel)
+
+        # Nothing to undo if the engine shuts down before this runs: the
+        # launcher's shutdown stops every core, this one included.
+        self._in_background(0.0, stop, lambda: None, name=f"raylm-core-stop-{index}")
+
+    def _on_stopped(self, channel: CoreChannel) -> None:
+        """On the reading thread, once a drained core's stop returned: its
+        socket closes, and a replica restarting starts again only now, so two
+        cores of one index never run at once."""
+        index = channel.index
+        del self._stopping[index]
+        self.launcher.close_channel(channel)
+        logger.info("engine core %d drained and removed", index)
+        if index in self.restarting:
+            self._restart_retired(index)
 
     def replica_states(self) -> list[dict]:
-        """For /health and logs: each core's node, load and state."""
+        """For /health and logs: each core's node, load and state. A replica
+        without a core (starting, restarting, or lost and waiting for the
+        restart budget: see `_restart_if_allowed`) is listed with no load."""
         states = []
-        for index in sorted(set(self.channels) | set(self._starting) | self._scaling_up):
+        restarting_stopped = {i for i in self._stopping if i in self.restarting}
+        waiting = self.budget_waits()
+        for index in sorted(set(self.channels) | set(self._starting) | self._scaling_up | restarting_stopped
+                            | set(waiting)):
             channel = self.channels.get(index)
             if channel is None:
-                states.append({"replica": index, "state": self.restart_state(index) or "starting"})
+                state = {"replica": index, "state": self.restart_state(index) or "starting", "node_ip": "",
+                         "in_flight": 0, "num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0,
+                         "num_routed": 0}
+                if index in waiting:
+                    state.update(state="waiting_for_restart_budget", restart_in_s=round(waiting[index], 1))
+                states.append(state)
                 continue
             stats = channel.stats
             states.append({
@@ -387,6 +434,8 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
         # the step deadline).
         while not self._started.empty():
             self._on_started(*self._started.get())
+        while not self._stopped.empty():
+            self._on_stopped(self._stopped.get())
         for index, cause in self.launcher.deaths():
             self._on_death(index, cause)
         if self._waiting and any(not c.draining for c in self.channels.values()):
@@ -399,7 +448,10 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
         self._retry_draining_migrations()
         self._rebalance_if_due()
         self._retire_drained()
-        if not self.channels and not self._starting and self.dead_error is None:
+        self._restart_when_budget_allows()
+        # A replica restarting is started again once its old core has stopped.
+        coming = self._starting or any(i in self.restarting for i in self._stopping)
+        if not self.channels and not coming and self.dead_error is None:
             budget = self.restart_budget
             self.dead_error = EngineDeadError(f"{self._last_failure}; no restart left ({budget.max_restarts} "
                                               f"allowed within {budget.window_s:g}s)")
