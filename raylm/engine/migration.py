@@ -40,6 +40,7 @@ waits for its requests to finish) until another start of it serves.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import itertools
 import logging
@@ -343,8 +344,13 @@ class MigrationControl:
         if not ok:  # whatever the destination reserved is freed
             self._send_to(migration.destination_channel, MigrateEnd(migration.migration_id, migration.request_id,
                                                             commit=False))
+        # The source removes the stage files it wrote when it hears the end
+        # (core_migration's _remove_stage_files), in its own process, maybe
+        # between this glob and this unlink: a file already gone is no error
+        # (it ended the engine from the reading thread).
         for path in glob.glob(os.path.join(self._transfer_dir or "/nonexistent", f"{migration.migration_id}-*")):
-            os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         seconds = time.monotonic() - migration.started
         if ok:
             logger.info("request %s migrated from core %d to core %d in %.3f s (%d bytes, %d stage(s))",

@@ -123,3 +123,32 @@ def test_a_stage_written_after_its_migration_ended_is_removed(world):
     world.abort("r0")
     world.drain()
     world.check()
+
+
+def test_a_stage_file_its_source_removed_first_does_not_end_the_engine(world, monkeypatch):
+    """The source removes its stage files when it hears its migration ended,
+    in its own process, and may do so between the supervisor's listing of
+    them and its unlink: that FileNotFoundError was raised on the reading
+    thread and ended the engine (the full suite's rolling restart saw it as
+    a 500 from POST /replicas/0/restart). Here the source is first."""
+    import raylm.engine.migration as migration_module
+
+    listed = migration_module.glob.glob
+
+    def listing_then_source_removes(pattern: str) -> list[str]:
+        paths = listed(pattern)
+        for path in paths:
+            os.unlink(path)
+        return paths
+
+    world.submit("r0", PROMPT, 20)
+    _decoding(world, "r0")
+    assert world.sup.migrate("r0", 1 - _serving_core(world, "r0"))
+    migration = next(iter(world.sup.migrations.values()))
+    _run_until(world, lambda: migration.stage > 0)  # a stage file is written
+    assert glob.glob(os.path.join(world.sup._transfer_dir, f"{migration.migration_id}-*"))
+    monkeypatch.setattr(migration_module.glob, "glob", listing_then_source_removes)
+    world.abort("r0")  # ends the migration: the supervisor lists and removes its files
+    monkeypatch.undo()
+    world.drain()
+    world.check()
