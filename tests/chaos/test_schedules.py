@@ -6,6 +6,13 @@ step and every schedule: each stream's tokens are an undisturbed run's
 answers, nothing is left behind, and every prefix-cache block holds the
 tokens its hash names.
 
+Besides faults and operations at random steps, a schedule may run to a
+migration's hand-over and strike there (`strike_at_hand_over`): the moment
+between a source's last stage and the destination's answer is a step or two
+long, and a fault at random meets it about never (finding 3 of issue 48 hid
+there through 13,000 schedules). The autoscaler's decisions are its policy
+(raylm.engine.autoscaler) read at a step, on short delays.
+
 A failing schedule is shrunk by Hypothesis and printed as the steps to
 replay; RAYLM_CHAOS_SEED reruns the same search, RAYLM_CHAOS_SCHEDULES sets
 how many schedules it tries (the soak: 2000 and more).
@@ -24,6 +31,8 @@ import pytest
 from hypothesis import HealthCheck, settings, seed, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from raylm.config import AutoscaleConfig
+from raylm.engine.autoscaler import AutoscalePolicy
 from raylm.testing.chaos.content_model import FIRST_SAMPLED, POISON_TOKEN
 from raylm.testing.chaos.sim import World
 
@@ -56,6 +65,9 @@ class ChaosSchedule(RuleBasedStateMachine):
         self.poisoned = False
         self.failed_start = False
         self.transfer_faults = 0
+        # Short delays, a low target: its decisions come within a schedule.
+        self.autoscaler = AutoscalePolicy(AutoscaleConfig(min_replicas=1, max_replicas=3, target_ongoing_requests=1.5,
+                                                          upscale_delay_s=0.3, downscale_delay_s=0.6))
 
     def teardown(self) -> None:
         try:
@@ -94,6 +106,21 @@ class ChaosSchedule(RuleBasedStateMachine):
         for _ in range(times):
             self.world.turn(index)
 
+    def _round(self) -> None:
+        """Time passes as it would with no one in the way: every core's
+        copies end, every loop turns once, the supervisor reads all."""
+        for index in list(self.world.cores):
+            while self.world.progress(index):
+                pass
+            self.world.turn(index)
+        self.world.read()
+        self.world.clock.now += 0.01
+
+    @rule(times=st.integers(1, 8))
+    def rounds(self, times):
+        for _ in range(times):
+            self._round()
+
     @rule(frames=st.integers(1, 6))
     def read(self, frames):
         self.world.read(frames)
@@ -119,15 +146,27 @@ class ChaosSchedule(RuleBasedStateMachine):
         except ValueError:
             pass  # refused (a restart under way): the server answers 409
 
+    @rule()
+    def autoscale(self):
+        """The autoscaler's look at the replicas (raylm.engine.autoscaler),
+        as its loop takes it every half second: a decision, once its delay
+        passed, is a scale like /scale's (one started while cores start or
+        leave is refused, and tried again at a later look)."""
+        decision = self.autoscaler.decide(self.world.sup.replica_states(), self.world.clock.now)
+        if decision is not None:
+            self.scale(decision.num_replicas)
+
     @precondition(lambda self: self.transfer_faults < 3)
-    @rule(index=st.integers(0, 3))
-    def transfer_fault(self, index):
+    @rule(index=st.integers(0, 3), kind=st.sampled_from(["import", "final"]))
+    def transfer_fault(self, index, kind):
         """The core's next K/V import fails (a stage that cannot be read):
-        the migration is refused, at any stage, the final one included."""
+        the migration is refused, at any stage ("import"), or at its final
+        one ("final": armed early, it waits for the hand-over, the narrow
+        moment a refusal must be given back to the source)."""
         proc = self.world.cores.get(index)
         if proc is not None:
             self.transfer_faults += 1
-            proc.core.transfer_faults.append("import")
+            proc.core.transfer_faults.append(kind)
 
     @rule()
     def finish_scale(self):
@@ -180,6 +219,40 @@ class ChaosSchedule(RuleBasedStateMachine):
     def kill(self, index):
         if self._may_strike(index):
             self.world.kill(index)
+
+    def _handed_over(self) -> list:
+        return sorted((m for m in self.world.sup.migrations.values() if m.handed_over),
+                      key=lambda m: m.migration_id)
+
+    @precondition(lambda self: self.world.sup.migrations)
+    @rule(strike=st.sampled_from(["refuse", "kill", "kill, replaced", "refuse, kill", "refuse, kill, replaced"]),
+          which=st.integers(0, 3))
+    def strike_at_hand_over(self, strike, which):
+        """Rounds until a migration's final stage is on its way (its
+        hand-over), then faults there: a moment a step or two long that
+        faults at random seldom meet. "refuse": the destination's import of
+        the final stage fails; "kill": its source is killed (-9);
+        "replaced": and serves again, under the same index, before the
+        destination answers."""
+        for _ in range(12):
+            if self._handed_over():
+                break
+            self._round()
+        else:
+            return
+        migration = self._handed_over()[which % len(self._handed_over())]
+        destination = self.world.cores.get(migration.destination)
+        if "refuse" in strike and destination is not None and self.transfer_faults < 3:
+            self.transfer_faults += 1
+            destination.core.transfer_faults.append("final")
+        if "kill" not in strike or not self._may_strike(migration.source):
+            return
+        self.world.kill(migration.source)
+        if "replaced" in strike:
+            self.world.read()
+            while self.world.run_background():
+                pass
+            self.world.read()
 
     @rule(index=st.integers(0, 3), kind=st.sampled_from(["died", "hung", "raise"]))
     def worker_fault(self, index, kind):

@@ -98,8 +98,9 @@ class ContentModelExecutor(Executor):
                  transfer_faults: list[str] | None = None):
         self._num_blocks = num_blocks
         self.faults = faults
-        # The harness's too: the next imports fail ("import"), as a stage whose
-        # file or frames cannot be read does. No worker dies of it.
+        # The harness's too: the next imports fail ("import"), or the next
+        # final stages ("final"), as a stage whose file or frames cannot be
+        # read does. No worker dies of it.
         self.transfer_faults = transfer_faults if transfer_faults is not None else []
         self.on_step = on_step
         super().__init__(config)
@@ -216,8 +217,8 @@ class ContentModelExecutor(Executor):
 
     def _rpc_import_kv(self, path_prefix: str, block_ids: list[int], background: bool = False):
         path = f"{path_prefix}.rank0"
-        if not background:
-            return self._read_into(path, block_ids)
+        if not background:  # the final stage (stop-and-copy): a fault armed for it strikes here
+            return self._read_into(path, block_ids, final=True)
         self.copies.pending.append(_Copy("import", path, list(block_ids), name=os.path.basename(path_prefix)))
         return None
 
@@ -254,10 +255,13 @@ class ContentModelExecutor(Executor):
             self.copies.finished[copy.name] = [False, f"{type(e).__name__}: {e}"]
         return True
 
-    def _read_into(self, path: str, block_ids: list[int]) -> int:
-        if self.transfer_faults:
-            self.transfer_faults.pop(0)
-            raise ValueError(f"chaos: {path} could not be read")
+    def _read_into(self, path: str, block_ids: list[int], final: bool = False) -> int:
+        # "import": the next import fails, whatever its stage; "final": the
+        # next final stage's (a fault that waits for the hand-over).
+        for kind in ("import", "final") if final else ("import",):
+            if kind in self.transfer_faults:
+                self.transfer_faults.remove(kind)
+                raise ValueError(f"chaos: {path} could not be read")
         slots = _read_slots(path)
         if slots is None:
             raise ValueError(f"{path} was never filled (its source's copy died)")
