@@ -26,7 +26,7 @@ from raylm.engine.errors import (
     RequestFailedError,
 )
 from raylm.engine.input_processor import InputProcessor, ProcessedPrompt
-from raylm.engine.llm_engine import check_data_parallel_rank, make_child_requests
+from raylm.engine.llm_engine import check_data_parallel_rank
 from raylm.engine.output_processor import OutputProcessor
 from raylm.engine.protocol import EngineCoreOutputs, RecoveryStats
 from raylm.engine.restart_budget import BlameLedger, RestartBudget
@@ -237,11 +237,8 @@ class AsyncLLM:
         thread and back costs more than their work, and at a burst of requests
         it queues each behind the others' hops."""
         if _worth_a_thread(prompt) or _params_worth_a_thread(params):
-            return await asyncio.get_running_loop().run_in_executor(None, self._process_prompt, prompt, params)
-        return self._process_prompt(prompt, params)
-
-    def _process_prompt(self, prompt: Any, params: SamplingParams) -> tuple[ProcessedPrompt, SamplingParams]:
-        return self.input_processor.process_prompt(prompt, params), self.input_processor.finish_params(params)
+            return await asyncio.get_running_loop().run_in_executor(None, self.input_processor.process, prompt, params)
+        return self.input_processor.process(prompt, params)
 
     async def add_request(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
                           stream: bool = True, data_parallel_rank: int | None = None) -> "RequestStream":
@@ -254,10 +251,19 @@ class AsyncLLM:
         its response starts streaming: at a burst, the handlers of the other
         arrivals run first, and the core would wait for all of them."""
         self._check_alive()
-        self._ensure_output_handler()
         check_data_parallel_rank(self.config, data_parallel_rank)
         processed, params = await self.process_prompt(prompt, sampling_params)
+        return self.add_validated_request(request_id, processed, params, stream, data_parallel_rank)
+
+    def add_validated_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
+                              stream: bool = True, data_parallel_rank: int | None = None) -> "RequestStream":
+        """`add_request` for a request `process_prompt` validated already (a
+        server fits max_tokens to the context between the two): it is not
+        checked again (LLMEngine.add_validated_request is the same for an
+        offline engine). Its outputs come from the returned stream."""
         self._check_alive()
+        self._ensure_output_handler()
+        check_data_parallel_rank(self.config, data_parallel_rank)
         state = self._add_request(request_id, processed, params, stream, data_parallel_rank)
         return RequestStream(self, request_id, state.queue)
 
@@ -276,7 +282,7 @@ class AsyncLLM:
                      stream: bool, data_parallel_rank: int | None = None) -> _RequestState:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        children = make_child_requests(self.input_processor, request_id, processed, params)
+        children = self.input_processor.core_requests(request_id, processed, params)
         state = _RequestState(asyncio.Queue(), stream, len(processed.prompt_token_ids))
         self.output_processor.add_request(
             request_id, processed.prompt, processed.prompt_token_ids, params, [c.request_id for c in children]

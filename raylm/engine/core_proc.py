@@ -163,7 +163,7 @@ class EngineCoreProc:
                 continue
             handled = True
             if isinstance(message, EngineCoreRequest):
-                self.core.add_request(message.to_request())
+                self.core.add_request(message)
             elif isinstance(message, AbortRequests):
                 self.core.abort_requests(message.request_ids)
             elif isinstance(message, Ping):

@@ -31,12 +31,11 @@ import torch
 from raylm.config import EngineConfig
 from raylm.core.decode_burst import BurstPlanner
 from raylm.core.outputs import EngineCoreOutput
-from raylm.core.request import Request
 from raylm.core.scheduler import Scheduler
 from raylm.core.structured_output import StructuredOutputManager
 from raylm.engine.core_migration import MigrationEndpoint
 from raylm.engine.errors import EngineDeadError
-from raylm.engine.protocol import MigrationReport, RecoveryKind
+from raylm.engine.protocol import EngineCoreRequest, MigrationReport, RecoveryKind
 from raylm.engine.restart_budget import BlameLedger, RestartBudget
 from raylm.executor.abstract import Executor
 from raylm.executor.errors import ExecutorFailedError, WorkerDiedError, WorkerHungError
@@ -155,8 +154,10 @@ class EngineCore:
             cc.num_blocks // cp * per_block / 2**20,
         )
 
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """The request, as the front end built and checked it: the scheduler's
+        Request is made here, once."""
+        self.scheduler.add_request(request.to_request())
 
     def abort_requests(self, request_ids) -> None:
         self.scheduler.abort_requests(request_ids)

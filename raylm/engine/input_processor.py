@@ -1,8 +1,12 @@
-"""Request intake: validate and tokenize a prompt, finish its SamplingParams.
+"""Request intake: validate and tokenize a prompt, finish its SamplingParams,
+and build the request's one form on its way to the core.
 
 Everything a user can get wrong is caught here, before the request reaches the
 engine core, and reported as a ValueError naming the field, so one bad request
-never disturbs the others.
+never disturbs the others. It is the only check: `process` validates a
+request once, `core_requests` turns what it returned into the
+EngineCoreRequests the supervisor and the core carry unchanged (LLMEngine,
+AsyncLLM and the OpenAI server all come in this way).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raylm.config import ModelConfig
-from raylm.core.request import Request
+from raylm.engine.protocol import EngineCoreRequest
 from raylm.core.structured_output import validate_structured_outputs
 from raylm.sampling_params import SamplingParams, check_prompt_logprobs_size
 
@@ -38,6 +42,31 @@ class InputProcessor:
         arch_eos = model_config.arch.eos_token_id
         listed = [*(arch_eos if isinstance(arch_eos, list) else [arch_eos]), *model_config.generation_eos_token_ids]
         self.extra_eos_ids = {t for t in listed if t is not None} - {eos}
+
+    def process(self, prompt: Any, params: SamplingParams) -> tuple[ProcessedPrompt, SamplingParams]:
+        """Validate one request: its prompt, tokenized and checked, and its
+        params finished (a clone; `params` itself is left as it was)."""
+        return self.process_prompt(prompt, params), self.finish_params(params)
+
+    def core_requests(self, request_id: str, prompt: ProcessedPrompt,
+                      params: SamplingParams) -> list[EngineCoreRequest]:
+        """The requests for the core of one validated request (from `process`):
+        itself, or its n completions as children `{request_id}-{i}`."""
+        if params.n == 1:
+            return [self._core_request(request_id, prompt, params)]
+        requests = []
+        for i in range(params.n):
+            child_params = params.clone()
+            child_params.n = 1
+            if params.seed is not None:
+                # Distinct but reproducible streams per completion.
+                child_params.seed = params.seed + i
+            requests.append(self._core_request(f"{request_id}-{i}", prompt, child_params))
+        return requests
+
+    def _core_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> EngineCoreRequest:
+        return EngineCoreRequest(request_id, prompt.prompt_token_ids, params, self.eos_token_id,
+                                 cache_salt=prompt.cache_salt)
 
     def process_prompt(self, prompt: Any, params: SamplingParams | None = None) -> ProcessedPrompt:
         """Tokenize and check one prompt; `params` brings truncate_prompt_tokens,
@@ -138,9 +167,6 @@ class InputProcessor:
             if spaced and len(spaced) == len(bare) and spaced[0] != bare[0]:
                 sequences.append(spaced)
         return sequences
-
-    def make_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> Request:
-        return Request(request_id, prompt.prompt_token_ids, params, self.eos_token_id, cache_salt=prompt.cache_salt)
 
 
 def _cache_salt(prompt: dict) -> str | None:

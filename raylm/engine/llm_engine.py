@@ -12,33 +12,16 @@ import logging
 from typing import Any
 
 from raylm.config import EngineConfig
-from raylm.core.request import Request
 from raylm.engine.engine_core import EngineCore
-from raylm.engine.input_processor import InputProcessor, ProcessedPrompt
+from raylm.engine.input_processor import InputProcessor
 from raylm.engine.output_processor import OutputProcessor
-from raylm.engine.protocol import EngineCoreOutputs
+from raylm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
 from raylm.engine.supervisor import SyncEngineCoreSupervisor
 from raylm.engine.tokenizer import load_tokenizer
 from raylm.outputs import RequestOutput
 from raylm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-def make_child_requests(input_processor: InputProcessor, request_id: str, processed: ProcessedPrompt,
-                        params: SamplingParams) -> list[Request]:
-    """The engine-core requests of one user request: itself, or n children."""
-    if params.n == 1:
-        return [input_processor.make_request(request_id, processed, params)]
-    requests = []
-    for i in range(params.n):
-        child_params = params.clone()
-        child_params.n = 1
-        if params.seed is not None:
-            # Distinct but reproducible streams per completion.
-            child_params.seed = params.seed + i
-        requests.append(input_processor.make_request(f"{request_id}-{i}", processed, child_params))
-    return requests
 
 
 def check_data_parallel_rank(config: EngineConfig, rank: int | None) -> None:
@@ -60,7 +43,7 @@ class InprocClient:
     def __init__(self, config: EngineConfig):
         self.engine_core = EngineCore(config)
 
-    def add_request(self, request: Request, data_parallel_rank: int | None = None) -> None:
+    def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None) -> None:
         self.engine_core.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -102,7 +85,7 @@ class LLMEngine:
 
     def validate(self, prompt: Any, params: SamplingParams):
         """Check one request without adding it: (processed prompt, finished params)."""
-        return self.input_processor.process_prompt(prompt, params), self.input_processor.finish_params(params)
+        return self.input_processor.process(prompt, params)
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
                     data_parallel_rank: int | None = None) -> None:
@@ -114,7 +97,7 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_data_parallel_rank(self.config, data_parallel_rank)
-        children = make_child_requests(self.input_processor, request_id, processed, params)
+        children = self.input_processor.core_requests(request_id, processed, params)
         self.output_processor.add_request(
             request_id, processed.prompt, processed.prompt_token_ids, params, [c.request_id for c in children]
         )

@@ -55,7 +55,6 @@ from raylm.distributed import sealed_frames
 from raylm.engine.core_channel import CoreChannel
 from raylm.engine.routing import CoreLoad, plan_rebalance
 from raylm.engine.protocol import (
-    EngineCoreRequest,
     KVNetwork,
     MigrateEnd,
     MigrateExport,
@@ -282,7 +281,7 @@ class MigrationControl:
             if entry is None or report.num_output_tokens != len(entry.token_ids):
                 self._end_migration(migration, ok=False, why="the source's tokens differ from the ledger's")
                 return
-            request = EngineCoreRequest.from_request(entry.continuation())
+            request = entry.continuation()
             self._hand_over(migration)
         migration.destination_channel.send(self._encoder.encode(MigrateImport(
             migration.migration_id, migration.request_id, self._stage_path(migration), report.num_blocks,

@@ -9,6 +9,7 @@ supervisor and the front ends all sit above it (no import circle).
 from __future__ import annotations
 
 import enum
+import time
 from typing import Union
 
 import msgspec
@@ -46,13 +47,18 @@ class SchedulerStats(msgspec.Struct):
 
 
 class EngineCoreRequest(msgspec.Struct, tag="add"):
-    """A validated, tokenized request on its way to the core."""
+    """A request's one form from intake to the core: built once, validated
+    and tokenized, by the input processor (InputProcessor.core_requests),
+    kept as is in the supervisor's ledger (a recovery or a migration sends
+    it again with the tokens generated so far: `continuation`), and turned
+    into the scheduler's Request by the core that runs it, once
+    (EngineCore.add_request). Nothing between checks it again."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams  # all_stop_token_ids, filled in by the front end, included
     eos_token_id: Union[int, None]
-    arrival_time: float
+    arrival_time: float = msgspec.field(default_factory=time.monotonic)
     # Tokens it already generated in a core that died: it continues after them.
     output_token_ids: list[int] = msgspec.field(default_factory=list)
     # Its record of failures so far (raylm.core.quarantine), kept across cores.
@@ -61,13 +67,13 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     # Mixed into its prefix-cache block hashes (raylm.core.kv_cache_manager).
     cache_salt: Union[str, None] = None
 
-    @classmethod
-    def from_request(cls, request: Request) -> "EngineCoreRequest":
-        return cls(request.request_id, request.prompt_token_ids, request.sampling_params, request.eos_token_id,
-                   request.arrival_time, list(request.output_token_ids), request.num_recoveries,
-                   request.quarantined, cache_salt=request.cache_salt)
+    def continuation(self, output_token_ids: list[int]) -> "EngineCoreRequest":
+        """The same request, to continue after `output_token_ids` (its
+        tokens so far, across cores) with its failure record as it is now."""
+        return msgspec.structs.replace(self, output_token_ids=list(output_token_ids))
 
     def to_request(self) -> Request:
+        """The scheduler's view of it, made by the core that runs it."""
         return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
                        self.eos_token_id, self.arrival_time, output_token_ids=self.output_token_ids,
                        num_recoveries=self.num_recoveries, quarantined=self.quarantined, cache_salt=self.cache_salt)

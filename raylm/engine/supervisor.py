@@ -39,7 +39,6 @@ import zmq.asyncio
 from raylm.config import EngineConfig
 from raylm.core import quarantine
 from raylm.core.outputs import EngineCoreOutput
-from raylm.core.request import Request
 from raylm.distributed.tcp_auth import terminate_context
 from raylm.engine.core_channel import CoreChannel, CoreLauncher, DropLog
 from raylm.engine.core_recovery import BudgetWait, CoreRecovery, Replacement
@@ -92,20 +91,16 @@ class ScaleUp:
 class LedgerEntry:
     """A request in flight in a core: as first sent, and what came back."""
 
-    request: Request
+    request: EngineCoreRequest
     channel: int  # the core serving it; -1 while it waits for one
     token_ids: list[int] = field(default_factory=list)  # generated so far, across cores
     pinned: bool = False  # sent to a data_parallel_rank by its client: never moved by rebalancing
 
-    def continuation(self) -> Request:
+    def continuation(self) -> EngineCoreRequest:
         """The request to send again: it continues after the tokens so far.
         Prompt logprobs start again from the prompt's first position; those
         the client already has are skipped above (OutputProcessor)."""
-        first = self.request
-        return Request(first.request_id, first.prompt_token_ids, first.sampling_params, first.eos_token_id,
-                       first.arrival_time, output_token_ids=list(self.token_ids),
-                       num_recoveries=first.num_recoveries, quarantined=first.quarantined,
-                       cache_salt=first.cache_salt)
+        return self.request.continuation(self.token_ids)
 
 
 class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
@@ -157,11 +152,11 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
 
     # ---- requests --------------------------------------------------------------
 
-    def add_request(self, request: Request, data_parallel_rank: int | None = None) -> None:
+    def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None) -> None:
         """Route `request` to a core (or keep it until one serves); ValueError
         for a request that cannot be encoded or a rank that does not serve."""
         try:
-            frame = self._encoder.encode(EngineCoreRequest.from_request(request))
+            frame = self._encoder.encode(request)
         except (OverflowError, msgspec.EncodeError) as e:
             raise ValueError(f"request cannot be encoded: {e}") from e
         channel = self._route(request, data_parallel_rank)
@@ -180,7 +175,7 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
         self.ledger[request_id].channel = channel.index
         channel.send(frame)
 
-    def _route(self, request: Request, rank: int | None) -> CoreChannel | None:
+    def _route(self, request: EngineCoreRequest, rank: int | None) -> CoreChannel | None:
         if rank is not None:
             channel = self.channels.get(rank)
             if channel is None or channel.draining:
@@ -207,7 +202,7 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
             entry.channel = -1
             self._waiting.append(request_id)
             return
-        self._dispatch(channel, request_id, self._encoder.encode(EngineCoreRequest.from_request(request)))
+        self._dispatch(channel, request_id, self._encoder.encode(request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         by_channel: dict[int, list[str]] = {}

@@ -14,6 +14,7 @@ import pytest
 
 from raylm import LLM, SamplingParams
 from raylm.core.request import Request
+from raylm.engine.protocol import EngineCoreRequest
 from raylm.core.structured_output import StructuredOutputManager
 from raylm.sampling_params import StructuredOutputsParams
 
@@ -81,8 +82,8 @@ def test_resumed_past_the_gate_continues_the_grammar(llm, free_output):
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     prompt, checked = engine.validate(PROMPT, params)
-    core.add_request(Request("resumed", prompt.prompt_token_ids, checked, engine.input_processor.eos_token_id,
-                             output_token_ids=full[:at + 2]))  # the gate and one constrained token
+    core.add_request(EngineCoreRequest("resumed", prompt.prompt_token_ids, checked, engine.input_processor.eos_token_id,
+                                       output_token_ids=full[:at + 2]))  # the gate and one constrained token
     tokens, reason = [], None
     while core.has_unfinished_requests():
         for out in core.step():

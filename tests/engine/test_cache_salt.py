@@ -7,7 +7,6 @@ import msgspec
 import pytest
 
 from raylm import LLM, SamplingParams
-from raylm.core.request import Request
 from raylm.engine.protocol import EngineCoreRequest
 from raylm.testing.hf_oracle import hf_greedy
 
@@ -49,6 +48,6 @@ def test_a_salt_that_is_not_a_non_empty_string_is_refused(tiny_model_dir, salt):
 
 
 def test_the_salt_travels_to_the_engine_core_process():
-    request = Request("r", [1, 2, 3], SamplingParams(), eos_token_id=None, cache_salt="pepper")
-    wire = msgspec.msgpack.encode(EngineCoreRequest.from_request(request))
+    request = EngineCoreRequest("r", [1, 2, 3], SamplingParams(), eos_token_id=None, cache_salt="pepper")
+    wire = msgspec.msgpack.encode(request)
     assert msgspec.msgpack.decode(wire, type=EngineCoreRequest).to_request().cache_salt == "pepper"

@@ -159,11 +159,9 @@ def test_a_core_that_reported_its_error_is_restarted_like_one_that_died(make_eng
 def test_engine_core_request_carries_the_tokens_already_generated():
     import msgspec
 
-    from raylm.core.request import Request
-
     params = SamplingParams(max_tokens=5)
-    request = Request("r", [1, 2], params, eos_token_id=0, arrival_time=1.0, output_token_ids=[3, 4])
-    wire = msgspec.msgpack.encode(EngineCoreRequest.from_request(request))
+    request = EngineCoreRequest("r", [1, 2], params, eos_token_id=0, arrival_time=1.0, output_token_ids=[3, 4])
+    wire = msgspec.msgpack.encode(request)
     again = msgspec.msgpack.decode(wire, type=EngineCoreRequest).to_request()
     assert again.output_token_ids == [3, 4] and again.all_token_ids == [1, 2, 3, 4]
 

@@ -14,7 +14,6 @@ import time
 import pytest
 
 from raylm import LLM, SamplingParams
-from raylm.core.request import Request
 from raylm.distributed import sealed_frames
 from raylm.engine.protocol import EngineCoreRequest, KVNetwork, MigrateEnd, MigrateExport, MigrateImport
 from raylm.testing.hf_oracle import hf_greedy
@@ -50,7 +49,7 @@ def _run(core, request_id: str, until, tokens: list[int]) -> None:
                 tokens.extend(out.new_token_ids)
 
 
-def _migrate(src, dst, request_id: str, first: Request, tokens: list[int], shm_dir: str,
+def _migrate(src, dst, request_id: str, first: EngineCoreRequest, tokens: list[int], shm_dir: str,
              network: KVNetwork | None = None) -> dict:
     """The supervisor's side of one migration, by hand: a first stage while
     the request runs, then the final stage; returns what was moved.
@@ -70,10 +69,10 @@ def _migrate(src, dst, request_id: str, first: Request, tokens: list[int], shm_d
     final = src.take_migration_reports(MigrateExport("m1", request_id, f"{shm_dir}/m1-1", True, network))
     final = final[0] if final else _poll(src)
     assert final.ok and final.final and final.num_output_tokens == len(tokens), (final, len(tokens))
-    continuation = Request(request_id, first.prompt_token_ids, first.sampling_params, first.eos_token_id,
-                           output_token_ids=list(tokens))
+    continuation = EngineCoreRequest(request_id, first.prompt_token_ids, first.sampling_params, first.eos_token_id,
+                                     output_token_ids=list(tokens))
     done = dst.take_migration_reports(MigrateImport("m1", request_id, f"{shm_dir}/m1-1", final.num_blocks, final=True,
-                                                    request=EngineCoreRequest.from_request(continuation),
+                                                    request=continuation,
                                                     num_computed_tokens=final.num_computed_tokens,
                                                     network=network, sources=final.sources))[0]
     assert done.ok, done
@@ -119,8 +118,8 @@ def _poll(core):
 
 def _generate(src, dst, params: SamplingParams, migrate: bool, network: KVNetwork | None = None) -> list[int]:
     request_id = f"r-{migrate}-{params.seed}"
-    first = Request(request_id, PROMPT, params, eos_token_id=None)
-    src.add_request(Request(request_id, PROMPT, params, eos_token_id=None))
+    first = EngineCoreRequest(request_id, PROMPT, params, eos_token_id=None)
+    src.add_request(EngineCoreRequest(request_id, PROMPT, params, eos_token_id=None))
     tokens: list[int] = []
     if migrate:
         _run(src, request_id, lambda: len(tokens) >= 12, tokens)
@@ -196,14 +195,14 @@ def test_a_stranger_hammering_the_kv_socket_hurts_no_stream(cores, model):
     assert server.address == address
     already_received = server.requests_received
     stranger = KVSocketStranger(address, ["m5-0.rank0", "m5-1.rank0", "m1-0.rank0"])
-    first = Request("hammered", PROMPT, params, eos_token_id=None)
+    first = EngineCoreRequest("hammered", PROMPT, params, eos_token_id=None)
     other_tokens = _recording_tokens(src, "other-client")
     tokens: list[int] = []
     stranger.start()
     try:
         wait_until(lambda: stranger.rounds >= 2, 60, message="the stranger's first rounds")
-        src.add_request(Request("hammered", PROMPT, params, eos_token_id=None))
-        src.add_request(Request("other-client", other_prompt, params, eos_token_id=None))
+        src.add_request(EngineCoreRequest("hammered", PROMPT, params, eos_token_id=None))
+        src.add_request(EngineCoreRequest("other-client", other_prompt, params, eos_token_id=None))
         _run(src, "hammered", lambda: len(tokens) >= 12, tokens)
         with tempfile.TemporaryDirectory(dir="/dev/shm") as shm_dir:
             _migrate(src, dst, "hammered", first, tokens, shm_dir, network)
@@ -232,7 +231,7 @@ def test_seeded_sampling_continues_its_stream(cores):
 def _decoding_at(core, request_id: str) -> tuple[SamplingParams, list[int]]:
     """A greedy request of PROMPT on `core`, 12 tokens into its decode: its params and tokens so far."""
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    core.add_request(Request(request_id, PROMPT, params, eos_token_id=None))
+    core.add_request(EngineCoreRequest(request_id, PROMPT, params, eos_token_id=None))
     tokens: list[int] = []
     _run(core, request_id, lambda: len(tokens) >= 12, tokens)
     return params, tokens
@@ -268,7 +267,7 @@ def test_engines_of_different_layouts_refuse(model, cores):
     try:
         dst = other.llm_engine.engine_core.engine_core
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        src.add_request(Request("layout", PROMPT, params, eos_token_id=None))
+        src.add_request(EngineCoreRequest("layout", PROMPT, params, eos_token_id=None))
         tokens: list[int] = []
         _run(src, "layout", lambda: len(tokens) >= 2, tokens)
         with tempfile.TemporaryDirectory(dir="/dev/shm") as shm_dir:
@@ -302,7 +301,7 @@ def test_blocks_of_an_abandoned_background_import_are_freed_once_it_ends(cores, 
     write the reserved blocks: they are freed only once the ranks are done."""
     src, dst = cores
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    src.add_request(Request("slow-import", PROMPT, params, eos_token_id=None))
+    src.add_request(EngineCoreRequest("slow-import", PROMPT, params, eos_token_id=None))
     tokens: list[int] = []
     _run(src, "slow-import", lambda: len(tokens) >= 12, tokens)
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm_dir:
@@ -421,14 +420,14 @@ def test_a_request_resubmitted_while_its_abandoned_import_is_open_computes_its_o
     shared cached block). They are kept apart now, by migration."""
     src, dst = cores
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    dst.add_request(Request("earlier", PROMPT, params, eos_token_id=None))  # the prompt's blocks, cached here
+    dst.add_request(EngineCoreRequest("earlier", PROMPT, params, eos_token_id=None))  # the prompt's blocks, cached here
     _run(dst, "earlier", lambda: not dst.has_unfinished_requests(), [])
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm_dir:
         caches = src.executor.driver_worker.worker.model_runner.kv_caches
         kv_transfer.create_file(caches, 2, f"{shm_dir}/m7-0.rank0")  # its source died before filling it
         assert not dst.take_migration_reports(MigrateImport("m7", "resubmitted", f"{shm_dir}/m7-0", 2, final=False))
         dst.take_migration_reports(MigrateEnd("m7", "resubmitted", commit=False))
-        dst.add_request(Request("resubmitted", PROMPT, params, eos_token_id=None))  # recovered here
+        dst.add_request(EngineCoreRequest("resubmitted", PROMPT, params, eos_token_id=None))  # recovered here
         tokens: list[int] = []
         # (The core's loop polls its copies; here the test does, between steps.)
         _run(dst, "resubmitted", lambda: not (dst.has_unfinished_requests() or dst.take_migration_reports()

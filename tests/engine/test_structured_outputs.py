@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from raylm import LLM, SamplingParams
-from raylm.core.request import Request
+from raylm.engine.protocol import EngineCoreRequest
 from raylm.executor.errors import WorkerDiedError
 from raylm.sampling_params import StructuredOutputsParams
 
@@ -197,11 +197,10 @@ def test_constraint_crosses_the_core_process_channel(llm):
     schema's property order included."""
     import msgspec
 
-    from raylm.engine.protocol import ClientMessage, EngineCoreRequest
+    from raylm.engine.protocol import ClientMessage
 
     _, params = llm.llm_engine.validate("Hi", SamplingParams(structured_outputs=KINDS["json"]))
-    request = Request("r", [1, 2], params, 1)
-    sent = msgspec.msgpack.encode(EngineCoreRequest.from_request(request))
+    sent = msgspec.msgpack.encode(EngineCoreRequest("r", [1, 2], params, 1))
     received = msgspec.msgpack.Decoder(ClientMessage).decode(sent).to_request()
     assert received.sampling_params.structured_outputs == KINDS["json"]
     assert list(received.sampling_params.structured_outputs.json["properties"]) == list(SCHEMA["properties"])
@@ -266,8 +265,8 @@ def test_resumed_request_fast_forwards_its_matcher(llm):
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     prompt, finished = engine.validate("Resume me", params)
-    core.add_request(Request("resumed", prompt.prompt_token_ids, finished, engine.input_processor.eos_token_id,
-                             output_token_ids=full[:9]))
+    core.add_request(EngineCoreRequest("resumed", prompt.prompt_token_ids, finished,
+                                       engine.input_processor.eos_token_id, output_token_ids=full[:9]))
     tokens, reason = [], None
     while core.has_unfinished_requests():
         for out in core.step():

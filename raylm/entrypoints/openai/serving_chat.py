@@ -207,11 +207,14 @@ class OpenAIServingChat:
         split = self.reasoning_parser.split(text, in_reasoning)
         return (split.reasoning if request.include_reasoning else None), split.content
 
-    def _render(self, request: ChatCompletionRequest, params: SamplingParams) -> ProcessedPrompt:
+    def _render(self, request: ChatCompletionRequest,
+                params: SamplingParams) -> tuple[ProcessedPrompt, SamplingParams]:
         """Runs in a worker thread: templating and tokenizing can take a while.
-        `params`: truncate_prompt_tokens applies to the rendered conversation."""
+        The request's validation (InputProcessor.process), once: `params`
+        brings truncate_prompt_tokens, which applies to the rendered
+        conversation, and comes back finished."""
         text, ids = render_chat(self.engine.tokenizer, request)
-        return self.engine.input_processor.process_prompt(
+        return self.engine.input_processor.process(
             {"prompt": text, "prompt_token_ids": ids, "cache_salt": request.cache_salt}, params)
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
@@ -235,12 +238,12 @@ class OpenAIServingChat:
         try:
             await tokenize_bad_words(self.engine, params)
             try:
-                processed = await run_render(request, self._render, request, params)
+                processed, params = await run_render(request, self._render, request, params)
             except ValueError as e:
                 raise bad_request_from(e, set(), "messages") from e
             param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
             try:
-                prompt, params = fit_max_tokens(self.engine, processed, params, max_tokens, "messages")
+                processed, params = fit_max_tokens(self.engine, processed, params, max_tokens, "messages")
             except OpenAIError as e:
                 e.param = param if e.param == "max_tokens" else e.param
                 raise
@@ -248,7 +251,7 @@ class OpenAIServingChat:
             if self.reasoning_parser is not None:
                 in_reasoning, params = self._reasoning_plan(processed, request, params)
             request_id = random_id("chatcmpl")
-            stream = await self.engine.add_request(prompt, params, request_id, stream=request.stream)
+            stream = self.engine.add_validated_request(request_id, processed, params, stream=request.stream)
             if request.stream:
                 response = ReleasingStreamingResponse(
                     reservation,

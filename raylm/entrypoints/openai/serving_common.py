@@ -134,24 +134,27 @@ async def tokenize_bad_words(engine: AsyncLLM, params: SamplingParams) -> None:
 
 
 async def prepare_prompt(engine: AsyncLLM, prompt: Any, params: SamplingParams, requested_max_tokens: int | None,
-                         prompt_param: str) -> tuple[dict, SamplingParams]:
-    """Tokenize (off the loop), then fit max_tokens to the context: an explicit
-    value that does not fit is the client's mistake, a missing one fills it."""
+                         prompt_param: str) -> tuple[ProcessedPrompt, SamplingParams]:
+    """Validate and tokenize (off the loop when long), then fit max_tokens to
+    the context: an explicit value that does not fit is the client's
+    mistake, a missing one fills it. What it returns goes to the engine as
+    is (`submit_all`): the request is not checked again."""
     try:
-        processed, _ = await engine.process_prompt(prompt, params)
+        processed, params = await engine.process_prompt(prompt, params)
     except (ValueError, TypeError) as e:
         raise bad_request_from(e, {"prompt_token_ids", "prompt_logprobs"}, prompt_param) from e
     return fit_max_tokens(engine, processed, params, requested_max_tokens, prompt_param)
 
 
-async def submit_all(engine: AsyncLLM, requests: list[tuple[dict, SamplingParams, str]],
+async def submit_all(engine: AsyncLLM, requests: list[tuple[ProcessedPrompt, SamplingParams, str]],
                      stream: bool) -> list[Any]:
-    """Submit (prompt, params, request_id) to the engine now, in order; the
-    streams of their outputs. If one fails, the ones already in are aborted."""
+    """Submit (prompt, params, request_id), as `prepare_prompt` validated
+    them, to the engine now, in order; the streams of their outputs. If one
+    fails, the ones already in are aborted."""
     streams = []
     try:
         for prompt, params, request_id in requests:
-            streams.append(await engine.add_request(prompt, params, request_id, stream=stream))
+            streams.append(engine.add_validated_request(request_id, prompt, params, stream=stream))
     except BaseException:
         for submitted in streams:
             submitted.close()
@@ -160,7 +163,7 @@ async def submit_all(engine: AsyncLLM, requests: list[tuple[dict, SamplingParams
 
 
 def fit_max_tokens(engine: AsyncLLM, processed: ProcessedPrompt, params: SamplingParams,
-                   requested_max_tokens: int | None, prompt_param: str) -> tuple[dict, SamplingParams]:
+                   requested_max_tokens: int | None, prompt_param: str) -> tuple[ProcessedPrompt, SamplingParams]:
     max_model_len = engine.config.model_config.max_model_len
     num_prompt = len(processed.prompt_token_ids)
     room = max_model_len - num_prompt
@@ -179,8 +182,7 @@ def fit_max_tokens(engine: AsyncLLM, processed: ProcessedPrompt, params: Samplin
             f"{num_prompt + requested_max_tokens} tokens ({num_prompt} in the prompt, {requested_max_tokens} "
             f"in the completion). Please reduce the prompt or the completion length.", 400,
             "max_tokens" if room >= 1 else prompt_param)
-    return {"prompt": processed.prompt, "prompt_token_ids": processed.prompt_token_ids,
-            "cache_salt": processed.cache_salt}, params
+    return processed, params
 
 
 def check_not_ended_early(completions) -> None:

@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from raylm.engine.async_llm import AsyncLLM
+from raylm.engine.input_processor import ProcessedPrompt
 from raylm.entrypoints.openai.limits import (
     AdmissionControl,
     ReleasingStreamingResponse,
@@ -89,10 +90,10 @@ def completion_logprobs(tokenizer, token_ids: list[int], positions: list[Positio
     return result
 
 
-def _check_prompt_logprobs(prepared: list[tuple[dict, Any]], prompt_logprobs: int | None) -> None:
+def _check_prompt_logprobs(prepared: list[tuple[ProcessedPrompt, Any]], prompt_logprobs: int | None) -> None:
     """Echo with logprobs over all of a request's prompts: each prompt is
     checked alone at intake, the request's total here."""
-    positions = sum(len(prompt["prompt_token_ids"]) for prompt, _ in prepared)
+    positions = sum(len(prompt.prompt_token_ids) for prompt, _ in prepared)
     try:
         check_prompt_logprobs_size(positions, prompt_logprobs)
     except ValueError as e:
@@ -151,7 +152,7 @@ class OpenAIServingCompletion:
             for stream in streams or ():
                 stream.close()
 
-    async def _prepare(self, prompt: Any, params, max_tokens: int | None) -> tuple[dict, Any]:
+    async def _prepare(self, prompt: Any, params, max_tokens: int | None) -> tuple[ProcessedPrompt, Any]:
         try:
             return await prepare_prompt(self.engine, prompt, params, max_tokens, "prompt")
         except OpenAIError as e:

@@ -42,10 +42,9 @@ from raylm.engine import (
 from raylm.engine.core_channel import CoreChannel, CoreLauncher
 from raylm.engine.engine_core import EngineCore
 from raylm.engine.errors import EngineDeadError
-from raylm.engine.protocol import ClientMessage, EngineCoreOutputs, RecoveryKind
+from raylm.engine.protocol import ClientMessage, EngineCoreOutputs, EngineCoreRequest, RecoveryKind
 from raylm.core import request as request_module
 from raylm.core import scheduler as scheduler_module
-from raylm.core.request import Request
 from raylm.sampling_params import SamplingParams
 from raylm.testing.chaos.content_model import ContentModelExecutor, reference_tokens
 
@@ -372,7 +371,7 @@ class World:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         params.all_stop_token_ids = set()
         self.outcomes[request_id] = Outcome(list(prompt), max_tokens, poisoned=poisoned)
-        self.sup.add_request(Request(request_id, list(prompt), params, None, self.clock.now))
+        self.sup.add_request(EngineCoreRequest(request_id, list(prompt), params, None, self.clock.now))
 
     def abort(self, request_id: str) -> None:
         outcome = self.outcomes[request_id]
