@@ -138,19 +138,42 @@ class Autoscaler:
         self.decisions: list[Decision] = []
 
     async def run(self) -> None:
+        """Until cancelled (the engine's shutdown). A decision that fails is
+        logged and the next one is made: this task is awaited by nobody, so
+        an error that ended it would stop autoscaling for the server's life
+        without a word."""
         while True:
             await asyncio.sleep(_INTERVAL_S)
-            replicas = self.engine.replica_states() or []
-            decision = self.policy.decide(replicas, time.monotonic())
-            if decision is None:
-                continue
-            logger.warning("autoscaling %d -> %d replicas (%s)", len(replicas), decision.num_replicas,
-                           decision.reason)
             try:
-                await self.engine.scale(decision.num_replicas)
-            except (ValueError, RuntimeError) as e:  # cannot be placed now: try again when the load says so
-                logger.error("autoscaling to %d replicas failed: %s", decision.num_replicas, e)
-                continue
-            self.decisions.append(decision)
-            if self.on_decision is not None:
-                self.on_decision(decision)
+                await self._decide_and_scale()
+            except Exception as e:  # not CancelledError (a BaseException): a cancel still ends the loop
+                logger.exception("autoscaling: deciding the replica count failed (%s: %s); deciding again in %g s",
+                                 type(e).__name__, e, _INTERVAL_S)
+
+    async def _decide_and_scale(self) -> None:
+        replicas = self.engine.replica_states() or []
+        decision = self.policy.decide(replicas, time.monotonic())
+        if decision is None:
+            return
+        logger.warning("autoscaling %d -> %d replicas (%s)", len(replicas), decision.num_replicas,
+                       decision.reason)
+        if not await self._scale(decision):
+            return
+        self.decisions.append(decision)
+        if self.on_decision is not None:
+            self.on_decision(decision)
+
+    async def _scale(self, decision: Decision) -> bool:
+        """Whether the engine scaled. On failure nothing changed, and the
+        policy asks again once the load still calls for it for the delay."""
+        try:
+            await self.engine.scale(decision.num_replicas)
+        except Exception as e:
+            # ValueError: refused now (a change under way); RuntimeError: could
+            # not be placed, or a new replica did not start in time
+            # (EngineStartTimeoutError). Anything else is unexpected: traceback.
+            expected = isinstance(e, (ValueError, RuntimeError))
+            logger.error("autoscaling to %d replicas failed (%s: %s); trying again when the load asks for it",
+                         decision.num_replicas, type(e).__name__, e, exc_info=not expected)
+            return False
+        return True

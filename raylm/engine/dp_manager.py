@@ -31,6 +31,7 @@ from raylm.config import EngineConfig
 from raylm.distributed.tcp_auth import CurveKeys, secure_client
 from raylm.engine.core_channel import DropLog
 from raylm.engine.core_proc import EngineCoreProc
+from raylm.engine.errors import EngineStartTimeoutError
 from raylm.engine.protocol import ClientMessage
 from raylm.executor.ray_cluster import connect_ray, kill_actors
 from raylm.executor.ray_placement import (place_replica, replica_bundles, replica_num_cpus_hint,
@@ -238,8 +239,11 @@ class CoreEngineActorManager:
             if isinstance(e, ray.exceptions.RayActorError):
                 raise RuntimeError(f"data-parallel replica {index} failed to start: {_first_line(e)}") from e
             if isinstance(e, ray.exceptions.GetTimeoutError):
-                raise TimeoutError(f"data-parallel replica {index} was not ready within {start_timeout:g} s "
-                                   "(engine_start_timeout); killed it") from e
+                # The engine's own type, as for a core process (process_launcher):
+                # a bare TimeoutError was neither a RuntimeError for POST /scale
+                # (a 500, not a 409) nor for the autoscaler (its task ended).
+                raise EngineStartTimeoutError(f"data-parallel replica {index} was not ready within "
+                                              f"{start_timeout:g} s (engine_start_timeout); killed it") from e
             raise
         handle = ReplicaHandle(index, actor, pg, run_ref, info["node_id"], info["node_ip"], info["pid"])
         with self._lock:

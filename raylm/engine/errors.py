@@ -27,10 +27,14 @@ class EngineCoreDiedError(EngineDeadError):
         self.exitcode = exitcode
 
 
-class EngineStartTimeoutError(EngineDeadError):
-    """A new engine core was not ready within `engine_start_timeout_s` (hung
-    loading, or in an executor start-up call); it was killed. Like a death, a
-    new core may do better: the supervisor counts it as a failed restart."""
+class EngineStartTimeoutError(EngineDeadError, TimeoutError):
+    """A new engine core (a process, or a data-parallel replica on Ray) was
+    not ready within `engine_start_timeout_s` (hung loading, or in an
+    executor start-up call); it was killed. Like a death, a new core may do
+    better: the supervisor counts it as a failed restart. A RuntimeError, as
+    the engine's callers expect of a start that failed (POST /scale answers
+    409, the autoscaler tries again later), and a TimeoutError for those
+    that catch timeouts."""
 
 
 class EngineUnhealthyError(EngineDeadError):

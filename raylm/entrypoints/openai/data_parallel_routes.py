@@ -158,6 +158,6 @@ def install_data_parallel_routes(app: FastAPI, engine: Any, api_key: str | None,
                 await engine.scale(body.data_parallel_size)
         except ValueError as e:
             return error_response(str(e), 400, "data_parallel_size")
-        except RuntimeError as e:  # could not be placed: nothing changed
+        except RuntimeError as e:  # could not be placed, or a new replica not ready in time: nothing changed
             return error_response(f"could not scale: {e}", 409)
         return JSONResponse({"data_parallel_size": body.data_parallel_size, "replicas": replica_states(engine)})
