@@ -25,9 +25,31 @@ logger = logging.getLogger(__name__)
 
 # How long remove_placement_groups waits for Ray to show the groups gone.
 _REMOVAL_WAIT_S = 10.0
-# Driver environment variables that workers inherit besides RAYLM_*; the
-# per-worker ones (device visibility, ranks, addresses) are never copied.
+# The driver's environment variables that a Ray actor raylm starts (a rank, a
+# data-parallel replica) is given, through its runtime_env, and only these. An
+# allow list, not every RAYLM_*: Ray keeps an actor's runtime_env and its state
+# API shows it to anyone who reaches the dashboard (`ray list actors --detail`),
+# so a secret must never be copied there: RAYLM_API_KEY (the server's key; only
+# the front end checks it), or a key or token of the user's own, whatever its
+# name. A RAYLM_* variable raylm reads must be listed here or in
+# NEVER_FORWARDED_ENV_VARS (tests/executor/test_worker_env.py checks the source).
+# Per-worker ones (CUDA_VISIBLE_DEVICES, RANK, MASTER_ADDR, ...) are never listed.
 FORWARDED_ENV_VARS = (
+    # raylm's own settings that ranks and replicas read.
+    "RAYLM_ALLOW_SHARED_NODE_IP",
+    "RAYLM_DEVICE",
+    "RAYLM_DISABLE_CPU_KERNELS",
+    "RAYLM_DISABLE_FLASHINFER",
+    "RAYLM_DISABLE_SHM_COLLECTIVE",
+    "RAYLM_FAULT_INJECTION",
+    "RAYLM_FUSED_DECODE",
+    "RAYLM_GGUF_CACHE",
+    "RAYLM_MIGRATION_COPY_CPU_SHARE",
+    "RAYLM_MIGRATION_SYNC_PRECOPY",
+    "RAYLM_MQ_UNAUTHENTICATED_TCP",
+    "RAYLM_PP_LAYER_PARTITION",
+    "RAYLM_QUANT_KERNEL",
+    # Other libraries' settings (none holds a secret: HF_TOKEN is not here).
     "HF_HOME",
     "HF_HUB_OFFLINE",
     "TRANSFORMERS_OFFLINE",
@@ -49,16 +71,17 @@ FORWARDED_ENV_VARS = (
     "CXX",
     "TORCH_EXTENSIONS_DIR",
 )
-PER_WORKER_ENV_VARS = ("CUDA_VISIBLE_DEVICES", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Variables raylm reads that are never copied from the driver's environment:
+# the API key (cli_args.API_KEY_ENV_VARS; only the front end checks it), and
+# RAYLM_DRIVER_NICENESS, which worker_env_vars sets from the driver's niceness.
+NEVER_FORWARDED_ENV_VARS = ("RAYLM_API_KEY", "VLLM_API_KEY", "RAYLM_DRIVER_NICENESS")
 
 
 def worker_env_vars(device: str) -> dict[str, str]:
     """The environment of a Ray actor raylm starts (a rank, a replica): the
-    driver's RAYLM_* and listed variables, its niceness, never the per-worker ones."""
-    env = {k: v for k, v in os.environ.items() if k.startswith("RAYLM_") or k in FORWARDED_ENV_VARS}
+    driver's FORWARDED_ENV_VARS that are set, and its niceness."""
+    env = {k: v for k, v in os.environ.items() if k in FORWARDED_ENV_VARS}
     env["RAYLM_DRIVER_NICENESS"] = str(os.getpriority(os.PRIO_PROCESS, 0))
-    for key in PER_WORKER_ENV_VARS:
-        env.pop(key, None)
     if device == "cuda":
         # Keep every GPU visible to every worker; each is told its device id.
         env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"

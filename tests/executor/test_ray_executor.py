@@ -56,12 +56,16 @@ def tp2_llm(tiny_model_dir):
     if not ray.is_initialized():
         # address="local": a private instance even if a cluster runs on this machine.
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    os.environ["RAYLM_TEST_MARKER"] = "from-the-driver"
+    # Set after Ray started: they reach the workers only through their runtime_env.
+    # "0" is RAYLM_ALLOW_SHARED_NODE_IP's default: a marker that changes nothing.
+    os.environ["RAYLM_ALLOW_SHARED_NODE_IP"] = "0"
+    os.environ["RAYLM_API_KEY"] = "not-for-the-workers"
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
         llm = _ray_llm(tiny_model_dir("llama"), tp=2)
     finally:
-        del os.environ["RAYLM_TEST_MARKER"]
+        del os.environ["RAYLM_ALLOW_SHARED_NODE_IP"]
+        del os.environ["RAYLM_API_KEY"]
         del os.environ["CUDA_VISIBLE_DEVICES"]
     yield llm
     llm.shutdown()
@@ -97,8 +101,8 @@ def test_collective_rpc_exception_carries_rank_and_traceback(tp2_llm):
     assert len(tp2_llm.generate("still alive", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 16
 
 
-def test_environment_reaches_workers_but_not_per_worker_vars(tp2_llm):
-    assert _executor(tp2_llm).collective_rpc(marker_env) == [("from-the-driver", False)] * 2
+def test_environment_reaches_workers_but_not_per_worker_vars_nor_the_api_key(tp2_llm):
+    assert _executor(tp2_llm).collective_rpc(marker_env) == [("0", False, False)] * 2
 
 
 def test_two_phase_step_order_is_enforced(tp2_llm):

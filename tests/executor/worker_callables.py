@@ -57,7 +57,8 @@ def fail_on_rank_0_while_rank_1_waits(worker, path):
 
 
 def marker_env(worker):
-    return os.environ.get("RAYLM_TEST_MARKER"), "CUDA_VISIBLE_DEVICES" in os.environ
+    return (os.environ.get("RAYLM_ALLOW_SHARED_NODE_IP"), "RAYLM_API_KEY" in os.environ,
+            "CUDA_VISIBLE_DEVICES" in os.environ)
 
 
 def install_poison(worker, poison_token: int):
