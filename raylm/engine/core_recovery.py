@@ -97,7 +97,9 @@ class CoreRecovery:
         if error is not None:
             self.launcher.close_channel(channel)
             logger.error("starting engine core %d failed: %s", channel.index, error)
-            self._restart_done(channel.index)  # a planned restart that failed is now a recovery
+            # A planned restart that failed ends here, unsuccessful (its caller
+            # is told), and goes on as a recovery.
+            self._restart_failed(channel.index, error)
             # A failed start costs another restart from the budget.
             self._last_failure = str(error)
             self._restart_if_allowed(channel.index, replacement)

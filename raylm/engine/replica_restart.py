@@ -20,6 +20,9 @@ _RESTART_POLL_S = 0.05
 class ReplicaRestart:
     def _init_restarts(self) -> None:
         self.restarting: set[int] = set()  # replicas being drained or started again
+        # Why the new core of a restart failed to start, by replica, until the
+        # caller awaiting that restart (AsyncReplicaRestart) takes it.
+        self.restart_failures: dict[int, str] = {}
 
     def begin_restart(self, index: int) -> int:
         """Drain replica `index` by migration; it is started again once empty
@@ -32,6 +35,7 @@ class ReplicaRestart:
         others = [c for i, c in self.channels.items() if i != index and not c.draining]
         if not others:
             raise ValueError("a replica restart needs another serving replica to take its requests")
+        self.restart_failures.pop(index, None)  # an earlier restart's, that nobody awaited
         self.restarting.add(index)
         channel.draining = True
         moving = self._migrate_away(index, reason="restart")
@@ -48,6 +52,16 @@ class ReplicaRestart:
             self.restarting.discard(index)
             logger.info("replica %d restarted and serving", index)
 
+    def _restart_failed(self, index: int, error: BaseException) -> None:
+        """The new core of a restarting replica failed to start: the restart
+        is over, unsuccessful, and its caller is told why. The replica itself
+        is recovered as any failed start is (`_on_started`)."""
+        if index in self.restarting:
+            self.restarting.discard(index)
+            self.restart_failures[index] = str(error)
+            logger.error("restarting replica %d failed: its new engine core did not start (%s); it is recovered "
+                         "as a failed start, within the restart budget", index, error)
+
     def restart_state(self, index: int) -> str | None:
         return "restarting" if index in self.restarting else None
 
@@ -56,6 +70,9 @@ class AsyncReplicaRestart:
     """For AsyncEngineCoreSupervisor: a restart awaited until the replica serves again."""
 
     async def restart_replica(self, index: int) -> None:
+        """Returns once replica `index` serves again; RuntimeError if its new
+        core failed to start (the replica is then being recovered) or it
+        did not serve in time."""
         self.begin_restart(index)
         limit = self.config.fault_tolerance.engine_start_timeout_s + self.config.fault_tolerance.execute_model_timeout_s
         deadline = time.monotonic() + limit
@@ -65,3 +82,8 @@ class AsyncReplicaRestart:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"replica {index} did not serve again within {limit:g} s")
             await asyncio.sleep(_RESTART_POLL_S)
+        # Out of `restarting`: it serves, or its start failed (_restart_failed).
+        failure = self.restart_failures.pop(index, None)
+        if failure is not None:
+            raise RuntimeError(f"its new engine core failed to start ({failure}); the replica is being recovered "
+                               "as a failed start, within the restart budget")
