@@ -1,13 +1,15 @@
 """raylm against llama.cpp on one machine: the same models, the same thread count, side by side.
 
 This script builds nothing: it takes llama.cpp's binaries (--llamacpp-bin, a folder holding
-llama-bench, llama-batched-bench and llama-server, e.g. what ../shared/peers/llamacpp/install.sh
-builds) and GGUF files converted from the HF folder raylm loads (convert.py beside install.sh,
-then `llama-quantize` for Q8_0 / Q4_K_M).
+llama-bench, llama-batched-bench and llama-server, e.g. DEST/bin of
+benchmarks/peers/install_llamacpp.sh, llama.cpp as llama-cpp-python 0.3.36 vendors it) and
+GGUF files converted from the HF folder raylm loads (benchmarks/peers/convert_to_gguf.py,
+then `llama-quantize` for Q8_0 / Q4_K_M); benchmarks/peers/README.md has the steps.
 
 Usage:
+  bash benchmarks/peers/install_llamacpp.sh /tmp/peer-llamacpp
   python benchmarks/compare_vllm.py --make-model large /tmp/bench_models/llama-111m
-  python ../shared/peers/llamacpp/convert.py /tmp/peer-llamacpp/src /tmp/bench_models/llama-111m \\
+  python benchmarks/peers/convert_to_gguf.py /tmp/peer-llamacpp/src /tmp/bench_models/llama-111m \\
       --outtype bf16 --outfile /tmp/bench_models/llama-111m-bf16.gguf
   /tmp/peer-llamacpp/bin/llama-quantize /tmp/bench_models/llama-111m-bf16.gguf \\
       /tmp/bench_models/llama-111m-Q8_0.gguf Q8_0

