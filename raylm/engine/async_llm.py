@@ -28,7 +28,7 @@ from raylm.engine.errors import (
 from raylm.engine.input_processor import InputProcessor, ProcessedPrompt
 from raylm.engine.llm_engine import check_data_parallel_rank
 from raylm.engine.output_processor import OutputProcessor
-from raylm.engine.protocol import EngineCoreOutputs, RecoveryStats
+from raylm.engine.protocol import EngineCoreOutputs, RecoveryStats, SchedulerStats
 from raylm.engine.restart_budget import BlameLedger, RestartBudget
 from raylm.engine.stat_logger import StatLoggerBase
 from raylm.engine.supervisor import AsyncEngineCoreSupervisor
@@ -345,6 +345,8 @@ class AsyncLLM:
             self._core_unhealthy = outputs.stats.unhealthy
             for stat_logger in self.stat_loggers:
                 stat_logger.record_scheduler_stats(outputs.stats)
+            cores = self._core_stats()
+            self._record(lambda s: s.record_core_stats(cores))
         for recovery in outputs.recoveries:
             self._record_recovery(recovery)
         for migration in outputs.migrated:
@@ -408,6 +410,13 @@ class AsyncLLM:
         decode = now - state.first_token if state.first_token is not None else 0.0
         inference = decode + (state.prefill_seconds or 0.0)
         self._record(lambda s: s.record_finished(reason, e2e, state.num_prompt_tokens, num_tokens, decode, inference))
+
+    def _core_stats(self) -> list[SchedulerStats]:
+        """Each serving core's stats as it last sent them. The supervisor
+        passes up their sum (aggregate_stats), in which a replica that left or
+        restarted reads as totals going back; the stat loggers count per core.
+        Read on the event loop, where the supervisor updates its channels."""
+        return [c.stats for c in self.engine_core.channels.values() if c.stats is not None]
 
     def _record(self, call) -> None:
         for stat_logger in self.stat_loggers:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import time
 import traceback
@@ -83,6 +84,9 @@ class EngineCoreProc:
             core.on_running_alone = RunningAloneRecord(running_alone_path).write
         core.on_rebuilding = self._announce_rebuilding
         self.engine_index = engine_index
+        # Which start of a core this is, in its stats (SchedulerStats.core_start):
+        # random, so that no two starts of a replica share one.
+        self.core_start = secrets.randbits(63)
         self.watch_parent = watch_parent
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PULL)
@@ -200,7 +204,8 @@ class EngineCoreProc:
         self._send(EngineCoreOutputs(rebuilding=True))
 
     def _stats(self) -> SchedulerStats:
-        return SchedulerStats(**self.core.stats(), unhealthy=self.core.unhealthy_reason)
+        return SchedulerStats(**self.core.stats(), unhealthy=self.core.unhealthy_reason,
+                              engine_index=self.engine_index, core_start=self.core_start)
 
     def _send(self, outputs: EngineCoreOutputs) -> None:
         outputs.engine_index = self.engine_index

@@ -44,6 +44,12 @@ class SchedulerStats(msgspec.Struct):
     # Set once failed requests caused more recoveries than the engine forgives
     # (EngineCore.unhealthy_reason): /health turns 503 for a supervisor to act.
     unhealthy: Union[str, None] = None
+    # Whose totals these are, stamped by the core (EngineCoreProc): its
+    # replica, and which start of a core it is (drawn at random when the core
+    # process starts). The front end counts each core's own increase: a sum
+    # over replicas drops when one leaves or restarts, which is no event.
+    engine_index: int = 0
+    core_start: int = 0
 
 
 class EngineCoreRequest(msgspec.Struct, tag="add"):

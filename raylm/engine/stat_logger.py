@@ -13,7 +13,15 @@ class StatLoggerBase:
     The server's Prometheus logger overrides what it exports."""
 
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:
-        """Counts and cache usage, as the core last reported them."""
+        """Counts and cache usage, as the core last reported them (with data
+        parallelism, the replicas' together)."""
+
+    def record_core_stats(self, cores: list[SchedulerStats]) -> None:
+        """Each serving core's own stats (one per replica), as it last reported
+        them, each with its replica and start (SchedulerStats.engine_index,
+        core_start): what turns the cores' running totals into counters, core
+        by core, since their sum drops whenever a replica leaves or restarts.
+        Called with every record_scheduler_stats."""
 
     def record_first_token(self, seconds: float) -> None:
         """Time from arrival to a request's first output token."""

@@ -29,6 +29,12 @@ _MIGRATION_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5
 _RECOVERY_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 
+def _increase(last: int, total: int) -> int:
+    """What a core's running total grew by since `last`. Lower than `last`, it
+    is a new count from zero (a core that did not say it restarted)."""
+    return total - last if total >= last else total
+
+
 class PrometheusStatLogger(StatLoggerBase):
     """One registry per server, so several servers in a process never collide."""
 
@@ -77,8 +83,11 @@ class PrometheusStatLogger(StatLoggerBase):
                                      "From a request's first token to its last", _LATENCY_BUCKETS)
         self.inference_time = histogram("vllm:request_inference_time_seconds",
                                         "From a request's first scheduling to its last token", _LATENCY_BUCKETS)
-        # Counters from the core's totals: the last totals seen, to add the difference.
-        self._last_totals: dict[str, int] = {}
+        # Counters from the cores' running totals (SchedulerStats field -> counter),
+        # and each serving core's last totals, by (replica, start): see record_core_stats.
+        self._totals = {"prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
+                        "num_preemptions": self.num_preemptions}
+        self._last_totals: dict[tuple[int, int], dict[str, int]] = {}
         # `kind`: what failed ("engine_core", or the core's own: "worker", "hang", ...).
         kind_labels = [*labels, "kind"]
         self.recoveries = Counter("raylm:recoveries", "Failures recovered from (executor or engine core rebuilt), by kind",
@@ -120,16 +129,22 @@ class PrometheusStatLogger(StatLoggerBase):
         self.kv_cache_usage.set(stats.kv_cache_usage)
         self.kv_capacity.set(stats.kv_capacity_tokens)
         self.kv_capacity_per_rank.set(stats.kv_capacity_tokens_per_rank)
-        self._add_total(self.prefix_queries, "prefix_cache_queries", stats.prefix_cache_queries)
-        self._add_total(self.prefix_hits, "prefix_cache_hits", stats.prefix_cache_hits)
-        self._add_total(self.num_preemptions, "num_preemptions", stats.num_preemptions)
 
-    def _add_total(self, counter: Counter, key: str, total: int) -> None:
-        """Advance `counter` to the core's running `total`. A total that went
-        down comes from a restarted core counting from zero again."""
-        last = self._last_totals.get(key, 0)
-        counter.inc(total - last if total >= last else total)
-        self._last_totals[key] = total
+    def record_core_stats(self, cores: list[SchedulerStats]) -> None:
+        """Advance the counters by each core's own increase since its last
+        report. The replicas' sum would drop when one leaves (a scale-in) or
+        restarts, and adding it again would count events twice. A core not
+        seen before (a new replica, or a restarted one: a new start) counts
+        from its start, its whole total; one that left adds nothing more."""
+        seen = {}
+        for stats in cores:
+            key = (stats.engine_index, stats.core_start)
+            now = {name: getattr(stats, name) for name in self._totals}
+            last = self._last_totals.get(key, {})
+            for name, counter in self._totals.items():
+                counter.inc(_increase(last.get(name, 0), now[name]))
+            seen[key] = now
+        self._last_totals = seen
 
     def record_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
