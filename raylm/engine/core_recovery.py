@@ -99,7 +99,7 @@ class CoreRecovery:
             logger.error("starting engine core %d failed: %s", channel.index, error)
             # A planned restart that failed ends here, unsuccessful (its caller
             # is told), and goes on as a recovery.
-            self._restart_failed(channel.index, error)
+            self._restart_failed(channel.index, f"its new engine core failed to start ({error})")
             # A failed start costs another restart from the budget.
             self._last_failure = str(error)
             self._restart_if_allowed(channel.index, replacement)
@@ -213,6 +213,10 @@ class CoreRecovery:
         blamed = self._charge_death(index, orphans, cause)
         orphans = [rid for rid in orphans if rid in self.ledger]
         logger.error("engine core %d died (%s); resubmitting its %d request(s)", index, cause, len(orphans))
+        # A replica that dies while it drains for a restart is replaced as any
+        # dead core is; the restart asked for is over (else it stayed
+        # "restarting" for good: the replacement is not a planned start).
+        self._restart_failed(index, f"it died while draining ({cause})")
         for request_id in orphans:
             self._resubmit(request_id)
         self._restart_if_allowed(index, Replacement(noticed, cause, len(orphans)), blamed)

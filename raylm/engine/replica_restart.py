@@ -52,15 +52,15 @@ class ReplicaRestart:
             self.restarting.discard(index)
             logger.info("replica %d restarted and serving", index)
 
-    def _restart_failed(self, index: int, error: BaseException) -> None:
-        """The new core of a restarting replica failed to start: the restart
-        is over, unsuccessful, and its caller is told why. The replica itself
-        is recovered as any failed start is (`_on_started`)."""
+    def _restart_failed(self, index: int, why: str) -> None:
+        """A restarting replica's restart did not go as planned: its new core
+        failed to start, or it died while draining. The restart is over,
+        unsuccessful, and its caller is told why; the replica itself is
+        recovered as any failure is (a replacement within the restart budget)."""
         if index in self.restarting:
             self.restarting.discard(index)
-            self.restart_failures[index] = str(error)
-            logger.error("restarting replica %d failed: its new engine core did not start (%s); it is recovered "
-                         "as a failed start, within the restart budget", index, error)
+            self.restart_failures[index] = why
+            logger.error("restarting replica %d failed: %s; it is recovered within the restart budget", index, why)
 
     def restart_state(self, index: int) -> str | None:
         return "restarting" if index in self.restarting else None
@@ -85,5 +85,4 @@ class AsyncReplicaRestart:
         # Out of `restarting`: it serves, or its start failed (_restart_failed).
         failure = self.restart_failures.pop(index, None)
         if failure is not None:
-            raise RuntimeError(f"its new engine core failed to start ({failure}); the replica is being recovered "
-                               "as a failed start, within the restart budget")
+            raise RuntimeError(f"{failure}; the replica is being recovered within the restart budget")

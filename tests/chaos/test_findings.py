@@ -152,3 +152,18 @@ def test_a_stage_file_its_source_removed_first_does_not_end_the_engine(world, mo
     monkeypatch.undo()
     world.drain()
     world.check()
+
+
+def test_a_replica_that_dies_while_it_drains_for_a_restart_does_not_stay_restarting(world):
+    """Found by the fast tier once it checked that replicas settle: a restart
+    asked of a core that had died unnoticed (or that dies while it drains)
+    got an unplanned replacement, and only a planned start ended a restart:
+    the replica said "restarting" for good, /scale was refused ("are
+    restarting") and the restart's caller waited out its deadline."""
+    world.submit("r0", PROMPT, 12)
+    _decoding(world, "r0")
+    world.kill(0)
+    world.sup.begin_restart(0)  # its death is not read yet: it still looks alive
+    world.drain()
+    world.check()  # both replicas serve, no restart left open
+    assert "died while draining" in world.sup.restart_failures[0]

@@ -161,6 +161,7 @@ class SimCoreProc(core_proc.EngineCoreProc):
         self.core = core
         self.incarnation = incarnation
         self.engine_index = engine_index
+        self.core_start = incarnation  # distinct for each start of an index, as the real one's random draw
         self.watch_parent = False
         core.on_rebuilding = self._announce_rebuilding
         core.on_running_alone = lambda rid: world.running_alone.__setitem__(engine_index, rid)
@@ -481,6 +482,10 @@ class World:
             return False
         if self.inbox or self.background or self.scale_ups:
             return False
+        sup = self.sup
+        # A restart, a replacement or a drained core's stop still under way.
+        if sup.restarting or sup._starting or sup._stopping or not sup._started.empty() or not sup._stopped.empty():
+            return False
         for proc in self.cores.values():
             if proc.input.frames or proc._has_work() or proc.core.migrations.copying:
                 return False
@@ -507,6 +512,11 @@ class World:
                                                     f"{outcome.tokens}, an undisturbed run gives {expected}")
         sup = self.sup
         assert sup.dead_error is None, f"the engine died: {sup.dead_error}"
+        # Every replica settled: serving, or waiting for the restart budget;
+        # no restart left open (it either served again or reported failure).
+        states = {r["replica"]: r["state"] for r in sup.replica_states()}
+        assert not sup.restarting and set(states.values()) <= {"serving", "waiting_for_restart_budget"}, \
+            f"replicas not settled: {states}, restarting {sorted(sup.restarting)}"
         assert not sup.ledger and not sup.migrations and not sup._migrating, "the supervisor kept requests"
         folder = sup._transfer_dir
         if folder is not None:
