@@ -255,7 +255,6 @@ class EngineConfig:
     # can override with one CPU group per rank of a node.
     num_threads: int | None = None
     cpu_bind: str = "auto"
-    env: dict[str, str] = field(default_factory=dict)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     autoscale: AutoscaleConfig | None = None
 
@@ -472,7 +471,6 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
 
     _check_context_parallel(args)
 
-    env = {k: v for k, v in os.environ.items() if k.startswith("RAYLM_")}
     return EngineConfig(
         model_config=ModelConfig(
             model=model_dir,
@@ -496,7 +494,6 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
         device=device,
         num_threads=args.num_threads,
         cpu_bind=_resolve_cpu_bind(args.cpu_bind, args.num_threads, world_size),
-        env=env,
         fault_tolerance=FaultToleranceConfig(
             max_restarts=args.max_restarts,
             restart_window_s=float(args.restart_window),
