@@ -107,7 +107,20 @@ def split_settings(settings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
                              "with - written _)")
     if isinstance(server["served_model_name"], str):
         server["served_model_name"] = [server["served_model_name"]]
+    _check_server_settings(server)
     return EngineArgs(**engine).to_kwargs(), server
+
+
+def _check_server_settings(server: dict[str, Any]) -> None:
+    """ValueError naming a server setting that `raylm serve`'s parser would
+    refuse, here at the application's build rather than in every replica."""
+    from raylm.entrypoints.openai.reasoning_parsers import reasoning_parser_names
+    from raylm.entrypoints.openai.structured_outputs import StructuredOutputDefaults
+
+    parser = server["reasoning_parser"]
+    if parser is not None and parser not in reasoning_parser_names():
+        raise ValueError(f"reasoning_parser: one of {reasoning_parser_names()}, got {parser!r}")
+    StructuredOutputDefaults.from_json(server["structured_outputs_config"])
 
 
 def settings_from_strings(args: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -292,6 +305,7 @@ def build_replica_app(engine, names: list[str], server: dict[str, Any], stat_log
     the network (SERVE_PROXY_HOST)."""
     from raylm.entrypoints.openai.api_server import CorsSettings, build_app
     from raylm.entrypoints.openai.limits import ServerLimits
+    from raylm.entrypoints.openai.structured_outputs import StructuredOutputDefaults
 
     return build_app(
         engine, names, api_key=resolve_api_key(server["api_key"]), stat_logger=stat_logger,
@@ -300,7 +314,10 @@ def build_replica_app(engine, names: list[str], server: dict[str, Any], stat_log
         cors=CorsSettings(server["allowed_origins"], server["allowed_methods"], server["allowed_headers"],
                           server["allow_credentials"]),
         tool_config=tool_config, trust_request_chat_template=server["trust_request_chat_template"],
-        host=SERVE_PROXY_HOST)
+        # Every server setting `raylm serve` passes (they were accepted here
+        # and ignored: a replica served without its reasoning parser).
+        structured_outputs_defaults=StructuredOutputDefaults.from_json(server["structured_outputs_config"]),
+        reasoning_parser=server["reasoning_parser"], host=SERVE_PROXY_HOST)
 
 
 class ReplicaEngine:

@@ -104,3 +104,24 @@ def test_a_ray_older_than_the_serve_support_is_refused():
         check_serve_ray_version("2.40.0")
     check_serve_ray_version("2.58.0")
     check_serve_ray_version("2.60.1")
+
+
+def test_a_replica_is_built_with_every_server_setting_raylm_serve_passes(monkeypatch):
+    """The reasoning parser and the structured-output defaults were accepted
+    as settings and dropped: a replica served without them."""
+    import raylm.entrypoints.openai.api_server as api_server
+
+    built = {}
+    monkeypatch.setattr(api_server, "build_app", lambda engine, names, **kwargs: built.update(kwargs))
+    _, server = split_settings({"reasoning_parser": "deepseek_r1",
+                                "structured_outputs_config": '{"disable_any_whitespace": true}'})
+    build_replica_app(_engine(), ["m"], server)
+    assert built["reasoning_parser"] == "deepseek_r1"
+    assert built["structured_outputs_defaults"].disable_any_whitespace is True
+
+
+@pytest.mark.parametrize("settings, field", [({"reasoning_parser": "nope"}, "reasoning_parser"),
+                                             ({"structured_outputs_config": "{"}, "structured-outputs-config")])
+def test_a_bad_server_setting_is_refused_at_build_naming_it(settings, field):
+    with pytest.raises(ValueError, match=field):
+        split_settings(settings)
