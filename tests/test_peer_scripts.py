@@ -95,7 +95,7 @@ def test_converter_splits_its_own_arguments_from_the_converters() -> None:
 def test_no_tracked_file_names_a_path_outside_the_repo() -> None:
     if not (ROOT / ".git").exists() or shutil.which("git") is None:
         pytest.skip("not a git checkout")
-    outside = b"../" + b"shared/"  # spelled in two parts so this file does not match itself
+    outside = b"../" + b"shared" + b"/"  # spelled in parts so that this file does not match itself
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     offenders = []
     for name in filter(None, files.split(b"\0")):
