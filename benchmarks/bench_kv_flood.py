@@ -49,7 +49,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from raylm.distributed.sealed_frames import TransferKey, new_key  # noqa: E402
-from raylm.worker import cpu_placement, kv_background, kv_network, kv_transfer  # noqa: E402
+from raylm import thread_accounting
+from raylm.worker import kv_background, kv_network, kv_transfer  # noqa: E402
 
 # The ~111M bf16 model's geometry per layer (as bench_kv_stage_cpu): 128 KiB a block.
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 8, 16, 4, 64
@@ -217,7 +218,7 @@ def run(mode: str, seconds: float, rate: float, source, key: bytes, requests, re
     own = [server._thread.native_id, server._sent_frames._thread.native_id]
 
     def own_cpu_s() -> float:
-        return sum(cpu_placement.thread_cpu_s(tid) or 0.0 for tid in own)
+        return sum(thread_accounting.thread_cpu_s(tid) or 0.0 for tid in own)
 
     manager = context.Manager()  # the attacker's counts come back through it (its fds opened before counting)
     counts = manager.dict()

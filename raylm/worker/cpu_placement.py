@@ -62,14 +62,14 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 # Parsing lives with the setting (config validates it); re-exported here for callers of the planner.
 from raylm.cpu_bind import AUTO, NO_BIND, parse_cpu_bind, parse_cpu_list  # noqa: F401
+# What Linux says of this process's threads (shared with the K/V copies' CPU budget).
+from raylm.thread_accounting import process_run_queue_wait_s, thread_ids
 
 logger = logging.getLogger(__name__)
 
@@ -536,71 +536,6 @@ class ThreadGovernor:
             self.threads = threads
 
 
-def process_run_queue_wait_s() -> float:
-    """Seconds this process's threads have spent runnable but off a CPU, in
-    all; 0 where Linux does not say (the governor then never sees contention)."""
-    return _schedstat_s(thread_ids(), 1)
-
-
-def name_thread(tid: int, name: str) -> None:
-    """Give the thread `tid` of this process `name` (15 bytes at most) where
-    the OS shows it (top -H, ps -L, /proc/.../comm): Python names its
-    threads only for itself, and a thread beside the steps should be told
-    from the loop when one looks where a process's CPU goes. Linux only;
-    elsewhere, or for a thread gone, nothing."""
-    try:
-        with open(f"/proc/self/task/{tid}/comm", "w") as f:
-            f.write(name[:15])
-    except OSError:
-        pass
-
-
-def name_this_thread(name: str) -> None:
-    name_thread(threading.get_native_id(), name)
-
-
-def thread_name(tid: int) -> str | None:
-    """The name the OS shows for the thread `tid` of this process; None once it ended."""
-    try:
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def thread_cpu_s(tid: int) -> float | None:
-    """Seconds the thread `tid` of this process has run on a CPU; None once it
-    has ended (or off Linux). Read from the thread's CPU-time clock (the
-    clock id Linux gives a thread of the calling process, as glibc's
-    pthread_getcpuclockid builds it): the copy budget reads every copying
-    thread's on each check, and a /proc read cost 10.3 us here against 0.4 us
-    for the system call."""
-    if sys.platform != "linux":
-        return None
-    try:
-        return time.clock_gettime(((~tid) << 3) | _CPUCLOCK_PERTHREAD_SCHED)
-    except OSError:  # EINVAL: no such thread in this process (any more)
-        return None
-
-
-# A per-thread clock (4) of the scheduler's runtime (2), Linux's clock-id encoding.
-_CPUCLOCK_PERTHREAD_SCHED = 4 | 2
-
-
-def _schedstat_s(tids: list[int], field: int) -> float:
-    """The sum of field `field` of the threads' /proc schedstat (0: on a CPU,
-    1: runnable but waiting), in seconds; a thread gone counts 0."""
-    return sum(value for value in (_schedstat_field_s(tid, field) for tid in tids) if value is not None)
-
-
-def _schedstat_field_s(tid: int, field: int) -> float | None:
-    try:
-        with open(f"/proc/self/task/{tid}/schedstat") as f:
-            return int(f.read().split()[field]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def _set_torch_threads(threads: int) -> None:
     import torch
 
@@ -616,11 +551,3 @@ def watch_for(placement: RankPlacement) -> "ContentionWatch | ThreadGovernor | N
     if placement.auto:
         return ContentionWatch(placement.num_threads)
     return None
-
-
-def thread_ids() -> list[int]:
-    """This process's threads (Linux task ids; none where /proc is missing)."""
-    try:
-        return [int(tid) for tid in os.listdir("/proc/self/task")]
-    except OSError:
-        return []

@@ -43,7 +43,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from raylm.worker.cpu_placement import name_this_thread, thread_cpu_s
+from raylm.thread_accounting import name_this_thread, thread_cpu_s
 
 logger = logging.getLogger(__name__)
 

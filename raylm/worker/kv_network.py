@@ -66,7 +66,7 @@ from raylm.distributed.sealed_frames import (REQUEST_LIFETIME_S, AnswerSeal, Rep
                                              TransferKey)
 from raylm.distributed.tcp_auth import terminate_context
 from raylm.worker import kv_transfer
-from raylm.worker.cpu_placement import name_this_thread, name_thread, thread_cpu_s, thread_ids, thread_name
+from raylm.thread_accounting import name_this_thread, name_thread, thread_cpu_s, thread_ids, thread_name
 from raylm.worker.kv_background import (CopyBudget, CPUAllowance, ThreadsBesideTheSteps, no_wakeup_preemption,
                                         process_copy_budget)
 

@@ -10,7 +10,8 @@ import pytest
 
 from raylm.worker.cpu_placement import (ContentionWatch, CpuTopology, RankPlacement, ThreadGovernor,
                                         apply_rank_placement, format_cpus, parse_cpu_bind, parse_cpu_list,
-                                        plan_cpu_placement, process_run_queue_wait_s, read_topology, watch_for)
+                                        plan_cpu_placement, read_topology, watch_for)
+from raylm.thread_accounting import process_run_queue_wait_s
 
 
 def flat(n: int) -> CpuTopology:

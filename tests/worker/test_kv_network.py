@@ -22,7 +22,8 @@ import zmq
 
 from raylm.distributed import sealed_frames
 from raylm.distributed.sealed_frames import TransferKey
-from raylm.worker import cpu_placement, kv_background, kv_network, kv_transfer
+from raylm import thread_accounting
+from raylm.worker import kv_background, kv_network, kv_transfer
 from tests.conftest import wait_until
 
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, LAYERS = 12, 4, 2, 8, 3
@@ -464,7 +465,7 @@ def test_a_paced_fetch_takes_in_no_more_than_it_reads(endpoint):
     io_threads = list(kv_network._fetch_threads.tids)
 
     def receiving_cpu_s() -> float:
-        return sum(cpu_placement.thread_cpu_s(tid) or 0.0 for tid in io_threads)
+        return sum(thread_accounting.thread_cpu_s(tid) or 0.0 for tid in io_threads)
 
     cpu_at = {}
 

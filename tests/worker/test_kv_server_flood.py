@@ -26,7 +26,8 @@ import zmq
 
 from raylm.distributed import sealed_frames
 from raylm.distributed.sealed_frames import TransferKey
-from raylm.worker import cpu_placement, kv_background, kv_network, kv_transfer
+from raylm import thread_accounting
+from raylm.worker import kv_background, kv_network, kv_transfer
 from tests.conftest import wait_until
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 2, 2, 64, 16
@@ -290,7 +291,7 @@ def test_junk_is_refused_and_counted_apart_from_the_copies_while_a_rightful_fetc
         own = [server._thread.native_id, server._sent_frames._thread.native_id]
 
         def own_cpu_s() -> float:
-            return sum(cpu_placement.thread_cpu_s(tid) or 0.0 for tid in own)
+            return sum(thread_accounting.thread_cpu_s(tid) or 0.0 for tid in own)
 
         budget.wait_s()  # settled: what follows is the flood's and the fetch's
         charged_before, own_before = budget.spent_s, own_cpu_s()
