@@ -1,4 +1,4 @@
-"""A rank's K/V server (raylm.worker.kv_network) under a flood of strangers,
+"""A rank's K/V server (raylm.kv_transfer.network) under a flood of strangers,
 against a control run: what a victim transfer stream sees (per fetch and
 per frame, p50/p99), what the server process grows (RSS, file descriptors)
 and what the refusals cost and where it is charged.
@@ -48,9 +48,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from raylm.distributed.sealed_frames import TransferKey, new_key  # noqa: E402
+from raylm.kv_transfer.sealed_frames import TransferKey, new_key  # noqa: E402
 from raylm import thread_accounting
-from raylm.worker import kv_background, kv_network, kv_transfer  # noqa: E402
+from raylm.kv_transfer import background as kv_background  # noqa: E402
+from raylm.kv_transfer import fetch as kv_fetch  # noqa: E402
+from raylm.kv_transfer import files as kv_transfer  # noqa: E402
+from raylm.kv_transfer import network as kv_network  # noqa: E402
 
 # The ~111M bf16 model's geometry per layer (as bench_kv_stage_cpu): 128 KiB a block.
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 8, 16, 4, 64
@@ -158,7 +161,7 @@ def _destination(requests, replies, key: bytes) -> None:
     while (request := requests.get()) is not None:
         name, address = request
         arrivals = []
-        join = kv_network._JoinedStage(name, kv_transfer.packed_size(caches, _STAGE_BLOCKS))
+        join = kv_fetch._JoinedStage(name, kv_transfer.packed_size(caches, _STAGE_BLOCKS))
 
         def into(index, count, size):
             arrivals.append(time.monotonic())
@@ -166,7 +169,7 @@ def _destination(requests, replies, key: bytes) -> None:
 
         started = time.monotonic()
         try:
-            kv_network.fetch(address, name, TransferKey(key), into=into)
+            kv_fetch.fetch(address, name, TransferKey(key), into=into)
             kv_transfer.unpack_blocks(caches, list(range(_STAGE_BLOCKS)), join.joined(), name)
         except kv_transfer.KVTransferError as error:  # its migration would be given up
             replies.put((None, [], str(error)))

@@ -1,5 +1,5 @@
 """What one cross-host migration stage costs each end in CPU: the source
-packs its blocks, seals and sends them (raylm.worker.kv_network), the
+packs its blocks, seals and sends them (raylm.kv_transfer.network), the
 destination receives, opens and unpacks them into its cache. On a node
 with no spare core that CPU comes out of the decode steps, so it is the
 copy's own cost, little moved by other work on a shared machine (a stage's
@@ -30,8 +30,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from raylm.distributed.sealed_frames import TransferKey, new_key  # noqa: E402
-from raylm.worker import kv_network, kv_transfer  # noqa: E402
+from raylm.kv_transfer.sealed_frames import TransferKey, new_key  # noqa: E402
+from raylm.kv_transfer import files as kv_transfer  # noqa: E402
+from raylm.kv_transfer import network as kv_network  # noqa: E402
 
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 8, 16, 4, 64
 _WARM_UP = 2

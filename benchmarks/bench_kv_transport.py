@@ -11,9 +11,9 @@ final stage's last blocks), `--repeats` times, the time from the source
 holding the packed blocks in memory to the destination holding them in its
 memory, and each side's CPU over it (its whole process, every thread):
 
-  sealed      raylm.worker.kv_network: the destination fetches the source's
+  sealed      raylm.kv_transfer.network: the destination fetches the source's
               offer, each 1 MiB frame sealed with AES-256-GCM
-              (raylm.distributed.sealed_frames): what migration uses
+              (raylm.kv_transfer.sealed_frames): what migration uses
   curve       the same frames over ZMQ CURVE (libzmq encrypts; migration's
               transport until the sealed frames replaced it)
   plain-tcp   the same frames in the clear (the cost of the trust)
@@ -39,7 +39,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 _METHODS = ("sealed", "curve", "plain-tcp", "ray-object")
-_FRAME_BYTES = 1 << 20  # as raylm.worker.kv_network's
+_FRAME_BYTES = 1 << 20  # as raylm.kv_transfer.network's
 _SETTLE_S = 0.1
 
 
@@ -55,7 +55,7 @@ class _Side:
     def __init__(self):
         import zmq
 
-        from raylm.distributed.sealed_frames import new_key
+        from raylm.kv_transfer.sealed_frames import new_key
         from raylm.distributed.tcp_auth import CurveKeys
 
         self.key = new_key()
@@ -84,8 +84,8 @@ class _Side:
         return self.payloads[nbytes]
 
     def offer(self, name: str, nbytes: int, key: bytes) -> str:
-        from raylm.distributed.sealed_frames import TransferKey
-        from raylm.worker.kv_network import KVBlockServer
+        from raylm.kv_transfer.sealed_frames import TransferKey
+        from raylm.kv_transfer.network import KVBlockServer
 
         if self.server is None:
             self.server = KVBlockServer(self.node_ip(), TransferKey(key))
@@ -118,8 +118,8 @@ class _Side:
         return address
 
     def fetch(self, address: str, name: str, nbytes: int, key: bytes) -> tuple[float, float]:
-        from raylm.distributed.sealed_frames import TransferKey
-        from raylm.worker.kv_network import fetch
+        from raylm.kv_transfer.sealed_frames import TransferKey
+        from raylm.kv_transfer.network import fetch
 
         if len(self.joined) < nbytes:
             self.joined = bytearray(nbytes)  # outside the timing, once per size

@@ -206,7 +206,7 @@ def _copy_share(core: int, start: float, end: float) -> float | None:
 
 def _copy_cpu_by_thread(core: int) -> dict[str, float] | None:
     """CPU seconds that core `core`'s process has spent on its K/V copies so
-    far, by thread name: its threads named raylm-kv-... (raylm.worker.kv_background,
+    far, by thread name: its threads named raylm-kv-... (raylm.kv_transfer.background,
     kv_network: the copying threads, the K/V server's and ZMQ's I/O threads
     of the K/V sockets). Remembers their ids for _pump's sampling (_kv_threads)."""
     process = _core_processes.get(core)
@@ -552,7 +552,7 @@ def copy_cost(mib: int, repeats: int) -> dict:
 
     import torch
 
-    from raylm.worker import kv_transfer
+    from raylm.kv_transfer import files as kv_transfer
 
     torch.set_num_threads(1)
     preset = MODEL_PRESETS["large"]

@@ -32,6 +32,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("raylm.core",)),
     ("executor", ("raylm.executor",)),
     ("worker", ("raylm.worker",)),
+    # K/V movement between engines (live migration's stages; prefix pulls and
+    # P/D hand-offs to come): the transport interface the engine talks to,
+    # and the ranks' side of each transfer kind (files in shared memory, the
+    # sealed network), the copies beside the steps and their CPU budget.
+    ("kv_transfer", ("raylm.kv_transfer",)),
     # The resolved settings: read by every layer above; built from what model/
     # reads in a model folder (architecture, generation defaults, hub).
     ("config", ("raylm.config",)),

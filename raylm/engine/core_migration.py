@@ -16,16 +16,16 @@ K/V it imported. What it reserved is freed if the migration is abandoned.
 The stages before the last overlap the steps (the pre-copy): the source's
 ranks gather the filled blocks (immutable from then on) and the
 destination's read them into its reserved blocks on threads of their own
-(raylm.worker.kv_background) while both cores keep stepping; the destination
+(raylm.kv_transfer.background) while both cores keep stepping; the destination
 reports such a stage once its ranks are done (`poll`). Only the final stage
 copies on the loop, the request paused. RAYLM_MIGRATION_SYNC_PRECOPY=1 makes
 every stage copy on the loop (the benchmark's baseline).
 
 Every transfer is one collective call per stage: each rank writes or reads
-its own file (raylm.worker.kv_transfer), so TP and PP engines move their
+its own file (raylm.kv_transfer.files), so TP and PP engines move their
 shards rank to rank. Between cores on different nodes (the message carries
 `network`) each source rank offers its blocks on a socket of its own instead
-and the destination's rank fetches them (raylm.worker.kv_network).
+and the destination's rank fetches them (raylm.kv_transfer.network).
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ The K/V takes one of two ways, chosen per pair of cores: when both run on
 the supervisor's node, files in its private folder in /dev/shm; otherwise
 (either core on another node) over the network, each source rank offering
 its blocks on a socket of its own and the destination's rank fetching them
-(raylm.worker.kv_network), sealed with a key this supervisor makes and sends
-both sides inside their migration messages (raylm.distributed.sealed_frames).
+(raylm.kv_transfer.network), sealed with a key this supervisor makes and sends
+both sides inside their migration messages (raylm.kv_transfer.sealed_frames).
 
 Neither way serves a replica whose ranks span nodes: every rank writes or
 reads its own stage file in this node's /dev/shm folder (a rank elsewhere
@@ -51,9 +51,9 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-from raylm.distributed import sealed_frames
 from raylm.engine.core_channel import CoreChannel
 from raylm.engine.routing import CoreLoad, plan_rebalance
+from raylm.kv_transfer import sealed_frames
 from raylm.engine.protocol import (
     KVNetwork,
     MigrateEnd,

@@ -98,10 +98,10 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 
 class KVNetwork(msgspec.Struct):
-    """How a migration's K/V crosses nodes (raylm.worker.kv_network): the
+    """How a migration's K/V crosses nodes (raylm.kv_transfer.network): the
     source's ranks offer their blocks on `host` (its node's address); both
     sides hold the supervisor's pre-shared transfer `key`
-    (raylm.distributed.sealed_frames). None in a migration message: the two
+    (raylm.kv_transfer.sealed_frames). None in a migration message: the two
     cores share a node, and the K/V goes through files."""
 
     host: str

@@ -19,8 +19,9 @@ from raylm.config import EngineConfig
 from raylm.distributed import parallel_state
 from raylm.messages import GrammarOutput, KVCacheConfig, ModelRunnerOutput, SchedulerOutput
 from raylm.model.layers.cpu_kernels import get_cpu_kernels
-from raylm.distributed.sealed_frames import TransferKey
-from raylm.worker import cpu_placement, kv_background, kv_network, kv_transfer
+from raylm.kv_transfer.sealed_frames import TransferKey
+from raylm.kv_transfer import background as kv_background, files as kv_transfer, frames, network as kv_network
+from raylm.worker import cpu_placement
 from raylm.worker.fault_injection import FaultInjector
 from raylm.worker.model_runner import ModelRunner
 from raylm.worker.memory_profiling import (
@@ -225,7 +226,7 @@ class Worker:
     def check_health(self) -> int:
         return os.getpid()
 
-    # ---- live migration (raylm.worker.kv_transfer) ----------------------------------
+    # ---- live migration (raylm.kv_transfer.files) ----------------------------------
 
     def export_kv(self, path_prefix: str, block_ids: list[int], background: bool = False) -> int:
         """This rank's K/V of `block_ids`, written to its own file of the transfer
@@ -245,7 +246,7 @@ class Worker:
         if not background:
             return kv_transfer.import_blocks(self.model_runner.kv_caches, block_ids, path)
         self._kv_jobs().import_(os.path.basename(path_prefix), kv_transfer.import_blocks,
-                                self.model_runner.kv_caches, block_ids, path, kv_network.FETCH_TIMEOUT_S, paced=True)
+                                self.model_runner.kv_caches, block_ids, path, frames.FETCH_TIMEOUT_S, paced=True)
         return None
 
     def kv_copies_done(self, names: list[str]) -> dict:
@@ -267,7 +268,7 @@ class Worker:
             self.kv_copies = kv_background.KVCopyJobs()
         return self.kv_copies
 
-    # Cross-node transfers (raylm.worker.kv_network); `key` is the supervisor's pre-shared transfer key.
+    # Cross-node transfers (raylm.kv_transfer.network); `key` is the supervisor's pre-shared transfer key.
 
     def serve_kv(self, name: str, block_ids: list[int], host: str, key: bytes, background: bool = False) -> list:
         """Pack this rank's K/V of `block_ids` and offer it on `host`; [bytes, address].
@@ -287,7 +288,7 @@ class Worker:
         args = (self.model_runner.kv_caches, f"{name}.rank{self.rank}", block_ids, addresses[self.rank],
                 TransferKey(key))
         if not background:
-            return fetch(*args, kv_network.FINAL_FETCH_TIMEOUT_S)
+            return fetch(*args, frames.FINAL_FETCH_TIMEOUT_S)
         self._kv_jobs().import_(name, fetch, *args, paced=True)
         return None
 

@@ -1,4 +1,4 @@
-"""The seal on a K/V transfer between nodes (raylm.distributed.sealed_frames):
+"""The seal on a K/V transfer between nodes (raylm.kv_transfer.sealed_frames):
 only a holder of the key makes a request or an admission token that opens,
 a receiver takes each once and only within its lifetime, an answer's
 messages open only for the request they answer and with the header they
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from raylm.distributed import sealed_frames
-from raylm.distributed.sealed_frames import AnswerSeal, Replayed, SealBroken, SeenRequests, TransferKey
+from raylm.kv_transfer import sealed_frames
+from raylm.kv_transfer.sealed_frames import AnswerSeal, Replayed, SealBroken, SeenRequests, TransferKey
 
 
 def test_a_request_opens_with_its_key_only_and_both_ends_get_the_same_answer_seal():

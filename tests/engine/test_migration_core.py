@@ -14,10 +14,10 @@ import time
 import pytest
 
 from raylm import LLM, SamplingParams
-from raylm.distributed import sealed_frames
+from raylm.kv_transfer import sealed_frames
 from raylm.engine.protocol import EngineCoreRequest, KVNetwork, MigrateEnd, MigrateExport, MigrateImport
 from raylm.testing.hf_oracle import hf_greedy
-from raylm.worker import kv_transfer
+from raylm.kv_transfer import files as kv_transfer
 from tests.conftest import wait_until
 
 PROMPT = [(5 * j) % 200 + 3 for j in range(37)]  # spans several 16-token blocks
@@ -151,7 +151,7 @@ def test_greedy_migrated_request_equals_hugging_face(cores, model):
 
 
 def test_greedy_request_migrated_over_the_network_equals_hugging_face(cores, model):
-    """The cross-node path (sealed frames over TCP, raylm.worker.kv_network), on loopback."""
+    """The cross-node path (sealed frames over TCP, raylm.kv_transfer.network), on loopback."""
     src, dst = cores
     network = KVNetwork("127.0.0.1", sealed_frames.new_key())
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -351,7 +351,7 @@ def test_a_background_import_whose_ranks_finish_at_different_polls_is_reported_o
     from types import SimpleNamespace
 
     from raylm.engine.core_migration import MigrationEndpoint, _BackgroundImport
-    from raylm.worker.kv_background import KVCopyJobs
+    from raylm.kv_transfer.background import KVCopyJobs
 
     ranks = [KVCopyJobs(), KVCopyJobs()]
     release = threading.Event()

@@ -1,7 +1,7 @@
 """Live migration across two real hosts (network namespaces, a Ray node on
 each; harness.py): one data-parallel replica per host, requests moved
 mid-decode both ways. Their K/V crosses the hosts' link as sealed frames over TCP
-(raylm.worker.kv_network), not shared memory, and every output equals
+(raylm.kv_transfer.network), not shared memory, and every output equals
 Hugging Face's greedy run (float32): nothing recomputed, no block left."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""K/V blocks between ranks over the network (raylm.worker.kv_network), here
+"""K/V blocks between ranks over the network (raylm.kv_transfer.network), here
 on loopback: the blocks arrive bit for bit in the reserved blocks, an offer
 is handed out once, only a request sealed with the supervisor's key gets
 it, an answer that does not open with the key fails the fetch, and what
@@ -20,10 +20,15 @@ import pytest
 import torch
 import zmq
 
-from raylm.distributed import sealed_frames
-from raylm.distributed.sealed_frames import TransferKey
+from raylm.kv_transfer import sealed_frames
+from raylm.kv_transfer.sealed_frames import TransferKey
 from raylm import thread_accounting
-from raylm.worker import kv_background, kv_network, kv_transfer
+from raylm.kv_transfer import admission as kv_admission
+from raylm.kv_transfer import frames as kv_frames
+from raylm.kv_transfer import background as kv_background
+from raylm.kv_transfer import fetch as kv_fetch
+from raylm.kv_transfer import files as kv_transfer
+from raylm.kv_transfer import network as kv_network
 from tests.conftest import wait_until
 
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, LAYERS = 12, 4, 2, 8, 3
@@ -66,7 +71,7 @@ def test_blocks_arrive_bit_for_bit_in_the_reserved_blocks(endpoint, dtype):
         assert not dst[:, untouched].any()
     # Handed out once: a second fetch of the same name is refused.
     with pytest.raises(kv_transfer.KVTransferError, match="offers no K/V blocks"):
-        kv_network.fetch(address, "m-0.rank0", key, timeout_s=5)
+        kv_fetch.fetch(address, "m-0.rank0", key, timeout_s=5)
     time.sleep(0.5)  # the fetches' connections closed, and the server's monitor read
     assert not endpoint._server.refusals.counts  # a rightful fetch is no refusal
 
@@ -145,7 +150,7 @@ def test_a_client_without_the_key_gets_nothing(endpoint):
     stranger = _key()
     # The server admits only connections whose token opens with the supervisor's key: none comes.
     with pytest.raises(kv_transfer.KVTransferError, match="did not send"):
-        kv_network.fetch(address, "m-1.rank0", stranger, timeout_s=0.5)
+        kv_fetch.fetch(address, "m-1.rank0", stranger, timeout_s=0.5)
     # Nor to the name in the clear, or to a request of another form, from a client with no token.
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -171,7 +176,7 @@ def _forged_answer(forgery: str, key: TransferKey, request: bytes) -> list[bytes
     """What someone posing as the source, or changing its answer on the way,
     sends back to `request`."""
     data = bytes(range(200))
-    header = kv_network._FRAME_META.pack(0, 1)
+    header = kv_frames._FRAME_META.pack(0, 1)
     if forgery == "junk":
         return [b"ok", header, data + bytes(16)]
     if forgery == "missing, not sealed":
@@ -185,7 +190,7 @@ def _forged_answer(forgery: str, key: TransferKey, request: bytes) -> list[bytes
         sealed[100] ^= 1
         return [b"ok", header, bytes(sealed)]
     if forgery == "its index changed":
-        return [b"ok", kv_network._FRAME_META.pack(0, 2), bytes(sealed)]
+        return [b"ok", kv_frames._FRAME_META.pack(0, 2), bytes(sealed)]
     raise AssertionError(forgery)
 
 
@@ -218,7 +223,7 @@ def test_an_answer_that_does_not_open_with_the_key_fails_the_fetch(forgery):
     answering.start()
     try:
         with pytest.raises(kv_transfer.KVTransferError, match="does not open with the transfer key"):
-            kv_network.fetch(f"tcp://127.0.0.1:{port}", "m-1.rank0", key, timeout_s=10)
+            kv_fetch.fetch(f"tcp://127.0.0.1:{port}", "m-1.rank0", key, timeout_s=10)
     finally:
         answering.join(15)
         rogue.close(linger=0)
@@ -230,7 +235,7 @@ def _admitted_dealer(address: str, key: TransferKey, token: bytes | None = None)
     """A client as a destination's fetch makes it, presenting `token` (a fresh one by default)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    kv_network.SealedAdmission.present(sock, key)
+    kv_admission.SealedAdmission.present(sock, key)
     if token is not None:
         sock.setsockopt(zmq.PLAIN_PASSWORD, token)
     sock.connect(address)
@@ -253,7 +258,7 @@ def test_a_request_played_back_gets_nothing_it_can_use(endpoint):
         assert sock.poll(10_000)
         status, header, sealed = sock.recv_multipart()
         assert status == b"ok"
-        index, count = kv_network._FRAME_META.unpack(header)
+        index, count = kv_frames._FRAME_META.unpack(header)
         assert seal.open(index, status + header, sealed) == kv_transfer.pack_blocks(_caches(0), [1]).numpy().tobytes()
         sock.send(request)  # played back on an admitted connection
         assert not sock.poll(500)
@@ -283,7 +288,7 @@ def test_withdrawn_offers_and_other_layouts_are_refused(endpoint):
     endpoint.serve(_caches(0), "m-20-0.rank0", [4], "127.0.0.1", key)
     assert endpoint.withdraw("m-2-") == 2  # that migration's offers, not m-20's
     with pytest.raises(kv_transfer.KVTransferError, match="offers no K/V blocks"):
-        kv_network.fetch(address, "m-2-0.rank0", key, timeout_s=5)
+        kv_fetch.fetch(address, "m-2-0.rank0", key, timeout_s=5)
     other_layout = _caches(None, block_size=2 * BLOCK_SIZE)
     with pytest.raises(kv_transfer.KVTransferError, match="KV layouts differ"):
         kv_network.KVNetworkEndpoint().fetch_into(other_layout, "m-20-0.rank0", [0], address, key)
@@ -295,13 +300,13 @@ def test_withdrawn_offers_and_other_layouts_are_refused(endpoint):
 def test_a_stage_in_more_frames_than_its_blocks_fill_is_refused_at_its_first(endpoint, monkeypatch):
     """The frame count is the source's word: more frames than the reserved
     blocks' bytes fill is refused before a buffer is taken for them."""
-    monkeypatch.setattr(kv_network, "_FRAME_BYTES", 1000)
+    monkeypatch.setattr(kv_frames, "_FRAME_BYTES", 1000)
     key = _key()
     _, address = endpoint.serve(_caches(0), "m-12.rank0", [1, 2, 3], "127.0.0.1", key)
-    kept = kv_network._joined_stages.num_kept
+    kept = kv_fetch._joined_stages.num_kept
     with pytest.raises(kv_transfer.KVTransferError, match="more than the .* bytes of the blocks reserved"):
         kv_network.KVNetworkEndpoint().fetch_into(_caches(None), "m-12.rank0", [0], address, key)
-    assert kv_network._joined_stages.num_kept == kept
+    assert kv_fetch._joined_stages.num_kept == kept
     endpoint.serve(_caches(0), "m-13.rank0", [1], "127.0.0.1", key)
     with pytest.raises(kv_transfer.KVTransferError, match="no KV cache"):
         kv_network.KVNetworkEndpoint().fetch_into([], "m-13.rank0", [0], address, key)
@@ -334,9 +339,9 @@ def test_a_pool_keeps_at_most_its_count_and_bytes_the_larger_buffers_first(monke
     """A rank keeps its pools as long as it lives: past either limit a
     buffer given back takes the place of smaller free ones, or is not kept;
     one still being sent is never dropped."""
-    monkeypatch.setattr(kv_network.StageBuffers, "MAX_BUFFERS", 3)
-    monkeypatch.setattr(kv_network.StageBuffers, "MAX_KEPT_BYTES", 1000)
-    pool = kv_network.StageBuffers()
+    monkeypatch.setattr(kv_frames.StageBuffers, "MAX_BUFFERS", 3)
+    monkeypatch.setattr(kv_frames.StageBuffers, "MAX_KEPT_BYTES", 1000)
+    pool = kv_frames.StageBuffers()
 
     def kept() -> list[int]:
         return sorted(buffer.numel() for buffer, _ in pool._kept)
@@ -387,11 +392,11 @@ def test_a_sent_stage_lends_its_buffer_to_the_next(endpoint):
 def test_a_stage_travels_in_frames_joined_exactly_at_the_destination(endpoint, monkeypatch):
     """A stage goes in frames of at most _FRAME_BYTES, each sealed on its
     own, and the destination opens them into a kept buffer."""
-    monkeypatch.setattr(kv_network, "_FRAME_BYTES", 1000)
+    monkeypatch.setattr(kv_frames, "_FRAME_BYTES", 1000)
     key = _key()
     source = _caches(10, torch.bfloat16)
     num_bytes, address = endpoint.serve(source, "m-6.rank0", [7, 2, 9], "127.0.0.1", key)
-    frames = kv_network.fetch(address, "m-6.rank0", key, timeout_s=5)
+    frames = kv_fetch.fetch(address, "m-6.rank0", key, timeout_s=5)
     assert [len(f) for f in frames] == [1000] * (num_bytes // 1000) + [num_bytes % 1000]
     assert b"".join(frames) == kv_transfer.pack_blocks(source, [7, 2, 9]).numpy().tobytes()
     for name, sent in (("m-7.rank0", [1, 0, 11]), ("m-8.rank0", [5, 6])):
@@ -399,7 +404,7 @@ def test_a_stage_travels_in_frames_joined_exactly_at_the_destination(endpoint, m
         destination = _caches(None, torch.bfloat16)
         kv_network.KVNetworkEndpoint().fetch_into(destination, name, [3, 4, 8][: len(sent)], address, key)
         assert all(torch.equal(d[:, [3, 4, 8][: len(sent)]], s[:, sent]) for s, d in zip(source, destination))
-        assert kv_network._joined_stages.num_kept >= 1  # the join's buffer, kept for the next stage
+        assert kv_fetch._joined_stages.num_kept >= 1  # the join's buffer, kept for the next stage
 
 
 def _packed_at_once(fn, *args) -> Future:
@@ -414,7 +419,7 @@ def test_a_pre_copy_stage_is_paced_and_a_final_stage_goes_between_its_frames(mon
     sending (its thread's and its I/O threads' CPU, counted in the budget)
     take no more than the budget's share of the time the stage takes. A
     final stage, whose request is paused, is answered between its frames."""
-    monkeypatch.setattr(kv_network, "_FRAME_BYTES", 256 << 10)
+    monkeypatch.setattr(kv_frames, "_FRAME_BYTES", 256 << 10)
     share = 0.01
     budget = kv_background.CopyBudget(share=share)
     endpoint = kv_network.KVNetworkEndpoint(budget)
@@ -434,7 +439,7 @@ def test_a_pre_copy_stage_is_paced_and_a_final_stage_goes_between_its_frames(mon
                 first_frame.set()
                 return memoryview(frames[-1])
 
-            kv_network.fetch(address, "m-9-0.rank0", key, into=into)
+            kv_fetch.fetch(address, "m-9-0.rank0", key, into=into)
             done_at["pre-copy"] = time.monotonic()
             assert b"".join(frames) == kv_transfer.pack_blocks(source, list(range(2048))).numpy().tobytes()
 
@@ -461,8 +466,8 @@ def test_a_paced_fetch_takes_in_no_more_than_it_reads(endpoint):
     key = _key()
     source = _caches(12, num_blocks=16384)  # 24 MiB, 24 frames
     num_bytes, address = endpoint.serve(source, "m-11.rank0", list(range(16384)), "127.0.0.1", key)
-    kv_network._fetch_zmq_context()
-    io_threads = list(kv_network._fetch_threads.tids)
+    kv_fetch._fetch_zmq_context()
+    io_threads = list(kv_fetch._fetch_threads.tids)
 
     def receiving_cpu_s() -> float:
         return sum(thread_accounting.thread_cpu_s(tid) or 0.0 for tid in io_threads)
@@ -475,7 +480,7 @@ def test_a_paced_fetch_takes_in_no_more_than_it_reads(endpoint):
             time.sleep(1.0)  # the destination's budget holds its reading
             cpu_at["held"] = receiving_cpu_s()
 
-    frames = kv_network.fetch(address, "m-11.rank0", key, pause=pause)
+    frames = kv_fetch.fetch(address, "m-11.rank0", key, pause=pause)
     spent = receiving_cpu_s() - cpu_at["first"]
     assert b"".join(frames) == kv_transfer.pack_blocks(source, list(range(16384))).numpy().tobytes()
     assert spent > 0
@@ -513,7 +518,7 @@ def test_the_server_sleeps_while_a_paced_frame_waits_for_its_destination():
                 time.sleep(1.0)
                 switches["later"] = _context_switches(server.native_id)
 
-        frames = kv_network.fetch(address, "m-12-0.rank0", key, pause=pause)
+        frames = kv_fetch.fetch(address, "m-12-0.rank0", key, pause=pause)
         assert b"".join(frames) == kv_transfer.pack_blocks(source, list(range(16384))).numpy().tobytes()
         # A second held: the server looked whether its send had stalled once, not every few ms.
         assert switches["later"] - switches["held"] <= 3, switches
@@ -702,7 +707,7 @@ class KVSocketStranger(threading.Thread):
                     raw.sendall(bytes(range(256)) * 4)  # not a ZMTP greeting
                 clients = []
                 for ask in (lambda name: name, lambda name: own_key.seal_request(name)[0],
-                            lambda name: name * (kv_network._MAX_REQUEST_BYTES // len(name) + 1)):
+                            lambda name: name * (kv_frames._MAX_REQUEST_BYTES // len(name) + 1)):
                     client = ctx.socket(zmq.DEALER)
                     client.setsockopt(zmq.LINGER, 0)
                     client.connect(self.address)
@@ -756,7 +761,7 @@ def test_strangers_reach_nothing_and_hold_nothing(endpoint):
 def test_a_connection_that_never_finishes_its_handshake_is_dropped(monkeypatch):
     """A stranger who connects and stays silent does not keep the connection
     (and a file descriptor of the rank's process) beyond the handshake timeout."""
-    monkeypatch.setattr(kv_network, "_HANDSHAKE_TIMEOUT_MS", 300)
+    monkeypatch.setattr(kv_admission, "_HANDSHAKE_TIMEOUT_MS", 300)
     ep = kv_network.KVNetworkEndpoint()
     try:
         _, address = ep.serve(_caches(0), "m-10.rank0", [1], "127.0.0.1", _key())

@@ -1,4 +1,4 @@
-"""Strangers against a rank's K/V server (raylm.worker.kv_network), at the
+"""Strangers against a rank's K/V server (raylm.kv_transfer.network), at the
 transport: an endless multipart message grows nothing and its sender is
 dropped, idle connections are closed and their file descriptors come back,
 a flood of junk is refused and counted apart from the copies (their CPU
@@ -24,10 +24,16 @@ import pytest
 import torch
 import zmq
 
-from raylm.distributed import sealed_frames
-from raylm.distributed.sealed_frames import TransferKey
+from raylm.kv_transfer import sealed_frames
+from raylm.kv_transfer.sealed_frames import TransferKey
 from raylm import thread_accounting
-from raylm.worker import kv_background, kv_network, kv_transfer
+from raylm.kv_transfer import admission as kv_admission
+from raylm.kv_transfer import frames as kv_frames
+from raylm.kv_transfer import background as kv_background
+from raylm.kv_transfer import fetch as kv_fetch
+from raylm.kv_transfer import files as kv_transfer
+from raylm.kv_transfer import network as kv_network
+from raylm.kv_transfer import server as kv_server
 from tests.conftest import wait_until
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 2, 2, 64, 16
@@ -142,7 +148,7 @@ def test_an_endless_multipart_message_grows_nothing_and_its_sender_is_dropped(en
     part = b"".join(_message_part(bytes(1024), more=True) for _ in range(64))  # 64 parts a write
     sent_parts, dropped = 0, False
     with socket.create_connection(_host_port(address), timeout=5) as attacker:
-        handshake = _ready() if mechanism == b"NULL" else _hello(kv_network._ADMISSION_USER, os.urandom(36))
+        handshake = _ready() if mechanism == b"NULL" else _hello(kv_admission._ADMISSION_USER, os.urandom(36))
         deadline = time.monotonic() + 10
         try:
             attacker.sendall(_greeting(mechanism))
@@ -171,7 +177,7 @@ def test_idle_connections_are_closed_and_their_descriptors_come_back(monkeypatch
     server finishes, and then held each for as long as the stranger
     liked): each is closed within the handshake timeout, and the rank's
     file descriptors are back where they were."""
-    monkeypatch.setattr(kv_network, "_HANDSHAKE_TIMEOUT_MS", 500)
+    monkeypatch.setattr(kv_admission, "_HANDSHAKE_TIMEOUT_MS", 500)
     endpoint = kv_network.KVNetworkEndpoint()
     try:
         _, address = endpoint.serve(_caches(0), "m-1.rank0", [1], "127.0.0.1", _key())
@@ -202,7 +208,7 @@ def _admitted_raw(address: str, key: TransferKey) -> socket.socket:
     """A connection admitted with a fresh token (a PLAIN handshake to its
     end), which then answers nothing: a destination whose host froze."""
     conn = socket.create_connection(_host_port(address), timeout=5)
-    conn.sendall(_greeting(b"PLAIN") + _hello(kv_network._ADMISSION_USER, key.admission_token()))
+    conn.sendall(_greeting(b"PLAIN") + _hello(kv_admission._ADMISSION_USER, key.admission_token()))
     greeting = _read_exactly(conn, 64)
     assert greeting[12:32].rstrip(b"\0") == b"PLAIN"
     flags, welcome = _read_frame(conn)
@@ -214,8 +220,8 @@ def _admitted_raw(address: str, key: TransferKey) -> socket.socket:
 
 
 def test_an_admitted_peer_that_stops_answering_heartbeats_is_dropped(monkeypatch):
-    monkeypatch.setattr(kv_network, "_HEARTBEAT_IVL_MS", 100)
-    monkeypatch.setattr(kv_network, "_HEARTBEAT_TIMEOUT_MS", 500)
+    monkeypatch.setattr(kv_admission, "_HEARTBEAT_IVL_MS", 100)
+    monkeypatch.setattr(kv_admission, "_HEARTBEAT_TIMEOUT_MS", 500)
     endpoint = kv_network.KVNetworkEndpoint()
     key = _key()
     try:
@@ -251,7 +257,7 @@ class _Junk(threading.Thread):
     def run(self) -> None:
         junk = [bytes(range(256)) * 4,
                 _greeting(b"NULL") + _ready() + _message_part(b"m-1.rank0", more=False),
-                _greeting(b"PLAIN") + _hello(kv_network._ADMISSION_USER, os.urandom(36))
+                _greeting(b"PLAIN") + _hello(kv_admission._ADMISSION_USER, os.urandom(36))
                 + _message_part(b"m-1.rank0", more=False)]
         started = time.monotonic()
         while (now := time.monotonic()) - started < self.seconds:
@@ -307,7 +313,7 @@ def test_junk_is_refused_and_counted_apart_from_the_copies_while_a_rightful_fetc
         time.sleep(0.5)  # the last junk's connections closed
         budget.wait_s()
         charged = budget.spent_s - charged_before
-        allowed_io = kv_network._SEND_CPU_PER_MIB_S * num_bytes / (1 << 20)
+        allowed_io = kv_server._SEND_CPU_PER_MIB_S * num_bytes / (1 << 20)
         assert charged <= own_cpu_s() - own_before + allowed_io + 0.002, (
             f"charged {1e3 * charged:.1f} ms; the server's own threads took {1e3 * (own_cpu_s() - own_before):.1f},"
             f" its frames allowed {1e3 * allowed_io:.1f}")
@@ -323,11 +329,11 @@ def test_junk_is_refused_and_counted_apart_from_the_copies_while_a_rightful_fetc
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the SystemExit, on purpose
 def test_the_server_goes_on_after_a_fault_and_is_started_again_if_its_thread_ends(endpoint, monkeypatch, caplog):
-    monkeypatch.setattr(kv_network, "_FAULT_PAUSE_S", 0.05)
+    monkeypatch.setattr(kv_frames, "_FAULT_PAUSE_S", 0.05)
     key = _key()
     _, address = endpoint.serve(_caches(0), "m-1.rank0", [1], "127.0.0.1", key)
     server = endpoint._server
-    answer = kv_network.KVBlockServer._answer
+    answer = kv_server.KVBlockServer._answer
     faults = [RuntimeError("a bug")]
 
     def failing_answer(self, sends):
@@ -336,16 +342,16 @@ def test_the_server_goes_on_after_a_fault_and_is_started_again_if_its_thread_end
             raise faults.pop(0)
         return answer(self, sends)
 
-    monkeypatch.setattr(kv_network.KVBlockServer, "_answer", failing_answer)
+    monkeypatch.setattr(kv_server.KVBlockServer, "_answer", failing_answer)
     # A fault: logged, and the server serves again (the request it was answering is lost).
     with pytest.raises(kv_transfer.KVTransferError, match="did not send"):
-        kv_network.fetch(address, "m-1.rank0", key, timeout_s=1)
+        kv_fetch.fetch(address, "m-1.rank0", key, timeout_s=1)
     _assert_arrives(endpoint, "m-2.rank0", address, key)
     assert server.faults == 1 and "serves again" in caplog.text
     # A fault that ends the thread: the next call on the endpoint starts it again.
     faults.append(SystemExit("a fault no handler catches"))
     with pytest.raises(kv_transfer.KVTransferError, match="did not send"):
-        kv_network.fetch(address, "m-1.rank0", key, timeout_s=1)
+        kv_fetch.fetch(address, "m-1.rank0", key, timeout_s=1)
     server._thread.join(5)
     assert not server._thread.is_alive()
     _assert_arrives(endpoint, "m-3.rank0", address, key)
@@ -366,7 +372,7 @@ def test_no_admission_while_its_thread_is_down_and_it_is_started_again(endpoint,
     key = _key()
     _, address = endpoint.serve(_caches(0), "m-1.rank0", [1], "127.0.0.1", key)
     admission = endpoint._server._admission
-    admits = kv_network.SealedAdmission._admits
+    admits = kv_admission.SealedAdmission._admits
     faults = [SystemExit("a fault no handler catches")]
 
     def failing_admits(self, request):
@@ -374,12 +380,12 @@ def test_no_admission_while_its_thread_is_down_and_it_is_started_again(endpoint,
             raise faults.pop(0)
         return admits(self, request)
 
-    monkeypatch.setattr(kv_network.SealedAdmission, "_admits", failing_admits)
+    monkeypatch.setattr(kv_admission.SealedAdmission, "_admits", failing_admits)
     with pytest.raises(kv_transfer.KVTransferError, match="did not send"):
-        kv_network.fetch(address, "m-1.rank0", key, timeout_s=1)
+        kv_fetch.fetch(address, "m-1.rank0", key, timeout_s=1)
     admission._thread.join(5)
     with pytest.raises(kv_transfer.KVTransferError, match="did not send"):
-        kv_network.fetch(address, "m-1.rank0", key, timeout_s=1)  # nobody to admit it
+        kv_fetch.fetch(address, "m-1.rank0", key, timeout_s=1)  # nobody to admit it
     _assert_arrives(endpoint, "m-2.rank0", address, key)
     assert "the admission's thread had ended (SystemExit" in caplog.text
 
@@ -401,7 +407,7 @@ def test_a_fetch_refused_at_its_handshake_fails_and_never_hangs(endpoint, monkey
 
     def fetch_with_another_key() -> None:
         try:
-            kv_network.fetch(address, "m-1.rank0", _key(), timeout_s=0.3)
+            kv_fetch.fetch(address, "m-1.rank0", _key(), timeout_s=0.3)
         except kv_transfer.KVTransferError as error:
             outcomes.append(str(error))
 

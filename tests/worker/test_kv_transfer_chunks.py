@@ -1,5 +1,5 @@
 """A CPU cache's transfer file is written and read in chunks of vector I/O
-(raylm.worker.kv_transfer), paced beside the steps (raylm.worker.kv_background):
+(raylm.kv_transfer.files), paced beside the steps (raylm.kv_transfer.background):
 whatever the blocks' order and however the copy is cut, the file holds the
 same bytes as the in-memory format and reads back bit for bit; a copy beside
 the steps pauses between its chunks for the time its share asks."""
@@ -11,7 +11,8 @@ import os
 import pytest
 import torch
 
-from raylm.worker import kv_background, kv_transfer
+from raylm.kv_transfer import background as kv_background
+from raylm.kv_transfer import files as kv_transfer
 from tests.conftest import wait_until
 
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, LAYERS = 16, 4, 2, 8, 3
@@ -205,7 +206,7 @@ def test_closing_the_copy_jobs_does_not_wait_for_a_source_that_never_answers(tmp
     import time
 
     from raylm.distributed.tcp_auth import CurveKeys
-    from raylm.worker import kv_network
+    from raylm.kv_transfer import network as kv_network
 
     source, destination = _caches(3), _caches(None)
     path = str(tmp_path / "m3-0.rank0")

@@ -1,5 +1,5 @@
 """Requests and answers sealed with a pre-shared key (AES-256-GCM): the
-trust of a K/V transfer between nodes (raylm.worker.kv_network).
+trust of a K/V transfer between nodes (raylm.kv_transfer.network).
 
 A party holding the key asks for something by sealing its request; the
 answer's messages are sealed under a key of their own, derived from the
@@ -19,7 +19,7 @@ messages would reuse the first answer's key and nonces (a played-back
 request after a 'failed' answer once got a 'missing' sealed under the same
 key and nonce). The same holds for admission tokens (`admission_token`),
 which a listening socket asks for at each connection's handshake before it
-takes any message from it (kv_network.SealedAdmission). What sealing cannot
+takes any message from it (raylm.kv_transfer.admission.SealedAdmission). What sealing cannot
 stop: someone who reads the wire may race the rightful party with a copy of
 its token or request; whichever comes first is taken, the other refused.
 

@@ -18,7 +18,7 @@ thread per core, as on a small host): every millisecond it copies is taken
 from a step. So the process's copies share one CPU budget (`CopyBudget`):
 a paced copy (`paced=True`: the file copies, which come in chunks, and the
 packing and unpacking of a transfer between nodes, layer by layer; and the
-frames of a transfer between nodes, raylm.worker.kv_network) waits between
+frames of a transfer between nodes, raylm.kv_transfer.network) waits between
 its chunks while the CPU that all of them spent (sealing and sending
 included) is more than `COPY_CPU_SHARE` of the time: a step is never held by more than a
 burst of about 1 ms or a chunk, and the steps around the copies lose at

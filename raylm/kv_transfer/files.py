@@ -15,7 +15,7 @@ the cache's blocks straight between the cache and the file's pages, with no
 mapping to build and no gather into an intermediate buffer (about half the
 CPU of a mapped `index_copy_` for the same blocks), and in chunks of at most
 `_CHUNK_BYTES`, so that a copy beside the steps can pause between chunks
-(raylm.worker.kv_background paces it). A cache on an accelerator is gathered
+(raylm.kv_transfer.background paces it). A cache on an accelerator is gathered
 into, and scattered from, a mapping of the file. A file on /dev/shm never
 touches a disk. What costs CPU there is not the bytes but the pages: a fresh
 file's shared-memory pages are allocated and zeroed one fault at a time,
@@ -25,7 +25,7 @@ transfer is over (the supervisor unlinks a migration's files at its end),
 and mappings are populated in one go (MAP_POPULATE).
 
 Between nodes the same bytes travel in memory instead (`pack_blocks` /
-`unpack_blocks`, carried by raylm.worker.kv_network).
+`unpack_blocks`, carried by raylm.kv_transfer.network).
 """
 
 from __future__ import annotations
@@ -395,7 +395,7 @@ def packed_size(kv_caches: list[torch.Tensor], num_blocks: int) -> int:
 def pack_blocks(kv_caches: list[torch.Tensor], block_ids: list[int],
                 pause: Callable[[], None] | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
     """The same bytes `export_blocks` writes to a file, in memory (a flat
-    uint8 tensor): what a rank sends to another node (raylm.worker.kv_network).
+    uint8 tensor): what a rank sends to another node (raylm.kv_transfer.network).
     `pause`: called after each layer (a paced copy beside the steps).
     `into`: a flat uint8 buffer at least that large to pack into (the result
     is its start); None: a new one."""

@@ -1,0 +1,416 @@
+"""A source rank's K/V server: offers the packed blocks of its stages by
+name on one ROUTER socket (admitted connections only,
+raylm.kv_transfer.admission) and answers each sealed request once, a
+frame per message, a pre-copy stage paced by the process's copy budget
+(raylm.kv_transfer.background), a final stage at once."""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Callable
+
+import torch
+import zmq
+
+from raylm.distributed.tcp_auth import terminate_context
+from raylm.kv_transfer import frames
+from raylm.kv_transfer.admission import Refusals, SealedAdmission
+from raylm.kv_transfer.background import (CopyBudget, CPUAllowance, ThreadsBesideTheSteps, no_wakeup_preemption,
+                                          process_copy_budget)
+from raylm.kv_transfer.frames import (_CANCEL_CHECK_S, _FRAME_META, _MAX_REQUEST_BYTES, _STATUS_FAILED,
+                                      _STATUS_MISSING, _STATUS_OK, _STATUS_SEAL_INDEX, FETCH_TIMEOUT_S, StageBuffers,
+                                      _context_yielding_to_the_steps, _Wakeup)
+from raylm.kv_transfer.sealed_frames import AnswerSeal, Replayed, SealBroken, SeenRequests, TransferKey
+from raylm.thread_accounting import name_this_thread
+
+logger = logging.getLogger(__name__)
+
+
+# An offer nobody fetched (its destination died, and the supervisor that
+# would withdraw it too) is dropped after this long.
+_OFFER_TTL_S = 300.0
+
+
+# What a server's I/O threads may charge the copy budget for each MiB of
+# frames they send: they also accept and refuse every stranger's connection,
+# which is no copy's work. Sending costs them 0.16-0.41 ms a MiB over
+# loopback (4 runs of 128 MiB, the 2-core AMD EPYC VM); more than this is
+# the refusals' (counted in CPUAllowance.excess_s).
+_SEND_CPU_PER_MIB_S = 0.5e-3
+
+
+# The server's thread wakes when a request comes, a packing ends, a paced
+# frame has been sent (_SentFrames) or its copy budget allows the next;
+# with none of those due it still looks this often whether a send has stalled.
+_STALL_CHECK_S = 1.0
+
+
+class _StageSend:
+    """One stage on its way to a destination, a frame per message, each
+    sealed for the request it answers just before it goes. A final stage
+    goes at once (its request is paused). A pre-copy stage goes a frame at a
+    time: the next once the last one has been sent (its tracker done: libzmq
+    has written it to the socket, on the I/O thread's clock) and the
+    process's copy budget allows, so that sealing and sending, with the
+    packing and the rest of the process's copies, stay within their CPU
+    share (sent in one burst, a 2k-token stage made the destination's steps
+    4-22% slower over its pre-copy on the two-host benchmark). The
+    destination paces its reading by its own budget, which holds the frames
+    back here (its socket's queue full, then TCP's window)."""
+
+    def __init__(self, identity: bytes, seal: AnswerSeal, packed: torch.Tensor | Future,
+                 buffer: torch.Tensor | None, buffers: StageBuffers, budget: CopyBudget | None = None,
+                 sent_frames: _SentFrames | None = None, io_allowance: CPUAllowance | None = None):
+        self.identity = identity
+        self._io_allowance = io_allowance  # what the I/O threads may charge the budget for sending
+        self._seal = seal
+        self._packed = packed
+        self._buffer, self._buffers = buffer, buffers
+        self._sealed: torch.Tensor | None = None  # the frames sealed, from `buffers` too
+        self._budget = budget  # None: unpaced
+        self._sent_frames = sent_frames  # a paced send's: wakes the server once a frame has gone
+        self._chunks: list | None = None  # the frames' arrays, once packed
+        self._sealed_frames: list[int] = []  # their sealed sizes
+        self._next = 0
+        # The sent frames' trackers (a frame object kept here would hold its
+        # message: its tracker is done only once libzmq and the frame let go).
+        self._sent: list[zmq.MessageTracker] = []
+        self._last_sent_at = 0.0
+        # Every frame's tracker once all are sent (done: the stage has left); None until then,
+        # or for a stage that failed.
+        self.sending: zmq.MessageTracker | None = None
+
+    def due_in(self) -> float:
+        """Seconds until `advance` may have something to send; math.inf:
+        not before the server is woken (its packing ends, its last frame goes)."""
+        if self._chunks is None:
+            return 0.0 if not isinstance(self._packed, Future) or self._packed.done() else math.inf
+        if self._budget is None:
+            return 0.0
+        if self._sent and not self._sent[-1].done:
+            return math.inf
+        return self._budget.wait_s()
+
+    def stalled(self, now: float) -> bool:
+        """A paced frame not taken for FETCH_TIMEOUT_S: its destination has
+        stopped reading (hung; one that died closes its connection, which
+        ends the send)."""
+        return (self._budget is not None and bool(self._sent) and not self._sent[-1].done
+                and now - self._last_sent_at > FETCH_TIMEOUT_S)
+
+    def advance(self, sock: zmq.Socket) -> bool:
+        """Send what is due; True once the stage has gone (or failed)."""
+        if self._chunks is None:
+            if isinstance(self._packed, Future):
+                if not self._packed.done():
+                    return False
+                error = self._packed.exception()
+                if error is not None:  # the packing failed: the destination says why
+                    reason = f"{type(error).__name__}: {error}".encode()
+                    sock.send_multipart([self.identity, _STATUS_FAILED,
+                                         self._seal.seal(_STATUS_SEAL_INDEX, _STATUS_FAILED, reason)])
+                    self._finish(None)
+                    return True
+                self._packed = self._packed.result()
+            data = self._packed.numpy()
+            self._chunks = [data[at : at + frames._FRAME_BYTES] for at in range(0, len(data), frames._FRAME_BYTES)]
+            # Frame i sealed at i * (its sealed size): all but the last are full.
+            self._sealed_frames = [AnswerSeal.sealed_size(len(chunk)) for chunk in self._chunks]
+            self._sealed = self._buffers.take(sum(self._sealed_frames))
+        while self._next < len(self._chunks) and self.due_in() <= 0:
+            index, chunk = self._next, self._chunks[self._next]
+            header = _FRAME_META.pack(index, len(self._chunks))
+            at = index * self._sealed_frames[0]
+            sealed = self._sealed.numpy()[at : at + self._sealed_frames[index]]
+            self._seal.seal_into(index, _STATUS_OK + header, chunk, sealed)
+            # Zero-copy: ZMQ holds the frame until it is sent, which its tracker tells.
+            frame = zmq.Frame(sealed, copy=False, track=True)
+            sock.send_multipart([self.identity, _STATUS_OK, header, frame], copy=False)
+            if self._io_allowance is not None:
+                self._io_allowance.allow(_SEND_CPU_PER_MIB_S * len(sealed) / (1 << 20))
+            self._sent.append(frame.tracker)
+            if self._sent_frames is not None:  # paced: the next frame waits for this one to go
+                self._sent_frames.watch(frame.tracker)
+            del frame
+            self._last_sent_at = time.monotonic()
+            self._next += 1
+        if self._next < len(self._chunks):
+            return False
+        self.sending = zmq.MessageTracker(*self._sent)
+        self._finish(self.sending)
+        return True
+
+    def abandon(self) -> None:
+        """Give up the send; its sealed buffer, which ZMQ may still read, is
+        not kept, nor the packing's while a packing may still write to it."""
+        self._sealed = None
+        if isinstance(self._packed, Future) and not self._packed.done():
+            self._buffer = None
+        self._finish(None)
+
+    def _finish(self, sending: zmq.MessageTracker | None) -> None:
+        self._sent = self._chunks = self._packed = None
+        if self._buffer is not None:  # only the sealing read it
+            self._buffers.give_back(self._buffer)
+            self._buffer = None
+        if self._sealed is not None:
+            self._buffers.give_back(self._sealed, sending)
+            self._sealed = None
+
+
+class _SentFrames:
+    """Wakes the server once each paced frame has been sent
+    (its tracker done: pyzmq sets a threading.Event that no poll can
+    watch), so that it sleeps meanwhile instead of looking again and
+    again. One thread, asleep on the trackers in turn; counted in the
+    copy budget."""
+
+    def __init__(self, wakeup: _Wakeup, budget: CopyBudget):
+        self._wakeup, self._budget = wakeup, budget
+        self._trackers: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="raylm-kv-sent", daemon=True)
+        self._thread.start()
+
+    def watch(self, tracker: zmq.MessageTracker, then: Callable[[], None] | None = None) -> None:
+        """Once `tracker` is done: `then()`, or wake the server."""
+        self._trackers.put((tracker, then or self._wakeup.wake))
+
+    def _run(self) -> None:
+        name_this_thread("raylm-kv-sent")
+        no_wakeup_preemption()
+        self._budget.count_this_thread()
+        while True:
+            item = self._trackers.get()
+            if item is None:
+                break
+            tracker, then = item
+            while not self._closed.is_set():
+                try:
+                    tracker.wait(_CANCEL_CHECK_S)  # and looks whether the server closed
+                    break
+                except zmq.NotDone:
+                    continue
+            then()
+        self._budget.forget([threading.get_native_id()])
+
+    def close(self) -> None:
+        self._closed.set()
+        self._trackers.put(None)
+        self._thread.join(timeout=5)
+
+
+class KVBlockServer:
+    """Offers packed blocks by name on one ROUTER socket, answered by a
+    daemon thread (the rank's loop never waits on a destination) to
+    requests sealed with `key` only, on connections admitted with it
+    (SealedAdmission). The thread goes on after a fault of its own (logged;
+    the sends under way are dropped), and the endpoint starts it again
+    should it end (`keep_serving`)."""
+
+    def __init__(self, host: str, key: TransferKey, budget: CopyBudget | None = None):
+        self.key = key
+        # What paces a pre-copy stage's frames: with the packing, the process's copies' CPU.
+        self._budget = budget or process_copy_budget()
+        self._context, self._sock, self._io_threads = _context_yielding_to_the_steps(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        # The admission's tokens and the requests: each taken once.
+        self._seen = SeenRequests()
+        self.refusals = Refusals("the K/V server")
+        self._admission = SealedAdmission(self._context, self._sock, key, self._seen, self.refusals,
+                                          _MAX_REQUEST_BYTES)
+        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self.refusals.what = f"the K/V server at {self.address}"
+        # name -> (packed blocks, or the Future of a packing still running;
+        # when offered; the pool's buffer they are packed into, or None)
+        self._offers: dict[bytes, tuple[torch.Tensor | Future, float, torch.Tensor | None]] = {}
+        self.buffers = StageBuffers()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self.requests_received = 0  # requests answered (opened with the key)
+        self.faults = 0  # faults of the server thread's own, each logged
+        # They send the frames, and refuse strangers: charged for the frames only.
+        self._io_allowance = CPUAllowance(ttl_s=FETCH_TIMEOUT_S)
+        self._budget.count(self._io_threads, allowance=self._io_allowance)
+        self._io_policy = ThreadsBesideTheSteps(self._io_threads)
+        self._wakeup = _Wakeup()
+        self._sent_frames = _SentFrames(self._wakeup, self._budget)
+        self._start()
+
+    def offer(self, name: str, packed: torch.Tensor | Future, buffer: torch.Tensor | None = None) -> None:
+        """`buffer`: the one `packed` is (being) packed into, from `self.buffers`:
+        handed back once sent, or once the offer is dropped."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [n for n, (_, at, _) in self._offers.items() if now - at > _OFFER_TTL_S]
+            dropped = [self._offers.pop(n) for n in stale]
+            self._offers[name.encode()] = (packed, now, buffer)
+        for packed_or_future, _, old_buffer in dropped:
+            self._give_back_when_packed(packed_or_future, old_buffer)
+
+    def withdraw(self, prefix: str) -> int:
+        """Drop the offers whose name starts with `prefix`; how many."""
+        key = prefix.encode()
+        with self._lock:
+            dropped = [self._offers.pop(n) for n in [n for n in self._offers if n.startswith(key)]]
+        for packed_or_future, _, buffer in dropped:
+            self._give_back_when_packed(packed_or_future, buffer)
+        return len(dropped)
+
+    def _give_back_when_packed(self, packed: torch.Tensor | Future, buffer: torch.Tensor | None) -> None:
+        """A dropped offer's buffer back to the pool, once no packing writes to it."""
+        if buffer is None:
+            return
+        if isinstance(packed, Future):
+            packed.add_done_callback(lambda _: self.buffers.give_back(buffer))
+        else:
+            self.buffers.give_back(buffer)
+
+    @property
+    def num_offers(self) -> int:
+        with self._lock:
+            return len(self._offers)
+
+    def keep_serving(self) -> None:
+        """Start the server's threads again if one has ended (a fault that
+        its own handling did not catch), saying why."""
+        if self._closed.is_set():
+            return
+        if not self._thread.is_alive():
+            logger.error("%s: its thread had ended (%s); started again, its offers kept", self.refusals.what,
+                         self._ended_by)
+            self._start()
+        self._admission.keep_running()
+
+    def _start(self) -> None:
+        self._ended_by = None
+        self._thread = threading.Thread(target=self._serve, name="raylm-kv-server", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        """Serves until closed. A fault of this code (a peer's message is
+        refused, never raised) drops the sends under way, whose
+        destinations' fetches then fail and their migrations are given up,
+        and the thread goes on with the offers it holds."""
+        name_this_thread("raylm-kv-server")
+        self._budget.count_this_thread()
+        sends: list[_StageSend] = []
+        try:
+            while not self._closed.is_set():
+                try:
+                    self._serve_until_closed(sends)
+                except Exception:
+                    if self._closed.is_set():
+                        break
+                    self.faults += 1
+                    logger.exception("%s failed; it drops the %d sends under way and serves again",
+                                     self.refusals.what, len(sends))
+                    for send in sends:
+                        send.abandon()
+                    sends.clear()
+                    self._closed.wait(frames._FAULT_PAUSE_S)
+        except BaseException as ended:
+            self._ended_by = repr(ended)
+            raise
+        finally:
+            self._budget.forget([threading.get_native_id()])
+
+    def _serve_until_closed(self, sends: list[_StageSend]) -> None:
+        """Asleep but when there is something to do: a request, a send that
+        may go on (its packing ended, its last frame sent, the budget
+        allows the next). Every wake-up of a thread beside the steps takes
+        a core from them where none is spare, and polled (every 1-10 ms while
+        a frame waited for its destination) this thread spent more CPU than
+        the packing and about as much as the encryption (CURVE's, then)."""
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wakeup.fd, zmq.POLLIN)
+        while not self._closed.is_set():
+            wait_s = min([send.due_in() for send in sends] + [_STALL_CHECK_S])
+            ready = dict(poller.poll(math.ceil(1000 * wait_s)))
+            if self._wakeup.fd in ready:
+                self._wakeup.drain()
+            if self._sock in ready:
+                self._answer(sends)
+            now = time.monotonic()
+            for send in list(sends):
+                if send.stalled(now):
+                    logger.warning("a destination stopped reading the K/V blocks sent to it: the send is dropped")
+                    send.abandon()
+                    sends.remove(send)
+                elif send.advance(self._sock):
+                    sends.remove(send)
+
+    def _answer(self, sends: list[_StageSend]) -> None:
+        """A request that opens with the key, and was not taken before, is
+        answered; anything else gets no answer (a stranger learns nothing,
+        not even whether a name is offered)."""
+        started = time.thread_time()
+        frames = self._sock.recv_multipart(copy=False)
+        self._admission.asked(frames[0].get(zmq.SRCFD), frames[0].bytes)
+        try:
+            if len(frames) != 2:
+                raise SealBroken("not a request")
+            identity, request = frames[0].bytes, frames[1].bytes
+            name, seal = self.key.open_request(request, self._seen)
+        except SealBroken as refused:
+            # Only an admitted connection gets here: a holder of the key, or
+            # someone who raced one with a copy of its token. Not the copies' work either.
+            self.refusals.add(refused.reason if isinstance(refused, Replayed) else "request")
+            spent = time.thread_time() - started
+            self.refusals.server_cpu_s += spent
+            self._budget.excuse(spent)
+            return
+        self.requests_received += 1
+        with self._lock:
+            entry = self._offers.pop(name, None)
+        if entry is None:
+            self._sock.send_multipart([identity, _STATUS_MISSING,
+                                       seal.seal(_STATUS_SEAL_INDEX, _STATUS_MISSING, b"")])
+            return
+        packed, _, buffer = entry
+        if isinstance(packed, Future):  # still packing, maybe: the server is woken when it ends
+            packed.add_done_callback(lambda _: self._wakeup.wake())
+            # Packed beside the steps: a pre-copy stage, paced as its packing was.
+            sends.append(_StageSend(identity, seal, packed, buffer, self.buffers, self._budget, self._sent_frames,
+                                    self._io_allowance))
+            return
+        # A final stage (its request paused): sent at once, the I/O thread at the steps' priority.
+        self._io_policy.urgent_begin()
+        send = _StageSend(identity, seal, packed, buffer, self.buffers, io_allowance=self._io_allowance)
+        try:
+            send.advance(self._sock)
+        finally:
+            if send.sending is None:  # nothing left to send
+                self._io_policy.urgent_end()
+            else:
+                self._sent_frames.watch(send.sending, then=self._io_policy.urgent_end)
+
+    @property
+    def refusal_cpu_s(self) -> float:
+        """The CPU refusing strangers has taken, none of it charged to the copy
+        budget: the admission's thread, the I/O threads' beyond what the frames
+        they sent allow, and the server thread's refusals of admitted connections' messages."""
+        return self._admission.cpu_s + self._io_allowance.excess_s + self.refusals.server_cpu_s
+
+    def close(self) -> None:
+        self._closed.set()
+        self._wakeup.wake()
+        self._thread.join(timeout=5)
+        self._sent_frames.close()
+        self._wakeup.close()
+        self._sock.disable_monitor()
+        self._sock.close(linger=0)
+        self._admission.close()
+        terminate_context(self._context)
+        self._budget.forget(self._io_threads)
+        with self._lock:
+            self._offers.clear()
+        self.buffers = StageBuffers()  # the kept buffers' memory goes with the server
