@@ -21,16 +21,16 @@ reports such a stage once its ranks are done (`poll`). Only the final stage
 copies on the loop, the request paused. RAYLM_MIGRATION_SYNC_PRECOPY=1 makes
 every stage copy on the loop (the benchmark's baseline).
 
-Every transfer is one collective call per stage: each rank writes or reads
-its own file (raylm.kv_transfer.files), so TP and PP engines move their
-shards rank to rank. Between cores on different nodes (the message carries
-`network`) each source rank offers its blocks on a socket of its own instead
-and the destination's rank fetches them (raylm.kv_transfer.network).
+Every transfer is one collective call per stage, each rank moving its own
+shard, so TP and PP engines move theirs rank to rank. How the K/V travels is
+the migration's transport (raylm.kv_transfer.transport), taken from its
+messages once (`transport_for`: files in shared memory, or the sealed
+network when the message carries `network`); this endpoint calls the
+transport's methods and never asks which kind it is.
 """
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import time
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 from raylm.core.request import RequestStatus
 from raylm.engine.protocol import MigrateEnd, MigrateExport, MigrateImport, MigrationReport
+from raylm.kv_transfer.transport import KVTransport, stage_name, transport_for
 
 logger = logging.getLogger(__name__)
 
@@ -51,16 +52,16 @@ _COPY_POLL_INTERVAL_S = 0.005
 @dataclass
 class _Outgoing:
     request_id: str
+    # How its K/V travels (chosen from its first export's message).
+    transport: KVTransport
     blocks_sent: int = 0
-    # Its blocks were offered over the network: withdrawn at the end.
-    networked: bool = False
     # The final export waiting for the request's steps in flight to finish.
     final: MigrateExport | None = None
     # The request's preemptions when the first stage was gathered: a
     # preemption frees (and may reuse) blocks a background gather was reading.
     preemptions: int | None = None
-    # Where its stages' files were written (through /dev/shm): removed at the end.
-    files: set[str] = field(default_factory=set)
+    # Its stages (their paths): what the transport drops at the end.
+    stages: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -121,7 +122,10 @@ class MigrationEndpoint:
         request = self._scheduler.requests.get(message.request_id)
         if request is None or request.status == RequestStatus.PAUSED:
             return self._refused(message, "the request is not running here (finished, aborted or already paused)")
-        outgoing = self._outgoing.setdefault(message.migration_id, _Outgoing(message.request_id))
+        outgoing = self._outgoing.get(message.migration_id)
+        if outgoing is None:
+            outgoing = self._outgoing[message.migration_id] = _Outgoing(message.request_id,
+                                                                        transport_for(message.network))
         if outgoing.preemptions is None:
             outgoing.preemptions = request.num_preemptions
         if message.final:
@@ -151,21 +155,12 @@ class MigrationEndpoint:
     def _write(self, message: MigrateExport, outgoing: _Outgoing, upto_block: int, num_computed: int,
                num_output: int) -> MigrationReport:
         block_ids = self._scheduler.kv_cache_manager.get_block_ids(message.request_id)[outgoing.blocks_sent:upto_block]
-        sources = None
         # Before the final stage the blocks are full: gathered beside the steps.
         background = OVERLAP_PRECOPY and not message.final
         try:
-            if message.network is None:
-                outgoing.files.add(message.path_prefix)
-                num_bytes = sum(self.core.executor.collective_rpc("export_kv", args=(
-                    message.path_prefix, block_ids, background)))
-            else:
-                net = message.network
-                outgoing.networked = True
-                offered = self.core.executor.collective_rpc("serve_kv", args=(
-                    _transfer_name(message.path_prefix), block_ids, net.host, net.key, background))
-                num_bytes = sum(size for size, _ in offered)
-                sources = [address for _, address in offered]
+            outgoing.stages.add(message.path_prefix)
+            num_bytes, sources = outgoing.transport.export(self.core.executor.collective_rpc, message.path_prefix,
+                                                           block_ids, background)
         except Exception as e:  # the request is untouched (if paused, the supervisor resumes it)
             return self._refused(message, f"exporting its K/V failed: {type(e).__name__}: {e}")
         outgoing.blocks_sent = max(outgoing.blocks_sent, upto_block)
@@ -220,26 +215,18 @@ class MigrationEndpoint:
                                num_blocks=len(block_ids), num_bytes=num_bytes)
 
     def _read(self, message: MigrateImport, block_ids: list[int], background: bool) -> int | None:
-        """Each rank reads the source's same rank's blocks: from its file, or
-        over the network; `background`: on a thread of its own (None)."""
-        if message.network is None:
-            sizes = self.core.executor.collective_rpc("import_kv", args=(message.path_prefix, block_ids, background))
-            return None if background else sum(sizes)
-        world_size = self.core.config.parallel_config.world_size
-        if len(message.sources or []) != world_size:
-            raise ValueError(f"the source offers {len(message.sources or [])} ranks' blocks, this engine has "
-                             f"{world_size} ranks (engines must have the same TP/PP layout)")
-        net = message.network
-        sizes = self.core.executor.collective_rpc("fetch_kv", args=(
-            _transfer_name(message.path_prefix), block_ids, message.sources, net.key, background))
-        return None if background else sum(sizes)
+        """Each rank reads the source's same rank's blocks, by the migration's
+        transport; `background`: on a thread of its own (None)."""
+        return transport_for(message.network).import_(
+            self.core.executor.collective_rpc, message.path_prefix, block_ids, background, message.sources,
+            self.core.config.parallel_config.world_size)
 
     def _imports_done(self) -> list[MigrationReport]:
         """Ask the ranks which background imports have ended; report (or, for
         an abandoned migration, free) those every rank has finished."""
-        names = {_transfer_name(job.message.path_prefix): mid for mid, job in self._importing.items()}
+        names = {stage_name(job.message.path_prefix): mid for mid, job in self._importing.items()}
         try:
-            per_rank = self.core.executor.collective_rpc("kv_copies_done", args=(list(names),))
+            per_rank = KVTransport.copies_done(self.core.executor.collective_rpc, list(names))
         except Exception as e:  # the executor is failing: its recovery ends these (on_executor_lost)
             logger.warning("could not ask the ranks about their K/V copies: %s", e)
             return []
@@ -283,7 +270,7 @@ class MigrationEndpoint:
         """A rank still waiting for the source (dead, maybe) gives up now
         instead of holding the blocks until its timeout."""
         try:
-            self.core.executor.collective_rpc("cancel_kv_copies", args=([_transfer_name(job.message.path_prefix)],))
+            KVTransport.cancel(self.core.executor.collective_rpc, [stage_name(job.message.path_prefix)])
         except Exception as e:  # the executor is failing: its recovery frees the blocks
             logger.warning("could not cancel the K/V copies of migration %s: %s", migration_id, e)
 
@@ -292,12 +279,9 @@ class MigrationEndpoint:
     def _end(self, message: MigrateEnd) -> None:
         outgoing = self._outgoing.pop(message.migration_id, None)
         if outgoing is not None:
-            _remove_stage_files(outgoing.files)
-            if outgoing.networked:  # offers the destination never fetched (it gave up, or died)
-                try:
-                    self.core.executor.collective_rpc("withdraw_kv", args=(f"{message.migration_id}-",))
-                except Exception as e:
-                    logger.warning("could not withdraw the K/V offers of migration %s: %s", message.migration_id, e)
+            if outgoing.stages:  # what the source still holds of them: their files, offers never fetched
+                outgoing.transport.end_at_source(self.core.executor.collective_rpc, message.migration_id,
+                                                 outgoing.stages)
             if message.commit:
                 self._scheduler.release_migrated(message.request_id)
             else:
@@ -340,22 +324,3 @@ class MigrationEndpoint:
         logger.info("migration %s of request %s refused: %s", message.migration_id, message.request_id[:64], reason)
         return MigrationReport(message.migration_id, message.request_id, ok=False,
                                final=getattr(message, "final", True), error=reason)
-
-
-def _remove_stage_files(path_prefixes: set[str]) -> None:
-    """The files of a migration's stages (each rank's), once it ended: the
-    supervisor removes those it finds when it ends the migration, but a
-    stage the source wrote after that (its export was already on its way)
-    would stay until the engine shuts down. The destination has read them
-    (or given up) by the time the source hears the end."""
-    for prefix in path_prefixes:
-        for path in glob.glob(f"{glob.escape(prefix)}.rank*"):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-
-
-def _transfer_name(path_prefix: str) -> str:
-    """A stage's name on the network: its file's name (migration id, stage)."""
-    return path_prefix.rsplit("/", 1)[-1]

@@ -22,12 +22,16 @@ leaves the request to the usual recovery (recompute on a survivor); a
 destination that dies leaves it at the source, or, once it owned it, to the
 usual recovery too.
 
-The K/V takes one of two ways, chosen per pair of cores: when both run on
-the supervisor's node, files in its private folder in /dev/shm; otherwise
+The K/V takes one of two ways, chosen once per migration from its pair of
+cores (`_kv_network`) and sent in each of its messages: when both run on the
+supervisor's node, files in its private folder in /dev/shm; otherwise
 (either core on another node) over the network, each source rank offering
 its blocks on a socket of its own and the destination's rank fetching them
 (raylm.kv_transfer.network), sealed with a key this supervisor makes and sends
 both sides inside their migration messages (raylm.kv_transfer.sealed_frames).
+Both are a KVTransport (raylm.kv_transfer.transport): past the choice the
+supervisor names each stage in its folder (StageFolder) and has the
+migration's transport end what it made, whichever way it is.
 
 Neither way serves a replica whose ranks span nodes: every rank writes or
 reads its own stage file in this node's /dev/shm folder (a rank elsewhere
@@ -40,20 +44,16 @@ waits for its requests to finish) until another start of it serves.
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import itertools
 import logging
 import os
-import shutil
-import tempfile
 import time
-import weakref
 from dataclasses import dataclass, field
 
 from raylm.engine.core_channel import CoreChannel
 from raylm.engine.routing import CoreLoad, plan_rebalance
 from raylm.kv_transfer import sealed_frames
+from raylm.kv_transfer.transport import KVTransport, StageFolder, transport_for
 from raylm.engine.protocol import (
     KVNetwork,
     MigrateEnd,
@@ -103,8 +103,10 @@ class Migration:
     # When the source last sent the request a token (the pause the client
     # sees runs from there to the destination's first token).
     last_token_at: float | None = None
-    # How the K/V crosses between the cores' nodes; None: through /dev/shm.
+    # How the K/V crosses between the cores' nodes, as its messages say; None: through /dev/shm.
     network: KVNetwork | None = None
+    # The same, as the transport that ends what the supervisor made for it (chosen with `network`).
+    transport: KVTransport | None = field(default=None, repr=False)
     # When the destination reported the request queued there (the final stage read in).
     resumed_at: float | None = None
     # When the current stage's export was asked for (each stage's time is logged, at DEBUG).
@@ -140,15 +142,18 @@ class MigrationControl:
         self._next_rebalance = 0.0
         self._moved_at: dict[str, float] = {}  # request id -> when rebalancing moved it
         self._migration_ids = itertools.count()
-        self._transfer_dir: str | None = None
-        self._transfer_dir_cleanup = None
+        self._stage_folder = StageFolder()  # where stages are named (and, through files, written)
         self._kv_key: bytes | None = None  # made by the first migration across nodes
         self._transfers: dict[int, _Transfers] = {}  # by core index, for the start of it that serves
 
     def _close_migration(self) -> None:
         """At shutdown: no transfer file outlives the engine."""
-        if self._transfer_dir_cleanup is not None:
-            self._transfer_dir_cleanup()
+        self._stage_folder.close()
+
+    @property
+    def _transfer_dir(self) -> str | None:
+        """The folder of this supervisor's stages, once the first was named."""
+        return self._stage_folder.path
 
     # ---- starting one ------------------------------------------------------------
 
@@ -168,13 +173,14 @@ class MigrationControl:
         target = self._migration_destination(source, destination)
         if target is None:
             return False
+        network = self._kv_network(source, target)
         migration = Migration(f"{os.getpid()}-{next(self._migration_ids)}", request_id, source.index,
-                              target.index, reason, network=self._kv_network(source, target),
+                              target.index, reason, network=network, transport=transport_for(network),
                               source_channel=source, destination_channel=target)
         self.migrations[migration.migration_id] = migration
         self._migrating[request_id] = migration.migration_id
         logger.info("migrating request %s from core %d to core %d (%s, %s)", request_id[:64], source.index,
-                    target.index, reason, "through shared memory" if migration.network is None else "over the network")
+                    target.index, reason, migration.transport.description)
         self._export_stage(migration, final=False)
         return True
 
@@ -242,11 +248,7 @@ class MigrationControl:
         return KVNetwork(source.node_ip, self._kv_key)
 
     def _stage_path(self, migration: Migration) -> str:
-        if self._transfer_dir is None:
-            # Private to this user (0700): only our own cores read and write here.
-            self._transfer_dir = tempfile.mkdtemp(prefix="raylm-migration-", dir=_shm_root())
-            self._transfer_dir_cleanup = weakref.finalize(self, shutil.rmtree, self._transfer_dir, True)
-        return os.path.join(self._transfer_dir, f"{migration.migration_id}-{migration.stage}")
+        return self._stage_folder.stage_path(migration.migration_id, migration.stage)
 
     def _serves(self, channel: CoreChannel) -> bool:
         """Whether this start of a core is still the one serving its index."""
@@ -343,13 +345,9 @@ class MigrationControl:
         if not ok:  # whatever the destination reserved is freed
             self._send_to(migration.destination_channel, MigrateEnd(migration.migration_id, migration.request_id,
                                                             commit=False))
-        # The source removes the stage files it wrote when it hears the end
-        # (core_migration's _remove_stage_files), in its own process, maybe
-        # between this glob and this unlink: a file already gone is no error
-        # (it ended the engine from the reading thread).
-        for path in glob.glob(os.path.join(self._transfer_dir or "/nonexistent", f"{migration.migration_id}-*")):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        # What the supervisor made for it (its stage files; the source
+        # removes those it wrote too, when it hears the end).
+        migration.transport.end_at_supervisor(self._stage_folder, migration.migration_id)
         seconds = time.monotonic() - migration.started
         if ok:
             logger.info("request %s migrated from core %d to core %d in %.3f s (%d bytes, %d stage(s))",
@@ -461,8 +459,3 @@ class MigrationControl:
     def take_migration_events(self) -> list[MigrationStats]:
         events, self._migration_events = self._migration_events, []
         return events
-
-
-
-def _shm_root() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()

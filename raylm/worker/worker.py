@@ -19,8 +19,7 @@ from raylm.config import EngineConfig
 from raylm.distributed import parallel_state
 from raylm.messages import GrammarOutput, KVCacheConfig, ModelRunnerOutput, SchedulerOutput
 from raylm.model.layers.cpu_kernels import get_cpu_kernels
-from raylm.kv_transfer.sealed_frames import TransferKey
-from raylm.kv_transfer import background as kv_background, files as kv_transfer, frames, network as kv_network
+from raylm.kv_transfer.rank import RankTransfers
 from raylm.worker import cpu_placement
 from raylm.worker.fault_injection import FaultInjector
 from raylm.worker.model_runner import ModelRunner
@@ -53,8 +52,7 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
-        self.kv_network: kv_network.KVNetworkEndpoint | None = None  # started by the first cross-node export
-        self.kv_copies: kv_background.KVCopyJobs | None = None  # migration copies beside the steps
+        self.kv = RankTransfers(rank)  # K/V transfers between engines, and their copies beside the steps
         # Free GPU memory before this rank allocated anything (see determine_available_memory).
         self._cuda_free_at_start: int | None = None
         self.cpu_placement: cpu_placement.RankPlacement | None = None
@@ -226,83 +224,39 @@ class Worker:
     def check_health(self) -> int:
         return os.getpid()
 
-    # ---- live migration (raylm.kv_transfer.files) ----------------------------------
+    # ---- K/V transfers (raylm.kv_transfer): the ranks' side of the one transport interface ----------
+    # Each call's `route` names its transfer kind (raylm.kv_transfer.transport); `kv` dispatches to it.
 
-    def export_kv(self, path_prefix: str, block_ids: list[int], background: bool = False) -> int:
-        """This rank's K/V of `block_ids`, written to its own file of the transfer
-        (`background`: filled by a thread beside the steps; the size is returned at once)."""
-        path = kv_transfer.rank_path(path_prefix, self.rank)
-        if not background:
-            return kv_transfer.export_blocks(self.model_runner.kv_caches, block_ids, path)
-        size = kv_transfer.create_file(self.model_runner.kv_caches, len(block_ids), path)
-        self._kv_jobs().export(kv_transfer.fill_file, self.model_runner.kv_caches, block_ids, path, paced=True)
-        return size
+    def kv_export(self, route: dict, block_ids: list[int], background: bool = False) -> list:
+        """This rank's K/V of `block_ids` for a stage; [bytes, where to fetch them or None]
+        (`background`: gathered by a thread beside the steps; the size is returned at once)."""
+        return self.kv.export(self.model_runner.kv_caches, route, block_ids, background)
 
-    def import_kv(self, path_prefix: str, block_ids: list[int], background: bool = False) -> int | None:
-        """Read the same rank's file of a transfer into `block_ids` of this rank's cache
-        (`background`: by a thread beside the steps, which waits for the source to fill
-        the file; its outcome is `kv_copies_done`'s)."""
-        path = kv_transfer.rank_path(path_prefix, self.rank)
-        if not background:
-            return kv_transfer.import_blocks(self.model_runner.kv_caches, block_ids, path)
-        self._kv_jobs().import_(os.path.basename(path_prefix), kv_transfer.import_blocks,
-                                self.model_runner.kv_caches, block_ids, path, frames.FETCH_TIMEOUT_S, paced=True)
-        return None
+    def kv_import(self, route: dict, block_ids: list[int], background: bool = False) -> int | None:
+        """The same source rank's K/V of a stage into `block_ids` of this rank's cache
+        (`background`: by a thread beside the steps; its outcome is `kv_copies_done`'s)."""
+        return self.kv.import_(self.model_runner.kv_caches, route, block_ids, background)
 
     def kv_copies_done(self, names: list[str]) -> dict:
         """The background imports of `names` that have ended: name -> [ok, bytes or error]."""
-        return self._kv_jobs().finished(names)
+        return self.kv.copies_done(names)
 
-    def cancel_kv_copies(self, names: list[str]) -> None:
+    def kv_cancel(self, names: list[str]) -> None:
         """Background imports of `names` (their migration was abandoned) stop
         waiting for their source; their outcome is still `kv_copies_done`'s."""
-        if self.kv_copies is not None:
-            self.kv_copies.cancel(names)
+        self.kv.cancel(names)
 
-    def _paced_export(self, fn, *args):
-        """A network offer's packing beside the steps, paced as a file's filling."""
-        return self._kv_jobs().export(fn, *args, paced=True)
+    def kv_withdraw(self, route: dict, prefix: str) -> int:
+        """Drop what this rank still offers of the transfers named `prefix...` (nobody fetched it)."""
+        return self.kv.withdraw(route, prefix)
 
-    def _kv_jobs(self) -> kv_background.KVCopyJobs:
-        if self.kv_copies is None:
-            self.kv_copies = kv_background.KVCopyJobs()
-        return self.kv_copies
-
-    # Cross-node transfers (raylm.kv_transfer.network); `key` is the supervisor's pre-shared transfer key.
-
-    def serve_kv(self, name: str, block_ids: list[int], host: str, key: bytes, background: bool = False) -> list:
-        """Pack this rank's K/V of `block_ids` and offer it on `host`; [bytes, address].
-        `background`: packed by a thread beside the steps (a fetch waits for it)."""
-        if self.kv_network is None:
-            self.kv_network = kv_network.KVNetworkEndpoint()
-        num_bytes, address = self.kv_network.serve(
-            self.model_runner.kv_caches, f"{name}.rank{self.rank}", block_ids, host,
-            TransferKey(key), self._paced_export if background else None)
-        return [num_bytes, address]
-
-    def fetch_kv(self, name: str, block_ids: list[int], addresses: list[str], key: bytes,
-                 background: bool = False) -> int | None:
-        """Fetch the same rank's offer of a transfer from `addresses[rank]` into `block_ids`
-        (`background`: by a thread beside the steps; its outcome is `kv_copies_done`'s)."""
-        fetch = kv_network.KVNetworkEndpoint().fetch_into
-        args = (self.model_runner.kv_caches, f"{name}.rank{self.rank}", block_ids, addresses[self.rank],
-                TransferKey(key))
-        if not background:
-            return fetch(*args, frames.FINAL_FETCH_TIMEOUT_S)
-        self._kv_jobs().import_(name, fetch, *args, paced=True)
-        return None
-
-    def withdraw_kv(self, prefix: str) -> int:
-        """Drop this rank's offers of a migration nobody fetched."""
-        return self.kv_network.withdraw(prefix) if self.kv_network is not None else 0
+    @property
+    def kv_network(self):
+        """This rank's endpoint for transfers between nodes, once an export started it."""
+        return self.kv.network
 
     def shutdown(self) -> None:
-        if self.kv_copies is not None:
-            self.kv_copies.close()
-            self.kv_copies = None
-        if self.kv_network is not None:
-            self.kv_network.close()
-            self.kv_network = None
+        self.kv.close()
         runner, self.model_runner = self.model_runner, None
         if runner is not None and self.device is not None and self.device.type == "cuda":
             # Hand the device memory back now, even where something still holds

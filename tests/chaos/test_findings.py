@@ -131,9 +131,9 @@ def test_a_stage_file_its_source_removed_first_does_not_end_the_engine(world, mo
     them and its unlink: that FileNotFoundError was raised on the reading
     thread and ended the engine (the full suite's rolling restart saw it as
     a 500 from POST /replicas/0/restart). Here the source is first."""
-    import raylm.engine.migration as migration_module
+    import raylm.kv_transfer.transport as transport_module
 
-    listed = migration_module.glob.glob
+    listed = transport_module.glob.glob
 
     def listing_then_source_removes(pattern: str) -> list[str]:
         paths = listed(pattern)
@@ -147,7 +147,7 @@ def test_a_stage_file_its_source_removed_first_does_not_end_the_engine(world, mo
     migration = next(iter(world.sup.migrations.values()))
     _run_until(world, lambda: migration.stage > 0)  # a stage file is written
     assert glob.glob(os.path.join(world.sup._transfer_dir, f"{migration.migration_id}-*"))
-    monkeypatch.setattr(migration_module.glob, "glob", listing_then_source_removes)
+    monkeypatch.setattr(transport_module.glob, "glob", listing_then_source_removes)
     world.abort("r0")  # ends the migration: the supervisor lists and removes its files
     monkeypatch.undo()
     world.drain()

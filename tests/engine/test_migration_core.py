@@ -18,6 +18,7 @@ from raylm.kv_transfer import sealed_frames
 from raylm.engine.protocol import EngineCoreRequest, KVNetwork, MigrateEnd, MigrateExport, MigrateImport
 from raylm.testing.hf_oracle import hf_greedy
 from raylm.kv_transfer import files as kv_transfer
+from raylm.kv_transfer.transport import NetworkTransport
 from tests.conftest import wait_until
 
 PROMPT = [(5 * j) % 200 + 3 for j in range(37)]  # spans several 16-token blocks
@@ -189,8 +190,9 @@ def test_a_stranger_hammering_the_kv_socket_hurts_no_stream(cores, model):
     other_prompt = PROMPT[7:]
     expected = [r.token_ids for r in hf_greedy(model, [PROMPT, other_prompt], MAX_TOKENS)]
     # The socket the migration's stages will be offered on, made now by an offer withdrawn at once.
-    [[_, address]] = src.executor.collective_rpc("serve_kv", args=("warm-up", [0], "127.0.0.1", network.key))
-    assert src.executor.collective_rpc("withdraw_kv", args=("warm-up",)) == [1]
+    route = NetworkTransport(network.host, network.key).route("warm-up")
+    [[_, address]] = src.executor.collective_rpc("kv_export", args=(route, [0]))
+    assert src.executor.collective_rpc("kv_withdraw", args=(route, "warm-up")) == [1]
     server = src.executor.driver_worker.worker.kv_network._server
     assert server.address == address
     already_received = server.requests_received

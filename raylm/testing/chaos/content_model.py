@@ -205,6 +205,17 @@ class ContentModelExecutor(Executor):
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 
     # ---- the K/V of a migration (the real worker's calls, with files of slots) ---------------
+    # The worker's transfer methods (raylm.kv_transfer.transport); every
+    # route goes through files of slots here (the supervisor's harness puts
+    # its cores on one node). The files' export and import are methods of
+    # their own (`_rpc_export_kv`, `_rpc_import_kv`), which the chaos tests
+    # replace to make a transfer fail.
+
+    def _rpc_kv_export(self, route: dict, block_ids: list[int], background: bool = False) -> list:
+        return [self._rpc_export_kv(route["path_prefix"], block_ids, background), None]
+
+    def _rpc_kv_import(self, route: dict, block_ids: list[int], background: bool = False):
+        return self._rpc_import_kv(route["path_prefix"], block_ids, background)
 
     def _rpc_export_kv(self, path_prefix: str, block_ids: list[int], background: bool = False) -> int:
         path = f"{path_prefix}.rank0"
@@ -225,12 +236,12 @@ class ContentModelExecutor(Executor):
     def _rpc_kv_copies_done(self, names: list[str]) -> dict:
         return {name: self.copies.finished.pop(name) for name in names if name in self.copies.finished}
 
-    def _rpc_cancel_kv_copies(self, names: list[str]) -> None:
+    def _rpc_kv_cancel(self, names: list[str]) -> None:
         for copy in self.copies.pending:
             if copy.kind == "import" and copy.name in names:
                 copy.cancelled = True
 
-    def _rpc_withdraw_kv(self, prefix: str) -> int:
+    def _rpc_kv_withdraw(self, route: dict, prefix: str) -> int:
         return 0  # the content model offers nothing on the network
 
     def _rpc_check_health(self) -> None:
