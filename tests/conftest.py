@@ -169,6 +169,21 @@ def wait_until(condition, within_s: float, step=None, message="the condition"):
             time.sleep(POLL_S if step is None else step)
 
 
+async def async_wait_until(condition, within_s: float = 10.0, message="the condition"):
+    """`wait_until` for a test running on an event loop: the loop turns
+    between calls (the engine's output handler runs there)."""
+    import asyncio
+
+    deadline = time.monotonic() + within_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"gave up after {within_s} s waiting for {message}")
+        await asyncio.sleep(0.01)
+
+
 def wait_until_unhealthy(executor, within_s: float) -> str:
     """The error check_health() raises once the executor notices a dead
     worker; a test failure when it still looks healthy after `within_s` s."""

@@ -14,6 +14,7 @@ import asyncio
 from raylm.engine.errors import EngineCoreDiedError
 from raylm.engine.protocol import EngineCoreOutputs, SchedulerStats
 from raylm.entrypoints.openai.metrics import PrometheusStatLogger
+from tests.conftest import async_wait_until
 from tests.engine.conftest import FakeCore, make_engine  # noqa: F401 - the fixture
 
 COUNTERS = {"num_preemptions": "vllm:num_preemptions_total",
@@ -74,14 +75,6 @@ def _serving(engine) -> list[int]:
     return [r["replica"] for r in engine.replica_states() if r["state"] == "serving"]
 
 
-async def _until(predicate) -> None:
-    for _ in range(1000):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition never became true")
-
-
 def test_async_llm_counts_a_restarted_replica_from_its_new_start(make_engine):  # noqa: F811 - the fixture
     engine, _ = make_engine(data_parallel_size=2, data_parallel_backend="mp")
     logger = PrometheusStatLogger("m")
@@ -92,22 +85,22 @@ def test_async_llm_counts_a_restarted_replica_from_its_new_start(make_engine):  
 
     async def run() -> None:
         engine._ensure_output_handler()
-        await _until(lambda: len(FakeCore.started) == 2)
+        await async_wait_until(lambda: len(FakeCore.started) == 2)
         first, second = FakeCore.started
         report(first, 11, 3)
         report(second, 21, 4)
-        await _until(lambda: _exported(logger) == _expected(7))
+        await async_wait_until(lambda: _exported(logger) == _expected(7))
         # Replica 0's core dies; its new core counts from zero. The replicas'
         # sum drops from 7 to 1 + 4: before, that was added again (12).
         first.script.put_nowait(EngineCoreDiedError(-9))
-        await _until(lambda: len(FakeCore.started) == 3 and _serving(engine) == [0, 1])  # adopted: heard from
+        await async_wait_until(lambda: len(FakeCore.started) == 3 and _serving(engine) == [0, 1])  # adopted: heard from
         restarted = FakeCore.started[2]
         assert restarted.channel.index == 0
         report(restarted, 12, 1)
-        await _until(lambda: _exported(logger)["num_preemptions"] != 7)
+        await async_wait_until(lambda: _exported(logger)["num_preemptions"] != 7)
         assert _exported(logger) == _expected(8)
         report(second, 21, 6)
-        await _until(lambda: _exported(logger)["num_preemptions"] != 8)
+        await async_wait_until(lambda: _exported(logger)["num_preemptions"] != 8)
         assert _exported(logger) == _expected(10)
 
     asyncio.run(run())

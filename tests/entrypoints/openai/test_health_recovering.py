@@ -17,6 +17,7 @@ from raylm.engine.async_llm import AsyncLLM
 from raylm.engine.errors import EngineCoreDiedError
 from raylm.engine.protocol import EngineCoreOutputs
 from raylm.entrypoints.openai.api_server import build_app
+from tests.conftest import async_wait_until
 from tests.engine.conftest import FakeCore, FakeLauncher, make_engine  # noqa: F401 - the fixture
 
 LIMIT_S = 600.0  # engine_start_timeout; never waited for
@@ -27,14 +28,6 @@ class AnsweringCore(FakeCore):
 
     def on_ping(self, nonce: int) -> None:
         self.emit(EngineCoreOutputs(pong=nonce))
-
-
-async def _until(predicate) -> None:
-    for _ in range(1000):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition never became true")
 
 
 async def _health(engine: AsyncLLM) -> httpx.Response:
@@ -74,13 +67,13 @@ def test_a_core_restart_that_hangs_turns_health_503_past_the_start_timeout(make_
         engine._ensure_output_handler()
         assert (await _health(engine)).status_code == 200 and engine.recovery_status() is None
         FakeCore.started[0].script.put_nowait(EngineCoreDiedError(-9))
-        await _until(lambda: engine.recovering)
+        await async_wait_until(lambda: engine.recovering)
         _assert_recovering(await _health(engine), "engine_core")
         for replacement in engine.engine_core._starting.values():
             replacement.noticed -= LIMIT_S + 1  # as if it had hung that long
         _assert_past_the_limit(await _health(engine), "engine_core")
         release.set()
-        await _until(lambda: len(FakeCore.started) == 2 and not engine.recovering)
+        await async_wait_until(lambda: len(FakeCore.started) == 2 and not engine.recovering)
         assert engine.recovery_status() is None
 
     try:

@@ -14,18 +14,11 @@ import httpx
 from raylm.engine.async_llm import AsyncLLM
 from raylm.engine.restart_budget import RestartBudget
 from raylm.entrypoints.openai.api_server import build_app
+from tests.conftest import async_wait_until
 from tests.engine.conftest import FakeLauncher, make_engine  # noqa: F401 - the fixture
 
 CAUSE = "the model files are gone"
 FIRST_STARTS = 2  # data_parallel_size=2: starts 0 and 1 are the engine's own
-
-
-async def _until(predicate) -> None:
-    for _ in range(1000):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition never became true")
 
 
 async def _post_restart(engine: AsyncLLM, index: int) -> httpx.Response:
@@ -49,14 +42,14 @@ def test_a_restart_whose_new_core_fails_to_start_answers_409_and_the_replica_rec
 
     async def run() -> None:
         engine._ensure_output_handler()
-        await _until(lambda: _serving(engine) == [0, 1])
+        await async_wait_until(lambda: _serving(engine) == [0, 1])
         response = await _post_restart(engine, 1)
         assert response.status_code == 409, response.text
         message = response.json()["error"]["message"]
         assert message.startswith("could not restart replica 1: ") and CAUSE in message, message
         # Recovered as before: a replacement started (the failed start cost a
         # restart of the budget), and it serves.
-        await _until(lambda: _serving(engine) == [0, 1])
+        await async_wait_until(lambda: _serving(engine) == [0, 1])
         assert engine.engine_core.launcher.num_starts == FIRST_STARTS + 2
         assert engine.engine_core.restart_budget.num_recent == 1
 
