@@ -144,6 +144,10 @@ class MigrationControl:
         self._migration_ids = itertools.count()
         self._stage_folder = StageFolder()  # where stages are named (and, through files, written)
         self._kv_key: bytes | None = None  # made by the first migration across nodes
+        # RAYLM_MIGRATION_NETWORK=1: every migration takes the sealed network
+        # path, cores of one node too (the chaos harness's real tier and the
+        # benchmarks reach that path, and its listening sockets, on one host).
+        self._network_always = os.environ.get("RAYLM_MIGRATION_NETWORK", "").strip().lower() in ("1", "true", "yes")
         self._transfers: dict[int, _Transfers] = {}  # by core index, for the start of it that serves
 
     def _close_migration(self) -> None:
@@ -241,7 +245,7 @@ class MigrationControl:
                 and self.launcher.is_local(destination.index))
 
     def _kv_network(self, source: CoreChannel, destination: CoreChannel) -> KVNetwork | None:
-        if self._shares_node(source, destination):
+        if self._shares_node(source, destination) and not self._network_always:
             return None
         if self._kv_key is None:
             self._kv_key = sealed_frames.new_key()

@@ -1,11 +1,14 @@
 """The chaos harness's real-engine tier: seeded schedules (raylm.testing.chaos.
 schedule) of kills, freezes, scales, migrations, restarts, aborts and junk
-on the supervisor's socket, against two engine-core processes serving
-greedy float32 streams of the embedded model. Each seed is replayed several
-times (the cores run beside the schedule: each replay meets them in another
-state); every replay must end with each stream equal to an undisturbed run
-of the same requests, and leave no process, transfer file or descriptor
-behind. The failure rate over the replays is printed.
+on every socket the engine listens on, against two engine-core processes
+serving greedy float32 streams of the embedded model. Each seed is replayed
+several times (the cores run beside the schedule: each replay meets them in
+another state), every other replay with its migrations on the sealed network
+path (RAYLM_MIGRATION_NETWORK=1: the K/V servers listen, and meet the
+stranger) instead of shared-memory files; every replay must end with each
+stream equal to an undisturbed run of the same requests, and leave no
+process, transfer file or descriptor behind. The failure rate over the
+replays is printed.
 
 RAYLM_CHAOS_REAL_SEEDS (comma-separated) and RAYLM_CHAOS_REAL_REPLAYS set the
 size (the soak: more of both)."""
@@ -71,6 +74,8 @@ def test_seeded_schedules_against_real_cores(requests, reference, monkeypatch, b
     for seed in SEEDS:
         schedule = make_schedule(seed)
         for replay in range(REPLAYS):
+            transport = "network" if replay % 2 else "files"
+            monkeypatch.setenv("RAYLM_MIGRATION_NETWORK", "1" if transport == "network" else "0")
             before, folders, fds = descendants(), _transfer_folders(), len(os.listdir("/proc/self/fd"))
             with _llm(data_parallel_size=2, data_parallel_backend="mp") as llm:
                 result = ScheduleRunner(llm, schedule).run(requests)
@@ -83,7 +88,8 @@ def test_seeded_schedules_against_real_cores(requests, reference, monkeypatch, b
                 broken.append(f"transfer folders left: {_transfer_folders() - folders}")
             if len(os.listdir("/proc/self/fd")) > fds + 4:
                 broken.append(f"descriptors: {fds} before, {len(os.listdir('/proc/self/fd'))} after")
-            print(f"seed {seed}, replay {replay}: {'ok' if not broken else 'FAILED'}; " + "; ".join(result.done))
+            print(f"seed {seed}, replay {replay} ({transport}): {'ok' if not broken else 'FAILED'}; "
+                  + "; ".join(result.done))
             if broken:
                 failed.append((seed, replay, broken))
     runs = len(SEEDS) * REPLAYS

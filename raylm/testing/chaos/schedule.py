@@ -12,8 +12,11 @@ replays exactly and shrinks.
 Operations: kill -9 of a core process, SIGSTOP then SIGCONT of one (shorter
 than the step deadline), a scale to 1..3 replicas (started beside the loop,
 as the server's /scale does), a migration, a replica restart, a client
-abort, and a stranger sending junk to the supervisor's output socket. At
-most one kill per schedule: the quarantine rules cannot tell a kill from a
+abort, and a stranger sending junk to every socket the engine listens on:
+the supervisor's output socket, and each TCP port its processes listen on
+(a rank's K/V server, with RAYLM_MIGRATION_NETWORK=1 the path every
+migration takes; raylm.kv_transfer.admission refuses strangers). At most
+one kill per schedule: the quarantine rules cannot tell a kill from a
 poison request, and a request exposed to one failure is never failed.
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,6 +37,11 @@ OPERATIONS = ("kill", "freeze", "scale", "migrate", "restart", "abort", "strange
 # A frozen core is thawed after this long: well short of the step deadline.
 FREEZE_S = 0.3
 STRANGER_FRAMES = 32
+# Junk connections to each listening TCP port, by kind: random bytes, a
+# ZMTP greeting with the NULL mechanism and a message, a greeting that
+# stops short (a silent peer). Bounded: a stranger, not a flood.
+STRANGER_CONNECTIONS = 6
+_ZMTP_NULL_GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + bytes([3, 0]) + b"NULL" + b"\x00" * 16 + b"\x00" + b"\x00" * 31
 
 
 @dataclass(frozen=True)
@@ -199,8 +208,9 @@ class ScheduleRunner:
         return f"aborted {rid}"
 
     def _stranger(self, arg: int) -> str:
-        """Junk on the supervisor's output socket (a process of the same user:
-        the socket's folder admits no other)."""
+        """Junk on every socket the engine listens on: the supervisor's
+        output socket (a process of the same user: the socket's folder admits
+        no other), and each TCP port a process of the engine listens on."""
         rng = random.Random(arg)
         ctx = zmq.Context()
         sock = ctx.socket(zmq.PUSH)
@@ -212,13 +222,47 @@ class ScheduleRunner:
         finally:
             sock.close()
             ctx.term()
-        return f"{STRANGER_FRAMES} junk frames"
+        ports = listening_tcp_ports(descendants())
+        for address in ports:
+            for kind in range(STRANGER_CONNECTIONS):
+                _junk_connection(address, kind, rng)
+        return f"{STRANGER_FRAMES} junk frames, {STRANGER_CONNECTIONS} junk connections to each of {sorted(ports)}"
 
 
 def _thaw(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGCONT)
     except ProcessLookupError:
+        pass
+
+
+def listening_tcp_ports(pids: set[int]) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket processes `pids` listen on."""
+    found = set()
+    for pid in pids:
+        try:
+            for conn in psutil.Process(pid).net_connections(kind="tcp"):
+                if conn.status == psutil.CONN_LISTEN:
+                    found.add((conn.laddr.ip, conn.laddr.port))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+def _junk_connection(address: tuple[str, int], kind: int, rng: random.Random) -> None:
+    """One stranger's connection: random bytes, a ZMTP NULL greeting and a
+    message, or a greeting cut short; closed at once (a refused or reset
+    connection is what a stranger expects)."""
+    host, port = address
+    try:
+        with socket.create_connection(("127.0.0.1" if host in ("0.0.0.0", "::") else host, port), timeout=1.0) as s:
+            if kind % 3 == 0:
+                s.sendall(rng.randbytes(rng.randrange(1, 512)))
+            elif kind % 3 == 1:
+                s.sendall(_ZMTP_NULL_GREETING + bytes([0, 8]) + rng.randbytes(8))
+            else:
+                s.sendall(_ZMTP_NULL_GREETING[:10])
+    except OSError:
         pass
 
 
