@@ -160,9 +160,7 @@ def wait_until(condition, within_s: float, step=None, message="the condition"):
         value = condition()
         if value:
             return value
-        if time.monotonic() >= deadline:
-            what = message() if callable(message) else message
-            raise AssertionError(f"gave up after {within_s} s waiting for {what}")
+        _give_up_past(deadline, within_s, message)
         if callable(step):
             step()
         else:
@@ -179,9 +177,16 @@ async def async_wait_until(condition, within_s: float = 10.0, message="the condi
         value = condition()
         if value:
             return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"gave up after {within_s} s waiting for {message}")
+        _give_up_past(deadline, within_s, message)
         await asyncio.sleep(0.01)
+
+
+def _give_up_past(deadline: float, within_s: float, message) -> None:
+    """The test fails once `deadline` passed, saying what it waited for:
+    `message`, or `message()` read at that moment."""
+    if time.monotonic() >= deadline:
+        what = message() if callable(message) else message
+        raise AssertionError(f"gave up after {within_s} s waiting for {what}")
 
 
 def wait_until_unhealthy(executor, within_s: float) -> str:

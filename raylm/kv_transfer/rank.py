@@ -10,6 +10,8 @@ an import is run there under its stage's name, which `copies_done` and
 
 from __future__ import annotations
 
+import abc
+
 import torch
 
 from raylm.kv_transfer import files
@@ -20,23 +22,24 @@ from raylm.kv_transfer.sealed_frames import TransferKey
 from raylm.kv_transfer.transport import stage_name
 
 
-class RankTransport:
+class RankTransport(abc.ABC):
     """A transfer kind's part on one rank (registered in `_KINDS` under the
-    engine side's `kind`)."""
+    engine side's `kind`): `export` and `import_` are what each kind must
+    define."""
 
     def __init__(self, transfers: RankTransfers):
         self.transfers = transfers
 
+    @abc.abstractmethod
     def export(self, kv_caches: list[torch.Tensor], route: dict, block_ids: list[int],
                background: bool) -> list:
         """This rank's shard of `block_ids`; [bytes, address to fetch from or None]."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def import_(self, kv_caches: list[torch.Tensor], route: dict, block_ids: list[int],
                 background: bool) -> int | None:
         """The same source rank's shard into `block_ids`; the bytes, or None
         when `background` (handed to the copy threads under the stage's name)."""
-        raise NotImplementedError
 
     def withdraw(self, route: dict, prefix: str) -> int:
         """Drop what this rank still offers under names starting with `prefix`."""

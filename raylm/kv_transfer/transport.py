@@ -49,6 +49,7 @@ What a new transfer kind (a prefix pull, a P/D hand-off) implements:
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import glob
 import logging
@@ -70,7 +71,7 @@ def stage_name(stage: str) -> str:
     return stage.rsplit("/", 1)[-1]
 
 
-class KVTransport:
+class KVTransport(abc.ABC):
     """One migration's way for its K/V (see the module's docstring)."""
 
     kind = ""
@@ -78,8 +79,9 @@ class KVTransport:
 
     # ---- what a kind defines ------------------------------------------------------------
 
+    @abc.abstractmethod
     def route(self, stage: str, sources: list[str] | None = None) -> dict:
-        raise NotImplementedError
+        """The plain values this kind's ranks need for one stage, `kind` among them."""
 
     def offered(self, addresses: list[str | None]) -> list[str] | None:
         """What the destination must be told of an export (None: nothing)."""
