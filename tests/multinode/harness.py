@@ -188,6 +188,14 @@ def _host_temp_dir(name: str) -> str:
     return path
 
 
+def set_link(netns: str, up: bool) -> None:
+    """Namespace host `netns`'s end of the hosts' link (named as the host)
+    up or down. Both ends down is a partition as a pulled cable makes it:
+    neither host reaches the other, TCP connections retransmit and live on
+    if it ends before they give up, new connections are refused."""
+    _ip("-n", netns, "link", "set", netns, "up" if up else "down")
+
+
 def remove_netns(name: str) -> None:
     kill_netns_processes(name)
     _ip("netns", "del", name, check=False)  # takes its veth (and so the peer) along

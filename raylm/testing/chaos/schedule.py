@@ -15,8 +15,9 @@ as the server's /scale does), a migration, a replica restart, a client
 abort, and a stranger sending junk to every socket the engine listens on:
 the supervisor's output socket, and each TCP port its processes listen on
 (a rank's K/V server, with RAYLM_MIGRATION_NETWORK=1 the path every
-migration takes; raylm.kv_transfer.admission refuses strangers). At most
-one kill per schedule: the quarantine rules cannot tell a kill from a
+migration takes; raylm.kv_transfer.admission refuses strangers). A harness
+adds its own operations (the two-host harness: a network partition,
+tests/multinode/chaos_driver.py). At most one kill per schedule: the quarantine rules cannot tell a kill from a
 poison request, and a request exposed to one failure is never failed.
 """
 
@@ -51,11 +52,12 @@ class Operation:
     arg: int  # which core, request or size (taken modulo what exists)
 
 
-def make_schedule(seed: int, num_ops: int = 8, span_steps: int = 60) -> list[Operation]:
+def make_schedule(seed: int, num_ops: int = 8, span_steps: int = 60,
+                  operations: tuple[str, ...] = OPERATIONS) -> list[Operation]:
     rng = random.Random(seed)
     ops, killed = [], False
     for _ in range(num_ops):
-        name = rng.choice(OPERATIONS)
+        name = rng.choice(operations)
         if name == "kill":
             if killed:
                 name = "migrate"
@@ -92,13 +94,17 @@ class Replay:
 
 
 class ScheduleRunner:
-    """Runs one schedule against `llm` (an LLM with data_parallel_size > 1
-    on local core processes) while it serves `requests` (id -> (prompt, params))."""
+    """Runs one schedule against `llm` (an LLM with data_parallel_size > 1,
+    its cores local processes or Ray replicas) while it serves `requests`
+    (id -> (prompt, params)). `extra`: a harness's own operations, by name
+    (each takes the operation's arg and says what it did)."""
 
-    def __init__(self, llm, schedule: list[Operation]):
+    def __init__(self, llm, schedule: list[Operation], extra: dict | None = None):
         self.engine = llm.llm_engine
         self.sup = self.engine.engine_core
         self.schedule = list(schedule)
+        self.extra = dict(extra or {})
+        self.steps = 0  # the front end's steps the run took
         self.replay = Replay()
         self._scale_up = None
         self._scale_thread: threading.Thread | None = None
@@ -118,6 +124,7 @@ class ScheduleRunner:
             else:
                 time.sleep(0.01)
             step += 1
+            self.steps = step
             if step > max_steps:
                 raise AssertionError(f"the schedule did not end within {max_steps} steps")
         return self.replay
@@ -133,18 +140,22 @@ class ScheduleRunner:
 
     def _apply(self, op: Operation) -> None:
         try:
-            what = getattr(self, f"_{op.name}")(op.arg)
+            what = (self.extra.get(op.name) or getattr(self, f"_{op.name}"))(op.arg)
         except ValueError as e:  # refused, as the server would answer 400/409
             what = f"refused: {e}"
         self.replay.done.append(f"{op.name}({op.arg}): {what}")
 
     def _core_pid(self, arg: int) -> tuple[int, int] | None:
-        processes = self.sup.launcher._processes
-        alive = sorted(i for i, p in processes.items() if p.is_alive())
-        if not alive:
+        """(index, pid) of a live core: a local process or a Ray replica's actor."""
+        launcher = self.sup.launcher
+        if hasattr(launcher, "manager"):  # Ray replicas (engine/ray_launcher.py)
+            pids = {i: h.pid for i, h in dict(launcher.manager.replicas).items() if psutil.pid_exists(h.pid)}
+        else:
+            pids = {i: p.pid for i, p in launcher._processes.items() if p.is_alive()}
+        if not pids:
             return None
-        index = alive[arg % len(alive)]
-        return index, processes[index].pid
+        index = sorted(pids)[arg % len(pids)]
+        return index, pids[index]
 
     def _kill(self, arg: int) -> str:
         core = self._core_pid(arg)
