@@ -86,15 +86,20 @@ def _part(data: bytes, more: bool) -> bytes:
     return bytes([0x02 | (0x01 if more else 0)]) + struct.pack(">Q", len(data)) + data
 
 
-def _attacker(host: str, port: int, seconds: float, rate: float, counts) -> None:
+def _attacker(host: str, port, seconds: float, rate: float, counts) -> None:
+    """`port`: an int, or a shared value (multiprocessing.Value) another
+    process points at whatever port the server listens on, or listened on last."""
     stop = time.monotonic() + seconds
+
+    def target() -> tuple[str, int]:
+        return host, (port.value if hasattr(port, "value") else port)
     tally = {"multipart_parts": 0, "multipart_dropped": 0, "idle_closed": 0, "junk": 0}
 
     def endless_multipart() -> None:
         parts = b"".join(_part(bytes(1024), more=True) for _ in range(64))
         while time.monotonic() < stop:
             try:
-                with socket.create_connection((host, port), timeout=1) as conn:
+                with socket.create_connection(target(), timeout=1) as conn:
                     conn.sendall(_greeting(b"NULL"))
                     conn.recv(64)
                     conn.sendall(_READY)
@@ -122,7 +127,7 @@ def _attacker(host: str, port: int, seconds: float, rate: float, counts) -> None
                     tally["idle_closed"] += 1
             while len(held) < _IDLE_CONNECTIONS and time.monotonic() < stop:
                 try:
-                    held.append(socket.create_connection((host, port), timeout=1))
+                    held.append(socket.create_connection(target(), timeout=1))
                 except OSError:
                     tally["idle_closed"] += 1
                     break
@@ -140,7 +145,7 @@ def _attacker(host: str, port: int, seconds: float, rate: float, counts) -> None
                 time.sleep(0.0005)
                 continue
             try:
-                with socket.create_connection((host, port), timeout=1) as conn:
+                with socket.create_connection(target(), timeout=1) as conn:
                     conn.sendall(kinds[tally["junk"] % len(kinds)])
             except OSError:
                 pass

@@ -6,16 +6,19 @@ at the same rate to a closed port (issue 48's flood check, at the engine).
 
 An offline engine of two local replicas (`-dp 2 --data-parallel-backend mp`,
 the embedded model, float32), its migrations on the sealed network path
-(RAYLM_MIGRATION_NETWORK=1: the K/V server a rank starts at its first offer
-listens on 127.0.0.1 for the rank's life). A warm-up migration starts it;
-then each run submits the victim streams, starts the attacker
-(bench_kv_flood's: an endless multipart message, 200 idle connections and
-`--rate` junk connections a second), moves one stream to the other replica
-once they all decode (a migration under the flood, whose offer the server
-makes while it refuses the strangers), and times every token's arrival at
-the front end. Runs alternate control and flood. Reported per run: the
-victims' inter-token gaps (p50/p99), the migration's outcome, and the junk
-the attacker sent.
+(RAYLM_MIGRATION_NETWORK=1). A rank's K/V server listens only while it
+offers a stage, on a fresh port each time. A warm-up migration out of core
+0 shows the port it listened on. Each run submits the victim streams,
+starts the attacker (bench_kv_flood's: an endless multipart message, 200
+idle connections and `--rate` junk connections a second), moves one stream
+of core 0 to core 1 once they all decode (a migration under the flood), and
+times every token's arrival at the front end. Three modes, alternating:
+`control` aims at a closed port; `flood` at the port the server listened on
+at the warm-up (an attacker who found it once); `chase` at the port it
+listens on now, found within 5 ms by reading /proc (a local attacker who
+follows it: the flood meets every stage of the migration). Reported per
+run: the victims' inter-token gaps (p50/p99), the migration's outcome, and
+the junk the attacker sent.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import multiprocessing as mp
 import os
 import pathlib
 import sys
+import threading
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -36,6 +40,8 @@ from raylm import LLM, SamplingParams  # noqa: E402
 from raylm.testing.chaos.schedule import listening_tcp_ports  # noqa: E402
 
 NUM_STREAMS = 16
+MODES = ("control", "flood", "chase")
+_last_port = [0]  # where the K/V server of core 0 listened at the warm-up
 
 
 def _decode_all(llm: LLM, requests: dict[str, list[int]], params: SamplingParams, on_all_decoding=None):
@@ -61,23 +67,39 @@ def _gaps(arrivals: dict[str, list[float]]) -> list[float]:
     return gaps
 
 
-def _listening_core(llm: LLM) -> tuple[int, int]:
-    """(core index, port) of the K/V server a core process listens with."""
-    sup = llm.llm_engine.engine_core
-    for index, process in sup.launcher._processes.items():
-        ports = listening_tcp_ports({process.pid})
-        if ports:
-            return index, sorted(ports)[0][1]
-    raise SystemExit("no K/V server listens (the warm-up migration did not run over the network)")
+class _PortWatch:
+    """Points a shared value at the port core `index`'s K/V server listens on
+    (it listens only while it offers, on a fresh port each time), looking
+    every _WATCH_S: the attacker that follows it, a local one reading /proc."""
+
+    def __init__(self, pid: int, port, stop_after_s: float):
+        self.pid, self.port, self.stop_at = pid, port, time.monotonic() + stop_after_s
+        self.seen: set[int] = set()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while time.monotonic() < self.stop_at:
+            ports = listening_tcp_ports({self.pid})
+            if ports:
+                self.port.value = sorted(ports)[0][1]
+                self.seen.add(self.port.value)
+            time.sleep(_WATCH_S)
 
 
-def run(llm: LLM, mode: str, flooded: tuple[int, int], seconds: float, rate: float,
-        params: SamplingParams) -> dict:
+_WATCH_S = 0.005
+
+
+def run(llm: LLM, mode: str, seconds: float, rate: float, params: SamplingParams) -> dict:
+    """`mode`: control (the attacker aims at a closed port), flood (at the
+    port the server listened on last, as an attacker that found it once
+    would), chase (at the port it listens on now, found within _WATCH_S)."""
     sup = llm.llm_engine.engine_core
     counts = mp.Manager().dict()
-    index, port = flooded
-    target = port if mode == "flood" else _closed_port()
-    attacker = mp.Process(target=_attacker, args=("127.0.0.1", target, seconds, rate, counts), daemon=True)
+    index = 0
+    port = mp.Value("i", _closed_port() if mode == "control" else _last_port[0])
+    watch = _PortWatch(sup.launcher._processes[index].pid, port, seconds + 5) if mode == "chase" else None
+    attacker = mp.Process(target=_attacker, args=("127.0.0.1", port, seconds, rate, counts), daemon=True)
     requests = {f"{mode}-{i}-{time.monotonic_ns()}": [(7 * i + j) % 200 + 3 for j in range(8 + 3 * i)]
                 for i in range(NUM_STREAMS)}
     moved = {}
@@ -96,6 +118,8 @@ def run(llm: LLM, mode: str, flooded: tuple[int, int], seconds: float, rate: flo
     elapsed = time.monotonic() - started
     attacker.join(seconds + 30)
     after = dict(sup.migration_counts)
+    if watch is not None:
+        counts["ports_followed"] = len(watch.seen)
     return {"mode": mode, "gaps": _gaps(arrivals), "elapsed": elapsed, "moved": moved.get("started"),
             "migrated": after["migrated"] - before["migrated"], "abandoned": after["abandoned"] - before["abandoned"],
             "counts": dict(counts)}
@@ -113,21 +137,28 @@ def main() -> None:
     # One token a step (no decode bursts): a gap is one step of the replica.
     with LLM(None, dtype="float32", num_threads=1, data_parallel_size=2, data_parallel_backend="mp",
              kv_cache_memory_bytes=32 << 20, num_scheduler_steps=1) as llm:
-        # Warm-up: one migration starts the source rank's K/V server.
+        # Warm-up: one migration out of core 0 starts its rank's K/V server;
+        # the port it listened on is where the `flood` mode aims.
+        sup = llm.llm_engine.engine_core
+        seen = mp.Value("i", 0)
+        watch = _PortWatch(sup.launcher._processes[0].pid, seen, 60)
         _decode_all(llm, {"warm-up": list(range(3, 20))}, SamplingParams(temperature=0, max_tokens=60,
                                                                          ignore_eos=True),
-                    lambda: llm.llm_engine.engine_core.migrate("warm-up"))
-        flooded = _listening_core(llm)
-        print(f"core {flooded[0]}'s K/V server listens on port {flooded[1]}: the flood aims there")
+                    lambda: sup.migrate("warm-up", 1) if sup.ledger["warm-up"].channel == 0 else None)
+        watch.stop_at = 0
+        if not seen.value:
+            raise SystemExit("no K/V server listened (the warm-up migration did not run over the network)")
+        _last_port[0] = seen.value
+        print(f"core 0's K/V server listened on port {seen.value}: the flood aims there, the chase follows it")
         results = []
         for repeat in range(args.repeats):
-            for mode in ("control", "flood"):
-                r = run(llm, mode, flooded, args.seconds, args.rate, params)
+            for mode in MODES:
+                r = run(llm, mode, args.seconds, args.rate, params)
                 results.append(r)
                 print(f"{mode:7s} #{repeat}: inter-token {_percentiles(r['gaps'])}; {r['elapsed']:.1f} s; "
                       f"migration started {r['moved']}, migrated {r['migrated']}, abandoned {r['abandoned']}; "
                       f"attacker {r['counts']}")
-        for mode in ("control", "flood"):
+        for mode in MODES:
             gaps = [g for r in results if r["mode"] == mode for g in r["gaps"]]
             print(f"{mode:7s} all runs: inter-token {_percentiles(gaps)}")
 

@@ -37,6 +37,7 @@ import math
 import struct
 import threading
 import time
+from typing import Callable
 
 import zmq
 
@@ -158,9 +159,11 @@ class SealedAdmission:
     asking anything; the server says which asked (`asked`)."""
 
     def __init__(self, context: zmq.Context, sock: zmq.Socket, key: TransferKey, seen: SeenRequests,
-                 refusals: Refusals, max_message_bytes: int):
-        """Configures `sock`, which must not be bound yet."""
+                 refusals: Refusals, max_message_bytes: int, on_asking_closed: Callable[[], None] | None = None):
+        """Configures `sock`, which must not be bound yet. `on_asking_closed`:
+        called (on the admission's thread) when connections that asked have closed."""
         self._key, self._seen, self.refusals = key, seen, refusals
+        self._on_asking_closed = on_asking_closed
         self._zap = context.socket(zmq.REP)
         self._zap.setsockopt(zmq.LINGER, 0)
         self._zap.bind("inproc://zeromq.zap.01")  # the context's ZAP handler (RFC 27)
@@ -206,6 +209,12 @@ class SealedAdmission:
             if self._asked_by.get(fd) != routing_id:  # its first message
                 self._asked_by[fd] = routing_id
                 self._asked[fd] += 1
+
+    def open_asking(self) -> int:
+        """Connections that asked for something and have not closed yet (as
+        far as the monitor has told; it is read every _MONITOR_BATCH_S)."""
+        with self._lock:
+            return sum(self._asked.values())
 
     @property
     def cpu_s(self) -> float:
@@ -294,7 +303,7 @@ class SealedAdmission:
         return b"200"
 
     def _count_events(self) -> None:
-        refused = 0
+        refused = asking_closed = 0
         while True:
             try:
                 event_frames = self._events.recv_multipart(zmq.NOBLOCK)
@@ -304,10 +313,13 @@ class SealedAdmission:
             with self._lock:
                 if self._asked[fd] > 0:
                     self._asked[fd] -= 1
+                    asking_closed += 1
                 else:
                     refused += 1
         if refused:
             self.refusals.add("connection", count=refused)
+        if asking_closed and self._on_asking_closed is not None:
+            self._on_asking_closed()
 
     def close(self) -> None:
         """After its socket is closed."""

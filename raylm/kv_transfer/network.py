@@ -74,8 +74,7 @@ class KVNetworkEndpoint:
         except BaseException:
             server.buffers.give_back(buffer)
             raise
-        server.offer(name, packed, buffer)
-        return size, server.address
+        return size, server.offer(name, packed, buffer)
 
     def fetch_into(self, kv_caches: list[torch.Tensor], name: str, block_ids: list[int], address: str,
                    key: TransferKey, timeout_s: float = FETCH_TIMEOUT_S, cancelled: threading.Event | None = None,
@@ -100,7 +99,7 @@ class KVNetworkEndpoint:
 
     def _server_for(self, host: str, key: TransferKey) -> KVBlockServer:
         server = self._server
-        if server is not None and (server.key != key or not server.address.startswith(f"tcp://{host}:")):
+        if server is not None and (server.key != key or server.host != host):
             server.close()
             server = None
         if server is None:

@@ -2,7 +2,14 @@
 name on one ROUTER socket (admitted connections only,
 raylm.kv_transfer.admission) and answers each sealed request once, a
 frame per message, a pre-copy stage paced by the process's copy budget
-(raylm.kv_transfer.background), a final stage at once."""
+(raylm.kv_transfer.background), a final stage at once.
+
+It listens only while it holds offers or sends (on a fresh port each
+time, which each offer names): between transfers a stranger's connection
+is refused by the kernel, at no cost to the rank, where a server that
+listened for the rank's life paid the accept, the handshake's refusal and
+its counting for every one (a flood of 2k junk connections a second took
+~19% of a core from the rank's steps, here)."""
 
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import zmq
 from raylm.distributed.tcp_auth import terminate_context
 from raylm.kv_transfer import frames
 from raylm.kv_transfer.admission import Refusals, SealedAdmission
+from raylm.kv_transfer.files import KVTransferError
 from raylm.kv_transfer.background import (CopyBudget, CPUAllowance, ThreadsBesideTheSteps, no_wakeup_preemption,
                                           process_copy_budget)
 from raylm.kv_transfer.frames import (_CANCEL_CHECK_S, _FRAME_META, _MAX_REQUEST_BYTES, _STATUS_FAILED,
@@ -42,6 +50,17 @@ _OFFER_TTL_S = 300.0
 # loopback (4 runs of 128 MiB, the 2-core AMD EPYC VM); more than this is
 # the refusals' (counted in CPUAllowance.excess_s).
 _SEND_CPU_PER_MIB_S = 0.5e-3
+
+
+# The server stops listening once it has held no offer and sent nothing for
+# this long (the stages of one migration come one after another: a pause
+# shorter than this keeps the port).
+_IDLE_UNBIND_S = 0.2
+
+
+# How long an offer waits for the server's thread to listen again (it binds
+# when woken: a millisecond, unless the thread is down and started again).
+_LISTEN_WAIT_S = 5.0
 
 
 # The server's thread wakes when a request comes, a packing ends, a paced
@@ -223,11 +242,20 @@ class KVBlockServer:
         # The admission's tokens and the requests: each taken once.
         self._seen = SeenRequests()
         self.refusals = Refusals("the K/V server")
+        self._wakeup = _Wakeup()
         self._admission = SealedAdmission(self._context, self._sock, key, self._seen, self.refusals,
-                                          _MAX_REQUEST_BYTES)
-        port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
-        self.refusals.what = f"the K/V server at {self.address}"
+                                          _MAX_REQUEST_BYTES, on_asking_closed=self._wakeup.wake)
+        self.host = host
+        # The endpoint it listens on ("" while it does not), bound and
+        # unbound by the server's thread only (a ZMQ socket is one thread's).
+        self.address = ""
+        self._listen_wanted = False
+        self._listening = threading.Event()
+        self._idle_since = time.monotonic()
+        # Final stages libzmq still sends (their trackers): unbinding drops
+        # the connections a listener accepted, so it waits for them.
+        self._final_sends: list[zmq.MessageTracker] = []
+        self.refusals.what = f"the K/V server on {host}"
         # name -> (packed blocks, or the Future of a packing still running;
         # when offered; the pool's buffer they are packed into, or None)
         self._offers: dict[bytes, tuple[torch.Tensor | Future, float, torch.Tensor | None]] = {}
@@ -240,20 +268,33 @@ class KVBlockServer:
         self._io_allowance = CPUAllowance(ttl_s=FETCH_TIMEOUT_S)
         self._budget.count(self._io_threads, allowance=self._io_allowance)
         self._io_policy = ThreadsBesideTheSteps(self._io_threads)
-        self._wakeup = _Wakeup()
         self._sent_frames = _SentFrames(self._wakeup, self._budget)
         self._start()
 
-    def offer(self, name: str, packed: torch.Tensor | Future, buffer: torch.Tensor | None = None) -> None:
-        """`buffer`: the one `packed` is (being) packed into, from `self.buffers`:
+    def offer(self, name: str, packed: torch.Tensor | Future, buffer: torch.Tensor | None = None) -> str:
+        """Offer `packed` as `name`; the address to fetch it from (the server
+        listens from now until it has held no offer for _IDLE_UNBIND_S).
+        `buffer`: the one `packed` is (being) packed into, from `self.buffers`:
         handed back once sent, or once the offer is dropped."""
         now = time.monotonic()
         with self._lock:
             stale = [n for n, (_, at, _) in self._offers.items() if now - at > _OFFER_TTL_S]
             dropped = [self._offers.pop(n) for n in stale]
             self._offers[name.encode()] = (packed, now, buffer)
+            address = self.address
+            if not address:
+                self._listen_wanted = True
+                self._listening.clear()
         for packed_or_future, _, old_buffer in dropped:
             self._give_back_when_packed(packed_or_future, old_buffer)
+        if address:
+            return address
+        self._wakeup.wake()
+        if not self._listening.wait(_LISTEN_WAIT_S):
+            self.withdraw(name)
+            raise KVTransferError(f"{self.refusals.what} did not listen within {_LISTEN_WAIT_S:g} s")
+        with self._lock:
+            return self.address
 
     def withdraw(self, prefix: str) -> int:
         """Drop the offers whose name starts with `prefix`; how many."""
@@ -333,7 +374,8 @@ class KVBlockServer:
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wakeup.fd, zmq.POLLIN)
         while not self._closed.is_set():
-            wait_s = min([send.due_in() for send in sends] + [_STALL_CHECK_S])
+            unbind_in = self._listen_or_unbind(sends)
+            wait_s = min([send.due_in() for send in sends] + [_STALL_CHECK_S, unbind_in])
             ready = dict(poller.poll(math.ceil(1000 * wait_s)))
             if self._wakeup.fd in ready:
                 self._wakeup.drain()
@@ -347,6 +389,36 @@ class KVBlockServer:
                     sends.remove(send)
                 elif send.advance(self._sock):
                     sends.remove(send)
+
+    def _listen_or_unbind(self, sends: list[_StageSend]) -> float:
+        """On the server's thread: listen where an offer asked for it; stop
+        listening once it has held no offer, no send and no connection
+        that asked for a stage for _IDLE_UNBIND_S (unbinding ends the
+        connections it accepted: none has anything left to fetch then).
+        How long until it looks again (inf: not before it is woken)."""
+        now = time.monotonic()
+        with self._lock:
+            if self._listen_wanted:
+                port = self._sock.bind_to_random_port(f"tcp://{self.host}")
+                self.address = f"tcp://{self.host}:{port}"
+                self.refusals.what = f"the K/V server at {self.address}"
+                self._listen_wanted = False
+                self._listening.set()
+            if not self.address:
+                return math.inf
+            self._final_sends = [t for t in self._final_sends if not t.done]
+            # A connection that asked for a stage stays until its destination
+            # hangs up: libzmq has handed the stage to TCP, but a paced
+            # destination may not have read it all yet.
+            asking = self._admission.open_asking()
+            if self._offers or sends or self._final_sends or asking:
+                self._idle_since = now
+                return math.inf  # woken when a final stage has left, or an asking connection closed
+            if now - self._idle_since < _IDLE_UNBIND_S:
+                return self._idle_since + _IDLE_UNBIND_S - now
+            self._sock.unbind(self.address)
+            self.address = ""
+            return math.inf
 
     def _answer(self, sends: list[_StageSend]) -> None:
         """A request that opens with the key, and was not taken before, is
@@ -391,7 +463,14 @@ class KVBlockServer:
             if send.sending is None:  # nothing left to send
                 self._io_policy.urgent_end()
             else:
-                self._sent_frames.watch(send.sending, then=self._io_policy.urgent_end)
+                self._final_sends.append(send.sending)
+                self._sent_frames.watch(send.sending, then=self._end_final_send)
+
+    def _end_final_send(self) -> None:
+        """A final stage has left (on _SentFrames' thread): the I/O thread
+        yields again, and the server looks whether it may stop listening."""
+        self._io_policy.urgent_end()
+        self._wakeup.wake()
 
     @property
     def refusal_cpu_s(self) -> float:

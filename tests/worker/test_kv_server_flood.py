@@ -293,6 +293,9 @@ def test_junk_is_refused_and_counted_apart_from_the_copies_while_a_rightful_fetc
     try:
         num_bytes, address = endpoint.serve(source, "m-1-0.rank0", list(range(128)), "127.0.0.1", key,
                                             run_in_background=_packed_at_once)
+        # An offer nobody fetches keeps the server listening after the fetch
+        # (it stops once it holds none): all the junk meets it.
+        assert endpoint.serve(_caches(0), "m-2.rank0", [1], "127.0.0.1", key)[1] == address
         server = endpoint._server
         own = [server._thread.native_id, server._sent_frames._thread.native_id]
 
@@ -442,3 +445,29 @@ def test_a_budget_counts_an_allowed_thread_up_to_its_allowance_and_no_excused_cp
     cpu[2] += 0.001  # spent refusing a message
     budget.wait_s()
     assert budget.spent_s == pytest.approx(0.005) and allowance.excess_s == pytest.approx(0.012)
+
+
+def _listens(address: str) -> bool:
+    try:
+        with socket.create_connection(_host_port(address), timeout=1):
+            return True
+    except ConnectionRefusedError:
+        return False
+
+
+def test_the_server_listens_only_while_it_holds_offers(endpoint):
+    """Between transfers a stranger's connection is refused by the kernel,
+    at no cost to the rank: the server stops listening once its offers are
+    fetched or withdrawn, and listens again, on a fresh port, for the next."""
+    key = _key()
+    _, first = endpoint.serve(_caches(0), "m-1.rank0", [1, 2], "127.0.0.1", key)
+    assert _listens(first)
+    destination = _caches(None)
+    kv_network.KVNetworkEndpoint().fetch_into(destination, "m-1.rank0", [4, 7], first, key)
+    wait_until(lambda: not _listens(first), 10, message="the server to stop listening once its offer was fetched")
+    _, second = endpoint.serve(_caches(0), "m-2.rank0", [1], "127.0.0.1", key)
+    assert second != first and _listens(second)
+    assert endpoint.withdraw("m-2") == 1
+    wait_until(lambda: not _listens(second), 10, message="the server to stop listening once its offer was withdrawn")
+    _, third = endpoint.serve(_caches(0), "m-3.rank0", [1, 2], "127.0.0.1", key)
+    _assert_arrives(endpoint, "m-3.rank0", third, key)
