@@ -21,32 +21,30 @@ import sys
 import time
 import urllib.request
 
-from raylm.core.request import Request
 from raylm.engine.protocol import EngineCoreRequest, SchedulerStats
-from raylm.engine.routing import CoreLoad, PrefixAffinity, least_loaded
+from raylm.engine.prefix_index import PrefixIndex
+from raylm.engine.routing import CoreLoad, routing_policy
 from raylm.sampling_params import SamplingParams
 
 
-def routing_overhead_us(num_replicas: int, num_requests: int, prompt_len: int, affinity: bool) -> float:
+def routing_overhead_us(num_replicas: int, num_requests: int, prompt_len: int, policy: str) -> float:
     """Per request: what the supervisor does to route (the loads of the
-    serving cores, then raylm.engine.routing's choice) and encode a request."""
+    serving cores, then raylm.engine.routing's `policy`: kv_aware hashes the
+    prompt and looks it up in an empty index) and encode a request."""
     import msgspec
 
     stats = {i: SchedulerStats(num_waiting=i % 3) for i in range(num_replicas)}
     in_flight = {i: 0 for i in range(num_replicas)}
-    prefix_affinity = PrefixAffinity() if affinity else None
+    router = routing_policy(policy, PrefixIndex(), 16)
     encoder = msgspec.msgpack.Encoder()
     params = SamplingParams(max_tokens=128)
-    requests = [Request(str(i), [(i * 7 + j) % 8000 for j in range(prompt_len)], params, 2)
+    requests = [EngineCoreRequest(str(i), [(i * 7 + j) % 8000 for j in range(prompt_len)], params, 2)
                 for i in range(num_requests)]
     start = time.perf_counter()
     for request in requests:
         loads = [CoreLoad(i, in_flight[i], stats[i].num_waiting, stats[i].kv_cache_usage) for i in stats]
-        if prefix_affinity is not None:
-            chosen = prefix_affinity.choose(request.prompt_token_ids, loads)
-        else:
-            chosen = least_loaded(loads)
-        encoder.encode(EngineCoreRequest.from_request(request))
+        chosen = router.choose(request, loads)
+        encoder.encode(request)
         in_flight[chosen.index] += 1
     return (time.perf_counter() - start) / num_requests * 1e6
 
@@ -97,9 +95,9 @@ def main() -> None:
     parser.add_argument("--skip-serve", action="store_true")
     args = parser.parse_args()
 
-    for affinity in (False, True):
-        samples = [routing_overhead_us(2, 2000, args.input_len, affinity) for _ in range(5)]
-        print(f"routing + encoding per request (2 replicas, prefix affinity {'on' if affinity else 'off'}): "
+    for policy in ("load", "vllm", "kv_aware"):
+        samples = [routing_overhead_us(2, 2000, args.input_len, policy) for _ in range(5)]
+        print(f"routing + encoding per request (2 replicas, --routing-policy {policy}): "
               f"{statistics.median(samples):.1f} us median of 5 [{min(samples):.1f}-{max(samples):.1f}]")
     print(f"scale 1 -> 2 replicas: {scale_up_seconds(args.model):.2f} s (placed, model loaded, KV cache sized)")
     if args.skip_serve:

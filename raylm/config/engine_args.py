@@ -169,8 +169,10 @@ class EngineArgs:
         "time) or mp (engine-core processes on this machine)", choices=("ray", "mp"))
     data_parallel_placement: str = _parallel(
         "pack", "replicas packed onto as few nodes as possible, or spread one per node", choices=("pack", "spread"))
-    data_parallel_prefix_affinity: bool = _parallel(
-        False, "requests sharing a long prompt prefix prefer the replica that cached it")
+    routing_policy: str = _parallel(
+        "kv_aware", "how a new request picks its data-parallel replica: kv_aware (the least loaded, credited "
+        "for the prompt prefix its cache holds, known exactly from the replicas' block events), load (the least "
+        "loaded), or vllm (vLLM's 4 x waiting + running, for comparison)", choices=("kv_aware", "load", "vllm"))
     data_parallel_rebalance: bool = _parallel(
         False, "move running requests live (KV cache and all) from a replica much busier than the least busy one")
     ray_address: str | None = _parallel(

@@ -156,8 +156,8 @@ class ParallelConfig:
     data_parallel_size: int = 1
     data_parallel_backend: str = "ray"
     data_parallel_placement: str = "pack"
-    # Requests sharing a long prompt prefix prefer the replica that cached it.
-    data_parallel_prefix_affinity: bool = False
+    # How a new request picks its replica (raylm.engine.routing): kv_aware, load or vllm.
+    routing_policy: str = "kv_aware"
     # Live migration from a much busier replica to the least busy (raylm.engine.migration).
     data_parallel_rebalance: bool = False
 

@@ -64,6 +64,40 @@ def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.sha256(parent_hash + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
 
 
+class KVEventRecorder:
+    """What changed in a core's prefix cache since it was last taken: the
+    block hashes it began to hold (a full block registered) and those it
+    dropped (evicted for another use), and whether it was emptied (a fresh
+    pool: at the core's start, after its executor was rebuilt, at a reset).
+    The supervisor's prefix index (raylm/engine/prefix_index.py) follows
+    each core by these, and routes by what they hold.
+
+    Only a block's latest change is kept, so what is pending is bounded by
+    the blocks changed since the last take, whatever the traffic."""
+
+    def __init__(self):
+        self.cleared = True  # a new pool holds nothing: the index starts over
+        self._changes: dict[bytes, bool] = {}  # block hash -> held (True) or dropped
+
+    def stored(self, block_hash: bytes) -> None:
+        self._changes[block_hash] = True
+
+    def removed(self, block_hash: bytes) -> None:
+        self._changes[block_hash] = False
+
+    def clear(self) -> None:
+        self.cleared = True
+        self._changes.clear()
+
+    def take(self) -> tuple[bool, list[bytes], list[bytes]] | None:
+        """(emptied first, hashes now held, hashes dropped) since the last take; None: nothing."""
+        if not self.cleared and not self._changes:
+            return None
+        changes, cleared = self._changes, self.cleared
+        self._changes, self.cleared = {}, False
+        return (cleared, [h for h, held in changes.items() if held], [h for h, held in changes.items() if not held])
+
+
 class BlockPool:
     """The blocks and their free queues. With `num_shards` > 1 (context
     parallelism: block id g lives on CP rank g % num_shards) each shard has
@@ -73,8 +107,9 @@ class BlockPool:
     ranks however blocks were freed before. Any placement is exact; this
     one is balanced."""
 
-    def __init__(self, num_blocks: int, num_shards: int = 1):
+    def __init__(self, num_blocks: int, num_shards: int = 1, events: KVEventRecorder | None = None):
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.events = events  # told of every hash that becomes findable or stops being so
         self.num_shards = num_shards
         # Blocks nobody uses, per shard, least recently freed first (evicted first).
         self.free_queues: list[OrderedDict[int, KVCacheBlock]] = [
@@ -102,6 +137,8 @@ class BlockPool:
                 # Evicting a cached block: it can no longer be found by hash.
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
+                    if self.events is not None:
+                        self.events.removed(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
@@ -123,21 +160,27 @@ class BlockPool:
         block.block_hash = block_hash
         # If another block already holds this content keep the first one;
         # this one is simply not findable (it is freed like any other).
-        self.cached.setdefault(block_hash, block)
+        if self.cached.setdefault(block_hash, block) is block and self.events is not None:
+            self.events.stored(block_hash)
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.clear()
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_shards: int = 1):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_shards: int = 1,
+                 events: KVEventRecorder | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.num_shards = num_shards
-        self.pool = BlockPool(num_blocks, num_shards)
+        if events is not None:
+            events.clear()  # a new pool: whatever the last one held is gone
+        self.pool = BlockPool(num_blocks, num_shards, events)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         # Blocks reserved for the K/V a migration brings in, by migration id,
         # until its request arrives (`adopt_import`). Apart from req_blocks:

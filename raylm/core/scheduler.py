@@ -491,7 +491,7 @@ class Scheduler:
             request.num_output_placeholders = 0
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.kv_cache_manager.block_size, self.kv_cache_manager.enable_prefix_caching,
-            num_shards=self.kv_cache_manager.num_shards,
+            num_shards=self.kv_cache_manager.num_shards, events=self.kv_cache_manager.pool.events,
         )
         # New workers know no request: each is sent in full, and none is finished there.
         self._needs_full_send = set(self.requests)

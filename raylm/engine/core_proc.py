@@ -83,6 +83,7 @@ class EngineCoreProc:
         if running_alone_path is not None:
             core.on_running_alone = RunningAloneRecord(running_alone_path).write
         core.on_rebuilding = self._announce_rebuilding
+        core.record_kv_events()  # its supervisor follows its prefix cache (engine/prefix_index.py)
         self.engine_index = engine_index
         # Which start of a core this is, in its stats (SchedulerStats.core_start):
         # random, so that no two starts of a replica share one.
@@ -210,6 +211,7 @@ class EngineCoreProc:
     def _send(self, outputs: EngineCoreOutputs) -> None:
         outputs.engine_index = self.engine_index
         outputs.incarnation = self.incarnation
+        outputs.kv_events = self.core.take_kv_events()
         self.output.send(self.encoder.encode(outputs), copy=False)
 
     def close(self) -> None:

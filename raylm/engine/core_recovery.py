@@ -225,12 +225,14 @@ class CoreRecovery:
         """Core `index`'s channel, out of the supervisor's (None if it was
         gone already): every way a core leaves (it died, or drained for a
         scale-in or a restart) comes through here, so none leaves a ping
-        waiting for an answer that is no longer read, and none leaves a
-        migration naming it (either side). The migrations end before the
-        core's requests are resubmitted: a paused copy of a request handed
-        over to it is dropped at its source before the request may go there."""
+        waiting for an answer that is no longer read, none leaves a
+        migration naming it (either side), and none is still routed to by
+        its prefix cache. The migrations end before the core's requests are
+        resubmitted: a paused copy of a request handed over to it is dropped
+        at its source before the request may go there."""
         channel = self.channels.pop(index, None)
         if channel is not None:
+            self.prefix_index.drop_core(index)
             self._forget_pings_to(index)
             self._migrations_on_channel_removed(channel, why)
         return channel

@@ -30,12 +30,13 @@ import torch
 
 from raylm.config import EngineConfig
 from raylm.core.decode_burst import BurstPlanner
+from raylm.core.kv_cache_manager import KVEventRecorder
 from raylm.core.outputs import EngineCoreOutput
 from raylm.core.scheduler import Scheduler
 from raylm.core.structured_output import StructuredOutputManager
 from raylm.engine.core_migration import MigrationEndpoint
 from raylm.engine.errors import EngineDeadError
-from raylm.engine.protocol import EngineCoreRequest, MigrationReport, RecoveryKind
+from raylm.engine.protocol import EngineCoreRequest, KVCacheEvents, MigrationReport, RecoveryKind
 from raylm.engine.restart_budget import BlameLedger, RestartBudget
 from raylm.executor.abstract import Executor
 from raylm.executor.errors import ExecutorFailedError, WorkerDiedError, WorkerHungError
@@ -153,6 +154,20 @@ class EngineCore:
             cc.num_blocks, cc.block_size, cc.num_blocks // cp, cc.num_blocks // cp * cc.block_size,
             cc.num_blocks // cp * per_block / 2**20,
         )
+
+    def record_kv_events(self) -> None:
+        """From now on, keep what changes in the prefix cache for
+        `take_kv_events` (a data-parallel core's supervisor routes by it;
+        nobody takes them from a core in the user's process)."""
+        self.scheduler.kv_cache_manager.pool.events = KVEventRecorder()
+
+    def take_kv_events(self) -> KVCacheEvents | None:
+        events = self.scheduler.kv_cache_manager.pool.events
+        taken = events.take() if events is not None else None
+        if taken is None:
+            return None
+        cleared, stored, removed = taken
+        return KVCacheEvents(cleared=cleared, stored=stored, removed=removed)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """The request, as the front end built and checked it: the scheduler's

@@ -211,6 +211,18 @@ class RecoveryStats(msgspec.Struct):
     culprits: list[str] = msgspec.field(default_factory=list)
 
 
+class KVCacheEvents(msgspec.Struct):
+    """What changed in a core's prefix cache since its last message
+    (core/kv_cache_manager.py KVEventRecorder): emptied first (a fresh
+    pool), then the block hashes it began to hold and those it dropped. The
+    supervisor's prefix index follows each core by these; a hint for
+    routing, never a key of any cache."""
+
+    cleared: bool = False
+    stored: list[bytes] = msgspec.field(default_factory=list)
+    removed: list[bytes] = msgspec.field(default_factory=list)
+
+
 class EngineCoreOutputs(msgspec.Struct):
     """One message from the core: a step's outputs and/or its scheduler stats,
     a reply to a Ping, or (as its last words) the error that killed it.
@@ -237,3 +249,5 @@ class EngineCoreOutputs(msgspec.Struct):
     migrations: list[MigrationReport] = msgspec.field(default_factory=list)
     # Migrations that ended, from the supervisor to its front end (metrics).
     migrated: list[MigrationStats] = msgspec.field(default_factory=list)
+    # A data-parallel core's prefix cache changes since its last message.
+    kv_events: Union[KVCacheEvents, None] = None

@@ -1,7 +1,8 @@
 """Routing a request to one of the supervisor's engine cores: pure functions of
-the cores' loads, and a bounded table of prompt prefixes for affinity.
+the cores' loads and of what their prefix caches hold, behind one interface
+(`RoutingPolicy`, chosen by `--routing-policy`).
 
-A request goes to the core with the lowest load score
+The load score of a core is
 
     score = in_flight + 2 * waiting + kv_cache_usage
 
@@ -9,10 +10,18 @@ where `in_flight` counts the requests the supervisor sent it that have not
 finished (exact and immediate), `waiting` is the core's own count of queued
 requests at its last report (queued work costs more than running work: it
 waits for a batch slot), and `kv_cache_usage` (0..1) breaks ties towards the
-emptier cache. With prefix affinity, a request whose prompt starts with the
-same `AFFINITY_TOKENS` tokens as an earlier one goes to that one's core (its
-prefix cache holds them) unless that core is busier than the least busy by
-more than `AFFINITY_SLACK`.
+emptier cache.
+
+- `load`: the lowest score.
+- `vllm`: vLLM's data-parallel balancer, `4 * waiting + running`, for
+  comparison (it ignores the caches).
+- `kv_aware` (the default): the lowest score less a credit for the prompt's
+  leading blocks the core's prefix cache holds (the supervisor's exact index,
+  prefix_index.py): `cost = score - min(cached_tokens /
+  PREFIX_TOKENS_PER_REQUEST, MAX_PREFIX_CREDIT)`, so a core holding a 2k-token
+  prefix is chosen unless it is busier than the idlest by 8 requests or
+  more. A multi-turn session follows its cache this way: the next turn's
+  prompt extends the last one's, whose blocks the index saw stored.
 
 Rebalancing (`plan_rebalance`) moves running requests, by live migration,
 from the busiest core to the least busy when their scores differ by at least
@@ -25,14 +34,14 @@ per cooldown).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-AFFINITY_TOKENS = 64
+from raylm.engine.prefix_index import PrefixIndex, prompt_block_hashes
+from raylm.engine.protocol import EngineCoreRequest
+
 REBALANCE_MIN_GAP = 4
 REBALANCE_MIN_RATIO = 1.5
-AFFINITY_SLACK = 4
-_AFFINITY_ENTRIES = 16384
 
 
 @dataclass(frozen=True)
@@ -54,30 +63,86 @@ def least_loaded(loads: list[CoreLoad]) -> CoreLoad | None:
     return min(loads, key=lambda load: (load.score, load.index), default=None)
 
 
-class PrefixAffinity:
-    """The core that last served each prompt prefix, the most recent
-    `_AFFINITY_ENTRIES` prefixes only (least recently used leave first)."""
+class RoutingPolicy(ABC):
+    """Chooses the core for a new request among the serving ones."""
 
-    def __init__(self, max_entries: int = _AFFINITY_ENTRIES):
-        self._cores: OrderedDict[int, int] = OrderedDict()
-        self._max_entries = max_entries
+    name: str
 
-    def choose(self, prompt_token_ids: list[int], loads: list[CoreLoad]) -> CoreLoad | None:
-        """The least loaded core, or the one that served this prompt's prefix
-        if it is not much busier; remembers the choice."""
-        best = least_loaded(loads)
-        if best is None or len(prompt_token_ids) < AFFINITY_TOKENS:
-            return best
-        key = hash(tuple(prompt_token_ids[:AFFINITY_TOKENS]))
-        by_index = {load.index: load for load in loads}
-        preferred = by_index.get(self._cores.get(key, -1))
-        if preferred is not None and preferred.score <= best.score + AFFINITY_SLACK:
-            best = preferred
-        self._cores[key] = best.index
-        self._cores.move_to_end(key)
-        if len(self._cores) > self._max_entries:
-            self._cores.popitem(last=False)
-        return best
+    @abstractmethod
+    def choose(self, request: EngineCoreRequest, loads: list[CoreLoad]) -> CoreLoad | None:
+        """The core for `request` (None: no core serves)."""
+
+
+class LoadRouting(RoutingPolicy):
+    name = "load"
+
+    def choose(self, request: EngineCoreRequest, loads: list[CoreLoad]) -> CoreLoad | None:
+        return least_loaded(loads)
+
+
+class VllmRouting(RoutingPolicy):
+    """vLLM's internal data-parallel balancer: the lowest `4 * waiting +
+    running` (for comparison; it does not look at the caches)."""
+
+    name = "vllm"
+
+    def choose(self, request: EngineCoreRequest, loads: list[CoreLoad]) -> CoreLoad | None:
+        def cost(load: CoreLoad) -> tuple[int, int]:
+            running = max(load.in_flight - load.num_waiting, 0)
+            return 4 * load.num_waiting + running, load.index
+
+        return min(loads, key=cost, default=None)
+
+
+# kv_aware's weights: every PREFIX_TOKENS_PER_REQUEST tokens of the prompt a
+# core holds cached count as one request less of load there, up to
+# MAX_PREFIX_CREDIT requests (a long shared prefix must not pile every
+# request onto one core). On a CPU a request's prefill of 256 tokens is
+# roughly a queued request's wait.
+PREFIX_TOKENS_PER_REQUEST = 256
+MAX_PREFIX_CREDIT = 8.0
+# A prompt is hashed for routing up to this many blocks (the supervisor's
+# CPU per request stays bounded; longer matches earn no more credit anyway).
+MAX_ROUTING_BLOCKS = 1024
+
+
+class KVAwareRouting(RoutingPolicy):
+    """The lowest load score less the credit of the prompt's cached prefix
+    on each core (exact, from the supervisor's prefix index)."""
+
+    name = "kv_aware"
+
+    def __init__(self, index: PrefixIndex, block_size: int):
+        self.index = index
+        self.block_size = block_size
+        self.last_matched: dict[int, int] = {}  # the last choice's cached blocks per core (metrics, tests)
+
+    def choose(self, request: EngineCoreRequest, loads: list[CoreLoad]) -> CoreLoad | None:
+        if not loads:
+            return None
+        max_blocks = min(MAX_ROUTING_BLOCKS, (len(request.prompt_token_ids) - 1) // self.block_size)
+        hashes = prompt_block_hashes(request.prompt_token_ids, self.block_size, request.cache_salt, max_blocks)
+        matched = self.index.matched_blocks(hashes, [load.index for load in loads]) if hashes else {}
+        self.last_matched = matched
+
+        def cost(load: CoreLoad) -> tuple[float, int]:
+            cached_tokens = matched.get(load.index, 0) * self.block_size
+            return load.score - min(cached_tokens / PREFIX_TOKENS_PER_REQUEST, MAX_PREFIX_CREDIT), load.index
+
+        return min(loads, key=cost)
+
+
+ROUTING_POLICIES = ("kv_aware", "load", "vllm")
+
+
+def routing_policy(name: str, index: PrefixIndex, block_size: int) -> RoutingPolicy:
+    if name == "kv_aware":
+        return KVAwareRouting(index, block_size)
+    if name == "load":
+        return LoadRouting()
+    if name == "vllm":
+        return VllmRouting()
+    raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, not {name!r}")
 
 
 def plan_rebalance(loads: list[CoreLoad]) -> tuple[int, int, int] | None:

@@ -55,7 +55,8 @@ from raylm.engine.protocol import (
     Shutdown,
 )
 from raylm.engine.restart_budget import BlameLedger, RestartBudget
-from raylm.engine.routing import CoreLoad, PrefixAffinity, least_loaded
+from raylm.engine.prefix_index import PrefixIndex
+from raylm.engine.routing import CoreLoad, routing_policy
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,10 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
         self.restart_budget = RestartBudget(ft.max_restarts, ft.restart_window_s)
         # Restarts that failed requests caused are forgiven, up to a rate.
         self.blame = BlameLedger(self.restart_budget, ft.max_blamed_recoveries, ft.restart_window_s)
-        self.prefix_affinity = PrefixAffinity() if pc.data_parallel_prefix_affinity else None
+        # What each core's prefix cache holds (from its block events), and the
+        # policy that routes new requests by it and by the cores' loads.
+        self.prefix_index = PrefixIndex()
+        self.router = routing_policy(pc.routing_policy, self.prefix_index, config.cache_config.block_size)
         self.channels: dict[int, CoreChannel] = {}
         self.ledger: dict[str, LedgerEntry] = {}
         self._waiting: list[str] = []  # ledger ids with no core to go to yet
@@ -185,10 +189,7 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
         loads = [CoreLoad(c.index, len(c.in_flight), c.stats.num_waiting if c.stats else 0,
                           c.stats.kv_cache_usage if c.stats else 0.0)
                  for c in self.channels.values() if not c.draining]
-        if self.prefix_affinity is not None:
-            best = self.prefix_affinity.choose(request.prompt_token_ids, loads)
-        else:
-            best = least_loaded(loads)
+        best = self.router.choose(request, loads)
         return None if best is None else self.channels[best.index]
 
     def _resubmit(self, request_id: str) -> None:
@@ -466,6 +467,9 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
         if channel is None:
             return None
         channel.heard(outputs)
+        if outputs.kv_events is not None:
+            self.prefix_index.apply(channel.index, outputs.kv_events)
+            outputs.kv_events = None
         self._drop_foreign_outputs(channel, outputs)
         if outputs.error is not None:
             # That core gave up (its own recoveries failed): replace it.

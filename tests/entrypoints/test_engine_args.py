@@ -47,7 +47,7 @@ NON_DEFAULT = {
     # The only choice there is, so it cannot differ from the default.
     "data_parallel_backend": (["--data-parallel-backend", "ray"], "ray"),
     "data_parallel_placement": (["--data-parallel-placement", "spread"], "spread"),
-    "data_parallel_prefix_affinity": (["--data-parallel-prefix-affinity"], True),
+    "routing_policy": (["--routing-policy", "vllm"], "vllm"),
     "data_parallel_rebalance": (["--data-parallel-rebalance"], True),
     "autoscale": (["--autoscale", "1:3"], "1:3"),
     "autoscale_target_ongoing_requests": (["--autoscale-target-ongoing-requests", "4"], 4.0),
@@ -135,7 +135,7 @@ def test_flags_round_trip_into_the_engine_config(tiny_model_dir, tmp_path):
         "--health-check-interval", "2", "--max-restarts", "5", "--restart-window", "100",
         "--execute-model-timeout", "50", "-tp", "2", "--ray-step-transport", "cgraph",
         "--ray-placement-strategy", "SPREAD", "-dp", "2", "--data-parallel-placement", "spread",
-        "--data-parallel-prefix-affinity", "--block-size", "32", "--max-num-seqs", "4", "--cpu-bind", "all",
+        "--routing-policy", "load", "--block-size", "32", "--max-num-seqs", "4", "--cpu-bind", "all",
         "--kv-cache-memory-bytes", "4MiB",
     ])
     config = EngineArgs.from_cli_args(args).create_engine_config()
@@ -144,7 +144,7 @@ def test_flags_round_trip_into_the_engine_config(tiny_model_dir, tmp_path):
     assert sc.max_num_seqs == 4 and config.model_config.max_model_len == 256
     assert (pc.tensor_parallel_size, pc.ray_placement_timeout, pc.ray_step_transport) == (2, 12.5, "cgraph")
     assert (pc.ray_placement_strategy, pc.data_parallel_size, pc.data_parallel_placement) == ("SPREAD", 2, "spread")
-    assert pc.data_parallel_prefix_affinity is True
+    assert pc.routing_policy == "load"
     assert (ft.health_check_timeout_s, ft.health_check_interval_s, ft.max_restarts) == (7.0, 2.0, 5)
     assert (ft.restart_window_s, ft.execute_model_timeout_s) == (100.0, 50.0)
     assert (cc.block_size, cc.kv_cache_memory_bytes) == (32, 4 << 20) and config.cpu_bind == "all"
@@ -188,7 +188,7 @@ def test_nothing_said_is_what_engine_args_say(tiny_model_dir):
             "tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend", "ray_address",
             "ray_placement_strategy", "ray_placement_timeout", "ray_step_transport", "placement_group",
             "data_parallel_size", "data_parallel_backend", "data_parallel_placement",
-            "data_parallel_prefix_affinity")},
+            "routing_policy")},
     }
     assert resolved == {name: getattr(d, name) for name in resolved}
     # Config objects built directly (by tests, by replicas) start from the same values.

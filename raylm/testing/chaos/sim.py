@@ -164,6 +164,7 @@ class SimCoreProc(core_proc.EngineCoreProc):
         self.core_start = incarnation  # distinct for each start of an index, as the real one's random draw
         self.watch_parent = False
         core.on_rebuilding = self._announce_rebuilding
+        core.record_kv_events()
         core.on_running_alone = lambda rid: world.running_alone.__setitem__(engine_index, rid)
         self.input = _Inbox()
         self.output = _Outbox(world.inbox)
@@ -524,6 +525,15 @@ class World:
         hashes = self._expected_blocks()
         for index, proc in self.cores.items():
             self._check_core(index, proc, hashes)
+        # The supervisor's prefix index (routing's) equals what each serving
+        # core's prefix cache holds, however the cores came and went.
+        for index in sup.channels:
+            held = set(self.cores[index].core.scheduler.kv_cache_manager.pool.cached)
+            indexed = sup.prefix_index.holds(index)
+            assert indexed == held, (f"the prefix index has core {index} holding {len(indexed)} blocks, "
+                                     f"{len(indexed - held)} of them not there, {len(held - indexed)} missing")
+        assert sup.prefix_index.num_blocks() == len(set().union(*(sup.prefix_index.holds(i) for i in sup.channels))), \
+            "the prefix index names cores that do not serve"
 
     def _check_core(self, index: int, proc: SimCoreProc, hashes: dict[bytes, list]) -> None:
         core = proc.core

@@ -1,0 +1,103 @@
+"""Which data-parallel core holds which prompt prefix: the supervisor's
+exact index of the cores' prefix caches, fed by their block events.
+
+Every core reports, with its messages, the block hashes its prefix cache
+began to hold and those it dropped, and says when its cache was emptied (a
+fresh pool at its start, after an executor rebuild, at a reset):
+`protocol.KVCacheEvents`, from `core.kv_cache_manager.KVEventRecorder`.
+The index applies them per core, so it equals each core's cached set as of
+the core's last message; a core that leaves (dies, drains, is replaced) is
+dropped at once, and a new start of it begins empty. No re-attach is asked
+of anyone: the index is rebuilt from the reports as they come.
+
+For a new request the supervisor computes the prompt's chained block
+hashes itself (`prompt_block_hashes`, the cores' own function, with the
+request's `cache_salt`), and asks how many leading blocks each core holds.
+That is a hint for routing, checked at the core, which looks its cache up
+by hashes it computes itself (the first rule of faults and operations that
+interleave): a stale entry costs a recompute, never a wrong block.
+
+Memory: one entry per distinct hash held by any core, bounded by the
+cores' blocks (sum of `num_blocks`); about 200 bytes an entry (the
+32-byte digest, a small set, the dicts' slots), so ~20 MiB for 100k blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from raylm.core.kv_cache_manager import hash_block, root_hash
+from raylm.engine.protocol import KVCacheEvents
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
+                        max_blocks: int | None = None) -> list[bytes]:
+    """The chained hashes of the prompt's full blocks (at most `max_blocks`),
+    as a core computes them for its prefix cache."""
+    num_full = len(token_ids) // block_size
+    if max_blocks is not None:
+        num_full = min(num_full, max_blocks)
+    hashes, parent = [], root_hash(cache_salt)
+    for i in range(num_full):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
+class PrefixIndex:
+    """Block hash -> the cores whose prefix cache holds it, per core the
+    hashes it holds (to drop a core at once)."""
+
+    def __init__(self):
+        self._holders: dict[bytes, set[int]] = {}
+        self._by_core: dict[int, set[bytes]] = {}
+
+    def apply(self, core: int, events: KVCacheEvents) -> None:
+        """A core's message's changes, in their order: emptied, then dropped
+        and held (a hash is in at most one of the two lists)."""
+        if events.cleared:
+            self.drop_core(core)
+        held = self._by_core.setdefault(core, set())
+        for block_hash in events.removed:
+            if block_hash in held:
+                held.discard(block_hash)
+                holders = self._holders[block_hash]
+                holders.discard(core)
+                if not holders:
+                    del self._holders[block_hash]
+        for block_hash in events.stored:
+            if block_hash not in held:
+                held.add(block_hash)
+                self._holders.setdefault(block_hash, set()).add(core)
+
+    def drop_core(self, core: int) -> None:
+        """Core `core` left, or its cache was emptied: it holds nothing."""
+        for block_hash in self._by_core.pop(core, ()):
+            holders = self._holders[block_hash]
+            holders.discard(core)
+            if not holders:
+                del self._holders[block_hash]
+
+    def matched_blocks(self, hashes: Sequence[bytes], cores: Sequence[int]) -> dict[int, int]:
+        """For each of `cores`, how many of the leading `hashes` it holds
+        (a prefix: the first block it lacks ends its match)."""
+        matched = dict.fromkeys(cores, 0)
+        alive = set(cores)
+        for depth, block_hash in enumerate(hashes):
+            holders = self._holders.get(block_hash)
+            still = alive & holders if holders else set()
+            for core in alive - still:
+                matched[core] = depth
+            alive = still
+            if not alive:
+                return matched
+        for core in alive:
+            matched[core] = len(hashes)
+        return matched
+
+    def num_blocks(self, core: int | None = None) -> int:
+        """Entries held: by `core`, or distinct hashes over all cores."""
+        return len(self._by_core.get(core, ())) if core is not None else len(self._holders)
+
+    def holds(self, core: int) -> set[bytes]:
+        return set(self._by_core.get(core, ()))
