@@ -31,8 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from raylm import LLM, SamplingParams  # noqa: E402
-from raylm.model.arch_config import ArchConfig  # noqa: E402
+from raylm import LLM, SamplingParams
+from raylm.model.arch_config import ArchConfig
 
 
 def _time_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:

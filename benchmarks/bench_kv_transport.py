@@ -55,8 +55,8 @@ class _Side:
     def __init__(self):
         import zmq
 
-        from raylm.kv_transfer.sealed_frames import new_key
         from raylm.distributed.tcp_auth import CurveKeys
+        from raylm.kv_transfer.sealed_frames import new_key
 
         self.key = new_key()
         self.curve_keys = CurveKeys.generate()
@@ -84,8 +84,8 @@ class _Side:
         return self.payloads[nbytes]
 
     def offer(self, name: str, nbytes: int, key: bytes) -> str:
-        from raylm.kv_transfer.sealed_frames import TransferKey
         from raylm.kv_transfer.network import KVBlockServer
+        from raylm.kv_transfer.sealed_frames import TransferKey
 
         if self.server is None:
             self.server = KVBlockServer(self.node_ip(), TransferKey(key))
@@ -118,8 +118,8 @@ class _Side:
         return address
 
     def fetch(self, address: str, name: str, nbytes: int, key: bytes) -> tuple[float, float]:
-        from raylm.kv_transfer.sealed_frames import TransferKey
         from raylm.kv_transfer.network import fetch
+        from raylm.kv_transfer.sealed_frames import TransferKey
 
         if len(self.joined) < nbytes:
             self.joined = bytearray(nbytes)  # outside the timing, once per size

@@ -94,10 +94,10 @@ import psutil
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests.multinode, for --two-hosts
 
-from compare_vllm import MODEL_PRESETS, make_model, random_prompts  # noqa: E402
+from compare_vllm import MODEL_PRESETS, make_model, random_prompts
 
-from raylm import LLM, SamplingParams  # noqa: E402
-from raylm.core.request import Request  # noqa: E402
+from raylm import LLM, SamplingParams
+from raylm.core.request import Request
 
 logger = logging.getLogger("bench_migration")
 _WARM_TOKENS = 8

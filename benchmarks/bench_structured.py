@@ -29,8 +29,8 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-from bench_step_overhead import install_timer, take_times  # noqa: E402
-from compare_vllm import make_model  # noqa: E402
+from bench_step_overhead import install_timer, take_times
+from compare_vllm import make_model
 
 # A realistic constrained output: an object with free text, numbers and an enum
 # (its bitmask costs more than a regex's).

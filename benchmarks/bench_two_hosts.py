@@ -23,6 +23,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from compare_vllm import make_model  # noqa: E402
+
 from tests.multinode.harness import netns_unavailable, two_hosts  # noqa: E402
 
 

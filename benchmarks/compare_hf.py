@@ -18,9 +18,9 @@ import torch
 
 from raylm import LLM
 from raylm.config import DEFAULT_MODEL_DIR, detect_device, resolve_dtype
+from raylm.engine.arg_utils import parse_bytes
 from raylm.engine.tokenizer import load_tokenizer
 from raylm.entrypoints.bench import fixed_length_params, random_prompt_token_ids, run_requests
-from raylm.engine.arg_utils import parse_bytes
 from raylm.model.arch_config import ArchConfig
 
 logger = logging.getLogger("compare_hf")

@@ -73,8 +73,8 @@ from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from compare_vllm import mean_and_spread, random_prompts  # noqa: E402
-from compare_vllm_online import stop, wait_healthy  # noqa: E402
+from compare_vllm import mean_and_spread, random_prompts
+from compare_vllm_online import stop, wait_healthy
 
 logger = logging.getLogger("compare_llamacpp")
 

@@ -33,7 +33,6 @@ import pathlib
 import random
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from typing import Any

@@ -30,7 +30,8 @@ import functools
 import struct
 import sys
 import types
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import msgspec
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from raylm.config import ModelConfig
-from raylm.engine.protocol import EngineCoreRequest
 from raylm.core.structured_output import validate_structured_outputs
+from raylm.engine.protocol import EngineCoreRequest
 from raylm.sampling_params import SamplingParams, check_prompt_logprobs_size
 
 

@@ -23,9 +23,10 @@ import time
 import traceback
 import weakref
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from raylm.distributed.mq_wait import QueueClosedError
 from raylm.distributed.rpc_messages import CallableRef, RemoteError, RpcReply, RpcRequest
@@ -170,7 +171,7 @@ class _PendingCall:
     ranks: list[int]
     single: bool
     deadline: float | None
-    future: "ReplyFuture"
+    future: ReplyFuture
     replies: dict[int, Any] = field(default_factory=dict)
 
 
@@ -178,7 +179,7 @@ class ReplyFuture(Future):
     """A Future whose result() collects the replies itself, in call order, so a
     blocking call costs no hand-off to a background thread."""
 
-    def __init__(self, client: "MqRpcClient"):
+    def __init__(self, client: MqRpcClient):
         super().__init__()
         self._client_ref = weakref.ref(client)
 

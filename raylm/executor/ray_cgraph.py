@@ -20,10 +20,10 @@ os.environ.setdefault("RAY_CGRAPH_get_timeout", "600")
 os.environ.setdefault("RAY_CGRAPH_submit_timeout", "120")
 os.environ.setdefault("RAY_CGRAPH_teardown_timeout", "10")
 
-from raylm.executor.errors import WorkerDiedError, WorkerHungError  # noqa: E402
-from raylm.executor.mq_rpc import method_name  # noqa: E402
-from raylm.executor.ray_transport import RankActors, RefFuture, StepTransport  # noqa: E402
-from raylm.messages import GrammarOutput, SchedulerOutput  # noqa: E402
+from raylm.executor.errors import WorkerDiedError, WorkerHungError
+from raylm.executor.mq_rpc import method_name
+from raylm.executor.ray_transport import RankActors, RefFuture, StepTransport
+from raylm.messages import GrammarOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

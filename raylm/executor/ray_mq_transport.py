@@ -13,7 +13,7 @@ import itertools
 import logging
 import os
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from raylm.distributed.rpc_messages import CallableRef
 from raylm.distributed.shm_broadcast import MessageQueue

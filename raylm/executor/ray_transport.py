@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from raylm.config import EngineConfig
 from raylm.messages import GrammarOutput, SchedulerOutput

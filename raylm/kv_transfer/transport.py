@@ -57,7 +57,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 

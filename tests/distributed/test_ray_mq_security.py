@@ -9,9 +9,9 @@ import pytest
 
 from raylm import LLM, SamplingParams
 from raylm.distributed.rpc_messages import CallableRef, RpcRequest
+from raylm.distributed.tcp_auth import UNAUTHENTICATED_TCP_ENV
 from raylm.executor.mq_rpc import WorkerCallError
 from raylm.executor.ray_executor import RayDistributedExecutor
-from raylm.distributed.tcp_auth import UNAUTHENTICATED_TCP_ENV
 from tests.conftest import executor_of, our_live_ray_state
 from tests.executor.worker_callables import fail_on_rank_1, rank_times
 

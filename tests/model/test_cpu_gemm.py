@@ -7,7 +7,6 @@ one bf16 unit in the last place (ulp) everywhere, and mostly equal."""
 
 from __future__ import annotations
 
-
 import re
 
 import pytest

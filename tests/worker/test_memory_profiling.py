@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from raylm import LLM
-from raylm.worker import memory_profiling, worker as worker_module
+from raylm.worker import memory_profiling
+from raylm.worker import worker as worker_module
 from raylm.worker.memory_profiling import (
     kv_cache_budget_bytes,
     largest_prefill_attention,
