@@ -100,7 +100,7 @@ def main() -> None:
     ttft: dict[int, list[float]] = {cp: [] for cp in args.cp}
     decode: dict[int, list[float]] = {cp: [] for cp in args.cp}
     try:
-        for cp, llm in engines.items():  # warm-up
+        for llm in engines.values():  # warm-up
             _time_generate(llm, [prompts[0][:64]], 2)
         if args.decode_steps_only:
             step_ms: dict[int, list[float]] = {cp: [] for cp in args.cp}

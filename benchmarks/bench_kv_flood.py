@@ -163,7 +163,7 @@ def _destination(requests, replies, key: bytes) -> None:
         arrivals = []
         join = kv_fetch._JoinedStage(name, kv_transfer.packed_size(caches, _STAGE_BLOCKS))
 
-        def into(index, count, size):
+        def into(index, count, size, arrivals=arrivals, join=join):  # this stage's, bound now
             arrivals.append(time.monotonic())
             return join.into(index, count, size)
 

@@ -196,14 +196,16 @@ def drive(spec: dict) -> dict:
         per = results.setdefault(str(size_mib), {m: [] for m in _METHODS})
         for repeat in range(spec["repeats"] + 1):  # the first is a warm-up (connections, object store)
             name = f"b-{size_mib}-{repeat}"
-            runs = {  # each: (wall seconds, the destination's CPU seconds)
-                "sealed": lambda: ray.get(destination.fetch.remote(
+            # Each: (wall seconds, the destination's CPU seconds). This round's
+            # name and size are bound as default arguments.
+            runs = {
+                "sealed": lambda name=name, nbytes=nbytes: ray.get(destination.fetch.remote(
                     ray.get(source.offer.remote(name, nbytes, key)), name, nbytes, key)),
-                "curve": lambda: ray.get(destination.fetch_raw.remote(
+                "curve": lambda nbytes=nbytes: ray.get(destination.fetch_raw.remote(
                     ray.get(source.offer_raw.remote(nbytes, True)), nbytes, (public, secret))),
-                "plain-tcp": lambda: ray.get(destination.fetch_raw.remote(
+                "plain-tcp": lambda nbytes=nbytes: ray.get(destination.fetch_raw.remote(
                     ray.get(source.offer_raw.remote(nbytes, False)), nbytes, None)),
-                "ray-object": lambda: _put_and_get(source, destination, nbytes),
+                "ray-object": lambda nbytes=nbytes: _put_and_get(source, destination, nbytes),
             }
             for method, run in runs.items():
                 source_cpu = ray.get(source.cpu_s.remote())

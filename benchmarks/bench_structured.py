@@ -6,9 +6,10 @@ The engine core computes a step's bitmask while the workers run its forward
 (no request constrained) and `constrained` (--constrained-share of the
 requests follow a JSON schema, with --whitespace: raylm's bounded default,
 none, or any run of it as xgrammar allows). The time per output token of each
-run, and their ratio, say what a constrained token costs against a free one. In the constrained run the engine times each step's bitmask and the
-ranks time each step's forward (execute_model); a step's bitmask is hidden up
-to the forward's length, since both start when the step is sent:
+run, and their ratio, say what a constrained token costs against a free one.
+In the constrained run the engine times each step's bitmask and the ranks
+time each step's forward (execute_model); a step's bitmask is hidden up to
+the forward's length, since both start when the step is sent:
 
     hidden share = sum(min(bitmask, forward)) / sum(bitmask)
 

@@ -85,7 +85,9 @@ def run_hf(model_dir: str, prompts: list[list[int]], output_len: int, dtype: tor
         generated += generate(prompts[i:i + batch_size], generation_config).tolist()
     _synchronize(device)
     elapsed = time.perf_counter() - start
-    del model
+    # Drop the weights before raylm loads its copy (`generate` shares this
+    # variable, so it is cleared rather than deleted).
+    model = None
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()

@@ -371,10 +371,10 @@ class AsyncLLM:
             if request_id in stepped:
                 if state.first_token is None:
                     state.first_token = now
-                    self._record(lambda s: s.record_first_token(now - state.arrival))
+                    # Values bound now (default arguments), not read from the loop's variables later.
+                    self._record(lambda s, ttft=now - state.arrival: s.record_first_token(ttft))
                 else:
-                    gap = now - state.last_token
-                    self._record(lambda s: s.record_inter_token(gap))
+                    self._record(lambda s, gap=now - state.last_token: s.record_inter_token(gap))
                 state.last_token = now
             self._emit(request_id, now)
 
@@ -402,8 +402,8 @@ class AsyncLLM:
             if state is None or state.prefill_seconds is not None:
                 continue
             state.prefill_seconds = output.prefill_seconds
-            queue, prefill = output.queue_seconds, output.prefill_seconds
-            self._record(lambda s: s.record_queue_and_prefill(queue, prefill))
+            self._record(lambda s, queue=output.queue_seconds, prefill=output.prefill_seconds:
+                         s.record_queue_and_prefill(queue, prefill))
 
     def _record_finished(self, state: _RequestState, reason: str, num_tokens: int, now: float | None = None) -> None:
         now = now or time.monotonic()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Union
 
 import msgspec
 
@@ -155,7 +154,7 @@ class MigrateEnd(msgspec.Struct, tag="migrate_end"):
     commit: bool
 
 
-ClientMessage = Union[EngineCoreRequest, AbortRequests, Ping, Shutdown, MigrateExport, MigrateImport, MigrateEnd]
+ClientMessage = EngineCoreRequest | AbortRequests | Ping | Shutdown | MigrateExport | MigrateImport | MigrateEnd
 
 
 class MigrationReport(msgspec.Struct):

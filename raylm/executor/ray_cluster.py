@@ -25,7 +25,8 @@ def check_ray_version() -> None:
     try:
         import ray
     except ImportError as e:
-        raise RuntimeError("distributed_executor_backend='ray' needs Ray: pip install 'ray[default]>=2.58,<2.61'") from e
+        raise RuntimeError(
+            "distributed_executor_backend='ray' needs Ray: pip install 'ray[default]>=2.58,<2.61'") from e
     version = tuple(int(p) for p in ray.__version__.split(".")[:2])
     if version < MIN_RAY_VERSION:
         raise RuntimeError(

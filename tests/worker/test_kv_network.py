@@ -742,7 +742,7 @@ def test_strangers_reach_nothing_and_hold_nothing(endpoint):
             if i:
                 endpoint.serve(_caches(0), name, [1, 2], "127.0.0.1", key)
             # Each fetch while the flood goes on: a hang guard, not a speed check.
-            wait_until(lambda: stranger.rounds >= 3 * (i + 1), 60, message="the stranger's rounds")
+            wait_until(lambda i=i: stranger.rounds >= 3 * (i + 1), 60, message="the stranger's rounds")
             destination = _caches(None)
             kv_network.KVNetworkEndpoint().fetch_into(destination, name, [4, 7], address, key)
             assert torch.equal(destination[1][:, [4, 7]], _caches(0)[1][:, [1, 2]])

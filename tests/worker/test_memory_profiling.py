@@ -91,7 +91,8 @@ def test_profiling_step_runs_the_largest_batch(uni_llm):
         lambda m, args: seen.update(tokens=args[0].shape[0], inference=torch.is_inference_mode_enabled()))
     real_sampler = runner.sampler
     try:
-        runner.sampler = lambda logits, meta: seen.setdefault("rows", tuple(logits.shape)) and real_sampler(logits, meta)
+        runner.sampler = lambda logits, meta: (seen.setdefault("rows", tuple(logits.shape))
+                                               and real_sampler(logits, meta))
         # More tokens than the model has positions: positions wrap, nothing breaks.
         run_profiling_step(runner, num_tokens=1500, num_seqs=5, max_model_len=1024)
     finally:

@@ -135,7 +135,8 @@ class AdmissionControl:
         self._on_refused = on_refused
 
     @classmethod
-    def for_engine(cls, engine: Any, max_waiting: int = DEFAULT_MAX_WAITING_REQUESTS, **kwargs: Any) -> AdmissionControl:
+    def for_engine(cls, engine: Any, max_waiting: int = DEFAULT_MAX_WAITING_REQUESTS,
+                   **kwargs: Any) -> AdmissionControl:
         return cls(running_capacity(engine), max_waiting, **kwargs)
 
     @property

@@ -90,8 +90,9 @@ class PrometheusStatLogger(StatLoggerBase):
         self._last_totals: dict[tuple[int, int], dict[str, int]] = {}
         # `kind`: what failed ("engine_core", or the core's own: "worker", "hang", ...).
         kind_labels = [*labels, "kind"]
-        self.recoveries = Counter("raylm:recoveries", "Failures recovered from (executor or engine core rebuilt), by kind",
-                                kind_labels, registry=r)
+        self.recoveries = Counter("raylm:recoveries",
+                                  "Failures recovered from (executor or engine core rebuilt), by kind",
+                                  kind_labels, registry=r)
         self.recovered_requests = Counter("raylm:recovered_requests",
                                           "Requests carried over to a recovered engine, by kind",
                                           kind_labels, registry=r)

@@ -273,11 +273,12 @@ class OpenAIServingChat:
     @staticmethod
     async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
         output = None
-        async for output in stream:
-            pass
+        async for item in stream:
+            output = item
         return output
 
-    def _logprobs(self, request: ChatCompletionRequest, completion: CompletionOutput, top_k: int) -> ChatLogprobs | None:
+    def _logprobs(self, request: ChatCompletionRequest, completion: CompletionOutput,
+                  top_k: int) -> ChatLogprobs | None:
         if not request.logprobs:
             return None
         return chat_logprobs(completion.token_ids, completion.logprobs or [], top_k)
