@@ -117,7 +117,8 @@ def _idle_cpu(executor: Any, spec: EngineSpec, seconds: float) -> tuple[list[flo
     return [proc.cpu_percent(None) for proc in procs], driver.cpu_percent(None)
 
 
-def measure(model: str, label: str, round_index: int, prompts: list[list[int]], args: argparse.Namespace) -> Measurement:
+def measure(model: str, label: str, round_index: int, prompts: list[list[int]],
+            args: argparse.Namespace) -> Measurement:
     spec = CATALOG[label]
     extra: dict[str, Any] = {}
     if spec.ray_step_transport:
@@ -190,7 +191,8 @@ def print_report(args: argparse.Namespace, runs: list[Measurement]) -> None:
     base_rpc = statistics.mean(r.rpc_round_trip_us for r in runs if r.label == baseline)
     reference = next(r.outputs for r in runs if r.label == baseline)
     print(f"\nmean over rounds; ratios against {baseline}")
-    print(f"{'config':<16} {'out tok/s':>10} {'step ms':>8} {'step/base':>9} {'step-base us':>12} {'rpc us':>8} {'rpc-base us':>11} {'same greedy':>11}")
+    print(f"{'config':<16} {'out tok/s':>10} {'step ms':>8} {'step/base':>9} {'step-base us':>12} "
+          f"{'rpc us':>8} {'rpc-base us':>11} {'same greedy':>11}")
     for label in args.configs:
         mine = [r for r in runs if r.label == label]
         step = statistics.mean(r.mean_step_ms for r in mine)

@@ -54,7 +54,7 @@ def _rank(rank: int, port: int, args, results) -> None:
             if not tp.shm.can_carry(tensor):
                 raise ValueError(f"{shape} does not fit a shared-memory slot; pick a smaller shape")
             per_call = {name: [] for name in transports}
-            for name, reduce in transports.items():
+            for reduce in transports.values():
                 _burst(reduce, tensor, 20)  # warm-up
             for _ in range(args.rounds):
                 for name, reduce in transports.items():

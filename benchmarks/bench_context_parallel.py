@@ -31,8 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from raylm import LLM, SamplingParams  # noqa: E402
-from raylm.model.arch_config import ArchConfig  # noqa: E402
+from raylm import LLM, SamplingParams
+from raylm.model.arch_config import ArchConfig
 
 
 def _time_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
@@ -100,7 +100,7 @@ def main() -> None:
     ttft: dict[int, list[float]] = {cp: [] for cp in args.cp}
     decode: dict[int, list[float]] = {cp: [] for cp in args.cp}
     try:
-        for cp, llm in engines.items():  # warm-up
+        for llm in engines.values():  # warm-up
             _time_generate(llm, [prompts[0][:64]], 2)
         if args.decode_steps_only:
             step_ms: dict[int, list[float]] = {cp: [] for cp in args.cp}

@@ -84,15 +84,16 @@ def main() -> None:
     for rows in [int(r) for r in args.rows.split(",")]:
         xs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen).to(torch.bfloat16) for w in weights}
 
-        def run_onednn():
+        # Each takes this round's inputs as a default argument: bound here, not looked up in the loop later.
+        def run_onednn(xs=xs):
             for w, p in zip(weights, onednn):
                 torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
 
-        def run_float32():
+        def run_float32(xs=xs):
             for w in weights:
                 cpu_gemm.linear_in_float32(xs[w.shape[1]], w, None)
 
-        def run_ours():
+        def run_ours(xs=xs):
             for w, p in zip(weights, ours):
                 kernels.bf16_linear(xs[w.shape[1]], p, w.shape[0], None)
 

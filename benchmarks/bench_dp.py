@@ -21,8 +21,8 @@ import sys
 import time
 import urllib.request
 
-from raylm.engine.protocol import EngineCoreRequest, SchedulerStats
 from raylm.engine.prefix_index import PrefixIndex
+from raylm.engine.protocol import EngineCoreRequest, SchedulerStats
 from raylm.engine.routing import CoreLoad, routing_policy
 from raylm.sampling_params import SamplingParams
 
@@ -70,9 +70,9 @@ def serve_throughput(model: str, dp: int, port: int, num_prompts: int, input_len
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
                 break
-            except Exception:
+            except Exception as error:
                 if time.time() > deadline or server.poll() is not None:
-                    raise RuntimeError(f"server with dp={dp} did not come up")
+                    raise RuntimeError(f"server with dp={dp} did not come up") from error
                 time.sleep(0.5)
         out = f"/tmp/bench_dp_{dp}.json"
         subprocess.run([sys.executable, "-m", "raylm.entrypoints.cli", "bench", "serve",

@@ -46,14 +46,14 @@ from concurrent.futures import Future
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from raylm.kv_transfer.sealed_frames import TransferKey, new_key  # noqa: E402
 from raylm import thread_accounting
-from raylm.kv_transfer import background as kv_background  # noqa: E402
-from raylm.kv_transfer import fetch as kv_fetch  # noqa: E402
-from raylm.kv_transfer import files as kv_transfer  # noqa: E402
-from raylm.kv_transfer import network as kv_network  # noqa: E402
+from raylm.kv_transfer import background as kv_background
+from raylm.kv_transfer import fetch as kv_fetch
+from raylm.kv_transfer import files as kv_transfer
+from raylm.kv_transfer import network as kv_network
+from raylm.kv_transfer.sealed_frames import TransferKey, new_key
 
 # The ~111M bf16 model's geometry per layer (as bench_kv_stage_cpu): 128 KiB a block.
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 8, 16, 4, 64
@@ -168,7 +168,7 @@ def _destination(requests, replies, key: bytes) -> None:
         arrivals = []
         join = kv_fetch._JoinedStage(name, kv_transfer.packed_size(caches, _STAGE_BLOCKS))
 
-        def into(index, count, size):
+        def into(index, count, size, arrivals=arrivals, join=join):  # this stage's, bound now
             arrivals.append(time.monotonic())
             return join.into(index, count, size)
 

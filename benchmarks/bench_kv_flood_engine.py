@@ -34,10 +34,10 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from bench_kv_flood import _attacker, _closed_port, _percentiles  # noqa: E402
+from bench_kv_flood import _attacker, _closed_port, _percentiles
 
-from raylm import LLM, SamplingParams  # noqa: E402
-from raylm.testing.chaos.schedule import listening_tcp_ports  # noqa: E402
+from raylm import LLM, SamplingParams
+from raylm.testing.chaos.schedule import listening_tcp_ports
 
 NUM_STREAMS = 16
 MODES = ("control", "flood", "chase")

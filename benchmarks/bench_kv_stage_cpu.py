@@ -28,11 +28,11 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from raylm.kv_transfer.sealed_frames import TransferKey, new_key  # noqa: E402
-from raylm.kv_transfer import files as kv_transfer  # noqa: E402
-from raylm.kv_transfer import network as kv_network  # noqa: E402
+from raylm.kv_transfer import files as kv_transfer
+from raylm.kv_transfer import network as kv_network
+from raylm.kv_transfer.sealed_frames import TransferKey, new_key
 
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 8, 16, 4, 64
 _WARM_UP = 2

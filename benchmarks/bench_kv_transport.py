@@ -55,8 +55,8 @@ class _Side:
     def __init__(self):
         import zmq
 
-        from raylm.kv_transfer.sealed_frames import new_key
         from raylm.distributed.tcp_auth import CurveKeys
+        from raylm.kv_transfer.sealed_frames import new_key
 
         self.key = new_key()
         self.curve_keys = CurveKeys.generate()
@@ -84,8 +84,8 @@ class _Side:
         return self.payloads[nbytes]
 
     def offer(self, name: str, nbytes: int, key: bytes) -> str:
-        from raylm.kv_transfer.sealed_frames import TransferKey
         from raylm.kv_transfer.network import KVBlockServer
+        from raylm.kv_transfer.sealed_frames import TransferKey
 
         if self.server is None:
             self.server = KVBlockServer(self.node_ip(), TransferKey(key))
@@ -118,8 +118,8 @@ class _Side:
         return address
 
     def fetch(self, address: str, name: str, nbytes: int, key: bytes) -> tuple[float, float]:
-        from raylm.kv_transfer.sealed_frames import TransferKey
         from raylm.kv_transfer.network import fetch
+        from raylm.kv_transfer.sealed_frames import TransferKey
 
         if len(self.joined) < nbytes:
             self.joined = bytearray(nbytes)  # outside the timing, once per size
@@ -196,14 +196,16 @@ def drive(spec: dict) -> dict:
         per = results.setdefault(str(size_mib), {m: [] for m in _METHODS})
         for repeat in range(spec["repeats"] + 1):  # the first is a warm-up (connections, object store)
             name = f"b-{size_mib}-{repeat}"
-            runs = {  # each: (wall seconds, the destination's CPU seconds)
-                "sealed": lambda: ray.get(destination.fetch.remote(
+            # Each: (wall seconds, the destination's CPU seconds). This round's
+            # name and size are bound as default arguments.
+            runs = {
+                "sealed": lambda name=name, nbytes=nbytes: ray.get(destination.fetch.remote(
                     ray.get(source.offer.remote(name, nbytes, key)), name, nbytes, key)),
-                "curve": lambda: ray.get(destination.fetch_raw.remote(
+                "curve": lambda nbytes=nbytes: ray.get(destination.fetch_raw.remote(
                     ray.get(source.offer_raw.remote(nbytes, True)), nbytes, (public, secret))),
-                "plain-tcp": lambda: ray.get(destination.fetch_raw.remote(
+                "plain-tcp": lambda nbytes=nbytes: ray.get(destination.fetch_raw.remote(
                     ray.get(source.offer_raw.remote(nbytes, False)), nbytes, None)),
-                "ray-object": lambda: _put_and_get(source, destination, nbytes),
+                "ray-object": lambda nbytes=nbytes: _put_and_get(source, destination, nbytes),
             }
             for method, run in runs.items():
                 source_cpu = ray.get(source.cpu_s.remote())

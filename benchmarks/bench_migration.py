@@ -94,10 +94,10 @@ import psutil
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests.multinode, for --two-hosts
 
-from compare_vllm import MODEL_PRESETS, make_model, random_prompts  # noqa: E402
+from compare_vllm import MODEL_PRESETS, make_model, random_prompts
 
-from raylm import LLM, SamplingParams  # noqa: E402
-from raylm.core.request import Request  # noqa: E402
+from raylm import LLM, SamplingParams
+from raylm.core.request import Request
 
 logger = logging.getLogger("bench_migration")
 _WARM_TOKENS = 8
@@ -328,7 +328,8 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
                                         _step_thread_per_step(core, times, started, paused_at))
             if step_before and step_during:
                 for part in ("run", "wait", "blocked"):
-                    result[f"{side}_precopy_{part}_added"] = (step_during[part] - step_before[part]) / step_before["wall"]
+                    added = step_during[part] - step_before[part]
+                    result[f"{side}_precopy_{part}_added"] = added / step_before["wall"]
             share = _copy_share(core, started, paused_at)
             if share is not None:
                 result[f"{side}_precopy_copy_cpu"] = share
@@ -535,7 +536,8 @@ def _print_row(length: int, r: dict) -> None:
                 f" {pct('destination', 'precopy_copy_cpu', sign='')};"
                 f" the step thread's time per step added over the pre-copy, run"
                 f" {pct('source', 'precopy_run_added')} / {pct('destination', 'precopy_run_added')},"
-                f" waiting for a CPU {pct('source', 'precopy_wait_added')} / {pct('destination', 'precopy_wait_added')},"
+                f" waiting for a CPU {pct('source', 'precopy_wait_added')} /"
+                f" {pct('destination', 'precopy_wait_added')},"
                 f" blocked {pct('source', 'precopy_blocked_added')} / {pct('destination', 'precopy_blocked_added')};"
                 f" run net of the twin's drift {pct('source', 'precopy_run_net')} /"
                 f" {pct('destination', 'precopy_run_net')}; held in all {pct('source', 'precopy_held')} /"

@@ -33,9 +33,9 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from compare_vllm import make_model, random_prompts  # noqa: E402
+from compare_vllm import make_model, random_prompts
 
-from raylm import LLM, SamplingParams  # noqa: E402
+from raylm import LLM, SamplingParams
 
 MODELS = {"small": "llama-7m", "large": "llama-111m"}
 NUM_GOOD, PROMPT_LEN, MAX_TOKENS = 16, 64, 64

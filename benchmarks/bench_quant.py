@@ -88,9 +88,8 @@ def weight_bytes_per_token(model) -> int:
 
 def measure(path: str, quantization: str | None, args) -> dict:
     from raylm import LLM, SamplingParams
-    from raylm.model.loader import load_model
-
     from raylm.model.gguf import reader
+    from raylm.model.loader import load_model
 
     torch.set_num_threads(args.threads)
     reader._open_checked.cache_clear()  # time the parse too, as a fresh process would

@@ -132,14 +132,16 @@ def main() -> None:
         for label, backend, tp, transport in CONFIGS:
             if args.only and label not in args.only:
                 continue
-            results.append(run_one(model, label, backend, tp, transport, prompts, params, args.repeats, args.idle_seconds))
+            results.append(run_one(model, label, backend, tp, transport, prompts, params, args.repeats,
+                                   args.idle_seconds))
     ray.shutdown()
 
     print(f"\n{args.prompts} prompts x {args.input_len} in / {args.output_len} out, greedy, bf16, 1 thread per worker")
     print(f"{'backend':<18} {'out tok/s':>10} {'step ms':>9} {'steps':>6}   idle CPU % (workers; driver)")
     for r in results:
         workers = "n/a" if r.idle_worker_cpu is None else " + ".join(f"{c:.1f}" for c in r.idle_worker_cpu)
-        print(f"{r.label:<18} {r.tokens_per_s:>10.1f} {r.mean_step_ms:>9.2f} {r.steps:>6}   {workers}; {r.idle_driver_cpu:.1f}")
+        print(f"{r.label:<18} {r.tokens_per_s:>10.1f} {r.mean_step_ms:>9.2f} {r.steps:>6}   "
+              f"{workers}; {r.idle_driver_cpu:.1f}")
 
 
 if __name__ == "__main__":

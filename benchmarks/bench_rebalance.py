@@ -24,10 +24,10 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from compare_vllm import MODEL_PRESETS, make_model, random_prompts  # noqa: E402
+from compare_vllm import MODEL_PRESETS, make_model, random_prompts
 
-from raylm import LLM, SamplingParams  # noqa: E402
-from raylm.core.request import Request  # noqa: E402
+from raylm import LLM, SamplingParams
+from raylm.core.request import Request
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -49,17 +49,18 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from compare_vllm import make_model, random_prompts  # noqa: E402
+from compare_vllm import make_model, random_prompts
 
-from raylm import LLM, SamplingParams  # noqa: E402
-from raylm.engine.restart_budget import RestartBudget  # noqa: E402
+from raylm import LLM, SamplingParams
+from raylm.engine.restart_budget import RestartBudget
 
 logger = logging.getLogger("bench_recovery")
 

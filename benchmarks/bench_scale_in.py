@@ -29,9 +29,9 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from compare_vllm import MODEL_PRESETS, make_model, random_prompts  # noqa: E402
+from compare_vllm import MODEL_PRESETS, make_model, random_prompts
 
-from raylm import LLM, SamplingParams  # noqa: E402
+from raylm import LLM, SamplingParams
 
 
 def run(folder: str, mode: str, args) -> dict:

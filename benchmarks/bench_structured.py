@@ -6,9 +6,10 @@ The engine core computes a step's bitmask while the workers run its forward
 (no request constrained) and `constrained` (--constrained-share of the
 requests follow a JSON schema, with --whitespace: raylm's bounded default,
 none, or any run of it as xgrammar allows). The time per output token of each
-run, and their ratio, say what a constrained token costs against a free one. In the constrained run the engine times each step's bitmask and the
-ranks time each step's forward (execute_model); a step's bitmask is hidden up
-to the forward's length, since both start when the step is sent:
+run, and their ratio, say what a constrained token costs against a free one.
+In the constrained run the engine times each step's bitmask and the ranks
+time each step's forward (execute_model); a step's bitmask is hidden up to
+the forward's length, since both start when the step is sent:
 
     hidden share = sum(min(bitmask, forward)) / sum(bitmask)
 
@@ -29,8 +30,8 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-from bench_step_overhead import install_timer, take_times  # noqa: E402
-from compare_vllm import make_model  # noqa: E402
+from bench_step_overhead import install_timer, take_times
+from compare_vllm import make_model
 
 # A realistic constrained output: an object with free text, numbers and an enum
 # (its bitmask costs more than a regex's).

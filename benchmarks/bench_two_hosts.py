@@ -23,6 +23,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from compare_vllm import make_model  # noqa: E402
+
 from tests.multinode.harness import netns_unavailable, two_hosts  # noqa: E402
 
 
@@ -53,13 +54,15 @@ def main(argv=None) -> None:
             result = run(model, args, head_cpus, strategy)
             bench = result["bench"]
             rows.append((name, result["placed"]["node_ips"], bench))
-            print(f"{name:9s} ranks on {result['placed']['node_ips']}: {bench['tokens'] / bench['elapsed_s']:7.1f} tok/s, "
+            tokens_per_s = bench["tokens"] / bench["elapsed_s"]
+            print(f"{name:9s} ranks on {result['placed']['node_ips']}: {tokens_per_s:7.1f} tok/s, "
                   f"median step {bench['median_step_ms']:.2f} ms ({bench['steps']} steps)", flush=True)
     best = {name: min((b for n, _, b in rows if n == name), key=lambda b: b["median_step_ms"])
             for name in ("one host", "two hosts")}
     extra = best["two hosts"]["median_step_ms"] - best["one host"]["median_step_ms"]
+    throughput = {name: b["tokens"] / b["elapsed_s"] for name, b in best.items()}
     print(f"crossing hosts adds {extra:.2f} ms per step (best of {args.rounds}); throughput ratio "
-          f"{(best['two hosts']['tokens'] / best['two hosts']['elapsed_s']) / (best['one host']['tokens'] / best['one host']['elapsed_s']):.2f}")
+          f"{throughput['two hosts'] / throughput['one host']:.2f}")
 
 
 if __name__ == "__main__":

@@ -18,9 +18,9 @@ import torch
 
 from raylm import LLM
 from raylm.config import DEFAULT_MODEL_DIR, detect_device, resolve_dtype
+from raylm.engine.arg_utils import parse_bytes
 from raylm.engine.tokenizer import load_tokenizer
 from raylm.entrypoints.bench import fixed_length_params, random_prompt_token_ids, run_requests
-from raylm.engine.arg_utils import parse_bytes
 from raylm.model.arch_config import ArchConfig
 
 logger = logging.getLogger("compare_hf")
@@ -85,7 +85,9 @@ def run_hf(model_dir: str, prompts: list[list[int]], output_len: int, dtype: tor
         generated += generate(prompts[i:i + batch_size], generation_config).tolist()
     _synchronize(device)
     elapsed = time.perf_counter() - start
-    del model
+    # Drop the weights before raylm loads its copy (`generate` shares this
+    # variable, so it is cleared rather than deleted).
+    model = None
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()

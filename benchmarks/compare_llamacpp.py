@@ -73,8 +73,8 @@ from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from compare_vllm import mean_and_spread, random_prompts  # noqa: E402
-from compare_vllm_online import stop, wait_healthy  # noqa: E402
+from compare_vllm import mean_and_spread, random_prompts
+from compare_vllm_online import stop, wait_healthy
 
 logger = logging.getLogger("compare_llamacpp")
 
@@ -301,7 +301,8 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         for r in range(args.rounds):
             for variant in variants:
                 for engine in (("raylm", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "raylm")):
-                    rounds[variant.name][engine].append(run_round(args, variant, engine, vocab_size, r, pathlib.Path(tmp)))
+                    result = run_round(args, variant, engine, vocab_size, r, pathlib.Path(tmp))
+                    rounds[variant.name][engine].append(result)
     summary = {name: {engine: {key: dict(zip(("mean", "spread"), mean_and_spread([one[key] for one in results])),
                                          rounds=[one[key] for one in results])
                                for key in results[0]}
@@ -332,7 +333,8 @@ def print_report(report: dict[str, Any]) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--llamacpp-bin", required=True, help="folder with llama-bench, llama-batched-bench, llama-server")
+    parser.add_argument("--llamacpp-bin", required=True,
+                        help="folder with llama-bench, llama-batched-bench, llama-server")
     parser.add_argument("--model", required=True, help="the HF folder the GGUF files were converted from")
     parser.add_argument("--gguf", action="append", required=True, metavar="FILE",
                         help="a GGUF file of the model (repeat for each variant: BF16, Q8_0, Q4_K_M, ...)")
@@ -349,7 +351,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "one-request timings)")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="raylm's offline KV cache")
     parser.add_argument("--port", type=int, default=8111)
-    parser.add_argument("--tool-timeout", type=float, default=900.0, help="seconds for one llama.cpp tool run or server")
+    parser.add_argument("--tool-timeout", type=float, default=900.0,
+                        help="seconds for one llama.cpp tool run or server")
     parser.add_argument("--json-out", help="also write every round's figures here")
     args = parser.parse_args(argv)
     for tool in ("llama-bench", "llama-batched-bench", "llama-server"):

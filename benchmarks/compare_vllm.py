@@ -33,7 +33,6 @@ import pathlib
 import random
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
@@ -324,8 +323,9 @@ def print_report(report: dict[str, Any]) -> None:
         theirs = row.get("vllm")
         startup = f"{row['raylm']['startup_s']['mean']:.1f} / " + (
             f"{theirs['startup_s']['mean']:.1f}" if theirs else "-")
-        print(f"| {row['config']} | {cell(row['raylm'], 'throughput_tok_s', 0)} | {cell(theirs, 'throughput_tok_s', 0)} "
-              f"| {ratio(row, 'throughput_tok_s')} | {cell(row['raylm'], 'latency_s', 2)} | {cell(theirs, 'latency_s', 2)} "
+        print(f"| {row['config']} | {cell(row['raylm'], 'throughput_tok_s', 0)} "
+              f"| {cell(theirs, 'throughput_tok_s', 0)} | {ratio(row, 'throughput_tok_s')} "
+              f"| {cell(row['raylm'], 'latency_s', 2)} | {cell(theirs, 'latency_s', 2)} "
               f"| {ratio(row, 'latency_s')} | {startup} |")
     for row in report["configs"]:
         for key in ("greedy_agreement_throughput", "greedy_agreement_latency"):

@@ -38,7 +38,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 PLOTS = HERE / "plots"
 README = HERE / "README.md"
-BEGIN = "<!-- tables:begin (made by benchmarks/make_readme.py from benchmarks/results/*.json; edit those, then run it) -->"
+BEGIN = ("<!-- tables:begin (made by benchmarks/make_readme.py from benchmarks/results/*.json; "
+         "edit those, then run it) -->")
 END = "<!-- tables:end -->"
 
 # The README's order; a results file not named here follows these, by name.
@@ -144,7 +145,8 @@ def section(name: str, doc: dict) -> list[str]:
     runs = doc["runs"]
     for letter, run in runs.items():
         lead = f"- **{letter}**: " if len(runs) > 1 else "- "
-        commit = f"raylm {run['raylm_commit']}" + (f" ({run['raylm_commit_note']})" if run.get("raylm_commit_note") else "")
+        note = run.get("raylm_commit_note")
+        commit = f"raylm {run['raylm_commit']}" + (f" ({note})" if note else "")
         history = f"; the whole run: [{run['history']}]({run['history']})" if run.get("history") else ""
         note = f" ({run['note']})" if run.get("note") else ""
         out.append(f"{lead}{run['machine']}; {run['date']}; {commit}: `{run['command']}`{note}{history}")
@@ -213,7 +215,8 @@ def plot_decode_by_batch(plt, out: pathlib.Path) -> None:
                     if (m, b, lab) != (machine, batch, label):
                         continue
                     x = batch_index + (i - (len(labels) - 1) / 2) * width
-                    ax.bar(x, speed, width, color=colors[label], label=label if batch_index == 1 or batch == 1 else None)
+                    legend = label if batch_index == 1 or batch == 1 else None
+                    ax.bar(x, speed, width, color=colors[label], label=legend)
                     ax.annotate(f"{ours:g}\n/ {theirs:g}", (x, speed), ha="center", va="bottom", fontsize=6)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([0, 1], ["batch 1\n(batch-1 decode)", "batch 64\n(64 x 128/128)"])

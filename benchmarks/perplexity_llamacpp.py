@@ -13,10 +13,12 @@ from ctx/2 to ctx-2). raylm computes the same with prompt logprobs.
   python benchmarks/perplexity_llamacpp.py --llamacpp-bin /tmp/peer-llamacpp/bin
 
 llama-perplexity runs with --no-repack: on this VM the build that
-benchmarks/peers/install_llamacpp.sh makes dies with SIGILL on Q8_0 and Q4_K files otherwise (gdb: inside ggml_backend_amx_mul_mat; the CPU flags
-announce AMX int8, which the VM traps). Without repacking, llama.cpp multiplies the blocks as
-the file stores them, which changes its speed, not its arithmetic's precision class. A build
-that still crashes on a type is reported in its row rather than stopping the run.
+benchmarks/peers/install_llamacpp.sh makes dies with SIGILL on Q8_0 and Q4_K
+files otherwise (gdb: inside ggml_backend_amx_mul_mat; the CPU flags announce
+AMX int8, which the VM traps). Without repacking, llama.cpp multiplies the
+blocks as the file stores them, which changes its speed, not its
+arithmetic's precision class. A build that still crashes on a type is
+reported in its row rather than stopping the run.
 """
 
 from __future__ import annotations

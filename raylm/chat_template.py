@@ -691,7 +691,7 @@ def _make_bounded_environment(prototype):
         visit_List = visit_Dict = visit_Tuple = _visit_literal
 
     class BoundedTemplate(Template):
-        def new_context(self, vars=None, shared=False, locals=None):  # noqa: A002 (jinja's own signature)
+        def new_context(self, vars=None, shared=False, locals=None):  # jinja's own signature (shadows builtins)
             budget = _active()
             if budget is not None:
                 _register_inputs(budget, (vars or {}).values())
@@ -717,7 +717,7 @@ def _make_bounded_environment(prototype):
             budget.charge_built(result, (left, right))
             return result
 
-        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
+        def call(__self, __context, __obj, *args, **kwargs):  # jinja's own signature (no `self`)
             budget = _active()
             if budget is None:
                 return super().call(__context, __obj, *args, **kwargs)

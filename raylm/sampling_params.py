@@ -299,7 +299,7 @@ class SamplingParams:
         words, min_tokens), so that its inputs change from step to step."""
         return self.min_tokens > 0 or bool(self.bad_words_token_ids) or self.uses_penalties
 
-    def clone(self) -> "SamplingParams":
+    def clone(self) -> SamplingParams:
         import copy
 
         return copy.deepcopy(self)

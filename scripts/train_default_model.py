@@ -509,7 +509,8 @@ Command (run from the repository root; deterministic: fixed seeds, {settings.thr
 {command}
 ```
 
-AdamW (betas 0.9/0.95, weight decay {settings.weight_decay}), peak lr {settings.peak_lr}, {settings.warmup_steps} warm-up
+AdamW (betas 0.9/0.95, weight decay {settings.weight_decay}), peak lr {settings.peak_lr}, \
+{settings.warmup_steps} warm-up
 steps then cosine decay to {settings.min_lr_ratio:.0%}, batch {settings.batch_size} x {settings.seq_len} tokens,
 {settings.steps} steps, gradient clipping {settings.grad_clip}; torch {torch.__version__}, CPU.
 Training took {results['train_seconds'] / 60:.1f} minutes ({results['wall_seconds'] / 60:.1f} minutes for the whole

@@ -21,9 +21,10 @@ import argparse
 import os
 import re
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 from raylm.config.engine_config import EngineConfig, resolve_engine_config
 
@@ -281,7 +282,7 @@ class EngineArgs:
         return parser
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         """The settings the parsed flags give; a setting the command has no
         flag for, or leaves at None, keeps EngineArgs' default."""
         given = {f.name: getattr(args, f.name, None) for f in fields(cls)}

@@ -41,7 +41,7 @@ time a burst saves is largest where steps are shortest).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from raylm.core.request import Request
 from raylm.messages import SchedulerOutput

@@ -20,8 +20,9 @@ elsewhere (`EngineCoreRequest`), so quarantine holds across restarts.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Protocol
 
 from raylm.core.outputs import EngineCoreOutput
 

@@ -314,7 +314,8 @@ class Scheduler:
             # A burst computes the K/V of each step's input token: its own and
             # the tokens it samples but the last.
             request.num_computed_tokens += n + num_decode_steps - 1
-            if self.async_scheduling and request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+            caught_up = request.num_computed_tokens == request.num_tokens + request.num_output_placeholders
+            if self.async_scheduling and caught_up:
                 request.num_output_placeholders += 1
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,

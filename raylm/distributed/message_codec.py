@@ -30,7 +30,8 @@ import functools
 import struct
 import sys
 import types
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import msgspec
 
@@ -306,7 +307,8 @@ class MessageCodec:
             if type_id not in self._message_ids.values():
                 raise ValueError(f"unknown message type id {type_id}")
             # Untrusted whatever the queue: messages never hold callables.
-            decoder = msgspec.msgpack.Decoder(type=self._types[type_id], ext_hook=functools.partial(self._ext_hook, False))
+            decoder = msgspec.msgpack.Decoder(type=self._types[type_id],
+                                              ext_hook=functools.partial(self._ext_hook, False))
             self._typed_decoders[type_id] = decoder
         return decoder
 

@@ -19,7 +19,6 @@ large for its slots; groups spanning nodes use gloo, and CUDA groups NCCL.
 from __future__ import annotations
 
 import datetime
-
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +33,7 @@ class GroupCoordinator:
 
     ranks: list[int]
     rank_in_group: int
-    group: "dist.ProcessGroup | None"
+    group: dist.ProcessGroup | None
     shm: ShmCommunicator | None = None
 
     @property

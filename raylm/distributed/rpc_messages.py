@@ -8,8 +8,9 @@ every type that crosses a queue is declared to it (raylm.distributed.message_cod
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 
 @dataclass

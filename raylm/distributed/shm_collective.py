@@ -42,6 +42,7 @@ once, as gloo does for two ranks.
 
 from __future__ import annotations
 
+import _posixshmem
 import logging
 import mmap
 import os
@@ -51,7 +52,6 @@ import socket
 import time
 from multiprocessing import resource_tracker
 
-import _posixshmem
 import numpy as np
 import torch
 import torch.distributed as dist

@@ -22,13 +22,12 @@ on the writer's local ZMQ socket (mq_sockets), the chunk only orders it.
 
 from __future__ import annotations
 
+import _posixshmem
 import mmap
 import os
 import struct
 from collections.abc import Callable
 from multiprocessing import resource_tracker
-
-import _posixshmem
 
 from raylm.distributed.doorbell import DoorbellReader
 from raylm.distributed.mq_wait import Backoff, QueueClosedError

@@ -21,8 +21,8 @@ from __future__ import annotations
 import hmac
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import zmq
 import zmq.auth.thread
@@ -50,7 +50,7 @@ class CurveKeys:
     secret: bytes = field(repr=False)
 
     @classmethod
-    def generate(cls) -> "CurveKeys":
+    def generate(cls) -> CurveKeys:
         if not zmq.has("curve"):
             raise RuntimeError(
                 "this pyzmq/libzmq has no CURVE support, so cross-node step queues cannot be "

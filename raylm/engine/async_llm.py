@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from raylm.config import EngineConfig, create_engine_config
 from raylm.engine.autoscaler import Autoscaler
@@ -76,13 +77,13 @@ class RequestStream:
     before the last output (`close`, `aclose`) aborts the request in the core,
     freeing its KV blocks; closing after the end does nothing."""
 
-    def __init__(self, engine: "AsyncLLM", request_id: str, queue: asyncio.Queue):
+    def __init__(self, engine: AsyncLLM, request_id: str, queue: asyncio.Queue):
         self.engine = engine
         self.request_id = request_id
         self._queue = queue
         self.finished = False
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -193,7 +194,7 @@ class AsyncLLM:
             await self.engine_core.restart_replica(index)
 
     @classmethod
-    def from_engine_args(cls, stat_loggers: list[StatLoggerBase] | None = None, **engine_kwargs: Any) -> "AsyncLLM":
+    def from_engine_args(cls, stat_loggers: list[StatLoggerBase] | None = None, **engine_kwargs: Any) -> AsyncLLM:
         """An engine for online streams: unless told otherwise, its defaults
         are those for serving (usage_context="api_server")."""
         engine_kwargs.setdefault("usage_context", "api_server")
@@ -241,7 +242,7 @@ class AsyncLLM:
         return self.input_processor.process(prompt, params)
 
     async def add_request(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
-                          stream: bool = True, data_parallel_rank: int | None = None) -> "RequestStream":
+                          stream: bool = True, data_parallel_rank: int | None = None) -> RequestStream:
         """Validate the request and hand it to the engine core now; its outputs
         come from the returned stream, which the caller must close (or read to
         the end). ValueError for bad input. `data_parallel_rank` pins the
@@ -256,7 +257,7 @@ class AsyncLLM:
         return self.add_validated_request(request_id, processed, params, stream, data_parallel_rank)
 
     def add_validated_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
-                              stream: bool = True, data_parallel_rank: int | None = None) -> "RequestStream":
+                              stream: bool = True, data_parallel_rank: int | None = None) -> RequestStream:
         """`add_request` for a request `process_prompt` validated already (a
         server fits max_tokens to the context between the two): it is not
         checked again (LLMEngine.add_validated_request is the same for an
@@ -370,10 +371,10 @@ class AsyncLLM:
             if request_id in stepped:
                 if state.first_token is None:
                     state.first_token = now
-                    self._record(lambda s: s.record_first_token(now - state.arrival))
+                    # Values bound now (default arguments), not read from the loop's variables later.
+                    self._record(lambda s, ttft=now - state.arrival: s.record_first_token(ttft))
                 else:
-                    gap = now - state.last_token
-                    self._record(lambda s: s.record_inter_token(gap))
+                    self._record(lambda s, gap=now - state.last_token: s.record_inter_token(gap))
                 state.last_token = now
             self._emit(request_id, now)
 
@@ -401,8 +402,8 @@ class AsyncLLM:
             if state is None or state.prefill_seconds is not None:
                 continue
             state.prefill_seconds = output.prefill_seconds
-            queue, prefill = output.queue_seconds, output.prefill_seconds
-            self._record(lambda s: s.record_queue_and_prefill(queue, prefill))
+            self._record(lambda s, queue=output.queue_seconds, prefill=output.prefill_seconds:
+                         s.record_queue_and_prefill(queue, prefill))
 
     def _record_finished(self, state: _RequestState, reason: str, num_tokens: int, now: float | None = None) -> None:
         now = now or time.monotonic()

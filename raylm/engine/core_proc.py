@@ -13,7 +13,7 @@ import secrets
 import signal
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 import msgspec
 import zmq

@@ -22,8 +22,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import msgspec
 
@@ -34,8 +34,14 @@ from raylm.engine.core_proc import EngineCoreProc
 from raylm.engine.errors import EngineStartTimeoutError
 from raylm.engine.protocol import ClientMessage
 from raylm.executor.ray_cluster import connect_ray, kill_actors
-from raylm.executor.ray_placement import (place_replica, replica_bundles, replica_num_cpus_hint,
-                                          replica_target_nodes, undo_ray_worker_niceness, worker_env_vars)
+from raylm.executor.ray_placement import (
+    place_replica,
+    replica_bundles,
+    replica_num_cpus_hint,
+    replica_target_nodes,
+    undo_ray_worker_niceness,
+    worker_env_vars,
+)
 from raylm.startup_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)

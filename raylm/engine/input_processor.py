@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from raylm.config import ModelConfig
-from raylm.engine.protocol import EngineCoreRequest
 from raylm.core.structured_output import validate_structured_outputs
+from raylm.engine.protocol import EngineCoreRequest
 from raylm.sampling_params import SamplingParams, check_prompt_logprobs_size
 
 
@@ -75,7 +75,9 @@ class InputProcessor:
             cache_salt = _cache_salt(prompt)
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                all_ints = isinstance(ids, (list, tuple)) and all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids)
+                if not all_ints:
                     raise ValueError("prompt_token_ids must be a list of integers")
                 processed = ProcessedPrompt(prompt.get("prompt"), list(ids), cache_salt)
             elif "prompt" in prompt:
@@ -121,7 +123,8 @@ class InputProcessor:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids contains ids outside the vocabulary [0, {vocab}): {bad}")
-        for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
+        for name, ids in (("logit_bias", params.logit_bias or {}),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
             bad = sorted(t for t in ids if t >= vocab)
             if bad:
                 raise ValueError(f"{name} contains ids outside the vocabulary [0, {vocab}): {bad[:5]}")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -138,7 +139,7 @@ class LLM:
     def shutdown(self) -> None:
         self._finalizer()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -51,9 +51,6 @@ import time
 from dataclasses import dataclass, field
 
 from raylm.engine.core_channel import CoreChannel
-from raylm.engine.routing import CoreLoad, plan_rebalance
-from raylm.kv_transfer import sealed_frames
-from raylm.kv_transfer.transport import KVTransport, StageFolder, transport_for
 from raylm.engine.protocol import (
     KVNetwork,
     MigrateEnd,
@@ -62,6 +59,9 @@ from raylm.engine.protocol import (
     MigrationReport,
     MigrationStats,
 )
+from raylm.engine.routing import CoreLoad, plan_rebalance
+from raylm.kv_transfer import sealed_frames
+from raylm.kv_transfer.transport import KVTransport, StageFolder, transport_for
 
 logger = logging.getLogger("raylm.engine.supervisor")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Union
 
 import msgspec
 
@@ -43,7 +42,7 @@ class SchedulerStats(msgspec.Struct):
     kv_capacity_tokens_per_rank: int = 0  # of which each rank holds (a CP group shares a sequence out)
     # Set once failed requests caused more recoveries than the engine forgives
     # (EngineCore.unhealthy_reason): /health turns 503 for a supervisor to act.
-    unhealthy: Union[str, None] = None
+    unhealthy: str | None = None
     # Whose totals these are, stamped by the core (EngineCoreProc): its
     # replica, and which start of a core it is (drawn at random when the core
     # process starts). The front end counts each core's own increase: a sum
@@ -63,7 +62,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams  # all_stop_token_ids, filled in by the front end, included
-    eos_token_id: Union[int, None]
+    eos_token_id: int | None
     arrival_time: float = msgspec.field(default_factory=time.monotonic)
     # Tokens it already generated in a core that died: it continues after them.
     output_token_ids: list[int] = msgspec.field(default_factory=list)
@@ -71,9 +70,9 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     num_recoveries: int = 0
     quarantined: bool = False
     # Mixed into its prefix-cache block hashes (raylm.core.kv_cache_manager).
-    cache_salt: Union[str, None] = None
+    cache_salt: str | None = None
 
-    def continuation(self, output_token_ids: list[int]) -> "EngineCoreRequest":
+    def continuation(self, output_token_ids: list[int]) -> EngineCoreRequest:
         """The same request, to continue after `output_token_ids` (its
         tokens so far, across cores) with its failure record as it is now."""
         return msgspec.structs.replace(self, output_token_ids=list(output_token_ids))
@@ -119,7 +118,7 @@ class MigrateExport(msgspec.Struct, tag="migrate_export"):
     request_id: str
     path_prefix: str
     final: bool
-    network: Union[KVNetwork, None] = None
+    network: KVNetwork | None = None
 
 
 class MigrateImport(msgspec.Struct, tag="migrate_import"):
@@ -133,12 +132,12 @@ class MigrateImport(msgspec.Struct, tag="migrate_import"):
     path_prefix: str
     num_blocks: int
     final: bool
-    request: Union[EngineCoreRequest, None] = None
+    request: EngineCoreRequest | None = None
     num_computed_tokens: int = 0
     # Across nodes: the keys, and where each source rank offers its blocks
     # (rank i fetches from sources[i]).
-    network: Union[KVNetwork, None] = None
-    sources: Union[list[str], None] = None
+    network: KVNetwork | None = None
+    sources: list[str] | None = None
     # Which stage this is (0 first): a destination refuses a later stage of
     # a migration it does not know (it lost the earlier stages' blocks).
     stage: int = 0
@@ -155,7 +154,7 @@ class MigrateEnd(msgspec.Struct, tag="migrate_end"):
     commit: bool
 
 
-ClientMessage = Union[EngineCoreRequest, AbortRequests, Ping, Shutdown, MigrateExport, MigrateImport, MigrateEnd]
+ClientMessage = EngineCoreRequest | AbortRequests | Ping | Shutdown | MigrateExport | MigrateImport | MigrateEnd
 
 
 class MigrationReport(msgspec.Struct):
@@ -171,9 +170,9 @@ class MigrationReport(msgspec.Struct):
     # sent so far (final: all of them), and its output tokens at that point.
     num_computed_tokens: int = 0
     num_output_tokens: int = 0
-    error: Union[str, None] = None
+    error: str | None = None
     # Export across nodes: where each rank offers its blocks.
-    sources: Union[list[str], None] = None
+    sources: list[str] | None = None
 
 
 class MigrationStats(msgspec.Struct):
@@ -231,9 +230,9 @@ class EngineCoreOutputs(msgspec.Struct):
     the front end hands each to its stat loggers (`record_recovery`)."""
 
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
-    stats: Union[SchedulerStats, None] = None
-    pong: Union[int, None] = None
-    error: Union[str, None] = None
+    stats: SchedulerStats | None = None
+    pong: int | None = None
+    error: str | None = None
     recoveries: list[RecoveryStats] = msgspec.field(default_factory=list)
     # Which core sent it (0 without data parallelism), and which start of
     # that core: a core replaced under the same index starts anew, and what
@@ -250,4 +249,4 @@ class EngineCoreOutputs(msgspec.Struct):
     # Migrations that ended, from the supervisor to its front end (metrics).
     migrated: list[MigrationStats] = msgspec.field(default_factory=list)
     # A data-parallel core's prefix cache changes since its last message.
-    kv_events: Union[KVCacheEvents, None] = None
+    kv_events: KVCacheEvents | None = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 # Backoff before the k-th restart of a window: 0, 1, 2, 4, ... seconds, capped.
 _MAX_BACKOFF_S = 30.0

@@ -44,7 +44,7 @@ from raylm.engine.core_channel import CoreChannel, CoreLauncher, DropLog
 from raylm.engine.core_recovery import BudgetWait, CoreRecovery, Replacement
 from raylm.engine.errors import EngineDeadError
 from raylm.engine.migration import MigrationControl
-from raylm.engine.replica_restart import AsyncReplicaRestart, ReplicaRestart
+from raylm.engine.prefix_index import PrefixIndex
 from raylm.engine.protocol import (
     AbortRequests,
     EngineCoreOutputs,
@@ -54,8 +54,8 @@ from raylm.engine.protocol import (
     SchedulerStats,
     Shutdown,
 )
+from raylm.engine.replica_restart import AsyncReplicaRestart, ReplicaRestart
 from raylm.engine.restart_budget import BlameLedger, RestartBudget
-from raylm.engine.prefix_index import PrefixIndex
 from raylm.engine.routing import CoreLoad, routing_policy
 
 logger = logging.getLogger(__name__)
@@ -310,7 +310,7 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
         free = (i for i in range(data_parallel_size + len(taken)) if i not in taken)
         return [next(free) for _ in range(data_parallel_size - len(active))]
 
-    def begin_scale(self, data_parallel_size: int) -> "ScaleUp | None":
+    def begin_scale(self, data_parallel_size: int) -> ScaleUp | None:
         """Plan a scale (ValueError if it cannot be): a scale-down drains its
         cores now; a scale-up's new cores are returned to start
         (`start_scaled`, blocking, from any thread) and then adopt
@@ -323,11 +323,11 @@ class EngineCoreSupervisor(CoreRecovery, MigrationControl, ReplicaRestart):
         self._scaling_up.update(new)
         return ScaleUp(data_parallel_size, new, channels, targets)
 
-    def start_scaled(self, scale_up: "ScaleUp") -> None:
+    def start_scaled(self, scale_up: ScaleUp) -> None:
         """Blocking, and touches no socket: the new cores load (in parallel)."""
         self._wait_started(scale_up.channels, scale_up.targets)
 
-    def end_scale(self, scale_up: "ScaleUp", started: bool) -> None:
+    def end_scale(self, scale_up: ScaleUp, started: bool) -> None:
         """The new cores take traffic (`started`), or are given up."""
         self._scaling_up.difference_update(scale_up.indices)
         if not started:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+
 def load_tokenizer(path: str, chat_template: str | None = None) -> Any:
     """The tokenizer in folder `path`; `chat_template` (template text) replaces its own."""
     from transformers import AutoTokenizer

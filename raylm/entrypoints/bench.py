@@ -37,9 +37,12 @@ class RunResult:
 
 def add_latency_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("latency workload")
-    group.add_argument("--input-len", type=int, metavar="N", default=32, help="prompt length in tokens (random token ids)")
-    group.add_argument("--output-len", type=int, metavar="N", default=128, help="tokens generated per prompt (EOS ignored)")
-    group.add_argument("--batch-size", type=int, metavar="N", default=8, help="prompts submitted together per iteration")
+    group.add_argument("--input-len", type=int, metavar="N", default=32,
+                       help="prompt length in tokens (random token ids)")
+    group.add_argument("--output-len", type=int, metavar="N", default=128,
+                       help="tokens generated per prompt (EOS ignored)")
+    group.add_argument("--batch-size", type=int, metavar="N", default=8,
+                       help="prompts submitted together per iteration")
     group.add_argument("--num-iters-warmup", type=int, metavar="N", default=2, help="untimed iterations first")
     group.add_argument("--num-iters", type=int, metavar="N", default=5, help="timed iterations")
     group.add_argument("--output-json", default=None, metavar="FILE", help="also write the results to FILE as JSON")
@@ -49,8 +52,10 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("throughput workload")
-    group.add_argument("--input-len", type=int, metavar="N", default=128, help="prompt length in tokens (random token ids)")
-    group.add_argument("--output-len", type=int, metavar="N", default=128, help="tokens generated per prompt (EOS ignored)")
+    group.add_argument("--input-len", type=int, metavar="N", default=128,
+                       help="prompt length in tokens (random token ids)")
+    group.add_argument("--output-len", type=int, metavar="N", default=128,
+                       help="tokens generated per prompt (EOS ignored)")
     group.add_argument("--num-prompts", type=int, metavar="N", default=64, help="prompts submitted at once")
     group.add_argument("--output-json", default=None, metavar="FILE", help="also write the results to FILE as JSON")
     group.add_argument("--disable-detokenize", action="store_true",

@@ -9,7 +9,8 @@ import argparse
 import json
 import logging
 import sys
-from typing import Any, Callable, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 import raylm
 from raylm.engine.arg_utils import EngineArgs, HelpFormatter
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _sampling_params_from_args(args: argparse.Namespace) -> "raylm.SamplingParams":
+def _sampling_params_from_args(args: argparse.Namespace) -> raylm.SamplingParams:
     return raylm.SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
     )
@@ -122,7 +123,7 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
 
 
 
-def stream_completions(llm: "raylm.LLM", prompts: list[str], params: "raylm.SamplingParams", out: TextIO) -> None:
+def stream_completions(llm: raylm.LLM, prompts: list[str], params: raylm.SamplingParams, out: TextIO) -> None:
     """Run all prompts as one batch; print the first one's tokens live, buffer
     the others' and print each in turn, so the text never interleaves."""
     engine = llm.llm_engine

@@ -283,7 +283,6 @@ def _plan_replicas(config: EngineConfig, plan_base: dict) -> Plan:
                if never else f"{size - len(now)} of {size} fit what is free now (the rest is in use)")
         )
     ip_of = {n.node_id: n.ip for n in nodes}
-    tp = pc.tensor_parallel_size
     for index in range(size):
         if index not in placed:
             continue
@@ -291,7 +290,7 @@ def _plan_replicas(config: EngineConfig, plan_base: dict) -> Plan:
         # The replica's executor is its own driver, on this node: ranks in
         # bundle order (Ray executor) or local processes (uni, mp).
         ranks = [_rank_placement(r, pc, placed[index][rank_bundles[r]] if rank_bundles else node,
-                                 ip_of.get(node, "?"), "cuda:%d" % r if config.device == "cuda" else "cpu", r)
+                                 ip_of.get(node, "?"), f"cuda:{r}" if config.device == "cuda" else "cpu", r)
                  for r in range(pc.world_size)]
         plan.replicas.append(_replica(index, node, ip_of.get(node, "?"), ranks, pc))
     if config.device == "cuda":

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 from raylm.config import EngineConfig
 from raylm.messages import GrammarOutput, KVCacheConfig, ModelRunnerOutput, SchedulerOutput
@@ -65,7 +66,8 @@ class Executor(ABC):
         return self.collective_rpc("execute_model", timeout=self.step_timeout_s, args=(scheduler_output,),
                                    non_block=non_block, unique_reply_rank=self._output_rank)
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None, non_block: bool = False) -> ModelRunnerOutput | Future:
+    def sample_tokens(self, grammar_output: GrammarOutput | None,
+                      non_block: bool = False) -> ModelRunnerOutput | Future:
         return self.collective_rpc("sample_tokens", timeout=self.step_timeout_s, args=(grammar_output,),
                                    non_block=non_block, unique_reply_rank=self._output_rank)
 
@@ -85,7 +87,7 @@ class Executor(ABC):
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         self.collective_rpc("initialize_from_config", timeout=self.start_timeout_s, args=(kv_cache_config,))
 
-    def check_liveness(self) -> None:
+    def check_liveness(self) -> None:  # noqa: B027 (optional hook: nothing to do by default)
         """Raise WorkerDiedError if a worker is known to be dead. Cheap and
         local (no call to the workers), so it is safe while a step hangs."""
 

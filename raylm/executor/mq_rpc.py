@@ -23,9 +23,10 @@ import time
 import traceback
 import weakref
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from raylm.distributed.mq_wait import QueueClosedError
 from raylm.distributed.rpc_messages import CallableRef, RemoteError, RpcReply, RpcRequest
@@ -118,7 +119,8 @@ class WorkerLoop:
                     # A call this rank cannot read (say, a callable from a module
                     # it cannot import): it misses the call and its peers may
                     # wait for it in a collective, so the failure is fatal.
-                    error = RemoteError(type(e).__name__, f"could not read a call: {e}", traceback.format_exc(), self.rank, "?")
+                    error = RemoteError(type(e).__name__, f"could not read a call: {e}", traceback.format_exc(),
+                                        self.rank, "?")
                     self.response.enqueue(RpcReply(-1, FATAL, error))
                     continue
                 self.run_one(request.seq, request.method, request.args, request.kwargs, request.reply_rank)
@@ -155,7 +157,8 @@ class WorkerLoop:
             raise
         except Exception as e:  # a result of a type the queue does not carry
             error = RemoteError(
-                type(e).__name__, f"could not send the reply: {e}", traceback.format_exc(), self.rank, method_name(method)
+                type(e).__name__, f"could not send the reply: {e}", traceback.format_exc(), self.rank,
+                method_name(method),
             )
             self.response.enqueue(RpcReply(seq, ERROR if asked else FATAL, error))
 
@@ -170,7 +173,7 @@ class _PendingCall:
     ranks: list[int]
     single: bool
     deadline: float | None
-    future: "ReplyFuture"
+    future: ReplyFuture
     replies: dict[int, Any] = field(default_factory=dict)
 
 
@@ -178,7 +181,7 @@ class ReplyFuture(Future):
     """A Future whose result() collects the replies itself, in call order, so a
     blocking call costs no hand-off to a background thread."""
 
-    def __init__(self, client: "MqRpcClient"):
+    def __init__(self, client: MqRpcClient):
         super().__init__()
         self._client_ref = weakref.ref(client)
 
@@ -289,7 +292,8 @@ class MqRpcClient:
             # Queued before the send: a reply can never arrive for an unknown call.
             self.pending.append(call)
             try:
-                self.broadcast.enqueue(RpcRequest(seq, method, tuple(args), kwargs or {}, unique_reply_rank), timeout=timeout)
+                request = RpcRequest(seq, method, tuple(args), kwargs or {}, unique_reply_rank)
+                self.broadcast.enqueue(request, timeout=timeout)
             except BaseException as e:
                 self.pending.remove(call)
                 if isinstance(e, TimeoutError):

@@ -18,7 +18,8 @@ import threading
 import time
 import traceback
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import psutil
 
@@ -214,7 +215,8 @@ class MultiprocExecutor(Executor):
             death_r, death_w = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=WorkerProc.main,
-                args=(self.config, rank, res.broadcast.export_handle(), init_method, plan.ranks[rank], ready_w, death_r),
+                args=(self.config, rank, res.broadcast.export_handle(), init_method, plan.ranks[rank], ready_w,
+                      death_r),
                 name=f"RaylmWorker-{rank}",
                 daemon=True,
             )

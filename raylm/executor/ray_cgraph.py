@@ -20,10 +20,10 @@ os.environ.setdefault("RAY_CGRAPH_get_timeout", "600")
 os.environ.setdefault("RAY_CGRAPH_submit_timeout", "120")
 os.environ.setdefault("RAY_CGRAPH_teardown_timeout", "10")
 
-from raylm.executor.errors import WorkerDiedError, WorkerHungError  # noqa: E402
-from raylm.executor.mq_rpc import method_name  # noqa: E402
-from raylm.executor.ray_transport import RankActors, RefFuture, StepTransport  # noqa: E402
-from raylm.messages import GrammarOutput, SchedulerOutput  # noqa: E402
+from raylm.executor.errors import WorkerDiedError, WorkerHungError
+from raylm.executor.mq_rpc import method_name
+from raylm.executor.ray_transport import RankActors, RefFuture, StepTransport
+from raylm.messages import GrammarOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,8 @@ class CompiledGraphTransport(StepTransport):
                 ready, _ = ray.wait(refs, num_returns=len(refs), timeout=limit)
                 if len(ready) < len(refs):
                     missing = ", ".join(ranks.describe(r) for r, ref in zip(targets, refs) if ref not in ready)
-                    raise WorkerHungError(f"collective_rpc {method_name(method)!r}: {missing} did not answer within {limit} s")
+                    raise WorkerHungError(
+                        f"collective_rpc {method_name(method)!r}: {missing} did not answer within {limit} s")
             results = []
             for rank, ref in zip(targets, refs):
                 try:
@@ -162,7 +163,8 @@ class CompiledGraphTransport(StepTransport):
         its readers still spin, but with the actors gone it returns quickly."""
         graph, self.compiled_graph = self.compiled_graph, None
         if graph is not None:
-            thread = threading.Thread(target=_teardown_quietly, args=(graph,), name="raylm-cgraph-teardown", daemon=True)
+            thread = threading.Thread(target=_teardown_quietly, args=(graph,), name="raylm-cgraph-teardown",
+                                      daemon=True)
             thread.start()
             thread.join(_TEARDOWN_DEADLINE_S)
 

@@ -25,14 +25,15 @@ def check_ray_version() -> None:
     try:
         import ray
     except ImportError as e:
-        raise RuntimeError("distributed_executor_backend='ray' needs Ray: pip install 'ray[default]>=2.58,<2.61'") from e
+        raise RuntimeError(
+            "distributed_executor_backend='ray' needs Ray: pip install 'ray[default]>=2.58,<2.61'") from e
     version = tuple(int(p) for p in ray.__version__.split(".")[:2])
     if version < MIN_RAY_VERSION:
         raise RuntimeError(
             f"Ray {ray.__version__} is too old for raylm's Ray executor; need >= {'.'.join(map(str, MIN_RAY_VERSION))}"
         )
     try:
-        import ray.dag.compiled_dag_node  # noqa: F401
+        import ray.dag.compiled_dag_node
     except ImportError as e:
         raise RuntimeError(f"Ray {ray.__version__} lacks compiled-graph support (ray.dag)") from e
 
@@ -173,7 +174,7 @@ def _current_ray_identity() -> str | None:
         from ray._private import worker
 
         return worker.global_worker.node.session_name
-    except Exception:  # noqa: BLE001 - another Ray version: identity unknown, so never ours
+    except Exception:  # another Ray version: identity unknown, so never ours
         return None
 
 
@@ -226,7 +227,7 @@ def kill_actors(actors: list, timeout: float = KILL_WAIT_S) -> None:
     for actor in actors:
         try:
             ray.kill(actor)
-        except Exception:  # noqa: BLE001 - already dead
+        except Exception:  # already dead
             pass
 
     deadline = time.monotonic() + timeout
@@ -234,7 +235,7 @@ def kill_actors(actors: list, timeout: float = KILL_WAIT_S) -> None:
     while True:
         try:
             pending = [i for i in pending if actor_table(actor_id=i).get("State") not in ("DEAD", None)]
-        except Exception as e:  # noqa: BLE001 - Ray going down: nothing left to wait for
+        except Exception as e:  # Ray going down: nothing left to wait for
             logger.debug("cannot read the actors' states: %s", e)
             return
         if not pending:
@@ -321,7 +322,7 @@ def gcs_address() -> str | None:
 
     try:
         return ray.get_runtime_context().gcs_address
-    except Exception:  # noqa: BLE001
+    except Exception:  # "if Ray says": any failure means no address
         return None
 
 

@@ -20,6 +20,8 @@ import weakref
 
 # First: it sets the compiled-graph timeouts before anything imports ray.dag.
 from raylm.executor.ray_cgraph import CompiledGraphTransport, check_cupy_for_nccl_channels
+
+# isort: split
 from raylm.executor import ray_placement
 from raylm.executor.abstract import Executor
 from raylm.executor.errors import WorkerDiedError, WorkerHungError
@@ -165,8 +167,6 @@ class RayDistributedExecutor(Executor):
         """Each actor pins itself within its node: Ray's CPUs are scheduling
         tokens, not cores, so the ranks sharing a node split the node's cores
         by their order on it (the plan every one of them computes alike)."""
-        import ray
-
         driver_node = self._driver_node_id()
         cfg = self.config
         calls, seen = [], {}

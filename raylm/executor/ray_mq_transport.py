@@ -13,7 +13,7 @@ import itertools
 import logging
 import os
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from raylm.distributed.rpc_messages import CallableRef
 from raylm.distributed.shm_broadcast import MessageQueue
@@ -97,7 +97,8 @@ class MqStepTransport(StepTransport):
         )
         handle = mq.broadcast.export_handle()
         refs = [
-            worker.init_mq.remote(handle, rank not in local_ranks, os.getpid() if rank in local_ranks else None, tcp_keys)
+            worker.init_mq.remote(handle, rank not in local_ranks, os.getpid() if rank in local_ranks else None,
+                                  tcp_keys)
             for rank, worker in enumerate(ranks.workers)
         ]
         for response_handle in startup_get(refs, "init_mq"):
@@ -111,7 +112,8 @@ class MqStepTransport(StepTransport):
                                   f"{start_timeout_s:g} s (engine_start_timeout)") from None
         startup_get([worker.start_mq_loop.remote() for worker in ranks.workers], "start_mq_loop")
         self.rpc = MqRpcClient(mq.broadcast, mq.responses, mq.shutting_down, on_failure, ranks.describe)
-        logger.info("mq step transport: ranks %s read shared memory, %d over ZMQ at %s", local_ranks, num_remote, host_ip)
+        logger.info("mq step transport: ranks %s read shared memory, %d over ZMQ at %s",
+                    local_ranks, num_remote, host_ip)
 
     # ---- calls -------------------------------------------------------------------------
 
@@ -145,7 +147,8 @@ class MqStepTransport(StepTransport):
         try:
             ray.get(calls, timeout=limit)
         except ray.exceptions.GetTimeoutError:
-            raise WorkerHungError(f"collective_rpc {ref.name!r}: the actors did not take the callable within {limit} s") from None
+            raise WorkerHungError(
+                f"collective_rpc {ref.name!r}: the actors did not take the callable within {limit} s") from None
         except ray.exceptions.RayActorError as e:
             raise WorkerDiedError(f"collective_rpc {ref.name!r}: an actor died taking the callable: {e}") from e
         return ref
@@ -189,4 +192,5 @@ def _wait_for_mq_loops(workers: list) -> None:
         logger.debug("waiting for the message-queue loops: %s", e)
         return
     if len(ready) < len(refs):
-        logger.warning("%d worker loop(s) did not stop within %.0f s; killing them", len(refs) - len(ready), _MQ_LOOP_EXIT_TIMEOUT_S)
+        logger.warning("%d worker loop(s) did not stop within %.0f s; killing them",
+                       len(refs) - len(ready), _MQ_LOOP_EXIT_TIMEOUT_S)

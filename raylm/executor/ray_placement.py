@@ -395,7 +395,7 @@ def remove_placement_groups(groups: list, nodes: list[NodeState] | None = None) 
     for group in groups:
         try:
             remove_placement_group(group)
-        except Exception as e:  # noqa: BLE001 - say so: its bundles would stay reserved
+        except Exception as e:  # say so: its bundles would stay reserved
             logger.warning("could not remove placement group %s: %s", group.id.hex()[:12], e)
     deadline = time.monotonic() + _REMOVAL_WAIT_S
     for group in groups:

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from raylm.config import EngineConfig
 from raylm.messages import GrammarOutput, SchedulerOutput
@@ -75,10 +76,10 @@ class StepTransport(ABC):
         """Every rank answers a heartbeat within `timeout` (skipped while a
         step is in flight: its own deadline watches it)."""
 
-    def mark_failed(self, reason: str) -> None:
+    def mark_failed(self, reason: str) -> None:  # noqa: B027 (optional hook: nothing to do by default)
         """The executor saw a worker die: fail what is in flight now."""
 
-    def raise_if_failed(self) -> None:
+    def raise_if_failed(self) -> None:  # noqa: B027 (optional hook: nothing to do by default)
         """Raise when the transport itself saw the executor fail."""
 
     @property
@@ -93,13 +94,13 @@ class StepTransport(ABC):
         the executor's finalizer (so it refers to neither); None if nothing."""
         return None
 
-    def stop(self, workers: list, wait_for_loops: bool) -> None:
+    def stop(self, workers: list, wait_for_loops: bool) -> None:  # noqa: B027 (optional hook: nothing to do by default)
         """Before the actors are killed."""
 
-    def after_kill(self) -> None:
+    def after_kill(self) -> None:  # noqa: B027 (optional hook: nothing to do by default)
         """Once the actors are killed (Ray is up)."""
 
-    def release(self) -> None:
+    def release(self) -> None:  # noqa: B027 (optional hook: nothing to do by default)
         """Last, at shutdown."""
 
 

@@ -37,7 +37,7 @@ import math
 import struct
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 

@@ -40,8 +40,8 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
 from raylm.thread_accounting import name_this_thread, thread_cpu_s
 
@@ -108,7 +108,7 @@ class CopyBudget:
         self._read_at = clock()
         self.spent_s = 0.0  # the CPU counted in all
 
-    def count(self, tids: list[int], allowance: "CPUAllowance | None" = None) -> None:
+    def count(self, tids: list[int], allowance: CPUAllowance | None = None) -> None:
         """Count the CPU of the threads `tids` (of this process) from now on;
         with `allowance`, no more of it than that allows (threads that also
         do other work than copies: a listening socket's I/O threads)."""

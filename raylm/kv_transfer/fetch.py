@@ -16,11 +16,18 @@ from raylm.kv_transfer import frames
 from raylm.kv_transfer.admission import SealedAdmission
 from raylm.kv_transfer.background import ThreadsBesideTheSteps, process_copy_budget
 from raylm.kv_transfer.files import KVTransferError
-from raylm.kv_transfer.frames import (_CANCEL_CHECK_S, _FRAME_META, _STATUS_FAILED, _STATUS_MISSING, _STATUS_OK,
-                                      _STATUS_SEAL_INDEX, FETCH_TIMEOUT_S, StageBuffers,
-                                      _context_yielding_to_the_steps)
+from raylm.kv_transfer.frames import (
+    _CANCEL_CHECK_S,
+    _FRAME_META,
+    _STATUS_FAILED,
+    _STATUS_MISSING,
+    _STATUS_OK,
+    _STATUS_SEAL_INDEX,
+    FETCH_TIMEOUT_S,
+    StageBuffers,
+    _context_yielding_to_the_steps,
+)
 from raylm.kv_transfer.sealed_frames import AnswerSeal, SealBroken, TransferKey
-
 
 # A paced fetch's socket holds at most this many messages ahead of its
 # reading: libzmq's I/O thread stops reading (and the source, its TCP window

@@ -36,8 +36,8 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 import torch
 

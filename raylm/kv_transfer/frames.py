@@ -21,7 +21,6 @@ import zmq
 
 from raylm.thread_accounting import name_thread, thread_ids, thread_name
 
-
 # How long a destination waits for the source's answer: the transfer of a
 # long request's blocks over a slow link fits; a source that died does not
 # hold the destination's loop much longer.

@@ -45,7 +45,7 @@ class RankTransport(abc.ABC):
         """Drop what this rank still offers under names starting with `prefix`."""
         return 0
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional hook: nothing to do by default)
         pass
 
 

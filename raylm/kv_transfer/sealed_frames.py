@@ -154,12 +154,12 @@ class TransferKey:
     def __repr__(self) -> str:
         return "TransferKey(...)"  # the key itself stays out of logs
 
-    def seal_request(self, body: bytes) -> tuple[bytes, "AnswerSeal"]:
+    def seal_request(self, body: bytes) -> tuple[bytes, AnswerSeal]:
         """The request to send, and the seal its answer will come under."""
         nonce, request = self._seal(body, _REQUEST_AAD)
         return request, self._answer_seal(nonce)
 
-    def open_request(self, request: bytes, seen: SeenRequests) -> tuple[bytes, "AnswerSeal"]:
+    def open_request(self, request: bytes, seen: SeenRequests) -> tuple[bytes, AnswerSeal]:
         """The body of a request and the seal to answer it under; SealBroken
         if it was not sealed with this key, Replayed if `seen` does not take it."""
         body = self._open(request, _REQUEST_AAD, seen)
@@ -190,7 +190,7 @@ class TransferKey:
         seen.take(nonce, _SEALED_AT.unpack_from(plain)[0])
         return plain[_SEALED_AT.size :]
 
-    def _answer_seal(self, request_nonce: bytes) -> "AnswerSeal":
+    def _answer_seal(self, request_nonce: bytes) -> AnswerSeal:
         return AnswerSeal(_sub_key(self._key, _ANSWER_INFO, salt=request_nonce))
 
 

@@ -18,8 +18,8 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable
 
 import torch
 import zmq
@@ -27,12 +27,27 @@ import zmq
 from raylm.distributed.tcp_auth import terminate_context
 from raylm.kv_transfer import frames
 from raylm.kv_transfer.admission import Refusals, SealedAdmission
+from raylm.kv_transfer.background import (
+    CopyBudget,
+    CPUAllowance,
+    ThreadsBesideTheSteps,
+    no_wakeup_preemption,
+    process_copy_budget,
+)
 from raylm.kv_transfer.files import KVTransferError
-from raylm.kv_transfer.background import (CopyBudget, CPUAllowance, ThreadsBesideTheSteps, no_wakeup_preemption,
-                                          process_copy_budget)
-from raylm.kv_transfer.frames import (_CANCEL_CHECK_S, _FRAME_META, _MAX_REQUEST_BYTES, _STATUS_FAILED,
-                                      _STATUS_MISSING, _STATUS_OK, _STATUS_SEAL_INDEX, FETCH_TIMEOUT_S, StageBuffers,
-                                      _context_yielding_to_the_steps, _Wakeup)
+from raylm.kv_transfer.frames import (
+    _CANCEL_CHECK_S,
+    _FRAME_META,
+    _MAX_REQUEST_BYTES,
+    _STATUS_FAILED,
+    _STATUS_MISSING,
+    _STATUS_OK,
+    _STATUS_SEAL_INDEX,
+    FETCH_TIMEOUT_S,
+    StageBuffers,
+    _context_yielding_to_the_steps,
+    _Wakeup,
+)
 from raylm.kv_transfer.sealed_frames import AnswerSeal, Replayed, SealBroken, SeenRequests, TransferKey
 from raylm.thread_accounting import name_this_thread
 

@@ -57,7 +57,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -87,13 +87,13 @@ class KVTransport(abc.ABC):
         """What the destination must be told of an export (None: nothing)."""
         return None
 
-    def check_sources(self, sources: list[str] | None, world_size: int) -> None:
+    def check_sources(self, sources: list[str] | None, world_size: int) -> None:  # noqa: B027 (optional hook: nothing to do by default)
         """Raise before an import reads anything it could not read right."""
 
-    def end_at_source(self, rpc: RPC, migration_id: str, stages: set[str]) -> None:
+    def end_at_source(self, rpc: RPC, migration_id: str, stages: set[str]) -> None:  # noqa: B027 (optional hook: nothing to do by default)
         """The migration ended: drop what the source still holds of its stages."""
 
-    def end_at_supervisor(self, folder: StageFolder, migration_id: str) -> None:
+    def end_at_supervisor(self, folder: StageFolder, migration_id: str) -> None:  # noqa: B027 (optional hook: nothing to do by default)
         """The migration ended: remove what the supervisor made for it."""
 
     # ---- the same for every kind ------------------------------------------------------------

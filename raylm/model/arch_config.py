@@ -53,7 +53,7 @@ class ArchConfig:
     sliding_window: int | None = None
 
     @classmethod
-    def from_model_dir(cls, path: str | os.PathLike) -> "ArchConfig":
+    def from_model_dir(cls, path: str | os.PathLike) -> ArchConfig:
         path = os.fspath(path)
         if not os.path.isdir(path):
             raise ValueError(f"model path {path!r} is not a folder")
@@ -68,7 +68,7 @@ class ArchConfig:
         return cls.from_dict(raw, source=config_path)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "ArchConfig":
+    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> ArchConfig:
         archs = raw.get("architectures") or []
         supported = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
         if not supported:

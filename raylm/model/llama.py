@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from raylm.distributed.parallel_state import get_pp_group, get_tp_group
+from raylm.distributed.parallel_state import get_pp_group
 from raylm.model.arch_config import ArchConfig
 from raylm.model.layers.activation import SiluAndMul
 from raylm.model.layers.attention import Attention

@@ -97,7 +97,8 @@ def write_gguf(model_dir: str | pathlib.Path, path: str | pathlib.Path, qtype: s
 
     weights = load_file(str(model_dir / "model.safetensors"))
     for hf_name, tensor in weights.items():
-        if hf_name.endswith("rotary_emb.inv_freq") or (hf_name == "lm_head.weight" and config.get("tie_word_embeddings")):
+        tied_head = hf_name == "lm_head.weight" and config.get("tie_word_embeddings")
+        if hf_name.endswith("rotary_emb.inv_freq") or tied_head:
             continue
         w = tensor.float().numpy()
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):

@@ -68,6 +68,7 @@ from pathlib import Path
 
 # Parsing lives with the setting (config validates it); re-exported here for callers of the planner.
 from raylm.cpu_bind import AUTO, NO_BIND, parse_cpu_bind, parse_cpu_list  # noqa: F401
+
 # What Linux says of this process's threads (shared with the K/V copies' CPU budget).
 from raylm.thread_accounting import process_run_queue_wait_s, thread_ids
 
@@ -91,7 +92,7 @@ class CpuTopology:
 
     @classmethod
     def build(cls, usable: set[int] | frozenset[int], siblings: dict[int, set[int]] | None = None,
-              numa_nodes: dict[int, set[int]] | None = None) -> "CpuTopology":
+              numa_nodes: dict[int, set[int]] | None = None) -> CpuTopology:
         """From the usable CPU ids, each CPU's SMT siblings (itself included;
         missing: a core of its own) and the CPUs of each NUMA node (missing:
         one node)."""
@@ -542,7 +543,7 @@ def _set_torch_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def watch_for(placement: RankPlacement) -> "ContentionWatch | ThreadGovernor | None":
+def watch_for(placement: RankPlacement) -> ContentionWatch | ThreadGovernor | None:
     """What watches a CPU rank's forward passes: a governor for a single rank
     with a fallback count, a contention watch for a rank the plan pinned,
     nothing for a placement the user fixed."""

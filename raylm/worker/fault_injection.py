@@ -50,7 +50,7 @@ class FaultSpec:
     delay_ms: int = 0  # `slow`: how much longer each step is
 
     @classmethod
-    def parse(cls, text: str) -> "FaultSpec":
+    def parse(cls, text: str) -> FaultSpec:
         """`kill:token=7`, `hang:token=7:rank=0`, `slow:token=7:ms=5`; ValueError naming the variable."""
         action, *fields = text.strip().split(":")
         if action not in ACTIONS:
@@ -89,7 +89,7 @@ class FaultInjector:
                            rank, spec.action, spec.token_id, ENV_VAR)
 
     @classmethod
-    def from_config(cls, text: str | None, rank: int, world_size: int) -> "FaultInjector | None":
+    def from_config(cls, text: str | None, rank: int, world_size: int) -> FaultInjector | None:
         return cls(FaultSpec.parse(text), rank, world_size) if text else None
 
     def before_step(self, scheduler_output: SchedulerOutput) -> None:

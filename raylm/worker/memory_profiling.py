@@ -13,8 +13,9 @@ arithmetic can be tested on a machine without a GPU.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator, Protocol
+from typing import Protocol
 
 import torch
 

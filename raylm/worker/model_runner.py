@@ -336,8 +336,8 @@ class ModelRunner:
                 raise RuntimeError(f"request {state.req_id}: a decode burst past its KV blocks")
         table = padded_block_table([state.block_ids for state in states], num_blocks)
         out = greedy(torch.tensor(tokens, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
-                     torch.tensor(table, dtype=torch.int64), torch.tensor([p + 1 for p in positions], dtype=torch.int64),
-                     size, steps)
+                     torch.tensor(table, dtype=torch.int64),
+                     torch.tensor([p + 1 for p in positions], dtype=torch.int64), size, steps)
         return None if out is None else out.t().tolist()
 
     def _burst_step_by_step(self, so: SchedulerOutput, states: list[CachedRequestState], metadata: SamplingMetadata,

@@ -192,7 +192,7 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
         noise.exponential_()
     for row, generator in generators.items():
         noise[row].exponential_(generator=generator)
-    return _argmax((probs / noise.clamp_min_(_MIN_NOISE)))
+    return _argmax(probs / noise.clamp_min_(_MIN_NOISE))
 
 
 def advance_generator(generator: torch.Generator, num_steps: int, vocab_size: int) -> None:

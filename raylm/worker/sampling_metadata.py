@@ -48,7 +48,7 @@ class SamplingMetadata:
     # [B, V] bool, True where a row with allowed_token_ids forbids the token; None when no row sets it.
     disallowed_mask: torch.Tensor | None = None
     # row -> its bad words, indexed for the per-step check (only rows that have some).
-    bad_words_token_ids: dict[int, "BadWordsIndex"] = field(default_factory=dict)
+    bad_words_token_ids: dict[int, BadWordsIndex] = field(default_factory=dict)
     # (rows [N] int64, token ids [N] int64, biases [N] float32), one entry per
     # (row, token) pair of the rows' logit_bias; None when no row sets it.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None

@@ -17,12 +17,11 @@ import torch
 
 from raylm.config import EngineConfig
 from raylm.distributed import parallel_state
+from raylm.kv_transfer.rank import RankTransfers
 from raylm.messages import GrammarOutput, KVCacheConfig, ModelRunnerOutput, SchedulerOutput
 from raylm.model.layers.cpu_kernels import get_cpu_kernels
-from raylm.kv_transfer.rank import RankTransfers
 from raylm.worker import cpu_placement
 from raylm.worker.fault_injection import FaultInjector
-from raylm.worker.model_runner import ModelRunner
 from raylm.worker.memory_profiling import (
     CudaMemory,
     kv_cache_budget_bytes,
@@ -30,6 +29,7 @@ from raylm.worker.memory_profiling import (
     measure_peak_activation_bytes,
     run_profiling_step,
 )
+from raylm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

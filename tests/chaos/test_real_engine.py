@@ -82,8 +82,9 @@ def test_seeded_schedules_against_real_cores(requests, reference, monkeypatch, b
                 broken = result.failures(reference)
                 if llm.llm_engine.engine_core.dead_error is not None:
                     broken.append(f"the engine died: {llm.llm_engine.engine_core.dead_error}")
-            wait_until(lambda: not (descendants() - before), 30,
-                       message=lambda: f"processes left: {descendants() - before}")
+            # This replay's `before`, bound as a default argument.
+            wait_until(lambda before=before: not (descendants() - before), 30,
+                       message=lambda before=before: f"processes left: {descendants() - before}")
             if _transfer_folders() - folders:
                 broken.append(f"transfer folders left: {_transfer_folders() - folders}")
             if len(os.listdir("/proc/self/fd")) > fds + 4:

@@ -28,7 +28,8 @@ import logging
 import os
 
 import pytest
-from hypothesis import HealthCheck, settings, seed, strategies as st
+from hypothesis import HealthCheck, seed, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from raylm.config import AutoscaleConfig

@@ -14,8 +14,8 @@ import pytest
 
 from raylm import LLM, SamplingParams
 from raylm.core.request import Request
-from raylm.engine.protocol import EngineCoreRequest
 from raylm.core.structured_output import StructuredOutputManager
+from raylm.engine.protocol import EngineCoreRequest
 from raylm.sampling_params import StructuredOutputsParams
 
 PROMPT = "Think first"

@@ -168,7 +168,8 @@ def test_a_reader_ignores_a_writer_without_the_executors_key(zmq_context, tmp_pa
     """A rogue server at the address (plain, or CURVE with keys of its own):
     the reader's handshake fails, so nothing it sends is ever decoded."""
     target = tmp_path / "created-by-unpickling"
-    frames = [[REMOTE_HEADER.pack(REMOTE_DATA, 0), msgspec.msgpack.encode(msgspec.msgpack.Ext(3, _exploit_file_pickle(target)))]]
+    exploit = msgspec.msgpack.encode(msgspec.msgpack.Ext(3, _exploit_file_pickle(target)))
+    frames = [[REMOTE_HEADER.pack(REMOTE_DATA, 0), exploit]]
     for rogue_keys in (None, CurveKeys.generate()):
         stop = threading.Event()
         address, server = _serve(zmq_context, frames, stop, curve_keys=rogue_keys)

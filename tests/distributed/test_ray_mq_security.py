@@ -9,9 +9,9 @@ import pytest
 
 from raylm import LLM, SamplingParams
 from raylm.distributed.rpc_messages import CallableRef, RpcRequest
+from raylm.distributed.tcp_auth import UNAUTHENTICATED_TCP_ENV
 from raylm.executor.mq_rpc import WorkerCallError
 from raylm.executor.ray_executor import RayDistributedExecutor
-from raylm.distributed.tcp_auth import UNAUTHENTICATED_TCP_ENV
 from tests.conftest import executor_of, our_live_ray_state
 from tests.executor.worker_callables import fail_on_rank_1, rank_times
 
@@ -49,7 +49,8 @@ def test_a_callable_travels_through_ray_and_the_queue_only_names_it(remote_tp2, 
     ex = executor_of(remote_tp2)
     sent = []
     enqueue = ex.transport.queues.broadcast.enqueue
-    monkeypatch.setattr(ex.transport.queues.broadcast, "enqueue", lambda obj, timeout=None: (sent.append(obj), enqueue(obj, timeout))[1])
+    monkeypatch.setattr(ex.transport.queues.broadcast, "enqueue",
+                        lambda obj, timeout=None: (sent.append(obj), enqueue(obj, timeout))[1])
     assert ex.collective_rpc(rank_times, args=(10,), kwargs={"offset": 1}) == [1, 11]
     assert ex.collective_rpc(rank_times, args=(10,), unique_reply_rank=1) == 10
     assert ex.collective_rpc("check_health") == ex.worker_pids
@@ -64,7 +65,9 @@ def test_a_worker_exception_comes_back_as_a_typed_record(remote_tp2):
     with pytest.raises(WorkerCallError, match="rank 1") as err:
         ex.collective_rpc(fail_on_rank_1)
     remote = err.value.remote
-    assert (remote.type_name, remote.message, remote.rank, remote.method) == ("ValueError", "rank one says no", 1, "fail_on_rank_1")
+    assert (remote.type_name, remote.message, remote.rank, remote.method) == (
+        "ValueError", "rank one says no", 1, "fail_on_rank_1")
     assert 'raise ValueError("rank one says no")' in remote.traceback
-    out = remote_tp2.generate("still alive", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    out = remote_tp2.generate("still alive", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                              use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4

@@ -19,11 +19,10 @@ import zmq
 import raylm.engine.supervisor as supervisor_module
 from raylm.config import create_engine_config
 from raylm.engine.async_llm import AsyncLLM
-from raylm.engine.stat_logger import StatLoggerBase
 from raylm.engine.core_channel import CoreChannel, CoreLauncher
 from raylm.engine.errors import EngineCoreDiedError, EngineDeadError
 from raylm.engine.protocol import ClientMessage, EngineCoreOutputs, EngineCoreRequest, Ping, RecoveryKind
-
+from raylm.engine.stat_logger import StatLoggerBase
 
 _LAST_WORDS_S = 0.2
 
@@ -31,9 +30,9 @@ _LAST_WORDS_S = 0.2
 class FakeCore:
     """One start of a fake engine core."""
 
-    started: list["FakeCore"] = []
+    started: list[FakeCore] = []
 
-    def __init__(self, launcher: "FakeLauncher", channel: CoreChannel):
+    def __init__(self, launcher: FakeLauncher, channel: CoreChannel):
         self.launcher = launcher
         self.channel = channel
         self.requests = []

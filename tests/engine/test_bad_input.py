@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from safetensors.torch import save_file
 import torch
 
 from raylm import LLM, SamplingParams

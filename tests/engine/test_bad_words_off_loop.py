@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from raylm.sampling_params import MAX_BAD_WORDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS_TOTAL_CHARS, SamplingParams
+from raylm.sampling_params import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_BAD_WORDS_TOTAL_CHARS, SamplingParams
 
 
 def _threads_finishing(engine, monkeypatch, params: SamplingParams, prompt="a short prompt") -> list[str]:

@@ -19,9 +19,9 @@ from raylm import LLM, SamplingParams
 from raylm.config import create_engine_config
 from raylm.distributed.parallel_state import cp_group_ranks, pp_group_ranks, rank_coordinates, tp_group_ranks
 from raylm.model.arch_config import ArchConfig
+from raylm.sampling_params import SamplingParams as Params
 from raylm.testing.hf_oracle import hf_greedy, hf_prompt_logprobs
 from raylm.worker.input_batch import CachedRequestState, prepare_batch
-from raylm.sampling_params import SamplingParams as Params
 from tests.conftest import executor_of, process_gone
 
 MAX_TOKENS = 6

@@ -14,9 +14,7 @@ from raylm import LLM
 from raylm.config import create_engine_config
 from raylm.executor.ray_placement import replica_bundles
 from tests.conftest import our_live_ray_state
-from tests.engine.test_context_parallel import _engine_kwargs, _prompts
-from tests.engine.test_context_parallel import model, reference  # noqa: F401 - fixtures
-from tests.engine.test_context_parallel import GREEDY
+from tests.engine.test_context_parallel import GREEDY, _engine_kwargs, model, reference  # noqa: F401 (model, reference: fixtures)
 
 SETTINGS = dict(data_parallel_size=2, context_parallel_size=2, distributed_executor_backend="ray")
 

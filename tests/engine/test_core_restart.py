@@ -17,9 +17,9 @@ from raylm.config import create_engine_config
 from raylm.core.outputs import EngineCoreOutput
 from raylm.engine.async_llm import AsyncLLM
 from raylm.engine.core_channel import CoreChannel
-from raylm.engine.supervisor import AsyncEngineCoreSupervisor
 from raylm.engine.errors import EngineCoreDiedError, EngineDeadError
 from raylm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
+from raylm.engine.supervisor import AsyncEngineCoreSupervisor
 from raylm.sampling_params import SamplingParams
 from tests.engine.conftest import FakeCore, FakeLauncher
 

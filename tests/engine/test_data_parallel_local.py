@@ -25,13 +25,13 @@ from tests.engine.test_start_deadlines import _children
 pytestmark = pytest.mark.slow
 
 
-def _local_dp_llm(model: str) -> LLM:
+def _local_dp_llm(model_dir: str) -> LLM:
     # Single decode steps, as in test_data_parallel's strikes.
-    return LLM(model, dtype="float32", data_parallel_size=2, data_parallel_backend="mp", num_threads=1,
+    return LLM(model_dir, dtype="float32", data_parallel_size=2, data_parallel_backend="mp", num_threads=1,
                kv_cache_memory_bytes=16 << 20, num_scheduler_steps=1)
 
 
-def test_local_cores_match_hf_and_share_the_load(model, reference):
+def test_local_cores_match_hf_and_share_the_load(model, reference):  # noqa: F811 (the fixture imported above)
     before = _children()
     with _local_dp_llm(model) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
@@ -41,7 +41,7 @@ def test_local_cores_match_hf_and_share_the_load(model, reference):
     wait_until(lambda: not (_children() - before), 30, message=lambda: f"processes left: {_children() - before}")
 
 
-def test_a_killed_core_is_replaced_and_its_requests_finish_on_the_other(model, reference, monkeypatch):
+def test_a_killed_core_is_replaced_and_its_requests_finish_on_the_other(model, reference, monkeypatch):  # noqa: F811 (the fixture imported above)
     before = _children()
     # Else the victim could send its requests' last tokens before the strike
     # (the supervisor reads behind the cores): no death was noticed in one CI run.

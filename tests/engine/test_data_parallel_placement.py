@@ -7,7 +7,7 @@ import pytest
 
 from raylm import LLM, SamplingParams
 from raylm.executor.ray_placement import choose_nodes
-from tests.conftest import simulated_cluster, our_live_ray_state
+from tests.conftest import our_live_ray_state, simulated_cluster
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 

@@ -22,8 +22,8 @@ from zmq.utils.monitor import recv_monitor_message
 from raylm import LLM, SamplingParams
 from raylm.core.outputs import EngineCoreOutput
 from raylm.distributed.tcp_auth import CurveKeys, secure_client
-from raylm.engine.protocol import AbortRequests, EngineCoreOutputs, EngineCoreRequest, Ping, Shutdown
 from raylm.engine.dp_manager import ReplicaCoreProc
+from raylm.engine.protocol import AbortRequests, EngineCoreOutputs, EngineCoreRequest, Ping, Shutdown
 from raylm.testing.hf_oracle import hf_greedy
 from tests.conftest import STRAGGLER_TOKEN, our_live_ray_state, straggling, wait_until
 

@@ -1,7 +1,8 @@
 """Decode bursts end to end (raylm.core.decode_burst): an engine that runs
 several decode steps per schedule gives the tokens, finish reasons and stop
 reasons of the same engine scheduling every step (num_scheduler_steps=1) --
-greedy and seeded random sampling, a stop token in the middle of a burst, max_tokens that a burst length does not divide --
+greedy and seeded random sampling, a stop token in the middle of a burst,
+max_tokens that a burst length does not divide --
 on the step-by-step path (float32), on the C++ one that runs a burst's greedy
 steps in one call (bfloat16, each architecture, and GGUF-quantized weights),
 and with two tensor-parallel workers."""

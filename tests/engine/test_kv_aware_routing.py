@@ -15,8 +15,15 @@ from raylm import LLM, SamplingParams
 from raylm.core.kv_cache_manager import BlockPool, KVEventRecorder
 from raylm.engine.prefix_index import PrefixIndex, prompt_block_hashes
 from raylm.engine.protocol import EngineCoreRequest, KVCacheEvents
-from raylm.engine.routing import (MAX_PREFIX_CREDIT, PREFIX_TOKENS_PER_REQUEST, CoreLoad, KVAwareRouting,
-                                  LoadRouting, VllmRouting, routing_policy)
+from raylm.engine.routing import (
+    MAX_PREFIX_CREDIT,
+    PREFIX_TOKENS_PER_REQUEST,
+    CoreLoad,
+    KVAwareRouting,
+    LoadRouting,
+    VllmRouting,
+    routing_policy,
+)
 from raylm.testing.hf_oracle import hf_greedy
 
 BLOCK = 16

@@ -14,11 +14,11 @@ import time
 import pytest
 
 from raylm import LLM, SamplingParams
-from raylm.kv_transfer import sealed_frames
 from raylm.engine.protocol import EngineCoreRequest, KVNetwork, MigrateEnd, MigrateExport, MigrateImport
-from raylm.testing.hf_oracle import hf_greedy
 from raylm.kv_transfer import files as kv_transfer
+from raylm.kv_transfer import sealed_frames
 from raylm.kv_transfer.transport import NetworkTransport
+from raylm.testing.hf_oracle import hf_greedy
 from tests.conftest import wait_until
 
 PROMPT = [(5 * j) % 200 + 3 for j in range(37)]  # spans several 16-token blocks

@@ -25,7 +25,7 @@ from raylm.engine.protocol import RecoveryKind
 from raylm.testing.hf_oracle import hf_greedy
 from raylm.worker.fault_injection import ENV_VAR, FaultInjector, FaultSpec, InjectedFault
 from tests.conftest import executor_of
-from tests.engine.test_recovery import assert_gone, _executor_traces
+from tests.engine.test_recovery import _executor_traces, assert_gone
 
 NUM_GOOD = 16
 MAX_TOKENS = 12

@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from raylm import LLM, SamplingParams
 from raylm.core.outputs import EngineCoreOutput
-from raylm.engine.protocol import RecoveryKind
 from raylm.engine.output_processor import OutputProcessor
+from raylm.engine.protocol import RecoveryKind
 from raylm.testing.hf_oracle import hf_prompt_logprobs
 from tests.conftest import executor_of
 

@@ -38,7 +38,8 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
 
 def test_top_k_1_equals_greedy(llm):
     greedy = llm.generate("Once upon", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    topk1 = llm.generate("Once upon", SamplingParams(temperature=1.5, top_k=1, max_tokens=16, ignore_eos=True, seed=3), use_tqdm=False)
+    top_k_1 = SamplingParams(temperature=1.5, top_k=1, max_tokens=16, ignore_eos=True, seed=3)
+    topk1 = llm.generate("Once upon", top_k_1, use_tqdm=False)
     assert greedy[0].outputs[0].token_ids == topk1[0].outputs[0].token_ids
 
 
@@ -49,7 +50,8 @@ def test_max_tokens_and_min_tokens(llm):
     # the model would emit: min_tokens must hold them back.
     greedy = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
     stop_ids = sorted(set(greedy.outputs[0].token_ids))
-    out = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=12, min_tokens=6, stop_token_ids=stop_ids), use_tqdm=False)[0]
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=6, stop_token_ids=stop_ids)
+    out = llm.generate("Hi", params, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) >= 6
     assert not set(out.outputs[0].token_ids[:5]) & set(stop_ids)
 
@@ -62,7 +64,8 @@ def test_stop_token_ids(llm):
     base = llm.generate("Hello", SamplingParams(**VARIED), use_tqdm=False)[0]
     tokens = base.outputs[0].token_ids
     stop_at = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
-    out = llm.generate("Hello", SamplingParams(**VARIED, stop_token_ids=[tokens[stop_at]]), use_tqdm=False)[0].outputs[0]
+    params = SamplingParams(**VARIED, stop_token_ids=[tokens[stop_at]])
+    out = llm.generate("Hello", params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == tokens[: stop_at + 1]
     assert out.finish_reason == "stop" and out.stop_reason == tokens[stop_at]
 
@@ -82,13 +85,16 @@ def test_stop_strings(llm):
 
 
 def test_n_greater_than_one(llm):
-    out = llm.generate("Tell me", SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    seeded = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)
+    out = llm.generate("Tell me", seeded, use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 10 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
-    again = llm.generate("Tell me", SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    again = llm.generate("Tell me", SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True),
+                         use_tqdm=False)[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
-    greedy = llm.generate("Tell me", SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    greedy = llm.generate("Tell me", SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True),
+                          use_tqdm=False)[0]
     assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
 
 
@@ -121,7 +127,8 @@ def test_prompt_logprobs_across_prefill_chunks(tiny_model_dir):
     model = tiny_model_dir("llama")
     with LLM(model, dtype="float32", kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=8) as llm:
         ids = llm.get_tokenizer().encode("A long prompt that is split into several prefill chunks of eight")
-        out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+        out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                           use_tqdm=False)[0]
     hf_prompt = hf_prompt_logprobs(model, ids)
     assert len(out.prompt_logprobs) == len(ids)
     for token, position, hf_lp in zip(ids[1:], out.prompt_logprobs[1:], hf_prompt):

@@ -9,7 +9,7 @@ disallowed tokens, ban a bad word's last token), then takes the argmax.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import psutil
 import pytest

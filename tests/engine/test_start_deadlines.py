@@ -20,17 +20,21 @@ import zmq
 import raylm.engine.process_launcher as process_launcher
 from raylm import LLM
 from raylm.config import create_engine_config
-from raylm.engine.restart_budget import RestartBudget
 from raylm.engine.errors import EngineCoreDiedError, EngineStartTimeoutError
 from raylm.engine.process_launcher import ProcessCoreLauncher
+from raylm.engine.restart_budget import RestartBudget
 from raylm.engine.supervisor import AsyncEngineCoreSupervisor
-from raylm.testing.chaos.schedule import descendants
 from raylm.executor.errors import WorkerHungError
 from raylm.executor.ray_executor import RayDistributedExecutor
+from raylm.testing.chaos.schedule import descendants
 from tests.conftest import our_live_ray_state
 from tests.engine.conftest import FakeCore, FakeLauncher
-from tests.engine.start_hangs import (HangingUniExecutor, HangInSizingOnRank1Executor, HangOnRank1Executor,
-                                      hang_in_on_rank_1)
+from tests.engine.start_hangs import (
+    HangingUniExecutor,
+    HangInSizingOnRank1Executor,
+    HangOnRank1Executor,
+    hang_in_on_rank_1,
+)
 
 # Long enough for a normal start-up call of the tiny model on a busy 2-core
 # machine; the hung call waits this long once.

@@ -16,8 +16,8 @@ import pytest
 from raylm.config import create_engine_config
 from raylm.entrypoints import cli
 from raylm.executor import ray_placement
-from raylm.executor.ray_executor import RayDistributedExecutor
 from raylm.executor.ray_cgraph import check_cupy_for_nccl_channels
+from raylm.executor.ray_executor import RayDistributedExecutor
 from raylm.executor.ray_worker import cuda_device_index
 from tests.conftest import our_live_ray_state
 from tests.multinode.harness import short_tempdir

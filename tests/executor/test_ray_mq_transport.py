@@ -163,7 +163,8 @@ def test_cli_flag_and_default_choose_the_transport():
     from raylm.engine.arg_utils import EngineArgs
 
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
-    assert EngineArgs.from_cli_args(parser.parse_args(["--ray-step-transport", "cgraph"])).ray_step_transport == "cgraph"
+    cgraph = EngineArgs.from_cli_args(parser.parse_args(["--ray-step-transport", "cgraph"]))
+    assert cgraph.ray_step_transport == "cgraph"
     # Unset, the engine's default applies: mq, the faster in benchmarks/bench_ray_transport.py.
     assert EngineArgs.from_cli_args(parser.parse_args([])).ray_step_transport == "mq"
     assert ParallelConfig().ray_step_transport == "mq"

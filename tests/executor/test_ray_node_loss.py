@@ -10,7 +10,7 @@ from raylm import LLM, SamplingParams
 from raylm.engine.errors import EngineDeadError
 from raylm.engine.protocol import RecoveryKind
 from raylm.testing.hf_oracle import hf_greedy
-from tests.conftest import simulated_cluster, executor_of, our_live_ray_state
+from tests.conftest import executor_of, our_live_ray_state, simulated_cluster
 from tests.engine.test_recovery import generate_with_strike
 
 pytestmark = pytest.mark.ray

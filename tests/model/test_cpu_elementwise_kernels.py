@@ -99,7 +99,10 @@ def test_rms_norm_with_and_without_residual(dtype, counted, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim,scaling", [(32, RopeScaling()), (128, RopeScaling(rope_type="llama3", factor=8.0, original_max_position_embeddings=1024))])
+@pytest.mark.parametrize("head_dim,scaling", [
+    (32, RopeScaling()),
+    (128, RopeScaling(rope_type="llama3", factor=8.0, original_max_position_embeddings=1024)),
+])
 def test_rotary(dtype, head_dim, scaling, counted, monkeypatch):
     gen = torch.Generator().manual_seed(2)
     rope = RotaryEmbedding(head_dim, max_position=4096, theta=500000.0, scaling=scaling)
@@ -126,7 +129,8 @@ def test_layers_keep_torch_ops_where_kernels_do_not_apply(counted, monkeypatch):
     torch.testing.assert_close(norm(x2), _torch_path(lambda: norm(x2), monkeypatch))
     # Rotary caches cast away from float32 (a whole-module .to(dtype)).
     rope = RotaryEmbedding(32, max_position=64, theta=10000.0, scaling=RopeScaling()).to(torch.bfloat16)
-    q, k, positions = torch.randn(3, 64, dtype=torch.bfloat16), torch.randn(3, 32, dtype=torch.bfloat16), torch.arange(3)
+    q, k = torch.randn(3, 64, dtype=torch.bfloat16), torch.randn(3, 32, dtype=torch.bfloat16)
+    positions = torch.arange(3)
     out_q, out_k = rope(positions, q, k)
     ref_q, ref_k = _torch_path(lambda: rope(positions, q, k), monkeypatch)
     assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)

@@ -7,7 +7,6 @@ one bf16 unit in the last place (ulp) everywhere, and mostly equal."""
 
 from __future__ import annotations
 
-
 import re
 
 import pytest
@@ -123,7 +122,8 @@ def test_packed_layers_compute_the_plain_matmul(kernels, monkeypatch, rows, bf16
     monkeypatch.setattr(cpu_gemm, "_WIDEN_ELEMENTS", 16 * 96)
     kernel_rows = cpu_gemm.DECODE_MAX_ROWS if bf16_arithmetic else cpu_gemm.EMULATED_BF16_KERNEL_MAX_ROWS
     g = torch.Generator().manual_seed(rows)
-    layers = [ColumnParallelLinear(96, 80, bias=True), MergedColumnParallelLinear(96, [40, 40]), RowParallelLinear(80, 96)]
+    layers = [ColumnParallelLinear(96, 80, bias=True), MergedColumnParallelLinear(96, [40, 40]),
+              RowParallelLinear(80, 96)]
     for layer in layers:
         layer.to(torch.bfloat16)
         for param in layer.parameters():

@@ -120,7 +120,8 @@ def test_every_way_of_starting_loads_one_build(tmp_path):
     finally:
         # Ray's daemons, the workers and the replicas end with the children.
         try:
-            wait_until(lambda: not _ours(tag), 60, step=0.5, message=lambda: f"the children's processes to end: {_ours(tag)}")
+            wait_until(lambda: not _ours(tag), 60, step=0.5,
+                       message=lambda: f"the children's processes to end: {_ours(tag)}")
         finally:
             for process in _ours(tag):
                 process.kill()

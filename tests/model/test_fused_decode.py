@@ -4,7 +4,6 @@ order, so tokens and logprobs agree to the bit, for every architecture."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -14,7 +14,10 @@ from raylm.model.layers import gpu_attention
 from raylm.model.layers.cpu_kernels import DISABLE_ENV
 from raylm.testing.hf_oracle import hf_greedy
 from tests.conftest import executor_of, oracle_prompts
-from tests.model.paged_steps import CASES, attend as _attend, random_step as _random_step
+from tests.model.paged_steps import CASES
+from tests.model.paged_steps import attend as _attend
+from tests.model.paged_steps import random_step as _random_step
+
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 32), (4, 4, 64), (8, 1, 16)])

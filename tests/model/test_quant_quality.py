@@ -16,6 +16,7 @@ from raylm.config.engine_config import DEFAULT_MODEL_DIR
 from raylm.testing.gguf_writer import write_gguf
 from raylm.testing.held_out import HELD_OUT, q4_k_m
 
+
 def perplexity(model: str) -> float:
     with LLM(model, dtype="bfloat16", num_threads=1, kv_cache_memory_bytes=16 << 20) as llm:
         ids = llm.get_tokenizer().encode(HELD_OUT)

@@ -114,7 +114,7 @@ def test_parallel_logits_equal_single_process(tmp_path):
     cases = [(folder, tp, pp) for folder, (_, _, tp, pp) in zip(folders, CASES.values())]
     per_rank = _run_two_ranks(cases, str(out_dir))
 
-    for i, (name, (_, _, tp, pp)) in enumerate(CASES.items()):
+    for i, (name, (_, _, _tp, pp)) in enumerate(CASES.items()):
         reference = expected[i]
         last_stage_ranks = range(WORLD_SIZE) if pp == 1 else [WORLD_SIZE - 1]
         for rank in range(WORLD_SIZE):
@@ -123,7 +123,8 @@ def test_parallel_logits_equal_single_process(tmp_path):
                 assert got is None, name
                 continue
             assert got.shape == reference.shape, name
-            torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name} rank {rank}: {m}")
+            torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4,
+                                       msg=lambda m, name=name, rank=rank: f"{name} rank {rank}: {m}")
             assert torch.equal(got.argmax(-1), reference.argmax(-1)), name
 
 

@@ -50,7 +50,8 @@ def main(spec: dict) -> dict:
     joined = ray.get_runtime_context().gcs_address
 
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
-    llm = LLM(spec["model"], dtype=spec.get("dtype", "float32"), tensor_parallel_size=spec["tp"], pipeline_parallel_size=spec["pp"],
+    llm = LLM(spec["model"], dtype=spec.get("dtype", "float32"),
+              tensor_parallel_size=spec["tp"], pipeline_parallel_size=spec["pp"],
               distributed_executor_backend="ray", ray_address=address,
               ray_step_transport=spec.get("transport", "mq"),
               ray_placement_strategy=spec["strategy"], ray_placement_timeout=spec.get("placement_timeout", 30.0),

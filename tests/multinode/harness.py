@@ -251,7 +251,7 @@ class TwoHosts:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
-            raise AssertionError(f"the driver ran past {timeout} s; its stderr:\n{err[-6000:]}")
+            raise AssertionError(f"the driver ran past {timeout} s; its stderr:\n{err[-6000:]}") from None
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)

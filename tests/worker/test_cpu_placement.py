@@ -8,10 +8,20 @@ import threading
 
 import pytest
 
-from raylm.worker.cpu_placement import (ContentionWatch, CpuTopology, RankPlacement, ThreadGovernor,
-                                        apply_rank_placement, format_cpus, parse_cpu_bind, parse_cpu_list,
-                                        plan_cpu_placement, read_topology, watch_for)
 from raylm.thread_accounting import process_run_queue_wait_s
+from raylm.worker.cpu_placement import (
+    ContentionWatch,
+    CpuTopology,
+    RankPlacement,
+    ThreadGovernor,
+    apply_rank_placement,
+    format_cpus,
+    parse_cpu_bind,
+    parse_cpu_list,
+    plan_cpu_placement,
+    read_topology,
+    watch_for,
+)
 
 
 def flat(n: int) -> CpuTopology:

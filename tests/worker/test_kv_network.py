@@ -20,15 +20,15 @@ import pytest
 import torch
 import zmq
 
-from raylm.kv_transfer import sealed_frames
-from raylm.kv_transfer.sealed_frames import TransferKey
 from raylm import thread_accounting
 from raylm.kv_transfer import admission as kv_admission
-from raylm.kv_transfer import frames as kv_frames
 from raylm.kv_transfer import background as kv_background
 from raylm.kv_transfer import fetch as kv_fetch
 from raylm.kv_transfer import files as kv_transfer
+from raylm.kv_transfer import frames as kv_frames
 from raylm.kv_transfer import network as kv_network
+from raylm.kv_transfer import sealed_frames
+from raylm.kv_transfer.sealed_frames import TransferKey
 from tests.conftest import wait_until
 
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, LAYERS = 12, 4, 2, 8, 3
@@ -742,7 +742,7 @@ def test_strangers_reach_nothing_and_hold_nothing(endpoint):
             if i:
                 endpoint.serve(_caches(0), name, [1, 2], "127.0.0.1", key)
             # Each fetch while the flood goes on: a hang guard, not a speed check.
-            wait_until(lambda: stranger.rounds >= 3 * (i + 1), 60, message="the stranger's rounds")
+            wait_until(lambda i=i: stranger.rounds >= 3 * (i + 1), 60, message="the stranger's rounds")
             destination = _caches(None)
             kv_network.KVNetworkEndpoint().fetch_into(destination, name, [4, 7], address, key)
             assert torch.equal(destination[1][:, [4, 7]], _caches(0)[1][:, [1, 2]])

@@ -24,16 +24,16 @@ import pytest
 import torch
 import zmq
 
-from raylm.kv_transfer import sealed_frames
-from raylm.kv_transfer.sealed_frames import TransferKey
 from raylm import thread_accounting
 from raylm.kv_transfer import admission as kv_admission
-from raylm.kv_transfer import frames as kv_frames
 from raylm.kv_transfer import background as kv_background
 from raylm.kv_transfer import fetch as kv_fetch
 from raylm.kv_transfer import files as kv_transfer
+from raylm.kv_transfer import frames as kv_frames
 from raylm.kv_transfer import network as kv_network
+from raylm.kv_transfer import sealed_frames
 from raylm.kv_transfer import server as kv_server
+from raylm.kv_transfer.sealed_frames import TransferKey
 from tests.conftest import wait_until
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 2, 2, 64, 16

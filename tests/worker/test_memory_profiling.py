@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from raylm import LLM
-from raylm.worker import memory_profiling, worker as worker_module
+from raylm.worker import memory_profiling
+from raylm.worker import worker as worker_module
 from raylm.worker.memory_profiling import (
     kv_cache_budget_bytes,
     largest_prefill_attention,
@@ -90,7 +91,8 @@ def test_profiling_step_runs_the_largest_batch(uni_llm):
         lambda m, args: seen.update(tokens=args[0].shape[0], inference=torch.is_inference_mode_enabled()))
     real_sampler = runner.sampler
     try:
-        runner.sampler = lambda logits, meta: seen.setdefault("rows", tuple(logits.shape)) and real_sampler(logits, meta)
+        runner.sampler = lambda logits, meta: (seen.setdefault("rows", tuple(logits.shape))
+                                               and real_sampler(logits, meta))
         # More tokens than the model has positions: positions wrap, nothing breaks.
         run_profiling_step(runner, num_tokens=1500, num_seqs=5, max_model_len=1024)
     finally:

@@ -327,7 +327,8 @@ def test_allowed_token_ids_mask_only_their_rows():
 
 def _bad_words_reference(sequences, output):
     """Tokens a row may not sample next, straight from the definition."""
-    return {seq[-1] for seq in sequences if len(seq) - 1 <= len(output) and output[len(output) - len(seq) + 1:] == seq[:-1]}
+    return {seq[-1] for seq in sequences
+            if len(seq) - 1 <= len(output) and output[len(output) - len(seq) + 1:] == seq[:-1]}
 
 
 def test_bad_words_ban_last_token_after_the_prefix():

@@ -36,21 +36,21 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import raylm
 from raylm.engine.async_llm import AsyncLLM
 from raylm.engine.errors import EngineDeadError, EngineRecoveryTimeoutError, RequestFailedError
+from raylm.entrypoints.openai.data_parallel_routes import install_data_parallel_routes, replica_states
 from raylm.entrypoints.openai.limits import (
     AdmissionControl,
     BodySizeLimitMiddleware,
     ServerLimits,
     running_capacity,
 )
-from raylm.entrypoints.openai.data_parallel_routes import install_data_parallel_routes, replica_states
 from raylm.entrypoints.openai.metrics import PrometheusStatLogger
 from raylm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from raylm.entrypoints.openai.serving_chat import OpenAIServingChat
 from raylm.entrypoints.openai.serving_common import ClientDisconnected, OpenAIError, error_response
 from raylm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from raylm.entrypoints.openai.serving_tokenize import install_tokenize_routes
 from raylm.entrypoints.openai.serving_tools import ToolCallConfig
 from raylm.entrypoints.openai.structured_outputs import StructuredOutputDefaults
-from raylm.entrypoints.openai.serving_tokenize import install_tokenize_routes
 from raylm.log_text import loggable, traceback_frames
 from raylm.startup_heap import freeze_startup_heap
 

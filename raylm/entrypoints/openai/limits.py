@@ -36,8 +36,9 @@ and what one request may ask for. Past a bound the client gets a clear refusal
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
 from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -108,7 +109,7 @@ class ShuttingDown(OpenAIError):
 class Reservation:
     """A request's share of the admission bound; `release` (idempotent) gives it back."""
 
-    def __init__(self, admission: "AdmissionControl", cost: int):
+    def __init__(self, admission: AdmissionControl, cost: int):
         self._admission = admission
         self.cost = cost
 
@@ -134,7 +135,8 @@ class AdmissionControl:
         self._on_refused = on_refused
 
     @classmethod
-    def for_engine(cls, engine: Any, max_waiting: int = DEFAULT_MAX_WAITING_REQUESTS, **kwargs: Any) -> "AdmissionControl":
+    def for_engine(cls, engine: Any, max_waiting: int = DEFAULT_MAX_WAITING_REQUESTS,
+                   **kwargs: Any) -> AdmissionControl:
         return cls(running_capacity(engine), max_waiting, **kwargs)
 
     @property

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from raylm.engine.stat_logger import StatLoggerBase
 from raylm.engine.protocol import MigrationStats, SchedulerStats
+from raylm.engine.stat_logger import StatLoggerBase
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -90,8 +90,9 @@ class PrometheusStatLogger(StatLoggerBase):
         self._last_totals: dict[tuple[int, int], dict[str, int]] = {}
         # `kind`: what failed ("engine_core", or the core's own: "worker", "hang", ...).
         kind_labels = [*labels, "kind"]
-        self.recoveries = Counter("raylm:recoveries", "Failures recovered from (executor or engine core rebuilt), by kind",
-                                kind_labels, registry=r)
+        self.recoveries = Counter("raylm:recoveries",
+                                  "Failures recovered from (executor or engine core rebuilt), by kind",
+                                  kind_labels, registry=r)
         self.recovered_requests = Counter("raylm:recovered_requests",
                                           "Requests carried over to a recovered engine, by kind",
                                           kind_labels, registry=r)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
@@ -211,7 +211,7 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, le=_INT32_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False

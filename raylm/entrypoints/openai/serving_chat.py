@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -35,6 +36,7 @@ from raylm.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
+from raylm.entrypoints.openai.reasoning_parsers import END_TAG, ReasoningStream, get_reasoning_parser
 from raylm.entrypoints.openai.serving_common import (
     SSE_DONE,
     OpenAIError,
@@ -49,8 +51,6 @@ from raylm.entrypoints.openai.serving_common import (
     stream_error_event,
     tokenize_bad_words,
 )
-from raylm.entrypoints.openai.reasoning_parsers import END_TAG, ReasoningStream, get_reasoning_parser
-from raylm.entrypoints.openai.structured_outputs import checked_structured_outputs
 from raylm.entrypoints.openai.serving_tools import (
     ToolCallConfig,
     ToolPlan,
@@ -58,6 +58,7 @@ from raylm.entrypoints.openai.serving_tools import (
     plan_tools,
     tools_for_template,
 )
+from raylm.entrypoints.openai.structured_outputs import checked_structured_outputs
 from raylm.log_text import loggable
 from raylm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from raylm.sampling_params import SamplingParams
@@ -272,11 +273,12 @@ class OpenAIServingChat:
     @staticmethod
     async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
         output = None
-        async for output in stream:
-            pass
+        async for item in stream:
+            output = item
         return output
 
-    def _logprobs(self, request: ChatCompletionRequest, completion: CompletionOutput, top_k: int) -> ChatLogprobs | None:
+    def _logprobs(self, request: ChatCompletionRequest, completion: CompletionOutput,
+                  top_k: int) -> ChatLogprobs | None:
         if not request.logprobs:
             return None
         return chat_logprobs(completion.token_ids, completion.logprobs or [], top_k)

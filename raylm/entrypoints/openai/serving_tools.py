@@ -20,8 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from raylm.core.structured_output import validate_structured_outputs
 from raylm.entrypoints.openai.protocol import (

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-
 # A split chunk gives every rank at least this many tokens (two pieces of 8).
 MIN_TOKENS_PER_RANK = 16
 

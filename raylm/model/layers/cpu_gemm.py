@@ -176,7 +176,8 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     return packed if packed.useful else None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: PackedWeight | None) -> torch.Tensor:
     if packed is not None:
         return packed(x, bias)
     return F.linear(x, weight, bias)

@@ -37,9 +37,10 @@ import sys
 import sysconfig
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import IO, Callable
+from typing import IO
 
 import torch
 

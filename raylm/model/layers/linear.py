@@ -122,7 +122,8 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: WeightSource, shard_id: Any = None) -> None:
         size = param.shape[0]
-        self.store_rows(param, 0, size, read_narrow(loaded_weight, 0, self.tp_rank * size, size), "column-parallel shard")
+        shard = read_narrow(loaded_weight, 0, self.tp_rank * size, size)
+        self.store_rows(param, 0, size, shard, "column-parallel shard")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.bias)

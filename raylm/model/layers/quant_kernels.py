@@ -9,8 +9,9 @@ x @ W^T in x's dtype. `kernel_for` returns None where no kernel runs the type
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -64,7 +64,7 @@ class QuantizedMatmul:
         self.segments, self.out_features = segments, out_features
 
     @classmethod
-    def build(cls, float_weight: torch.Tensor, quantized_rows: dict[int, QuantizedWeight]) -> "QuantizedMatmul":
+    def build(cls, float_weight: torch.Tensor, quantized_rows: dict[int, QuantizedWeight]) -> QuantizedMatmul:
         """From the layer's float weight (whose rows not in `quantized_rows` were
         loaded as floats) and its quantized rows by first row."""
         rows, dtype, device = float_weight.shape[0], float_weight.dtype, float_weight.device

@@ -44,7 +44,7 @@ class QuantizedWeight:
     def get_shape(self) -> tuple[int, int]:
         return self.shape
 
-    def __getitem__(self, index) -> "QuantizedWeight":
+    def __getitem__(self, index) -> QuantizedWeight:
         if isinstance(index, slice):
             rows = index
             return self._with(self.data[rows], self.cols, None if self.scales is None else self.scales[rows])
@@ -54,7 +54,7 @@ class QuantizedWeight:
             return self._columns(start, stop)
         raise TypeError(f"{self.name}: a quantized weight is indexed by rows [a:b] or columns [:, a:b] only")
 
-    def _columns(self, start: int, stop: int) -> "QuantizedWeight":
+    def _columns(self, start: int, stop: int) -> QuantizedWeight:
         block = self.qtype.block_size
         if start % block or stop % block:
             raise ValueError(
@@ -67,17 +67,17 @@ class QuantizedWeight:
         data = self.data[:, start // block * size : stop // block * size]
         return self._with(data, stop - start, self.scales)
 
-    def _with(self, data, cols: int, scales) -> "QuantizedWeight":
+    def _with(self, data, cols: int, scales) -> QuantizedWeight:
         return QuantizedWeight(self.qtype, data, cols, scales, self.name)
 
-    def permute_rows(self, order: np.ndarray) -> "QuantizedWeight":
+    def permute_rows(self, order: np.ndarray) -> QuantizedWeight:
         """Rows reordered (whole rows of blocks move, so any type can be)."""
         scales = None if self.scales is None else self.scales[torch.as_tensor(order)]
         return self._with(self.data[order], self.cols, scales)
 
     # ---- data -----------------------------------------------------------------------
 
-    def materialize(self) -> "QuantizedWeight":
+    def materialize(self) -> QuantizedWeight:
         """The same weight with its data copied into contiguous tensors (read from disk now)."""
         data = self.data
         if isinstance(data, np.ndarray):
@@ -99,7 +99,7 @@ class QuantizedWeight:
         return int(self.data.nbytes) + (0 if self.scales is None else int(self.scales.nbytes))
 
     @classmethod
-    def int8_per_channel(cls, weight: torch.Tensor, name: str = "weight") -> "QuantizedWeight":
+    def int8_per_channel(cls, weight: torch.Tensor, name: str = "weight") -> QuantizedWeight:
         """Symmetric int8 with one scale per output row: w ~= q * scale, q in [-127, 127]."""
         w = weight.float()
         scales = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0

@@ -28,9 +28,9 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
 
 from raylm.executor.abstract import Executor
 from raylm.executor.errors import ExecutorFailedError, WorkerDiedError, WorkerHungError

@@ -17,17 +17,18 @@ tier (tests/chaos/test_real_engine.py) replays schedules against those.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import time
 import types
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import msgspec
 
 from raylm.config import EngineConfig, create_engine_config
+from raylm.core import request as request_module
+from raylm.core import scheduler as scheduler_module
 from raylm.core.kv_cache_manager import hash_block, root_hash
 from raylm.engine import (
     core_channel,
@@ -41,10 +42,7 @@ from raylm.engine import (
 )
 from raylm.engine.core_channel import CoreChannel, CoreLauncher
 from raylm.engine.engine_core import EngineCore
-from raylm.engine.errors import EngineDeadError
 from raylm.engine.protocol import ClientMessage, EngineCoreOutputs, EngineCoreRequest, RecoveryKind
-from raylm.core import request as request_module
-from raylm.core import scheduler as scheduler_module
 from raylm.sampling_params import SamplingParams
 from raylm.testing.chaos.content_model import ContentModelExecutor, reference_tokens
 
@@ -157,7 +155,7 @@ class SimEngineCore(EngineCore):
 class SimCoreProc(core_proc.EngineCoreProc):
     """The real core loop (EngineCoreProc.run_once) on the harness's sockets."""
 
-    def __init__(self, core: SimEngineCore, engine_index: int, incarnation: int, world: "World"):
+    def __init__(self, core: SimEngineCore, engine_index: int, incarnation: int, world: World):
         self.core = core
         self.incarnation = incarnation
         self.engine_index = engine_index
@@ -222,7 +220,7 @@ class SimLauncher(CoreLauncher):
     recovery_kind = RecoveryKind.DP_REPLICA
     can_scale = True
 
-    def __init__(self, world: "World"):
+    def __init__(self, world: World):
         self.world = world
         self._incarnations = itertools.count(1)
 
@@ -304,7 +302,7 @@ class ChaosSupervisor(supervisor.SyncEngineCoreSupervisor):
     """The real supervisor, but what it would run in threads waits in
     `world.background` for the schedule to run it."""
 
-    def __init__(self, config: EngineConfig, world: "World"):
+    def __init__(self, config: EngineConfig, world: World):
         self.world = world
         super().__init__(config, SimLauncher(world))
 

@@ -52,7 +52,7 @@ def _assert_past_the_limit(response: httpx.Response, what: str) -> None:
     assert "engine_start_timeout" in error["message"]
 
 
-def test_a_core_restart_that_hangs_turns_health_503_past_the_start_timeout(make_engine, monkeypatch):
+def test_a_core_restart_that_hangs_turns_health_503_past_the_start_timeout(make_engine, monkeypatch):  # noqa: F811 (the fixture imported above)
     release = threading.Event()
 
     def start(attempt: int) -> None:
@@ -82,7 +82,7 @@ def test_a_core_restart_that_hangs_turns_health_503_past_the_start_timeout(make_
         release.set()
 
 
-def test_an_executor_rebuild_the_core_announced_is_reported_and_bounded(make_engine, monkeypatch):
+def test_an_executor_rebuild_the_core_announced_is_reported_and_bounded(make_engine, monkeypatch):  # noqa: F811 (the fixture imported above)
     monkeypatch.setattr(FakeLauncher, "core_class", AnsweringCore)
     engine, _ = make_engine(engine_start_timeout=LIMIT_S)
     core = engine.engine_core.channels[0]

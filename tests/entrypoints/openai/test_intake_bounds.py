@@ -186,7 +186,8 @@ def test_echo_logprobs_capped_per_request(server, http):
     ("guided_json", {"type": "object", "description": "d" * MAX_GRAMMAR_CHARS}),
     ("guided_grammar", "root ::= " + "\"a\" " * MAX_GRAMMAR_CHARS),
     ("response_format", {"type": "json_schema",
-                         "json_schema": {"name": "x", "schema": {"type": "string", "description": "d" * MAX_GRAMMAR_CHARS}}}),
+                         "json_schema": {"name": "x",
+                                         "schema": {"type": "string", "description": "d" * MAX_GRAMMAR_CHARS}}}),
 ])
 def test_oversized_grammars_are_refused(http, field, value):
     body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2, field: value}

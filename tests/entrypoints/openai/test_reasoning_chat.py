@@ -18,9 +18,9 @@ from transformers import AutoTokenizer
 
 from raylm.engine.input_processor import ProcessedPrompt
 from raylm.entrypoints.openai.protocol import ChatCompletionRequest
+from raylm.entrypoints.openai.reasoning_parsers import END_TAG
 from raylm.entrypoints.openai.serving_chat import OpenAIServingChat
 from raylm.entrypoints.openai.serving_tools import ToolCallConfig, plan_tools
-from raylm.entrypoints.openai.reasoning_parsers import END_TAG
 from raylm.outputs import CompletionOutput, RequestOutput
 from raylm.sampling_params import SamplingParams, StructuredOutputsParams
 

@@ -31,7 +31,7 @@ def _serving(engine: AsyncLLM) -> list[int]:
     return [s["replica"] for s in engine.replica_states() if s["state"] == "serving"]
 
 
-def test_a_restart_whose_new_core_fails_to_start_answers_409_and_the_replica_recovers(make_engine, monkeypatch):
+def test_a_restart_whose_new_core_fails_to_start_answers_409_and_the_replica_recovers(make_engine, monkeypatch):  # noqa: F811 (the fixture imported above)
     def start(attempt: int) -> None:
         if attempt == FIRST_STARTS:  # the restart's new core
             raise RuntimeError(CAUSE)

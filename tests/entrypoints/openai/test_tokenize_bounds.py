@@ -30,7 +30,7 @@ MAX_MODEL_LEN = 64
 
 
 @pytest.fixture
-def served(make_engine):
+def served(make_engine):  # noqa: F811 (the fixture imported above)
     engine, _ = make_engine(max_model_len=MAX_MODEL_LEN)
     return engine, build_app(engine, ["tiny"])
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import random
 
-from raylm.entrypoints.openai.serving_tools import ToolCallConfig, plan_tools
 from raylm.entrypoints.openai.protocol import ChatCompletionRequest
+from raylm.entrypoints.openai.serving_tools import ToolCallConfig, plan_tools
 from raylm.entrypoints.openai.tool_parsers import get_tool_parser
 from raylm.entrypoints.openai.tool_parsers.hermes import END_TAG
 

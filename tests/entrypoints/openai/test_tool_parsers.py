@@ -36,7 +36,8 @@ CASES = [
      "</tool_call>\n<tool_call>\n{\"name\": \"b\", \"arguments\": {\"city\": \"東京 🌸\"}}\n</tool_call>",
      None, [("a", {"s": "}{ \"quoted\" ]", "n": [1, {"x": None}]}), ("b", {"city": "東京 🌸"})]),
     # The model stopped right after the last call, before its closing tag.
-    ("<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call><tool_call>{\"name\": \"b\", \"arguments\": {\"k\": 1}}",
+    ("<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call>"
+     "<tool_call>{\"name\": \"b\", \"arguments\": {\"k\": 1}}",
      None, [("a", {}), ("b", {"k": 1})]),
     ("<tool_call>{\"name\": \"no_args\"}</tool_call>", None, [("no_args", {})]),
     ("<tool_call>{\"arguments\": {\"k\": true}, \"name\": \"args_first\"}</tool_call>",

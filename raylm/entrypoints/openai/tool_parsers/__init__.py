@@ -50,7 +50,7 @@ def tool_chat_template_path(name: str) -> pathlib.Path | None:
 
 
 __all__ = [
-    "ExtractedToolCalls", "HermesToolParser", "JsonObjectScanner", "ParsedToolCall", "StreamDelta", "StreamingToolParser",
-    "ToolCallDelta", "ToolParser", "get_tool_parser", "tool_call_id", "tool_chat_template_path",
+    "ExtractedToolCalls", "HermesToolParser", "JsonObjectScanner", "ParsedToolCall", "StreamDelta",
+    "StreamingToolParser", "ToolCallDelta", "ToolParser", "get_tool_parser", "tool_call_id", "tool_chat_template_path",
     "tool_parser_names",
 ]

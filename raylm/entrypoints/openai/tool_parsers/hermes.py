@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 from raylm.entrypoints.openai.tool_parsers.base import (
     ExtractedToolCalls,
+    JsonObjectScanner,
     ParsedToolCall,
     StreamDelta,
-    JsonObjectScanner,
     StreamingToolParser,
     ToolParser,
     tool_call_id,

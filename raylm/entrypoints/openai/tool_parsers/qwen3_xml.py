@@ -38,8 +38,9 @@ from raylm.entrypoints.openai.tool_parsers.incremental import (
 
 START, END = "<tool_call>", "</tool_call>"
 _BLANKS = " \t\r\n"
-_FUNCTION = re.compile(r"\s*<function=([^<>\n]{1,%d})>(.*)</function>\s*\Z" % MAX_NAME_CHARS, re.DOTALL)
-_PARAMETER = re.compile(r"<parameter=([^<>\n]{1,%d})>(.*?)</parameter>" % MAX_NAME_CHARS, re.DOTALL)
+# %-formatting, since an f-string would need the patterns' own braces doubled.
+_FUNCTION = re.compile(r"\s*<function=([^<>\n]{1,%d})>(.*)</function>\s*\Z" % MAX_NAME_CHARS, re.DOTALL)  # noqa: UP031
+_PARAMETER = re.compile(r"<parameter=([^<>\n]{1,%d})>(.*?)</parameter>" % MAX_NAME_CHARS, re.DOTALL)  # noqa: UP031
 _NOT_A_STRING = ("integer", "number", "boolean", "null", "object", "array")
 
 
