@@ -17,7 +17,7 @@ commit's copy): TTFT at CP=2 over CP=1 1.78x, 2.01x, 1.59x with the prompt
 computed whole on each CP rank; 0.58x, 1.33x, 1.02x with it split.
 Decode steps at CP=2 (--cp 2 --decode-steps-only, 4096-token prompt, load
 3.7-4.5): 0.22x, 0.63x, 0.44x the torch path's time with the C++ kernel's
-partial attention (benchmarks/README.md, "Context parallelism").
+partial attention (benchmarks/history/context-parallel.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a poison request costs (DESIGN.md, "Failure model"; raylm.core.quarantine):
+"""What a poison request costs (docs/architecture.md, "The failure model"; raylm.core.quarantine):
 how long from its first failure until it is failed alone, how many rebuilds that
 took, and how much longer the good requests beside it took than without it.
 

@@ -1,4 +1,4 @@
-"""What an executor failure costs: recovery in place (DESIGN.md, "Failure model") timed per
+"""What an executor failure costs: recovery in place (docs/architecture.md, "The failure model") timed per
 scenario and model, and the idle heartbeat's effect on throughput (optional).
 
     python benchmarks/bench_recovery.py [--models small large] [--repeats 5] \\

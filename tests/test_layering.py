@@ -1,6 +1,6 @@
 """The import graph of `raylm/`, read from the source with `ast`: no import
 circle between raylm modules, and every import points down the layers of
-DESIGN.md ("Layers (imports point down only)").
+docs/architecture.md ("The import rule").
 
 Every import statement counts, wherever it is written (module level, inside a
 function, under `if TYPE_CHECKING:`): a function-level import only hides a

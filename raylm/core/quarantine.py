@@ -1,4 +1,4 @@
-"""Poison quarantine: who pays for a recovery (DESIGN.md, "Failure model").
+"""Poison quarantine: who pays for a recovery (docs/architecture.md, "The failure model").
 
 Recovery re-queues every request in flight, so a request that kills or hangs
 a worker, the core or a replica (a "poison request") would be replayed into

@@ -8,8 +8,8 @@ grammar that fails there fails its request, and one that takes longer than
 its deadline fails it as too complex; a slow grammar never holds up the
 others), keeps one GrammarMatcher per request, advanced over
 the output tokens the scheduler accepts, and fills a step's token bitmask
-while the forward runs; the sampling rank applies it (DESIGN.md, "Structured
-outputs"). The matcher lives here, not on the workers, and counts the tokens it
+while the forward runs; the sampling rank applies it (docs/architecture.md, "One
+step's data flow"). The matcher lives here, not on the workers, and counts the tokens it
 has accepted, so it survives preemption, an executor rebuilt after a failure
 (tokens of lost steps never reached it) and a request resumed with the tokens
 it generated elsewhere (fast-forwarded over them once compiled).

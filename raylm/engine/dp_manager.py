@@ -1,6 +1,6 @@
 """Data-parallel replicas on Ray: `EngineCoreActor`, one whole engine core
 (scheduler, KV cache, executor) in a Ray actor, and `CoreEngineActorManager`,
-which places, starts, watches and stops them (DESIGN.md, "Data parallel on Ray").
+which places, starts, watches and stops them (docs/architecture.md, "Data parallel and the supervisor").
 
 Each replica gets one placement group of its own, all on one node: bundle 0
 for the engine actor, then one bundle per model rank when its executor is Ray

@@ -13,7 +13,7 @@ hold disjoint requests.
 
 When the executor fails (a worker died, hung past its deadline, or raised in a
 step) the core rebuilds it in place and every request carries on: see
-`_recover` and DESIGN.md, "Failure model".
+`_recover` and docs/architecture.md, "The failure model".
 """
 
 from __future__ import annotations

@@ -55,5 +55,5 @@ class EngineRecoveryTimeoutError(EngineUnhealthyError):
 
 
 class RequestFailedError(RuntimeError):
-    """This request made the engine's steps fail and was dropped (DESIGN.md,
-    "Failure model"); the engine goes on serving the others (HTTP 500)."""
+    """This request made the engine's steps fail and was dropped (docs/architecture.md,
+    "The failure model"); the engine goes on serving the others (HTTP 500)."""

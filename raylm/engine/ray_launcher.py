@@ -1,6 +1,6 @@
-"""Engine cores as data-parallel replicas on Ray (DESIGN.md, "Data parallel on
-Ray"): placed, started, watched and stopped by dp_manager.CoreEngineActorManager,
-talked to over ZMQ/msgpack exactly like a local core process, on TCP.
+"""Engine cores as data-parallel replicas on Ray (docs/architecture.md, "Data
+parallel and the supervisor"): placed, started, watched and stopped by
+dp_manager.CoreEngineActorManager, talked to over ZMQ/msgpack exactly like a local core process, on TCP.
 
 Trust. Every channel is ZMQ CURVE: each replica has a keypair of its own
 (through Ray, never a socket), and the supervisor admits on a replica's input

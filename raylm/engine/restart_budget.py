@@ -1,6 +1,6 @@
 """RestartBudget: how often a failed component may be restarted before the
 failure is treated as permanent. The front end uses it for the engine-core
-process, the engine core for its executor (DESIGN.md, "Failure model")."""
+process, the engine core for its executor (docs/architecture.md, "The failure model")."""
 
 from __future__ import annotations
 

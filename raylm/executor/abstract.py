@@ -1,5 +1,5 @@
 """The executor contract: every backend runs the same Worker code and differs
-only in how a call travels (see DESIGN.md, "The executor contract"). Which
+only in how a call travels (see docs/architecture.md, "The executor contract"). Which
 backend a config asks for is raylm.executor.factory's to say."""
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 
 class ExecutorFailedError(RuntimeError):
-    """The executor is unusable: the engine core rebuilds it (DESIGN.md,
-    "Failure model"). The message names the rank, its node and pid, and why."""
+    """The executor is unusable: the engine core rebuilds it (docs/architecture.md,
+    "The failure model"). The message names the rank, its node and pid, and why."""
 
 
 class WorkerDiedError(ExecutorFailedError):

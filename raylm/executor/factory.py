@@ -1,6 +1,6 @@
 """Which Executor class a config asks for: beside the backends it chooses,
 not in the contract's base class, which would then import its own
-subclasses (an import circle; DESIGN.md, "Conventions")."""
+subclasses (an import circle; docs/architecture.md, "The import rule")."""
 
 from __future__ import annotations
 

@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 
 # What the copies of a process may take, in all, of a core's time. Where no
-# core is spare (benchmarks/README, "Each host on its own core", "Where a
+# core is spare (benchmarks/history/migration.md, "Each host on its own core", "Where a
 # pre-copy's steps lose their time" and "K/V across hosts: the seal"; ~111M
 # bf16, 2k tokens, against the same batch before and after): with CURVE at
 # 3%, a source's steps lost +3.5% and +7.2% in two runs across two hosts, a

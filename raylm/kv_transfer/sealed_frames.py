@@ -27,7 +27,7 @@ Why not ZMQ CURVE, as the step queues: CURVE (libsodium's XSalsa20-Poly1305,
 on libzmq's I/O thread) cost about 0.5 ms of CPU per MiB at each end, two
 thirds of what a source's copies took from the decode steps of a host with
 no core to spare; AES-GCM runs at ~20 GB/s per core where the CPU has AES instructions
-(benchmarks/README, "K/V across hosts: the seal"). What CURVE adds besides,
+(benchmarks/history/migration.md, "K/V across hosts: the seal"). What CURVE adds besides,
 forward secrecy, a per-connection handshake, matters less for blocks whose
 key lives no longer than the supervisor that made it and travels only on the
 cores' authenticated channels.

@@ -1,5 +1,5 @@
-"""A fault-injection hook for tests of the failure model (DESIGN.md, "Failure
-model"): off unless `RAYLM_FAULT_INJECTION` names one.
+"""A fault-injection hook for tests of the failure model (docs/architecture.md,
+"The failure model"): off unless `RAYLM_FAULT_INJECTION` names one.
 
     RAYLM_FAULT_INJECTION="ACTION:token=ID[:rank=R]"
 

@@ -1,5 +1,5 @@
 """Data parallelism on Ray: replicas of the whole engine core as Ray actors,
-routed, scaled and replaced (DESIGN.md, "Data parallel on Ray"). Each test
+routed, scaled and replaced (docs/architecture.md, "Data parallel and the supervisor"). Each test
 ends with no replica actor, worker actor or placement group left."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Poison requests (DESIGN.md, "Failure model"; raylm.core.quarantine): a
+"""Poison requests (docs/architecture.md, "The failure model"; raylm.core.quarantine): a
 request that kills, hangs or breaks the process running the model is found
 and failed, alone, while every other request completes with the output of a
 run without it, and the engine stays healthy with its restart budget intact.

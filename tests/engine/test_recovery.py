@@ -1,4 +1,4 @@
-"""Recovery in place (DESIGN.md, "Failure model"): a worker killed, a worker
+"""Recovery in place (docs/architecture.md, "The failure model"): a worker killed, a worker
 hung, a step that raises, a node lost, a budget spent. Each failure strikes
 while requests are in flight (every request has generated tokens and none has
 finished), and each test ends with nothing left behind: no process, actor,

@@ -1,4 +1,4 @@
-"""Recovery frees what it replaces (DESIGN.md, "Failure model"): the failed
+"""Recovery frees what it replaces (docs/architecture.md, "The failure model"): the failed
 step's traceback holds frames that reference the old executor's model and KV
 cache (with the uni backend, in the engine's own process). The old model must
 be gone before the new executor is built and sized (on one GPU both would

@@ -1,4 +1,4 @@
-"""Start-up has deadlines (DESIGN.md, "Failure model"): an engine core that is
+"""Start-up has deadlines (docs/architecture.md, "The failure model"): an engine core that is
 never ready, and a worker hung in any executor start-up call, become clear
 errors within `engine_start_timeout`, and nothing started is left behind.
 

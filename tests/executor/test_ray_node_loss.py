@@ -1,6 +1,6 @@
 """Losing a node mid-decode on a simulated Ray cluster: the engine rebuilds its
 executor on the nodes that remain and every request completes; with no room
-left it ends with a clear error (DESIGN.md, "Failure model")."""
+left it ends with a clear error (docs/architecture.md, "The failure model")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Losing a host mid-decode on the two-host cluster (harness.py): every
 process of the worker host dies at once (raylet, object store, ranks); the
 engine rebuilds its executor on the head and every request completes with
-the uninterrupted run's output (DESIGN.md, "Failure model")."""
+the uninterrupted run's output (docs/architecture.md, "The failure model")."""
 
 from __future__ import annotations
 
