@@ -31,7 +31,8 @@ from raylm.executor.abstract import Executor
 from raylm.executor.errors import WorkerHungError
 from raylm.executor.mq_rpc import MqRpcClient, WorkerDiedError, WorkerLoop
 from raylm.startup_heap import freeze_startup_heap
-from raylm.worker.cpu_placement import RankPlacement, apply_rank_placement, plan_cpu_placement, read_topology
+from raylm.worker.cpu_placement import RankPlacement, apply_rank_placement, plan_cpu_placement
+from raylm.worker.cpu_topology import read_topology
 
 __all__ = ["MultiprocExecutor", "WorkerDiedError", "WorkerProc"]
 

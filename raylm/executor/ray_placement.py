@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 from raylm.config import EngineConfig, ParallelConfig
 from raylm.config.engine_args import PLACEMENT_STRATEGIES
+from raylm.cpu_bind import parse_cpu_bind
 from raylm.executor.ray_cluster import NodeState, connect_ray, describe_cluster
-from raylm.worker.cpu_placement import parse_cpu_bind, plan_cpu_placement, read_topology
+from raylm.worker.cpu_placement import plan_cpu_placement
+from raylm.worker.cpu_topology import read_topology
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ from raylm.distributed.tcp_auth import CurveKeys
 from raylm.executor.mq_rpc import CallableRegistry, WorkerLoop
 from raylm.executor.ray_placement import undo_ray_worker_niceness
 from raylm.startup_heap import freeze_startup_heap
-from raylm.worker.cpu_placement import RankPlacement, apply_rank_placement, plan_cpu_placement, read_topology
+from raylm.worker.cpu_placement import RankPlacement, apply_rank_placement, plan_cpu_placement
+from raylm.worker.cpu_topology import read_topology
 from raylm.worker.worker import WorkerWrapper
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from raylm.distributed import parallel_state
 from raylm.kv_transfer.rank import RankTransfers
 from raylm.messages import GrammarOutput, KVCacheConfig, ModelRunnerOutput, SchedulerOutput
 from raylm.model.layers.cpu_kernels import get_cpu_kernels
-from raylm.worker import cpu_placement
+from raylm.worker import cpu_placement, cpu_topology, thread_governance
 from raylm.worker.fault_injection import FaultInjector
 from raylm.worker.memory_profiling import (
     CudaMemory,
@@ -60,7 +60,7 @@ class Worker:
         self._affinity_before: tuple[int, set[int]] | None = None
         # Watches the forward passes of a rank the plan pinned (for other work on
         # its cores) or of a single rank (whose thread count follows them).
-        self.contention_watch: cpu_placement.ContentionWatch | cpu_placement.ThreadGovernor | None = None
+        self.contention_watch: thread_governance.ContentionWatch | thread_governance.ThreadGovernor | None = None
         # Tests of the failure model only (RAYLM_FAULT_INJECTION); None otherwise.
         self.fault_injector = FaultInjector.from_config(
             config.fault_tolerance.fault_injection, rank, config.parallel_config.world_size)
@@ -84,7 +84,7 @@ class Worker:
             # A worker process or Ray actor was placed by its executor before it
             # got here; the uni backend's model shares the engine's process.
             self.cpu_placement = cpu_placement.process_placement() or self._place_in_engine_process()
-            self.contention_watch = cpu_placement.watch_for(self.cpu_placement)
+            self.contention_watch = thread_governance.watch_for(self.cpu_placement)
             backend = "gloo"
         parallel_state.init_distributed_environment(
             pc.world_size, self.rank, self.distributed_init_method, backend,
@@ -102,7 +102,7 @@ class Worker:
         loop's other threads keep the cores the plan leaves them."""
         cfg = self.config
         plan = cpu_placement.plan_cpu_placement(
-            cpu_placement.read_topology(), 1, engine_loop_here=True,
+            cpu_topology.read_topology(), 1, engine_loop_here=True,
             num_threads=cfg.num_threads, cpu_bind=cfg.cpu_bind,
         )
         placement = plan.ranks[0]
@@ -208,7 +208,7 @@ class Worker:
             return None
         return out
 
-    def _unpin(self, watch: cpu_placement.ContentionWatch) -> None:
+    def _unpin(self, watch: thread_governance.ContentionWatch) -> None:
         """Its cores are shared with other work: let the OS place this rank."""
         pinned_to = self.cpu_placement.cpus
         cpus = cpu_placement.unpin_process()

@@ -17,7 +17,8 @@ import ray.cloudpickle
 
 from raylm import LLM, SamplingParams
 from raylm.testing.hf_oracle import hf_greedy
-from raylm.worker.cpu_placement import plan_cpu_placement, read_topology
+from raylm.worker.cpu_placement import plan_cpu_placement
+from raylm.worker.cpu_topology import read_topology
 from tests.conftest import executor_of, our_live_ray_state
 
 # Workers cannot import this test module by name: its callables travel by value.
@@ -116,7 +117,7 @@ def test_mp_tp2_default_follows_the_plan(model, reference):
 
 def make_the_watch_fire(worker):
     """A contention watch whose bar no process clears: the next pass unpins."""
-    from raylm.worker.cpu_placement import ContentionWatch
+    from raylm.worker.thread_governance import ContentionWatch
 
     assert worker.contention_watch is not None  # the plan pinned this rank
     worker.contention_watch = ContentionWatch(worker.cpu_placement.num_threads, window_s=0.0, min_steps=1,
@@ -192,7 +193,7 @@ def make_the_governor_drop(worker):
     """A governor whose every window counts as waiting, where fewer threads
     always count as paying (any slowdown is within its min_gain), and that
     never probes again."""
-    from raylm.worker.cpu_placement import ThreadGovernor
+    from raylm.worker.thread_governance import ThreadGovernor
 
     assert isinstance(worker.contention_watch, ThreadGovernor)
     worker.contention_watch = ThreadGovernor(worker.cpu_placement, window_s=0.0, min_steps=1, max_wait_share=-1.0,

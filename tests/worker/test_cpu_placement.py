@@ -8,20 +8,11 @@ import threading
 
 import pytest
 
+from raylm.cpu_bind import parse_cpu_bind, parse_cpu_list
 from raylm.thread_accounting import process_run_queue_wait_s
-from raylm.worker.cpu_placement import (
-    ContentionWatch,
-    CpuTopology,
-    RankPlacement,
-    ThreadGovernor,
-    apply_rank_placement,
-    format_cpus,
-    parse_cpu_bind,
-    parse_cpu_list,
-    plan_cpu_placement,
-    read_topology,
-    watch_for,
-)
+from raylm.worker.cpu_placement import RankPlacement, apply_rank_placement, format_cpus, plan_cpu_placement
+from raylm.worker.cpu_topology import CpuTopology, read_topology
+from raylm.worker.thread_governance import ContentionWatch, ThreadGovernor, watch_for
 
 
 def flat(n: int) -> CpuTopology:
