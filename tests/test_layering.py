@@ -48,15 +48,17 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("model", ("raylm.model",)),
     ("distributed", ("raylm.distributed",)),
     # Plain values that cross layers: wire messages and sampling settings,
-    # user-facing outputs, the chat-template sandbox, CPU-core arithmetic; and
+    # user-facing outputs, the chat-template sandbox (chat_template, the way in;
+    # its bounds, its measures and its Jinja environment beside it), CPU-core arithmetic; and
     # the start-up heap's freeze, which every serving process calls; client
     # text escaped for the logs; what Linux says of a process's threads (CPU
     # time, names, run-queue wait), read by the placement's governance and the
     # K/V copies' CPU budget.
     (
         "values",
-        ("raylm.messages", "raylm.sampling_params", "raylm.outputs", "raylm.chat_template", "raylm.cpu_bind",
-         "raylm.startup_heap", "raylm.log_text", "raylm.thread_accounting"),
+        ("raylm.messages", "raylm.sampling_params", "raylm.outputs", "raylm.chat_template",
+         "raylm.chat_template_budget", "raylm.chat_template_prediction", "raylm.chat_template_sandbox",
+         "raylm.cpu_bind", "raylm.startup_heap", "raylm.log_text", "raylm.thread_accounting"),
     ),
 ]
 

@@ -13,7 +13,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from raylm.chat_template import ChatTemplateNotBounded, ChatTemplateRenderError, render_bounded
+from raylm.chat_template import ChatTemplateNotBounded, render_bounded
+from raylm.chat_template_budget import ChatTemplateRenderError
 from raylm.engine.async_llm import AsyncLLM
 from raylm.engine.input_processor import ProcessedPrompt
 from raylm.engine.tokenizer import encode_rendered_chat

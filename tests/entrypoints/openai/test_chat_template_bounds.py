@@ -16,8 +16,9 @@ import pytest
 from transformers import AutoTokenizer
 from transformers.utils import chat_template_utils
 
-from raylm import chat_template
-from raylm.chat_template import MAX_RENDER_WORK, ChatTemplateNotBounded, ChatTemplateRenderError, render_bounded
+from raylm import chat_template_budget
+from raylm.chat_template import ChatTemplateNotBounded, render_bounded
+from raylm.chat_template_budget import MAX_RENDER_WORK, ChatTemplateRenderError
 from tests.entrypoints.openai.test_intake_bounds import HOSTILE_TEMPLATES
 
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"},
@@ -104,7 +105,7 @@ def test_few_heavy_steps_are_timed(tokenizer, monkeypatch):
     """30 wordwraps of 240k characters each (tens of ms apiece, fewer than 64
     steps in all): the clock is read between them, and the render stops one
     step past its limit (was: read every 64 steps, so never)."""
-    monkeypatch.setattr(chat_template, "RENDER_CPU_SECONDS", 0.05)
+    monkeypatch.setattr(chat_template_budget, "RENDER_CPU_SECONDS", 0.05)
     template = "{% set s = 'ab ' * 80000 %}{% for i in range(30) %}{% set w = s | wordwrap(5) %}{% endfor %}"
     started = time.thread_time()
     with pytest.raises(ChatTemplateRenderError, match="^chat template render exceeded its time limit"):
@@ -129,7 +130,8 @@ def test_one_heavy_step_is_refused_by_its_size(tokenizer, template):
 _RSS_SCRIPT = """
 import json, sys
 from transformers import AutoTokenizer
-from raylm.chat_template import ChatTemplateRenderError, render_bounded
+from raylm.chat_template import render_bounded
+from raylm.chat_template_budget import ChatTemplateRenderError
 
 def peak_rss():
     # VmHWM: this process's peak RSS (ru_maxrss would count the forked parent's too).

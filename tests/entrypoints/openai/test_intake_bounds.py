@@ -11,7 +11,7 @@ import httpx
 import psutil
 import pytest
 
-from raylm.chat_template import MAX_RENDER_WORK
+from raylm.chat_template_budget import MAX_RENDER_WORK
 from raylm.entrypoints.openai.limits import MAX_REQUEST_CHAT_TEMPLATE_CHARS
 from raylm.sampling_params import MAX_BAD_WORDS, MAX_GRAMMAR_CHARS, MAX_STOP_TOKEN_IDS
 from tests.entrypoints.openai.server_utils import API_KEY, MODEL_NAME
