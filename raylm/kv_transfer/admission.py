@@ -17,7 +17,7 @@ open in that time; libzmq cannot cap them, nor drop one peer of a ROUTER),
 a kilobyte of handshake each (MAXMSGSIZE), and the CPU of refusing them
 (the I/O thread's accept and close, the ZAP handler's check), which is
 counted and logged apart (`Refusals`) and not charged to the copies' CPU
-budget (their I/O threads are charged at most _SEND_CPU_PER_MIB_S per MiB
+budget (their I/O threads are charged at most stage_send._SEND_CPU_PER_MIB_S per MiB
 they send). Not bounded: whoever reads the wire can race a destination
 with a copy of its token (PLAIN sends it in the clear), and a connection so
 admitted could send a multipart message without end, which libzmq keeps
