@@ -31,13 +31,19 @@ from tests.multinode.harness import set_link
 STEP_DEADLINE_S = 3.0
 SHORT_PARTITION_S = 1.0
 LONG_PARTITION_S = 6.0
-OPERATIONS = ("kill", "freeze", "migrate", "restart", "abort", "partition", "partition")
+OPERATIONS = ("kill", "freeze", "migrate", "restart", "abort", "partition", "cut")
+# A cut (a partition past the step deadline) ends the far core as a kill
+# does: at most one of the two a schedule (make_schedule's `deaths`). With
+# both, a request present at the two deaths is quarantined and, killed again
+# while it ran alone, failed as a poison request: the rules cannot tell the
+# harness's faults from a poison's (seed 10 framed one so, before this).
+DEATHS = ("kill", "cut")
 
 
 class Partition:
-    """The schedule's `partition` operation: the link down at both hosts'
-    ends, up again after a short or a long while (by the operation's arg),
-    on a timer beside the schedule. One at a time; `heal` ends one early."""
+    """The schedule's `partition` (short) and `cut` (long) operations: the
+    link down at both hosts' ends, up again after `seconds`, on a timer
+    beside the schedule. One at a time; `heal` ends one early."""
 
     def __init__(self, netns: list[str]):
         self.netns = netns
@@ -45,11 +51,13 @@ class Partition:
         self._lock = threading.Lock()
         self.count = 0
 
-    def __call__(self, arg: int) -> str:
+    def operation(self, seconds: float):
+        return lambda arg: self(seconds)
+
+    def __call__(self, seconds: float) -> str:
         with self._lock:
             if self._timer is not None:
                 return "not sent: the link is down already"
-            seconds = LONG_PARTITION_S if arg % 2 else SHORT_PARTITION_S
             for name in self.netns:
                 set_link(name, up=False)
             self.count += 1
@@ -81,14 +89,15 @@ def _replay(spec: dict, seed: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
     requests = {f"s{i}": (prompt, params) for i, prompt in enumerate(spec["prompts"])}
     schedule = make_schedule(seed, num_ops=spec.get("num_ops", 6), span_steps=spec.get("span_steps", 300),
-                             operations=OPERATIONS)
+                             operations=OPERATIONS, deaths=DEATHS)
     partition = Partition(spec["netns"])
     started, fds = time.monotonic(), len(os.listdir("/proc/self/fd"))
     with LLM(spec["model"], dtype="float32", data_parallel_size=2, data_parallel_placement="spread",
              ray_address=spec["address"], num_threads=1, kv_cache_memory_bytes=16 << 20,
              execute_model_timeout=STEP_DEADLINE_S) as llm:
         sup = llm.llm_engine.engine_core
-        runner = ScheduleRunner(llm, schedule, extra={"partition": partition})
+        runner = ScheduleRunner(llm, schedule, extra={"partition": partition.operation(SHORT_PARTITION_S),
+                                                      "cut": partition.operation(LONG_PARTITION_S)})
         try:
             result = runner.run(requests)
         finally:

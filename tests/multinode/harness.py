@@ -231,6 +231,7 @@ class TwoHosts:
     head: NetnsHost
     worker: NetnsHost
     address: str
+    last_stderr: str = ""
 
     def driver_env(self) -> dict:
         env = dict(os.environ)
@@ -255,6 +256,7 @@ class TwoHosts:
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
+        self.last_stderr = err  # what the driver logged (a test shows it when a check fails)
         results = [line for line in out.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not results:
             raise AssertionError(f"the driver failed (exit {proc.returncode}); its stderr:\n{err[-6000:]}")

@@ -48,6 +48,9 @@ def test_seeded_schedules_with_partitions_across_two_hosts(hosts, tiny_model_dir
         if broken:
             failed.append((r["seed"], broken))
     print(f"chaos on two hosts: {len(failed)} of {len(result['replays'])} schedules failed")
+    if failed:
+        print("the driver's log:\n" + "\n".join(line for line in hosts.last_stderr.splitlines()
+                                                if "fault injection armed" not in line)[-12000:])
     assert not failed, failed
     # The operation only two hosts have ran (seeds 1 and 2: a long partition, and a short one).
     assert sum(r["partitions"] for r in result["replays"]) > 0
