@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from raylm.config import EngineConfig
 from raylm.core import quarantine
@@ -80,13 +81,21 @@ class BackgroundThreads:
         threading.Thread(target=body, name=name, daemon=True).start()
 
 
+class RestartOutcomes(Protocol):
+    """Who hears how a planned replica restart ended (scaling.ReplicaRestarts)."""
+
+    def done(self, index: int) -> None: ...
+
+    def failed(self, index: int, why: str) -> None: ...
+
+
 class Recovery:
     def __init__(self, config: EngineConfig, ledger: Ledger, router: Router, launcher: CoreLauncher, ctx,
-                 background: BackgroundThreads, closed: threading.Event, restarts,
+                 background: BackgroundThreads, closed: threading.Event, restarts: RestartOutcomes,
                  remove_channel: Callable[[int, str], CoreChannel | None]):
-        """`restarts` (scaling.ReplicaRestarts) hears how a planned restart's
-        start went and of a restarting replica's death; `remove_channel` is
-        the supervisor's one way for a core to leave."""
+        """`restarts` hears how a planned restart's start went and of a
+        restarting replica's death (its restart is over); `remove_channel`
+        is the supervisor's one way for a core to leave."""
         ft = config.fault_tolerance
         self._ft = ft
         self._ledger = ledger
