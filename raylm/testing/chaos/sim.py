@@ -496,6 +496,10 @@ class World:
         if (self.sup.restarting or recovery.starting or scaling.stopping or not recovery.started.empty()
                 or not scaling.stopped.empty()):
             return False
+        # A draining core whose last request ended in the read just done: the
+        # next housekeeping retires it (a server's next read would).
+        if any(channel.draining for channel in self.sup.channels.values()):
+            return False
         for proc in self.cores.values():
             if proc.input.frames or proc._has_work() or proc.core.migrations.copying:
                 return False
