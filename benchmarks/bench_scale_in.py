@@ -39,8 +39,8 @@ def run(folder: str, mode: str, args) -> dict:
              kv_cache_memory_bytes=256 << 20) as llm:
         engine, supervisor = llm.llm_engine, llm.llm_engine.engine_core
         if mode == "drain":  # scale-in without migration: the core keeps its requests until they end
-            supervisor._migrate_away = lambda index, reason: 0
-            supervisor._retry_draining_migrations = lambda: None
+            supervisor.migrations.migrate_away = lambda index, reason: 0
+            supervisor.migrations.retry_draining = lambda reason_of: None
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
         vocab = engine.config.model_config.vocab_size
         for i, prompt in enumerate(random_prompts(args.streams, 32, vocab, seed=0)):

@@ -56,7 +56,7 @@ class CoreChannel:
     num_routed: int = 0
     node_ip: str = ""
     # When it last sent anything, or was given work while idle (a silence
-    # while idle is no hang): see EngineCoreSupervisor._kill_hung_cores.
+    # while idle is no hang): see core_recovery.Recovery.kill_hung_cores.
     last_heard: float = field(default_factory=lambda: time.monotonic())
     # Since when it has been rebuilding its executor (it says so before each
     # attempt, and sends nothing else until done); None while it serves.

@@ -48,9 +48,12 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from raylm.engine.core_channel import CoreChannel
+from raylm.config import EngineConfig
+from raylm.engine.core_channel import CoreChannel, CoreLauncher
+from raylm.engine.ledger import Ledger
 from raylm.engine.protocol import (
     KVNetwork,
     MigrateEnd,
@@ -59,7 +62,7 @@ from raylm.engine.protocol import (
     MigrationReport,
     MigrationStats,
 )
-from raylm.engine.routing import CoreLoad, plan_rebalance
+from raylm.engine.routing import Router, load_of, plan_rebalance
 from raylm.kv_transfer import sealed_frames
 from raylm.kv_transfer.transport import KVTransport, StageFolder, transport_for
 
@@ -127,18 +130,28 @@ class _Transfers:
     unable: str | None = None
 
 
-class MigrationControl:
-    """Mixed into EngineCoreSupervisor, whose ledger and channels it shares."""
+class Migrations(Mapping[str, Migration]):
+    """The supervisor's part for live migration: the migrations in progress
+    (it reads as a mapping of them, by migration id), what each core's
+    transfers did, rebalancing, and the events and counts they report. It
+    moves requests only through the ledger, and sends through the channels
+    the ledger holds."""
 
-    def _init_migration(self) -> None:
-        self.migrations: dict[str, Migration] = {}  # by migration id
-        self._migrating: dict[str, str] = {}  # request id -> migration id
+    def __init__(self, config: EngineConfig, ledger: Ledger, router: Router, launcher: CoreLauncher,
+                 encode: Callable[[object], bytes]):
+        self._config = config
+        self._ledger = ledger
+        self._router = router  # a request whose migration cannot be undone is sent again
+        self._launcher = launcher
+        self._encode = encode
+        self._migrations: dict[str, Migration] = {}  # by migration id
+        self.by_request: dict[str, str] = {}  # request id -> migration id
         # Migrated requests waiting for their first token at the destination.
         self._resumed: dict[str, tuple[Migration, float]] = {}
         self._migration_events: list[MigrationStats] = []
         self.migration_counts = {"migrated": 0, "abandoned": 0}
         self._retry_at: dict[str, float] = {}  # request id -> when it may be tried again
-        self._rebalance = self.config.parallel_config.data_parallel_rebalance
+        self._rebalance = config.parallel_config.data_parallel_rebalance
         self._next_rebalance = 0.0
         self._moved_at: dict[str, float] = {}  # request id -> when rebalancing moved it
         self._migration_ids = itertools.count()
@@ -150,12 +163,21 @@ class MigrationControl:
         self._network_always = os.environ.get("RAYLM_MIGRATION_NETWORK", "").strip().lower() in ("1", "true", "yes")
         self._transfers: dict[int, _Transfers] = {}  # by core index, for the start of it that serves
 
-    def _close_migration(self) -> None:
+    def __getitem__(self, migration_id: str) -> Migration:
+        return self._migrations[migration_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._migrations)
+
+    def __len__(self) -> int:
+        return len(self._migrations)
+
+    def close(self) -> None:
         """At shutdown: no transfer file outlives the engine."""
         self._stage_folder.close()
 
     @property
-    def _transfer_dir(self) -> str | None:
+    def transfer_dir(self) -> str | None:
         """The folder of this supervisor's stages, once the first was named."""
         return self._stage_folder.path
 
@@ -166,12 +188,12 @@ class MigrationControl:
         loaded other serving core). False when it cannot move (unknown,
         already moving, no destination, a context-parallel engine, a
         source that cannot move K/V)."""
-        entry = self.ledger.get(request_id)
-        if entry is None or request_id in self._migrating or entry.channel < 0:
+        entry = self._ledger.get(request_id)
+        if entry is None or request_id in self.by_request or entry.channel < 0:
             return False
-        if self.config.parallel_config.context_parallel_size > 1:
+        if self._config.parallel_config.context_parallel_size > 1:
             return False  # a CP group's KV is sharded over its ranks: not movable yet (issue 26)
-        source = self.channels.get(entry.channel)
+        source = self._ledger.channels.get(entry.channel)
         if source is None or self._cannot_move_kv(source):
             return False
         target = self._migration_destination(source, destination)
@@ -181,68 +203,68 @@ class MigrationControl:
         migration = Migration(f"{os.getpid()}-{next(self._migration_ids)}", request_id, source.index,
                               target.index, reason, network=network, transport=transport_for(network),
                               source_channel=source, destination_channel=target)
-        self.migrations[migration.migration_id] = migration
-        self._migrating[request_id] = migration.migration_id
+        self._migrations[migration.migration_id] = migration
+        self.by_request[request_id] = migration.migration_id
         logger.info("migrating request %s from core %d to core %d (%s, %s)", request_id[:64], source.index,
                     target.index, reason, migration.transport.description)
         self._export_stage(migration, final=False)
         return True
 
-    def _migrate_away(self, index: int, reason: str) -> int:
+    def migrate_away(self, index: int, reason: str) -> int:
         """Start moving every request of core `index` elsewhere; how many could."""
-        channel = self.channels.get(index)
+        channel = self._ledger.channels.get(index)
         if channel is None:
             return 0
         return sum(self.migrate(request_id, reason=reason) for request_id in sorted(channel.in_flight))
 
-    def _retry_draining_migrations(self) -> None:
+    def retry_draining(self, reason_of: Callable[[int], str]) -> None:
         """Requests still on a draining replica move as soon as they can
-        (those of a core that cannot move K/V finish where they run)."""
+        (those of a core that cannot move K/V finish where they run);
+        `reason_of(index)` says why that replica drains."""
         now = time.monotonic()
-        for channel in [c for c in self.channels.values() if c.draining and not self._cannot_move_kv(c)]:
-            reason = "restart" if channel.index in self.restarting else "scale_in"
+        for channel in [c for c in self._ledger.channels.values() if c.draining and not self._cannot_move_kv(c)]:
+            reason = reason_of(channel.index)
             for request_id in sorted(channel.in_flight):
-                if request_id not in self._migrating and self._retry_at.get(request_id, 0.0) <= now:
+                if request_id not in self.by_request and self._retry_at.get(request_id, 0.0) <= now:
                     self._retry_at.pop(request_id, None)
                     self.migrate(request_id, reason=reason)
 
-    def _rebalance_if_due(self) -> None:
+    def rebalance_if_due(self) -> None:
         """Every _REBALANCE_INTERVAL_S, with no migration in progress: move
         requests from a much busier core to the least busy (routing.plan_rebalance),
         the least advanced first (the fewest K/V blocks to move), never a
         request pinned to its core or moved within _MOVED_COOLDOWN_S."""
         now = time.monotonic()
-        if not self._rebalance or self.migrations or now < self._next_rebalance:
+        if not self._rebalance or self._migrations or now < self._next_rebalance:
             return
         self._next_rebalance = now + _REBALANCE_INTERVAL_S
-        loads = [CoreLoad(c.index, len(c.in_flight), c.stats.num_waiting if c.stats else 0,
-                          c.stats.kv_cache_usage if c.stats else 0.0)
-                 for c in self.channels.values()
-                 if not c.draining and c.rebuilding_since is None and not self._cannot_move_kv(c)]
+        loads = [load_of(c) for c in self._ledger.serving()
+                 if c.rebuilding_since is None and not self._cannot_move_kv(c)]
         plan = plan_rebalance(loads)
         if plan is None:
             return
         source, destination, count = plan
-        movable = [rid for rid in self.channels[source].in_flight
-                   if rid in self.ledger and not self.ledger[rid].pinned
+        ledger = self._ledger
+        movable = [rid for rid in ledger.channels[source].in_flight
+                   if rid in ledger and not ledger[rid].pinned
                    and now - self._moved_at.get(rid, -_MOVED_COOLDOWN_S) >= _MOVED_COOLDOWN_S]
-        movable.sort(key=lambda rid: len(self.ledger[rid].token_ids))
+        movable.sort(key=lambda rid: len(ledger[rid].token_ids))
         for request_id in movable[:count]:
             if self.migrate(request_id, destination, reason="rebalance"):
                 self._moved_at[request_id] = now
 
     def _migration_destination(self, source: CoreChannel, index: int | None) -> CoreChannel | None:
-        candidates = [c for i, c in self.channels.items()
-                      if i != source.index and not c.draining and c.rebuilding_since is None
-                      and not self._cannot_move_kv(c) and (index is None or i == index)]
+        candidates = [c for c in self._ledger.serving()
+                      if c.index != source.index and c.rebuilding_since is None
+                      and not self._cannot_move_kv(c) and (index is None or c.index == index)]
         if not candidates:
             return None
         return min(candidates, key=lambda c: (len(c.in_flight), c.stats.kv_cache_usage if c.stats else 0.0))
 
     def _shares_node(self, source: CoreChannel, destination: CoreChannel) -> bool:
         """Both cores on this supervisor's node: the K/V can go through its /dev/shm folder."""
-        return (source.node_ip == destination.node_ip and self.launcher.is_local(source.index)
-                and self.launcher.is_local(destination.index))
+        return (source.node_ip == destination.node_ip and self._launcher.is_local(source.index)
+                and self._launcher.is_local(destination.index))
 
     def _kv_network(self, source: CoreChannel, destination: CoreChannel) -> KVNetwork | None:
         if self._shares_node(source, destination) and not self._network_always:
@@ -254,20 +276,16 @@ class MigrationControl:
     def _stage_path(self, migration: Migration) -> str:
         return self._stage_folder.stage_path(migration.migration_id, migration.stage)
 
-    def _serves(self, channel: CoreChannel) -> bool:
-        """Whether this start of a core is still the one serving its index."""
-        return self.channels.get(channel.index) is channel
-
     def _export_stage(self, migration: Migration, final: bool) -> None:
         migration.stage_started = time.monotonic()
-        migration.source_channel.send(self._encoder.encode(
+        migration.source_channel.send(self._encode(
             MigrateExport(migration.migration_id, migration.request_id, self._stage_path(migration), final,
                           migration.network)))
 
     # ---- reports from the cores -----------------------------------------------------
 
-    def _on_migration_report(self, channel: CoreChannel, report: MigrationReport) -> None:
-        migration = self.migrations.get(report.migration_id)
+    def on_report(self, channel: CoreChannel, report: MigrationReport) -> None:
+        migration = self._migrations.get(report.migration_id)
         if migration is None:
             return  # ended already (aborted, a core died): its sides were told
         if channel is migration.source_channel and not migration.handed_over:
@@ -283,13 +301,13 @@ class MigrationControl:
         migration.num_bytes += report.num_bytes
         request = None
         if report.final:
-            entry = self.ledger.get(migration.request_id)
+            entry = self._ledger.get(migration.request_id)
             if entry is None or report.num_output_tokens != len(entry.token_ids):
                 self._end_migration(migration, ok=False, why="the source's tokens differ from the ledger's")
                 return
             request = entry.continuation()
             self._hand_over(migration)
-        migration.destination_channel.send(self._encoder.encode(MigrateImport(
+        migration.destination_channel.send(self._encode(MigrateImport(
             migration.migration_id, migration.request_id, self._stage_path(migration), report.num_blocks,
             report.final, request, report.num_computed_tokens, migration.network, report.sources, migration.stage)))
         migration.stage += 1
@@ -314,35 +332,28 @@ class MigrationControl:
         """The request becomes the destination's in the ledger: its outputs are
         believed from there, and a death there recovers it. (Both cores
         serve: a core that left ended the migrations naming it.)"""
-        migration.source_channel.in_flight.discard(migration.request_id)
-        destination = migration.destination_channel
-        if not destination.in_flight:
-            destination.last_heard = time.monotonic()
-        destination.in_flight.add(migration.request_id)
-        self.ledger[migration.request_id].channel = destination.index
+        self._ledger.move(migration.request_id, migration.source_channel, migration.destination_channel)
         migration.handed_over = True
 
     def _take_back(self, migration: Migration) -> None:
         """The destination refused the final stage: the source resumes the
         request, or, gone meanwhile, it goes to the usual recovery."""
-        entry = self.ledger.get(migration.request_id)
-        migration.destination_channel.in_flight.discard(migration.request_id)
-        if entry is None:
+        ledger, request_id = self._ledger, migration.request_id
+        if request_id in ledger and ledger.serves(migration.source_channel):
+            ledger.move(request_id, migration.destination_channel, migration.source_channel)
             return
-        if self._serves(migration.source_channel):
-            migration.source_channel.in_flight.add(migration.request_id)
-            entry.channel = migration.source
-        else:
+        ledger.release(request_id, migration.destination_channel)
+        if request_id in ledger:
             # Its source died (after the hand-over, so its migration went on):
             # a replacement under the same index never had the request.
-            self._resubmit(migration.request_id)
+            self._router.resubmit(request_id)
 
     def _end_migration(self, migration: Migration, ok: bool, why: str = "", drop_at_source: bool | None = None) -> None:
         """Tell both sides (those alive), record it, remove its files. The
         source drops its paused copy when the request lives on elsewhere
         (`drop_at_source`, by default when it moved), else resumes it."""
-        del self.migrations[migration.migration_id]
-        self._migrating.pop(migration.request_id, None)
+        del self._migrations[migration.migration_id]
+        self.by_request.pop(migration.request_id, None)
         drop = ok if drop_at_source is None else drop_at_source
         self._send_to(migration.source_channel, MigrateEnd(migration.migration_id, migration.request_id,
                                                            commit=drop))
@@ -398,12 +409,12 @@ class MigrationControl:
 
     # ---- hooks for the rest of the supervisor -----------------------------------------------
 
-    def _migration_saw_tokens(self, channel: CoreChannel, request_id: str) -> None:
-        """A token of `request_id` came from `channel`: the pause of a
-        migrated request ends at its first token from the destination."""
-        migration_id = self._migrating.get(request_id)
+    def saw_tokens(self, request_id: str) -> None:
+        """A token of `request_id` came from the core that holds it: the pause
+        of a migrated request ends at its first token from the destination."""
+        migration_id = self.by_request.get(request_id)
         if migration_id is not None:
-            self.migrations[migration_id].last_token_at = time.monotonic()
+            self._migrations[migration_id].last_token_at = time.monotonic()
             return
         self._record_resumed(request_id, saw_token=True)
 
@@ -421,30 +432,32 @@ class MigrationControl:
             downtime_s=time.monotonic() - paused_since if saw_token else None,
             handover_s=migration.resumed_at - paused_since))
 
-    def _migration_request_gone(self, request_id: str) -> None:
+    def request_gone(self, request_id: str) -> None:
         """The client aborted `request_id`, or it finished: end its migration.
         (An abort went to the core that owns it in the ledger; the other
         side drops or frees what it holds.)"""
         self._record_resumed(request_id, saw_token=False)
         self._retry_at.pop(request_id, None)
         self._moved_at.pop(request_id, None)
-        migration_id = self._migrating.get(request_id)
+        migration_id = self.by_request.get(request_id)
         if migration_id is not None:
-            migration = self.migrations[migration_id]
+            migration = self._migrations[migration_id]
             # Handed over: the source holds a paused copy (commit drops it);
             # not yet: the destination holds a reservation (abandoning frees it).
             self._end_migration(migration, ok=False, why="the request ended", drop_at_source=True)
 
-    def _migrations_on_channel_removed(self, channel: CoreChannel, why: str) -> None:
+    def on_channel_removed(self, channel: CoreChannel, why: str) -> None:
         """Core `channel` left (it died, or drained away): end every migration
         that names it, on both sides, before anything else may reach either
         side (a report naming a core that left would have nowhere to go).
+        Called from the supervisor's _remove_channel only, every way a core
+        leaves.
         What it owned in the ledger is recovered as usual; a paused copy at a
         live source whose destination owned the request is dropped."""
         record = self._transfers.get(channel.index)
         if record is not None and record.channel is channel:
             del self._transfers[channel.index]
-        for migration in [m for m in self.migrations.values()
+        for migration in [m for m in self._migrations.values()
                           if channel in (m.source_channel, m.destination_channel)]:
             if migration.handed_over and channel is migration.source_channel:
                 continue  # the destination owns the request and resumes it (or gives it back: _take_back)
@@ -454,11 +467,16 @@ class MigrationControl:
                                 drop_at_source=migration.handed_over)
 
     def _send_to(self, channel: CoreChannel, message) -> None:
-        if self._serves(channel):
-            channel.send(self._encoder.encode(message))
+        if self._ledger.serves(channel):
+            channel.send(self._encode(message))
 
-    def _is_migration_source(self, index: int) -> bool:
-        return any(m.source_channel is self.channels.get(index) for m in self.migrations.values())
+    def is_source(self, channel: CoreChannel) -> bool:
+        """Whether `channel` is the source of a migration in progress (it
+        holds a paused copy, or the request itself, until that ends)."""
+        return any(m.source_channel is channel for m in self._migrations.values())
+
+    def has_events(self) -> bool:
+        return bool(self._migration_events)
 
     def take_migration_events(self) -> list[MigrationStats]:
         events, self._migration_events = self._migration_events, []

@@ -30,6 +30,11 @@ times the other's score (plus one): half the gap, so that the two meet in
 the middle and nothing bounces back. The supervisor adds the hysteresis in
 time (one move at a time, a pause after it, a request moved at most once
 per cooldown).
+
+`Router` is the supervisor's part that sends each request, new or sent again
+after a failure, to a core and records it in the ledger (ledger.py). The
+choice among the serving cores is its `RoutingPolicy`'s alone: a new policy
+is another `choose` behind the same interface, and nothing else changes.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from raylm.engine.core_channel import CoreChannel
+from raylm.engine.ledger import Ledger
 from raylm.engine.prefix_index import PrefixIndex, prompt_block_hashes
 from raylm.engine.protocol import EngineCoreRequest
 
@@ -56,6 +63,13 @@ class CoreLoad:
     @property
     def score(self) -> float:
         return self.in_flight + 2 * self.num_waiting + self.kv_cache_usage
+
+
+def load_of(channel: CoreChannel) -> CoreLoad:
+    """What routing knows of `channel`: its requests in flight and its last report."""
+    stats = channel.stats
+    return CoreLoad(channel.index, len(channel.in_flight), stats.num_waiting if stats else 0,
+                    stats.kv_cache_usage if stats else 0.0)
 
 
 def least_loaded(loads: list[CoreLoad]) -> CoreLoad | None:
@@ -156,3 +170,56 @@ def plan_rebalance(loads: list[CoreLoad]) -> tuple[int, int, int] | None:
     if gap < REBALANCE_MIN_GAP or busiest.score < REBALANCE_MIN_RATIO * (idlest.score + 1):
         return None
     return busiest.index, idlest.index, max(1, int(gap // 2))
+
+
+class Router:
+    """Sends requests to cores: the serving core its policy chooses, or the
+    rank its client asked for; a request no core can take waits in the
+    ledger for one. Every send goes through `dispatch`, which records it."""
+
+    def __init__(self, ledger: Ledger, policy: RoutingPolicy, encode):
+        self.ledger = ledger
+        self.policy = policy
+        self._encode = encode
+
+    def choose(self, request: EngineCoreRequest, rank: int | None) -> CoreChannel | None:
+        """The core for `request`; ValueError for a rank that does not serve."""
+        channels = self.ledger.channels
+        if rank is not None:
+            channel = channels.get(rank)
+            if channel is None or channel.draining:
+                raise ValueError(f"data_parallel_rank {rank} is not a serving replica "
+                                 f"(serving: {sorted(c.index for c in self.ledger.serving())})")
+            return channel
+        best = self.policy.choose(request, [load_of(c) for c in self.ledger.serving()])
+        return None if best is None else channels[best.index]
+
+    def add(self, request: EngineCoreRequest, frame: bytes, rank: int | None) -> None:
+        """A new request (`frame`: it, encoded), into the ledger and to its core."""
+        channel = self.choose(request, rank)
+        self.ledger.add(request, pinned=rank is not None)
+        if channel is None:
+            self.ledger.wait(request.request_id)
+            return
+        self.dispatch(channel, request.request_id, frame)
+
+    def dispatch(self, channel: CoreChannel, request_id: str, frame: bytes) -> None:
+        self.ledger.assign(request_id, channel)
+        channel.send(frame)
+
+    def resubmit(self, request_id: str) -> None:
+        """Send a request in the ledger again, after the tokens it already produced."""
+        entry = self.ledger.get(request_id)
+        if entry is None:
+            return
+        request = entry.continuation()
+        channel = self.choose(request, None)
+        if channel is None:
+            self.ledger.wait(request_id)
+            return
+        self.dispatch(channel, request_id, self._encode(request))
+
+    def send_waiting(self) -> None:
+        """Housekeeping: the requests that waited go to a core, once one serves."""
+        for request_id in self.ledger.take_waiting():
+            self.resubmit(request_id)

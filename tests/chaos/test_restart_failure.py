@@ -3,7 +3,7 @@ chaos harness's fast tier (the real supervisor and real engine cores on the
 content model, raylm.testing.chaos.sim).
 
 The restart's caller (POST /replicas/{i}/restart, through
-AsyncReplicaRestart.restart_replica) was told the replica restarted, and the
+AsyncEngineCoreSupervisor.restart_replica) was told the replica restarted, and the
 log said "replica i restarted and serving", while the replica was in fact
 lost and being recovered through the failure path. The caller now gets a
 RuntimeError naming the cause; the recovery goes on as before."""
@@ -15,8 +15,8 @@ import logging
 
 import pytest
 
-from raylm.engine import replica_restart
-from raylm.engine.replica_restart import AsyncReplicaRestart
+from raylm.engine import supervisor
+from raylm.engine.supervisor import AsyncEngineCoreSupervisor
 from raylm.testing.chaos.sim import World, chaos_config
 
 PROMPT = [600 + j for j in range(13)]
@@ -26,7 +26,7 @@ CAUSE = "chaos: the replica failed to start"  # what the harness's failed start 
 @pytest.fixture
 def make_world(monkeypatch):
     """Worlds whose supervisor's log is kept at INFO (caplog reads it)."""
-    monkeypatch.setattr(replica_restart, "_RESTART_POLL_S", 0.0)
+    monkeypatch.setattr(supervisor, "_RESTART_POLL_S", 0.0)
     worlds = []
 
     def make(**config) -> World:
@@ -51,10 +51,10 @@ def _step(world: World) -> None:
 
 
 async def _restart(world: World, index: int, fail_its_start: bool, rounds: int = 200) -> None:
-    """AsyncReplicaRestart.restart_replica on the world's supervisor (what
+    """AsyncEngineCoreSupervisor.restart_replica on the world's supervisor (what
     POST /replicas/{i}/restart awaits), while the schedule runs; the restart's
     new core fails to start if told."""
-    restart = asyncio.ensure_future(AsyncReplicaRestart.restart_replica(world.sup, index))
+    restart = asyncio.ensure_future(AsyncEngineCoreSupervisor.restart_replica(world.sup, index))
     await asyncio.sleep(0)  # it began: the replica drains
     world.fail_next_start = fail_its_start
     for _ in range(rounds):

@@ -19,7 +19,7 @@ import time
 import msgspec
 import pytest
 
-from raylm.engine.core_recovery import CoreRecovery
+from raylm.engine.core_recovery import BackgroundThreads
 from raylm.engine.errors import EngineDeadError
 from raylm.engine.protocol import ClientMessage, Shutdown
 from raylm.testing.chaos.sim import World, chaos_config
@@ -110,7 +110,7 @@ def test_a_drained_core_s_stop_does_not_block_the_read_and_its_restart_waits_for
 
     # The stop runs in a thread, as the real supervisor runs it; every other
     # background task waits for the schedule, as the harness has it.
-    in_harness = world.sup._in_background
+    in_harness = world.sup.background.run
 
     def in_background(delay_s, run, cancelled, name):
         if not name.startswith("raylm-core-stop-"):
@@ -120,9 +120,9 @@ def test_a_drained_core_s_stop_does_not_block_the_read_and_its_restart_waits_for
             run()
             stop_done.set()
 
-        CoreRecovery._in_background(world.sup, delay_s, run_and_say, cancelled, name)
+        BackgroundThreads(world.sup._closed).run(delay_s, run_and_say, cancelled, name)
 
-    world.sup._in_background = in_background
+    world.sup.background.run = in_background
     try:
         world.sup.begin_restart(1)  # nothing runs there: it drains at once
         began = time.perf_counter()
@@ -157,7 +157,7 @@ def test_a_drained_core_s_stop_does_not_block_the_read_and_its_restart_waits_for
 def test_a_scale_up_while_a_drained_core_stops_takes_another_index(make_world):
     """The index of a core being stopped is not free yet: the launcher still runs it."""
     world = make_world()
-    world.sup._in_background = lambda delay_s, run, cancelled, name: None  # the stop never ends, here
+    world.sup.background.run = lambda delay_s, run, cancelled, name: None  # the stop never ends, here
     world.begin_scale(1)  # core 1 drains at once, and is being stopped
     assert 1 not in world.sup.channels and world.cores[1].alive
     world.begin_scale(2)

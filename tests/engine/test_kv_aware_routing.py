@@ -141,6 +141,6 @@ def test_a_shared_prefix_goes_to_the_core_that_holds_it(tiny_model_dir, policy):
         core = run("second", second)
         assert core == (1 if policy == "kv_aware" else 0)
         if policy == "kv_aware":
-            assert sup.router.last_matched[1] == len(prefix) // BLOCK
+            assert sup.router.policy.last_matched[1] == len(prefix) // BLOCK
             assert sup.channels[1].stats.prefix_cache_hits - hits_before == len(prefix) // BLOCK * BLOCK
     assert [outputs["first"], outputs["second"]] == [r.token_ids for r in hf_greedy(model, [first, second], 6)]

@@ -160,9 +160,9 @@ def test_a_request_that_ends_before_its_first_token_at_the_destination_still_cou
     assert supervisor.migrate("brief", 1 - supervisor.ledger["brief"].channel)
     # One core message at a time, up to the destination's report that it holds
     # the request: its first token comes in a later message.
-    wait_until(lambda: "brief" in supervisor._resumed, 30, step=lambda: _read_one(supervisor),
+    wait_until(lambda: "brief" in supervisor.migrations._resumed, 30, step=lambda: _read_one(supervisor),
                message="the migration to end")
-    assert supervisor.ledger["brief"].channel == supervisor._resumed["brief"][0].destination
+    assert supervisor.ledger["brief"].channel == supervisor.migrations._resumed["brief"][0].destination
     engine.abort_request("brief")
     while engine.has_unfinished_requests():
         engine.step()
@@ -204,7 +204,7 @@ def test_seeded_and_structured_requests_continue_exactly(llm):
 def test_a_core_killed_mid_migration_loses_nothing(llm, straggling_reference, victim):
     supervisor = llm.llm_engine.engine_core
     struck = []
-    on_imported = supervisor._on_imported
+    on_imported = supervisor.migrations._on_imported
 
     def strike_after_first_stage(migration, report):
         if not struck:
@@ -213,7 +213,7 @@ def test_a_core_killed_mid_migration_loses_nothing(llm, straggling_reference, vi
             struck.append(index)
         return on_imported(migration, report)
 
-    supervisor._on_imported = strike_after_first_stage
+    supervisor.migrations._on_imported = strike_after_first_stage
 
     def move_one(sup) -> None:
         rid = next(r for r in sorted(sup.channels[1].in_flight))

@@ -47,11 +47,11 @@ def main(spec: dict) -> dict:
         events = []  # each ended migration as the supervisor measured it (downtime, bytes)
         take_events = supervisor.take_migration_events
         supervisor.take_migration_events = lambda: [events.append(e) or e for e in take_events()]
-        end_migration = supervisor._end_migration
-        supervisor._end_migration = lambda m, ok, why="", **kw: (
+        end_migration = supervisor.migrations._end_migration
+        supervisor.migrations._end_migration = lambda m, ok, why="", **kw: (
             abandoned.append(why) if not ok else None, end_migration(m, ok, why, **kw))
-        resubmit = supervisor._resubmit
-        supervisor._resubmit = lambda rid: (resubmitted.append(rid), resubmit(rid))
+        resubmit = supervisor.router.resubmit
+        supervisor.router.resubmit = lambda rid: (resubmitted.append(rid), resubmit(rid))
         head = next(i for i, ip in node_ips.items() if ip == ray.util.get_node_ip_address())
         other = 1 - head
         for i, prompt in enumerate(spec["prompts"]):
@@ -65,7 +65,7 @@ def main(spec: dict) -> dict:
                 back = sorted(supervisor.channels[head].in_flight)[:1]
                 for rid, destination in [(r, head) for r in away] + [(r, other) for r in back]:
                     assert supervisor.migrate(rid, destination), rid
-                    migration = supervisor.migrations[supervisor._migrating[rid]]
+                    migration = supervisor.migrations[supervisor.migrations.by_request[rid]]
                     moved[rid] = {"to": destination, "network": migration.network is not None,
                                   "host": migration.network.host if migration.network else None}
         return {

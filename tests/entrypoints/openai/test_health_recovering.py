@@ -69,7 +69,7 @@ def test_a_core_restart_that_hangs_turns_health_503_past_the_start_timeout(make_
         FakeCore.started[0].script.put_nowait(EngineCoreDiedError(-9))
         await async_wait_until(lambda: engine.recovering)
         _assert_recovering(await _health(engine), "engine_core")
-        for replacement in engine.engine_core._starting.values():
+        for replacement in engine.engine_core.recovery.starting.values():
             replacement.noticed -= LIMIT_S + 1  # as if it had hung that long
         _assert_past_the_limit(await _health(engine), "engine_core")
         release.set()
