@@ -117,23 +117,35 @@ def _idle_cpu(executor: Any, spec: EngineSpec, seconds: float) -> tuple[list[flo
     return [proc.cpu_percent(None) for proc in procs], driver.cpu_percent(None)
 
 
-def measure(model: str, label: str, round_index: int, prompts: list[list[int]],
-            args: argparse.Namespace) -> Measurement:
+def measure(
+    model: str, label: str, round_index: int, prompts: list[list[int]], args: argparse.Namespace
+) -> Measurement:
     spec = CATALOG[label]
     extra: dict[str, Any] = {}
     if spec.ray_step_transport:
         extra["ray_step_transport"] = spec.ray_step_transport
     built = time.perf_counter()
-    llm = LLM(model, dtype=args.dtype, tensor_parallel_size=spec.tensor_parallel_size,
-              pipeline_parallel_size=spec.pipeline_parallel_size, distributed_executor_backend=spec.backend,
-              async_scheduling=spec.async_scheduling, num_threads=args.threads,
-              kv_cache_memory_bytes=args.kv_cache_mib << 20, enable_prefix_caching=False, **extra)
+    llm = LLM(
+        model,
+        dtype=args.dtype,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        pipeline_parallel_size=spec.pipeline_parallel_size,
+        distributed_executor_backend=spec.backend,
+        async_scheduling=spec.async_scheduling,
+        num_threads=args.threads,
+        kv_cache_memory_bytes=args.kv_cache_mib << 20,
+        enable_prefix_caching=False,
+        **extra,
+    )
     build_s = time.perf_counter() - built
     try:
         executor = _executor(llm)
         # Warm-up: first-step costs (allocator, graph compilation) stay out of the timing.
-        llm.generate([{"prompt_token_ids": p} for p in prompts[:2]],
-                     SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False), use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": p} for p in prompts[:2]],
+            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False),
+            use_tqdm=False,
+        )
         steps = _count_sample_calls(executor)
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
         # CPU seconds burnt during the timed run tell a driver that spins while its
@@ -152,15 +164,33 @@ def measure(model: str, label: str, round_index: int, prompts: list[list[int]],
     finally:
         llm.shutdown()
     total = len(prompts) * args.output_len
-    return Measurement(label, round_index, elapsed, total / elapsed, steps[0], elapsed / max(steps[0], 1) * 1e3,
-                       rpc_us, worker_cpu, driver_cpu, busy[0], busy[1:], build_s, outputs)
+    return Measurement(
+        label,
+        round_index,
+        elapsed,
+        total / elapsed,
+        steps[0],
+        elapsed / max(steps[0], 1) * 1e3,
+        rpc_us,
+        worker_cpu,
+        driver_cpu,
+        busy[0],
+        busy[1:],
+        build_s,
+        outputs,
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="HF model folder")
-    parser.add_argument("--configs", nargs="+", default=["uni", "ray-tp1-mq", "ray-tp1-cgraph"],
-                        choices=sorted(CATALOG), help="engine configs, in round-one order; the first is the baseline")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=["uni", "ray-tp1-mq", "ray-tp1-cgraph"],
+        choices=sorted(CATALOG),
+        help="engine configs, in round-one order; the first is the baseline",
+    )
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -176,31 +206,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def print_report(args: argparse.Namespace, runs: list[Measurement]) -> None:
-    print(f"\n{args.prompts} prompts x {args.input_len} in / {args.output_len} out, greedy, {args.dtype}, "
-          f"{args.threads} torch thread(s) per worker, {args.rounds} round(s)")
-    print(f"{'config':<16} {'round':>5} {'out tok/s':>10} {'step ms':>8} {'steps':>6} {'rpc us':>8}   "
-          f"idle CPU % (workers; driver)   busy CPU s during the run (driver; workers)")
+    print(
+        f"\n{args.prompts} prompts x {args.input_len} in / {args.output_len} out, greedy, {args.dtype}, "
+        f"{args.threads} torch thread(s) per worker, {args.rounds} round(s)"
+    )
+    print(
+        f"{'config':<16} {'round':>5} {'out tok/s':>10} {'step ms':>8} {'steps':>6} {'rpc us':>8}   "
+        f"idle CPU % (workers; driver)   busy CPU s during the run (driver; workers)"
+    )
     for r in runs:
         workers = " + ".join(f"{c:.1f}" for c in r.idle_worker_cpu_percent) or "n/a"
         busy = " + ".join(f"{c:.1f}" for c in r.busy_worker_cpu_s) or "n/a"
-        print(f"{r.label:<16} {r.round:>5} {r.output_tokens_per_s:>10.1f} {r.mean_step_ms:>8.2f} {r.steps:>6} "
-              f"{r.rpc_round_trip_us:>8.1f}   {workers}; {r.idle_driver_cpu_percent:.1f}   "
-              f"{r.busy_driver_cpu_s:.1f}; {busy} (of {r.elapsed_s:.1f} s)")
+        print(
+            f"{r.label:<16} {r.round:>5} {r.output_tokens_per_s:>10.1f} {r.mean_step_ms:>8.2f} {r.steps:>6} "
+            f"{r.rpc_round_trip_us:>8.1f}   {workers}; {r.idle_driver_cpu_percent:.1f}   "
+            f"{r.busy_driver_cpu_s:.1f}; {busy} (of {r.elapsed_s:.1f} s)"
+        )
     baseline = args.configs[0]
     base_step = statistics.mean(r.mean_step_ms for r in runs if r.label == baseline)
     base_rpc = statistics.mean(r.rpc_round_trip_us for r in runs if r.label == baseline)
     reference = next(r.outputs for r in runs if r.label == baseline)
     print(f"\nmean over rounds; ratios against {baseline}")
-    print(f"{'config':<16} {'out tok/s':>10} {'step ms':>8} {'step/base':>9} {'step-base us':>12} "
-          f"{'rpc us':>8} {'rpc-base us':>11} {'same greedy':>11}")
+    print(
+        f"{'config':<16} {'out tok/s':>10} {'step ms':>8} {'step/base':>9} {'step-base us':>12} "
+        f"{'rpc us':>8} {'rpc-base us':>11} {'same greedy':>11}"
+    )
     for label in args.configs:
         mine = [r for r in runs if r.label == label]
         step = statistics.mean(r.mean_step_ms for r in mine)
         rpc = statistics.mean(r.rpc_round_trip_us for r in mine)
         same = sum(a == b for a, b in zip(mine[0].outputs, reference))
-        print(f"{label:<16} {statistics.mean(r.output_tokens_per_s for r in mine):>10.1f} {step:>8.2f} "
-              f"{step / base_step:>9.3f} {(step - base_step) * 1e3:>12.1f} {rpc:>8.1f} {rpc - base_rpc:>11.1f} "
-              f"{same:>6}/{len(reference)}")
+        print(
+            f"{label:<16} {statistics.mean(r.output_tokens_per_s for r in mine):>10.1f} {step:>8.2f} "
+            f"{step / base_step:>9.3f} {(step - base_step) * 1e3:>12.1f} {rpc:>8.1f} {rpc - base_rpc:>11.1f} "
+            f"{same:>6}/{len(reference)}"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -220,8 +260,11 @@ def main(argv: list[str] | None = None) -> None:
             order = args.configs if round_index % 2 == 0 else list(reversed(args.configs))
             for label in order:
                 run = measure(args.model, label, round_index, prompts, args)
-                print(f"[round {round_index}] {label}: {run.output_tokens_per_s:.1f} out tok/s, "
-                      f"{run.mean_step_ms:.2f} ms/step, rpc {run.rpc_round_trip_us:.1f} us", flush=True)
+                print(
+                    f"[round {round_index}] {label}: {run.output_tokens_per_s:.1f} out tok/s, "
+                    f"{run.mean_step_ms:.2f} ms/step, rpc {run.rpc_round_trip_us:.1f} us",
+                    flush=True,
+                )
                 runs.append(run)
     finally:
         if uses_ray:

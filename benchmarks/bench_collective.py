@@ -92,8 +92,10 @@ def main() -> None:
         print(f"{'shape':>12} {'shm us':>10} {'gloo us':>10} {'gloo/shm':>9}")
         for shape, median in results:
             label = "x".join(map(str, shape))
-            print(f"{label:>12} {median['shm'] * 1e6:10.1f} {median['gloo'] * 1e6:10.1f} "
-                  f"{median['gloo'] / median['shm']:9.1f}")
+            print(
+                f"{label:>12} {median['shm'] * 1e6:10.1f} {median['gloo'] * 1e6:10.1f} "
+                f"{median['gloo'] / median['shm']:9.1f}"
+            )
 
 
 if __name__ == "__main__":

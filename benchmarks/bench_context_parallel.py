@@ -67,18 +67,29 @@ def _median(values: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model")
-    parser.add_argument("--make-model", nargs=2, metavar=("PRESET", "PATH"),
-                        help="build compare_vllm.py's preset with max_position_embeddings = 8192 first")
+    parser.add_argument(
+        "--make-model",
+        nargs=2,
+        metavar=("PRESET", "PATH"),
+        help="build compare_vllm.py's preset with max_position_embeddings = 8192 first",
+    )
     parser.add_argument("--prompt-len", type=int, default=4096)
     parser.add_argument("--max-tokens", type=int, default=33, help="decode speed: tokens 2..N")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--num-requests", type=int, default=1,
-                        help="requests at once (TTFT: until the last one's first token; decode: all of them)")
+    parser.add_argument(
+        "--num-requests",
+        type=int,
+        default=1,
+        help="requests at once (TTFT: until the last one's first token; decode: all of them)",
+    )
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20, help="per rank")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2], help="context parallel sizes to run")
-    parser.add_argument("--decode-steps-only", action="store_true",
-                        help="measure only the decode steps' wall time (median per round), no TTFT")
+    parser.add_argument(
+        "--decode-steps-only",
+        action="store_true",
+        help="measure only the decode steps' wall time (median per round), no TTFT",
+    )
     parser.add_argument("--num-threads", type=int, default=None, help="per rank; default: planned from the cores")
     args = parser.parse_args()
     model = args.model
@@ -93,10 +104,17 @@ def main() -> None:
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
     engines = {}
     for cp in args.cp:
-        engines[cp] = LLM(model, dtype=args.dtype, context_parallel_size=cp, distributed_executor_backend="mp",
-                          kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=False,
-                          num_threads=args.num_threads,
-                          max_model_len=args.prompt_len + args.max_tokens, max_num_seqs=max(args.num_requests, 1))
+        engines[cp] = LLM(
+            model,
+            dtype=args.dtype,
+            context_parallel_size=cp,
+            distributed_executor_backend="mp",
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            enable_prefix_caching=False,
+            num_threads=args.num_threads,
+            max_model_len=args.prompt_len + args.max_tokens,
+            max_num_seqs=max(args.num_requests, 1),
+        )
     ttft: dict[int, list[float]] = {cp: [] for cp in args.cp}
     decode: dict[int, list[float]] = {cp: [] for cp in args.cp}
     try:
@@ -108,8 +126,10 @@ def main() -> None:
                 for cp, llm in engines.items():
                     step_ms[cp].append(1e3 * statistics.median(_decode_step_seconds(llm, prompts, args.max_tokens)))
             for cp in args.cp:
-                print(f"CP={cp}: decode step {statistics.median(step_ms[cp]):.2f} ms median "
-                      f"(rounds' medians {[round(t, 2) for t in step_ms[cp]]})")
+                print(
+                    f"CP={cp}: decode step {statistics.median(step_ms[cp]):.2f} ms median "
+                    f"(rounds' medians {[round(t, 2) for t in step_ms[cp]]})"
+                )
             return
         for _ in range(args.rounds):
             for cp, llm in engines.items():
@@ -122,14 +142,18 @@ def main() -> None:
                     decode[cp].append(len(prompts) * (args.max_tokens - 1) / (whole - first))
         for cp, llm in engines.items():
             cc = llm.llm_engine.engine_core.engine_core.config.cache_config
-            print(f"CP={cp}: KV capacity {cc.num_blocks * cc.block_size} tokens "
-                  f"({cc.num_blocks // cp} blocks of {cc.block_size} per rank); "
-                  f"TTFT {statistics.median(ttft[cp]):.3f} s (rounds {[round(t, 3) for t in ttft[cp]]}); "
-                  f"decode {_median(decode[cp]):.1f} tok/s (rounds {[round(d, 1) for d in decode[cp]]})")
+            print(
+                f"CP={cp}: KV capacity {cc.num_blocks * cc.block_size} tokens "
+                f"({cc.num_blocks // cp} blocks of {cc.block_size} per rank); "
+                f"TTFT {statistics.median(ttft[cp]):.3f} s (rounds {[round(t, 3) for t in ttft[cp]]}); "
+                f"decode {_median(decode[cp]):.1f} tok/s (rounds {[round(d, 1) for d in decode[cp]]})"
+            )
         if set(args.cp) != {1, 2}:
             return
-        print(f"CP=2 / CP=1: TTFT {statistics.median(ttft[2]) / statistics.median(ttft[1]):.2f}x, "
-              f"decode {_median(decode[2]) / _median(decode[1]):.2f}x")
+        print(
+            f"CP=2 / CP=1: TTFT {statistics.median(ttft[2]) / statistics.median(ttft[1]):.2f}x, "
+            f"decode {_median(decode[2]) / _median(decode[1]):.2f}x"
+        )
     finally:
         for llm in engines.values():
             llm.shutdown()

@@ -75,12 +75,16 @@ def main() -> None:
     onednn = [cpu_gemm._pack_onednn(w) for w in weights] if with_onednn else []
     ours = [kernels.bf16_pack(w) for w in weights]
     bandwidth = read_bandwidth()
-    print(f"preset {args.preset}: {len(weights)} matrices, {nbytes / 1e6:.1f} MB of bf16 weights; "
-          f"{args.threads} thread(s); read bandwidth {bandwidth / 1e9:.1f} GB/s "
-          f"(roofline {bandwidth / nbytes:.0f} tokens/s at one row)")
+    print(
+        f"preset {args.preset}: {len(weights)} matrices, {nbytes / 1e6:.1f} MB of bf16 weights; "
+        f"{args.threads} thread(s); read bandwidth {bandwidth / 1e9:.1f} GB/s "
+        f"(roofline {bandwidth / nbytes:.0f} tokens/s at one row)"
+    )
     print(f"bf16 arithmetic on this CPU: {cpu_gemm.cpu_has_bf16_arithmetic()}")
-    print(f"{'rows':>4} | {'oneDNN ms/token':>15} | {'float32 ms/token':>16} | {'raylm ms/token':>14} | "
-          f"{'raylm GB/s':>10} | {'of roofline':>11} | {'raylm / oneDNN speed':>20} | {'raylm / float32':>15}")
+    print(
+        f"{'rows':>4} | {'oneDNN ms/token':>15} | {'float32 ms/token':>16} | {'raylm ms/token':>14} | "
+        f"{'raylm GB/s':>10} | {'of roofline':>11} | {'raylm / oneDNN speed':>20} | {'raylm / float32':>15}"
+    )
     for rows in [int(r) for r in args.rows.split(",")]:
         xs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen).to(torch.bfloat16) for w in weights}
 
@@ -111,8 +115,11 @@ def main() -> None:
         a = statistics.median(times["onednn"]) if with_onednn else None
         onednn_ms = f"{a * 1e3:>15.2f}" if a is not None else f"{'-':>15}"
         onednn_ratio = f"{a / b:>19.2f}x" if a is not None else f"{'-':>20}"
-        print(f"{rows:>4} | {onednn_ms} | {f * 1e3:>16.2f} | {b * 1e3:>14.2f} | {nbytes / b / 1e9:>10.1f} | "
-              f"{nbytes / b / bandwidth:>10.0%} | {onednn_ratio} | {f / b:>14.2f}x", flush=True)
+        print(
+            f"{rows:>4} | {onednn_ms} | {f * 1e3:>16.2f} | {b * 1e3:>14.2f} | {nbytes / b / 1e9:>10.1f} | "
+            f"{nbytes / b / bandwidth:>10.0%} | {onednn_ratio} | {f / b:>14.2f}x",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -22,8 +22,15 @@ import time
 def one_run(model: str, steps: int, seconds: float, threads: int, tokens: int) -> dict:
     from raylm import LLM, SamplingParams
 
-    llm = LLM(model, dtype="bfloat16", num_threads=threads, enable_prefix_caching=False, max_model_len=512,
-              kv_cache_memory_bytes=1 << 28, num_scheduler_steps=steps)
+    llm = LLM(
+        model,
+        dtype="bfloat16",
+        num_threads=threads,
+        enable_prefix_caching=False,
+        max_model_len=512,
+        kv_cache_memory_bytes=1 << 28,
+        num_scheduler_steps=steps,
+    )
     try:
         params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
         llm.generate([{"prompt_token_ids": [5]}], params, use_tqdm=False)  # warm-up
@@ -32,8 +39,10 @@ def one_run(model: str, steps: int, seconds: float, threads: int, tokens: int) -
             llm.generate([{"prompt_token_ids": [5 + runs % 50]}], params, use_tqdm=False)
             runs += 1
         rate = runs * tokens / (time.perf_counter() - start)
-        mixed = [SamplingParams(max_tokens=20 + 7 * i, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
-                 for i in range(16)]
+        mixed = [
+            SamplingParams(max_tokens=20 + 7 * i, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+            for i in range(16)
+        ]
         outs = llm.generate([{"prompt_token_ids": [i + 3, i + 9]} for i in range(16)], mixed, use_tqdm=False)
         return {"tok_s": rate, "tokens": [o.outputs[0].token_ids for o in outs]}
     finally:
@@ -57,15 +66,34 @@ def main() -> None:
     reference = None
     for _ in range(args.rounds):
         for steps in args.steps:
-            out = subprocess.run([sys.executable, __file__, "--model", args.model, "--one-run", str(steps),
-                                  "--seconds", str(args.seconds), "--threads", str(args.threads),
-                                  "--tokens", str(args.tokens)], check=True, capture_output=True, text=True)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--model",
+                    args.model,
+                    "--one-run",
+                    str(steps),
+                    "--seconds",
+                    str(args.seconds),
+                    "--threads",
+                    str(args.threads),
+                    "--tokens",
+                    str(args.tokens),
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
             result = json.loads(out.stdout.strip().splitlines()[-1])
             rates[steps].append(result["tok_s"])
             reference = reference or result["tokens"]
             same = result["tokens"] == reference
-            print(f"--num-scheduler-steps {steps}: {result['tok_s']:.0f} tok/s, mixed batch's tokens "
-                  f"{'the same' if same else 'DIFFERENT'}", flush=True)
+            print(
+                f"--num-scheduler-steps {steps}: {result['tok_s']:.0f} tok/s, mixed batch's tokens "
+                f"{'the same' if same else 'DIFFERENT'}",
+                flush=True,
+            )
             if not same:
                 raise SystemExit("the tokens differ between settings")
     for steps, values in rates.items():

@@ -37,8 +37,14 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     args = parser.parse_args()
-    llm = LLM(model=args.model, dtype="bfloat16", seed=0, enable_prefix_caching=False,
-              distributed_executor_backend="uni", num_threads=args.threads)
+    llm = LLM(
+        model=args.model,
+        dtype="bfloat16",
+        seed=0,
+        enable_prefix_caching=False,
+        distributed_executor_backend="uni",
+        num_threads=args.threads,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
     prompt = {"prompt_token_ids": [(i * 7) % 1000 + 3 for i in range(args.input_len)]}
     llm.generate([prompt], params, use_tqdm=False)  # warm

@@ -38,8 +38,10 @@ def routing_overhead_us(num_replicas: int, num_requests: int, prompt_len: int, p
     router = routing_policy(policy, PrefixIndex(), 16)
     encoder = msgspec.msgpack.Encoder()
     params = SamplingParams(max_tokens=128)
-    requests = [EngineCoreRequest(str(i), [(i * 7 + j) % 8000 for j in range(prompt_len)], params, 2)
-                for i in range(num_requests)]
+    requests = [
+        EngineCoreRequest(str(i), [(i * 7 + j) % 8000 for j in range(prompt_len)], params, 2)
+        for i in range(num_requests)
+    ]
     start = time.perf_counter()
     for request in requests:
         loads = [CoreLoad(i, in_flight[i], stats[i].num_waiting, stats[i].kv_cache_usage) for i in stats]
@@ -61,9 +63,25 @@ def scale_up_seconds(model: str) -> float:
 
 def serve_throughput(model: str, dp: int, port: int, num_prompts: int, input_len: int, output_len: int) -> dict:
     server = subprocess.Popen(
-        [sys.executable, "-m", "raylm.entrypoints.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
-         "--data-parallel-size", str(dp), "--num-threads", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "raylm.entrypoints.cli",
+            "serve",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--data-parallel-size",
+            str(dp),
+            "--num-threads",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 300
         while True:
@@ -75,10 +93,27 @@ def serve_throughput(model: str, dp: int, port: int, num_prompts: int, input_len
                     raise RuntimeError(f"server with dp={dp} did not come up") from error
                 time.sleep(0.5)
         out = f"/tmp/bench_dp_{dp}.json"
-        subprocess.run([sys.executable, "-m", "raylm.entrypoints.cli", "bench", "serve",
-                        "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", str(num_prompts),
-                        "--random-input-len", str(input_len), "--random-output-len", str(output_len),
-                        "--output-json", out], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "raylm.entrypoints.cli",
+                "bench",
+                "serve",
+                "--base-url",
+                f"http://127.0.0.1:{port}",
+                "--num-prompts",
+                str(num_prompts),
+                "--random-input-len",
+                str(input_len),
+                "--random-output-len",
+                str(output_len),
+                "--output-json",
+                out,
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         with open(out) as f:
             return json.load(f)
     finally:
@@ -97,8 +132,10 @@ def main() -> None:
 
     for policy in ("load", "vllm", "kv_aware"):
         samples = [routing_overhead_us(2, 2000, args.input_len, policy) for _ in range(5)]
-        print(f"routing + encoding per request (2 replicas, --routing-policy {policy}): "
-              f"{statistics.median(samples):.1f} us median of 5 [{min(samples):.1f}-{max(samples):.1f}]")
+        print(
+            f"routing + encoding per request (2 replicas, --routing-policy {policy}): "
+            f"{statistics.median(samples):.1f} us median of 5 [{min(samples):.1f}-{max(samples):.1f}]"
+        )
     print(f"scale 1 -> 2 replicas: {scale_up_seconds(args.model):.2f} s (placed, model loaded, KV cache sized)")
     if args.skip_serve:
         return

@@ -25,8 +25,14 @@ import torch
 
 # ~1.1B parameters: Llama-style shapes between TinyLlama and Llama-3.2-1B.
 LLAMA_1B = dict(
-    hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
-    num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=32000,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
 )
 TINY = dict(max_position_embeddings=2048)
 
@@ -56,8 +62,15 @@ def bench_raylm(model: Path, args, device: str) -> dict:
 
     arch = ArchConfig.from_model_dir(str(model))
     memory = {"gpu_memory_utilization": 0.85} if device == "cuda" else {"kv_cache_memory_bytes": 256 << 20}
-    llm = LLM(str(model), dtype=args.dtype, distributed_executor_backend="uni", device=device,
-              max_model_len=args.input_len + args.output_len, max_num_seqs=args.num_prompts, **memory)
+    llm = LLM(
+        str(model),
+        dtype=args.dtype,
+        distributed_executor_backend="uni",
+        device=device,
+        max_model_len=args.input_len + args.output_len,
+        max_num_seqs=args.num_prompts,
+        **memory,
+    )
     try:
         runner = llm.llm_engine.engine_core.engine_core.executor.driver_worker.worker.model_runner
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
@@ -123,8 +136,14 @@ def bench_hf(model: Path, args, device: str) -> dict:
     hf.generate(ids[:1, :16], max_new_tokens=4, do_sample=False)  # warm-up
     _sync(device)
     start = time.perf_counter()
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.output_len,
-                      min_new_tokens=args.output_len, do_sample=False, pad_token_id=0)
+    out = hf.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=args.output_len,
+        min_new_tokens=args.output_len,
+        do_sample=False,
+        pad_token_id=0,
+    )
     _sync(device)
     elapsed = time.perf_counter() - start
     new_tokens = (out.shape[1] - ids.shape[1]) * out.shape[0]
@@ -160,8 +179,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, help="write the result as JSON here")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    defaults = (dict(dtype="float32", num_prompts=8, input_len=32, output_len=16, hf_prompts=2) if args.tiny
-                else dict(dtype="bfloat16", num_prompts=256, input_len=512, output_len=256, hf_prompts=32))
+    defaults = (
+        dict(dtype="float32", num_prompts=8, input_len=32, output_len=16, hf_prompts=2)
+        if args.tiny
+        else dict(dtype="bfloat16", num_prompts=256, input_len=512, output_len=256, hf_prompts=32)
+    )
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -171,8 +193,12 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         model = build_model(folder, args.tiny, getattr(torch, args.dtype))
         result = {
-            "model": "tiny-llama" if args.tiny else "llama-1b-random", "dtype": args.dtype, "device": device,
-            "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+            "model": "tiny-llama" if args.tiny else "llama-1b-random",
+            "dtype": args.dtype,
+            "device": device,
+            "num_prompts": args.num_prompts,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
             "build_s": time.perf_counter() - start,
         }
         result["raylm"] = bench_raylm(model, args, device)

@@ -44,8 +44,14 @@ def main(argv=None) -> None:
         # Started beforehand, so the engine's start-up is what is timed, not Ray's.
         ray.init(num_cpus=args.tensor_parallel_size * 2, include_dashboard=False, log_to_driver=False)
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, distributed_executor_backend=args.backend,
-              tensor_parallel_size=args.tensor_parallel_size, kv_cache_memory_bytes=256 << 20, **extra)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        distributed_executor_backend=args.backend,
+        tensor_parallel_size=args.tensor_parallel_size,
+        kv_cache_memory_bytes=256 << 20,
+        **extra,
+    )
     startup = time.perf_counter() - t0
     try:
         llm.generate(["ROMEO:"], SamplingParams(max_tokens=8), use_tqdm=False)
@@ -68,9 +74,11 @@ def main(argv=None) -> None:
         daemons = cpu_seconds(ray_daemons) - daemons_before
     finally:
         llm.shutdown()
-    print(f"{args.backend} TP={args.tensor_parallel_size}: start-up {startup:.1f} s; idle, {len(processes)} "
-          f"engine processes used {used:.2f} CPU s in {elapsed:.0f} s = {used / elapsed:.1%} of one core"
-          + (f" (Ray's {len(ray_daemons)} daemons: {daemons / elapsed:.1%})" if ray_daemons else ""))
+    print(
+        f"{args.backend} TP={args.tensor_parallel_size}: start-up {startup:.1f} s; idle, {len(processes)} "
+        f"engine processes used {used:.2f} CPU s in {elapsed:.0f} s = {used / elapsed:.1%} of one core"
+        + (f" (Ray's {len(ray_daemons)} daemons: {daemons / elapsed:.1%})" if ray_daemons else "")
+    )
 
 
 def _pid(worker) -> int:

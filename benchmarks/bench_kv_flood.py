@@ -70,6 +70,7 @@ def _caches(num_blocks: int, fill: bool) -> list[torch.Tensor]:
 
 # The attacker: raw ZMTP 3.0 where it needs it (greeting, commands, frames).
 
+
 def _greeting(mechanism: bytes) -> bytes:
     return b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + mechanism.ljust(20, b"\0") + b"\0" + bytes(31)
 
@@ -93,6 +94,7 @@ def _attacker(host: str, port, seconds: float, rate: float, counts) -> None:
 
     def target() -> tuple[str, int]:
         return host, (port.value if hasattr(port, "value") else port)
+
     tally = {"multipart_parts": 0, "multipart_dropped": 0, "idle_closed": 0, "junk": 0}
 
     def endless_multipart() -> None:
@@ -136,9 +138,13 @@ def _attacker(host: str, port, seconds: float, rate: float, counts) -> None:
             conn.close()
 
     def junk() -> None:
-        kinds = [bytes(range(256)) * 4, _greeting(b"NULL") + _READY + _part(b"m-0.rank0", more=False),
-                 _greeting(b"PLAIN") + _command(b"HELLO", b"\x08raylm-kv\x24" + os.urandom(36))
-                 + _part(b"m-0.rank0", more=False)]
+        kinds = [
+            bytes(range(256)) * 4,
+            _greeting(b"NULL") + _READY + _part(b"m-0.rank0", more=False),
+            _greeting(b"PLAIN")
+            + _command(b"HELLO", b"\x08raylm-kv\x24" + os.urandom(36))
+            + _part(b"m-0.rank0", more=False),
+        ]
         started = time.monotonic()
         while (now := time.monotonic()) < stop:
             if tally["junk"] > rate * (now - started):
@@ -256,8 +262,14 @@ def run(mode: str, seconds: float, rate: float, source, key: bytes, requests, re
     while time.monotonic() < deadline:
         kind = "paced" if i % 2 == 0 else "final"
         name = f"m-{i}.rank0"
-        endpoint.serve(source, name, list(range(_STAGE_BLOCKS)), "127.0.0.1", TransferKey(key),
-                       _packed_at_once if kind == "paced" else None)
+        endpoint.serve(
+            source,
+            name,
+            list(range(_STAGE_BLOCKS)),
+            "127.0.0.1",
+            TransferKey(key),
+            _packed_at_once if kind == "paced" else None,
+        )
         requests.put((name, address))
         took, frame_gaps, error = replies.get(timeout=120)
         if error is not None:
@@ -274,15 +286,24 @@ def run(mode: str, seconds: float, rate: float, source, key: bytes, requests, re
     sampler.join()
     budget.wait_s()
     result = {
-        "mode": mode, "fetches": fetches, "gaps": gaps, "failed": failed, "attacker": dict(counts),
-        "rss_growth_mib": peak["rss"] - rss_before, "rss_after_mib": _rss_mib() - rss_before,
+        "mode": mode,
+        "fetches": fetches,
+        "gaps": gaps,
+        "failed": failed,
+        "attacker": dict(counts),
+        "rss_growth_mib": peak["rss"] - rss_before,
+        "rss_after_mib": _rss_mib() - rss_before,
         "fds": (fds_before, peak["fds"], _fds()),
         # None, nan: a tree before refusals were counted apart (to compare the trees)
         "refusals": dict(server.refusals.counts) if hasattr(server, "refusals") else None,
         "refusal_cpu_s": getattr(server, "refusal_cpu_s", math.nan),
-        "refusal_cpu_parts_s": ((server._admission.cpu_s, server._io_allowance.excess_s)
-                                if hasattr(server, "_admission") else (math.nan, math.nan)),
-        "charged_s": budget.spent_s - charged_before, "own_s": own_cpu_s() - own_before,
+        "refusal_cpu_parts_s": (
+            (server._admission.cpu_s, server._io_allowance.excess_s)
+            if hasattr(server, "_admission")
+            else (math.nan, math.nan)
+        ),
+        "charged_s": budget.spent_s - charged_before,
+        "own_s": own_cpu_s() - own_before,
     }
     endpoint.close()
     manager.shutdown()
@@ -297,12 +318,17 @@ def _report(r: dict) -> None:
     for failure in r["failed"]:
         print(f"  FAILED fetch, {failure}")
     before, peak, after = r["fds"]
-    print(f"  server RSS growth: peak {r['rss_growth_mib']:+.1f} MiB, after {r['rss_after_mib']:+.1f} MiB; "
-          f"fds before {before}, peak {peak}, after {after}")
+    print(
+        f"  server RSS growth: peak {r['rss_growth_mib']:+.1f} MiB, after {r['rss_after_mib']:+.1f} MiB; "
+        f"fds before {before}, peak {peak}, after {after}"
+    )
     admission, io = r["refusal_cpu_parts_s"]
-    print(f"  refused {r['refusals']}; refusals' CPU {r['refusal_cpu_s']:.3f} s (admission thread {admission:.3f},"
-          f" I/O threads beyond the frames' allowance {io:.3f}); copy budget charged "
-          f"{r['charged_s']:.3f} s for the server's own threads' {r['own_s']:.3f} s", flush=True)
+    print(
+        f"  refused {r['refusals']}; refusals' CPU {r['refusal_cpu_s']:.3f} s (admission thread {admission:.3f},"
+        f" I/O threads beyond the frames' allowance {io:.3f}); copy budget charged "
+        f"{r['charged_s']:.3f} s for the server's own threads' {r['own_s']:.3f} s",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -330,8 +356,10 @@ def main() -> None:
     for mode in ("control", "flood"):
         runs = [r for r in results if r["mode"] == mode]
         for kind in ("paced", "final"):
-            print(f"  {mode:7} {kind:5} fetch {_percentiles([t for r in runs for t in r['fetches'][kind]])}; "
-                  f"frame gaps {_percentiles([g for r in runs for g in r['gaps'][kind]])}")
+            print(
+                f"  {mode:7} {kind:5} fetch {_percentiles([t for r in runs for t in r['fetches'][kind]])}; "
+                f"frame gaps {_percentiles([g for r in runs for g in r['gaps'][kind]])}"
+            )
 
 
 if __name__ == "__main__":

@@ -100,8 +100,10 @@ def run(llm: LLM, mode: str, seconds: float, rate: float, params: SamplingParams
     port = mp.Value("i", _closed_port() if mode == "control" else _last_port[0])
     watch = _PortWatch(sup.launcher._processes[index].pid, port, seconds + 5) if mode == "chase" else None
     attacker = mp.Process(target=_attacker, args=("127.0.0.1", port, seconds, rate, counts), daemon=True)
-    requests = {f"{mode}-{i}-{time.monotonic_ns()}": [(7 * i + j) % 200 + 3 for j in range(8 + 3 * i)]
-                for i in range(NUM_STREAMS)}
+    requests = {
+        f"{mode}-{i}-{time.monotonic_ns()}": [(7 * i + j) % 200 + 3 for j in range(8 + 3 * i)]
+        for i in range(NUM_STREAMS)
+    }
     moved = {}
 
     def migrate_one() -> None:
@@ -120,9 +122,15 @@ def run(llm: LLM, mode: str, seconds: float, rate: float, params: SamplingParams
     after = dict(sup.migration_counts)
     if watch is not None:
         counts["ports_followed"] = len(watch.seen)
-    return {"mode": mode, "gaps": _gaps(arrivals), "elapsed": elapsed, "moved": moved.get("started"),
-            "migrated": after["migrated"] - before["migrated"], "abandoned": after["abandoned"] - before["abandoned"],
-            "counts": dict(counts)}
+    return {
+        "mode": mode,
+        "gaps": _gaps(arrivals),
+        "elapsed": elapsed,
+        "moved": moved.get("started"),
+        "migrated": after["migrated"] - before["migrated"],
+        "abandoned": after["abandoned"] - before["abandoned"],
+        "counts": dict(counts),
+    }
 
 
 def main() -> None:
@@ -135,16 +143,26 @@ def main() -> None:
     os.environ["RAYLM_MIGRATION_NETWORK"] = "1"
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     # One token a step (no decode bursts): a gap is one step of the replica.
-    with LLM(None, dtype="float32", num_threads=1, data_parallel_size=2, data_parallel_backend="mp",
-             kv_cache_memory_bytes=32 << 20, num_scheduler_steps=1) as llm:
+    with LLM(
+        None,
+        dtype="float32",
+        num_threads=1,
+        data_parallel_size=2,
+        data_parallel_backend="mp",
+        kv_cache_memory_bytes=32 << 20,
+        num_scheduler_steps=1,
+    ) as llm:
         # Warm-up: one migration out of core 0 starts its rank's K/V server;
         # the port it listened on is where the `flood` mode aims.
         sup = llm.llm_engine.engine_core
         seen = mp.Value("i", 0)
         watch = _PortWatch(sup.launcher._processes[0].pid, seen, 60)
-        _decode_all(llm, {"warm-up": list(range(3, 20))}, SamplingParams(temperature=0, max_tokens=60,
-                                                                         ignore_eos=True),
-                    lambda: sup.migrate("warm-up", 1) if sup.ledger["warm-up"].channel == 0 else None)
+        _decode_all(
+            llm,
+            {"warm-up": list(range(3, 20))},
+            SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+            lambda: sup.migrate("warm-up", 1) if sup.ledger["warm-up"].channel == 0 else None,
+        )
         watch.stop_at = 0
         if not seen.value:
             raise SystemExit("no K/V server listened (the warm-up migration did not run over the network)")
@@ -155,9 +173,11 @@ def main() -> None:
             for mode in MODES:
                 r = run(llm, mode, args.seconds, args.rate, params)
                 results.append(r)
-                print(f"{mode:7s} #{repeat}: inter-token {_percentiles(r['gaps'])}; {r['elapsed']:.1f} s; "
-                      f"migration started {r['moved']}, migrated {r['migrated']}, abandoned {r['abandoned']}; "
-                      f"attacker {r['counts']}")
+                print(
+                    f"{mode:7s} #{repeat}: inter-token {_percentiles(r['gaps'])}; {r['elapsed']:.1f} s; "
+                    f"migration started {r['moved']}, migrated {r['migrated']}, abandoned {r['abandoned']}; "
+                    f"attacker {r['counts']}"
+                )
         for mode in MODES:
             gaps = [g for r in results if r["mode"] == mode for g in r["gaps"]]
             print(f"{mode:7s} all runs: inter-token {_percentiles(gaps)}")

@@ -64,8 +64,7 @@ def _destination(requests, replies, key: bytes, num_blocks: int) -> None:
 
 def measure(mib: float, repeats: int) -> dict:
     key = new_key()
-    per_block = kv_transfer.packed_size(_caches(1, fill=False), 1) - kv_transfer.packed_size(
-        _caches(1, fill=False), 0)
+    per_block = kv_transfer.packed_size(_caches(1, fill=False), 1) - kv_transfer.packed_size(_caches(1, fill=False), 0)
     blocks = max(1, int(mib * 2**20 / per_block))
     source = _caches(blocks, fill=True)
     context = mp.get_context("spawn")
@@ -102,9 +101,12 @@ def main() -> None:
     args = parser.parse_args()
     for mib in args.mib:
         r = measure(mib, args.repeats)
-        print(f"{r['mib']:6.1f} MiB stage: source {r['source']['median_ms']:6.1f} ms CPU "
-              f"(min {r['source']['min_ms']:.1f}), destination {r['destination']['median_ms']:6.1f} ms "
-              f"(min {r['destination']['min_ms']:.1f})", flush=True)
+        print(
+            f"{r['mib']:6.1f} MiB stage: source {r['source']['median_ms']:6.1f} ms CPU "
+            f"(min {r['source']['min_ms']:.1f}), destination {r['destination']['median_ms']:6.1f} ms "
+            f"(min {r['destination']['min_ms']:.1f})",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -186,8 +186,9 @@ def drive(spec: dict) -> dict:
     here = ray.get_runtime_context().get_node_id()
     nodes = sorted((n["NodeID"] for n in ray.nodes() if n["Alive"]), key=lambda n: n != here)
     side = ray.remote(num_cpus=1)(_Side)
-    source, destination = (side.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote()
-                           for n in nodes)
+    source, destination = (
+        side.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote() for n in nodes
+    )
     ips = ray.get([source.node_ip.remote(), destination.node_ip.remote()])
     key, public, secret = ray.get(source.keys.remote())
     results: dict[str, dict[str, list]] = {}
@@ -199,12 +200,17 @@ def drive(spec: dict) -> dict:
             # Each: (wall seconds, the destination's CPU seconds). This round's
             # name and size are bound as default arguments.
             runs = {
-                "sealed": lambda name=name, nbytes=nbytes: ray.get(destination.fetch.remote(
-                    ray.get(source.offer.remote(name, nbytes, key)), name, nbytes, key)),
-                "curve": lambda nbytes=nbytes: ray.get(destination.fetch_raw.remote(
-                    ray.get(source.offer_raw.remote(nbytes, True)), nbytes, (public, secret))),
-                "plain-tcp": lambda nbytes=nbytes: ray.get(destination.fetch_raw.remote(
-                    ray.get(source.offer_raw.remote(nbytes, False)), nbytes, None)),
+                "sealed": lambda name=name, nbytes=nbytes: ray.get(
+                    destination.fetch.remote(ray.get(source.offer.remote(name, nbytes, key)), name, nbytes, key)
+                ),
+                "curve": lambda nbytes=nbytes: ray.get(
+                    destination.fetch_raw.remote(
+                        ray.get(source.offer_raw.remote(nbytes, True)), nbytes, (public, secret)
+                    )
+                ),
+                "plain-tcp": lambda nbytes=nbytes: ray.get(
+                    destination.fetch_raw.remote(ray.get(source.offer_raw.remote(nbytes, False)), nbytes, None)
+                ),
                 "ray-object": lambda nbytes=nbytes: _put_and_get(source, destination, nbytes),
             }
             for method, run in runs.items():
@@ -236,17 +242,24 @@ def main(argv=None) -> None:
     if reason:
         sys.exit(f"cannot build two hosts here: {reason}")
     with two_hosts() as hosts:
-        out = hosts.run_driver({"address": hosts.address, "sizes_mib": args.sizes_mib, "repeats": args.repeats},
-                               timeout=900, module="benchmarks.bench_kv_transport")
+        out = hosts.run_driver(
+            {"address": hosts.address, "sizes_mib": args.sizes_mib, "repeats": args.repeats},
+            timeout=900,
+            module="benchmarks.bench_kv_transport",
+        )
     print(f"source on {out['ips'][0]}, destination on {out['ips'][1]}")
-    print(f"{'MiB':>5} {'method':>11} {'median ms':>10} {'min ms':>8} {'MiB/s':>8} {'source CPU ms':>14} "
-          f"{'destination CPU ms':>19}")
+    print(
+        f"{'MiB':>5} {'method':>11} {'median ms':>10} {'min ms':>8} {'MiB/s':>8} {'source CPU ms':>14} "
+        f"{'destination CPU ms':>19}"
+    )
     for size, per in out["results"].items():
         for method, runs in per.items():
             wall, source_cpu, destination_cpu = ([run[i] for run in runs] for i in range(3))
             median = statistics.median(wall)
-            print(f"{size:>5} {method:>11} {1e3 * median:10.1f} {1e3 * min(wall):8.1f} {float(size) / median:8.0f} "
-                  f"{1e3 * statistics.median(source_cpu):14.1f} {1e3 * statistics.median(destination_cpu):19.1f}")
+            print(
+                f"{size:>5} {method:>11} {1e3 * median:10.1f} {1e3 * min(wall):8.1f} {float(size) / median:8.0f} "
+                f"{1e3 * statistics.median(source_cpu):14.1f} {1e3 * statistics.median(destination_cpu):19.1f}"
+            )
 
 
 if __name__ == "__main__":

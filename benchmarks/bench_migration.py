@@ -139,8 +139,11 @@ def _pump(supervisor):
                     _step_sched.setdefault(core, {})[now] = sched
             copies = _copy_cpu.setdefault(core, {})
             if core in _kv_threads and (not copies or now - max(copies) >= _COPY_CPU_EVERY_S):
-                copies[now] = sum(sched[0] for sched in (_schedstat_s(process.pid, tid) for tid in _kv_threads[core])
-                                  if sched is not None)
+                copies[now] = sum(
+                    sched[0]
+                    for sched in (_schedstat_s(process.pid, tid) for tid in _kv_threads[core])
+                    if sched is not None
+                )
     return outputs
 
 
@@ -252,16 +255,16 @@ def _mean_gap(times: list[float], start: float, end: float) -> float | None:
 def _bystander_window(supervisor, clocks: dict[int, str]) -> tuple[float, float]:
     """Serve for 1 s and at least 4 of core 0's bystander steps; (start, end)."""
     start = time.perf_counter()
-    while clocks and (time.perf_counter() - start < 1.0 or len(
-            [t for t in _arrivals[clocks[0]] if t > start]) < 4):
+    while clocks and (time.perf_counter() - start < 1.0 or len([t for t in _arrivals[clocks[0]] if t > start]) < 4):
         if clocks[0] not in supervisor.ledger:
             raise RuntimeError(f"bystander {clocks[0]} finished: give it more positions")
         _pump(supervisor)
     return start, time.perf_counter()
 
 
-def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, clocks: dict[int, str],
-               source: int) -> dict:
+def _migration(
+    llm: LLM, prompt: list[int], params: SamplingParams, rid: str, clocks: dict[int, str], source: int
+) -> dict:
     """`clocks`: core -> a bystander request decoding there (its token gaps
     time the core's steps); the request starts on core `source`."""
     supervisor = llm.llm_engine.engine_core
@@ -290,9 +293,13 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
     # the source's window of the same batch is its null twin's (_control).
     after_from, after_to = _bystander_window(supervisor, clocks)
     gaps = [b - a for a, b in zip(arrivals[1:], arrivals[2:])]
-    result = {"downtime_s": event.downtime_s, "handover_s": event.handover_s, "seconds": event.seconds,
-              "num_bytes": event.num_bytes,
-              "inter_token_s": statistics.median(gaps) if gaps else 0.0}
+    result = {
+        "downtime_s": event.downtime_s,
+        "handover_s": event.handover_s,
+        "seconds": event.seconds,
+        "num_bytes": event.num_bytes,
+        "inter_token_s": statistics.median(gaps) if gaps else 0.0,
+    }
     # The pause: the request's longest gap in the migration (its last token at the
     # source, then its first at the destination). Before it, both cores' batches
     # are as in the baseline and only the pre-copy runs beside their steps; from
@@ -302,8 +309,11 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
     paused_at = max(zip(mine, mine[1:]), key=lambda gap: gap[1] - gap[0])[0] if len(mine) > 1 else ended
     result["precopy_s"] = paused_at - started
     # The windows' bounds (perf_counter seconds), for a look at the drift in --output-json.
-    result["windows"] = {"before": (baseline_from, started), "precopy": (started, paused_at),
-                         "after": (after_from, after_to)}
+    result["windows"] = {
+        "before": (baseline_from, started),
+        "precopy": (started, paused_at),
+        "after": (after_from, after_to),
+    }
     for side, core in (("source", source), ("destination", 1 - source)):
         if core in clocks:
             times = _arrivals[clocks[core]]
@@ -316,16 +326,20 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
                     result[f"{side}_{name}"] = during / before - 1
                 if name == "precopy_slowdown" and before and during:
                     result[f"{side}_precopy_gaps"] = (before, during, after)
-            cpu_before, cpu_during = (_cpu_per_step(core, times, baseline_from, started),
-                                      _cpu_per_step(core, times, started, paused_at))
+            cpu_before, cpu_during = (
+                _cpu_per_step(core, times, baseline_from, started),
+                _cpu_per_step(core, times, started, paused_at),
+            )
             if cpu_before and cpu_during:
                 result[f"{side}_precopy_cpu"] = cpu_during / cpu_before - 1
             # Where the pre-copy's steps lost their time, against the window before: a
             # thread that waits runnable for a CPU, or blocks, longer per step is held
             # by something beside it; a longer run is the step's own work (which the
             # drift grows too, and the copies' traffic through the caches).
-            step_before, step_during = (_step_thread_per_step(core, times, baseline_from, started),
-                                        _step_thread_per_step(core, times, started, paused_at))
+            step_before, step_during = (
+                _step_thread_per_step(core, times, baseline_from, started),
+                _step_thread_per_step(core, times, started, paused_at),
+            )
             if step_before and step_during:
                 for part in ("run", "wait", "blocked"):
                     added = step_during[part] - step_before[part]
@@ -335,15 +349,18 @@ def _migration(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cl
                 result[f"{side}_precopy_copy_cpu"] = share
         if copy_cpu_before[core] is not None and copy_cpu_after[core] is not None:
             # The share of a core the copies took over the migration, in all and by thread.
-            by_thread = {name: (spent - copy_cpu_before[core].get(name, 0.0)) / (ended - started)
-                         for name, spent in copy_cpu_after[core].items()}
+            by_thread = {
+                name: (spent - copy_cpu_before[core].get(name, 0.0)) / (ended - started)
+                for name, spent in copy_cpu_after[core].items()
+            }
             result[f"{side}_copy_cpu"] = sum(by_thread.values())
             result[f"{side}_copy_cpu_by_thread"] = by_thread
     return result
 
 
-def _control(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, clocks: dict[int, str],
-             source: int, window_s: float) -> dict:
+def _control(
+    llm: LLM, prompt: list[int], params: SamplingParams, rid: str, clocks: dict[int, str], source: int, window_s: float
+) -> dict:
     """A migration's null twin: the same request decodes at `source` through
     the same 1 s window, then for `window_s` (the pre-copy's length), with
     nothing copied. Its bystanders' mean gaps over both and the windows'
@@ -364,8 +381,10 @@ def _control(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, cloc
             before, during = _mean_gap(times, baseline_from, started), _mean_gap(times, started, ended)
             if before and during:
                 result[f"{side}_control_before"], result[f"{side}_control_during"] = before, during
-            step_before, step_during = (_step_thread_per_step(core, times, baseline_from, started),
-                                        _step_thread_per_step(core, times, started, ended))
+            step_before, step_during = (
+                _step_thread_per_step(core, times, baseline_from, started),
+                _step_thread_per_step(core, times, started, ended),
+            )
             if step_before and step_during:
                 result[f"{side}_control_run_drift"] = step_during["run"] - step_before["run"]
     result["windows"] = {"before": (baseline_from, started), "during": (started, ended)}
@@ -387,8 +406,10 @@ def _against_the_same_batch(moved: dict, control: dict) -> None:
     twin's window before. (A twin's own slowdown is no null figure for the
     pre-copy's: its window before is already slower, so the same drift in
     ms is a smaller share of it.)"""
-    for side, gaps in (("source", moved.get("source_precopy_gaps")),
-                       ("destination", moved.get("destination_precopy_gaps"))):
+    for side, gaps in (
+        ("source", moved.get("source_precopy_gaps")),
+        ("destination", moved.get("destination_precopy_gaps")),
+    ):
         if not gaps:
             continue
         before, during, after = gaps
@@ -411,8 +432,9 @@ def _against_the_same_batch(moved: dict, control: dict) -> None:
         if drift is not None and f"{side}_precopy_run_added" in moved:
             net_run = moved[f"{side}_precopy_run_added"] - drift / before
             moved[f"{side}_precopy_run_net"] = net_run
-            moved[f"{side}_precopy_held"] = (net_run + moved[f"{side}_precopy_wait_added"]
-                                            + moved[f"{side}_precopy_blocked_added"])
+            moved[f"{side}_precopy_held"] = (
+                net_run + moved[f"{side}_precopy_wait_added"] + moved[f"{side}_precopy_blocked_added"]
+            )
     for side in ("source", "destination"):
         if f"{side}_control_before" in control:
             moved[f"{side}_control_gaps"] = (control[f"{side}_control_before"], control[f"{side}_control_during"])
@@ -427,8 +449,9 @@ def _recompute(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, co
     tokens = list(supervisor.ledger[rid].token_ids)
     supervisor.abort_requests([rid])
     started = time.perf_counter()
-    supervisor.add_request(Request(rid + "-again", prompt, params, None, output_token_ids=tokens),
-                           data_parallel_rank=core)
+    supervisor.add_request(
+        Request(rid + "-again", prompt, params, None, output_token_ids=tokens), data_parallel_rank=core
+    )
     _decode_until(supervisor, rid + "-again", len(tokens) + 1)
     seconds = time.perf_counter() - started
     supervisor.abort_requests([rid + "-again"])
@@ -447,7 +470,8 @@ def _fresh_bystanders(llm: LLM, vocab: int, spec: dict, tag: str) -> dict[int, s
     supervisor = llm.llm_engine.engine_core
     supervisor.abort_requests([rid for rid in list(supervisor.ledger) if rid.startswith("bystander-")])
     params = llm.llm_engine.input_processor.finish_params(
-        SamplingParams(temperature=0, max_tokens=spec["max_len"] - 64, ignore_eos=True))
+        SamplingParams(temperature=0, max_tokens=spec["max_len"] - 64, ignore_eos=True)
+    )
     clocks: dict[int, str] = {}
     started = []
     for core in range(2 if spec["bystanders"] else 0):
@@ -470,7 +494,8 @@ def measure(llm: LLM, folder: pathlib.Path, spec: dict) -> dict:
     for length in spec["lengths"]:
         # Room to decode through the baseline window and the migration (then it is aborted).
         params = llm.llm_engine.input_processor.finish_params(
-            SamplingParams(temperature=0, max_tokens=spec["max_len"] - length - 16, ignore_eos=True))
+            SamplingParams(temperature=0, max_tokens=spec["max_len"] - length - 16, ignore_eos=True)
+        )
         prompts = random_prompts(spec["repeats"] + 1, length, vocab, seed=length)
         source = spec["source"]
         clocks = _fresh_bystanders(llm, vocab, spec, f"{length}-warm")
@@ -484,8 +509,11 @@ def measure(llm: LLM, folder: pathlib.Path, spec: dict) -> dict:
                 control = _control(llm, p, params, f"c-{length}-{i}", clocks, source, moved[-1]["precopy_s"])
                 _against_the_same_batch(moved[-1], control)
         supervisor.abort_requests([rid for rid in list(supervisor.ledger) if rid.startswith("bystander-")])
-        recomputed = [] if spec["skip_recompute"] else [
-            _recompute(llm, p, params, f"r-{length}-{i}", 1 - source) for i, p in enumerate(prompts[:-1])]
+        recomputed = (
+            []
+            if spec["skip_recompute"]
+            else [_recompute(llm, p, params, f"r-{length}-{i}", 1 - source) for i, p in enumerate(prompts[:-1])]
+        )
         results[length] = {
             "downtime": _summary([m["downtime_s"] for m in moved]),
             "handover": _summary([m["handover_s"] for m in moved]),
@@ -498,9 +526,19 @@ def measure(llm: LLM, folder: pathlib.Path, spec: dict) -> dict:
             "per_repeat": moved,  # every figure of every repeat, for --output-json
         }
         for side in ("source", "destination"):
-            for name in ("slowdown", "precopy_slowdown", "precopy_same_batch", "precopy_cpu", "copy_cpu",
-                         "precopy_copy_cpu", "precopy_run_added", "precopy_wait_added", "precopy_blocked_added",
-                         "precopy_run_net", "precopy_held"):
+            for name in (
+                "slowdown",
+                "precopy_slowdown",
+                "precopy_same_batch",
+                "precopy_cpu",
+                "copy_cpu",
+                "precopy_copy_cpu",
+                "precopy_run_added",
+                "precopy_wait_added",
+                "precopy_blocked_added",
+                "precopy_run_net",
+                "precopy_held",
+            ):
                 values = [m[f"{side}_{name}"] for m in moved if f"{side}_{name}" in m]
                 results[length][f"{side}_{name}_pct"] = 100 * statistics.median(values) if values else None
             # The same-batch figure's mean and standard error too: one window's figure scatters
@@ -516,36 +554,47 @@ def measure(llm: LLM, folder: pathlib.Path, spec: dict) -> dict:
 
 
 def _print_row(length: int, r: dict) -> None:
-    recompute = (f"  | recompute {r['recompute']['median_ms']:7.1f} ms (max {r['recompute']['p99_ms']:7.1f})"
-                 if r["recompute"] else "")
+    recompute = (
+        f"  | recompute {r['recompute']['median_ms']:7.1f} ms (max {r['recompute']['p99_ms']:7.1f})"
+        if r["recompute"]
+        else ""
+    )
+
     def pct(side: str, name: str = "slowdown", sign: str = "+") -> str:
         value = r.get(f"{side}_{name}_pct")
         return "n/a" if value is None else f"{value:{sign}.1f}%"
 
     def mean_sem(name: str) -> str:
-        return (f"mean {pct('source', name + '_mean')} +- {pct('source', name + '_sem', sign='')} /"
-                f" {pct('destination', name + '_mean')} +- {pct('destination', name + '_sem', sign='')}")
+        return (
+            f"mean {pct('source', name + '_mean')} +- {pct('source', name + '_sem', sign='')} /"
+            f" {pct('destination', name + '_mean')} +- {pct('destination', name + '_sem', sign='')}"
+        )
 
-    slowdown = (f"  | step slowdown source {pct('source')} destination {pct('destination')}"
-                f" (pre-copy only: {pct('source', 'precopy_slowdown')} / {pct('destination', 'precopy_slowdown')};"
-                f" against the same batch before and after: {pct('source', 'precopy_same_batch')} /"
-                f" {pct('destination', 'precopy_same_batch')} ({mean_sem('precopy_same_batch')});"
-                f" CPU per step {pct('source', 'precopy_cpu')} / {pct('destination', 'precopy_cpu')};"
-                f" the copies' CPU {pct('source', 'copy_cpu', sign='')} / {pct('destination', 'copy_cpu', sign='')}"
-                f" of a core, over the pre-copy {pct('source', 'precopy_copy_cpu', sign='')} /"
-                f" {pct('destination', 'precopy_copy_cpu', sign='')};"
-                f" the step thread's time per step added over the pre-copy, run"
-                f" {pct('source', 'precopy_run_added')} / {pct('destination', 'precopy_run_added')},"
-                f" waiting for a CPU {pct('source', 'precopy_wait_added')} /"
-                f" {pct('destination', 'precopy_wait_added')},"
-                f" blocked {pct('source', 'precopy_blocked_added')} / {pct('destination', 'precopy_blocked_added')};"
-                f" run net of the twin's drift {pct('source', 'precopy_run_net')} /"
-                f" {pct('destination', 'precopy_run_net')}; held in all {pct('source', 'precopy_held')} /"
-                f" {pct('destination', 'precopy_held')} ({mean_sem('precopy_held')}))")
-    print(f"L={int(length):5d}  downtime {r['downtime']['median_ms']:7.1f} ms (max {r['downtime']['p99_ms']:7.1f}, "
-          f"handover {r['handover']['median_ms']:5.1f}, over a normal gap {r['extra_pause']['median_ms']:5.1f})"
-          f"{recompute}  | inter-token {r['inter_token']['median_ms']:6.1f} ms  | whole migration "
-          f"{r['migration']['median_ms']:6.1f} ms  | {r['mib_moved']:.1f} MiB{slowdown}", flush=True)
+    slowdown = (
+        f"  | step slowdown source {pct('source')} destination {pct('destination')}"
+        f" (pre-copy only: {pct('source', 'precopy_slowdown')} / {pct('destination', 'precopy_slowdown')};"
+        f" against the same batch before and after: {pct('source', 'precopy_same_batch')} /"
+        f" {pct('destination', 'precopy_same_batch')} ({mean_sem('precopy_same_batch')});"
+        f" CPU per step {pct('source', 'precopy_cpu')} / {pct('destination', 'precopy_cpu')};"
+        f" the copies' CPU {pct('source', 'copy_cpu', sign='')} / {pct('destination', 'copy_cpu', sign='')}"
+        f" of a core, over the pre-copy {pct('source', 'precopy_copy_cpu', sign='')} /"
+        f" {pct('destination', 'precopy_copy_cpu', sign='')};"
+        f" the step thread's time per step added over the pre-copy, run"
+        f" {pct('source', 'precopy_run_added')} / {pct('destination', 'precopy_run_added')},"
+        f" waiting for a CPU {pct('source', 'precopy_wait_added')} /"
+        f" {pct('destination', 'precopy_wait_added')},"
+        f" blocked {pct('source', 'precopy_blocked_added')} / {pct('destination', 'precopy_blocked_added')};"
+        f" run net of the twin's drift {pct('source', 'precopy_run_net')} /"
+        f" {pct('destination', 'precopy_run_net')}; held in all {pct('source', 'precopy_held')} /"
+        f" {pct('destination', 'precopy_held')} ({mean_sem('precopy_held')}))"
+    )
+    print(
+        f"L={int(length):5d}  downtime {r['downtime']['median_ms']:7.1f} ms (max {r['downtime']['p99_ms']:7.1f}, "
+        f"handover {r['handover']['median_ms']:5.1f}, over a normal gap {r['extra_pause']['median_ms']:5.1f})"
+        f"{recompute}  | inter-token {r['inter_token']['median_ms']:6.1f} ms  | whole migration "
+        f"{r['migration']['median_ms']:6.1f} ms  | {r['mib_moved']:.1f} MiB{slowdown}",
+        flush=True,
+    )
 
 
 def copy_cost(mib: int, repeats: int) -> dict:
@@ -577,8 +626,10 @@ def copy_cost(mib: int, repeats: int) -> dict:
         kv_transfer._scatter(caches, blocks, kv_transfer._map(path, torch.bfloat16, size, writable=False))
 
     ways = {
-        "vector I/O": (lambda path, size: kv_transfer._copy_with_file(caches, source, path, True, None),
-                       lambda path, size, blocks: kv_transfer._copy_with_file(caches, blocks, path, False, None)),
+        "vector I/O": (
+            lambda path, size: kv_transfer._copy_with_file(caches, source, path, True, None),
+            lambda path, size, blocks: kv_transfer._copy_with_file(caches, blocks, path, False, None),
+        ),
         "mapping": (mapped_export, mapped_import),
     }
     timings: dict[str, list[tuple[float, float]]] = {}
@@ -605,15 +656,23 @@ def copy_cost(mib: int, repeats: int) -> dict:
         cpu_ms = 1000 * statistics.median(c for c, _ in values)
         wall_ms = 1000 * statistics.median(w for _, w in values)
         results[name] = {"cpu_ms": cpu_ms, "wall_ms": wall_ms, "mib": mib_moved}
-        print(f"{name:45s} {mib_moved:5.1f} MiB: CPU {cpu_ms:6.1f} ms, wall {wall_ms:6.1f} ms "
-              f"(median of {len(values)})", flush=True)
+        print(
+            f"{name:45s} {mib_moved:5.1f} MiB: CPU {cpu_ms:6.1f} ms, wall {wall_ms:6.1f} ms (median of {len(values)})",
+            flush=True,
+        )
     return results
 
 
 def _engine_args(spec: dict) -> dict:
-    return dict(dtype="bfloat16", data_parallel_size=2, num_threads=1, max_model_len=spec["max_len"],
-                kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False,
-                num_scheduler_steps=spec.get("num_scheduler_steps"))
+    return dict(
+        dtype="bfloat16",
+        data_parallel_size=2,
+        num_threads=1,
+        max_model_len=spec["max_len"],
+        kv_cache_memory_bytes=1 << 30,
+        enable_prefix_caching=False,
+        num_scheduler_steps=spec.get("num_scheduler_steps"),
+    )
 
 
 def drive(spec: dict) -> dict:
@@ -632,8 +691,7 @@ def drive(spec: dict) -> dict:
     ray_cluster.connect_ray(ParallelConfig(ray_address=spec["address"]), num_cpus_hint=0)
     _wait_for_nodes(2, timeout=60)
     folder = pathlib.Path(spec["folder"])
-    with LLM(str(folder), data_parallel_placement="spread", ray_address=spec["address"],
-             **_engine_args(spec)) as llm:
+    with LLM(str(folder), data_parallel_placement="spread", ray_address=spec["address"], **_engine_args(spec)) as llm:
         channels = llm.llm_engine.engine_core.channels
         head_ip = ray.util.get_node_ip_address()
         [worker_core] = [i for i, c in channels.items() if c.node_ip != head_ip]
@@ -659,22 +717,35 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--model-root", default="/tmp/raylm_bench_models")
-    parser.add_argument("--bystanders", type=int, default=4,
-                        help="short requests decoding on each core throughout (their steps time the slowdown)")
-    parser.add_argument("--sync-precopy", action="store_true",
-                        help="copy every stage on the cores' loops (no overlap), for comparison")
+    parser.add_argument(
+        "--bystanders",
+        type=int,
+        default=4,
+        help="short requests decoding on each core throughout (their steps time the slowdown)",
+    )
+    parser.add_argument(
+        "--sync-precopy", action="store_true", help="copy every stage on the cores' loops (no overlap), for comparison"
+    )
     parser.add_argument("--skip-recompute", action="store_true")
-    parser.add_argument("--two-hosts", action="store_true",
-                        help="the cores on two hosts of the network-namespace harness (root), K/V over CURVE")
-    parser.add_argument("--pin-hosts", action="store_true",
-                        help="--two-hosts: each host on its own half of this machine's CPUs (as two machines), "
-                             "instead of both sharing them all")
+    parser.add_argument(
+        "--two-hosts",
+        action="store_true",
+        help="the cores on two hosts of the network-namespace harness (root), K/V over CURVE",
+    )
+    parser.add_argument(
+        "--pin-hosts",
+        action="store_true",
+        help="--two-hosts: each host on its own half of this machine's CPUs (as two machines), "
+        "instead of both sharing them all",
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="--two-hosts: the driver's limit, seconds")
-    parser.add_argument("--copy-cost", action="store_true",
-                        help="only one stage's export and import cost, in isolation (no engine)")
+    parser.add_argument(
+        "--copy-cost", action="store_true", help="only one stage's export and import cost, in isolation (no engine)"
+    )
     parser.add_argument("--copy-mib", type=int, default=32, help="--copy-cost: the stage's size")
-    parser.add_argument("--num-scheduler-steps", type=int,
-                        help="the engine's decode bursts; default: LLM's (8); `raylm serve` runs 1")
+    parser.add_argument(
+        "--num-scheduler-steps", type=int, help="the engine's decode bursts; default: LLM's (8); `raylm serve` runs 1"
+    )
     parser.add_argument("--output-json")
     args = parser.parse_args()
     if args.copy_cost:
@@ -692,9 +763,15 @@ def main() -> None:
     folder = pathlib.Path(args.model_root) / f"{args.model}-{max_len}-positions"
     if not (folder / "config.json").is_file():
         make_model(args.model, str(folder), max_position_embeddings=max_len)
-    spec = {"lengths": args.lengths, "repeats": args.repeats, "bystanders": args.bystanders,
-            "skip_recompute": args.skip_recompute, "max_len": max_len, "source": 0,
-            "num_scheduler_steps": args.num_scheduler_steps}
+    spec = {
+        "lengths": args.lengths,
+        "repeats": args.repeats,
+        "bystanders": args.bystanders,
+        "skip_recompute": args.skip_recompute,
+        "max_len": max_len,
+        "source": 0,
+        "num_scheduler_steps": args.num_scheduler_steps,
+    }
     if args.two_hosts:
         from tests.multinode.harness import netns_unavailable, two_hosts
 
@@ -702,8 +779,11 @@ def main() -> None:
         if reason:
             sys.exit(f"cannot build two hosts here: {reason}")
         with two_hosts(pinned=_halves_of_the_cpus() if args.pin_hosts else None) as hosts:
-            results = hosts.run_driver({**spec, "address": hosts.address, "folder": str(folder.resolve())},
-                                       timeout=args.timeout, module="benchmarks.bench_migration")
+            results = hosts.run_driver(
+                {**spec, "address": hosts.address, "folder": str(folder.resolve())},
+                timeout=args.timeout,
+                module="benchmarks.bench_migration",
+            )
         for length, row in results.items():
             _print_row(length, row)
     else:
@@ -713,10 +793,18 @@ def main() -> None:
             _core_processes.update({i: psutil.Process(p.pid) for i, p in launcher._processes.items()})
             results = measure(llm, folder, spec)
     if args.output_json:
-        pathlib.Path(args.output_json).write_text(json.dumps(
-            {"model": args.model, "sync_precopy": args.sync_precopy, "two_hosts": args.two_hosts,
-             "pin_hosts": args.pin_hosts,
-             "results": results}, indent=2))
+        pathlib.Path(args.output_json).write_text(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "sync_precopy": args.sync_precopy,
+                    "two_hosts": args.two_hosts,
+                    "pin_hosts": args.pin_hosts,
+                    "results": results,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,10 @@ def _reader(handle, rank: int, ack_handle_pipe) -> None:
 def _percentiles(values_ns: list[int]) -> str:
     us = sorted(v / 1000 for v in values_ns)
     pick = lambda q: us[min(len(us) - 1, int(q * len(us)))]  # noqa: E731
-    return (f"p50 {pick(0.5):7.1f} us  p90 {pick(0.9):7.1f} us  p99 {pick(0.99):7.1f} us  "
-            f"mean {statistics.fmean(us):7.1f} us")
+    return (
+        f"p50 {pick(0.5):7.1f} us  p90 {pick(0.9):7.1f} us  p99 {pick(0.99):7.1f} us  "
+        f"mean {statistics.fmean(us):7.1f} us"
+    )
 
 
 def _run_round(queue: MessageQueue, acks: list[MessageQueue], count: int, gap_s: float, label: str) -> None:
@@ -74,12 +76,20 @@ def _typical_step(decoding: int = 64, prefills: int = 2, prompt_len: int = 512):
     ones; and its output, without and with top-5 logprobs."""
     rng = random.Random(0)
     new = [
-        NewRequestData(f"new-{i}", [rng.randrange(32000) for _ in range(prompt_len)], [],
-                       SamplingParams(temperature=0.7, top_p=0.9, max_tokens=128, stop=["\n\n"]), list(range(32)), 0)
+        NewRequestData(
+            f"new-{i}",
+            [rng.randrange(32000) for _ in range(prompt_len)],
+            [],
+            SamplingParams(temperature=0.7, top_p=0.9, max_tokens=128, stop=["\n\n"]),
+            list(range(32)),
+            0,
+        )
         for i in range(prefills)
     ]
-    cached = [CachedRequestData(f"req-{i}", [rng.randrange(32000)], [i] if i % 16 == 0 else [], 600 + i)
-              for i in range(decoding)]
+    cached = [
+        CachedRequestData(f"req-{i}", [rng.randrange(32000)], [i] if i % 16 == 0 else [], 600 + i)
+        for i in range(decoding)
+    ]
     scheduled = {c.req_id: 1 for c in cached} | {n.req_id: prompt_len for n in new}
     step = SchedulerOutput(new, cached, scheduled, sum(scheduled.values()), {"done-1"})
     ids = [c.req_id for c in cached]

@@ -63,12 +63,16 @@ def main() -> None:
                 kernels.paged_decode(q, cache, table, lens, scale)
                 calls.append(time.perf_counter() - start)
             times[name].append(statistics.median(calls))
-    print(f"{args.requests} requests x {args.context} tokens, heads {num_heads}/{num_kv_heads}x{head_dim}, "
-          f"bf16, {args.threads} threads; {kv_bytes / 2**20:.1f} MiB of K/V a call")
+    print(
+        f"{args.requests} requests x {args.context} tokens, heads {num_heads}/{num_kv_heads}x{head_dim}, "
+        f"bf16, {args.threads} threads; {kv_bytes / 2**20:.1f} MiB of K/V a call"
+    )
     for name, rounds in times.items():
         best = min(rounds)
-        print(f"  blocks {name}: {', '.join(f'{1e3 * t:.3f}' for t in rounds)} ms a call "
-              f"({kv_bytes / best / 1e9:.1f} GB/s at the best round)")
+        print(
+            f"  blocks {name}: {', '.join(f'{1e3 * t:.3f}' for t in rounds)} ms a call "
+            f"({kv_bytes / best / 1e9:.1f} GB/s at the best round)"
+        )
 
 
 if __name__ == "__main__":

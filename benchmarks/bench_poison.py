@@ -62,8 +62,15 @@ def run_scenario(folder: pathlib.Path, name: str, repeats: int, hang_timeout: fl
     good = [{"prompt_token_ids": p} for p in random_prompts(NUM_GOOD, PROMPT_LEN, vocab, seed=0)]
     poisoned = good[:5] + [{"prompt_token_ids": [POISON] * PROMPT_LEN}] + good[5:]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    llm = LLM(str(folder), dtype="bfloat16", tensor_parallel_size=tp, distributed_executor_backend=backend,
-              num_threads=1, enable_prefix_caching=False, execute_model_timeout=hang_timeout)
+    llm = LLM(
+        str(folder),
+        dtype="bfloat16",
+        tensor_parallel_size=tp,
+        distributed_executor_backend=backend,
+        num_threads=1,
+        enable_prefix_caching=False,
+        execute_model_timeout=hang_timeout,
+    )
     rounds = []
     try:
         core = llm.llm_engine.engine_core.engine_core
@@ -79,18 +86,25 @@ def run_scenario(folder: pathlib.Path, name: str, repeats: int, hang_timeout: fl
             events = core.recoveries[first_event:]
             bad = outputs.pop(5).outputs[0]
             culprit = next(e for e in events if e.culprits)
-            rounds.append({
-                "clean_s": clean_s, "poisoned_s": poisoned_s,
-                "detect_to_culprit_s": culprit.noticed_at - events[0].noticed_at,
-                "recoveries": len(events), "poison_failed": bad.finish_reason == "error",
-                "good_equal": [o.outputs[0].token_ids for o in outputs] == clean,
-                "budget_left": core.restart_budget.max_restarts - core.restart_budget.num_recent,
-            })
+            rounds.append(
+                {
+                    "clean_s": clean_s,
+                    "poisoned_s": poisoned_s,
+                    "detect_to_culprit_s": culprit.noticed_at - events[0].noticed_at,
+                    "recoveries": len(events),
+                    "poison_failed": bad.finish_reason == "error",
+                    "good_equal": [o.outputs[0].token_ids for o in outputs] == clean,
+                    "budget_left": core.restart_budget.max_restarts - core.restart_budget.num_recent,
+                }
+            )
     finally:
         llm.shutdown()
-    return {"scenario": name, "rounds": rounds,
-            "median_detect_to_culprit_s": statistics.median(r["detect_to_culprit_s"] for r in rounds),
-            "median_extra_s": statistics.median(r["poisoned_s"] - r["clean_s"] for r in rounds)}
+    return {
+        "scenario": name,
+        "rounds": rounds,
+        "median_detect_to_culprit_s": statistics.median(r["detect_to_culprit_s"] for r in rounds),
+        "median_extra_s": statistics.median(r["poisoned_s"] - r["clean_s"] for r in rounds),
+    }
 
 
 def main() -> None:

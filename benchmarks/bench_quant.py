@@ -70,8 +70,12 @@ def prepare(model: str, workdir: pathlib.Path, variants: list[str]) -> dict[str,
         else:
             path = workdir / f"{model}-{variant}.gguf"
             if not path.exists():
-                write_gguf(folder, path, "Q4_K" if variant == "Q4_K_M" else variant,
-                           tensor_type=q4_k_m if variant == "Q4_K_M" else None)
+                write_gguf(
+                    folder,
+                    path,
+                    "Q4_K" if variant == "Q4_K_M" else variant,
+                    tensor_type=q4_k_m if variant == "Q4_K_M" else None,
+                )
             paths[variant] = (str(path), None)
     return paths
 
@@ -98,8 +102,15 @@ def measure(path: str, quantization: str | None, args) -> dict:
     load_s = time.perf_counter() - t
     bytes_per_token = weight_bytes_per_token(model)
     del model
-    llm = LLM(path, dtype="bfloat16", quantization=quantization, num_threads=args.threads,
-              kv_cache_memory_bytes=64 << 20, max_model_len=512, enable_prefix_caching=False)
+    llm = LLM(
+        path,
+        dtype="bfloat16",
+        quantization=quantization,
+        num_threads=args.threads,
+        kv_cache_memory_bytes=64 << 20,
+        max_model_len=512,
+        enable_prefix_caching=False,
+    )
     prompt = [{"prompt_token_ids": list(range(20, 36))}]
 
     def run(n: int) -> float:
@@ -112,8 +123,12 @@ def measure(path: str, quantization: str | None, args) -> dict:
     short, long = min(run(1) for _ in range(3)), run(1 + args.output_len)
     llm.shutdown()
     tok_s = args.output_len / max(long - short, 1e-9)
-    return {"load_s": load_s, "decode_tok_s": tok_s, "weight_MB_per_token": bytes_per_token / 1e6,
-            "GB_s": bytes_per_token * tok_s / 1e9}
+    return {
+        "load_s": load_s,
+        "decode_tok_s": tok_s,
+        "weight_MB_per_token": bytes_per_token / 1e6,
+        "GB_s": bytes_per_token * tok_s / 1e9,
+    }
 
 
 def layer_matrices(path: str, layer: int = 0) -> list[tuple[str, int, torch.Tensor, int, int]]:
@@ -123,17 +138,25 @@ def layer_matrices(path: str, layer: int = 0) -> list[tuple[str, int, torch.Tens
 
     from raylm.model.layers.quant_kernels import GGUF_TYPE_CODES
 
-    return [(t.name, GGUF_TYPE_CODES[t.tensor_type.name], torch.from_numpy(np.array(t.data)), int(t.shape[1]),
-             int(t.shape[0]))
-            for t in GGUFReader(path).tensors
-            if t.name.startswith(f"blk.{layer}.") and t.tensor_type.name in GGUF_TYPE_CODES]
+    return [
+        (
+            t.name,
+            GGUF_TYPE_CODES[t.tensor_type.name],
+            torch.from_numpy(np.array(t.data)),
+            int(t.shape[1]),
+            int(t.shape[0]),
+        )
+        for t in GGUFReader(path).tensors
+        if t.name.startswith(f"blk.{layer}.") and t.tensor_type.name in GGUF_TYPE_CODES
+    ]
 
 
 def time_widening(module, path: str, rounds: int) -> dict[str, list[float]]:
     """Seconds per layer to widen layer 0's matrices to bf16, per round, from the
     packed tiles ("tiles") and from the file's blocks ("blocks"), alternating."""
-    matrices = [(code, data, module.quant_pack(data, code), rows, cols)
-                for _, code, data, rows, cols in layer_matrices(path)]
+    matrices = [
+        (code, data, module.quant_pack(data, code), rows, cols) for _, code, data, rows, cols in layer_matrices(path)
+    ]
     times: dict[str, list[float]] = {"tiles": [], "blocks": []}
     for _ in range(rounds):
         for source in times:
@@ -152,15 +175,20 @@ def report_widening(paths: list[str], rounds: int, threads: int) -> None:
 
     torch.set_num_threads(threads)
     module = get_cpu_kernels()
-    print(f"layer 0 widened to bf16, {threads} thread(s), {rounds} rounds, load average "
-          f"{os.getloadavg()[0]:.2f} before")
+    print(
+        f"layer 0 widened to bf16, {threads} thread(s), {rounds} rounds, load average {os.getloadavg()[0]:.2f} before"
+    )
     print(f"{'file':40s} {'tiles ms min/median':>20s} {'blocks ms min/median':>21s} {'tiles/blocks':>12s}")
     for path in paths:
         times = time_widening(module, path, rounds)
-        tiles, blocks = (1e3 * min(times["tiles"]), 1e3 * statistics.median(times["tiles"])), \
-            (1e3 * min(times["blocks"]), 1e3 * statistics.median(times["blocks"]))
-        print(f"{pathlib.Path(path).name:40s} {tiles[0]:9.2f} / {tiles[1]:8.2f} {blocks[0]:10.2f} / {blocks[1]:8.2f} "
-              f"{tiles[0] / blocks[0]:12.2f}")
+        tiles, blocks = (
+            (1e3 * min(times["tiles"]), 1e3 * statistics.median(times["tiles"])),
+            (1e3 * min(times["blocks"]), 1e3 * statistics.median(times["blocks"])),
+        )
+        print(
+            f"{pathlib.Path(path).name:40s} {tiles[0]:9.2f} / {tiles[1]:8.2f} {blocks[0]:10.2f} / {blocks[1]:8.2f} "
+            f"{tiles[0] / blocks[0]:12.2f}"
+        )
     print(f"load average {os.getloadavg()[0]:.2f} after")
 
 
@@ -173,8 +201,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workdir", default="/tmp/raylm_bench_quant")
     parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--widen", nargs="+", metavar="FILE.gguf",
-                        help="only time prefill's widening of these files' layer 0 (see above)")
+    parser.add_argument(
+        "--widen",
+        nargs="+",
+        metavar="FILE.gguf",
+        help="only time prefill's widening of these files' layer 0 (see above)",
+    )
     args = parser.parse_args(argv)
     if args.widen:
         report_widening(args.widen, args.rounds, args.threads)
@@ -194,14 +226,18 @@ def main(argv: list[str] | None = None) -> None:
                 runs[variant].append(result)
                 print(f"{model} {variant} round {round_index}: {result}", file=sys.stderr, flush=True)
         report[model] = {v: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for v, rs in runs.items()}
-    print(f"\n{'model':8s} {'variant':8s} {'decode tok/s':>12s} {'vs bf16':>8s} {'load s':>7s} "
-          f"{'MB/token':>9s} {'GB/s':>6s}")
+    print(
+        f"\n{'model':8s} {'variant':8s} {'decode tok/s':>12s} {'vs bf16':>8s} {'load s':>7s} "
+        f"{'MB/token':>9s} {'GB/s':>6s}"
+    )
     for model, rows in report.items():
         base = rows.get("bf16", {}).get("decode_tok_s")
         for variant, r in rows.items():
             ratio = f"{r['decode_tok_s'] / base:.2f}x" if base else "-"
-            print(f"{model:8s} {variant:8s} {r['decode_tok_s']:12.1f} {ratio:>8s} {r['load_s']:7.2f} "
-                  f"{r['weight_MB_per_token']:9.1f} {r['GB_s']:6.2f}")
+            print(
+                f"{model:8s} {variant:8s} {r['decode_tok_s']:12.1f} {ratio:>8s} {r['load_s']:7.2f} "
+                f"{r['weight_MB_per_token']:9.1f} {r['GB_s']:6.2f}"
+            )
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(report, indent=2))
 

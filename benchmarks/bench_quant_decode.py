@@ -105,10 +105,15 @@ def report_memory(path: str) -> None:
     model = load_model(path, torch.bfloat16, "cpu")
     grew = anon_rss_mib() - before
     held = sum(m.quant_matmul.nbytes for m in model.modules() if getattr(m, "quant_matmul", None) is not None)
-    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors
-                     if t.tensor_type.name in quant_kernels.GGUF_TYPE_CODES and t.name != "token_embd.weight")
-    print(f"memory: anonymous RSS grew {grew:.1f} MiB while the bf16 model loaded; its quantized layers hold "
-          f"{held / 2**20:.1f} MiB for the file's {file_bytes / 2**20:.1f} MiB of quantized matrices")
+    file_bytes = sum(
+        int(t.n_bytes)
+        for t in GGUFReader(path).tensors
+        if t.tensor_type.name in quant_kernels.GGUF_TYPE_CODES and t.name != "token_embd.weight"
+    )
+    print(
+        f"memory: anonymous RSS grew {grew:.1f} MiB while the bf16 model loaded; its quantized layers hold "
+        f"{held / 2**20:.1f} MiB for the file's {file_bytes / 2**20:.1f} MiB of quantized matrices"
+    )
 
 
 def main() -> None:
@@ -130,8 +135,9 @@ def main() -> None:
     isas = module.quant_packed_variants()
     rows_list = [int(r) for r in args.rows.split(",")]
     for path in args.files:
-        subprocess.run([sys.executable, __file__, path, "--memory-of", path, "--threads", str(args.threads)],
-                       check=True)
+        subprocess.run(
+            [sys.executable, __file__, path, "--memory-of", path, "--threads", str(args.threads)], check=True
+        )
         matrices = decode_matrices(path, module)
         nbytes = sum(data.nbytes for _, data, *_ in matrices)
         steps = max(1, int(2e8 // nbytes))  # about 200 MB of weights per timing
@@ -149,27 +155,51 @@ def main() -> None:
         finally:
             module.quant_packed_use("auto")
         bw = statistics.median(bandwidths)
-        print(f"\n{path}: {len(matrices)} quantized matrices, {nbytes / 1e6:.1f} MB per decode step; "
-              f"{args.threads} threads; torch sum {bw:.1f} GB/s (median of {args.rounds}, "
-              f"{min(bandwidths):.1f}-{max(bandwidths):.1f})")
-        print("| rows | " + " | ".join(f"{k} ms" for k in kernels) + " | " +
-              " | ".join(f"{k} speed-up, GB/s, share of roofline" for k in isas) + " |")
+        print(
+            f"\n{path}: {len(matrices)} quantized matrices, {nbytes / 1e6:.1f} MB per decode step; "
+            f"{args.threads} threads; torch sum {bw:.1f} GB/s (median of {args.rounds}, "
+            f"{min(bandwidths):.1f}-{max(bandwidths):.1f})"
+        )
+        print(
+            "| rows | "
+            + " | ".join(f"{k} ms" for k in kernels)
+            + " | "
+            + " | ".join(f"{k} speed-up, GB/s, share of roofline" for k in isas)
+            + " |"
+        )
         print("|---" * (1 + len(kernels) + len(isas)) + "|")
         for rows in rows_list:
             medians = {k: statistics.median(times[rows, k]) for k in kernels}
-            print(f"| {rows} | " + " | ".join(f"{medians[k] * 1e3:.2f}" for k in kernels) + " | " +
-                  " | ".join(f"{medians['row-tiled'] / medians[k]:.2f}x, {nbytes / medians[k] / 1e9:.1f}, "
-                             f"{nbytes / medians[k] / 1e9 / bw:.0%}" for k in isas) + " |")
+            print(
+                f"| {rows} | "
+                + " | ".join(f"{medians[k] * 1e3:.2f}" for k in kernels)
+                + " | "
+                + " | ".join(
+                    f"{medians['row-tiled'] / medians[k]:.2f}x, {nbytes / medians[k] / 1e9:.1f}, "
+                    f"{nbytes / medians[k] / 1e9 / bw:.0%}"
+                    for k in isas
+                )
+                + " |"
+            )
         del matrices
         if args.no_e2e:
             continue
         from raylm import LLM
 
         # In this process ("uni"), so that the switches below reach the model.
-        llm = LLM(path, dtype="bfloat16", num_threads=args.threads, enable_prefix_caching=False,
-                  kv_cache_memory_bytes=64 << 20, distributed_executor_backend="uni")
-        paths = {f"{isa}, {how}": (isa, one_call) for isa in isas
-                 for how, one_call in (("modules", False), ("one call", True))}
+        llm = LLM(
+            path,
+            dtype="bfloat16",
+            num_threads=args.threads,
+            enable_prefix_caching=False,
+            kv_cache_memory_bytes=64 << 20,
+            distributed_executor_backend="uni",
+        )
+        paths = {
+            f"{isa}, {how}": (isa, one_call)
+            for isa in isas
+            for how, one_call in (("modules", False), ("one call", True))
+        }
         tok_s: dict[str, list[float]] = {path: [] for path in paths}
         shares: dict[str, list[float]] = {path: [] for path in paths}
         bandwidths = []
@@ -190,10 +220,12 @@ def main() -> None:
             llama_decode.ENABLED = fused
             llm.shutdown()
         for name, rates in tok_s.items():
-            print(f"one request, batch-1 decode, {name}: {statistics.median(rates):.1f} tok/s "
-                  f"(spread {min(rates):.1f}-{max(rates):.1f}); share of roofline, each round against the torch "
-                  f"sum just before it: median {statistics.median(shares[name]):.0%}, spread "
-                  f"{min(shares[name]):.0%}-{max(shares[name]):.0%}")
+            print(
+                f"one request, batch-1 decode, {name}: {statistics.median(rates):.1f} tok/s "
+                f"(spread {min(rates):.1f}-{max(rates):.1f}); share of roofline, each round against the torch "
+                f"sum just before it: median {statistics.median(shares[name]):.0%}, spread "
+                f"{min(shares[name]):.0%}-{max(shares[name]):.0%}"
+            )
         print(f"torch sum {statistics.median(bandwidths):.1f} GB/s ({min(bandwidths):.1f}-{max(bandwidths):.1f})")
 
 

@@ -42,10 +42,19 @@ class Result:
 
 def _make_model(root: str) -> str:
     # ~7M parameters: small enough that the step's transport is a visible share of it.
-    return str(make_tiny_model(
-        "llama", f"{root}/llama-7m", hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=4, intermediate_size=688, vocab_size=8192, dtype=torch.bfloat16,
-    ))
+    return str(
+        make_tiny_model(
+            "llama",
+            f"{root}/llama-7m",
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            intermediate_size=688,
+            vocab_size=8192,
+            dtype=torch.bfloat16,
+        )
+    )
 
 
 def _executor(llm: LLM):
@@ -75,16 +84,35 @@ def _idle_cpu(pids: list[int], seconds: float) -> tuple[list[float], float]:
     return [proc.cpu_percent(None) for proc in procs], driver.cpu_percent(None)
 
 
-def run_one(model: str, label: str, backend: str, tp: int, transport: str | None, prompts: list[list[int]],
-            params: SamplingParams, repeats: int, idle_seconds: float) -> Result:
+def run_one(
+    model: str,
+    label: str,
+    backend: str,
+    tp: int,
+    transport: str | None,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    repeats: int,
+    idle_seconds: float,
+) -> Result:
     extra = {"ray_step_transport": transport} if transport else {}
-    llm = LLM(model, dtype="bfloat16", tensor_parallel_size=tp, distributed_executor_backend=backend,
-              num_threads=1, kv_cache_memory_bytes=64 << 20, **extra)
+    llm = LLM(
+        model,
+        dtype="bfloat16",
+        tensor_parallel_size=tp,
+        distributed_executor_backend=backend,
+        num_threads=1,
+        kv_cache_memory_bytes=64 << 20,
+        **extra,
+    )
     try:
         executor = _executor(llm)
         # Warm-up: first-step costs (graph compilation, allocator) stay out of the timing.
-        llm.generate([{"prompt_token_ids": p} for p in prompts[:2]],
-                     SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": p} for p in prompts[:2]],
+            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+            use_tqdm=False,
+        )
         steps = _count_steps(executor)
         best_elapsed, best_steps = float("inf"), 0
         for _ in range(repeats):
@@ -102,8 +130,14 @@ def run_one(model: str, label: str, backend: str, tp: int, transport: str | None
             worker_cpu, driver_cpu = _idle_cpu(pids, idle_seconds)
         else:
             _, driver_cpu = _idle_cpu([], idle_seconds)
-        return Result(label, total_tokens / best_elapsed, best_elapsed / max(best_steps, 1) * 1000,
-                      best_steps, worker_cpu, driver_cpu)
+        return Result(
+            label,
+            total_tokens / best_elapsed,
+            best_elapsed / max(best_steps, 1) * 1000,
+            best_steps,
+            worker_cpu,
+            driver_cpu,
+        )
     finally:
         llm.shutdown()
 
@@ -132,16 +166,19 @@ def main() -> None:
         for label, backend, tp, transport in CONFIGS:
             if args.only and label not in args.only:
                 continue
-            results.append(run_one(model, label, backend, tp, transport, prompts, params, args.repeats,
-                                   args.idle_seconds))
+            results.append(
+                run_one(model, label, backend, tp, transport, prompts, params, args.repeats, args.idle_seconds)
+            )
     ray.shutdown()
 
     print(f"\n{args.prompts} prompts x {args.input_len} in / {args.output_len} out, greedy, bf16, 1 thread per worker")
     print(f"{'backend':<18} {'out tok/s':>10} {'step ms':>9} {'steps':>6}   idle CPU % (workers; driver)")
     for r in results:
         workers = "n/a" if r.idle_worker_cpu is None else " + ".join(f"{c:.1f}" for c in r.idle_worker_cpu)
-        print(f"{r.label:<18} {r.tokens_per_s:>10.1f} {r.mean_step_ms:>9.2f} {r.steps:>6}   "
-              f"{workers}; {r.idle_driver_cpu:.1f}")
+        print(
+            f"{r.label:<18} {r.tokens_per_s:>10.1f} {r.mean_step_ms:>9.2f} {r.steps:>6}   "
+            f"{workers}; {r.idle_driver_cpu:.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,15 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def run(folder: str, rebalance: bool, args) -> dict:
-    with LLM(folder, dtype="bfloat16", data_parallel_size=2, data_parallel_backend="mp", num_threads=1,
-             kv_cache_memory_bytes=256 << 20, data_parallel_rebalance=rebalance) as llm:
+    with LLM(
+        folder,
+        dtype="bfloat16",
+        data_parallel_size=2,
+        data_parallel_backend="mp",
+        num_threads=1,
+        kv_cache_memory_bytes=256 << 20,
+        data_parallel_rebalance=rebalance,
+    ) as llm:
         supervisor = llm.llm_engine.engine_core
         finish = llm.llm_engine.input_processor.finish_params
         vocab = llm.llm_engine.config.model_config.vocab_size
@@ -69,8 +76,13 @@ def run(folder: str, rebalance: bool, args) -> dict:
                     arrivals.setdefault(o.request_id, []).append(now)
         ttft = [times[0] - sent[rid] for rid, times in arrivals.items()]
         itl = [b - a for times in arrivals.values() for a, b in zip(times, times[1:])]
-        return {"ttft_p50": _pct(ttft, 0.5), "ttft_p99": _pct(ttft, 0.99), "itl_p50": _pct(itl, 0.5),
-                "itl_p99": _pct(itl, 0.99), "migrated": supervisor.migration_counts["migrated"]}
+        return {
+            "ttft_p50": _pct(ttft, 0.5),
+            "ttft_p99": _pct(ttft, 0.99),
+            "itl_p50": _pct(itl, 0.5),
+            "itl_p99": _pct(itl, 0.99),
+            "migrated": supervisor.migration_counts["migrated"],
+        }
 
 
 def main() -> None:
@@ -90,13 +102,19 @@ def main() -> None:
         for name in ("on", "off"):
             r = run(str(folder), name == "on", args)
             results[name].append(r)
-            print(f"rebalance {name:3s}  TTFT p50 {1e3 * r['ttft_p50']:7.1f} ms p99 {1e3 * r['ttft_p99']:7.1f} ms  "
-                  f"ITL p50 {1e3 * r['itl_p50']:6.1f} ms p99 {1e3 * r['itl_p99']:6.1f} ms  migrated {r['migrated']}",
-                  flush=True)
+            print(
+                f"rebalance {name:3s}  TTFT p50 {1e3 * r['ttft_p50']:7.1f} ms p99 {1e3 * r['ttft_p99']:7.1f} ms  "
+                f"ITL p50 {1e3 * r['itl_p50']:6.1f} ms p99 {1e3 * r['itl_p99']:6.1f} ms  migrated {r['migrated']}",
+                flush=True,
+            )
     for name, rows in results.items():
-        print(f"rebalance {name:3s} median of rounds: " + ", ".join(
-            f"{key} {1e3 * statistics.median(r[key] for r in rows):.1f} ms"
-            for key in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")))
+        print(
+            f"rebalance {name:3s} median of rounds: "
+            + ", ".join(
+                f"{key} {1e3 * statistics.median(r[key] for r in rows):.1f} ms"
+                for key in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
+            )
+        )
 
 
 if __name__ == "__main__":

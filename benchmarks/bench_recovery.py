@@ -115,8 +115,9 @@ def _core(llm: LLM):
     return llm.llm_engine.engine_core.engine_core
 
 
-def drive(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str,
-          strike: Callable[[], float] | None = None) -> dict[str, Any]:
+def drive(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str, strike: Callable[[], float] | None = None
+) -> dict[str, Any]:
     """Run the requests through LLMEngine.step (streaming deltas), calling `strike()` (which
     returns the strike's monotonic time) once every request has STRIKE_AT_TOKENS tokens."""
     engine = llm.llm_engine
@@ -151,32 +152,67 @@ def drive(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str,
             struck_at = strike()
     if strike is not None and struck_at is None:
         raise RuntimeError("the workload ended before the strike")
-    return {"tokens": [tokens[rid] for rid in ids], "struck_at": struck_at, "first_token_at": first_token_at,
-            "tokens_at_strike": tokens_at_strike, "new_recoveries": core.recoveries[recoveries_before:],
-            "step_s": step_s}
+    return {
+        "tokens": [tokens[rid] for rid in ids],
+        "struck_at": struck_at,
+        "first_token_at": first_token_at,
+        "tokens_at_strike": tokens_at_strike,
+        "new_recoveries": core.recoveries[recoveries_before:],
+        "step_s": step_s,
+    }
 
 
 def _first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def run_scenario(name: str, scenario: Scenario, model_name: str, model_dir: str, prompts: list[list[int]],
-                 args: argparse.Namespace, struck: list[psutil.Process], dtype: str = "bfloat16",
-                 repeats: int | None = None) -> ScenarioResult:
+def run_scenario(
+    name: str,
+    scenario: Scenario,
+    model_name: str,
+    model_dir: str,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    struck: list[psutil.Process],
+    dtype: str = "bfloat16",
+    repeats: int | None = None,
+) -> ScenarioResult:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
     t0 = time.monotonic()
     repeats = args.repeats if repeats is None else repeats
-    llm = LLM(model_dir, dtype=dtype, tensor_parallel_size=2, distributed_executor_backend=scenario.backend,
-              num_threads=1, enable_prefix_caching=False, max_model_len=PROMPT_LEN + MAX_TOKENS + 16,
-              kv_cache_memory_bytes=args.kv_cache_mib << 20, max_restarts=1000, restart_window=3600.0,
-              **scenario.engine_kwargs)
-    result = ScenarioResult(name, model_name, dtype, build_s=time.monotonic() - t0, decode_step_ms=float("nan"),
-                            deadline_s=scenario.engine_kwargs.get("execute_model_timeout"))
+    llm = LLM(
+        model_dir,
+        dtype=dtype,
+        tensor_parallel_size=2,
+        distributed_executor_backend=scenario.backend,
+        num_threads=1,
+        enable_prefix_caching=False,
+        max_model_len=PROMPT_LEN + MAX_TOKENS + 16,
+        kv_cache_memory_bytes=args.kv_cache_mib << 20,
+        max_restarts=1000,
+        restart_window=3600.0,
+        **scenario.engine_kwargs,
+    )
+    result = ScenarioResult(
+        name,
+        model_name,
+        dtype,
+        build_s=time.monotonic() - t0,
+        decode_step_ms=float("nan"),
+        deadline_s=scenario.engine_kwargs.get("execute_model_timeout"),
+    )
     try:
         reference = drive(llm, prompts, params, tag="ref")
         result.decode_step_ms = statistics.median(reference["step_s"][1:]) * 1e3
-        logger.info("%s/%s/%s: engine built in %.1f s, uninterrupted run %.1f s (%.1f ms/step)", name, model_name,
-                    dtype, result.build_s, sum(reference["step_s"]), result.decode_step_ms)
+        logger.info(
+            "%s/%s/%s: engine built in %.1f s, uninterrupted run %.1f s (%.1f ms/step)",
+            name,
+            model_name,
+            dtype,
+            result.build_s,
+            sum(reference["step_s"]),
+            result.decode_step_ms,
+        )
         core = _core(llm)
         ft = core.config.fault_tolerance
         for i in range(repeats):
@@ -207,9 +243,20 @@ def run_scenario(name: str, scenario: Scenario, model_name: str, model_dir: str,
                 first_divergence=divergence,
             )
             result.repeats.append(rep)
-            logger.info("%s/%s/%s repeat %d: %s, detection %.0f ms, recovery to first token %.2f s, rebuild %.2f s, "
-                        "%d/%d identical", name, model_name, dtype, i, rep.kind, rep.detection_s * 1e3,
-                        rep.recovery_to_first_token_s, rep.rebuild_s, rep.identical_requests, NUM_REQUESTS)
+            logger.info(
+                "%s/%s/%s repeat %d: %s, detection %.0f ms, recovery to first token %.2f s, rebuild %.2f s, "
+                "%d/%d identical",
+                name,
+                model_name,
+                dtype,
+                i,
+                rep.kind,
+                rep.detection_s * 1e3,
+                rep.recovery_to_first_token_s,
+                rep.rebuild_s,
+                rep.identical_requests,
+                NUM_REQUESTS,
+            )
     except Exception as e:  # report it and go on with the next scenario
         logger.exception("%s/%s/%s failed", name, model_name, dtype)
         result.error = f"{type(e).__name__}: {e}"
@@ -231,8 +278,9 @@ def kill_leftovers(struck: list[psutil.Process]) -> None:
             pass
 
 
-def measure_throughput(model_name: str, model_dir: str, prompts: list[list[int]],
-                       args: argparse.Namespace) -> dict[str, Any]:
+def measure_throughput(
+    model_name: str, model_dir: str, prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, Any]:
     """Same workload through LLM.generate (mp TP=2), heartbeat on (0.5 s) vs off (1e9 s), one
     engine at a time, alternating the order round by round; plus the heartbeat's own cost."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
@@ -242,13 +290,23 @@ def measure_throughput(model_name: str, model_dir: str, prompts: list[list[int]]
         order = ["on", "off"] if round_index % 2 == 0 else ["off", "on"]
         for label in order:
             interval = HEARTBEAT_ON_S if label == "on" else HEARTBEAT_OFF_S
-            llm = LLM(model_dir, dtype="bfloat16", tensor_parallel_size=2, distributed_executor_backend="mp",
-                      num_threads=1, enable_prefix_caching=False, max_model_len=PROMPT_LEN + MAX_TOKENS + 16,
-                      kv_cache_memory_bytes=args.kv_cache_mib << 20, health_check_interval=interval)
+            llm = LLM(
+                model_dir,
+                dtype="bfloat16",
+                tensor_parallel_size=2,
+                distributed_executor_backend="mp",
+                num_threads=1,
+                enable_prefix_caching=False,
+                max_model_len=PROMPT_LEN + MAX_TOKENS + 16,
+                kv_cache_memory_bytes=args.kv_cache_mib << 20,
+                health_check_interval=interval,
+            )
             try:
-                llm.generate([{"prompt_token_ids": p} for p in prompts[:2]],
-                             SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False),
-                             use_tqdm=False)
+                llm.generate(
+                    [{"prompt_token_ids": p} for p in prompts[:2]],
+                    SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False),
+                    use_tqdm=False,
+                )
                 t = time.perf_counter()
                 outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
                 elapsed = time.perf_counter() - t
@@ -261,13 +319,22 @@ def measure_throughput(model_name: str, model_dir: str, prompts: list[list[int]]
                         check_health_ms.append((time.perf_counter() - t) * 1e3)
             finally:
                 llm.shutdown()
-            logger.info("throughput %s round %d heartbeat %s: %.1f out tok/s", model_name, round_index, label,
-                        rates[label][-1])
+            logger.info(
+                "throughput %s round %d heartbeat %s: %.1f out tok/s", model_name, round_index, label, rates[label][-1]
+            )
     on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
     rtt = statistics.median(check_health_ms)
-    return {"model": model_name, "rounds": args.throughput_rounds, "tok_s_on": rates["on"], "tok_s_off": rates["off"],
-            "median_tok_s_on": on, "median_tok_s_off": off, "ratio_on_off": on / off,
-            "check_health_ms_median": rtt, "idle_heartbeat_duty": rtt / 1e3 / HEARTBEAT_ON_S}
+    return {
+        "model": model_name,
+        "rounds": args.throughput_rounds,
+        "tok_s_on": rates["on"],
+        "tok_s_off": rates["off"],
+        "median_tok_s_on": on,
+        "median_tok_s_off": off,
+        "ratio_on_off": on / off,
+        "check_health_ms_median": rtt,
+        "idle_heartbeat_duty": rtt / 1e3 / HEARTBEAT_ON_S,
+    }
 
 
 def _fmt(values: list[float], scale: float, digits: int) -> str:
@@ -280,89 +347,122 @@ def _identity_cell(r: ScenarioResult) -> str:
     if all(x.identical_requests == NUM_REQUESTS for x in reps):
         return "yes"
     counts = ", ".join(str(x.identical_requests) for x in reps)
-    before = "all equal before the strike" if all(x.identical_before_strike == NUM_REQUESTS for x in reps) \
+    before = (
+        "all equal before the strike"
+        if all(x.identical_before_strike == NUM_REQUESTS for x in reps)
         else "DIFFER BEFORE the strike"
+    )
     return f"no ({counts} of {NUM_REQUESTS}; {before})"
 
 
 def _identity_line(r: ScenarioResult) -> str:
     reps = r.repeats
     n, total = sum(x.identical_requests for x in reps), NUM_REQUESTS * len(reps)
-    head = (f"- {r.scenario}/{r.model}/{r.dtype}: greedy outputs after recovery "
-            f"{'equal' if n == total else 'NOT all equal'} to the uninterrupted run's: {n}/{total} requests "
-            f"over {len(reps)} strike(s) ({', '.join(sorted({x.kind for x in reps}))}, "
-            f"{reps[0].num_requests} requests re-queued)")
+    head = (
+        f"- {r.scenario}/{r.model}/{r.dtype}: greedy outputs after recovery "
+        f"{'equal' if n == total else 'NOT all equal'} to the uninterrupted run's: {n}/{total} requests "
+        f"over {len(reps)} strike(s) ({', '.join(sorted({x.kind for x in reps}))}, "
+        f"{reps[0].num_requests} requests re-queued)"
+    )
     if n == total:
         return head
     diverged = [d for x in reps for d in x.first_divergence if d is not None]
     at_strike = [t for x in reps for t in x.tokens_at_strike]
     before = sum(x.identical_before_strike for x in reps)
-    return (f"{head}; {before}/{total} equal up to the strike (at {min(at_strike)}-{max(at_strike)} tokens), "
-            f"the others first differ at token {min(diverged)}-{max(diverged)} "
-            f"(median {statistics.median(diverged):g})")
+    return (
+        f"{head}; {before}/{total} equal up to the strike (at {min(at_strike)}-{max(at_strike)} tokens), "
+        f"the others first differ at token {min(diverged)}-{max(diverged)} "
+        f"(median {statistics.median(diverged):g})"
+    )
 
 
-def print_report(results: list[ScenarioResult], checks: list[ScenarioResult], throughput: list[dict[str, Any]],
-                 args: argparse.Namespace) -> None:
-    print(f"\n## Recovery in place: TP=2, bf16, num_threads=1 per worker, {NUM_REQUESTS} requests x "
-          f"{PROMPT_LEN} prompt tokens -> {MAX_TOKENS} tokens, strike at >= {STRIKE_AT_TOKENS} tokens each, "
-          f"{args.repeats} repeats on one engine\n")
-    print("| scenario | model | detection ms median [min-max] | recovery to first token s median [min-max] "
-          "| rebuild s median | decode step ms | outputs identical |")
+def print_report(
+    results: list[ScenarioResult],
+    checks: list[ScenarioResult],
+    throughput: list[dict[str, Any]],
+    args: argparse.Namespace,
+) -> None:
+    print(
+        f"\n## Recovery in place: TP=2, bf16, num_threads=1 per worker, {NUM_REQUESTS} requests x "
+        f"{PROMPT_LEN} prompt tokens -> {MAX_TOKENS} tokens, strike at >= {STRIKE_AT_TOKENS} tokens each, "
+        f"{args.repeats} repeats on one engine\n"
+    )
+    print(
+        "| scenario | model | detection ms median [min-max] | recovery to first token s median [min-max] "
+        "| rebuild s median | decode step ms | outputs identical |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in results:
         if not r.repeats:
             print(f"| {r.scenario} | {r.model} | failed: {r.error} | | | | |")
             continue
         reps = r.repeats
-        print(f"| {r.scenario} | {r.model} | {_fmt([x.detection_s for x in reps], 1e3, 0)} | "
-              f"{_fmt([x.recovery_to_first_token_s for x in reps], 1, 2)} | "
-              f"{statistics.median(x.rebuild_s for x in reps):.2f} | {r.decode_step_ms:.1f} | {_identity_cell(r)} |")
+        print(
+            f"| {r.scenario} | {r.model} | {_fmt([x.detection_s for x in reps], 1e3, 0)} | "
+            f"{_fmt([x.recovery_to_first_token_s for x in reps], 1, 2)} | "
+            f"{statistics.median(x.rebuild_s for x in reps):.2f} | {r.decode_step_ms:.1f} | {_identity_cell(r)} |"
+        )
     print()
     for r in results:
         if r.deadline_s is not None and r.repeats:
             over = [x.detection_s - r.deadline_s for x in r.repeats]
-            print(f"- {r.scenario}/{r.model}: detection minus the {r.deadline_s:g} s execute_model_timeout: "
-                  f"{_fmt(over, 1e3, 0)} ms")
+            print(
+                f"- {r.scenario}/{r.model}: detection minus the {r.deadline_s:g} s execute_model_timeout: "
+                f"{_fmt(over, 1e3, 0)} ms"
+            )
     for r in results + checks:
         if r.repeats:
             print(_identity_line(r))
         if r.error:
             print(f"- {r.scenario}/{r.model}/{r.dtype}: stopped early: {r.error}")
     if any(x.identical_requests < NUM_REQUESTS for r in results for x in r.repeats):
-        print("- Why bf16 can differ: a recovered request recomputes its KV cache in one prefill of prompt + "
-              "generated tokens, where the uninterrupted run built it token by token in decode steps; in bf16 "
-              "the two round differently and the near-flat logits of these random-weight models flip greedy "
-              "ties (a new request whose prompt is an old one's prompt + first tokens diverges alike, no failure "
-              "involved). The float32 strikes above are the exactness check.")
+        print(
+            "- Why bf16 can differ: a recovered request recomputes its KV cache in one prefill of prompt + "
+            "generated tokens, where the uninterrupted run built it token by token in decode steps; in bf16 "
+            "the two round differently and the near-flat logits of these random-weight models flip greedy "
+            "ties (a new request whose prompt is an old one's prompt + first tokens diverges alike, no failure "
+            "involved). The float32 strikes above are the exactness check."
+        )
     if throughput:
-        print(f"\n## Heartbeat on ({HEARTBEAT_ON_S} s) vs off ({HEARTBEAT_OFF_S:g} s): LLM.generate, mp TP=2, "
-              f"median of {args.throughput_rounds} alternating rounds\n")
+        print(
+            f"\n## Heartbeat on ({HEARTBEAT_ON_S} s) vs off ({HEARTBEAT_OFF_S:g} s): LLM.generate, mp TP=2, "
+            f"median of {args.throughput_rounds} alternating rounds\n"
+        )
         print("| model | out tok/s on | out tok/s off | on/off | check_health round trip ms | idle duty at 0.5 s |")
         print("|---|---|---|---|---|---|")
         for t in throughput:
-            print(f"| {t['model']} | {t['median_tok_s_on']:.1f} | {t['median_tok_s_off']:.1f} | "
-                  f"{t['ratio_on_off']:.3f} | {t['check_health_ms_median']:.2f} | {t['idle_heartbeat_duty']:.2%} |")
-        print("\nNote: the heartbeat runs only while the engine core is idle (EngineCoreProc's loop, i.e. the "
-              "server); LLM.generate drives the in-process core, which never idles between steps and never "
-              "calls check_health_if_due, so on/off run identical code here and the ratio is noise. The idle "
-              "cost is the round trip of one executor.check_health() every interval (last column).")
+            print(
+                f"| {t['model']} | {t['median_tok_s_on']:.1f} | {t['median_tok_s_off']:.1f} | "
+                f"{t['ratio_on_off']:.3f} | {t['check_health_ms_median']:.2f} | {t['idle_heartbeat_duty']:.2%} |"
+            )
+        print(
+            "\nNote: the heartbeat runs only while the engine core is idle (EngineCoreProc's loop, i.e. the "
+            "server); LLM.generate drives the in-process core, which never idles between steps and never "
+            "calls check_health_if_due, so on/off run identical code here and the ratio is noise. The idle "
+            "cost is the round trip of one executor.check_health() every interval (last column)."
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["small", "large"], choices=sorted(MODELS))
-    parser.add_argument("--model-root", default="/tmp/raylm_bench_models",
-                        help="where the model folders are (written there if missing)")
-    parser.add_argument("--scenarios", nargs="+", default=["mp-kill", "ray-kill", "mp-hang"],
-                        choices=["mp-kill", "ray-kill", "mp-hang"])
+    parser.add_argument(
+        "--model-root", default="/tmp/raylm_bench_models", help="where the model folders are (written there if missing)"
+    )
+    parser.add_argument(
+        "--scenarios", nargs="+", default=["mp-kill", "ray-kill", "mp-hang"], choices=["mp-kill", "ray-kill", "mp-hang"]
+    )
     parser.add_argument("--repeats", type=int, default=5, help="strikes per scenario and model")
     parser.add_argument("--hang-timeout", type=float, default=5.0, help="execute_model_timeout of mp-hang, s")
     parser.add_argument("--kv-cache-mib", type=int, default=64, help="KV cache per rank, MiB")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt token ids")
-    parser.add_argument("--fp32-check", default="small", choices=[*sorted(MODELS), "none"],
-                        help="also strike each scenario once on this model in float32, where greedy outputs must "
-                             "equal the uninterrupted run's token for token (bf16 recompute may flip ties)")
+    parser.add_argument(
+        "--fp32-check",
+        default="small",
+        choices=[*sorted(MODELS), "none"],
+        help="also strike each scenario once on this model in float32, where greedy outputs must "
+        "equal the uninterrupted run's token for token (bf16 recompute may flip ties)",
+    )
     parser.add_argument("--throughput", action="store_true", help="also compare throughput, heartbeat on vs off")
     parser.add_argument("--throughput-rounds", type=int, default=3)
     parser.add_argument("--output-json", help="write the results here as JSON")
@@ -397,8 +497,19 @@ def main(argv: list[str] | None = None) -> None:
                 results.append(run_scenario(name, catalog[name], model_name, str(model_dir), prompts, args, struck))
             if args.fp32_check == model_name:
                 for name in args.scenarios:
-                    checks.append(run_scenario(name, catalog[name], model_name, str(model_dir), prompts, args, struck,
-                                               dtype="float32", repeats=1))
+                    checks.append(
+                        run_scenario(
+                            name,
+                            catalog[name],
+                            model_name,
+                            str(model_dir),
+                            prompts,
+                            args,
+                            struck,
+                            dtype="float32",
+                            repeats=1,
+                        )
+                    )
             if args.throughput:
                 throughput.append(measure_throughput(model_name, str(model_dir), prompts, args))
     finally:
@@ -407,10 +518,18 @@ def main(argv: list[str] | None = None) -> None:
             ray.shutdown()
     print_report(results, checks, throughput, args)
     if args.output_json:
-        report = {"args": vars(args), "workload": {"num_requests": NUM_REQUESTS, "prompt_len": PROMPT_LEN,
-                                                    "max_tokens": MAX_TOKENS, "strike_at_tokens": STRIKE_AT_TOKENS},
-                  "scenarios": [asdict(r) for r in results],
-                  "fp32_checks": [asdict(r) for r in checks], "throughput": throughput}
+        report = {
+            "args": vars(args),
+            "workload": {
+                "num_requests": NUM_REQUESTS,
+                "prompt_len": PROMPT_LEN,
+                "max_tokens": MAX_TOKENS,
+                "strike_at_tokens": STRIKE_AT_TOKENS,
+            },
+            "scenarios": [asdict(r) for r in results],
+            "fp32_checks": [asdict(r) for r in checks],
+            "throughput": throughput,
+        }
         pathlib.Path(args.output_json).write_text(json.dumps(report, indent=2) + "\n")
 
 

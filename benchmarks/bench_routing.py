@@ -42,8 +42,14 @@ def run(policy: str, args, seed: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True)
     sessions = _trace(args, seed)
     ttft, tokens = [], 0
-    with LLM(None, data_parallel_size=2, data_parallel_backend="mp", num_threads=1, routing_policy=policy,
-             kv_cache_memory_bytes=64 << 20) as llm:
+    with LLM(
+        None,
+        data_parallel_size=2,
+        data_parallel_backend="mp",
+        num_threads=1,
+        routing_policy=policy,
+        kv_cache_memory_bytes=64 << 20,
+    ) as llm:
         engine, sup = llm.llm_engine, llm.llm_engine.engine_core
         sent: dict[str, float] = {}
         answers: dict[str, list[int]] = {}
@@ -82,10 +88,16 @@ def run(policy: str, args, seed: int) -> dict:
         elapsed = time.monotonic() - started
         stats = sup.aggregate_stats()
     computed = stats.prefix_cache_queries - stats.prefix_cache_hits
-    return {"policy": policy, "computed": computed, "queried": stats.prefix_cache_queries,
-            "hit_rate": stats.prefix_cache_hits / max(1, stats.prefix_cache_queries),
-            "ttft_p50": statistics.median(ttft), "ttft_p99": sorted(ttft)[int(0.99 * (len(ttft) - 1))],
-            "throughput": tokens / elapsed, "requests": len(ttft)}
+    return {
+        "policy": policy,
+        "computed": computed,
+        "queried": stats.prefix_cache_queries,
+        "hit_rate": stats.prefix_cache_hits / max(1, stats.prefix_cache_queries),
+        "ttft_p50": statistics.median(ttft),
+        "ttft_p99": sorted(ttft)[int(0.99 * (len(ttft) - 1))],
+        "throughput": tokens / elapsed,
+        "requests": len(ttft),
+    }
 
 
 def main() -> None:
@@ -104,17 +116,22 @@ def main() -> None:
         for policy in POLICIES:
             r = run(policy, args, seed=round_)
             results[policy].append(r)
-            print(f"round {round_} {policy:8s}: prompt tokens computed {r['computed']} of {r['queried']} "
-                  f"(hit rate {100 * r['hit_rate']:.1f}%), TTFT p50 {1e3 * r['ttft_p50']:.0f} ms / p99 "
-                  f"{1e3 * r['ttft_p99']:.0f} ms, {r['throughput']:.0f} output tok/s", flush=True)
+            print(
+                f"round {round_} {policy:8s}: prompt tokens computed {r['computed']} of {r['queried']} "
+                f"(hit rate {100 * r['hit_rate']:.1f}%), TTFT p50 {1e3 * r['ttft_p50']:.0f} ms / p99 "
+                f"{1e3 * r['ttft_p99']:.0f} ms, {r['throughput']:.0f} output tok/s",
+                flush=True,
+            )
     base = statistics.median(r["computed"] for r in results["load"])
     for policy in POLICIES:
         rs = results[policy]
         computed = statistics.median(r["computed"] for r in rs)
-        print(f"{policy:8s} median of {len(rs)}: computed {computed:.0f} ({base / max(computed, 1):.2f}x fewer "
-              f"than load), TTFT p50 {1e3 * statistics.median(r['ttft_p50'] for r in rs):.0f} ms, "
-              f"p99 {1e3 * statistics.median(r['ttft_p99'] for r in rs):.0f} ms, "
-              f"{statistics.median(r['throughput'] for r in rs):.0f} output tok/s")
+        print(
+            f"{policy:8s} median of {len(rs)}: computed {computed:.0f} ({base / max(computed, 1):.2f}x fewer "
+            f"than load), TTFT p50 {1e3 * statistics.median(r['ttft_p50'] for r in rs):.0f} ms, "
+            f"p99 {1e3 * statistics.median(r['ttft_p99'] for r in rs):.0f} ms, "
+            f"{statistics.median(r['throughput'] for r in rs):.0f} output tok/s"
+        )
 
 
 if __name__ == "__main__":

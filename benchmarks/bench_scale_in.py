@@ -35,8 +35,14 @@ from raylm import LLM, SamplingParams
 
 
 def run(folder: str, mode: str, args) -> dict:
-    with LLM(folder, dtype="bfloat16", data_parallel_size=2, data_parallel_backend="mp", num_threads=1,
-             kv_cache_memory_bytes=256 << 20) as llm:
+    with LLM(
+        folder,
+        dtype="bfloat16",
+        data_parallel_size=2,
+        data_parallel_backend="mp",
+        num_threads=1,
+        kv_cache_memory_bytes=256 << 20,
+    ) as llm:
         engine, supervisor = llm.llm_engine, llm.llm_engine.engine_core
         if mode == "drain":  # scale-in without migration: the core keeps its requests until they end
             supervisor.migrations.migrate_away = lambda index, reason: 0
@@ -57,8 +63,11 @@ def run(folder: str, mode: str, args) -> dict:
         finished_at = time.perf_counter()
         if left_at is None:
             left_at = finished_at
-        return {"scale_in_s": left_at - scaled_at, "all_done_s": finished_at - scaled_at,
-                "migrated": supervisor.migration_counts["migrated"]}
+        return {
+            "scale_in_s": left_at - scaled_at,
+            "all_done_s": finished_at - scaled_at,
+            "migrated": supervisor.migration_counts["migrated"],
+        }
 
 
 def main() -> None:
@@ -78,11 +87,16 @@ def main() -> None:
         for mode in ("migrate", "drain"):
             r = run(str(folder), mode, args)
             results[mode].append(r)
-            print(f"{mode:8s} scale-in {r['scale_in_s']:6.2f} s  all done {r['all_done_s']:6.2f} s  "
-                  f"migrated {r['migrated']}", flush=True)
+            print(
+                f"{mode:8s} scale-in {r['scale_in_s']:6.2f} s  all done {r['all_done_s']:6.2f} s  "
+                f"migrated {r['migrated']}",
+                flush=True,
+            )
     for mode, rows in results.items():
-        print(f"{mode:8s} median scale-in {statistics.median(r['scale_in_s'] for r in rows):6.2f} s, "
-              f"all done {statistics.median(r['all_done_s'] for r in rows):6.2f} s")
+        print(
+            f"{mode:8s} median scale-in {statistics.median(r['scale_in_s'] for r in rows):6.2f} s, "
+            f"all done {statistics.median(r['all_done_s'] for r in rows):6.2f} s"
+        )
 
 
 if __name__ == "__main__":

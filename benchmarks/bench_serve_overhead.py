@@ -71,11 +71,20 @@ def measure(base: str, model: str, requests: int, max_tokens: int) -> dict[str, 
 
 def run_raylm_serve(requests: int, max_tokens_list: list[int], log: str) -> dict:
     port = free_port()
-    flags = ["--num-threads", "1", "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"]),
-             "--max-model-len", str(ENGINE["max_model_len"])]
+    flags = [
+        "--num-threads",
+        "1",
+        "--kv-cache-memory-bytes",
+        str(ENGINE["kv_cache_memory_bytes"]),
+        "--max-model-len",
+        str(ENGINE["max_model_len"]),
+    ]
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "raylm.entrypoints.cli", "serve", "--port", str(port),
-                                 *flags], stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "raylm.entrypoints.cli", "serve", "--port", str(port), *flags],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base)
@@ -115,15 +124,19 @@ def main() -> None:
     parser.add_argument("--json", help="also write the samples here")
     args = parser.parse_args()
     log = os.path.join(tempfile.mkdtemp(), "raylm-serve.log")
-    results = {"raylm serve": run_raylm_serve(args.requests, args.max_tokens, log),
-               "Ray Serve": run_ray_serve(args.requests, args.max_tokens)}
+    results = {
+        "raylm serve": run_raylm_serve(args.requests, args.max_tokens, log),
+        "Ray Serve": run_ray_serve(args.requests, args.max_tokens),
+    }
     for n in args.max_tokens:
         for kind in ("whole", "first_chunk"):
             direct = results["raylm serve"][n][kind]
             served = results["Ray Serve"][n][kind]
             added = statistics.median(served) - statistics.median(direct)
-            print(f"max_tokens={n:3d} {kind:11s} raylm serve: {summary(direct)} | Ray Serve: {summary(served)} "
-                  f"| Serve adds {added * 1e3:+.2f} ms (median)")
+            print(
+                f"max_tokens={n:3d} {kind:11s} raylm serve: {summary(direct)} | Ray Serve: {summary(served)} "
+                f"| Serve adds {added * 1e3:+.2f} ms (median)"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({k: {str(n): v for n, v in r.items()} for k, r in results.items()}, f)

@@ -67,16 +67,24 @@ def main(argv=None) -> None:
 
     extra = {"ray_step_transport": args.transport} if args.backend == "ray" else {}
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, distributed_executor_backend=args.backend,
-              tensor_parallel_size=args.tp, kv_cache_memory_bytes=1 << 30,
-              max_model_len=args.input_len + args.output_len + 16, **extra)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        distributed_executor_backend=args.backend,
+        tensor_parallel_size=args.tp,
+        kv_cache_memory_bytes=1 << 30,
+        max_model_len=args.input_len + args.output_len + 16,
+        **extra,
+    )
     startup = time.perf_counter() - t0
     try:
         core = llm.llm_engine.engine_core.engine_core
         rng = random.Random(0)
         vocab = llm.llm_engine.config.model_config.vocab_size
-        prompts = [{"prompt_token_ids": [rng.randrange(16, vocab) for _ in range(args.input_len)]}
-                   for _ in range(args.num_prompts)]
+        prompts = [
+            {"prompt_token_ids": [rng.randrange(16, vocab) for _ in range(args.input_len)]}
+            for _ in range(args.num_prompts)
+        ]
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
         core.executor.collective_rpc(install_timer)
@@ -95,15 +103,19 @@ def main(argv=None) -> None:
     finally:
         llm.shutdown()
     # Steps that ran a forward, in order; every rank ran each once.
-    compute = [max(r["execute_model"][i] + (r["sample_tokens"][i] if i < len(r["sample_tokens"]) else 0.0)
-                   for r in ranks) for i in range(min(len(r["execute_model"]) for r in ranks))]
+    compute = [
+        max(r["execute_model"][i] + (r["sample_tokens"][i] if i < len(r["sample_tokens"]) else 0.0) for r in ranks)
+        for i in range(min(len(r["execute_model"]) for r in ranks))
+    ]
     steps = step_s[: len(compute)]
     overhead = [s - c for s, c in zip(steps, compute)]
     name = args.backend + (f"/{args.transport}" if args.backend == "ray" else "")
-    print(f"{name} TP={args.tp}: {len(steps)} steps, median step {1e3 * statistics.median(steps):.2f} ms, "
-          f"median rank compute {1e3 * statistics.median(compute):.2f} ms, "
-          f"median overhead {1e3 * statistics.median(overhead):.2f} ms "
-          f"(p90 {1e3 * sorted(overhead)[int(0.9 * len(overhead))]:.2f} ms); start-up {startup:.1f} s")
+    print(
+        f"{name} TP={args.tp}: {len(steps)} steps, median step {1e3 * statistics.median(steps):.2f} ms, "
+        f"median rank compute {1e3 * statistics.median(compute):.2f} ms, "
+        f"median overhead {1e3 * statistics.median(overhead):.2f} ms "
+        f"(p90 {1e3 * sorted(overhead)[int(0.9 * len(overhead))]:.2f} ms); start-up {startup:.1f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -81,8 +81,9 @@ def main(argv=None) -> None:
     missing = install_timers(times)
     from raylm import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
-              num_threads=args.num_threads)
+    llm = LLM(
+        args.model, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16, num_threads=args.num_threads
+    )
     try:
         vocab = llm.llm_engine.config.model_config.vocab_size
         prompt = {"prompt_token_ids": [(i * 37) % (vocab - 16) + 16 for i in range(args.input_len)]}
@@ -100,8 +101,10 @@ def main(argv=None) -> None:
 
     runs.sort(key=lambda run: run[0])
     quiet = runs[: max(1, len(runs) // 2)]
-    print(f"{args.runs} runs of one request {args.input_len} -> {args.output_len}: "
-          f"best {1e3 * runs[0][0]:.1f} ms, median {1e3 * statistics.median(r[0] for r in runs):.1f} ms")
+    print(
+        f"{args.runs} runs of one request {args.input_len} -> {args.output_len}: "
+        f"best {1e3 * runs[0][0]:.1f} ms, median {1e3 * statistics.median(r[0] for r in runs):.1f} ms"
+    )
     print(f"{'part (us per call, median)':42s} {'quieter half':>12s} {'all runs':>9s} {'calls/run':>9s}")
     for label, *_ in PARTS:
         if label in missing:
@@ -111,8 +114,10 @@ def main(argv=None) -> None:
         if not all_calls:
             print(f"{label:42s} {'-':>12s} {'-':>9s} {0:9d}")
             continue
-        print(f"{label:42s} {1e6 * statistics.median(quiet_calls or all_calls):12.1f} "
-              f"{1e6 * statistics.median(all_calls):9.1f} {len(all_calls) / args.runs:9.0f}")
+        print(
+            f"{label:42s} {1e6 * statistics.median(quiet_calls or all_calls):12.1f} "
+            f"{1e6 * statistics.median(all_calls):9.1f} {len(all_calls) / args.runs:9.0f}"
+        )
 
 
 if __name__ == "__main__":

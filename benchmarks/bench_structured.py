@@ -76,20 +76,33 @@ def run(args, mode: str) -> dict:
     from raylm import LLM, SamplingParams
     from raylm.sampling_params import StructuredOutputsParams
 
-    llm = LLM(args.model, dtype=args.dtype, distributed_executor_backend=args.backend,
-              tensor_parallel_size=args.tp, num_threads=args.num_threads,
-              kv_cache_memory_bytes=args.kv_cache_gib << 30, max_model_len=args.input_len + args.output_len + 16)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        distributed_executor_backend=args.backend,
+        tensor_parallel_size=args.tp,
+        num_threads=args.num_threads,
+        kv_cache_memory_bytes=args.kv_cache_gib << 30,
+        max_model_len=args.input_len + args.output_len + 16,
+    )
     try:
         rng = random.Random(args.seed)
         vocab = llm.llm_engine.config.model_config.vocab_size
-        prompts = [{"prompt_token_ids": [rng.randrange(16, vocab) for _ in range(args.input_len)]}
-                   for _ in range(args.num_prompts)]
+        prompts = [
+            {"prompt_token_ids": [rng.randrange(16, vocab) for _ in range(args.input_len)]}
+            for _ in range(args.num_prompts)
+        ]
         constrained = StructuredOutputsParams(json=SCHEMA, **WHITESPACE[args.whitespace])
         every = max(1, round(1 / args.constrained_share)) if args.constrained_share > 0 else None
-        params = [SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
-                                 structured_outputs=constrained if mode == "constrained" and every
-                                 and i % every == 0 else None)
-                  for i in range(args.num_prompts)]
+        params = [
+            SamplingParams(
+                temperature=0,
+                max_tokens=args.output_len,
+                ignore_eos=True,
+                structured_outputs=constrained if mode == "constrained" and every and i % every == 0 else None,
+            )
+            for i in range(args.num_prompts)
+        ]
         llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up: grammar compiled, first allocations
         core = llm.llm_engine.engine_core.engine_core
         timer = StepTimer(core)
@@ -101,23 +114,33 @@ def run(args, mode: str) -> dict:
         ranks = core.executor.collective_rpc(take_times)
         forward_s = [max(times) for times in zip(*(r["execute_model"] for r in ranks))]
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        constrained_tokens = sum(len(o.outputs[0].token_ids) for o, p in zip(outs, params)
-                                 if p.structured_outputs is not None)
-        valid = sum(_is_valid(o.outputs[0].text) for o, p in zip(outs, params)
-                    if p.structured_outputs is not None and o.outputs[0].finish_reason == "stop")
-        return {"mode": mode, "elapsed_s": elapsed, "tokens": tokens, "steps": len(timer.step_s),
-                "median_step_ms": 1e3 * statistics.median(timer.step_s), "bitmask_s": sum(timer.bitmask_s),
-                "hidden_s": sum(min(b, f) for b, f in zip(timer.bitmask_s, forward_s)),
-                "median_forward_ms": 1e3 * statistics.median(forward_s),
-                "valid_finished_json": valid, "constrained_tokens": constrained_tokens,
-                "ms_per_token": 1e3 * elapsed / tokens}
+        constrained_tokens = sum(
+            len(o.outputs[0].token_ids) for o, p in zip(outs, params) if p.structured_outputs is not None
+        )
+        valid = sum(
+            _is_valid(o.outputs[0].text)
+            for o, p in zip(outs, params)
+            if p.structured_outputs is not None and o.outputs[0].finish_reason == "stop"
+        )
+        return {
+            "mode": mode,
+            "elapsed_s": elapsed,
+            "tokens": tokens,
+            "steps": len(timer.step_s),
+            "median_step_ms": 1e3 * statistics.median(timer.step_s),
+            "bitmask_s": sum(timer.bitmask_s),
+            "hidden_s": sum(min(b, f) for b, f in zip(timer.bitmask_s, forward_s)),
+            "median_forward_ms": 1e3 * statistics.median(forward_s),
+            "valid_finished_json": valid,
+            "constrained_tokens": constrained_tokens,
+            "ms_per_token": 1e3 * elapsed / tokens,
+        }
     finally:
         llm.shutdown()
 
 
 # --whitespace: what may stand between JSON tokens.
-WHITESPACE = {"bounded": {}, "none": {"disable_any_whitespace": True},
-              "any": {"whitespace_pattern": r"[ \n\r\t]*"}}
+WHITESPACE = {"bounded": {}, "none": {"disable_any_whitespace": True}, "any": {"whitespace_pattern": r"[ \n\r\t]*"}}
 
 
 def _is_valid(text: str) -> bool:
@@ -135,8 +158,12 @@ def main(argv=None) -> None:
     parser.add_argument("--make-model", nargs=2, metavar=("PRESET", "PATH"))
     parser.add_argument("--model")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--backend", default="mp", choices=["mp", "ray"],
-                        help="executors whose forward runs in other processes, alongside the bitmask")
+    parser.add_argument(
+        "--backend",
+        default="mp",
+        choices=["mp", "ray"],
+        help="executors whose forward runs in other processes, alongside the bitmask",
+    )
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--num-prompts", type=int, default=32)
@@ -145,10 +172,18 @@ def main(argv=None) -> None:
     parser.add_argument("--kv-cache-gib", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--constrained-share", type=float, default=0.5,
-                        help="share of the requests constrained in the constrained run (1: all)")
-    parser.add_argument("--whitespace", default="bounded", choices=sorted(WHITESPACE),
-                        help="JSON whitespace of the constrained requests")
+    parser.add_argument(
+        "--constrained-share",
+        type=float,
+        default=0.5,
+        help="share of the requests constrained in the constrained run (1: all)",
+    )
+    parser.add_argument(
+        "--whitespace",
+        default="bounded",
+        choices=sorted(WHITESPACE),
+        help="JSON whitespace of the constrained requests",
+    )
     args = parser.parse_args(argv)
     if args.make_model:
         make_model(*args.make_model)
@@ -159,19 +194,23 @@ def main(argv=None) -> None:
             results[mode].append(run(args, mode))
     for mode, rs in results.items():
         for r in rs:
-            print(f"{mode:11s} {r['elapsed_s']:7.2f} s  {r['tokens'] / r['elapsed_s']:8.1f} tok/s  "
-                  f"median step {r['median_step_ms']:6.2f} ms (forward {r['median_forward_ms']:6.2f} ms)  "
-                  f"bitmask {r['bitmask_s'] * 1e3:7.1f} ms in all, hidden {r['hidden_s'] * 1e3:7.1f} ms  "
-                  f"({r['steps']} steps; valid finished JSON: {r['valid_finished_json']})")
+            print(
+                f"{mode:11s} {r['elapsed_s']:7.2f} s  {r['tokens'] / r['elapsed_s']:8.1f} tok/s  "
+                f"median step {r['median_step_ms']:6.2f} ms (forward {r['median_forward_ms']:6.2f} ms)  "
+                f"bitmask {r['bitmask_s'] * 1e3:7.1f} ms in all, hidden {r['hidden_s'] * 1e3:7.1f} ms  "
+                f"({r['steps']} steps; valid finished JSON: {r['valid_finished_json']})"
+            )
     bitmask = sum(r["bitmask_s"] for r in results["constrained"])
     hidden = sum(r["hidden_s"] for r in results["constrained"])
     print(f"bitmask hidden behind the forward: {hidden / bitmask:.1%} of {bitmask * 1e3:.1f} ms")
     per_token = {mode: statistics.median(r["ms_per_token"] for r in rs) for mode, rs in results.items()}
     constrained_tokens = sum(r["constrained_tokens"] for r in results["constrained"])
-    print(f"time per output token (median of rounds): free {per_token['free']:.3f} ms, constrained "
-          f"{per_token['constrained']:.3f} ms ({per_token['constrained'] / per_token['free']:.2f}x); bitmask "
-          f"{1e6 * bitmask / max(constrained_tokens, 1):.0f} us per constrained token "
-          f"({args.constrained_share:g} of the requests constrained, whitespace {args.whitespace})")
+    print(
+        f"time per output token (median of rounds): free {per_token['free']:.3f} ms, constrained "
+        f"{per_token['constrained']:.3f} ms ({per_token['constrained'] / per_token['free']:.2f}x); bitmask "
+        f"{1e6 * bitmask / max(constrained_tokens, 1):.0f} us per constrained token "
+        f"({args.constrained_share:g} of the requests constrained, whitespace {args.whitespace})"
+    )
 
 
 if __name__ == "__main__":

@@ -28,9 +28,17 @@ from tests.multinode.harness import netns_unavailable, two_hosts  # noqa: E402
 
 
 def run(model: str, args, head_cpus: int, strategy: str) -> dict:
-    spec = {"model": model, "tp": 2, "pp": 2, "strategy": strategy, "transport": args.transport,
-            "dtype": "bfloat16", "prompts": [], "max_tokens": 1,
-            "bench": {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len}}
+    spec = {
+        "model": model,
+        "tp": 2,
+        "pp": 2,
+        "strategy": strategy,
+        "transport": args.transport,
+        "dtype": "bfloat16",
+        "prompts": [],
+        "max_tokens": 1,
+        "bench": {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len},
+    }
     with two_hosts(head_cpus=head_cpus) as hosts:
         return hosts.run_driver(spec, timeout=600)
 
@@ -55,14 +63,21 @@ def main(argv=None) -> None:
             bench = result["bench"]
             rows.append((name, result["placed"]["node_ips"], bench))
             tokens_per_s = bench["tokens"] / bench["elapsed_s"]
-            print(f"{name:9s} ranks on {result['placed']['node_ips']}: {tokens_per_s:7.1f} tok/s, "
-                  f"median step {bench['median_step_ms']:.2f} ms ({bench['steps']} steps)", flush=True)
-    best = {name: min((b for n, _, b in rows if n == name), key=lambda b: b["median_step_ms"])
-            for name in ("one host", "two hosts")}
+            print(
+                f"{name:9s} ranks on {result['placed']['node_ips']}: {tokens_per_s:7.1f} tok/s, "
+                f"median step {bench['median_step_ms']:.2f} ms ({bench['steps']} steps)",
+                flush=True,
+            )
+    best = {
+        name: min((b for n, _, b in rows if n == name), key=lambda b: b["median_step_ms"])
+        for name in ("one host", "two hosts")
+    }
     extra = best["two hosts"]["median_step_ms"] - best["one host"]["median_step_ms"]
     throughput = {name: b["tokens"] / b["elapsed_s"] for name, b in best.items()}
-    print(f"crossing hosts adds {extra:.2f} ms per step (best of {args.rounds}); throughput ratio "
-          f"{throughput['two hosts'] / throughput['one host']:.2f}")
+    print(
+        f"crossing hosts adds {extra:.2f} ms per step (best of {args.rounds}); throughput ratio "
+        f"{throughput['two hosts'] / throughput['one host']:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -32,23 +32,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default 128)")
     parser.add_argument("--output-len", type=int, default=128, help="generated tokens per request (default 128)")
     parser.add_argument("--num-prompts", type=int, default=64, help="requests in the workload (default 64)")
-    parser.add_argument("--dtype", default="auto",
-                        help="auto/float32/bfloat16/float16, resolved as raylm does, used by both (default auto)")
-    parser.add_argument("--hf-batch-size", type=int, default=None,
-                        help="prompts per HF generate() call; default: all of them in one call "
-                             "(faster than one by one); 1 = one by one")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads for both (CPU); default: torch's default")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto/float32/bfloat16/float16, resolved as raylm does, used by both (default auto)",
+    )
+    parser.add_argument(
+        "--hf-batch-size",
+        type=int,
+        default=None,
+        help="prompts per HF generate() call; default: all of them in one call "
+        "(faster than one by one); 1 = one by one",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads for both (CPU); default: torch's default"
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
-    parser.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None,
-                        help="raylm KV cache size, e.g. 2GiB (default: the engine's sizing)")
+    parser.add_argument(
+        "--kv-cache-memory-bytes",
+        type=parse_bytes,
+        default=None,
+        help="raylm KV cache size, e.g. 2GiB (default: the engine's sizing)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
     parser.add_argument("--output-json", default=None, metavar="FILE", help="also write the results as JSON")
     return parser.parse_args(argv)
 
 
-def run_hf(model_dir: str, prompts: list[list[int]], output_len: int, dtype: torch.dtype, device: str,
-           batch_size: int) -> tuple[float, list[list[int]]]:
+def run_hf(
+    model_dir: str, prompts: list[list[int]], output_len: int, dtype: torch.dtype, device: str, batch_size: int
+) -> tuple[float, list[list[int]]]:
     """Seconds for all prompts, and the generated ids. Every prompt has the same
     length, so batches need no padding (left padding would be the right side)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -64,25 +77,30 @@ def run_hf(model_dir: str, prompts: list[list[int]], output_len: int, dtype: tor
     # min_new_tokens == max_new_tokens masks EOS at every step: exactly
     # output_len tokens per prompt, as raylm's ignore_eos gives.
     generation_config = GenerationConfig(
-        do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len,
-        eos_token_id=eos, pad_token_id=pad,
+        do_sample=False,
+        max_new_tokens=output_len,
+        min_new_tokens=output_len,
+        eos_token_id=eos,
+        pad_token_id=pad,
     )
 
     def generate(batch: list[list[int]], config: GenerationConfig) -> torch.Tensor:
         input_ids = torch.tensor(batch, dtype=torch.long, device=device)
         with torch.inference_mode():
-            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                 generation_config=config)
-        return out[:, input_ids.shape[1]:]
+            out = model.generate(
+                input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config
+            )
+        return out[:, input_ids.shape[1] :]
 
-    warmup_config = GenerationConfig(do_sample=False, max_new_tokens=2, min_new_tokens=2,
-                                     eos_token_id=eos, pad_token_id=pad)
+    warmup_config = GenerationConfig(
+        do_sample=False, max_new_tokens=2, min_new_tokens=2, eos_token_id=eos, pad_token_id=pad
+    )
     generate(prompts[:1], warmup_config)
     _synchronize(device)
     start = time.perf_counter()
     generated: list[list[int]] = []
     for i in range(0, len(prompts), batch_size):
-        generated += generate(prompts[i:i + batch_size], generation_config).tolist()
+        generated += generate(prompts[i : i + batch_size], generation_config).tolist()
     _synchronize(device)
     elapsed = time.perf_counter() - start
     # Drop the weights before raylm loads its copy (`generate` shares this
@@ -94,8 +112,15 @@ def run_hf(model_dir: str, prompts: list[list[int]], output_len: int, dtype: tor
     return elapsed, generated
 
 
-def run_raylm(model_dir: str, prompts: list[list[int]], output_len: int, dtype: torch.dtype, device: str,
-              threads: int | None, kv_cache_memory_bytes: int | None) -> tuple[float, list[list[int]]]:
+def run_raylm(
+    model_dir: str,
+    prompts: list[list[int]],
+    output_len: int,
+    dtype: torch.dtype,
+    device: str,
+    threads: int | None,
+    kv_cache_memory_bytes: int | None,
+) -> tuple[float, list[list[int]]]:
     kwargs = {"device": device}
     if threads is not None:
         kwargs["num_threads"] = threads
@@ -130,22 +155,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    prompts = random_prompt_token_ids(tokenizer, arch.vocab_size, args.num_prompts, args.input_len,
-                                      np.random.default_rng(args.seed))
+    prompts = random_prompt_token_ids(
+        tokenizer, arch.vocab_size, args.num_prompts, args.input_len, np.random.default_rng(args.seed)
+    )
     hf_batch_size = args.hf_batch_size or args.num_prompts
 
     output_tokens = args.num_prompts * args.output_len
     total_tokens = output_tokens + args.num_prompts * args.input_len
-    print(f"workload: {args.num_prompts} prompts x ({args.input_len} in + {args.output_len} out) tokens, "
-          f"greedy, {str(dtype).replace('torch.', '')} on {device}, threads={torch.get_num_threads()}")
+    print(
+        f"workload: {args.num_prompts} prompts x ({args.input_len} in + {args.output_len} out) tokens, "
+        f"greedy, {str(dtype).replace('torch.', '')} on {device}, threads={torch.get_num_threads()}"
+    )
 
     hf_s, hf_tokens = run_hf(model_dir, prompts, args.output_len, dtype, device, hf_batch_size)
-    print(f"HF transformers (batch {hf_batch_size}): {hf_s:.3f} s, {output_tokens / hf_s:.2f} output tokens/s, "
-          f"{total_tokens / hf_s:.2f} total tokens/s")
-    raylm_s, raylm_tokens = run_raylm(model_dir, prompts, args.output_len, dtype, device, args.threads,
-                                      args.kv_cache_memory_bytes)
-    print(f"raylm:                   {raylm_s:.3f} s, {output_tokens / raylm_s:.2f} output tokens/s, "
-          f"{total_tokens / raylm_s:.2f} total tokens/s")
+    print(
+        f"HF transformers (batch {hf_batch_size}): {hf_s:.3f} s, {output_tokens / hf_s:.2f} output tokens/s, "
+        f"{total_tokens / hf_s:.2f} total tokens/s"
+    )
+    raylm_s, raylm_tokens = run_raylm(
+        model_dir, prompts, args.output_len, dtype, device, args.threads, args.kv_cache_memory_bytes
+    )
+    print(
+        f"raylm:                   {raylm_s:.3f} s, {output_tokens / raylm_s:.2f} output tokens/s, "
+        f"{total_tokens / raylm_s:.2f} total tokens/s"
+    )
     ratio = hf_s / raylm_s
     # Low precision can flip near-tied argmaxes, so report agreement rather than demand it.
     identical = sum(a == b for a, b in zip(hf_tokens, raylm_tokens))
@@ -153,14 +186,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"greedy outputs identical for {identical}/{args.num_prompts} prompts")
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
-            json.dump({
-                "model": model_dir, "dtype": str(dtype).replace("torch.", ""), "device": device,
-                "threads": torch.get_num_threads(), "input_len": args.input_len, "output_len": args.output_len,
-                "num_prompts": args.num_prompts, "hf_batch_size": hf_batch_size,
-                "hf_elapsed_time": hf_s, "hf_output_tokens_per_second": output_tokens / hf_s,
-                "raylm_elapsed_time": raylm_s, "raylm_output_tokens_per_second": output_tokens / raylm_s,
-                "raylm_over_hf": ratio, "identical_greedy_outputs": identical,
-            }, f, indent=2)
+            json.dump(
+                {
+                    "model": model_dir,
+                    "dtype": str(dtype).replace("torch.", ""),
+                    "device": device,
+                    "threads": torch.get_num_threads(),
+                    "input_len": args.input_len,
+                    "output_len": args.output_len,
+                    "num_prompts": args.num_prompts,
+                    "hf_batch_size": hf_batch_size,
+                    "hf_elapsed_time": hf_s,
+                    "hf_output_tokens_per_second": output_tokens / hf_s,
+                    "raylm_elapsed_time": raylm_s,
+                    "raylm_output_tokens_per_second": output_tokens / raylm_s,
+                    "raylm_over_hf": ratio,
+                    "identical_greedy_outputs": identical,
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 

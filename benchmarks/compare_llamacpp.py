@@ -110,8 +110,10 @@ def metrics_for(workloads: list[str], prefill_lens: list[int]) -> list[Metric]:
     if "batch" in workloads:
         out.append(Metric("batch_tok_s", f"{BATCH} x {ONE_LEN}/{ONE_LEN}", "output tok/s", True))
     if "online" in workloads:
-        out += [Metric("online_tok_s", f"online {BATCH} streams", "output tok/s", True),
-                Metric("online_ttft_ms", f"online {BATCH} streams, median TTFT", "ms", False)]
+        out += [
+            Metric("online_tok_s", f"online {BATCH} streams", "output tok/s", True),
+            Metric("online_ttft_ms", f"online {BATCH} streams, median TTFT", "ms", False),
+        ]
     return out
 
 
@@ -152,16 +154,36 @@ def llamacpp_offline(args: argparse.Namespace, variant: Variant) -> dict[str, fl
     result: dict[str, float] = {}
     if {"decode", "prefill"} & set(args.workloads):
         # Decode and prefill in separate calls where prefill must not repack (decode may).
-        runs = [(args.prefill_lens if "prefill" in args.workloads else [0],
-                 [ONE_LEN] if "decode" in args.workloads else [0], [])]
+        runs = [
+            (
+                args.prefill_lens if "prefill" in args.workloads else [0],
+                [ONE_LEN] if "decode" in args.workloads else [0],
+                [],
+            )
+        ]
         if no_repack(variant) and "prefill" in args.workloads:
             runs = [([0], [ONE_LEN], [])] if "decode" in args.workloads else []
             runs.append((args.prefill_lens, [0], ["--repack", "0"]))
         tests = []
         for prompts, gens, repack in runs:
-            out = _run_tool(args, "llama-bench", ["-m", variant.gguf, *threads, "-r", str(args.repetitions),
-                                                  "-p", ",".join(map(str, prompts)), "-n", ",".join(map(str, gens)),
-                                                  *repack, "-o", "json"])
+            out = _run_tool(
+                args,
+                "llama-bench",
+                [
+                    "-m",
+                    variant.gguf,
+                    *threads,
+                    "-r",
+                    str(args.repetitions),
+                    "-p",
+                    ",".join(map(str, prompts)),
+                    "-n",
+                    ",".join(map(str, gens)),
+                    *repack,
+                    "-o",
+                    "json",
+                ],
+            )
             tests += json.loads(out)
         for test in tests:
             if test["n_gen"] == ONE_LEN and test["n_prompt"] == 0:
@@ -170,10 +192,28 @@ def llamacpp_offline(args: argparse.Namespace, variant: Variant) -> dict[str, fl
                 result[f"prefill{test['n_prompt']}_tok_s"] = test["avg_ts"]
     batches = [b for w, b in (("one", 1), ("batch", BATCH)) if w in args.workloads]
     if batches:
-        out = _run_tool(args, "llama-batched-bench", [
-            "-m", variant.gguf, *threads, "-tb", str(args.threads), "-c", str(BATCH * 2 * ONE_LEN),
-            "-npp", str(ONE_LEN), "-ntg", str(ONE_LEN), "-npl", ",".join(map(str, batches)),
-            *(["-nr"] if no_repack(variant) else []), "--output-format", "jsonl"])
+        out = _run_tool(
+            args,
+            "llama-batched-bench",
+            [
+                "-m",
+                variant.gguf,
+                *threads,
+                "-tb",
+                str(args.threads),
+                "-c",
+                str(BATCH * 2 * ONE_LEN),
+                "-npp",
+                str(ONE_LEN),
+                "-ntg",
+                str(ONE_LEN),
+                "-npl",
+                ",".join(map(str, batches)),
+                *(["-nr"] if no_repack(variant) else []),
+                "--output-format",
+                "jsonl",
+            ],
+        )
         rows = {row["pl"]: row for row in map(json.loads, (x for x in out.splitlines() if x.startswith("{")))}
         if set(rows) != set(batches):
             raise RuntimeError(f"llama-batched-bench reported batches {sorted(rows)}, not {batches}")
@@ -189,10 +229,25 @@ def llamacpp_offline(args: argparse.Namespace, variant: Variant) -> dict[str, fl
 
 def llama_server_command(args: argparse.Namespace, variant: Variant) -> list[str]:
     # One slot per stream, each with room for its prompt and output.
-    return [str(pathlib.Path(args.llamacpp_bin, "llama-server")), "-m", variant.gguf, "--host", "127.0.0.1",
-            "--port", str(args.port), "-t", str(args.threads), "-tb", str(args.threads),
-            "-np", str(BATCH), "-cb", "-c", str(BATCH * (2 * ONE_LEN + 64)),
-            *(["-nr"] if no_repack(variant) else [])]
+    return [
+        str(pathlib.Path(args.llamacpp_bin, "llama-server")),
+        "-m",
+        variant.gguf,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.port),
+        "-t",
+        str(args.threads),
+        "-tb",
+        str(args.threads),
+        "-np",
+        str(BATCH),
+        "-cb",
+        "-c",
+        str(BATCH * (2 * ONE_LEN + 64)),
+        *(["-nr"] if no_repack(variant) else []),
+    ]
 
 
 # ---- raylm ----------------------------------------------------------------------------
@@ -202,9 +257,15 @@ def raylm_offline(args: argparse.Namespace, variant: Variant, vocab_size: int, r
     """Every offline workload on one LLM, in this interpreter."""
     from raylm import LLM, SamplingParams
 
-    llm = LLM(variant.raylm_model, dtype="bfloat16", num_threads=args.threads, enable_prefix_caching=False,
-              max_model_len=max([*args.prefill_lens, 2 * ONE_LEN]) + 16, max_num_seqs=BATCH,
-              kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)))
+    llm = LLM(
+        variant.raylm_model,
+        dtype="bfloat16",
+        num_threads=args.threads,
+        enable_prefix_caching=False,
+        max_model_len=max([*args.prefill_lens, 2 * ONE_LEN]) + 16,
+        max_num_seqs=BATCH,
+        kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
+    )
     seed = iter(range(10_000 * (round_index + 1), 10_000 * (round_index + 2)))  # fresh prompts each call
 
     def prompts(n: int, length: int) -> list[list[int]]:
@@ -231,7 +292,8 @@ def raylm_offline(args: argparse.Namespace, variant: Variant, vocab_size: int, r
         if "prefill" in args.workloads:
             for n in args.prefill_lens:
                 result[f"prefill{n}_tok_s"] = statistics.mean(
-                    n / timed(prompts(1, n), 1) for _ in range(args.repetitions))
+                    n / timed(prompts(1, n), 1) for _ in range(args.repetitions)
+                )
         if "one" in args.workloads:
             result["one_s"] = statistics.mean(timed(prompts(1, ONE_LEN), ONE_LEN) for _ in range(args.repetitions))
         if "batch" in args.workloads:
@@ -242,10 +304,23 @@ def raylm_offline(args: argparse.Namespace, variant: Variant, vocab_size: int, r
 
 
 def raylm_server_command(args: argparse.Namespace, variant: Variant) -> list[str]:
-    return [sys.executable, "-m", "raylm.entrypoints.cli", "serve", variant.raylm_model, "--host", "127.0.0.1",
-            "--port", str(args.port), "--dtype", "bfloat16", "--max-model-len", str(2 * ONE_LEN + 64),
-            "--no-enable-prefix-caching",
-            *(["--num-threads", str(args.online_raylm_threads)] if args.online_raylm_threads else [])]
+    return [
+        sys.executable,
+        "-m",
+        "raylm.entrypoints.cli",
+        "serve",
+        variant.raylm_model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.port),
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        str(2 * ONE_LEN + 64),
+        "--no-enable-prefix-caching",
+        *(["--num-threads", str(args.online_raylm_threads)] if args.online_raylm_threads else []),
+    ]
 
 
 # ---- both -----------------------------------------------------------------------------
@@ -262,23 +337,45 @@ def online(args: argparse.Namespace, command: list[str], workdir: pathlib.Path, 
             if args.online_warm_up:
                 loads.insert(0, (1, workdir / f"{label}.warm-up.json"))
             for seed, output in loads:
-                subprocess.run([sys.executable, "-m", "raylm.entrypoints.cli", "bench", "serve",
-                                "--base-url", f"http://127.0.0.1:{args.port}", "--num-prompts", str(BATCH),
-                                "--random-input-len", str(ONE_LEN), "--random-output-len", str(ONE_LEN),
-                                "--seed", str(seed), "--output-json", str(output)],
-                               check=True, stdout=subprocess.DEVNULL, timeout=args.tool_timeout)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "raylm.entrypoints.cli",
+                        "bench",
+                        "serve",
+                        "--base-url",
+                        f"http://127.0.0.1:{args.port}",
+                        "--num-prompts",
+                        str(BATCH),
+                        "--random-input-len",
+                        str(ONE_LEN),
+                        "--random-output-len",
+                        str(ONE_LEN),
+                        "--seed",
+                        str(seed),
+                        "--output-json",
+                        str(output),
+                    ],
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                    timeout=args.tool_timeout,
+                )
         finally:
             stop(server)
     result = json.loads(result_path.read_text())
     expected = BATCH * ONE_LEN
     if result["failed"] or result["total_output_tokens"] != expected:
-        raise RuntimeError(f"{label}: {result['failed']} requests failed, {result['total_output_tokens']} of "
-                           f"{expected} tokens came back ({result['errors']}; log in {workdir})")
+        raise RuntimeError(
+            f"{label}: {result['failed']} requests failed, {result['total_output_tokens']} of "
+            f"{expected} tokens came back ({result['errors']}; log in {workdir})"
+        )
     return {"online_tok_s": result["output_throughput"], "online_ttft_ms": result["median_ttft_ms"]}
 
 
-def run_round(args: argparse.Namespace, variant: Variant, engine: str, vocab_size: int, round_index: int,
-              workdir: pathlib.Path) -> dict[str, float]:
+def run_round(
+    args: argparse.Namespace, variant: Variant, engine: str, vocab_size: int, round_index: int, workdir: pathlib.Path
+) -> dict[str, float]:
     logger.info("round %d, %s: %s", round_index, variant.name, engine)
     if engine == "raylm":
         result = raylm_offline(args, variant, vocab_size, round_index) if set(args.workloads) - {"online"} else {}
@@ -300,24 +397,43 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="compare_llamacpp-") as tmp:
         for r in range(args.rounds):
             for variant in variants:
-                for engine in (("raylm", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "raylm")):
+                for engine in ("raylm", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "raylm"):
                     result = run_round(args, variant, engine, vocab_size, r, pathlib.Path(tmp))
                     rounds[variant.name][engine].append(result)
-    summary = {name: {engine: {key: dict(zip(("mean", "spread"), mean_and_spread([one[key] for one in results])),
-                                         rounds=[one[key] for one in results])
-                               for key in results[0]}
-                      for engine, results in per_engine.items()}
-               for name, per_engine in rounds.items()}
-    return {"model": args.model, "variants": [v.__dict__ for v in variants], "threads": args.threads,
-            "online_raylm_threads": args.online_raylm_threads, "online_warm_up": args.online_warm_up,
-            "rounds": args.rounds, "workloads": args.workloads, "prefill_lens": args.prefill_lens,
-            "load_average_before": load_before, "load_average_after": os.getloadavg(), "summary": summary}
+    summary = {
+        name: {
+            engine: {
+                key: dict(
+                    zip(("mean", "spread"), mean_and_spread([one[key] for one in results])),
+                    rounds=[one[key] for one in results],
+                )
+                for key in results[0]
+            }
+            for engine, results in per_engine.items()
+        }
+        for name, per_engine in rounds.items()
+    }
+    return {
+        "model": args.model,
+        "variants": [v.__dict__ for v in variants],
+        "threads": args.threads,
+        "online_raylm_threads": args.online_raylm_threads,
+        "online_warm_up": args.online_warm_up,
+        "rounds": args.rounds,
+        "workloads": args.workloads,
+        "prefill_lens": args.prefill_lens,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "summary": summary,
+    }
 
 
 def print_report(report: dict[str, Any]) -> None:
     """A markdown table on stdout (this is a script, so printing is its job)."""
-    print(f"\nmodel {report['model']}  threads {report['threads']} (both engines)  rounds {report['rounds']}  "
-          f"load average before/after {report['load_average_before'][0]:.2f}/{report['load_average_after'][0]:.2f}\n")
+    print(
+        f"\nmodel {report['model']}  threads {report['threads']} (both engines)  rounds {report['rounds']}  "
+        f"load average before/after {report['load_average_before'][0]:.2f}/{report['load_average_after'][0]:.2f}\n"
+    )
     print("| variant | workload | llama.cpp (spread) | raylm (spread) | speed raylm / llama.cpp |")
     print("|---|---|---|---|---|")
     for name, per_engine in report["summary"].items():
@@ -327,32 +443,50 @@ def print_report(report: dict[str, Any]) -> None:
                 continue
             digits = 3 if metric.unit == "s" else 0
             speed = ours["mean"] / theirs["mean"] if metric.higher_is_better else theirs["mean"] / ours["mean"]
-            print(f"| {name} | {metric.title} ({metric.unit}) | {theirs['mean']:.{digits}f} ({theirs['spread']:.0%}) "
-                  f"| {ours['mean']:.{digits}f} ({ours['spread']:.0%}) | {speed:.2f} |")
+            print(
+                f"| {name} | {metric.title} ({metric.unit}) | {theirs['mean']:.{digits}f} ({theirs['spread']:.0%}) "
+                f"| {ours['mean']:.{digits}f} ({ours['spread']:.0%}) | {speed:.2f} |"
+            )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--llamacpp-bin", required=True,
-                        help="folder with llama-bench, llama-batched-bench, llama-server")
+    parser.add_argument(
+        "--llamacpp-bin", required=True, help="folder with llama-bench, llama-batched-bench, llama-server"
+    )
     parser.add_argument("--model", required=True, help="the HF folder the GGUF files were converted from")
-    parser.add_argument("--gguf", action="append", required=True, metavar="FILE",
-                        help="a GGUF file of the model (repeat for each variant: BF16, Q8_0, Q4_K_M, ...)")
+    parser.add_argument(
+        "--gguf",
+        action="append",
+        required=True,
+        metavar="FILE",
+        help="a GGUF file of the model (repeat for each variant: BF16, Q8_0, Q4_K_M, ...)",
+    )
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--prefill-lens", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--threads", type=int, default=2, help="threads for both engines")
-    parser.add_argument("--online-raylm-threads", type=int,
-                        help="`raylm serve --num-threads` in the online workload; default: raylm's own")
-    parser.add_argument("--online-warm-up", action="store_true",
-                        help="online: measure each server's second load (the first, other prompts, warms it up)")
+    parser.add_argument(
+        "--online-raylm-threads",
+        type=int,
+        help="`raylm serve --num-threads` in the online workload; default: raylm's own",
+    )
+    parser.add_argument(
+        "--online-warm-up",
+        action="store_true",
+        help="online: measure each server's second load (the first, other prompts, warms it up)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="alternating raylm / llama.cpp rounds")
-    parser.add_argument("--repetitions", type=int, default=3,
-                        help="timed repetitions inside a round (llama-bench -r; raylm's decode, prefill and "
-                             "one-request timings)")
+    parser.add_argument(
+        "--repetitions",
+        type=int,
+        default=3,
+        help="timed repetitions inside a round (llama-bench -r; raylm's decode, prefill and one-request timings)",
+    )
     parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="raylm's offline KV cache")
     parser.add_argument("--port", type=int, default=8111)
-    parser.add_argument("--tool-timeout", type=float, default=900.0,
-                        help="seconds for one llama.cpp tool run or server")
+    parser.add_argument(
+        "--tool-timeout", type=float, default=900.0, help="seconds for one llama.cpp tool run or server"
+    )
     parser.add_argument("--json-out", help="also write every round's figures here")
     args = parser.parse_args(argv)
     for tool in ("llama-bench", "llama-batched-bench", "llama-server"):

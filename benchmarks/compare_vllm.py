@@ -44,17 +44,31 @@ RESULT_MARKER = "COMPARE_VLLM_RESULT "
 # Llama shapes for the two reference folders. lm_head is untied so the parameter counts come
 # out at ~7M and ~110M; head sizes 32 and 64 are ones vLLM's CPU attention accepts.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                  intermediate_size=688, vocab_size=8192, max_position_embeddings=1024,
-                  tie_word_embeddings=False),
-    "large": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
-                  intermediate_size=2816, vocab_size=8192, max_position_embeddings=1024,
-                  tie_word_embeddings=False),
+    "small": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=688,
+        vocab_size=8192,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    ),
+    "large": dict(
+        hidden_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        intermediate_size=2816,
+        vocab_size=8192,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    ),
 }
 
 # Runs inside the vLLM venv. Reads a JSON job file (argv[1]) and prints one marker line of JSON.
 # It mirrors `run_workloads` below; the two must measure the same things in the same order.
-VLLM_CHILD_SCRIPT = r'''
+VLLM_CHILD_SCRIPT = r"""
 import json, sys, time
 
 
@@ -101,7 +115,7 @@ def main():
 # vLLM spawns its engine-core and worker processes: they re-import this file.
 if __name__ == "__main__":
     main()
-'''
+"""
 
 
 def make_model(preset: str, path: str, **overrides) -> pathlib.Path:
@@ -113,8 +127,12 @@ def make_model(preset: str, path: str, **overrides) -> pathlib.Path:
 
     folder = make_tiny_model("llama", path, seed=0, dtype=torch.bfloat16, **{**MODEL_PRESETS[preset], **overrides})
     config = json.loads((folder / "config.json").read_text())
-    logger.info("wrote %s model to %s (%s)", preset, folder,
-                {k: config[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")})
+    logger.info(
+        "wrote %s model to %s (%s)",
+        preset,
+        folder,
+        {k: config[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")},
+    )
     return folder
 
 
@@ -134,10 +152,17 @@ def run_raylm(job: dict[str, Any], kv_cache_bytes: int, threads: int | None) -> 
     from raylm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(job["model"], dtype=job["dtype"], kv_cache_memory_bytes=kv_cache_bytes,
-              max_model_len=job["max_model_len"], max_num_seqs=job["max_num_seqs"],
-              enable_prefix_caching=False, num_threads=threads,
-              distributed_executor_backend=job["raylm_backend"], tensor_parallel_size=job["tp"])
+    llm = LLM(
+        job["model"],
+        dtype=job["dtype"],
+        kv_cache_memory_bytes=kv_cache_bytes,
+        max_model_len=job["max_model_len"],
+        max_num_seqs=job["max_num_seqs"],
+        enable_prefix_caching=False,
+        num_threads=threads,
+        distributed_executor_backend=job["raylm_backend"],
+        tensor_parallel_size=job["tp"],
+    )
     startup_s = time.perf_counter() - t0
 
     def run(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -197,7 +222,7 @@ def default_threads_bind(tp: int) -> str:
     if tp == 1:
         return ",".join(map(str, cpus))
     per_rank = max(1, len(cpus) // tp)
-    return "|".join(",".join(map(str, cpus[r * per_rank:(r + 1) * per_rank])) for r in range(tp))
+    return "|".join(",".join(map(str, cpus[r * per_rank : (r + 1) * per_rank])) for r in range(tp))
 
 
 def run_vllm(job: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -208,14 +233,20 @@ def run_vllm(job: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         script_path = pathlib.Path(tmp, "vllm_child.py")
         script_path.write_text(VLLM_CHILD_SCRIPT)
         # Run from the temp dir so `import vllm` cannot resolve to anything in the caller's cwd.
-        proc = subprocess.run([args.vllm_python, str(script_path), str(job_path)], cwd=tmp,
-                              env=vllm_env(args, job["tp"]), capture_output=True, text=True, timeout=args.vllm_timeout)
+        proc = subprocess.run(
+            [args.vllm_python, str(script_path), str(job_path)],
+            cwd=tmp,
+            env=vllm_env(args, job["tp"]),
+            capture_output=True,
+            text=True,
+            timeout=args.vllm_timeout,
+        )
     if args.vllm_log:
         with open(args.vllm_log, "a") as log:
             log.write(proc.stdout + proc.stderr)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_MARKER):
-            return json.loads(line[len(RESULT_MARKER):])
+            return json.loads(line[len(RESULT_MARKER) :])
     log_tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
     raise RuntimeError(f"vLLM child exited with code {proc.returncode} and no result:\n{log_tail}")
 
@@ -230,12 +261,14 @@ def summarise(name: str, results: list[dict[str, Any]], job: dict[str, Any]) -> 
     """Per metric: the mean over rounds and its spread ((max - min) / mean)."""
     per_round: dict[str, list[float]] = {"startup_s": [r["startup_s"] for r in results]}
     if job["throughput_prompts"]:
-        per_round["throughput_tok_s"] = [sum(map(len, r["throughput"]["tokens"])) / r["throughput"]["elapsed_s"]
-                                         for r in results]
+        per_round["throughput_tok_s"] = [
+            sum(map(len, r["throughput"]["tokens"])) / r["throughput"]["elapsed_s"] for r in results
+        ]
     if job["latency_prompt"]:
         per_round["latency_s"] = [statistics.mean(r["latency"]["times_s"]) for r in results]
-    summary = {key: dict(zip(("mean", "spread"), mean_and_spread(values)), rounds=values)
-               for key, values in per_round.items()}
+    summary = {
+        key: dict(zip(("mean", "spread"), mean_and_spread(values)), rounds=values) for key, values in per_round.items()
+    }
     # Each round too: a spread is easier to read knowing whether one round or all were off.
     logger.info("%s: %s", name, {k: [round(x, 3) for x in v["rounds"]] for k, v in summary.items()})
     return summary
@@ -262,15 +295,17 @@ def compare_config(args: argparse.Namespace, config_name: str, base_job: dict[st
             if engine == "vllm" and args.skip_vllm:
                 continue
             logger.info("%s round %d: %s", config_name, round_index, engine)
-            results[engine].append(run_raylm(job, kv_cache_bytes, threads) if engine == "raylm"
-                                   else run_vllm(job, args))
+            results[engine].append(
+                run_raylm(job, kv_cache_bytes, threads) if engine == "raylm" else run_vllm(job, args)
+            )
     report: dict[str, Any] = {"config": config_name, "raylm": summarise(f"{config_name} raylm", results["raylm"], job)}
     if results["vllm"]:
         report["vllm"] = summarise(f"{config_name} vllm", results["vllm"], job)
         for workload in ("throughput", "latency"):
             if workload in results["raylm"][0]:
                 report[f"greedy_agreement_{workload}"] = greedy_agreement(
-                    results["raylm"][0][workload]["tokens"], results["vllm"][0][workload]["tokens"])
+                    results["raylm"][0][workload]["tokens"], results["vllm"][0][workload]["tokens"]
+                )
     return report
 
 
@@ -286,27 +321,41 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": max(args.num_prompts, 1),
         "latency_iters": args.latency_iters,
         "throughput_prompts": random_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)
-        if "throughput" in workloads else [],
+        if "throughput" in workloads
+        else [],
         "latency_prompt": random_prompts(1, args.input_len, vocab_size, args.seed + 1)[0]
-        if "latency" in workloads else [],
+        if "latency" in workloads
+        else [],
     }
-    return {"model": job["model"], "dtype": args.dtype, "rounds": args.rounds,
-            "threads": "defaults" if args.defaults else args.threads,
-            "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-            "load_average_before": os.getloadavg(),
-            "configs": [compare_config(args, name, job) for name in args.configs],
-            "load_average_after": os.getloadavg()}
+    return {
+        "model": job["model"],
+        "dtype": args.dtype,
+        "rounds": args.rounds,
+        "threads": "defaults" if args.defaults else args.threads,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "load_average_before": os.getloadavg(),
+        "configs": [compare_config(args, name, job) for name in args.configs],
+        "load_average_after": os.getloadavg(),
+    }
 
 
 def print_report(report: dict[str, Any]) -> None:
     """A markdown table on stdout (this is a script, so printing is its job)."""
-    print(f"\nmodel {report['model']}  dtype {report['dtype']}  threads {report['threads']}  "
-          f"rounds {report['rounds']}  load average before/after {report['load_average_before'][0]:.2f}/"
-          f"{report['load_average_after'][0]:.2f}")
-    print(f"throughput: {report['num_prompts']} prompts x {report['input_len']} -> {report['output_len']} tokens; "
-          f"latency: 1 prompt, {report['input_len']} -> {report['output_len']}\n")
-    print("| config | raylm tok/s (spread) | vLLM tok/s (spread) | ratio | latency raylm s (spread) "
-          "| latency vLLM s (spread) | ratio | startup raylm / vLLM s |")
+    print(
+        f"\nmodel {report['model']}  dtype {report['dtype']}  threads {report['threads']}  "
+        f"rounds {report['rounds']}  load average before/after {report['load_average_before'][0]:.2f}/"
+        f"{report['load_average_after'][0]:.2f}"
+    )
+    print(
+        f"throughput: {report['num_prompts']} prompts x {report['input_len']} -> {report['output_len']} tokens; "
+        f"latency: 1 prompt, {report['input_len']} -> {report['output_len']}\n"
+    )
+    print(
+        "| config | raylm tok/s (spread) | vLLM tok/s (spread) | ratio | latency raylm s (spread) "
+        "| latency vLLM s (spread) | ratio | startup raylm / vLLM s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
 
     def cell(summary: dict | None, key: str, digits: int) -> str:
@@ -322,11 +371,14 @@ def print_report(report: dict[str, Any]) -> None:
     for row in report["configs"]:
         theirs = row.get("vllm")
         startup = f"{row['raylm']['startup_s']['mean']:.1f} / " + (
-            f"{theirs['startup_s']['mean']:.1f}" if theirs else "-")
-        print(f"| {row['config']} | {cell(row['raylm'], 'throughput_tok_s', 0)} "
-              f"| {cell(theirs, 'throughput_tok_s', 0)} | {ratio(row, 'throughput_tok_s')} "
-              f"| {cell(row['raylm'], 'latency_s', 2)} | {cell(theirs, 'latency_s', 2)} "
-              f"| {ratio(row, 'latency_s')} | {startup} |")
+            f"{theirs['startup_s']['mean']:.1f}" if theirs else "-"
+        )
+        print(
+            f"| {row['config']} | {cell(row['raylm'], 'throughput_tok_s', 0)} "
+            f"| {cell(theirs, 'throughput_tok_s', 0)} | {ratio(row, 'throughput_tok_s')} "
+            f"| {cell(row['raylm'], 'latency_s', 2)} | {cell(theirs, 'latency_s', 2)} "
+            f"| {ratio(row, 'latency_s')} | {startup} |"
+        )
     for row in report["configs"]:
         for key in ("greedy_agreement_throughput", "greedy_agreement_latency"):
             if key in row:
@@ -335,31 +387,44 @@ def print_report(report: dict[str, Any]) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--make-model", nargs=2, metavar=("PRESET", "PATH"),
-                        help=f"write a benchmark model folder and exit; PRESET is one of {sorted(MODEL_PRESETS)}")
+    parser.add_argument(
+        "--make-model",
+        nargs=2,
+        metavar=("PRESET", "PATH"),
+        help=f"write a benchmark model folder and exit; PRESET is one of {sorted(MODEL_PRESETS)}",
+    )
     parser.add_argument("--model", help="HF model folder both engines load")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--vllm-python", default="/opt/vllm-venv/bin/python")
     parser.add_argument("--skip-vllm", action="store_true", help="measure raylm only")
-    parser.add_argument("--workloads", nargs="+", default=["throughput", "latency"],
-                        choices=["throughput", "latency"])
+    parser.add_argument("--workloads", nargs="+", default=["throughput", "latency"], choices=["throughput", "latency"])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--latency-iters", type=int, default=3)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--defaults", action="store_true",
-                        help="no thread count or binding for either engine: what a user gets with no flag")
+    parser.add_argument(
+        "--defaults",
+        action="store_true",
+        help="no thread count or binding for either engine: what a user gets with no flag",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="alternating raylm/vLLM rounds")
     parser.add_argument("--seed", type=int, default=1234, help="seed for the prompt token ids")
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache GiB for both engines")
-    parser.add_argument("--vllm-threads-bind", default=None,
-                        help="VLLM_CPU_OMP_THREADS_BIND for the child (default: every allowed CPU for one "
-                             "rank, one group of them per rank for TP, e.g. '0|1')")
+    parser.add_argument(
+        "--vllm-threads-bind",
+        default=None,
+        help="VLLM_CPU_OMP_THREADS_BIND for the child (default: every allowed CPU for one "
+        "rank, one group of them per rank for TP, e.g. '0|1')",
+    )
     parser.add_argument("--vllm-timeout", type=float, default=1800.0, help="seconds per vLLM child run")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
-                        help="torch/OpenMP threads for both engines (default: every allowed CPU); on a "
-                             "loaded machine 1 avoids each op waiting for a descheduled OMP thread")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="torch/OpenMP threads for both engines (default: every allowed CPU); on a "
+        "loaded machine 1 avoids each op waiting for a descheduled OMP thread",
+    )
     parser.add_argument("--vllm-log", help="append the vLLM child's stdout and stderr to this file")
     parser.add_argument("--json-out", help="also write the report here as JSON")
     args = parser.parse_args(argv)

@@ -47,8 +47,15 @@ def server_command(engine: str, args: argparse.Namespace) -> tuple[list[str], di
     if args.tensor_parallel_size > 1:
         # vLLM refuses TP on one NUMA node without a binding; one core per rank.
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(args.tensor_parallel_size)))
-    return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
-            "--enforce-eager", *common], env
+    return [
+        args.vllm_python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        args.model,
+        "--enforce-eager",
+        *common,
+    ], env
 
 
 def wait_healthy(port: int, process: subprocess.Popen, timeout_s: float) -> None:
@@ -89,11 +96,26 @@ def run_once(engine: str, args: argparse.Namespace, workdir: Path, round_index: 
         wait_healthy(args.port, server, args.server_timeout)
         result_path = workdir / f"{engine}-{round_index}.json"
         subprocess.run(
-            [sys.executable, "-m", "raylm.entrypoints.cli", "bench", "serve",
-             "--base-url", f"http://127.0.0.1:{args.port}", "--num-prompts", str(args.num_prompts),
-             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-             "--output-json", str(result_path)],
-            check=True, stdout=subprocess.DEVNULL, timeout=args.server_timeout,
+            [
+                sys.executable,
+                "-m",
+                "raylm.entrypoints.cli",
+                "bench",
+                "serve",
+                "--base-url",
+                f"http://127.0.0.1:{args.port}",
+                "--num-prompts",
+                str(args.num_prompts),
+                "--random-input-len",
+                str(args.input_len),
+                "--random-output-len",
+                str(args.output_len),
+                "--output-json",
+                str(result_path),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            timeout=args.server_timeout,
         )
         result = json.loads(result_path.read_text())
     finally:
@@ -131,28 +153,41 @@ def main() -> None:
     rounds: dict[str, list[dict]] = {"raylm": [], "vllm": []}
     with tempfile.TemporaryDirectory(prefix="compare_vllm_online-") as tmp:
         for r in range(args.rounds):
-            for engine in (("raylm", "vllm") if r % 2 == 0 else ("vllm", "raylm")):
+            for engine in ("raylm", "vllm") if r % 2 == 0 else ("vllm", "raylm"):
                 rounds[engine].append(run_once(engine, args, Path(tmp), r))
-                print(f"round {r} {engine}: " + ", ".join(f"{k} {v:.1f}" for k, v in rounds[engine][-1].items()),
-                      flush=True)
-    summary = {engine: {name: summarize([one[name] for one in results]) for name in METRICS}
-               for engine, results in rounds.items()}
-    print(f"\nmodel {args.model}  tp {args.tensor_parallel_size}  {args.num_prompts} x {args.input_len} -> "
-          f"{args.output_len}  rounds {args.rounds}  load average before/after "
-          f"{load_before[0]:.2f}/{os.getloadavg()[0]:.2f}\n")
+                print(
+                    f"round {r} {engine}: " + ", ".join(f"{k} {v:.1f}" for k, v in rounds[engine][-1].items()),
+                    flush=True,
+                )
+    summary = {
+        engine: {name: summarize([one[name] for one in results]) for name in METRICS}
+        for engine, results in rounds.items()
+    }
+    print(
+        f"\nmodel {args.model}  tp {args.tensor_parallel_size}  {args.num_prompts} x {args.input_len} -> "
+        f"{args.output_len}  rounds {args.rounds}  load average before/after "
+        f"{load_before[0]:.2f}/{os.getloadavg()[0]:.2f}\n"
+    )
     print("| engine | output tok/s (spread) | median TTFT ms (spread) | median TPOT ms (spread) |")
     print("|---|---|---|---|")
     for engine, figures in summary.items():
-        print(f"| {engine} | " + " | ".join(f"{figures[n]['mean']:.0f} ({figures[n]['spread']:.0%})"
-                                            if n == "output_throughput" else
-                                            f"{figures[n]['mean']:.1f} ({figures[n]['spread']:.0%})"
-                                            for n in METRICS) + " |")
+        print(
+            f"| {engine} | "
+            + " | ".join(
+                f"{figures[n]['mean']:.0f} ({figures[n]['spread']:.0%})"
+                if n == "output_throughput"
+                else f"{figures[n]['mean']:.1f} ({figures[n]['spread']:.0%})"
+                for n in METRICS
+            )
+            + " |"
+        )
     ratio = summary["raylm"]["output_throughput"]["mean"] / summary["vllm"]["output_throughput"]["mean"]
     ttft = summary["raylm"]["median_ttft_ms"]["mean"] / summary["vllm"]["median_ttft_ms"]["mean"]
     print(f"\nraylm / vLLM: throughput {ratio:.2f}, median TTFT {ttft:.2f}")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"args": vars(args), "load_average_before": load_before,
-                                                   "summary": summary}, indent=2))
+        Path(args.json_out).write_text(
+            json.dumps({"args": vars(args), "load_average_before": load_before, "summary": summary}, indent=2)
+        )
 
 
 if __name__ == "__main__":

@@ -38,13 +38,27 @@ HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 PLOTS = HERE / "plots"
 README = HERE / "README.md"
-BEGIN = ("<!-- tables:begin (made by benchmarks/make_readme.py from benchmarks/results/*.json; "
-         "edit those, then run it) -->")
+BEGIN = (
+    "<!-- tables:begin (made by benchmarks/make_readme.py from benchmarks/results/*.json; edit those, then run it) -->"
+)
 END = "<!-- tables:end -->"
 
 # The README's order; a results file not named here follows these, by name.
-ORDER = ["vllm", "llamacpp", "quantized", "perplexity", "online", "migration", "migration_by_length",
-         "kv_transport", "context_parallel", "kv_flood", "two_hosts", "scale_in", "gpu"]
+ORDER = [
+    "vllm",
+    "llamacpp",
+    "quantized",
+    "perplexity",
+    "online",
+    "migration",
+    "migration_by_length",
+    "kv_transport",
+    "context_parallel",
+    "kv_flood",
+    "two_hosts",
+    "scale_in",
+    "gpu",
+]
 
 # key: (column title, unit, higher is better)
 WORKLOADS = {
@@ -89,8 +103,9 @@ def speed_of(cell: dict, key: str) -> float | None:
 
 def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
     esc = lambda s: str(s).replace("|", "\\|")  # noqa: E731
-    return (["| " + " | ".join(map(esc, header)) + " |", "|" + "---|" * len(header)]
-            + ["| " + " | ".join(map(esc, r)) + " |" for r in rows])
+    return ["| " + " | ".join(map(esc, header)) + " |", "|" + "---|" * len(header)] + [
+        "| " + " | ".join(map(esc, r)) + " |" for r in rows
+    ]
 
 
 def peer_table(doc: dict) -> list[str]:
@@ -102,8 +117,13 @@ def peer_table(doc: dict) -> list[str]:
         header.append(f"{title}, {unit}: raylm / {peer} (speed)")
     rows = []
     for row in doc["rows"]:
-        runs = [row["run"]] + sorted({c["run"] for k in doc["workloads"] if isinstance(c := row.get(k), dict)
-                                      and c.get("run", row["run"]) != row["run"]})
+        runs = [row["run"]] + sorted(
+            {
+                c["run"]
+                for k in doc["workloads"]
+                if isinstance(c := row.get(k), dict) and c.get("run", row["run"]) != row["run"]
+            }
+        )
         cells = ([", ".join(runs)] if many else []) + [row["model"], row["variant"]]
         for key in doc["workloads"]:
             cell = row.get(key)
@@ -122,14 +142,38 @@ def peer_table(doc: dict) -> list[str]:
 
 
 def migration_table(doc: dict) -> list[str]:
-    header = ["run", "model", "where", "prompt", "downtime (max)", "over a normal gap", "handover", "normal gap",
-              "whole migration", "MiB", "pre-copy slowdown src / dst", "recompute instead"]
+    header = [
+        "run",
+        "model",
+        "where",
+        "prompt",
+        "downtime (max)",
+        "over a normal gap",
+        "handover",
+        "normal gap",
+        "whole migration",
+        "MiB",
+        "pre-copy slowdown src / dst",
+        "recompute instead",
+    ]
     ms = lambda d, k="median_ms": f"{num(d[k])} ms" if d else ""  # noqa: E731
-    rows = [[r["run"], r["model"], r["where"], str(r["prompt_tokens"]),
-             f"{num(r['downtime']['median_ms'])} ms ({num(r['downtime']['p99_ms'])})", ms(r["extra_pause"]),
-             ms(r["handover"]), ms(r["inter_token"]), ms(r["migration"]), num(r["mib_moved"]),
-             f"{signed(r['source_precopy_slowdown_pct'])} / {signed(r['destination_precopy_slowdown_pct'])}",
-             ms(r["recompute"])] for r in doc["rows"]]
+    rows = [
+        [
+            r["run"],
+            r["model"],
+            r["where"],
+            str(r["prompt_tokens"]),
+            f"{num(r['downtime']['median_ms'])} ms ({num(r['downtime']['p99_ms'])})",
+            ms(r["extra_pause"]),
+            ms(r["handover"]),
+            ms(r["inter_token"]),
+            ms(r["migration"]),
+            num(r["mib_moved"]),
+            f"{signed(r['source_precopy_slowdown_pct'])} / {signed(r['destination_precopy_slowdown_pct'])}",
+            ms(r["recompute"]),
+        ]
+        for r in doc["rows"]
+    ]
     return md_table(header, rows)
 
 
@@ -166,10 +210,11 @@ def render_readme(current: str) -> str:
     start, stop = current.find(BEGIN), current.find(END)
     if start < 0 or stop < start:
         raise SystemExit(f"{README}: the markers {BEGIN!r} ... {END!r} are missing")
-    return current[:start] + tables_block() + current[stop + len(END):]
+    return current[:start] + tables_block() + current[stop + len(END) :]
 
 
 # ---------------------------------------------------------------- plots (matplotlib, optional)
+
 
 def _pyplot():
     try:
@@ -177,9 +222,11 @@ def _pyplot():
     except ImportError:
         raise SystemExit('--plots needs matplotlib: pip install -e ".[bench]"') from None
     matplotlib.use("svg")
-    matplotlib.rcParams.update({"svg.hashsalt": "raylm-benchmarks", "svg.fonttype": "none",
-                                "font.family": "DejaVu Sans", "font.size": 9})
+    matplotlib.rcParams.update(
+        {"svg.hashsalt": "raylm-benchmarks", "svg.fonttype": "none", "font.family": "DejaVu Sans", "font.size": 9}
+    )
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -201,8 +248,9 @@ def plot_decode_by_batch(plt, out: pathlib.Path) -> None:
                 if cell:
                     machine = doc["runs"][cell.get("run", row["run"])]["machine"]
                     machine = "AMD EPYC Zen 3 (AVX2), 2 vCPUs" if "Zen 3" in machine else "AVX-512 BF16 VM, 2 vCPUs"
-                    points.append((machine, batch, f"{row['model']} vs {peer}", speed_of(cell, key),
-                                   cell["raylm"], cell["peer"]))
+                    points.append(
+                        (machine, batch, f"{row['model']} vs {peer}", speed_of(cell, key), cell["raylm"], cell["peer"])
+                    )
     machines = sorted({p[0] for p in points})
     labels = sorted({p[2] for p in points}, key=lambda s: (s.split(" vs ")[1], s))
     colors = dict(zip(labels, ["#1f77b4", "#aec7e8", "#d62728", "#ff9896"]))
@@ -232,10 +280,17 @@ def plot_decode_by_batch(plt, out: pathlib.Path) -> None:
             if n not in names:
                 handles.append(h), names.append(n)
     order = sorted(range(len(names)), key=lambda j: labels.index(names[j]))
-    fig.legend([handles[j] for j in order], [names[j] for j in order], loc="lower center", ncol=4,
-               bbox_to_anchor=(0.5, -0.08), frameon=False)
-    fig.suptitle("Decode tok/s by batch size against the peers: raylm's speed (bars), raylm / peer tok/s (labels)",
-                 fontsize=10)
+    fig.legend(
+        [handles[j] for j in order],
+        [names[j] for j in order],
+        loc="lower center",
+        ncol=4,
+        bbox_to_anchor=(0.5, -0.08),
+        frameon=False,
+    )
+    fig.suptitle(
+        "Decode tok/s by batch size against the peers: raylm's speed (bars), raylm / peer tok/s (labels)", fontsize=10
+    )
     _save(fig, out)
     plt.close(fig)
 
@@ -248,11 +303,18 @@ def plot_migration_pause(plt, out: pathlib.Path) -> None:
         series.setdefault(f"{row['model']}, {row['where']}", []).append(row)
     for (label, rows), color in zip(series.items(), ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"]):
         xs = [r["prompt_tokens"] for r in rows]
-        ax.plot(xs, [r["downtime"]["median_ms"] for r in rows], marker="o", color=color,
-                label=f"migration pause, {label}")
+        ax.plot(
+            xs, [r["downtime"]["median_ms"] for r in rows], marker="o", color=color, label=f"migration pause, {label}"
+        )
         if all(r["recompute"] for r in rows):
-            ax.plot(xs, [r["recompute"]["median_ms"] for r in rows], marker="s", linestyle="--", color=color,
-                    label=f"recompute instead, {label}")
+            ax.plot(
+                xs,
+                [r["recompute"]["median_ms"] for r in rows],
+                marker="s",
+                linestyle="--",
+                color=color,
+                label=f"recompute instead, {label}",
+            )
     ax.set_xlabel("prompt tokens of the request moved")
     ax.set_ylabel("client's gap between two tokens, ms (median)")
     ax.set_xticks([256, 1024, 2048])
@@ -286,8 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     if wanted != current:
         stale.append(str(README.relative_to(HERE.parent)))
         if args.check:
-            sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), wanted.splitlines(True),
-                                                       "README.md", "README.md (made)", n=1))
+            sys.stdout.writelines(
+                difflib.unified_diff(
+                    current.splitlines(True), wanted.splitlines(True), "README.md", "README.md (made)", n=1
+                )
+            )
         else:
             README.write_text(wanted)
     if args.plots:
@@ -302,8 +367,11 @@ def main(argv: list[str] | None = None) -> int:
                         PLOTS.mkdir(exist_ok=True)
                         path.write_bytes(made)
     if args.check and stale:
-        print(f"\nout of date: {', '.join(stale)}; run python benchmarks/make_readme.py"
-              + (" --plots" if args.plots else ""), file=sys.stderr)
+        print(
+            f"\nout of date: {', '.join(stale)}; run python benchmarks/make_readme.py"
+            + (" --plots" if args.plots else ""),
+            file=sys.stderr,
+        )
         return 1
     if stale:
         print(f"wrote {', '.join(stale)}")

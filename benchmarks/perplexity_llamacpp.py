@@ -63,7 +63,9 @@ def llamacpp_perplexity(binary: pathlib.Path, path: str, text_file: str, ctx: in
     a build may lack a kernel for a type, e.g. one this machine's CPU flags promise but the VM traps)."""
     out = subprocess.run(
         [str(binary), "-m", path, "-f", text_file, "-c", str(ctx), "-b", str(ctx), "-t", "1", "--no-repack"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     match = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
     if match is None:
@@ -84,12 +86,18 @@ def main() -> None:
         variants = ("F32", "Q8_0", "Q4_K_M")
         paths = {variant: f"{tmp}/model-{variant}.gguf" for variant in variants}
         for variant, path in paths.items():
-            write_gguf(DEFAULT_MODEL_DIR, path, "Q4_K" if variant == "Q4_K_M" else variant,
-                       tensor_type=q4_k_m if variant == "Q4_K_M" else None)
+            write_gguf(
+                DEFAULT_MODEL_DIR,
+                path,
+                "Q4_K" if variant == "Q4_K_M" else variant,
+                tensor_type=q4_k_m if variant == "Q4_K_M" else None,
+            )
         # llama.cpp first: run after an engine in this process, llama-perplexity here ended
         # without printing its results (exit 0).
-        theirs = {v: llamacpp_perplexity(args.llamacpp_bin / "llama-perplexity", p, text_file, args.ctx)
-                  for v, p in paths.items()}
+        theirs = {
+            v: llamacpp_perplexity(args.llamacpp_bin / "llama-perplexity", p, text_file, args.ctx)
+            for v, p in paths.items()
+        }
         for variant, path in paths.items():
             ours, count = raylm_perplexity(path, TEXT, args.ctx)
             other = theirs[variant]

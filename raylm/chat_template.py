@@ -88,9 +88,12 @@ def render_bounded(tokenizer, conversation: list[dict], **kwargs) -> str:
     finally:
         _local.budget = None
     if not budget.used:
-        raise ChatTemplateNotBounded("the chat template was not rendered in raylm's bounded environment "
-                           "(has transformers changed how apply_chat_template compiles templates?)")
+        raise ChatTemplateNotBounded(
+            "the chat template was not rendered in raylm's bounded environment "
+            "(has transformers changed how apply_chat_template compiles templates?)"
+        )
     if len(text) > MAX_RENDERED_CHARS:
         raise ChatTemplateRenderError(
-            f"chat template render exceeded its output limit ({len(text)} characters > {MAX_RENDERED_CHARS})")
+            f"chat template render exceeded its output limit ({len(text)} characters > {MAX_RENDERED_CHARS})"
+        )
     return text

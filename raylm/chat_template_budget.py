@@ -81,7 +81,6 @@ class ChatTemplateRenderError(ValueError):
     """A render went past one of its bounds."""
 
 
-
 def _allocated(value) -> int:
     """The memory `value` takes: its size, rounded up to the allocator's 16
     bytes (a 2-character str, 51 bytes, takes 64)."""
@@ -110,14 +109,17 @@ class _RenderBudget:
             self.next_cpu_reading = now + _CPU_CLOCK_EVERY_S
             over = over or time.thread_time() > self.deadline
         if over:
-            raise ChatTemplateRenderError(f"chat template render exceeded its time limit ({RENDER_CPU_SECONDS:g} s "
-                                          f"of CPU, {RENDER_WALL_SECONDS:g} s in all)")
+            raise ChatTemplateRenderError(
+                f"chat template render exceeded its time limit ({RENDER_CPU_SECONDS:g} s "
+                f"of CPU, {RENDER_WALL_SECONDS:g} s in all)"
+            )
 
     def charge(self, amount: int) -> None:
         self.work += amount
         if self.work > MAX_RENDER_WORK:
             raise ChatTemplateRenderError(
-                f"chat template render exceeded its memory limit (it built more than {MAX_RENDER_WORK} bytes)")
+                f"chat template render exceeded its memory limit (it built more than {MAX_RENDER_WORK} bytes)"
+            )
 
     def remaining(self) -> int:
         return MAX_RENDER_WORK - self.work
@@ -218,4 +220,3 @@ def _register_inputs(budget: _RenderBudget, values) -> None:
         walked += 1
         if walked % _WALK_CLOCK_EVERY == 0:
             budget.step()
-

@@ -34,14 +34,44 @@ from raylm.chat_template_budget import (
 
 # Filters that run in C in time linear in what they read and build (or in
 # constant time), whatever their input: bounded by the memory limit alone.
-_LINEAR_FILTERS = frozenset({"abs", "attr", "capitalize", "center", "count", "d", "default", "e", "escape",
-                             "filesizeformat", "first", "float", "forceescape", "format", "int", "join", "last",
-                             "length", "list", "lower", "random", "replace", "round", "safe", "string", "tojson",
-                             "trim", "truncate", "upper"})
+_LINEAR_FILTERS = frozenset(
+    {
+        "abs",
+        "attr",
+        "capitalize",
+        "center",
+        "count",
+        "d",
+        "default",
+        "e",
+        "escape",
+        "filesizeformat",
+        "first",
+        "float",
+        "forceescape",
+        "format",
+        "int",
+        "join",
+        "last",
+        "length",
+        "list",
+        "lower",
+        "random",
+        "replace",
+        "round",
+        "safe",
+        "string",
+        "tojson",
+        "trim",
+        "truncate",
+        "upper",
+    }
+)
 # Filters that return an iterator, whose items are each a step (and charged) as
 # they are taken: the work is in the taking.
-_LAZY_FILTERS = frozenset({"batch", "items", "map", "reject", "rejectattr", "reverse", "select", "selectattr",
-                           "slice", "unique"})
+_LAZY_FILTERS = frozenset(
+    {"batch", "items", "map", "reject", "rejectattr", "reverse", "select", "selectattr", "slice", "unique"}
+)
 # Every other filter is slow (sort, dictsort, groupby, min, max, sum, pprint,
 # wordwrap, urlize, title, xmlattr, ..., and any filter added later), and so
 # are these arguments of linear ones: tojson's indent (Python's json encoder)
@@ -61,12 +91,36 @@ _SLOW_STR_METHODS = frozenset({"format", "format_map", "unescape", "striptags"})
 # time.strftime's buffer (a wchar_t, doubled until the text fits).
 _STRFTIME_BYTES = 12 * (4 + 8)
 # The codecs encode and decode may use: C and linear (punycode, for one, is quadratic).
-_LINEAR_CODECS = frozenset({"utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le",
-                            "utf-32-be", "ascii", "iso8859-1"})
+_LINEAR_CODECS = frozenset(
+    {"utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be", "ascii", "iso8859-1"}
+)
 # Filters whose result is text built from their whole argument.
-_STRINGIFYING_FILTERS = frozenset({"join", "tojson", "string", "format", "pprint", "xmlattr", "urlize", "escape",
-                                   "e", "forceescape", "safe", "list", "wordwrap", "title", "capitalize", "upper",
-                                   "lower", "trim", "striptags", "truncate", "urlencode", "filesizeformat"})
+_STRINGIFYING_FILTERS = frozenset(
+    {
+        "join",
+        "tojson",
+        "string",
+        "format",
+        "pprint",
+        "xmlattr",
+        "urlize",
+        "escape",
+        "e",
+        "forceescape",
+        "safe",
+        "list",
+        "wordwrap",
+        "title",
+        "capitalize",
+        "upper",
+        "lower",
+        "trim",
+        "striptags",
+        "truncate",
+        "urlencode",
+        "filesizeformat",
+    }
+)
 # What str.split() and str.splitlines() split at (they make one string a piece).
 _SPACES = "".join(c for c in map(chr, range(0x3001)) if c.isspace())
 _LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
@@ -166,8 +220,9 @@ def _check_format_text(fmt) -> None:
 def _check_step(what: str, units: int, unit: str = "characters") -> None:
     """One step of a slow filter or method, refused past MAX_SLOW_STEP_UNITS."""
     if units > MAX_SLOW_STEP_UNITS:
-        raise ChatTemplateRenderError(f"chat template render exceeded its time limit ({what} on more than "
-                                      f"{MAX_SLOW_STEP_UNITS} {unit} at once)")
+        raise ChatTemplateRenderError(
+            f"chat template render exceeded its time limit ({what} on more than {MAX_SLOW_STEP_UNITS} {unit} at once)"
+        )
 
 
 def _sized(value):
@@ -210,7 +265,7 @@ def _pieces(text, sep, maxsplit) -> int:
         spaces = _SPACES if isinstance(text, str) else b" \t\n\r\x0b\x0c"
         if isinstance(text, str) and text.isascii():
             spaces = spaces[:10]  # the ASCII ones come first
-        hits = sum(text.count(spaces[i:i + 1]) for i in range(len(spaces)))
+        hits = sum(text.count(spaces[i : i + 1]) for i in range(len(spaces)))
     else:
         hits = text.count(sep) if isinstance(sep, type(text)) and sep else 0
     if isinstance(maxsplit, int) and maxsplit >= 0:
@@ -230,9 +285,26 @@ def _joined_bytes(text, times: int, values, plain_depth: int) -> int:
 _CASE_MAPPINGS = frozenset({"upper", "lower", "title", "capitalize", "swapcase", "casefold"})
 # The methods _predicted_str_method predicts; the others build at most about
 # what they read (strip, partition, hex, ...).
-_PREDICTED_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs", "replace", "join", "format",
-                                "format_map", "split", "rsplit", "splitlines", "translate", "encode", "decode",
-                                *_CASE_MAPPINGS})
+_PREDICTED_METHODS = frozenset(
+    {
+        "ljust",
+        "rjust",
+        "center",
+        "zfill",
+        "expandtabs",
+        "replace",
+        "join",
+        "format",
+        "format_map",
+        "split",
+        "rsplit",
+        "splitlines",
+        "translate",
+        "encode",
+        "decode",
+        *_CASE_MAPPINGS,
+    }
+)
 
 
 def _predicted_str_method(name: str, text, args: tuple, kwargs: dict) -> int:
@@ -247,8 +319,9 @@ def _predicted_str_method(name: str, text, args: tuple, kwargs: dict) -> int:
         return max(len(text), args[0]) * width
     if name == "expandtabs":
         size = args[0] if args else kwargs.get("tabsize", 8)
-        return (len(text) + text.count("\t" if isinstance(text, str) else b"\t")
-                * (size if isinstance(size, int) else 0)) * width
+        return (
+            len(text) + text.count("\t" if isinstance(text, str) else b"\t") * (size if isinstance(size, int) else 0)
+        ) * width
     if name == "replace" and len(args) >= 2 and isinstance(args[0], type(text)) and isinstance(args[1], type(text)):
         hits = text.count(args[0]) if args[0] else len(text) + 1
         return (len(text) + hits * max(len(args[1]) - len(args[0]), 0)) * width
@@ -260,8 +333,11 @@ def _predicted_str_method(name: str, text, args: tuple, kwargs: dict) -> int:
         return _joined_bytes(text, 1, (*args, *kwargs.values()), plain_depth=-1 if _shows_repr(text) else 1)
     if name in ("split", "rsplit", "splitlines"):
         if name == "splitlines":
-            pieces = sum(text.count(c) for c in _LINE_BREAKS) + 1 if isinstance(text, str) else text.count(b"\n") + \
-                text.count(b"\r") + 1
+            pieces = (
+                sum(text.count(c) for c in _LINE_BREAKS) + 1
+                if isinstance(text, str)
+                else text.count(b"\n") + text.count(b"\r") + 1
+            )
         else:
             sep = args[0] if args else kwargs.get("sep")
             pieces = _pieces(text, sep, args[1] if len(args) > 1 else kwargs.get("maxsplit", -1))
@@ -279,8 +355,10 @@ def _predicted_str_method(name: str, text, args: tuple, kwargs: dict) -> int:
         except LookupError:
             canonical = None  # the method's own error says so
         if isinstance(codec, str) and canonical is not None and canonical not in _LINEAR_CODECS:
-            raise ChatTemplateRenderError(f"chat template render exceeded its limits (codec {codec!r}; "
-                                          f"only the UTF, ASCII and Latin-1 codecs are allowed)")
+            raise ChatTemplateRenderError(
+                f"chat template render exceeded its limits (codec {codec!r}; "
+                f"only the UTF, ASCII and Latin-1 codecs are allowed)"
+            )
         return len(text) * 4 + 4  # a BOM
     return 0
 
@@ -317,7 +395,8 @@ def _predicted_filter(name: str, args: tuple, kwargs: dict) -> int:
 def _check_predicted(budget: _RenderBudget, predicted: int) -> None:
     if predicted > MAX_VALUE_BYTES or predicted > budget.remaining():
         raise ChatTemplateRenderError(
-            f"chat template render exceeded its memory limit (one value of ~{predicted} bytes)")
+            f"chat template render exceeded its memory limit (one value of ~{predicted} bytes)"
+        )
 
 
 def _count_items(values, limit: int) -> int:
@@ -354,4 +433,3 @@ def _check_filter_step(name: str, args: tuple, kwargs: dict) -> None:
         # Characters as they are (plain at any depth): the work is reading them.
         units, _ = _text_measure((*args, *kwargs.values()), MAX_SLOW_STEP_UNITS, plain_depth=_ALL_PLAIN)
         _check_step(f"filter {name!r}", units)
-

@@ -51,7 +51,7 @@ def _bounded_filter(name: str, function):
         # A pass_context/pass_eval_context/pass_environment filter gets that first.
         passed = 1 if getattr(function, "jinja_pass_arg", None) is not None else 0
         if name == "join" and len(args) > passed:
-            args = (*args[:passed], _sized(args[passed]), *args[passed + 1:])
+            args = (*args[:passed], _sized(args[passed]), *args[passed + 1 :])
         plain = args[passed:]
         _check_ints(plain[1:])
         _check_ints(kwargs.values())
@@ -141,8 +141,7 @@ def _make_bounded_environment(prototype):
             self.environment = environment
 
         def _filter(self, node, name: str, lineno: int, args=()):
-            return nodes.Filter(node, name, list(args), [], None, None, lineno=lineno).set_environment(
-                self.environment)
+            return nodes.Filter(node, name, list(args), [], None, None, lineno=lineno).set_environment(self.environment)
 
         def visit_For(self, node):
             self.generic_visit(node)
@@ -158,8 +157,10 @@ def _make_bounded_environment(prototype):
             self.generic_visit(node)
             if not isinstance(node.arg, nodes.Slice) or node.ctx != "load":
                 return node
-            bounds = [part if part is not None else nodes.Const(None, lineno=node.lineno)
-                      for part in (node.arg.start, node.arg.stop, node.arg.step)]
+            bounds = [
+                part if part is not None else nodes.Const(None, lineno=node.lineno)
+                for part in (node.arg.start, node.arg.stop, node.arg.step)
+            ]
             return self._filter(node.node, "_raylm_slice", node.lineno, bounds)
 
         def _visit_literal(self, node):
@@ -192,8 +193,9 @@ def _make_bounded_environment(prototype):
             _check_predicted(budget, _predicted_binop(operator, left, right))
             result = super().call_binop(context, operator, left, right)
             if isinstance(result, int) and result.bit_length() > MAX_INT_BITS:
-                raise ChatTemplateRenderError(f"chat template render exceeded its limits (an integer of "
-                                              f"{result.bit_length()} bits)")
+                raise ChatTemplateRenderError(
+                    f"chat template render exceeded its limits (an integer of {result.bit_length()} bits)"
+                )
             budget.charge_built(result, (left, right))
             return result
 
@@ -264,8 +266,11 @@ def _make_bounded_environment(prototype):
         return value
 
     env = BoundedEnvironment(
-        trim_blocks=prototype.trim_blocks, lstrip_blocks=prototype.lstrip_blocks, finalize=finalize,
-        extensions=[type(extension) for extension in prototype.extensions.values()])
+        trim_blocks=prototype.trim_blocks,
+        lstrip_blocks=prototype.lstrip_blocks,
+        finalize=finalize,
+        extensions=[type(extension) for extension in prototype.extensions.values()],
+    )
     env.filters.update({name: _bounded_filter(name, f) for name, f in prototype.filters.items()})
     env.filters["_raylm_steps"] = _steps
     env.filters["_raylm_concat"] = _concat
@@ -274,4 +279,3 @@ def _make_bounded_environment(prototype):
     env.globals.update(prototype.globals)
     env.globals.pop("lipsum", None)  # lipsum(n=...) writes n paragraphs; no chat template needs it
     return env
-

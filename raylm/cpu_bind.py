@@ -12,7 +12,7 @@ NO_BIND = ("all", "nobind")
 
 
 def parse_cpu_list(text: str) -> set[int]:
-    """"0-3,8" -> {0, 1, 2, 3, 8} (the kernel's cpulist format)."""
+    """ "0-3,8" -> {0, 1, 2, 3, 8} (the kernel's cpulist format)."""
     cpus: set[int] = set()
     for part in text.strip().split(","):
         part = part.strip()
@@ -27,7 +27,7 @@ def parse_cpu_list(text: str) -> set[int]:
 
 
 def parse_cpu_bind(value: str | None) -> str | list[set[int]]:
-    """"auto", "all" (also "nobind"), or one set of CPU ids per rank of a node.
+    """ "auto", "all" (also "nobind"), or one set of CPU ids per rank of a node.
     A ValueError names the field."""
     if value is None:
         return AUTO

@@ -48,9 +48,16 @@ _PROXY_SETTINGS = {
 # Deployment options that `serve run raylm.ray_serve:app` takes beside the
 # engine's flags (values in JSON where they are not plain numbers).
 DEPLOYMENT_OPTIONS = (
-    "num_replicas", "autoscaling_config", "max_ongoing_requests", "max_queued_requests",
-    "health_check_period_s", "health_check_timeout_s", "graceful_shutdown_timeout_s",
-    "graceful_shutdown_wait_loop_s", "ray_actor_options", "name",
+    "num_replicas",
+    "autoscaling_config",
+    "max_ongoing_requests",
+    "max_queued_requests",
+    "health_check_period_s",
+    "health_check_timeout_s",
+    "graceful_shutdown_timeout_s",
+    "graceful_shutdown_wait_loop_s",
+    "ray_actor_options",
+    "name",
 )
 # Requests Serve lets into one replica at once. An engine batches many (and
 # raylm's admission control answers 429 past its own queue); Serve's default
@@ -84,8 +91,11 @@ def _server_defaults() -> dict[str, Any]:
     """`raylm serve`'s server settings (not EngineArgs, not the proxy's) at their defaults."""
     engine_fields = {f.name for f in fields(EngineArgs)}
     namespace = vars(_serve_parser().parse_args([]))
-    return {k: v for k, v in namespace.items()
-            if k not in engine_fields and k not in _PROXY_SETTINGS and k not in ("handler", "model_tag")}
+    return {
+        k: v
+        for k, v in namespace.items()
+        if k not in engine_fields and k not in _PROXY_SETTINGS and k not in ("handler", "model_tag")
+    }
 
 
 def split_settings(settings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -103,8 +113,9 @@ def split_settings(settings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
         elif key in server:
             server[key] = value
         else:
-            raise ValueError(f"{key}: not a setting of raylm's engine or server (see `raylm serve --help`, "
-                             "with - written _)")
+            raise ValueError(
+                f"{key}: not a setting of raylm's engine or server (see `raylm serve --help`, with - written _)"
+            )
     if isinstance(server["served_model_name"], str):
         server["served_model_name"] = [server["served_model_name"]]
     _check_server_settings(server)
@@ -139,8 +150,10 @@ def settings_from_strings(args: dict[str, str]) -> tuple[dict[str, Any], dict[st
             raise ValueError(f"{key}: under Ray Serve the HTTP proxy owns this; use {_PROXY_SETTINGS[name]}")
         action = actions.get(name)
         if action is None:
-            raise ValueError(f"{key}: not a flag of `raylm serve` (with - written _) nor a deployment option "
-                             f"({', '.join(DEPLOYMENT_OPTIONS)})")
+            raise ValueError(
+                f"{key}: not a flag of `raylm serve` (with - written _) nor a deployment option "
+                f"({', '.join(DEPLOYMENT_OPTIONS)})"
+            )
         argv += _as_flag(action, key, str(text))
     namespace = parser.parse_args(argv)
     given = {a.dest for a in actions.values() if a.dest in {k.replace("-", "_") for k in args}}
@@ -194,12 +207,16 @@ def _refuse_data_parallelism(engine: dict[str, Any]) -> None:
     `autoscale` its own autoscaler, under Serve's (two autoscalers, neither
     seeing the other's replicas). Serve's replicas are the data parallelism."""
     if (engine.get("data_parallel_size") or 1) != 1:
-        raise ValueError("data_parallel_size: under Ray Serve, scale with replicas (num_replicas or "
-                         "autoscaling_config) instead; each replica is one engine")
+        raise ValueError(
+            "data_parallel_size: under Ray Serve, scale with replicas (num_replicas or "
+            "autoscaling_config) instead; each replica is one engine"
+        )
     if engine.get("autoscale"):
-        raise ValueError("autoscale: under Ray Serve, Serve scales the replicas: use the deployment's "
-                         "autoscaling_config (min_replicas, max_replicas, target_ongoing_requests) instead; "
-                         "each replica is one engine")
+        raise ValueError(
+            "autoscale: under Ray Serve, Serve scales the replicas: use the deployment's "
+            "autoscaling_config (min_replicas, max_replicas, target_ongoing_requests) instead; "
+            "each replica is one engine"
+        )
 
 
 def plan_replica(engine: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -211,8 +228,11 @@ def plan_replica(engine: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
 
     engine = dict(engine)
     _refuse_data_parallelism(engine)
-    world = ((engine.get("tensor_parallel_size") or 1) * (engine.get("pipeline_parallel_size") or 1)
-             * (engine.get("context_parallel_size") or 1))
+    world = (
+        (engine.get("tensor_parallel_size") or 1)
+        * (engine.get("pipeline_parallel_size") or 1)
+        * (engine.get("context_parallel_size") or 1)
+    )
     backend = engine.get("distributed_executor_backend") or ("ray" if world > 1 else None)
     if backend not in (None, "uni", "mp", "ray"):
         raise ValueError(f"distributed_executor_backend: one of uni, mp, ray under Ray Serve, got {backend!r}")
@@ -279,8 +299,10 @@ def engine_config_in_replica(engine_kwargs: dict[str, Any]):
     group = get_current_placement_group() if ray_ranks else None
     if ray_ranks:
         if group is None:
-            raise RuntimeError("a raylm Serve replica with Ray ranks runs in a placement group "
-                               "(placement_group_bundles); this one has none")
+            raise RuntimeError(
+                "a raylm Serve replica with Ray ranks runs in a placement group "
+                "(placement_group_bundles); this one has none"
+            )
         kwargs["placement_group"] = group
         kwargs["ray_address"] = kwargs.get("ray_address") or ray.get_runtime_context().gcs_address
     kwargs.pop("usage_context", None)
@@ -308,16 +330,24 @@ def build_replica_app(engine, names: list[str], server: dict[str, Any], stat_log
     from raylm.entrypoints.openai.structured_outputs import StructuredOutputDefaults
 
     return build_app(
-        engine, names, api_key=resolve_api_key(server["api_key"]), stat_logger=stat_logger,
-        limits=ServerLimits(max_waiting_requests=server["max_waiting_requests"],
-                            max_request_body_bytes=server["max_request_body_bytes"]),
-        cors=CorsSettings(server["allowed_origins"], server["allowed_methods"], server["allowed_headers"],
-                          server["allow_credentials"]),
-        tool_config=tool_config, trust_request_chat_template=server["trust_request_chat_template"],
+        engine,
+        names,
+        api_key=resolve_api_key(server["api_key"]),
+        stat_logger=stat_logger,
+        limits=ServerLimits(
+            max_waiting_requests=server["max_waiting_requests"], max_request_body_bytes=server["max_request_body_bytes"]
+        ),
+        cors=CorsSettings(
+            server["allowed_origins"], server["allowed_methods"], server["allowed_headers"], server["allow_credentials"]
+        ),
+        tool_config=tool_config,
+        trust_request_chat_template=server["trust_request_chat_template"],
         # Every server setting `raylm serve` passes (they were accepted here
         # and ignored: a replica served without its reasoning parser).
         structured_outputs_defaults=StructuredOutputDefaults.from_json(server["structured_outputs_config"]),
-        reasoning_parser=server["reasoning_parser"], host=SERVE_PROXY_HOST)
+        reasoning_parser=server["reasoning_parser"],
+        host=SERVE_PROXY_HOST,
+    )
 
 
 class ReplicaEngine:
@@ -374,8 +404,10 @@ def check_serve_ray_version(version: str | None = None) -> None:
 
     version = version or ray.__version__
     if tuple(int(p) for p in version.split(".")[:2]) < MIN_SERVE_RAY_VERSION:
-        raise RuntimeError(f"raylm.ray_serve needs Ray >= {'.'.join(map(str, MIN_SERVE_RAY_VERSION))} "
-                           f"(this is {version}): pip install 'raylm[serve]'")
+        raise RuntimeError(
+            f"raylm.ray_serve needs Ray >= {'.'.join(map(str, MIN_SERVE_RAY_VERSION))} "
+            f"(this is {version}): pip install 'raylm[serve]'"
+        )
 
 
 def build_openai_app(engine_args: dict[str, Any] | None = None, deployment_config: dict[str, Any] | None = None):

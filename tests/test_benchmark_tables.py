@@ -16,8 +16,9 @@ BENCH = ROOT / "benchmarks"
 
 
 def test_the_tables_are_made_from_the_results_with_no_diff():
-    done = subprocess.run([sys.executable, str(BENCH / "make_readme.py"), "--check"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "make_readme.py"), "--check"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
 
@@ -45,8 +46,7 @@ def test_the_readme_stays_short_and_its_links_resolve():
         if "://" in target:
             continue
         assert (readme.parent / target).exists(), target
-    slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-             for h in re.findall(r"^#+ (.+)$", text, re.M)}
+    slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, re.M)}
     for anchor in re.findall(r"\]\(#([^)]+)\)", text):
         assert anchor in slugs, anchor
     for name in ("decode_by_batch.svg", "migration_pause.svg"):

@@ -18,7 +18,8 @@ NEW_TOKENS = 80
 
 # The 800 most frequent words of the training corpus (lower-cased runs of letters), which
 # cover about 78% of its running words; computed once from the corpus so the test needs no data.
-COMMON_WORDS = frozenset("""
+COMMON_WORDS = frozenset(
+    """
     the and i to of a you my that in is d not it me with s for he his your be this but have
     as thou him so will what her do all by thy no if are shall we on o thee sir our lord
     good she now from they at come king which or love would let more ll here enter there
@@ -74,7 +75,8 @@ COMMON_WORDS = frozenset("""
     costard andrew bianca lafeu pluck wherefore already fell roman glou brave iii fetch bold
     provost office counsel seems wouldst shepherd conscience norfolk count attend spirits
     learn sport speaks green ulysses hamlet
-""".split())
+""".split()
+)
 
 # Public-domain Shakespeare (Sonnet 18 and Hamlet III.i) for a perplexity check.
 REFERENCE_PASSAGE = """Shall I compare thee to a summer's day?
@@ -108,9 +110,10 @@ def looks_like_english(text: str) -> bool:
 def greedy_continuation(model, tokenizer, prompt: str) -> str:
     input_ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
-        output = model.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False,
-                                pad_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
+        output = model.generate(
+            input_ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_token_id
+        )
+    return tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
 
 
 def passage_loss(model, tokenizer) -> float:
@@ -126,8 +129,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def model():
-    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
-        MODEL_DIR, output_loading_info=True)
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(MODEL_DIR, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     return loaded.eval()
 
@@ -140,8 +142,14 @@ def random_model(request, model):
 
 def test_folder_fits_size_budget():
     files = [path for path in MODEL_DIR.iterdir() if path.is_file()]
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-            "tokenizer_config.json", "README.md"} <= {path.name for path in files}
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "README.md",
+    } <= {path.name for path in files}
     assert sum(path.stat().st_size for path in files) <= SIZE_LIMIT_BYTES
 
 
@@ -173,11 +181,11 @@ def test_chat_template_renders(tokenizer):
         {"role": "assistant", "content": "Nay, answer me."},
         {"role": "user", "content": "Long live the king!"},
     ]
-    history = ("SYSTEM: Speak as a player.\nUSER: Who is there?\n"
-               "ASSISTANT: Nay, answer me.</s>\nUSER: Long live the king!\n")
+    history = (
+        "SYSTEM: Speak as a player.\nUSER: Who is there?\nASSISTANT: Nay, answer me.</s>\nUSER: Long live the king!\n"
+    )
     assert tokenizer.apply_chat_template(messages, tokenize=False) == history
-    assert (tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            == history + "ASSISTANT:")
+    assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == history + "ASSISTANT:"
 
 
 def test_reference_passage_loss_is_far_below_chance(model, tokenizer, random_model):

@@ -56,9 +56,19 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # K/V copies' CPU budget.
     (
         "values",
-        ("raylm.messages", "raylm.sampling_params", "raylm.outputs", "raylm.chat_template",
-         "raylm.chat_template_budget", "raylm.chat_template_prediction", "raylm.chat_template_sandbox",
-         "raylm.cpu_bind", "raylm.startup_heap", "raylm.log_text", "raylm.thread_accounting"),
+        (
+            "raylm.messages",
+            "raylm.sampling_params",
+            "raylm.outputs",
+            "raylm.chat_template",
+            "raylm.chat_template_budget",
+            "raylm.chat_template_prediction",
+            "raylm.chat_template_sandbox",
+            "raylm.cpu_bind",
+            "raylm.startup_heap",
+            "raylm.log_text",
+            "raylm.thread_accounting",
+        ),
     ),
 ]
 

@@ -24,8 +24,7 @@ EVIL = "req-1\n2025-01-01 00:00:00 ERROR engine core 1 died\x1b[31m\u202eevil\r"
 def test_controls_separators_and_backslashes_are_escaped():
     text = loggable(EVIL + "\\n\t\u2028")
     assert text.isprintable()
-    assert text == ("req-1\\n2025-01-01 00:00:00 ERROR engine core 1 died\\x1b[31m\\u202eevil\\r"
-                    "\\\\n\\t\\u2028")
+    assert text == ("req-1\\n2025-01-01 00:00:00 ERROR engine core 1 died\\x1b[31m\\u202eevil\\r\\\\n\\t\\u2028")
     assert loggable("plain text, ünïcode ok") == "plain text, ünïcode ok"  # printable text is left alone
     assert loggable(ValueError("bad\nvalue")) == "bad\\nvalue"
 
@@ -65,11 +64,20 @@ def test_an_unhandled_error_logs_the_decoded_path_and_the_message_escaped(caplog
         # As uvicorn hands it over: the path percent-decoded (%0A is a newline,
         # %1B an ESC, %E2%80%A8 a line separator). An HTTP client would
         # normalise some of it away.
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                 "scheme": "http", "path": "/v1/x\n\u2028FORGED path\x1b[2J",
-                 "raw_path": b"/v1/x%0A%E2%80%A8FORGED%20path%1B[2J",
-                 "root_path": "", "query_string": b"", "headers": [(b"host", b"test")],
-                 "server": ("test", 80), "client": ("client", 1)}
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/x\n\u2028FORGED path\x1b[2J",
+            "raw_path": b"/v1/x%0A%E2%80%A8FORGED%20path%1B[2J",
+            "root_path": "",
+            "query_string": b"",
+            "headers": [(b"host", b"test")],
+            "server": ("test", 80),
+            "client": ("client", 1),
+        }
         body = [{"type": "http.request", "body": EVIL.encode(), "more_body": False}]
         sent = []
 
@@ -105,9 +113,13 @@ def test_the_app_answers_a_fault_and_raises_nothing_on_to_uvicorn(caplog):
     # logged once, escaped; nothing is raised on to uvicorn, which would log
     # the raw message again ("Exception in ASGI application").
     engine = SimpleNamespace(
-        config=SimpleNamespace(model_config=_FaultyModelConfig(), scheduler_config=SimpleNamespace(max_num_seqs=1),
-                               parallel_config=SimpleNamespace(data_parallel_size=1)),
-        replica_states=lambda: None)
+        config=SimpleNamespace(
+            model_config=_FaultyModelConfig(),
+            scheduler_config=SimpleNamespace(max_num_seqs=1),
+            parallel_config=SimpleNamespace(data_parallel_size=1),
+        ),
+        replica_states=lambda: None,
+    )
 
     async def go():
         transport = httpx.ASGITransport(app=build_app(engine, ["m"]))  # raises what the app raises

@@ -69,14 +69,17 @@ def test_vllm_pin_agrees_everywhere() -> None:
 
 
 def test_install_llamacpp_refuses_an_archive_with_another_hash(tmp_path: Path) -> None:
-    if not (shutil.which("cmake") and shutil.which("sha256sum") and shutil.which("python3")
-            and (shutil.which("c++") or shutil.which("g++"))):
+    if not (
+        shutil.which("cmake")
+        and shutil.which("sha256sum")
+        and shutil.which("python3")
+        and (shutil.which("c++") or shutil.which("g++"))
+    ):
         pytest.skip("the script checks for cmake, sha256sum, python3 and a C++ compiler first")
     version = pin(LLAMACPP_SH, "LLAMA_CPP_PYTHON_VERSION")
     (tmp_path / "dl").mkdir()
     (tmp_path / "dl" / f"llama_cpp_python-{version}.tar.gz").write_bytes(b"not the sdist")
-    result = subprocess.run(["bash", str(LLAMACPP_SH), str(tmp_path)], capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(["bash", str(LLAMACPP_SH), str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "Refusing to unpack" in result.stderr
     assert not (tmp_path / "src").exists() and not (tmp_path / "build").exists()
@@ -86,8 +89,9 @@ def test_converter_splits_its_own_arguments_from_the_converters() -> None:
     spec = importlib.util.spec_from_file_location("convert_to_gguf", PEERS / "convert_to_gguf.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    tree, pre, rest = module.split_args(["/t", "/hf", "--outtype", "bf16", "--tokenizer-pre", "qwen2",
-                                         "--outfile", "o.gguf"])
+    tree, pre, rest = module.split_args(
+        ["/t", "/hf", "--outtype", "bf16", "--tokenizer-pre", "qwen2", "--outfile", "o.gguf"]
+    )
     assert (tree, pre, rest) == (Path("/t"), "qwen2", ["/hf", "--outtype", "bf16", "--outfile", "o.gguf"])
     assert module.split_args(["/t", "/hf"])[1] == "gpt-2"
 

@@ -29,8 +29,13 @@ print(gc.get_freeze_count(), tracked)
 
 
 def test_a_worker_process_freezes_its_start_up_heap_before_serving(tiny_model_dir):
-    llm = LLM(tiny_model_dir("llama"), dtype="float32", distributed_executor_backend="mp", num_threads=1,
-              kv_cache_memory_bytes=8 << 20)
+    llm = LLM(
+        tiny_model_dir("llama"),
+        dtype="float32",
+        distributed_executor_backend="mp",
+        num_threads=1,
+        kv_cache_memory_bytes=8 << 20,
+    )
     try:
         executor = llm.llm_engine.engine_core.engine_core.executor
         assert all(count > 10_000 for count in executor.collective_rpc(lambda worker: gc.get_freeze_count()))

@@ -51,8 +51,10 @@ NEEDED_MODULES = ("torch", "numpy", "safetensors", "transformers", "sentencepiec
 
 
 def usage_error(message: str) -> None:
-    sys.exit(f"convert_to_gguf: {message}\nusage: python {sys.argv[0]} SRC_TREE HF_DIR "
-             "--outtype bf16 --outfile OUT.gguf [--tokenizer-pre NAME] [converter options]")
+    sys.exit(
+        f"convert_to_gguf: {message}\nusage: python {sys.argv[0]} SRC_TREE HF_DIR "
+        "--outtype bf16 --outfile OUT.gguf [--tokenizer-pre NAME] [converter options]"
+    )
 
 
 def split_args(argv: list[str]) -> tuple[Path, str, list[str]]:
@@ -82,8 +84,10 @@ def load_converter(tree: Path):
         usage_error(f"{tree} is not a llama.cpp tree (no convert_hf_to_gguf.py and gguf-py/gguf)")
     missing = [m for m in NEEDED_MODULES if importlib.util.find_spec(m) is None]
     if missing:
-        sys.exit(f"convert_to_gguf: this Python ({sys.executable}) lacks {', '.join(missing)}; "
-                 "pip install them (sentencepiece: see this script's docstring)")
+        sys.exit(
+            f"convert_to_gguf: this Python ({sys.executable}) lacks {', '.join(missing)}; "
+            "pip install them (sentencepiece: see this script's docstring)"
+        )
     # The tree's gguf-py and `conversion` package come before anything installed.
     sys.path[:0] = [str(tree / "gguf-py"), str(tree)]
     spec = importlib.util.spec_from_file_location("convert_hf_to_gguf", script)
@@ -92,8 +96,7 @@ def load_converter(tree: Path):
     spec.loader.exec_module(module)
     gguf_file = getattr(sys.modules.get("gguf"), "__file__", "") or ""
     if not Path(gguf_file).resolve().is_relative_to(tree / "gguf-py"):
-        sys.exit(f"convert_to_gguf: gguf was imported from {gguf_file}, not from {tree}/gguf-py "
-                 "(unset NO_LOCAL_GGUF)")
+        sys.exit(f"convert_to_gguf: gguf was imported from {gguf_file}, not from {tree}/gguf-py (unset NO_LOCAL_GGUF)")
     return module
 
 
@@ -129,8 +132,11 @@ def declare_unknown_pre_as(cls: type, pre: str, log: logging.Logger) -> None:
             pass
         finally:
             logging.disable(before)
-        log.warning("the tokenizer's pre-tokenizer is not in llama.cpp's table "
-                    "(a locally trained tokenizer); declaring it as %r", pre)
+        log.warning(
+            "the tokenizer's pre-tokenizer is not in llama.cpp's table "
+            "(a locally trained tokenizer); declaring it as %r",
+            pre,
+        )
         return pre
 
     cls.get_vocab_base_pre = get_vocab_base_pre
@@ -141,8 +147,10 @@ def main() -> None:
     module = load_converter(tree)
     targets = classes_defining_pre(module)
     if not targets:
-        sys.exit(f"convert_to_gguf: no get_vocab_base_pre in {tree}'s converter; this script "
-                 "does not know this llama.cpp version's layout")
+        sys.exit(
+            f"convert_to_gguf: no get_vocab_base_pre in {tree}'s converter; this script "
+            "does not know this llama.cpp version's layout"
+        )
     log = logging.getLogger("convert_to_gguf")
     for cls in targets:
         declare_unknown_pre_as(cls, pre, log)

@@ -22,7 +22,21 @@ from raylm.config.engine_config import (
 )
 
 __all__ = [
-    "DEFAULT_MODEL_DIR", "DEVICE_ENV", "MAX_DATA_PARALLEL_SIZE", "USAGE_CONTEXTS", "AutoscaleConfig", "CacheConfig",
-    "EngineArgs", "EngineConfig", "FaultToleranceConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig",
-    "create_engine_config", "default_max_num_batched_tokens", "detect_device", "resolve_dtype", "resolve_engine_config",
+    "DEFAULT_MODEL_DIR",
+    "DEVICE_ENV",
+    "MAX_DATA_PARALLEL_SIZE",
+    "USAGE_CONTEXTS",
+    "AutoscaleConfig",
+    "CacheConfig",
+    "EngineArgs",
+    "EngineConfig",
+    "FaultToleranceConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "SchedulerConfig",
+    "create_engine_config",
+    "default_max_num_batched_tokens",
+    "detect_device",
+    "resolve_dtype",
+    "resolve_engine_config",
 ]

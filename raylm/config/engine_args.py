@@ -117,138 +117,220 @@ class EngineArgs:
     (None) are decided by `create_engine_config` from the model and device."""
 
     model: str | None = _model(
-        None, "Hugging Face model folder (config.json, *.safetensors, tokenizer) or Hub id (org/name, downloaded "
+        None,
+        "Hugging Face model folder (config.json, *.safetensors, tokenizer) or Hub id (org/name, downloaded "
         "into the Hugging Face cache; HF_HUB_OFFLINE=1 uses the cache only); default: the small model embedded "
-        "in raylm", metavar="PATH|ID")
+        "in raylm",
+        metavar="PATH|ID",
+    )
     tokenizer: str | None = _model(None, "tokenizer folder or Hub id, if not the model's", metavar="PATH|ID")
     revision: str | None = _model(None, "branch, tag or commit of a Hub model; default: main", metavar="REV")
     tokenizer_revision: str | None = _model(
-        None, "branch, tag or commit of a Hub --tokenizer; default: main", metavar="REV")
+        None, "branch, tag or commit of a Hub --tokenizer; default: main", metavar="REV"
+    )
     download_dir: str | None = _model(
-        None, "Hugging Face cache to download Hub models into; default: HF_HUB_CACHE, else HF_HOME/hub, else "
-        "~/.cache/huggingface/hub", metavar="DIR")
+        None,
+        "Hugging Face cache to download Hub models into; default: HF_HUB_CACHE, else HF_HOME/hub, else "
+        "~/.cache/huggingface/hub",
+        metavar="DIR",
+    )
     generation_config: str = _model(
-        "auto", "auto: the model's generation_config.json sets the default temperature, top_p, top_k, min_p "
+        "auto",
+        "auto: the model's generation_config.json sets the default temperature, top_p, top_k, min_p "
         "and repetition_penalty of requests that leave them unset; vllm: ignore those; DIR: read "
-        "generation_config.json from DIR", metavar="auto|vllm|DIR")
+        "generation_config.json from DIR",
+        metavar="auto|vllm|DIR",
+    )
     chat_template: str | None = _model(
-        None, "Jinja chat template (a file, or the template itself) used instead of the tokenizer's by chat "
-        "requests", metavar="FILE|TEMPLATE")
+        None,
+        "Jinja chat template (a file, or the template itself) used instead of the tokenizer's by chat requests",
+        metavar="FILE|TEMPLATE",
+    )
     quantization: str | None = _model(
-        None, "int8: quantize a float checkpoint's linear weights to int8 at load (one scale per output row); "
+        None,
+        "int8: quantize a float checkpoint's linear weights to int8 at load (one scale per output row); "
         "gguf: the model is a GGUF file (implied by one); default: none (the checkpoint's own types)",
-        short="-q", metavar="METHOD")
+        short="-q",
+        metavar="METHOD",
+    )
     gguf_file: str | None = _model(
-        None, "with a Hub id as --model: the GGUF file of that repository to load (vLLM users may write "
-        "org/name:Q4_K_M instead, which picks the repository's one file of that type)", metavar="NAME")
+        None,
+        "with a Hub id as --model: the GGUF file of that repository to load (vLLM users may write "
+        "org/name:Q4_K_M instead, which picks the repository's one file of that type)",
+        metavar="NAME",
+    )
     trust_remote_code: bool = _model(
-        False, "accepted for vLLM compatibility; raylm runs no code from model repositories")
+        False, "accepted for vLLM compatibility; raylm runs no code from model repositories"
+    )
     dtype: str = _model(
-        "auto", "weight and activation dtype: auto (the checkpoint's; bfloat16 for float32 checkpoints on CUDA "
-        "and for float16 on CPU), float32, bfloat16, float16")
+        "auto",
+        "weight and activation dtype: auto (the checkpoint's; bfloat16 for float32 checkpoints on CUDA "
+        "and for float16 on CPU), float32, bfloat16, float16",
+    )
     max_model_len: int | None = _model(
-        None, "longest sequence (prompt + output) in tokens, e.g. 4096, 4k (4000), 32K (32768); default (or "
-        "auto): the model's max_position_embeddings", parser=max_model_len_arg, metavar="N")
+        None,
+        "longest sequence (prompt + output) in tokens, e.g. 4096, 4k (4000), 32K (32768); default (or "
+        "auto): the model's max_position_embeddings",
+        parser=max_model_len_arg,
+        metavar="N",
+    )
     seed: int = _model(0, "random seed of sampling (and of the random prompts in benchmarks)", metavar="N")
 
     tensor_parallel_size: int = _parallel(1, "split every layer across N workers", short="-tp", metavar="N")
-    pipeline_parallel_size: int = _parallel(
-        1, "split the layers into N consecutive stages", short="-pp", metavar="N")
+    pipeline_parallel_size: int = _parallel(1, "split the layers into N consecutive stages", short="-pp", metavar="N")
     context_parallel_size: int = _parallel(
-        1, "shard every sequence's KV cache across N workers (each holds 1/N of it; attention is merged exactly "
-        "across them), so a CP group holds N times one worker's KV cache; with -tp, N x TP workers", short="-cp",
-        metavar="N")
+        1,
+        "shard every sequence's KV cache across N workers (each holds 1/N of it; attention is merged exactly "
+        "across them), so a CP group holds N times one worker's KV cache; with -tp, N x TP workers",
+        short="-cp",
+        metavar="N",
+    )
     # A program may pass an Executor subclass instead of a name.
     distributed_executor_backend: str | type | None = _parallel(
-        None, "how workers run: uni (in this process), mp (local processes), ray (Ray actors, local or on a "
-        "cluster); default: uni for one worker, else mp", choices=EXECUTOR_BACKENDS)
+        None,
+        "how workers run: uni (in this process), mp (local processes), ray (Ray actors, local or on a "
+        "cluster); default: uni for one worker, else mp",
+        choices=EXECUTOR_BACKENDS,
+    )
     data_parallel_size: int = _parallel(
-        1, "N replicas of the whole engine (each with its own scheduler, KV cache and workers), requests "
-        "routed to the least loaded", short="-dp", metavar="N")
+        1,
+        "N replicas of the whole engine (each with its own scheduler, KV cache and workers), requests "
+        "routed to the least loaded",
+        short="-dp",
+        metavar="N",
+    )
     data_parallel_backend: str = _parallel(
-        "ray", "how data-parallel replicas run: ray (Ray actors, placed on the cluster's nodes, scalable at run "
-        "time) or mp (engine-core processes on this machine)", choices=("ray", "mp"))
+        "ray",
+        "how data-parallel replicas run: ray (Ray actors, placed on the cluster's nodes, scalable at run "
+        "time) or mp (engine-core processes on this machine)",
+        choices=("ray", "mp"),
+    )
     data_parallel_placement: str = _parallel(
-        "pack", "replicas packed onto as few nodes as possible, or spread one per node", choices=("pack", "spread"))
+        "pack", "replicas packed onto as few nodes as possible, or spread one per node", choices=("pack", "spread")
+    )
     routing_policy: str = _parallel(
-        "kv_aware", "how a new request picks its data-parallel replica: kv_aware (the least loaded, credited "
+        "kv_aware",
+        "how a new request picks its data-parallel replica: kv_aware (the least loaded, credited "
         "for the prompt prefix its cache holds, known exactly from the replicas' block events), load (the least "
-        "loaded), or vllm (vLLM's 4 x waiting + running, for comparison)", choices=("kv_aware", "load", "vllm"))
+        "loaded), or vllm (vLLM's 4 x waiting + running, for comparison)",
+        choices=("kv_aware", "load", "vllm"),
+    )
     data_parallel_rebalance: bool = _parallel(
-        False, "move running requests live (KV cache and all) from a replica much busier than the least busy one")
+        False, "move running requests live (KV cache and all) from a replica much busier than the least busy one"
+    )
     ray_address: str | None = _parallel(
-        None, "Ray cluster to join (e.g. auto or HOST:6379); default: RAY_ADDRESS, else a local Ray is started",
-        metavar="ADDR")
+        None,
+        "Ray cluster to join (e.g. auto or HOST:6379); default: RAY_ADDRESS, else a local Ray is started",
+        metavar="ADDR",
+    )
     ray_placement_strategy: str = _parallel(
-        "PACK", "how Ray places the workers' bundles across nodes", choices=PLACEMENT_STRATEGIES)
+        "PACK", "how Ray places the workers' bundles across nodes", choices=PLACEMENT_STRATEGIES
+    )
     ray_placement_timeout: float = _parallel(
-        60.0, "how long Ray may take to place the workers' (or a replica's) placement group before the start "
-        "fails", metavar="SECONDS")
+        60.0,
+        "how long Ray may take to place the workers' (or a replica's) placement group before the start fails",
+        metavar="SECONDS",
+    )
     # "mq" by measurement: see ParallelConfig.ray_step_transport.
     ray_step_transport: str = _parallel(
-        "mq", "how each step reaches Ray workers: mq (shared-memory/ZMQ message queues) or cgraph (a Ray "
-        "Compiled Graph)", choices=("mq", "cgraph"))
+        "mq",
+        "how each step reaches Ray workers: mq (shared-memory/ZMQ message queues) or cgraph (a Ray Compiled Graph)",
+        choices=("mq", "cgraph"),
+    )
     placement_group: object | None = _program_only(
-        None, "a live Ray placement group to run in: only a program holds one (raylm's own replicas hand "
-        "theirs down this way)")
+        None,
+        "a live Ray placement group to run in: only a program holds one (raylm's own replicas hand "
+        "theirs down this way)",
+    )
 
     kv_cache_memory_bytes: int | None = _cache(
-        None, "KV cache size per worker, e.g. 2GiB; default: sized from free device memory",
-        parser=parse_bytes, metavar="BYTES")
+        None,
+        "KV cache size per worker, e.g. 2GiB; default: sized from free device memory",
+        parser=parse_bytes,
+        metavar="BYTES",
+    )
     block_size: int = _cache(16, "tokens per KV cache block", metavar="N")
     enable_prefix_caching: bool = _cache(True, "reuse the KV cache of shared prompt prefixes")
     gpu_memory_utilization: float | None = _cache(
-        None, "fraction of the GPU's memory for this instance's weights, activations and KV cache (default "
-        "0.9); GPUs only (on CPU see --kv-cache-memory-bytes)", metavar="FRACTION")
-    enforce_eager: bool = _cache(
-        False, "accepted for vLLM compatibility; raylm always runs eagerly (no CUDA graphs)")
+        None,
+        "fraction of the GPU's memory for this instance's weights, activations and KV cache (default "
+        "0.9); GPUs only (on CPU see --kv-cache-memory-bytes)",
+        metavar="FRACTION",
+    )
+    enforce_eager: bool = _cache(False, "accepted for vLLM compatibility; raylm always runs eagerly (no CUDA graphs)")
     max_num_seqs: int = _cache(256, "most requests in one batch", metavar="N")
     max_num_batched_tokens: int | None = _cache(
-        None, "most tokens in one forward pass; default: 8192 (online on CPU: 2048 per rank), at least "
-        "--max-num-seqs, and at least --max-model-len without chunked prefill", metavar="N")
+        None,
+        "most tokens in one forward pass; default: 8192 (online on CPU: 2048 per rank), at least "
+        "--max-num-seqs, and at least --max-model-len without chunked prefill",
+        metavar="N",
+    )
     enable_chunked_prefill: bool = _cache(
-        True, "split long prompts across steps so that one prefill never exceeds --max-num-batched-tokens")
-    async_scheduling: bool = _cache(
-        False, "schedule step N+1 while step N runs on the workers (needs -pp 1)")
+        True, "split long prompts across steps so that one prefill never exceeds --max-num-batched-tokens"
+    )
+    async_scheduling: bool = _cache(False, "schedule step N+1 while step N runs on the workers (needs -pp 1)")
     num_scheduler_steps: int | None = _cache(
-        None, "most decode steps scheduled at once: while every running request decodes and none waits, the "
+        None,
+        "most decode steps scheduled at once: while every running request decodes and none waits, the "
         "workers run up to N steps in a row, each step's tokens the next one's input, as many as take about 50 ms "
         "offline (10 ms serving); default 8 offline (LLM, generate, bench latency/throughput), 1 serving; 1 "
-        "schedules every step (see README, decode bursts)", metavar="N")
+        "schedules every step (see README, decode bursts)",
+        metavar="N",
+    )
 
     device: str | None = _device(None, "default: cuda when available, else cpu", choices=("cpu", "cuda"))
     num_threads: int | None = _device(
-        None, "torch threads per worker on CPU; default: planned from the usable cores (one kept for the engine "
-        "loop on small machines)", metavar="N")
+        None,
+        "torch threads per worker on CPU; default: planned from the usable cores (one kept for the engine "
+        "loop on small machines)",
+        metavar="N",
+    )
     cpu_bind: str | None = _device(
-        None, "CPU cores of each rank on a node: 'auto' (default; pins when a node runs several ranks), 'all' "
+        None,
+        "CPU cores of each rank on a node: 'auto' (default; pins when a node runs several ranks), 'all' "
         "(no pinning), or one group per rank, e.g. '0-3|4-7'; VLLM_CPU_OMP_THREADS_BIND is read when unset",
-        metavar="auto|all|GROUPS")
+        metavar="auto|all|GROUPS",
+    )
 
     max_restarts: int = _faults(
-        3, "executor (and engine-core) rebuilds allowed within --restart-window; one more and the engine is dead",
-        metavar="N")
+        3,
+        "executor (and engine-core) rebuilds allowed within --restart-window; one more and the engine is dead",
+        metavar="N",
+    )
     restart_window: float = _faults(600.0, "the window over which --max-restarts counts", metavar="SECONDS")
     execute_model_timeout: float = _faults(
-        300.0, "a step that takes longer means a hung worker: the engine recovers", metavar="SECONDS")
+        300.0, "a step that takes longer means a hung worker: the engine recovers", metavar="SECONDS"
+    )
     autoscale: str | None = _autoscale(
-        None, "scale the data-parallel replicas between MIN and MAX with the load (new ones warmed before they get "
+        None,
+        "scale the data-parallel replicas between MIN and MAX with the load (new ones warmed before they get "
         "traffic, removed ones leave by migrating their requests); starts with MIN unless --data-parallel-size "
-        "says otherwise", metavar="MIN:MAX")
+        "says otherwise",
+        metavar="MIN:MAX",
+    )
     autoscale_target_ongoing_requests: float = _autoscale(
-        2.0, "requests in flight per replica that the autoscaler aims for", metavar="N")
+        2.0, "requests in flight per replica that the autoscaler aims for", metavar="N"
+    )
     autoscale_upscale_delay: float = _autoscale(
-        30.0, "how long the load must call for more replicas before they start", metavar="SECONDS")
+        30.0, "how long the load must call for more replicas before they start", metavar="SECONDS"
+    )
     autoscale_downscale_delay: float = _autoscale(
-        600.0, "how long the load must call for fewer replicas before some leave", metavar="SECONDS")
+        600.0, "how long the load must call for fewer replicas before some leave", metavar="SECONDS"
+    )
     engine_start_timeout: float = _faults(
-        600.0, "an engine core (or a worker's start-up call) not ready by then is taken for hung: killed, and "
-        "counted as a failed (re)start; /health answers 503 once a recovery has run this long", metavar="SECONDS")
+        600.0,
+        "an engine core (or a worker's start-up call) not ready by then is taken for hung: killed, and "
+        "counted as a failed (re)start; /health answers 503 once a recovery has run this long",
+        metavar="SECONDS",
+    )
     health_check_interval: float = _faults(
-        5.0, "how often an idle engine asks every worker for a sign of life", metavar="SECONDS")
+        5.0, "how often an idle engine asks every worker for a sign of life", metavar="SECONDS"
+    )
     health_check_timeout: float = _faults(
-        30.0, "how long the workers may take to answer that call before they are taken for hung: the "
-        "engine recovers", metavar="SECONDS")
+        30.0,
+        "how long the workers may take to answer that call before they are taken for hung: the engine recovers",
+        metavar="SECONDS",
+    )
 
     # ---- command line
 
@@ -272,13 +354,23 @@ class EngineArgs:
             names = flag.option_strings(f.name)
             if hints[f.name] is bool:
                 action = section.add_argument(
-                    *names, dest=f.name, default=f.default,
-                    action=argparse.BooleanOptionalAction if f.default else "store_true")
+                    *names,
+                    dest=f.name,
+                    default=f.default,
+                    action=argparse.BooleanOptionalAction if f.default else "store_true",
+                )
                 # Said in words (BooleanOptionalAction may append its own "(default: True)").
                 action.help = flag.help + (" (on by default)" if f.default else "")
                 continue
-            section.add_argument(*names, dest=f.name, default=f.default, help=flag.help, metavar=flag.metavar,
-                                 choices=flag.choices, type=flag.parser or _parser_of(hints[f.name]))
+            section.add_argument(
+                *names,
+                dest=f.name,
+                default=f.default,
+                help=flag.help,
+                metavar=flag.metavar,
+                choices=flag.choices,
+                type=flag.parser or _parser_of(hints[f.name]),
+            )
         return parser
 
     @classmethod

@@ -232,15 +232,21 @@ def resolve_autoscale(args) -> AutoscaleConfig | None:
     if high > MAX_DATA_PARALLEL_SIZE:
         raise ValueError(f"autoscale: MAX is at most {MAX_DATA_PARALLEL_SIZE} replicas, got {args.autoscale!r}")
     if not args.autoscale_target_ongoing_requests > 0:
-        raise ValueError("autoscale_target_ongoing_requests must be > 0, got "
-                         f"{args.autoscale_target_ongoing_requests!r}")
+        raise ValueError(
+            f"autoscale_target_ongoing_requests must be > 0, got {args.autoscale_target_ongoing_requests!r}"
+        )
     for name in ("autoscale_upscale_delay", "autoscale_downscale_delay"):
         if not getattr(args, name) >= 0:
             raise ValueError(f"{name} must be >= 0 seconds, got {getattr(args, name)!r}")
     if args.data_parallel_size != 1 and not low <= args.data_parallel_size <= high:
         raise ValueError(f"data_parallel_size {args.data_parallel_size} is outside autoscale {args.autoscale}")
-    return AutoscaleConfig(low, high, float(args.autoscale_target_ongoing_requests),
-                           float(args.autoscale_upscale_delay), float(args.autoscale_downscale_delay))
+    return AutoscaleConfig(
+        low,
+        high,
+        float(args.autoscale_target_ongoing_requests),
+        float(args.autoscale_upscale_delay),
+        float(args.autoscale_downscale_delay),
+    )
 
 
 @dataclass
@@ -292,8 +298,9 @@ def default_max_num_batched_tokens(usage_context: str, device: str, world_size: 
 def _resolve_cpu_bind(cpu_bind: str | None, num_threads: int | None, world_size: int) -> str:
     """The cpu_bind setting, validated; unset falls back to vLLM's
     VLLM_CPU_OMP_THREADS_BIND (what its users already set), then "auto"."""
-    if num_threads is not None and (not isinstance(num_threads, int) or isinstance(num_threads, bool)
-                                    or num_threads < 1):
+    if num_threads is not None and (
+        not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1
+    ):
         raise ValueError(f"num_threads must be an integer >= 1, got {num_threads!r}")
     if cpu_bind is None:
         cpu_bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "auto"
@@ -321,9 +328,11 @@ def _is_quant_selector(model: str) -> bool:
 def _check_quantization_method(quantization: str | None) -> str | None:
     method = None if quantization is None or str(quantization).lower() == "none" else str(quantization).lower()
     if method not in (None, "int8", "gguf"):
-        raise ValueError(f"quantization {quantization!r} is not supported; supported: int8 (weights quantized at "
-                         "load from a float checkpoint), gguf (a GGUF file's own types); unset loads the "
-                         "checkpoint unquantized")
+        raise ValueError(
+            f"quantization {quantization!r} is not supported; supported: int8 (weights quantized at "
+            "load from a float checkpoint), gguf (a GGUF file's own types); unset loads the "
+            "checkpoint unquantized"
+        )
     return method
 
 
@@ -331,8 +340,10 @@ def _resolve_quantization(quantization: str | None, is_gguf: bool) -> str | None
     method = _check_quantization_method(quantization)
     if is_gguf:
         if method == "int8":
-            raise ValueError("quantization 'int8' quantizes a float safetensors checkpoint; a GGUF file runs in "
-                             "its own types (leave quantization unset, or gguf)")
+            raise ValueError(
+                "quantization 'int8' quantizes a float safetensors checkpoint; a GGUF file runs in "
+                "its own types (leave quantization unset, or gguf)"
+            )
         return "gguf"
     if method == "gguf":
         raise ValueError("quantization 'gguf' needs a GGUF model file (model.gguf, or a Hub id with --gguf-file)")
@@ -350,8 +361,9 @@ def _check_context_parallel(args: Any) -> None:
     # request between them is not done: live migration moves KV blocks rank
     # by rank and knows no sharded cache (a scale-in lets requests finish).
     if args.data_parallel_rebalance:
-        refused.append("data_parallel_rebalance (live migration moves KV blocks rank by rank and knows no "
-                       "sharded cache yet)")
+        refused.append(
+            "data_parallel_rebalance (live migration moves KV blocks rank by rank and knows no sharded cache yet)"
+        )
     if args.distributed_executor_backend == "ray" and args.ray_step_transport == "cgraph":
         refused.append("ray_step_transport 'cgraph' (use mq)")
     if refused:
@@ -397,11 +409,16 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
     elif not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {gpu_memory_utilization!r}")
     elif device != "cuda":
-        logger.warning("gpu_memory_utilization applies to GPUs; on %s the KV cache is sized by "
-                       "kv_cache_memory_bytes (or a default)", device)
+        logger.warning(
+            "gpu_memory_utilization applies to GPUs; on %s the KV cache is sized by "
+            "kv_cache_memory_bytes (or a default)",
+            device,
+        )
     if args.trust_remote_code:
-        logger.warning("trust_remote_code: accepted, but raylm runs no code from model repositories; "
-                       "it supports the architectures it implements")
+        logger.warning(
+            "trust_remote_code: accepted, but raylm runs no code from model repositories; "
+            "it supports the architectures it implements"
+        )
     if args.enforce_eager:
         logger.warning("enforce_eager: accepted; raylm always runs eagerly (it captures no CUDA graphs)")
     torch_dtype = resolve_dtype(args.dtype, arch.dtype, device)
@@ -463,8 +480,13 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
         raise ValueError(f"data_parallel_placement must be 'pack' or 'spread', got {args.data_parallel_placement!r}")
     if not isinstance(args.max_restarts, int) or args.max_restarts < 0:
         raise ValueError(f"max_restarts must be an integer >= 0, got {args.max_restarts!r}")
-    for name in ("restart_window", "execute_model_timeout", "engine_start_timeout", "health_check_interval",
-                 "health_check_timeout"):
+    for name in (
+        "restart_window",
+        "execute_model_timeout",
+        "engine_start_timeout",
+        "health_check_interval",
+        "health_check_timeout",
+    ):
         value = getattr(args, name)
         if not isinstance(value, (int, float)) or value <= 0:
             raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
@@ -485,11 +507,16 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
             chat_template=chat_template,
             quantization=quantization,
         ),
-        cache_config=_settings_of(CacheConfig, args, gpu_memory_utilization=gpu_memory_utilization,
-                                  num_kv_shards=args.context_parallel_size),
-        scheduler_config=_settings_of(SchedulerConfig, args, max_num_batched_tokens=max_num_batched_tokens,
-                                      num_scheduler_steps=steps,
-                                      decode_burst_budget_s=DECODE_BURST_BUDGET_S[usage_context]),
+        cache_config=_settings_of(
+            CacheConfig, args, gpu_memory_utilization=gpu_memory_utilization, num_kv_shards=args.context_parallel_size
+        ),
+        scheduler_config=_settings_of(
+            SchedulerConfig,
+            args,
+            max_num_batched_tokens=max_num_batched_tokens,
+            num_scheduler_steps=steps,
+            decode_burst_budget_s=DECODE_BURST_BUDGET_S[usage_context],
+        ),
         parallel_config=_settings_of(ParallelConfig, args, data_parallel_size=data_parallel_size),
         device=device,
         num_threads=args.num_threads,

@@ -83,8 +83,9 @@ class BurstPlanner:
             self.step_seconds = seconds / scheduler_output.num_decode_steps
             self.step_rows = len(counts)
 
-    def length(self, scheduled: list[tuple[Request, int]], max_model_len: int,
-               is_constrained: Callable[[str], bool]) -> int:
+    def length(
+        self, scheduled: list[tuple[Request, int]], max_model_len: int, is_constrained: Callable[[str], bool]
+    ) -> int:
         """Steps for these (request, tokens scheduled) of a step: 1 unless all can burst."""
         if self.max_steps <= 1 or not scheduled or self.step_seconds is None:
             return 1

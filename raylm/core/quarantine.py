@@ -80,8 +80,10 @@ def release(requests: Iterable[Chargeable]) -> list[str]:
 
 def culprit_output(verdict: Verdict, cause: str) -> EngineCoreOutput:
     """How the culprit ends, for its client."""
-    error = (f"this request was present at {verdict.culprit_recoveries + 1} engine failures and failed again "
-             f"running alone, so it is not retried; last failure: {cause}")
+    error = (
+        f"this request was present at {verdict.culprit_recoveries + 1} engine failures and failed again "
+        f"running alone, so it is not retried; last failure: {cause}"
+    )
     return EngineCoreOutput(request_id=verdict.culprits[0], new_token_ids=[], finish_reason="error", error=error)
 
 

@@ -99,5 +99,7 @@ class Request:
         return self.status.is_finished
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id}, {self.status.name}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens})")
+        return (
+            f"Request({self.request_id}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -30,7 +30,9 @@ class RequestQueues:
     def __init__(self, cache_config: CacheConfig, structured_output_manager: StructuredOutputManager | None = None):
         assert cache_config.num_blocks is not None, "the KV cache must be sized before scheduling"
         self.kv_cache_manager = KVCacheManager(
-            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            cache_config.num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
             num_shards=cache_config.num_kv_shards,
         )
         self.requests: dict[str, Request] = {}
@@ -169,8 +171,11 @@ class RequestQueues:
             request.num_computed_tokens = 0
             request.num_output_placeholders = 0
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.kv_cache_manager.block_size, self.kv_cache_manager.enable_prefix_caching,
-            num_shards=self.kv_cache_manager.num_shards, events=self.kv_cache_manager.pool.events,
+            num_blocks,
+            self.kv_cache_manager.block_size,
+            self.kv_cache_manager.enable_prefix_caching,
+            num_shards=self.kv_cache_manager.num_shards,
+            events=self.kv_cache_manager.pool.events,
         )
         # New workers know no request: each is sent in full, and none is finished there.
         self._needs_full_send = set(self.requests)
@@ -203,6 +208,7 @@ class RequestQueues:
             "num_preemptions": self.num_preemptions,
             # What the KV cache holds: in all, and on each rank (a CP group's ranks share it out).
             "kv_capacity_tokens": self.kv_cache_manager.num_blocks * self.kv_cache_manager.block_size,
-            "kv_capacity_tokens_per_rank": self.kv_cache_manager.num_blocks // self.kv_cache_manager.num_shards
+            "kv_capacity_tokens_per_rank": self.kv_cache_manager.num_blocks
+            // self.kv_cache_manager.num_shards
             * self.kv_cache_manager.block_size,
         }

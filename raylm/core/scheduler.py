@@ -148,8 +148,14 @@ class Scheduler(RequestQueues):
         steps = 1
         # A burst holds back whoever is not in it: only when nobody waits and
         # every running request is in the step.
-        if (not self.waiting and not preempted_now and isolated is None and not self.unscheduled
-                and not self.expecting_imports and len(num_scheduled) == len(self.running)):
+        if (
+            not self.waiting
+            and not preempted_now
+            and isolated is None
+            and not self.unscheduled
+            and not self.expecting_imports
+            and len(num_scheduled) == len(self.running)
+        ):
             steps = self._burst_length(num_scheduled, new_block_ids)
         return self._make_output(num_scheduled, new_block_ids, steps)
 
@@ -160,8 +166,10 @@ class Scheduler(RequestQueues):
             return 1
         som = self.structured_output_manager
         steps = self.burst_planner.length(
-            [(self.requests[rid], n) for rid, n in num_scheduled.items()], self.max_model_len,
-            lambda rid: som is not None and som.is_constrained(rid))
+            [(self.requests[rid], n) for rid, n in num_scheduled.items()],
+            self.max_model_len,
+            lambda rid: som is not None and som.is_constrained(rid),
+        )
         if steps == 1:
             return 1
         for rid in num_scheduled:
@@ -218,8 +226,9 @@ class Scheduler(RequestQueues):
         self._needs_full_send.add(request.request_id)
         logger.debug("preempted %s (KV cache full)", request.request_id)
 
-    def _make_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
-                     num_decode_steps: int = 1) -> SchedulerOutput:
+    def _make_output(
+        self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]], num_decode_steps: int = 1
+    ) -> SchedulerOutput:
         new_reqs, cached_reqs = [], []
         for rid, n in num_scheduled.items():
             request = self.requests[rid]
@@ -374,6 +383,7 @@ class Scheduler(RequestQueues):
             return False
         self._finish(request, status)
         return True
+
 
 def _first_scored_prompt_token(so: SchedulerOutput, rid: str) -> int:
     """The prompt token that the first of a step's prompt logprobs scores:

@@ -263,7 +263,7 @@ def _pass_until_start(grammar: _RequestGrammar, tokens: list[int]) -> None:
     while not grammar.started_output and grammar.num_accepted < len(tokens):
         grammar.num_accepted += 1
         n = grammar.num_accepted
-        if n >= len(gate) and tokens[n - len(gate):n] == gate:
+        if n >= len(gate) and tokens[n - len(gate) : n] == gate:
             grammar.started_output = True
 
 
@@ -273,8 +273,13 @@ class StructuredOutputManager:
     (a step's GrammarOutput); all on the step loop's thread except the
     compilations."""
 
-    def __init__(self, tokenizer_path: str, vocab_size: int, compile_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        tokenizer_path: str,
+        vocab_size: int,
+        compile_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         """`clock`: what deadlines are measured with (tests stop it)."""
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
@@ -295,12 +300,13 @@ class StructuredOutputManager:
         if params is None:
             return
         prior = list(request.output_token_ids)
-        grammar = _RequestGrammar(grammar_spec(params), 0, params.starts_after_token_ids,
-                                  params.starts_after_token_ids is None)
+        grammar = _RequestGrammar(
+            grammar_spec(params), 0, params.starts_after_token_ids, params.starts_after_token_ids is None
+        )
         # The tokens the request came with, up to the grammar's start (cheap, here) ...
         _pass_until_start(grammar, prior)
         # ... and the rest fast-forwarded once compiled.
-        constrained_prior = prior[grammar.num_accepted:]
+        constrained_prior = prior[grammar.num_accepted :]
         grammar.num_accepted = len(prior)
         grammar.ready = self._pool.submit(self._compile, grammar, constrained_prior)
         self._grammars[request.request_id] = grammar
@@ -335,8 +341,13 @@ class StructuredOutputManager:
             elif grammar.started is not None and now - grammar.started > self.compile_timeout_s:
                 self._unchecked.discard(rid)
                 self._pool.abandon(grammar.ready)
-                failed.append((rid, f"structured_outputs.{grammar.spec.field}: grammar too complex: not "
-                                    f"compiled within {self.compile_timeout_s:g} s"))
+                failed.append(
+                    (
+                        rid,
+                        f"structured_outputs.{grammar.spec.field}: grammar too complex: not "
+                        f"compiled within {self.compile_timeout_s:g} s",
+                    )
+                )
         return failed
 
     def wait_for_compilation(self, timeout: float) -> None:

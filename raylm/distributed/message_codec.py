@@ -307,8 +307,9 @@ class MessageCodec:
             if type_id not in self._message_ids.values():
                 raise ValueError(f"unknown message type id {type_id}")
             # Untrusted whatever the queue: messages never hold callables.
-            decoder = msgspec.msgpack.Decoder(type=self._types[type_id],
-                                              ext_hook=functools.partial(self._ext_hook, False))
+            decoder = msgspec.msgpack.Decoder(
+                type=self._types[type_id], ext_hook=functools.partial(self._ext_hook, False)
+            )
             self._typed_decoders[type_id] = decoder
         return decoder
 

@@ -102,20 +102,29 @@ def rank_coordinates(rank: int, tp_size: int, cp_size: int = 1) -> tuple[int, in
 
 def tp_group_ranks(tp_size: int, pp_size: int, cp_size: int = 1) -> list[list[int]]:
     """One group per (pp, cp) slot, in that order."""
-    return [[global_rank(tp, pp, cp, tp_size, cp_size) for tp in range(tp_size)]
-            for pp in range(pp_size) for cp in range(cp_size)]
+    return [
+        [global_rank(tp, pp, cp, tp_size, cp_size) for tp in range(tp_size)]
+        for pp in range(pp_size)
+        for cp in range(cp_size)
+    ]
 
 
 def pp_group_ranks(tp_size: int, pp_size: int, cp_size: int = 1) -> list[list[int]]:
     """One group per (cp, tp) slot."""
-    return [[global_rank(tp, pp, cp, tp_size, cp_size) for pp in range(pp_size)]
-            for cp in range(cp_size) for tp in range(tp_size)]
+    return [
+        [global_rank(tp, pp, cp, tp_size, cp_size) for pp in range(pp_size)]
+        for cp in range(cp_size)
+        for tp in range(tp_size)
+    ]
 
 
 def cp_group_ranks(tp_size: int, pp_size: int, cp_size: int = 1) -> list[list[int]]:
     """One group per (pp, tp) slot."""
-    return [[global_rank(tp, pp, cp, tp_size, cp_size) for cp in range(cp_size)]
-            for pp in range(pp_size) for tp in range(tp_size)]
+    return [
+        [global_rank(tp, pp, cp, tp_size, cp_size) for cp in range(cp_size)]
+        for pp in range(pp_size)
+        for tp in range(tp_size)
+    ]
 
 
 # An init_method naming a rendezvous store its launcher already serves
@@ -129,8 +138,9 @@ def host_rendezvous_store(timeout_s: float) -> tuple[dist.TCPStore, str]:
     """A rendezvous store served by this process on a port the OS picks, and
     the init_method that sends the ranks to it; keep the store alive until
     the ranks are gone (their process group uses it to make its subgroups)."""
-    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     return store, f"{_HOSTED_STORE_SCHEME}127.0.0.1:{store.port}"
 
 
@@ -148,16 +158,14 @@ def init_distributed_environment(
     _TIMEOUT = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     kwargs = {} if _TIMEOUT is None else {"timeout": _TIMEOUT}
     if init_method.startswith(_HOSTED_STORE_SCHEME):
-        host, port = init_method[len(_HOSTED_STORE_SCHEME):].rsplit(":", 1)
+        host, port = init_method[len(_HOSTED_STORE_SCHEME) :].rsplit(":", 1)
         store = dist.TCPStore(host, int(port), None, is_master=False, **kwargs)
         dist.init_process_group(backend=backend, store=store, world_size=world_size, rank=rank, **kwargs)
         return
     dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank, **kwargs)
 
 
-def initialize_model_parallel(
-    tp_size: int = 1, pp_size: int = 1, backend: str | None = None, cp_size: int = 1
-) -> None:
+def initialize_model_parallel(tp_size: int = 1, pp_size: int = 1, backend: str | None = None, cp_size: int = 1) -> None:
     """Build the TP, PP and CP groups. Every rank must call this with the same sizes:
     `new_group` is collective, and creating groups in different orders deadlocks."""
     global _TP, _PP, _CP

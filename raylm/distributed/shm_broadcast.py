@@ -144,8 +144,9 @@ class MessageQueue:
         return self._handle
 
     @classmethod
-    def create_from_handle(cls, handle: MessageQueueHandle, rank: int,
-                           codec: MessageCodec | None = None) -> MessageQueue:
+    def create_from_handle(
+        cls, handle: MessageQueueHandle, rank: int, codec: MessageCodec | None = None
+    ) -> MessageQueue:
         """Attach as the reader `rank` (local if `rank` is in handle.local_reader_ranks)."""
         self = cls.__new__(cls)
         self.is_writer = False

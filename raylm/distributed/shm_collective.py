@@ -133,12 +133,12 @@ class ShmCommunicator:
         data_offset, _ = _segment_size(world_size, slot_bytes)
         # numpy for the counters: a single aligned int64 load/store is one
         # machine instruction, and far cheaper from Python than a torch index.
-        self._counters = np.ndarray(
-            (world_size,), dtype=np.int64, buffer=mapping, offset=0, strides=(_CACHE_LINE,)
-        )
+        self._counters = np.ndarray((world_size,), dtype=np.int64, buffer=mapping, offset=0, strides=(_CACHE_LINE,))
         self._buffers = [
             torch.frombuffer(
-                mapping, dtype=torch.uint8, offset=data_offset + b * world_size * slot_bytes,
+                mapping,
+                dtype=torch.uint8,
+                offset=data_offset + b * world_size * slot_bytes,
                 count=world_size * slot_bytes,
             ).view(world_size, slot_bytes)
             for b in range(_NUM_BUFFERS)
@@ -197,8 +197,10 @@ class ShmCommunicator:
         if self._broken is not None:
             raise RuntimeError(f"shared-memory collective unusable after an earlier failure: {self._broken}")
         if not self.can_carry(tensor):
-            raise ValueError(f"tensor of {tensor.numel() * tensor.element_size()} bytes ({tensor.dtype}, "
-                             f"{tensor.device}) does not fit a {self.slot_bytes}-byte slot; check can_carry")
+            raise ValueError(
+                f"tensor of {tensor.numel() * tensor.element_size()} bytes ({tensor.dtype}, "
+                f"{tensor.device}) does not fit a {self.slot_bytes}-byte slot; check can_carry"
+            )
         self._calls += 1
         n = self._calls
         buffer = self._buffers[n % _NUM_BUFFERS]
@@ -238,7 +240,10 @@ class ShmCommunicator:
 
 
 def create_shm_communicator(
-    group: dist.ProcessGroup, ranks: list[int], rank_in_group: int, timeout_s: float,
+    group: dist.ProcessGroup,
+    ranks: list[int],
+    rank_in_group: int,
+    timeout_s: float,
     slot_bytes: int = DEFAULT_SLOT_BYTES,
 ) -> ShmCommunicator | None:
     """Collective over `group` (every member must call it): a communicator when
@@ -278,8 +283,11 @@ def create_shm_communicator(
         logger.warning("shared-memory collective: a rank could not map %s; using gloo", name)
         return None
     if rank_in_group == 0:
-        logger.info("TP ranks %s all-reduce/all-gather through shared memory (%d-byte slots; larger via gloo)",
-                    ranks, slot_bytes)
+        logger.info(
+            "TP ranks %s all-reduce/all-gather through shared memory (%d-byte slots; larger via gloo)",
+            ranks,
+            slot_bytes,
+        )
     return ShmCommunicator(mapping, rank_in_group, world_size, slot_bytes, timeout_s)
 
 

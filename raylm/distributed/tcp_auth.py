@@ -69,8 +69,7 @@ class CurveServer:
     z85; it runs on the ZAP thread); `secure(sock, domain)` names the domain
     a socket's clients are checked in."""
 
-    def __init__(self, context: zmq.Context, keys: CurveKeys,
-                 admits: Callable[[str, bytes], bool] | None = None):
+    def __init__(self, context: zmq.Context, keys: CurveKeys, admits: Callable[[str, bytes], bool] | None = None):
         self.keys = keys
         self._admits = admits
         self._authenticator = zmq.auth.thread.ThreadAuthenticator(context)

@@ -27,8 +27,16 @@ from raylm.config.engine_args import (
 )
 
 __all__ = [
-    "EXECUTOR_BACKENDS", "PLACEMENT_STRATEGIES", "AsyncEngineArgs", "EngineArgs", "Flag", "HelpFormatter",
-    "create_engine_config", "human_readable_int", "max_model_len_arg", "parse_bytes",
+    "EXECUTOR_BACKENDS",
+    "PLACEMENT_STRATEGIES",
+    "AsyncEngineArgs",
+    "EngineArgs",
+    "Flag",
+    "HelpFormatter",
+    "create_engine_config",
+    "human_readable_int",
+    "max_model_len_arg",
+    "parse_bytes",
 ]
 
 

@@ -225,8 +225,11 @@ class AsyncLLM:
                 self._run_output_handler(), name="raylm-output-handler"
             )
         if self.config.autoscale is not None and self._autoscale_task is None:
-            autoscaler = Autoscaler(self, self.config.autoscale, on_decision=lambda d: self._record(
-                lambda s: s.record_autoscale(d.direction, d.reason)))
+            autoscaler = Autoscaler(
+                self,
+                self.config.autoscale,
+                on_decision=lambda d: self._record(lambda s: s.record_autoscale(d.direction, d.reason)),
+            )
             self._autoscale_task = asyncio.get_running_loop().create_task(autoscaler.run(), name="raylm-autoscaler")
 
     # ---- requests ------------------------------------------------------------
@@ -241,8 +244,14 @@ class AsyncLLM:
             return await asyncio.get_running_loop().run_in_executor(None, self.input_processor.process, prompt, params)
         return self.input_processor.process(prompt, params)
 
-    async def add_request(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
-                          stream: bool = True, data_parallel_rank: int | None = None) -> RequestStream:
+    async def add_request(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams,
+        request_id: str,
+        stream: bool = True,
+        data_parallel_rank: int | None = None,
+    ) -> RequestStream:
         """Validate the request and hand it to the engine core now; its outputs
         come from the returned stream, which the caller must close (or read to
         the end). ValueError for bad input. `data_parallel_rank` pins the
@@ -256,8 +265,14 @@ class AsyncLLM:
         processed, params = await self.process_prompt(prompt, sampling_params)
         return self.add_validated_request(request_id, processed, params, stream, data_parallel_rank)
 
-    def add_validated_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
-                              stream: bool = True, data_parallel_rank: int | None = None) -> RequestStream:
+    def add_validated_request(
+        self,
+        request_id: str,
+        processed: ProcessedPrompt,
+        params: SamplingParams,
+        stream: bool = True,
+        data_parallel_rank: int | None = None,
+    ) -> RequestStream:
         """`add_request` for a request `process_prompt` validated already (a
         server fits max_tokens to the context between the two): it is not
         checked again (LLMEngine.add_validated_request is the same for an
@@ -268,8 +283,14 @@ class AsyncLLM:
         state = self._add_request(request_id, processed, params, stream, data_parallel_rank)
         return RequestStream(self, request_id, state.queue)
 
-    async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
-                       stream: bool = True, data_parallel_rank: int | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams,
+        request_id: str,
+        stream: bool = True,
+        data_parallel_rank: int | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes (add_request, then
         read); closing or cancelling the generator aborts the request."""
         outputs = await self.add_request(prompt, sampling_params, request_id, stream, data_parallel_rank)
@@ -279,8 +300,14 @@ class AsyncLLM:
         finally:
             outputs.close()
 
-    def _add_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
-                     stream: bool, data_parallel_rank: int | None = None) -> _RequestState:
+    def _add_request(
+        self,
+        request_id: str,
+        processed: ProcessedPrompt,
+        params: SamplingParams,
+        stream: bool,
+        data_parallel_rank: int | None = None,
+    ) -> _RequestState:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         children = self.input_processor.core_requests(request_id, processed, params)
@@ -337,8 +364,7 @@ class AsyncLLM:
             self._mark_dead(e)
         except Exception as e:  # a bug here would otherwise hang every client silently
             # Its message may quote a request id: escaped, the frames apart.
-            logger.error("output handler failed: %s\n%s", loggable(f"{type(e).__name__}: {e}"),
-                         traceback_frames(e))
+            logger.error("output handler failed: %s\n%s", loggable(f"{type(e).__name__}: {e}"), traceback_frames(e))
             self._mark_dead(EngineDeadError(f"output handler failed: {e}"))
 
     def _process(self, outputs: EngineCoreOutputs) -> None:
@@ -402,8 +428,11 @@ class AsyncLLM:
             if state is None or state.prefill_seconds is not None:
                 continue
             state.prefill_seconds = output.prefill_seconds
-            self._record(lambda s, queue=output.queue_seconds, prefill=output.prefill_seconds:
-                         s.record_queue_and_prefill(queue, prefill))
+            self._record(
+                lambda s, queue=output.queue_seconds, prefill=output.prefill_seconds: s.record_queue_and_prefill(
+                    queue, prefill
+                )
+            )
 
     def _record_finished(self, state: _RequestState, reason: str, num_tokens: int, now: float | None = None) -> None:
         now = now or time.monotonic()

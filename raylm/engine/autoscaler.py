@@ -85,8 +85,7 @@ class AutoscalePolicy:
             wanted, why = self._fewest_that_fit(n, in_flight, kv_total, bool(queued), why)
         return min(max(wanted, self.config.min_replicas), self.config.max_replicas), why
 
-    def _fewest_that_fit(self, n: int, in_flight: int, kv_total: float, queued: bool,
-                         why: str) -> tuple[int, str]:
+    def _fewest_that_fit(self, n: int, in_flight: int, kv_total: float, queued: bool, why: str) -> tuple[int, str]:
         """The fewest replicas (down to MIN) that the load would leave clear of
         every scale-out condition, with the KV usage below the lower watermark
         (not just below the high one); n when not even n - 1 would be."""
@@ -147,16 +146,19 @@ class Autoscaler:
             try:
                 await self._decide_and_scale()
             except Exception as e:  # not CancelledError (a BaseException): a cancel still ends the loop
-                logger.exception("autoscaling: deciding the replica count failed (%s: %s); deciding again in %g s",
-                                 type(e).__name__, e, _INTERVAL_S)
+                logger.exception(
+                    "autoscaling: deciding the replica count failed (%s: %s); deciding again in %g s",
+                    type(e).__name__,
+                    e,
+                    _INTERVAL_S,
+                )
 
     async def _decide_and_scale(self) -> None:
         replicas = self.engine.replica_states() or []
         decision = self.policy.decide(replicas, time.monotonic())
         if decision is None:
             return
-        logger.warning("autoscaling %d -> %d replicas (%s)", len(replicas), decision.num_replicas,
-                       decision.reason)
+        logger.warning("autoscaling %d -> %d replicas (%s)", len(replicas), decision.num_replicas, decision.reason)
         if not await self._scale(decision):
             return
         self.decisions.append(decision)
@@ -173,7 +175,12 @@ class Autoscaler:
             # not be placed, or a new replica did not start in time
             # (EngineStartTimeoutError). Anything else is unexpected: traceback.
             expected = isinstance(e, (ValueError, RuntimeError))
-            logger.error("autoscaling to %d replicas failed (%s: %s); trying again when the load asks for it",
-                         decision.num_replicas, type(e).__name__, e, exc_info=not expected)
+            logger.error(
+                "autoscaling to %d replicas failed (%s: %s); trying again when the load asks for it",
+                decision.num_replicas,
+                type(e).__name__,
+                e,
+                exc_info=not expected,
+            )
             return False
         return True

@@ -119,8 +119,9 @@ class CoreLauncher(ABC):
         """Close its socket; from now on nothing signed as this channel is believed."""
 
     @abstractmethod
-    def sender(self, frame: zmq.Frame, outputs: EngineCoreOutputs,
-               channels: dict[int, CoreChannel]) -> CoreChannel | None:
+    def sender(
+        self, frame: zmq.Frame, outputs: EngineCoreOutputs, channels: dict[int, CoreChannel]
+    ) -> CoreChannel | None:
         """The serving channel that sent `frame`, or None to drop it (logged)."""
 
     def plan_targets(self, num_cores: int) -> list:

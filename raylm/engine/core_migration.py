@@ -124,8 +124,9 @@ class MigrationEndpoint:
             return self._refused(message, "the request is not running here (finished, aborted or already paused)")
         outgoing = self._outgoing.get(message.migration_id)
         if outgoing is None:
-            outgoing = self._outgoing[message.migration_id] = _Outgoing(message.request_id,
-                                                                        transport_for(message.network))
+            outgoing = self._outgoing[message.migration_id] = _Outgoing(
+                message.request_id, transport_for(message.network)
+            )
         if outgoing.preemptions is None:
             outgoing.preemptions = request.num_preemptions
         if message.final:
@@ -152,21 +153,33 @@ class MigrationEndpoint:
         num_blocks = -(-request.num_computed_tokens // self._block_size)
         return self._write(message, outgoing, num_blocks, request.num_computed_tokens, request.num_output_tokens)
 
-    def _write(self, message: MigrateExport, outgoing: _Outgoing, upto_block: int, num_computed: int,
-               num_output: int) -> MigrationReport:
-        block_ids = self._scheduler.kv_cache_manager.get_block_ids(message.request_id)[outgoing.blocks_sent:upto_block]
+    def _write(
+        self, message: MigrateExport, outgoing: _Outgoing, upto_block: int, num_computed: int, num_output: int
+    ) -> MigrationReport:
+        block_ids = self._scheduler.kv_cache_manager.get_block_ids(message.request_id)[
+            outgoing.blocks_sent : upto_block
+        ]
         # Before the final stage the blocks are full: gathered beside the steps.
         background = OVERLAP_PRECOPY and not message.final
         try:
             outgoing.stages.add(message.path_prefix)
-            num_bytes, sources = outgoing.transport.export(self.core.executor.collective_rpc, message.path_prefix,
-                                                           block_ids, background)
+            num_bytes, sources = outgoing.transport.export(
+                self.core.executor.collective_rpc, message.path_prefix, block_ids, background
+            )
         except Exception as e:  # the request is untouched (if paused, the supervisor resumes it)
             return self._refused(message, f"exporting its K/V failed: {type(e).__name__}: {e}")
         outgoing.blocks_sent = max(outgoing.blocks_sent, upto_block)
-        return MigrationReport(message.migration_id, message.request_id, ok=True, final=message.final,
-                               num_blocks=len(block_ids), num_bytes=num_bytes, num_computed_tokens=num_computed,
-                               num_output_tokens=num_output, sources=sources)
+        return MigrationReport(
+            message.migration_id,
+            message.request_id,
+            ok=True,
+            final=message.final,
+            num_blocks=len(block_ids),
+            num_bytes=num_bytes,
+            num_computed_tokens=num_computed,
+            num_output_tokens=num_output,
+            sources=sources,
+        )
 
     def _in_flight(self, request_id: str) -> bool:
         request = self._scheduler.requests.get(request_id)
@@ -211,15 +224,21 @@ class MigrationEndpoint:
             del self._incoming[migration_id]
             self._scheduler.expecting_imports = bool(self._incoming)
             self._scheduler.add_imported(message.request.to_request(), message.num_computed_tokens)
-        return MigrationReport(migration_id, rid, ok=True, final=message.final,
-                               num_blocks=len(block_ids), num_bytes=num_bytes)
+        return MigrationReport(
+            migration_id, rid, ok=True, final=message.final, num_blocks=len(block_ids), num_bytes=num_bytes
+        )
 
     def _read(self, message: MigrateImport, block_ids: list[int], background: bool) -> int | None:
         """Each rank reads the source's same rank's blocks, by the migration's
         transport; `background`: on a thread of its own (None)."""
         return transport_for(message.network).import_(
-            self.core.executor.collective_rpc, message.path_prefix, block_ids, background, message.sources,
-            self.core.config.parallel_config.world_size)
+            self.core.executor.collective_rpc,
+            message.path_prefix,
+            block_ids,
+            background,
+            message.sources,
+            self.core.config.parallel_config.world_size,
+        )
 
     def _imports_done(self) -> list[MigrationReport]:
         """Ask the ranks which background imports have ended; report (or, for
@@ -249,9 +268,16 @@ class MigrationEndpoint:
                 self._abandon(migration_id)
                 reports.append(self._refused(message, f"importing its K/V failed: {errors[0]}"))
             else:
-                reports.append(MigrationReport(migration_id, message.request_id, ok=True, final=False,
-                                               num_blocks=len(job.block_ids),
-                                               num_bytes=sum(n for _, n in job.ranks_done.values())))
+                reports.append(
+                    MigrationReport(
+                        migration_id,
+                        message.request_id,
+                        ok=True,
+                        final=False,
+                        num_blocks=len(job.block_ids),
+                        num_bytes=sum(n for _, n in job.ranks_done.values()),
+                    )
+                )
         return reports
 
     def _abandon(self, migration_id: str) -> None:
@@ -280,8 +306,9 @@ class MigrationEndpoint:
         outgoing = self._outgoing.pop(message.migration_id, None)
         if outgoing is not None:
             if outgoing.stages:  # what the source still holds of them: their files, offers never fetched
-                outgoing.transport.end_at_source(self.core.executor.collective_rpc, message.migration_id,
-                                                 outgoing.stages)
+                outgoing.transport.end_at_source(
+                    self.core.executor.collective_rpc, message.migration_id, outgoing.stages
+                )
             if message.commit:
                 self._scheduler.release_migrated(message.request_id)
             else:
@@ -300,10 +327,18 @@ class MigrationEndpoint:
         for migration_id, rid in self._incoming.items():
             job = self._importing.get(migration_id)
             if job is None or not job.abandoned:
-                logger.info("migration %s of request %s refused: the destination's executor failed",
-                            migration_id, rid[:64])
-                reports.append(MigrationReport(migration_id, rid, ok=False, final=False,
-                                               error="the destination's executor failed during the import"))
+                logger.info(
+                    "migration %s of request %s refused: the destination's executor failed", migration_id, rid[:64]
+                )
+                reports.append(
+                    MigrationReport(
+                        migration_id,
+                        rid,
+                        ok=False,
+                        final=False,
+                        error="the destination's executor failed during the import",
+                    )
+                )
         self._incoming.clear()  # the scheduler's blocks are reset with the executor
         self._importing.clear()
         self._scheduler.expecting_imports = False
@@ -311,8 +346,15 @@ class MigrationEndpoint:
             if outgoing.request_id not in self._scheduler.paused:
                 del self._outgoing[migration_id]
                 self._scheduler.resume(outgoing.request_id)
-                reports.append(MigrationReport(migration_id, outgoing.request_id, ok=False, final=True,
-                                               error="the source's executor failed during the migration"))
+                reports.append(
+                    MigrationReport(
+                        migration_id,
+                        outgoing.request_id,
+                        ok=False,
+                        final=True,
+                        error="the source's executor failed during the migration",
+                    )
+                )
         return reports
 
     @property
@@ -322,5 +364,6 @@ class MigrationEndpoint:
     @staticmethod
     def _refused(message, reason: str) -> MigrationReport:
         logger.info("migration %s of request %s refused: %s", message.migration_id, message.request_id[:64], reason)
-        return MigrationReport(message.migration_id, message.request_id, ok=False,
-                               final=getattr(message, "final", True), error=reason)
+        return MigrationReport(
+            message.migration_id, message.request_id, ok=False, final=getattr(message, "final", True), error=reason
+        )

@@ -75,9 +75,17 @@ class EngineCoreProc:
     `secure_socket`: applied to both sockets before they connect (a replica's
     CURVE keys, see dp_manager.ReplicaChannel)."""
 
-    def __init__(self, core, input_address: str, output_address: str, engine_index: int = 0,
-                 watch_parent: bool = True, secure_socket: Callable[[zmq.Socket], None] | None = None,
-                 running_alone_path: str | None = None, incarnation: int = 0):
+    def __init__(
+        self,
+        core,
+        input_address: str,
+        output_address: str,
+        engine_index: int = 0,
+        watch_parent: bool = True,
+        secure_socket: Callable[[zmq.Socket], None] | None = None,
+        running_alone_path: str | None = None,
+        incarnation: int = 0,
+    ):
         self.core = core
         self.incarnation = incarnation
         if running_alone_path is not None:
@@ -146,9 +154,14 @@ class EngineCoreProc:
             self._send(EngineCoreOutputs(migrations=reports, stats=self._stats()))
         if self._has_work():
             outputs = self.core.step()
-            self._send(EngineCoreOutputs(outputs=outputs, stats=self._stats(),
-                                         recoveries=self._new_recoveries(),
-                                         migrations=self.core.take_migration_reports()))
+            self._send(
+                EngineCoreOutputs(
+                    outputs=outputs,
+                    stats=self._stats(),
+                    recoveries=self._new_recoveries(),
+                    migrations=self.core.take_migration_reports(),
+                )
+            )
         elif handled:
             # Aborts change the counts without a step; report them anyway.
             self._send(EngineCoreOutputs(stats=self._stats()))
@@ -197,7 +210,7 @@ class EngineCoreProc:
 
     def _new_recoveries(self) -> list[RecoveryStats]:
         """The core's recoveries since the last report, for the front end's metrics."""
-        events = self.core.recoveries[self._num_reported_recoveries:]
+        events = self.core.recoveries[self._num_reported_recoveries :]
         self._num_reported_recoveries += len(events)
         return [RecoveryStats(e.kind, e.seconds, e.num_requests, e.charged, e.culprits) for e in events]
 
@@ -205,8 +218,12 @@ class EngineCoreProc:
         self._send(EngineCoreOutputs(rebuilding=True))
 
     def _stats(self) -> SchedulerStats:
-        return SchedulerStats(**self.core.stats(), unhealthy=self.core.unhealthy_reason,
-                              engine_index=self.engine_index, core_start=self.core_start)
+        return SchedulerStats(
+            **self.core.stats(),
+            unhealthy=self.core.unhealthy_reason,
+            engine_index=self.engine_index,
+            core_start=self.core_start,
+        )
 
     def _send(self, outputs: EngineCoreOutputs) -> None:
         outputs.engine_index = self.engine_index
@@ -220,9 +237,16 @@ class EngineCoreProc:
         self.ctx.term()
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str, ready_conn,
-                    log_level: int = logging.WARNING, running_alone_path: str | None = None,
-                    engine_index: int = 0, incarnation: int = 0) -> None:
+def run_engine_core(
+    config: EngineConfig,
+    input_address: str,
+    output_address: str,
+    ready_conn,
+    log_level: int = logging.WARNING,
+    running_alone_path: str | None = None,
+    engine_index: int = 0,
+    incarnation: int = 0,
+) -> None:
     """Entry point of the engine-core process: build the core, report readiness
     (or the error) on `ready_conn`, loop, and always shut the executor down."""
     from raylm.engine.engine_core import EngineCore
@@ -242,8 +266,14 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         ready_conn.send(("error", f"{type(e).__name__}: {e}"))
         ready_conn.close()
         return
-    proc = EngineCoreProc(core, input_address, output_address, engine_index, running_alone_path=running_alone_path,
-                          incarnation=incarnation)
+    proc = EngineCoreProc(
+        core,
+        input_address,
+        output_address,
+        engine_index,
+        running_alone_path=running_alone_path,
+        incarnation=incarnation,
+    )
     freeze_startup_heap()  # before "ready": the first requests must not wait for its collection
     ready_conn.send(("ready", config.cache_config.num_blocks))
     ready_conn.close()

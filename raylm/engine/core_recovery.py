@@ -90,9 +90,18 @@ class RestartOutcomes(Protocol):
 
 
 class Recovery:
-    def __init__(self, config: EngineConfig, ledger: Ledger, router: Router, launcher: CoreLauncher, ctx,
-                 background: BackgroundThreads, closed: threading.Event, restarts: RestartOutcomes,
-                 remove_channel: Callable[[int, str], CoreChannel | None]):
+    def __init__(
+        self,
+        config: EngineConfig,
+        ledger: Ledger,
+        router: Router,
+        launcher: CoreLauncher,
+        ctx,
+        background: BackgroundThreads,
+        closed: threading.Event,
+        restarts: RestartOutcomes,
+        remove_channel: Callable[[int, str], CoreChannel | None],
+    ):
         """`restarts` hears how a planned restart's start went and of a
         restarting replica's death (its restart is over); `remove_channel`
         is the supervisor's one way for a core to leave."""
@@ -182,8 +191,13 @@ class Recovery:
             self._restarts.done(channel.index)
             return
         seconds = time.monotonic() - replacement.noticed
-        logger.warning("engine core %d replaced in %.1f s (%s); %d request(s) carried over",
-                       channel.index, seconds, replacement.cause, replacement.num_requests)
+        logger.warning(
+            "engine core %d replaced in %.1f s (%s); %d request(s) carried over",
+            channel.index,
+            seconds,
+            replacement.cause,
+            replacement.num_requests,
+        )
         self._recoveries.append(RecoveryStats(self._launcher.recovery_kind, seconds, replacement.num_requests))
 
     def _restart_if_allowed(self, index: int, replacement: Replacement, blamed: int = 0) -> None:
@@ -214,9 +228,15 @@ class Recovery:
             return
         retry_in = _window_frees_in(budget)
         self._budget_waits[index] = BudgetWait(replacement, time.monotonic() + retry_in)
-        logger.error("no restart left for engine core %d (%d allowed within %g s): %s; it is restarted in "
-                     "%.0f s, when the oldest restart leaves the window", index, budget.max_restarts,
-                     budget.window_s, serving, retry_in)
+        logger.error(
+            "no restart left for engine core %d (%d allowed within %g s): %s; it is restarted in "
+            "%.0f s, when the oldest restart leaves the window",
+            index,
+            budget.max_restarts,
+            budget.window_s,
+            serving,
+            retry_in,
+        )
 
     def restart_when_budget_allows(self) -> None:
         """Housekeeping: try again the restarts the budget refused, once due."""
@@ -304,8 +324,12 @@ class Recovery:
         if not verdict.found_culprit:
             return 0
         culprit = verdict.culprits[0]
-        logger.error("request %s was present at %d failures and killed engine core %d again running alone: "
-                     "failed, not retried", culprit, verdict.culprit_recoveries + 1, index)
+        logger.error(
+            "request %s was present at %d failures and killed engine core %d again running alone: failed, not retried",
+            culprit,
+            verdict.culprit_recoveries + 1,
+            index,
+        )
         self._ledger.drop(culprit)
         self._culprit_outputs.append(quarantine.culprit_output(verdict, cause))
         return verdict.culprit_recoveries + 1

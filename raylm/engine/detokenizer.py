@@ -38,9 +38,7 @@ def _backend_of(tokenizer: Any) -> Tokenizer:
     return backend
 
 
-def _clean_context(
-    backend: Tokenizer, token_ids: Sequence[int], skip_special_tokens: bool
-) -> list[int]:
+def _clean_context(backend: Tokenizer, token_ids: Sequence[int], skip_special_tokens: bool) -> list[int]:
     """The last few ids of ``token_ids``, cut back so their text ends on a whole character.
 
     A prompt ending inside a character would otherwise let the output's first
@@ -142,7 +140,7 @@ class IncrementalDetokenizer:
             return self.output_text[:end]
         if end <= self._returned_chars:
             return ""
-        text = self.output_text[self._returned_chars:end]
+        text = self.output_text[self._returned_chars : end]
         self._returned_chars = end
         return text
 
@@ -151,7 +149,7 @@ class IncrementalDetokenizer:
 
     def _decode_window(self, final: bool, num_new_tokens: int = 0) -> str:
         """Text the window gained since the last release, up to its last whole character."""
-        text = self._decode(self._window_ids[self._prefix_offset:])
+        text = self._decode(self._window_ids[self._prefix_offset :])
         complete_len = len(text.rstrip(_REPLACEMENT_CHAR))
         if complete_len < len(text):
             if complete_len > self._window_chars_released:
@@ -160,14 +158,14 @@ class IncrementalDetokenizer:
                 self._stuck_tokens += num_new_tokens
             if final or self._stuck_tokens > _MAX_PENDING_TOKENS:
                 complete_len = len(text)
-        new_text = text[self._window_chars_released:complete_len]
+        new_text = text[self._window_chars_released : complete_len]
         self._window_chars_released = max(self._window_chars_released, complete_len)
         if complete_len == len(text):
             # Everything decoded cleanly: the released tokens become the next context.
             self._stuck_tokens = 0
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._window_ids)
-            self._window_chars_released = len(self._decode(self._window_ids[self._prefix_offset:]))
+            self._window_chars_released = len(self._decode(self._window_ids[self._prefix_offset :]))
             # Drop ids no window will read again, so memory stays flat on long outputs.
             if self._prefix_offset > 4 * _MAX_PENDING_TOKENS:
                 del self._window_ids[: self._prefix_offset]

@@ -125,16 +125,23 @@ class EngineCoreActor:
     start is an actor-creation error), then `run` is the core's busy loop,
     talking to the front end over ZMQ exactly like a core process does."""
 
-    def __init__(self, config: EngineConfig, engine_index: int, channel: ReplicaChannel,
-                 log_level: int = logging.WARNING):
+    def __init__(
+        self, config: EngineConfig, engine_index: int, channel: ReplicaChannel, log_level: int = logging.WARNING
+    ):
         from raylm.engine.engine_core import EngineCore
 
         undo_ray_worker_niceness()  # the model loads and warms up on this thread
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.engine_index = engine_index
         self.core = EngineCore(config)
-        self.proc = ReplicaCoreProc(self.core, channel.input_address, channel.output_address, engine_index,
-                                    watch_parent=False, secure_socket=channel.secure)
+        self.proc = ReplicaCoreProc(
+            self.core,
+            channel.input_address,
+            channel.output_address,
+            engine_index,
+            watch_parent=False,
+            secure_socket=channel.secure,
+        )
         if channel.running_alone_key:
             self.core.on_running_alone = RunningAloneRecordInRay(channel.running_alone_key).write
         freeze_startup_heap()  # here, not in `run`: the replica gets traffic once it is ready
@@ -231,8 +238,8 @@ class CoreEngineActorManager:
                 # One thread for the core's loop, one for ready() and friends.
                 max_concurrency=2,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=0,
-                    placement_group_capture_child_tasks=True),
+                    placement_group=pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
+                ),
                 runtime_env={"env_vars": worker_env_vars(self.config.device)},
                 name=None,
             ).remote(replica_config, index, channel, logging.getLogger().getEffectiveLevel())
@@ -248,14 +255,22 @@ class CoreEngineActorManager:
                 # The engine's own type, as for a core process (process_launcher):
                 # a bare TimeoutError was neither a RuntimeError for POST /scale
                 # (a 500, not a 409) nor for the autoscaler (its task ended).
-                raise EngineStartTimeoutError(f"data-parallel replica {index} was not ready within "
-                                              f"{start_timeout:g} s (engine_start_timeout); killed it") from e
+                raise EngineStartTimeoutError(
+                    f"data-parallel replica {index} was not ready within "
+                    f"{start_timeout:g} s (engine_start_timeout); killed it"
+                ) from e
             raise
         handle = ReplicaHandle(index, actor, pg, run_ref, info["node_id"], info["node_ip"], info["pid"])
         with self._lock:
             self.replicas[index] = handle
-        logger.info("data-parallel replica %d: node %s (%s), pid %d, %d KV blocks",
-                    index, info["node_ip"], info["node_id"][:12], info["pid"], info["num_blocks"])
+        logger.info(
+            "data-parallel replica %d: node %s (%s), pid %d, %d KV blocks",
+            index,
+            info["node_ip"],
+            info["node_id"][:12],
+            info["pid"],
+            info["num_blocks"],
+        )
         return handle
 
     # ---- liveness ------------------------------------------------------------------
@@ -288,8 +303,13 @@ class CoreEngineActorManager:
                 except Exception as e:
                     cause = _first_line(e)
                 self._release(handle)
-                logger.error("data-parallel replica %d (pid %d, node %s) died: %s",
-                             handle.index, handle.pid, handle.node_ip, cause)
+                logger.error(
+                    "data-parallel replica %d (pid %d, node %s) died: %s",
+                    handle.index,
+                    handle.pid,
+                    handle.node_ip,
+                    cause,
+                )
                 self.on_death(handle.index, cause)
 
     # ---- stopping --------------------------------------------------------------------

@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 # seen, and the death, not their error, is the cause.
 _DEATH_VERDICT_GRACE_S = 2.0
 
+
 @dataclass
 class RecoveryEvent:
     """One recovery, for logs and metrics: what failed and what it cost."""
@@ -106,8 +107,9 @@ class EngineCore:
             self._initialize_kv_cache()
             mc = config.model_config
             grammars = StructuredOutputManager(mc.tokenizer, mc.vocab_size)
-            self.scheduler = Scheduler(config.scheduler_config, config.cache_config, mc.max_model_len, grammars,
-                                       self._burst_planner())
+            self.scheduler = Scheduler(
+                config.scheduler_config, config.cache_config, mc.max_model_len, grammars, self._burst_planner()
+            )
         except BaseException:
             self.executor.shutdown()
             raise
@@ -127,8 +129,11 @@ class EngineCore:
         ranks split a step's rows), and steps scheduled one at a time."""
         pc, sc = self.config.parallel_config, self.config.scheduler_config
         runs = pc.pipeline_parallel_size == 1 and pc.context_parallel_size == 1 and not sc.async_scheduling
-        return BurstPlanner(sc.num_scheduler_steps if runs else 1, sc.decode_burst_budget_s,
-                            workers_sample_alike=pc.tensor_parallel_size == 1)
+        return BurstPlanner(
+            sc.num_scheduler_steps if runs else 1,
+            sc.decode_burst_budget_s,
+            workers_sample_alike=pc.tensor_parallel_size == 1,
+        )
 
     def _initialize_kv_cache(self) -> None:
         cc = self.config.cache_config
@@ -151,7 +156,10 @@ class EngineCore:
         self.executor.initialize_from_config(KVCacheConfig(num_blocks=cc.num_blocks, block_size=cc.block_size))
         logger.info(
             "KV cache: %d blocks x %d tokens (per rank: %d blocks, %d tokens, %.1f MiB)",
-            cc.num_blocks, cc.block_size, cc.num_blocks // cp, cc.num_blocks // cp * cc.block_size,
+            cc.num_blocks,
+            cc.block_size,
+            cc.num_blocks // cp,
+            cc.num_blocks // cp * cc.block_size,
             cc.num_blocks // cp * per_block / 2**20,
         )
 
@@ -342,13 +350,19 @@ class EngineCore:
             self.blame.forgive(1)
         num_requeued = self.scheduler.reset_after_executor_loss(self.config.cache_config.num_blocks)
         self.migration_reports.extend(self.migrations.on_executor_lost())
-        event = RecoveryEvent(kind, cause, noticed, time.monotonic() - noticed, num_requeued,
-                              verdict.charged, verdict.culprits)
+        event = RecoveryEvent(
+            kind, cause, noticed, time.monotonic() - noticed, num_requeued, verdict.charged, verdict.culprits
+        )
         self.recoveries.append(event)
         self.num_recovered_requests += num_requeued
         logger.warning(
             "recovered from %s in %.2f s: %d request(s) continue on the new executor, %d charged, %d failed as "
-            "the cause (%s)", kind, event.seconds, num_requeued, len(verdict.charged), len(verdict.culprits),
+            "the cause (%s)",
+            kind,
+            event.seconds,
+            num_requeued,
+            len(verdict.charged),
+            len(verdict.culprits),
             self.restart_budget.describe(),
         )
         return outputs

@@ -19,11 +19,14 @@ class EngineCoreDiedError(EngineDeadError):
         if hung_s is None:
             super().__init__(f"engine core process exited with code {exitcode}")
         elif rebuilding:
-            super().__init__(f"engine core process was rebuilding its executor for {hung_s:.0f} s, past "
-                             f"engine_start_timeout; killed it")
+            super().__init__(
+                f"engine core process was rebuilding its executor for {hung_s:.0f} s, past "
+                f"engine_start_timeout; killed it"
+            )
         else:
-            super().__init__(f"engine core process made no progress for {hung_s:.0f} s with requests in flight; "
-                             f"killed it")
+            super().__init__(
+                f"engine core process made no progress for {hung_s:.0f} s with requests in flight; killed it"
+            )
         self.exitcode = exitcode
 
 
@@ -49,8 +52,10 @@ class EngineRecoveryTimeoutError(EngineUnhealthyError):
     so it is presumably stuck: HTTP 503 on /health, for an operator to act."""
 
     def __init__(self, what: str, seconds: float, limit_s: float):
-        super().__init__(f"the engine has been recovering ({what}) for {seconds:.0f} s, past its limit of "
-                         f"{limit_s:g} s (engine_start_timeout)")
+        super().__init__(
+            f"the engine has been recovering ({what}) for {seconds:.0f} s, past its limit of "
+            f"{limit_s:g} s (engine_start_timeout)"
+        )
         self.seconds = seconds
 
 

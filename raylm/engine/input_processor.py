@@ -48,8 +48,9 @@ class InputProcessor:
         params finished (a clone; `params` itself is left as it was)."""
         return self.process_prompt(prompt, params), self.finish_params(params)
 
-    def core_requests(self, request_id: str, prompt: ProcessedPrompt,
-                      params: SamplingParams) -> list[EngineCoreRequest]:
+    def core_requests(
+        self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams
+    ) -> list[EngineCoreRequest]:
         """The requests for the core of one validated request (from `process`):
         itself, or its n completions as children `{request_id}-{i}`."""
         if params.n == 1:
@@ -65,8 +66,9 @@ class InputProcessor:
         return requests
 
     def _core_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> EngineCoreRequest:
-        return EngineCoreRequest(request_id, prompt.prompt_token_ids, params, self.eos_token_id,
-                                 cache_salt=prompt.cache_salt)
+        return EngineCoreRequest(
+            request_id, prompt.prompt_token_ids, params, self.eos_token_id, cache_salt=prompt.cache_salt
+        )
 
     def process_prompt(self, prompt: Any, params: SamplingParams | None = None) -> ProcessedPrompt:
         """Tokenize and check one prompt; `params` brings truncate_prompt_tokens,
@@ -76,7 +78,8 @@ class InputProcessor:
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 all_ints = isinstance(ids, (list, tuple)) and all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in ids)
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids
+                )
                 if not all_ints:
                     raise ValueError("prompt_token_ids must be a list of integers")
                 processed = ProcessedPrompt(prompt.get("prompt"), list(ids), cache_salt)
@@ -103,9 +106,7 @@ class InputProcessor:
             raise ValueError(f"prompt_token_ids contains ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         max_len = self.model_config.max_model_len
         if len(ids) > max_len:
-            raise ValueError(
-                f"prompt is {len(ids)} tokens, longer than max_model_len ({max_len})"
-            )
+            raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len ({max_len})")
         if params is not None:
             check_prompt_logprobs_size(len(ids), params.prompt_logprobs)
         return processed
@@ -123,8 +124,10 @@ class InputProcessor:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids contains ids outside the vocabulary [0, {vocab}): {bad}")
-        for name, ids in (("logit_bias", params.logit_bias or {}),
-                          ("allowed_token_ids", params.allowed_token_ids or [])):
+        for name, ids in (
+            ("logit_bias", params.logit_bias or {}),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+        ):
             bad = sorted(t for t in ids if t >= vocab)
             if bad:
                 raise ValueError(f"{name} contains ids outside the vocabulary [0, {vocab}): {bad[:5]}")

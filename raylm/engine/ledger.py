@@ -61,8 +61,9 @@ class Ledger(Mapping[str, LedgerEntry]):
     # ---- requests ----------------------------------------------------------------------
 
     def add(self, request: EngineCoreRequest, pinned: bool) -> LedgerEntry:
-        entry = self._entries[request.request_id] = LedgerEntry(request, -1, list(request.output_token_ids),
-                                                                pinned=pinned)
+        entry = self._entries[request.request_id] = LedgerEntry(
+            request, -1, list(request.output_token_ids), pinned=pinned
+        )
         return entry
 
     def assign(self, request_id: str, channel: CoreChannel) -> None:

@@ -68,9 +68,7 @@ class LLM:
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
-                )
+                raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
         engine = self.llm_engine
         # Validate everything before adding anything: a bad prompt raises and
         # leaves the engine exactly as it was.
@@ -127,8 +125,9 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, conversation: list[dict], chat_template: str | None = None,
-                            add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, conversation: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True
+    ) -> str:
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat_template; pass chat_template=")

@@ -72,8 +72,10 @@ class LLMEngine:
         # its own) under the supervisor AsyncLLM uses.
         self.engine_core: InprocClient | SyncEngineCoreSupervisor
         if config.autoscale is not None:
-            raise ValueError("autoscale scales a server's replicas with its load (raylm serve, AsyncLLM); an "
-                             "offline LLM sets data_parallel_size instead")
+            raise ValueError(
+                "autoscale scales a server's replicas with its load (raylm serve, AsyncLLM); an "
+                "offline LLM sets data_parallel_size instead"
+            )
         if config.parallel_config.data_parallel_size > 1:
             self.engine_core = SyncEngineCoreSupervisor(config)
         else:
@@ -87,13 +89,15 @@ class LLMEngine:
         """Check one request without adding it: (processed prompt, finished params)."""
         return self.input_processor.process(prompt, params)
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                    data_parallel_rank: int | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt: Any, params: SamplingParams, data_parallel_rank: int | None = None
+    ) -> None:
         processed, params = self.validate(prompt, params)
         self.add_validated_request(request_id, processed, params, data_parallel_rank)
 
-    def add_validated_request(self, request_id: str, processed, params: SamplingParams,
-                              data_parallel_rank: int | None = None) -> None:
+    def add_validated_request(
+        self, request_id: str, processed, params: SamplingParams, data_parallel_rank: int | None = None
+    ) -> None:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_data_parallel_rank(self.config, data_parallel_rank)

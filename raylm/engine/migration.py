@@ -137,8 +137,14 @@ class Migrations(Mapping[str, Migration]):
     moves requests only through the ledger, and sends through the channels
     the ledger holds."""
 
-    def __init__(self, config: EngineConfig, ledger: Ledger, router: Router, launcher: CoreLauncher,
-                 encode: Callable[[object], bytes]):
+    def __init__(
+        self,
+        config: EngineConfig,
+        ledger: Ledger,
+        router: Router,
+        launcher: CoreLauncher,
+        encode: Callable[[object], bytes],
+    ):
         self._config = config
         self._ledger = ledger
         self._router = router  # a request whose migration cannot be undone is sent again
@@ -200,13 +206,27 @@ class Migrations(Mapping[str, Migration]):
         if target is None:
             return False
         network = self._kv_network(source, target)
-        migration = Migration(f"{os.getpid()}-{next(self._migration_ids)}", request_id, source.index,
-                              target.index, reason, network=network, transport=transport_for(network),
-                              source_channel=source, destination_channel=target)
+        migration = Migration(
+            f"{os.getpid()}-{next(self._migration_ids)}",
+            request_id,
+            source.index,
+            target.index,
+            reason,
+            network=network,
+            transport=transport_for(network),
+            source_channel=source,
+            destination_channel=target,
+        )
         self._migrations[migration.migration_id] = migration
         self.by_request[request_id] = migration.migration_id
-        logger.info("migrating request %s from core %d to core %d (%s, %s)", request_id[:64], source.index,
-                    target.index, reason, migration.transport.description)
+        logger.info(
+            "migrating request %s from core %d to core %d (%s, %s)",
+            request_id[:64],
+            source.index,
+            target.index,
+            reason,
+            migration.transport.description,
+        )
         self._export_stage(migration, final=False)
         return True
 
@@ -238,33 +258,46 @@ class Migrations(Mapping[str, Migration]):
         if not self._rebalance or self._migrations or now < self._next_rebalance:
             return
         self._next_rebalance = now + _REBALANCE_INTERVAL_S
-        loads = [load_of(c) for c in self._ledger.serving()
-                 if c.rebuilding_since is None and not self._cannot_move_kv(c)]
+        loads = [
+            load_of(c) for c in self._ledger.serving() if c.rebuilding_since is None and not self._cannot_move_kv(c)
+        ]
         plan = plan_rebalance(loads)
         if plan is None:
             return
         source, destination, count = plan
         ledger = self._ledger
-        movable = [rid for rid in ledger.channels[source].in_flight
-                   if rid in ledger and not ledger[rid].pinned
-                   and now - self._moved_at.get(rid, -_MOVED_COOLDOWN_S) >= _MOVED_COOLDOWN_S]
+        movable = [
+            rid
+            for rid in ledger.channels[source].in_flight
+            if rid in ledger
+            and not ledger[rid].pinned
+            and now - self._moved_at.get(rid, -_MOVED_COOLDOWN_S) >= _MOVED_COOLDOWN_S
+        ]
         movable.sort(key=lambda rid: len(ledger[rid].token_ids))
         for request_id in movable[:count]:
             if self.migrate(request_id, destination, reason="rebalance"):
                 self._moved_at[request_id] = now
 
     def _migration_destination(self, source: CoreChannel, index: int | None) -> CoreChannel | None:
-        candidates = [c for c in self._ledger.serving()
-                      if c.index != source.index and c.rebuilding_since is None
-                      and not self._cannot_move_kv(c) and (index is None or c.index == index)]
+        candidates = [
+            c
+            for c in self._ledger.serving()
+            if c.index != source.index
+            and c.rebuilding_since is None
+            and not self._cannot_move_kv(c)
+            and (index is None or c.index == index)
+        ]
         if not candidates:
             return None
         return min(candidates, key=lambda c: (len(c.in_flight), c.stats.kv_cache_usage if c.stats else 0.0))
 
     def _shares_node(self, source: CoreChannel, destination: CoreChannel) -> bool:
         """Both cores on this supervisor's node: the K/V can go through its /dev/shm folder."""
-        return (source.node_ip == destination.node_ip and self._launcher.is_local(source.index)
-                and self._launcher.is_local(destination.index))
+        return (
+            source.node_ip == destination.node_ip
+            and self._launcher.is_local(source.index)
+            and self._launcher.is_local(destination.index)
+        )
 
     def _kv_network(self, source: CoreChannel, destination: CoreChannel) -> KVNetwork | None:
         if self._shares_node(source, destination) and not self._network_always:
@@ -278,9 +311,13 @@ class Migrations(Mapping[str, Migration]):
 
     def _export_stage(self, migration: Migration, final: bool) -> None:
         migration.stage_started = time.monotonic()
-        migration.source_channel.send(self._encode(
-            MigrateExport(migration.migration_id, migration.request_id, self._stage_path(migration), final,
-                          migration.network)))
+        migration.source_channel.send(
+            self._encode(
+                MigrateExport(
+                    migration.migration_id, migration.request_id, self._stage_path(migration), final, migration.network
+                )
+            )
+        )
 
     # ---- reports from the cores -----------------------------------------------------
 
@@ -307,9 +344,22 @@ class Migrations(Mapping[str, Migration]):
                 return
             request = entry.continuation()
             self._hand_over(migration)
-        migration.destination_channel.send(self._encode(MigrateImport(
-            migration.migration_id, migration.request_id, self._stage_path(migration), report.num_blocks,
-            report.final, request, report.num_computed_tokens, migration.network, report.sources, migration.stage)))
+        migration.destination_channel.send(
+            self._encode(
+                MigrateImport(
+                    migration.migration_id,
+                    migration.request_id,
+                    self._stage_path(migration),
+                    report.num_blocks,
+                    report.final,
+                    request,
+                    report.num_computed_tokens,
+                    migration.network,
+                    report.sources,
+                    migration.stage,
+                )
+            )
+        )
         migration.stage += 1
 
     def _on_imported(self, migration: Migration, report: MigrationReport) -> None:
@@ -323,8 +373,14 @@ class Migrations(Mapping[str, Migration]):
             migration.resumed_at = time.monotonic()
             self._end_migration(migration, ok=True)
             return
-        logger.debug("migration %s, stage %d: %d blocks (%d bytes) in %.3f s", migration.migration_id,
-                     migration.stage, report.num_blocks, report.num_bytes, time.monotonic() - migration.stage_started)
+        logger.debug(
+            "migration %s, stage %d: %d blocks (%d bytes) in %.3f s",
+            migration.migration_id,
+            migration.stage,
+            report.num_blocks,
+            report.num_bytes,
+            time.monotonic() - migration.stage_started,
+        )
         last = report.num_blocks <= _FINAL_STAGE_BLOCKS or migration.stage >= _MAX_STAGES
         self._export_stage(migration, final=last)
 
@@ -355,27 +411,39 @@ class Migrations(Mapping[str, Migration]):
         del self._migrations[migration.migration_id]
         self.by_request.pop(migration.request_id, None)
         drop = ok if drop_at_source is None else drop_at_source
-        self._send_to(migration.source_channel, MigrateEnd(migration.migration_id, migration.request_id,
-                                                           commit=drop))
+        self._send_to(migration.source_channel, MigrateEnd(migration.migration_id, migration.request_id, commit=drop))
         if not ok:  # whatever the destination reserved is freed
-            self._send_to(migration.destination_channel, MigrateEnd(migration.migration_id, migration.request_id,
-                                                            commit=False))
+            self._send_to(
+                migration.destination_channel, MigrateEnd(migration.migration_id, migration.request_id, commit=False)
+            )
         # What the supervisor made for it (its stage files; the source
         # removes those it wrote too, when it hears the end).
         migration.transport.end_at_supervisor(self._stage_folder, migration.migration_id)
         seconds = time.monotonic() - migration.started
         if ok:
-            logger.info("request %s migrated from core %d to core %d in %.3f s (%d bytes, %d stage(s))",
-                        migration.request_id[:64], migration.source, migration.destination, seconds,
-                        migration.num_bytes, migration.stage)
+            logger.info(
+                "request %s migrated from core %d to core %d in %.3f s (%d bytes, %d stage(s))",
+                migration.request_id[:64],
+                migration.source,
+                migration.destination,
+                seconds,
+                migration.num_bytes,
+                migration.stage,
+            )
             self._resumed[migration.request_id] = (migration, seconds)
             self.migration_counts["migrated"] += 1
         else:
-            logger.info("migration of request %s from core %d to core %d abandoned: %s",
-                           migration.request_id[:64], migration.source, migration.destination, why)
+            logger.info(
+                "migration of request %s from core %d to core %d abandoned: %s",
+                migration.request_id[:64],
+                migration.source,
+                migration.destination,
+                why,
+            )
             self._retry_at[migration.request_id] = time.monotonic() + _RETRY_AFTER_S
-            self._migration_events.append(MigrationStats(migration.reason, ok=False, seconds=seconds,
-                                                         num_bytes=migration.num_bytes))
+            self._migration_events.append(
+                MigrationStats(migration.reason, ok=False, seconds=seconds, num_bytes=migration.num_bytes)
+            )
             self.migration_counts["abandoned"] += 1
 
     # ---- cores that cannot move K/V ---------------------------------------------------------
@@ -401,7 +469,11 @@ class Migrations(Mapping[str, Migration]):
                 "engine core %d cannot move K/V (%s; %d transfer(s) in a row failed): no migration from or to it "
                 "is tried again, its requests finish where they run. A replica whose ranks span nodes fails so: "
                 "its ranks move their blocks through this node's shared memory, or offer them on the address "
-                "of its core's node", channel.index, error[:300], record.failures)
+                "of its core's node",
+                channel.index,
+                error[:300],
+                record.failures,
+            )
 
     def _cannot_move_kv(self, channel: CoreChannel) -> bool:
         record = self._transfers.get(channel.index)
@@ -427,10 +499,16 @@ class Migrations(Mapping[str, Migration]):
             return
         migration, seconds = resumed
         paused_since = migration.last_token_at or migration.started
-        self._migration_events.append(MigrationStats(
-            migration.reason, ok=True, seconds=seconds, num_bytes=migration.num_bytes,
-            downtime_s=time.monotonic() - paused_since if saw_token else None,
-            handover_s=migration.resumed_at - paused_since))
+        self._migration_events.append(
+            MigrationStats(
+                migration.reason,
+                ok=True,
+                seconds=seconds,
+                num_bytes=migration.num_bytes,
+                downtime_s=time.monotonic() - paused_since if saw_token else None,
+                handover_s=migration.resumed_at - paused_since,
+            )
+        )
 
     def request_gone(self, request_id: str) -> None:
         """The client aborted `request_id`, or it finished: end its migration.
@@ -457,14 +535,14 @@ class Migrations(Mapping[str, Migration]):
         record = self._transfers.get(channel.index)
         if record is not None and record.channel is channel:
             del self._transfers[channel.index]
-        for migration in [m for m in self._migrations.values()
-                          if channel in (m.source_channel, m.destination_channel)]:
+        for migration in [m for m in self._migrations.values() if channel in (m.source_channel, m.destination_channel)]:
             if migration.handed_over and channel is migration.source_channel:
                 continue  # the destination owns the request and resumes it (or gives it back: _take_back)
             # Handed over to a destination that left: the ledger recovers the
             # request (after this, so the source's paused copy is gone first).
-            self._end_migration(migration, ok=False, why=f"engine core {channel.index} {why}",
-                                drop_at_source=migration.handed_over)
+            self._end_migration(
+                migration, ok=False, why=f"engine core {channel.index} {why}", drop_at_source=migration.handed_over
+            )
 
     def _send_to(self, channel: CoreChannel, message) -> None:
         if self._ledger.serves(channel):

@@ -58,24 +58,36 @@ class OutputProcessor:
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, str] = {}
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, child_ids: list[str]) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        child_ids: list[str],
+    ) -> None:
         children = {}
         for i, cid in enumerate(child_ids):
             detok = IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids,
+                self.tokenizer,
+                prompt_token_ids,
                 skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop if params.detokenize else (),
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
             children[cid] = ChildState(
-                index=i, detokenizer=detok,
+                index=i,
+                detokenizer=detok,
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
             self.child_to_parent[cid] = request_id
         self.parents[request_id] = ParentState(
-            request_id, prompt, list(prompt_token_ids), params, children,
+            request_id,
+            prompt,
+            list(prompt_token_ids),
+            params,
+            children,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
 
@@ -104,8 +116,12 @@ class OutputProcessor:
         held = len(parent.prompt_logprobs)
         if out.prompt_logprobs_start > held:
             # Positions before these never arrived: placing these would shift them.
-            logger.error("request %s: prompt logprobs from token %d, but only %d held; dropped",
-                         loggable(parent.request_id), out.prompt_logprobs_start, held)
+            logger.error(
+                "request %s: prompt logprobs from token %d, but only %d held; dropped",
+                loggable(parent.request_id),
+                out.prompt_logprobs_start,
+                held,
+            )
             return
         new = out.new_prompt_logprobs[held - out.prompt_logprobs_start :]
         parent.prompt_logprobs.extend(self._to_logprobs(e) for e in new)
@@ -151,8 +167,7 @@ class OutputProcessor:
             return []
         # Prompt logprobs held stay: the new core sends them all again, and
         # those already here are skipped (_add_prompt_logprobs).
-        return [(cid, list(child.token_ids)) for cid, child in parent.children.items()
-                if child.finish_reason is None]
+        return [(cid, list(child.token_ids)) for cid, child in parent.children.items() if child.finish_reason is None]
 
     def make_output(self, request_id: str, delta: bool = False) -> RequestOutput:
         """The parent's RequestOutput; `delta` gives only what is new since the last call."""
@@ -170,15 +185,24 @@ class OutputProcessor:
                 child.sent_logprobs = len(child.logprobs or [])
             completions.append(
                 CompletionOutput(
-                    index=child.index, text=text, token_ids=list(tokens),
-                    cumulative_logprob=child.cumulative_logprob, logprobs=logprobs,
-                    finish_reason=child.finish_reason, stop_reason=child.stop_reason, error=child.error,
+                    index=child.index,
+                    text=text,
+                    token_ids=list(tokens),
+                    cumulative_logprob=child.cumulative_logprob,
+                    logprobs=logprobs,
+                    finish_reason=child.finish_reason,
+                    stop_reason=child.stop_reason,
+                    error=child.error,
                 )
             )
         finished = parent.finished
         output = RequestOutput(
-            request_id=request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
-            outputs=completions, finished=finished, prompt_logprobs=parent.prompt_logprobs,
+            request_id=request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            prompt_logprobs=parent.prompt_logprobs,
             metrics={"num_cached_tokens": parent.num_cached_tokens},
         )
         if finished:

@@ -30,8 +30,9 @@ from raylm.core.kv_cache_manager import hash_block, root_hash
 from raylm.engine.protocol import KVCacheEvents
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
-                        max_blocks: int | None = None) -> list[bytes]:
+def prompt_block_hashes(
+    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None, max_blocks: int | None = None
+) -> list[bytes]:
     """The chained hashes of the prompt's full blocks (at most `max_blocks`),
     as a core computes them for its prefix cache."""
     num_full = len(token_ids) // block_size

@@ -92,9 +92,18 @@ class ProcessCoreLauncher(CoreLauncher):
         record.write(None)
         # Not a daemon: the core may start worker processes of its own.
         process = mp.Process(
-            target=run_engine_core, name=f"RaylmEngineCore-{channel.index}",
-            args=(self.config, channel.address, self.output_address, ready_send, self.log_level, record.path,
-                  channel.index, channel.incarnation),
+            target=run_engine_core,
+            name=f"RaylmEngineCore-{channel.index}",
+            args=(
+                self.config,
+                channel.address,
+                self.output_address,
+                ready_send,
+                self.log_level,
+                record.path,
+                channel.index,
+                channel.incarnation,
+            ),
         )
         process.start()
         ready_send.close()
@@ -120,11 +129,15 @@ class ProcessCoreLauncher(CoreLauncher):
                 # Hung: it would not read a Shutdown (its sockets are not
                 # connected yet). Its mp workers exit on their death pipes,
                 # its Ray actors and placement group go with their owner.
-                logger.error("engine core (pid %d) was not ready within %g s (engine_start_timeout): killing it",
-                             process.pid, timeout)
+                logger.error(
+                    "engine core (pid %d) was not ready within %g s (engine_start_timeout): killing it",
+                    process.pid,
+                    timeout,
+                )
                 raise EngineStartTimeoutError(
                     f"engine core was not ready within {timeout:g} s (engine_start_timeout; hung loading the "
-                    "model or starting its workers); killed it")
+                    "model or starting its workers); killed it"
+                )
         try:
             status, detail = ready_recv.recv()
         except EOFError:

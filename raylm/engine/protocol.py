@@ -79,9 +79,17 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
 
     def to_request(self) -> Request:
         """The scheduler's view of it, made by the core that runs it."""
-        return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
-                       self.eos_token_id, self.arrival_time, output_token_ids=self.output_token_ids,
-                       num_recoveries=self.num_recoveries, quarantined=self.quarantined, cache_salt=self.cache_salt)
+        return Request(
+            self.request_id,
+            self.prompt_token_ids,
+            self.sampling_params,
+            self.eos_token_id,
+            self.arrival_time,
+            output_token_ids=self.output_token_ids,
+            num_recoveries=self.num_recoveries,
+            quarantined=self.quarantined,
+            cache_salt=self.cache_salt,
+        )
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

@@ -118,8 +118,9 @@ class RayReplicaLauncher(CoreLauncher):
             self._keys.channels.pop(keys.public, None)
         channel.input.close(linger=0)
 
-    def sender(self, frame: zmq.Frame, outputs: EngineCoreOutputs,
-               channels: dict[int, CoreChannel]) -> CoreChannel | None:
+    def sender(
+        self, frame: zmq.Frame, outputs: EngineCoreOutputs, channels: dict[int, CoreChannel]
+    ) -> CoreChannel | None:
         """The serving replica whose key sent `frame` (CURVE tells the key):
         None for a replica given up on (what it sent before is still
         arriving) or not yet adopted, and for one signing as another."""
@@ -141,8 +142,13 @@ class RayReplicaLauncher(CoreLauncher):
         return self.manager.plan_nodes(num_cores)
 
     def start(self, channel: CoreChannel, target) -> None:
-        replica = ReplicaChannel(channel.address, self.output_address, self.keys_of(channel), self.curve.keys.public,
-                                 self._running_alone(channel.index).key.decode())
+        replica = ReplicaChannel(
+            channel.address,
+            self.output_address,
+            self.keys_of(channel),
+            self.curve.keys.public,
+            self._running_alone(channel.index).key.decode(),
+        )
         handle = self.manager.start_replica(channel.index, replica, target)
         channel.node_ip = handle.node_ip
         self._node_ips[channel.index] = handle.node_ip
@@ -173,12 +179,14 @@ class RayReplicaLauncher(CoreLauncher):
         if self._closed:
             return
         self._closed = True
-        stopper = threading.Thread(target=self.manager.shutdown, kwargs={"grace_s": _REPLICA_GRACE_S},
-                                   name="raylm-dp-shutdown", daemon=True)
+        stopper = threading.Thread(
+            target=self.manager.shutdown, kwargs={"grace_s": _REPLICA_GRACE_S}, name="raylm-dp-shutdown", daemon=True
+        )
         stopper.start()
         stopper.join(_MANAGER_SHUTDOWN_DEADLINE_S)
         if stopper.is_alive():
-            logger.warning("stopping the data-parallel replicas took over %.0f s; leaving it to Ray",
-                           _MANAGER_SHUTDOWN_DEADLINE_S)
+            logger.warning(
+                "stopping the data-parallel replicas took over %.0f s; leaving it to Ray", _MANAGER_SHUTDOWN_DEADLINE_S
+            )
         if self.curve is not None:
             self.curve.stop()

@@ -69,8 +69,7 @@ class RestartBudget:
         or RestartBudgetExhausted."""
         if not self.allow():
             raise RestartBudgetExhausted(
-                f"{len(self._recent)} restarts within {self.window_s:g}s "
-                f"(the budget is {self.max_restarts})"
+                f"{len(self._recent)} restarts within {self.window_s:g}s (the budget is {self.max_restarts})"
             )
         return self.backoff_s()
 
@@ -92,8 +91,9 @@ class BlameLedger:
     a stream of blamed requests): nothing more is forgiven, and
     `unhealthy_reason` says why, for /health to report."""
 
-    def __init__(self, budget: RestartBudget, max_blamed: int, window_s: float,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, budget: RestartBudget, max_blamed: int, window_s: float, clock: Callable[[], float] = time.monotonic
+    ):
         self.budget = budget
         self._blamed = RestartBudget(max_blamed, window_s, clock)
         self.unhealthy_reason: str | None = None
@@ -112,6 +112,8 @@ class BlameLedger:
         theirs); False once over the rate."""
         if self._blamed.allow():
             return True
-        self.unhealthy_reason = (f"more than {self._blamed.max_restarts} recoveries within "
-                                 f"{self._blamed.window_s:g} s were blamed on requests")
+        self.unhealthy_reason = (
+            f"more than {self._blamed.max_restarts} recoveries within "
+            f"{self._blamed.window_s:g} s were blamed on requests"
+        )
         return False

@@ -68,8 +68,9 @@ class CoreLoad:
 def load_of(channel: CoreChannel) -> CoreLoad:
     """What routing knows of `channel`: its requests in flight and its last report."""
     stats = channel.stats
-    return CoreLoad(channel.index, len(channel.in_flight), stats.num_waiting if stats else 0,
-                    stats.kv_cache_usage if stats else 0.0)
+    return CoreLoad(
+        channel.index, len(channel.in_flight), stats.num_waiting if stats else 0, stats.kv_cache_usage if stats else 0.0
+    )
 
 
 def least_loaded(loads: list[CoreLoad]) -> CoreLoad | None:
@@ -188,8 +189,10 @@ class Router:
         if rank is not None:
             channel = channels.get(rank)
             if channel is None or channel.draining:
-                raise ValueError(f"data_parallel_rank {rank} is not a serving replica "
-                                 f"(serving: {sorted(c.index for c in self.ledger.serving())})")
+                raise ValueError(
+                    f"data_parallel_rank {rank} is not a serving replica "
+                    f"(serving: {sorted(c.index for c in self.ledger.serving())})"
+                )
             return channel
         best = self.policy.choose(request, [load_of(c) for c in self.ledger.serving()])
         return None if best is None else channels[best.index]

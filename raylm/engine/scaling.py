@@ -72,9 +72,18 @@ class ReplicaRestarts:
 
 
 class Scaling:
-    def __init__(self, ledger: Ledger, launcher: CoreLauncher, ctx, recovery: Recovery, migrations: Migrations,
-                 restarts: ReplicaRestarts, background: BackgroundThreads, encode: Callable[[object], bytes],
-                 remove_channel: Callable[[int, str], CoreChannel | None]):
+    def __init__(
+        self,
+        ledger: Ledger,
+        launcher: CoreLauncher,
+        ctx,
+        recovery: Recovery,
+        migrations: Migrations,
+        restarts: ReplicaRestarts,
+        background: BackgroundThreads,
+        encode: Callable[[object], bytes],
+        remove_channel: Callable[[int, str], CoreChannel | None],
+    ):
         """`remove_channel` is the supervisor's one way for a core to leave."""
         self._ledger = ledger
         self._launcher = launcher
@@ -119,8 +128,10 @@ class Scaling:
             except BaseException as e:
                 errors.append(e)
 
-        threads = [threading.Thread(target=start, args=(c, t), name=f"raylm-core-start-{c.index}")
-                   for c, t in zip(channels, targets)]
+        threads = [
+            threading.Thread(target=start, args=(c, t), name=f"raylm-core-start-{c.index}")
+            for c, t in zip(channels, targets)
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -137,8 +148,9 @@ class Scaling:
         if not self._launcher.can_scale:
             raise ValueError("scaling needs an engine started with data_parallel_size > 1")
         if self.restarts.restarting:
-            raise ValueError(f"replica(s) {sorted(self.restarts.restarting)} are restarting: "
-                             "scale once they serve again")
+            raise ValueError(
+                f"replica(s) {sorted(self.restarts.restarting)} are restarting: scale once they serve again"
+            )
         # A replica being replaced or added will serve without being counted
         # here: a scale planned meanwhile would count wrong (or take the same
         # index twice). One change at a time.
@@ -253,27 +265,43 @@ class Scaling:
         restarting = self.restarts.restarting
         restarting_stopped = {i for i in self.stopping if i in restarting}
         waiting = self._recovery.budget_waits()
-        for index in sorted(set(self._ledger.channels) | set(self._recovery.starting) | self.scaling_up
-                            | restarting_stopped | set(waiting)):
+        for index in sorted(
+            set(self._ledger.channels)
+            | set(self._recovery.starting)
+            | self.scaling_up
+            | restarting_stopped
+            | set(waiting)
+        ):
             state = "restarting" if index in restarting else None
             channel = self._ledger.channels.get(index)
             if channel is None:
-                entry = {"replica": index, "state": state or "starting", "node_ip": "", "in_flight": 0,
-                         "num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0, "num_routed": 0}
+                entry = {
+                    "replica": index,
+                    "state": state or "starting",
+                    "node_ip": "",
+                    "in_flight": 0,
+                    "num_running": 0,
+                    "num_waiting": 0,
+                    "kv_cache_usage": 0.0,
+                    "num_routed": 0,
+                }
                 if index in waiting:
                     entry.update(state="waiting_for_restart_budget", restart_in_s=round(waiting[index], 1))
                 states.append(entry)
                 continue
             stats = channel.stats
-            states.append({
-                "replica": index,
-                "state": state or ("draining" if channel.draining else "serving"),
-                "node_ip": channel.node_ip, "in_flight": len(channel.in_flight),
-                "num_running": stats.num_running if stats else 0,
-                "num_waiting": stats.num_waiting if stats else 0,
-                "kv_cache_usage": stats.kv_cache_usage if stats else 0.0,
-                "num_routed": channel.num_routed,
-            })
+            states.append(
+                {
+                    "replica": index,
+                    "state": state or ("draining" if channel.draining else "serving"),
+                    "node_ip": channel.node_ip,
+                    "in_flight": len(channel.in_flight),
+                    "num_running": stats.num_running if stats else 0,
+                    "num_waiting": stats.num_waiting if stats else 0,
+                    "kv_cache_usage": stats.kv_cache_usage if stats else 0.0,
+                    "num_routed": channel.num_routed,
+                }
+            )
         return states
 
     # ---- replica restarts ----------------------------------------------------------------------

@@ -33,9 +33,15 @@ class StatLoggerBase:
         """A request waited `queue_seconds` in the core before it was first
         scheduled, then `prefill_seconds` until its first token."""
 
-    def record_finished(self, finish_reason: str, e2e_seconds: float,
-                        num_prompt_tokens: int, num_generation_tokens: int,
-                        decode_seconds: float = 0.0, inference_seconds: float = 0.0) -> None:
+    def record_finished(
+        self,
+        finish_reason: str,
+        e2e_seconds: float,
+        num_prompt_tokens: int,
+        num_generation_tokens: int,
+        decode_seconds: float = 0.0,
+        inference_seconds: float = 0.0,
+    ) -> None:
         """One completion (one of a request's n) ended. `decode_seconds`: from
         the request's first token to its last; `inference_seconds`: from its
         first scheduling to its last token (prefill plus decode)."""

@@ -67,8 +67,14 @@ from raylm.engine.restart_budget import BlameLedger, RestartBudget
 from raylm.engine.routing import Router, routing_policy
 from raylm.engine.scaling import ReplicaRestarts, ScaleUp, Scaling
 
-__all__ = ["AsyncEngineCoreSupervisor", "EngineCoreSupervisor", "LedgerEntry", "ScaleUp", "SyncEngineCoreSupervisor",
-           "make_launcher"]
+__all__ = [
+    "AsyncEngineCoreSupervisor",
+    "EngineCoreSupervisor",
+    "LedgerEntry",
+    "ScaleUp",
+    "SyncEngineCoreSupervisor",
+    "make_launcher",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +98,9 @@ def make_launcher(config: EngineConfig) -> CoreLauncher:
 class EngineCoreSupervisor:
     asyncio_mode = False
 
-    def __init__(self, config: EngineConfig, launcher: CoreLauncher | None = None,
-                 background: BackgroundThreads | None = None):
+    def __init__(
+        self, config: EngineConfig, launcher: CoreLauncher | None = None, background: BackgroundThreads | None = None
+    ):
         """`background` runs the starts and stops that may block (by default
         in threads; the chaos harness runs them at points of its schedule)."""
         self.config = config
@@ -114,19 +121,39 @@ class EngineCoreSupervisor:
         # What each core's prefix cache holds (its block events), which the
         # kv_aware policy routes by.
         self.prefix_index = PrefixIndex()
-        policy = routing_policy(config.parallel_config.routing_policy, self.prefix_index,
-                                config.cache_config.block_size)
+        policy = routing_policy(
+            config.parallel_config.routing_policy, self.prefix_index, config.cache_config.block_size
+        )
         self.router = Router(self.ledger, policy, encode)
         restarts = ReplicaRestarts()
-        self.recovery = Recovery(config, self.ledger, self.router, self.launcher, self._ctx, self.background,
-                                 self._closed, restarts, self._remove_channel)
+        self.recovery = Recovery(
+            config,
+            self.ledger,
+            self.router,
+            self.launcher,
+            self._ctx,
+            self.background,
+            self._closed,
+            restarts,
+            self._remove_channel,
+        )
         self.migrations = Migrations(config, self.ledger, self.router, self.launcher, encode)
-        self.scaling = Scaling(self.ledger, self.launcher, self._ctx, self.recovery, self.migrations, restarts,
-                               self.background, encode, self._remove_channel)
+        self.scaling = Scaling(
+            self.ledger,
+            self.launcher,
+            self._ctx,
+            self.recovery,
+            self.migrations,
+            restarts,
+            self.background,
+            encode,
+            self._remove_channel,
+        )
         output = self.launcher.bind_output(self._ctx)
         self._output = zmq.asyncio.Socket.from_socket(output) if self.asyncio_mode else output
-        self._finalizer = weakref.finalize(self, _shutdown, self.launcher, self.ledger.channels, self._output,
-                                           self._ctx, self._closed)
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self.launcher, self.ledger.channels, self._output, self._ctx, self._closed
+        )
         try:
             self.scaling.start_cores(list(range(config.parallel_config.data_parallel_size)))
         except BaseException:
@@ -294,8 +321,10 @@ class EngineCoreSupervisor:
         coming = self.recovery.starting or self.scaling.restart_coming()
         if not self.channels and not coming and self.dead_error is None:
             budget = self.restart_budget
-            self.dead_error = EngineDeadError(f"{self.recovery.last_failure}; no restart left ({budget.max_restarts} "
-                                              f"allowed within {budget.window_s:g}s)")
+            self.dead_error = EngineDeadError(
+                f"{self.recovery.last_failure}; no restart left ({budget.max_restarts} "
+                f"allowed within {budget.window_s:g}s)"
+            )
         if self.dead_error is not None:
             raise self.dead_error
 
@@ -390,10 +419,12 @@ class EngineCoreSupervisor:
         failed, pings answered for dead cores, migrations ended."""
         if not self.recovery.has_reports() and not self._pongs and not self.migrations.has_events():
             return None
-        return EngineCoreOutputs(outputs=self.recovery.take_culprit_outputs(),
-                                 recoveries=self.recovery.take_recoveries(),
-                                 pong=self._pongs.pop() if self._pongs else None,
-                                 migrated=self.take_migration_events())
+        return EngineCoreOutputs(
+            outputs=self.recovery.take_culprit_outputs(),
+            recoveries=self.recovery.take_recoveries(),
+            pong=self._pongs.pop() if self._pongs else None,
+            migrated=self.take_migration_events(),
+        )
 
     def stats(self) -> dict:
         return msgspec.structs.asdict(self.aggregate_stats())

@@ -37,33 +37,45 @@ class RunResult:
 
 def add_latency_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("latency workload")
-    group.add_argument("--input-len", type=int, metavar="N", default=32,
-                       help="prompt length in tokens (random token ids)")
-    group.add_argument("--output-len", type=int, metavar="N", default=128,
-                       help="tokens generated per prompt (EOS ignored)")
-    group.add_argument("--batch-size", type=int, metavar="N", default=8,
-                       help="prompts submitted together per iteration")
+    group.add_argument(
+        "--input-len", type=int, metavar="N", default=32, help="prompt length in tokens (random token ids)"
+    )
+    group.add_argument(
+        "--output-len", type=int, metavar="N", default=128, help="tokens generated per prompt (EOS ignored)"
+    )
+    group.add_argument(
+        "--batch-size", type=int, metavar="N", default=8, help="prompts submitted together per iteration"
+    )
     group.add_argument("--num-iters-warmup", type=int, metavar="N", default=2, help="untimed iterations first")
     group.add_argument("--num-iters", type=int, metavar="N", default=5, help="timed iterations")
     group.add_argument("--output-json", default=None, metavar="FILE", help="also write the results to FILE as JSON")
-    group.add_argument("--disable-detokenize", action="store_true",
-                       help="skip turning output tokens into text (time the model and scheduler only)")
+    group.add_argument(
+        "--disable-detokenize",
+        action="store_true",
+        help="skip turning output tokens into text (time the model and scheduler only)",
+    )
 
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("throughput workload")
-    group.add_argument("--input-len", type=int, metavar="N", default=128,
-                       help="prompt length in tokens (random token ids)")
-    group.add_argument("--output-len", type=int, metavar="N", default=128,
-                       help="tokens generated per prompt (EOS ignored)")
+    group.add_argument(
+        "--input-len", type=int, metavar="N", default=128, help="prompt length in tokens (random token ids)"
+    )
+    group.add_argument(
+        "--output-len", type=int, metavar="N", default=128, help="tokens generated per prompt (EOS ignored)"
+    )
     group.add_argument("--num-prompts", type=int, metavar="N", default=64, help="prompts submitted at once")
     group.add_argument("--output-json", default=None, metavar="FILE", help="also write the results to FILE as JSON")
-    group.add_argument("--disable-detokenize", action="store_true",
-                       help="skip turning output tokens into text (time the model and scheduler only)")
+    group.add_argument(
+        "--disable-detokenize",
+        action="store_true",
+        help="skip turning output tokens into text (time the model and scheduler only)",
+    )
 
 
-def random_prompt_token_ids(tokenizer: Any, vocab_size: int, num_prompts: int, input_len: int,
-                            rng: np.random.Generator) -> list[list[int]]:
+def random_prompt_token_ids(
+    tokenizer: Any, vocab_size: int, num_prompts: int, input_len: int, rng: np.random.Generator
+) -> list[list[int]]:
     """Prompts of exactly `input_len` random ids, never special tokens (a stray
     BOS/EOS mid-prompt is not what real traffic looks like)."""
     if num_prompts < 1 or input_len < 1:
@@ -154,9 +166,16 @@ def _describe_engine(llm: Any) -> dict:
     }
 
 
-def bench_latency(llm: Any, input_len: int = 32, output_len: int = 128, batch_size: int = 8,
-                  num_iters_warmup: int = 2, num_iters: int = 5, seed: int = 0,
-                  detokenize: bool = True) -> dict:
+def bench_latency(
+    llm: Any,
+    input_len: int = 32,
+    output_len: int = 128,
+    batch_size: int = 8,
+    num_iters_warmup: int = 2,
+    num_iters: int = 5,
+    seed: int = 0,
+    detokenize: bool = True,
+) -> dict:
     """Time one batch end to end, `num_iters` times, with fresh random prompts
     each iteration so the prefix cache never hands out a free prefill.
 
@@ -177,8 +196,11 @@ def bench_latency(llm: Any, input_len: int = 32, output_len: int = 128, batch_si
     avg_latency, avg_ttft = float(np.mean(latencies)), float(np.mean(ttfts))
     result = {
         **_describe_engine(llm),
-        "input_len": input_len, "output_len": output_len, "batch_size": batch_size,
-        "num_iters_warmup": num_iters_warmup, "num_iters": num_iters,
+        "input_len": input_len,
+        "output_len": output_len,
+        "batch_size": batch_size,
+        "num_iters_warmup": num_iters_warmup,
+        "num_iters": num_iters,
         "avg_latency": avg_latency,
         **{f"p{p}_latency": float(np.percentile(latencies, p)) for p in PERCENTILES},
         "latencies": latencies,
@@ -186,17 +208,16 @@ def bench_latency(llm: Any, input_len: int = 32, output_len: int = 128, batch_si
         **{f"p{p}_ttft": float(np.percentile(ttfts, p)) for p in PERCENTILES},
         "ttfts": ttfts,
         # The decode share of a request: what each token after the first costs.
-        "avg_time_per_output_token": (
-            max(avg_latency - avg_ttft, 0.0) / (output_len - 1) if output_len > 1 else None
-        ),
+        "avg_time_per_output_token": (max(avg_latency - avg_ttft, 0.0) / (output_len - 1) if output_len > 1 else None),
         "detokenize": detokenize,
         "peak_rss_bytes": peak_rss_bytes(),
     }
     return result
 
 
-def bench_throughput(llm: Any, input_len: int = 128, output_len: int = 128, num_prompts: int = 64,
-                     seed: int = 0, detokenize: bool = True) -> dict:
+def bench_throughput(
+    llm: Any, input_len: int = 128, output_len: int = 128, num_prompts: int = 64, seed: int = 0, detokenize: bool = True
+) -> dict:
     """Submit `num_prompts` requests at once and time until the last finishes."""
     _check_lengths(llm, input_len, output_len)
     make_prompts = _prompt_source(llm, seed)
@@ -207,7 +228,9 @@ def bench_throughput(llm: Any, input_len: int = 128, output_len: int = 128, num_
     total_tokens = num_prompts * input_len + output_tokens
     return {
         **_describe_engine(llm),
-        "input_len": input_len, "output_len": output_len, "num_prompts": num_prompts,
+        "input_len": input_len,
+        "output_len": output_len,
+        "num_prompts": num_prompts,
         "elapsed_time": run.elapsed_s,
         "num_requests": num_prompts,
         "total_num_tokens": total_tokens,
@@ -224,8 +247,10 @@ def bench_throughput(llm: Any, input_len: int = 128, output_len: int = 128, num_
 def format_latency(result: dict) -> str:
     lines = [f"Avg latency: {result['avg_latency']:.4f} seconds"]
     lines += [f"{p}% percentile latency: {result[f'p{p}_latency']:.4f} seconds" for p in PERCENTILES]
-    lines.append(f"Avg time to first token: {result['avg_ttft']:.4f} seconds "
-                 f"(batch of {result['batch_size']}, {result['input_len']}-token prompts)")
+    lines.append(
+        f"Avg time to first token: {result['avg_ttft']:.4f} seconds "
+        f"(batch of {result['batch_size']}, {result['input_len']}-token prompts)"
+    )
     if result["avg_time_per_output_token"] is not None:
         lines.append(f"Avg time per output token: {result['avg_time_per_output_token'] * 1000:.2f} ms")
     lines.append(f"Peak RSS (driver process): {result['peak_rss_bytes'] / 2**20:.1f} MiB")
@@ -241,7 +266,8 @@ def format_throughput(result: dict) -> str:
         f"({result['input_len']} in + {result['output_len']} out tokens each)",
     ]
     if result.get("num_kv_cache_blocks"):
-        lines.append(f"KV cache blocks in use at peak: {result['peak_kv_cache_blocks']} "
-                     f"of {result['num_kv_cache_blocks']}")
+        lines.append(
+            f"KV cache blocks in use at peak: {result['peak_kv_cache_blocks']} of {result['num_kv_cache_blocks']}"
+        )
     lines.append(f"Peak RSS (driver process): {result['peak_rss_bytes'] / 2**20:.1f} MiB")
     return "\n".join(lines)

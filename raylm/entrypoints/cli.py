@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     generate = commands.add_parser(
-        "generate", help="complete one or more prompts and print the text",
+        "generate",
+        help="complete one or more prompts and print the text",
         description="Complete each PROMPT and print it followed by its completion.",
         formatter_class=HelpFormatter,
     )
@@ -62,16 +63,21 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy")
     sampling.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass, in (0, 1]")
     sampling.add_argument("--top-k", type=int, default=-1, metavar="K", help="keep the k most likely tokens; -1 = all")
-    sampling.add_argument("--stream", action="store_true",
-                          help="print tokens as they are generated (prompts still run as one batch)")
+    sampling.add_argument(
+        "--stream", action="store_true", help="print tokens as they are generated (prompts still run as one batch)"
+    )
     EngineArgs.add_cli_args(generate)
     generate.set_defaults(handler=run_generate)
 
-    bench = commands.add_parser("bench", help="measure latency or throughput on random-token prompts",
-                                description="Benchmarks with random prompt token ids, greedy, EOS ignored.")
+    bench = commands.add_parser(
+        "bench",
+        help="measure latency or throughput on random-token prompts",
+        description="Benchmarks with random prompt token ids, greedy, EOS ignored.",
+    )
     bench_commands = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
     latency = bench_commands.add_parser(
-        "latency", help="end-to-end latency of one batch (avg, p50/p90/p99), time to first token",
+        "latency",
+        help="end-to-end latency of one batch (avg, p50/p90/p99), time to first token",
         description="Latency of one batch of --batch-size requests, over --num-iters iterations.",
         formatter_class=HelpFormatter,
     )
@@ -80,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     latency.set_defaults(handler=run_bench_latency)
 
     throughput = bench_commands.add_parser(
-        "throughput", help="requests/s and tokens/s with all prompts submitted at once",
+        "throughput",
+        help="requests/s and tokens/s with all prompts submitted at once",
         description="Offline throughput: --num-prompts requests submitted together.",
         formatter_class=HelpFormatter,
     )
@@ -94,14 +101,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_subcommand(commands)
     for command in (*commands.choices.values(), *bench_commands.choices.values()):
         if command is not bench and "log_level" not in {action.dest for action in command._actions}:
-            command.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
-                                 help="logging verbosity (stderr)")
+            command.add_argument(
+                "--log-level", default="warning", choices=LOG_LEVELS, help="logging verbosity (stderr)"
+            )
     return parser
 
 
 def _sampling_params_from_args(args: argparse.Namespace) -> raylm.SamplingParams:
     return raylm.SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
     )
 
 
@@ -120,7 +131,6 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> None:
             if completion.finish_reason == "error":
                 print(f"error: prompt {i} failed: {completion.error}", file=sys.stderr)
         out.flush()
-
 
 
 def stream_completions(llm: raylm.LLM, prompts: list[str], params: raylm.SamplingParams, out: TextIO) -> None:
@@ -163,8 +173,13 @@ def stream_completions(llm: raylm.LLM, prompts: list[str], params: raylm.Samplin
         raise
 
 
-def _run_bench(args: argparse.Namespace, out: TextIO, bench: Callable[..., dict],
-               formatter: Callable[[dict], str], workload: dict[str, Any]) -> None:
+def _run_bench(
+    args: argparse.Namespace,
+    out: TextIO,
+    bench: Callable[..., dict],
+    formatter: Callable[[dict], str],
+    workload: dict[str, Any],
+) -> None:
     # Checked before the model loads, which is the slow part.
     for name, value in workload.items():
         minimum = 0 if name == "num_iters_warmup" else 1
@@ -181,25 +196,45 @@ def _run_bench(args: argparse.Namespace, out: TextIO, bench: Callable[..., dict]
 
 
 def run_bench_latency(args: argparse.Namespace, out: TextIO) -> None:
-    _run_bench(args, out, bench_lib.bench_latency, bench_lib.format_latency, {
-        "input_len": args.input_len, "output_len": args.output_len, "batch_size": args.batch_size,
-        "num_iters_warmup": args.num_iters_warmup, "num_iters": args.num_iters, "seed": args.seed,
-        "detokenize": not args.disable_detokenize,
-    })
+    _run_bench(
+        args,
+        out,
+        bench_lib.bench_latency,
+        bench_lib.format_latency,
+        {
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "batch_size": args.batch_size,
+            "num_iters_warmup": args.num_iters_warmup,
+            "num_iters": args.num_iters,
+            "seed": args.seed,
+            "detokenize": not args.disable_detokenize,
+        },
+    )
 
 
 def run_bench_throughput(args: argparse.Namespace, out: TextIO) -> None:
-    _run_bench(args, out, bench_lib.bench_throughput, bench_lib.format_throughput, {
-        "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
-        "seed": args.seed, "detokenize": not args.disable_detokenize,
-    })
+    _run_bench(
+        args,
+        out,
+        bench_lib.bench_throughput,
+        bench_lib.format_throughput,
+        {
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "num_prompts": args.num_prompts,
+            "seed": args.seed,
+            "detokenize": not args.disable_detokenize,
+        },
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         args.handler(args, sys.stdout)
     except ValueError as e:

@@ -100,8 +100,9 @@ def _describe(resources: dict) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in resources.items()) + "}"
 
 
-def engine_shortfall(bundle: dict, world: int, strategy: str, nodes: list[tuple[str, str, dict]],
-                     pinned_ip: str | None) -> list[str]:
+def engine_shortfall(
+    bundle: dict, world: int, strategy: str, nodes: list[tuple[str, str, dict]], pinned_ip: str | None
+) -> list[str]:
     """Why `world` copies of `bundle` cannot be placed with `strategy` on
     `nodes` (id, ip, resources: free or total), bundle 0 on a node at
     `pinned_ip` as the Ray executor asks; [] when they fit."""
@@ -135,8 +136,9 @@ def engine_shortfall(bundle: dict, world: int, strategy: str, nodes: list[tuple[
     else:
         room = sum(counts.values())
         if room < world:
-            missing.append(f"{world} bundles of {b} ({strategy}); the cluster has room for {room}: "
-                           f"missing {world - room} x {b}")
+            missing.append(
+                f"{world} bundles of {b} ({strategy}); the cluster has room for {room}: missing {world - room} x {b}"
+            )
     return missing
 
 
@@ -155,17 +157,22 @@ def _plan_engine(config: EngineConfig, plan_base: dict) -> Plan:
     nodes = cluster_nodes(driver_node)
     plan = Plan(False, gcs_address(), driver_node, nodes, dict(plan_base, bundle=bundle, bundles=world))
 
-    never = engine_shortfall(bundle, world, pc.ray_placement_strategy,
-                             [(n.node_id, n.ip, n.total) for n in nodes], driver_ip)
+    never = engine_shortfall(
+        bundle, world, pc.ray_placement_strategy, [(n.node_id, n.ip, n.total) for n in nodes], driver_ip
+    )
     pc = copy.copy(pc)  # the timeout is the plan's; the rest is the run's
     if never:
         pc.ray_placement_timeout = min(pc.ray_placement_timeout, _INFEASIBLE_WAIT_S)
     try:
         placement = ray_placement.place_ranks(pc, request)
     except RuntimeError as e:  # not placed within the timeout (the group is removed)
-        plan.missing = never or engine_shortfall(bundle, world, pc.ray_placement_strategy,
-                                                 [(n.node_id, n.ip, n.available) for n in nodes], driver_ip) \
+        plan.missing = (
+            never
+            or engine_shortfall(
+                bundle, world, pc.ray_placement_strategy, [(n.node_id, n.ip, n.available) for n in nodes], driver_ip
+            )
             or [f"Ray did not place the group within {pc.ray_placement_timeout:g} s: {str(e).splitlines()[0]}"]
+        )
         if not never:
             plan.missing.append("(the cluster has the resources in total: they are in use now)")
         return plan
@@ -217,13 +224,17 @@ def _plan_engine(config: EngineConfig, plan_base: dict) -> Plan:
     plan.fits = not plan.missing
     for group in replica.tp_groups:
         if group.spans_nodes:
-            plan.warnings.append(f"the TP group of PP stage {group.ranks[0] // (tp * cp)} (ranks "
-                                 f"{_ranks(group.ranks)}) spans {len(set(group.node_ids))} nodes: tensor "
-                                 "parallelism across nodes is slow")
+            plan.warnings.append(
+                f"the TP group of PP stage {group.ranks[0] // (tp * cp)} (ranks "
+                f"{_ranks(group.ranks)}) spans {len(set(group.node_ids))} nodes: tensor "
+                "parallelism across nodes is slow"
+            )
     for group in replica.cp_groups:
         if group.spans_nodes:
-            plan.warnings.append(f"the CP group of ranks {_ranks(group.ranks)} spans {len(set(group.node_ids))} "
-                                 "nodes: context parallelism merges attention every layer, slow across nodes")
+            plan.warnings.append(
+                f"the CP group of ranks {_ranks(group.ranks)} spans {len(set(group.node_ids))} "
+                "nodes: context parallelism merges attention every layer, slow across nodes"
+            )
     return plan
 
 
@@ -233,8 +244,10 @@ def _probe_actors(pg, bundle_indices: list[int], request: ray_placement.RankRequ
     import ray
 
     actor_cls = ray.remote(RayWorkerWrapper)
-    return [actor_cls.options(**ray_placement.rank_actor_options(pg, i, "cuda", request.cpus_per_worker))
-            .remote(rank=rank) for rank, i in enumerate(bundle_indices)]
+    return [
+        actor_cls.options(**ray_placement.rank_actor_options(pg, i, "cuda", request.cpus_per_worker)).remote(rank=rank)
+        for rank, i in enumerate(bundle_indices)
+    ]
 
 
 # ---- data-parallel replicas: one STRICT_PACK group each -----------------------------
@@ -256,8 +269,9 @@ def _plan_replicas(config: EngineConfig, plan_base: dict) -> Plan:
         nodes = cluster_nodes(driver_node)
         request = dict(plan_base, replica_bundles=bundles, replica_cpus=need)
         plan = Plan(False, gcs_address(), driver_node, nodes, request)
-        capacity = sorted(((n.node_id, n.total.get("CPU", 0.0)) for n in nodes),
-                          key=lambda item: (item[0] != driver_node, item[0]))
+        capacity = sorted(
+            ((n.node_id, n.total.get("CPU", 0.0)) for n in nodes), key=lambda item: (item[0] != driver_node, item[0])
+        )
         never = [i for i, t in enumerate(ray_placement.choose_nodes(size, need, mode, capacity)) if t is None]
         # As CoreEngineActorManager places new replicas (none runs yet).
         targets = ray_placement.replica_target_nodes(config, size, {})
@@ -279,8 +293,11 @@ def _plan_replicas(config: EngineConfig, plan_base: dict) -> Plan:
         plan.missing.append(
             f"replica(s) {_ranks(unplaced)} not placed: each needs one node with {_describe({'CPU': need})} "
             f"free (bundles {[_describe(b) for b in bundles]}, STRICT_PACK); "
-            + (f"the cluster's nodes can hold {size - len(never)} of {size} replicas in total"
-               if never else f"{size - len(now)} of {size} fit what is free now (the rest is in use)")
+            + (
+                f"the cluster's nodes can hold {size - len(never)} of {size} replicas in total"
+                if never
+                else f"{size - len(now)} of {size} fit what is free now (the rest is in use)"
+            )
         )
     ip_of = {n.node_id: n.ip for n in nodes}
     for index in range(size):
@@ -289,13 +306,23 @@ def _plan_replicas(config: EngineConfig, plan_base: dict) -> Plan:
         node = placed[index][0]  # the engine actor's bundle; all of a replica's share its node
         # The replica's executor is its own driver, on this node: ranks in
         # bundle order (Ray executor) or local processes (uni, mp).
-        ranks = [_rank_placement(r, pc, placed[index][rank_bundles[r]] if rank_bundles else node,
-                                 ip_of.get(node, "?"), f"cuda:{r}" if config.device == "cuda" else "cpu", r)
-                 for r in range(pc.world_size)]
+        ranks = [
+            _rank_placement(
+                r,
+                pc,
+                placed[index][rank_bundles[r]] if rank_bundles else node,
+                ip_of.get(node, "?"),
+                f"cuda:{r}" if config.device == "cuda" else "cpu",
+                r,
+            )
+            for r in range(pc.world_size)
+        ]
         plan.replicas.append(_replica(index, node, ip_of.get(node, "?"), ranks, pc))
     if config.device == "cuda":
-        plan.warnings.append("data-parallel replicas reserve CPU bundles only (ray_placement.replica_bundles): "
-                             "Ray assigns their ranks no GPU, and the device indices shown are local ranks")
+        plan.warnings.append(
+            "data-parallel replicas reserve CPU bundles only (ray_placement.replica_bundles): "
+            "Ray assigns their ranks no GPU, and the device indices shown are local ranks"
+        )
     plan.fits = not plan.missing
     return plan
 
@@ -303,21 +330,29 @@ def _plan_replicas(config: EngineConfig, plan_base: dict) -> Plan:
 # ---- shared --------------------------------------------------------------------------
 
 
-def _rank_placement(rank: int, pc, node_id: str, ip: str, device: str, local_rank: int,
-                    gpu_ids: list[str] | None = None) -> RankPlacement:
+def _rank_placement(
+    rank: int, pc, node_id: str, ip: str, device: str, local_rank: int, gpu_ids: list[str] | None = None
+) -> RankPlacement:
     tp_rank, pp_rank, cp_rank = rank_coordinates(rank, pc.tensor_parallel_size, pc.context_parallel_size)
     return RankPlacement(rank, tp_rank, pp_rank, node_id, ip, device, local_rank, gpu_ids or [], cp_rank)
 
 
 def _replica(index, node_id, node_ip, ranks: list[RankPlacement], pc) -> ReplicaPlacement:
     tp, pp, cp = pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.context_parallel_size
+
     def group(members: list[int]) -> GroupPlacement:
         node_ids = [ranks[r].node_id for r in members]
         return GroupPlacement(members, node_ids, len(set(node_ids)) > 1)
 
-    return ReplicaPlacement(index, node_id, node_ip, ranks, [group(g) for g in tp_group_ranks(tp, pp, cp)],
-                            [group(g) for g in pp_group_ranks(tp, pp, cp)],
-                            [group(g) for g in cp_group_ranks(tp, pp, cp)])
+    return ReplicaPlacement(
+        index,
+        node_id,
+        node_ip,
+        ranks,
+        [group(g) for g in tp_group_ranks(tp, pp, cp)],
+        [group(g) for g in pp_group_ranks(tp, pp, cp)],
+        [group(g) for g in cp_group_ranks(tp, pp, cp)],
+    )
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -334,8 +369,10 @@ def make_plan(config: EngineConfig) -> Plan:
     pc = config.parallel_config
     backend = pc.distributed_executor_backend
     if pc.data_parallel_size == 1 and backend not in (None, "ray"):
-        raise ValueError(f"raylm plan places a Ray run; distributed_executor_backend {backend!r} runs every rank "
-                         "on this machine (leave it out, or use ray)")
+        raise ValueError(
+            f"raylm plan places a Ray run; distributed_executor_backend {backend!r} runs every rank "
+            "on this machine (leave it out, or use ray)"
+        )
     base = {
         "tensor_parallel_size": pc.tensor_parallel_size,
         "pipeline_parallel_size": pc.pipeline_parallel_size,
@@ -349,8 +386,10 @@ def make_plan(config: EngineConfig) -> Plan:
             pc.distributed_executor_backend = "ray"
             base.update(executor_backend="ray", placement_strategy=pc.ray_placement_strategy)
             return _plan_engine(config, base)
-        base.update(executor_backend=backend or ("uni" if pc.world_size == 1 else "mp"),
-                    data_parallel_placement=pc.data_parallel_placement)
+        base.update(
+            executor_backend=backend or ("uni" if pc.world_size == 1 else "mp"),
+            data_parallel_placement=pc.data_parallel_placement,
+        )
         return _plan_replicas(config, base)
     finally:
         if not was_connected:
@@ -372,24 +411,35 @@ def format_plan(plan: Plan) -> str:
     if req.get("context_parallel_size", 1) > 1:
         layout += f" x CP={req['context_parallel_size']}"
     if req["data_parallel_size"] > 1:
-        lines.append(f"Request: {req['data_parallel_size']} data-parallel replicas ({req['data_parallel_placement']}) "
-                     f"of {layout}, executor {req['executor_backend']}, device {req['device']}; each replica: "
-                     f"{' + '.join(_describe(b) for b in req['replica_bundles'])} on one node")
+        lines.append(
+            f"Request: {req['data_parallel_size']} data-parallel replicas ({req['data_parallel_placement']}) "
+            f"of {layout}, executor {req['executor_backend']}, device {req['device']}; each replica: "
+            f"{' + '.join(_describe(b) for b in req['replica_bundles'])} on one node"
+        )
     else:
-        lines.append(f"Request: {layout} = {req['bundles']} Ray workers, {_describe(req['bundle'])} each, "
-                     f"strategy {req['placement_strategy']}, device {req['device']}")
+        lines.append(
+            f"Request: {layout} = {req['bundles']} Ray workers, {_describe(req['bundle'])} each, "
+            f"strategy {req['placement_strategy']}, device {req['device']}"
+        )
     if any(replica.ranks for replica in plan.replicas):
         lines.append("")
         dp = req["data_parallel_size"] > 1
         with_cp = req.get("context_parallel_size", 1) > 1
-        header = (["replica"] if dp else []) + ["rank", "tp", "pp"] + (["cp"] if with_cp else []) + \
-            ["node", "ip", "device", "gpu"]
+        header = (
+            (["replica"] if dp else [])
+            + ["rank", "tp", "pp"]
+            + (["cp"] if with_cp else [])
+            + ["node", "ip", "device", "gpu"]
+        )
         rows = []
         for replica in plan.replicas:
             for r in replica.ranks:
-                rows.append(([str(replica.replica)] if dp else [])
-                            + [str(r.rank), str(r.tp_rank), str(r.pp_rank)] + ([str(r.cp_rank)] if with_cp else [])
-                            + [short.get(r.node_id, r.node_id[:12]), r.node_ip, r.device, ",".join(r.gpu_ids) or "-"])
+                rows.append(
+                    ([str(replica.replica)] if dp else [])
+                    + [str(r.rank), str(r.tp_rank), str(r.pp_rank)]
+                    + ([str(r.cp_rank)] if with_cp else [])
+                    + [short.get(r.node_id, r.node_id[:12]), r.node_ip, r.device, ",".join(r.gpu_ids) or "-"]
+                )
         widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
         lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
         lines.extend("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
@@ -402,8 +452,11 @@ def format_plan(plan: Plan) -> str:
                     continue
                 parts = []
                 for g in groups:
-                    where = (f"across {len(set(g.node_ids))} nodes" if g.spans_nodes
-                             else f"on {short.get(g.node_ids[0], g.node_ids[0][:12])}")
+                    where = (
+                        f"across {len(set(g.node_ids))} nodes"
+                        if g.spans_nodes
+                        else f"on {short.get(g.node_ids[0], g.node_ids[0][:12])}"
+                    )
                     parts.append(f"ranks {_ranks(g.ranks)} {where}")
                 lines.append(f"{kind} groups: " + "; ".join(parts))
     for warning in plan.warnings:
@@ -421,15 +474,21 @@ def format_plan(plan: Plan) -> str:
 
 def add_plan_subcommand(commands) -> None:
     parser = commands.add_parser(
-        "plan", help="dry run: where each rank and replica would land on the Ray cluster",
+        "plan",
+        help="dry run: where each rank and replica would land on the Ray cluster",
         description="Reserve the placement groups a run with these flags would, show which rank (and "
-                    "data-parallel replica) lands on which node and device and which TP/PP/CP groups span nodes, "
-                    "then release them. Nothing loads. Exits 1, saying what is missing, when it does not fit.",
+        "data-parallel replica) lands on which node and device and which TP/PP/CP groups span nodes, "
+        "then release them. Nothing loads. Exits 1, saying what is missing, when it does not fit.",
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.add_argument("--ray-placement-timeout", type=float, default=10.0, metavar="SECONDS",
-                        help="how long Ray may take to place the groups before the plan says they do not fit")
+    parser.add_argument(
+        "--ray-placement-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long Ray may take to place the groups before the plan says they do not fit",
+    )
     EngineArgs.add_cli_args(parser)  # keeps the shorter --ray-placement-timeout above
     parser.set_defaults(handler=run_plan)
 

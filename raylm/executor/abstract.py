@@ -63,13 +63,24 @@ class Executor(ABC):
         return self.config.fault_tolerance.engine_start_timeout_s
 
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False):
-        return self.collective_rpc("execute_model", timeout=self.step_timeout_s, args=(scheduler_output,),
-                                   non_block=non_block, unique_reply_rank=self._output_rank)
+        return self.collective_rpc(
+            "execute_model",
+            timeout=self.step_timeout_s,
+            args=(scheduler_output,),
+            non_block=non_block,
+            unique_reply_rank=self._output_rank,
+        )
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None,
-                      non_block: bool = False) -> ModelRunnerOutput | Future:
-        return self.collective_rpc("sample_tokens", timeout=self.step_timeout_s, args=(grammar_output,),
-                                   non_block=non_block, unique_reply_rank=self._output_rank)
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None, non_block: bool = False
+    ) -> ModelRunnerOutput | Future:
+        return self.collective_rpc(
+            "sample_tokens",
+            timeout=self.step_timeout_s,
+            args=(grammar_output,),
+            non_block=non_block,
+            unique_reply_rank=self._output_rank,
+        )
 
     @property
     def _output_rank(self) -> int:

@@ -21,8 +21,10 @@ def executor_class(config: EngineConfig) -> type[Executor]:
         backend = "uni" if config.parallel_config.world_size == 1 else "mp"
     if backend == "uni":
         if config.parallel_config.world_size != 1:
-            raise ValueError("distributed_executor_backend 'uni' needs tensor_parallel_size = pipeline_parallel_size = "
-                             "context_parallel_size = 1")
+            raise ValueError(
+                "distributed_executor_backend 'uni' needs tensor_parallel_size = pipeline_parallel_size = "
+                "context_parallel_size = 1"
+            )
         from raylm.executor.uniproc_executor import UniProcExecutor
 
         return UniProcExecutor

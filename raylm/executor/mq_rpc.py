@@ -119,8 +119,9 @@ class WorkerLoop:
                     # A call this rank cannot read (say, a callable from a module
                     # it cannot import): it misses the call and its peers may
                     # wait for it in a collective, so the failure is fatal.
-                    error = RemoteError(type(e).__name__, f"could not read a call: {e}", traceback.format_exc(),
-                                        self.rank, "?")
+                    error = RemoteError(
+                        type(e).__name__, f"could not read a call: {e}", traceback.format_exc(), self.rank, "?"
+                    )
                     self.response.enqueue(RpcReply(-1, FATAL, error))
                     continue
                 self.run_one(request.seq, request.method, request.args, request.kwargs, request.reply_rank)
@@ -157,7 +158,10 @@ class WorkerLoop:
             raise
         except Exception as e:  # a result of a type the queue does not carry
             error = RemoteError(
-                type(e).__name__, f"could not send the reply: {e}", traceback.format_exc(), self.rank,
+                type(e).__name__,
+                f"could not send the reply: {e}",
+                traceback.format_exc(),
+                self.rank,
                 method_name(method),
             )
             self.response.enqueue(RpcReply(seq, ERROR if asked else FATAL, error))

@@ -42,8 +42,9 @@ WORKER_SHUTDOWN_TIMEOUT_S = 5.0
 FAILED_WORKER_GRACE_S = 0.5
 _HOSTNAME = socket.gethostname()
 
+
 def _abnormal_state(pid: int) -> str:
-    """", stopped" for a process that is not running normally, else "": a
+    """ ", stopped" for a process that is not running normally, else "": a
     step deadline names the rank that hung, not only the one that waited."""
     try:
         status = psutil.Process(pid).status()
@@ -207,8 +208,13 @@ class MultiprocExecutor(Executor):
         init_method = "tcp://127.0.0.1:0"  # unused by a single rank
         if self.world_size > 1:
             res.store, init_method = host_rendezvous_store(self.start_timeout_s)
-        plan = plan_cpu_placement(read_topology(), self.world_size, engine_loop_here=True,
-                                  num_threads=self.config.num_threads, cpu_bind=self.config.cpu_bind)
+        plan = plan_cpu_placement(
+            read_topology(),
+            self.world_size,
+            engine_loop_here=True,
+            num_threads=self.config.num_threads,
+            cpu_bind=self.config.cpu_bind,
+        )
         logger.info("CPU placement: %s", plan.describe())
         ready_pipes = []
         for rank in range(self.world_size):
@@ -216,8 +222,15 @@ class MultiprocExecutor(Executor):
             death_r, death_w = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=WorkerProc.main,
-                args=(self.config, rank, res.broadcast.export_handle(), init_method, plan.ranks[rank], ready_w,
-                      death_r),
+                args=(
+                    self.config,
+                    rank,
+                    res.broadcast.export_handle(),
+                    init_method,
+                    plan.ranks[rank],
+                    ready_w,
+                    death_r,
+                ),
                 name=f"RaylmWorker-{rank}",
                 daemon=True,
             )
@@ -236,8 +249,10 @@ class MultiprocExecutor(Executor):
         try:
             res.broadcast.wait_until_ready(timeout=self.start_timeout_s)
         except TimeoutError:
-            raise WorkerHungError(f"worker start-up: the ranks did not attach to the broadcast queue within "
-                                  f"{self.start_timeout_s:g} s (engine_start_timeout)") from None
+            raise WorkerHungError(
+                f"worker start-up: the ranks did not attach to the broadcast queue within "
+                f"{self.start_timeout_s:g} s (engine_start_timeout)"
+            ) from None
         # The failure callback must not keep the executor alive (its finalizer
         # is what shuts the workers down when it is dropped).
         self_ref = weakref.ref(self)
@@ -269,8 +284,10 @@ class MultiprocExecutor(Executor):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     hung = ", ".join(f"rank {r} (pid {self._res.processes[r].pid})" for r in sorted(waiting))
-                    raise WorkerHungError(f"worker start-up (init_worker): {hung} did not report ready within "
-                                          f"{timeout:g} s (engine_start_timeout)")
+                    raise WorkerHungError(
+                        f"worker start-up (init_worker): {hung} did not report ready within "
+                        f"{timeout:g} s (engine_start_timeout)"
+                    )
                 sentinels = {self._res.processes[r].sentinel: r for r in waiting}
                 for ready in multiprocessing.connection.wait(list(waiting.values()) + list(sentinels), remaining):
                     if ready in sentinels:

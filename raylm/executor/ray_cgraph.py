@@ -61,7 +61,8 @@ class CompiledGraphTransport(StepTransport):
                 if len(ready) < len(refs):
                     missing = ", ".join(ranks.describe(r) for r, ref in zip(targets, refs) if ref not in ready)
                     raise WorkerHungError(
-                        f"collective_rpc {method_name(method)!r}: {missing} did not answer within {limit} s")
+                        f"collective_rpc {method_name(method)!r}: {missing} did not answer within {limit} s"
+                    )
             results = []
             for rank, ref in zip(targets, refs):
                 try:
@@ -163,8 +164,9 @@ class CompiledGraphTransport(StepTransport):
         its readers still spin, but with the actors gone it returns quickly."""
         graph, self.compiled_graph = self.compiled_graph, None
         if graph is not None:
-            thread = threading.Thread(target=_teardown_quietly, args=(graph,), name="raylm-cgraph-teardown",
-                                      daemon=True)
+            thread = threading.Thread(
+                target=_teardown_quietly, args=(graph,), name="raylm-cgraph-teardown", daemon=True
+            )
             thread.start()
             thread.join(_TEARDOWN_DEADLINE_S)
 

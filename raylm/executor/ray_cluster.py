@@ -26,7 +26,8 @@ def check_ray_version() -> None:
         import ray
     except ImportError as e:
         raise RuntimeError(
-            "distributed_executor_backend='ray' needs Ray: pip install 'ray[default]>=2.58,<2.61'") from e
+            "distributed_executor_backend='ray' needs Ray: pip install 'ray[default]>=2.58,<2.61'"
+        ) from e
     version = tuple(int(p) for p in ray.__version__.split(".")[:2])
     if version < MIN_RAY_VERSION:
         raise RuntimeError(
@@ -113,7 +114,8 @@ def running_local_cluster_address() -> str | None:
     logger.warning(
         "Ray's cluster file %s names %s, but no Ray GCS answers there (a Ray head that was killed left "
         "the file behind; `ray stop` removes it): starting a local Ray instance instead",
-        path, address,
+        path,
+        address,
     )
     return None
 
@@ -180,8 +182,11 @@ def _current_ray_identity() -> str | None:
 
 def owns_local_ray() -> bool:
     """True when the Ray this process is connected to was started by raylm."""
-    return (_own_local_ray is not None and _own_local_ray["identity"] is not None
-            and _own_local_ray["identity"] == _current_ray_identity())
+    return (
+        _own_local_ray is not None
+        and _own_local_ray["identity"] is not None
+        and _own_local_ray["identity"] == _current_ray_identity()
+    )
 
 
 def _grow_own_local_ray(num_cpus_hint: int) -> None:
@@ -200,11 +205,14 @@ def _grow_own_local_ray(num_cpus_hint: int) -> None:
             "raylm's local Ray instance has %d CPU tokens and this engine needs %d, but it cannot be "
             "restarted larger while %s live in it; start Ray yourself with enough CPUs "
             "(ray start --head --num-cpus N) to run these engines side by side",
-            have, num_cpus_hint, users,
+            have,
+            num_cpus_hint,
+            users,
         )
         return
-    logger.info("restarting raylm's local Ray instance: it has %d CPU tokens, this engine needs %d",
-                have, num_cpus_hint)
+    logger.info(
+        "restarting raylm's local Ray instance: it has %d CPU tokens, this engine needs %d", have, num_cpus_hint
+    )
     _own_local_ray = None
     ray.shutdown()
     _start_own_local_ray(num_cpus_hint)
@@ -295,9 +303,15 @@ def cluster_nodes(driver_node_id: str) -> list[NodeState]:
 
     available = available_resources_per_node()
     nodes = [
-        NodeState(n["NodeID"], n["NodeManagerAddress"], _plain(n.get("Resources", {})),
-                  _plain(available.get(n["NodeID"], {})), n["NodeID"] == driver_node_id)
-        for n in ray.nodes() if n.get("Alive")
+        NodeState(
+            n["NodeID"],
+            n["NodeManagerAddress"],
+            _plain(n.get("Resources", {})),
+            _plain(available.get(n["NodeID"], {})),
+            n["NodeID"] == driver_node_id,
+        )
+        for n in ray.nodes()
+        if n.get("Alive")
     ]
     return sorted(nodes, key=lambda n: (not n.is_driver, _ip_key(n.ip), n.node_id))
 
@@ -305,8 +319,11 @@ def cluster_nodes(driver_node_id: str) -> list[NodeState]:
 def _plain(resources: dict) -> dict[str, float]:
     """Schedulable resources only: no node:IP markers, memory, or the bundle
     resources Ray makes for placement groups."""
-    return {k: float(v) for k, v in resources.items()
-            if not k.startswith(("node:", "accelerator_type:")) and "memory" not in k and "_group_" not in k}
+    return {
+        k: float(v)
+        for k, v in resources.items()
+        if not k.startswith(("node:", "accelerator_type:")) and "memory" not in k and "_group_" not in k
+    }
 
 
 def _ip_key(ip: str):
@@ -334,4 +351,3 @@ def disconnect_ray() -> None:
 
     ray.shutdown()
     _own_local_ray = None
-

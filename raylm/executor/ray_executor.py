@@ -60,7 +60,8 @@ class RayDistributedExecutor(Executor):
         cfg = self.config
         pc = cfg.parallel_config
         self.transport: StepTransport = STEP_TRANSPORTS[pc.ray_step_transport](
-            cfg, step_timeout_s=self.step_timeout_s, output_rank=self._output_rank)
+            cfg, step_timeout_s=self.step_timeout_s, output_rank=self._output_rank
+        )
         device = cfg.device
         if device == "cuda" and pc.ray_step_transport == "cgraph" and pc.pipeline_parallel_size > 1:
             check_cupy_for_nccl_channels()  # before anything is placed
@@ -75,8 +76,9 @@ class RayDistributedExecutor(Executor):
         actor_cls = ray.remote(RayWorkerWrapper)
         try:
             for i, bundle_index in enumerate(placement.bundle_indices):
-                options = ray_placement.rank_actor_options(placement.placement_group, bundle_index, device,
-                                                           request.cpus_per_worker)
+                options = ray_placement.rank_actor_options(
+                    placement.placement_group, bundle_index, device, request.cpus_per_worker
+                )
                 self.workers.append(actor_cls.options(**options).remote(rank=i))
                 self._finalizer.detach()
                 self._finalizer = weakref.finalize(
@@ -111,15 +113,19 @@ class RayDistributedExecutor(Executor):
         if len(ready) < len(refs):
             ready_set = set(ready)
             missing = ", ".join(describe(i) for i, ref in enumerate(refs) if ref not in ready_set)
-            raise WorkerHungError(f"start-up call {call!r}: {missing} did not answer within {timeout:g} s "
-                                  "(engine_start_timeout)")
+            raise WorkerHungError(
+                f"start-up call {call!r}: {missing} did not answer within {timeout:g} s (engine_start_timeout)"
+            )
         return ray.get(refs)
 
     def _assign_ranks(self) -> None:
         import ray
 
-        infos = self._startup_get([w.get_node_info.remote() for w in self.workers], "get_node_info",
-                                  lambda i: f"actor {i} (not yet given a rank)")
+        infos = self._startup_get(
+            [w.get_node_info.remote() for w in self.workers],
+            "get_node_info",
+            lambda i: f"actor {i} (not yet given a rank)",
+        )
         ray_placement.check_one_ip_per_node(infos)
         driver_node = ray.get_runtime_context().get_node_id()
         order = ray_placement.sort_workers(infos, driver_node)
@@ -139,8 +145,9 @@ class RayDistributedExecutor(Executor):
             group_nodes = set(self.node_ids[stage * stage_size : (stage + 1) * stage_size])
             if len(group_nodes) > 1:
                 logger.warning(
-                    "TP/CP groups of PP stage %d span %d nodes; tensor and context parallelism across nodes "
-                    "is slow", stage, len(group_nodes),
+                    "TP/CP groups of PP stage %d span %d nodes; tensor and context parallelism across nodes is slow",
+                    stage,
+                    len(group_nodes),
                 )
         single_node = len(set(self.node_ids)) == 1
         host = "127.0.0.1" if single_node else self.node_ips[0]
@@ -151,8 +158,9 @@ class RayDistributedExecutor(Executor):
         if self.config.device == "cuda":
             # Ray did not rewrite CUDA_VISIBLE_DEVICES: each actor maps the GPU
             # Ray gave it to its index among the devices its node shows.
-            device_indices = self._startup_get([w.get_cuda_device_index.remote() for w in self.workers],
-                                               "get_cuda_device_index")
+            device_indices = self._startup_get(
+                [w.get_cuda_device_index.remote() for w in self.workers], "get_cuda_device_index"
+            )
         for rank, (worker, (node_id, _, _)) in enumerate(zip(self.workers, infos)):
             local_rank = seen.get(node_id, 0)
             seen[node_id] = local_rank + 1
@@ -174,16 +182,23 @@ class RayDistributedExecutor(Executor):
             local_rank = seen.get(node, 0)
             seen[node] = local_rank + 1
             calls.append((worker, node, local_rank))
-        results = self._startup_get([
-            worker.place_on_cpus.remote(local_rank, seen[node], node == driver_node, cpus_per_worker,
-                                        cfg.num_threads, cfg.cpu_bind)
-            for worker, node, local_rank in calls
-        ], "place_on_cpus")
+        results = self._startup_get(
+            [
+                worker.place_on_cpus.remote(
+                    local_rank, seen[node], node == driver_node, cpus_per_worker, cfg.num_threads, cfg.cpu_bind
+                )
+                for worker, node, local_rank in calls
+            ],
+            "place_on_cpus",
+        )
         self.cpu_placements = [placement for placement, _ in results]
         engine_loop = next((loop for (_, loop), node in zip(results, self.node_ids) if node == driver_node), ())
         nodes = len(set(self.node_ids))
-        summary = CpuPlacement(tuple(self.cpu_placements), tuple(engine_loop),
-                               f"ranks on {nodes} nodes, each pinned within its own" if nodes > 1 else "")
+        summary = CpuPlacement(
+            tuple(self.cpu_placements),
+            tuple(engine_loop),
+            f"ranks on {nodes} nodes, each pinned within its own" if nodes > 1 else "",
+        )
         logger.info("CPU placement: %s", summary.describe())
 
     def _driver_node_id(self) -> str:
@@ -199,8 +214,9 @@ class RayDistributedExecutor(Executor):
             if executor is not None:
                 executor.is_failed = True
 
-        ranks = RankActors(self.workers, self.node_ids, self.node_ips,
-                           _rank_describer(self.worker_pids, self.node_ips, self.node_ids))
+        ranks = RankActors(
+            self.workers, self.node_ids, self.node_ips, _rank_describer(self.worker_pids, self.node_ips, self.node_ids)
+        )
         self.transport.start(ranks, self._startup_get, self.start_timeout_s, self._driver_node_id(), on_failure)
 
     @property
@@ -287,8 +303,9 @@ class RayDistributedExecutor(Executor):
             self._finalizer.detach()
         # A failed executor's actors get no time to close their loops: some are
         # dead or stopped, and recovery is waiting.
-        RayDistributedExecutor._cleanup(self.workers, [self._created_pg], self.transport,
-                                        wait_for_loops=not self.is_failed)
+        RayDistributedExecutor._cleanup(
+            self.workers, [self._created_pg], self.transport, wait_for_loops=not self.is_failed
+        )
 
     @staticmethod
     def _cleanup(workers: list, placement_groups: list, transport=None, wait_for_loops: bool = True) -> None:

@@ -75,8 +75,14 @@ class MqStepTransport(StepTransport):
         self.rpc: MqRpcClient | None = None
         self._workers: list = []
 
-    def start(self, ranks: RankActors, startup_get: Callable[[list, str], list], start_timeout_s: float,
-              driver_node_id: str, on_failure: Callable[[str], None]) -> None:
+    def start(
+        self,
+        ranks: RankActors,
+        startup_get: Callable[[list, str], list],
+        start_timeout_s: float,
+        driver_node_id: str,
+        on_failure: Callable[[str], None],
+    ) -> None:
         """A broadcast queue read over shared memory by the ranks on the
         driver's node and over ZMQ by the others; one response queue per
         rank, created by its actor."""
@@ -91,14 +97,18 @@ class MqStepTransport(StepTransport):
         tcp_keys = CurveKeys.generate() if num_remote and tcp_auth_enabled() else None
         mq = self.queues
         mq.broadcast = MessageQueue(
-            num_local_readers=len(local_ranks), num_remote_readers=num_remote,
-            host_ip=host_ip, local_reader_ranks=local_ranks,
-            tcp_keys=tcp_keys, authenticate_tcp=tcp_keys is not None,
+            num_local_readers=len(local_ranks),
+            num_remote_readers=num_remote,
+            host_ip=host_ip,
+            local_reader_ranks=local_ranks,
+            tcp_keys=tcp_keys,
+            authenticate_tcp=tcp_keys is not None,
         )
         handle = mq.broadcast.export_handle()
         refs = [
-            worker.init_mq.remote(handle, rank not in local_ranks, os.getpid() if rank in local_ranks else None,
-                                  tcp_keys)
+            worker.init_mq.remote(
+                handle, rank not in local_ranks, os.getpid() if rank in local_ranks else None, tcp_keys
+            )
             for rank, worker in enumerate(ranks.workers)
         ]
         for response_handle in startup_get(refs, "init_mq"):
@@ -108,12 +118,15 @@ class MqStepTransport(StepTransport):
         try:
             mq.broadcast.wait_until_ready(timeout=start_timeout_s)
         except TimeoutError:
-            raise WorkerHungError(f"start-up: the ranks did not subscribe to the broadcast queue within "
-                                  f"{start_timeout_s:g} s (engine_start_timeout)") from None
+            raise WorkerHungError(
+                f"start-up: the ranks did not subscribe to the broadcast queue within "
+                f"{start_timeout_s:g} s (engine_start_timeout)"
+            ) from None
         startup_get([worker.start_mq_loop.remote() for worker in ranks.workers], "start_mq_loop")
         self.rpc = MqRpcClient(mq.broadcast, mq.responses, mq.shutting_down, on_failure, ranks.describe)
-        logger.info("mq step transport: ranks %s read shared memory, %d over ZMQ at %s",
-                    local_ranks, num_remote, host_ip)
+        logger.info(
+            "mq step transport: ranks %s read shared memory, %d over ZMQ at %s", local_ranks, num_remote, host_ip
+        )
 
     # ---- calls -------------------------------------------------------------------------
 
@@ -123,12 +136,14 @@ class MqStepTransport(StepTransport):
         return self.rpc.call(method, timeout, args, kwargs, non_block, unique_reply_rank)
 
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool):
-        return self.collective_rpc("execute_model", self.step_timeout_s, (scheduler_output,), None, non_block,
-                                   self.output_rank)
+        return self.collective_rpc(
+            "execute_model", self.step_timeout_s, (scheduler_output,), None, non_block, self.output_rank
+        )
 
     def sample_tokens(self, grammar_output: GrammarOutput | None, non_block: bool):
-        return self.collective_rpc("sample_tokens", self.step_timeout_s, (grammar_output,), None, non_block,
-                                   self.output_rank)
+        return self.collective_rpc(
+            "sample_tokens", self.step_timeout_s, (grammar_output,), None, non_block, self.output_rank
+        )
 
     def check_health(self, timeout: float) -> None:
         if not self.rpc.pending:
@@ -148,7 +163,8 @@ class MqStepTransport(StepTransport):
             ray.get(calls, timeout=limit)
         except ray.exceptions.GetTimeoutError:
             raise WorkerHungError(
-                f"collective_rpc {ref.name!r}: the actors did not take the callable within {limit} s") from None
+                f"collective_rpc {ref.name!r}: the actors did not take the callable within {limit} s"
+            ) from None
         except ray.exceptions.RayActorError as e:
             raise WorkerDiedError(f"collective_rpc {ref.name!r}: an actor died taking the callable: {e}") from e
         return ref
@@ -192,5 +208,8 @@ def _wait_for_mq_loops(workers: list) -> None:
         logger.debug("waiting for the message-queue loops: %s", e)
         return
     if len(ready) < len(refs):
-        logger.warning("%d worker loop(s) did not stop within %.0f s; killing them",
-                       len(refs) - len(ready), _MQ_LOOP_EXIT_TIMEOUT_S)
+        logger.warning(
+            "%d worker loop(s) did not stop within %.0f s; killing them",
+            len(refs) - len(ready),
+            _MQ_LOOP_EXIT_TIMEOUT_S,
+        )

@@ -196,8 +196,9 @@ def get_placement_group(parallel_config: ParallelConfig, bundle: dict, world_siz
     # so rank 0 (and with PACK its TP group) lands where the driver runs.
     bundles[0][f"node:{ray.util.get_node_ip_address()}"] = 0.001
     pg = placement_group(bundles, strategy=strategy)
-    wait_placed(pg, parallel_config.ray_placement_timeout,
-                f"{world_size} workers with {bundle} each (strategy {strategy})")
+    wait_placed(
+        pg, parallel_config.ray_placement_timeout, f"{world_size} workers with {bundle} each (strategy {strategy})"
+    )
     return PlacementInfo(pg, True, list(range(world_size)))
 
 
@@ -240,9 +241,7 @@ def rank_actor_options(placement_group, bundle_index: int, device: str, cpus_per
     )
 
 
-def sort_workers(
-    infos: list[tuple[str, str, list]], driver_node_id: str
-) -> list[int]:
+def sort_workers(infos: list[tuple[str, str, list]], driver_node_id: str) -> list[int]:
     """Order of the created actors by rank: driver's node first, then nodes
     holding fewer workers, then lower IP (node id breaks ties)."""
     count: dict[str, int] = {}
@@ -290,20 +289,25 @@ def replica_bundles(config: EngineConfig) -> tuple[list[dict], float, list[int] 
     """(bundles, the engine actor's CPUs, the bundles its executor's ranks take).
     A rank takes `num_threads` CPUs (1 by default) or, on CUDA, one GPU."""
     pc = config.parallel_config
-    return engine_actor_bundles(pc.world_size, config.device, config.num_threads,
-                                pc.distributed_executor_backend == "ray")
+    return engine_actor_bundles(
+        pc.world_size, config.device, config.num_threads, pc.distributed_executor_backend == "ray"
+    )
 
 
-def engine_actor_bundles(world: int, device: str, num_threads: int | None,
-                         ray_ranks: bool) -> tuple[list[dict], float, list[int] | None]:
+def engine_actor_bundles(
+    world: int, device: str, num_threads: int | None, ray_ranks: bool
+) -> tuple[list[dict], float, list[int] | None]:
     """replica_bundles from plain settings, for an engine that runs inside a
     Ray actor someone else places (a Ray Serve replica, whose deployment
     reserves these bundles before any config is resolved)."""
     cpus = float(num_threads or 1)
     rank = {"GPU": 1.0} if device == "cuda" else {"CPU": cpus}
     if ray_ranks:
-        return [{"CPU": _ENGINE_ONLY_CPUS}] + [dict(rank) for _ in range(world)], _ENGINE_ONLY_CPUS, \
-            list(range(1, world + 1))
+        return (
+            [{"CPU": _ENGINE_ONLY_CPUS}] + [dict(rank) for _ in range(world)],
+            _ENGINE_ONLY_CPUS,
+            list(range(1, world + 1)),
+        )
     # uni or mp: the model runs in the actor or in processes it starts.
     engine = {"CPU": cpus * world} if device != "cuda" else {"CPU": 1.0, "GPU": float(world)}
     return [engine], engine["CPU"], None
@@ -315,8 +319,13 @@ def replica_num_cpus_hint(config: EngineConfig) -> int:
     return config.parallel_config.data_parallel_size * int(per_replica + 1)
 
 
-def choose_nodes(num_replicas: int, cpus_per_replica: float, mode: str,
-                 nodes: list[tuple[str, float]], existing: dict[str, int] | None = None) -> list[str | None]:
+def choose_nodes(
+    num_replicas: int,
+    cpus_per_replica: float,
+    mode: str,
+    nodes: list[tuple[str, float]],
+    existing: dict[str, int] | None = None,
+) -> list[str | None]:
     """A target node per replica from (node id, free CPUs), in preference
     order: "pack" fills a node before using the next, "spread" puts each
     replica on the node holding fewest so far (`existing` replicas counted).
@@ -355,8 +364,9 @@ def replica_target_nodes(config: EngineConfig, num_replicas: int, existing: dict
     driver = ray.get_runtime_context().get_node_id()
     mode = config.parallel_config.data_parallel_placement
     per_node = total_resources_per_node() if mode == "spread" else available_resources_per_node()
-    nodes = sorted(((node, res.get("CPU", 0.0)) for node, res in per_node.items()),
-                   key=lambda item: (item[0] != driver, item[0]))
+    nodes = sorted(
+        ((node, res.get("CPU", 0.0)) for node, res in per_node.items()), key=lambda item: (item[0] != driver, item[0])
+    )
     if mode == "spread":
         # Capacity, not free CPUs: what a node holds is counted by replicas.
         nodes = [(node, cpus - existing.get(node, 0) * need) for node, cpus in nodes]
@@ -371,8 +381,9 @@ def replica_placement_group(bundles: list[dict], mode: str, target_node: str | N
     from ray.util.placement_group import placement_group
 
     if target_node is not None and mode == "spread":
-        return placement_group(bundles, strategy="STRICT_PACK",
-                               bundle_label_selector=[{"ray.io/node-id": target_node}] * len(bundles))
+        return placement_group(
+            bundles, strategy="STRICT_PACK", bundle_label_selector=[{"ray.io/node-id": target_node}] * len(bundles)
+        )
     return placement_group(bundles, strategy="STRICT_PACK", _soft_target_node_id=target_node)
 
 

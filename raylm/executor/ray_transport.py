@@ -51,16 +51,29 @@ class StepTransport(ABC):
         self.output_rank = output_rank
 
     @abstractmethod
-    def start(self, ranks: RankActors, startup_get: Callable[[list, str], list], start_timeout_s: float,
-              driver_node_id: str, on_failure: Callable[[str], None]) -> None:
+    def start(
+        self,
+        ranks: RankActors,
+        startup_get: Callable[[list, str], list],
+        start_timeout_s: float,
+        driver_node_id: str,
+        on_failure: Callable[[str], None],
+    ) -> None:
         """Set up the transport once the actors have their ranks, before any
         call. `startup_get(refs, call)`: the executor's bounded ray.get of
         start-up calls; `on_failure(reason)`: the transport saw the executor
         fail (it must not refer to the executor strongly)."""
 
     @abstractmethod
-    def collective_rpc(self, method: str | Callable, timeout: float | None, args: tuple, kwargs: dict | None,
-                       non_block: bool, unique_reply_rank: int | None) -> Any:
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        timeout: float | None,
+        args: tuple,
+        kwargs: dict | None,
+        non_block: bool,
+        unique_reply_rank: int | None,
+    ) -> Any:
         """The executor contract's collective_rpc, on this transport."""
 
     @abstractmethod
@@ -121,4 +134,3 @@ class RefFuture(Future):
                 except BaseException as e:
                     self.set_exception(e)
         return super().result()
-

@@ -93,7 +93,9 @@ def set_gloo_socket_ifname(node_ip: str) -> str | None:
     if current:
         logger.warning(
             "GLOO_SOCKET_IFNAME=%s names no interface of this node (%s); using %s, which carries its Ray IP",
-            current, node_ip, found,
+            current,
+            node_ip,
+            found,
         )
     os.environ["GLOO_SOCKET_IFNAME"] = found
     return found
@@ -115,6 +117,7 @@ class RayWorkerWrapper(WorkerWrapper):
     def __init__(self, rank: int = 0):
         super().__init__(rank)
         undo_ray_worker_niceness()
+
     _mq_loop: WorkerLoop | None = None
     _mq_thread: threading.Thread | None = None
 
@@ -139,13 +142,26 @@ class RayWorkerWrapper(WorkerWrapper):
     def get_pid(self) -> int:
         return os.getpid()
 
-    def place_on_cpus(self, local_rank: int, num_local_ranks: int, engine_loop_here: bool, bundle_cpus: int,
-                      num_threads: int | None, cpu_bind: str) -> tuple[RankPlacement, tuple[int, ...]]:
+    def place_on_cpus(
+        self,
+        local_rank: int,
+        num_local_ranks: int,
+        engine_loop_here: bool,
+        bundle_cpus: int,
+        num_threads: int | None,
+        cpu_bind: str,
+    ) -> tuple[RankPlacement, tuple[int, ...]]:
         """Plan the ranks of this node from the node's own cores, take this
         rank's share (at most its bundle's CPUs) and pin this whole process
         to it. Returns (this rank's placement, the engine loop's CPUs here)."""
-        plan = plan_cpu_placement(read_topology(), num_local_ranks, engine_loop_here=engine_loop_here,
-                                  num_threads=num_threads, cpu_bind=cpu_bind, max_threads_per_rank=bundle_cpus)
+        plan = plan_cpu_placement(
+            read_topology(),
+            num_local_ranks,
+            engine_loop_here=engine_loop_here,
+            num_threads=num_threads,
+            cpu_bind=cpu_bind,
+            max_threads_per_rank=bundle_cpus,
+        )
         placement = plan.ranks[local_rank]
         apply_rank_placement(placement, whole_process=True)
         return placement, plan.engine_loop_cpus
@@ -172,7 +188,10 @@ class RayWorkerWrapper(WorkerWrapper):
     # ---- the `mq` step transport --------------------------------------------------
 
     def init_mq(
-        self, broadcast_handle: MessageQueueHandle, response_over_zmq: bool, driver_pid: int | None,
+        self,
+        broadcast_handle: MessageQueueHandle,
+        response_over_zmq: bool,
+        driver_pid: int | None,
         tcp_keys: CurveKeys | None = None,
     ) -> MessageQueueHandle:
         """Attach to the driver's broadcast queue as this rank and create this
@@ -188,8 +207,11 @@ class RayWorkerWrapper(WorkerWrapper):
         broadcast = MessageQueue.create_from_handle(broadcast_handle, self.rank)
         if response_over_zmq:
             response = MessageQueue(
-                num_local_readers=0, num_remote_readers=1, host_ip=ray.util.get_node_ip_address(),
-                tcp_keys=tcp_keys, authenticate_tcp=tcp_keys is not None,
+                num_local_readers=0,
+                num_remote_readers=1,
+                host_ip=ray.util.get_node_ip_address(),
+                tcp_keys=tcp_keys,
+                authenticate_tcp=tcp_keys is not None,
             )
         else:
             response = MessageQueue(num_local_readers=1)
@@ -197,8 +219,10 @@ class RayWorkerWrapper(WorkerWrapper):
         self._mq_loop = WorkerLoop(self, broadcast, response, self._rpc_callables)
         if driver_pid is not None and broadcast_handle.shm_name:
             threading.Thread(
-                target=self._watch_driver, args=(driver_pid, broadcast_handle.shm_name),
-                name="raylm-driver-watch", daemon=True,
+                target=self._watch_driver,
+                args=(driver_pid, broadcast_handle.shm_name),
+                name="raylm-driver-watch",
+                daemon=True,
             ).start()
         return response.export_handle()
 

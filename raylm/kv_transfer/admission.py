@@ -125,12 +125,22 @@ class Refusals:
             since = "" if self._logged_at == -math.inf else f" in the last {now - self._logged_at:.0f} s"
             unlogged, self._unlogged, self._logged_at = self._unlogged, collections.Counter(), now
             peer = self._last_peer
-        stale = (f" ('stale': sealed more than {REQUEST_LIFETIME_S:.0f} s from this host's clock: played back, "
-                 "or the hosts' clocks that far apart)" if "stale" in unlogged else "")
-        logger.warning("%s refused %s%s%s: strangers without the transfer key (or a flood of them); "
-                       "nothing was served to them%s (at most one such line every %.0f s)", self.what,
-                       ", ".join(f"{n} {reason}" for reason, n in sorted(unlogged.items())), since,
-                       f", the last from {peer}" if peer else "", stale, _REFUSAL_LOG_S)
+        stale = (
+            f" ('stale': sealed more than {REQUEST_LIFETIME_S:.0f} s from this host's clock: played back, "
+            "or the hosts' clocks that far apart)"
+            if "stale" in unlogged
+            else ""
+        )
+        logger.warning(
+            "%s refused %s%s%s: strangers without the transfer key (or a flood of them); "
+            "nothing was served to them%s (at most one such line every %.0f s)",
+            self.what,
+            ", ".join(f"{n} {reason}" for reason, n in sorted(unlogged.items())),
+            since,
+            f", the last from {peer}" if peer else "",
+            stale,
+            _REFUSAL_LOG_S,
+        )
 
 
 class SealedAdmission:
@@ -158,8 +168,16 @@ class SealedAdmission:
     thread's a junk connection, here) counts those that left without
     asking anything; the server says which asked (`asked`)."""
 
-    def __init__(self, context: zmq.Context, sock: zmq.Socket, key: TransferKey, seen: SeenRequests,
-                 refusals: Refusals, max_message_bytes: int, on_asking_closed: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        context: zmq.Context,
+        sock: zmq.Socket,
+        key: TransferKey,
+        seen: SeenRequests,
+        refusals: Refusals,
+        max_message_bytes: int,
+        on_asking_closed: Callable[[], None] | None = None,
+    ):
         """Configures `sock`, which must not be bound yet. `on_asking_closed`:
         called (on the admission's thread) when connections that asked have closed."""
         self._key, self._seen, self.refusals = key, seen, refusals
@@ -225,8 +243,7 @@ class SealedAdmission:
     def keep_running(self) -> None:
         """Start its thread again if it has ended (a fault no handler caught)."""
         if not self._thread.is_alive() and not self._closed.is_set():
-            logger.error("%s: the admission's thread had ended (%s); started again", self.refusals.what,
-                         self._ended_by)
+            logger.error("%s: the admission's thread had ended (%s); started again", self.refusals.what, self._ended_by)
             self._start()
 
     def _start(self) -> None:

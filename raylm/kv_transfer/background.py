@@ -95,8 +95,7 @@ class CopyBudget:
     tiny model's) runs at once, and a large one goes by bursts of about one
     chunk or `burst_s`, whichever is larger."""
 
-    def __init__(self, share: float | None = None, burst_s: float = 0.001, clock=time.monotonic,
-                 cpu_of=thread_cpu_s):
+    def __init__(self, share: float | None = None, burst_s: float = 0.001, clock=time.monotonic, cpu_of=thread_cpu_s):
         self.share = COPY_CPU_SHARE if share is None else share
         self.burst_s = burst_s
         self._clock, self._cpu_of = clock, cpu_of
@@ -269,10 +268,12 @@ class KVCopyJobs:
     def __init__(self, budget: CopyBudget | None = None):
         self.budget = budget or process_copy_budget()
         self._thread_ids: list[int] = []  # the two threads', counted in the budget
-        self._exports = ThreadPoolExecutor(1, thread_name_prefix="raylm-kv-export", initializer=self._start_thread,
-                                           initargs=("raylm-kv-export",))
-        self._imports = ThreadPoolExecutor(1, thread_name_prefix="raylm-kv-import", initializer=self._start_thread,
-                                           initargs=("raylm-kv-import",))
+        self._exports = ThreadPoolExecutor(
+            1, thread_name_prefix="raylm-kv-export", initializer=self._start_thread, initargs=("raylm-kv-export",)
+        )
+        self._imports = ThreadPoolExecutor(
+            1, thread_name_prefix="raylm-kv-import", initializer=self._start_thread, initargs=("raylm-kv-import",)
+        )
         self._jobs: dict[str, Future] = {}  # imports, by name, until their outcome is taken
         self._cancels: dict[str, threading.Event] = {}  # set: the import's wait gives up
 

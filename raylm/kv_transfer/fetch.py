@@ -59,8 +59,15 @@ def _fetch_zmq_context() -> zmq.Context:
         return _fetch_context
 
 
-def fetch(address: str, name: str, key: TransferKey, timeout_s: float = FETCH_TIMEOUT_S,
-          cancelled: threading.Event | None = None, pause=None, into=None) -> list[bytearray]:
+def fetch(
+    address: str,
+    name: str,
+    key: TransferKey,
+    timeout_s: float = FETCH_TIMEOUT_S,
+    cancelled: threading.Event | None = None,
+    pause=None,
+    into=None,
+) -> list[bytearray]:
     """The packed blocks offered as `name` at `address`, as the frames they
     came in, opened; the wait gives up once nothing came for `timeout_s` (a
     paced stage takes longer than that as a whole), or once `cancelled` is
@@ -81,9 +88,11 @@ def fetch(address: str, name: str, key: TransferKey, timeout_s: float = FETCH_TI
     sock.connect(address)
     parts: list[bytearray] = []
     if into is None:
+
         def into(index: int, count: int, size: int) -> memoryview:
             parts.append(bytearray(size))
             return memoryview(parts[-1])
+
     received = 0
     urgent = pause is None  # a final stage, its request paused: taken in at the steps' priority
     if urgent:
@@ -97,7 +106,8 @@ def fetch(address: str, name: str, key: TransferKey, timeout_s: float = FETCH_TI
         except zmq.Again:
             raise KVTransferError(
                 f"the source rank at {address} refused the connection to fetch {name!r} "
-                "(its handshake: the transfer key, or the source gone)") from None
+                "(its handshake: the transfer key, or the source gone)"
+            ) from None
         count = None
         while count is None or received < count:
             message = _next_message(sock, address, name, timeout_s, cancelled)
@@ -110,7 +120,8 @@ def fetch(address: str, name: str, key: TransferKey, timeout_s: float = FETCH_TI
                 if status == _STATUS_MISSING:
                     raise KVTransferError(f"the source rank at {address} offers no K/V blocks {name!r}")
                 raise KVTransferError(
-                    f"the source rank at {address} failed to pack {name!r}: {reason.decode(errors='replace')}")
+                    f"the source rank at {address} failed to pack {name!r}: {reason.decode(errors='replace')}"
+                )
             if status != _STATUS_OK or len(message) != 3 or len(message[1].bytes) != _FRAME_META.size:
                 raise KVTransferError(f"the source rank at {address} answered {name!r} out of form")
             header = message[1].bytes
@@ -140,18 +151,21 @@ def fetch(address: str, name: str, key: TransferKey, timeout_s: float = FETCH_TI
 def _broken(address: str, name: str) -> KVTransferError:
     return KVTransferError(
         f"an answer for the K/V blocks {name!r} from {address} does not open with the transfer key "
-        "(not sent by the source rank, or changed on the way)")
+        "(not sent by the source rank, or changed on the way)"
+    )
 
 
-def _next_message(sock: zmq.Socket, address: str, name: str, timeout_s: float,
-                  cancelled: threading.Event | None) -> list[zmq.Frame]:
+def _next_message(
+    sock: zmq.Socket, address: str, name: str, timeout_s: float, cancelled: threading.Event | None
+) -> list[zmq.Frame]:
     deadline = time.monotonic() + timeout_s
     while not sock.poll(int(1000 * max(0.0, min(_CANCEL_CHECK_S, deadline - time.monotonic())))):
         if cancelled is not None and cancelled.is_set():
             raise KVTransferError(f"the fetch of the K/V blocks {name!r} from {address} was cancelled")
         if time.monotonic() >= deadline:
             raise KVTransferError(
-                f"the source rank at {address} did not send the K/V blocks {name!r} within {timeout_s:.0f} s")
+                f"the source rank at {address} did not send the K/V blocks {name!r} within {timeout_s:.0f} s"
+            )
     return sock.recv_multipart(copy=False)
 
 
@@ -179,7 +193,8 @@ class _JoinedStage:
             if (count - 1) * frames._FRAME_BYTES >= self._limit:
                 raise KVTransferError(
                     f"{self._what} come in {count} frames, more than the {self._limit} bytes of the blocks "
-                    "reserved for them fill (another KV layout, or other blocks)")
+                    "reserved for them fill (another KV layout, or other blocks)"
+                )
             # The sender's frames are at most frames._FRAME_BYTES (the same code at both ends).
             self._buffer = _joined_stages.take(count * frames._FRAME_BYTES)
             self._view = memoryview(self._buffer.numpy())

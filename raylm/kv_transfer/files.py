@@ -88,8 +88,9 @@ def _data_bytes(kv_caches: list[torch.Tensor], num_blocks: int) -> int:
     return _block_numel(kv_caches) * num_blocks * len(kv_caches) * kv_caches[0].element_size()
 
 
-def _gather(kv_caches: list[torch.Tensor], block_ids: list[int], data: torch.Tensor,
-            pause: Callable[[], None] | None = None) -> None:
+def _gather(
+    kv_caches: list[torch.Tensor], block_ids: list[int], data: torch.Tensor, pause: Callable[[], None] | None = None
+) -> None:
     """Copy the blocks `block_ids` of every layer into `data` (flat, of the
     caches' dtype), layer by layer; `pause` runs after each layer."""
     first = kv_caches[0]
@@ -105,8 +106,9 @@ def _gather(kv_caches: list[torch.Tensor], block_ids: list[int], data: torch.Ten
             pause()
 
 
-def _scatter(kv_caches: list[torch.Tensor], block_ids: list[int], data: torch.Tensor,
-             pause: Callable[[], None] | None = None) -> None:
+def _scatter(
+    kv_caches: list[torch.Tensor], block_ids: list[int], data: torch.Tensor, pause: Callable[[], None] | None = None
+) -> None:
     """The inverse of `_gather`: `data` into the blocks `block_ids` of every
     layer; `pause` runs after each layer."""
     first = kv_caches[0]
@@ -147,8 +149,11 @@ def _file_chunks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> Iterato
         if not 0 <= block < num_blocks:
             raise KVTransferError(f"block {block} is out of bounds: this rank's cache holds {num_blocks} blocks")
     per_chunk = max(1, _CHUNK_BYTES // block_bytes)
-    pieces = [(first + done, min(per_chunk, count - done))
-              for first, count in _block_runs(block_ids) for done in range(0, count, per_chunk)]
+    pieces = [
+        (first + done, min(per_chunk, count - done))
+        for first, count in _block_runs(block_ids)
+        for done in range(0, count, per_chunk)
+    ]
     offset = _HEADER_BYTES
     for cache in kv_caches:
         # Bytes of K (row 0) and V (row 1), block after block: a view, no copy.
@@ -182,8 +187,9 @@ def _vector_io(io: Callable, fd: int, buffers: list[memoryview], offset: int, nu
             buffers = [buffers[0][moved:], *buffers[1:]]
 
 
-def _copy_with_file(kv_caches: list[torch.Tensor], block_ids: list[int], path: str, writing: bool,
-                    pause: Callable[[], None] | None) -> None:
+def _copy_with_file(
+    kv_caches: list[torch.Tensor], block_ids: list[int], path: str, writing: bool, pause: Callable[[], None] | None
+) -> None:
     """Write (`writing`) the blocks to the file's data, or read them from it,
     chunk by chunk; `pause` runs between chunks."""
     fd = os.open(path, os.O_WRONLY if writing else os.O_RDONLY)
@@ -196,8 +202,14 @@ def _copy_with_file(kv_caches: list[torch.Tensor], block_ids: list[int], path: s
         os.close(fd)
 
 
-def _copy_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], path: str, size: int, writing: bool,
-                 pause: Callable[[], None] | None) -> None:
+def _copy_blocks(
+    kv_caches: list[torch.Tensor],
+    block_ids: list[int],
+    path: str,
+    size: int,
+    writing: bool,
+    pause: Callable[[], None] | None,
+) -> None:
     """The blocks into (`writing`) or out of the data part of the file at `path` (`size` bytes)."""
     if _copies_by_file_io(kv_caches):
         _copy_with_file(kv_caches, block_ids, path, writing, pause)
@@ -220,8 +232,10 @@ def _check_header(raw: bytes, size: int, kv_caches: list[torch.Tensor], num_bloc
     mine = _layout(kv_caches)
     theirs = {key: header.get(key) for key in mine}
     if theirs != mine:
-        raise KVTransferError(f"KV layouts differ: the source rank holds {theirs}, this rank {mine} "
-                              "(engines must have the same model, dtype, block size and TP/PP layout)")
+        raise KVTransferError(
+            f"KV layouts differ: the source rank holds {theirs}, this rank {mine} "
+            "(engines must have the same model, dtype, block size and TP/PP layout)"
+        )
     if header.get("num_blocks") != num_blocks:
         raise KVTransferError(f"{what} holds {header.get('num_blocks')} blocks, {num_blocks} were reserved")
     expected = _HEADER_BYTES + _data_bytes(kv_caches, num_blocks)
@@ -322,8 +336,9 @@ def create_file(kv_caches: list[torch.Tensor], num_blocks: int, path: str) -> in
     return size
 
 
-def fill_file(kv_caches: list[torch.Tensor], block_ids: list[int], path: str,
-              pause: Callable[[], None] | None = None) -> int:
+def fill_file(
+    kv_caches: list[torch.Tensor], block_ids: list[int], path: str, pause: Callable[[], None] | None = None
+) -> int:
     """Copy the blocks into a file `create_file` made, then write its header:
     a reader that sees the header sees the data. On failure the header says
     why. `pause`: called between chunks (a paced copy beside the steps)."""
@@ -334,8 +349,12 @@ def fill_file(kv_caches: list[torch.Tensor], block_ids: list[int], path: str,
             if block_ids:
                 _copy_blocks(kv_caches, block_ids, path, size, True, pause)
         except Exception as e:
-            _write_header(path, json.dumps({"magic": _MAGIC, "version": _VERSION,
-                                            "error": f"{type(e).__name__}: {e}"}).encode()[:_HEADER_BYTES])
+            _write_header(
+                path,
+                json.dumps({"magic": _MAGIC, "version": _VERSION, "error": f"{type(e).__name__}: {e}"}).encode()[
+                    :_HEADER_BYTES
+                ],
+            )
             raise
         _write_header(path, encoded)
     return size
@@ -355,8 +374,14 @@ def export_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], path: str
     return fill_file(kv_caches, block_ids, path)
 
 
-def import_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], path: str, wait_s: float = 0.0,
-                  pause: Callable[[], None] | None = None, cancelled: threading.Event | None = None) -> int:
+def import_blocks(
+    kv_caches: list[torch.Tensor],
+    block_ids: list[int],
+    path: str,
+    wait_s: float = 0.0,
+    pause: Callable[[], None] | None = None,
+    cancelled: threading.Event | None = None,
+) -> int:
     """Read a file written by `export_blocks` into the blocks `block_ids`
     (one per exported block, in order); returns the bytes read. `wait_s`:
     how long to wait for a file whose source is still filling it, unless
@@ -392,8 +417,12 @@ def packed_size(kv_caches: list[torch.Tensor], num_blocks: int) -> int:
     return _HEADER_BYTES + _data_bytes(kv_caches, num_blocks)
 
 
-def pack_blocks(kv_caches: list[torch.Tensor], block_ids: list[int],
-                pause: Callable[[], None] | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
+def pack_blocks(
+    kv_caches: list[torch.Tensor],
+    block_ids: list[int],
+    pause: Callable[[], None] | None = None,
+    into: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The same bytes `export_blocks` writes to a file, in memory (a flat
     uint8 tensor): what a rank sends to another node (raylm.kv_transfer.network).
     `pause`: called after each layer (a paced copy beside the steps).
@@ -415,8 +444,9 @@ def pack_blocks(kv_caches: list[torch.Tensor], block_ids: list[int],
     return packed
 
 
-def unpack_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], packed, what: str,
-                  pause: Callable[[], None] | None = None) -> int:
+def unpack_blocks(
+    kv_caches: list[torch.Tensor], block_ids: list[int], packed, what: str, pause: Callable[[], None] | None = None
+) -> int:
     """Read what `pack_blocks` made (any buffer: bytes, a ZMQ frame's memoryview)
     into the blocks `block_ids`; returns its size in bytes. `pause`: as for
     `pack_blocks`."""
@@ -439,8 +469,12 @@ def _map(path: str, dtype: torch.dtype, size: int, writable: bool) -> torch.Tens
     every page, where touching them would fault once per page."""
     fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
     try:
-        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                            prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+        mapping = mmap.mmap(
+            fd,
+            size,
+            flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+            prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0),
+        )
     finally:
         os.close(fd)
     with warnings.catch_warnings():

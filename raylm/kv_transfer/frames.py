@@ -111,7 +111,8 @@ class StageBuffers:
             total = sum(e[0].numel() for e in self._kept) + buffer.numel()
             smaller_free = sorted(
                 (e for e in self._kept if (e[1] is None or e[1].done) and e[0].numel() < buffer.numel()),
-                key=lambda e: e[0].numel())
+                key=lambda e: e[0].numel(),
+            )
             dropped = []
             for entry in smaller_free:
                 if count <= self.MAX_BUFFERS and total <= self.MAX_KEPT_BYTES:

@@ -57,8 +57,15 @@ class KVNetworkEndpoint:
         self._server: KVBlockServer | None = None
         self._budget = budget  # what paces its server's pre-copy stages; None: the process's
 
-    def serve(self, kv_caches: list[torch.Tensor], name: str, block_ids: list[int], host: str,
-              key: TransferKey, run_in_background=None) -> tuple[int, str]:
+    def serve(
+        self,
+        kv_caches: list[torch.Tensor],
+        name: str,
+        block_ids: list[int],
+        host: str,
+        key: TransferKey,
+        run_in_background=None,
+    ) -> tuple[int, str]:
         """Pack the blocks and offer them as `name`; (bytes, address to fetch them from).
         `run_in_background(fn, *args) -> Future`: pack on another thread (a
         fetch meanwhile waits for it); None: pack now."""
@@ -69,16 +76,23 @@ class KVNetworkEndpoint:
             if run_in_background is None:
                 packed = files.pack_blocks(kv_caches, block_ids, into=buffer)
             else:
-                packed = run_in_background(functools.partial(files.pack_blocks, into=buffer), kv_caches,
-                                           block_ids)
+                packed = run_in_background(functools.partial(files.pack_blocks, into=buffer), kv_caches, block_ids)
         except BaseException:
             server.buffers.give_back(buffer)
             raise
         return size, server.offer(name, packed, buffer)
 
-    def fetch_into(self, kv_caches: list[torch.Tensor], name: str, block_ids: list[int], address: str,
-                   key: TransferKey, timeout_s: float = FETCH_TIMEOUT_S, cancelled: threading.Event | None = None,
-                   pause=None) -> int:
+    def fetch_into(
+        self,
+        kv_caches: list[torch.Tensor],
+        name: str,
+        block_ids: list[int],
+        address: str,
+        key: TransferKey,
+        timeout_s: float = FETCH_TIMEOUT_S,
+        cancelled: threading.Event | None = None,
+        pause=None,
+    ) -> int:
         """Fetch the offer `name` into `block_ids`; `pause`: called between
         frames and between layers of the unpacking (a paced copy beside the steps)."""
         what = f"the K/V blocks {name!r} from {address}"

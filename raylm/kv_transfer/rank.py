@@ -31,13 +31,11 @@ class RankTransport(abc.ABC):
         self.transfers = transfers
 
     @abc.abstractmethod
-    def export(self, kv_caches: list[torch.Tensor], route: dict, block_ids: list[int],
-               background: bool) -> list:
+    def export(self, kv_caches: list[torch.Tensor], route: dict, block_ids: list[int], background: bool) -> list:
         """This rank's shard of `block_ids`; [bytes, address to fetch from or None]."""
 
     @abc.abstractmethod
-    def import_(self, kv_caches: list[torch.Tensor], route: dict, block_ids: list[int],
-                background: bool) -> int | None:
+    def import_(self, kv_caches: list[torch.Tensor], route: dict, block_ids: list[int], background: bool) -> int | None:
         """The same source rank's shard into `block_ids`; the bytes, or None
         when `background` (handed to the copy threads under the stage's name)."""
 
@@ -66,8 +64,15 @@ class FileRank(RankTransport):
         if not background:
             return files.import_blocks(kv_caches, block_ids, path)
         # Beside the steps, waiting for the source to fill the file.
-        self.transfers.copies().import_(stage_name(route["path_prefix"]), files.import_blocks, kv_caches,
-                                        block_ids, path, FETCH_TIMEOUT_S, paced=True)
+        self.transfers.copies().import_(
+            stage_name(route["path_prefix"]),
+            files.import_blocks,
+            kv_caches,
+            block_ids,
+            path,
+            FETCH_TIMEOUT_S,
+            paced=True,
+        )
         return None
 
 
@@ -85,14 +90,20 @@ class NetworkRank(RankTransport):
             self.endpoint = KVNetworkEndpoint()
         # `background`: packed by a thread beside the steps (a fetch waits for it).
         pack = self._paced_export if background else None
-        num_bytes, address = self.endpoint.serve(kv_caches, self._name(route), block_ids, route["host"],
-                                                 TransferKey(route["key"]), pack)
+        num_bytes, address = self.endpoint.serve(
+            kv_caches, self._name(route), block_ids, route["host"], TransferKey(route["key"]), pack
+        )
         return [num_bytes, address]
 
     def import_(self, kv_caches, route, block_ids, background):
         fetch = KVNetworkEndpoint().fetch_into
-        args = (kv_caches, self._name(route), block_ids, route["sources"][self.transfers.rank],
-                TransferKey(route["key"]))
+        args = (
+            kv_caches,
+            self._name(route),
+            block_ids,
+            route["sources"][self.transfers.rank],
+            TransferKey(route["key"]),
+        )
         if not background:
             return fetch(*args, FINAL_FETCH_TIMEOUT_S)
         self.transfers.copies().import_(route["name"], fetch, *args, paced=True)

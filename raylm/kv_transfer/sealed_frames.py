@@ -106,8 +106,13 @@ class SeenRequests:
     than `lifetime_s`). Thread-safe: a server's admission and its requests
     share one."""
 
-    def __init__(self, lifetime_s: float = REQUEST_LIFETIME_S, limit: int = MAX_REMEMBERED,
-                 wall=time.time, monotonic=time.monotonic):
+    def __init__(
+        self,
+        lifetime_s: float = REQUEST_LIFETIME_S,
+        limit: int = MAX_REMEMBERED,
+        wall=time.time,
+        monotonic=time.monotonic,
+    ):
         self.lifetime_s, self.limit = lifetime_s, limit
         self._wall, self._monotonic = wall, monotonic
         self._lock = threading.Lock()
@@ -125,8 +130,7 @@ class SeenRequests:
             if nonce in self._nonces:
                 raise Replayed("a sealed request taken before (played back)", "replayed")
             if len(self._nonces) >= self.limit:
-                raise Replayed(f"more than {self.limit} sealed requests within {2 * self.lifetime_s:.0f} s",
-                               "too many")
+                raise Replayed(f"more than {self.limit} sealed requests within {2 * self.lifetime_s:.0f} s", "too many")
             self._nonces.add(nonce)
             self._order.append((now + 2 * self.lifetime_s, nonce))
 

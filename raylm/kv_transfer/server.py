@@ -53,8 +53,6 @@ logger = logging.getLogger(__name__)
 _OFFER_TTL_S = 300.0
 
 
-
-
 # The server stops listening once it has held no offer and sent nothing for
 # this long (the stages of one migration come one after another: a pause
 # shorter than this keeps the port).
@@ -91,8 +89,15 @@ class KVBlockServer:
         self._seen = SeenRequests()
         self.refusals = Refusals("the K/V server")
         self._wakeup = _Wakeup()
-        self._admission = SealedAdmission(self._context, self._sock, key, self._seen, self.refusals,
-                                          _MAX_REQUEST_BYTES, on_asking_closed=self._wakeup.wake)
+        self._admission = SealedAdmission(
+            self._context,
+            self._sock,
+            key,
+            self._seen,
+            self.refusals,
+            _MAX_REQUEST_BYTES,
+            on_asking_closed=self._wakeup.wake,
+        )
         self.host = host
         # The endpoint it listens on ("" while it does not), bound and
         # unbound by the server's thread only (a ZMQ socket is one thread's).
@@ -173,8 +178,9 @@ class KVBlockServer:
         if self._closed.is_set():
             return
         if not self._thread.is_alive():
-            logger.error("%s: its thread had ended (%s); started again, its offers kept", self.refusals.what,
-                         self._ended_by)
+            logger.error(
+                "%s: its thread had ended (%s); started again, its offers kept", self.refusals.what, self._ended_by
+            )
             self._start()
         self._admission.keep_running()
 
@@ -199,8 +205,9 @@ class KVBlockServer:
                     if self._closed.is_set():
                         break
                     self.faults += 1
-                    logger.exception("%s failed; it drops the %d sends under way and serves again",
-                                     self.refusals.what, len(sends))
+                    logger.exception(
+                        "%s failed; it drops the %d sends under way and serves again", self.refusals.what, len(sends)
+                    )
                     for send in sends:
                         send.abandon()
                     sends.clear()
@@ -292,15 +299,17 @@ class KVBlockServer:
         with self._lock:
             entry = self._offers.pop(name, None)
         if entry is None:
-            self._sock.send_multipart([identity, _STATUS_MISSING,
-                                       seal.seal(_STATUS_SEAL_INDEX, _STATUS_MISSING, b"")])
+            self._sock.send_multipart([identity, _STATUS_MISSING, seal.seal(_STATUS_SEAL_INDEX, _STATUS_MISSING, b"")])
             return
         packed, _, buffer = entry
         if isinstance(packed, Future):  # still packing, maybe: the server is woken when it ends
             packed.add_done_callback(lambda _: self._wakeup.wake())
             # Packed beside the steps: a pre-copy stage, paced as its packing was.
-            sends.append(StageSend(identity, seal, packed, buffer, self.buffers, self._budget, self._sent_frames,
-                                    self._io_allowance))
+            sends.append(
+                StageSend(
+                    identity, seal, packed, buffer, self.buffers, self._budget, self._sent_frames, self._io_allowance
+                )
+            )
             return
         # A final stage (its request paused): sent at once, the I/O thread at the steps' priority.
         self._io_policy.urgent_begin()

@@ -56,9 +56,17 @@ class StageSend:
     destination paces its reading by its own budget, which holds the frames
     back here (its socket's queue full, then TCP's window)."""
 
-    def __init__(self, identity: bytes, seal: AnswerSeal, packed: torch.Tensor | Future,
-                 buffer: torch.Tensor | None, buffers: StageBuffers, budget: CopyBudget | None = None,
-                 sent_frames: SentFrames | None = None, io_allowance: CPUAllowance | None = None):
+    def __init__(
+        self,
+        identity: bytes,
+        seal: AnswerSeal,
+        packed: torch.Tensor | Future,
+        buffer: torch.Tensor | None,
+        buffers: StageBuffers,
+        budget: CopyBudget | None = None,
+        sent_frames: SentFrames | None = None,
+        io_allowance: CPUAllowance | None = None,
+    ):
         self.identity = identity
         self._io_allowance = io_allowance  # what the I/O threads may charge the budget for sending
         self._seal = seal
@@ -93,8 +101,12 @@ class StageSend:
         """A paced frame not taken for FETCH_TIMEOUT_S: its destination has
         stopped reading (hung; one that died closes its connection, which
         ends the send)."""
-        return (self._budget is not None and bool(self._sent) and not self._sent[-1].done
-                and now - self._last_sent_at > FETCH_TIMEOUT_S)
+        return (
+            self._budget is not None
+            and bool(self._sent)
+            and not self._sent[-1].done
+            and now - self._last_sent_at > FETCH_TIMEOUT_S
+        )
 
     def advance(self, sock: zmq.Socket) -> bool:
         """Send what is due; True once the stage has gone (or failed)."""
@@ -105,8 +117,9 @@ class StageSend:
                 error = self._packed.exception()
                 if error is not None:  # the packing failed: the destination says why
                     reason = f"{type(error).__name__}: {error}".encode()
-                    sock.send_multipart([self.identity, _STATUS_FAILED,
-                                         self._seal.seal(_STATUS_SEAL_INDEX, _STATUS_FAILED, reason)])
+                    sock.send_multipart(
+                        [self.identity, _STATUS_FAILED, self._seal.seal(_STATUS_SEAL_INDEX, _STATUS_FAILED, reason)]
+                    )
                     self._finish(None)
                     return True
                 self._packed = self._packed.result()

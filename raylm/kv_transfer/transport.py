@@ -104,8 +104,9 @@ class KVTransport(abc.ABC):
         answers = rpc("kv_export", args=(self.route(stage), block_ids, background))
         return sum(size for size, _ in answers), self.offered([address for _, address in answers])
 
-    def import_(self, rpc: RPC, stage: str, block_ids: list[int], background: bool,
-                sources: list[str] | None, world_size: int) -> int | None:
+    def import_(
+        self, rpc: RPC, stage: str, block_ids: list[int], background: bool, sources: list[str] | None, world_size: int
+    ) -> int | None:
         """Each destination rank reads the same source rank's shard of `stage`
         into `block_ids`; the bytes, or None for `background` (read beside
         the steps: `copies_done` tells when it ended)."""
@@ -165,16 +166,17 @@ class NetworkTransport(KVTransport):
         self.host, self.key = host, key
 
     def route(self, stage: str, sources: list[str] | None = None) -> dict:
-        return {"kind": self.kind, "name": stage_name(stage), "host": self.host, "key": self.key,
-                "sources": sources}
+        return {"kind": self.kind, "name": stage_name(stage), "host": self.host, "key": self.key, "sources": sources}
 
     def offered(self, addresses: list[str | None]) -> list[str] | None:
         return list(addresses)
 
     def check_sources(self, sources: list[str] | None, world_size: int) -> None:
         if len(sources or []) != world_size:
-            raise ValueError(f"the source offers {len(sources or [])} ranks' blocks, this engine has "
-                             f"{world_size} ranks (engines must have the same TP/PP layout)")
+            raise ValueError(
+                f"the source offers {len(sources or [])} ranks' blocks, this engine has "
+                f"{world_size} ranks (engines must have the same TP/PP layout)"
+            )
 
     def end_at_source(self, rpc: RPC, migration_id: str, stages: set[str]) -> None:
         """Offers the destination never fetched (it gave up, or died)."""

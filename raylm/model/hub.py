@@ -56,8 +56,9 @@ def looks_like_repo_id(name: str) -> bool:
     return bool(_REPO_ID.fullmatch(name)) and ".." not in name and not name.endswith(".")
 
 
-def resolve_model_path(name: str, revision: str | None = None, download_dir: str | None = None,
-                       what: str = "model") -> str:
+def resolve_model_path(
+    name: str, revision: str | None = None, download_dir: str | None = None, what: str = "model"
+) -> str:
     """The local folder for `name` (a folder, or a Hub id at `revision`).
 
     `what` ("model", "tokenizer") names the setting in error messages.
@@ -79,12 +80,16 @@ def resolve_model_path(name: str, revision: str | None = None, download_dir: str
     offline = is_offline()
     at_revision = f" at revision {revision!r}" if revision else ""
     try:
-        path = snapshot_download(name, revision=revision, cache_dir=cache_dir,
-                                 allow_patterns=MODEL_FILE_PATTERNS, local_files_only=offline)
+        path = snapshot_download(
+            name, revision=revision, cache_dir=cache_dir, allow_patterns=MODEL_FILE_PATTERNS, local_files_only=offline
+        )
     except LocalEntryNotFoundError as e:
         # Offline, or online with the Hub unreachable, and nothing in the cache.
-        how = ("HF_HUB_OFFLINE is set, so only the cache was searched" if offline
-               else f"the Hub could not be reached ({_first_line(e)}) and the cache has no copy")
+        how = (
+            "HF_HUB_OFFLINE is set, so only the cache was searched"
+            if offline
+            else f"the Hub could not be reached ({_first_line(e)}) and the cache has no copy"
+        )
         raise ValueError(
             f"{what} {name!r}{at_revision} is not a local folder and was not found in the Hugging Face "
             f"cache {cache_dir!r}: {how}"
@@ -104,8 +109,9 @@ def _first_line(error: Exception) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def resolve_gguf_model(model: str, gguf_file: str | None = None, revision: str | None = None,
-                       download_dir: str | None = None) -> str:
+def resolve_gguf_model(
+    model: str, gguf_file: str | None = None, revision: str | None = None, download_dir: str | None = None
+) -> str:
     """The local path of a GGUF model: a file; a folder or Hub id with `gguf_file`
     (a file name in it); or `org/name:QUANT` (vLLM's spelling), the one file of
     the repository whose name holds QUANT, e.g. Q4_K_M. Only the chosen file is
@@ -136,18 +142,25 @@ def resolve_gguf_model(model: str, gguf_file: str | None = None, revision: str |
 
     cache_dir = hub_cache_dir(download_dir)
     try:
-        folder = snapshot_download(repo, revision=revision, cache_dir=cache_dir, allow_patterns=patterns,
-                                   local_files_only=is_offline())
+        folder = snapshot_download(
+            repo, revision=revision, cache_dir=cache_dir, allow_patterns=patterns, local_files_only=is_offline()
+        )
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
-        raise ValueError(f"GGUF file {wanted!r} of {repo!r} could not be found in the Hugging Face cache "
-                         f"{cache_dir!r} or downloaded: {_first_line(e)}") from e
-    names = sorted(f for f in os.listdir(folder) if f.lower().endswith(".gguf")
-                   and (f == gguf_file if gguf_file else wanted.lower() in f.lower()))
+        raise ValueError(
+            f"GGUF file {wanted!r} of {repo!r} could not be found in the Hugging Face cache "
+            f"{cache_dir!r} or downloaded: {_first_line(e)}"
+        ) from e
+    names = sorted(
+        f
+        for f in os.listdir(folder)
+        if f.lower().endswith(".gguf") and (f == gguf_file if gguf_file else wanted.lower() in f.lower())
+    )
     if not names:
         raise ValueError(f"{repo!r} has no GGUF file {'named' if gguf_file else 'of type'} {wanted!r}")
     if len(names) > 1:
-        raise ValueError(f"{repo!r} has several GGUF files for {wanted!r} ({', '.join(names)}); "
-                         "name one with --gguf-file")
+        raise ValueError(
+            f"{repo!r} has several GGUF files for {wanted!r} ({', '.join(names)}); name one with --gguf-file"
+        )
     if re.search(r"-\d{5}-of-\d{5}\.gguf$", names[0]):
         raise ValueError(f"{names[0]!r} is one part of a split GGUF file; raylm loads single-file GGUF models")
     path = os.path.join(folder, names[0])

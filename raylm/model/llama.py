@@ -240,15 +240,30 @@ class LlamaForCausalLM(nn.Module):
             raise RuntimeError("logits are computed on the last pipeline stage only")
         return self.logits_processor(self.lm_head, hidden_states)
 
-    def greedy_decode_steps(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
-                            context_lens: torch.Tensor, block_size: int, steps: int) -> torch.Tensor | None:
+    def greedy_decode_steps(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        block_table: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_size: int,
+        steps: int,
+    ) -> torch.Tensor | None:
         """[steps, rows] tokens of greedy decode steps run in one call, each
         step's tokens the next one's input (FusedDecode.greedy_steps); None
         where they cannot run so: the caller runs them one by one."""
         if not (self.model.is_first_stage and self.is_last_stage):
             return None
-        return self.model._fused_decode[0].greedy_steps(self.lm_head, self.logits_processor.vocab_size, tokens,
-                                                        positions, block_table, context_lens, block_size, steps)
+        return self.model._fused_decode[0].greedy_steps(
+            self.lm_head,
+            self.logits_processor.vocab_size,
+            tokens,
+            positions,
+            block_table,
+            context_lens,
+            block_size,
+            steps,
+        )
 
     def make_empty_intermediate(self, num_tokens: int, device: torch.device | str | None = None) -> torch.Tensor:
         """A receive buffer for the previous stage's intermediate state."""

@@ -56,8 +56,11 @@ def _quantized_layer_params(layer: nn.Module, cache: torch.Tensor) -> list[torch
             # blocks) as one bf16 segment; only without a bias, which the module
             # path adds inside bf16_linear and quant_decode_layers after it.
             layout = _decode_layout(linear)
-            slots = None if layout is None or linear.bias is not None else [
-                torch.tensor([[-1, _layout_rows(linear)]], dtype=torch.int64), layout, *[_EMPTY] * 2]
+            slots = (
+                None
+                if layout is None or linear.bias is not None
+                else [torch.tensor([[-1, _layout_rows(linear)]], dtype=torch.int64), layout, *[_EMPTY] * 2]
+            )
         if slots is None:
             return None
         linears.append([*slots, _optional(linear.bias)])
@@ -147,8 +150,9 @@ class FusedDecode:
         self._caches = caches
         per_layer = [_layer_params(layer) for layer in self._layers]
         kinds = {_is_quantized(layer) for layer in self._layers}  # one kernel serves all layers, or none
-        self._params = None if any(p is None for p in per_layer) or len(kinds) != 1 else [
-            t for p in per_layer for t in p]
+        self._params = (
+            None if any(p is None for p in per_layer) or len(kinds) != 1 else [t for p in per_layer for t in p]
+        )
         self._quantized = kinds == {True}
         self._shape_args = self._model_shape_args()
         return self._params
@@ -162,10 +166,20 @@ class FusedDecode:
         attn, rotary = first.self_attn, self._model.rotary_emb
         if rotary.cos_cache.dtype != torch.float32:
             return None
-        sizes = (self._model.hidden_size,) if self._quantized else (
-            self._model.hidden_size, self._model.intermediate_size)
-        return (rotary.cos_cache, rotary.sin_cache, self._params, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                *sizes, first.input_layernorm.eps, attn.attn.scale)
+        sizes = (
+            (self._model.hidden_size,) if self._quantized else (self._model.hidden_size, self._model.intermediate_size)
+        )
+        return (
+            rotary.cos_cache,
+            rotary.sin_cache,
+            self._params,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            *sizes,
+            first.input_layernorm.eps,
+            attn.attn.scale,
+        )
 
     def __call__(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
@@ -224,9 +238,17 @@ class FusedDecode:
             return None
         return kernels
 
-    def greedy_steps(self, lm_head: nn.Module, vocab_size: int, tokens: torch.Tensor, positions: torch.Tensor,
-                     block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                     steps: int) -> torch.Tensor | None:
+    def greedy_steps(
+        self,
+        lm_head: nn.Module,
+        vocab_size: int,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        block_table: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_size: int,
+        steps: int,
+    ) -> torch.Tensor | None:
         """[steps, rows] tokens of `steps` greedy decode steps in one call
         (csrc/greedy_decode.cpp), each step's tokens the next one's input:
         `tokens` are the first step's input, `positions` and `context_lens`
@@ -248,8 +270,20 @@ class FusedDecode:
         if self._quantized:
             shape_args.insert(7, 0)  # after hidden_size: the intermediate size, which quantized layers do not read
         return kernels.greedy_decode_steps(
-            tokens, positions, block_table, context_lens, block_size, steps, embedding.data, norm.weight.data,
-            norm.eps, head, vocab_size, self._quantized, *shape_args)
+            tokens,
+            positions,
+            block_table,
+            context_lens,
+            block_size,
+            steps,
+            embedding.data,
+            norm.weight.data,
+            norm.eps,
+            head,
+            vocab_size,
+            self._quantized,
+            *shape_args,
+        )
 
 
 def _lm_head_slots(lm_head: nn.Module, rows: int) -> list[torch.Tensor] | None:
@@ -260,6 +294,9 @@ def _lm_head_slots(lm_head: nn.Module, rows: int) -> list[torch.Tensor] | None:
     else:
         packed = getattr(lm_head, "packed_weight", None)
         layout = None if packed is None else packed.decode_layout
-        slots = None if layout is None or rows > cpu_gemm.kernel_max_rows() else [
-            torch.tensor([[-1, packed.out_features]], dtype=torch.int64), layout, _EMPTY, _EMPTY]
+        slots = (
+            None
+            if layout is None or rows > cpu_gemm.kernel_max_rows()
+            else [torch.tensor([[-1, packed.out_features]], dtype=torch.int64), layout, _EMPTY, _EMPTY]
+        )
     return None if slots is None else [*slots, _EMPTY]  # no bias

@@ -75,8 +75,9 @@ def load_arch_config(model: str) -> ArchConfig:
     return ArchConfig.from_model_dir(model)
 
 
-def load_model(model: str | os.PathLike, dtype: torch.dtype, device: torch.device | str,
-               quantization: str | None = None) -> nn.Module:
+def load_model(
+    model: str | os.PathLike, dtype: torch.dtype, device: torch.device | str, quantization: str | None = None
+) -> nn.Module:
     """The model in `model` (a folder, or a GGUF file), built in `dtype` on `device`
     with this rank's weight shards; `quantization` "int8" quantizes a float
     checkpoint's linear weights at load (GGUF files come quantized)."""
@@ -99,6 +100,13 @@ def load_model(model: str | os.PathLike, dtype: torch.dtype, device: torch.devic
     for module in built.modules():
         if isinstance(module, LinearBase):
             module.finish_loading()
-    logger.info("loaded %s from %s (%s) as %s on %s%s", arch.architecture, model, source, dtype, device,
-                f", weights quantized to {quantization}" if quantization == "int8" else "")
+    logger.info(
+        "loaded %s from %s (%s) as %s on %s%s",
+        arch.architecture,
+        model,
+        source,
+        dtype,
+        device,
+        f", weights quantized to {quantization}" if quantization == "int8" else "",
+    )
     return built.eval()

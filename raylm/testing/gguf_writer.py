@@ -23,13 +23,24 @@ from safetensors.torch import load_file
 
 from raylm.testing.kquants import quantize_q4_k, quantize_q6_k
 
-_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-         "Qwen3ForCausalLM": "qwen3"}
+_ARCH = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
 _LAYER = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
@@ -64,9 +75,13 @@ def encode(w: np.ndarray, qtype: str) -> tuple[np.ndarray, T]:
     return quants.quantize(w.astype(np.float32), ggml_type), ggml_type
 
 
-def write_gguf(model_dir: str | pathlib.Path, path: str | pathlib.Path, qtype: str = "F32",
-               tensor_type: Callable[[str, tuple[int, ...]], str] | None = None,
-               architecture: str | None = None) -> pathlib.Path:
+def write_gguf(
+    model_dir: str | pathlib.Path,
+    path: str | pathlib.Path,
+    qtype: str = "F32",
+    tensor_type: Callable[[str, tuple[int, ...]], str] | None = None,
+    architecture: str | None = None,
+) -> pathlib.Path:
     """Write `model_dir` (config.json, model.safetensors, tokenizer.json) to `path`.
 
     Every 2-D tensor gets `qtype` unless `tensor_type(gguf_name, shape)` says
@@ -108,8 +123,12 @@ def write_gguf(model_dir: str | pathlib.Path, path: str | pathlib.Path, qtype: s
         name = gguf_tensor_name(hf_name)
         chosen = tensor_type(name, w.shape) if tensor_type else qtype
         data, ggml_type = encode(w, chosen)
-        writer.add_tensor(name, data, raw_shape=data.shape if ggml_type not in (T.F32, T.F16) else None,
-                          raw_dtype=ggml_type if ggml_type not in (T.F32, T.F16) else None)
+        writer.add_tensor(
+            name,
+            data,
+            raw_shape=data.shape if ggml_type not in (T.F32, T.F16) else None,
+            raw_dtype=ggml_type if ggml_type not in (T.F32, T.F16) else None,
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -144,8 +163,12 @@ def _add_tokenizer(writer: gguf.GGUFWriter, model_dir: pathlib.Path, config: dic
     writer.add_token_types(types)
     writer.add_token_merges(merges)
     ids = {text: entry["id"] for text, entry in added.items()}
-    for key, add in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id),
-                     ("unk_token", writer.add_unk_token_id), ("pad_token", writer.add_pad_token_id)):
+    for key, add in (
+        ("bos_token", writer.add_bos_token_id),
+        ("eos_token", writer.add_eos_token_id),
+        ("unk_token", writer.add_unk_token_id),
+        ("pad_token", writer.add_pad_token_id),
+    ):
         text = tokenizer_config.get(key)
         if isinstance(text, str) and text in ids:
             add(ids[text])
@@ -159,8 +182,12 @@ def _add_tokenizer(writer: gguf.GGUFWriter, model_dir: pathlib.Path, config: dic
         writer.add_chat_template(tokenizer_config["chat_template"])
 
 
-def write_dequantized_reference(model_dir: str | pathlib.Path, out_dir: str | pathlib.Path, qtype: str = "Q8_0",
-                                tensor_type: Callable[[str, tuple[int, ...]], str] | None = None) -> pathlib.Path:
+def write_dequantized_reference(
+    model_dir: str | pathlib.Path,
+    out_dir: str | pathlib.Path,
+    qtype: str = "Q8_0",
+    tensor_type: Callable[[str, tuple[int, ...]], str] | None = None,
+) -> pathlib.Path:
     """A copy of `model_dir` whose weights are what write_gguf's blocks decode to
     (by `gguf.quants.dequantize`, the format's own decoder): the float model a
     quantized GGUF file stands for, for transformers (or raylm) to run."""

@@ -50,8 +50,9 @@ def quantize_q6_k(weights: np.ndarray) -> np.ndarray:
     step = d16[:, None] * sc
     q = np.round(x / np.where(step == 0, 1.0, step)[:, :, None]) + 32
     q = np.clip(q, 0, 63).astype(np.uint8).reshape(-1, 2, 4, 32)  # two halves of 4 x 32
-    ql = np.concatenate([q[:, :, 0] & 0xF | (q[:, :, 2] & 0xF) << 4, q[:, :, 1] & 0xF | (q[:, :, 3] & 0xF) << 4],
-                        axis=2).reshape(-1, 128)
+    ql = np.concatenate(
+        [q[:, :, 0] & 0xF | (q[:, :, 2] & 0xF) << 4, q[:, :, 1] & 0xF | (q[:, :, 3] & 0xF) << 4], axis=2
+    ).reshape(-1, 128)
     qh = (q[:, :, 0] >> 4 | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4 | (q[:, :, 3] >> 4) << 6).reshape(-1, 64)
     blocks = np.concatenate([ql, qh, sc.view(np.uint8), _fp16_bytes(d)], axis=1)
     return blocks.reshape(rows, cols // QK_K * 210)

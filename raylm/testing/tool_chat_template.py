@@ -16,7 +16,7 @@ TOOL_CHAT_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{%- endif %}"
     "{{ '# Tools\n<tools>' }}"
     "{%- for tool in tools %}{{ '\n' + (tool | tojson) }}{%- endfor %}"
-    "{{ '\n</tools>\nCall a function with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|end|>\n' }}"
+    '{{ \'\n</tools>\nCall a function with <tool_call>{"name": ..., "arguments": ...}</tool_call><|end|>\n\' }}'
     "{%- elif messages[0]['role'] == 'system' %}"
     "{{ '<|system|>\n' + messages[0]['content'] + '<|end|>\n' }}"
     "{%- endif %}"

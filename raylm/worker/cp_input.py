@@ -65,8 +65,9 @@ def cp_local_slots(block_ids: list[int], num_tokens: int, block_size: int, cp_ra
     return positions[keep], slots[keep]
 
 
-def _local_blocks(block_ids: list[int], num_tokens: int, block_size: int, cp_rank: int,
-                  cp_size: int) -> tuple[np.ndarray, int]:
+def _local_blocks(
+    block_ids: list[int], num_tokens: int, block_size: int, cp_rank: int, cp_size: int
+) -> tuple[np.ndarray, int]:
     """`cp_rank`'s local block ids of a sequence's first `num_tokens`, and how
     many of those tokens they hold (only the sequence's last block is partly
     filled, and if this rank has it, it is the last here too)."""
@@ -76,8 +77,7 @@ def _local_blocks(block_ids: list[int], num_tokens: int, block_size: int, cp_ran
 
 def _share_offsets(num_tokens: int, cp_rank: int, cp_size: int) -> np.ndarray:
     """A split chunk's token offsets that `cp_rank` computes, ascending."""
-    return np.concatenate([np.arange(lo, hi, dtype=np.int64) for lo, hi in prefill_share(num_tokens, cp_rank,
-                                                                                          cp_size)])
+    return np.concatenate([np.arange(lo, hi, dtype=np.int64) for lo, hi in prefill_share(num_tokens, cp_rank, cp_size)])
 
 
 def _stored_here(block_ids: list[int], start: int, end: int, block_size: int, cp_rank: int, cp_size: int):
@@ -107,8 +107,9 @@ class _SplitChunk:
     local_start: int  # this rank's first local row of the chunk
 
 
-def build_cp_step(states, order: list[str], num_scheduled_tokens: dict[str, int], block_size: int,
-                  cp_rank: int, cp_size: int, device) -> tuple[ContextParallelMetadata, CPRows | None]:
+def build_cp_step(
+    states, order: list[str], num_scheduled_tokens: dict[str, int], block_size: int, cp_rank: int, cp_size: int, device
+) -> tuple[ContextParallelMetadata, CPRows | None]:
     """This rank's ContextParallelMetadata, and its CPRows (None when every
     rank computes every row: nothing split)."""
     total = sum(num_scheduled_tokens[rid] for rid in order)
@@ -161,8 +162,13 @@ def build_cp_step(states, order: list[str], num_scheduled_tokens: dict[str, int]
     def tensor(parts: list[np.ndarray]) -> torch.Tensor:
         return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64)).to(device)
 
-    meta = ContextParallelMetadata(store_rows=tensor(store_rows), store_slots=tensor(store_slots),
-                                   sharded=sharded, num_decodes=len(decode_blocks), local_prefills=local_prefills)
+    meta = ContextParallelMetadata(
+        store_rows=tensor(store_rows),
+        store_slots=tensor(store_slots),
+        sharded=sharded,
+        num_decodes=len(decode_blocks),
+        local_prefills=local_prefills,
+    )
     if decode_blocks:
         table = np.zeros((len(decode_blocks), max(1, max(len(b) for b in decode_blocks))), dtype=np.int64)
         for i, blocks in enumerate(decode_blocks):
@@ -178,8 +184,9 @@ def build_cp_step(states, order: list[str], num_scheduled_tokens: dict[str, int]
     return meta, CPRows(all_local, owner, local_of_row)
 
 
-def _split_metadata(chunks: list[_SplitChunk], block_size: int, cp_rank: int, cp_size: int,
-                    device) -> SplitPrefillMetadata:
+def _split_metadata(
+    chunks: list[_SplitChunk], block_size: int, cp_rank: int, cp_size: int, device
+) -> SplitPrefillMetadata:
     """The per-layer K/V exchange of the split chunks (see SplitPrefillMetadata).
 
     Rank q's send buffer holds its fresh rows of every split chunk, in chunk
@@ -187,8 +194,10 @@ def _split_metadata(chunks: list[_SplitChunk], block_size: int, cp_rank: int, cp
     works out every rank's layout from the block tables, so all agree on
     where each position's K/V lands in the gathered buffer."""
     shares = [[_share_offsets(c.end - c.start, q, cp_size) for q in range(cp_size)] for c in chunks]
-    old = [[cp_local_slots(c.block_ids, c.start, block_size, q, cp_size) if c.start else None
-            for q in range(cp_size)] for c in chunks]
+    old = [
+        [cp_local_slots(c.block_ids, c.start, block_size, q, cp_size) if c.start else None for q in range(cp_size)]
+        for c in chunks
+    ]
     fresh_len = [sum(len(s[q]) for s in shares) for q in range(cp_size)]
     old_len = [sum(len(o[q][0]) for o in old if o[q] is not None) for q in range(cp_size)]
     send_len = max(f + o for f, o in zip(fresh_len, old_len))
@@ -222,9 +231,14 @@ def _split_metadata(chunks: list[_SplitChunk], block_size: int, cp_rank: int, cp
     def tensor(parts: list[np.ndarray]) -> torch.Tensor:
         return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64)).to(device)
 
-    return SplitPrefillMetadata(send_rows=tensor(send_rows), send_slots=tensor(send_slots), send_len=send_len,
-                                store_index=tensor(store_index), store_slots=tensor(store_slots),
-                                sequences=sequences)
+    return SplitPrefillMetadata(
+        send_rows=tensor(send_rows),
+        send_slots=tensor(send_slots),
+        send_len=send_len,
+        store_index=tensor(store_index),
+        store_slots=tensor(store_slots),
+        sequences=sequences,
+    )
 
 
 def gather_rows(hidden: torch.Tensor, rows: list[int], cp_rows: CPRows, group) -> torch.Tensor:

@@ -122,9 +122,15 @@ def format_cpus(cpus) -> str:
     return "[" + ",".join(runs) + "]"
 
 
-def plan_cpu_placement(topology: CpuTopology, num_ranks: int, *, engine_loop_here: bool = True,
-                       num_threads: int | None = None, cpu_bind: str | list[set[int]] = AUTO,
-                       max_threads_per_rank: int | None = None) -> CpuPlacement:
+def plan_cpu_placement(
+    topology: CpuTopology,
+    num_ranks: int,
+    *,
+    engine_loop_here: bool = True,
+    num_threads: int | None = None,
+    cpu_bind: str | list[set[int]] = AUTO,
+    max_threads_per_rank: int | None = None,
+) -> CpuPlacement:
     """Place the `num_ranks` ranks that run on one node.
 
     engine_loop_here: the engine loop (the driver's Python work) runs on this
@@ -153,8 +159,10 @@ def plan_cpu_placement(topology: CpuTopology, num_ranks: int, *, engine_loop_her
     if per_rank == 0:
         # More ranks than cores: they must share; one thread each keeps a
         # rank's barrier from waiting on its own preempted threads.
-        ranks = tuple(RankPlacement(num_threads or 1, (cores[i % len(cores)][0],) if cpu_bind == AUTO else None)
-                      for i in range(num_ranks))
+        ranks = tuple(
+            RankPlacement(num_threads or 1, (cores[i % len(cores)][0],) if cpu_bind == AUTO else None)
+            for i in range(num_ranks)
+        )
         return CpuPlacement(ranks, (), f"oversubscribed: {num_ranks} ranks on {len(cores)} cores")
     if num_ranks == 1 and reserve and not num_threads:
         # A single rank is not pinned: it takes the engine loop's core too while
@@ -167,8 +175,10 @@ def plan_cpu_placement(topology: CpuTopology, num_ranks: int, *, engine_loop_her
     engine_loop = tuple(cpu for cpu in all_cpus if cpu not in used) if reserve else ()
     # One thread per physical core, pinned to the core's first sibling.
     pin = cpu_bind == AUTO and num_ranks > 1
-    ranks = tuple(RankPlacement(num_threads or per_rank, tuple(core[0] for core in group) if pin else None, auto=pin)
-                  for group in groups)
+    ranks = tuple(
+        RankPlacement(num_threads or per_rank, tuple(core[0] for core in group) if pin else None, auto=pin)
+        for group in groups
+    )
     note = "user threads" if num_threads else ""
     return CpuPlacement(ranks, engine_loop, note)
 
@@ -182,21 +192,26 @@ def _split_cores(topology: CpuTopology, num_ranks: int, per_rank: int, reserve: 
         by_node = [topology.cores_of_node(n) for n in nodes]
         by_node[-1] = by_node[-1][: len(by_node[-1]) - reserve]
         if all(len(cores) >= ranks_per_node * per_rank for cores in by_node):
-            return [cores[i * per_rank:(i + 1) * per_rank] for cores in by_node for i in range(ranks_per_node)]
+            return [cores[i * per_rank : (i + 1) * per_rank] for cores in by_node for i in range(ranks_per_node)]
     usable = list(topology.cores)[: len(topology.cores) - reserve]
-    return [usable[i * per_rank:(i + 1) * per_rank] for i in range(num_ranks)]
+    return [usable[i * per_rank : (i + 1) * per_rank] for i in range(num_ranks)]
 
 
-def _plan_explicit(topology: CpuTopology, num_ranks: int, groups: list[set[int]],
-                   num_threads: int | None) -> CpuPlacement:
+def _plan_explicit(
+    topology: CpuTopology, num_ranks: int, groups: list[set[int]], num_threads: int | None
+) -> CpuPlacement:
     if len(groups) < num_ranks:
-        raise ValueError(f"cpu_bind has {len(groups)} CPU groups but this node runs {num_ranks} ranks; "
-                         "give one group per rank, separated by '|'")
+        raise ValueError(
+            f"cpu_bind has {len(groups)} CPU groups but this node runs {num_ranks} ranks; "
+            "give one group per rank, separated by '|'"
+        )
     usable = topology.cpus
     for i, group in enumerate(groups[:num_ranks]):
         if not group <= usable:
-            raise ValueError(f"cpu_bind group {i} names CPUs {sorted(group - usable)} that this process may not "
-                             f"use (usable: {format_cpus(usable)})")
+            raise ValueError(
+                f"cpu_bind group {i} names CPUs {sorted(group - usable)} that this process may not "
+                f"use (usable: {format_cpus(usable)})"
+            )
     ranks = tuple(RankPlacement(num_threads or len(g), tuple(sorted(g))) for g in groups[:num_ranks])
     taken = set().union(*groups[:num_ranks])
     return CpuPlacement(ranks, tuple(sorted(usable - taken)), "cpu_bind")

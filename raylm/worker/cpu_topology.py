@@ -26,8 +26,12 @@ class CpuTopology:
     core_numa_nodes: tuple[int, ...]
 
     @classmethod
-    def build(cls, usable: set[int] | frozenset[int], siblings: dict[int, set[int]] | None = None,
-              numa_nodes: dict[int, set[int]] | None = None) -> CpuTopology:
+    def build(
+        cls,
+        usable: set[int] | frozenset[int],
+        siblings: dict[int, set[int]] | None = None,
+        numa_nodes: dict[int, set[int]] | None = None,
+    ) -> CpuTopology:
         """From the usable CPU ids, each CPU's SMT siblings (itself included;
         missing: a core of its own) and the CPUs of each NUMA node (missing:
         one node)."""

@@ -85,8 +85,13 @@ class FaultInjector:
         # Requests seen with the poison token: later steps name them by id only.
         self._poisoned: set[str] = set()
         if self.armed:
-            logger.warning("fault injection armed on rank %d: %s on any step with token %d (%s)",
-                           rank, spec.action, spec.token_id, ENV_VAR)
+            logger.warning(
+                "fault injection armed on rank %d: %s on any step with token %d (%s)",
+                rank,
+                spec.action,
+                spec.token_id,
+                ENV_VAR,
+            )
 
     @classmethod
     def from_config(cls, text: str | None, rank: int, world_size: int) -> FaultInjector | None:
@@ -104,8 +109,9 @@ class FaultInjector:
         if self.spec.action == "slow":
             time.sleep(self.spec.delay_ms / 1000)
             return
-        logger.warning("fault injection: %s (a request with token %d is in this step)",
-                       self.spec.action, self.spec.token_id)
+        logger.warning(
+            "fault injection: %s (a request with token %d is in this step)", self.spec.action, self.spec.token_id
+        )
         if self.spec.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.spec.action == "hang":

@@ -121,8 +121,9 @@ def prepare_batch(
     if 0 < num_decodes == len(order) and cp_size == 1:
         # A step of decodes only (most steps): the same tensors straight from
         # the Python lists, without the numpy round trips prefills need.
-        _finish_decode_batch(batch, input_ids, decode_positions, decode_slots, decode_ctx_lens, decode_tables,
-                             block_size, device)
+        _finish_decode_batch(
+            batch, input_ids, decode_positions, decode_slots, decode_ctx_lens, decode_tables, block_size, device
+        )
         return batch
 
     # Decodes come first in the flat order.
@@ -166,8 +167,9 @@ def padded_block_table(tables: list[list[int]], num_blocks: int) -> list[list[in
     return [blocks[:num_blocks] + [blocks[0]] * (num_blocks - len(blocks)) for blocks in tables]
 
 
-def _set_decode_tensors(meta: AttentionMetadata, ctx_lens: list[int], tables: list[list[int]], block_size: int,
-                        device: torch.device) -> None:
+def _set_decode_tensors(
+    meta: AttentionMetadata, ctx_lens: list[int], tables: list[list[int]], block_size: int, device: torch.device
+) -> None:
     """The decodes' block table, key mask and context lengths."""
     max_blocks = -(-max(ctx_lens) // block_size)
     table = padded_block_table(tables, max_blocks)

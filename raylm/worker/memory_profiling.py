@@ -103,18 +103,23 @@ def largest_prefill_attention(model_runner, num_tokens: int, max_model_len: int)
     blocks_per_seq = -(-seq_len // block_size)
     # Each sequence starts on a block of its own, as a scheduled one does.
     starts = range(0, num_tokens, seq_len)
-    slot_mapping = torch.cat([
-        torch.arange(min(seq_len, num_tokens - start)) + i * blocks_per_seq * block_size
-        for i, start in enumerate(starts)
-    ]).to(model_runner.device)
+    slot_mapping = torch.cat(
+        [
+            torch.arange(min(seq_len, num_tokens - start)) + i * blocks_per_seq * block_size
+            for i, start in enumerate(starts)
+        ]
+    ).to(model_runner.device)
     prefills = [PrefillSeq(start, min(start + seq_len, num_tokens)) for start in starts]
     layers = model_runner.attention_layers()
     own = [layer.kv_cache for layer in layers]
     dtype = model_runner.config.model_config.dtype
     try:
         for layer in layers:
-            layer.kv_cache = torch.empty((2, len(prefills) * blocks_per_seq, block_size, layer.num_kv_heads,
-                                          layer.head_dim), dtype=dtype, device=model_runner.device)
+            layer.kv_cache = torch.empty(
+                (2, len(prefills) * blocks_per_seq, block_size, layer.num_kv_heads, layer.head_dim),
+                dtype=dtype,
+                device=model_runner.device,
+            )
         yield AttentionMetadata(slot_mapping=slot_mapping, prefills=prefills)
     finally:
         for layer, cache in zip(layers, own):
@@ -122,8 +127,9 @@ def largest_prefill_attention(model_runner, num_tokens: int, max_model_len: int)
 
 
 @torch.inference_mode()
-def run_profiling_step(model_runner, num_tokens: int, num_seqs: int, max_model_len: int,
-                       attention: AttentionMetadata | None = None) -> None:
+def run_profiling_step(
+    model_runner, num_tokens: int, num_seqs: int, max_model_len: int, attention: AttentionMetadata | None = None
+) -> None:
     """The largest step this rank can be given, on dummy inputs: `num_tokens`
     tokens through its layers, and on the last PP stage the logits of
     `num_seqs` rows through the sampler with top-k/top-p, its most

@@ -77,8 +77,7 @@ class ModelRunner:
                 module.pack_weights()
         # The KV-cache sizing profiles one SDPA prefill call of this size
         # (memory_profiling.largest_prefill_attention); no step's may be larger.
-        budget = prefill_budget(self.config.scheduler_config.max_num_batched_tokens,
-                                mc.max_model_len, self.block_size)
+        budget = prefill_budget(self.config.scheduler_config.max_num_batched_tokens, mc.max_model_len, self.block_size)
         for layer in self.attention_layers():
             layer.prefill_budget = budget
 
@@ -190,8 +189,14 @@ class ModelRunner:
                 self._pending = (so, None, None)
             return None
         cp = get_cp_group()
-        batch = prepare_batch(self.requests, so.num_scheduled_tokens, self.block_size, self.device,
-                              cp_rank=cp.rank_in_group, cp_size=cp.world_size)
+        batch = prepare_batch(
+            self.requests,
+            so.num_scheduled_tokens,
+            self.block_size,
+            self.device,
+            cp_rank=cp.rank_in_group,
+            cp_size=cp.world_size,
+        )
         with set_forward_context(batch.attn_metadata):
             hidden = self.model(batch.input_ids, batch.positions, intermediate)
         self._count_rows(so, batch)
@@ -222,8 +227,9 @@ class ModelRunner:
         rows = sorted(set(batch.sample_indices).union(*(r for r, _ in batch.prompt_logprob_rows.values())))
         where = {row: i for i, row in enumerate(rows)}
         batch.sample_indices = [where[row] for row in batch.sample_indices]
-        batch.prompt_logprob_rows = {rid: ([where[row] for row in r], targets)
-                                     for rid, (r, targets) in batch.prompt_logprob_rows.items()}
+        batch.prompt_logprob_rows = {
+            rid: ([where[row] for row in r], targets) for rid, (r, targets) in batch.prompt_logprob_rows.items()
+        }
         return gather_rows(hidden, rows, batch.cp_rows, cp)
 
     def _sampling_metadata(self, req_ids: list[str], states: list[CachedRequestState]) -> SamplingMetadata:
@@ -296,8 +302,14 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
         )
 
-    def _finish_burst(self, so: SchedulerOutput, batch: PreparedBatch, states: list[CachedRequestState],
-                      metadata: SamplingMetadata, tokens: list[int]) -> ModelRunnerOutput:
+    def _finish_burst(
+        self,
+        so: SchedulerOutput,
+        batch: PreparedBatch,
+        states: list[CachedRequestState],
+        metadata: SamplingMetadata,
+        tokens: list[int],
+    ) -> ModelRunnerOutput:
         """The rest of a decode burst (raylm.core.decode_burst), whose first
         step sampled `tokens`: each further step computes the last step's
         tokens, with the same sampling inputs (the scheduler admits only
@@ -321,8 +333,9 @@ class ModelRunner:
         by_request = dict(zip(batch.sample_req_ids, sampled))
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=[by_request[rid] for rid in batch.req_ids])
 
-    def _greedy_steps_at_once(self, states: list[CachedRequestState], tokens: list[int],
-                              steps: int) -> list[list[int]] | None:
+    def _greedy_steps_at_once(
+        self, states: list[CachedRequestState], tokens: list[int], steps: int
+    ) -> list[list[int]] | None:
         """Each row's tokens of `steps` greedy decode steps after one that
         sampled `tokens`, run by the model in one call; None where it cannot."""
         greedy = getattr(self.model, "greedy_decode_steps", None)
@@ -335,13 +348,24 @@ class ModelRunner:
             if (position + steps - 1) // size >= len(state.block_ids):
                 raise RuntimeError(f"request {state.req_id}: a decode burst past its KV blocks")
         table = padded_block_table([state.block_ids for state in states], num_blocks)
-        out = greedy(torch.tensor(tokens, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
-                     torch.tensor(table, dtype=torch.int64),
-                     torch.tensor([p + 1 for p in positions], dtype=torch.int64), size, steps)
+        out = greedy(
+            torch.tensor(tokens, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            torch.tensor(table, dtype=torch.int64),
+            torch.tensor([p + 1 for p in positions], dtype=torch.int64),
+            size,
+            steps,
+        )
         return None if out is None else out.t().tolist()
 
-    def _burst_step_by_step(self, so: SchedulerOutput, states: list[CachedRequestState], metadata: SamplingMetadata,
-                            tokens: list[int], steps: int) -> list[list[int]]:
+    def _burst_step_by_step(
+        self,
+        so: SchedulerOutput,
+        states: list[CachedRequestState],
+        metadata: SamplingMetadata,
+        tokens: list[int],
+        steps: int,
+    ) -> list[list[int]]:
         sampled = [[token] for token in tokens]
         for _ in range(steps):
             for state, token in zip(states, tokens):

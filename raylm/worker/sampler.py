@@ -51,9 +51,7 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: in
     return LogprobsTensors(token_ids=all_ids, logprobs=all_logprobs, ranks=ranks)
 
 
-def compute_prompt_logprobs(
-    logits: torch.Tensor, target_token_ids: torch.Tensor, num_top: int
-) -> LogprobsTensors:
+def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
     """Logprobs of each prompt position's next prompt token, from raw logits [N, V]."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     return gather_logprobs(logprobs, target_token_ids, num_top)
@@ -159,9 +157,7 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     return logits
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Keep each row's top_k tokens, then the smallest head reaching top_p; one sort serves both."""
     if top_k is None and top_p is None:
         return logits

@@ -100,7 +100,7 @@ class BadWordsIndex:
             return []
         banned = []
         for prefix, last in self.by_prefix_end.get(output[-1], ()):
-            if len(prefix) <= len(output) and output[len(output) - len(prefix):] == prefix:
+            if len(prefix) <= len(output) and output[len(output) - len(prefix) :] == prefix:
                 banned.append(last)
         return banned
 
@@ -171,9 +171,7 @@ def _logit_bias_entries(
     )
 
 
-def build_sampling_metadata(
-    rows: list[SamplingRow], vocab_size: int, device: torch.device | str
-) -> SamplingMetadata:
+def build_sampling_metadata(rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> SamplingMetadata:
     """Gather every row's settings into the batch tensors the Sampler reads."""
     params_list = [row.params for row in rows]
     temperatures = [p.temperature for p in params_list]

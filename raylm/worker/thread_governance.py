@@ -49,8 +49,9 @@ class ContentionWatch:
     idle (the engine loop's own work shares a core now and then; the 7M model
     is the low end), 0.46-0.61 beside one busy process."""
 
-    def __init__(self, num_threads: int, *, window_s: float = 1.0, min_steps: int = 16,
-                 min_cpu_share: float = 0.65, clocks=None):
+    def __init__(
+        self, num_threads: int, *, window_s: float = 1.0, min_steps: int = 16, min_cpu_share: float = 0.65, clocks=None
+    ):
         self.num_threads = max(1, num_threads)
         self.window_s = window_s
         self.min_steps = min_steps
@@ -121,9 +122,20 @@ class ThreadGovernor:
     begin()/end() wrap each pass like ContentionWatch's; end() answers False
     (there is nothing to unpin), having set the thread count itself."""
 
-    def __init__(self, placement: RankPlacement, *, window_s: float = 0.5, min_steps: int = 4,
-                 max_wait_share: float = 0.15, probe_after_s: float = 10.0, max_probe_after_s: float = 160.0,
-                 min_gain: float = 0.05, clock=time.monotonic, read_wait_s=None, set_threads=None):
+    def __init__(
+        self,
+        placement: RankPlacement,
+        *,
+        window_s: float = 0.5,
+        min_steps: int = 4,
+        max_wait_share: float = 0.15,
+        probe_after_s: float = 10.0,
+        max_probe_after_s: float = 160.0,
+        min_gain: float = 0.05,
+        clock=time.monotonic,
+        read_wait_s=None,
+        set_threads=None,
+    ):
         if placement.contended_threads is None:
             raise ValueError("a ThreadGovernor needs a placement with contended_threads")
         self.every_core = placement.num_threads
@@ -178,8 +190,13 @@ class ThreadGovernor:
             if self._checking:
                 self._checking = False
                 if pace > self._every_core_pace * (1 - self.min_gain):
-                    logger.info("%d thread(s) went no faster than %d waiting for a CPU %.0f%% of the time: back to %d",
-                                self.contended, self.every_core, 100 * self.last_wait_share, self.every_core)
+                    logger.info(
+                        "%d thread(s) went no faster than %d waiting for a CPU %.0f%% of the time: back to %d",
+                        self.contended,
+                        self.every_core,
+                        100 * self.last_wait_share,
+                        self.every_core,
+                    )
                     self._next_probe = None
                     self._switch(self.every_core)
                     self._keep_every_core(tolerating_this_wait=True)
@@ -192,9 +209,14 @@ class ThreadGovernor:
                 self._keep_every_core(tolerating_this_wait=False)
             elif self._contended_pace is not None and pace <= self._contended_pace * (1 - self.min_gain):
                 self._keep_every_core(tolerating_this_wait=True)
-                logger.info("this rank's threads waited for a CPU %.0f%% of the time on %d threads, but its passes "
-                            "went %.0f%% faster: keeping %d", 100 * self.last_wait_share, self.every_core,
-                            100 * (1 - pace / self._contended_pace), self.every_core)
+                logger.info(
+                    "this rank's threads waited for a CPU %.0f%% of the time on %d threads, but its passes "
+                    "went %.0f%% faster: keeping %d",
+                    100 * self.last_wait_share,
+                    self.every_core,
+                    100 * (1 - pace / self._contended_pace),
+                    self.every_core,
+                )
             else:
                 # A probe that waited for nothing waits longer.
                 self._drop(min(2 * self._wait_s_backoff, self.max_probe_after_s))
@@ -207,16 +229,22 @@ class ThreadGovernor:
         """Every core stays; with `tolerating_this_wait`, waiting as much as the
         last window did (with a margin) no longer drops them."""
         self._wait_s_backoff = self.probe_after_s
-        self.tolerated_wait = (min(1.0, 1.5 * self.last_wait_share + 0.05) if tolerating_this_wait
-                               else self.max_wait_share)
+        self.tolerated_wait = (
+            min(1.0, 1.5 * self.last_wait_share + 0.05) if tolerating_this_wait else self.max_wait_share
+        )
 
     def _drop(self, backoff_s: float) -> None:
         """Give the core back; try every core again after `backoff_s`."""
         self._wait_s_backoff, self.tolerated_wait = backoff_s, self.max_wait_share
         self._switch(self.contended)
         self._next_probe = self._clock() + backoff_s
-        logger.info("this rank's threads waited for a CPU %.0f%% of the time: down to %d thread(s), trying %d "
-                    "again in %.0f s", 100 * self.last_wait_share, self.contended, self.every_core, backoff_s)
+        logger.info(
+            "this rank's threads waited for a CPU %.0f%% of the time: down to %d thread(s), trying %d again in %.0f s",
+            100 * self.last_wait_share,
+            self.contended,
+            self.every_core,
+            backoff_s,
+        )
 
     def _switch(self, threads: int) -> None:
         if threads != self.threads:

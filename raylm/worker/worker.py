@@ -63,7 +63,8 @@ class Worker:
         self.contention_watch: thread_governance.ContentionWatch | thread_governance.ThreadGovernor | None = None
         # Tests of the failure model only (RAYLM_FAULT_INJECTION); None otherwise.
         self.fault_injector = FaultInjector.from_config(
-            config.fault_tolerance.fault_injection, rank, config.parallel_config.world_size)
+            config.fault_tolerance.fault_injection, rank, config.parallel_config.world_size
+        )
 
     def init_device(self) -> None:
         cfg = self.config
@@ -87,7 +88,10 @@ class Worker:
             self.contention_watch = thread_governance.watch_for(self.cpu_placement)
             backend = "gloo"
         parallel_state.init_distributed_environment(
-            pc.world_size, self.rank, self.distributed_init_method, backend,
+            pc.world_size,
+            self.rank,
+            self.distributed_init_method,
+            backend,
             timeout_s=cfg.fault_tolerance.execute_model_timeout_s,
         )
         parallel_state.initialize_model_parallel(
@@ -102,8 +106,11 @@ class Worker:
         loop's other threads keep the cores the plan leaves them."""
         cfg = self.config
         plan = cpu_placement.plan_cpu_placement(
-            cpu_topology.read_topology(), 1, engine_loop_here=True,
-            num_threads=cfg.num_threads, cpu_bind=cfg.cpu_bind,
+            cpu_topology.read_topology(),
+            1,
+            engine_loop_here=True,
+            num_threads=cfg.num_threads,
+            cpu_bind=cfg.cpu_bind,
         )
         placement = plan.ranks[0]
         if placement.cpus is not None:
@@ -152,7 +159,8 @@ class Worker:
         with largest_prefill_attention(self.model_runner, num_tokens, max_len) as attention:
             peak_activation = measure_peak_activation_bytes(
                 lambda: run_profiling_step(
-                    self.model_runner, num_tokens, cfg.scheduler_config.max_num_seqs, max_len, attention),
+                    self.model_runner, num_tokens, cfg.scheduler_config.max_num_seqs, max_len, attention
+                ),
                 CudaMemory(self.device),
             )
         torch.cuda.empty_cache()  # the scratch caches' blocks: free memory below must not count them
@@ -162,9 +170,16 @@ class Worker:
         # the difference of the two readings small, or negative.
         weights_and_context = max(free_at_start - free, torch.cuda.memory_allocated(self.device))
         kv_bytes = kv_cache_budget_bytes(total, util, weights_and_context, peak_activation)
-        logger.info("KV cache budget on %s: %.2f GiB (%.0f%% of %.1f GiB; this rank holds %.2f GiB, "
-                    "its largest step peaks at %.2f GiB more)", self.device, kv_bytes / 2**30, util * 100,
-                    total / 2**30, weights_and_context / 2**30, peak_activation / 2**30)
+        logger.info(
+            "KV cache budget on %s: %.2f GiB (%.0f%% of %.1f GiB; this rank holds %.2f GiB, "
+            "its largest step peaks at %.2f GiB more)",
+            self.device,
+            kv_bytes / 2**30,
+            util * 100,
+            total / 2**30,
+            weights_and_context / 2**30,
+            peak_activation / 2**30,
+        )
         return kv_bytes
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
@@ -214,9 +229,15 @@ class Worker:
         cpus = cpu_placement.unpin_process()
         self.contention_watch = None
         self.cpu_placement = cpu_placement.process_placement()
-        logger.warning("rank %d: its forward passes got %.0f%% of the CPU time of %d thread(s) on cores %s: other "
-                       "work shares them; unpinned, the OS now places it on %s", self.rank, 100 * watch.last_share,
-                       watch.num_threads, cpu_placement.format_cpus(pinned_to), cpu_placement.format_cpus(cpus))
+        logger.warning(
+            "rank %d: its forward passes got %.0f%% of the CPU time of %d thread(s) on cores %s: other "
+            "work shares them; unpinned, the OS now places it on %s",
+            self.rank,
+            100 * watch.last_share,
+            watch.num_threads,
+            cpu_placement.format_cpus(pinned_to),
+            cpu_placement.format_cpus(cpus),
+        )
 
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput | None:
         return self.model_runner.sample_tokens(grammar_output)

@@ -50,8 +50,7 @@ def requests(bos_token_id):
 
 
 def _llm(**kwargs) -> LLM:
-    return LLM(None, dtype="float32", num_threads=1, kv_cache_memory_bytes=16 << 20, num_scheduler_steps=1,
-               **kwargs)
+    return LLM(None, dtype="float32", num_threads=1, kv_cache_memory_bytes=16 << 20, num_scheduler_steps=1, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -83,14 +82,19 @@ def test_seeded_schedules_against_real_cores(requests, reference, monkeypatch, b
                 if llm.llm_engine.engine_core.dead_error is not None:
                     broken.append(f"the engine died: {llm.llm_engine.engine_core.dead_error}")
             # This replay's `before`, bound as a default argument.
-            wait_until(lambda before=before: not (descendants() - before), 30,
-                       message=lambda before=before: f"processes left: {descendants() - before}")
+            wait_until(
+                lambda before=before: not (descendants() - before),
+                30,
+                message=lambda before=before: f"processes left: {descendants() - before}",
+            )
             if _transfer_folders() - folders:
                 broken.append(f"transfer folders left: {_transfer_folders() - folders}")
             if len(os.listdir("/proc/self/fd")) > fds + 4:
                 broken.append(f"descriptors: {fds} before, {len(os.listdir('/proc/self/fd'))} after")
-            print(f"seed {seed}, replay {replay} ({transport}): {'ok' if not broken else 'FAILED'}; "
-                  + "; ".join(result.done))
+            print(
+                f"seed {seed}, replay {replay} ({transport}): {'ok' if not broken else 'FAILED'}; "
+                + "; ".join(result.done)
+            )
             if broken:
                 failed.append((seed, replay, broken))
     runs = len(SEEDS) * REPLAYS

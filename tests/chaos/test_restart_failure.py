@@ -86,8 +86,10 @@ def test_a_restart_whose_new_core_fails_to_start_says_so_and_the_replica_is_reco
     assert 1 not in world.sup.restarting and world.sup.restart_failures == {}
     messages = [r.getMessage() for r in caplog.records]
     assert not any("replica 1 restarted and serving" in m for m in messages), messages
-    assert any(r.levelno == logging.ERROR and "restarting replica 1 failed" in r.getMessage() and CAUSE in
-               r.getMessage() for r in caplog.records), messages
+    assert any(
+        r.levelno == logging.ERROR and "restarting replica 1 failed" in r.getMessage() and CAUSE in r.getMessage()
+        for r in caplog.records
+    ), messages
     # The recovery goes on as before: the failed start cost one restart of the
     # budget, and the replacement serves.
     _settle(world)

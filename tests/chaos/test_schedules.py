@@ -67,8 +67,11 @@ class ChaosSchedule(RuleBasedStateMachine):
         self.failed_start = False
         self.transfer_faults = 0
         # Short delays, a low target: its decisions come within a schedule.
-        self.autoscaler = AutoscalePolicy(AutoscaleConfig(min_replicas=1, max_replicas=3, target_ongoing_requests=1.5,
-                                                          upscale_delay_s=0.3, downscale_delay_s=0.6))
+        self.autoscaler = AutoscalePolicy(
+            AutoscaleConfig(
+                min_replicas=1, max_replicas=3, target_ongoing_requests=1.5, upscale_delay_s=0.3, downscale_delay_s=0.6
+            )
+        )
 
     def teardown(self) -> None:
         try:
@@ -222,12 +225,13 @@ class ChaosSchedule(RuleBasedStateMachine):
             self.world.kill(index)
 
     def _handed_over(self) -> list:
-        return sorted((m for m in self.world.sup.migrations.values() if m.handed_over),
-                      key=lambda m: m.migration_id)
+        return sorted((m for m in self.world.sup.migrations.values() if m.handed_over), key=lambda m: m.migration_id)
 
     @precondition(lambda self: self.world.sup.migrations)
-    @rule(strike=st.sampled_from(["refuse", "kill", "kill, replaced", "refuse, kill", "refuse, kill, replaced"]),
-          which=st.integers(0, 3))
+    @rule(
+        strike=st.sampled_from(["refuse", "kill", "kill, replaced", "refuse, kill", "refuse, kill, replaced"]),
+        which=st.integers(0, 3),
+    )
     def strike_at_hand_over(self, strike, which):
         """Rounds until a migration's final stage is on its way (its
         hand-over), then faults there: a moment a step or two long that
@@ -289,8 +293,12 @@ class ChaosSchedule(RuleBasedStateMachine):
 
 
 ChaosSchedule.TestCase.settings = settings(
-    max_examples=SCHEDULES, stateful_step_count=STEPS, deadline=None, database=None,
-    suppress_health_check=list(HealthCheck), print_blob=True,
+    max_examples=SCHEDULES,
+    stateful_step_count=STEPS,
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+    print_blob=True,
 )
 
 
@@ -307,6 +315,8 @@ def quiet_engine_logs():
 
 @pytest.mark.timeout(600)
 def test_chaos_schedules(quiet_engine_logs):
-    print(f"chaos fast tier: seed {SEED}, {SCHEDULES} schedules of up to {STEPS} steps "
-          f"(RAYLM_CHAOS_SEED / RAYLM_CHAOS_SCHEDULES to change)")
+    print(
+        f"chaos fast tier: seed {SEED}, {SCHEDULES} schedules of up to {STEPS} steps "
+        f"(RAYLM_CHAOS_SEED / RAYLM_CHAOS_SCHEDULES to change)"
+    )
     seed(SEED)(ChaosSchedule.TestCase)().runTest()

@@ -93,8 +93,9 @@ def test_a_drained_core_s_stop_does_not_block_the_read_and_its_restart_waits_for
         # The drained core's stop: its loop is slow to end. It was told to
         # leave before: the Shutdown waits in its input.
         frames = list(world.cores[index].input.frames)
-        events.append(f"stop {index}" + (" after Shutdown" if any(isinstance(decode(f), Shutdown)
-                                                                   for f in frames) else ""))
+        events.append(
+            f"stop {index}" + (" after Shutdown" if any(isinstance(decode(f), Shutdown) for f in frames) else "")
+        )
         stop_entered.set()
         release.wait(5.0)
         stop(index, wait_s)

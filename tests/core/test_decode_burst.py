@@ -18,8 +18,12 @@ BLOCK = 4
 
 
 def _scheduler(max_steps=8, budget_s=0.01, num_blocks=64, max_model_len=256, sample_alike=True) -> Scheduler:
-    return Scheduler(SchedulerConfig(), CacheConfig(block_size=BLOCK, num_blocks=num_blocks), max_model_len,
-                     burst_planner=BurstPlanner(max_steps, budget_s, workers_sample_alike=sample_alike))
+    return Scheduler(
+        SchedulerConfig(),
+        CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
+        max_model_len,
+        burst_planner=BurstPlanner(max_steps, budget_s, workers_sample_alike=sample_alike),
+    )
 
 
 def _request(rid: str, prompt_len: int = 5, **params) -> Request:
@@ -96,10 +100,18 @@ def test_tokens_after_a_stop_token_are_dropped():
     assert scheduler.kv_cache_manager.pool.num_free_blocks == 64  # its blocks freed
 
 
-@pytest.mark.parametrize("params", [
-    dict(stop=["x"]), dict(logprobs=0), dict(prompt_logprobs=0), dict(presence_penalty=0.5),
-    dict(frequency_penalty=0.5), dict(repetition_penalty=1.1), dict(min_tokens=3),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(stop=["x"]),
+        dict(logprobs=0),
+        dict(prompt_logprobs=0),
+        dict(presence_penalty=0.5),
+        dict(frequency_penalty=0.5),
+        dict(repetition_penalty=1.1),
+        dict(min_tokens=3),
+    ],
+)
 def test_requests_that_need_the_engine_between_tokens_never_burst(params):
     scheduler = _scheduler()
     scheduler.add_request(_request("plain", max_tokens=100))
@@ -116,8 +128,11 @@ def test_random_sampling_bursts_with_one_sampler_or_a_seed():
     assert can_burst(SamplingParams(temperature=0.0), constrained=False, workers_sample_alike=False)
     assert not can_burst(SamplingParams(temperature=0.0), constrained=True, workers_sample_alike=True)
     # Inputs that stay the same every step do not stop a burst.
-    assert can_burst(SamplingParams(temperature=0.0, logit_bias={5: 2.0}, allowed_token_ids=[5, 6]),
-                     constrained=False, workers_sample_alike=True)
+    assert can_burst(
+        SamplingParams(temperature=0.0, logit_bias={5: 2.0}, allowed_token_ids=[5, 6]),
+        constrained=False,
+        workers_sample_alike=True,
+    )
 
 
 def test_no_burst_while_a_request_waits_or_with_prefills_in_the_step():
@@ -151,9 +166,15 @@ def test_a_nearly_full_pool_runs_single_steps():
 
 
 def test_bursts_off_with_one_step_or_async_scheduling():
-    for scheduler in (_scheduler(max_steps=1), Scheduler(
-            SchedulerConfig(async_scheduling=True), CacheConfig(block_size=BLOCK, num_blocks=64), 256,
-            burst_planner=BurstPlanner(8, 0.01, True))):
+    for scheduler in (
+        _scheduler(max_steps=1),
+        Scheduler(
+            SchedulerConfig(async_scheduling=True),
+            CacheConfig(block_size=BLOCK, num_blocks=64),
+            256,
+            burst_planner=BurstPlanner(8, 0.01, True),
+        ),
+    ):
         scheduler.add_request(_request("a", max_tokens=100))
         for _ in range(4):
             so = scheduler.schedule()

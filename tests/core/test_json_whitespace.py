@@ -14,10 +14,17 @@ from raylm.core.json_grammar import BOUNDED_JSON_WHITESPACE, json_grammar_ebnf
 from raylm.core.structured_output import grammar_spec, validate_structured_outputs
 from raylm.sampling_params import StructuredOutputsParams
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
-                                           "tags": {"type": "array", "items": {"type": "number"}},
-                                           "mood": {"enum": ["whitespace{0, 977}", "[0-9]*", "root_1"]}},
-          "required": ["name", "age"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "number"}},
+        "mood": {"enum": ["whitespace{0, 977}", "[0-9]*", "root_1"]},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 def _accepts(params: StructuredOutputsParams, text: str) -> bool:
@@ -25,28 +32,31 @@ def _accepts(params: StructuredOutputsParams, text: str) -> bool:
     return _is_grammar_accept_string(xgr.Grammar.from_ebnf(json_grammar_ebnf(spec.text, spec.whitespace)), text)
 
 
-@pytest.mark.parametrize("text, accepted", [
-    ('{"name": "Ann", "age": 3}', True),
-    ('{"name":"Ann","age":3}', True),
-    ('{\n  "name": "Ann",\n  "age": 3,\n  "tags": [1.5, -2e3]\n}', True),
-    ('{\n' + " " * 20 + '"name": "Ann", "age": 3}', True),  # a newline and an indent of 20
-    ('{\n' + " " * 21 + '"name": "Ann", "age": 3}', False),  # one blank too many
-    ('{  "name": "Ann", "age": 3}', False),  # two spaces
-    ('{\n\n"name": "Ann", "age": 3}', False),  # two newlines
-    ('{"name": "Ann", "age": 3}' + " ", False),  # nothing after the object: it ends the output
-    ('{"name": "Ann", "age": 1234567890123456}', True),  # 16 digits
-    ('{"name": "Ann", "age": 12345678901234567}', False),  # 17
-    ('{"name": "Ann", "age": 1, "tags": [0.1234567890123456]}', True),
-    ('{"name": "Ann", "age": 1, "tags": [0.12345678901234567]}', False),
-    ('{"name": "Ann", "age": 1, "tags": [1e1234567890123456]}', True),
-    ('{"name": "Ann", "age": 1, "tags": [1e12345678901234567]}', False),
-    # The schema's own strings are kept as written, whatever they look like.
-    ('{"name": "Ann", "age": 1, "mood": "whitespace{0, 977}"}', True),
-    ('{"name": "Ann", "age": 1, "mood": "[0-9]*"}', True),
-    ('{"name": "Ann", "age": 1, "mood": "root_1"}', True),
-    ('{"name": "Ann", "age": 1, "mood": "whitespace"}', False),
-    ('{"name": "far too long a name", "age": 1}', False),
-])
+@pytest.mark.parametrize(
+    "text, accepted",
+    [
+        ('{"name": "Ann", "age": 3}', True),
+        ('{"name":"Ann","age":3}', True),
+        ('{\n  "name": "Ann",\n  "age": 3,\n  "tags": [1.5, -2e3]\n}', True),
+        ("{\n" + " " * 20 + '"name": "Ann", "age": 3}', True),  # a newline and an indent of 20
+        ("{\n" + " " * 21 + '"name": "Ann", "age": 3}', False),  # one blank too many
+        ('{  "name": "Ann", "age": 3}', False),  # two spaces
+        ('{\n\n"name": "Ann", "age": 3}', False),  # two newlines
+        ('{"name": "Ann", "age": 3}' + " ", False),  # nothing after the object: it ends the output
+        ('{"name": "Ann", "age": 1234567890123456}', True),  # 16 digits
+        ('{"name": "Ann", "age": 12345678901234567}', False),  # 17
+        ('{"name": "Ann", "age": 1, "tags": [0.1234567890123456]}', True),
+        ('{"name": "Ann", "age": 1, "tags": [0.12345678901234567]}', False),
+        ('{"name": "Ann", "age": 1, "tags": [1e1234567890123456]}', True),
+        ('{"name": "Ann", "age": 1, "tags": [1e12345678901234567]}', False),
+        # The schema's own strings are kept as written, whatever they look like.
+        ('{"name": "Ann", "age": 1, "mood": "whitespace{0, 977}"}', True),
+        ('{"name": "Ann", "age": 1, "mood": "[0-9]*"}', True),
+        ('{"name": "Ann", "age": 1, "mood": "root_1"}', True),
+        ('{"name": "Ann", "age": 1, "mood": "whitespace"}', False),
+        ('{"name": "far too long a name", "age": 1}', False),
+    ],
+)
 def test_default_whitespace_is_bounded_as_llama_cpp_bounds_it(text, accepted):
     assert _accepts(StructuredOutputsParams(json=SCHEMA), text) is accepted
     if accepted:
@@ -60,24 +70,30 @@ def test_any_json_object_is_bounded_too():
     assert not _accepts(params, '["a"]')
 
 
-@pytest.mark.parametrize("text, accepted", [
-    ('{"name":"Ann","age":3}', True),
-    ('{"name": "Ann","age":3}', False),
-    ('{"name":"A n n","age":3}', True),
-    ('{"name":"Ann","age":3}\n', False),
-])
+@pytest.mark.parametrize(
+    "text, accepted",
+    [
+        ('{"name":"Ann","age":3}', True),
+        ('{"name": "Ann","age":3}', False),
+        ('{"name":"A n n","age":3}', True),
+        ('{"name":"Ann","age":3}\n', False),
+    ],
+)
 def test_disable_any_whitespace_allows_none_at_all(text, accepted):
     assert _accepts(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), text) is accepted
 
 
-@pytest.mark.parametrize("pattern, text, accepted", [
-    (r"[ ]?", '{"name": "Ann", "age": 3}', True),
-    (r"[ ]?", '{"name":  "Ann", "age": 3}', False),
-    (r"[ ]?", '{\n"name": "Ann", "age": 3}', False),
-    (r"(\n  )?", '{\n  "name":\n  "Ann",\n  "age":3}', True),
-    (r"(\n  )?", '{"name": "Ann","age":3}', False),
-    (r"", '{"name":"Ann","age":3}', True),
-])
+@pytest.mark.parametrize(
+    "pattern, text, accepted",
+    [
+        (r"[ ]?", '{"name": "Ann", "age": 3}', True),
+        (r"[ ]?", '{"name":  "Ann", "age": 3}', False),
+        (r"[ ]?", '{\n"name": "Ann", "age": 3}', False),
+        (r"(\n  )?", '{\n  "name":\n  "Ann",\n  "age":3}', True),
+        (r"(\n  )?", '{"name": "Ann","age":3}', False),
+        (r"", '{"name":"Ann","age":3}', True),
+    ],
+)
 def test_whitespace_pattern_is_what_may_stand_between_tokens(pattern, text, accepted):
     assert _accepts(StructuredOutputsParams(json=SCHEMA, whitespace_pattern=pattern), text) is accepted
 
@@ -92,8 +108,10 @@ def test_bad_whitespace_options_are_value_errors_naming_the_field():
 
 
 def test_specs_differ_by_whitespace_so_compiled_grammars_are_not_shared():
-    kinds = {grammar_spec(StructuredOutputsParams(json=SCHEMA)),
-             grammar_spec(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)),
-             grammar_spec(StructuredOutputsParams(json=SCHEMA, whitespace_pattern=" "))}
+    kinds = {
+        grammar_spec(StructuredOutputsParams(json=SCHEMA)),
+        grammar_spec(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)),
+        grammar_spec(StructuredOutputsParams(json=SCHEMA, whitespace_pattern=" ")),
+    }
     assert len(kinds) == 3
     assert grammar_spec(StructuredOutputsParams(json=SCHEMA)).whitespace == BOUNDED_JSON_WHITESPACE

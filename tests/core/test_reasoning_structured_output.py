@@ -25,8 +25,9 @@ REGEX = r"\((yes|no)\)"
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    return LLM(tiny_model_dir("llama"), dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=256,
-               num_threads=1)
+    return LLM(
+        tiny_model_dir("llama"), dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=256, num_threads=1
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +48,12 @@ def _gate(free_tokens: list[int], at_least: int = 3) -> tuple[list[int], int]:
 def test_output_is_free_until_the_gate_then_follows_the_grammar(llm, free_output):
     gate, at = _gate(free_output)
     so = StructuredOutputsParams(regex=REGEX, starts_after_token_ids=gate)
-    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=40, structured_outputs=so),
-                       use_tqdm=False)[0].outputs[0]
-    assert out.token_ids[:at + 1] == free_output[:at + 1]  # thinking: untouched, the gate included
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=40, structured_outputs=so), use_tqdm=False)[
+        0
+    ].outputs[0]
+    assert out.token_ids[: at + 1] == free_output[: at + 1]  # thinking: untouched, the gate included
     tokenizer = llm.get_tokenizer()
-    after = tokenizer.decode(out.token_ids[at + 1:], skip_special_tokens=True)
+    after = tokenizer.decode(out.token_ids[at + 1 :], skip_special_tokens=True)
     assert re.fullmatch(REGEX, after), after
     assert out.finish_reason == "stop"
 
@@ -59,8 +61,9 @@ def test_output_is_free_until_the_gate_then_follows_the_grammar(llm, free_output
 def test_a_gate_never_written_leaves_the_output_free(llm, free_output):
     unseen = next(t for t in range(llm.get_tokenizer().vocab_size) if t not in free_output)
     so = StructuredOutputsParams(choice=CHOICES, starts_after_token_ids=[unseen])
-    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, structured_outputs=so),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, structured_outputs=so), use_tqdm=False
+    )[0].outputs[0]
     assert out.token_ids == free_output and out.finish_reason == "length"
 
 
@@ -68,10 +71,11 @@ def test_a_multi_token_gate_must_appear_whole(llm, free_output):
     gate, at = _gate(free_output)
     two = [free_output[at - 1], gate[0]]
     so = StructuredOutputsParams(regex=REGEX, starts_after_token_ids=two)
-    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=40, structured_outputs=so),
-                       use_tqdm=False)[0].outputs[0]
-    assert out.token_ids[:at + 1] == free_output[:at + 1]
-    assert re.fullmatch(REGEX, llm.get_tokenizer().decode(out.token_ids[at + 1:], skip_special_tokens=True))
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=40, structured_outputs=so), use_tqdm=False)[
+        0
+    ].outputs[0]
+    assert out.token_ids[: at + 1] == free_output[: at + 1]
+    assert re.fullmatch(REGEX, llm.get_tokenizer().decode(out.token_ids[at + 1 :], skip_special_tokens=True))
 
 
 def test_resumed_past_the_gate_continues_the_grammar(llm, free_output):
@@ -82,14 +86,21 @@ def test_resumed_past_the_gate_continues_the_grammar(llm, free_output):
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     prompt, checked = engine.validate(PROMPT, params)
-    core.add_request(EngineCoreRequest("resumed", prompt.prompt_token_ids, checked, engine.input_processor.eos_token_id,
-                                       output_token_ids=full[:at + 2]))  # the gate and one constrained token
+    core.add_request(
+        EngineCoreRequest(
+            "resumed",
+            prompt.prompt_token_ids,
+            checked,
+            engine.input_processor.eos_token_id,
+            output_token_ids=full[: at + 2],
+        )
+    )  # the gate and one constrained token
     tokens, reason = [], None
     while core.has_unfinished_requests():
         for out in core.step():
             tokens += out.new_token_ids
             reason = out.finish_reason or reason
-    assert full[:at + 2] + tokens == full and reason == "stop"
+    assert full[: at + 2] + tokens == full and reason == "stop"
 
 
 def test_manager_holds_back_rows_and_accepts_nothing_before_the_gate(tiny_model_dir):
@@ -101,8 +112,13 @@ def test_manager_holds_back_rows_and_accepts_nothing_before_the_gate(tiny_model_
     try:
         yes = tokenizer.encode("yes", add_special_tokens=False)
         so = StructuredOutputsParams(choice=["yes"], starts_after_token_ids=[7, 8])
-        request = Request("r", tokenizer.encode("Hi"), SamplingParams(max_tokens=32, structured_outputs=so),
-                          tokenizer.eos_token_id, output_token_ids=[5, 7])
+        request = Request(
+            "r",
+            tokenizer.encode("Hi"),
+            SamplingParams(max_tokens=32, structured_outputs=so),
+            tokenizer.eos_token_id,
+            output_token_ids=[5, 7],
+        )
         manager.add_request(request)
         manager._grammars["r"].ready.result(timeout=30)
         grammar = manager._grammars["r"]

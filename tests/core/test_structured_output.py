@@ -44,8 +44,9 @@ def _request(rid: str, tokenizer, structured=None, output_token_ids=None, **para
 
 
 def _scheduler(manager: StructuredOutputManager) -> Scheduler:
-    return Scheduler(SchedulerConfig(), CacheConfig(num_blocks=64), max_model_len=256,
-                     structured_output_manager=manager)
+    return Scheduler(
+        SchedulerConfig(), CacheConfig(num_blocks=64), max_model_len=256, structured_output_manager=manager
+    )
 
 
 def _wait_compiled(manager: StructuredOutputManager, *rids: str) -> None:
@@ -129,8 +130,10 @@ def test_resumed_request_fast_forwards_and_each_token_is_accepted_once(model, to
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
         reference = xgr.GrammarMatcher(xgr.GrammarCompiler(info, max_threads=1).compile_regex("[a-z]{2,8}"))
         assert all(reference.accept_token(t) for t in prior)
-        assert torch.equal(_reference_mask(manager._grammars["r"].ready.result(), len(tokenizer)),
-                           _reference_mask(reference, len(tokenizer)))
+        assert torch.equal(
+            _reference_mask(manager._grammars["r"].ready.result(), len(tokenizer)),
+            _reference_mask(reference, len(tokenizer)),
+        )
         # Calling again with no new token accepts nothing (no double advance).
         assert manager.accept_tokens(request) is False and manager._grammars["r"].num_accepted == len(prior)
         request.append_output_token(tokenizer.eos_token_id)
@@ -189,11 +192,19 @@ def test_grammar_that_fails_to_compile_fails_only_its_request(tokenizer, tmp_pat
 
 def test_step_rows_prefill_chunks_and_tokens_in_flight(model, tokenizer):
     manager = StructuredOutputManager(model, len(tokenizer))
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=2, async_scheduling=True), CacheConfig(num_blocks=64),
-                          max_model_len=256, structured_output_manager=manager)
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=2, async_scheduling=True),
+        CacheConfig(num_blocks=64),
+        max_model_len=256,
+        structured_output_manager=manager,
+    )
     try:
-        request = Request("c", tokenizer.encode("Hello there, friend"), SamplingParams(structured_outputs=CHOICE),
-                          tokenizer.eos_token_id)
+        request = Request(
+            "c",
+            tokenizer.encode("Hello there, friend"),
+            SamplingParams(structured_outputs=CHOICE),
+            tokenizer.eos_token_id,
+        )
         assert request.num_tokens > 2
         scheduler.add_request(request)
         _wait_compiled(manager, "c")

@@ -51,8 +51,11 @@ structured = st.one_of(
     st.none(),
     st.builds(StructuredOutputsParams, regex=st.text(min_size=1, max_size=10)),
     st.builds(StructuredOutputsParams, choice=st.lists(names, min_size=1, max_size=3)),
-    st.builds(StructuredOutputsParams, json=st.dictionaries(names, any_ints | names, max_size=3),
-              disable_any_whitespace=st.booleans()),
+    st.builds(
+        StructuredOutputsParams,
+        json=st.dictionaries(names, any_ints | names, max_size=3),
+        disable_any_whitespace=st.booleans(),
+    ),
 )
 sampling_params = st.builds(
     SamplingParams,
@@ -95,19 +98,36 @@ kv_cache_configs = st.builds(KVCacheConfig, ids, ids)
 remote_errors = st.builds(RemoteError, names, st.text(), st.text(), ids, names)
 callable_refs = st.builds(CallableRef, ids, names)
 messages = st.one_of(
-    scheduler_outputs, model_runner_outputs, grammar_outputs, kv_cache_configs, sampling_params,
-    new_requests, cached_requests, remote_errors, callable_refs, structured.filter(lambda s: s is not None),
+    scheduler_outputs,
+    model_runner_outputs,
+    grammar_outputs,
+    kv_cache_configs,
+    sampling_params,
+    new_requests,
+    cached_requests,
+    remote_errors,
+    callable_refs,
+    structured.filter(lambda s: s is not None),
 )
 # What call arguments and return values are made of.
 plain_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | floats | st.text(max_size=8) | st.binary(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.tuples(inner, inner)
-    | st.dictionaries(st.text(max_size=4) | st.integers(0, 100), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.text(max_size=4) | st.integers(0, 100), inner, max_size=3)
+    ),
     max_leaves=10,
 )
 values = plain_values | messages
-requests = st.builds(RpcRequest, ids, names | callable_refs, st.lists(values, max_size=3).map(tuple),
-                     st.dictionaries(st.text(max_size=5), values, max_size=2), st.none() | ids)
+requests = st.builds(
+    RpcRequest,
+    ids,
+    names | callable_refs,
+    st.lists(values, max_size=3).map(tuple),
+    st.dictionaries(st.text(max_size=5), values, max_size=2),
+    st.none() | ids,
+)
 replies = st.builds(RpcReply, ids, st.sampled_from(["ok", "error", "fatal"]), values | remote_errors)
 
 
@@ -127,8 +147,18 @@ def _same(a, b) -> None:
 
 
 def test_every_declared_type_is_covered_by_these_strategies():
-    covered = {SchedulerOutput, NewRequestData, CachedRequestData, GrammarOutput, ModelRunnerOutput,
-               KVCacheConfig, SamplingParams, StructuredOutputsParams, RemoteError, CallableRef}
+    covered = {
+        SchedulerOutput,
+        NewRequestData,
+        CachedRequestData,
+        GrammarOutput,
+        ModelRunnerOutput,
+        KVCacheConfig,
+        SamplingParams,
+        StructuredOutputsParams,
+        RemoteError,
+        CallableRef,
+    }
     assert set(DEFAULT_MESSAGE_TYPES) == covered
     assert set(DEFAULT_RECORD_TYPES) == {RpcRequest, RpcReply}
 
@@ -187,8 +217,13 @@ def test_rpc_envelopes_round_trip_with_their_contents_typed(envelope):
 
 def test_a_step_decodes_to_its_own_classes_nested_and_sets_included():
     params = SamplingParams(temperature=0.5, logit_bias={3: 1.5}, allowed_token_ids=[9, 4], stop="x")
-    step = SchedulerOutput([NewRequestData("a", [1, 2], [], params, [0], 0)], [CachedRequestData("b", [5], [], 3)],
-                           {"a": 2, "b": 1}, 3, {"gone"})
+    step = SchedulerOutput(
+        [NewRequestData("a", [1, 2], [], params, [0], 0)],
+        [CachedRequestData("b", [5], [], 3)],
+        {"a": 2, "b": 1},
+        3,
+        {"gone"},
+    )
     call = CODEC.decode(CODEC.encode(RpcRequest(4, "execute_model", (step,), {}, 0)))
     got = call.args[0]
     assert isinstance(got, SchedulerOutput) and got == step

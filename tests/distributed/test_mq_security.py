@@ -32,8 +32,16 @@ def _remote_queue(**kwargs) -> tuple[MessageQueue, MessageQueue]:
 
 
 def _remote_handle(address: str, keys: CurveKeys | None) -> MessageQueueHandle:
-    return MessageQueueHandle(shm_name=None, chunk_bytes=CHUNK, max_chunks=4, local_reader_ranks=[],
-                              local_overflow_address=None, remote_address=address, num_remote_readers=1, tcp_keys=keys)
+    return MessageQueueHandle(
+        shm_name=None,
+        chunk_bytes=CHUNK,
+        max_chunks=4,
+        local_reader_ranks=[],
+        local_overflow_address=None,
+        remote_address=address,
+        num_remote_readers=1,
+        tcp_keys=keys,
+    )
 
 
 def _nothing_arrives(sock: zmq.Socket) -> bool:

@@ -29,9 +29,15 @@ def remote_tp2(tiny_model_dir):
         # The driver "is on a node of its own": both ranks read the broadcast
         # over TCP and answer over TCP.
         mp.setattr(RayDistributedExecutor, "_driver_node_id", lambda self: "a-node-with-no-workers")
-        llm = LLM(tiny_model_dir("llama", num_key_value_heads=2), dtype="float32", tensor_parallel_size=2,
-                  distributed_executor_backend="ray", ray_step_transport="mq", num_threads=1,
-                  kv_cache_memory_bytes=32 << 20)
+        llm = LLM(
+            tiny_model_dir("llama", num_key_value_heads=2),
+            dtype="float32",
+            tensor_parallel_size=2,
+            distributed_executor_backend="ray",
+            ray_step_transport="mq",
+            num_threads=1,
+            kv_cache_memory_bytes=32 << 20,
+        )
     yield llm
     llm.shutdown()
     assert our_live_ray_state() == ([], [])
@@ -49,8 +55,9 @@ def test_a_callable_travels_through_ray_and_the_queue_only_names_it(remote_tp2, 
     ex = executor_of(remote_tp2)
     sent = []
     enqueue = ex.transport.queues.broadcast.enqueue
-    monkeypatch.setattr(ex.transport.queues.broadcast, "enqueue",
-                        lambda obj, timeout=None: (sent.append(obj), enqueue(obj, timeout))[1])
+    monkeypatch.setattr(
+        ex.transport.queues.broadcast, "enqueue", lambda obj, timeout=None: (sent.append(obj), enqueue(obj, timeout))[1]
+    )
     assert ex.collective_rpc(rank_times, args=(10,), kwargs={"offset": 1}) == [1, 11]
     assert ex.collective_rpc(rank_times, args=(10,), unique_reply_rank=1) == 10
     assert ex.collective_rpc("check_health") == ex.worker_pids
@@ -66,8 +73,13 @@ def test_a_worker_exception_comes_back_as_a_typed_record(remote_tp2):
         ex.collective_rpc(fail_on_rank_1)
     remote = err.value.remote
     assert (remote.type_name, remote.message, remote.rank, remote.method) == (
-        "ValueError", "rank one says no", 1, "fail_on_rank_1")
+        "ValueError",
+        "rank one says no",
+        1,
+        "fail_on_rank_1",
+    )
     assert 'raise ValueError("rank one says no")' in remote.traceback
-    out = remote_tp2.generate("still alive", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                              use_tqdm=False)
+    out = remote_tp2.generate(
+        "still alive", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
     assert len(out[0].outputs[0].token_ids) == 4

@@ -96,7 +96,9 @@ def test_a_request_out_of_its_lifetime_is_refused_and_one_is_remembered_no_longe
     request, _ = key.seal_request(b"name")  # sealed now, by the real clock
     sealed_at = sealed_frames._SEALED_AT.unpack_from(
         AESGCM(sealed_frames._sub_key(key._key, sealed_frames._REQUEST_INFO)).decrypt(
-            request[:12], request[12:], sealed_frames._REQUEST_AAD))[0]
+            request[:12], request[12:], sealed_frames._REQUEST_AAD
+        )
+    )[0]
     clock["wall"] = sealed_at + 61  # played back a minute later, or the hosts' clocks a minute apart
     with pytest.raises(Replayed, match="lifetime") as refused:
         key.open_request(request, seen)

@@ -379,7 +379,6 @@ def _remote_pair(max_chunks: int = 4):
     return writer, local, remote
 
 
-
 def test_remote_reader_gets_many_mixed_messages_in_order_with_seqs():
     writer, local, remote = _remote_pair()
     messages = [bytes([i % 256]) * (3 * CHUNK) if i % 3 == 0 else (i, f"small {i}") for i in range(150)]

@@ -312,8 +312,14 @@ def test_tp2_engine_with_the_collective_disabled_uses_gloo_and_matches_hf(tiny_m
 
         return "gloo" if parallel_state.get_tp_group().shm is None else "shm"
 
-    with LLM(model, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp",
-             num_threads=1, kv_cache_memory_bytes=16 << 20) as llm:
+    with LLM(
+        model,
+        dtype="float32",
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+        num_threads=1,
+        kv_cache_memory_bytes=16 << 20,
+    ) as llm:
         transports = executor_of(llm).collective_rpc(transport, timeout=60)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
     assert transports == ["gloo"] * 2

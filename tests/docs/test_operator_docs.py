@@ -43,8 +43,16 @@ class _DataParallelEngine:
 
     def replica_states(self) -> list[dict]:
         return [
-            {"replica": i, "state": state, "node_ip": "10.0.0.1", "in_flight": 1, "num_running": 1,
-             "num_waiting": 0, "kv_cache_usage": 0.5, "num_routed": 3}
+            {
+                "replica": i,
+                "state": state,
+                "node_ip": "10.0.0.1",
+                "in_flight": 1,
+                "num_running": 1,
+                "num_waiting": 0,
+                "kv_cache_usage": 0.5,
+                "num_routed": 3,
+            }
             for i, state in enumerate(("serving", "draining", "restarting"))
         ]
 
@@ -115,8 +123,7 @@ def test_the_dashboard_queries_only_metrics_raylm_exports(exported, dashboard):
         for name in names:
             if name not in series:
                 unknown.setdefault(name, query)
-    assert not unknown, ("the dashboard queries metrics raylm does not export "
-                         f"(exported: {sorted(series)}): {unknown}")
+    assert not unknown, f"the dashboard queries metrics raylm does not export (exported: {sorted(series)}): {unknown}"
 
 
 def test_the_dashboard_filters_and_groups_by_labels_the_metrics_carry(exported, dashboard):
@@ -132,8 +139,7 @@ def test_the_dashboard_filters_and_groups_by_labels_the_metrics_carry(exported, 
 
 def test_the_dashboard_shows_every_metric(exported, dashboard):
     series = _series(exported)
-    shown = {series[name] for query in _queries(dashboard) for name in _METRIC_NAME.findall(query)
-             if name in series}
+    shown = {series[name] for query in _queries(dashboard) for name in _METRIC_NAME.findall(query) if name in series}
     assert not set(exported) - shown, f"not on the dashboard: {sorted(set(exported) - shown)}"
 
 
@@ -198,8 +204,7 @@ def test_the_serve_config_arguments_are_raylm_serve_settings():
         assert set(deployment) <= set(DEPLOYMENT_OPTIONS)
         engine, options = plan_replica(split_settings(settings)[0])
         # A replica with Ray ranks reserves one bundle for itself and one per rank.
-        world = (engine["tensor_parallel_size"] * engine["pipeline_parallel_size"]
-                 * engine["context_parallel_size"])
+        world = engine["tensor_parallel_size"] * engine["pipeline_parallel_size"] * engine["context_parallel_size"]
         if engine["distributed_executor_backend"] == "ray":
             assert len(options["placement_group_bundles"]) == world + 1
 

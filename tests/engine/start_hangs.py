@@ -51,8 +51,6 @@ class HangInSizingOnRank1Executor(HangOnRank1Executor):
     hang_in = "determine_available_memory"
 
 
-
-
 # ---- a rebuild held open by the test ---------------------------------------------------------
 # The engine core runs in a process of its own: the test steers it through
 # files in the folder named by this variable (set before the core starts).

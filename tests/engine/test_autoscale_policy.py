@@ -8,13 +8,16 @@ from raylm.engine.autoscaler import AutoscalePolicy
 
 
 def _replicas(*in_flight, waiting=0, kv=0.0, state="serving"):
-    return [{"replica": i, "state": state, "in_flight": n, "num_waiting": waiting, "kv_cache_usage": kv}
-            for i, n in enumerate(in_flight)]
+    return [
+        {"replica": i, "state": state, "in_flight": n, "num_waiting": waiting, "kv_cache_usage": kv}
+        for i, n in enumerate(in_flight)
+    ]
 
 
 def _policy(**overrides):
-    settings = dict(min_replicas=1, max_replicas=3, target_ongoing_requests=2.0, upscale_delay_s=1.0,
-                    downscale_delay_s=5.0)
+    settings = dict(
+        min_replicas=1, max_replicas=3, target_ongoing_requests=2.0, upscale_delay_s=1.0, downscale_delay_s=5.0
+    )
     return AutoscalePolicy(AutoscaleConfig(**{**settings, **overrides}))
 
 
@@ -54,8 +57,16 @@ def test_nothing_is_decided_while_replicas_start_or_leave():
     assert policy.decide(_replicas(9) + [{"replica": 1, "state": "starting"}], now=0.0) is None
 
 
-@pytest.mark.parametrize("value, error", [("3", "MIN:MAX"), ("0:2", "1 <= MIN <= MAX"), ("3:2", "1 <= MIN <= MAX"),
-                                          ("1:1", "at least 2"), ("1:65", "at most 64")])
+@pytest.mark.parametrize(
+    "value, error",
+    [
+        ("3", "MIN:MAX"),
+        ("0:2", "1 <= MIN <= MAX"),
+        ("3:2", "1 <= MIN <= MAX"),
+        ("1:1", "at least 2"),
+        ("1:65", "at most 64"),
+    ],
+)
 def test_bad_autoscale_settings_are_refused(value, error):
     with pytest.raises(ValueError, match=error):
         create_engine_config(autoscale=value)

@@ -30,8 +30,9 @@ from raylm.entrypoints.openai.data_parallel_routes import install_data_parallel_
 ray_exceptions = pytest.importorskip("ray.exceptions")
 
 # Two requests in flight at a target of 1 per replica, on one replica: the load asks for 2, at once.
-CONFIG = AutoscaleConfig(min_replicas=1, max_replicas=2, target_ongoing_requests=1.0, upscale_delay_s=0.0,
-                         downscale_delay_s=0.0)
+CONFIG = AutoscaleConfig(
+    min_replicas=1, max_replicas=2, target_ongoing_requests=1.0, upscale_delay_s=0.0, downscale_delay_s=0.0
+)
 
 
 class ScalingEngine:
@@ -44,8 +45,10 @@ class ScalingEngine:
         self.size = 1
 
     def replica_states(self) -> list[dict]:
-        return [{"replica": i, "state": "serving", "in_flight": 2 // self.size, "num_waiting": 0,
-                 "kv_cache_usage": 0.0} for i in range(self.size)]
+        return [
+            {"replica": i, "state": "serving", "in_flight": 2 // self.size, "num_waiting": 0, "kv_cache_usage": 0.0}
+            for i in range(self.size)
+        ]
 
     async def scale(self, size: int) -> None:
         if self.failures:
@@ -81,9 +84,15 @@ def no_interval(monkeypatch):
     monkeypatch.setattr(autoscaler_module, "_INTERVAL_S", 0.0)
 
 
-@pytest.mark.parametrize("failure", [TimeoutError("replica 1 was not ready within 3 s"),
-                                     EngineStartTimeoutError("replica 1 was not ready within 3 s"),
-                                     KeyError("a bug")], ids=["TimeoutError", "EngineStartTimeoutError", "bug"])
+@pytest.mark.parametrize(
+    "failure",
+    [
+        TimeoutError("replica 1 was not ready within 3 s"),
+        EngineStartTimeoutError("replica 1 was not ready within 3 s"),
+        KeyError("a bug"),
+    ],
+    ids=["TimeoutError", "EngineStartTimeoutError", "bug"],
+)
 def test_a_failed_scale_is_logged_and_the_next_decision_is_made(failure, caplog):
     engine = ScalingEngine(failure)
     with caplog.at_level(logging.ERROR, logger="raylm.engine.autoscaler"):
@@ -181,12 +190,16 @@ def never_ready_manager(monkeypatch):
     monkeypatch.setattr(dp_manager, "place_replica", lambda index, bundles, placement, target: f"pg-{index}")
     monkeypatch.setattr(dp_manager, "worker_env_vars", lambda device: {})
     monkeypatch.setattr(dp_manager, "kill_actors", released["actors"].extend)
-    monkeypatch.setattr(sys.modules["ray.util.placement_group"], "remove_placement_group",
-                        released["placement_groups"].append)
+    monkeypatch.setattr(
+        sys.modules["ray.util.placement_group"], "remove_placement_group", released["placement_groups"].append
+    )
     manager = object.__new__(dp_manager.CoreEngineActorManager)
-    manager.config = SimpleNamespace(fault_tolerance=SimpleNamespace(engine_start_timeout_s=3.0),
-                                     parallel_config=SimpleNamespace(data_parallel_placement="pack"),
-                                     num_threads=1, device="cpu")
+    manager.config = SimpleNamespace(
+        fault_tolerance=SimpleNamespace(engine_start_timeout_s=3.0),
+        parallel_config=SimpleNamespace(data_parallel_placement="pack"),
+        num_threads=1,
+        device="cpu",
+    )
     manager._ray = NeverReadyRay()
     manager.replicas, manager._lock = {}, threading.Lock()
     return manager, released

@@ -123,8 +123,10 @@ from raylm.worker.sampling_metadata import BadWordsIndex  # noqa: E402
     [
         ({"bad_words": ["w"] * (MAX_BAD_WORDS + 1)}, "bad_words"),
         ({"bad_words": ["w" * (MAX_BAD_WORD_CHARS + 1)]}, "bad_words"),
-        ({"bad_words": ["w" * MAX_BAD_WORD_CHARS] * (MAX_BAD_WORDS_TOTAL_CHARS // MAX_BAD_WORD_CHARS + 1)},
-         "bad_words"),
+        (
+            {"bad_words": ["w" * MAX_BAD_WORD_CHARS] * (MAX_BAD_WORDS_TOTAL_CHARS // MAX_BAD_WORD_CHARS + 1)},
+            "bad_words",
+        ),
         ({"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}, "stop_token_ids"),
     ],
 )
@@ -143,7 +145,7 @@ def test_stop_token_ids_are_deduplicated_before_the_cap():
     [
         ({"json": {"type": "object", "description": "x" * MAX_GRAMMAR_CHARS}}, "structured_outputs.json"),
         ({"regex": "a" * (MAX_GRAMMAR_CHARS + 1)}, "structured_outputs.regex"),
-        ({"grammar": "root ::= " + "\"a\" " * MAX_GRAMMAR_CHARS}, "structured_outputs.grammar"),
+        ({"grammar": "root ::= " + '"a" ' * MAX_GRAMMAR_CHARS}, "structured_outputs.grammar"),
         ({"choice": ["c"] * (MAX_CHOICES + 1)}, "structured_outputs.choice"),
         ({"choice": ["c" * 1000] * (MAX_GRAMMAR_CHARS // 1000 + 1)}, "structured_outputs.choice"),
     ],
@@ -160,10 +162,12 @@ def test_prompt_logprobs_past_the_cap_are_refused_and_engine_serves(llm):
     positions = 40
     k = MAX_PROMPT_LOGPROBS_ENTRIES // positions
     with pytest.raises(ValueError, match="^prompt_logprobs"):
-        llm.generate({"prompt_token_ids": [1] * positions}, SamplingParams(max_tokens=1, prompt_logprobs=k),
-                     use_tqdm=False)
-    out = llm.generate({"prompt_token_ids": [1] * positions}, SamplingParams(max_tokens=1, prompt_logprobs=2),
-                       use_tqdm=False)
+        llm.generate(
+            {"prompt_token_ids": [1] * positions}, SamplingParams(max_tokens=1, prompt_logprobs=k), use_tqdm=False
+        )
+    out = llm.generate(
+        {"prompt_token_ids": [1] * positions}, SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False
+    )
     assert len(out[0].prompt_logprobs) == positions
 
 
@@ -174,27 +178,34 @@ def test_bad_words_at_the_cap_still_generate(llm):
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     free = llm.generate("ROMEO:", greedy, use_tqdm=False)[0].outputs[0]
     filler = [f"zqxj{i}" for i in range(MAX_BAD_WORDS - 1)]
-    kept = llm.generate("ROMEO:", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, bad_words=filler),
-                        use_tqdm=False)[0].outputs[0]
+    kept = llm.generate(
+        "ROMEO:", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, bad_words=filler), use_tqdm=False
+    )[0].outputs[0]
     assert kept.token_ids == free.token_ids  # words the model never writes change nothing
     first = llm.get_tokenizer().decode(free.token_ids[:1]).strip()
     if first:
-        banned = llm.generate("ROMEO:", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
-                                                        bad_words=filler + [first]), use_tqdm=False)[0].outputs[0]
+        banned = llm.generate(
+            "ROMEO:",
+            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, bad_words=filler + [first]),
+            use_tqdm=False,
+        )[0].outputs[0]
         assert banned.token_ids[0] != free.token_ids[0]
 
 
 def _reference_banned(sequences, output):
     """Tokens a row may not sample next, straight from the definition."""
-    return {seq[-1] for seq in sequences
-            if len(seq) - 1 <= len(output) and output[len(output) - len(seq) + 1:] == seq[:-1]}
+    return {
+        seq[-1] for seq in sequences if len(seq) - 1 <= len(output) and output[len(output) - len(seq) + 1 :] == seq[:-1]
+    }
 
 
 def test_bad_words_index_matches_the_definition_and_looks_only_at_candidates():
     gen = torch.Generator().manual_seed(7)
     vocab = 50
-    sequences = [torch.randint(0, vocab, (int(n),), generator=gen).tolist()
-                 for n in torch.randint(1, 4, (2 * MAX_BAD_WORDS,), generator=gen)]
+    sequences = [
+        torch.randint(0, vocab, (int(n),), generator=gen).tolist()
+        for n in torch.randint(1, 4, (2 * MAX_BAD_WORDS,), generator=gen)
+    ]
     index = BadWordsIndex(sequences)
     for _ in range(200):
         output = torch.randint(0, vocab, (int(torch.randint(0, 6, (1,), generator=gen)),), generator=gen).tolist()
@@ -208,8 +219,9 @@ def test_bad_words_index_matches_the_definition_and_looks_only_at_candidates():
     assert max(len(v) for v in index.by_prefix_end.values()) < len(multi) / 10
 
 
-@pytest.mark.parametrize("field, value", [("seed", 2**70), ("n", 2**70), ("max_tokens", 2**64),
-                                          ("top_k", -(2**63) - 1), ("n", 129)])
+@pytest.mark.parametrize(
+    "field, value", [("seed", 2**70), ("n", 2**70), ("max_tokens", 2**64), ("top_k", -(2**63) - 1), ("n", 129)]
+)
 def test_integers_past_what_the_engine_carries_are_refused_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})

@@ -25,6 +25,7 @@ def test_salted_requests_hit_only_their_own_salt_and_stay_greedy_correct(tiny_mo
     ids = list(range(3, 70))  # several full blocks
     expected = hf_greedy(model, [ids], GREEDY.max_tokens)[0].token_ids
     with LLM(model, dtype="float32", kv_cache_memory_bytes=16 << 20) as llm:
+
         def run(salt):
             out = llm.generate(_prompt(ids, salt), GREEDY, use_tqdm=False)[0]
             assert out.outputs[0].token_ids == expected, salt

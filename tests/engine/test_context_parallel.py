@@ -63,8 +63,13 @@ def reference(model):
 
 
 def _engine_kwargs(model: str, **extra) -> dict:
-    return dict(dtype="float32", num_threads=1, kv_cache_memory_bytes=BLOCKS_PER_RANK * _bytes_per_block(model),
-                max_model_len=MAX_MODEL_LEN, **extra)
+    return dict(
+        dtype="float32",
+        num_threads=1,
+        kv_cache_memory_bytes=BLOCKS_PER_RANK * _bytes_per_block(model),
+        max_model_len=MAX_MODEL_LEN,
+        **extra,
+    )
 
 
 def _run_and_compare(llm: LLM, reference) -> None:
@@ -141,8 +146,9 @@ def test_each_token_is_stored_on_exactly_one_cp_rank():
         assert cp.store_slots.tolist() == expected
         stored.append(set(positions.tolist()))
         [seq] = cp.sharded  # a later chunk: its context is spread over the group
-        assert seq.key_slots.numel() == sum(min(BLOCK, 70 - j * BLOCK) for j, g in enumerate(block_ids)
-                                            if g % 2 == rank)
+        assert seq.key_slots.numel() == sum(
+            min(BLOCK, 70 - j * BLOCK) for j, g in enumerate(block_ids) if g % 2 == rank
+        )
         assert seq.mask.shape == (30, seq.key_slots.numel())
     assert stored[0] | stored[1] == set(range(40, 70)) and not stored[0] & stored[1]
     assert np.all(np.asarray(sorted(stored[0] | stored[1])) == np.arange(40, 70))
@@ -208,8 +214,12 @@ def test_one_rank_refuses_what_a_cp_group_holds(model):
 def test_cp2_on_mp_equals_hf_past_one_ranks_cache(model, reference):
     """CP=2, chunked prefill (24-token steps), then a prefix-cache hit; both
     ranks' processes and segments gone afterwards."""
-    llm = LLM(model, context_parallel_size=2, distributed_executor_backend="mp",
-              **_engine_kwargs(model, max_num_batched_tokens=24))
+    llm = LLM(
+        model,
+        context_parallel_size=2,
+        distributed_executor_backend="mp",
+        **_engine_kwargs(model, max_num_batched_tokens=24),
+    )
     executor = executor_of(llm)
     try:
         # The scheduler counts both ranks' blocks.
@@ -227,16 +237,24 @@ def test_plan_shows_the_cp_groups(tiny_model_dir):
     from raylm.entrypoints.plan import Plan, _rank_placement, _replica, format_plan
     from raylm.executor.ray_cluster import NodeState
 
-    pc = create_engine_config(tiny_model_dir("llama"), tensor_parallel_size=2,
-                              context_parallel_size=2).parallel_config
-    nodes = [NodeState("a" * 16, "10.0.0.1", {"CPU": 2}, {"CPU": 2}, True),
-             NodeState("b" * 16, "10.0.0.2", {"CPU": 2}, {"CPU": 2})]
+    pc = create_engine_config(tiny_model_dir("llama"), tensor_parallel_size=2, context_parallel_size=2).parallel_config
+    nodes = [
+        NodeState("a" * 16, "10.0.0.1", {"CPU": 2}, {"CPU": 2}, True),
+        NodeState("b" * 16, "10.0.0.2", {"CPU": 2}, {"CPU": 2}),
+    ]
     ranks = [_rank_placement(r, pc, nodes[r // 2].node_id, nodes[r // 2].ip, "cpu", r % 2) for r in range(4)]
     replica = _replica(0, None, None, ranks, pc)
     assert [r.cp_rank for r in ranks] == [0, 0, 1, 1] and [r.tp_rank for r in ranks] == [0, 1, 0, 1]
-    request = {"tensor_parallel_size": 2, "pipeline_parallel_size": 1, "context_parallel_size": 2,
-               "data_parallel_size": 1, "bundles": 4, "bundle": {"CPU": 1}, "placement_strategy": "PACK",
-               "device": "cpu"}
+    request = {
+        "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 1,
+        "context_parallel_size": 2,
+        "data_parallel_size": 1,
+        "bundles": 4,
+        "bundle": {"CPU": 1},
+        "placement_strategy": "PACK",
+        "device": "cpu",
+    }
     text = format_plan(Plan(True, None, nodes[0].node_id, nodes, request, [replica]))
     assert "TP=2 x PP=1 x CP=2 = 4 Ray workers" in text
     assert "rank  tp  pp  cp  node" in text
@@ -247,8 +265,9 @@ def test_plan_shows_the_cp_groups(tiny_model_dir):
 def test_a_ray_serve_replica_reserves_a_bundle_per_cp_rank():
     from raylm.ray_serve import plan_replica, split_settings
 
-    engine, options = plan_replica(split_settings({"context_parallel_size": 2, "tensor_parallel_size": 2,
-                                                   "device": "cpu"})[0])
+    engine, options = plan_replica(
+        split_settings({"context_parallel_size": 2, "tensor_parallel_size": 2, "device": "cpu"})[0]
+    )
     assert engine["distributed_executor_backend"] == "ray"
     assert options["placement_group_bundles"] == [{"CPU": 0.01}] + [{"CPU": 1.0}] * 4
 
@@ -258,8 +277,13 @@ def test_tp2_x_cp2_on_mp_equals_hf(model, reference):
     """Four ranks: TP groups {0,1}, {2,3}; CP groups {0,2}, {1,3} (each TP
     rank's heads sharded over its CP group). With async scheduling: every CP
     rank fills in the token it sampled itself, the same on all of them."""
-    llm = LLM(model, context_parallel_size=2, tensor_parallel_size=2, distributed_executor_backend="mp",
-              **_engine_kwargs(model, async_scheduling=True))
+    llm = LLM(
+        model,
+        context_parallel_size=2,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+        **_engine_kwargs(model, async_scheduling=True),
+    )
     executor = executor_of(llm)
     try:
         _run_and_compare(llm, reference)
@@ -273,8 +297,13 @@ def test_tp2_x_cp2_on_mp_equals_hf(model, reference):
 def test_pp2_x_cp2_on_mp_equals_hf(model, reference):
     """Two stages of one CP group each: stage-to-stage tensors go between the
     ranks of the same cp slot, and the last stage's cp rank 0 replies."""
-    llm = LLM(model, context_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="mp",
-              **_engine_kwargs(model, max_num_batched_tokens=24))
+    llm = LLM(
+        model,
+        context_parallel_size=2,
+        pipeline_parallel_size=2,
+        distributed_executor_backend="mp",
+        **_engine_kwargs(model, max_num_batched_tokens=24),
+    )
     executor = executor_of(llm)
     try:
         assert executor._output_rank == 2  # (pp - 1) * cp * tp
@@ -310,8 +339,9 @@ def test_killed_cp_rank_mid_decode_is_recovered(model, reference):
     try:
         old = executor_of(llm)
         old_traces = _executor_traces(old)
-        outputs = generate_with_strike(llm, [prompts[k] for k in keys], GREEDY,
-                                       lambda: os.kill(old.worker_pids[1], signal.SIGKILL), min_tokens=2)
+        outputs = generate_with_strike(
+            llm, [prompts[k] for k in keys], GREEDY, lambda: os.kill(old.worker_pids[1], signal.SIGKILL), min_tokens=2
+        )
         assert [o.token_ids for o in outputs] == [ref[k] for k in keys]
         core = llm.llm_engine.engine_core.engine_core
         assert [e.kind for e in core.recoveries] == [RecoveryKind.WORKER_DIED]
@@ -336,11 +366,11 @@ def test_a_mixed_steps_split_chunk_is_shared_out_and_every_position_stored_once(
 
     long_blocks = [5, 2, 7, 4, 9, 6]  # rank of each block at cp=2: 1, 0, 1, 0, 1, 0
     states = {
-        "decode": CachedRequestState("decode", list(range(9)), list(range(10)), Params(), [8],
-                                     num_computed_tokens=9),
+        "decode": CachedRequestState("decode", list(range(9)), list(range(10)), Params(), [8], num_computed_tokens=9),
         "short": CachedRequestState("short", list(range(5)), list(range(5)), Params(), [3], num_computed_tokens=0),
-        "long": CachedRequestState("long", list(range(90)), list(range(90)), Params(), long_blocks,
-                                   num_computed_tokens=40),
+        "long": CachedRequestState(
+            "long", list(range(90)), list(range(90)), Params(), long_blocks, num_computed_tokens=40
+        ),
     }
     scheduled = {"decode": 1, "short": 5, "long": 50}
     inputs, stored = [], []
@@ -361,7 +391,8 @@ def test_a_mixed_steps_split_chunk_is_shared_out_and_every_position_stored_once(
         assert split.send_slots.tolist() == [long_blocks[p // BLOCK] // 2 * BLOCK + p % BLOCK for p in old_here]
         assert sorted(seq.key_index.tolist()) == seq.key_index.unique().tolist() and len(seq.key_index) == 90
         assert [(p.q_end - p.q_start, p.num_keys) for p in seq.pieces] == [
-            (hi - lo, 40 + hi) for lo, hi in prefill_share(50, rank, 2)]
+            (hi - lo, 40 + hi) for lo, hi in prefill_share(50, rank, 2)
+        ]
         stored.append({p for p in range(40, 90) if long_blocks[p // BLOCK] % 2 == rank})
         assert len(split.store_slots) == len(stored[-1])
         assert batch.sample_indices == [0, 5, 55]  # rows of the whole step's layout
@@ -386,8 +417,12 @@ def test_cp2_splits_the_prefill_between_its_ranks(model, reference):
     vocab = ArchConfig.from_model_dir(model).vocab_size
     hit_prompt = prompts["long"][:112] + [rng.randrange(vocab) for _ in range(40)]
     [hit_ref] = hf_greedy(model, [hit_prompt], MAX_TOKENS)
-    llm = LLM(model, context_parallel_size=2, distributed_executor_backend="mp",
-              **_engine_kwargs(model, max_num_batched_tokens=64))
+    llm = LLM(
+        model,
+        context_parallel_size=2,
+        distributed_executor_backend="mp",
+        **_engine_kwargs(model, max_num_batched_tokens=64),
+    )
     try:
         outs = llm.generate([{"prompt_token_ids": prompts[k]} for k in ("short", "long")], GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == [ref["short"], ref["long"]]
@@ -395,8 +430,11 @@ def test_cp2_splits_the_prefill_between_its_ranks(model, reference):
         assert hit.metrics["num_cached_tokens"] == 112
         assert hit.outputs[0].token_ids == hit_ref.token_ids
         # Prompt logprobs (no prefix cache for them): every position's row, from whichever rank computed it.
-        [scored] = llm.generate([{"prompt_token_ids": hit_prompt}],
-                                SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        [scored] = llm.generate(
+            [{"prompt_token_ids": hit_prompt}],
+            SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+            use_tqdm=False,
+        )
         hf_lps = hf_prompt_logprobs(model, hit_prompt)
         assert len(scored.prompt_logprobs) == len(hit_prompt)
         for token, position, hf_lp in zip(hit_prompt[1:], scored.prompt_logprobs[1:], hf_lps):

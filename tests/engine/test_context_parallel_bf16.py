@@ -41,8 +41,7 @@ def _prompts(model: str) -> list[list[int]]:
 
 
 def _greedy(model: str, **engine) -> list:
-    with LLM(model, dtype="bfloat16", num_threads=1, kv_cache_memory_bytes=8 << 20, max_model_len=256,
-             **engine) as llm:
+    with LLM(model, dtype="bfloat16", num_threads=1, kv_cache_memory_bytes=8 << 20, max_model_len=256, **engine) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in _prompts(model)], GREEDY, use_tqdm=False)
         pids = getattr(executor_of(llm), "worker_pids", [])
     assert all(process_gone(p) for p in pids)

@@ -40,8 +40,9 @@ def test_dp2_x_cp2_equals_hf_and_scales_in_without_migrating(ray_session, model,
         # Every prompt on each replica: the long ones need both ranks' caches there.
         for replica in (0, 1):
             for k in keys:
-                engine.add_request(f"{k}-{replica}", {"prompt_token_ids": prompts[k]}, GREEDY,
-                                   data_parallel_rank=replica)
+                engine.add_request(
+                    f"{k}-{replica}", {"prompt_token_ids": prompts[k]}, GREEDY, data_parallel_rank=replica
+                )
         done, scaled = {}, False
         while engine.has_unfinished_requests():
             for out in engine.step():

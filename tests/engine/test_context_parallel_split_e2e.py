@@ -28,8 +28,15 @@ STEP_TOKENS = 64
 
 
 def _engine(model: str, blocks: int = BLOCKS_PER_RANK, **extra) -> LLM:
-    return LLM(model, dtype="float32", num_threads=1, kv_cache_memory_bytes=blocks * _bytes_per_block(model),
-               max_model_len=200, max_num_batched_tokens=STEP_TOKENS, **extra)
+    return LLM(
+        model,
+        dtype="float32",
+        num_threads=1,
+        kv_cache_memory_bytes=blocks * _bytes_per_block(model),
+        max_model_len=200,
+        max_num_batched_tokens=STEP_TOKENS,
+        **extra,
+    )
 
 
 def _rank_split_rows(worker) -> tuple[int, int]:
@@ -74,10 +81,17 @@ def test_json_schema_request_under_cp2_equals_cp1(model, prompts):
     """A greedy json_schema request whose prompt is split over CP=2: the
     grammar's mask is applied to the row rank 0 gathered, so the tokens equal
     one rank's (which holds the same KV in one cache) and form the schema's JSON."""
-    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
-              "required": ["colour", "ok"], "additionalProperties": False}
-    params = SamplingParams(temperature=0, max_tokens=40,
-                            structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+        "required": ["colour", "ok"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=40,
+        structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+    )
     requests = [{"prompt_token_ids": prompts["long"]}, {"prompt_token_ids": prompts["short"]}]
     with _engine(model, blocks=2 * BLOCKS_PER_RANK) as one:
         expected = [o.outputs[0] for o in one.generate(requests, params, use_tqdm=False)]

@@ -50,14 +50,16 @@ def test_silent_death_restarts_the_core_and_resumes_unfinished_children(make_eng
         await _until(lambda: len(first.requests) == 2)
         a, b = (r.request_id for r in first.requests)
         first.script.put_nowait(_step(EngineCoreOutput(a, [10]), EngineCoreOutput(b, [20])))
-        first.script.put_nowait(_step(EngineCoreOutput(a, [11]),
-                                      EngineCoreOutput(b, [21, 22, 23], finish_reason="length")))
+        first.script.put_nowait(
+            _step(EngineCoreOutput(a, [11]), EngineCoreOutput(b, [21, 22, 23], finish_reason="length"))
+        )
         first.script.put_nowait(EngineCoreDiedError(-9))
         await _until(lambda: len(FakeCore.started) == 2 and FakeCore.started[1].requests)
         second = FakeCore.started[1]
         # Only the unfinished child, continuing after the tokens already streamed.
         assert [(r.request_id, r.prompt_token_ids, r.output_token_ids) for r in second.requests] == [
-            (a, [1, 2, 3], [10, 11])]
+            (a, [1, 2, 3], [10, 11])
+        ]
         assert second.requests[0].sampling_params == first.requests[0].sampling_params
         assert first.closed and not engine.recovering
         second.script.put_nowait(_step(EngineCoreOutput(a, [12, 13], finish_reason="length")))
@@ -168,8 +170,9 @@ def test_engine_core_request_carries_the_tokens_already_generated():
 
 @pytest.fixture(scope="module")
 def core_config(tiny_model_dir):
-    return create_engine_config(tiny_model_dir("llama"), kv_cache_memory_bytes=4 << 20, max_model_len=256,
-                                num_threads=1, max_restarts=0)
+    return create_engine_config(
+        tiny_model_dir("llama"), kv_cache_memory_bytes=4 << 20, max_model_len=256, num_threads=1, max_restarts=0
+    )
 
 
 @pytest.mark.slow

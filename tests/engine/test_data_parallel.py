@@ -20,7 +20,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 PROMPTS = [[STRAGGLER_TOKEN] + [(7 * i + j) % 250 + 3 for j in range(1 + 3 * i)] for i in range(16)]
 
 
-
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
     return tiny_model_dir("llama", num_key_value_heads=2)
@@ -35,8 +34,7 @@ def _dp_llm(model, dp=2, **kwargs) -> LLM:
     # Single decode steps: a strike must land while every request is mid-stream,
     # and a decode burst can take a 16-token request from 2 tokens to done.
     kwargs.setdefault("num_scheduler_steps", 1)
-    return LLM(model, dtype="float32", data_parallel_size=dp, num_threads=1, kv_cache_memory_bytes=16 << 20,
-               **kwargs)
+    return LLM(model, dtype="float32", data_parallel_size=dp, num_threads=1, kv_cache_memory_bytes=16 << 20, **kwargs)
 
 
 def _client(llm: LLM):
@@ -148,13 +146,18 @@ def test_killed_replica_is_replaced_and_loses_no_request(ray_session, model, ref
 
         outputs = generate_with_strike_dp(llm, kill)
         assert outputs == reference
+
         # A replacement comes up and serves.
         def step_and_pause() -> None:
             llm.llm_engine.step()
             time.sleep(0.1)
 
-        wait_until(lambda: [r["state"] for r in client.replica_states()] == ["serving", "serving"], 120,
-                   step=step_and_pause, message=lambda: f"both replicas to serve: {client.replica_states()}")
+        wait_until(
+            lambda: [r["state"] for r in client.replica_states()] == ["serving", "serving"],
+            120,
+            step=step_and_pause,
+            message=lambda: f"both replicas to serve: {client.replica_states()}",
+        )
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == reference[:4]
     _assert_nothing_left()

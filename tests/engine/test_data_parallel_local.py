@@ -27,8 +27,15 @@ pytestmark = pytest.mark.slow
 
 def _local_dp_llm(model_dir: str) -> LLM:
     # Single decode steps, as in test_data_parallel's strikes.
-    return LLM(model_dir, dtype="float32", data_parallel_size=2, data_parallel_backend="mp", num_threads=1,
-               kv_cache_memory_bytes=16 << 20, num_scheduler_steps=1)
+    return LLM(
+        model_dir,
+        dtype="float32",
+        data_parallel_size=2,
+        data_parallel_backend="mp",
+        num_threads=1,
+        kv_cache_memory_bytes=16 << 20,
+        num_scheduler_steps=1,
+    )
 
 
 def test_local_cores_match_hf_and_share_the_load(model, reference):  # noqa: F811 (the fixture imported above)
@@ -55,8 +62,12 @@ def test_a_killed_core_is_replaced_and_its_requests_finish_on_the_other(model, r
 
         assert generate_with_strike_dp(llm, strike, victim=1) == reference
         assert supervisor.restart_budget.num_restarts == 1
-        wait_until(lambda: [r["state"] for r in supervisor.replica_states()] == ["serving", "serving"], 120,
-                   step=llm.llm_engine.step, message=lambda: f"both cores to serve: {supervisor.replica_states()}")
+        wait_until(
+            lambda: [r["state"] for r in supervisor.replica_states()] == ["serving", "serving"],
+            120,
+            step=llm.llm_engine.step,
+            message=lambda: f"both cores to serve: {supervisor.replica_states()}",
+        )
         assert supervisor.launcher._processes[1].pid != victim.pid
         # The replacement serves: a pinned request runs on it.
         llm.llm_engine.add_request("pinned", {"prompt_token_ids": PROMPTS[0]}, GREEDY, data_parallel_rank=1)

@@ -31,8 +31,14 @@ def cluster():
 @pytest.mark.parametrize("placement, distinct_nodes", [("pack", 1), ("spread", 2)])
 def test_replicas_are_packed_or_spread(cluster, tiny_model_dir, placement, distinct_nodes):
     model = tiny_model_dir("llama", num_key_value_heads=2)
-    with LLM(model, dtype="float32", data_parallel_size=2, data_parallel_placement=placement, num_threads=1,
-             kv_cache_memory_bytes=16 << 20) as llm:
+    with LLM(
+        model,
+        dtype="float32",
+        data_parallel_size=2,
+        data_parallel_placement=placement,
+        num_threads=1,
+        kv_cache_memory_bytes=16 << 20,
+    ) as llm:
         manager = llm.llm_engine.engine_core.launcher.manager
         nodes = {handle.node_id for handle in manager.replicas.values()}
         assert len(nodes) == distinct_nodes

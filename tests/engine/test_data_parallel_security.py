@@ -34,8 +34,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 PROMPTS = [[STRAGGLER_TOKEN] + [(5 * i + j) % 250 + 3 for j in range(2 + 3 * i)] for i in range(12)]
 # A hang guard for things that happen in the background, not a speed assertion.
 _DEADLINE_S = 60.0
-_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
-                     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+)
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +124,7 @@ class _Intruder:
         return all(any(e in _HANDSHAKE_FAILED for e in events) for events in self.events.values())
 
     def received(self) -> list[bytes]:
-        return [sock.recv() for sock, _, _ in self.sockets
-                if sock.type in (zmq.PULL, zmq.DEALER) and sock.poll(0)]
+        return [sock.recv() for sock, _, _ in self.sockets if sock.type in (zmq.PULL, zmq.DEALER) and sock.poll(0)]
 
     def close(self) -> None:
         for sock, monitor, _ in self.sockets:
@@ -160,17 +162,19 @@ def test_foreign_sockets_steal_inject_and_end_nothing(ray_session, dp_llm, refer
     # Every socket the front end listens on: the output socket and each
     # replica's input socket.
     addresses = [client.launcher.output_address] + [r.address for r in client.channels.values()]
-    listening = {c.laddr.port for c in psutil.Process().net_connections(kind="tcp")
-                 if c.status == psutil.CONN_LISTEN}
+    listening = {c.laddr.port for c in psutil.Process().net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
     assert {int(a.rsplit(":", 1)[1]) for a in addresses} <= listening
     ctx = zmq.Context()
     intruders = [_Intruder(ctx, address, client.launcher.curve.keys.public) for address in addresses]
     try:
         for intruder in intruders:
             intruder.send(_forged_frames([str(i) for i in range(len(PROMPTS))]))
-        wait_until(lambda: all(intruder.all_refused() for intruder in intruders), _DEADLINE_S,
-                   step=lambda: _step_and_pause(engine, done, 0.05),  # the requests in flight go on meanwhile
-                   message=lambda: f"every intruder to be refused: {[i.events for i in intruders]}")
+        wait_until(
+            lambda: all(intruder.all_refused() for intruder in intruders),
+            _DEADLINE_S,
+            step=lambda: _step_and_pause(engine, done, 0.05),  # the requests in flight go on meanwhile
+            message=lambda: f"every intruder to be refused: {[i.events for i in intruders]}",
+        )
         # Sent while the foreign PULLs keep knocking: none gets a share.
         for i in second:
             engine.add_request(str(i), {"prompt_token_ids": PROMPTS[i]}, GREEDY)
@@ -181,8 +185,11 @@ def test_foreign_sockets_steal_inject_and_end_nothing(ray_session, dp_llm, refer
             assert all(zmq.EVENT_HANDSHAKE_SUCCEEDED not in events for events in intruder.events.values())
             # A foreign CURVE client of the right socket type is refused by
             # the key check itself, not by a mismatch of types.
-            typed = [i for i, (sock, _, curve) in enumerate(intruder.sockets)
-                     if curve and sock.type == (zmq.PUSH if intruder is intruders[0] else zmq.PULL)]
+            typed = [
+                i
+                for i, (sock, _, curve) in enumerate(intruder.sockets)
+                if curve and sock.type == (zmq.PUSH if intruder is intruders[0] else zmq.PULL)
+            ]
             assert all(zmq.EVENT_HANDSHAKE_FAILED_AUTH in intruder.events[i] for i in typed)
             assert intruder.received() == []
     finally:
@@ -225,10 +232,12 @@ def test_a_replica_speaks_only_for_itself(ray_session, dp_llm, reference, caplog
     # The drop counters are the engine's: this test's drops are what they add.
     counted_before = client.foreign.count, client.launcher.misattributed.count, client.undecodable.count
     try:
-        for frame in (b"\x00not msgpack",
-                      encode(EngineCoreOutputs(outputs=forged, engine_index=1)),
-                      encode(EngineCoreOutputs(outputs=forged, engine_index=0)),
-                      encode(EngineCoreOutputs(error="Traceback\nRuntimeError: forged", engine_index=0))):
+        for frame in (
+            b"\x00not msgpack",
+            encode(EngineCoreOutputs(outputs=forged, engine_index=1)),
+            encode(EngineCoreOutputs(outputs=forged, engine_index=0)),
+            encode(EngineCoreOutputs(error="Traceback\nRuntimeError: forged", engine_index=0)),
+        ):
             posing.send(frame)
         # The front end's own input socket carries only what it encodes;
         # a replica drops a frame that does not decode all the same.
@@ -242,21 +251,30 @@ def test_a_replica_speaks_only_for_itself(ray_session, dp_llm, reference, caplog
             foreign, misattributed, undecodable = drops()
             return foreign >= 1 and misattributed >= 2 and undecodable >= 1
 
-        wait_until(all_dropped, _DEADLINE_S, step=lambda: _step_and_pause(engine, done, 0.01),
-                   message=lambda: f"the drops (foreign, misattributed, undecodable) to be counted: {drops()}")
+        wait_until(
+            all_dropped,
+            _DEADLINE_S,
+            step=lambda: _step_and_pause(engine, done, 0.01),
+            message=lambda: f"the drops (foreign, misattributed, undecodable) to be counted: {drops()}",
+        )
         _step_until(engine, done, lambda: not engine.has_unfinished_requests())
         # With nothing in flight a step still reads what has come (it used
         # not to: frames sent as the last request finished sat unread).
         posing.send(b"\x00late, not msgpack")
-        wait_until(lambda: drops()[2] >= 2, _DEADLINE_S, step=lambda: _step_and_pause(engine, done, 0.01),
-                   message=lambda: f"a frame sent while idle to be counted: {drops()}")
+        wait_until(
+            lambda: drops()[2] >= 2,
+            _DEADLINE_S,
+            step=lambda: _step_and_pause(engine, done, 0.01),
+            message=lambda: f"a frame sent while idle to be counted: {drops()}",
+        )
     finally:
         posing.close(linger=0)
         ctx.term()
     assert [done[f"own-{i}"] for i in range(len(PROMPTS))] == reference
     assert {i: h.actor for i, h in client.launcher.manager.replicas.items()} == actors
-    messages = [r.getMessage() for r in caplog.records
-                if r.name in ("raylm.engine.supervisor", "raylm.engine.ray_launcher")]
+    messages = [
+        r.getMessage() for r in caplog.records if r.name in ("raylm.engine.supervisor", "raylm.engine.ray_launcher")
+    ]
     assert any("does not decode" in m for m in messages), messages
     assert any("not routed to the core" in m for m in messages), messages
     assert any("signed as replica 0" in m for m in messages), messages
@@ -294,11 +312,16 @@ def test_a_replica_drops_an_input_frame_that_does_not_decode(tmp_path, caplog):
     to_core, from_core = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     to_core.bind(f"ipc://{tmp_path}/input")
     from_core.bind(f"ipc://{tmp_path}/output")
-    proc = ReplicaCoreProc(_IdleCore(), f"ipc://{tmp_path}/input", f"ipc://{tmp_path}/output", engine_index=3,
-                           watch_parent=False)
+    proc = ReplicaCoreProc(
+        _IdleCore(), f"ipc://{tmp_path}/input", f"ipc://{tmp_path}/output", engine_index=3, watch_parent=False
+    )
     try:
-        for frame in (b"\x00not msgpack", msgspec.msgpack.encode({"nonce": 1}), msgspec.msgpack.encode(Ping(7)),
-                      msgspec.msgpack.encode(Shutdown())):
+        for frame in (
+            b"\x00not msgpack",
+            msgspec.msgpack.encode({"nonce": 1}),
+            msgspec.msgpack.encode(Ping(7)),
+            msgspec.msgpack.encode(Shutdown()),
+        ):
             to_core.send(frame)
         with caplog.at_level(logging.WARNING, logger="raylm.engine.dp_manager"):
             proc.run()  # returns at the Shutdown

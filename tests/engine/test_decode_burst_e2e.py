@@ -27,8 +27,12 @@ def _params(stop_token: int | None) -> list[SamplingParams]:
     return [
         SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True, logit_bias={17: 0.5}),
-        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
-                       stop_token_ids=[stop_token] if stop_token is not None else None),
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=40,
+            ignore_eos=True,
+            stop_token_ids=[stop_token] if stop_token is not None else None,
+        ),
         SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=29, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=31),  # EOS allowed
         # Unseeded: bursts with one worker (its tokens are not compared, see _compare).
@@ -38,8 +42,13 @@ def _params(stop_token: int | None) -> list[SamplingParams]:
 
 def _generate(model, params, num_scheduler_steps, **engine_args):
     engine_args.setdefault("distributed_executor_backend", "uni")
-    with LLM(str(model), kv_cache_memory_bytes=32 << 20, enable_prefix_caching=False,
-             num_scheduler_steps=num_scheduler_steps, **engine_args) as llm:
+    with LLM(
+        str(model),
+        kv_cache_memory_bytes=32 << 20,
+        enable_prefix_caching=False,
+        num_scheduler_steps=num_scheduler_steps,
+        **engine_args,
+    ) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         core = llm.llm_engine.engine_core.engine_core
         planner = core.scheduler.burst_planner
@@ -91,15 +100,30 @@ def test_greedy_bursts_in_one_call_equal_single_steps(arch, tmp_path, monkeypatc
     calls = _count_greedy_calls(monkeypatch)
     # Bursts of 4 rows or fewer: bfloat16 weights run the fused decode up to 4 rows.
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (45, 19, 33, 8)]
-    with LLM(str(model), dtype="bfloat16", kv_cache_memory_bytes=32 << 20, enable_prefix_caching=False,
-             distributed_executor_backend="uni") as llm:
-        burst = [o.outputs[0].token_ids for o in llm.generate(
-            [{"prompt_token_ids": p} for p in PROMPTS[:4]], params, use_tqdm=False)]
+    with LLM(
+        str(model),
+        dtype="bfloat16",
+        kv_cache_memory_bytes=32 << 20,
+        enable_prefix_caching=False,
+        distributed_executor_backend="uni",
+    ) as llm:
+        burst = [
+            o.outputs[0].token_ids
+            for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], params, use_tqdm=False)
+        ]
     assert any(calls), "no burst ran its greedy steps in one call"
-    with LLM(str(model), dtype="bfloat16", kv_cache_memory_bytes=32 << 20, enable_prefix_caching=False,
-             distributed_executor_backend="uni", num_scheduler_steps=1) as llm:
-        single = [o.outputs[0].token_ids for o in llm.generate(
-            [{"prompt_token_ids": p} for p in PROMPTS[:4]], params, use_tqdm=False)]
+    with LLM(
+        str(model),
+        dtype="bfloat16",
+        kv_cache_memory_bytes=32 << 20,
+        enable_prefix_caching=False,
+        distributed_executor_backend="uni",
+        num_scheduler_steps=1,
+    ) as llm:
+        single = [
+            o.outputs[0].token_ids
+            for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], params, use_tqdm=False)
+        ]
     assert burst == single
 
 
@@ -108,10 +132,23 @@ def test_quantized_greedy_bursts_in_one_call_equal_single_steps(tmp_path, monkey
         pytest.skip("no C++ compiler: the CPU kernels are not built")
     calls = _count_greedy_calls(monkeypatch)
     # Rows of 256 and 512 weights: whole K-quant super-blocks. A Q4_K_M-like mix.
-    folder = make_tiny_model("llama", tmp_path / "m", seed=9, hidden_size=256, intermediate_size=512,
-                             num_attention_heads=4, num_key_value_heads=2)
-    path = write_gguf(folder, tmp_path / "m.gguf", "Q4_K", tensor_type=lambda name, shape: "Q6_K" if name.endswith(
-        ("attn_v.weight", "ffn_down.weight", "output.weight")) else "Q4_K")
+    folder = make_tiny_model(
+        "llama",
+        tmp_path / "m",
+        seed=9,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    path = write_gguf(
+        folder,
+        tmp_path / "m.gguf",
+        "Q4_K",
+        tensor_type=lambda name, shape: (
+            "Q6_K" if name.endswith(("attn_v.weight", "ffn_down.weight", "output.weight")) else "Q4_K"
+        ),
+    )
     _compare(path, dtype="bfloat16")
     assert any(calls), "no burst ran its greedy steps in one call (once the random rows are done)"
 

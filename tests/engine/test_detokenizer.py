@@ -26,9 +26,20 @@ CORPUS = [
 
 # Characters for random strings: some are merged into one token by training, the
 # rest (rare CJK, emoji) stay split into byte tokens.
-CHAR_POOL = list("abcdefghij klmnop ,.!?\n") + list("éöïçñÆø") + list("日本語東京龍鬱") + [
-    "😀", "🎉", "👍🏽", "🦀", "👨‍👩‍👧", "❤️", "𝔘",
-]
+CHAR_POOL = (
+    list("abcdefghij klmnop ,.!?\n")
+    + list("éöïçñÆø")
+    + list("日本語東京龍鬱")
+    + [
+        "😀",
+        "🎉",
+        "👍🏽",
+        "🦀",
+        "👨‍👩‍👧",
+        "❤️",
+        "𝔘",
+    ]
+)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +98,7 @@ def feed(detok: IncrementalDetokenizer, ids: list[int], chunks: list[int]) -> li
     """Feed ``ids`` in chunks of the given sizes; returns what each update said."""
     results, pos = [], 0
     for size in chunks:
-        results.append(detok.update(ids[pos:pos + size]))
+        results.append(detok.update(ids[pos : pos + size]))
         pos += size
     assert pos == len(ids)
     return results
@@ -138,7 +149,7 @@ def test_byte_fallback_tokenizer(byte_fallback_tokenizer):
         for context in ([], prompt):
             # With a prompt the first word keeps its leading space, as in the decode of prompt + output.
             full = tok.decode(context + ids)
-            expected = full[len(tok.decode(context)):]
+            expected = full[len(tok.decode(context)) :]
             detok = IncrementalDetokenizer(tok, context)
             for token_id in ids:
                 detok.update([token_id])
@@ -155,7 +166,7 @@ def test_random_chunks_match_full_decode(hf_tokenizer):
         detok = IncrementalDetokenizer(hf_tokenizer, encode(hf_tokenizer, "Hi"))
         pos = 0
         for size in random_chunks(rng, len(ids)):
-            detok.update(ids[pos:pos + size])
+            detok.update(ids[pos : pos + size])
             pos += size
             assert expected.startswith(detok.output_text)
             if REPLACEMENT not in expected:
@@ -182,7 +193,7 @@ def test_the_text_does_not_depend_on_how_tokens_are_grouped():
         grouped, deltas, pos = IncrementalDetokenizer(tok, prompt), "", 0
         while pos < len(ids):
             size = rng.randint(1, 12)
-            grouped.update(ids[pos:pos + size])
+            grouped.update(ids[pos : pos + size])
             pos += size
             deltas += grouped.get_next_output_text(finished=False, delta=True)
         deltas += grouped.get_next_output_text(finished=True, delta=True)
@@ -249,7 +260,7 @@ def test_stop_string_spanning_tokens(hf_tokenizer, text, stop, include_stop):
     ids = encode(hf_tokenizer, text)
     k = first_token_count_containing(hf_tokenizer, ids, stop)
     # The stop string spans several tokens, so it starts in an earlier delta than it ends.
-    assert stop not in hf_tokenizer.decode(ids[k - 1:k])
+    assert stop not in hf_tokenizer.decode(ids[k - 1 : k])
     full = hf_tokenizer.decode(ids)
     position = full.index(stop)
     expected = full[: position + len(stop)] if include_stop else full[:position]
@@ -307,7 +318,7 @@ def test_streamed_deltas_hold_back_stop_strings(hf_tokenizer, include_stop):
             )
             streamed, pos, matched = "", 0, None
             for size in random_chunks(rng, len(ids)):
-                matched = detok.update(ids[pos:pos + size])
+                matched = detok.update(ids[pos : pos + size])
                 pos += size
                 finished = matched is not None or pos == len(ids)
                 streamed += detok.get_next_output_text(finished=finished, delta=True)

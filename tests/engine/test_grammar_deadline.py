@@ -36,11 +36,17 @@ def test_too_slow_a_grammar_fails_its_request_and_only_it(tiny_model_dir):
         manager._make_matcher = compile_or_block
         try:
             params = dict(temperature=0, max_tokens=16)
-            engine.add_request("slow", "Pick one:", SamplingParams(
-                structured_outputs=StructuredOutputsParams(choice=["glacial"]), **params))
+            engine.add_request(
+                "slow",
+                "Pick one:",
+                SamplingParams(structured_outputs=StructuredOutputsParams(choice=["glacial"]), **params),
+            )
             assert stuck.wait(60)
-            engine.add_request("fast", "Pick one:", SamplingParams(
-                structured_outputs=StructuredOutputsParams(choice=["yes", "no"]), **params))
+            engine.add_request(
+                "fast",
+                "Pick one:",
+                SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]), **params),
+            )
             done = {}
             while "fast" not in done:
                 done.update((o.request_id, o) for o in engine.step())

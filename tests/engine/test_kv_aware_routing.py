@@ -123,8 +123,15 @@ def test_a_shared_prefix_goes_to_the_core_that_holds_it(tiny_model_dir, policy):
     prefix = [(13 * j) % 250 + 3 for j in range(96)]
     first, second = prefix + [7, 8], prefix + [9, 10, 11]
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    with LLM(model, dtype="float32", data_parallel_size=2, data_parallel_backend="mp", num_threads=1,
-             kv_cache_memory_bytes=16 << 20, routing_policy=policy) as llm:
+    with LLM(
+        model,
+        dtype="float32",
+        data_parallel_size=2,
+        data_parallel_backend="mp",
+        num_threads=1,
+        kv_cache_memory_bytes=16 << 20,
+        routing_policy=policy,
+    ) as llm:
         engine, sup = llm.llm_engine, llm.llm_engine.engine_core
         outputs = {}
 

@@ -49,8 +49,15 @@ def llm(model, monkeypatch):
     # burst of 8 tokens per output let a core finish requests that the test's
     # view (the ledger) still showed mid-stream when it scaled in (the clean-clone
     # CI of 95dd03e migrated 2 of the 4 it expected).
-    with LLM(model, dtype="float32", data_parallel_size=2, data_parallel_backend="mp", num_threads=1,
-             kv_cache_memory_bytes=16 << 20, num_scheduler_steps=1) as llm:
+    with LLM(
+        model,
+        dtype="float32",
+        data_parallel_size=2,
+        data_parallel_backend="mp",
+        num_threads=1,
+        kv_cache_memory_bytes=16 << 20,
+        num_scheduler_steps=1,
+    ) as llm:
         yield llm
     wait_until(lambda: not (_children() - before), 30, message=lambda: f"processes left: {_children() - before}")
     # The transfer files (and the ones the sources kept to fill again) went with the engine's folder.
@@ -72,8 +79,9 @@ def _run(llm: LLM, requests: dict, once_running=None, min_tokens: int = 6) -> di
         for out in engine.step():
             done[out.request_id] = out.outputs[0].token_ids
         # (A request the ledger no longer holds has finished: well past min_tokens.)
-        if not called and all(r not in supervisor.ledger or len(supervisor.ledger[r].token_ids) >= min_tokens
-                              for r in requests):
+        if not called and all(
+            r not in supervisor.ledger or len(supervisor.ledger[r].token_ids) >= min_tokens for r in requests
+        ):
             once_running(supervisor)
             called = True
     assert called
@@ -160,8 +168,12 @@ def test_a_request_that_ends_before_its_first_token_at_the_destination_still_cou
     assert supervisor.migrate("brief", 1 - supervisor.ledger["brief"].channel)
     # One core message at a time, up to the destination's report that it holds
     # the request: its first token comes in a later message.
-    wait_until(lambda: "brief" in supervisor.migrations._resumed, 30, step=lambda: _read_one(supervisor),
-               message="the migration to end")
+    wait_until(
+        lambda: "brief" in supervisor.migrations._resumed,
+        30,
+        step=lambda: _read_one(supervisor),
+        message="the migration to end",
+    )
     assert supervisor.ledger["brief"].channel == supervisor.migrations._resumed["brief"][0].destination
     engine.abort_request("brief")
     while engine.has_unfinished_requests():
@@ -174,18 +186,26 @@ def test_a_request_that_ends_before_its_first_token_at_the_destination_still_cou
 
 
 def test_seeded_and_structured_requests_continue_exactly(llm):
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                                "n": {"type": "integer"}}, "required": ["name", "n"]}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+    }
     # The JSON object ends after a few tokens: the prompts carry the straggler
     # (20 ms a step), so that the moves end before the requests do however fast
     # the machine decodes (the overlapped pre-copy takes a few steps; the JSON
     # once ended first here, and its move was given up).
     requests = {
-        "seeded": (STRAGGLING_PROMPTS[3],
-                   SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)),
-        "json": (STRAGGLING_PROMPTS[4],
-                 SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_TOKENS,
-                                structured_outputs=StructuredOutputsParams(json=schema))),
+        "seeded": (
+            STRAGGLING_PROMPTS[3],
+            SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True),
+        ),
+        "json": (
+            STRAGGLING_PROMPTS[4],
+            SamplingParams(
+                temperature=1.0, seed=3, max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputsParams(json=schema)
+            ),
+        ),
     }
     unmoved = _run(llm, {f"{rid}-a": r for rid, r in requests.items()})
 
@@ -225,8 +245,12 @@ def test_a_core_killed_mid_migration_loses_nothing(llm, straggling_reference, vi
     done = _run(llm, {str(i): (p, GREEDY) for i, p in enumerate(STRAGGLING_PROMPTS)}, move_one)
     assert struck
     assert [done[str(i)] for i in range(len(PROMPTS))] == straggling_reference
-    wait_until(lambda: len(supervisor.channels) == 2, 120, step=lambda: _read_one(supervisor),
-               message="the killed core's replacement")
+    wait_until(
+        lambda: len(supervisor.channels) == 2,
+        120,
+        step=lambda: _read_one(supervisor),
+        message="the killed core's replacement",
+    )
     assert _kv_in_use(supervisor) == {0: 0.0, 1: 0.0}
     assert not supervisor.migrations
 
@@ -247,14 +271,22 @@ def test_rebalancing_moves_requests_to_a_replica_that_emptied(model, monkeypatch
     params = [long_params if i % 2 == 0 else short_params for i in range(len(prompts))]
     expected_long = hf_greedy(model, prompts[0::2], long_tokens)
     before = _children()
-    with LLM(model, dtype="float32", data_parallel_size=2, data_parallel_backend="mp", num_threads=1,
-             kv_cache_memory_bytes=16 << 20, data_parallel_rebalance=True) as llm:
+    with LLM(
+        model,
+        dtype="float32",
+        data_parallel_size=2,
+        data_parallel_backend="mp",
+        num_threads=1,
+        kv_cache_memory_bytes=16 << 20,
+        data_parallel_rebalance=True,
+    ) as llm:
         engine, supervisor = llm.llm_engine, llm.llm_engine.engine_core
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             engine.add_request(str(i), {"prompt_token_ids": prompt}, p)
         engine.add_request("pinned", {"prompt_token_ids": prompts[0]}, long_params, data_parallel_rank=0)
         assert {rid: e.channel for rid, e in supervisor.ledger.items() if rid != "pinned"} == {
-            str(i): i % 2 for i in range(len(prompts))}
+            str(i): i % 2 for i in range(len(prompts))
+        }
         done, moved_to = {}, {}
         while engine.has_unfinished_requests():
             for out in engine.step():

@@ -50,8 +50,15 @@ def _run(core, request_id: str, until, tokens: list[int]) -> None:
                 tokens.extend(out.new_token_ids)
 
 
-def _migrate(src, dst, request_id: str, first: EngineCoreRequest, tokens: list[int], shm_dir: str,
-             network: KVNetwork | None = None) -> dict:
+def _migrate(
+    src,
+    dst,
+    request_id: str,
+    first: EngineCoreRequest,
+    tokens: list[int],
+    shm_dir: str,
+    network: KVNetwork | None = None,
+) -> dict:
     """The supervisor's side of one migration, by hand: a first stage while
     the request runs, then the final stage; returns what was moved.
     `network`: the K/V goes over sockets (as between nodes), not files."""
@@ -59,8 +66,11 @@ def _migrate(src, dst, request_id: str, first: EngineCoreRequest, tokens: list[i
     assert stage1.ok and stage1.num_blocks >= 2, stage1
     assert (stage1.sources is None) == (network is None)
     # A stage before the last is read in beside the steps: reported once the ranks are done.
-    early = dst.take_migration_reports(MigrateImport("m1", request_id, f"{shm_dir}/m1-0", stage1.num_blocks,
-                                                     final=False, network=network, sources=stage1.sources))
+    early = dst.take_migration_reports(
+        MigrateImport(
+            "m1", request_id, f"{shm_dir}/m1-0", stage1.num_blocks, final=False, network=network, sources=stage1.sources
+        )
+    )
     # Until the request arrives the destination runs single steps (no decode burst to hold it back).
     assert dst.scheduler.expecting_imports
     # The source decodes on while both sides copy.
@@ -70,12 +80,22 @@ def _migrate(src, dst, request_id: str, first: EngineCoreRequest, tokens: list[i
     final = src.take_migration_reports(MigrateExport("m1", request_id, f"{shm_dir}/m1-1", True, network))
     final = final[0] if final else _poll(src)
     assert final.ok and final.final and final.num_output_tokens == len(tokens), (final, len(tokens))
-    continuation = EngineCoreRequest(request_id, first.prompt_token_ids, first.sampling_params, first.eos_token_id,
-                                     output_token_ids=list(tokens))
-    done = dst.take_migration_reports(MigrateImport("m1", request_id, f"{shm_dir}/m1-1", final.num_blocks, final=True,
-                                                    request=continuation,
-                                                    num_computed_tokens=final.num_computed_tokens,
-                                                    network=network, sources=final.sources))[0]
+    continuation = EngineCoreRequest(
+        request_id, first.prompt_token_ids, first.sampling_params, first.eos_token_id, output_token_ids=list(tokens)
+    )
+    done = dst.take_migration_reports(
+        MigrateImport(
+            "m1",
+            request_id,
+            f"{shm_dir}/m1-1",
+            final.num_blocks,
+            final=True,
+            request=continuation,
+            num_computed_tokens=final.num_computed_tokens,
+            network=network,
+            sources=final.sources,
+        )
+    )[0]
     assert done.ok, done
     assert not dst.scheduler.expecting_imports
     src.take_migration_reports(MigrateEnd("m1", request_id, commit=True))
@@ -250,10 +270,17 @@ def test_abandoned_migration_leaves_the_request_running_at_the_source(cores, mod
         assert final.ok and request_id in src.scheduler.paused
         # The destination cannot take it (the file is gone): it refuses and frees its reservation.
         os.remove(f"{shm_dir}/b.rank0")
-        refused = dst.take_migration_reports(MigrateImport("m2", request_id, f"{shm_dir}/b", final.num_blocks,
-                                                           final=True, request=EngineCoreRequest(
-                                                               request_id, PROMPT, params, None, 0.0, list(tokens)),
-                                                           num_computed_tokens=final.num_computed_tokens))[0]
+        refused = dst.take_migration_reports(
+            MigrateImport(
+                "m2",
+                request_id,
+                f"{shm_dir}/b",
+                final.num_blocks,
+                final=True,
+                request=EngineCoreRequest(request_id, PROMPT, params, None, 0.0, list(tokens)),
+                num_computed_tokens=final.num_computed_tokens,
+            )
+        )[0]
         assert not refused.ok and "cannot be read" in refused.error
         assert not dst.scheduler.kv_cache_manager.req_blocks and not dst.has_unfinished_requests()
         assert not dst.scheduler.expecting_imports
@@ -401,10 +428,18 @@ def test_a_destination_that_rebuilt_its_executor_refuses_the_migration_s_later_s
         assert [(r.migration_id, r.ok) for r in lost] == [("m6", False)], lost
         final = _report(src, MigrateExport("m6", request_id, f"{shm_dir}/m6-1", final=True))
         assert final.ok
-        refused = dst.take_migration_reports(MigrateImport(
-            "m6", request_id, f"{shm_dir}/m6-1", final.num_blocks, final=True,
-            request=EngineCoreRequest(request_id, PROMPT, params, None, 0.0, list(tokens)),
-            num_computed_tokens=final.num_computed_tokens, stage=1))[0]
+        refused = dst.take_migration_reports(
+            MigrateImport(
+                "m6",
+                request_id,
+                f"{shm_dir}/m6-1",
+                final.num_blocks,
+                final=True,
+                request=EngineCoreRequest(request_id, PROMPT, params, None, 0.0, list(tokens)),
+                num_computed_tokens=final.num_computed_tokens,
+                stage=1,
+            )
+        )[0]
         assert not refused.ok and "holds no stage" in refused.error
         assert not dst.has_unfinished_requests() and not dst.scheduler.kv_cache_manager.imports
         src.take_migration_reports(MigrateEnd("m6", request_id, commit=False))
@@ -432,8 +467,12 @@ def test_a_request_resubmitted_while_its_abandoned_import_is_open_computes_its_o
         dst.add_request(EngineCoreRequest("resubmitted", PROMPT, params, eos_token_id=None))  # recovered here
         tokens: list[int] = []
         # (The core's loop polls its copies; here the test does, between steps.)
-        _run(dst, "resubmitted", lambda: not (dst.has_unfinished_requests() or dst.take_migration_reports()
-                                              or dst.migrations.copying), tokens)
+        _run(
+            dst,
+            "resubmitted",
+            lambda: not (dst.has_unfinished_requests() or dst.take_migration_reports() or dst.migrations.copying),
+            tokens,
+        )
     assert tokens == hf_greedy(model, [PROMPT], MAX_TOKENS)[0].token_ids
     kv = dst.scheduler.kv_cache_manager
     assert not kv.req_blocks and not kv.imports

@@ -35,8 +35,11 @@ POISON = 700
 POISONED = [5, 6, POISON, 7]
 
 # Each fault the hook injects, and the kind of recovery the core reports for it.
-ACTIONS_AND_KINDS = [("kill", RecoveryKind.WORKER_DIED), ("hang", RecoveryKind.WORKER_HUNG),
-                     ("raise", RecoveryKind.STEP_ERROR)]
+ACTIONS_AND_KINDS = [
+    ("kill", RecoveryKind.WORKER_DIED),
+    ("hang", RecoveryKind.WORKER_HUNG),
+    ("raise", RecoveryKind.STEP_ERROR),
+]
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +53,15 @@ def reference(model):
 
 
 def _llm(model, backend, tp=1, **kwargs) -> LLM:
-    return LLM(model, dtype="float32", tensor_parallel_size=tp, distributed_executor_backend=backend,
-               num_threads=1, kv_cache_memory_bytes=16 << 20, **kwargs)
+    return LLM(
+        model,
+        dtype="float32",
+        tensor_parallel_size=tp,
+        distributed_executor_backend=backend,
+        num_threads=1,
+        kv_cache_memory_bytes=16 << 20,
+        **kwargs,
+    )
 
 
 def _core(llm: LLM):
@@ -114,8 +124,16 @@ def test_fault_specs_parse_and_typos_are_refused():
     assert FaultSpec.parse("kill:token=7") == FaultSpec("kill", 7, None)
     assert FaultSpec.parse("hang:token=7:rank=0") == FaultSpec("hang", 7, 0)
     assert FaultSpec.parse("slow:token=7:ms=5") == FaultSpec("slow", 7, None, delay_ms=5)
-    for bad in ("explode:token=1", "kill", "kill:tok=1", "raise:token=x", "raise:token=1:rank",
-                "slow:token=7", "slow:token=7:ms=0", "kill:token=7:ms=5"):
+    for bad in (
+        "explode:token=1",
+        "kill",
+        "kill:tok=1",
+        "raise:token=x",
+        "raise:token=1:rank",
+        "slow:token=7",
+        "slow:token=7:ms=0",
+        "kill:token=7:ms=5",
+    ):
         with pytest.raises(ValueError, match=ENV_VAR):
             FaultSpec.parse(bad)
     assert not FaultInjector(FaultSpec("raise", 7), rank=0, world_size=2).armed  # default: the highest rank
@@ -222,8 +240,9 @@ def test_uni_core_process_poison_is_failed_alone_online(monkeypatch, model, refe
     deadline); the front end blames the request the core ran alone."""
     monkeypatch.setenv(ENV_VAR, f"{action}:token={POISON}")
     poison_at = 3
-    config = create_engine_config(model=model, dtype="float32", num_threads=1, kv_cache_memory_bytes=16 << 20,
-                                  execute_model_timeout=4)
+    config = create_engine_config(
+        model=model, dtype="float32", num_threads=1, kv_cache_memory_bytes=16 << 20, execute_model_timeout=4
+    )
     engine = AsyncLLM(config)
 
     async def run() -> None:
@@ -248,8 +267,12 @@ def test_hook_raises_only_on_steps_with_the_token():
     injector = FaultInjector(FaultSpec("raise", POISON), rank=0, world_size=1)
 
     def step(new, scheduled):
-        return SchedulerOutput([NewRequestData(r, p, [], SamplingParams(), [], 0) for r, p in new], [],
-                               {r: 1 for r in scheduled}, len(scheduled))
+        return SchedulerOutput(
+            [NewRequestData(r, p, [], SamplingParams(), [], 0) for r, p in new],
+            [],
+            {r: 1 for r in scheduled},
+            len(scheduled),
+        )
 
     injector.before_step(step([("a", [1, 2])], ["a"]))
     with pytest.raises(InjectedFault):
@@ -275,8 +298,14 @@ def test_dp2_poison_is_failed_alone(monkeypatch, ray_session, model, reference, 
     poison_at = 2
     # A short step deadline for the hang (a replica is killed once silent for
     # that long); in-replica rebuilds (raise) may take longer than that here.
-    llm = LLM(model, dtype="float32", data_parallel_size=2, num_threads=1, kv_cache_memory_bytes=16 << 20,
-              execute_model_timeout=4 if action == "hang" else 300)
+    llm = LLM(
+        model,
+        dtype="float32",
+        data_parallel_size=2,
+        num_threads=1,
+        kv_cache_memory_bytes=16 << 20,
+        execute_model_timeout=4 if action == "hang" else 300,
+    )
     try:
         outputs = llm.generate(_prompts(poison_at), GREEDY, use_tqdm=False)
         _check_outputs(outputs, poison_at, reference)
@@ -285,8 +314,11 @@ def test_dp2_poison_is_failed_alone(monkeypatch, ray_session, model, reference, 
         again = llm.generate([{"prompt_token_ids": p} for p in GOOD[:4]], GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in again] == reference[:4]
         # The replicas it killed are replaced (then shut down with the others).
-        wait_for(lambda: [r["state"] for r in client.replica_states()] == ["serving", "serving"],
-                 step=llm.llm_engine.step, within_s=120)
+        wait_for(
+            lambda: [r["state"] for r in client.replica_states()] == ["serving", "serving"],
+            step=llm.llm_engine.step,
+            within_s=120,
+        )
     finally:
         llm.shutdown()
     _assert_nothing_left()

@@ -33,8 +33,14 @@ def _prompt_logprobs_held(llm: LLM, request_id: str) -> int:
 
 def test_a_worker_killed_mid_prompt_duplicates_no_prompt_logprob(model):
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
-    with LLM(model, dtype="float32", distributed_executor_backend="mp", num_threads=1,
-             kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=CHUNK) as llm:
+    with LLM(
+        model,
+        dtype="float32",
+        distributed_executor_backend="mp",
+        num_threads=1,
+        kv_cache_memory_bytes=16 << 20,
+        max_num_batched_tokens=CHUNK,
+    ) as llm:
         engine = llm.llm_engine
         engine.add_request("r", {"prompt_token_ids": PROMPT}, params)
         outputs = []
@@ -98,10 +104,19 @@ def test_prompt_logprobs_of_requests_preempted_with_steps_in_flight(model):
     on its return, none missing, none twice."""
     prompts = [[(13 * i + 7 * j) % 600 + 3 for j in range(120)] for i in range(6)]
     block_bytes = 2 * 2 * 2 * 16 * 4 * 16  # K and V, 2 layers, 2 KV heads of 16, float32, 16 tokens
-    with LLM(model, dtype="float32", async_scheduling=True, kv_cache_memory_bytes=40 * block_bytes,
-             max_num_batched_tokens=32, max_model_len=256) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(max_tokens=60, ignore_eos=True, prompt_logprobs=0), use_tqdm=False)
+    with LLM(
+        model,
+        dtype="float32",
+        async_scheduling=True,
+        kv_cache_memory_bytes=40 * block_bytes,
+        max_num_batched_tokens=32,
+        max_model_len=256,
+    ) as llm:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(max_tokens=60, ignore_eos=True, prompt_logprobs=0),
+            use_tqdm=False,
+        )
         assert llm.llm_engine.engine_core.engine_core.scheduler.num_preemptions > 0  # 6 x 12 blocks wanted, 40 held
     for prompt, out in zip(prompts, outs):
         assert len(out.prompt_logprobs) == len(prompt)

@@ -34,15 +34,22 @@ async def _until_rebuilding(client: AsyncEngineCoreSupervisor) -> None:
 @pytest.mark.timeout(180)
 def test_a_long_rebuild_is_not_killed_and_a_stuck_one_is(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv(GATE_DIR_ENV, str(tmp_path))
-    config = create_engine_config(tiny_model_dir("llama"), distributed_executor_backend=GatedRebuildUniExecutor,
-                                  kv_cache_memory_bytes=4 << 20, max_model_len=256, num_threads=1,
-                                  execute_model_timeout=STEP_DEADLINE_S, health_check_interval=0.2)
+    config = create_engine_config(
+        tiny_model_dir("llama"),
+        distributed_executor_backend=GatedRebuildUniExecutor,
+        kv_cache_memory_bytes=4 << 20,
+        max_model_len=256,
+        num_threads=1,
+        execute_model_timeout=STEP_DEADLINE_S,
+        health_check_interval=0.2,
+    )
     hold, fail = pathlib.Path(tmp_path, "hold"), pathlib.Path(tmp_path, "fail")
     client = AsyncEngineCoreSupervisor(config)
     client.restart_budget.max_restarts = 0  # a killed core is not replaced: its death is what the test reads
     core = client.channels[0]
     process = client.launcher._processes[0]
     try:
+
         async def run() -> None:
             hold.touch()
             fail.touch()  # the idle core's next health check fails: it rebuilds, and waits for `hold`

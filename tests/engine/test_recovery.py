@@ -46,8 +46,16 @@ def reference(model):
 
 
 def _llm(model, backend, tp=1, pp=1, **kwargs) -> LLM:
-    return LLM(model, dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
-               distributed_executor_backend=backend, num_threads=1, kv_cache_memory_bytes=16 << 20, **kwargs)
+    return LLM(
+        model,
+        dtype="float32",
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        distributed_executor_backend=backend,
+        num_threads=1,
+        kv_cache_memory_bytes=16 << 20,
+        **kwargs,
+    )
 
 
 def _core(llm: LLM):
@@ -89,8 +97,11 @@ def _executor_traces(executor) -> tuple[list[int], list[str], set[str], str | No
 def assert_gone(traces) -> None:
     pids, segments, actors, pg = traces
     # A Ray actor's process exits a moment after ray.kill.
-    wait_until(lambda: all(process_gone(p) for p in pids), 10,
-               message=lambda: f"worker processes to exit; left: {[p for p in pids if not process_gone(p)]}")
+    wait_until(
+        lambda: all(process_gone(p) for p in pids),
+        10,
+        message=lambda: f"worker processes to exit; left: {[p for p in pids if not process_gone(p)]}",
+    )
     assert not _left_in_dev_shm(segments)
     if actors or pg:
         live_actors, live_pgs = our_live_ray_state()
@@ -131,12 +142,16 @@ def test_killed_worker_mid_decode_loses_no_request(request, model, reference, ba
 @pytest.mark.slow
 def test_seeded_sampling_continues_its_stream_after_recovery(model):
     """Workers that replace dead ones fast-forward each request's generator."""
-    seeded = [SamplingParams(temperature=1.0, top_k=50, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
-              for i in range(8)]
+    seeded = [
+        SamplingParams(temperature=1.0, top_k=50, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
+        for i in range(8)
+    ]
     prompts = PROMPTS[:8]
     with _llm(model, "mp", tp=2) as llm:
-        uninterrupted = [o.outputs[0].token_ids for o in llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], seeded, use_tqdm=False)]
+        uninterrupted = [
+            o.outputs[0].token_ids
+            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], seeded, use_tqdm=False)
+        ]
         old = executor_of(llm)
         outputs = generate_with_strike(llm, prompts, seeded, lambda: os.kill(old.worker_pids[0], signal.SIGKILL))
         assert [e.kind for e in _core(llm).recoveries] == [RecoveryKind.WORKER_DIED]
@@ -200,8 +215,9 @@ class PoisonedMultiprocExecutor(MultiprocExecutor):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("executor_class, tp", [(PoisonedUniProcExecutor, 1), (PoisonedMultiprocExecutor, 2)],
-                         ids=["uni", "mp-tp2"])
+@pytest.mark.parametrize(
+    "executor_class, tp", [(PoisonedUniProcExecutor, 1), (PoisonedMultiprocExecutor, 2)], ids=["uni", "mp-tp2"]
+)
 def test_a_request_that_breaks_its_step_fails_alone(model, reference, executor_class, tp):
     prompts = PROMPTS[:3] + [[5, 6, POISON, 7]]
     # One restart allowed: a rebuild pinned on a request that was failed is
@@ -232,6 +248,7 @@ def test_failures_past_the_budget_end_the_engine_cleanly(model):
     llm = _llm(model, "mp", tp=2, max_restarts=1)
     traces = []
     try:
+
         def kill_rank_1():
             executor = executor_of(llm)
             traces.append(_executor_traces(executor))
@@ -272,15 +289,22 @@ def test_start_up_failure_on_one_rank_names_it_and_leaves_nothing(model, tmp_pat
     with pytest.raises(RuntimeError, match="rank 1") as info:
         _llm(model, CorruptCopyOnRank1Executor, tp=2)
     assert "load_model" in str(info.value) and "corrupt or truncated safetensors file" in str(info.value)
-    new_children = {p.pid for p in psutil.Process().children(recursive=True)
-                    if not _is_resource_tracker(p)} - children_before
+    new_children = {
+        p.pid for p in psutil.Process().children(recursive=True) if not _is_resource_tracker(p)
+    } - children_before
     # A killed worker is reaped a moment after the error; the bound only stops a wait that never ends.
-    wait_until(lambda: all(process_gone(p) for p in new_children), 60,
-               message=lambda: f"the workers to be gone: {[p for p in new_children if not process_gone(p)]}")
+    wait_until(
+        lambda: all(process_gone(p) for p in new_children),
+        60,
+        message=lambda: f"the workers to be gone: {[p for p in new_children if not process_gone(p)]}",
+    )
     # Only the segments this test's processes made: other tests may run beside this one.
     ours = {str(os.getpid())} | {str(pid) for pid in new_children}
-    left = {name for name in set(os.listdir("/dev/shm")) - segments_before
-            if name.startswith("raylm_mq_") and name.split("_")[2] in ours}
+    left = {
+        name
+        for name in set(os.listdir("/dev/shm")) - segments_before
+        if name.startswith("raylm_mq_") and name.split("_")[2] in ours
+    }
     assert not left
 
 

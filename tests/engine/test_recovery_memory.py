@@ -43,8 +43,13 @@ def live_tensor_bytes() -> int:
 @pytest.mark.slow
 def test_the_old_model_is_freed_before_the_new_executor_is_built(tiny_model_dir):
     model = tiny_model_dir("llama", num_key_value_heads=2)
-    llm = LLM(model, dtype="float32", distributed_executor_backend=PoisonedUniProcExecutor, num_threads=1,
-              kv_cache_memory_bytes=16 << 20)
+    llm = LLM(
+        model,
+        dtype="float32",
+        distributed_executor_backend=PoisonedUniProcExecutor,
+        num_threads=1,
+        kv_cache_memory_bytes=16 << 20,
+    )
     try:
         llm.generate([{"prompt_token_ids": p} for p in GOOD], GREEDY, use_tqdm=False)
         before = live_tensor_bytes()
@@ -60,8 +65,9 @@ def test_the_old_model_is_freed_before_the_new_executor_is_built(tiny_model_dir)
             return make_executor()
 
         core._make_executor = make_executor_and_look
-        outputs = llm.generate([{"prompt_token_ids": [5, POISON, 6]}] + [{"prompt_token_ids": p} for p in GOOD],
-                               GREEDY, use_tqdm=False)
+        outputs = llm.generate(
+            [{"prompt_token_ids": [5, POISON, 6]}] + [{"prompt_token_ids": p} for p in GOOD], GREEDY, use_tqdm=False
+        )
         assert outputs[0].outputs[0].finish_reason == "error"
         assert seen_at_rebuild and all(seen == (True, True) for seen in seen_at_rebuild), seen_at_rebuild
         after = live_tensor_bytes()

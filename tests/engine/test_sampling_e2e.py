@@ -25,15 +25,21 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     params = SamplingParams(temperature=1.0, seed=1234, max_tokens=24, ignore_eos=True)
     alone = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     again = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
-    neighbours = [SamplingParams(temperature=0.9, max_tokens=30, ignore_eos=True), params,
-                  SamplingParams(temperature=0.0, max_tokens=5), SamplingParams(temperature=1.0, seed=7, max_tokens=24)]
+    neighbours = [
+        SamplingParams(temperature=0.9, max_tokens=30, ignore_eos=True),
+        params,
+        SamplingParams(temperature=0.0, max_tokens=5),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=24),
+    ]
     batched = llm.generate(["hello there", prompt, "a b c", prompt], neighbours, use_tqdm=False)
     assert alone == again == batched[1].outputs[0].token_ids
     assert batched[3].outputs[0].token_ids != alone  # another seed, another text
     # Unseeded sampling at temperature 1 differs between runs.
     free = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
-    assert llm.generate(prompt, free, use_tqdm=False)[0].outputs[0].token_ids != llm.generate(
-        prompt, free, use_tqdm=False)[0].outputs[0].token_ids
+    assert (
+        llm.generate(prompt, free, use_tqdm=False)[0].outputs[0].token_ids
+        != llm.generate(prompt, free, use_tqdm=False)[0].outputs[0].token_ids
+    )
 
 
 def test_top_k_1_equals_greedy(llm):
@@ -79,8 +85,9 @@ def test_stop_strings(llm):
     out = llm.generate("Hello", SamplingParams(**VARIED, stop=[stop]), use_tqdm=False)[0].outputs[0]
     assert out.text == text[:cut]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    kept = llm.generate("Hello", SamplingParams(**VARIED, stop=[stop], include_stop_str_in_output=True),
-                        use_tqdm=False)[0].outputs[0]
+    kept = llm.generate(
+        "Hello", SamplingParams(**VARIED, stop=[stop], include_stop_str_in_output=True), use_tqdm=False
+    )[0].outputs[0]
     assert kept.text == text[: cut + len(stop)]
 
 
@@ -90,20 +97,24 @@ def test_n_greater_than_one(llm):
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 10 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
-    again = llm.generate("Tell me", SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True),
-                         use_tqdm=False)[0]
+    again = llm.generate(
+        "Tell me", SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True), use_tqdm=False
+    )[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
-    greedy = llm.generate("Tell me", SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True),
-                          use_tqdm=False)[0]
+    greedy = llm.generate("Tell me", SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[
+        0
+    ]
     assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
 
 
 def test_logprobs_top_k_and_prompt_logprobs(llm, tiny_model_dir):
     model = tiny_model_dir("llama")
     prompt_ids = _ids(llm, "The rain in Spain stays mainly")
-    out = llm.generate({"prompt_token_ids": prompt_ids},
-                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        {"prompt_token_ids": prompt_ids},
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2),
+        use_tqdm=False,
+    )[0]
     ref = hf_greedy(model, [prompt_ids], 6)[0]
     completion = out.outputs[0]
     assert completion.token_ids == ref.token_ids
@@ -127,8 +138,9 @@ def test_prompt_logprobs_across_prefill_chunks(tiny_model_dir):
     model = tiny_model_dir("llama")
     with LLM(model, dtype="float32", kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=8) as llm:
         ids = llm.get_tokenizer().encode("A long prompt that is split into several prefill chunks of eight")
-        out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0),
-                           use_tqdm=False)[0]
+        out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[
+            0
+        ]
     hf_prompt = hf_prompt_logprobs(model, ids)
     assert len(out.prompt_logprobs) == len(ids)
     for token, position, hf_lp in zip(ids[1:], out.prompt_logprobs[1:], hf_prompt):
@@ -141,6 +153,9 @@ def test_chat_applies_template(llm):
     expected = llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert out.prompt == expected
     assert "Hello!" in out.prompt and "Be brief." in out.prompt
-    plain = llm.generate({"prompt_token_ids": out.prompt_token_ids},
-                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    plain = llm.generate(
+        {"prompt_token_ids": out.prompt_token_ids},
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert plain.outputs[0].token_ids == out.outputs[0].token_ids

@@ -190,8 +190,9 @@ def test_truncate_prompt_tokens_equals_the_truncated_prompt(llm):
     ids = _prompt_ids(llm, "Once upon a time there was a quick brown fox who jumped over the lazy dog")
     assert len(ids) > 8
     for params in (GREEDY, SEEDED):
-        truncated = llm.generate({"prompt_token_ids": ids}, SamplingParams(**params, truncate_prompt_tokens=6),
-                                 use_tqdm=False)[0]
+        truncated = llm.generate(
+            {"prompt_token_ids": ids}, SamplingParams(**params, truncate_prompt_tokens=6), use_tqdm=False
+        )[0]
         assert truncated.prompt_token_ids == ids[-6:]
         assert truncated.outputs[0].token_ids == _generate(llm, {"prompt_token_ids": ids[-6:]}, **params)
 
@@ -262,8 +263,10 @@ def test_bad_values_name_the_field(kwargs, field):
 
 def test_ids_outside_the_vocabulary_name_the_field(llm):
     vocab = llm.llm_engine.config.model_config.vocab_size
-    for kwargs, field in ((dict(logit_bias={vocab: 1.0}), "logit_bias"),
-                          (dict(allowed_token_ids=[1, vocab + 5]), "allowed_token_ids")):
+    for kwargs, field in (
+        (dict(logit_bias={vocab: 1.0}), "logit_bias"),
+        (dict(allowed_token_ids=[1, vocab + 5]), "allowed_token_ids"),
+    ):
         with pytest.raises(ValueError, match=field):
             llm.generate(PROMPT, SamplingParams(**kwargs), use_tqdm=False)
     # The engine is unharmed.
@@ -280,9 +283,17 @@ def test_fields_survive_the_engine_core_and_worker_codecs(llm):
     from raylm.engine.protocol import EngineCoreRequest
     from raylm.messages import NewRequestData
 
-    params = llm.llm_engine.input_processor.finish_params(SamplingParams(
-        temperature=0.7, top_k=0, logit_bias={3: 250.0, 9: -1.5}, allowed_token_ids=[9, 3, 12],
-        bad_words=["side", "men"], truncate_prompt_tokens=4, min_tokens=2))
+    params = llm.llm_engine.input_processor.finish_params(
+        SamplingParams(
+            temperature=0.7,
+            top_k=0,
+            logit_bias={3: 250.0, 9: -1.5},
+            allowed_token_ids=[9, 3, 12],
+            bad_words=["side", "men"],
+            truncate_prompt_tokens=4,
+            min_tokens=2,
+        )
+    )
     assert params.bad_words_token_ids and params.all_stop_token_ids
     request = EngineCoreRequest("r", [1, 2], params, 0, 0.0)
     via_core = msgspec.msgpack.Decoder(EngineCoreRequest).decode(msgspec.msgpack.encode(request)).sampling_params
@@ -313,8 +324,14 @@ def test_fields_cross_to_tensor_parallel_worker_processes(llm, model):
     assert reference[0] == [300] * MAX_TOKENS and set(reference[1]) <= {5, 17, 42, 99}
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
     segments_before = set(os.listdir("/dev/shm"))
-    with LLM(model, dtype="float32", kv_cache_memory_bytes=32 << 20, distributed_executor_backend="mp",
-             tensor_parallel_size=2, num_threads=1) as tp_llm:
+    with LLM(
+        model,
+        dtype="float32",
+        kv_cache_memory_bytes=32 << 20,
+        distributed_executor_backend="mp",
+        tensor_parallel_size=2,
+        num_threads=1,
+    ) as tp_llm:
         outputs = [out.outputs[0].token_ids for out in tp_llm.generate(prompts, params, use_tqdm=False)]
         new_children = {p.pid for p in psutil.Process().children(recursive=True)} - children_before
     assert outputs == reference

@@ -76,9 +76,16 @@ def model(tiny_model_dir) -> str:
 
 
 def _config(model: str, backend, tp: int = 1, start_timeout: float = START_TIMEOUT_S, **kwargs):
-    return create_engine_config(model, tensor_parallel_size=tp, distributed_executor_backend=backend,
-                                num_threads=1, kv_cache_memory_bytes=4 << 20, max_model_len=256,
-                                engine_start_timeout=start_timeout, **kwargs)
+    return create_engine_config(
+        model,
+        tensor_parallel_size=tp,
+        distributed_executor_backend=backend,
+        num_threads=1,
+        kv_cache_memory_bytes=4 << 20,
+        max_model_len=256,
+        engine_start_timeout=start_timeout,
+        **kwargs,
+    )
 
 
 # ---- the executors' start-up calls ------------------------------------------------------
@@ -89,8 +96,15 @@ def _config(model: str, backend, tp: int = 1, start_timeout: float = START_TIMEO
 def test_mp_worker_hung_while_the_kv_cache_is_sized_is_named_and_nothing_is_left(model):
     children, segments = _children(), _shm()
     with pytest.raises(WorkerHungError) as hung:
-        LLM(model, tensor_parallel_size=2, distributed_executor_backend=HangInSizingOnRank1Executor,
-            num_threads=1, kv_cache_memory_bytes=4 << 20, max_model_len=256, engine_start_timeout=START_TIMEOUT_S)
+        LLM(
+            model,
+            tensor_parallel_size=2,
+            distributed_executor_backend=HangInSizingOnRank1Executor,
+            num_threads=1,
+            kv_cache_memory_bytes=4 << 20,
+            max_model_len=256,
+            engine_start_timeout=START_TIMEOUT_S,
+        )
     message = str(hung.value)
     assert "determine_available_memory" in message and "rank 1" in message
     workers = _children() - children
@@ -103,14 +117,22 @@ def test_mp_worker_hung_while_the_kv_cache_is_sized_is_named_and_nothing_is_left
 def test_ray_worker_hung_while_the_kv_cache_is_sized_is_named_and_nothing_is_left(model, ray_session):
     class HangInSizingOnRank1RayExecutor(RayDistributedExecutor):
         def determine_available_memory(self) -> list[int]:
-            self.collective_rpc(functools.partial(hang_in_on_rank_1, "determine_available_memory"),
-                                timeout=self.start_timeout_s)
+            self.collective_rpc(
+                functools.partial(hang_in_on_rank_1, "determine_available_memory"), timeout=self.start_timeout_s
+            )
             return super().determine_available_memory()
 
     segments = _shm()
     with pytest.raises(WorkerHungError) as hung:
-        LLM(model, tensor_parallel_size=2, distributed_executor_backend=HangInSizingOnRank1RayExecutor,
-            num_threads=1, kv_cache_memory_bytes=4 << 20, max_model_len=256, engine_start_timeout=START_TIMEOUT_S)
+        LLM(
+            model,
+            tensor_parallel_size=2,
+            distributed_executor_backend=HangInSizingOnRank1RayExecutor,
+            num_threads=1,
+            kv_cache_memory_bytes=4 << 20,
+            max_model_len=256,
+            engine_start_timeout=START_TIMEOUT_S,
+        )
     message = str(hung.value)
     assert "determine_available_memory" in message and "rank 1" in message
     for _ in range(100):  # ray.kill is asynchronous: the actors are marked dead a moment later
@@ -240,8 +262,9 @@ def test_dp_replica_stuck_starting_is_killed_at_the_deadline(model, ray_session)
     from raylm.distributed.tcp_auth import CurveKeys
     from raylm.engine.dp_manager import CoreEngineActorManager, ReplicaChannel
 
-    manager = CoreEngineActorManager(_config(model, HangingUniExecutor, start_timeout=3.0),
-                                     on_death=lambda index, cause: None)
+    manager = CoreEngineActorManager(
+        _config(model, HangingUniExecutor, start_timeout=3.0), on_death=lambda index, cause: None
+    )
     channel = ReplicaChannel("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", CurveKeys.generate(), b"\0" * 32)
     try:
         with pytest.raises(TimeoutError, match="replica 0 was not ready within 3 s"):
@@ -273,8 +296,15 @@ def test_a_rebuild_hung_at_start_up_is_retried_within_the_budget(model, monkeypa
 
     monkeypatch.setattr(HangInFirstRebuildOnRank1Executor, "instances", 0)
     monkeypatch.setattr(HangInFirstRebuildOnRank1Executor, "all_worker_pids", [])
-    llm = LLM(model, tensor_parallel_size=2, distributed_executor_backend=HangInFirstRebuildOnRank1Executor,
-              num_threads=1, kv_cache_memory_bytes=4 << 20, max_model_len=256, engine_start_timeout=START_TIMEOUT_S)
+    llm = LLM(
+        model,
+        tensor_parallel_size=2,
+        distributed_executor_backend=HangInFirstRebuildOnRank1Executor,
+        num_threads=1,
+        kv_cache_memory_bytes=4 << 20,
+        max_model_len=256,
+        engine_start_timeout=START_TIMEOUT_S,
+    )
     try:
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         first = executor_of(llm)

@@ -112,8 +112,9 @@ def _closer_loving_model(source: str, dest: pathlib.Path) -> str:
 
 @pytest.fixture(scope="module")
 def json_llm(tiny_model_dir, tmp_path_factory):
-    folder = _closer_loving_model(tiny_model_dir("llama", tie_word_embeddings=False),
-                                  tmp_path_factory.mktemp("closers") / "model")
+    folder = _closer_loving_model(
+        tiny_model_dir("llama", tie_word_embeddings=False), tmp_path_factory.mktemp("closers") / "model"
+    )
     with _engine(folder) as engine:
         yield engine
 
@@ -142,8 +143,10 @@ def _prompts(n: int) -> list[str]:
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_sampled_outputs_follow_the_grammar(request, kind):
     llm = request.getfixturevalue("json_llm" if kind == "json_object" else "llm")
-    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS, structured_outputs=KINDS[kind])
-              for i in range(NUM_SAMPLES)]
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS, structured_outputs=KINDS[kind])
+        for i in range(NUM_SAMPLES)
+    ]
     outputs = [r.outputs[0] for r in llm.generate(_prompts(NUM_SAMPLES), params, use_tqdm=False)]
     assert [o.finish_reason for o in outputs] == ["stop"] * NUM_SAMPLES
     for o in outputs:
@@ -152,18 +155,25 @@ def test_sampled_outputs_follow_the_grammar(request, kind):
 
 
 def test_cut_by_max_tokens_says_length(llm):
-    out = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=3, structured_outputs=KINDS["json"]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        "Hi", SamplingParams(temperature=0, max_tokens=3, structured_outputs=KINDS["json"]), use_tqdm=False
+    )[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 3 and out.text.startswith('{"')
 
 
 def test_mixed_batch_leaves_free_requests_alone(llm):
-    free = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-            SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)]
+    free = [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True),
+    ]
     prompts = ["The quick brown fox", "Once upon a time"]
     alone = [r.outputs[0].token_ids for r in llm.generate(prompts, free, use_tqdm=False)]
-    constrained = [SamplingParams(temperature=t, seed=7, max_tokens=MAX_TOKENS, structured_outputs=so)
-                   for t in (0.0, 1.0) for so in KINDS.values() if not so.json_object]
+    constrained = [
+        SamplingParams(temperature=t, seed=7, max_tokens=MAX_TOKENS, structured_outputs=so)
+        for t in (0.0, 1.0)
+        for so in KINDS.values()
+        if not so.json_object
+    ]
     mixed = llm.generate(prompts + ["x"] * len(constrained), free + constrained, use_tqdm=False)
     assert [r.outputs[0].token_ids for r in mixed[:2]] == alone
     kinds = [k for k in KINDS if k != "json_object"] * 2
@@ -172,13 +182,18 @@ def test_mixed_batch_leaves_free_requests_alone(llm):
         _follows(kind, r.outputs[0].text, r.outputs[0].token_ids, llm.get_tokenizer())
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(json={"type": "object", "properties": 3}),
-     "structured_outputs.json is invalid: properties must be an object"),
-    (dict(json="{not json"), "structured_outputs.json is invalid: .*Failed to parse JSON"),
-    (dict(regex="[a-"), r"structured_outputs.regex is invalid: Regex parsing error .*Unclosed '\['"),
-    (dict(grammar="root ::= missing"), 'structured_outputs.grammar is invalid: .*Rule "missing" is not defined'),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (
+            dict(json={"type": "object", "properties": 3}),
+            "structured_outputs.json is invalid: properties must be an object",
+        ),
+        (dict(json="{not json"), "structured_outputs.json is invalid: .*Failed to parse JSON"),
+        (dict(regex="[a-"), r"structured_outputs.regex is invalid: Regex parsing error .*Unclosed '\['"),
+        (dict(grammar="root ::= missing"), 'structured_outputs.grammar is invalid: .*Rule "missing" is not defined'),
+    ],
+)
 def test_bad_grammar_is_refused_at_intake(llm, bad, message):
     with pytest.raises(ValueError, match=message):
         llm.generate("Hi", SamplingParams(structured_outputs=StructuredOutputsParams(**bad)), use_tqdm=False)
@@ -209,8 +224,12 @@ def test_constraint_crosses_the_core_process_channel(llm):
 def _mixed_params(n: int) -> list[SamplingParams]:
     """Greedy and seeded requests of every bounded kind."""
     kinds = [so for so in KINDS.values() if not so.json_object]
-    return [SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, max_tokens=MAX_TOKENS,
-                           structured_outputs=kinds[i % len(kinds)]) for i in range(n)]
+    return [
+        SamplingParams(
+            temperature=0.0 if i % 2 else 1.0, seed=i, max_tokens=MAX_TOKENS, structured_outputs=kinds[i % len(kinds)]
+        )
+        for i in range(n)
+    ]
 
 
 def _token_ids(results) -> list[list[int]]:
@@ -247,8 +266,10 @@ def test_grammar_state_survives_executor_recovery(llm, reference):
     results, struck = {}, False
     while engine.has_unfinished_requests():
         if not struck and all(r.num_output_tokens >= 2 for r in core.scheduler.requests.values()):
+
             def fail(*args, **kwargs):
                 raise WorkerDiedError("simulated worker death")
+
             core.executor.sample_tokens = fail  # the rebuilt executor has its own
             struck = True
         for output in engine.step():
@@ -265,8 +286,11 @@ def test_resumed_request_fast_forwards_its_matcher(llm):
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     prompt, finished = engine.validate("Resume me", params)
-    core.add_request(EngineCoreRequest("resumed", prompt.prompt_token_ids, finished,
-                                       engine.input_processor.eos_token_id, output_token_ids=full[:9]))
+    core.add_request(
+        EngineCoreRequest(
+            "resumed", prompt.prompt_token_ids, finished, engine.input_processor.eos_token_id, output_token_ids=full[:9]
+        )
+    )
     tokens, reason = [], None
     while core.has_unfinished_requests():
         for out in core.step():
@@ -276,8 +300,7 @@ def test_resumed_request_fast_forwards_its_matcher(llm):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],
-                         ids=["tp2", "pp2"])
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"])
 def test_worker_processes_match_one_process(model, reference, layout):
     """Every TP rank applies the same bitmask; with PP two batches are in
     flight (the batch queue), each with its own."""
@@ -291,8 +314,9 @@ def test_ray_tensor_parallel_matches_one_process(model, reference, ray_session, 
     free) outputs of one process: the bitmask reaches the sampling rank."""
     from tests.conftest import our_live_ray_state
 
-    with _engine(model, distributed_executor_backend="ray", tensor_parallel_size=2, num_threads=1,
-                 ray_step_transport=transport) as llm:
+    with _engine(
+        model, distributed_executor_backend="ray", tensor_parallel_size=2, num_threads=1, ray_step_transport=transport
+    ) as llm:
         assert _token_ids(llm.generate(_prompts(16), _mixed_params(16), use_tqdm=False)) == reference
     assert our_live_ray_state() == ([], [])
 

@@ -24,8 +24,9 @@ ENGINE_FLAGS = ["--num-threads", "1", "--kv-cache-memory-bytes", "4MiB"]
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
     # Bytes, not text mode: universal newlines would rewrite a generated "\r".
-    return subprocess.run([sys.executable, "-m", "raylm.entrypoints.cli", *args],
-                          capture_output=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "raylm.entrypoints.cli", *args], capture_output=True, env=env, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +60,29 @@ def test_help_mentions_main_flags(command, capsys):
         for word in ("generate", "bench", "--version", "--dtype", "-tp"):
             assert word in text
         return
-    for flag in ("--model", "--dtype", "--tensor-parallel-size", "--pipeline-parallel-size",
-                 "--distributed-executor-backend", "--ray-address", "--ray-placement-strategy",
-                 "--kv-cache-memory-bytes", "--no-enable-prefix-caching", "--max-model-len"):
+    for flag in (
+        "--model",
+        "--dtype",
+        "--tensor-parallel-size",
+        "--pipeline-parallel-size",
+        "--distributed-executor-backend",
+        "--ray-address",
+        "--ray-placement-strategy",
+        "--kv-cache-memory-bytes",
+        "--no-enable-prefix-caching",
+        "--max-model-len",
+    ):
         assert flag in text, flag
     workload = {
         "generate": ("--max-tokens", "--temperature", "--top-p", "--top-k", "--stream"),
-        "latency": ("--input-len", "--output-len", "--batch-size", "--num-iters-warmup", "--num-iters",
-                    "--output-json"),
+        "latency": (
+            "--input-len",
+            "--output-len",
+            "--batch-size",
+            "--num-iters-warmup",
+            "--num-iters",
+            "--output-json",
+        ),
         "throughput": ("--input-len", "--output-len", "--num-prompts", "--output-json", "--disable-detokenize"),
     }[command[-1]]
     for flag in workload:
@@ -74,11 +90,31 @@ def test_help_mentions_main_flags(command, capsys):
 
 
 def test_engine_flags_become_llm_kwargs():
-    args = build_parser().parse_args([
-        "generate", "hi", "--model", "/m", "--dtype", "bfloat16", "-tp", "2", "-pp", "3",
-        "--distributed-executor-backend", "ray", "--ray-address", "auto", "--ray-placement-strategy", "SPREAD",
-        "--kv-cache-memory-bytes", "1.5GiB", "--no-enable-prefix-caching", "--max-model-len", "512",
-    ])
+    args = build_parser().parse_args(
+        [
+            "generate",
+            "hi",
+            "--model",
+            "/m",
+            "--dtype",
+            "bfloat16",
+            "-tp",
+            "2",
+            "-pp",
+            "3",
+            "--distributed-executor-backend",
+            "ray",
+            "--ray-address",
+            "auto",
+            "--ray-placement-strategy",
+            "SPREAD",
+            "--kv-cache-memory-bytes",
+            "1.5GiB",
+            "--no-enable-prefix-caching",
+            "--max-model-len",
+            "512",
+        ]
+    )
     kwargs = EngineArgs.from_cli_args(args).to_kwargs()
     assert kwargs["model"] == "/m" and kwargs["dtype"] == "bfloat16"
     assert kwargs["tensor_parallel_size"] == 2 and kwargs["pipeline_parallel_size"] == 3
@@ -93,8 +129,18 @@ def test_engine_flags_become_llm_kwargs():
 
 @pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
 def test_generate_prints_what_llm_generates(model_dir, expected_generate_stdout, stream):
-    result = run_cli("generate", *PROMPTS, "--model", model_dir, "--temperature", "0",
-                     "--max-tokens", str(MAX_TOKENS), *ENGINE_FLAGS, *(["--stream"] if stream else []))
+    result = run_cli(
+        "generate",
+        *PROMPTS,
+        "--model",
+        model_dir,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        str(MAX_TOKENS),
+        *ENGINE_FLAGS,
+        *(["--stream"] if stream else []),
+    )
     assert result.returncode == 0, result.stderr.decode(errors="replace")
     # Streaming prints the same deltas in order, so the whole text is identical.
     assert result.stdout.decode("utf-8") == expected_generate_stdout
@@ -110,9 +156,25 @@ def test_bad_model_path_is_a_one_line_error(tmp_path):
 
 def test_bench_latency_writes_json(model_dir, tmp_path):
     out = tmp_path / "latency.json"
-    result = run_cli("bench", "latency", "--model", model_dir, "--input-len", "8", "--output-len", "4",
-                     "--batch-size", "2", "--num-iters-warmup", "1", "--num-iters", "3",
-                     "--output-json", str(out), *ENGINE_FLAGS)
+    result = run_cli(
+        "bench",
+        "latency",
+        "--model",
+        model_dir,
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--batch-size",
+        "2",
+        "--num-iters-warmup",
+        "1",
+        "--num-iters",
+        "3",
+        "--output-json",
+        str(out),
+        *ENGINE_FLAGS,
+    )
     assert result.returncode == 0, result.stderr.decode(errors="replace")
     assert "Avg latency:" in result.stdout.decode()
     data = json.loads(out.read_text())
@@ -127,15 +189,33 @@ def test_bench_latency_writes_json(model_dir, tmp_path):
 def test_bench_throughput_writes_json(model_dir, tmp_path):
     out = tmp_path / "throughput.json"
     num_prompts, input_len, output_len = 6, 20, 5
-    result = run_cli("bench", "throughput", "--model", model_dir, "--input-len", str(input_len),
-                     "--output-len", str(output_len), "--num-prompts", str(num_prompts),
-                     "--output-json", str(out), "--disable-detokenize", *ENGINE_FLAGS)
+    result = run_cli(
+        "bench",
+        "throughput",
+        "--model",
+        model_dir,
+        "--input-len",
+        str(input_len),
+        "--output-len",
+        str(output_len),
+        "--num-prompts",
+        str(num_prompts),
+        "--output-json",
+        str(out),
+        "--disable-detokenize",
+        *ENGINE_FLAGS,
+    )
     assert result.returncode == 0, result.stderr.decode(errors="replace")
     assert result.stdout.decode().startswith("Throughput: ")
     data = json.loads(out.read_text())
     assert data["detokenize"] is False
-    for key in ("elapsed_time", "requests_per_second", "tokens_per_second", "output_tokens_per_second",
-                "peak_rss_bytes"):
+    for key in (
+        "elapsed_time",
+        "requests_per_second",
+        "tokens_per_second",
+        "output_tokens_per_second",
+        "peak_rss_bytes",
+    ):
         assert data[key] > 0, key
     # ignore_eos: every request produced exactly output_len tokens.
     assert data["num_output_tokens"] == num_prompts * output_len

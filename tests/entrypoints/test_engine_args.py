@@ -128,16 +128,56 @@ def test_every_flag_reaches_engine_args():
 
 
 def test_flags_round_trip_into_the_engine_config(tiny_model_dir, tmp_path):
-    args = build_parser().parse_args([
-        "generate", "x", "--model", tiny_model_dir("llama"), "--device", "cpu", "--dtype", "float32",
-        "--max-model-len", "256", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "300",
-        "--async-scheduling", "--ray-placement-timeout", "12.5", "--health-check-timeout", "7",
-        "--health-check-interval", "2", "--max-restarts", "5", "--restart-window", "100",
-        "--execute-model-timeout", "50", "-tp", "2", "--ray-step-transport", "cgraph",
-        "--ray-placement-strategy", "SPREAD", "-dp", "2", "--data-parallel-placement", "spread",
-        "--routing-policy", "load", "--block-size", "32", "--max-num-seqs", "4", "--cpu-bind", "all",
-        "--kv-cache-memory-bytes", "4MiB",
-    ])
+    args = build_parser().parse_args(
+        [
+            "generate",
+            "x",
+            "--model",
+            tiny_model_dir("llama"),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "256",
+            "--no-enable-chunked-prefill",
+            "--max-num-batched-tokens",
+            "300",
+            "--async-scheduling",
+            "--ray-placement-timeout",
+            "12.5",
+            "--health-check-timeout",
+            "7",
+            "--health-check-interval",
+            "2",
+            "--max-restarts",
+            "5",
+            "--restart-window",
+            "100",
+            "--execute-model-timeout",
+            "50",
+            "-tp",
+            "2",
+            "--ray-step-transport",
+            "cgraph",
+            "--ray-placement-strategy",
+            "SPREAD",
+            "-dp",
+            "2",
+            "--data-parallel-placement",
+            "spread",
+            "--routing-policy",
+            "load",
+            "--block-size",
+            "32",
+            "--max-num-seqs",
+            "4",
+            "--cpu-bind",
+            "all",
+            "--kv-cache-memory-bytes",
+            "4MiB",
+        ]
+    )
     config = EngineArgs.from_cli_args(args).create_engine_config()
     sc, pc, ft, cc = config.scheduler_config, config.parallel_config, config.fault_tolerance, config.cache_config
     assert (sc.enable_chunked_prefill, sc.async_scheduling, sc.max_num_batched_tokens) == (False, True, 300)
@@ -150,9 +190,19 @@ def test_flags_round_trip_into_the_engine_config(tiny_model_dir, tmp_path):
     assert (cc.block_size, cc.kv_cache_memory_bytes) == (32, 4 << 20) and config.cpu_bind == "all"
     # The newly flagged settings are still checked where they are resolved.
     with pytest.raises(ValueError, match="async_scheduling needs pipeline_parallel_size = 1"):
-        EngineArgs.from_cli_args(build_parser().parse_args([
-            "generate", "x", "--model", tiny_model_dir("llama"), "--async-scheduling", "-pp", "2",
-        ])).create_engine_config()
+        EngineArgs.from_cli_args(
+            build_parser().parse_args(
+                [
+                    "generate",
+                    "x",
+                    "--model",
+                    tiny_model_dir("llama"),
+                    "--async-scheduling",
+                    "-pp",
+                    "2",
+                ]
+            )
+        ).create_engine_config()
     with pytest.raises(ValueError, match="health_check_timeout"):
         create_engine_config(tiny_model_dir("llama"), health_check_timeout=0)
     # Decode bursts by default offline, single steps serving (raylm.core.decode_burst).
@@ -184,16 +234,29 @@ def test_nothing_said_is_what_engine_args_say(tiny_model_dir):
         "engine_start_timeout": config.fault_tolerance.engine_start_timeout_s,
         "health_check_interval": config.fault_tolerance.health_check_interval_s,
         "health_check_timeout": config.fault_tolerance.health_check_timeout_s,
-        **{name: getattr(config.parallel_config, name) for name in (
-            "tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend", "ray_address",
-            "ray_placement_strategy", "ray_placement_timeout", "ray_step_transport", "placement_group",
-            "data_parallel_size", "data_parallel_backend", "data_parallel_placement",
-            "routing_policy")},
+        **{
+            name: getattr(config.parallel_config, name)
+            for name in (
+                "tensor_parallel_size",
+                "pipeline_parallel_size",
+                "distributed_executor_backend",
+                "ray_address",
+                "ray_placement_strategy",
+                "ray_placement_timeout",
+                "ray_step_transport",
+                "placement_group",
+                "data_parallel_size",
+                "data_parallel_backend",
+                "data_parallel_placement",
+                "routing_policy",
+            )
+        },
     }
     assert resolved == {name: getattr(d, name) for name in resolved}
     # Config objects built directly (by tests, by replicas) start from the same values.
     standalone = {
-        "block_size": CacheConfig().block_size, "enable_prefix_caching": CacheConfig().enable_prefix_caching,
+        "block_size": CacheConfig().block_size,
+        "enable_prefix_caching": CacheConfig().enable_prefix_caching,
         "max_num_seqs": SchedulerConfig().max_num_seqs,
         "enable_chunked_prefill": SchedulerConfig().enable_chunked_prefill,
         "async_scheduling": SchedulerConfig().async_scheduling,
@@ -203,9 +266,19 @@ def test_nothing_said_is_what_engine_args_say(tiny_model_dir):
         "engine_start_timeout": FaultToleranceConfig().engine_start_timeout_s,
         "health_check_interval": FaultToleranceConfig().health_check_interval_s,
         "health_check_timeout": FaultToleranceConfig().health_check_timeout_s,
-        **{name: getattr(ParallelConfig(), name) for name in (
-            "tensor_parallel_size", "pipeline_parallel_size", "ray_placement_strategy", "ray_placement_timeout",
-            "ray_step_transport", "data_parallel_size", "data_parallel_backend", "data_parallel_placement")},
+        **{
+            name: getattr(ParallelConfig(), name)
+            for name in (
+                "tensor_parallel_size",
+                "pipeline_parallel_size",
+                "ray_placement_strategy",
+                "ray_placement_timeout",
+                "ray_step_transport",
+                "data_parallel_size",
+                "data_parallel_backend",
+                "data_parallel_placement",
+            )
+        },
     }
     assert standalone == {name: getattr(d, name) for name in standalone}
     # The unset ones, resolved from the model and the device.

@@ -28,8 +28,10 @@ from tests.entrypoints.openai.server_utils import free_port
 
 pytestmark = [
     pytest.mark.ray,
-    pytest.mark.skipif(tuple(int(p) for p in __import__("ray").__version__.split(".")[:2]) < MIN_SERVE_RAY_VERSION,
-                       reason="raylm.ray_serve supports Ray >= 2.58 (README, Supported versions)"),
+    pytest.mark.skipif(
+        tuple(int(p) for p in __import__("ray").__version__.split(".")[:2]) < MIN_SERVE_RAY_VERSION,
+        reason="raylm.ray_serve supports Ray >= 2.58 (README, Supported versions)",
+    ),
 ]
 
 # One torch thread and a small KV cache keep the shared two-core machine usable.
@@ -52,8 +54,11 @@ def serve_url(ray_session):
     finally:
         serve.shutdown()
         # Gone before the next test starts Serve again (it would join this one).
-        wait_until(lambda: not _live_actors("ServeController") and not _live_actors("ProxyActor"), 60,
-                   message="Serve's controller and proxy to be gone")
+        wait_until(
+            lambda: not _live_actors("ServeController") and not _live_actors("ProxyActor"),
+            60,
+            message="Serve's controller and proxy to be gone",
+        )
 
 
 def _live_actors(class_part: str) -> list[dict]:
@@ -73,15 +78,22 @@ def _delete_and_check_gone(name: str) -> None:
     from ray import serve
 
     serve.delete(name)
-    wait_until(lambda: not _live_actors("ServeReplica") and not _live_actors("RayWorkerWrapper")
-               and not _live_placement_groups(), 60,
-               message=lambda: f"replicas {len(_live_actors('ServeReplica'))}, ranks "
-                               f"{len(_live_actors('RayWorkerWrapper'))}, groups {_live_placement_groups()}")
+    wait_until(
+        lambda: (
+            not _live_actors("ServeReplica") and not _live_actors("RayWorkerWrapper") and not _live_placement_groups()
+        ),
+        60,
+        message=lambda: (
+            f"replicas {len(_live_actors('ServeReplica'))}, ranks "
+            f"{len(_live_actors('RayWorkerWrapper'))}, groups {_live_placement_groups()}"
+        ),
+    )
 
 
 def _aborted_requests(metrics_text: str) -> float:
-    match = re.search(r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$', metrics_text,
-                      re.MULTILINE)
+    match = re.search(
+        r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$', metrics_text, re.MULTILINE
+    )
     return float(match.group(1)) if match else 0.0
 
 
@@ -98,8 +110,9 @@ def test_default_model_app_serves_completions_chat_and_streams(serve_url):
         stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True)
         streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
         chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0)
-        chat_stream = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0,
-                                                     stream=True)
+        chat_stream = client.chat.completions.create(
+            model=model, messages=MESSAGES, max_tokens=12, temperature=0, stream=True
+        )
         chat_streamed = "".join(c.choices[0].delta.content or "" for c in chat_stream if c.choices)
         with LLM(**ENGINE) as llm:
             expected = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].text
@@ -115,13 +128,19 @@ def test_default_model_app_serves_completions_chat_and_streams(serve_url):
         # and the engine ends it as aborted instead of running it to max_tokens.
         handle = serve.get_app_handle("raylm-default-app")
         before = _aborted_requests(httpx.get(f"{serve_url}/metrics").text)
-        with httpx.stream("POST", f"{serve_url}/v1/completions", timeout=60,
-                          json={"model": model, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
-                                "stream": True}) as response:
+        with httpx.stream(
+            "POST",
+            f"{serve_url}/v1/completions",
+            timeout=60,
+            json={"model": model, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True},
+        ) as response:
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))
-        wait_until(lambda: _aborted_requests(httpx.get(f"{serve_url}/metrics").text) == before + 1, 60,
-                   message="the left stream to end as aborted")
+        wait_until(
+            lambda: _aborted_requests(httpx.get(f"{serve_url}/metrics").text) == before + 1,
+            60,
+            message="the left stream to end as aborted",
+        )
         assert handle.num_unfinished_requests.remote().result() == 0
     finally:
         _delete_and_check_gone("raylm-default-app")
@@ -131,13 +150,14 @@ def test_tp2_replica_places_its_ranks_in_its_own_placement_group(serve_url, tiny
     from ray import serve
 
     llama = tiny_model_dir("llama")
-    app = build_openai_app({"model": llama, "tensor_parallel_size": 2, "served_model_name": "tiny", **ENGINE},
-                           deployment_config={"name": "raylm-tp2"})
+    app = build_openai_app(
+        {"model": llama, "tensor_parallel_size": 2, "served_model_name": "tiny", **ENGINE},
+        deployment_config={"name": "raylm-tp2"},
+    )
     serve.run(app, name="raylm-tp2-app", route_prefix="/")
     try:
         client = openai.OpenAI(base_url=f"{serve_url}/v1", api_key="unused", max_retries=0)
-        completion = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=12,
-                                               temperature=0)
+        completion = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=12, temperature=0)
         ranks = _live_actors("RayWorkerWrapper")
         replicas = _live_actors("ServeReplica")
         assert len(ranks) == 2 and len(replicas) == 1
@@ -159,8 +179,9 @@ def test_serve_replaces_a_replica_whose_engine_died(serve_url):
     import psutil
     from ray import serve
 
-    app = build_openai_app({**ENGINE, "max_restarts": 0},
-                           deployment_config={"health_check_period_s": 1, "health_check_timeout_s": 10})
+    app = build_openai_app(
+        {**ENGINE, "max_restarts": 0}, deployment_config={"health_check_period_s": 1, "health_check_timeout_s": 10}
+    )
     serve.run(app, name="raylm-health-app", route_prefix="/")
     try:
         client = openai.OpenAI(base_url=f"{serve_url}/v1", api_key="unused", max_retries=0)
@@ -193,8 +214,15 @@ def test_serve_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(se
     from ray import serve
 
     max_tokens = 200
-    autoscaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "metrics_interval_s": 0.5,
-                   "look_back_period_s": 1.0, "upscale_delay_s": 0.0, "downscale_delay_s": 2.0}
+    autoscaling = {
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "target_ongoing_requests": 1,
+        "metrics_interval_s": 0.5,
+        "look_back_period_s": 1.0,
+        "upscale_delay_s": 0.0,
+        "downscale_delay_s": 2.0,
+    }
     app = build_openai_app(ENGINE, deployment_config={"autoscaling_config": autoscaling})
     serve.run(app, name="raylm-autoscale-app", route_prefix="/")
     try:
@@ -206,9 +234,14 @@ def test_serve_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(se
             Serve's controller to see the load (not a timing bound: the loop below
             keeps sending streams until the second replica is up)."""
             finish, tokens = None, None
-            chunks = client.completions.create(model="raylm-default", prompt=PROMPT, max_tokens=max_tokens,
-                                               stream=True, stream_options={"include_usage": True},
-                                               extra_body={"ignore_eos": True, "seed": seed})
+            chunks = client.completions.create(
+                model="raylm-default",
+                prompt=PROMPT,
+                max_tokens=max_tokens,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True, "seed": seed},
+            )
             for chunk in chunks:
                 if chunk.choices and chunk.choices[0].finish_reason:
                     finish = chunk.choices[0].finish_reason
@@ -233,8 +266,12 @@ def test_serve_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(se
                 if scaled or len(_live_actors("ServeReplica")) == 2:
                     break
                 assert seed < 40, "Serve never added a replica under four concurrent streams"
-        wait_until(lambda: len(_live_actors("ServeReplica")) == 1, 180, step=1.0,
-                   message="the idle deployment to return to one replica")
+        wait_until(
+            lambda: len(_live_actors("ServeReplica")) == 1,
+            180,
+            step=1.0,
+            message="the idle deployment to return to one replica",
+        )
         # The remaining replica still serves.
         assert client.completions.create(model="raylm-default", prompt=PROMPT, max_tokens=2).choices[0].text
     finally:

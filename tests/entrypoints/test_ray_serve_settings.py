@@ -22,23 +22,37 @@ from raylm.ray_serve import (
 
 
 def test_serve_run_arguments_parse_as_raylm_serve_flags():
-    settings, deployment = settings_from_strings({
-        "model": "/m", "tensor-parallel-size": "2", "enable_prefix_caching": "false", "served_model_name": "a,b",
-        "num_replicas": "3", "autoscaling_config": '{"min_replicas": 1, "max_replicas": 2}'})
-    assert settings == {"model": "/m", "tensor_parallel_size": 2, "enable_prefix_caching": False,
-                        "served_model_name": ["a", "b"]}
+    settings, deployment = settings_from_strings(
+        {
+            "model": "/m",
+            "tensor-parallel-size": "2",
+            "enable_prefix_caching": "false",
+            "served_model_name": "a,b",
+            "num_replicas": "3",
+            "autoscaling_config": '{"min_replicas": 1, "max_replicas": 2}',
+        }
+    )
+    assert settings == {
+        "model": "/m",
+        "tensor_parallel_size": 2,
+        "enable_prefix_caching": False,
+        "served_model_name": ["a", "b"],
+    }
     assert deployment == {"num_replicas": 3, "autoscaling_config": {"min_replicas": 1, "max_replicas": 2}}
     engine, options = plan_replica(split_settings(settings)[0] | {"device": "cpu"})
     assert engine["distributed_executor_backend"] == "ray"
     assert options["placement_group_bundles"] == [{"CPU": 0.01}, {"CPU": 1.0}, {"CPU": 1.0}]
 
 
-@pytest.mark.parametrize("args, field", [
-    ({"bogus": "1"}, "bogus"),
-    ({"port": "8001"}, "port"),
-    ({"tensor_parallel_size": "two"}, "tensor-parallel-size"),
-    ({"enable_prefix_caching": "maybe"}, "enable_prefix_caching"),
-])
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        ({"bogus": "1"}, "bogus"),
+        ({"port": "8001"}, "port"),
+        ({"tensor_parallel_size": "two"}, "tensor-parallel-size"),
+        ({"enable_prefix_caching": "maybe"}, "enable_prefix_caching"),
+    ],
+)
 def test_bad_serve_run_arguments_name_the_field(args, field):
     with pytest.raises(ValueError, match=field):
         settings_from_strings(args)
@@ -64,9 +78,11 @@ def test_raylms_own_autoscaling_inside_a_replica_is_refused(args):
 def _engine() -> SimpleNamespace:
     """What build_app reads of an engine while it builds the app and
     answers an admin route: one engine, no data parallelism."""
-    config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=64, model="/m"),
-                             scheduler_config=SimpleNamespace(max_num_seqs=1),
-                             parallel_config=SimpleNamespace(data_parallel_size=1))
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=64, model="/m"),
+        scheduler_config=SimpleNamespace(max_num_seqs=1),
+        parallel_config=SimpleNamespace(data_parallel_size=1),
+    )
     return SimpleNamespace(config=config, replica_states=lambda: None)
 
 
@@ -113,15 +129,21 @@ def test_a_replica_is_built_with_every_server_setting_raylm_serve_passes(monkeyp
 
     built = {}
     monkeypatch.setattr(api_server, "build_app", lambda engine, names, **kwargs: built.update(kwargs))
-    _, server = split_settings({"reasoning_parser": "deepseek_r1",
-                                "structured_outputs_config": '{"disable_any_whitespace": true}'})
+    _, server = split_settings(
+        {"reasoning_parser": "deepseek_r1", "structured_outputs_config": '{"disable_any_whitespace": true}'}
+    )
     build_replica_app(_engine(), ["m"], server)
     assert built["reasoning_parser"] == "deepseek_r1"
     assert built["structured_outputs_defaults"].disable_any_whitespace is True
 
 
-@pytest.mark.parametrize("settings, field", [({"reasoning_parser": "nope"}, "reasoning_parser"),
-                                             ({"structured_outputs_config": "{"}, "structured-outputs-config")])
+@pytest.mark.parametrize(
+    "settings, field",
+    [
+        ({"reasoning_parser": "nope"}, "reasoning_parser"),
+        ({"structured_outputs_config": "{"}, "structured-outputs-config"),
+    ],
+)
 def test_a_bad_server_setting_is_refused_at_build_naming_it(settings, field):
     with pytest.raises(ValueError, match=field):
         split_settings(settings)

@@ -30,16 +30,27 @@ API_KEY = "key-from-vllm-env"
 ORIGIN = "https://app.example"
 # Sampling defaults written into a generation_config.json for the server.
 GENERATION_DEFAULTS = {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.3}
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}[assistant] {% endif %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
 CONVERSATION = [{"role": "user", "content": "Hello there"}]
 
 
 # ---------------------------------------------------------------- flag parsing
 
-@pytest.mark.parametrize("text, expected", [
-    ("4096", 4096), ("4k", 4000), ("25.6k", 25600), ("32K", 32768), ("1m", 1_000_000), ("2M", 2 * 2**20),
-])
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("4096", 4096),
+        ("4k", 4000),
+        ("25.6k", 25600),
+        ("32K", 32768),
+        ("1m", 1_000_000),
+        ("2M", 2 * 2**20),
+    ],
+)
 def test_max_model_len_suffixes_follow_vllm(text, expected):
     assert human_readable_int(text) == expected
     args = build_parser().parse_args(["generate", "x", "--max-model-len", text])
@@ -80,8 +91,12 @@ def test_quantization_other_than_none_is_refused_naming_what_loads(tiny_model_di
     assert create_engine_config(model=tiny_model_dir("llama"), quantization=None).model_config.model
     with pytest.raises(ValueError, match=r"quantization 'awq' is not supported; supported: int8 .*gguf .*unquantized"):
         create_engine_config(model=tiny_model_dir("llama"), quantization="awq")
-    result = subprocess.run([sys.executable, "-m", "raylm.entrypoints.cli", "generate", "x", "-q", "gptq"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "raylm.entrypoints.cli", "generate", "x", "-q", "gptq"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert result.stderr.startswith("error: quantization 'gptq' is not supported")
 
@@ -96,11 +111,29 @@ def test_engine_args_from_cli_flags_build_the_same_config(tiny_model_dir, tmp_pa
     model = tiny_model_dir("llama")
     template = tmp_path / "template.jinja"
     template.write_text(CHAT_TEMPLATE)
-    args = build_parser().parse_args([
-        "generate", "x", "--model", model, "--max-model-len", "0.3k", "--no-enable-prefix-caching",
-        "--block-size", "32", "--generation-config", "vllm", "--chat-template", str(template),
-        "--kv-cache-memory-bytes", "4MiB", "--device", "cpu", "--max-num-seqs", "4",
-    ])
+    args = build_parser().parse_args(
+        [
+            "generate",
+            "x",
+            "--model",
+            model,
+            "--max-model-len",
+            "0.3k",
+            "--no-enable-prefix-caching",
+            "--block-size",
+            "32",
+            "--generation-config",
+            "vllm",
+            "--chat-template",
+            str(template),
+            "--kv-cache-memory-bytes",
+            "4MiB",
+            "--device",
+            "cpu",
+            "--max-num-seqs",
+            "4",
+        ]
+    )
     from_engine_args = EngineArgs.from_cli_args(args).create_engine_config()
     from_cli = create_engine_config(**EngineArgs.from_cli_args(args).to_kwargs())
     for config in (from_engine_args, from_cli):
@@ -114,6 +147,7 @@ def test_engine_args_from_cli_flags_build_the_same_config(tiny_model_dir, tmp_pa
 
 
 # ---------------------------------------------------------- generation_config
+
 
 def _model_with_generation_config(source: str, folder, generation_config: dict) -> str:
     shutil.copytree(source, folder)
@@ -134,19 +168,22 @@ def test_generation_config_auto_sets_defaults_and_stop_tokens(tiny_model_dir, tm
     with open(os.path.join(source, "config.json")) as f:
         model_eos = json.load(f)["eos_token_id"]
     folder = _model_with_generation_config(
-        source, tmp_path / "model", {**GENERATION_DEFAULTS, "eos_token_id": [model_eos, tokens[stop_at]]})
+        source, tmp_path / "model", {**GENERATION_DEFAULTS, "eos_token_id": [model_eos, tokens[stop_at]]}
+    )
 
     inline_template = CHAT_TEMPLATE.replace("\n", "\\n")  # as typed on a command line
     with LLM(model=folder, num_threads=1, kv_cache_memory_bytes=4 << 20, chat_template=inline_template) as llm:
         defaults = llm.get_default_sampling_params()
         assert {k: getattr(defaults, k) for k in GENERATION_DEFAULTS} == GENERATION_DEFAULTS
-        stopped = llm.generate("Hello there", SamplingParams(temperature=0.0, max_tokens=12),
-                               use_tqdm=False)[0].outputs[0]
+        stopped = llm.generate("Hello there", SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[
+            0
+        ].outputs[0]
         assert stopped.finish_reason == "stop"
-        assert list(stopped.token_ids) == list(tokens[:stop_at + 1])
+        assert list(stopped.token_ids) == list(tokens[: stop_at + 1])
         # --chat-template (inline, escapes decoded) replaces the tokenizer's for LLM.chat.
-        oracle = load_tokenizer(source).apply_chat_template(CONVERSATION, chat_template=CHAT_TEMPLATE,
-                                                            tokenize=False, add_generation_prompt=True)
+        oracle = load_tokenizer(source).apply_chat_template(
+            CONVERSATION, chat_template=CHAT_TEMPLATE, tokenize=False, add_generation_prompt=True
+        )
         assert llm.apply_chat_template(CONVERSATION) == oracle
 
     vllm_mode = create_engine_config(model=folder, generation_config="vllm").model_config
@@ -163,6 +200,7 @@ def test_bad_generation_config_is_refused(tiny_model_dir, tmp_path):
 
 
 # -------------------------------------------------- KV sizing on a GPU (mocked)
+
 
 def test_gpu_memory_utilization_sizes_the_kv_cache(tiny_model_dir, monkeypatch):
     """KV bytes = utilization x total - what this rank already holds - its
@@ -187,6 +225,7 @@ def test_gpu_memory_utilization_sizes_the_kv_cache(tiny_model_dir, monkeypatch):
 
 # ------------------------------------------------- the scripted vLLM launch line
 
+
 def _self_signed_certificate(folder) -> tuple[str, str]:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -196,16 +235,22 @@ def _self_signed_certificate(folder) -> tuple[str, str]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=2))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
     key_file, cert_file = folder / "key.pem", folder / "cert.pem"
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_file.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return str(key_file), str(cert_file)
 
@@ -218,19 +263,45 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
     (folder / "generation" / "generation_config.json").write_text(json.dumps(GENERATION_DEFAULTS))
     (folder / "template.jinja").write_text(CHAT_TEMPLATE)
     launch_line = [
-        "--dtype", "auto", "--tensor-parallel-size", "1", "--seed", "0", "--max-model-len", "0.5k",
-        "--gpu-memory-utilization", "0.85", "--enable-prefix-caching", "--trust-remote-code", "--enforce-eager",
-        "--disable-log-requests", "--uvicorn-log-level", "warning", "--chat-template", str(folder / "template.jinja"),
-        "--generation-config", str(folder / "generation"),
-        "--allowed-origins", json.dumps([ORIGIN]), "--allowed-methods", '["GET", "POST"]',
-        "--allowed-headers", '["Authorization", "Content-Type"]', "--allow-credentials",
-        "--ssl-keyfile", key_file, "--ssl-certfile", cert_file,
+        "--dtype",
+        "auto",
+        "--tensor-parallel-size",
+        "1",
+        "--seed",
+        "0",
+        "--max-model-len",
+        "0.5k",
+        "--gpu-memory-utilization",
+        "0.85",
+        "--enable-prefix-caching",
+        "--trust-remote-code",
+        "--enforce-eager",
+        "--disable-log-requests",
+        "--uvicorn-log-level",
+        "warning",
+        "--chat-template",
+        str(folder / "template.jinja"),
+        "--generation-config",
+        str(folder / "generation"),
+        "--allowed-origins",
+        json.dumps([ORIGIN]),
+        "--allowed-methods",
+        '["GET", "POST"]',
+        "--allowed-headers",
+        '["Authorization", "Content-Type"]',
+        "--allow-credentials",
+        "--ssl-keyfile",
+        key_file,
+        "--ssl-certfile",
+        cert_file,
     ]
     env = {"VLLM_API_KEY": API_KEY, "RAYLM_API_KEY": ""}
-    server = RaylmServer(tiny_model_dir("llama"), launch_line, str(folder / "server.log"),
-                         tls_ca_file=cert_file, env=env)
-    client = httpx.Client(base_url=server.base_url, verify=server.verify, timeout=60,
-                          headers={"Authorization": f"Bearer {API_KEY}"})
+    server = RaylmServer(
+        tiny_model_dir("llama"), launch_line, str(folder / "server.log"), tls_ca_file=cert_file, env=env
+    )
+    client = httpx.Client(
+        base_url=server.base_url, verify=server.verify, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}
+    )
     try:
         yield server, client
     finally:
@@ -247,8 +318,11 @@ def test_launch_line_serves_over_https_with_startup_line_and_notices(vllm_server
     assert body["usage"]["completion_tokens"] >= 1
     log = server.log()
     assert f"on {server.base_url} | tp=1 pp=1 dp=1 | executor=uni device=cpu" in log
-    for notice in ("gpu_memory_utilization applies to GPUs", "runs no code from model repositories",
-                   "captures no CUDA graphs"):
+    for notice in (
+        "gpu_memory_utilization applies to GPUs",
+        "runs no code from model repositories",
+        "captures no CUDA graphs",
+    ):
         assert notice in log
     # Plain http to the TLS port is not served.
     with pytest.raises(httpx.HTTPError):
@@ -257,8 +331,12 @@ def test_launch_line_serves_over_https_with_startup_line_and_notices(vllm_server
 
 def test_api_key_from_vllm_env_var(vllm_server):
     server, client = vllm_server
-    anonymous = httpx.post(server.url("/v1/completions"), verify=server.verify, timeout=30,
-                           json={"model": MODEL_NAME, "prompt": "ROMEO:", "max_tokens": 1})
+    anonymous = httpx.post(
+        server.url("/v1/completions"),
+        verify=server.verify,
+        timeout=30,
+        json={"model": MODEL_NAME, "prompt": "ROMEO:", "max_tokens": 1},
+    )
     assert anonymous.status_code == 401
     assert anonymous.json()["error"]["type"] == "authentication_error"
 
@@ -266,14 +344,16 @@ def test_api_key_from_vllm_env_var(vllm_server):
 def test_cors_preflight_answers_the_allowed_origin(vllm_server):
     server, _ = vllm_server
     preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
-    allowed = httpx.options(server.url("/v1/completions"), verify=server.verify,
-                            headers={"Origin": ORIGIN, **preflight})
+    allowed = httpx.options(
+        server.url("/v1/completions"), verify=server.verify, headers={"Origin": ORIGIN, **preflight}
+    )
     assert allowed.status_code == 200
     assert allowed.headers["access-control-allow-origin"] == ORIGIN
     assert allowed.headers["access-control-allow-credentials"] == "true"
     assert "POST" in allowed.headers["access-control-allow-methods"]
-    refused = httpx.options(server.url("/v1/completions"), verify=server.verify,
-                            headers={"Origin": "https://evil.example", **preflight})
+    refused = httpx.options(
+        server.url("/v1/completions"), verify=server.verify, headers={"Origin": "https://evil.example", **preflight}
+    )
     assert "access-control-allow-origin" not in refused.headers
 
 
@@ -296,15 +376,19 @@ def test_chat_template_flag_renders_chat(vllm_server, tiny_model_dir):
     --chat-template renders (rendered here by transformers)."""
     _, client = vllm_server
     tokenizer = load_tokenizer(tiny_model_dir("llama"))
-    rendered = tokenizer.apply_chat_template(CONVERSATION, chat_template=CHAT_TEMPLATE, tokenize=False,
-                                             add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(
+        CONVERSATION, chat_template=CHAT_TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
     ids = encode_rendered_chat(tokenizer, rendered)
-    default_ids = encode_rendered_chat(tokenizer, tokenizer.apply_chat_template(
-        CONVERSATION, tokenize=False, add_generation_prompt=True))
+    default_ids = encode_rendered_chat(
+        tokenizer, tokenizer.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
+    )
     assert ids != default_ids
-    chat = client.post("/v1/chat/completions", json={
-        "model": MODEL_NAME, "messages": CONVERSATION, "max_tokens": 8, "temperature": 0}).json()
+    chat = client.post(
+        "/v1/chat/completions", json={"model": MODEL_NAME, "messages": CONVERSATION, "max_tokens": 8, "temperature": 0}
+    ).json()
     assert chat["usage"]["prompt_tokens"] == len(ids)
-    completion = client.post("/v1/completions", json={
-        "model": MODEL_NAME, "prompt": ids, "max_tokens": 8, "temperature": 0}).json()
+    completion = client.post(
+        "/v1/completions", json={"model": MODEL_NAME, "prompt": ids, "max_tokens": 8, "temperature": 0}
+    ).json()
     assert chat["choices"][0]["message"]["content"] == completion["choices"][0]["text"]

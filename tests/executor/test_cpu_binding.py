@@ -74,8 +74,14 @@ def _gone(pids) -> bool:
 def test_mp_tp2_explicit_bind_pins_each_rank(model, reference, caplog):
     bind = f"{USABLE[0]}|{USABLE[1]}"
     with caplog.at_level(logging.INFO, logger="raylm.executor.multiproc_executor"):
-        llm = LLM(model, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp",
-                  cpu_bind=bind, kv_cache_memory_bytes=16 << 20)
+        llm = LLM(
+            model,
+            dtype="float32",
+            tensor_parallel_size=2,
+            distributed_executor_backend="mp",
+            cpu_bind=bind,
+            kv_cache_memory_bytes=16 << 20,
+        )
     executor = executor_of(llm)
     pids = list(executor.worker_pids)
     try:
@@ -100,8 +106,13 @@ def _planned_cpus(rank_placement) -> list[int]:
 @pytest.mark.slow
 def test_mp_tp2_default_follows_the_plan(model, reference):
     plan = plan_cpu_placement(read_topology(), 2)
-    llm = LLM(model, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp",
-              kv_cache_memory_bytes=16 << 20)
+    llm = LLM(
+        model,
+        dtype="float32",
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+        kv_cache_memory_bytes=16 << 20,
+    )
     executor = executor_of(llm)
     pids = list(executor.worker_pids)
     try:
@@ -120,8 +131,9 @@ def make_the_watch_fire(worker):
     from raylm.worker.thread_governance import ContentionWatch
 
     assert worker.contention_watch is not None  # the plan pinned this rank
-    worker.contention_watch = ContentionWatch(worker.cpu_placement.num_threads, window_s=0.0, min_steps=1,
-                                              min_cpu_share=2.0)
+    worker.contention_watch = ContentionWatch(
+        worker.cpu_placement.num_threads, window_s=0.0, min_steps=1, min_cpu_share=2.0
+    )
 
 
 def is_watching(worker):
@@ -131,8 +143,13 @@ def is_watching(worker):
 @pytest.mark.slow
 @needs_two_cpus
 def test_a_starved_rank_unpins_itself_and_keeps_its_outputs(model, reference):
-    llm = LLM(model, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp",
-              kv_cache_memory_bytes=16 << 20)
+    llm = LLM(
+        model,
+        dtype="float32",
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+        kv_cache_memory_bytes=16 << 20,
+    )
     executor = executor_of(llm)
     pids = list(executor.worker_pids)
     try:
@@ -157,8 +174,14 @@ def test_ray_tp2_ranks_follow_the_plan(ray_session, model, reference, caplog, cp
     cpu_bind = f"{USABLE[0]}|{USABLE[1]}" if cpu_bind == "explicit" else None
     plan = plan_cpu_placement(read_topology(), 2, cpu_bind=cpu_bind or "auto")
     with caplog.at_level(logging.INFO, logger="raylm.executor.ray_executor"):
-        llm = LLM(model, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="ray",
-                  kv_cache_memory_bytes=16 << 20, cpu_bind=cpu_bind)
+        llm = LLM(
+            model,
+            dtype="float32",
+            tensor_parallel_size=2,
+            distributed_executor_backend="ray",
+            kv_cache_memory_bytes=16 << 20,
+            cpu_bind=cpu_bind,
+        )
     executor = executor_of(llm)
     try:
         got = executor.collective_rpc(thread_placement)
@@ -196,8 +219,14 @@ def make_the_governor_drop(worker):
     from raylm.worker.thread_governance import ThreadGovernor
 
     assert isinstance(worker.contention_watch, ThreadGovernor)
-    worker.contention_watch = ThreadGovernor(worker.cpu_placement, window_s=0.0, min_steps=1, max_wait_share=-1.0,
-                                             probe_after_s=3600.0, min_gain=-float("inf"))
+    worker.contention_watch = ThreadGovernor(
+        worker.cpu_placement,
+        window_s=0.0,
+        min_steps=1,
+        max_wait_share=-1.0,
+        probe_after_s=3600.0,
+        min_gain=-float("inf"),
+    )
 
 
 @needs_two_cpus
@@ -242,13 +271,16 @@ def test_vllm_env_alias_and_cli_flag(monkeypatch, model):
     assert EngineArgs.from_cli_args(parser.parse_args([])).cpu_bind is None
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"cpu_bind": "0|zero"}, "cpu_bind"),
-    ({"cpu_bind": "0|1|2"}, "cpu_bind has 3 CPU groups for 1 rank"),
-    ({"cpu_bind": "0-1|1-2", "tensor_parallel_size": 2}, "cpu_bind groups 0 and 1"),
-    ({"cpu_bind": 3}, "cpu_bind must be a string"),
-    ({"num_threads": 0}, "num_threads must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"cpu_bind": "0|zero"}, "cpu_bind"),
+        ({"cpu_bind": "0|1|2"}, "cpu_bind has 3 CPU groups for 1 rank"),
+        ({"cpu_bind": "0-1|1-2", "tensor_parallel_size": 2}, "cpu_bind groups 0 and 1"),
+        ({"cpu_bind": 3}, "cpu_bind must be a string"),
+        ({"num_threads": 0}, "num_threads must be an integer >= 1"),
+    ],
+)
 def test_bad_settings_name_the_field(model, kwargs, message):
     from raylm.config import create_engine_config
 

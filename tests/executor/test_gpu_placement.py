@@ -23,28 +23,34 @@ from tests.conftest import our_live_ray_state
 from tests.multinode.harness import short_tempdir
 
 
-@pytest.mark.parametrize("ray_ids, visible, index", [
-    ([0], None, 0),
-    ([3], None, 3),                     # nothing hidden: Ray's id is the device index
-    (["1"], None, 1),
-    (["2"], "2,3", 0),                  # a restricted node: Ray's GPU 2 is its first device
-    (["3"], "2,3", 1),
-    ([3], " 2, 3 ", 1),
-    (["GPU-bbbb"], "GPU-aaaa,GPU-bbbb", 1),
-    (["MIG-1234"], "MIG-1234", 0),
-    (["5"], "5", 0),                    # Ray rewrote the variable after all: still right
-    (["0", "1"], "0,1", 0),             # several ids: the first
-])
+@pytest.mark.parametrize(
+    "ray_ids, visible, index",
+    [
+        ([0], None, 0),
+        ([3], None, 3),  # nothing hidden: Ray's id is the device index
+        (["1"], None, 1),
+        (["2"], "2,3", 0),  # a restricted node: Ray's GPU 2 is its first device
+        (["3"], "2,3", 1),
+        ([3], " 2, 3 ", 1),
+        (["GPU-bbbb"], "GPU-aaaa,GPU-bbbb", 1),
+        (["MIG-1234"], "MIG-1234", 0),
+        (["5"], "5", 0),  # Ray rewrote the variable after all: still right
+        (["0", "1"], "0,1", 0),  # several ids: the first
+    ],
+)
 def test_device_index_from_ray_ids_and_visible_devices(ray_ids, visible, index):
     assert cuda_device_index(ray_ids, visible) == index
 
 
-@pytest.mark.parametrize("ray_ids, visible, message", [
-    ([], None, "assigned no GPU"),
-    (["4"], "2,3", "does not list it"),
-    (["GPU-aaaa"], None, "not a device index"),
-    (["0"], "", "does not list it"),
-])
+@pytest.mark.parametrize(
+    "ray_ids, visible, message",
+    [
+        ([], None, "assigned no GPU"),
+        (["4"], "2,3", "does not list it"),
+        (["GPU-aaaa"], None, "not a device index"),
+        (["0"], "", "does not list it"),
+    ],
+)
 def test_device_index_errors_say_why(ray_ids, visible, message):
     with pytest.raises(ValueError, match=message):
         cuda_device_index(ray_ids, visible)
@@ -65,9 +71,14 @@ def test_cgraph_on_cuda_checks_cupy_before_placing_anything(monkeypatch, tiny_mo
         raise AssertionError("placed workers before checking for CuPy")
 
     monkeypatch.setattr(ray_placement, "place_ranks", must_not_place)
-    config = create_engine_config(tiny_model_dir("llama"), device="cuda", dtype="float32",
-                                  distributed_executor_backend="ray", pipeline_parallel_size=2,
-                                  ray_step_transport="cgraph")
+    config = create_engine_config(
+        tiny_model_dir("llama"),
+        device="cuda",
+        dtype="float32",
+        distributed_executor_backend="ray",
+        pipeline_parallel_size=2,
+        ray_step_transport="cgraph",
+    )
     with pytest.raises(RuntimeError, match="need CuPy"):
         RayDistributedExecutor(config)
 
@@ -136,11 +147,17 @@ def test_ranks_get_the_device_index_their_node_gives_ray_s_gpu(gpu_cluster, tiny
         nodes["uuid"]: {("GPU-aaaa", "cuda:0"), ("GPU-bbbb", "cuda:1")},
     }
     # Each TP group on one node (PACK, two GPUs a node).
-    assert all(len({r["node_id"] for r in ranks[s * 2:(s + 1) * 2]}) == 1 for s in range(3))
+    assert all(len({r["node_id"] for r in ranks[s * 2 : (s + 1) * 2]}) == 1 for s in range(3))
 
     # The executor hands every rank that index (its Worker would use cuda:<local_rank>).
-    config = create_engine_config(model, device="cuda", dtype="float32", distributed_executor_backend="ray",
-                                  tensor_parallel_size=2, pipeline_parallel_size=3)
+    config = create_engine_config(
+        model,
+        device="cuda",
+        dtype="float32",
+        distributed_executor_backend="ray",
+        tensor_parallel_size=2,
+        pipeline_parallel_size=3,
+    )
     executor = _NoCudaRayExecutor(config)
     try:
         seen = executor.collective_rpc(lambda worker: (worker.local_rank, os.environ.get("CUDA_VISIBLE_DEVICES")))

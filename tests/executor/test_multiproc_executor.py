@@ -27,8 +27,16 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 
 def _mp_llm(model, tp=1, pp=1, **kwargs) -> LLM:
-    return LLM(model, dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
-               distributed_executor_backend="mp", num_threads=1, kv_cache_memory_bytes=16 << 20, **kwargs)
+    return LLM(
+        model,
+        dtype="float32",
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        distributed_executor_backend="mp",
+        num_threads=1,
+        kv_cache_memory_bytes=16 << 20,
+        **kwargs,
+    )
 
 
 def _executor(llm: LLM) -> MultiprocExecutor:
@@ -225,8 +233,13 @@ ENGINE_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_killed_engine_leaves_no_orphan_and_no_segment(model):
-    engine = subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, model], cwd=REPO_ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    engine = subprocess.Popen(
+        [sys.executable, "-c", ENGINE_SCRIPT, model],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     pids: list[int] = []
     try:
         line = engine.stdout.readline()

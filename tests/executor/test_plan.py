@@ -82,8 +82,15 @@ def test_the_plan_is_where_the_run_lands(cluster, tiny_model_dir, capsys):
     assert [g["spans_nodes"] for g in tp_groups] == [True, False]
     assert any("spans 2 nodes" in w for w in plan["warnings"])
 
-    with LLM(model, dtype="float32", distributed_executor_backend="ray", num_threads=1,
-             kv_cache_memory_bytes=16 << 20, tensor_parallel_size=2, pipeline_parallel_size=2) as llm:
+    with LLM(
+        model,
+        dtype="float32",
+        distributed_executor_backend="ray",
+        num_threads=1,
+        kv_cache_memory_bytes=16 << 20,
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+    ) as llm:
         assert executor_of(llm).node_ids == [r["node_id"] for r in ranks]
     assert our_live_ray_state() == ([], [])
 
@@ -104,8 +111,14 @@ def test_replicas_are_planned_where_they_start(cluster, tiny_model_dir, capsys):
     assert sorted(planned.values()) == sorted(cluster[1].values())  # one per node
     assert our_live_ray_state() == ([], [])
 
-    with LLM(model, dtype="float32", data_parallel_size=2, data_parallel_placement="spread", num_threads=1,
-             kv_cache_memory_bytes=16 << 20) as llm:
+    with LLM(
+        model,
+        dtype="float32",
+        data_parallel_size=2,
+        data_parallel_placement="spread",
+        num_threads=1,
+        kv_cache_memory_bytes=16 << 20,
+    ) as llm:
         manager = llm.llm_engine.engine_core.launcher.manager
         assert {i: h.node_id for i, h in manager.replicas.items()} == planned
     assert our_live_ray_state() == ([], [])

@@ -48,8 +48,15 @@ def private_ray_dir(monkeypatch):
 
 
 def _llm(model, **kwargs) -> LLM:
-    return LLM(model, dtype="float32", distributed_executor_backend="ray", num_threads=1,
-               kv_cache_memory_bytes=16 << 20, ray_placement_timeout=30, **kwargs)
+    return LLM(
+        model,
+        dtype="float32",
+        distributed_executor_backend="ray",
+        num_threads=1,
+        kv_cache_memory_bytes=16 << 20,
+        ray_placement_timeout=30,
+        **kwargs,
+    )
 
 
 def _generate(llm: LLM) -> list[list[int]]:
@@ -62,9 +69,29 @@ def test_generate_joins_the_running_local_cluster_without_an_address(private_ray
     import ray
 
     with local_ray_head(private_ray_dir, num_cpus=4) as head:
-        cli = [sys.executable, "-m", "raylm.entrypoints.cli", "generate", "ROMEO:", "--model", tiny_model_dir("llama"),
-               "-tp", "2", "--distributed-executor-backend", "ray", "--temperature", "0", "--max-tokens", "4",
-               "--num-threads", "1", "--kv-cache-memory-bytes", "16MiB", "--log-level", "info"]
+        cli = [
+            sys.executable,
+            "-m",
+            "raylm.entrypoints.cli",
+            "generate",
+            "ROMEO:",
+            "--model",
+            tiny_model_dir("llama"),
+            "-tp",
+            "2",
+            "--distributed-executor-backend",
+            "ray",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "4",
+            "--num-threads",
+            "1",
+            "--kv-cache-memory-bytes",
+            "16MiB",
+            "--log-level",
+            "info",
+        ]
         result = subprocess.run(cli, capture_output=True, text=True, timeout=150, env=dict(os.environ))
         assert result.returncode == 0, result.stderr[-4000:]
         assert result.stdout.startswith("ROMEO:")

@@ -23,8 +23,15 @@ def _ray_llm(model, tp=1, pp=1, **kwargs):
     kwargs.setdefault("kv_cache_memory_bytes", 32 << 20)
     # This module covers the compiled-graph transport; test_ray_mq_transport.py the default, mq.
     kwargs.setdefault("ray_step_transport", "cgraph")
-    return LLM(model, dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
-               distributed_executor_backend="ray", num_threads=1, **kwargs)
+    return LLM(
+        model,
+        dtype="float32",
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        distributed_executor_backend="ray",
+        num_threads=1,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize(

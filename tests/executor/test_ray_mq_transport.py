@@ -21,9 +21,16 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 100)), [3]]
 
 
 def _mq_llm(model, tp=1, pp=1) -> LLM:
-    return LLM(model, dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
-               distributed_executor_backend="ray", ray_step_transport="mq", num_threads=1,
-               kv_cache_memory_bytes=32 << 20)
+    return LLM(
+        model,
+        dtype="float32",
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        distributed_executor_backend="ray",
+        ray_step_transport="mq",
+        num_threads=1,
+        kv_cache_memory_bytes=32 << 20,
+    )
 
 
 def _executor(llm: LLM) -> RayDistributedExecutor:

@@ -31,11 +31,20 @@ def test_losing_the_node_of_a_pipeline_stage(cluster, tiny_model_dir):
     c, nodes = cluster
     model = tiny_model_dir("llama", num_key_value_heads=2)
     reference = [r.token_ids for r in hf_greedy(model, PROMPTS, MAX_TOKENS)]
-    llm = LLM(model, dtype="float32", pipeline_parallel_size=2, distributed_executor_backend="ray",
-              ray_placement_strategy="STRICT_SPREAD", ray_placement_timeout=3.0, num_threads=1,
-              kv_cache_memory_bytes=16 << 20, max_restarts=2)
+    llm = LLM(
+        model,
+        dtype="float32",
+        pipeline_parallel_size=2,
+        distributed_executor_backend="ray",
+        ray_placement_strategy="STRICT_SPREAD",
+        ray_placement_timeout=3.0,
+        num_threads=1,
+        kv_cache_memory_bytes=16 << 20,
+        max_restarts=2,
+    )
     executors = [executor_of(llm)]
     try:
+
         def remove_node_of_rank(rank: int):
             node_id = executor_of(llm).node_ids[rank]
             node = next(n for n in nodes if n.node_id == node_id)

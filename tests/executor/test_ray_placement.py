@@ -16,8 +16,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 def test_sort_workers_driver_node_first_then_fewer_workers_then_ip():
     infos = [
-        ("node-b", "10.0.0.2", []), ("node-c", "10.0.0.3", []), ("node-b", "10.0.0.2", []),
-        ("node-a", "10.0.0.9", []), ("node-d", "10.0.0.1", []),
+        ("node-b", "10.0.0.2", []),
+        ("node-c", "10.0.0.3", []),
+        ("node-b", "10.0.0.2", []),
+        ("node-a", "10.0.0.9", []),
+        ("node-d", "10.0.0.1", []),
     ]
     order = sort_workers(infos, driver_node_id="node-a")
     assert [infos[i][0] for i in order] == ["node-a", "node-d", "node-c", "node-b", "node-b"]
@@ -51,8 +54,15 @@ def cluster():
 
 
 def _llm(model, **kwargs):
-    return LLM(model, dtype="float32", distributed_executor_backend="ray", num_threads=1,
-               kv_cache_memory_bytes=16 << 20, ray_placement_timeout=20, **kwargs)
+    return LLM(
+        model,
+        dtype="float32",
+        distributed_executor_backend="ray",
+        num_threads=1,
+        kv_cache_memory_bytes=16 << 20,
+        ray_placement_timeout=20,
+        **kwargs,
+    )
 
 
 @pytest.mark.ray
@@ -76,8 +86,12 @@ def _wait_for_all_cpus_free(within_s: float = 30.0) -> None:
     for the whole group and Ray spreads it. Wait until every CPU is back."""
     import ray
 
-    wait_until(lambda: ray.available_resources().get("CPU", 0) >= ray.cluster_resources()["CPU"], within_s,
-               step=0.1, message=lambda: f"every CPU to be free; available: {ray.available_resources()}")
+    wait_until(
+        lambda: ray.available_resources().get("CPU", 0) >= ray.cluster_resources()["CPU"],
+        within_s,
+        step=0.1,
+        message=lambda: f"every CPU to be free; available: {ray.available_resources()}",
+    )
 
 
 @pytest.mark.ray
@@ -108,9 +122,16 @@ def test_runs_in_a_placement_group_the_user_made(cluster, tiny_model_dir):
 @pytest.mark.ray
 def test_a_request_that_cannot_fit_fails_with_the_resources(cluster, tiny_model_dir):
     with pytest.raises(RuntimeError, match="could not place 4 workers") as err:
-        LLM(tiny_model_dir("llama"), dtype="float32", distributed_executor_backend="ray", num_threads=1,
-            tensor_parallel_size=2, pipeline_parallel_size=2, ray_placement_strategy="STRICT_SPREAD",
-            ray_placement_timeout=3)
+        LLM(
+            tiny_model_dir("llama"),
+            dtype="float32",
+            distributed_executor_backend="ray",
+            num_threads=1,
+            tensor_parallel_size=2,
+            pipeline_parallel_size=2,
+            ray_placement_strategy="STRICT_SPREAD",
+            ray_placement_timeout=3,
+        )
     message = str(err.value)
     assert "STRICT_SPREAD" in message and message.count("node ") >= 3 and "CPU" in message
     assert our_live_ray_state() == ([], [])

@@ -57,8 +57,11 @@ def fail_on_rank_0_while_rank_1_waits(worker, path):
 
 
 def marker_env(worker):
-    return (os.environ.get("RAYLM_ALLOW_SHARED_NODE_IP"), "RAYLM_API_KEY" in os.environ,
-            "CUDA_VISIBLE_DEVICES" in os.environ)
+    return (
+        os.environ.get("RAYLM_ALLOW_SHARED_NODE_IP"),
+        "RAYLM_API_KEY" in os.environ,
+        "CUDA_VISIBLE_DEVICES" in os.environ,
+    )
 
 
 def install_poison(worker, poison_token: int):
@@ -69,8 +72,11 @@ def install_poison(worker, poison_token: int):
 
     def execute_model(scheduler_output, *args, **kwargs):
         prompts = [new.prompt_token_ids for new in scheduler_output.scheduled_new_reqs]
-        prompts += [runner.requests[rid].prompt_token_ids for rid in scheduler_output.num_scheduled_tokens
-                    if rid in runner.requests]
+        prompts += [
+            runner.requests[rid].prompt_token_ids
+            for rid in scheduler_output.num_scheduled_tokens
+            if rid in runner.requests
+        ]
         if any(poison_token in prompt for prompt in prompts):
             raise ValueError(f"poisoned token {poison_token} in the batch")
         return original(scheduler_output, *args, **kwargs)

@@ -44,8 +44,9 @@ def _hf_model(model_dir: str, dtype: torch.dtype):
 
 
 @torch.inference_mode()
-def hf_greedy_cuda(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
-                   dtype: torch.dtype) -> list[list[HFStep]]:
+def hf_greedy_cuda(
+    model_dir: str, prompts: list[list[int]], max_new_tokens: int, dtype: torch.dtype
+) -> list[list[HFStep]]:
     """Greedy continuation per prompt on CUDA, recomputing the whole sequence
     each step (no cache argument, whose name differs between transformers
     versions)."""

@@ -19,8 +19,15 @@ def test_cuda_batched_path_equals_cpu_path(case, dtype, tol, monkeypatch):
     q, k, v = (torch.randn(t, n * head_dim, generator=gen) for n in (num_heads, num_kv_heads, num_kv_heads))
     ref, _ = _attend(False, batch, cache, q, k, v, num_heads, num_kv_heads, head_dim)
     cuda_batch = _to_cuda(batch)
-    out, _ = _attend(None, cuda_batch, cache.to("cuda", dtype), *(x.to("cuda", dtype) for x in (q, k, v)),
-                     num_heads, num_kv_heads, head_dim)
+    out, _ = _attend(
+        None,
+        cuda_batch,
+        cache.to("cuda", dtype),
+        *(x.to("cuda", dtype) for x in (q, k, v)),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+    )
     torch.testing.assert_close(out.float().cpu(), ref, atol=tol, rtol=tol)
 
 
@@ -33,7 +40,6 @@ def _to_cuda(batch):
         if isinstance(value, torch.Tensor):
             moved[name] = value.cuda()
     moved["prefills"] = [
-        dataclasses.replace(p, ctx_slots=None if p.ctx_slots is None else p.ctx_slots.cuda())
-        for p in meta.prefills
+        dataclasses.replace(p, ctx_slots=None if p.ctx_slots is None else p.ctx_slots.cuda()) for p in meta.prefills
     ]
     return dataclasses.replace(batch, attn_metadata=type(meta)(**moved))

@@ -36,8 +36,9 @@ def test_cuda_partials_merge_to_whole_sequence_attention(dtype):
     partials = []
     for rank in range(CP):
         attn.kv_cache = caches[rank].cuda()
-        cp = prepare_batch(states, {rid: 1 for rid in states}, BLOCK, "cuda", cp_rank=rank,
-                           cp_size=CP).attn_metadata.context_parallel
+        cp = prepare_batch(
+            states, {rid: 1 for rid in states}, BLOCK, "cuda", cp_rank=rank, cp_size=CP
+        ).attn_metadata.context_parallel
         k_flat, v_flat = (attn.kv_cache[i].view(-1, kv_heads, head_dim) for i in (0, 1))
         out, lse = attn._cp_decode_partials(q.cuda(), k_flat, v_flat, cp)
         assert out.is_cuda and out.dtype == torch.float32 and lse.dtype == torch.float32

@@ -22,8 +22,9 @@ TOLERANCES = {torch.float32: (1e-3, 0.0), torch.bfloat16: (0.15, 0.25)}
 
 def _raylm_greedy(model, prompts, dtype, **engine_kwargs):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-    with LLM(model, dtype=dtype, distributed_executor_backend="uni", gpu_memory_utilization=0.3,
-             **engine_kwargs) as llm:
+    with LLM(
+        model, dtype=dtype, distributed_executor_backend="uni", gpu_memory_utilization=0.3, **engine_kwargs
+    ) as llm:
         assert executor_of(llm).driver_worker.worker.device.type == "cuda"
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [(o.outputs[0].token_ids, [next(iter(s.values())).logprob for s in o.outputs[0].logprobs]) for o in outs]

@@ -43,6 +43,7 @@ def test_quantized_model_on_cuda_matches_hf_on_its_float_weights(variant, tiny_m
         path = write_gguf(folder, tmp_path / "m.gguf", variant, tensor_type=chooser)
         reference = write_dequantized_reference(folder, tmp_path / "reference", variant, tensor_type=chooser)
         ours = _greedy(str(path))
-    expected = [[step.token_id for step in steps] for steps in hf_greedy_cuda(reference, PROMPTS, MAX_TOKENS,
-                                                                               torch.float32)]
+    expected = [
+        [step.token_id for step in steps] for steps in hf_greedy_cuda(reference, PROMPTS, MAX_TOKENS, torch.float32)
+    ]
     assert ours == expected

@@ -71,8 +71,10 @@ def test_seeded_rows_repeat_on_cuda():
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(3))
 
     def draw():
-        rows = [SamplingRow(SamplingParams(temperature=1.0, seed=s), [1], [],
-                            torch.Generator(device="cuda").manual_seed(s)) for s in range(4)]
+        rows = [
+            SamplingRow(SamplingParams(temperature=1.0, seed=s), [1], [], torch.Generator(device="cuda").manual_seed(s))
+            for s in range(4)
+        ]
         return Sampler()(logits.cuda(), build_sampling_metadata(rows, VOCAB, "cuda")).sampled_token_ids.cpu()
 
     assert torch.equal(draw(), draw())

@@ -34,8 +34,12 @@ def random_step(specs, num_kv_heads, head_dim, dtype, seed):
         rid = f"r{i}"
         tokens = [rng.randrange(100) for _ in range(done + now)]
         states[rid] = CachedRequestState(
-            req_id=rid, prompt_token_ids=tokens, token_ids=list(tokens), sampling_params=Params(),
-            block_ids=order[used : used + n], num_computed_tokens=done,
+            req_id=rid,
+            prompt_token_ids=tokens,
+            token_ids=list(tokens),
+            sampling_params=Params(),
+            block_ids=order[used : used + n],
+            num_computed_tokens=done,
         )
         scheduled[rid] = now
         used += n

@@ -139,8 +139,10 @@ def test_kernel_partials_merged_over_rank_shards_equal_attention_over_all_keys(d
     partials = []
     for rank in (0, 1):
         shard = [t[rank::2] for t in tables]
-        lens = [int(sum(min(block_size, n - j * block_size) for j in range(rank, len(t), 2)))
-                for n, t in zip(lengths, tables)]
+        lens = [
+            int(sum(min(block_size, n - j * block_size) for j in range(rank, len(t), 2)))
+            for n, t in zip(lengths, tables)
+        ]
         table = torch.zeros(len(lengths), max(len(s) for s in shard), dtype=torch.int64)
         for i, s in enumerate(shard):
             table[i, : len(s)] = s
@@ -155,10 +157,13 @@ def test_kernel_partials_merged_over_rank_shards_equal_attention_over_all_keys(d
         partials.append((out, lse))
     assert torch.all(partials[1][0][0] == 0) and torch.all(torch.isinf(partials[1][1][0]))  # the 1-token row
     merged = merge_partials(torch.stack([o for o, _ in partials]), torch.stack([lse for _, lse in partials]))
-    expected = torch.cat([
-        _full_attention(q[i : i + 1], k_flat[slots], v_flat[slots], scale, torch.ones(1, n, dtype=torch.bool))
-        for i, n in enumerate(lengths)
-        for slots in [(tables[i][:, None] * block_size + torch.arange(block_size)).flatten()[:n]]])
+    expected = torch.cat(
+        [
+            _full_attention(q[i : i + 1], k_flat[slots], v_flat[slots], scale, torch.ones(1, n, dtype=torch.bool))
+            for i, n in enumerate(lengths)
+            for slots in [(tables[i][:, None] * block_size + torch.arange(block_size)).flatten()[:n]]
+        ]
+    )
     torch.testing.assert_close(merged.double(), expected, rtol=1e-5, atol=1e-5)
     if dtype != torch.float32:
         assert _rounded_merge_error(partials, expected, dtype) > 1e-4

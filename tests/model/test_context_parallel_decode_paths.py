@@ -28,15 +28,17 @@ def _step(num_blocks: int, gen: torch.Generator):
     for i, n in enumerate(LENGTHS):
         blocks = ids[taken : taken + -(-n // BLOCK)]
         taken += len(blocks)
-        states[f"r{i}"] = CachedRequestState(f"r{i}", list(range(n)), list(range(n)), SamplingParams(), blocks,
-                                             num_computed_tokens=n - 1)
+        states[f"r{i}"] = CachedRequestState(
+            f"r{i}", list(range(n)), list(range(n)), SamplingParams(), blocks, num_computed_tokens=n - 1
+        )
     return states
 
 
 def _rank_partials(attn: Attention, q: torch.Tensor, cache: torch.Tensor, states, rank: int):
     attn.kv_cache = cache
-    cp = prepare_batch(states, {rid: 1 for rid in states}, BLOCK, "cpu", cp_rank=rank,
-                       cp_size=CP).attn_metadata.context_parallel
+    cp = prepare_batch(
+        states, {rid: 1 for rid in states}, BLOCK, "cpu", cp_rank=rank, cp_size=CP
+    ).attn_metadata.context_parallel
     assert cp.num_decodes == len(LENGTHS)
     k_flat, v_flat = (cache[i].view(-1, attn.num_kv_heads, attn.head_dim) for i in (0, 1))
     return attn._cp_decode_partials(q, k_flat, v_flat, cp)

@@ -117,7 +117,7 @@ def test_attention_decode_uses_kernel(kernel, monkeypatch):
     calls = []
     monkeypatch.setattr(
         "raylm.model.layers.attention.get_paged_decode_kernel",
-        lambda: (lambda *args: calls.append(1) or kernel(*args)),
+        lambda: lambda *args: calls.append(1) or kernel(*args),
     )
     out = attn._decode(q, meta)
     assert calls, "the CPU kernel was not used"
@@ -138,7 +138,7 @@ def test_whole_step_with_kernel_matches_torch(kernel, case, num_heads, num_kv_he
     with monkeypatch.context() as m:
         m.setattr(
             "raylm.model.layers.attention.get_paged_decode_kernel",
-            lambda: (lambda *args: calls.append(1) or kernel(*args)),
+            lambda: lambda *args: calls.append(1) or kernel(*args),
         )
         out, out_cache = attend(False, batch, cache, q, k, v, num_heads, num_kv_heads, head_dim)
     assert len(calls) == (1 if batch.attn_metadata.num_decode_tokens else 0)
@@ -211,8 +211,10 @@ def _greedy(model, prompts, max_tokens, **engine_args):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     with LLM(str(model), dtype="float32", kv_cache_memory_bytes=64 << 20, **engine_args) as llm:
         passes = [
-            [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                          use_tqdm=False)]
+            [
+                o.outputs[0].token_ids
+                for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            ]
             for _ in range(2)
         ]
         hits = llm.llm_engine.stats()["prefix_cache_hits"]
@@ -249,4 +251,3 @@ def test_kernels_are_ready_once_the_engine_has_started(gqa_model):
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, check=True)
     assert "READY True True" in out.stdout, out.stdout + out.stderr
-

@@ -99,10 +99,13 @@ def test_rms_norm_with_and_without_residual(dtype, counted, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim,scaling", [
-    (32, RopeScaling()),
-    (128, RopeScaling(rope_type="llama3", factor=8.0, original_max_position_embeddings=1024)),
-])
+@pytest.mark.parametrize(
+    "head_dim,scaling",
+    [
+        (32, RopeScaling()),
+        (128, RopeScaling(rope_type="llama3", factor=8.0, original_max_position_embeddings=1024)),
+    ],
+)
 def test_rotary(dtype, head_dim, scaling, counted, monkeypatch):
     gen = torch.Generator().manual_seed(2)
     rope = RotaryEmbedding(head_dim, max_position=4096, theta=500000.0, scaling=scaling)

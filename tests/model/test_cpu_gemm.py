@@ -76,7 +76,7 @@ def test_a_row_comes_out_the_same_in_any_batch(kernels, out_features, in_feature
     x = torch.randn(70, in_features, generator=g).to(torch.bfloat16)
     bias = torch.randn(out_features, generator=g).to(torch.bfloat16)
     packed = kernels.bf16_pack(w)
-    alone = torch.cat([kernels.bf16_linear(x[i:i + 1], packed, out_features, bias) for i in range(70)])
+    alone = torch.cat([kernels.bf16_linear(x[i : i + 1], packed, out_features, bias) for i in range(70)])
     for rows in (4, 16, 23, 70):
         assert torch.equal(kernels.bf16_linear(x[:rows], packed, out_features, bias), alone[:rows]), rows
 
@@ -109,8 +109,15 @@ def test_kernel_rejects_mismatched_operands(kernels):
 # EMULATED_BF16_KERNEL_MAX_ROWS and float32's matmul more. Both are forced here, so
 # either machine runs both.
 _ROW_CASES = [(rows, True) for rows in (1, cpu_gemm.DECODE_MAX_ROWS, cpu_gemm.DECODE_MAX_ROWS + 1, 64)] + [
-    (rows, False) for rows in (1, cpu_gemm.DECODE_MAX_ROWS + 1, cpu_gemm.EMULATED_BF16_KERNEL_MAX_ROWS,
-                               cpu_gemm.EMULATED_BF16_KERNEL_MAX_ROWS + 1, 300)]
+    (rows, False)
+    for rows in (
+        1,
+        cpu_gemm.DECODE_MAX_ROWS + 1,
+        cpu_gemm.EMULATED_BF16_KERNEL_MAX_ROWS,
+        cpu_gemm.EMULATED_BF16_KERNEL_MAX_ROWS + 1,
+        300,
+    )
+]
 
 
 @pytest.mark.parametrize("rows,bf16_arithmetic", _ROW_CASES)
@@ -122,8 +129,11 @@ def test_packed_layers_compute_the_plain_matmul(kernels, monkeypatch, rows, bf16
     monkeypatch.setattr(cpu_gemm, "_WIDEN_ELEMENTS", 16 * 96)
     kernel_rows = cpu_gemm.DECODE_MAX_ROWS if bf16_arithmetic else cpu_gemm.EMULATED_BF16_KERNEL_MAX_ROWS
     g = torch.Generator().manual_seed(rows)
-    layers = [ColumnParallelLinear(96, 80, bias=True), MergedColumnParallelLinear(96, [40, 40]),
-              RowParallelLinear(80, 96)]
+    layers = [
+        ColumnParallelLinear(96, 80, bias=True),
+        MergedColumnParallelLinear(96, [40, 40]),
+        RowParallelLinear(80, 96),
+    ]
     for layer in layers:
         layer.to(torch.bfloat16)
         for param in layer.parameters():
@@ -174,10 +184,18 @@ def test_logits_widen_exactly_on_either_path(kernels, rows):
 def test_bf16_arithmetic_is_read_off_the_cpu(monkeypatch):
     """AVX-512 (any of its bf16 paths) or AMX count as bf16 arithmetic; AVX2 alone does not."""
     cpu_gemm.cpu_has_bf16_arithmetic.cache_clear()
-    for flags, expected in (({"_is_avx512_supported"}, True), ({"_is_amx_tile_supported"}, True),
-                            ({"_is_avx2_supported"}, False), (set(), False)):
-        for probe in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported",
-                      "_is_avx2_supported"):
+    for flags, expected in (
+        ({"_is_avx512_supported"}, True),
+        ({"_is_amx_tile_supported"}, True),
+        ({"_is_avx2_supported"}, False),
+        (set(), False),
+    ):
+        for probe in (
+            "_is_avx512_supported",
+            "_is_avx512_bf16_supported",
+            "_is_amx_tile_supported",
+            "_is_avx2_supported",
+        ):
             monkeypatch.setattr(torch.cpu, probe, lambda on=probe in flags: on)
         cpu_gemm.cpu_has_bf16_arithmetic.cache_clear()
         assert cpu_gemm.cpu_has_bf16_arithmetic() is expected, flags
@@ -260,8 +278,9 @@ class _CountingInt8:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not getattr(torch.cpu, "_is_avx2_supported", lambda: False)(),
-                    reason="runs the AVX2 build, so needs an AVX2 CPU")
+@pytest.mark.skipif(
+    not getattr(torch.cpu, "_is_avx2_supported", lambda: False)(), reason="runs the AVX2 build, so needs an AVX2 CPU"
+)
 def test_the_avx2_path_equals_the_rounded_product(tmp_path):
     """CPUs without AVX-512 (most consumer CPUs, AMD before Zen 4) build
     bf16_gemm.cpp's AVX2 path. Built here for such a CPU (-march=haswell: AVX2
@@ -273,19 +292,38 @@ def test_the_avx2_path_equals_the_rounded_product(tmp_path):
     from raylm.model.layers.cpu_kernels import _CSRC
 
     binding = tmp_path / "bindings.cpp"
-    binding.write_text('#include <torch/extension.h>\n#include "kernels.h"\n'
-                       "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n"
-                       '  m.def("bf16_pack", &bf16_pack);\n'
-                       '  m.def("bf16_linear", &bf16_linear, py::arg("x"), py::arg("packed"), '
-                       'py::arg("out_features"), py::arg("bias") = py::none());\n}\n')
+    binding.write_text(
+        '#include <torch/extension.h>\n#include "kernels.h"\n'
+        "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n"
+        '  m.def("bf16_pack", &bf16_pack);\n'
+        '  m.def("bf16_linear", &bf16_linear, py::arg("x"), py::arg("packed"), '
+        'py::arg("out_features"), py::arg("bias") = py::none());\n}\n'
+    )
     flags = ["-O2", "-march=haswell", "-fopenmp", f"-I{_CSRC}"]
-    module = cpp_extension.load(name="raylm_bf16_avx2_check", build_directory=str(tmp_path),
-                                sources=[str(binding), str(_CSRC / "bf16_gemm.cpp"), str(_CSRC / "work_team.cpp")],
-                                extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+    module = cpp_extension.load(
+        name="raylm_bf16_avx2_check",
+        build_directory=str(tmp_path),
+        sources=[str(binding), str(_CSRC / "bf16_gemm.cpp"), str(_CSRC / "work_team.cpp")],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
     assembly = tmp_path / "bf16_gemm.s"
-    subprocess.run([cpp_extension.get_cxx_compiler(), "-std=c++17", *flags, "-S", "-DTORCH_EXTENSION_NAME=check",
-                    *[f"-I{p}" for p in cpp_extension.include_paths()], str(_CSRC / "bf16_gemm.cpp"),
-                    "-o", str(assembly)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            cpp_extension.get_cxx_compiler(),
+            "-std=c++17",
+            *flags,
+            "-S",
+            "-DTORCH_EXTENSION_NAME=check",
+            *[f"-I{p}" for p in cpp_extension.include_paths()],
+            str(_CSRC / "bf16_gemm.cpp"),
+            "-o",
+            str(assembly),
+        ],
+        check=True,
+        capture_output=True,
+    )
     text = assembly.read_text()
     assert "zmm" not in text and re.search(r"vfmadd\d+ps\s+[^\n]*%ymm", text)
     for out_features, in_features in ((33, 7), (100, 64), (1000, 2816)):

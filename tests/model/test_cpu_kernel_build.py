@@ -95,6 +95,7 @@ def test_build_killed_half_way_is_taken_over(fresh, tmp_path, monkeypatch, caplo
     marker = tmp_path / "building"
     child = subprocess.Popen([sys.executable, "-c", _HANGING_BUILDER, str(marker)])
     try:
+
         def building() -> bool:
             assert child.poll() is None, "the builder subprocess exited early"
             return marker.exists()

@@ -37,8 +37,11 @@ def test_every_command_input_is_in_the_key(monkeypatch):
         assert _key() != base, "-L of the link command"
     real_get_path = sysconfig.get_path
     with monkeypatch.context() as m:
-        m.setattr(ck.sysconfig, "get_path", lambda name, *a, **k: "/other/include" if name == "include"
-                  else real_get_path(name, *a, **k))
+        m.setattr(
+            ck.sysconfig,
+            "get_path",
+            lambda name, *a, **k: "/other/include" if name == "include" else real_get_path(name, *a, **k),
+        )
         assert _key() != base, "Python.h's folder, as torch asks for it"
 
 

@@ -106,8 +106,23 @@ def test_every_way_of_starting_loads_one_build(tmp_path):
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(root), HOME=str(home), RAYLM_TEST_BUILD_ONCE=tag)
     env.pop(ck.DISABLE_ENV, None)
     runs = {
-        "CLI": [sys.executable, "-m", "raylm.entrypoints.cli", "generate", "--model", str(model), "--dtype",
-                "float32", "--max-tokens", "2", "--num-threads", "1", "--kv-cache-memory-bytes", "16MiB", "Hi"],
+        "CLI": [
+            sys.executable,
+            "-m",
+            "raylm.entrypoints.cli",
+            "generate",
+            "--model",
+            str(model),
+            "--dtype",
+            "float32",
+            "--max-tokens",
+            "2",
+            "--num-threads",
+            "1",
+            "--kv-cache-memory-bytes",
+            "16MiB",
+            "Hi",
+        ],
         "engines": [sys.executable, "-c", ENGINES, str(model)],
     }
     outputs = {}
@@ -120,8 +135,9 @@ def test_every_way_of_starting_loads_one_build(tmp_path):
     finally:
         # Ray's daemons, the workers and the replicas end with the children.
         try:
-            wait_until(lambda: not _ours(tag), 60, step=0.5,
-                       message=lambda: f"the children's processes to end: {_ours(tag)}")
+            wait_until(
+                lambda: not _ours(tag), 60, step=0.5, message=lambda: f"the children's processes to end: {_ours(tag)}"
+            )
         finally:
             for process in _ours(tag):
                 process.kill()

@@ -108,8 +108,12 @@ def test_attention_and_elementwise_ops_give_the_same_bits_on_any_thread_count(ke
     gate_up = torch.randn(40, 2 * 1024).to(torch.bfloat16)
 
     def run():
-        return [kernels.paged_decode(q, cache, table, lengths, 0.125), kernels.rms_norm(rows, weight, 1e-6),
-                *kernels.add_rms_norm(rows, residual, weight, 1e-6), kernels.silu_and_mul(gate_up)]
+        return [
+            kernels.paged_decode(q, cache, table, lengths, 0.125),
+            kernels.rms_norm(rows, weight, 1e-6),
+            *kernels.add_rms_norm(rows, residual, weight, 1e-6),
+            kernels.silu_and_mul(gate_up),
+        ]
 
     threads(1)
     alone = run()

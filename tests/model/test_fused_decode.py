@@ -31,12 +31,11 @@ class _CountingKernels:
 
 
 def _generate(model, prompts, max_tokens, **engine_args):
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in max_tokens
-    ]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in max_tokens]
     engine_args.setdefault("distributed_executor_backend", "uni")
-    with LLM(str(model), dtype="bfloat16", kv_cache_memory_bytes=16 << 20, enable_prefix_caching=False,
-             **engine_args) as llm:
+    with LLM(
+        str(model), dtype="bfloat16", kv_cache_memory_bytes=16 << 20, enable_prefix_caching=False, **engine_args
+    ) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
@@ -109,8 +108,9 @@ def test_fused_decode_declines_a_context_parallel_step(context_parallel, monkeyp
     module. (The same step without CP goes on to the fused path's params.)"""
     from types import SimpleNamespace
 
-    meta = SimpleNamespace(prefills=None, num_decode_tokens=2, decode_context_lens=torch.tensor([3, 4]),
-                           context_parallel=context_parallel)
+    meta = SimpleNamespace(
+        prefills=None, num_decode_tokens=2, decode_context_lens=torch.tensor([3, 4]), context_parallel=context_parallel
+    )
     monkeypatch.setattr(llama_decode, "get_attention_metadata", lambda: meta)
     monkeypatch.setattr(llama_decode, "get_tp_group", lambda: SimpleNamespace(world_size=1))
     monkeypatch.setattr(llama_decode, "ENABLED", True)

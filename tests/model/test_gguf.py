@@ -84,8 +84,12 @@ def test_generation_and_tokenizer_come_from_the_file(tiny_model_dir, tmp_path, m
 
 def test_unsupported_tensor_type_is_refused_naming_tensor_and_type(tiny_model_dir, tmp_path):
     folder = tiny_model_dir("llama")
-    path = write_gguf(folder, tmp_path / "m.gguf", "Q8_0",
-                      tensor_type=lambda name, shape: "Q4_1" if name == "blk.1.ffn_up.weight" else "Q8_0")
+    path = write_gguf(
+        folder,
+        tmp_path / "m.gguf",
+        "Q8_0",
+        tensor_type=lambda name, shape: "Q4_1" if name == "blk.1.ffn_up.weight" else "Q8_0",
+    )
     with pytest.raises(ValueError, match=r"'blk\.1\.ffn_up\.weight' has type Q4_1"):
         load_model(str(path), torch.float32, "cpu")
 
@@ -173,12 +177,14 @@ def test_fused_decode_of_quantized_layers_equals_the_module_path(arch, tiny_mode
     monkeypatch.setattr(llama_decode, "get_cpu_kernels", lambda: Counting())
     path = write_gguf(tiny_model_dir(arch, **QUANT_SHAPE), tmp_path / "model.gguf", "Q4_K", tensor_type=q4_k_m)
     prompts = [[1, 17, 300, 5], [1, 99, 640, 7, 3, 250, 11], [2, 3], [8, 400], [9] * 6, [700, 1, 2], [33, 44, 55]]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2)
-              for n in (12, 5, 9, 7, 3, 10, 6)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (12, 5, 9, 7, 3, 10, 6)
+    ]
 
     def generate():
-        with LLM(str(path), dtype="bfloat16", distributed_executor_backend="uni", enable_prefix_caching=False,
-                 **SMALL_ENGINE) as llm:
+        with LLM(
+            str(path), dtype="bfloat16", distributed_executor_backend="uni", enable_prefix_caching=False, **SMALL_ENGINE
+        ) as llm:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 

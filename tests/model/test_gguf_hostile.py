@@ -130,15 +130,23 @@ def test_tensor_data_offset_past_the_end_of_the_file(crafted):
 @pytest.mark.timeout(20)
 def test_tensor_name_too_long_and_unknown_type(crafted):
     refused(crafted(header(1, 0) + tensor_info(b"w" * 100, [4]) + bytes(32)), "the name of tensor #0")
-    refused(crafted(header(1, 0) + tensor_info(b"w", [4], ggml_type=999) + bytes(32), "t.gguf"),
-            "'w'", "unknown ggml type 999")
+    refused(
+        crafted(header(1, 0) + tensor_info(b"w", [4], ggml_type=999) + bytes(32), "t.gguf"),
+        "'w'",
+        "unknown ggml type 999",
+    )
 
 
 # A tiny valid llama file, written with the gguf package: hidden 8, 2 heads,
 # feed-forward 16, one block, 16 tokens; float32 weights.
 TINY = {
-    "context_length": 64, "embedding_length": 8, "feed_forward_length": 16, "block_count": 1,
-    "attention.head_count": 2, "attention.head_count_kv": 2, "vocab_size": 16,
+    "context_length": 64,
+    "embedding_length": 8,
+    "feed_forward_length": 16,
+    "block_count": 1,
+    "attention.head_count": 2,
+    "attention.head_count_kv": 2,
+    "vocab_size": 16,
 }
 
 
@@ -147,10 +155,19 @@ def write_tiny(path, byte_order=gguf.GGUFEndian.LITTLE, **metadata):
     for key, value in {**TINY, **metadata}.items():
         writer.add_uint64(f"llama.{key}", value)
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-6)
-    shapes = {"token_embd.weight": (16, 8), "output_norm.weight": (8,), "blk.0.attn_norm.weight": (8,),
-              "blk.0.ffn_norm.weight": (8,), "blk.0.attn_q.weight": (8, 8), "blk.0.attn_k.weight": (8, 8),
-              "blk.0.attn_v.weight": (8, 8), "blk.0.attn_output.weight": (8, 8),
-              "blk.0.ffn_gate.weight": (16, 8), "blk.0.ffn_up.weight": (16, 8), "blk.0.ffn_down.weight": (8, 16)}
+    shapes = {
+        "token_embd.weight": (16, 8),
+        "output_norm.weight": (8,),
+        "blk.0.attn_norm.weight": (8,),
+        "blk.0.ffn_norm.weight": (8,),
+        "blk.0.attn_q.weight": (8, 8),
+        "blk.0.attn_k.weight": (8, 8),
+        "blk.0.attn_v.weight": (8, 8),
+        "blk.0.attn_output.weight": (8, 8),
+        "blk.0.ffn_gate.weight": (16, 8),
+        "blk.0.ffn_up.weight": (16, 8),
+        "blk.0.ffn_down.weight": (8, 16),
+    }
     for name, shape in shapes.items():  # numpy shapes: ggml's dims reversed
         writer.add_tensor(name, np.ones(shape, dtype=np.float32))
     writer.write_header_to_file()
@@ -168,11 +185,21 @@ def test_the_tiny_file_itself_opens(tmp_path):
 
 
 @pytest.mark.timeout(20)
-@pytest.mark.parametrize("key, value", [
-    ("context_length", 2**40), ("block_count", 2**31), ("vocab_size", 2**40), ("attention.head_count", 2**20),
-    ("attention.head_count", 0), ("attention.head_count_kv", 2**32), ("embedding_length", 2**33),
-    ("feed_forward_length", 2**40), ("attention.key_length", 2**20), ("expert_count", 2**40),
-])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("context_length", 2**40),
+        ("block_count", 2**31),
+        ("vocab_size", 2**40),
+        ("attention.head_count", 2**20),
+        ("attention.head_count", 0),
+        ("attention.head_count_kv", 2**32),
+        ("embedding_length", 2**33),
+        ("feed_forward_length", 2**40),
+        ("attention.key_length", 2**20),
+        ("expert_count", 2**40),
+    ],
+)
 def test_absurd_model_sizes_in_a_valid_file(tmp_path, key, value):
     refused(write_tiny(tmp_path / "m.gguf", **{key: value}), f"llama.{key}", str(value))
 
@@ -180,8 +207,10 @@ def test_absurd_model_sizes_in_a_valid_file(tmp_path, key, value):
 @pytest.mark.timeout(20)
 def test_more_heads_than_embedding_width(tmp_path):
     # No key_length: the head dim is the width over the heads, here 0.
-    refused(write_tiny(tmp_path / "m.gguf", **{"attention.head_count": 16}),
-            "llama.attention.key_length (absent: embedding_length 8 / head_count 16)")
+    refused(
+        write_tiny(tmp_path / "m.gguf", **{"attention.head_count": 16}),
+        "llama.attention.key_length (absent: embedding_length 8 / head_count 16)",
+    )
 
 
 @pytest.mark.timeout(20)

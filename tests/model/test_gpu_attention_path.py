@@ -125,8 +125,13 @@ def test_engine_with_batched_path_matches_hf(arch, tiny_model_dir, monkeypatch):
     calls = []
     real = gpu_attention.sdpa_paged_attention
     monkeypatch.setattr(gpu_attention, "sdpa_paged_attention", lambda *a: calls.append(1) or real(*a))
-    with LLM(model, dtype="float32", kv_cache_memory_bytes=32 << 20, max_num_batched_tokens=48,
-             distributed_executor_backend="uni") as llm:
+    with LLM(
+        model,
+        dtype="float32",
+        kv_cache_memory_bytes=32 << 20,
+        max_num_batched_tokens=48,
+        distributed_executor_backend="uni",
+    ) as llm:
         layers = executor_of(llm).driver_worker.worker.model_runner.attention_layers()
         assert layers
         for layer in layers:

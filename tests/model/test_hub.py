@@ -102,9 +102,28 @@ def test_cli_generate_with_hub_id_and_revision(offline_hub, folders):
     expected = _SEPARATOR.join(f"{p}{t}\n" for p, t in zip(PROMPTS, greedy_texts(folders["v2"])))
     assert expected != _SEPARATOR.join(f"{p}{t}\n" for p, t in zip(PROMPTS, greedy_texts(folders["main"])))
     result = subprocess.run(
-        [sys.executable, "-m", "raylm.entrypoints.cli", "generate", *PROMPTS, "--model", REPO_ID, "--revision", "v2",
-         "--max-tokens", "8", "--temperature", "0", "--num-threads", "1", "--kv-cache-memory-bytes", "4MiB"],
-        capture_output=True, env={**os.environ, "PYTHONIOENCODING": "utf-8"}, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "raylm.entrypoints.cli",
+            "generate",
+            *PROMPTS,
+            "--model",
+            REPO_ID,
+            "--revision",
+            "v2",
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0",
+            "--num-threads",
+            "1",
+            "--kv-cache-memory-bytes",
+            "4MiB",
+        ],
+        capture_output=True,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr.decode()
     assert result.stdout.decode() == expected

@@ -53,8 +53,9 @@ def test_an_int8_model_keeps_one_copy_of_its_weights(tiny_model_dir):
 
     if get_cpu_kernels() is None:
         pytest.skip("no CPU kernels here: layers keep the int8 rows for aten's kernel")
-    folder = tiny_model_dir("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                            num_key_value_heads=2)
+    folder = tiny_model_dir(
+        "llama", hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2
+    )
     model = load_model(folder, torch.bfloat16, "cpu", quantization="int8")
     linears = [m for m in model.modules() if getattr(m, "quant_matmul", None) is not None]
     int8_bytes = sum(segment.shape[0] * segment.shape[1] for m in linears for segment in m.quant_matmul.segments)
@@ -64,8 +65,8 @@ def test_an_int8_model_keeps_one_copy_of_its_weights(tiny_model_dir):
     segment = linears[0].quant_matmul.segments[0]
     state = segment.state
     packed, scales = state[3], state[4]  # tiles [N / 16, K / 4, 4, 16 columns]
-    rows_of_packed = packed.permute(0, 3, 1, 2).reshape(packed.shape[0] * 16, -1)[:segment.shape[0]]
-    dequantized = rows_of_packed[:, :segment.shape[1]].double() * scales.double()[:, None]
+    rows_of_packed = packed.permute(0, 3, 1, 2).reshape(packed.shape[0] * 16, -1)[: segment.shape[0]]
+    dequantized = rows_of_packed[:, : segment.shape[1]].double() * scales.double()[:, None]
     for rows in (1, 4, 5, 300):
         x = torch.randn(rows, segment.shape[1]).bfloat16()
         torch.testing.assert_close(segment(x).double(), x.double() @ dequantized.t(), atol=0.05, rtol=0.02)

@@ -22,8 +22,7 @@ def bf16_perplexity() -> float:
 
 
 @pytest.mark.parametrize("variant,bound", [("Q8_0", 0.01), ("Q4_K_M", 0.03)])
-def test_perplexity_through_the_decode_kernel_stays_near_bf16(variant, bound, bf16_perplexity, tmp_path,
-                                                              monkeypatch):
+def test_perplexity_through_the_decode_kernel_stays_near_bf16(variant, bound, bf16_perplexity, tmp_path, monkeypatch):
     module = get_cpu_kernels()
     if module is None or not quant_kernels.packed_kernel_available(module):
         pytest.skip("no AVX-512 VNNI decode kernel in this build")
@@ -38,8 +37,12 @@ def test_perplexity_through_the_decode_kernel_stays_near_bf16(variant, bound, bf
         return plain_linear(x, state)
 
     monkeypatch.setattr(quant_kernels, "_gguf_linear", counting_linear)
-    path = write_gguf(DEFAULT_MODEL_DIR, tmp_path / "m.gguf", "Q8_0" if variant == "Q8_0" else "Q4_K",
-                      tensor_type=q4_k_m if variant == "Q4_K_M" else None)
+    path = write_gguf(
+        DEFAULT_MODEL_DIR,
+        tmp_path / "m.gguf",
+        "Q8_0" if variant == "Q8_0" else "Q4_K",
+        tensor_type=q4_k_m if variant == "Q4_K_M" else None,
+    )
     quantized = perplexity(str(path))
     assert rows_seen and max(rows_seen) > 150  # the passage's rows went through the decode kernel
     print(f"{variant} through the decode kernel: perplexity {quantized:.4f}, bf16 {bf16_perplexity:.4f}")

@@ -44,8 +44,7 @@ def test_dequantize_equals_the_gguf_decoder(qtype, kernels):
     weight, reference = _weight(qtype)
     code = quant_kernels.GGUF_TYPE_CODES[qtype]
     assert torch.equal(kernels.quant_dequantize(weight.data, code, weight.cols, torch.float32), reference)
-    assert torch.equal(kernels.quant_dequantize(weight.data, code, weight.cols, torch.bfloat16),
-                       reference.bfloat16())
+    assert torch.equal(kernels.quant_dequantize(weight.data, code, weight.cols, torch.bfloat16), reference.bfloat16())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -82,8 +81,9 @@ def test_bf16_prefill_widens_to_float32_without_bf16_arithmetic(qtype, rows, ker
     kernel = quant_kernels.kernel_for(qtype, torch.device("cpu"), torch.bfloat16)
     state = kernel.prepare(weight)
     widened = []
-    spy = types.SimpleNamespace(**{name: getattr(state.module, name) for name in dir(state.module)
-                                   if not name.startswith("__")})
+    spy = types.SimpleNamespace(
+        **{name: getattr(state.module, name) for name in dir(state.module) if not name.startswith("__")}
+    )
     for name in ("quant_dequantize", "quant_packed_dequantize"):
         real = getattr(state.module, name)
         setattr(spy, name, lambda *args, real=real: widened.append(args[-1]) or real(*args))
@@ -218,8 +218,9 @@ def test_tiles_of_any_bytes_widen_as_the_file_blocks_do(qtype, kernels):
     for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
         from_blocks = kernels.quant_dequantize(data, code, cols, dtype)
         assert from_blocks.isnan().any()
-        assert torch.equal(kernels.quant_packed_dequantize(packed, code, rows, cols, dtype).view(bits),
-                           from_blocks.view(bits))
+        assert torch.equal(
+            kernels.quant_packed_dequantize(packed, code, rows, cols, dtype).view(bits), from_blocks.view(bits)
+        )
 
 
 def test_an_unknown_kernel_choice_is_refused(kernels, monkeypatch):
@@ -248,10 +249,12 @@ def test_model_layers_keep_gguf_weights_quantized(tmp_path, tiny_model_dir, kern
     from raylm.model.loader import load_model
     from raylm.testing.gguf_writer import write_gguf
 
-    folder = tiny_model_dir("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                            num_key_value_heads=2)
-    path = write_gguf(folder, tmp_path / "m.gguf", tensor_type=lambda name, shape: "Q6_K" if "attn_v" in name
-                      else "Q4_K")
+    folder = tiny_model_dir(
+        "llama", hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2
+    )
+    path = write_gguf(
+        folder, tmp_path / "m.gguf", tensor_type=lambda name, shape: "Q6_K" if "attn_v" in name else "Q4_K"
+    )
     model = load_model(str(path), torch.bfloat16, "cpu")
     qkv = model.model.layers[0].self_attn.qkv_proj
     # q and k merged into one Q4_K segment, v its own Q6_K one: no float copy.
@@ -263,8 +266,20 @@ def test_model_layers_keep_gguf_weights_quantized(tmp_path, tiny_model_dir, kern
 def _reachable(root) -> list[object]:
     """Every object reachable from `root` through attributes and containers
     (not through modules, classes or functions)."""
-    skip = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
-            str, bytes, int, float, bool, torch.dtype, torch.device)
+    skip = (
+        types.ModuleType,
+        type,
+        types.FunctionType,
+        types.BuiltinFunctionType,
+        types.MethodType,
+        str,
+        bytes,
+        int,
+        float,
+        bool,
+        torch.dtype,
+        torch.device,
+    )
     seen, found, stack = set(), [], [root]
     while stack:
         obj = stack.pop()
@@ -288,8 +303,11 @@ def bytes_held_once(model, dtype: torch.dtype) -> int:
     asserts that no loaded QuantizedWeight is reachable (nothing kept beside)."""
     reachable = _reachable(model)
     assert not [o for o in reachable if isinstance(o, QuantizedWeight)]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in reachable if isinstance(t, torch.Tensor) and t.dtype == dtype}
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in reachable
+        if isinstance(t, torch.Tensor) and t.dtype == dtype
+    }
     return sum(storages.values())
 
 
@@ -305,13 +323,20 @@ def test_a_bf16_model_keeps_one_copy_of_its_quantized_weights(variant, tmp_path,
     from raylm.model.loader import load_model
     from raylm.testing.gguf_writer import write_gguf
 
-    folder = tiny_model_dir("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                            num_key_value_heads=2)
-    mix = (lambda name, shape: "Q6_K" if name.endswith(("attn_v.weight", "ffn_down.weight", "output.weight"))
-           else "Q4_K") if variant == "Q4_K_M" else None
+    folder = tiny_model_dir(
+        "llama", hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2
+    )
+    mix = (
+        (lambda name, shape: "Q6_K" if name.endswith(("attn_v.weight", "ffn_down.weight", "output.weight")) else "Q4_K")
+        if variant == "Q4_K_M"
+        else None
+    )
     path = write_gguf(folder, tmp_path / "m.gguf", "Q8_0", tensor_type=mix)
-    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors
-                     if t.tensor_type.name in quant_kernels.GGUF_TYPE_CODES and t.name != "token_embd.weight")
+    file_bytes = sum(
+        int(t.n_bytes)
+        for t in GGUFReader(str(path)).tensors
+        if t.tensor_type.name in quant_kernels.GGUF_TYPE_CODES and t.name != "token_embd.weight"
+    )
     model = load_model(str(path), torch.bfloat16, "cpu")
     held = bytes_held_once(model, torch.uint8)
     assert file_bytes <= held <= 1.05 * file_bytes, (held, file_bytes)
@@ -320,10 +345,13 @@ def test_a_bf16_model_keeps_one_copy_of_its_quantized_weights(variant, tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("march,kernels_expected,absent", [
-    ("haswell", ["avx2"], ("zmm", "vpdpbusd")),  # AVX2 only
-    ("alderlake", ["avx_vnni", "avx2"], ("zmm",)),  # AVX2 + AVX-VNNI, no AVX-512
-])
+@pytest.mark.parametrize(
+    "march,kernels_expected,absent",
+    [
+        ("haswell", ["avx2"], ("zmm", "vpdpbusd")),  # AVX2 only
+        ("alderlake", ["avx_vnni", "avx2"], ("zmm",)),  # AVX2 + AVX-VNNI, no AVX-512
+    ],
+)
 def test_the_decode_kernel_builds_for_cpus_without_avx512(march, kernels_expected, absent, tmp_path):
     """This machine runs the 256-bit kernels with AVX-512 enabled around them; compiled for
     a consumer CPU (as its -march=native build would be), quant_decode.cpp must build and
@@ -336,9 +364,24 @@ def test_the_decode_kernel_builds_for_cpus_without_avx512(march, kernels_expecte
 
     include = [f"-I{p}" for p in [*cpp_extension.include_paths(), sysconfig.get_path("include")]]
     assembly = tmp_path / "quant_decode.s"
-    subprocess.run([cpp_extension.get_cxx_compiler(), "-std=c++17", "-O1", f"-march={march}", "-fopenmp", "-S",
-                    "-DTORCH_EXTENSION_NAME=check", "-DTORCH_API_INCLUDE_EXTENSION_H", *include,
-                    str(_CSRC / "quant_decode.cpp"), "-o", str(assembly)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            cpp_extension.get_cxx_compiler(),
+            "-std=c++17",
+            "-O1",
+            f"-march={march}",
+            "-fopenmp",
+            "-S",
+            "-DTORCH_EXTENSION_NAME=check",
+            "-DTORCH_API_INCLUDE_EXTENSION_H",
+            *include,
+            str(_CSRC / "quant_decode.cpp"),
+            "-o",
+            str(assembly),
+        ],
+        check=True,
+        capture_output=True,
+    )
     text = assembly.read_text()
     for name in absent:
         assert name not in text, f"{name} in the -march={march} build"

@@ -37,14 +37,19 @@ def _generate(model: str, **engine) -> list[list[int]]:
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
     segments_before = set(os.listdir("/dev/shm"))
     with LLM(model, **{**ENGINE, **engine}) as llm:
-        outputs = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                                                                        params, use_tqdm=False)]
+        outputs = [
+            list(o.outputs[0].token_ids)
+            for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        ]
         new_children = {p.pid for p in psutil.Process().children(recursive=True)} - children_before
     if engine.get("distributed_executor_backend") == "ray":
         wait_until(lambda: our_live_ray_state() == ([], []), within_s=60, message="Ray actors and groups gone")
     else:
-        wait_until(lambda: not [pid for pid in new_children if _alive(pid) and not _is_resource_tracker(pid)],
-                   within_s=60, message="worker processes gone")
+        wait_until(
+            lambda: not [pid for pid in new_children if _alive(pid) and not _is_resource_tracker(pid)],
+            within_s=60,
+            message="worker processes gone",
+        )
     ours = tuple(f"{SEGMENT_PREFIX}{pid}_" for pid in new_children | {os.getpid()})
     assert [name for name in set(os.listdir("/dev/shm")) - segments_before if name.startswith(ours)] == []
     return outputs
@@ -126,6 +131,9 @@ def test_gguf_data_parallel_replicas_on_processes(tiny_model_dir, tmp_path, monk
 def test_a_split_inside_a_block_is_refused_before_workers_start(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("RAYLM_GGUF_CACHE", str(tmp_path / "cache"))
     path = write_gguf(tiny_model_dir("llama", **NARROW), tmp_path / "m.gguf", "Q4_K")
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 would split tensor 'blk\.0\.attn_output\.weight' "
-                                         r"\(Q4_K, 256 columns\) into shards of 128 columns"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size 2 would split tensor 'blk\.0\.attn_output\.weight' "
+        r"\(Q4_K, 256 columns\) into shards of 128 columns",
+    ):
         LLM(str(path), **ENGINE, distributed_executor_backend="mp")

@@ -35,6 +35,10 @@ def bf16_perplexity() -> float:
 @pytest.mark.parametrize("variant,bound", [("Q8_0", 0.01), ("Q4_K_M", 0.03)])
 def test_quantized_perplexity_stays_near_bf16(variant, bound, bf16_perplexity, tmp_path, monkeypatch):
     monkeypatch.setenv("RAYLM_GGUF_CACHE", str(tmp_path / "cache"))
-    path = write_gguf(DEFAULT_MODEL_DIR, tmp_path / "m.gguf", "Q8_0" if variant == "Q8_0" else "Q4_K",
-                      tensor_type=q4_k_m if variant == "Q4_K_M" else None)
+    path = write_gguf(
+        DEFAULT_MODEL_DIR,
+        tmp_path / "m.gguf",
+        "Q8_0" if variant == "Q8_0" else "Q4_K",
+        tensor_type=q4_k_m if variant == "Q4_K_M" else None,
+    )
     assert abs(perplexity(str(path)) / bf16_perplexity - 1) < bound

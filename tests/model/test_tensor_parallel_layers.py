@@ -123,8 +123,9 @@ def test_parallel_logits_equal_single_process(tmp_path):
                 assert got is None, name
                 continue
             assert got.shape == reference.shape, name
-            torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4,
-                                       msg=lambda m, name=name, rank=rank: f"{name} rank {rank}: {m}")
+            torch.testing.assert_close(
+                got, reference, atol=1e-4, rtol=1e-4, msg=lambda m, name=name, rank=rank: f"{name} rank {rank}: {m}"
+            )
             assert torch.equal(got.argmax(-1), reference.argmax(-1)), name
 
 
@@ -140,8 +141,10 @@ def test_qkv_shards_and_kv_replication(two_rank_tp_group):
     from raylm.model.layers.linear import QKVParallelLinear
 
     head_dim, hidden = 2, 3
-    full = {s: torch.arange(n * head_dim * hidden, dtype=torch.float32).view(-1, hidden) + 1000 * i
-            for i, (s, n) in enumerate([("q", 4), ("k", 1), ("v", 1)])}
+    full = {
+        s: torch.arange(n * head_dim * hidden, dtype=torch.float32).view(-1, hidden) + 1000 * i
+        for i, (s, n) in enumerate([("q", 4), ("k", 1), ("v", 1)])
+    }
     layer = QKVParallelLinear(hidden, head_dim, total_num_heads=4, total_num_kv_heads=1)
     assert (layer.num_heads, layer.num_kv_heads) == (2, 1)
     for shard_id, weight in full.items():

@@ -88,27 +88,54 @@ def _replay(spec: dict, seed: int) -> dict:
 
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
     requests = {f"s{i}": (prompt, params) for i, prompt in enumerate(spec["prompts"])}
-    schedule = make_schedule(seed, num_ops=spec.get("num_ops", 6), span_steps=spec.get("span_steps", 300),
-                             operations=OPERATIONS, deaths=DEATHS)
+    schedule = make_schedule(
+        seed,
+        num_ops=spec.get("num_ops", 6),
+        span_steps=spec.get("span_steps", 300),
+        operations=OPERATIONS,
+        deaths=DEATHS,
+    )
     partition = Partition(spec["netns"])
     started, fds = time.monotonic(), len(os.listdir("/proc/self/fd"))
-    with LLM(spec["model"], dtype="float32", data_parallel_size=2, data_parallel_placement="spread",
-             ray_address=spec["address"], num_threads=1, kv_cache_memory_bytes=16 << 20,
-             execute_model_timeout=STEP_DEADLINE_S) as llm:
+    with LLM(
+        spec["model"],
+        dtype="float32",
+        data_parallel_size=2,
+        data_parallel_placement="spread",
+        ray_address=spec["address"],
+        num_threads=1,
+        kv_cache_memory_bytes=16 << 20,
+        execute_model_timeout=STEP_DEADLINE_S,
+    ) as llm:
         sup = llm.llm_engine.engine_core
-        runner = ScheduleRunner(llm, schedule, extra={"partition": partition.operation(SHORT_PARTITION_S),
-                                                      "cut": partition.operation(LONG_PARTITION_S)})
+        runner = ScheduleRunner(
+            llm,
+            schedule,
+            extra={"partition": partition.operation(SHORT_PARTITION_S), "cut": partition.operation(LONG_PARTITION_S)},
+        )
         try:
             result = runner.run(requests)
         finally:
             partition.wait_healed()
-        end = {"dead_error": str(sup.dead_error) if sup.dead_error is not None else None,
-               "restarts": sup.restart_budget.num_restarts, "migrations": sup.migration_counts,
-               "serving": sorted(sup.channels), "steps": runner.steps}
+        end = {
+            "dead_error": str(sup.dead_error) if sup.dead_error is not None else None,
+            "restarts": sup.restart_budget.num_restarts,
+            "migrations": sup.migration_counts,
+            "serving": sorted(sup.channels),
+            "steps": runner.steps,
+        }
     end["left"] = _left_behind(fds)
-    return {"seed": seed, "tokens": result.tokens, "finished": sorted(result.finished),
-            "aborted": sorted(result.aborted), "errors": result.errors, "done": result.done,
-            "partitions": partition.count, "seconds": time.monotonic() - started, **end}
+    return {
+        "seed": seed,
+        "tokens": result.tokens,
+        "finished": sorted(result.finished),
+        "aborted": sorted(result.aborted),
+        "errors": result.errors,
+        "done": result.done,
+        "partitions": partition.count,
+        "seconds": time.monotonic() - started,
+        **end,
+    }
 
 
 def _left_behind(fds: int, wait_s: float = 60.0) -> list[str]:

@@ -50,12 +50,20 @@ def main(spec: dict) -> dict:
     joined = ray.get_runtime_context().gcs_address
 
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
-    llm = LLM(spec["model"], dtype=spec.get("dtype", "float32"),
-              tensor_parallel_size=spec["tp"], pipeline_parallel_size=spec["pp"],
-              distributed_executor_backend="ray", ray_address=address,
-              ray_step_transport=spec.get("transport", "mq"),
-              ray_placement_strategy=spec["strategy"], ray_placement_timeout=spec.get("placement_timeout", 30.0),
-              num_threads=1, kv_cache_memory_bytes=16 << 20, max_restarts=spec.get("max_restarts", 3))
+    llm = LLM(
+        spec["model"],
+        dtype=spec.get("dtype", "float32"),
+        tensor_parallel_size=spec["tp"],
+        pipeline_parallel_size=spec["pp"],
+        distributed_executor_backend="ray",
+        ray_address=address,
+        ray_step_transport=spec.get("transport", "mq"),
+        ray_placement_strategy=spec["strategy"],
+        ray_placement_timeout=spec.get("placement_timeout", 30.0),
+        num_threads=1,
+        kv_cache_memory_bytes=16 << 20,
+        max_restarts=spec.get("max_restarts", 3),
+    )
     core = llm.llm_engine.engine_core.engine_core
     try:
         executor = core.executor
@@ -65,7 +73,8 @@ def main(spec: dict) -> dict:
             "gloo_ifnames": executor.collective_rpc(_gloo_ifname),
             "broadcast_remote_address": (
                 executor.transport.queues.broadcast.export_handle().remote_address
-                if executor.config.parallel_config.ray_step_transport == "mq" else None
+                if executor.config.parallel_config.ray_step_transport == "mq"
+                else None
             ),
         }
         if spec.get("bench"):
@@ -103,8 +112,10 @@ def _bench(llm, core, bench: dict) -> dict:
 
     rng = random.Random(0)
     vocab = llm.llm_engine.config.model_config.vocab_size
-    prompts = [{"prompt_token_ids": [rng.randrange(16, vocab) for _ in range(bench["input_len"])]}
-               for _ in range(bench["num_prompts"])]
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(16, vocab) for _ in range(bench["input_len"])]}
+        for _ in range(bench["num_prompts"])
+    ]
     params = SamplingParams(temperature=0, max_tokens=bench["output_len"], ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
     step, step_s = core.step, []
@@ -120,8 +131,12 @@ def _bench(llm, core, bench: dict) -> dict:
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"elapsed_s": elapsed, "tokens": tokens, "steps": len(step_s),
-            "median_step_ms": 1e3 * statistics.median(step_s)}
+    return {
+        "elapsed_s": elapsed,
+        "tokens": tokens,
+        "steps": len(step_s),
+        "median_step_ms": 1e3 * statistics.median(step_s),
+    }
 
 
 if __name__ == "__main__":

@@ -42,8 +42,12 @@ OTHER_HEAD_IP = "10.98.0.1"
 RAY_PORT = 6379  # each namespace has its own ports
 # The GCS declares a lost node dead after period x threshold (Ray's defaults
 # take ~30 s); the node-loss test needs it in seconds.
-FAST_NODE_DEATH = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 500,
-                   "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
+FAST_NODE_DEATH = {
+    "health_check_initial_delay_ms": 1000,
+    "health_check_period_ms": 500,
+    "health_check_timeout_ms": 1000,
+    "health_check_failure_threshold": 3,
+}
 
 
 def free_ports(n: int) -> list[int]:
@@ -123,12 +127,22 @@ def local_ray_head(temp_root: str, num_cpus: int = 4):
     gcs, client, agent, metrics, runtime_env = free_ports(5)
     env = dict(os.environ, RAY_TMPDIR=temp_root)
     env.pop("RAY_ADDRESS", None)
-    cmd = [_RAY, "start", "--head", f"--num-cpus={num_cpus}", "--disable-usage-stats",
-           "--include-dashboard=false", f"--port={gcs}", f"--ray-client-server-port={client}",
-           f"--dashboard-agent-listen-port={agent}", f"--metrics-export-port={metrics}",
-           f"--runtime-env-agent-port={runtime_env}"]
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        _RAY,
+        "start",
+        "--head",
+        f"--num-cpus={num_cpus}",
+        "--disable-usage-stats",
+        "--include-dashboard=false",
+        f"--port={gcs}",
+        f"--ray-client-server-port={client}",
+        f"--dashboard-agent-listen-port={agent}",
+        f"--metrics-export-port={metrics}",
+        f"--runtime-env-agent-port={runtime_env}",
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         out, _ = proc.communicate(timeout=120)
         if proc.returncode != 0:
@@ -209,7 +223,7 @@ def remove_stale_netns() -> None:
         name = line.split()[0] if line.split() else ""
         if not name.startswith(NETNS_PREFIX) or name.startswith(NETNS_PREFIX + "probe"):
             continue
-        digits = name[len(NETNS_PREFIX):].split("_")[0]
+        digits = name[len(NETNS_PREFIX) :].split("_")[0]
         if digits.isdigit() and not psutil.pid_exists(int(digits)):
             remove_netns(name)
 
@@ -245,8 +259,15 @@ class TwoHosts:
     def run_driver(self, spec: dict, timeout: float, module: str = "tests.multinode.driver") -> dict:
         """Run tests/multinode/driver.py (or `module`) on the head host with `spec`; its JSON result."""
         cmd = self.head.cmd(sys.executable, "-m", module, json.dumps(spec))
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=self.driver_env(), start_new_session=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO_ROOT,
+            env=self.driver_env(),
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -260,12 +281,19 @@ class TwoHosts:
         results = [line for line in out.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not results:
             raise AssertionError(f"the driver failed (exit {proc.returncode}); its stderr:\n{err[-6000:]}")
-        return json.loads(results[-1][len("RESULT "):])
+        return json.loads(results[-1][len("RESULT ") :])
 
 
 def _start_ray(host: NetnsHost, *args: str, num_cpus: int = 2) -> None:
-    cmd = host.cmd(_RAY, "start", f"--node-ip-address={host.ip}", f"--num-cpus={num_cpus}", "--disable-usage-stats",
-                   f"--temp-dir={os.path.join(host.temp_dir, 'ray')}", *args)
+    cmd = host.cmd(
+        _RAY,
+        "start",
+        f"--node-ip-address={host.ip}",
+        f"--num-cpus={num_cpus}",
+        "--disable-usage-stats",
+        f"--temp-dir={os.path.join(host.temp_dir, 'ray')}",
+        *args,
+    )
     # The node's processes (its workers) inherit this environment: nothing
     # of the test process's that would steer Ray or gloo.
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "GLOO_SOCKET_IFNAME")}

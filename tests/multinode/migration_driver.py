@@ -38,8 +38,15 @@ def main(spec: dict) -> dict:
     ray_cluster.connect_ray(ParallelConfig(ray_address=spec["address"]), num_cpus_hint=0)
     _wait_for_nodes(2, timeout=60)
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
-    with LLM(spec["model"], dtype="float32", data_parallel_size=2, data_parallel_placement="spread",
-             ray_address=spec["address"], num_threads=1, kv_cache_memory_bytes=16 << 20) as llm:
+    with LLM(
+        spec["model"],
+        dtype="float32",
+        data_parallel_size=2,
+        data_parallel_placement="spread",
+        ray_address=spec["address"],
+        num_threads=1,
+        kv_cache_memory_bytes=16 << 20,
+    ) as llm:
         engine, supervisor = llm.llm_engine, llm.llm_engine.engine_core
         node_ips = {i: c.node_ip for i, c in supervisor.channels.items()}
         resubmitted = []  # requests recomputed (sent again): none should be
@@ -49,7 +56,9 @@ def main(spec: dict) -> dict:
         supervisor.take_migration_events = lambda: [events.append(e) or e for e in take_events()]
         end_migration = supervisor.migrations._end_migration
         supervisor.migrations._end_migration = lambda m, ok, why="", **kw: (
-            abandoned.append(why) if not ok else None, end_migration(m, ok, why, **kw))
+            abandoned.append(why) if not ok else None,
+            end_migration(m, ok, why, **kw),
+        )
         resubmit = supervisor.router.resubmit
         supervisor.router.resubmit = lambda rid: (resubmitted.append(rid), resubmit(rid))
         head = next(i for i, ip in node_ips.items() if ip == ray.util.get_node_ip_address())
@@ -66,16 +75,20 @@ def main(spec: dict) -> dict:
                 for rid, destination in [(r, head) for r in away] + [(r, other) for r in back]:
                     assert supervisor.migrate(rid, destination), rid
                     migration = supervisor.migrations[supervisor.migrations.by_request[rid]]
-                    moved[rid] = {"to": destination, "network": migration.network is not None,
-                                  "host": migration.network.host if migration.network else None}
+                    moved[rid] = {
+                        "to": destination,
+                        "network": migration.network is not None,
+                        "host": migration.network.host if migration.network else None,
+                    }
         return {
             "node_ips": node_ips,
             "token_ids": [done[str(i)] for i in range(len(spec["prompts"]))],
             "moved": moved,
             "migration_counts": supervisor.migration_counts,
             "abandoned": abandoned,
-            "events": [{"ok": e.ok, "downtime_s": e.downtime_s, "seconds": e.seconds, "num_bytes": e.num_bytes}
-                       for e in events],
+            "events": [
+                {"ok": e.ok, "downtime_s": e.downtime_s, "seconds": e.seconds, "num_bytes": e.num_bytes} for e in events
+            ],
             "recomputed": resubmitted,
             "replica_restarts": supervisor.restart_budget.num_restarts,
             "preemptions": supervisor.aggregate_stats().num_preemptions,

@@ -20,9 +20,11 @@ PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(5 + 9 * i)] + [STRAGGLER_TOKEN]
 def test_requests_migrated_between_hosts_mid_decode_equal_hugging_face(hosts, tiny_model_dir, monkeypatch):
     straggling(monkeypatch)  # read by the replicas' engines (RAYLM_* reaches Ray actors)
     model = tiny_model_dir("llama", num_key_value_heads=2)
-    result = hosts.run_driver({"model": model, "address": hosts.address, "prompts": PROMPTS,
-                               "max_tokens": MAX_TOKENS, "min_tokens": 2},
-                              timeout=240, module="tests.multinode.migration_driver")
+    result = hosts.run_driver(
+        {"model": model, "address": hosts.address, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "min_tokens": 2},
+        timeout=240,
+        module="tests.multinode.migration_driver",
+    )
     assert sorted(result["node_ips"].values()) == [HEAD_IP, WORKER_IP]
     moved = result["moved"]
     # Both directions, each over the network from the source's host.

@@ -17,8 +17,17 @@ def test_losing_the_worker_host_mid_decode_is_recovered_on_the_head(fresh_hosts,
     model = tiny_model_dir("llama", num_hidden_layers=2)
     # PP=2 spread over the hosts; after the loss both stages fit on the head's 2 CPUs.
     result = fresh_hosts.run_driver(
-        {"model": model, "tp": 1, "pp": 2, "strategy": "SPREAD", "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-         "address": fresh_hosts.address, "strike_netns": fresh_hosts.worker.name, "placement_timeout": 10.0},
+        {
+            "model": model,
+            "tp": 1,
+            "pp": 2,
+            "strategy": "SPREAD",
+            "prompts": PROMPTS,
+            "max_tokens": MAX_TOKENS,
+            "address": fresh_hosts.address,
+            "strike_netns": fresh_hosts.worker.name,
+            "placement_timeout": 10.0,
+        },
         timeout=170,
     )
     assert result["placed"]["node_ips"] == [HEAD_IP, WORKER_IP]

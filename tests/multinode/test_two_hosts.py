@@ -22,8 +22,15 @@ def test_tp2_pp2_across_two_hosts_equals_the_oracle(hosts, tiny_model_dir, trans
     model = tiny_model_dir("llama", num_hidden_layers=2)
     # No address: the driver joins the cluster the head's `ray start` recorded.
     result = hosts.run_driver(
-        {"model": model, "tp": 2, "pp": 2, "strategy": "PACK", "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-         "transport": transport},
+        {
+            "model": model,
+            "tp": 2,
+            "pp": 2,
+            "strategy": "PACK",
+            "prompts": PROMPTS,
+            "max_tokens": MAX_TOKENS,
+            "transport": transport,
+        },
         timeout=150,
     )
     assert result["joined"] == hosts.address

@@ -296,10 +296,17 @@ class FakeGovernor:
         self.now = 0.0
         self.waited = 0.0
         self.changes: list[tuple[float, int]] = []
-        self.governor = ThreadGovernor(RankPlacement(2, contended_threads=1), window_s=1.0, min_steps=4,
-                                       max_wait_share=0.15, probe_after_s=10.0, max_probe_after_s=40.0,
-                                       clock=lambda: self.now, read_wait_s=lambda: self.waited,
-                                       set_threads=lambda n: self.changes.append((self.now, n)))
+        self.governor = ThreadGovernor(
+            RankPlacement(2, contended_threads=1),
+            window_s=1.0,
+            min_steps=4,
+            max_wait_share=0.15,
+            probe_after_s=10.0,
+            max_probe_after_s=40.0,
+            clock=lambda: self.now,
+            read_wait_s=lambda: self.waited,
+            set_threads=lambda n: self.changes.append((self.now, n)),
+        )
 
     def run_for(self, seconds: float, wait: float, tokens_on_every_core: int = 4) -> None:
         """Passes of 0.25 s, of 4 tokens on fewer threads and `tokens_on_every_core`

@@ -13,8 +13,9 @@ BLOCK = 4
 
 def _state(rid, num_tokens, block_ids):
     tokens = list(range(100, 100 + num_tokens))
-    return CachedRequestState(rid, tokens[:3], tokens, SamplingParams(temperature=0), block_ids,
-                              num_computed_tokens=num_tokens - 1)
+    return CachedRequestState(
+        rid, tokens[:3], tokens, SamplingParams(temperature=0), block_ids, num_computed_tokens=num_tokens - 1
+    )
 
 
 def test_decode_only_step_matches_the_general_layout():

@@ -38,8 +38,9 @@ def _key() -> TransferKey:
     return TransferKey(sealed_frames.new_key())
 
 
-def _caches(seed: int | None, dtype=torch.float32, block_size: int = BLOCK_SIZE,
-            num_blocks: int = NUM_BLOCKS) -> list[torch.Tensor]:
+def _caches(
+    seed: int | None, dtype=torch.float32, block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLOCKS
+) -> list[torch.Tensor]:
     shape = (2, num_blocks, block_size, KV_HEADS, HEAD_DIM)
     if seed is None:
         return [torch.zeros(shape, dtype=dtype) for _ in range(LAYERS)]
@@ -114,8 +115,11 @@ def test_the_transfer_threads_yield_to_the_steps(endpoint, monkeypatch):
     assert len(urgent) == 2 and all(policy == os.SCHED_OTHER for threads in urgent for policy in threads.values())
     new = _zmq_threads_and_policy({int(t) for t in os.listdir("/proc/self/task")} - before)
     assert new
-    wait_until(lambda: all(policy == os.SCHED_BATCH for policy in _zmq_threads_and_policy(set(new)).values()), 10,
-               message="the final stage's send to end")
+    wait_until(
+        lambda: all(policy == os.SCHED_BATCH for policy in _zmq_threads_and_policy(set(new)).values()),
+        10,
+        message="the final stage's send to end",
+    )
     (server_thread,) = [t for t in threading.enumerate() if t.name == "raylm-kv-server"]
     assert os.getpriority(os.PRIO_PROCESS, server_thread.native_id) == os.getpriority(os.PRIO_PROCESS, 0)
     assert os.sched_getscheduler(server_thread.native_id) == os.sched_getscheduler(0)
@@ -194,8 +198,9 @@ def _forged_answer(forgery: str, key: TransferKey, request: bytes) -> list[bytes
     raise AssertionError(forgery)
 
 
-@pytest.mark.parametrize("forgery", ["junk", "missing, not sealed", "another request's answer", "a byte changed",
-                                     "its index changed"])
+@pytest.mark.parametrize(
+    "forgery", ["junk", "missing, not sealed", "another request's answer", "a byte changed", "its index changed"]
+)
 def test_an_answer_that_does_not_open_with_the_key_fails_the_fetch(forgery):
     """The destination takes nothing that was not sealed for its request by
     a holder of the key: a stranger at the source's address, a recorded
@@ -377,8 +382,11 @@ def test_a_sent_stage_lends_its_buffer_to_the_next(endpoint):
     assert first.data_ptr() != second.data_ptr()  # the first is not sent yet
     _assert_arrives(source, "m-1.rank0", [1, 2, 3], address, key)
     _assert_arrives(source, "m-2.rank0", [4, 5], address, key)
-    wait_until(lambda: server.buffers.num_kept == 3 and all(t is None or t.done for _, t in server.buffers._kept),
-               within_s=10, message="both sends done, each stage's packed and sealed buffers kept")
+    wait_until(
+        lambda: server.buffers.num_kept == 3 and all(t is None or t.done for _, t in server.buffers._kept),
+        within_s=10,
+        message="both sends done, each stage's packed and sealed buffers kept",
+    )
     # The smallest buffer that fits packs the next stage (its old bytes overwritten).
     endpoint.serve(source, "m-3.rank0", [6], "127.0.0.1", key)
     assert server._offers[b"m-3.rank0"][2].data_ptr() == second.data_ptr()
@@ -427,8 +435,9 @@ def test_a_pre_copy_stage_is_paced_and_a_final_stage_goes_between_its_frames(mon
     source = _caches(11, num_blocks=2048)  # 3 MiB, 12 frames
     try:
         started = time.monotonic()
-        num_bytes, address = endpoint.serve(source, "m-9-0.rank0", list(range(2048)), "127.0.0.1", key,
-                                            run_in_background=_packed_at_once)
+        num_bytes, address = endpoint.serve(
+            source, "m-9-0.rank0", list(range(2048)), "127.0.0.1", key, run_in_background=_packed_at_once
+        )
         first_frame, done_at = threading.Event(), {}
 
         def fetch_pre_copy() -> None:
@@ -506,8 +515,9 @@ def test_the_server_sleeps_while_a_paced_frame_waits_for_its_destination():
     key = _key()
     source = _caches(13, num_blocks=16384)  # 24 MiB, 24 frames
     try:
-        _, address = endpoint.serve(source, "m-12-0.rank0", list(range(16384)), "127.0.0.1", key,
-                                    run_in_background=_packed_at_once)
+        _, address = endpoint.serve(
+            source, "m-12-0.rank0", list(range(16384)), "127.0.0.1", key, run_in_background=_packed_at_once
+        )
         (server,) = [t for t in threading.enumerate() if t.name == "raylm-kv-server"]
         switches = {}
 
@@ -706,8 +716,11 @@ class KVSocketStranger(threading.Thread):
                 with socket.create_connection((host, int(port)), timeout=2) as raw:
                     raw.sendall(bytes(range(256)) * 4)  # not a ZMTP greeting
                 clients = []
-                for ask in (lambda name: name, lambda name: own_key.seal_request(name)[0],
-                            lambda name: name * (kv_frames._MAX_REQUEST_BYTES // len(name) + 1)):
+                for ask in (
+                    lambda name: name,
+                    lambda name: own_key.seal_request(name)[0],
+                    lambda name: name * (kv_frames._MAX_REQUEST_BYTES // len(name) + 1),
+                ):
                     client = ctx.socket(zmq.DEALER)
                     client.setsockopt(zmq.LINGER, 0)
                     client.connect(self.address)
@@ -753,8 +766,11 @@ def test_strangers_reach_nothing_and_hold_nothing(endpoint):
     assert stranger.answers == []
     assert endpoint._server.requests_received == len(names)  # the rightful fetches only
     refusals = endpoint._server.refusals.counts
-    wait_until(lambda: refusals["connection"] >= 4 * stranger.rounds, 30,  # refused at their handshakes
-               message=lambda: f"{4 * stranger.rounds} connections refused: {refusals}")
+    wait_until(
+        lambda: refusals["connection"] >= 4 * stranger.rounds,
+        30,  # refused at their handshakes
+        message=lambda: f"{4 * stranger.rounds} connections refused: {refusals}",
+    )
     wait_until(lambda: _open_fds() <= fds_before, 30, message=lambda: f"fds back to {fds_before}: {_open_fds()}")
 
 

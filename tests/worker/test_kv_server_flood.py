@@ -68,6 +68,7 @@ def _host_port(address: str) -> tuple[str, int]:
 
 # ZMTP 3.0, as much of it as a stranger needs.
 
+
 def _greeting(mechanism: bytes) -> bytes:
     """Signature, version 3.0, mechanism, as-server 0, filler: 64 bytes."""
     return b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + mechanism.ljust(20, b"\0") + b"\0" + bytes(31)
@@ -81,8 +82,10 @@ def _command(name: bytes, body: bytes) -> bytes:
 
 
 def _metadata(**properties: bytes) -> bytes:
-    return b"".join(bytes([len(name)]) + name.replace("_", "-").encode() + struct.pack(">I", len(value)) + value
-                    for name, value in properties.items())
+    return b"".join(
+        bytes([len(name)]) + name.replace("_", "-").encode() + struct.pack(">I", len(value)) + value
+        for name, value in properties.items()
+    )
 
 
 def _ready(socket_type: bytes = b"DEALER") -> bytes:
@@ -191,14 +194,18 @@ def test_idle_connections_are_closed_and_their_descriptors_come_back(monkeypatch
             idle.append(conn)
         deadline = time.monotonic() + 10  # for all of them: a few handshake timeouts
         try:
-            still_open = [i for i, conn in enumerate(idle)
-                          if not _closed_by_the_server(conn, max(0.01, deadline - time.monotonic()))]
+            still_open = [
+                i
+                for i, conn in enumerate(idle)
+                if not _closed_by_the_server(conn, max(0.01, deadline - time.monotonic()))
+            ]
         finally:
             for conn in idle:
                 conn.close()
         assert not still_open, f"{len(still_open)} idle connections still open, e.g. #{still_open[:5]}"
-        wait_until(lambda: _open_fds() <= fds_before, 10,
-                   message=lambda: f"the fds back to {fds_before}: {_open_fds()}")
+        wait_until(
+            lambda: _open_fds() <= fds_before, 10, message=lambda: f"the fds back to {fds_before}: {_open_fds()}"
+        )
         refusals = endpoint._server.refusals.counts
         wait_until(lambda: refusals["connection"] >= 200, 10, message=lambda: f"200 refusals counted: {refusals}")
     finally:
@@ -239,8 +246,9 @@ def test_an_admitted_peer_that_stops_answering_heartbeats_is_dropped(monkeypatch
                 pass
             assert pings >= 1
             assert _closed_by_the_server(frozen, 0.1)
-        wait_until(lambda: _open_fds() <= fds_before, 10,
-                   message=lambda: f"the fds back to {fds_before}: {_open_fds()}")
+        wait_until(
+            lambda: _open_fds() <= fds_before, 10, message=lambda: f"the fds back to {fds_before}: {_open_fds()}"
+        )
     finally:
         endpoint.close()
 
@@ -256,10 +264,13 @@ class _Junk(threading.Thread):
         self.sent = 0
 
     def run(self) -> None:
-        junk = [bytes(range(256)) * 4,
-                _greeting(b"NULL") + _ready() + _message_part(b"m-1.rank0", more=False),
-                _greeting(b"PLAIN") + _hello(kv_admission._ADMISSION_USER, os.urandom(36))
-                + _message_part(b"m-1.rank0", more=False)]
+        junk = [
+            bytes(range(256)) * 4,
+            _greeting(b"NULL") + _ready() + _message_part(b"m-1.rank0", more=False),
+            _greeting(b"PLAIN")
+            + _hello(kv_admission._ADMISSION_USER, os.urandom(36))
+            + _message_part(b"m-1.rank0", more=False),
+        ]
         started = time.monotonic()
         while (now := time.monotonic()) - started < self.seconds:
             if self.sent > self.rate * (now - started):
@@ -292,8 +303,9 @@ def test_junk_is_refused_and_counted_apart_from_the_copies_while_a_rightful_fetc
     key = _key()
     source = _caches(3, num_blocks=128)  # 4 MiB: 4 frames
     try:
-        num_bytes, address = endpoint.serve(source, "m-1-0.rank0", list(range(128)), "127.0.0.1", key,
-                                            run_in_background=_packed_at_once)
+        num_bytes, address = endpoint.serve(
+            source, "m-1-0.rank0", list(range(128)), "127.0.0.1", key, run_in_background=_packed_at_once
+        )
         # An offer nobody fetches keeps the server listening after the fetch
         # (it stops once it holds none): all the junk meets it.
         assert endpoint.serve(_caches(0), "m-2.rank0", [1], "127.0.0.1", key)[1] == address
@@ -320,10 +332,14 @@ def test_junk_is_refused_and_counted_apart_from_the_copies_while_a_rightful_fetc
         allowed_io = kv_stage_send._SEND_CPU_PER_MIB_S * num_bytes / (1 << 20)
         assert charged <= own_cpu_s() - own_before + allowed_io + 0.002, (
             f"charged {1e3 * charged:.1f} ms; the server's own threads took {1e3 * (own_cpu_s() - own_before):.1f},"
-            f" its frames allowed {1e3 * allowed_io:.1f}")
+            f" its frames allowed {1e3 * allowed_io:.1f}"
+        )
         refusals = server.refusals.counts
-        wait_until(lambda: refusals["connection"] >= junk.sent, 30,
-                   message=lambda: f"{junk.sent} junk connections counted: {refusals}")
+        wait_until(
+            lambda: refusals["connection"] >= junk.sent,
+            30,
+            message=lambda: f"{junk.sent} junk connections counted: {refusals}",
+        )
         assert refusals["token"] >= junk.sent // 3 - 1  # the PLAIN ones reached the admission
         assert server.requests_received == 1
         assert server.refusal_cpu_s > 0

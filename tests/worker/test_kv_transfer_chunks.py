@@ -192,7 +192,7 @@ def test_an_import_waiting_for_its_source_gives_up_when_cancelled(tmp_path):
         assert jobs.finished(["m2-0"]) == {}  # still waiting
         started = time.monotonic()
         jobs.cancel(["m2-0", "not-a-copy"])
-        (ok, error), = wait_until(lambda: jobs.finished(["m2-0"]), 10, message="the cancelled import to end").values()
+        ((ok, error),) = wait_until(lambda: jobs.finished(["m2-0"]), 10, message="the cancelled import to end").values()
         assert time.monotonic() - started < 5
         assert not ok and "cancelled" in error, error
     finally:
@@ -219,8 +219,15 @@ def test_closing_the_copy_jobs_does_not_wait_for_a_source_that_never_answers(tmp
     assert time.monotonic() - started < 5
     # A fetch from an address where nobody answers, cancelled mid-wait.
     jobs = kv_background.KVCopyJobs()
-    jobs.import_("m3-1", kv_network.KVNetworkEndpoint().fetch_into, destination, "m3-1.rank0", [7, 8],
-                 "tcp://127.0.0.1:9", CurveKeys.generate())
+    jobs.import_(
+        "m3-1",
+        kv_network.KVNetworkEndpoint().fetch_into,
+        destination,
+        "m3-1.rank0",
+        [7, 8],
+        "tcp://127.0.0.1:9",
+        CurveKeys.generate(),
+    )
     time.sleep(0.2)
     started = time.monotonic()
     jobs.close()
@@ -233,8 +240,9 @@ def test_a_transfer_between_nodes_packs_and_unpacks_layer_by_layer_with_pauses()
     source, destination = _caches(5), _caches(None)
     pauses: list[str] = []
     packed = kv_transfer.pack_blocks(source, [4, 9, 2], pause=lambda: pauses.append("pack"))
-    size = kv_transfer.unpack_blocks(destination, [1, 2, 3], packed.numpy().tobytes(), "a test's blocks",
-                                     pause=lambda: pauses.append("unpack"))
+    size = kv_transfer.unpack_blocks(
+        destination, [1, 2, 3], packed.numpy().tobytes(), "a test's blocks", pause=lambda: pauses.append("unpack")
+    )
     assert size == kv_transfer.packed_size(source, 3)
     assert pauses == ["pack"] * LAYERS + ["unpack"] * LAYERS
     assert all(torch.equal(d[:, [1, 2, 3]], s[:, [4, 9, 2]]) for s, d in zip(source, destination))

@@ -78,8 +78,14 @@ def test_budget_arithmetic():
 
 @pytest.fixture(scope="module")
 def uni_llm(tiny_model_dir):
-    with LLM(tiny_model_dir("llama"), dtype="float32", kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=96,
-             max_num_seqs=5, distributed_executor_backend="uni") as llm:
+    with LLM(
+        tiny_model_dir("llama"),
+        dtype="float32",
+        kv_cache_memory_bytes=8 << 20,
+        max_num_batched_tokens=96,
+        max_num_seqs=5,
+        distributed_executor_backend="uni",
+    ) as llm:
         yield llm
 
 
@@ -88,11 +94,13 @@ def test_profiling_step_runs_the_largest_batch(uni_llm):
     seen = {}
     # (Under inference mode: no autograd state kept, as in a real step.)
     hook = runner.model.register_forward_pre_hook(
-        lambda m, args: seen.update(tokens=args[0].shape[0], inference=torch.is_inference_mode_enabled()))
+        lambda m, args: seen.update(tokens=args[0].shape[0], inference=torch.is_inference_mode_enabled())
+    )
     real_sampler = runner.sampler
     try:
-        runner.sampler = lambda logits, meta: (seen.setdefault("rows", tuple(logits.shape))
-                                               and real_sampler(logits, meta))
+        runner.sampler = lambda logits, meta: (
+            seen.setdefault("rows", tuple(logits.shape)) and real_sampler(logits, meta)
+        )
         # More tokens than the model has positions: positions wrap, nothing breaks.
         run_profiling_step(runner, num_tokens=1500, num_seqs=5, max_model_len=1024)
     finally:
@@ -113,8 +121,9 @@ def test_profiling_step_runs_the_paged_attention_of_full_length_prefills(uni_llm
     own = [layer.kv_cache for layer in layers]
     # The runner bounds the layers' SDPA prefill calls by the engine's limits.
     max_model_len = uni_llm.llm_engine.config.model_config.max_model_len
-    assert {layer.prefill_budget for layer in layers} == {gpu_attention.prefill_budget(96, max_model_len,
-                                                                                        runner.block_size)}
+    assert {layer.prefill_budget for layer in layers} == {
+        gpu_attention.prefill_budget(96, max_model_len, runner.block_size)
+    }
     seen = []
     real_prefill = gpu_attention.sdpa_prefill
 

@@ -76,8 +76,12 @@ def test_engine_prompt_logprobs_with_chunks_that_split_the_prompt(tiny_model_dir
     rng = random.Random(2)
     ids = [rng.randrange(3, 700) for _ in range(37)]
     with LLM(model, dtype="float32", kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=16) as llm:
-        outs = {k: llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=k),
-                                use_tqdm=False)[0] for k in (0, 3)}
+        outs = {
+            k: llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=k), use_tqdm=False)[
+                0
+            ]
+            for k in (0, 3)
+        }
     hf = hf_prompt_logprobs(model, ids)
     for k, out in outs.items():
         assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)

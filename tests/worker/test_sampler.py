@@ -61,10 +61,18 @@ def test_plain_greedy_takes_the_first_maximum_like_the_full_sampler():
     assert torch.equal(sample(logits, [SamplingParams(temperature=0.0)] * 6).sampled_token_ids, expected)
 
 
-@pytest.mark.parametrize("knob", [
-    {"temperature": 0.5}, {"logprobs": 0}, {"repetition_penalty": 1.2}, {"logit_bias": {3: 1.0}},
-    {"allowed_token_ids": [1, 2]}, {"bad_words_token_ids": [[4]]}, {"min_tokens": 2, "stop_token_ids": [5]},
-])
+@pytest.mark.parametrize(
+    "knob",
+    [
+        {"temperature": 0.5},
+        {"logprobs": 0},
+        {"repetition_penalty": 1.2},
+        {"logit_bias": {3: 1.0}},
+        {"allowed_token_ids": [1, 2]},
+        {"bad_words_token_ids": [[4]]},
+        {"min_tokens": 2, "stop_token_ids": [5]},
+    ],
+)
 def test_plain_greedy_is_off_when_anything_edits_or_reads_the_logits(knob):
     params = SamplingParams(**{"temperature": 0.0, **knob})
     metadata = build_sampling_metadata(make_rows([SamplingParams(temperature=0.0), params]), VOCAB, "cpu")
@@ -83,8 +91,9 @@ def test_logprobs_are_raw_log_softmax_with_correct_rank():
     torch.manual_seed(1)
     logits = torch.randn(6, VOCAB, generator=seeded(1)) * 3
     # Penalties and temperature must not leak into the reported logprobs.
-    params = [SamplingParams(temperature=0.7, logprobs=3, repetition_penalty=1.5, presence_penalty=1.0)
-              for _ in range(5)] + [SamplingParams(temperature=0.0, logprobs=1)]
+    params = [
+        SamplingParams(temperature=0.7, logprobs=3, repetition_penalty=1.5, presence_penalty=1.0) for _ in range(5)
+    ] + [SamplingParams(temperature=0.0, logprobs=1)]
     out = sample(logits, params, outputs=[[4, 5]] * 6)
     lp = out.logprobs
     reference = torch.log_softmax(logits.double(), dim=-1)
@@ -178,8 +187,10 @@ def test_seeded_rows_independent_of_batch_neighbours():
     def crowded(step, generator):
         logits = torch.randn(8, VOCAB) * 2
         logits[3] = target_logits[step]
-        params = [SamplingParams(temperature=0.5 + 0.1 * i, seed=900 + i if i % 2 else None,
-                                 top_k=4 if i == 5 else -1) for i in range(8)]
+        params = [
+            SamplingParams(temperature=0.5 + 0.1 * i, seed=900 + i if i % 2 else None, top_k=4 if i == 5 else -1)
+            for i in range(8)
+        ]
         params[6] = SamplingParams(temperature=0.0)
         params[3] = target_params
         gens = [neighbour_gens[i] if i % 2 else None for i in range(8)]
@@ -191,10 +202,16 @@ def test_seeded_rows_independent_of_batch_neighbours():
     assert tokens_alone == run(alone)
 
     flat = torch.zeros(1, VOCAB)
-    other_seed = [int(sample(flat, [SamplingParams(seed=7)], generators=[g]).sampled_token_ids)
-                  for g in [seeded(7)] for _ in range(20)]
-    this_seed = [int(sample(flat, [SamplingParams(seed=8)], generators=[g]).sampled_token_ids)
-                 for g in [seeded(8)] for _ in range(20)]
+    other_seed = [
+        int(sample(flat, [SamplingParams(seed=7)], generators=[g]).sampled_token_ids)
+        for g in [seeded(7)]
+        for _ in range(20)
+    ]
+    this_seed = [
+        int(sample(flat, [SamplingParams(seed=8)], generators=[g]).sampled_token_ids)
+        for g in [seeded(8)]
+        for _ in range(20)
+    ]
     assert other_seed != this_seed
 
 
@@ -280,8 +297,12 @@ def test_min_tokens_masks_stop_tokens():
 def test_mixed_greedy_and_random_batch():
     torch.manual_seed(8)
     logits = torch.randn(8, VOCAB, generator=seeded(9)) * 3
-    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0, top_k=-1 if i % 2 == 0 else 3,
-                             logprobs=2 if i == 1 else None) for i in range(8)]
+    params = [
+        SamplingParams(
+            temperature=0.0 if i % 2 == 0 else 1.0, top_k=-1 if i % 2 == 0 else 3, logprobs=2 if i == 1 else None
+        )
+        for i in range(8)
+    ]
     metadata = build_sampling_metadata(make_rows(params), VOCAB, "cpu")
     assert not metadata.all_greedy and not metadata.all_random and metadata.max_num_logprobs == 2
     for _ in range(50):
@@ -310,8 +331,12 @@ def test_allowed_token_ids_mask_only_their_rows():
     logits = torch.randn(4, VOCAB, generator=seeded(20)) * 3
     allowed = [3, 9, 30]
     logits[2, allowed] = 0.0  # equally likely: 200 draws see each of them
-    params = [SamplingParams(temperature=0.0, allowed_token_ids=allowed), SamplingParams(temperature=0.0),
-              SamplingParams(temperature=1.0, allowed_token_ids=allowed), SamplingParams(temperature=1.0)]
+    params = [
+        SamplingParams(temperature=0.0, allowed_token_ids=allowed),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, allowed_token_ids=allowed),
+        SamplingParams(temperature=1.0),
+    ]
     metadata = build_sampling_metadata(make_rows(params), VOCAB, "cpu")
     assert metadata.disallowed_mask[[0, 2]].sum(dim=1).tolist() == [VOCAB - 3] * 2
     assert not metadata.disallowed_mask[[1, 3]].any()
@@ -327,8 +352,9 @@ def test_allowed_token_ids_mask_only_their_rows():
 
 def _bad_words_reference(sequences, output):
     """Tokens a row may not sample next, straight from the definition."""
-    return {seq[-1] for seq in sequences
-            if len(seq) - 1 <= len(output) and output[len(output) - len(seq) + 1:] == seq[:-1]}
+    return {
+        seq[-1] for seq in sequences if len(seq) - 1 <= len(output) and output[len(output) - len(seq) + 1 :] == seq[:-1]
+    }
 
 
 def test_bad_words_ban_last_token_after_the_prefix():
@@ -347,8 +373,11 @@ def test_bad_words_ban_last_token_after_the_prefix():
     assert torch.equal(logits, before)  # the caller's logits are untouched
     for row, output in enumerate(outputs):
         banned = _bad_words_reference(sequences, output)
-        expected = int(logits[row].masked_fill(torch.isin(torch.arange(VOCAB), torch.tensor(sorted(banned))),
-                                               float("-inf")).argmax())
+        expected = int(
+            logits[row]
+            .masked_fill(torch.isin(torch.arange(VOCAB), torch.tensor(sorted(banned))), float("-inf"))
+            .argmax()
+        )
         assert int(out.sampled_token_ids[row]) == expected, (output, banned)
 
 
@@ -369,9 +398,11 @@ def test_logit_bias_adds_to_raw_logits_and_leaves_logprobs_raw():
 
 def test_top_k_0_is_no_truncation():
     logits = torch.randn(2, VOCAB, generator=seeded(22))
-    disabled = sample(logits, [SamplingParams(temperature=1.0, top_k=-1)] * 2,
-                      generators=[seeded(5), seeded(6)]).sampled_token_ids
-    zero = sample(logits, [SamplingParams(temperature=1.0, top_k=0)] * 2,
-                  generators=[seeded(5), seeded(6)]).sampled_token_ids
+    disabled = sample(
+        logits, [SamplingParams(temperature=1.0, top_k=-1)] * 2, generators=[seeded(5), seeded(6)]
+    ).sampled_token_ids
+    zero = sample(
+        logits, [SamplingParams(temperature=1.0, top_k=0)] * 2, generators=[seeded(5), seeded(6)]
+    ).sampled_token_ids
     assert torch.equal(disabled, zero)
     assert build_sampling_metadata(make_rows([SamplingParams(top_k=0)]), VOCAB, "cpu").top_k is None

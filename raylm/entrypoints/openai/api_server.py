@@ -140,8 +140,12 @@ class UnhandledErrorMiddleware:
         try:
             await self.app(scope, receive, tracking_send)
         except Exception as exc:
-            logger.error("unhandled error on %s: %s\n%s", loggable(scope.get("path", "")),
-                         loggable(f"{type(exc).__name__}: {exc}"), traceback_frames(exc))
+            logger.error(
+                "unhandled error on %s: %s\n%s",
+                loggable(scope.get("path", "")),
+                loggable(f"{type(exc).__name__}: {exc}"),
+                traceback_frames(exc),
+            )
             if not started:  # else the answer is cut off: uvicorn closes the connection
                 await error_response(f"internal server error: {type(exc).__name__}", 500)(scope, receive, send)
 
@@ -156,12 +160,19 @@ class CorsSettings:
     allow_credentials: bool = False
 
 
-def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
-              stat_logger: PrometheusStatLogger | None = None, limits: ServerLimits | None = None,
-              cors: CorsSettings | None = None, tool_config: ToolCallConfig | None = None,
-              trust_request_chat_template: bool = False,
-              structured_outputs_defaults: StructuredOutputDefaults | None = None,
-              reasoning_parser: str | None = None, host: str | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncLLM,
+    served_model_names: list[str],
+    api_key: str | None = None,
+    stat_logger: PrometheusStatLogger | None = None,
+    limits: ServerLimits | None = None,
+    cors: CorsSettings | None = None,
+    tool_config: ToolCallConfig | None = None,
+    trust_request_chat_template: bool = False,
+    structured_outputs_defaults: StructuredOutputDefaults | None = None,
+    reasoning_parser: str | None = None,
+    host: str | None = None,
+) -> FastAPI:
     """The app; `app.state.admission` is its AdmissionControl (closed at shutdown).
     `trust_request_chat_template`: render chat templates sent with requests.
     `host`: the address it is served on; without `api_key`, the admin routes
@@ -170,14 +181,16 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     cors = cors or CorsSettings()
     app = FastAPI(title="raylm", version=raylm.__version__)
     admission = AdmissionControl(
-        running_capacity(engine), limits.max_waiting_requests,
+        running_capacity(engine),
+        limits.max_waiting_requests,
         on_change=stat_logger.record_admitted if stat_logger is not None else None,
         on_refused=stat_logger.record_refused if stat_logger is not None else None,
     )
     app.state.admission = admission
     completions = OpenAIServingCompletion(engine, served_model_names, admission)
-    chat = OpenAIServingChat(engine, served_model_names, admission, tool_config, trust_request_chat_template,
-                             reasoning_parser)
+    chat = OpenAIServingChat(
+        engine, served_model_names, admission, tool_config, trust_request_chat_template, reasoning_parser
+    )
     _install_error_handlers(app)
 
     if api_key:
@@ -192,15 +205,19 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
             return await call_next(request)
 
     # A body is measured before anything else reads it.
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes,
-                       on_refused=admission.refused)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes, on_refused=admission.refused)
     # Around them: a fault anywhere inside is answered (with the CORS headers)
     # and logged escaped.
     app.add_middleware(UnhandledErrorMiddleware)
     # Outermost: a browser's preflight is answered without an API key, and
     # every answer, errors too, carries the CORS headers the browser needs.
-    app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
-                       allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=cors.allowed_origins,
+        allow_methods=cors.allowed_methods,
+        allow_headers=cors.allowed_headers,
+        allow_credentials=cors.allow_credentials,
+    )
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
@@ -232,16 +249,21 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         recovery = engine.recovery_status()
         if recovery is not None:
             # Still under its limit: serving resumes by itself, requests wait.
-            body.update(status="recovering", recovering=recovery["recovering"],
-                        recovering_for_s=round(recovery["seconds"], 1), limit_s=recovery["limit_s"])
+            body.update(
+                status="recovering",
+                recovering=recovery["recovering"],
+                recovering_for_s=round(recovery["seconds"], 1),
+                limit_s=recovery["limit_s"],
+            )
         replicas = replica_states(engine)  # data parallel: each replica's state
         if replicas is not None:
             body["replicas"] = replicas
         return JSONResponse(body) if body else Response(status_code=200)
 
     install_tokenize_routes(app, engine, served_model_names, trust_request_chat_template)
-    install_data_parallel_routes(app, engine, api_key, stat_logger,
-                                 served_model_names[0] if served_model_names else "", host=host)
+    install_data_parallel_routes(
+        app, engine, api_key, stat_logger, served_model_names[0] if served_model_names else "", host=host
+    )
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -262,8 +284,9 @@ class GracefulServer(uvicorn.Server):
     every stream still closes with [DONE]; a request that reaches the engine
     after that (it was admitted just before) is ended as soon as it does."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, grace_period: float,
-                 admission: AdmissionControl | None = None):
+    def __init__(
+        self, config: uvicorn.Config, engine: AsyncLLM, grace_period: float, admission: AdmissionControl | None = None
+    ):
         super().__init__(config)
         self.engine = engine
         self.grace_period = grace_period
@@ -287,8 +310,7 @@ class GracefulServer(uvicorn.Server):
         """Every request already gets a 503 once the engine is dead; after a
         short linger, stop serving so run_server can exit non-zero."""
         error = await self.engine.wait_until_dead()
-        logger.error("the engine is dead (%s); exiting in %.0fs", loggable(error, limit=1000),
-                     _DEAD_ENGINE_LINGER_S)
+        logger.error("the engine is dead (%s); exiting in %.0fs", loggable(error, limit=1000), _DEAD_ENGINE_LINGER_S)
         await asyncio.sleep(_DEAD_ENGINE_LINGER_S)
         self.engine_error = error
         self.should_exit = True
@@ -344,30 +366,46 @@ def startup_line(config: Any, names: list[str], args: argparse.Namespace) -> str
     backend = getattr(backend, "__name__", backend)  # a custom Executor class
     model = mc.model_name or "the embedded model"
     source = f" ({mc.model})" if mc.model_name and mc.model_name != mc.model else ""
-    return (f"raylm {raylm.__version__} serving {model}{source} as {', '.join(names)} on "
-            f"{scheme}://{args.host}:{args.port} | tp={pc.tensor_parallel_size} pp={pc.pipeline_parallel_size} "
-            f"dp={pc.data_parallel_size} | executor={backend} device={config.device} dtype={mc.dtype} "
-            f"max_model_len={mc.max_model_len}")
+    return (
+        f"raylm {raylm.__version__} serving {model}{source} as {', '.join(names)} on "
+        f"{scheme}://{args.host}:{args.port} | tp={pc.tensor_parallel_size} pp={pc.pipeline_parallel_size} "
+        f"dp={pc.data_parallel_size} | executor={backend} device={config.device} dtype={mc.dtype} "
+        f"max_model_len={mc.max_model_len}"
+    )
 
 
 def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
     """Load the model in the engine-core process, then serve until a signal."""
     names = served_model_names_from(args)
     stat_logger = PrometheusStatLogger(names[0])
-    limits = ServerLimits(max_waiting_requests=args.max_waiting_requests,
-                          max_request_body_bytes=args.max_request_body_bytes)
+    limits = ServerLimits(
+        max_waiting_requests=args.max_waiting_requests, max_request_body_bytes=args.max_request_body_bytes
+    )
     engine = AsyncLLM.from_engine_args(stat_loggers=[stat_logger], **engine_kwargs)
     try:
         cors = CorsSettings(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
-        app = build_app(engine, names, api_key=args.api_key, stat_logger=stat_logger, limits=limits, cors=cors,
-                        tool_config=ToolCallConfig.from_args(args),
-                        trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
-                        structured_outputs_defaults=StructuredOutputDefaults.from_json(
-                            getattr(args, "structured_outputs_config", None)),
-                        reasoning_parser=getattr(args, "reasoning_parser", None), host=args.host)
+        app = build_app(
+            engine,
+            names,
+            api_key=args.api_key,
+            stat_logger=stat_logger,
+            limits=limits,
+            cors=cors,
+            tool_config=ToolCallConfig.from_args(args),
+            trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+            structured_outputs_defaults=StructuredOutputDefaults.from_json(
+                getattr(args, "structured_outputs_config", None)
+            ),
+            reasoning_parser=getattr(args, "reasoning_parser", None),
+            host=args.host,
+        )
         config = uvicorn.Config(
-            app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
-            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level or args.log_level,
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
             # A backstop only: every request is ended at the grace period, and its
             # answer goes out at once (unless its client stopped reading). Shutdown
             # takes at most the grace period + 5 s: 2 s here, the rest for the core.

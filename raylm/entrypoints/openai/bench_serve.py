@@ -42,20 +42,38 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model name to request; default: the server's first model")
     parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     parser.add_argument("--num-prompts", type=int, default=100, help="requests to send")
-    parser.add_argument("--request-rate", type=float, default=math.inf,
-                        help="requests per second (Poisson arrivals); inf sends them all at once")
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests per second (Poisson arrivals); inf sends them all at once",
+    )
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     parser.add_argument("--random-input-len", type=int, default=32, help="prompt tokens (random dataset)")
     parser.add_argument("--random-output-len", type=int, default=64, help="output tokens (random dataset)")
-    parser.add_argument("--random-vocab-size", type=int, default=256,
-                        help="random prompt token ids are drawn from [0, N); every byte-level vocabulary has 256")
-    parser.add_argument("--dataset-path", default=None,
-                        help="ShareGPT-style JSON (a list of {'conversations': [{'from', 'value'}, ...]}); "
-                             "first human turn is the prompt, the reply's length the output length")
-    parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer folder, to count ShareGPT tokens exactly (else ~4 characters a token)")
-    parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                        help="let requests stop at EOS (default: generate exactly the output length)")
+    parser.add_argument(
+        "--random-vocab-size",
+        type=int,
+        default=256,
+        help="random prompt token ids are drawn from [0, N); every byte-level vocabulary has 256",
+    )
+    parser.add_argument(
+        "--dataset-path",
+        default=None,
+        help="ShareGPT-style JSON (a list of {'conversations': [{'from', 'value'}, ...]}); "
+        "first human turn is the prompt, the reply's length the output length",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer folder, to count ShareGPT tokens exactly (else ~4 characters a token)",
+    )
+    parser.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="let requests stop at EOS (default: generate exactly the output length)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival times")
     parser.add_argument("--output-json", default=None, help="also write the results to this file")
     parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
@@ -63,8 +81,9 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
 
 def random_requests(num: int, input_len: int, output_len: int, vocab_size: int, seed: int) -> list[BenchRequest]:
     rng = random.Random(seed)
-    return [BenchRequest([rng.randrange(vocab_size) for _ in range(input_len)], input_len, output_len)
-            for _ in range(num)]
+    return [
+        BenchRequest([rng.randrange(vocab_size) for _ in range(input_len)], input_len, output_len) for _ in range(num)
+    ]
 
 
 def sharegpt_requests(path: str, num: int, seed: int, tokenizer_path: str | None) -> list[BenchRequest]:
@@ -108,7 +127,7 @@ async def _send(session, url: str, headers: dict, payload: dict, prompt_len: int
                 line = raw_line.decode("utf-8").strip()
                 if not line.startswith("data:"):
                     continue
-                data = line[len("data:"):].strip()
+                data = line[len("data:") :].strip()
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
@@ -144,9 +163,16 @@ async def _resolve_model(session, base_url: str, headers: dict) -> str:
         return (await response.json())["data"][0]["id"]
 
 
-async def run_benchmark(base_url: str, model: str | None, requests: list[BenchRequest], request_rate: float,
-                        max_concurrency: int | None, ignore_eos: bool, api_key: str | None,
-                        seed: int = 0) -> dict[str, Any]:
+async def run_benchmark(
+    base_url: str,
+    model: str | None,
+    requests: list[BenchRequest],
+    request_rate: float,
+    max_concurrency: int | None,
+    ignore_eos: bool,
+    api_key: str | None,
+    seed: int = 0,
+) -> dict[str, Any]:
     import aiohttp
 
     base_url = base_url.rstrip("/")
@@ -160,8 +186,13 @@ async def run_benchmark(base_url: str, model: str | None, requests: list[BenchRe
 
         async def one(request: BenchRequest) -> RequestResult:
             payload = {
-                "model": model, "prompt": request.prompt, "max_tokens": request.output_len, "temperature": 0.0,
-                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos,
+                "model": model,
+                "prompt": request.prompt,
+                "max_tokens": request.output_len,
+                "temperature": 0.0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "ignore_eos": ignore_eos,
             }
             if semaphore is None:
                 return await _send(session, url, headers, payload, request.prompt_len)
@@ -182,23 +213,33 @@ def _stats_ms(values: list[float]) -> dict[str, float]:
     return {"mean": float(array.mean()), "median": float(np.median(array)), "p99": float(np.percentile(array, 99))}
 
 
-def summarize(results: list[RequestResult], duration: float, model: str, request_rate: float,
-              max_concurrency: int | None) -> dict[str, Any]:
+def summarize(
+    results: list[RequestResult], duration: float, model: str, request_rate: float, max_concurrency: int | None
+) -> dict[str, Any]:
     ok = [r for r in results if r.success]
     output_tokens = sum(r.output_tokens for r in ok)
     input_tokens = sum(r.prompt_len for r in ok)
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     summary: dict[str, Any] = {
-        "model": model, "request_rate": request_rate if math.isfinite(request_rate) else "inf",
-        "max_concurrency": max_concurrency, "duration_s": duration,
-        "completed": len(ok), "failed": len(results) - len(ok),
+        "model": model,
+        "request_rate": request_rate if math.isfinite(request_rate) else "inf",
+        "max_concurrency": max_concurrency,
+        "duration_s": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.success})[:5],
-        "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
-        "request_throughput": len(ok) / duration, "output_throughput": output_tokens / duration,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
     }
-    for name, values in (("ttft", [r.ttft for r in ok]), ("tpot", tpots),
-                         ("itl", [gap for r in ok for gap in r.itl]), ("e2el", [r.latency for r in ok])):
+    for name, values in (
+        ("ttft", [r.ttft for r in ok]),
+        ("tpot", tpots),
+        ("itl", [gap for r in ok for gap in r.itl]),
+        ("e2el", [r.latency for r in ok]),
+    ):
         for stat, value in _stats_ms(values).items():
             summary[f"{stat}_{name}_ms"] = value
     return summary
@@ -216,8 +257,12 @@ def format_summary(s: dict[str, Any]) -> str:
         f"Output token throughput (tok/s):     {s['output_throughput']:.2f}",
         f"Total token throughput (tok/s):      {s['total_token_throughput']:.2f}",
     ]
-    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+    for name, title in (
+        ("ttft", "Time to First Token"),
+        ("tpot", "Time per Output Token (excl. 1st token)"),
+        ("itl", "Inter-token Latency"),
+        ("e2el", "End-to-end Latency"),
+    ):
         lines.append(f"{'-' * 10} {title} {'-' * 10}")
         for stat in ("mean", "median", "p99"):
             label = f"{stat.capitalize() if stat != 'p99' else 'P99'} {name.upper()} (ms):"
@@ -239,10 +284,21 @@ def main(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
     if args.dataset_path:
         requests = sharegpt_requests(args.dataset_path, args.num_prompts, args.seed, args.tokenizer)
     else:
-        requests = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
-                                   args.random_vocab_size, args.seed)
-    summary = asyncio.run(run_benchmark(args.base_url, args.model, requests, args.request_rate,
-                                        args.max_concurrency, args.ignore_eos, args.api_key, args.seed))
+        requests = random_requests(
+            args.num_prompts, args.random_input_len, args.random_output_len, args.random_vocab_size, args.seed
+        )
+    summary = asyncio.run(
+        run_benchmark(
+            args.base_url,
+            args.model,
+            requests,
+            args.request_rate,
+            args.max_concurrency,
+            args.ignore_eos,
+            args.api_key,
+            args.seed,
+        )
+    )
     out.write(format_summary(summary) + "\n")
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:

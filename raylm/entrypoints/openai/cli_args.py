@@ -41,70 +41,139 @@ def add_serve_subcommand(subparsers: argparse._SubParsersAction) -> argparse.Arg
     from raylm.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 
     serve = subparsers.add_parser(
-        "serve", help="run the OpenAI-compatible HTTP server",
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
         description="Serve MODEL (default: the embedded model) over an OpenAI-compatible API: "
-                    "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /version.",
+        "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /version.",
         formatter_class=HelpFormatter,
     )
-    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                       help="Hugging Face model folder (same as --model)")
+    serve.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", help="Hugging Face model folder (same as --model)"
+    )
     server = serve.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on; on any but a loopback one (127.0.0.1, ::1, localhost), "
-                             "POST /scale and /replicas/{i}/restart need --api-key")
+    server.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on; on any but a loopback one (127.0.0.1, ::1, localhost), "
+        "POST /scale and /replicas/{i}/restart need --api-key",
+    )
     server.add_argument("--port", type=int, default=8000, help="port to listen on")
-    server.add_argument("--api-key", default=None, metavar="KEY",
-                        help="require 'Authorization: Bearer KEY' on every endpoint but /health, /metrics and "
-                             "/version; default: RAYLM_API_KEY, else VLLM_API_KEY, else no key (then every "
-                             "endpoint answers anyone who reaches --host, except the admin ones, /scale and "
-                             "/replicas/{i}/restart, which a non-loopback --host refuses with HTTP 403)")
-    server.add_argument("--trust-request-chat-template", action="store_true",
-                        help="render a chat_template sent with a request (chat completions, /tokenize); without "
-                             "it such a request gets HTTP 400. Any render is bounded in time and size")
-    server.add_argument("--ssl-keyfile", default=None, metavar="FILE",
-                        help="serve HTTPS with this private key (PEM), with --ssl-certfile")
-    server.add_argument("--ssl-certfile", default=None, metavar="FILE",
-                        help="serve HTTPS with this certificate (PEM), with --ssl-keyfile")
-    server.add_argument("--uvicorn-log-level", default=None, choices=UVICORN_LOG_LEVELS,
-                        help="uvicorn's log level (info logs every request); default: --log-level")
-    server.add_argument("--disable-log-requests", action="store_true",
-                        help="accepted for vLLM compatibility: raylm does not log request contents")
+    server.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health, /metrics and "
+        "/version; default: RAYLM_API_KEY, else VLLM_API_KEY, else no key (then every "
+        "endpoint answers anyone who reaches --host, except the admin ones, /scale and "
+        "/replicas/{i}/restart, which a non-loopback --host refuses with HTTP 403)",
+    )
+    server.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat_template sent with a request (chat completions, /tokenize); without "
+        "it such a request gets HTTP 400. Any render is bounded in time and size",
+    )
+    server.add_argument(
+        "--ssl-keyfile",
+        default=None,
+        metavar="FILE",
+        help="serve HTTPS with this private key (PEM), with --ssl-certfile",
+    )
+    server.add_argument(
+        "--ssl-certfile",
+        default=None,
+        metavar="FILE",
+        help="serve HTTPS with this certificate (PEM), with --ssl-keyfile",
+    )
+    server.add_argument(
+        "--uvicorn-log-level",
+        default=None,
+        choices=UVICORN_LOG_LEVELS,
+        help="uvicorn's log level (info logs every request); default: --log-level",
+    )
+    server.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="accepted for vLLM compatibility: raylm does not log request contents",
+    )
     cors = serve.add_argument_group("CORS (browsers calling the API from other origins)")
-    cors.add_argument("--allowed-origins", type=json_list, default=["*"], metavar="JSON",
-                      help='origins allowed, as a JSON list, e.g. \'["https://app.example"]\'')
-    cors.add_argument("--allowed-methods", type=json_list, default=["*"], metavar="JSON",
-                      help="HTTP methods allowed, as a JSON list")
-    cors.add_argument("--allowed-headers", type=json_list, default=["*"], metavar="JSON",
-                      help="request headers allowed, as a JSON list")
-    cors.add_argument("--allow-credentials", action="store_true",
-                      help="allow cookies and Authorization headers on cross-origin requests")
-    server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                        help="model name(s) clients use; default: MODEL as given")
-    server.add_argument("--shutdown-grace-period", type=float, default=10.0, metavar="SECONDS",
-                        help="on SIGTERM/SIGINT, how long in-flight requests may run before they are ended")
+    cors.add_argument(
+        "--allowed-origins",
+        type=json_list,
+        default=["*"],
+        metavar="JSON",
+        help="origins allowed, as a JSON list, e.g. '[\"https://app.example\"]'",
+    )
+    cors.add_argument(
+        "--allowed-methods", type=json_list, default=["*"], metavar="JSON", help="HTTP methods allowed, as a JSON list"
+    )
+    cors.add_argument(
+        "--allowed-headers",
+        type=json_list,
+        default=["*"],
+        metavar="JSON",
+        help="request headers allowed, as a JSON list",
+    )
+    cors.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="allow cookies and Authorization headers on cross-origin requests",
+    )
+    server.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="model name(s) clients use; default: MODEL as given",
+    )
+    server.add_argument(
+        "--shutdown-grace-period",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, how long in-flight requests may run before they are ended",
+    )
     limits = serve.add_argument_group("limits")
-    limits.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS, metavar="N",
-                        help="requests that may wait beyond what the engine runs at once (--max-num-seqs; each "
-                             "of a request's n completions per prompt counts); one more gets HTTP 429 with "
-                             "Retry-After. The default queues 16 full batches: latency stays bounded and a "
-                             "load balancer learns to go elsewhere")
-    limits.add_argument("--max-request-body-bytes", type=parse_bytes, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-                        metavar="BYTES", help="largest request body (e.g. 16MiB); a larger one gets HTTP 413")
+    limits.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=DEFAULT_MAX_WAITING_REQUESTS,
+        metavar="N",
+        help="requests that may wait beyond what the engine runs at once (--max-num-seqs; each "
+        "of a request's n completions per prompt counts); one more gets HTTP 429 with "
+        "Retry-After. The default queues 16 full batches: latency stays bounded and a "
+        "load balancer learns to go elsewhere",
+    )
+    limits.add_argument(
+        "--max-request-body-bytes",
+        type=parse_bytes,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        metavar="BYTES",
+        help="largest request body (e.g. 16MiB); a larger one gets HTTP 413",
+    )
     add_tool_calling_args(serve)
     from raylm.entrypoints.openai.reasoning_parsers import reasoning_parser_names
 
     reasoning = serve.add_argument_group("reasoning models")
-    reasoning.add_argument("--reasoning-parser", default=None, choices=reasoning_parser_names(),
-                           help="split the model's <think>...</think> from its answer: the thinking goes to "
-                                "reasoning_content (streamed as deltas), the rest to content, and structured "
-                                "outputs hold from the end of the thinking (qwen3: Qwen3; deepseek_r1: "
-                                "DeepSeek-R1 and its distills, QwQ)")
+    reasoning.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=reasoning_parser_names(),
+        help="split the model's <think>...</think> from its answer: the thinking goes to "
+        "reasoning_content (streamed as deltas), the rest to content, and structured "
+        "outputs hold from the end of the thinking (qwen3: Qwen3; deepseek_r1: "
+        "DeepSeek-R1 and its distills, QwQ)",
+    )
     structured = serve.add_argument_group("structured outputs")
-    structured.add_argument("--structured-outputs-config", default=None, metavar="JSON",
-                            help='JSON whitespace for requests that do not choose it, as vLLM\'s flag: '
-                                 '\'{"disable_any_whitespace": true}\' (none at all) or '
-                                 '\'{"whitespace_pattern": "REGEX"}\'; default: one space, or a newline and an '
-                                 "indent of at most 20, between JSON tokens (a weak model cannot spin on blanks)")
+    structured.add_argument(
+        "--structured-outputs-config",
+        default=None,
+        metavar="JSON",
+        help="JSON whitespace for requests that do not choose it, as vLLM's flag: "
+        "'{\"disable_any_whitespace\": true}' (none at all) or "
+        '\'{"whitespace_pattern": "REGEX"}\'; default: one space, or a newline and an '
+        "indent of at most 20, between JSON tokens (a weak model cannot spin on blanks)",
+    )
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(handler=run_serve)
     return serve
@@ -114,16 +183,23 @@ def add_tool_calling_args(serve: argparse.ArgumentParser) -> None:
     from raylm.entrypoints.openai.tool_parsers import tool_parser_names
 
     tools = serve.add_argument_group("tool calling")
-    tools.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help='let the model decide when to call tools (tool_choice "auto", the default when '
-                            "a request has tools); needs --tool-call-parser")
-    tools.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
-                       help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Qwen2/2.5, "
-                            "Qwen3, Hermes), llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]), qwen3_xml / "
-                            "qwen3_coder (Qwen3-Coder's <function=...> XML), pythonic ([f(a=1)]: Llama 3.2/4). "
-                            "A model whose own chat template does not write tools that way takes the one raylm "
-                            "ships for the parser: --chat-template raylm/entrypoints/openai/tool_parsers/"
-                            "templates/NAME.jinja")
+    tools.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto", the default when '
+        "a request has tools); needs --tool-call-parser",
+    )
+    tools.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=tool_parser_names(),
+        help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Qwen2/2.5, "
+        "Qwen3, Hermes), llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]), qwen3_xml / "
+        "qwen3_coder (Qwen3-Coder's <function=...> XML), pythonic ([f(a=1)]: Llama 3.2/4). "
+        "A model whose own chat template does not write tools that way takes the one raylm "
+        "ships for the parser: --chat-template raylm/entrypoints/openai/tool_parsers/"
+        "templates/NAME.jinja",
+    )
 
 
 def run_serve(args: argparse.Namespace, out: TextIO) -> None:
@@ -158,9 +234,10 @@ def add_bench_serve(bench_subparsers: argparse._SubParsersAction) -> argparse.Ar
     from raylm.entrypoints.openai import bench_serve
 
     parser = bench_subparsers.add_parser(
-        "serve", help="load-test a running server with streaming completions",
+        "serve",
+        help="load-test a running server with streaming completions",
         description="Send --num-prompts streaming completions to a running OpenAI-compatible server "
-                    "and report throughput, TTFT, TPOT and ITL.",
+        "and report throughput, TTFT, TPOT and ITL.",
         formatter_class=HelpFormatter,
     )
     bench_serve.add_bench_serve_args(parser)

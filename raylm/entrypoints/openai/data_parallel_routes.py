@@ -95,8 +95,9 @@ async def max_data_parallel_size() -> tuple[int, str]:
     return MAX_DATA_PARALLEL_SIZE, "raylm's limit (MAX_DATA_PARALLEL_SIZE)"
 
 
-def install_data_parallel_routes(app: FastAPI, engine: Any, api_key: str | None, stat_logger=None,
-                                 model_name: str = "", host: str | None = None) -> None:
+def install_data_parallel_routes(
+    app: FastAPI, engine: Any, api_key: str | None, stat_logger=None, model_name: str = "", host: str | None = None
+) -> None:
     """`host`: the address the server is bound to; without an API key, the
     admin routes answer only on a loopback one (None: not bound by raylm
     serve, e.g. an app driven in-process; taken as loopback)."""
@@ -106,8 +107,11 @@ def install_data_parallel_routes(app: FastAPI, engine: Any, api_key: str | None,
     scaling = asyncio.Lock()
     open_to_others = not api_key and host is not None and not is_loopback_host(host)
     if open_to_others:
-        logger.warning("no API key on a server bound to %s: POST /scale and /replicas/{i}/restart are refused "
-                       "(set --api-key or RAYLM_API_KEY to use them)", host)
+        logger.warning(
+            "no API key on a server bound to %s: POST /scale and /replicas/{i}/restart are refused "
+            "(set --api-key or RAYLM_API_KEY to use them)",
+            host,
+        )
 
     def refused(request: Request) -> JSONResponse | None:
         if api_key:
@@ -120,7 +124,10 @@ def install_data_parallel_routes(app: FastAPI, engine: Any, api_key: str | None,
             return error_response(
                 f"{request.url.path} needs an API key on a server bound to a non-loopback address ({host}): "
                 "start it with --api-key KEY (or RAYLM_API_KEY) and send 'Authorization: Bearer KEY', "
-                "or bind it to 127.0.0.1", 403, error_type="permission_error")
+                "or bind it to 127.0.0.1",
+                403,
+                error_type="permission_error",
+            )
         return None
 
     @app.post("/replicas/{index}/restart")
@@ -151,8 +158,9 @@ def install_data_parallel_routes(app: FastAPI, engine: Any, api_key: str | None,
             return denied
         limit, why = await max_data_parallel_size()
         if body.data_parallel_size > limit:
-            return error_response(f"data_parallel_size: at most {limit} ({why}), got {body.data_parallel_size}",
-                                  400, "data_parallel_size")
+            return error_response(
+                f"data_parallel_size: at most {limit} ({why}), got {body.data_parallel_size}", 400, "data_parallel_size"
+            )
         try:
             async with scaling:
                 await engine.scale(body.data_parallel_size)

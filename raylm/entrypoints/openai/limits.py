@@ -122,9 +122,13 @@ class Reservation:
 class AdmissionControl:
     """Counts the sequences the server has admitted and not yet answered."""
 
-    def __init__(self, max_running: int | Callable[[], int], max_waiting: int,
-                 on_change: Callable[[int], None] | None = None,
-                 on_refused: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        max_running: int | Callable[[], int],
+        max_waiting: int,
+        on_change: Callable[[int], None] | None = None,
+        on_refused: Callable[[str], None] | None = None,
+    ):
         # A callable is asked at each admission: what the engine runs at once
         # changes with its replica count.
         self._max_running = max_running if callable(max_running) else (lambda: max_running)
@@ -135,8 +139,9 @@ class AdmissionControl:
         self._on_refused = on_refused
 
     @classmethod
-    def for_engine(cls, engine: Any, max_waiting: int = DEFAULT_MAX_WAITING_REQUESTS,
-                   **kwargs: Any) -> AdmissionControl:
+    def for_engine(
+        cls, engine: Any, max_waiting: int = DEFAULT_MAX_WAITING_REQUESTS, **kwargs: Any
+    ) -> AdmissionControl:
         return cls(running_capacity(engine), max_waiting, **kwargs)
 
     @property
@@ -162,12 +167,16 @@ class AdmissionControl:
         if cost > capacity:
             raise OpenAIError(
                 f"this request asks for {cost} sequences (prompts x n); the server holds at most "
-                f"{capacity} at once ({max_running} running + {self.max_waiting} waiting)", 400, param)
+                f"{capacity} at once ({max_running} running + {self.max_waiting} waiting)",
+                400,
+                param,
+            )
         if self.in_flight + cost > capacity:
             self.refused("queue_full")
             raise Overloaded(
                 f"the server is at capacity ({self.in_flight} sequences in flight: {max_running} can run "
-                f"and {self.max_waiting} may wait); retry after {RETRY_AFTER_S}s")
+                f"and {self.max_waiting} may wait); retry after {RETRY_AFTER_S}s"
+            )
         self.in_flight += cost
         self._changed()
         return Reservation(self, cost)
@@ -187,8 +196,9 @@ class AdmissionControl:
 
 def check_prompt_count(num_prompts: int) -> None:
     if num_prompts > MAX_PROMPTS_PER_REQUEST:
-        raise OpenAIError(f"prompt: at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {num_prompts}",
-                          400, "prompt")
+        raise OpenAIError(
+            f"prompt: at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {num_prompts}", 400, "prompt"
+        )
 
 
 def check_stop(stop: str | list[str] | None) -> None:
@@ -199,8 +209,11 @@ def check_stop(stop: str | list[str] | None) -> None:
         raise OpenAIError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", 400, "stop")
     for s in stops:
         if len(s) > MAX_STOP_STRING_CHARS:
-            raise OpenAIError(f"stop: a stop string may have at most {MAX_STOP_STRING_CHARS} characters, "
-                              f"got one of {len(s)}", 400, "stop")
+            raise OpenAIError(
+                f"stop: a stop string may have at most {MAX_STOP_STRING_CHARS} characters, got one of {len(s)}",
+                400,
+                "stop",
+            )
 
 
 def check_request_chat_template(template: str | None, trusted: bool) -> None:
@@ -210,11 +223,18 @@ def check_request_chat_template(template: str | None, trusted: bool) -> None:
     if template is None:
         return
     if not trusted:
-        raise OpenAIError("chat_template: this server does not render chat templates sent with requests "
-                          "(start it with --trust-request-chat-template to allow them)", 400, "chat_template")
+        raise OpenAIError(
+            "chat_template: this server does not render chat templates sent with requests "
+            "(start it with --trust-request-chat-template to allow them)",
+            400,
+            "chat_template",
+        )
     if len(template) > MAX_REQUEST_CHAT_TEMPLATE_CHARS:
-        raise OpenAIError(f"chat_template: at most {MAX_REQUEST_CHAT_TEMPLATE_CHARS} characters, "
-                          f"got {len(template)}", 400, "chat_template")
+        raise OpenAIError(
+            f"chat_template: at most {MAX_REQUEST_CHAT_TEMPLATE_CHARS} characters, got {len(template)}",
+            400,
+            "chat_template",
+        )
 
 
 class _BodyTooLarge(Exception):
@@ -321,8 +341,9 @@ def _content_length(scope: Scope) -> Any:
     return None
 
 
-async def run_admitted(admission: AdmissionControl, cost: int, param: str | None,
-                       work: Callable[[], Awaitable[Any]]) -> Any:
+async def run_admitted(
+    admission: AdmissionControl, cost: int, param: str | None, work: Callable[[], Awaitable[Any]]
+) -> Any:
     """work(), admitted for `cost` sequences (429/400/503 as `admit` refuses)
     and started once admitted. The reservation is held until the work ends,
     not merely until its caller stops waiting: a client that goes away cannot

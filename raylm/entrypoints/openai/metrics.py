@@ -18,10 +18,47 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from raylm.engine.protocol import MigrationStats, SchedulerStats
 from raylm.engine.stat_logger import StatLoggerBase
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
-                      0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_TOKEN_GAP_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+)
 _TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 # A migration's pause: a few ms (a short request, one node) to seconds.
 _MIGRATION_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -56,64 +93,109 @@ class PrometheusStatLogger(StatLoggerBase):
         self.num_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)")
         # vLLM has no per-rank capacity gauge: raylm's own (context parallelism shares a sequence out).
-        self.kv_capacity = gauge("raylm:kv_cache_capacity_tokens",
-                                 "Tokens the engine's KV cache holds (a CP group's ranks together)")
-        self.kv_capacity_per_rank = gauge("raylm:kv_cache_capacity_tokens_per_rank",
-                                          "Tokens of KV cache each rank holds (the group holds cp times as many)")
+        self.kv_capacity = gauge(
+            "raylm:kv_cache_capacity_tokens", "Tokens the engine's KV cache holds (a CP group's ranks together)"
+        )
+        self.kv_capacity_per_rank = gauge(
+            "raylm:kv_cache_capacity_tokens_per_rank",
+            "Tokens of KV cache each rank holds (the group holds cp times as many)",
+        )
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.num_preemptions = counter("vllm:num_preemptions", "Preemptions (requests sent back to the queue)")
-        self.request_success = Counter("vllm:request_success", "Finished completions by finish reason",
-                                       [*labels, "finished_reason"], registry=r)
+        self.request_success = Counter(
+            "vllm:request_success", "Finished completions by finish reason", [*labels, "finished_reason"], registry=r
+        )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished completions")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens of finished completions")
-        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per finished completion",
-                                               _TOKEN_COUNT_BUCKETS)
-        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
-                                                   "Generated tokens per finished completion", _TOKEN_COUNT_BUCKETS)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per finished completion", _TOKEN_COUNT_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Generated tokens per finished completion", _TOKEN_COUNT_BUCKETS
+        )
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between output tokens", _TOKEN_GAP_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", _LATENCY_BUCKETS)
-        self.queue_time = histogram("vllm:request_queue_time_seconds",
-                                    "Time a request waited in the engine's queue before it was first scheduled",
-                                    _LATENCY_BUCKETS)
-        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
-                                      "From a request's first scheduling to its first token", _LATENCY_BUCKETS)
-        self.decode_time = histogram("vllm:request_decode_time_seconds",
-                                     "From a request's first token to its last", _LATENCY_BUCKETS)
-        self.inference_time = histogram("vllm:request_inference_time_seconds",
-                                        "From a request's first scheduling to its last token", _LATENCY_BUCKETS)
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Time a request waited in the engine's queue before it was first scheduled",
+            _LATENCY_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "From a request's first scheduling to its first token",
+            _LATENCY_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds", "From a request's first token to its last", _LATENCY_BUCKETS
+        )
+        self.inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "From a request's first scheduling to its last token",
+            _LATENCY_BUCKETS,
+        )
         # Counters from the cores' running totals (SchedulerStats field -> counter),
         # and each serving core's last totals, by (replica, start): see record_core_stats.
-        self._totals = {"prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
-                        "num_preemptions": self.num_preemptions}
+        self._totals = {
+            "prefix_cache_queries": self.prefix_queries,
+            "prefix_cache_hits": self.prefix_hits,
+            "num_preemptions": self.num_preemptions,
+        }
         self._last_totals: dict[tuple[int, int], dict[str, int]] = {}
         # `kind`: what failed ("engine_core", or the core's own: "worker", "hang", ...).
         kind_labels = [*labels, "kind"]
-        self.recoveries = Counter("raylm:recoveries",
-                                  "Failures recovered from (executor or engine core rebuilt), by kind",
-                                  kind_labels, registry=r)
-        self.recovered_requests = Counter("raylm:recovered_requests",
-                                          "Requests carried over to a recovered engine, by kind",
-                                          kind_labels, registry=r)
-        self.recovery_time = Histogram("raylm:recovery_seconds", "Failure noticed to serving again, by kind",
-                                       kind_labels, buckets=_RECOVERY_BUCKETS, registry=r)
-        self.num_admitted = gauge("raylm:num_sequences_admitted",
-                                  "Sequences (prompts x n) admitted by the server and not yet answered")
-        self.requests_refused = Counter("raylm:requests_refused", "Requests refused by the server's limits, by reason "
-                                        "(queue_full, body_too_large, shutting_down)", [*labels, "reason"], registry=r)
+        self.recoveries = Counter(
+            "raylm:recoveries",
+            "Failures recovered from (executor or engine core rebuilt), by kind",
+            kind_labels,
+            registry=r,
+        )
+        self.recovered_requests = Counter(
+            "raylm:recovered_requests", "Requests carried over to a recovered engine, by kind", kind_labels, registry=r
+        )
+        self.recovery_time = Histogram(
+            "raylm:recovery_seconds",
+            "Failure noticed to serving again, by kind",
+            kind_labels,
+            buckets=_RECOVERY_BUCKETS,
+            registry=r,
+        )
+        self.num_admitted = gauge(
+            "raylm:num_sequences_admitted", "Sequences (prompts x n) admitted by the server and not yet answered"
+        )
+        self.requests_refused = Counter(
+            "raylm:requests_refused",
+            "Requests refused by the server's limits, by reason (queue_full, body_too_large, shutting_down)",
+            [*labels, "reason"],
+            registry=r,
+        )
         reason_labels = [*labels, "reason"]
-        self.migrations = Counter("raylm:request_migrations", "Running requests moved live to another replica, "
-                                  "by reason (scale_in, rebalance, restart, manual)", reason_labels, registry=r)
-        self.migrations_abandoned = Counter("raylm:request_migrations_abandoned", "Live migrations given up (the "
-                                            "request went on at its source), by reason", reason_labels, registry=r)
-        self.migration_downtime = histogram("raylm:migration_downtime_seconds", "The pause a migrated request saw: "
-                                            "its last token at the source to its first at the destination",
-                                            _MIGRATION_BUCKETS)
+        self.migrations = Counter(
+            "raylm:request_migrations",
+            "Running requests moved live to another replica, by reason (scale_in, rebalance, restart, manual)",
+            reason_labels,
+            registry=r,
+        )
+        self.migrations_abandoned = Counter(
+            "raylm:request_migrations_abandoned",
+            "Live migrations given up (the request went on at its source), by reason",
+            reason_labels,
+            registry=r,
+        )
+        self.migration_downtime = histogram(
+            "raylm:migration_downtime_seconds",
+            "The pause a migrated request saw: its last token at the source to its first at the destination",
+            _MIGRATION_BUCKETS,
+        )
         self.migration_bytes = counter("raylm:migration_bytes", "KV cache bytes moved by live migrations")
         self.target_replicas = gauge("raylm:dp_target_replicas", "Data-parallel replicas asked for")
-        self.autoscale_decisions = Counter("raylm:autoscale_decisions", "Replica count changes the autoscaler "
-                                           "made, by direction (up, down)", [*labels, "direction"], registry=r)
+        self.autoscale_decisions = Counter(
+            "raylm:autoscale_decisions",
+            "Replica count changes the autoscaler made, by direction (up, down)",
+            [*labels, "direction"],
+            registry=r,
+        )
         for reason in ("scale_in", "rebalance", "restart", "manual"):  # exported from the start, as 0
             self.migrations.labels(reason=reason, **labels)
             self.migrations_abandoned.labels(reason=reason, **labels)
@@ -157,9 +239,15 @@ class PrometheusStatLogger(StatLoggerBase):
         self.queue_time.observe(queue_seconds)
         self.prefill_time.observe(prefill_seconds)
 
-    def record_finished(self, finish_reason: str, e2e_seconds: float,
-                        num_prompt_tokens: int, num_generation_tokens: int,
-                        decode_seconds: float = 0.0, inference_seconds: float = 0.0) -> None:
+    def record_finished(
+        self,
+        finish_reason: str,
+        e2e_seconds: float,
+        num_prompt_tokens: int,
+        num_generation_tokens: int,
+        decode_seconds: float = 0.0,
+        inference_seconds: float = 0.0,
+    ) -> None:
         self.request_success.labels(finished_reason=finish_reason, **self._labels).inc()
         self.e2e.observe(e2e_seconds)
         self.prompt_tokens.inc(num_prompt_tokens)

@@ -205,8 +205,9 @@ class SamplingFields(OpenAIModel):
 
     def refused_field(self) -> tuple[str, str] | None:
         """(field, message) of the first field sent that raylm refuses."""
-        unsupported = UNSUPPORTED_CHAT_FIELDS if isinstance(self, ChatCompletionRequest) \
-            else UNSUPPORTED_COMPLETION_FIELDS
+        unsupported = (
+            UNSUPPORTED_CHAT_FIELDS if isinstance(self, ChatCompletionRequest) else UNSUPPORTED_COMPLETION_FIELDS
+        )
         return refused_field(set(type(self).model_fields), self.model_extra or {}, unsupported)
 
 

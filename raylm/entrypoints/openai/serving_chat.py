@@ -73,24 +73,47 @@ def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top_k
         chosen = position.get(token_id)
         if chosen is None:
             continue
-        top = sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= top_k),
-                     key=lambda lp: lp.rank)
-        content.append(TokenLogprob(
-            token=chosen.decoded_token or "", logprob=chosen.logprob,
-            bytes=list((chosen.decoded_token or "").encode("utf-8")),
-            top_logprobs=[TopLogprob(token=lp.decoded_token or "", logprob=lp.logprob,
-                                     bytes=list((lp.decoded_token or "").encode("utf-8"))) for lp in top[:top_k]],
-        ))
+        top = sorted(
+            (lp for lp in position.values() if lp.rank is not None and lp.rank <= top_k), key=lambda lp: lp.rank
+        )
+        content.append(
+            TokenLogprob(
+                token=chosen.decoded_token or "",
+                logprob=chosen.logprob,
+                bytes=list((chosen.decoded_token or "").encode("utf-8")),
+                top_logprobs=[
+                    TopLogprob(
+                        token=lp.decoded_token or "",
+                        logprob=lp.logprob,
+                        bytes=list((lp.decoded_token or "").encode("utf-8")),
+                    )
+                    for lp in top[:top_k]
+                ],
+            )
+        )
     return ChatLogprobs(content=content)
 
 
 # apply_chat_template's own arguments, which chat_template_kwargs must not
 # set: each is the server's business or has a request field of its own.
-_RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "tokenize", "return_dict", "return_tensors", "padding", "truncation", "max_length",
-    "tokenizer_kwargs", "return_assistant_tokens_mask", "add_generation_prompt", "continue_final_message",
-    "chat_template", "documents", "tools",
-})
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+        "return_assistant_tokens_mask",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "documents",
+        "tools",
+    }
+)
 
 
 def conversation_of(request) -> list[dict]:
@@ -109,8 +132,11 @@ def render_chat(tokenizer, request) -> tuple[str, list[int]]:
     if not (request.chat_template or getattr(tokenizer, "chat_template", None)):
         raise OpenAIError("the model's tokenizer has no chat template", 400, "messages")
     if request.continue_final_message and request.add_generation_prompt:
-        raise OpenAIError("continue_final_message and add_generation_prompt cannot both be true "
-                          "(set add_generation_prompt to false)", 400, "continue_final_message")
+        raise OpenAIError(
+            "continue_final_message and add_generation_prompt cannot both be true (set add_generation_prompt to false)",
+            400,
+            "continue_final_message",
+        )
     variables = dict(request.chat_template_kwargs or {})
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(variables))
     if reserved:
@@ -120,10 +146,15 @@ def render_chat(tokenizer, request) -> tuple[str, list[int]]:
     tools = tools_for_template(getattr(request, "tools", None), request.chat_template or tokenizer.chat_template)
     try:
         text = render_bounded(
-            tokenizer, conversation_of(request), tools=tools,
+            tokenizer,
+            conversation_of(request),
+            tools=tools,
             add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message, chat_template=request.chat_template,
-            documents=request.documents, **variables)
+            continue_final_message=request.continue_final_message,
+            chat_template=request.chat_template,
+            documents=request.documents,
+            **variables,
+        )
     except ChatTemplateRenderError as e:
         raise OpenAIError(str(e), 400, "chat_template" if request.chat_template is not None else "messages") from e
     except ChatTemplateNotBounded:
@@ -148,8 +179,9 @@ def _executor_for(request) -> ThreadPoolExecutor | None:
     if request.chat_template is None:
         return None  # the loop's default executor
     if _request_template_executor is None:
-        _request_template_executor = ThreadPoolExecutor(_REQUEST_TEMPLATE_THREADS,
-                                                        thread_name_prefix="raylm-request-template")
+        _request_template_executor = ThreadPoolExecutor(
+            _REQUEST_TEMPLATE_THREADS, thread_name_prefix="raylm-request-template"
+        )
     return _request_template_executor
 
 
@@ -177,9 +209,15 @@ def echoed_text(request: ChatCompletionRequest) -> str:
 
 
 class OpenAIServingChat:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], admission: AdmissionControl | None = None,
-                 tool_config: ToolCallConfig | None = None, trust_request_chat_template: bool = False,
-                 reasoning_parser: str | None = None):
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        served_model_names: list[str],
+        admission: AdmissionControl | None = None,
+        tool_config: ToolCallConfig | None = None,
+        trust_request_chat_template: bool = False,
+        reasoning_parser: str | None = None,
+    ):
         """`reasoning_parser`: --reasoning-parser's name, or None (the thinking stays in the content)."""
         self.engine = engine
         self.served_model_names = served_model_names
@@ -189,8 +227,9 @@ class OpenAIServingChat:
         self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
         self._reasoning_end_ids: list[int] | None = None
 
-    def _reasoning_plan(self, processed: ProcessedPrompt, request: ChatCompletionRequest,
-                        params: SamplingParams) -> tuple[bool, SamplingParams]:
+    def _reasoning_plan(
+        self, processed: ProcessedPrompt, request: ChatCompletionRequest, params: SamplingParams
+    ) -> tuple[bool, SamplingParams]:
         """(whether the reply starts inside the thinking, params): a grammar
         (response_format, tool_choice, ...) holds only after the thinking
         ends, unless the prompt closed it already (thinking switched off)."""
@@ -198,8 +237,9 @@ class OpenAIServingChat:
         if params.structured_outputs is not None and state != "closed":
             if self._reasoning_end_ids is None:
                 self._reasoning_end_ids = self.engine.tokenizer.encode(END_TAG, add_special_tokens=False)
-            params.structured_outputs = dataclasses.replace(params.structured_outputs,
-                                                            starts_after_token_ids=self._reasoning_end_ids)
+            params.structured_outputs = dataclasses.replace(
+                params.structured_outputs, starts_after_token_ids=self._reasoning_end_ids
+            )
         return self.reasoning_parser.reply_starts_in_reasoning(state), params
 
     def _split(self, text: str, in_reasoning: bool, request: ChatCompletionRequest) -> tuple[str | None, str]:
@@ -209,15 +249,15 @@ class OpenAIServingChat:
         split = self.reasoning_parser.split(text, in_reasoning)
         return (split.reasoning if request.include_reasoning else None), split.content
 
-    def _render(self, request: ChatCompletionRequest,
-                params: SamplingParams) -> tuple[ProcessedPrompt, SamplingParams]:
+    def _render(self, request: ChatCompletionRequest, params: SamplingParams) -> tuple[ProcessedPrompt, SamplingParams]:
         """Runs in a worker thread: templating and tokenizing can take a while.
         The request's validation (InputProcessor.process), once: `params`
         brings truncate_prompt_tokens, which applies to the rendered
         conversation, and comes back finished."""
         text, ids = render_chat(self.engine.tokenizer, request)
         return self.engine.input_processor.process(
-            {"prompt": text, "prompt_token_ids": ids, "cache_salt": request.cache_salt}, params)
+            {"prompt": text, "prompt_token_ids": ids, "cache_salt": request.cache_salt}, params
+        )
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         model = check_model(request.model, self.served_model_names)
@@ -229,9 +269,13 @@ class OpenAIServingChat:
             raise OpenAIError("top_logprobs requires logprobs to be true", 400, "top_logprobs")
         check_stop(request.stop)
         structured_outputs = await checked_structured_outputs(request)
-        params = sampling_params_from(request, max_tokens, top_logprobs if request.logprobs else None,
-                                      structured_outputs=structured_outputs,
-                                      defaults=self.engine.config.model_config.default_sampling_params)
+        params = sampling_params_from(
+            request,
+            max_tokens,
+            top_logprobs if request.logprobs else None,
+            structured_outputs=structured_outputs,
+            defaults=self.engine.config.model_config.default_sampling_params,
+        )
         tool_plan = plan_tools(request, self.tool_config)
         params = await asyncio.get_running_loop().run_in_executor(None, tool_plan.apply, params)
         # Admitted before rendering, so that a burst of arrivals is counted at once.
@@ -258,13 +302,16 @@ class OpenAIServingChat:
                 response = ReleasingStreamingResponse(
                     reservation,
                     self._stream(request, model, request_id, stream, top_logprobs, tool_plan, in_reasoning),
-                    media_type="text/event-stream", streams=[stream])
+                    media_type="text/event-stream",
+                    streams=[stream],
+                )
                 reservation = stream = None  # the response releases and closes them once sent
                 return response
             output = await cancel_on_disconnect(raw_request, self._last(stream))
             check_not_ended_early(output.outputs)
-            return JSONResponse(self._response(request, model, request_id, output, top_logprobs, tool_plan,
-                                               in_reasoning).model_dump())
+            return JSONResponse(
+                self._response(request, model, request_id, output, top_logprobs, tool_plan, in_reasoning).model_dump()
+            )
         finally:
             if reservation is not None:
                 reservation.release()
@@ -278,14 +325,23 @@ class OpenAIServingChat:
             output = item
         return output
 
-    def _logprobs(self, request: ChatCompletionRequest, completion: CompletionOutput,
-                  top_k: int) -> ChatLogprobs | None:
+    def _logprobs(
+        self, request: ChatCompletionRequest, completion: CompletionOutput, top_k: int
+    ) -> ChatLogprobs | None:
         if not request.logprobs:
             return None
         return chat_logprobs(completion.token_ids, completion.logprobs or [], top_k)
 
-    def _response(self, request: ChatCompletionRequest, model: str, request_id: str, output: RequestOutput,
-                  top_k: int, tool_plan: ToolPlan, in_reasoning: bool = False) -> ChatCompletionResponse:
+    def _response(
+        self,
+        request: ChatCompletionRequest,
+        model: str,
+        request_id: str,
+        output: RequestOutput,
+        top_k: int,
+        tool_plan: ToolPlan,
+        in_reasoning: bool = False,
+    ) -> ChatCompletionResponse:
         choices = []
         echo = echoed_text(request)
         for completion in output.outputs:
@@ -294,27 +350,44 @@ class OpenAIServingChat:
             message.reasoning_content = reasoning
             if echo:
                 message.content = echo + (message.content or "")
-            choices.append(ChatChoice(
-                index=completion.index, message=message,
-                logprobs=self._logprobs(request, completion, top_k),
-                finish_reason=finish_reason, stop_reason=completion.stop_reason,
-            ))
+            choices.append(
+                ChatChoice(
+                    index=completion.index,
+                    message=message,
+                    logprobs=self._logprobs(request, completion, top_k),
+                    finish_reason=finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
+            )
         completion_tokens = sum(len(c.token_ids) for c in output.outputs)
-        usage = UsageInfo(prompt_tokens=len(output.prompt_token_ids), completion_tokens=completion_tokens,
-                          total_tokens=len(output.prompt_token_ids) + completion_tokens)
+        usage = UsageInfo(
+            prompt_tokens=len(output.prompt_token_ids),
+            completion_tokens=completion_tokens,
+            total_tokens=len(output.prompt_token_ids) + completion_tokens,
+        )
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
-    async def _stream(self, request: ChatCompletionRequest, model: str, request_id: str,
-                      stream: AsyncIterator[RequestOutput], top_k: int, tool_plan: ToolPlan,
-                      in_reasoning: bool = False) -> AsyncIterator[str]:
+    async def _stream(
+        self,
+        request: ChatCompletionRequest,
+        model: str,
+        request_id: str,
+        stream: AsyncIterator[RequestOutput],
+        top_k: int,
+        tool_plan: ToolPlan,
+        in_reasoning: bool = False,
+    ) -> AsyncIterator[str]:
         def chunk(choice: ChatStreamChoice) -> str:
             return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]))
 
         prompt_tokens = completion_tokens = 0
         finished: set[int] = set()
         choice_streams = [tool_plan.stream() for _ in range(request.n)]
-        reasoning_streams = [self.reasoning_parser.streaming(in_reasoning) for _ in range(request.n)] \
-            if self.reasoning_parser is not None else None
+        reasoning_streams = (
+            [self.reasoning_parser.streaming(in_reasoning) for _ in range(request.n)]
+            if self.reasoning_parser is not None
+            else None
+        )
         try:
             # The role comes first, in a delta of its own, as OpenAI sends it.
             echo = echoed_text(request)
@@ -345,14 +418,20 @@ class OpenAIServingChat:
                         delta.reasoning_content = reasoning
                     if delta is None and completion.finish_reason is None and not request.logprobs:
                         continue
-                    yield chunk(ChatStreamChoice(
-                        index=completion.index, delta=delta or ChatDelta(),
-                        logprobs=self._logprobs(request, completion, top_k),
-                        finish_reason=choice_stream.finish_reason(completion.finish_reason),
-                    ))
+                    yield chunk(
+                        ChatStreamChoice(
+                            index=completion.index,
+                            delta=delta or ChatDelta(),
+                            logprobs=self._logprobs(request, completion, top_k),
+                            finish_reason=choice_stream.finish_reason(completion.finish_reason),
+                        )
+                    )
             if request.stream_options and request.stream_options.include_usage:
-                usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                  total_tokens=prompt_tokens + completion_tokens)
+                usage = UsageInfo(
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=completion_tokens,
+                    total_tokens=prompt_tokens + completion_tokens,
+                )
                 yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage))
         except Exception as e:  # the status line is gone; the stream itself must say it failed
             logger.warning("chat stream %s failed: %s", loggable(request_id), loggable(e))

@@ -27,8 +27,7 @@ _TOKEN_CONSTRAINTS = ("logit_bias", "allowed_token_ids", "bad_words", "truncate_
 class OpenAIError(Exception):
     """An error the client should see as an OpenAI-shaped body."""
 
-    def __init__(self, message: str, status_code: int = 400, param: str | None = None,
-                 error_type: str | None = None):
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None, error_type: str | None = None):
         super().__init__(message)
         self.message = message
         self.status_code = status_code
@@ -49,10 +48,12 @@ def _default_type(status_code: int) -> str:
     return "invalid_request_error"
 
 
-def error_response(message: str, status_code: int = 400, param: str | None = None,
-                   error_type: str | None = None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=error_type or _default_type(status_code),
-                                         param=param, code=status_code))
+def error_response(
+    message: str, status_code: int = 400, param: str | None = None, error_type: str | None = None
+) -> JSONResponse:
+    body = ErrorResponse(
+        error=ErrorInfo(message=message, type=error_type or _default_type(status_code), param=param, code=status_code)
+    )
     return JSONResponse(body.model_dump(), status_code=status_code)
 
 
@@ -75,8 +76,9 @@ def check_request_fields(request: SamplingFields) -> None:
         field, message = refused
         raise OpenAIError(message, 400, field)
     if request.stream_options is not None and request.stream_options.continuous_usage_stats:
-        raise OpenAIError("stream_options.continuous_usage_stats is not supported by this server", 400,
-                          "stream_options")
+        raise OpenAIError(
+            "stream_options.continuous_usage_stats is not supported by this server", 400, "stream_options"
+        )
 
 
 def _token_constraints(request: SamplingFields) -> dict[str, Any]:
@@ -91,25 +93,38 @@ def _token_constraints(request: SamplingFields) -> dict[str, Any]:
             try:
                 value = {int(token_id): bias for token_id, bias in value.items()}
             except ValueError:
-                raise OpenAIError("logit_bias keys must be token ids (integers as strings)", 400,
-                                  "logit_bias") from None
+                raise OpenAIError(
+                    "logit_bias keys must be token ids (integers as strings)", 400, "logit_bias"
+                ) from None
         kwargs[name] = value
     return kwargs
 
 
-def sampling_params_from(request: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None = None,
-                         structured_outputs: StructuredOutputsParams | None = None,
-                         defaults: dict[str, Any] | None = None) -> SamplingParams:
+def sampling_params_from(
+    request: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> SamplingParams:
     """`defaults` (the model's generation_config.json settings, see
     ModelConfig.default_sampling_params) fill the fields the request leaves unset."""
     kwargs: dict[str, Any] = {
         **(defaults or {}),
-        "n": request.n, "seed": request.seed, "stop": request.stop, "stop_token_ids": request.stop_token_ids,
-        "include_stop_str_in_output": request.include_stop_str_in_output, "ignore_eos": request.ignore_eos,
-        "min_tokens": request.min_tokens, "skip_special_tokens": request.skip_special_tokens,
-        "max_tokens": max_tokens, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
-        "structured_outputs": structured_outputs, **_token_constraints(request),
+        "n": request.n,
+        "seed": request.seed,
+        "stop": request.stop,
+        "stop_token_ids": request.stop_token_ids,
+        "include_stop_str_in_output": request.include_stop_str_in_output,
+        "ignore_eos": request.ignore_eos,
+        "min_tokens": request.min_tokens,
+        "skip_special_tokens": request.skip_special_tokens,
+        "max_tokens": max_tokens,
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
+        "structured_outputs": structured_outputs,
+        **_token_constraints(request),
     }
     for name in _OPTIONAL_FLOATS:
         value = getattr(request, name)
@@ -134,8 +149,9 @@ async def tokenize_bad_words(engine: AsyncLLM, params: SamplingParams) -> None:
         raise bad_request_from(e, set(), "bad_words") from e
 
 
-async def prepare_prompt(engine: AsyncLLM, prompt: Any, params: SamplingParams, requested_max_tokens: int | None,
-                         prompt_param: str) -> tuple[ProcessedPrompt, SamplingParams]:
+async def prepare_prompt(
+    engine: AsyncLLM, prompt: Any, params: SamplingParams, requested_max_tokens: int | None, prompt_param: str
+) -> tuple[ProcessedPrompt, SamplingParams]:
     """Validate and tokenize (off the loop when long), then fit max_tokens to
     the context: an explicit value that does not fit is the client's
     mistake, a missing one fills it. What it returns goes to the engine as
@@ -147,8 +163,9 @@ async def prepare_prompt(engine: AsyncLLM, prompt: Any, params: SamplingParams, 
     return fit_max_tokens(engine, processed, params, requested_max_tokens, prompt_param)
 
 
-async def submit_all(engine: AsyncLLM, requests: list[tuple[ProcessedPrompt, SamplingParams, str]],
-                     stream: bool) -> list[Any]:
+async def submit_all(
+    engine: AsyncLLM, requests: list[tuple[ProcessedPrompt, SamplingParams, str]], stream: bool
+) -> list[Any]:
     """Submit (prompt, params, request_id), as `prepare_prompt` validated
     them, to the engine now, in order; the streams of their outputs. If one
     fails, the ones already in are aborted."""
@@ -163,8 +180,13 @@ async def submit_all(engine: AsyncLLM, requests: list[tuple[ProcessedPrompt, Sam
     return streams
 
 
-def fit_max_tokens(engine: AsyncLLM, processed: ProcessedPrompt, params: SamplingParams,
-                   requested_max_tokens: int | None, prompt_param: str) -> tuple[ProcessedPrompt, SamplingParams]:
+def fit_max_tokens(
+    engine: AsyncLLM,
+    processed: ProcessedPrompt,
+    params: SamplingParams,
+    requested_max_tokens: int | None,
+    prompt_param: str,
+) -> tuple[ProcessedPrompt, SamplingParams]:
     max_model_len = engine.config.model_config.max_model_len
     num_prompt = len(processed.prompt_token_ids)
     room = max_model_len - num_prompt
@@ -172,17 +194,23 @@ def fit_max_tokens(engine: AsyncLLM, processed: ProcessedPrompt, params: Samplin
         if room < 1:
             raise OpenAIError(
                 f"This model's maximum context length is {max_model_len} tokens; the prompt is "
-                f"{num_prompt} tokens, which leaves no room for a completion.", 400, prompt_param)
+                f"{num_prompt} tokens, which leaves no room for a completion.",
+                400,
+                prompt_param,
+            )
         params.max_tokens = room
         if params.min_tokens > room:
-            raise OpenAIError(f"min_tokens ({params.min_tokens}) exceeds the room left in the context ({room})",
-                              400, "min_tokens")
+            raise OpenAIError(
+                f"min_tokens ({params.min_tokens}) exceeds the room left in the context ({room})", 400, "min_tokens"
+            )
     elif requested_max_tokens > room:
         raise OpenAIError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{num_prompt + requested_max_tokens} tokens ({num_prompt} in the prompt, {requested_max_tokens} "
-            f"in the completion). Please reduce the prompt or the completion length.", 400,
-            "max_tokens" if room >= 1 else prompt_param)
+            f"in the completion). Please reduce the prompt or the completion length.",
+            400,
+            "max_tokens" if room >= 1 else prompt_param,
+        )
     return processed, params
 
 
@@ -190,8 +218,9 @@ def check_not_ended_early(completions) -> None:
     """A whole (non-streamed) result that the server ended before it finished
     (finish_reason "abort": shutdown ended it) is a 503, not a truncated 200."""
     if any(c.finish_reason == "abort" for c in completions):
-        raise OpenAIError("the server is shutting down: the request was ended before it finished", 503, None,
-                          "service_unavailable")
+        raise OpenAIError(
+            "the server is shutting down: the request was ended before it finished", 503, None, "service_unavailable"
+        )
 
 
 def check_model(model: str | None, served_model_names: list[str]) -> str:
@@ -200,8 +229,12 @@ def check_model(model: str | None, served_model_names: list[str]) -> str:
     if model is None or model == "":
         return served_model_names[0]
     if model not in served_model_names:
-        raise OpenAIError(f"The model `{model}` does not exist; this server serves {served_model_names}.",
-                          404, "model", "NotFoundError")
+        raise OpenAIError(
+            f"The model `{model}` does not exist; this server serves {served_model_names}.",
+            404,
+            "model",
+            "NotFoundError",
+        )
     return model
 
 

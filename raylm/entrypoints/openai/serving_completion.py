@@ -65,12 +65,15 @@ def _split_prompts(prompt: Any) -> list[Any]:
 def _without_special_tokens(tokenizer, prompts: list[Any]) -> list[Any]:
     """Text prompts tokenized without the tokens the tokenizer adds (BOS);
     prompts given as token ids are the client's own already."""
-    return [{"prompt": p, "prompt_token_ids": tokenizer.encode(p, add_special_tokens=False)}
-            if isinstance(p, str) else p for p in prompts]
+    return [
+        {"prompt": p, "prompt_token_ids": tokenizer.encode(p, add_special_tokens=False)} if isinstance(p, str) else p
+        for p in prompts
+    ]
 
 
-def completion_logprobs(tokenizer, token_ids: list[int], positions: list[PositionLogprobs | None],
-                        start_offset: int) -> CompletionLogprobs:
+def completion_logprobs(
+    tokenizer, token_ids: list[int], positions: list[PositionLogprobs | None], start_offset: int
+) -> CompletionLogprobs:
     """OpenAI's parallel lists; a position without logprobs (the first prompt token) gets None."""
     result = CompletionLogprobs()
     offset = start_offset
@@ -116,16 +119,26 @@ class OpenAIServingCompletion:
         prompts = _split_prompts(request.prompt)
         if not request.add_special_tokens:
             prompts = await asyncio.get_running_loop().run_in_executor(
-                None, _without_special_tokens, self.engine.tokenizer, prompts)
+                None, _without_special_tokens, self.engine.tokenizer, prompts
+            )
         if request.cache_salt is not None:
-            prompts = [{"prompt": p, "cache_salt": request.cache_salt} if isinstance(p, str)
-                       else {**p, "cache_salt": request.cache_salt} for p in prompts]
+            prompts = [
+                {"prompt": p, "cache_salt": request.cache_salt}
+                if isinstance(p, str)
+                else {**p, "cache_salt": request.cache_salt}
+                for p in prompts
+            ]
         check_stop(request.stop)
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
         structured_outputs = await checked_structured_outputs(request)
-        base_params = sampling_params_from(request, request.max_tokens, request.logprobs, prompt_logprobs,
-                                           structured_outputs=structured_outputs,
-                                           defaults=self.engine.config.model_config.default_sampling_params)
+        base_params = sampling_params_from(
+            request,
+            request.max_tokens,
+            request.logprobs,
+            prompt_logprobs,
+            structured_outputs=structured_outputs,
+            defaults=self.engine.config.model_config.default_sampling_params,
+        )
         # Admitted before tokenizing, so that a burst of arrivals is counted at once.
         reservation = self.admission.admit(len(prompts) * request.n, "n" if request.n > 1 else "prompt")
         streams = None
@@ -136,12 +149,18 @@ class OpenAIServingCompletion:
                 prepared.append(await self._prepare(prompt, base_params.clone(), request.max_tokens))
             _check_prompt_logprobs(prepared, prompt_logprobs)
             request_id = random_id("cmpl")
-            streams = await submit_all(self.engine, [
-                (prompt, params, f"{request_id}-{i}") for i, (prompt, params) in enumerate(prepared)
-            ], request.stream)
+            streams = await submit_all(
+                self.engine,
+                [(prompt, params, f"{request_id}-{i}") for i, (prompt, params) in enumerate(prepared)],
+                request.stream,
+            )
             if request.stream:
-                response = ReleasingStreamingResponse(reservation, self._stream(request, model, request_id, streams),
-                                                      media_type="text/event-stream", streams=streams)
+                response = ReleasingStreamingResponse(
+                    reservation,
+                    self._stream(request, model, request_id, streams),
+                    media_type="text/event-stream",
+                    streams=streams,
+                )
                 reservation = streams = None  # the response releases and closes them once sent
                 return response
             outputs: dict[int, RequestOutput] = await cancel_on_disconnect(raw_request, self._collect(streams))
@@ -171,8 +190,9 @@ class OpenAIServingCompletion:
             return output.prompt
         return self.engine.tokenizer.decode(output.prompt_token_ids)
 
-    def _choice(self, request: CompletionRequest, output: RequestOutput, completion: CompletionOutput,
-                index: int, echo: bool) -> CompletionChoice:
+    def _choice(
+        self, request: CompletionRequest, output: RequestOutput, completion: CompletionOutput, index: int, echo: bool
+    ) -> CompletionChoice:
         text, logprobs = completion.text, None
         prefix = self._echo_text(output) if echo else ""
         if request.logprobs is not None:
@@ -181,11 +201,17 @@ class OpenAIServingCompletion:
                 token_ids = output.prompt_token_ids + token_ids
                 positions = list(output.prompt_logprobs) + positions
             logprobs = completion_logprobs(self.engine.tokenizer, token_ids, positions, 0)
-        return CompletionChoice(index=index, text=prefix + text, logprobs=logprobs,
-                                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+        return CompletionChoice(
+            index=index,
+            text=prefix + text,
+            logprobs=logprobs,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
 
-    def _response(self, request: CompletionRequest, model: str, request_id: str,
-                  outputs: dict[int, RequestOutput]) -> CompletionResponse:
+    def _response(
+        self, request: CompletionRequest, model: str, request_id: str, outputs: dict[int, RequestOutput]
+    ) -> CompletionResponse:
         choices, usage = [], UsageInfo()
         for prompt_index in sorted(outputs):
             output = outputs[prompt_index]
@@ -198,8 +224,9 @@ class OpenAIServingCompletion:
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
-    async def _stream(self, request: CompletionRequest, model: str, request_id: str,
-                      streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+    async def _stream(
+        self, request: CompletionRequest, model: str, request_id: str, streams: list[AsyncIterator[RequestOutput]]
+    ) -> AsyncIterator[str]:
         prompt_tokens: dict[int, int] = {}
         completion_tokens = 0
         finished: set[int] = set()
@@ -222,8 +249,9 @@ class OpenAIServingCompletion:
                     yield sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
             if request.stream_options and request.stream_options.include_usage:
                 total = sum(prompt_tokens.values()) + completion_tokens
-                usage = UsageInfo(prompt_tokens=sum(prompt_tokens.values()), completion_tokens=completion_tokens,
-                                  total_tokens=total)
+                usage = UsageInfo(
+                    prompt_tokens=sum(prompt_tokens.values()), completion_tokens=completion_tokens, total_tokens=total
+                )
                 yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))
         except Exception as e:  # the status line is gone; the stream itself must say it failed
             logger.warning("completion stream %s failed: %s", loggable(request_id), loggable(e))

@@ -107,20 +107,27 @@ def _dumps(value: Any) -> str:
 
 def _json_list(items: list) -> str:
     """_dumps(items), in slices: each is one C call that holds the GIL."""
-    return "[" + ",".join(_dumps(items[i:i + _JSON_SLICE])[1:-1] for i in range(0, len(items), _JSON_SLICE)) + "]"
+    return "[" + ",".join(_dumps(items[i : i + _JSON_SLICE])[1:-1] for i in range(0, len(items), _JSON_SLICE)) + "]"
 
 
 def _json_response(fields: dict[str, Any]) -> Response:
     """A JSON answer, its lists written by _json_list, made where it is
     called (a thread): the loop only sends its bytes."""
-    body = ",".join(f"{_dumps(name)}:{_json_list(value) if isinstance(value, list) else _dumps(value)}"
-                    for name, value in fields.items())
+    body = ",".join(
+        f"{_dumps(name)}:{_json_list(value) if isinstance(value, list) else _dumps(value)}"
+        for name, value in fields.items()
+    )
     return Response(("{" + body + "}").encode(), media_type="application/json")
 
 
 class OpenAIServingTokenization:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], trust_request_chat_template: bool = False,
-                 admission: AdmissionControl | None = None):
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        served_model_names: list[str],
+        trust_request_chat_template: bool = False,
+        admission: AdmissionControl | None = None,
+    ):
         self.engine = engine
         self.served_model_names = served_model_names
         self.trust_request_chat_template = trust_request_chat_template
@@ -149,11 +156,13 @@ class OpenAIServingTokenization:
         max_model_len = self._max_model_len()
         if len(tokens) > max_model_len:
             # As /v1/completions refuses such a prompt (the input processor's words).
-            raise OpenAIError(f"{field} is {len(tokens)} tokens, longer than max_model_len ({max_model_len})",
-                              400, field)
+            raise OpenAIError(
+                f"{field} is {len(tokens)} tokens, longer than max_model_len ({max_model_len})", 400, field
+            )
         token_strs = tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
-        return _json_response({"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens,
-                               "token_strs": token_strs})
+        return _json_response(
+            {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": token_strs}
+        )
 
     def _detokenize_answer(self, body: bytes) -> Response:
         """In a thread, from the body on: a list of ids may be up to the body limit."""
@@ -161,13 +170,13 @@ class OpenAIServingTokenization:
         check_model(request.model, self.served_model_names)
         max_model_len = self._max_model_len()
         if len(request.tokens) > max_model_len:
-            raise OpenAIError(f"tokens: at most max_model_len ({max_model_len}) ids, got {len(request.tokens)}",
-                              400, "tokens")
+            raise OpenAIError(
+                f"tokens: at most max_model_len ({max_model_len}) ids, got {len(request.tokens)}", 400, "tokens"
+            )
         vocab = self.engine.config.model_config.vocab_size
         outside = [t for t in request.tokens if not 0 <= t < vocab]
         if outside:
-            raise OpenAIError(f"tokens contains ids outside the vocabulary [0, {vocab}): {outside[:5]}", 400,
-                              "tokens")
+            raise OpenAIError(f"tokens contains ids outside the vocabulary [0, {vocab}): {outside[:5]}", 400, "tokens")
         return _json_response({"prompt": self.engine.tokenizer.decode(request.tokens)})
 
     async def _tokenize(self, body: bytes) -> Response:
@@ -190,9 +199,13 @@ class OpenAIServingTokenization:
         return await run_admitted(self.admission, _ADMISSION_COST, None, lambda: self._detokenize(body))
 
 
-def install_tokenize_routes(app: FastAPI, engine: AsyncLLM, served_model_names: list[str],
-                            trust_request_chat_template: bool = False,
-                            admission: AdmissionControl | None = None) -> None:
+def install_tokenize_routes(
+    app: FastAPI,
+    engine: AsyncLLM,
+    served_model_names: list[str],
+    trust_request_chat_template: bool = False,
+    admission: AdmissionControl | None = None,
+) -> None:
     """`admission`: the generation requests' (app.state.admission, where the
     app has one); else one of their own."""
     admission = admission or getattr(app.state, "admission", None)

@@ -73,6 +73,7 @@ class ToolCallConfig:
 
 # ---- Rendering -------------------------------------------------------------
 
+
 def add_tool_fields(conversation: list[dict[str, Any]], messages: list[ChatMessage]) -> None:
     """Adds the tool parts of each message to the template's conversation:
     an assistant's tool_calls (arguments as objects, which templates such as
@@ -94,8 +95,9 @@ def _call_for_template(call: ToolCall) -> dict[str, Any]:
     except ValueError:
         arguments = None
     if not isinstance(arguments, dict):
-        raise ValueError(f"messages: the arguments of tool call {call.id!r} must be a JSON object, "
-                         f"got {call.function.arguments!r}")
+        raise ValueError(
+            f"messages: the arguments of tool call {call.id!r} must be a JSON object, got {call.function.arguments!r}"
+        )
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
@@ -123,6 +125,7 @@ def template_reads_tools(template: str) -> bool:
 
 # ---- The plan ----------------------------------------------------------------
 
+
 @dataclass
 class ToolPlan:
     mode: str  # "plain" (no tools), "none", "auto", "named" or "required"
@@ -138,15 +141,18 @@ class ToolPlan:
         if schema is None:
             return params
         if params.structured_outputs is not None:
-            raise OpenAIError("tool_choice \"required\" or a named function cannot be combined with another "
-                              "structured output (response_format, structured_outputs)", 400, "tool_choice")
+            raise OpenAIError(
+                'tool_choice "required" or a named function cannot be combined with another '
+                "structured output (response_format, structured_outputs)",
+                400,
+                "tool_choice",
+            )
         try:
             # Whitespace kept to the separators: a weak model may otherwise emit runs of it.
             constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
             validate_structured_outputs(constraint)
         except ValueError as e:
-            raise OpenAIError(f"tools: a function's parameters are not a usable JSON schema: {e}", 400,
-                              "tools") from e
+            raise OpenAIError(f"tools: a function's parameters are not a usable JSON schema: {e}", 400, "tools") from e
         params.structured_outputs = constraint
         return params
 
@@ -155,11 +161,18 @@ class ToolPlan:
             return _parameters_schema(self._tool(self.function_name))
         if self.mode == "required":
             # One alternative per tool, so that each name comes with its own parameters.
-            calls = [{"type": "object",
-                      "properties": {"name": {"type": "string", "enum": [tool.function.name]},
-                                     "parameters": _parameters_schema(tool)},
-                      "required": ["name", "parameters"], "additionalProperties": False}
-                     for tool in self.tools]
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "enum": [tool.function.name]},
+                        "parameters": _parameters_schema(tool),
+                    },
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for tool in self.tools
+            ]
             schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
             if not self.parallel:
                 schema["maxItems"] = 1
@@ -186,8 +199,7 @@ class ToolPlan:
         if not calls:
             return ChatResponseMessage(content=content), finish_reason
         new_id = self.parser.new_call_id if self.parser is not None else tool_call_id
-        tool_calls = [ToolCall(id=new_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
-                      for c in calls]
+        tool_calls = [ToolCall(id=new_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
         return ChatResponseMessage(content=content, tool_calls=tool_calls), self._finish_with_calls(finish_reason)
 
     def _finish_with_calls(self, finish_reason: str | None) -> str | None:
@@ -232,8 +244,9 @@ def plan_tools(request: ChatCompletionRequest, config: ToolCallConfig) -> ToolPl
         return ToolPlan("required", tools, parallel=parallel)
     name = choice.function.name
     if name not in names:
-        raise OpenAIError(f"tool_choice: function {name!r} is not among the request's tools {names}", 400,
-                          "tool_choice")
+        raise OpenAIError(
+            f"tool_choice: function {name!r} is not among the request's tools {names}", 400, "tool_choice"
+        )
     return ToolPlan("named", tools, function_name=name, parallel=parallel)
 
 
@@ -256,11 +269,16 @@ def _required_item(item: Any) -> ParsedToolCall | None:
 
 # ---- Streaming -------------------------------------------------------------
 
+
 class ChoiceStream:
     """One choice's deltas: plain content, or what its tool stream makes of it."""
 
-    def __init__(self, tool_stream: StreamingToolParser | None, parallel: bool,
-                 finish_with_calls: Callable[[str | None], str | None]):
+    def __init__(
+        self,
+        tool_stream: StreamingToolParser | None,
+        parallel: bool,
+        finish_with_calls: Callable[[str | None], str | None],
+    ):
         self._tool_stream = tool_stream
         self._parallel = parallel
         self._finish_with_calls = finish_with_calls
@@ -280,9 +298,15 @@ class ChoiceStream:
         if not delta.content and not pieces:
             return None
         self._made_calls = self._made_calls or bool(pieces)
-        tool_calls = [DeltaToolCall(index=p.index, id=p.id, type="function" if p.id else None,
-                                    function=DeltaFunctionCall(name=p.name, arguments=p.arguments))
-                      for p in pieces]
+        tool_calls = [
+            DeltaToolCall(
+                index=p.index,
+                id=p.id,
+                type="function" if p.id else None,
+                function=DeltaFunctionCall(name=p.name, arguments=p.arguments),
+            )
+            for p in pieces
+        ]
         return ChatDelta(content=delta.content or None, tool_calls=tool_calls or None)
 
     def finish_reason(self, finish_reason: str | None) -> str | None:
@@ -344,7 +368,7 @@ class _RequiredCallsStream(StreamingToolParser):
             if end is None:
                 self._item.append(text[pos:])
                 break
-            self._item.append(text[pos:pos + end])
+            self._item.append(text[pos : pos + end])
             pos += end
             self._send("".join(self._item), delta)
             self._item, self._scanner = [], None

@@ -20,8 +20,12 @@ from raylm.entrypoints.openai.protocol import SamplingFields
 from raylm.entrypoints.openai.serving_common import OpenAIError
 from raylm.sampling_params import StructuredOutputsParams
 
-_GUIDED_FIELDS = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                  ("guided_grammar", "grammar"))
+_GUIDED_FIELDS = (
+    ("guided_json", "json"),
+    ("guided_regex", "regex"),
+    ("guided_choice", "choice"),
+    ("guided_grammar", "grammar"),
+)
 
 
 @dataclass(frozen=True)
@@ -35,12 +39,15 @@ class StructuredOutputDefaults:
 
     def __post_init__(self) -> None:
         if self.disable_any_whitespace and self.whitespace_pattern is not None:
-            raise ValueError("--structured-outputs-config: disable_any_whitespace and whitespace_pattern exclude "
-                             "each other; give one")
+            raise ValueError(
+                "--structured-outputs-config: disable_any_whitespace and whitespace_pattern exclude "
+                "each other; give one"
+            )
         if self.whitespace_pattern is not None:
             # A pattern xgrammar cannot read fails the server's start, not each request.
-            problem = grammar_problem(StructuredOutputsParams(json_object=True,
-                                                              whitespace_pattern=self.whitespace_pattern))
+            problem = grammar_problem(
+                StructuredOutputsParams(json_object=True, whitespace_pattern=self.whitespace_pattern)
+            )
             if problem is not None:
                 raise ValueError(f"--structured-outputs-config: {problem}")
 
@@ -62,13 +69,16 @@ class StructuredOutputDefaults:
             raise ValueError(f"--structured-outputs-config: backend {backend!r} is not available (xgrammar only)")
         unknown = sorted(set(config) - {"disable_any_whitespace", "whitespace_pattern"})
         if unknown:
-            raise ValueError(f"--structured-outputs-config: unknown keys {unknown} "
-                             "(known: backend, disable_any_whitespace, whitespace_pattern)")
+            raise ValueError(
+                f"--structured-outputs-config: unknown keys {unknown} "
+                "(known: backend, disable_any_whitespace, whitespace_pattern)"
+            )
         disable = config.get("disable_any_whitespace", False)
         pattern = config.get("whitespace_pattern")
         if not isinstance(disable, bool) or not (pattern is None or isinstance(pattern, str)):
-            raise ValueError("--structured-outputs-config: disable_any_whitespace must be a bool and "
-                             "whitespace_pattern a string")
+            raise ValueError(
+                "--structured-outputs-config: disable_any_whitespace must be a bool and whitespace_pattern a string"
+            )
         return cls(disable, pattern)
 
 
@@ -80,11 +90,14 @@ def _from_response_format(request: SamplingFields) -> dict[str, Any] | None:
         return {"json_object": True}
     if response_format.type == "json_schema":
         if response_format.json_schema is None or response_format.json_schema.json_schema is None:
-            raise OpenAIError("response_format of type 'json_schema' needs json_schema.schema", 400,
-                              "response_format")
+            raise OpenAIError("response_format of type 'json_schema' needs json_schema.schema", 400, "response_format")
         return {"json": response_format.json_schema.json_schema}
-    raise OpenAIError(f"response_format type {response_format.type!r} is not supported "
-                      "(supported: 'text', 'json_object', 'json_schema')", 400, "response_format")
+    raise OpenAIError(
+        f"response_format type {response_format.type!r} is not supported "
+        "(supported: 'text', 'json_object', 'json_schema')",
+        400,
+        "response_format",
+    )
 
 
 def _requested(request: SamplingFields) -> list[tuple[str, dict[str, Any]]]:
@@ -95,8 +108,13 @@ def _requested(request: SamplingFields) -> list[tuple[str, dict[str, Any]]]:
         requested.append(("response_format", from_format))
     so = request.structured_outputs
     if so is not None:
-        grammar = {"json": so.json_schema, "json_object": so.json_object, "regex": so.regex, "choice": so.choice,
-                   "grammar": so.grammar}
+        grammar = {
+            "json": so.json_schema,
+            "json_object": so.json_object,
+            "regex": so.regex,
+            "choice": so.choice,
+            "grammar": so.grammar,
+        }
         # An object with whitespace options alone shapes the JSON another field asks for.
         if any(value not in (None, False) for value in grammar.values()):
             requested.append(("structured_outputs", grammar))
@@ -105,8 +123,11 @@ def _requested(request: SamplingFields) -> list[tuple[str, dict[str, Any]]]:
         if value is not None:
             requested.append((field, {key: value}))
     if so is not None and not requested:
-        raise OpenAIError("structured_outputs: exactly one of json, json_object, regex, choice, grammar must be "
-                          "set, got none", 400, "structured_outputs")
+        raise OpenAIError(
+            "structured_outputs: exactly one of json, json_object, regex, choice, grammar must be set, got none",
+            400,
+            "structured_outputs",
+        )
     return requested
 
 
@@ -118,8 +139,9 @@ def structured_outputs_params(request: SamplingFields) -> tuple[StructuredOutput
         return None, None
     if len(requested) > 1:
         fields = ", ".join(field for field, _ in requested)
-        raise OpenAIError(f"only one way to constrain the output may be used per request, got {fields}", 400,
-                          requested[1][0])
+        raise OpenAIError(
+            f"only one way to constrain the output may be used per request, got {fields}", 400, requested[1][0]
+        )
     field, kwargs = requested[0]
     is_json = kwargs.get("json") is not None or bool(kwargs.get("json_object"))
     kwargs.update(_whitespace(request, is_json))
@@ -136,8 +158,11 @@ def _whitespace(request: SamplingFields, is_json: bool) -> dict[str, Any]:
     chosen: dict[str, Any] = {}
     if so is not None and so.disable_any_whitespace is not None:
         chosen["disable_any_whitespace"] = so.disable_any_whitespace
-    pattern = so.whitespace_pattern if so is not None and so.whitespace_pattern is not None \
+    pattern = (
+        so.whitespace_pattern
+        if so is not None and so.whitespace_pattern is not None
         else request.guided_whitespace_pattern
+    )
     if pattern is not None:
         chosen["whitespace_pattern"] = pattern
     if chosen or not is_json:
@@ -145,8 +170,10 @@ def _whitespace(request: SamplingFields, is_json: bool) -> dict[str, Any]:
     defaults = request._structured_outputs_defaults
     if defaults is None:
         return {}
-    return {"disable_any_whitespace": defaults.disable_any_whitespace,
-            "whitespace_pattern": defaults.whitespace_pattern}
+    return {
+        "disable_any_whitespace": defaults.disable_any_whitespace,
+        "whitespace_pattern": defaults.whitespace_pattern,
+    }
 
 
 async def checked_structured_outputs(request: SamplingFields) -> StructuredOutputsParams | None:

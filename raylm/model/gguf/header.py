@@ -42,10 +42,17 @@ MAX_ARRAY_ELEMENTS = 1 << 20
 MAX_TOTAL_ARRAY_ELEMENTS = 1 << 21
 
 _SCALAR_SIZES = {
-    GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1,
-    GGUFValueType.UINT16: 2, GGUFValueType.INT16: 2,
-    GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
-    GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8,
+    GGUFValueType.UINT8: 1,
+    GGUFValueType.INT8: 1,
+    GGUFValueType.BOOL: 1,
+    GGUFValueType.UINT16: 2,
+    GGUFValueType.INT16: 2,
+    GGUFValueType.UINT32: 4,
+    GGUFValueType.INT32: 4,
+    GGUFValueType.FLOAT32: 4,
+    GGUFValueType.UINT64: 8,
+    GGUFValueType.INT64: 8,
+    GGUFValueType.FLOAT64: 8,
 }
 # The fewest bytes one value of each type takes: a string its length, an array
 # its item type and count. A count times this must fit in the bytes left.
@@ -84,7 +91,7 @@ class _Cursor:
         if length > limit:
             raise ValueError(f"{what} is {length} bytes long, more than the {limit} allowed")
         start = self.skip(length, what)
-        return bytes(self.buf[start:start + length])
+        return bytes(self.buf[start : start + length])
 
     def skip_string(self, what: str) -> None:
         """A string value: only its length is checked (a chat template may be long)."""
@@ -113,12 +120,14 @@ class _ArrayBudget:
 
     def spend(self, count: int, key: str) -> None:
         if count > MAX_ARRAY_ELEMENTS:
-            raise ValueError(f"metadata key {key!r}: array of {count} elements, more than the "
-                             f"{MAX_ARRAY_ELEMENTS} allowed")
+            raise ValueError(
+                f"metadata key {key!r}: array of {count} elements, more than the {MAX_ARRAY_ELEMENTS} allowed"
+            )
         self.used += count
         if self.used > MAX_TOTAL_ARRAY_ELEMENTS:
-            raise ValueError(f"metadata key {key!r}: the metadata's arrays hold more than "
-                             f"{MAX_TOTAL_ARRAY_ELEMENTS} elements in all")
+            raise ValueError(
+                f"metadata key {key!r}: the metadata's arrays hold more than {MAX_TOTAL_ARRAY_ELEMENTS} elements in all"
+            )
 
 
 def _skip_value(cur: _Cursor, vtype: GGUFValueType, key: str, budget: _ArrayBudget, depth: int = 0) -> None:
@@ -135,8 +144,10 @@ def _skip_value(cur: _Cursor, vtype: GGUFValueType, key: str, budget: _ArrayBudg
         budget.spend(count, key)
         least = count * _MIN_SIZES[item_type]
         if least > cur.left():
-            raise ValueError(f"{what}: array of {count} {item_type.name} elements needs at least {least} bytes, "
-                             f"only {cur.left()} are left in the file")
+            raise ValueError(
+                f"{what}: array of {count} {item_type.name} elements needs at least {least} bytes, "
+                f"only {cur.left()} are left in the file"
+            )
         if item_type in _SCALAR_SIZES:
             cur.skip(least, f"the array of {what}")
         else:  # strings or arrays: sizes vary, walked one by one (count is bounded above)
@@ -252,8 +263,9 @@ def _check_count(field: str, count: int, limit: int, least_bytes: int, left: int
     if count > limit:
         raise ValueError(f"header {field} is {count}, more than the {limit} allowed")
     if count * least_bytes > left:
-        raise ValueError(f"header {field} is {count}: at least {count * least_bytes} bytes, "
-                         f"only {left} are left in the file")
+        raise ValueError(
+            f"header {field} is {count}: at least {count * least_bytes} bytes, only {left} are left in the file"
+        )
 
 
 def _check_placement(info: _TensorInfo, data_start: int, alignment: int, size: int) -> None:

@@ -52,9 +52,13 @@ METADATA_LIMITS = {
 # The weights of every block, by their shape in the file (ggml order: the
 # input dimension first); hidden, q and kv widths, feed-forward width.
 _BLOCK_WEIGHTS = {
-    "attn_q.weight": ("hidden", "q"), "attn_k.weight": ("hidden", "kv"), "attn_v.weight": ("hidden", "kv"),
-    "attn_output.weight": ("q", "hidden"), "ffn_gate.weight": ("hidden", "ff"),
-    "ffn_up.weight": ("hidden", "ff"), "ffn_down.weight": ("ff", "hidden"),
+    "attn_q.weight": ("hidden", "q"),
+    "attn_k.weight": ("hidden", "kv"),
+    "attn_v.weight": ("hidden", "kv"),
+    "attn_output.weight": ("q", "hidden"),
+    "ffn_gate.weight": ("hidden", "ff"),
+    "ffn_up.weight": ("hidden", "ff"),
+    "ffn_down.weight": ("ff", "hidden"),
 }
 
 
@@ -106,11 +110,14 @@ class GGUFFile:
                 self._bounded(key, self.arch_field(key), lowest=0)  # 0: a dense model
         rope_dims = self.arch_field("rope.dimension_count")
         if rope_dims is not None and int(rope_dims) != int(head_dim):
-            raise ValueError(f"{self.path}: partial rotary (rope.dimension_count {rope_dims} < head dim "
-                             f"{head_dim}) is not supported")
+            raise ValueError(
+                f"{self.path}: partial rotary (rope.dimension_count {rope_dims} < head dim {head_dim}) is not supported"
+            )
         if "rope_freqs.weight" in tensors:
-            raise ValueError(f"{self.path}: per-frequency rope factors (tensor rope_freqs.weight, Llama 3.1 "
-                             "style rope scaling) are not supported for GGUF files yet")
+            raise ValueError(
+                f"{self.path}: per-frequency rope factors (tensor rope_freqs.weight, Llama 3.1 "
+                "style rope scaling) are not supported for GGUF files yet"
+            )
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(self.arch_field("rope.freq_base", 10000.0))}
         scaling = self.arch_field("rope.scaling.type")
         if scaling not in (None, "none"):
@@ -148,7 +155,8 @@ class GGUFFile:
         config larger than the file's tensors would allocate memory they never
         fill (a tiny file claiming a 65,536-wide, million-token embedding)."""
         widths = {
-            "hidden": config["hidden_size"], "ff": config["intermediate_size"],
+            "hidden": config["hidden_size"],
+            "ff": config["intermediate_size"],
             "q": config["num_attention_heads"] * config["head_dim"],
             "kv": config["num_key_value_heads"] * config["head_dim"],
         }
@@ -162,12 +170,16 @@ class GGUFFile:
         tensors = self.tensors
         for name, shape in expected.items():
             if name not in tensors:
-                raise ValueError(f"{self.path}: GGUF file lacks tensor {name!r}, which its metadata implies "
-                                 f"({self.architecture}.block_count {blocks})")
+                raise ValueError(
+                    f"{self.path}: GGUF file lacks tensor {name!r}, which its metadata implies "
+                    f"({self.architecture}.block_count {blocks})"
+                )
             found = tuple(int(d) for d in tensors[name].shape)
             if found != shape:
-                raise ValueError(f"{self.path}: tensor {name!r} has shape {list(found)}, the metadata "
-                                 f"({self.architecture}.*) implies {list(shape)}")
+                raise ValueError(
+                    f"{self.path}: tensor {name!r} has shape {list(found)}, the metadata "
+                    f"({self.architecture}.*) implies {list(shape)}"
+                )
         for name in tensors:
             parts = name.split(".")
             if len(parts) > 1 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) >= blocks:
@@ -204,8 +216,10 @@ class GGUFFile:
         """`value` of `key` (or, `derived` says how, in its place), within METADATA_LIMITS."""
         highest = METADATA_LIMITS[key]
         if isinstance(value, bool) or not isinstance(value, int) or not lowest <= value <= highest:
-            raise ValueError(f"{self.path}: GGUF metadata {self.architecture}.{key} {derived}is "
-                             f"{reprlib.repr(value)}, not a whole number from {lowest} to {highest}")
+            raise ValueError(
+                f"{self.path}: GGUF metadata {self.architecture}.{key} {derived}is "
+                f"{reprlib.repr(value)}, not a whole number from {lowest} to {highest}"
+            )
         return value
 
 

@@ -87,8 +87,9 @@ class Attention(nn.Module):
             v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
 
         if k_flat is not None and (self.kv_cache.is_cuda if self.batched_paged is None else self.batched_paged):
-            return batched_paged_attention(q, self.kv_cache, meta, self.scale,
-                                           self.prefill_budget).reshape(num_tokens, -1)
+            return batched_paged_attention(q, self.kv_cache, meta, self.scale, self.prefill_budget).reshape(
+                num_tokens, -1
+            )
 
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
@@ -98,10 +99,12 @@ class Attention(nn.Module):
             qs = q[seq.q_start : seq.q_end]
             if seq.ctx_slots is None:
                 out[seq.q_start : seq.q_end] = sequence_attention(
-                    qs, k[seq.q_start : seq.q_end], v[seq.q_start : seq.q_end], self.scale)
+                    qs, k[seq.q_start : seq.q_end], v[seq.q_start : seq.q_end], self.scale
+                )
             else:
                 out[seq.q_start : seq.q_end] = attention_after_context(
-                    qs, k_flat[seq.ctx_slots], v_flat[seq.ctx_slots], seq.num_context, self.scale)
+                    qs, k_flat[seq.ctx_slots], v_flat[seq.ctx_slots], seq.num_context, self.scale
+                )
         return out.reshape(num_tokens, -1)
 
     def _forward_context_parallel(self, q, k, v, meta: AttentionMetadata, cp: ContextParallelMetadata):
@@ -118,8 +121,12 @@ class Attention(nn.Module):
                 keys = gathered.index_select(0, seq.key_index)  # [end, 2, KVH, D], position order
                 for piece in seq.pieces:
                     out[piece.q_start : piece.q_end] = attention_after_context(
-                        q[piece.q_start : piece.q_end], keys[: piece.num_keys, 0], keys[: piece.num_keys, 1],
-                        piece.num_keys - (piece.q_end - piece.q_start), self.scale)
+                        q[piece.q_start : piece.q_end],
+                        keys[: piece.num_keys, 0],
+                        keys[: piece.num_keys, 1],
+                        piece.num_keys - (piece.q_end - piece.q_start),
+                        self.scale,
+                    )
         for start, end in cp.local_prefills:
             # A short whole prompt: every rank computed all its keys, so plain
             # causal attention is exact here without the group.
@@ -142,8 +149,13 @@ class Attention(nn.Module):
             parts[:b, :, self.head_dim] = lse
         for s in cp.sharded:
             n = s.q_end - s.q_start
-            o, lse = partial_attention(q[s.q_start : s.q_end], k_flat.index_select(0, s.key_slots),
-                                       v_flat.index_select(0, s.key_slots), self.scale, s.mask)
+            o, lse = partial_attention(
+                q[s.q_start : s.q_end],
+                k_flat.index_select(0, s.key_slots),
+                v_flat.index_select(0, s.key_slots),
+                self.scale,
+                s.mask,
+            )
             parts[row : row + n, :, : self.head_dim] = o
             parts[row : row + n, :, self.head_dim] = lse
             row += n
@@ -164,8 +176,9 @@ class Attention(nn.Module):
         if kernels is not None:
             # On CPU the C++ kernel walks the rank's blocks as it walks a whole
             # sequence's, returning each head's log-sum-exp beside its output.
-            return kernels.paged_decode_partial(q, self.kv_cache, cp.decode_block_table,
-                                                          cp.decode_context_lens, self.scale)
+            return kernels.paged_decode_partial(
+                q, self.kv_cache, cp.decode_block_table, cp.decode_context_lens, self.scale
+            )
         # Torch: gather each row's slots, padded. A padding slot repeats the
         # row's first (written, so finite) key: a zero weight times a
         # never-written slot's NaN bits would be NaN.
@@ -176,8 +189,9 @@ class Attention(nn.Module):
         slots = torch.where(mask, slots, slots[:, :1])
         flat, shape = slots.view(-1), (*slots.shape, self.num_kv_heads, self.head_dim)
         # (index_select: several times faster than advanced indexing on CPU.)
-        return partial_decode_attention(q, k_flat.index_select(0, flat).view(shape),
-                                        v_flat.index_select(0, flat).view(shape), self.scale, mask)
+        return partial_decode_attention(
+            q, k_flat.index_select(0, flat).view(shape), v_flat.index_select(0, flat).view(shape), self.scale, mask
+        )
 
     def _kernel_serves(self, dtype: torch.dtype) -> bool:
         """Whether the C++ decode kernels (CPU), if built, serve this layer's decode queries of `dtype`."""

@@ -36,8 +36,10 @@ def partial_attention(
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     if k.shape[0] == 0:
-        return (q.new_zeros(q.shape, dtype=torch.float32),
-                torch.full((num_tokens, num_heads), float("-inf"), device=q.device))
+        return (
+            q.new_zeros(q.shape, dtype=torch.float32),
+            torch.full((num_tokens, num_heads), float("-inf"), device=q.device),
+        )
     # Query head h reads kv head h // group. The group's queries are stacked
     # against their kv head ([KVH, group * T, D]) rather than the keys
     # repeated per query head: no copy of the shard's K/V.
@@ -99,18 +101,26 @@ def _heads_first(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0).to(dtype)
 
 
-def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                       mask: torch.Tensor | None = None) -> torch.Tensor:
+def sequence_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """One sequence: q [Tq, H, D] over k/v [Tk, KVH, D] -> [Tq, H, D] in q's
     dtype; causal unless a mask [Tq, Tk] (True = attend) is given."""
     o = torch.nn.functional.scaled_dot_product_attention(
-        _heads_first(q, q.dtype), _heads_first(k, q.dtype), _heads_first(v, q.dtype), attn_mask=mask,
-        is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        _heads_first(q, q.dtype),
+        _heads_first(k, q.dtype),
+        _heads_first(v, q.dtype),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
     return o.squeeze(0).transpose(0, 1)
 
 
-def attention_after_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int,
-                            scale: float) -> torch.Tensor:
+def attention_after_context(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int, scale: float
+) -> torch.Tensor:
     """Causal attention of a chunk that follows `num_context` tokens of context:
     q [T, H, D] at positions num_context .. num_context + T - 1 over k/v
     [num_context + T, KVH, D] in position order (GQA: H a multiple of KVH).

@@ -98,8 +98,9 @@ class SplitPrefillMetadata:
     sequences: list[SplitSequence] = field(default_factory=list)
 
 
-def exchange_split_kv(k: torch.Tensor, v: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
-                      meta: SplitPrefillMetadata, group) -> torch.Tensor:
+def exchange_split_kv(
+    k: torch.Tensor, v: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, meta: SplitPrefillMetadata, group
+) -> torch.Tensor:
     """All-gather the split chunks' K/V over the CP group and store this rank's
     share of the fresh tokens. Returns the gathered K/V, [cp * send_len, 2, KVH, D]."""
     num_fresh, num_old = meta.send_rows.numel(), meta.send_slots.numel()

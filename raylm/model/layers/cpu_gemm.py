@@ -60,8 +60,10 @@ def cpu_has_bf16_arithmetic() -> bool:
     oneDNN kernels convert in registers), AVX-512 BF16 or AMX. AVX2-only
     CPUs do not."""
     cpu = torch.cpu
-    return any(getattr(cpu, probe, lambda: False)() for probe in
-               ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return any(
+        getattr(cpu, probe, lambda: False)()
+        for probe in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    )
 
 
 def kernel_max_rows() -> int:
@@ -75,8 +77,13 @@ def as_float32(y: torch.Tensor) -> torch.Tensor:
     matmul ran: a .float() there is an OpenMP region, whose thread then spins
     on a core that the team's next matmul wants (the LM head's logits of a
     64-row decode step of the ~7M model on 2 cores: ~10% of the CPU)."""
-    if (y.dtype == torch.bfloat16 and y.is_cpu and y.dim() == 2 and 0 < y.shape[0] <= kernel_max_rows()
-            and y.stride(1) == 1):
+    if (
+        y.dtype == torch.bfloat16
+        and y.is_cpu
+        and y.dim() == 2
+        and 0 < y.shape[0] <= kernel_max_rows()
+        and y.stride(1) == 1
+    ):
         kernels = get_cpu_kernels()
         if kernels is not None:
             return kernels.widen_rows(y)
@@ -126,8 +133,6 @@ def _pack_onednn(weight: torch.Tensor, expected_rows: int = 64) -> torch.Tensor 
         return None
 
 
-
-
 class PackedWeight:
     """One [out, in] bf16 CPU weight in the layouts its matmuls read.
 
@@ -160,8 +165,12 @@ class PackedWeight:
         return self._onednn is not None or self._small is not None or self._widen
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if (self._small is not None and x.dim() == 2 and x.shape[0] <= self._small_max_rows
-                and x.dtype == torch.bfloat16):
+        if (
+            self._small is not None
+            and x.dim() == 2
+            and x.shape[0] <= self._small_max_rows
+            and x.dtype == torch.bfloat16
+        ):
             return self._kernels.bf16_linear(x, self._small, self.out_features, bias)
         if self._onednn is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._onednn, bias, "none", [], "")
@@ -176,8 +185,9 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     return packed if packed.useful else None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: PackedWeight | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None
+) -> torch.Tensor:
     if packed is not None:
         return packed(x, bias)
     return F.linear(x, weight, bias)

@@ -50,9 +50,19 @@ DISABLE_ENV = "RAYLM_DISABLE_CPU_KERNELS"
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = tuple(
     _CSRC / name
-    for name in ("bindings.cpp", "paged_decode_attention.cpp", "elementwise_ops.cpp", "quant_gemm.cpp", "bf16_gemm.cpp",
-                 "int8_gemm.cpp", "decode_layers.cpp", "quant_pack.cpp", "quant_decode.cpp", "work_team.cpp",
-                 "greedy_decode.cpp")
+    for name in (
+        "bindings.cpp",
+        "paged_decode_attention.cpp",
+        "elementwise_ops.cpp",
+        "quant_gemm.cpp",
+        "bf16_gemm.cpp",
+        "int8_gemm.cpp",
+        "decode_layers.cpp",
+        "quant_pack.cpp",
+        "quant_decode.cpp",
+        "work_team.cpp",
+        "greedy_decode.cpp",
+    )
 )
 # Headers the sources include: part of the build's identity too.
 _HEADERS = (_CSRC / "fast_exp.h",)

@@ -61,8 +61,7 @@ class PrefillBudget:
 
     def fits(self, num_seqs: int, max_query: int, padded_context: int) -> bool:
         """Whether one call of `num_seqs` sequences, padded to these sizes, is within the budget."""
-        return (num_seqs * padded_context <= self.context_rows
-                and num_seqs * max_query * padded_context <= self.elements)
+        return num_seqs * padded_context <= self.context_rows and num_seqs * max_query * padded_context <= self.elements
 
 
 def full_length_prefill_geometry(num_tokens: int, max_model_len: int) -> tuple[int, int]:
@@ -170,8 +169,10 @@ def build_paged_layout(meta: AttentionMetadata, block_size: int, budget: Prefill
     layout.prefill_seq_lens = seq_lens
     if budget is not None and not budget.fits(num_prefills, max_q, table.shape[1] * block_size):
         layout.sdpa_batches = [
-            (build_paged_layout(AttentionMetadata(slot_mapping=meta.slot_mapping, prefills=batch), block_size),
-             torch.cat([torch.arange(p.q_start, p.q_end) for p in batch]).to(device, non_blocking=True))
+            (
+                build_paged_layout(AttentionMetadata(slot_mapping=meta.slot_mapping, prefills=batch), block_size),
+                torch.cat([torch.arange(p.q_start, p.q_end) for p in batch]).to(device, non_blocking=True),
+            )
             for batch in split_prefills(prefills, block_size, budget)
         ]
     return layout
@@ -307,17 +308,34 @@ class FlashInferPagedAttention:
             ctx = layout.decode_context_lens.tolist()
             indptr, indices, last = self._csr(layout.decode_block_table, ctx, bs)
             self._decode.plan(
-                indptr.to(device), indices.to(device), last.to(device), num_heads, num_kv_heads, head_dim, bs,
-                q_data_type=dtype, kv_data_type=dtype, sm_scale=scale,
+                indptr.to(device),
+                indices.to(device),
+                last.to(device),
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                bs,
+                q_data_type=dtype,
+                kv_data_type=dtype,
+                sm_scale=scale,
             )
         if layout.num_prefills:
             indptr, indices, last = self._csr(layout.prefill_block_table, layout.prefill_seq_lens, bs)
             qo_indptr = torch.zeros(layout.num_prefills + 1, dtype=torch.int32)
             qo_indptr[1:] = torch.cumsum(torch.tensor(layout.prefill_query_lens, dtype=torch.int32), 0)
             self._prefill.plan(
-                qo_indptr.to(device), indptr.to(device), indices.to(device), last.to(device),
-                num_heads, num_kv_heads, head_dim, bs, causal=True, sm_scale=scale,
-                q_data_type=dtype, kv_data_type=dtype,
+                qo_indptr.to(device),
+                indptr.to(device),
+                indices.to(device),
+                last.to(device),
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                bs,
+                causal=True,
+                sm_scale=scale,
+                q_data_type=dtype,
+                kv_data_type=dtype,
             )
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, layout: PagedLayout, scale: float) -> torch.Tensor:
@@ -359,7 +377,10 @@ def active_backend_name() -> str:
 
 
 def batched_paged_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
     budget: PrefillBudget | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] (the step's flat batch; its K/V already in `kv_cache`) -> [T, H, D].

@@ -142,7 +142,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         shard_size = divide(self.output_sizes[shard_id], self.tp_size, "merged output size")
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         self.store_rows(
-            param, offset, shard_size,
+            param,
+            offset,
+            shard_size,
             read_narrow(loaded_weight, 0, self.tp_rank * shard_size, shard_size),
             f"merged shard {shard_id}",
         )

@@ -63,8 +63,13 @@ def _int8_prepare(weight: QuantizedWeight, dtype: torch.dtype):
     data = weight.data.contiguous()
     module = get_cpu_kernels()
     packed = None if module is None else module.int8_pack(data)
-    return None if packed is not None else data, weight.scales.to(dtype).contiguous(), module, packed, \
-        weight.scales.float().contiguous()
+    return (
+        None if packed is not None else data,
+        weight.scales.to(dtype).contiguous(),
+        module,
+        packed,
+        weight.scales.float().contiguous(),
+    )
 
 
 def _int8_linear(x: torch.Tensor, state) -> torch.Tensor:
@@ -84,6 +89,7 @@ class GGUFState:
     """One GGUF weight as a layer keeps it: the packed tiles where the decode
     kernel runs (the file's blocks are dropped: prefill widens the tiles), else
     the file's blocks."""
+
     module: Any
     code: int
     rows: int  # output features
@@ -124,8 +130,10 @@ def _apply_kernel_choice(module) -> None:
         return
     choice = os.environ.get(KERNEL_ENV, "").strip().lower() or "auto"
     if choice != "auto" and choice not in module.quant_packed_variants():
-        raise ValueError(f"{KERNEL_ENV}={choice!r}: this build's packed decode kernel runs "
-                         f"{', '.join(['auto', *module.quant_packed_variants()])}")
+        raise ValueError(
+            f"{KERNEL_ENV}={choice!r}: this build's packed decode kernel runs "
+            f"{', '.join(['auto', *module.quant_packed_variants()])}"
+        )
     module.quant_packed_use(choice)
     _chosen_variant = choice
 

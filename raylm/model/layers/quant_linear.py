@@ -88,8 +88,14 @@ class QuantizedMatmul:
                 key = (part.qtype.name, str(device))
                 if key not in _told_dequantized:
                     _told_dequantized.add(key)
-                    logger.warning("no %s kernel for %s activations on %s: %s weights are dequantized to %s "
-                                   "at load", part.qtype.name, dtype, device, part.qtype.name, dtype)
+                    logger.warning(
+                        "no %s kernel for %s activations on %s: %s weights are dequantized to %s at load",
+                        part.qtype.name,
+                        dtype,
+                        device,
+                        part.qtype.name,
+                        dtype,
+                    )
                 segments.append(FloatSegment(part.dequantize(dtype).to(device)))
             else:
                 segments.append(QuantSegment(part, kernel))
@@ -131,20 +137,24 @@ class QuantizedMatmul:
         if len(weights) > self.DECODE_MAX_SEGMENTS:
             return None
         empty = torch.empty(0)
-        return [torch.tensor(spec, dtype=torch.int64), *weights,
-                *[empty] * (self.DECODE_MAX_SEGMENTS - len(weights))]
+        return [torch.tensor(spec, dtype=torch.int64), *weights, *[empty] * (self.DECODE_MAX_SEGMENTS - len(weights))]
 
 
 def _merge_same_type(parts):
     """Adjacent quantized parts of one type become one (one kernel call, not several)."""
     merged: list[tuple[int, torch.Tensor | QuantizedWeight]] = []
     for start, part in parts:
-        if merged and isinstance(part, QuantizedWeight) and isinstance(merged[-1][1], QuantizedWeight) \
-                and merged[-1][1].qtype == part.qtype:
+        if (
+            merged
+            and isinstance(part, QuantizedWeight)
+            and isinstance(merged[-1][1], QuantizedWeight)
+            and merged[-1][1].qtype == part.qtype
+        ):
             previous = merged[-1][1]
             scales = None if part.scales is None else torch.cat([previous.scales, part.scales])
-            joined = QuantizedWeight(part.qtype, torch.cat([previous.data, part.data]), part.cols, scales,
-                                     previous.name)
+            joined = QuantizedWeight(
+                part.qtype, torch.cat([previous.data, part.data]), part.cols, scales, previous.name
+            )
             merged[-1] = (merged[-1][0], joined)
         elif merged and isinstance(part, torch.Tensor) and isinstance(merged[-1][1], torch.Tensor):
             merged[-1] = (merged[-1][0], torch.cat([merged[-1][1], part]))

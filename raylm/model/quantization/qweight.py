@@ -23,16 +23,24 @@ def is_quantized(weight: object) -> bool:
 
 
 class QuantizedWeight:
-    def __init__(self, qtype: QuantType, data: np.ndarray | torch.Tensor, cols: int,
-                 scales: torch.Tensor | None = None, name: str = "weight"):
+    def __init__(
+        self,
+        qtype: QuantType,
+        data: np.ndarray | torch.Tensor,
+        cols: int,
+        scales: torch.Tensor | None = None,
+        name: str = "weight",
+    ):
         if qtype.name == "INT8":
             if scales is None or tuple(data.shape) != (data.shape[0], cols):
                 raise ValueError(f"{name}: int8 weight needs [rows, cols] data and one scale per row")
         elif cols % qtype.block_size:
             raise ValueError(f"{name}: {cols} columns are not whole {qtype.name} blocks of {qtype.block_size}")
         elif data.shape[-1] != qtype.row_bytes(cols):
-            raise ValueError(f"{name}: {qtype.name} row of {cols} weights needs {qtype.row_bytes(cols)} bytes, "
-                             f"found {data.shape[-1]}")
+            raise ValueError(
+                f"{name}: {qtype.name} row of {cols} weights needs {qtype.row_bytes(cols)} bytes, "
+                f"found {data.shape[-1]}"
+            )
         self.qtype, self.data, self.cols, self.scales, self.name = qtype, data, cols, scales, name
 
     # ---- the weight-source interface of the loaders -------------------------------
@@ -48,8 +56,13 @@ class QuantizedWeight:
         if isinstance(index, slice):
             rows = index
             return self._with(self.data[rows], self.cols, None if self.scales is None else self.scales[rows])
-        if (isinstance(index, tuple) and len(index) == 2 and index[0] == slice(None)
-                and isinstance(index[1], slice) and index[1].step in (None, 1)):
+        if (
+            isinstance(index, tuple)
+            and len(index) == 2
+            and index[0] == slice(None)
+            and isinstance(index[1], slice)
+            and index[1].step in (None, 1)
+        ):
             start, stop, _ = index[1].indices(self.cols)
             return self._columns(start, stop)
         raise TypeError(f"{self.name}: a quantized weight is indexed by rows [a:b] or columns [:, a:b] only")

@@ -57,7 +57,7 @@ def reference_tokens(prompt: list[int], num_tokens: int, vocab_size: int) -> lis
     tokens = list(prompt)
     for _ in range(num_tokens):
         tokens.append(next_token([(t, p) for p, t in enumerate(tokens)], vocab_size))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 @dataclass
@@ -94,8 +94,14 @@ class ContentModelExecutor(Executor):
 
     workers_die_apart = False
 
-    def __init__(self, config, num_blocks: int, faults: list[str], on_step: Callable[[], None] | None = None,
-                 transfer_faults: list[str] | None = None):
+    def __init__(
+        self,
+        config,
+        num_blocks: int,
+        faults: list[str],
+        on_step: Callable[[], None] | None = None,
+        transfer_faults: list[str] | None = None,
+    ):
         self._num_blocks = num_blocks
         self.faults = faults
         # The harness's too: the next imports fail ("import"), or the next
@@ -109,8 +115,10 @@ class ContentModelExecutor(Executor):
         # Each step's tokens come back to the scheduler before the next step
         # (a decode burst would feed them back inside the worker).
         if self.config.scheduler_config.num_scheduler_steps != 1:
-            raise ValueError("the content model runs single steps: num_scheduler_steps must be 1, got "
-                             f"{self.config.scheduler_config.num_scheduler_steps}")
+            raise ValueError(
+                "the content model runs single steps: num_scheduler_steps must be 1, got "
+                f"{self.config.scheduler_config.num_scheduler_steps}"
+            )
         self.block_size = self.config.cache_config.block_size
         self.vocab_size = self.config.model_config.vocab_size
         self.kv: list[list[tuple[int, int]]] = []
@@ -180,8 +188,9 @@ class ContentModelExecutor(Executor):
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
         for new in so.scheduled_new_reqs:
-            self.requests[new.req_id] = _RequestState(list(new.prompt_token_ids) + list(new.output_token_ids),
-                                                      list(new.block_ids), new.num_computed_tokens)
+            self.requests[new.req_id] = _RequestState(
+                list(new.prompt_token_ids) + list(new.output_token_ids), list(new.block_ids), new.num_computed_tokens
+            )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.token_ids.extend(cached.new_token_ids)

@@ -52,8 +52,13 @@ class Operation:
     arg: int  # which core, request or size (taken modulo what exists)
 
 
-def make_schedule(seed: int, num_ops: int = 8, span_steps: int = 60,
-                  operations: tuple[str, ...] = OPERATIONS, deaths: tuple[str, ...] = ("kill",)) -> list[Operation]:
+def make_schedule(
+    seed: int,
+    num_ops: int = 8,
+    span_steps: int = 60,
+    operations: tuple[str, ...] = OPERATIONS,
+    deaths: tuple[str, ...] = ("kill",),
+) -> list[Operation]:
     """`deaths`: the operations that end a core (at most one of them a
     schedule: the quarantine rules cannot tell the harness's kill from a
     poison request's, and a request present at two would be framed)."""
@@ -87,7 +92,7 @@ class Replay:
             if rid in self.errors:
                 broken.append(f"{rid} failed: {self.errors[rid]}")
             elif rid in self.aborted:
-                if got != expected[:len(got)]:
+                if got != expected[: len(got)]:
                     broken.append(f"aborted {rid} diverged before its abort: {got} vs {expected}")
             elif rid not in self.finished:
                 broken.append(f"{rid} never finished")

@@ -48,8 +48,19 @@ from raylm.sampling_params import SamplingParams
 from raylm.testing.chaos.content_model import ContentModelExecutor, reference_tokens
 
 # Modules whose `time.monotonic` (and `time.sleep`) the simulated clock replaces.
-_CLOCKED_MODULES = (supervisor, ledger, migration, core_recovery, core_channel, scaling, engine_core,
-                    core_migration, core_proc, scheduler_module, request_module)
+_CLOCKED_MODULES = (
+    supervisor,
+    ledger,
+    migration,
+    core_recovery,
+    core_channel,
+    scaling,
+    engine_core,
+    core_migration,
+    core_proc,
+    scheduler_module,
+    request_module,
+)
 
 
 class SimClock:
@@ -71,8 +82,13 @@ class SimClock:
 
     def install(self) -> Callable[[], None]:
         """Make the engine's modules read this clock; returns the undo."""
-        fake = types.SimpleNamespace(monotonic=self.monotonic, sleep=self.sleep, perf_counter=time.perf_counter,
-                                     time=time.time, monotonic_ns=time.monotonic_ns)
+        fake = types.SimpleNamespace(
+            monotonic=self.monotonic,
+            sleep=self.sleep,
+            perf_counter=time.perf_counter,
+            time=time.time,
+            monotonic_ns=time.monotonic_ns,
+        )
         saved = [(m, m.time) for m in _CLOCKED_MODULES]
         for module in _CLOCKED_MODULES:
             module.time = fake
@@ -92,8 +108,15 @@ def chaos_config(**overrides) -> EngineConfig:
     """The engine the fast tier runs: the embedded default model's config
     (its weights are never loaded), small blocks and a small cache, so that
     a few short requests span several blocks, stages and a full cache."""
-    settings = dict(dtype="float32", data_parallel_size=2, block_size=4, max_model_len=64,
-                    num_scheduler_steps=1, data_parallel_rebalance=True, max_num_seqs=8)
+    settings = dict(
+        dtype="float32",
+        data_parallel_size=2,
+        block_size=4,
+        max_model_len=64,
+        num_scheduler_steps=1,
+        data_parallel_rebalance=True,
+        max_num_seqs=8,
+    )
     settings.update(overrides)
     return create_engine_config(None, **settings)
 
@@ -152,8 +175,7 @@ class SimEngineCore(EngineCore):
 
     def _make_executor(self):
         self.batch_queue_size = 1
-        return ContentModelExecutor(self.config, self._num_blocks, self.faults,
-                                    transfer_faults=self.transfer_faults)
+        return ContentModelExecutor(self.config, self._num_blocks, self.faults, transfer_faults=self.transfer_faults)
 
 
 class SimCoreProc(core_proc.EngineCoreProc):
@@ -483,9 +505,11 @@ class World:
             if self._quiet():
                 return
             self.clock.now += 0.05
-        raise AssertionError(f"requests never ended (hung): "
-                             f"{[rid for rid, o in self.outcomes.items() if not o.finished]}; "
-                             f"ledger {sorted(self.sup.ledger)}, migrations {list(self.sup.migrations.values())}")
+        raise AssertionError(
+            f"requests never ended (hung): "
+            f"{[rid for rid, o in self.outcomes.items() if not o.finished]}; "
+            f"ledger {sorted(self.sup.ledger)}, migrations {list(self.sup.migrations.values())}"
+        )
 
     def _quiet(self) -> bool:
         """Every request ended, and nothing is left to do anywhere."""
@@ -495,8 +519,13 @@ class World:
             return False
         recovery, scaling = self.sup.recovery, self.sup.scaling
         # A restart, a replacement or a drained core's stop still under way.
-        if (self.sup.restarting or recovery.starting or scaling.stopping or not recovery.started.empty()
-                or not scaling.stopped.empty()):
+        if (
+            self.sup.restarting
+            or recovery.starting
+            or scaling.stopping
+            or not recovery.started.empty()
+            or not scaling.stopped.empty()
+        ):
             return False
         # A draining core whose last request ended in the read just done: the
         # next housekeeping retires it (a server's next read would).
@@ -522,17 +551,20 @@ class World:
                 continue
             assert outcome.error is None, f"innocent request {rid} failed (framed): {outcome.error}"
             if outcome.aborted:
-                assert outcome.tokens == expected[:len(outcome.tokens)], f"aborted {rid} diverged: {outcome}"
+                assert outcome.tokens == expected[: len(outcome.tokens)], f"aborted {rid} diverged: {outcome}"
             else:
-                assert outcome.tokens == expected, (f"request {rid} continued over K/V not its own: got "
-                                                    f"{outcome.tokens}, an undisturbed run gives {expected}")
+                assert outcome.tokens == expected, (
+                    f"request {rid} continued over K/V not its own: got "
+                    f"{outcome.tokens}, an undisturbed run gives {expected}"
+                )
         sup = self.sup
         assert sup.dead_error is None, f"the engine died: {sup.dead_error}"
         # Every replica settled: serving, or waiting for the restart budget;
         # no restart left open (it either served again or reported failure).
         states = {r["replica"]: r["state"] for r in sup.replica_states()}
-        assert not sup.restarting and set(states.values()) <= {"serving", "waiting_for_restart_budget"}, \
+        assert not sup.restarting and set(states.values()) <= {"serving", "waiting_for_restart_budget"}, (
             f"replicas not settled: {states}, restarting {sorted(sup.restarting)}"
+        )
         assert not sup.ledger and not sup.migrations and not sup.migrations.by_request, "the supervisor kept requests"
         folder = sup.migrations.transfer_dir
         if folder is not None:
@@ -545,10 +577,13 @@ class World:
         for index in sup.channels:
             held = set(self.cores[index].core.scheduler.kv_cache_manager.pool.cached)
             indexed = sup.prefix_index.holds(index)
-            assert indexed == held, (f"the prefix index has core {index} holding {len(indexed)} blocks, "
-                                     f"{len(indexed - held)} of them not there, {len(held - indexed)} missing")
-        assert sup.prefix_index.num_blocks() == len(set().union(*(sup.prefix_index.holds(i) for i in sup.channels))), \
+            assert indexed == held, (
+                f"the prefix index has core {index} holding {len(indexed)} blocks, "
+                f"{len(indexed - held)} of them not there, {len(held - indexed)} missing"
+            )
+        assert sup.prefix_index.num_blocks() == len(set().union(*(sup.prefix_index.holds(i) for i in sup.channels))), (
             "the prefix index names cores that do not serve"
+        )
 
     def _check_core(self, index: int, proc: SimCoreProc, hashes: dict[bytes, list]) -> None:
         core = proc.core
@@ -558,15 +593,17 @@ class World:
         assert not kv.req_blocks and not kv.imports, f"core {index} kept blocks of {list(kv.req_blocks)} {kv.imports}"
         assert kv.pool.num_free_blocks == kv.num_blocks, f"core {index} leaked blocks"
         endpoint = core.migrations
-        assert not (endpoint._outgoing or endpoint._incoming or endpoint._importing), \
+        assert not (endpoint._outgoing or endpoint._incoming or endpoint._importing), (
             f"core {index} kept migrations: {endpoint._outgoing} {endpoint._incoming} {endpoint._importing}"
+        )
         executor = core.executor
         for block_hash, block in kv.pool.cached.items():
             expected = hashes.get(block_hash)
             assert expected is not None, f"core {index}: a cached block under a hash no request's tokens name"
             actual = [tuple(slot) for slot in executor.kv[block.block_id]]
-            assert actual == expected, (f"core {index}: prefix-cache block {block.block_id} holds {actual}, "
-                                        f"its hash names {expected}")
+            assert actual == expected, (
+                f"core {index}: prefix-cache block {block.block_id} holds {actual}, its hash names {expected}"
+            )
 
     def _expected_blocks(self) -> dict[bytes, list]:
         """hash -> the slots its block must hold, for every full block of
@@ -577,7 +614,7 @@ class World:
             tokens = outcome.prompt + reference_tokens(outcome.prompt, outcome.max_tokens, vocab)
             parent = root_hash(None)
             for start in range(0, len(tokens) - bs + 1, bs):
-                parent = hash_block(parent, tokens[start:start + bs])
+                parent = hash_block(parent, tokens[start : start + bs])
                 table[parent] = [(tokens[p], p) for p in range(start, start + bs)]
         return table
 
@@ -588,8 +625,9 @@ class World:
             if outcome.poisoned or not outcome.tokens:
                 continue
             expected = reference_tokens(outcome.prompt, len(outcome.tokens), vocab)
-            assert outcome.tokens == expected, (f"request {rid} continued over K/V not its own at token "
-                                                f"{_first_difference(outcome.tokens, expected)}")
+            assert outcome.tokens == expected, (
+                f"request {rid} continued over K/V not its own at token {_first_difference(outcome.tokens, expected)}"
+            )
 
 
 def _first_difference(a: list, b: list) -> int:

@@ -34,8 +34,11 @@ def server(llama_dir, tmp_path_factory):
 def trusting_server(llama_dir, tmp_path_factory):
     """A server that renders chat templates sent with requests; a module uses
     it as its `server` by defining `server` to return it."""
-    srv = RaylmServer(llama_dir, ["--api-key", API_KEY, "--trust-request-chat-template"],
-                      str(tmp_path_factory.mktemp("serve") / "server.log"))
+    srv = RaylmServer(
+        llama_dir,
+        ["--api-key", API_KEY, "--trust-request-chat-template"],
+        str(tmp_path_factory.mktemp("serve") / "server.log"),
+    )
     try:
         yield srv
     finally:

@@ -41,8 +41,16 @@ class RaylmServer:
     """`model_dir` None: raylm's embedded model. `new_session`: the server leads
     a process group of its own (for signals sent to the whole group)."""
 
-    def __init__(self, model_dir: str | None, extra_args: list[str], log_path: str, startup_timeout: float = 180.0,
-                 new_session: bool = False, tls_ca_file: str | None = None, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        model_dir: str | None,
+        extra_args: list[str],
+        log_path: str,
+        startup_timeout: float = 180.0,
+        new_session: bool = False,
+        tls_ca_file: str | None = None,
+        env: dict[str, str] | None = None,
+    ):
         """`tls_ca_file`: the server was given --ssl-keyfile/--ssl-certfile; it is
         reached over https, trusting this certificate. `env`: added to os.environ."""
         self.log_path = log_path
@@ -52,12 +60,27 @@ class RaylmServer:
         for attempt in range(_PORT_ATTEMPTS):
             self.port = free_port()
             self.base_url = f"{scheme}://127.0.0.1:{self.port}"
-            command = [sys.executable, "-m", "raylm.entrypoints.cli", "serve", *model, "--port", str(self.port),
-                       "--served-model-name", MODEL_NAME, *ENGINE_FLAGS, *extra_args]
+            command = [
+                sys.executable,
+                "-m",
+                "raylm.entrypoints.cli",
+                "serve",
+                *model,
+                "--port",
+                str(self.port),
+                "--served-model-name",
+                MODEL_NAME,
+                *ENGINE_FLAGS,
+                *extra_args,
+            ]
             self._log = open(log_path, "wb")
-            self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                         start_new_session=new_session)
+            self.proc = subprocess.Popen(
+                command,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                start_new_session=new_session,
+            )
             try:
                 self._wait_healthy(startup_timeout)
                 break

@@ -15,8 +15,15 @@ from tests.entrypoints.openai.server_utils import MODEL_NAME, RaylmServer, scrap
 
 def long_body(prompt: str = "ROMEO:", max_tokens: int = 400, stream: bool = True, **extra) -> dict:
     """A completion that runs for a while: greedy, EOS ignored."""
-    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0, "stream": stream, **extra}
+    return {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": stream,
+        **extra,
+    }
 
 
 async def stream_completion(client: httpx.AsyncClient, prompt: str, max_tokens: int, on_chunk=None) -> str:
@@ -46,8 +53,14 @@ class BackgroundStream:
     status, headers, events, finish reasons, error events, and whether it
     ended with [DONE]."""
 
-    def __init__(self, server: RaylmServer, body: dict, path: str = "/v1/completions", timeout: float = 120.0,
-                 headers: dict | None = None):
+    def __init__(
+        self,
+        server: RaylmServer,
+        body: dict,
+        path: str = "/v1/completions",
+        timeout: float = 120.0,
+        headers: dict | None = None,
+    ):
         self.status: int | None = None
         self.headers: httpx.Headers | None = None
         self.body_text = ""
@@ -73,7 +86,7 @@ class BackgroundStream:
                         return  # leaving the with-block hangs up
                     if not line.startswith("data: "):
                         continue
-                    data = line[len("data: "):]
+                    data = line[len("data: ") :]
                     if data == "[DONE]":
                         self.got_done = True
                         continue
@@ -121,7 +134,13 @@ def metric(server: RaylmServer, name: str, labels: str = "") -> float:
 
 def wait_idle(server: RaylmServer, timeout: float = 60.0) -> None:
     """Nothing admitted, running or waiting: whatever the test did is gone."""
-    wait_until(lambda: (metric(server, "raylm:num_sequences_admitted") == 0
-                        and metric(server, "vllm:num_requests_running") == 0
-                        and metric(server, "vllm:num_requests_waiting") == 0),
-               timeout, step=0.2, message="the server to hold no request")
+    wait_until(
+        lambda: (
+            metric(server, "raylm:num_sequences_admitted") == 0
+            and metric(server, "vllm:num_requests_running") == 0
+            and metric(server, "vllm:num_requests_waiting") == 0
+        ),
+        timeout,
+        step=0.2,
+        message="the server to hold no request",
+    )

@@ -29,14 +29,18 @@ class FakeEngine:
     """A data-parallel engine's surface: its replicas' states, scale, restart."""
 
     def __init__(self, replicas: int = 2) -> None:
-        self.config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=MAX_NUM_SEQS),
-                                      parallel_config=SimpleNamespace(data_parallel_size=replicas))
+        self.config = SimpleNamespace(
+            scheduler_config=SimpleNamespace(max_num_seqs=MAX_NUM_SEQS),
+            parallel_config=SimpleNamespace(data_parallel_size=replicas),
+        )
         self.states = ["serving"] * replicas
         self.restarted: list[int] = []
 
     def replica_states(self) -> list[dict]:
-        return [{"replica": i, "state": s, "in_flight": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
-                for i, s in enumerate(self.states)]
+        return [
+            {"replica": i, "state": s, "in_flight": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
+            for i, s in enumerate(self.states)
+        ]
 
     async def scale(self, size: int) -> None:
         self.states = self.states[:size] + ["serving"] * (size - len(self.states))
@@ -141,8 +145,9 @@ def test_capacity_follows_the_autoscaler(monkeypatch):
     engine = FakeEngine(replicas=1)
     engine.states = ["serving"]
     admission = AdmissionControl.for_engine(engine, max_waiting=0)
-    config = AutoscaleConfig(min_replicas=1, max_replicas=2, target_ongoing_requests=1.0, upscale_delay_s=0.0,
-                             downscale_delay_s=0.0)
+    config = AutoscaleConfig(
+        min_replicas=1, max_replicas=2, target_ongoing_requests=1.0, upscale_delay_s=0.0, downscale_delay_s=0.0
+    )
     busy = engine.replica_states
 
     def loaded() -> list[dict]:  # two requests in flight at target 1: asks for 2 replicas

@@ -22,10 +22,25 @@ MAX_TOKENS = 300
 def autoscale_server(tmp_path_factory):
     # The embedded model: its steps take long enough that the burst is still
     # running when the replica it asked for comes up.
-    srv = RaylmServer(None, ["--autoscale", "1:2", "--data-parallel-backend", "mp",
-                             "--autoscale-target-ongoing-requests", "4", "--autoscale-upscale-delay", "0.5",
-                             "--autoscale-downscale-delay", "1", "--kv-cache-memory-bytes", "32MiB"],
-                      str(tmp_path_factory.mktemp("serve-autoscale") / "server.log"), startup_timeout=300.0)
+    srv = RaylmServer(
+        None,
+        [
+            "--autoscale",
+            "1:2",
+            "--data-parallel-backend",
+            "mp",
+            "--autoscale-target-ongoing-requests",
+            "4",
+            "--autoscale-upscale-delay",
+            "0.5",
+            "--autoscale-downscale-delay",
+            "1",
+            "--kv-cache-memory-bytes",
+            "32MiB",
+        ],
+        str(tmp_path_factory.mktemp("serve-autoscale") / "server.log"),
+        startup_timeout=300.0,
+    )
     try:
         yield srv
     finally:
@@ -48,9 +63,15 @@ async def _load_until_scaled_out(base_url: str) -> tuple[list[str], list[str]]:
     serving, then send one more round (the new replica takes its share) and
     wait for all: (texts, the prompts they answer)."""
     async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
+
         async def one(prompt: str) -> str:
-            body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                    "ignore_eos": True}
+            body = {
+                "model": MODEL_NAME,
+                "prompt": prompt,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             response = await client.post("/v1/completions", json=body)
             assert response.status_code == 200, response.text
             return response.json()["choices"][0]["text"]

@@ -29,37 +29,45 @@ def _assert_error(response: httpx.Response, status: int, param: str | None) -> N
     assert error["param"] == param
 
 
-@pytest.mark.parametrize("body, param", [
-    ({**GOOD, "temperature": -1}, "temperature"),
-    ({**GOOD, "top_p": 0}, "top_p"),
-    ({**GOOD, "top_k": -2}, "top_k"),
-    ({**GOOD, "min_p": 2}, "min_p"),
-    ({**GOOD, "presence_penalty": 3}, "presence_penalty"),
-    ({**GOOD, "max_tokens": 0}, "max_tokens"),
-    ({**GOOD, "max_tokens": 100000}, "max_tokens"),
-    ({**GOOD, "n": 0}, "n"),
-    ({**GOOD, "temperature": "hot"}, "temperature"),
-    ({**GOOD, "stop": [""]}, "stop"),
-    ({**GOOD, "prompt": ""}, "prompt"),
-    ({**GOOD, "prompt": []}, "prompt"),
-    ({**GOOD, "prompt": [1, 2, 10**9]}, "prompt_token_ids"),
-    ({**GOOD, "prompt": "word " * 600}, "prompt"),
-    ({**GOOD, "seed": 2**70}, "seed"),
-    ({"model": MODEL_NAME}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({**GOOD, "temperature": -1}, "temperature"),
+        ({**GOOD, "top_p": 0}, "top_p"),
+        ({**GOOD, "top_k": -2}, "top_k"),
+        ({**GOOD, "min_p": 2}, "min_p"),
+        ({**GOOD, "presence_penalty": 3}, "presence_penalty"),
+        ({**GOOD, "max_tokens": 0}, "max_tokens"),
+        ({**GOOD, "max_tokens": 100000}, "max_tokens"),
+        ({**GOOD, "n": 0}, "n"),
+        ({**GOOD, "temperature": "hot"}, "temperature"),
+        ({**GOOD, "stop": [""]}, "stop"),
+        ({**GOOD, "prompt": ""}, "prompt"),
+        ({**GOOD, "prompt": []}, "prompt"),
+        ({**GOOD, "prompt": [1, 2, 10**9]}, "prompt_token_ids"),
+        ({**GOOD, "prompt": "word " * 600}, "prompt"),
+        ({**GOOD, "seed": 2**70}, "seed"),
+        ({"model": MODEL_NAME}, "prompt"),
+    ],
+)
 def test_bad_completion_requests(http, body, param):
     _assert_error(http.post("/v1/completions", json=body), 400, param)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({**GOOD_CHAT, "messages": []}, "messages"),
-    ({**GOOD_CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
-    ({**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages"),
-    ({**GOOD_CHAT, "max_completion_tokens": 100000}, "max_completion_tokens"),
-    ({**GOOD_CHAT, "top_logprobs": 3}, "top_logprobs"),
-    ({**GOOD_CHAT, "frequency_penalty": -5}, "frequency_penalty"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({**GOOD_CHAT, "messages": []}, "messages"),
+        ({**GOOD_CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+        (
+            {**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages",
+        ),
+        ({**GOOD_CHAT, "max_completion_tokens": 100000}, "max_completion_tokens"),
+        ({**GOOD_CHAT, "top_logprobs": 3}, "top_logprobs"),
+        ({**GOOD_CHAT, "frequency_penalty": -5}, "frequency_penalty"),
+    ],
+)
 def test_bad_chat_requests(http, body, param):
     _assert_error(http.post("/v1/chat/completions", json=body), 400, param)
 
@@ -87,11 +95,17 @@ def test_server_still_serves_after_bad_input(http):
 
 
 _json_scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=20),
 )
-_json = st.recursive(_json_scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)), max_leaves=8)
+_json = st.recursive(
+    _json_scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=8,
+)
 # Values near the edges of what is valid, so many bodies get past validation.
 _small_int = st.one_of(st.integers(min_value=-2, max_value=4), st.sampled_from([2**63, 2**31, -(2**63)]))
 _fields = {
@@ -115,9 +129,17 @@ _fields = {
     "ignore_eos": st.booleans(),
     "stop_token_ids": st.one_of(st.lists(st.integers(-2, 2000), max_size=3), _json),
     "messages": st.one_of(
-        st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", 3]),
-                                        "content": st.one_of(st.text(max_size=20), _json)}), max_size=3),
-        _json),
+        st.lists(
+            st.fixed_dictionaries(
+                {
+                    "role": st.sampled_from(["system", "user", "assistant", "tool", 3]),
+                    "content": st.one_of(st.text(max_size=20), _json),
+                }
+            ),
+            max_size=3,
+        ),
+        _json,
+    ),
     "model": st.one_of(st.just(MODEL_NAME), _json),
 }
 _bodies = st.fixed_dictionaries({}, optional=_fields)

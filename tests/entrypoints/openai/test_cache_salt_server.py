@@ -49,8 +49,14 @@ def test_completions_share_the_cache_only_within_a_salt(server, http):
 
 def test_chat_shares_the_cache_only_within_a_salt(server, http):
     def chat(salt: str) -> dict:
-        return {"model": MODEL_NAME, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "cache_salt": salt,
-                "messages": [{"role": "user", "content": "Tell me a long story about a salted cache " * 4}]}
+        return {
+            "model": MODEL_NAME,
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+            "cache_salt": salt,
+            "messages": [{"role": "user", "content": "Tell me a long story about a salted cache " * 4}],
+        }
 
     texts, hits = _hits_of(server, http, "/v1/chat/completions", [chat("gamma"), chat("delta")])
     assert hits == 0 and texts[0] == texts[1]

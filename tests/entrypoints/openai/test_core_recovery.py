@@ -24,8 +24,14 @@ PROMPTS = [f"Story {i}: once upon a time" for i in range(NUM_STREAMS)]
 
 
 def _body(prompt: str | list[str], stream: bool, max_tokens: int = MAX_TOKENS) -> dict:
-    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0, "stream": stream}
+    return {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": stream,
+    }
 
 
 class _Streams:
@@ -46,12 +52,13 @@ class _Streams:
 
     def _run(self, server: RaylmServer, prompts: list[str]) -> None:
         try:
-            with httpx.stream("POST", server.url("/v1/completions"), json=_body(prompts, True),
-                              timeout=120) as response:
+            with httpx.stream(
+                "POST", server.url("/v1/completions"), json=_body(prompts, True), timeout=120
+            ) as response:
                 for line in response.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    event = json.loads(line[len("data: "):])
+                    event = json.loads(line[len("data: ") :])
                     if "error" in event:
                         self.errors.append(event["error"])
                         continue
@@ -95,8 +102,11 @@ class _HealthPoller:
 
 def _start_streams(server: RaylmServer) -> _Streams:
     streams = _Streams(server, PROMPTS)
-    wait_until(lambda: streams.each_has(MIN_TOKENS_BEFORE_KILL) or streams.done, 60,
-               message="every stream to receive a few tokens")
+    wait_until(
+        lambda: streams.each_has(MIN_TOKENS_BEFORE_KILL) or streams.done,
+        60,
+        message="every stream to receive a few tokens",
+    )
     assert not streams.done, (streams.errors, streams.finish_reasons)
     return streams
 
@@ -163,8 +173,7 @@ def _post_in_background(server: RaylmServer, prompt: str, max_tokens: int) -> tu
 
     def run() -> None:
         try:
-            response = httpx.post(server.url("/v1/completions"), json=_body(prompt, False, max_tokens),
-                                  timeout=120)
+            response = httpx.post(server.url("/v1/completions"), json=_body(prompt, False, max_tokens), timeout=120)
             result["status"], result["body"] = response.status_code, response.json()
         except httpx.HTTPError as e:
             result["error"] = e
@@ -177,8 +186,11 @@ def _post_in_background(server: RaylmServer, prompt: str, max_tokens: int) -> tu
 @pytest.mark.server
 def test_past_the_restart_budget_the_server_answers_503_and_exits(llama_dir, tmp_path):
     # Room for a non-streaming request three times the streams' length.
-    server = RaylmServer(llama_dir, ["--max-restarts", "1", "--max-model-len", "1024",
-                                     "--kv-cache-memory-bytes", "8MiB"], str(tmp_path / "server.log"))
+    server = RaylmServer(
+        llama_dir,
+        ["--max-restarts", "1", "--max-model-len", "1024", "--kv-cache-memory-bytes", "8MiB"],
+        str(tmp_path / "server.log"),
+    )
     try:
         streams = _start_streams(server)
         # In flight through both deaths (in the engine or, if it arrives during the
@@ -189,8 +201,9 @@ def test_past_the_restart_budget_the_server_answers_503_and_exits(llama_dir, tmp
         new_core = _wait_new_core(server, old_pid)
         server.tree.extend([new_core, *new_core.children(recursive=True)])
         # The first death is within the budget: the streams continue on the new core.
-        wait_until(lambda: streams.each_has(2 * MIN_TOKENS_BEFORE_KILL) or streams.done, 60,
-                   message="the streams to continue")
+        wait_until(
+            lambda: streams.each_has(2 * MIN_TOKENS_BEFORE_KILL) or streams.done, 60, message="the streams to continue"
+        )
         assert not streams.errors, streams.errors
         assert not streams.done, streams.finish_reasons
 
@@ -212,7 +225,7 @@ def test_past_the_restart_budget_the_server_answers_503_and_exits(llama_dir, tmp
         assert not leftovers, server.log()
         assert server.proc.returncode not in (0, None), server.log()
         health = poller.stop()
-        assert 503 in health and 200 not in health[health.index(503):], health
+        assert 503 in health and 200 not in health[health.index(503) :], health
         log = server.log()
         assert "no restart left (1 allowed within 600s)" in log, log
     finally:

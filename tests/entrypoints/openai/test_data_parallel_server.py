@@ -22,8 +22,12 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def dp_server(llama_dir, tmp_path_factory):
-    srv = RaylmServer(llama_dir, ["--api-key", API_KEY, "-dp", "2"],
-                      str(tmp_path_factory.mktemp("serve-dp") / "server.log"), startup_timeout=300.0)
+    srv = RaylmServer(
+        llama_dir,
+        ["--api-key", API_KEY, "-dp", "2"],
+        str(tmp_path_factory.mktemp("serve-dp") / "server.log"),
+        startup_timeout=300.0,
+    )
     try:
         yield srv
     finally:
@@ -45,6 +49,7 @@ async def _stream_all(base_url: str, prompts: list[str], during=None) -> list[st
     counts = [0] * len(prompts)
 
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=300) as client:
+
         async def one(i: int) -> str:
             def counted() -> None:
                 counts[i] += 1
@@ -67,8 +72,9 @@ def test_replicas_serve_greedy_text_and_share_the_load(dp_server, reference):
     assert [r["state"] for r in health] == ["serving", "serving"]
     routed = [r["num_routed"] for r in health]
     assert min(routed) >= 0.75 * sum(routed) / 2  # each within 25% of an even share
-    per_replica = [scrape_metric(dp_server.base_url, "raylm:dp_replica_requests_routed", f'replica="{i}"')
-                   for i in range(2)]
+    per_replica = [
+        scrape_metric(dp_server.base_url, "raylm:dp_replica_requests_routed", f'replica="{i}"') for i in range(2)
+    ]
     assert per_replica == routed
 
 
@@ -90,13 +96,14 @@ def test_concurrent_scale_ups_start_each_replica_once(dp_server):
     first starts the missing replica and the others find the size reached
     (racing, each would have started one)."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    assert httpx.post(dp_server.url("/scale"), json={"data_parallel_size": 1}, headers=headers,
-                      timeout=300).status_code == 200
+    assert (
+        httpx.post(dp_server.url("/scale"), json={"data_parallel_size": 1}, headers=headers, timeout=300).status_code
+        == 200
+    )
 
     async def scale_up_thrice() -> list[int]:
         async with httpx.AsyncClient(base_url=dp_server.base_url, headers=headers, timeout=300) as client:
-            responses = await asyncio.gather(*(client.post("/scale", json={"data_parallel_size": 2})
-                                               for _ in range(3)))
+            responses = await asyncio.gather(*(client.post("/scale", json={"data_parallel_size": 2}) for _ in range(3)))
             return [r.status_code for r in responses]
 
     assert asyncio.run(scale_up_thrice()) == [200] * 3

@@ -17,9 +17,11 @@ from raylm.entrypoints.openai.metrics import PrometheusStatLogger
 from tests.conftest import async_wait_until
 from tests.engine.conftest import FakeCore, make_engine  # noqa: F401 - the fixture
 
-COUNTERS = {"num_preemptions": "vllm:num_preemptions_total",
-            "prefix_cache_queries": "vllm:prefix_cache_queries_total",
-            "prefix_cache_hits": "vllm:prefix_cache_hits_total"}
+COUNTERS = {
+    "num_preemptions": "vllm:num_preemptions_total",
+    "prefix_cache_queries": "vllm:prefix_cache_queries_total",
+    "prefix_cache_hits": "vllm:prefix_cache_hits_total",
+}
 
 
 def _exported(logger: PrometheusStatLogger) -> dict[str, float]:
@@ -29,8 +31,13 @@ def _exported(logger: PrometheusStatLogger) -> dict[str, float]:
 
 def _stats(replica: int, start: int, preemptions: int) -> SchedulerStats:
     """A core's report: its running totals (queries 10 and hits 4 per preemption, to tell them apart)."""
-    return SchedulerStats(engine_index=replica, core_start=start, num_preemptions=preemptions,
-                          prefix_cache_queries=10 * preemptions, prefix_cache_hits=4 * preemptions)
+    return SchedulerStats(
+        engine_index=replica,
+        core_start=start,
+        num_preemptions=preemptions,
+        prefix_cache_queries=10 * preemptions,
+        prefix_cache_hits=4 * preemptions,
+    )
 
 
 def _expected(events: int) -> dict[str, float]:

@@ -24,7 +24,7 @@ HOSTILE_TEMPLATES = {
     "repeat": "{{ 'a' * 200000000 }}",
     "nested_loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
     "doubling": "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
-                "{{ ns.s }}",
+    "{{ ns.s }}",
     "block_set": "{% set s %}{% for i in range(100000) %}" + "x" * 10000 + "{% endfor %}{% endset %}{{ s }}",
     "join": "{% set s = 'a' * 1000000 %}{{ ([s] * 100000) | join }}",
     "macro_tree": "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
@@ -58,10 +58,14 @@ class Victim:
 
 # ---- request chat templates ------------------------------------------------------
 
-@pytest.mark.parametrize("path, extra", [
-    ("/v1/chat/completions", {"max_tokens": 2}),
-    ("/tokenize", {}),
-])
+
+@pytest.mark.parametrize(
+    "path, extra",
+    [
+        ("/v1/chat/completions", {"max_tokens": 2}),
+        ("/tokenize", {}),
+    ],
+)
 def test_request_chat_template_refused_without_trust(http, path, extra):
     body = {"model": MODEL_NAME, "messages": MESSAGES, "chat_template": "{{ messages[0]['content'] }}", **extra}
     error = _error(http.post(path, json=body))
@@ -119,10 +123,14 @@ def test_server_template_renders_are_bounded_too(http):
 
 # ---- the API key ------------------------------------------------------------------
 
-@pytest.mark.parametrize("path, body", [
-    ("/tokenize", {"model": MODEL_NAME, "prompt": "Hello"}),
-    ("/detokenize", {"model": MODEL_NAME, "tokens": [1, 2, 3]}),
-])
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/tokenize", {"model": MODEL_NAME, "prompt": "Hello"}),
+        ("/detokenize", {"model": MODEL_NAME, "tokens": [1, 2, 3]}),
+    ],
+)
 def test_tokenize_and_detokenize_need_the_api_key(server, path, body):
     without = httpx.post(server.url(path), json=body, timeout=60)
     assert without.status_code == 401 and without.json()["error"]["type"] == "authentication_error"
@@ -137,6 +145,7 @@ def test_probes_stay_open(server, path):
 
 
 # ---- bad_words, stop_token_ids, prompt logprobs, grammar sizes ------------------
+
 
 def test_huge_bad_words_list_is_refused_while_another_client_streams(server, http):
     victim = Victim(server, http)
@@ -180,15 +189,22 @@ def test_echo_logprobs_capped_per_request(server, http):
     victim.check_finished()
 
 
-@pytest.mark.parametrize("field, value", [
-    ("structured_outputs", {"regex": "a" * (MAX_GRAMMAR_CHARS + 1)}),
-    ("structured_outputs", {"choice": ["c"] * 2000}),
-    ("guided_json", {"type": "object", "description": "d" * MAX_GRAMMAR_CHARS}),
-    ("guided_grammar", "root ::= " + "\"a\" " * MAX_GRAMMAR_CHARS),
-    ("response_format", {"type": "json_schema",
-                         "json_schema": {"name": "x",
-                                         "schema": {"type": "string", "description": "d" * MAX_GRAMMAR_CHARS}}}),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("structured_outputs", {"regex": "a" * (MAX_GRAMMAR_CHARS + 1)}),
+        ("structured_outputs", {"choice": ["c"] * 2000}),
+        ("guided_json", {"type": "object", "description": "d" * MAX_GRAMMAR_CHARS}),
+        ("guided_grammar", "root ::= " + '"a" ' * MAX_GRAMMAR_CHARS),
+        (
+            "response_format",
+            {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "string", "description": "d" * MAX_GRAMMAR_CHARS}},
+            },
+        ),
+    ],
+)
 def test_oversized_grammars_are_refused(http, field, value):
     body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2, field: value}
     error = _error(http.post("/v1/completions", json=body))

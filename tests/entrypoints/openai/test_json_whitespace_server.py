@@ -19,8 +19,12 @@ from tests.entrypoints.openai.server_utils import API_KEY, MODEL_NAME, RaylmServ
 
 pytestmark = pytest.mark.server
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
 MAX_TOKENS = 300
 PER_REQUEST = 5
@@ -61,8 +65,15 @@ def blanks_outside_strings(text: str) -> list[str]:
 
 def _choices(client, response_format=None, seed=0, messages=MESSAGES, **extra_body):
     response = client.chat.completions.create(
-        model=MODEL_NAME, messages=messages, n=PER_REQUEST, temperature=1.0, max_tokens=MAX_TOKENS, seed=seed,
-        response_format=response_format, extra_body=extra_body or None)
+        model=MODEL_NAME,
+        messages=messages,
+        n=PER_REQUEST,
+        temperature=1.0,
+        max_tokens=MAX_TOKENS,
+        seed=seed,
+        response_format=response_format,
+        extra_body=extra_body or None,
+    )
     return response.choices
 
 
@@ -86,8 +97,11 @@ def test_json_object_outputs_finish_and_parse(client):
     closes its strings and objects because its training saw JSON replies; the
     second request's wording is not one of its training requests."""
     unseen = [{"role": "user", "content": "What cargo does the ship carry? Reply in JSON."}]
-    choices = [c for seed, messages in enumerate([MESSAGES, unseen])
-               for c in _choices(client, {"type": "json_object"}, seed=seed, messages=messages)]
+    choices = [
+        c
+        for seed, messages in enumerate([MESSAGES, unseen])
+        for c in _choices(client, {"type": "json_object"}, seed=seed, messages=messages)
+    ]
     assert len(choices) == 10
     for choice in choices:
         text = choice.message.content
@@ -115,8 +129,9 @@ def test_whitespace_pattern_per_request(client):
 
 
 def test_an_object_cut_by_max_tokens_says_length(client):
-    response = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=1.0, max_tokens=3,
-                                              seed=1, response_format=_schema_format())
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, temperature=1.0, max_tokens=3, seed=1, response_format=_schema_format()
+    )
     assert response.choices[0].finish_reason == "length"
     with pytest.raises(ValueError):
         json.loads(response.choices[0].message.content)
@@ -124,7 +139,11 @@ def test_an_object_cut_by_max_tokens_says_length(client):
 
 def test_a_bad_whitespace_pattern_is_a_400_naming_the_field(client):
     with pytest.raises(openai.BadRequestError) as error:
-        client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4,
-                                       extra_body={"guided_json": SCHEMA, "guided_whitespace_pattern": "( "})
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=MESSAGES,
+            max_tokens=4,
+            extra_body={"guided_json": SCHEMA, "guided_whitespace_pattern": "( "},
+        )
     assert error.value.status_code == 400 and error.value.param == "guided_json"
     assert "whitespace_pattern" in error.value.message

@@ -43,17 +43,29 @@ SHORT_CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"
 
 @pytest.fixture(scope="module")
 def server(llama_dir, tmp_path_factory):
-    srv = RaylmServer(llama_dir, ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING),
-                                  "--max-request-body-bytes", str(BODY_LIMIT), "--max-model-len", str(MAX_MODEL_LEN)],
-                      str(tmp_path_factory.mktemp("limits") / "server.log"))
+    srv = RaylmServer(
+        llama_dir,
+        [
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+            "--max-waiting-requests",
+            str(MAX_WAITING),
+            "--max-request-body-bytes",
+            str(BODY_LIMIT),
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+        ],
+        str(tmp_path_factory.mktemp("limits") / "server.log"),
+    )
     try:
         yield srv
     finally:
         srv.terminate()
 
 
-def _assert_error(response: httpx.Response, status: int, param: str | None = None,
-                  error_type: str = "invalid_request_error") -> dict:
+def _assert_error(
+    response: httpx.Response, status: int, param: str | None = None, error_type: str = "invalid_request_error"
+) -> dict:
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -187,13 +199,15 @@ def _unchunk(data: bytes) -> bytes:
         size = int(size_line, 16)
         if size == 0:
             break
-        out, data = out + data[:size], data[size + 2:]
+        out, data = out + data[:size], data[size + 2 :]
     return out
 
 
 def _head(server: RaylmServer, extra: str) -> bytes:
-    return (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
-            f"Content-Type: application/json\r\n{extra}\r\n").encode()
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+        f"Content-Type: application/json\r\n{extra}\r\n"
+    ).encode()
 
 
 def _oversized_json() -> bytes:
@@ -215,8 +229,12 @@ def test_413_from_content_length_before_reading(server):
     # It claims 1 GiB and sends a little: the answer comes without the rest.
     _assert_413(*_raw_request(server, _head(server, f"Content-Length: {2**30}\r\n"), [b'{"prompt": "']))
     # An honest client with a body too large, through a normal HTTP client.
-    response = httpx.post(server.url("/v1/completions"), content=_oversized_json(),
-                          headers={"Content-Type": "application/json"}, timeout=60)
+    response = httpx.post(
+        server.url("/v1/completions"),
+        content=_oversized_json(),
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
     _assert_error(response, 413)
     assert metric(server, "raylm:requests_refused_total", 'reason="body_too_large"') == refused_before + 2
     _assert_serves_next(server)
@@ -224,13 +242,16 @@ def test_413_from_content_length_before_reading(server):
 
 def test_413_for_a_chunked_body(server):
     body = _oversized_json()
-    parts = [body[i:i + 8192] for i in range(0, len(body), 8192)]
+    parts = [body[i : i + 8192] for i in range(0, len(body), 8192)]
     chunks = [f"{len(p):x}\r\n".encode() + p + b"\r\n" for p in parts] + [b"0\r\n\r\n"]
     _assert_413(*_raw_request(server, _head(server, "Transfer-Encoding: chunked\r\n"), chunks))
     # A chunked body under the limit is served.
     small = json.dumps(SHORT).encode()
-    status, _, answer = _raw_request(server, _head(server, "Transfer-Encoding: chunked\r\nConnection: close\r\n"),
-                                     [f"{len(small):x}\r\n".encode() + small + b"\r\n0\r\n\r\n"])
+    status, _, answer = _raw_request(
+        server,
+        _head(server, "Transfer-Encoding: chunked\r\nConnection: close\r\n"),
+        [f"{len(small):x}\r\n".encode() + small + b"\r\n0\r\n\r\n"],
+    )
     assert status == 200 and json.loads(answer)["usage"]["completion_tokens"] == 3
     _assert_serves_next(server)
 
@@ -246,34 +267,44 @@ def test_a_body_at_the_limit_is_read():
 # ---- 400 for too many prompts, n, stop strings ----------------------------------------
 
 
-@pytest.mark.parametrize("body, param", [
-    ({**SHORT, "prompt": ["hi"] * (MAX_PROMPTS_PER_REQUEST + 1)}, "prompt"),
-    ({**SHORT, "prompt": [[1, 2]] * (MAX_PROMPTS_PER_REQUEST + 1)}, "prompt"),
-    ({**SHORT, "n": MAX_N + 1}, "n"),
-    ({**SHORT, "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
-    ({**SHORT, "stop": "x" * (MAX_STOP_STRING_CHARS + 1)}, "stop"),
-    ({**SHORT, "stop": ["ok", "y" * (MAX_STOP_STRING_CHARS + 1)]}, "stop"),
-    # More sequences (prompts x n) than the server ever holds: no retry would help.
-    ({**SHORT, "n": CAPACITY + 1}, "n"),
-    ({**SHORT, "prompt": ["a"] * (CAPACITY + 1)}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({**SHORT, "prompt": ["hi"] * (MAX_PROMPTS_PER_REQUEST + 1)}, "prompt"),
+        ({**SHORT, "prompt": [[1, 2]] * (MAX_PROMPTS_PER_REQUEST + 1)}, "prompt"),
+        ({**SHORT, "n": MAX_N + 1}, "n"),
+        ({**SHORT, "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
+        ({**SHORT, "stop": "x" * (MAX_STOP_STRING_CHARS + 1)}, "stop"),
+        ({**SHORT, "stop": ["ok", "y" * (MAX_STOP_STRING_CHARS + 1)]}, "stop"),
+        # More sequences (prompts x n) than the server ever holds: no retry would help.
+        ({**SHORT, "n": CAPACITY + 1}, "n"),
+        ({**SHORT, "prompt": ["a"] * (CAPACITY + 1)}, "prompt"),
+    ],
+)
 def test_400_for_request_limits(server, body, param):
     _assert_error(httpx.post(server.url("/v1/completions"), json=body, timeout=30), 400, param)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({**SHORT_CHAT, "n": MAX_N + 1}, "n"),
-    ({**SHORT_CHAT, "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
-    ({**SHORT_CHAT, "stop": "x" * (MAX_STOP_STRING_CHARS + 1)}, "stop"),
-    ({**SHORT_CHAT, "n": CAPACITY + 1}, "n"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({**SHORT_CHAT, "n": MAX_N + 1}, "n"),
+        ({**SHORT_CHAT, "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
+        ({**SHORT_CHAT, "stop": "x" * (MAX_STOP_STRING_CHARS + 1)}, "stop"),
+        ({**SHORT_CHAT, "n": CAPACITY + 1}, "n"),
+    ],
+)
 def test_400_for_chat_request_limits(server, body, param):
     _assert_error(httpx.post(server.url("/v1/chat/completions"), json=body, timeout=30), 400, param)
 
 
 def test_limits_at_the_bound_are_accepted(server):
-    body = {**SHORT, "max_tokens": 1, "n": CAPACITY, "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS - 1)]
-            + ["z" * MAX_STOP_STRING_CHARS]}
+    body = {
+        **SHORT,
+        "max_tokens": 1,
+        "n": CAPACITY,
+        "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS - 1)] + ["z" * MAX_STOP_STRING_CHARS],
+    }
     response = httpx.post(server.url("/v1/completions"), json=body, timeout=60)
     assert response.status_code == 200 and len(response.json()["choices"]) == CAPACITY, response.text
     _assert_serves_next(server)
@@ -305,8 +336,9 @@ def test_admission_control_counts_sequences_and_closes():
     assert refusals == ["queue_full", "shutting_down"]
 
 
-async def _through_middleware(parts: list[bytes], declared: int | None,
-                              limit: int = BODY_LIMIT) -> tuple[int, dict, int]:
+async def _through_middleware(
+    parts: list[bytes], declared: int | None, limit: int = BODY_LIMIT
+) -> tuple[int, dict, int]:
     """Run a body through BodySizeLimitMiddleware around an app that reads it:
     the status, the JSON answer, and how many body bytes were handed out."""
     app = FastAPI()
@@ -334,9 +366,20 @@ async def _through_middleware(parts: list[bytes], declared: int | None,
     headers = [(b"content-type", b"application/json")]
     if declared is not None:
         headers.append((b"content-length", str(declared).encode()))
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/echo", "raw_path": b"/echo", "query_string": b"",
-             "root_path": "", "headers": headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/echo",
+        "raw_path": b"/echo",
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
     await wrapped(scope, receive, send)
     status = next(m["status"] for m in sent if m["type"] == "http.response.start")
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")

@@ -35,8 +35,11 @@ RSS_GROWTH_BOUND = 64 * 2**20
 
 @pytest.fixture(scope="module")
 def server(llama_dir, tmp_path_factory):
-    srv = RaylmServer(llama_dir, ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING)],
-                      str(tmp_path_factory.mktemp("load") / "server.log"))
+    srv = RaylmServer(
+        llama_dir,
+        ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING)],
+        str(tmp_path_factory.mktemp("load") / "server.log"),
+    )
     try:
         yield srv
     finally:
@@ -45,8 +48,14 @@ def server(llama_dir, tmp_path_factory):
 
 async def _one_request(client: httpx.AsyncClient, index: int, progress: dict) -> tuple[str, str]:
     """('ok' | '429' | a failure kind, detail); `progress` says how far it got."""
-    body = {"model": MODEL_NAME, "prompt": f"Client {index} says", "max_tokens": MAX_TOKENS,
-            "ignore_eos": True, "temperature": 0.8, "stream": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": f"Client {index} says",
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0.8,
+        "stream": True,
+    }
     async with client.stream("POST", "/v1/completions", json=body) as response:
         progress["status"] = response.status_code
         if response.status_code == 429:
@@ -62,7 +71,7 @@ async def _one_request(client: httpx.AsyncClient, index: int, progress: dict) ->
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 done = True
                 continue
@@ -80,8 +89,9 @@ async def _one_request(client: httpx.AsyncClient, index: int, progress: dict) ->
         return "ok", ""
 
 
-async def _client_loop(client: httpx.AsyncClient, index: int, stop_at: float, outcomes: Counter,
-                       failures: list) -> None:
+async def _client_loop(
+    client: httpx.AsyncClient, index: int, stop_at: float, outcomes: Counter, failures: list
+) -> None:
     rng = random.Random(index)
     await asyncio.sleep(rng.uniform(0, 0.2))
     while time.monotonic() < stop_at:
@@ -107,8 +117,9 @@ async def _load(server: RaylmServer, duration: float) -> tuple[Counter, list]:
     # A pooled connection is dropped after 2 s idle, before the server's 5 s
     # keep-alive timeout can close it just as a request is sent on it (a race
     # of every HTTP client and server, which no server change removes).
-    limits = httpx.Limits(max_connections=NUM_CLIENTS + 8, max_keepalive_connections=NUM_CLIENTS + 8,
-                          keepalive_expiry=2.0)
+    limits = httpx.Limits(
+        max_connections=NUM_CLIENTS + 8, max_keepalive_connections=NUM_CLIENTS + 8, keepalive_expiry=2.0
+    )
     timeout = httpx.Timeout(REQUEST_DEADLINE_S, connect=30)
     async with httpx.AsyncClient(base_url=server.base_url, limits=limits, timeout=timeout) as client:
         stop_at = time.monotonic() + duration
@@ -142,8 +153,9 @@ def test_256_streams_against_a_small_waiting_limit(server):
     # Nothing left behind: no request held, the server healthy and serving.
     wait_idle(server)
     assert httpx.get(server.url("/health"), timeout=30).status_code == 200
-    response = httpx.post(server.url("/v1/completions"), json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4},
-                          timeout=60)
+    response = httpx.post(
+        server.url("/v1/completions"), json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4}, timeout=60
+    )
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
     front_after, tree_after = _rss(server)
     assert front_after - front_before < RSS_GROWTH_BOUND, (front_before, front_after, outcomes)

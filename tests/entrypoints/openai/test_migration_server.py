@@ -34,10 +34,13 @@ def mp_dp_server(tmp_path_factory):
     # The embedded model, not a tiny one: a tiny model's cores generate faster
     # than the front end reads, so the server's view of what runs (and the
     # moment of a scale) would lag behind the streams' real progress.
-    srv = RaylmServer(None, ["--api-key", API_KEY, "-dp", "2", "--data-parallel-backend", "mp",
-                            "--kv-cache-memory-bytes", "32MiB"],
-                      str(tmp_path_factory.mktemp("serve-dp-mp") / "server.log"), startup_timeout=300.0,
-                      env=bos_straggler_env(ms=STEP_MS))
+    srv = RaylmServer(
+        None,
+        ["--api-key", API_KEY, "-dp", "2", "--data-parallel-backend", "mp", "--kv-cache-memory-bytes", "32MiB"],
+        str(tmp_path_factory.mktemp("serve-dp-mp") / "server.log"),
+        startup_timeout=300.0,
+        env=bos_straggler_env(ms=STEP_MS),
+    )
     try:
         yield srv
     finally:
@@ -66,6 +69,7 @@ async def _stream_all(base_url: str, during) -> list[str]:
     """Stream every prompt at once; `during(client)` runs once the server
     holds them all (each then has hundreds of tokens to go)."""
     async with httpx.AsyncClient(base_url=base_url, headers=HEADERS, timeout=300) as client:
+
         async def one(i: int) -> str:
             return await stream_completion(client, PROMPTS[i], MAX_TOKENS)
 

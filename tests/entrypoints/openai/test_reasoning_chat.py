@@ -24,8 +24,10 @@ from raylm.entrypoints.openai.serving_tools import ToolCallConfig, plan_tools
 from raylm.outputs import CompletionOutput, RequestOutput
 from raylm.sampling_params import SamplingParams, StructuredOutputsParams
 
-TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "string"}}}}}
+TOOL = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}},
+}
 USER = [{"role": "user", "content": "What time is it in Paris?"}]
 
 
@@ -66,7 +68,7 @@ def _streamed(chat, request, text, in_reasoning, seed=0):
     calls, finish = {}, None
     for event in events:
         if event.startswith("data: {"):
-            choice = json.loads(event[len("data: "):])["choices"][0]
+            choice = json.loads(event[len("data: ") :])["choices"][0]
             delta = choice["delta"]
             reasoning += delta.get("reasoning_content") or ""
             content += delta.get("content") or ""
@@ -97,17 +99,24 @@ def test_tool_calls_are_read_from_the_answer_only(tokenizer, seed):
     chat = _chat(tokenizer, "qwen3", tool_parser="hermes")
     request = ChatCompletionRequest(messages=USER, tools=[TOOL])
     # A call quoted while thinking is not a call.
-    reply = ('<think>Maybe <tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>? '
-             'No: CET.</think>Checking.<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+    reply = (
+        '<think>Maybe <tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>? '
+        'No: CET.</think>Checking.<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+    )
     thinking = 'Maybe <tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>? No: CET.'
     choice = _whole(chat, request, reply, in_reasoning=False)
     assert choice.message.reasoning_content == thinking
     assert choice.message.content == "Checking."
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
-        [("get_time", {"zone": "CET"})]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_time", {"zone": "CET"})
+    ]
     assert choice.finish_reason == "tool_calls"
-    assert _streamed(chat, request, reply, False, seed) == (thinking, "Checking.", [("get_time", {"zone": "CET"})],
-                                                           "tool_calls")
+    assert _streamed(chat, request, reply, False, seed) == (
+        thinking,
+        "Checking.",
+        [("get_time", {"zone": "CET"})],
+        "tool_calls",
+    )
 
 
 def test_include_reasoning_false_leaves_the_thinking_out(tokenizer):
@@ -124,14 +133,16 @@ def test_without_a_parser_the_thinking_stays_in_the_content(tokenizer):
     assert (choice.message.reasoning_content, choice.message.content) == (None, REPLY)
 
 
-@pytest.mark.parametrize("prompt, kwargs, gated, starts_inside", [
-    ("<｜Assistant｜><think>\n", None, True, True),
-    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", {"enable_thinking": False}, False, False),
-    ("<|im_start|>assistant\n", {"enable_thinking": False}, False, False),
-    ("<|im_start|>assistant\n", None, True, True),  # deepseek_r1: the reply starts thinking
-])
-def test_a_grammar_waits_for_the_thinking_unless_the_prompt_closed_it(tokenizer, prompt, kwargs, gated,
-                                                                       starts_inside):
+@pytest.mark.parametrize(
+    "prompt, kwargs, gated, starts_inside",
+    [
+        ("<｜Assistant｜><think>\n", None, True, True),
+        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", {"enable_thinking": False}, False, False),
+        ("<|im_start|>assistant\n", {"enable_thinking": False}, False, False),
+        ("<|im_start|>assistant\n", None, True, True),  # deepseek_r1: the reply starts thinking
+    ],
+)
+def test_a_grammar_waits_for_the_thinking_unless_the_prompt_closed_it(tokenizer, prompt, kwargs, gated, starts_inside):
     chat = _chat(tokenizer)
     request = ChatCompletionRequest(messages=USER, chat_template_kwargs=kwargs)
     params = SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))

@@ -14,8 +14,7 @@ from raylm.entrypoints.openai.reasoning_parsers import get_reasoning_parser, rea
 
 # (parser, reply starts inside the thinking, reply, expected reasoning, expected content)
 CASES = [
-    ("qwen3", False, "<think>\nThe user wants JSON.\n</think>\n\n{\"a\": 1}", "\nThe user wants JSON.\n",
-     "\n\n{\"a\": 1}"),
+    ("qwen3", False, '<think>\nThe user wants JSON.\n</think>\n\n{"a": 1}', "\nThe user wants JSON.\n", '\n\n{"a": 1}'),
     ("qwen3", False, "  <think>x</think>y", "x", "y"),
     ("qwen3", False, "No thinking here.", None, "No thinking here."),
     ("qwen3", False, "<thin", None, "<thin"),  # a look-alike at the end stays content
@@ -65,20 +64,23 @@ def test_thinking_streams_as_it_is_written():
     assert (third.reasoning, third.content) == ("", "Yes")
 
 
-@pytest.mark.parametrize("name, prompt, kwargs, state, starts_inside", [
-    # Qwen3: the template writes nothing; the reply decides.
-    ("qwen3", "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", None, "none", False),
-    # Qwen3 with enable_thinking false: an empty block closed at the prompt's end.
-    ("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", {"enable_thinking": False}, "closed", False),
-    ("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", None, "closed", False),
-    ("qwen3", "<|im_start|>assistant\n", {"enable_thinking": False}, "closed", False),
-    # Qwen3 thinking models and DeepSeek-R1 open the block in the prompt.
-    ("qwen3", "<|im_start|>assistant\n<think>\n", None, "open", True),
-    ("deepseek_r1", "<｜Assistant｜><think>\n", None, "open", True),
-    ("deepseek_r1", "<｜Assistant｜>", None, "none", True),
-    # An earlier turn's closed block in the history does not close this reply's.
-    ("qwen3", "<think>old</think>answer<|im_end|>\n<|im_start|>assistant\n", None, "none", False),
-])
+@pytest.mark.parametrize(
+    "name, prompt, kwargs, state, starts_inside",
+    [
+        # Qwen3: the template writes nothing; the reply decides.
+        ("qwen3", "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", None, "none", False),
+        # Qwen3 with enable_thinking false: an empty block closed at the prompt's end.
+        ("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", {"enable_thinking": False}, "closed", False),
+        ("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", None, "closed", False),
+        ("qwen3", "<|im_start|>assistant\n", {"enable_thinking": False}, "closed", False),
+        # Qwen3 thinking models and DeepSeek-R1 open the block in the prompt.
+        ("qwen3", "<|im_start|>assistant\n<think>\n", None, "open", True),
+        ("deepseek_r1", "<｜Assistant｜><think>\n", None, "open", True),
+        ("deepseek_r1", "<｜Assistant｜>", None, "none", True),
+        # An earlier turn's closed block in the history does not close this reply's.
+        ("qwen3", "<think>old</think>answer<|im_end|>\n<|im_start|>assistant\n", None, "none", False),
+    ],
+)
 def test_where_the_prompt_leaves_the_thinking(name, prompt, kwargs, state, starts_inside):
     parser = get_reasoning_parser(name)
     assert parser.prompt_state(prompt, kwargs) == state
@@ -91,8 +93,7 @@ def test_registry():
         get_reasoning_parser("nope")
 
 
-@pytest.mark.parametrize("text", ["<think>" + "why " * 20000 + "</think>" + "so " * 20000,
-                                  " " * 50 + "x" * 80000])
+@pytest.mark.parametrize("text", ["<think>" + "why " * 20000 + "</think>" + "so " * 20000, " " * 50 + "x" * 80000])
 def test_work_is_linear_however_the_text_is_split(text):
     stream = get_reasoning_parser("qwen3").streaming(False)
     for char in text:

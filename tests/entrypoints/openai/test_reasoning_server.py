@@ -15,10 +15,12 @@ from tests.entrypoints.openai.server_utils import API_KEY, MODEL_NAME, RaylmServ
 
 pytestmark = pytest.mark.server
 
-TEMPLATE = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
-            "{% if add_generation_prompt %}assistant:"
-            "{% if enable_thinking is defined and not enable_thinking %}<think>\\n\\n</think>\\n\\n"
-            "{% else %}<think>\\n{% endif %}{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}assistant:"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\\n\\n</think>\\n\\n"
+    "{% else %}<think>\\n{% endif %}{% endif %}"
+)
 MESSAGES = [{"role": "user", "content": "Yes or no?"}]
 CHOICES = ["yes", "no"]
 
@@ -27,9 +29,11 @@ CHOICES = ["yes", "no"]
 def client(llama_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("reasoning")
     (folder / "template.jinja").write_text(TEMPLATE)
-    server = RaylmServer(llama_dir, ["--api-key", API_KEY, "--reasoning-parser", "deepseek_r1",
-                                     "--chat-template", str(folder / "template.jinja")],
-                         str(folder / "server.log"))
+    server = RaylmServer(
+        llama_dir,
+        ["--api-key", API_KEY, "--reasoning-parser", "deepseek_r1", "--chat-template", str(folder / "template.jinja")],
+        str(folder / "server.log"),
+    )
     try:
         with openai.OpenAI(base_url=server.url("/v1"), api_key=API_KEY, max_retries=0, timeout=120) as c:
             yield c
@@ -39,8 +43,13 @@ def client(llama_dir, tmp_path_factory):
 
 def _ask(client, thinking: bool, **kwargs):
     return client.chat.completions.create(
-        model=MODEL_NAME, messages=MESSAGES, max_tokens=12, temperature=0,
-        extra_body={"guided_choice": CHOICES, "chat_template_kwargs": {"enable_thinking": thinking}}, **kwargs)
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"guided_choice": CHOICES, "chat_template_kwargs": {"enable_thinking": thinking}},
+        **kwargs,
+    )
 
 
 def test_thinking_off_the_grammar_holds_from_the_start(client):

@@ -28,19 +28,31 @@ def model(tiny_model_dir):
 def test_poisoned_request_fails_alone(model):
     with LLM(model, dtype="float32", kv_cache_memory_bytes=16 << 20) as llm:
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        reference = [o.outputs[0].text for o in llm.generate(
-            [{"prompt_token_ids": p} for p in GOOD], params, use_tqdm=False)]
+        reference = [
+            o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in GOOD], params, use_tqdm=False)
+        ]
 
     async def run():
-        engine = AsyncLLM.from_engine_args(model=model, dtype="float32", kv_cache_memory_bytes=16 << 20,
-                                           distributed_executor_backend=PoisonedUniProcExecutor)
+        engine = AsyncLLM.from_engine_args(
+            model=model,
+            dtype="float32",
+            kv_cache_memory_bytes=16 << 20,
+            distributed_executor_backend=PoisonedUniProcExecutor,
+        )
         try:
             app = build_app(engine, ["tiny"])
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as client:
+
                 def body(prompt, stream=False):
-                    return {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                            "ignore_eos": True, "stream": stream}
+                    return {
+                        "model": "tiny",
+                        "prompt": prompt,
+                        "max_tokens": MAX_TOKENS,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "stream": stream,
+                    }
 
                 async def good(prompt):
                     response = await client.post("/v1/completions", json=body(prompt))
@@ -53,7 +65,8 @@ def test_poisoned_request_fails_alone(model):
                         return [line async for line in response.aiter_lines() if line.startswith("data: ")]
 
                 results = await asyncio.gather(
-                    *(good(p) for p in GOOD), client.post("/v1/completions", json=body(BAD)), bad_stream())
+                    *(good(p) for p in GOOD), client.post("/v1/completions", json=body(BAD)), bad_stream()
+                )
                 health = await client.get("/health")
             return results, health
         finally:
@@ -67,6 +80,6 @@ def test_poisoned_request_fails_alone(model):
     assert bad.status_code == 500
     assert "poisoned" in bad.json()["error"]["message"]
     assert bad_events[-1] == "data: [DONE]"
-    error_event = json.loads(bad_events[-2][len("data: "):])
+    error_event = json.loads(bad_events[-2][len("data: ") :])
     assert "poisoned" in error_event["error"]["message"]
     assert health.status_code == 200  # the engine goes on

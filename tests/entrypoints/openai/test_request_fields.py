@@ -102,13 +102,20 @@ VLLM_CHAT_FIELDS = {
     # Tool calling (helper C's): tools offered, the model told not to call them.
     "tools": {"tools": [TOOL], "tool_choice": "none", "chat_template": TOOLS_TEMPLATE},
     "tool_choice": {"tools": [TOOL], "tool_choice": "none", "chat_template": TOOLS_TEMPLATE},
-    "parallel_tool_calls": {"tools": [TOOL], "parallel_tool_calls": False, "tool_choice": "none",
-                            "chat_template": TOOLS_TEMPLATE},
+    "parallel_tool_calls": {
+        "tools": [TOOL],
+        "parallel_tool_calls": False,
+        "tool_choice": "none",
+        "chat_template": TOOLS_TEMPLATE,
+    },
     "reasoning_effort": {"reasoning_effort": "low"},
     "include_reasoning": {"include_reasoning": False},
     "add_generation_prompt": {"add_generation_prompt": False},
-    "continue_final_message": {"continue_final_message": True, "add_generation_prompt": False,
-                               "messages": [*USER, {"role": "assistant", "content": "Hello"}]},
+    "continue_final_message": {
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "messages": [*USER, {"role": "assistant", "content": "Hello"}],
+    },
     "documents": {"documents": [{"title": "T", "text": "body"}]},
     "chat_template": {"chat_template": "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"},
     "chat_template_kwargs": {"chat_template_kwargs": {"enable_thinking": False}},
@@ -133,24 +140,47 @@ VLLM_COMPLETION_FIELDS = {
 }
 
 # OpenAI fields outside vLLM's models that carry no meaning for generation.
-OPENAI_NO_EFFECT = {name: {name: value} for name, value in {
-    "metadata": {"k": "v"}, "store": True, "service_tier": "auto", "safety_identifier": "s",
-    "prompt_cache_key": "k",
-}.items()}
+OPENAI_NO_EFFECT = {
+    name: {name: value}
+    for name, value in {
+        "metadata": {"k": "v"},
+        "store": True,
+        "service_tier": "auto",
+        "safety_identifier": "s",
+        "prompt_cache_key": "k",
+    }.items()
+}
 
 ENDPOINTS = {
-    "chat": ("/v1/chat/completions", CHAT_BASE, ChatCompletionRequest, UNSUPPORTED_CHAT_FIELDS,
-             {**VLLM_CHAT_FIELDS, **OPENAI_NO_EFFECT}),
-    "completion": ("/v1/completions", COMPLETION_BASE, CompletionRequest, UNSUPPORTED_COMPLETION_FIELDS,
-                   {**VLLM_COMPLETION_FIELDS, **OPENAI_NO_EFFECT}),
+    "chat": (
+        "/v1/chat/completions",
+        CHAT_BASE,
+        ChatCompletionRequest,
+        UNSUPPORTED_CHAT_FIELDS,
+        {**VLLM_CHAT_FIELDS, **OPENAI_NO_EFFECT},
+    ),
+    "completion": (
+        "/v1/completions",
+        COMPLETION_BASE,
+        CompletionRequest,
+        UNSUPPORTED_COMPLETION_FIELDS,
+        {**VLLM_COMPLETION_FIELDS, **OPENAI_NO_EFFECT},
+    ),
 }
 WALK = [(endpoint, field) for endpoint, spec in ENDPOINTS.items() for field in spec[4]]
 
 
 def _kind(endpoint: str, field: str) -> str:
     _, _, model, unsupported, _ = ENDPOINTS[endpoint]
-    kinds = [kind for kind, member in (("no effect", field in NO_EFFECT_FIELDS), ("refused", field in unsupported),
-                                       ("honoured", field in model.model_fields)) if member]
+    kinds = [
+        kind
+        for kind, member in (
+            ("no effect", field in NO_EFFECT_FIELDS),
+            ("refused", field in unsupported),
+            ("honoured", field in model.model_fields),
+        )
+        if member
+    ]
     assert len(kinds) == 1, f"{endpoint}.{field}: {kinds or 'neither honoured, refused nor without effect'}"
     return kinds[0]
 
@@ -243,8 +273,14 @@ def test_chat_continue_final_message_with_echo(http, tokenizer):
     completion of HF's rendering (continue_final_message=True) gives; with
     echo it starts with the message itself."""
     messages = [*USER, {"role": "assistant", "content": "The answer is"}]
-    body = {**CHAT_BASE, "messages": messages, "max_tokens": 6, "temperature": 0.0,
-            "continue_final_message": True, "add_generation_prompt": False}
+    body = {
+        **CHAT_BASE,
+        "messages": messages,
+        "max_tokens": 6,
+        "temperature": 0.0,
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    }
     reply = http.post("/v1/chat/completions", json=body).json()
     echoed = http.post("/v1/chat/completions", json={**body, "echo": True}).json()
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
@@ -258,11 +294,18 @@ def test_chat_continue_final_message_with_echo(http, tokenizer):
 
 def test_chat_echo_streamed(http):
     messages = [*USER, {"role": "assistant", "content": "Well"}]
-    body = {**CHAT_BASE, "messages": messages, "max_tokens": 4, "temperature": 0.0, "echo": True,
-            "continue_final_message": True, "add_generation_prompt": False}
+    body = {
+        **CHAT_BASE,
+        "messages": messages,
+        "max_tokens": 4,
+        "temperature": 0.0,
+        "echo": True,
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    }
     whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
     events = http.post("/v1/chat/completions", json={**body, "stream": True}).text.split("\n\n")
-    chunks = [json.loads(e[len("data: "):]) for e in events if e.startswith("data: {")]
+    chunks = [json.loads(e[len("data: ") :]) for e in events if e.startswith("data: {")]
     streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert streamed == whole and whole.startswith("Well")
 
@@ -273,16 +316,19 @@ def test_continue_final_message_with_generation_prompt_is_400(http):
     assert response.status_code == 400 and response.json()["error"]["param"] == "continue_final_message"
 
 
-@pytest.mark.parametrize("fields", [
-    lambda t: {"logit_bias": {str(t): 100}},
-    lambda t: {"allowed_token_ids": [t]},
-], ids=["logit_bias", "allowed_token_ids"])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        lambda t: {"logit_bias": {str(t): 100}},
+        lambda t: {"allowed_token_ids": [t]},
+    ],
+    ids=["logit_bias", "allowed_token_ids"],
+)
 def test_token_constraints_reach_the_sampler(http, tokenizer, fields):
     # Sampled at temperature 1, yet every token is the one favoured / allowed
     # (logit_bias keys arrive as strings and must become token ids).
     token = tokenizer.encode(" moon", add_special_tokens=False)[0]
-    result = _completion_text(http, temperature=1.0, seed=9, max_tokens=4, ignore_eos=True, logprobs=0,
-                              **fields(token))
+    result = _completion_text(http, temperature=1.0, seed=9, max_tokens=4, ignore_eos=True, logprobs=0, **fields(token))
     assert result["usage"]["completion_tokens"] == 4
     assert result["choices"][0]["text"] == tokenizer.decode([token] * 4)
 

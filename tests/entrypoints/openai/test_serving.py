@@ -59,8 +59,14 @@ def test_greedy_completion_matches_llm_generate(client, reference):
 
 
 def test_streamed_completion_equals_whole(client, reference):
-    stream = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0,
-                                       stream=True, stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPTS[0],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == reference["completions"][0].outputs[0].text
@@ -69,13 +75,13 @@ def test_streamed_completion_equals_whole(client, reference):
 
 
 def test_completion_logprobs_match_llm(client, reference):
-    response = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=12, temperature=0,
-                                         logprobs=3)
+    response = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=12, temperature=0, logprobs=3)
     logprobs = response.choices[0].logprobs
     expected = reference["completions"][1].outputs[0]
     assert len(logprobs.token_logprobs) == len(expected.token_ids)
-    for token_id, got, position, top in zip(expected.token_ids, logprobs.token_logprobs, expected.logprobs,
-                                            logprobs.top_logprobs):
+    for token_id, got, position, top in zip(
+        expected.token_ids, logprobs.token_logprobs, expected.logprobs, logprobs.top_logprobs
+    ):
         assert got == pytest.approx(position[token_id].logprob, abs=1e-3)
         # Top-3 plus the chosen token; tokens that decode alike ("\ufffd") share a key.
         assert 1 <= len(top) <= 4 and got in top.values()
@@ -87,8 +93,9 @@ def test_echo(client):
 
 
 def test_chat_matches_llm_chat(client, reference):
-    response = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_completion_tokens=12,
-                                              temperature=0, logprobs=True, top_logprobs=2)
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_completion_tokens=12, temperature=0, logprobs=True, top_logprobs=2
+    )
     expected = reference["chat"].outputs[0]
     choice = response.choices[0]
     assert choice.message.role == "assistant"
@@ -97,8 +104,7 @@ def test_chat_matches_llm_chat(client, reference):
     assert len(choice.logprobs.content) == len(expected.token_ids)
     assert all(len(t.top_logprobs) <= 2 for t in choice.logprobs.content)
 
-    stream = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=12, temperature=0,
-                                            stream=True)
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=12, temperature=0, stream=True)
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
@@ -118,23 +124,30 @@ def test_n_and_seed(client):
 def test_stop_string(client, reference):
     text = reference["completions"][0].outputs[0].text
     # A stop string from inside the greedy text: the output must end right before it.
-    start = next(i for i in range(1, len(text) - 1) if text[i:i + 2].strip())
-    stop = text[start:start + 2]
+    start = next(i for i in range(1, len(text) - 1) if text[i : i + 2].strip())
+    stop = text[start : start + 2]
     response = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop])
-    assert response.choices[0].text == text[:text.index(stop)]
+    assert response.choices[0].text == text[: text.index(stop)]
     assert response.choices[0].finish_reason == "stop"
 
 
 def _sse_events(body: str) -> list[str]:
-    return [line[len("data: "):] for line in body.split("\n") if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in body.split("\n") if line.startswith("data: ")]
 
 
 def test_64_concurrent_streams(server):
     async def one(http: httpx.AsyncClient, i: int) -> list[str]:
-        body = {"model": MODEL_NAME, "prompt": f"{PROMPTS[i % 2]} {i}", "max_tokens": 16, "stream": True,
-                "ignore_eos": True, "stream_options": {"include_usage": True}}
-        async with http.stream("POST", server.url("/v1/completions"), json=body,
-                               headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+        body = {
+            "model": MODEL_NAME,
+            "prompt": f"{PROMPTS[i % 2]} {i}",
+            "max_tokens": 16,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
+        async with http.stream(
+            "POST", server.url("/v1/completions"), json=body, headers={"Authorization": f"Bearer {API_KEY}"}
+        ) as response:
             assert response.status_code == 200
             return _sse_events((await response.aread()).decode())
 
@@ -154,15 +167,20 @@ def test_disconnect_mid_stream_frees_request(server):
     body = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": True}
     aborted_before = _abort_count(server)
     with httpx.Client(timeout=60) as http:
-        with http.stream("POST", server.url("/v1/completions"), json=body,
-                         headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+        with http.stream(
+            "POST", server.url("/v1/completions"), json=body, headers={"Authorization": f"Bearer {API_KEY}"}
+        ) as response:
             lines = response.iter_lines()
             for _ in range(6):
                 next(lines)
             assert scrape_metric(server.base_url, "vllm:num_requests_running") >= 1
     # The connection is closed: the request must leave the engine well before 400 tokens.
-    wait_until(lambda: scrape_metric(server.base_url, "vllm:num_requests_running") == 0, 30, step=0.1,
-               message="the request to leave the engine")
+    wait_until(
+        lambda: scrape_metric(server.base_url, "vllm:num_requests_running") == 0,
+        30,
+        step=0.1,
+        message="the request to leave the engine",
+    )
     assert scrape_metric(server.base_url, "vllm:kv_cache_usage_perc") == 0
     assert _abort_count(server) == aborted_before + 1
     assert httpx.get(server.url("/health")).status_code == 200
@@ -172,8 +190,12 @@ def test_disconnect_while_waiting_for_whole_response_aborts(server):
     body = {"model": MODEL_NAME, "prompt": PROMPTS[1], "max_tokens": 480, "ignore_eos": True, "n": 8}
     aborted_before = _abort_count(server)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url("/v1/completions"), json=body, headers={"Authorization": f"Bearer {API_KEY}"},
-                   timeout=httpx.Timeout(60, read=0.1))
+        httpx.post(
+            server.url("/v1/completions"),
+            json=body,
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=httpx.Timeout(60, read=0.1),
+        )
     wait_until(lambda: _abort_count(server) >= aborted_before + 8, 30, step=0.1, message="8 aborts")
     assert _abort_count(server) == aborted_before + 8
     assert scrape_metric(server.base_url, "vllm:num_requests_running") == 0
@@ -224,8 +246,12 @@ def test_vllm_metrics_exposed_with_their_types(server, client):
     before = _scrape(server)
     # A prompt of several full blocks, twice: the second finds them in the prefix cache.
     prompt = " ".join(["ROMEO: But, soft! what light through yonder window breaks?"] * 8)
-    usages = [client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0,
-                                        extra_body={"ignore_eos": True}).usage for _ in range(2)]
+    usages = [
+        client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+        ).usage
+        for _ in range(2)
+    ]
     after = _scrape(server)
     for name, kind in VLLM_METRICS.items():
         assert name in after, f"{name} not in /metrics"
@@ -239,10 +265,15 @@ def test_vllm_metrics_exposed_with_their_types(server, client):
     assert grew("vllm:generation_tokens", "_total") == 8
     assert grew("vllm:prompt_tokens", "_total") == sum(u.prompt_tokens for u in usages) > 2 * 16
     assert grew("vllm:prefix_cache_queries", "_total") >= grew("vllm:prefix_cache_hits", "_total") > 0
-    for histogram in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
-                      "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
-                      "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
-                      "vllm:request_generation_tokens"):
+    for histogram in (
+        "vllm:time_to_first_token_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_prefill_time_seconds",
+        "vllm:request_decode_time_seconds",
+        "vllm:request_inference_time_seconds",
+        "vllm:request_generation_tokens",
+    ):
         assert grew(histogram, "_count") == 2, histogram
     # One gap per output after the first (a server runs single decode steps by default).
     assert grew("vllm:inter_token_latency_seconds", "_count") == 2 * 3
@@ -255,8 +286,24 @@ def test_bench_serve_short_run(server, tmp_path):
     from raylm.entrypoints.cli import main
 
     out_json = tmp_path / "bench.json"
-    code = main(["bench", "serve", "--base-url", server.base_url, "--api-key", API_KEY, "--num-prompts", "8",
-                 "--random-input-len", "16", "--random-output-len", "8", "--output-json", str(out_json)])
+    code = main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            server.base_url,
+            "--api-key",
+            API_KEY,
+            "--num-prompts",
+            "8",
+            "--random-input-len",
+            "16",
+            "--random-output-len",
+            "8",
+            "--output-json",
+            str(out_json),
+        ]
+    )
     assert code == 0
     result = json.loads(out_json.read_text())
     assert result["completed"] == 8 and result["failed"] == 0

@@ -18,12 +18,19 @@ from tests.entrypoints.openai.server_utils import MODEL_NAME, RaylmServer, scrap
 pytestmark = pytest.mark.server
 
 GRACE_S = 0.5
-LONG_STREAM = {"model": MODEL_NAME, "prompt": "ROMEO:", "max_tokens": 500, "ignore_eos": True, "stream": True,
-               "temperature": 0}
+LONG_STREAM = {
+    "model": MODEL_NAME,
+    "prompt": "ROMEO:",
+    "max_tokens": 500,
+    "ignore_eos": True,
+    "stream": True,
+    "temperature": 0,
+}
 
 
-def _stream_in_background(server: RaylmServer, body: dict = LONG_STREAM,
-                          wait_started: bool = True) -> tuple[threading.Thread, dict]:
+def _stream_in_background(
+    server: RaylmServer, body: dict = LONG_STREAM, wait_started: bool = True
+) -> tuple[threading.Thread, dict]:
     """Start a long stream; `result` gets its events once it ends."""
     result: dict = {"events": [], "started": threading.Event()}
 
@@ -33,7 +40,7 @@ def _stream_in_background(server: RaylmServer, body: dict = LONG_STREAM,
                 result["status"] = response.status_code
                 for line in response.iter_lines():
                     if line.startswith("data: "):
-                        result["events"].append(line[len("data: "):])
+                        result["events"].append(line[len("data: ") :])
                         result["started"].set()
         except httpx.HTTPError as e:
             result["error"] = e
@@ -50,13 +57,17 @@ def _stream_in_background(server: RaylmServer, body: dict = LONG_STREAM,
 def test_sigterm_during_stream_exits_within_grace(llama_dir, tmp_path):
     # One request runs at a time and two more wait behind it: however fast the
     # machine, the last one is unfinished when the grace period ends.
-    server = RaylmServer(llama_dir, ["--shutdown-grace-period", str(GRACE_S), "--max-num-seqs", "1",
-                                     "--max-model-len", "1024"], str(tmp_path / "server.log"))
+    server = RaylmServer(
+        llama_dir,
+        ["--shutdown-grace-period", str(GRACE_S), "--max-num-seqs", "1", "--max-model-len", "1024"],
+        str(tmp_path / "server.log"),
+    )
     body = {**LONG_STREAM, "max_tokens": 1000}
     try:
         assert len(server.tree) >= 2, "the engine core should run in its own process"
         streams = [_stream_in_background(server, body)]
         streams += [_stream_in_background(server, body, wait_started=False) for _ in range(2)]
+
         # Every stream in the engine before the signal (>= 1 waiting let the
         # last one still be on its way, refused at the signal on a slow machine).
         def all_in_the_engine() -> bool:
@@ -93,8 +104,9 @@ def test_dead_engine_core_gives_503(llama_dir, tmp_path):
         thread.join(30)
         assert result["events"][-1] == "[DONE]"
         assert '"error"' in result["events"][-2] and '"code":503' in result["events"][-2]
-        wait_until(lambda: httpx.get(server.url("/health")).status_code == 503, 60, step=0.2,
-                   message="/health to answer 503")
+        wait_until(
+            lambda: httpx.get(server.url("/health")).status_code == 503, 60, step=0.2, message="/health to answer 503"
+        )
         response = httpx.post(server.url("/v1/completions"), json={"model": MODEL_NAME, "prompt": "hi"})
         assert response.status_code == 503 and "error" in response.json()
         # Then it exits by itself, for its supervisor to start a new one.

@@ -49,8 +49,14 @@ MP_TP2 = ["--distributed-executor-backend", "mp", "-tp", "2"]
 
 
 def _chat_body(max_tokens: int, stream: bool) -> dict:
-    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell me a story"}],
-            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": stream}
+    return {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "Tell me a story"}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": stream,
+    }
 
 
 class _Load:
@@ -58,16 +64,20 @@ class _Load:
     the rest wait behind it."""
 
     def __init__(self, server: RaylmServer, max_tokens: int, num_streams: int = 3):
-        self.streams = [BackgroundStream(server, long_body(f"Story {i}:", max_tokens=max_tokens))
-                        for i in range(num_streams)]
+        self.streams = [
+            BackgroundStream(server, long_body(f"Story {i}:", max_tokens=max_tokens)) for i in range(num_streams)
+        ]
         self.streams.append(BackgroundStream(server, _chat_body(max_tokens, True), path="/v1/chat/completions"))
-        wait_until(lambda: all(s.status is not None or s.done for s in self.streams), 120,
-                   message="the streams to start")
+        wait_until(
+            lambda: all(s.status is not None or s.done for s in self.streams), 120, message="the streams to start"
+        )
         assert all(s.status == 200 for s in self.streams), [s.body_text for s in self.streams]
         wait_until(lambda: any(s.num_chunks >= 3 for s in self.streams), 120, message="a stream to make progress")
         # Whole responses come last in the queue: they cannot finish before shutdown.
-        self.posts = [BackgroundPost(server, long_body("Once", max_tokens=max_tokens, stream=False)),
-                      BackgroundPost(server, _chat_body(max_tokens, False), path="/v1/chat/completions")]
+        self.posts = [
+            BackgroundPost(server, long_body("Once", max_tokens=max_tokens, stream=False)),
+            BackgroundPost(server, _chat_body(max_tokens, False), path="/v1/chat/completions"),
+        ]
         expected = len(self.streams) + len(self.posts)
 
         def all_in_the_engine() -> bool:
@@ -127,8 +137,12 @@ def test_sigterm_while_idle_exits_at_once(llama_dir, tmp_path):
     # has nobody to wait for, so it exits without sitting it out.
     server = RaylmServer(llama_dir, ["--shutdown-grace-period", str(IDLE_GRACE_S)], str(tmp_path / "server.log"))
     try:
-        assert httpx.post(server.url("/v1/completions"), json=long_body(max_tokens=4, stream=False),
-                          timeout=60).status_code == 200
+        assert (
+            httpx.post(
+                server.url("/v1/completions"), json=long_body(max_tokens=4, stream=False), timeout=60
+            ).status_code
+            == 200
+        )
         _sigterm_and_time(server)
         assert server.proc.returncode == 0, server.log()
     finally:
@@ -136,9 +150,12 @@ def test_sigterm_while_idle_exits_at_once(llama_dir, tmp_path):
 
 
 def test_sigterm_during_streams_ends_them_within_the_grace_period(llama_dir, tmp_path):
-    server = RaylmServer(llama_dir, ["--shutdown-grace-period", str(GRACE_S), "--max-num-seqs", "1",
-                                     "--max-model-len", "1024"], str(tmp_path / "server.log"),
-                         env=bos_straggler_env(llama_dir))
+    server = RaylmServer(
+        llama_dir,
+        ["--shutdown-grace-period", str(GRACE_S), "--max-num-seqs", "1", "--max-model-len", "1024"],
+        str(tmp_path / "server.log"),
+        env=bos_straggler_env(llama_dir),
+    )
     try:
         load = _Load(server, max_tokens=1000)
         _sigterm_and_time(server, load)
@@ -154,9 +171,21 @@ def test_sigterm_to_the_process_group_during_streams(tiny_model_dir, tmp_path):
     workers must not die under the streams the front end is still ending."""
     # A tiny model with room for long streams (the embedded one stops at 512 positions).
     model = tiny_model_dir("llama", max_position_embeddings=LONG_TOKENS + 96)
-    server = RaylmServer(model, ["--shutdown-grace-period", str(GRACE_S), "--max-num-seqs", "1",
-                                 "--max-model-len", str(LONG_TOKENS + 96), *MP_TP2],
-                         str(tmp_path / "server.log"), new_session=True, env=bos_straggler_env(model))
+    server = RaylmServer(
+        model,
+        [
+            "--shutdown-grace-period",
+            str(GRACE_S),
+            "--max-num-seqs",
+            "1",
+            "--max-model-len",
+            str(LONG_TOKENS + 96),
+            *MP_TP2,
+        ],
+        str(tmp_path / "server.log"),
+        new_session=True,
+        env=bos_straggler_env(model),
+    )
     try:
         assert len(server.tree) >= 4, server.tree  # front end, core, two workers (and the resource tracker)
         load = _Load(server, max_tokens=LONG_TOKENS)
@@ -189,8 +218,9 @@ def _run_sigkill(server: RaylmServer, busy: bool) -> None:
     try:
         if busy:
             streams = [BackgroundStream(server, long_body(f"Story {i}:", max_tokens=480)) for i in range(4)]
-            wait_until(lambda: all(s.num_chunks >= 2 or s.done for s in streams), 120,
-                       message="every stream to make progress")
+            wait_until(
+                lambda: all(s.num_chunks >= 2 or s.done for s in streams), 120, message="every stream to make progress"
+            )
             assert not any(s.done for s in streams), [s.errors for s in streams]
         elapsed, alive = _sigkill_and_time(server)
         assert not alive, f"outlived the front end by {elapsed:.1f}s: {alive}\n{server.log()}"

@@ -29,8 +29,9 @@ MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    folder = _closer_loving_model(tiny_model_dir("llama", tie_word_embeddings=False),
-                                  tmp_path_factory.mktemp("closers") / "model")
+    folder = _closer_loving_model(
+        tiny_model_dir("llama", tie_word_embeddings=False), tmp_path_factory.mktemp("closers") / "model"
+    )
     srv = RaylmServer(folder, ["--api-key", API_KEY], str(tmp_path_factory.mktemp("serve") / "server.log"))
     try:
         yield srv
@@ -49,8 +50,15 @@ def _json_schema_format(schema: dict) -> dict:
 
 
 def _chat_texts(client, temperature: float = 1.0, **kwargs) -> list[str]:
-    response = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, n=NUM_SAMPLES,
-                                              temperature=temperature, max_tokens=MAX_TOKENS, seed=7, **kwargs)
+    response = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        n=NUM_SAMPLES,
+        temperature=temperature,
+        max_tokens=MAX_TOKENS,
+        seed=7,
+        **kwargs,
+    )
     assert len(response.choices) == NUM_SAMPLES
     # "stop": the grammar ended the output, not max_tokens.
     assert all(c.finish_reason == "stop" for c in response.choices), [c.message.content for c in response.choices]
@@ -65,9 +73,15 @@ def test_json_schema_response_format_validates(client):
 
 
 def test_json_schema_streamed(client):
-    stream = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=1.0, seed=11,
-                                            max_tokens=MAX_TOKENS, stream=True,
-                                            response_format=_json_schema_format(SCHEMA))
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        temperature=1.0,
+        seed=11,
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        response_format=_json_schema_format(SCHEMA),
+    )
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     jsonschema.validate(json.loads(text), SCHEMA)
 
@@ -82,16 +96,27 @@ def test_json_object_response_format_parses(client):
 def test_text_response_format_is_unconstrained(client):
     # {"type": "text"} constrains nothing: the same seed gives the same text as no response_format.
     def text(**kwargs):
-        return client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=1.0, seed=5,
-                                              max_tokens=8, **kwargs).choices[0].message.content
+        return (
+            client.chat.completions.create(
+                model=MODEL_NAME, messages=MESSAGES, temperature=1.0, seed=5, max_tokens=8, **kwargs
+            )
+            .choices[0]
+            .message.content
+        )
 
     assert text(response_format={"type": "text"}) == text()
 
 
 def test_completions_json_schema(client):
-    response = client.completions.create(model=MODEL_NAME, prompt="A person:", n=NUM_SAMPLES, temperature=1.0,
-                                         max_tokens=MAX_TOKENS, seed=3,
-                                         extra_body={"response_format": _json_schema_format(SCHEMA)})
+    response = client.completions.create(
+        model=MODEL_NAME,
+        prompt="A person:",
+        n=NUM_SAMPLES,
+        temperature=1.0,
+        max_tokens=MAX_TOKENS,
+        seed=3,
+        extra_body={"response_format": _json_schema_format(SCHEMA)},
+    )
     for choice in response.choices:
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.text), SCHEMA)
@@ -101,18 +126,32 @@ def _regex_check(pattern: str):
     return lambda text: re.fullmatch(pattern, text) is not None
 
 
-@pytest.mark.parametrize("extra_body, follows", [
-    ({"structured_outputs": {"regex": REGEX}}, _regex_check(REGEX)),
-    ({"guided_regex": REGEX}, _regex_check(REGEX)),
-    ({"structured_outputs": {"choice": CHOICES}}, lambda text: text in CHOICES),
-    ({"guided_choice": CHOICES}, lambda text: text in CHOICES),
-    ({"structured_outputs": {"grammar": EBNF}}, _regex_check(EBNF_AS_REGEX)),
-    ({"guided_grammar": EBNF}, _regex_check(EBNF_AS_REGEX)),
-    ({"guided_json": SCHEMA}, lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None),
-    ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
-     lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None and "\n" not in text),
-], ids=["so-regex", "guided_regex", "so-choice", "guided_choice", "so-grammar", "guided_grammar", "guided_json",
-        "so-json-compact"])
+@pytest.mark.parametrize(
+    "extra_body, follows",
+    [
+        ({"structured_outputs": {"regex": REGEX}}, _regex_check(REGEX)),
+        ({"guided_regex": REGEX}, _regex_check(REGEX)),
+        ({"structured_outputs": {"choice": CHOICES}}, lambda text: text in CHOICES),
+        ({"guided_choice": CHOICES}, lambda text: text in CHOICES),
+        ({"structured_outputs": {"grammar": EBNF}}, _regex_check(EBNF_AS_REGEX)),
+        ({"guided_grammar": EBNF}, _regex_check(EBNF_AS_REGEX)),
+        ({"guided_json": SCHEMA}, lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None),
+        (
+            {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+            lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None and "\n" not in text,
+        ),
+    ],
+    ids=[
+        "so-regex",
+        "guided_regex",
+        "so-choice",
+        "guided_choice",
+        "so-grammar",
+        "guided_grammar",
+        "guided_json",
+        "so-json-compact",
+    ],
+)
 def test_vllm_fields_via_extra_body(client, extra_body, follows):
     for text in _chat_texts(client, extra_body=extra_body):
         assert follows(text), text
@@ -127,25 +166,46 @@ def test_vllm_json_object_without_whitespace(client):
         assert blanks_outside_strings(text) == [], text
 
 
-@pytest.mark.parametrize("kwargs, param, message", [
-    ({"response_format": _json_schema_format({"type": "object", "properties": {"a": {"type": "nonsense"}}})},
-     "response_format", 'Unsupported type "nonsense"'),
-    ({"response_format": _json_schema_format({"type": "integer", "minimum": 5, "maximum": 1})},
-     "response_format", "minimum greater than maximum"),
-    ({"extra_body": {"guided_regex": "[a-"}}, "guided_regex", "Unclosed '['"),
-    ({"extra_body": {"structured_outputs": {"grammar": "root ::= foo"}}}, "structured_outputs",
-     'Rule "foo" is not defined'),
-    ({"extra_body": {"guided_json": "{not json"}}, "guided_json", "Failed to parse JSON"),
-    ({"extra_body": {"guided_choice": []}}, "guided_choice", "non-empty list"),
-    ({"extra_body": {"structured_outputs": {"disable_any_whitespace": True}}}, "structured_outputs",
-     "exactly one of"),
-    ({"extra_body": {"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}}, "structured_outputs",
-     "whitespace_pattern"),
-    ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a+"}}, "guided_regex",
-     "only one way"),
-    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),
-    ({"response_format": {"type": "structural_tag"}}, "response_format", "not supported"),
-])
+@pytest.mark.parametrize(
+    "kwargs, param, message",
+    [
+        (
+            {"response_format": _json_schema_format({"type": "object", "properties": {"a": {"type": "nonsense"}}})},
+            "response_format",
+            'Unsupported type "nonsense"',
+        ),
+        (
+            {"response_format": _json_schema_format({"type": "integer", "minimum": 5, "maximum": 1})},
+            "response_format",
+            "minimum greater than maximum",
+        ),
+        ({"extra_body": {"guided_regex": "[a-"}}, "guided_regex", "Unclosed '['"),
+        (
+            {"extra_body": {"structured_outputs": {"grammar": "root ::= foo"}}},
+            "structured_outputs",
+            'Rule "foo" is not defined',
+        ),
+        ({"extra_body": {"guided_json": "{not json"}}, "guided_json", "Failed to parse JSON"),
+        ({"extra_body": {"guided_choice": []}}, "guided_choice", "non-empty list"),
+        (
+            {"extra_body": {"structured_outputs": {"disable_any_whitespace": True}}},
+            "structured_outputs",
+            "exactly one of",
+        ),
+        (
+            {"extra_body": {"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}},
+            "structured_outputs",
+            "whitespace_pattern",
+        ),
+        (
+            {"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a+"}},
+            "guided_regex",
+            "only one way",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format", "not supported"),
+    ],
+)
 def test_invalid_grammar_is_400_naming_the_field(client, kwargs, param, message):
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4, **kwargs)
@@ -156,16 +216,23 @@ def test_invalid_grammar_is_400_naming_the_field(client, kwargs, param, message)
 
 def test_invalid_grammar_on_completions(client):
     with pytest.raises(openai.BadRequestError) as error:
-        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=4,
-                                  extra_body={"response_format": _json_schema_format({"type": "nonsense"})})
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt="x",
+            max_tokens=4,
+            extra_body={"response_format": _json_schema_format({"type": "nonsense"})},
+        )
     assert error.value.param == "response_format" and "nonsense" in error.value.message
 
 
-@pytest.mark.parametrize("extra_body, param, message", [
-    ({"use_beam_search": True}, "use_beam_search", "not supported"),
-    ({"logits_processors": ["my.module.Processor"]}, "logits_processors", "not supported"),
-    ({"frobnicate": 1}, "frobnicate", "Unrecognized request argument"),
-])
+@pytest.mark.parametrize(
+    "extra_body, param, message",
+    [
+        ({"use_beam_search": True}, "use_beam_search", "not supported"),
+        ({"logits_processors": ["my.module.Processor"]}, "logits_processors", "not supported"),
+        ({"frobnicate": 1}, "frobnicate", "Unrecognized request argument"),
+    ],
+)
 def test_unsupported_field_is_400(client, extra_body, param, message):
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4, extra_body=extra_body)

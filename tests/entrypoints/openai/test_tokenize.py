@@ -19,8 +19,10 @@ def server(trusting_server):
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
 # Renders the variables only a per-request template and its kwargs can bring.
-TEMPLATE = ("{{ greeting }}|{{ reasoning_effort }}|{{ documents[0]['title'] }}|"
-            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+TEMPLATE = (
+    "{{ greeting }}|{{ reasoning_effort }}|{{ documents[0]['title'] }}|"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+)
 
 
 def _tokenize(http, **body) -> dict:
@@ -71,23 +73,32 @@ def test_continue_final_message_renders_open(http, tokenizer):
 
 
 def test_template_fields_reach_the_template(http, tokenizer):
-    fields = {"chat_template": TEMPLATE, "chat_template_kwargs": {"greeting": "Howdy"},
-              "reasoning_effort": "high", "documents": [{"title": "Scroll", "text": "..."}]}
+    fields = {
+        "chat_template": TEMPLATE,
+        "chat_template_kwargs": {"greeting": "Howdy"},
+        "reasoning_effort": "high",
+        "documents": [{"title": "Scroll", "text": "..."}],
+    }
     result = _tokenize(http, messages=MESSAGES, **fields)
     text = "Howdy|high|Scroll|system: Be brief.\nuser: Hello there\n"
     # This template writes no BOS: raylm adds it, as for the model's own template.
     assert result["tokens"] == tokenizer.encode(text, add_special_tokens=True)
     # A chat completion is generated from exactly these ids.
-    chat = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 1,
-                                                   **fields})
+    chat = http.post(
+        "/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 1, **fields}
+    )
     assert chat.status_code == 200, chat.text
     assert chat.json()["usage"]["prompt_tokens"] == result["count"]
 
 
 @pytest.mark.parametrize("path", ["/tokenize", "/v1/chat/completions"])
 def test_reserved_template_kwargs_are_400(http, path):
-    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 1,
-            "chat_template_kwargs": {"tokenize": True, "add_generation_prompt": False}}
+    body = {
+        "model": MODEL_NAME,
+        "messages": MESSAGES,
+        "max_tokens": 1,
+        "chat_template_kwargs": {"tokenize": True, "add_generation_prompt": False},
+    }
     if path == "/tokenize":
         del body["max_tokens"]
     response = http.post(path, json=body)
@@ -104,15 +115,18 @@ def test_detokenize_round_trip(http, tokenizer):
     assert response.json() == {"prompt": tokenizer.decode(ids)} and response.json()["prompt"] == text
 
 
-@pytest.mark.parametrize("path, body, status, param", [
-    ("/detokenize", {"tokens": [1, 10**7]}, 400, "tokens"),
-    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
-    ("/detokenize", {"tokens": [1], "model": "nope"}, 404, "model"),
-    ("/tokenize", {"prompt": "x", "model": "nope"}, 404, "model"),
-    ("/tokenize", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
-    ("/tokenize", {"messages": [], "add_generation_prompt": True}, 400, "messages"),
-    ("/tokenize", {}, 400, "prompt"),
-])
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/detokenize", {"tokens": [1, 10**7]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+        ("/detokenize", {"tokens": [1], "model": "nope"}, 404, "model"),
+        ("/tokenize", {"prompt": "x", "model": "nope"}, 404, "model"),
+        ("/tokenize", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+        ("/tokenize", {"messages": [], "add_generation_prompt": True}, 400, "messages"),
+        ("/tokenize", {}, 400, "prompt"),
+    ],
+)
 def test_bad_requests(http, path, body, status, param):
     response = http.post(path, json=body)
     assert response.status_code == status, response.text

@@ -49,13 +49,20 @@ def _error(response: httpx.Response, status: int) -> dict:
 # ---- past max_model_len: a 400 naming the field -----------------------------------
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/tokenize", {"prompt": "word " * 100, "return_token_strs": True}, "prompt"),
-    # What froze the loop: a 16 MiB prompt's strings (here 4 MiB; the body limit is 16).
-    ("/tokenize", {"prompt": "word " * 800_000, "return_token_strs": True}, "prompt"),
-    ("/tokenize", {"messages": [{"role": "user", "content": "word " * 100}], "return_token_strs": True}, "messages"),
-    ("/detokenize", {"tokens": [5] * (MAX_MODEL_LEN + 1)}, "tokens"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/tokenize", {"prompt": "word " * 100, "return_token_strs": True}, "prompt"),
+        # What froze the loop: a 16 MiB prompt's strings (here 4 MiB; the body limit is 16).
+        ("/tokenize", {"prompt": "word " * 800_000, "return_token_strs": True}, "prompt"),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "word " * 100}], "return_token_strs": True},
+            "messages",
+        ),
+        ("/detokenize", {"tokens": [5] * (MAX_MODEL_LEN + 1)}, "tokens"),
+    ],
+)
 def test_past_max_model_len_is_a_400(served, path, body, param):
     _, app = served
     error = _error(asyncio.run(_post(app, path, {"model": "tiny", **body})), 400)
@@ -70,8 +77,12 @@ def test_within_max_model_len_answers_as_before(served):
     result = asyncio.run(_post(app, "/tokenize", {"model": "tiny", "prompt": prompt, "return_token_strs": True}))
     assert result.status_code == 200 and result.headers["content-type"] == "application/json"
     ids = tokenizer.encode(prompt)
-    assert result.json() == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
-                             "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    assert result.json() == {
+        "count": len(ids),
+        "max_model_len": MAX_MODEL_LEN,
+        "tokens": ids,
+        "token_strs": tokenizer.convert_ids_to_tokens(ids),
+    }
     back = asyncio.run(_post(app, "/detokenize", {"model": "tiny", "tokens": ids}))
     assert back.status_code == 200 and back.json() == {"prompt": tokenizer.decode(ids)}
     exactly = asyncio.run(_post(app, "/detokenize", {"model": "tiny", "tokens": [5] * MAX_MODEL_LEN}))
@@ -103,9 +114,18 @@ def test_the_work_runs_off_the_event_loop(served, monkeypatch):
         monkeypatch.setattr(tokenizer, name, recorder.wrap(name, getattr(tokenizer, name)))
     # The module's JSON: the body parsed, the answer written.
     json_module = serving_tokenize.json
-    monkeypatch.setattr(serving_tokenize, "json", type("RecordedJson", (), {
-        "loads": staticmethod(recorder.wrap("json.loads", json_module.loads)),
-        "dumps": staticmethod(recorder.wrap("json.dumps", json_module.dumps))}))
+    monkeypatch.setattr(
+        serving_tokenize,
+        "json",
+        type(
+            "RecordedJson",
+            (),
+            {
+                "loads": staticmethod(recorder.wrap("json.loads", json_module.loads)),
+                "dumps": staticmethod(recorder.wrap("json.dumps", json_module.dumps)),
+            },
+        ),
+    )
 
     async def requests() -> tuple[int, list[httpx.Response]]:
         loop_thread = threading.get_ident()
@@ -130,8 +150,9 @@ def long_served(monkeypatch, tiny_model_dir):
     monkeypatch.setattr(supervisor_module, "make_launcher", FakeLauncher)
     monkeypatch.setattr(FakeLauncher, "on_start", None)
     monkeypatch.setattr(FakeLauncher, "core_class", FakeCore)
-    engine = AsyncLLM(create_engine_config(tiny_model_dir("llama", max_position_embeddings=1 << 22),
-                                           max_model_len=1 << 22))
+    engine = AsyncLLM(
+        create_engine_config(tiny_model_dir("llama", max_position_embeddings=1 << 22), max_model_len=1 << 22)
+    )
     try:
         yield engine, build_app(engine, ["tiny"])
     finally:
@@ -157,8 +178,9 @@ def test_a_large_allowed_answer_leaves_the_loop_running(long_served):
                 last = now
 
         ticking = asyncio.ensure_future(ticker())
-        response = await _post(app, "/tokenize", {"model": "tiny", "prompt": "word " * 1_000_000,
-                                                 "return_token_strs": True})
+        response = await _post(
+            app, "/tokenize", {"model": "tiny", "prompt": "word " * 1_000_000, "return_token_strs": True}
+        )
         done.set()
         await ticking
         return response, max(gaps)

@@ -19,15 +19,21 @@ from transformers import AutoTokenizer
 from raylm.testing.tool_chat_template import install_tool_chat_template
 from tests.entrypoints.openai.server_utils import API_KEY, MODEL_NAME, RaylmServer
 
-WEATHER = {"type": "object",
-           "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]},
-                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
-ALARM = {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"],
-         "additionalProperties": False}
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Tokyo"]},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ALARM = {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"], "additionalProperties": False}
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                      "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER},
+    },
     {"type": "function", "function": {"name": "set_alarm", "parameters": ALARM}},
 ]
 SCHEMAS = {"get_weather": WEATHER, "set_alarm": ALARM}
@@ -44,8 +50,15 @@ def tool_model_dir(llama_dir, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def tool_server(tool_model_dir, tmp_path_factory):
-    flags = ["--api-key", API_KEY, "--max-model-len", "1024", "--enable-auto-tool-choice",
-             "--tool-call-parser", "hermes"]
+    flags = [
+        "--api-key",
+        API_KEY,
+        "--max-model-len",
+        "1024",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    ]
     srv = RaylmServer(tool_model_dir, flags, str(tmp_path_factory.mktemp("serve") / "server.log"))
     try:
         yield srv
@@ -81,8 +94,9 @@ def _streamed(client: openai.OpenAI, **kwargs) -> tuple[str, dict[int, dict], st
 
 
 def test_named_tool_choice(client):
-    response = client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, tools=TOOLS,
-                                              tool_choice=NAMED, **GREEDY)
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=QUESTION, tools=TOOLS, tool_choice=NAMED, **GREEDY
+    )
     [choice] = response.choices
     # Forced by name: "stop", as OpenAI and vLLM answer (a call the model chose says "tool_calls").
     assert choice.finish_reason == "stop" and not choice.message.content
@@ -97,16 +111,23 @@ def test_named_tool_choice_streamed(client):
     assert list(calls) == [0] and calls[0]["name"] == "get_weather"
     _check_call("get_weather", calls[0]["arguments"])
     # The same greedy arguments as the whole answer.
-    whole = client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, tools=TOOLS, tool_choice=NAMED,
-                                           **GREEDY)
+    whole = client.chat.completions.create(
+        model=MODEL_NAME, messages=QUESTION, tools=TOOLS, tool_choice=NAMED, **GREEDY
+    )
     assert json.loads(calls[0]["arguments"]) == json.loads(whole.choices[0].message.tool_calls[0].function.arguments)
 
 
 @pytest.mark.parametrize("parallel", [True, False])
 def test_required_tool_choice(client, parallel):
-    response = client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, tools=TOOLS,
-                                              tool_choice="required", parallel_tool_calls=parallel,
-                                              temperature=0.0, max_tokens=300)
+    response = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=QUESTION,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=parallel,
+        temperature=0.0,
+        max_tokens=300,
+    )
     [choice] = response.choices
     assert len(choice.message.tool_calls) >= 1 and not choice.message.content, choice
     if parallel:
@@ -119,11 +140,19 @@ def test_required_tool_choice(client, parallel):
         _check_call(call.function.name, call.function.arguments)
     assert len({call.id for call in choice.message.tool_calls}) == len(choice.message.tool_calls)
 
-    content, calls, finish_reason = _streamed(client, messages=QUESTION, tools=TOOLS, tool_choice="required",
-                                              parallel_tool_calls=parallel, temperature=0.0, max_tokens=300)
+    content, calls, finish_reason = _streamed(
+        client,
+        messages=QUESTION,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=parallel,
+        temperature=0.0,
+        max_tokens=300,
+    )
     assert (finish_reason, content) == (choice.finish_reason, "")
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
-        [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls
+    ]
 
 
 def _rendered_token_count(tokenizer, conversation: list[dict], tools: list[dict]) -> int:
@@ -132,14 +161,18 @@ def _rendered_token_count(tokenizer, conversation: list[dict], tools: list[dict]
 
 
 def test_two_turn_conversation_with_a_tool_result(client, tool_model_dir):
-    first = client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, tools=TOOLS, tool_choice=NAMED,
-                                           **GREEDY)
+    first = client.chat.completions.create(
+        model=MODEL_NAME, messages=QUESTION, tools=TOOLS, tool_choice=NAMED, **GREEDY
+    )
     call = first.choices[0].message.tool_calls[0]
-    messages = [*QUESTION,
-                {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 degrees"}]
-    second = client.chat.completions.create(model=MODEL_NAME, messages=messages, tools=TOOLS, tool_choice="none",
-                                            temperature=0.0, max_tokens=8)
+    messages = [
+        *QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 degrees"},
+    ]
+    second = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, tools=TOOLS, tool_choice="none", temperature=0.0, max_tokens=8
+    )
     [choice] = second.choices
     assert choice.message.tool_calls in (None, []) and isinstance(choice.message.content, str)
     assert choice.finish_reason in ("stop", "length")
@@ -148,19 +181,26 @@ def test_two_turn_conversation_with_a_tool_result(client, tool_model_dir):
     # conversation, tool result included (hand-built here as the oracle).
     tokenizer = AutoTokenizer.from_pretrained(tool_model_dir)
     arguments = json.loads(call.function.arguments)
-    conversation = [*QUESTION,
-                    {"role": "assistant", "content": "", "tool_calls": [
-                        {"id": call.id, "type": "function",
-                         "function": {"name": "get_weather", "arguments": arguments}}]},
-                    {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 degrees"}]
+    conversation = [
+        *QUESTION,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 degrees"},
+    ]
     expected = _rendered_token_count(tokenizer, conversation, TOOLS)
     without_result = _rendered_token_count(tokenizer, conversation[:2], TOOLS)
     assert second.usage.prompt_tokens == expected != without_result
 
 
 def test_auto_without_a_call_is_plain_content(client):
-    response = client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, tools=TOOLS, temperature=0.0,
-                                              max_tokens=8)
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=QUESTION, tools=TOOLS, temperature=0.0, max_tokens=8
+    )
     [choice] = response.choices
     assert choice.message.tool_calls in (None, []) and isinstance(choice.message.content, str)
     assert choice.finish_reason in ("stop", "length")
@@ -177,16 +217,24 @@ def _error(response: httpx.Response, param: str) -> dict:
 
 
 def _post(server: RaylmServer, body: dict) -> httpx.Response:
-    return httpx.post(server.url("/v1/chat/completions"), json={"model": MODEL_NAME, "max_tokens": 4, **body},
-                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    return httpx.post(
+        server.url("/v1/chat/completions"),
+        json={"model": MODEL_NAME, "max_tokens": 4, **body},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    )
 
 
 def test_bad_tool_requests(tool_server):
-    _error(_post(tool_server, {"messages": QUESTION, "tools": TOOLS,
-                               "tool_choice": {"type": "function", "function": {"name": "nope"}}}), "tool_choice")
+    _error(
+        _post(
+            tool_server,
+            {"messages": QUESTION, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        ),
+        "tool_choice",
+    )
     _error(_post(tool_server, {"messages": QUESTION, "tool_choice": "required"}), "tool_choice")
-    _error(_post(tool_server, {"messages": [*QUESTION, {"role": "tool", "content": "21"}], "tools": TOOLS}),
-           "messages")
+    _error(_post(tool_server, {"messages": [*QUESTION, {"role": "tool", "content": "21"}], "tools": TOOLS}), "messages")
     bad_schema = [{"type": "function", "function": {"name": "f", "parameters": {"type": "frobnicate"}}}]
     _error(_post(tool_server, {"messages": QUESTION, "tools": bad_schema, "tool_choice": "required"}), "tools")
     # The server still answers.

@@ -18,71 +18,145 @@ from raylm.entrypoints.openai.protocol import ChatTool
 from raylm.entrypoints.openai.serving_tools import ToolPlan
 from raylm.entrypoints.openai.tool_parsers import get_tool_parser
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
-                                            "metric": {"type": "boolean"}, "where": {"type": "object"}}}
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "days": {"type": "integer"},
+        "metric": {"type": "boolean"},
+        "where": {"type": "object"},
+    },
+}
 TOOLS = {"get_weather": WEATHER, "get_time": {"type": "object", "properties": {"zone": {"type": "string"}}}}
 
 # (parser, model text, expected content, expected [(name, arguments object)]); [] : no calls.
 CASES = [
     # ---- llama3_json
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}', None,
-     [("get_weather", {"city": "Paris", "days": 3})]),
-    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "東京 🌸"}}; '
-                    '{"name": "get_time", "arguments": {"zone": "}{ \\"q\\" ]"}}', None,
-     [("get_weather", {"city": "東京 🌸"}), ("get_time", {"zone": '}{ "q" ]'})]),
-    ("llama3_json", '\n {"name": "get_time"}\n{"name": "get_weather", "parameters": {}}  ', None,
-     [("get_time", {}), ("get_weather", {})]),
+    (
+        "llama3_json",
+        '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}',
+        None,
+        [("get_weather", {"city": "Paris", "days": 3})],
+    ),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "東京 🌸"}}; '
+        '{"name": "get_time", "arguments": {"zone": "}{ \\"q\\" ]"}}',
+        None,
+        [("get_weather", {"city": "東京 🌸"}), ("get_time", {"zone": '}{ "q" ]'})],
+    ),
+    (
+        "llama3_json",
+        '\n {"name": "get_time"}\n{"name": "get_weather", "parameters": {}}  ',
+        None,
+        [("get_time", {}), ("get_weather", {})],
+    ),
     ("llama3_json", "The weather is fine.", "The weather is fine.", []),
     ("llama3_json", "", "", []),
     ("llama3_json", "<|python", "<|python", []),
-    ("llama3_json", '{"name": "get_weather", "parameters": "Paris"}', '{"name": "get_weather", "parameters": "Paris"}',
-     []),
+    (
+        "llama3_json",
+        '{"name": "get_weather", "parameters": "Paris"}',
+        '{"name": "get_weather", "parameters": "Paris"}',
+        [],
+    ),
     ("llama3_json", '{"city": "Paris"}', '{"city": "Paris"}', []),  # no name
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": ',  # cut short
-     '{"name": "get_weather", "parameters": {"city": ', []),
-    ("llama3_json", '{"name": "get_time", "parameters": {}}; and then some text',
-     "and then some text", [("get_time", {})]),
+    (
+        "llama3_json",
+        '{"name": "get_weather", "parameters": {"city": ',  # cut short
+        '{"name": "get_weather", "parameters": {"city": ',
+        [],
+    ),
+    (
+        "llama3_json",
+        '{"name": "get_time", "parameters": {}}; and then some text',
+        "and then some text",
+        [("get_time", {})],
+    ),
     ("llama3_json", '{"name": "get_time", "parameters": {}}; {"name": 3}', '{"name": 3}', [("get_time", {})]),
     # ---- mistral
-    ("mistral", 'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
-                '{"name": "get_time", "arguments": {"zone": "CET"}}]', "Checking.",
-     [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]),
-    ("mistral", '[TOOL_CALLS]get_weather{"city": "Paris", "where": {"lat": 1.5}}[TOOL_CALLS]get_time{}', None,
-     [("get_weather", {"city": "Paris", "where": {"lat": 1.5}}), ("get_time", {})]),
-    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "[TOOL_CALLS]"}', None,
-     [("get_weather", {"city": "[TOOL_CALLS]"})]),
+    (
+        "mistral",
+        'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {"zone": "CET"}}]',
+        "Checking.",
+        [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS]get_weather{"city": "Paris", "where": {"lat": 1.5}}[TOOL_CALLS]get_time{}',
+        None,
+        [("get_weather", {"city": "Paris", "where": {"lat": 1.5}}), ("get_time", {})],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "[TOOL_CALLS]"}',
+        None,
+        [("get_weather", {"city": "[TOOL_CALLS]"})],
+    ),
     ("mistral", "No tools needed [TOOL_CALL", "No tools needed [TOOL_CALL", []),
     ("mistral", "Hi [TOOL_CALLS] not a call", "Hi [TOOL_CALLS] not a call", []),
-    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": [1]}]',
-     '[TOOL_CALLS][{"name": "get_weather", "arguments": [1]}]', []),
+    (
+        "mistral",
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": [1]}]',
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": [1]}]',
+        [],
+    ),
     ("mistral", '[TOOL_CALLS]get weather{"city": "Paris"}', '[TOOL_CALLS]get weather{"city": "Paris"}', []),
     ("mistral", '[TOOL_CALLS]get_weather{"city": "Par', '[TOOL_CALLS]get_weather{"city": "Par', []),
     ("mistral", '[TOOL_CALLS]get_time{"zone": "UTC"} Done.', "Done.", [("get_time", {"zone": "UTC"})]),
     # ---- qwen3_xml (and qwen3_coder, the same format)
-    ("qwen3_xml", "Let me look.<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
-                  "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n"
-                  "<parameter=where>\n{\"lat\": 40.7}\n</parameter>\n</function>\n</tool_call>",
-     "Let me look.", [("get_weather", {"city": "New York", "days": 3, "metric": True, "where": {"lat": 40.7}})]),
-    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\n123\n</parameter>\n</function>\n"
-                    "</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=zone>\nline one\nline two\n"
-                    "</parameter>\n</function>\n</tool_call>", None,
-     [("get_weather", {"city": "123"}), ("get_time", {"zone": "line one\nline two"})]),
+    (
+        "qwen3_xml",
+        "Let me look.<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n"
+        '<parameter=where>\n{"lat": 40.7}\n</parameter>\n</function>\n</tool_call>',
+        "Let me look.",
+        [("get_weather", {"city": "New York", "days": 3, "metric": True, "where": {"lat": 40.7}})],
+    ),
+    (
+        "qwen3_coder",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\n123\n</parameter>\n</function>\n"
+        "</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=zone>\nline one\nline two\n"
+        "</parameter>\n</function>\n</tool_call>",
+        None,
+        [("get_weather", {"city": "123"}), ("get_time", {"zone": "line one\nline two"})],
+    ),
     # The model stopped before the closing tag; a parameter no tool declares is read as JSON when it is.
-    ("qwen3_xml", "<tool_call>\n<function=lookup>\n<parameter=n>\n[1, 2]\n</parameter>\n<parameter=s>\nplain\n"
-                  "</parameter>\n</function>", None, [("lookup", {"n": [1, 2], "s": "plain"})]),
-    ("qwen3_xml", "Hi <tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>",
-     "Hi <tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>", []),
-    ("qwen3_xml", "<tool_call>{\"name\": \"get_time\"}</tool_call>", "<tool_call>{\"name\": \"get_time\"}</tool_call>",
-     []),
+    (
+        "qwen3_xml",
+        "<tool_call>\n<function=lookup>\n<parameter=n>\n[1, 2]\n</parameter>\n<parameter=s>\nplain\n"
+        "</parameter>\n</function>",
+        None,
+        [("lookup", {"n": [1, 2], "s": "plain"})],
+    ),
+    (
+        "qwen3_xml",
+        "Hi <tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>",
+        "Hi <tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>",
+        [],
+    ),
+    ("qwen3_xml", '<tool_call>{"name": "get_time"}</tool_call>', '<tool_call>{"name": "get_time"}</tool_call>', []),
     ("qwen3_xml", "a <tool_cal b", "a <tool_cal b", []),
-    ("qwen3_xml", "<tool_call>\n<function=get_time>\n</function>\n</tool_call>\nAnything else?",
-     "Anything else?", [("get_time", {})]),
+    (
+        "qwen3_xml",
+        "<tool_call>\n<function=get_time>\n</function>\n</tool_call>\nAnything else?",
+        "Anything else?",
+        [("get_time", {})],
+    ),
     # ---- pythonic
-    ("pythonic", '[get_weather(city="Paris", days=3), get_time(zone=\'CET\')]', None,
-     [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": "CET"})]),
-    ("pythonic", '<|python_start|>[get_weather(city="a)]\\"(", metric=True, where={"k": [None, -1.5]})]'
-                 "<|python_end|>", None,
-     [("get_weather", {"city": 'a)]"(', "metric": True, "where": {"k": [None, -1.5]}})]),
+    (
+        "pythonic",
+        "[get_weather(city=\"Paris\", days=3), get_time(zone='CET')]",
+        None,
+        [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": "CET"})],
+    ),
+    (
+        "pythonic",
+        '<|python_start|>[get_weather(city="a)]\\"(", metric=True, where={"k": [None, -1.5]})]<|python_end|>',
+        None,
+        [("get_weather", {"city": 'a)]"(', "metric": True, "where": {"k": [None, -1.5]}})],
+    ),
     ("pythonic", " [tools.get_time(zone=null)]", None, [("tools.get_time", {"zone": None})]),
     ("pythonic", "[1, 2, 3] are numbers", "[1, 2, 3] are numbers", []),
     ("pythonic", "Sure! [get_time()]", "Sure! [get_time()]", []),
@@ -112,8 +186,9 @@ def _streamed(parser_name: str, chunks: list[str]):
         for piece in delta.tool_calls:
             if piece.index not in calls:
                 assert piece.name, piece
-                assert re.fullmatch("[A-Za-z0-9]{9}" if parser_name == "mistral" else "call_[0-9a-f]{24}",
-                                    piece.id), piece
+                assert re.fullmatch("[A-Za-z0-9]{9}" if parser_name == "mistral" else "call_[0-9a-f]{24}", piece.id), (
+                    piece
+                )
                 calls[piece.index] = [piece.name, ""]
             else:
                 assert piece.id is None and piece.name is None, piece
@@ -155,15 +230,22 @@ def test_a_call_goes_out_as_soon_as_it_is_complete():
 LONG_VALUE = "x" * 20000
 
 
-@pytest.mark.parametrize("parser_name, text", [
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "' + LONG_VALUE + '"}}'),
-    ("mistral", 'pre' * 3000 + '[TOOL_CALLS]get_weather{"city": "' + LONG_VALUE + '"}'),
-    ("qwen3_xml", "<tool_call>\n<function=get_weather>\n<parameter=city>\n" + LONG_VALUE
-     + "\n</parameter>\n</function>\n</tool_call>"),
-    ("pythonic", '[get_weather(city="' + LONG_VALUE + '")]'),
-    ("llama3_json", " " * 20000 + '{"name": "get_weather", "parameters": {"city": "' + LONG_VALUE + '"}}'),
-    ("pythonic", "\n" * 20000 + '[get_weather(city="' + LONG_VALUE + '")]'),
-])
+@pytest.mark.parametrize(
+    "parser_name, text",
+    [
+        ("llama3_json", '{"name": "get_weather", "parameters": {"city": "' + LONG_VALUE + '"}}'),
+        ("mistral", "pre" * 3000 + '[TOOL_CALLS]get_weather{"city": "' + LONG_VALUE + '"}'),
+        (
+            "qwen3_xml",
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+            + LONG_VALUE
+            + "\n</parameter>\n</function>\n</tool_call>",
+        ),
+        ("pythonic", '[get_weather(city="' + LONG_VALUE + '")]'),
+        ("llama3_json", " " * 20000 + '{"name": "get_weather", "parameters": {"city": "' + LONG_VALUE + '"}}'),
+        ("pythonic", "\n" * 20000 + '[get_weather(city="' + LONG_VALUE + '")]'),
+    ],
+)
 def test_work_is_linear_in_the_text_however_it_is_split(parser_name, text):
     """One character a delta (the worst split): the characters examined stay
     a small multiple of the text's length, and the result is the whole one."""
@@ -177,17 +259,20 @@ def test_work_is_linear_in_the_text_however_it_is_split(parser_name, text):
 def test_the_chat_plan_answers_with_the_parsed_calls(parser_name):
     """Through the tool plan the server uses: the message and finish reason,
     whole and streamed (the deltas a client receives)."""
-    text = {"llama3_json": '{"name": "get_time", "parameters": {"zone": "CET"}}',
-            "mistral": 'On it.[TOOL_CALLS]get_time{"zone": "CET"}',
-            "qwen3_xml": "On it.<tool_call>\n<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n"
-                         "</function>\n</tool_call>",
-            "pythonic": '[get_time(zone="CET")]'}[parser_name]
+    text = {
+        "llama3_json": '{"name": "get_time", "parameters": {"zone": "CET"}}',
+        "mistral": 'On it.[TOOL_CALLS]get_time{"zone": "CET"}',
+        "qwen3_xml": "On it.<tool_call>\n<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n"
+        "</function>\n</tool_call>",
+        "pythonic": '[get_time(zone="CET")]',
+    }[parser_name]
     tools = [ChatTool(function={"name": "get_time", "parameters": TOOLS["get_time"]})]
     plan = ToolPlan("auto", tools, parser=get_tool_parser(parser_name, TOOLS))
     message, finish_reason = plan.message(text, "stop")
     assert finish_reason == "tool_calls"
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == \
-        [("get_time", {"zone": "CET"})]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_time", {"zone": "CET"})
+    ]
     stream = plan.stream()
     deltas = [stream.step(piece, i == len(text) - 1) for i, piece in enumerate(text)]
     calls = [call for delta in deltas if delta and delta.tool_calls for call in delta.tool_calls]

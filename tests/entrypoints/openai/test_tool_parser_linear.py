@@ -16,7 +16,7 @@ from raylm.entrypoints.openai.tool_parsers.hermes import END_TAG
 
 # Arguments with everything the scanner must get right: nesting, brackets and
 # quotes inside strings, escapes, non-ASCII.
-_ARGUMENT_PARTS = ['{"k": [1, {"x": null}]}', '"}{ \\"quoted\\" ]"', '"東京 🌸"', '[[], {}]', '"\\\\"', "true"]
+_ARGUMENT_PARTS = ['{"k": [1, {"x": null}]}', '"}{ \\"quoted\\" ]"', '"東京 🌸"', "[[], {}]", '"\\\\"', "true"]
 
 
 def _long_arguments(num_values: int, seed: int = 0) -> dict:
@@ -34,7 +34,7 @@ def _small_deltas(text: str, seed: int) -> list[str]:
     deltas, pos = [], 0
     while pos < len(text):
         size = rng.randint(1, 6)
-        deltas.append(text[pos:pos + size])
+        deltas.append(text[pos : pos + size])
         pos += size
     return deltas
 
@@ -78,7 +78,7 @@ def test_hermes_work_per_delta_does_not_grow_with_the_call():
         text = _hermes_output(_long_arguments(num_values))
         _, calls, work = _stream_hermes(_small_deltas(text, seed=1))
         assert calls and calls[0][0] == "write_file"
-        late_work[num_values] = max(work[len(work) // 2:])
+        late_work[num_values] = max(work[len(work) // 2 :])
         assert late_work[num_values] <= per_delta_bound
         # All of it: a few passes over the text (and the call's start, matched
         # while its name is incomplete).
@@ -87,12 +87,17 @@ def test_hermes_work_per_delta_does_not_grow_with_the_call():
 
 
 def test_required_calls_stream_is_linear_and_exact():
-    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tool_choice="required",
-                                    tools=[{"type": "function", "function": {"name": "write_file"}}])
+    request = ChatCompletionRequest(
+        model="m",
+        messages=[{"role": "user", "content": "hi"}],
+        tool_choice="required",
+        tools=[{"type": "function", "function": {"name": "write_file"}}],
+    )
     plan = plan_tools(request, ToolCallConfig())
     arguments = _long_arguments(2000)
-    text = json.dumps([{"name": "write_file", "parameters": arguments}, {"name": "write_file", "parameters": {}}],
-                      ensure_ascii=False)
+    text = json.dumps(
+        [{"name": "write_file", "parameters": arguments}, {"name": "write_file", "parameters": {}}], ensure_ascii=False
+    )
     stream = plan.stream()
     parser = stream._tool_stream
     calls, work = [], []

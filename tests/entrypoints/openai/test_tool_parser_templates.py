@@ -18,17 +18,39 @@ from raylm.entrypoints.openai.serving_tools import template_reads_tools
 from raylm.entrypoints.openai.tool_parsers import get_tool_parser, tool_chat_template_path, tool_parser_names
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
-                                         "metric": {"type": "boolean"}, "where": {"type": "object"}}}}},
-    {"type": "function", "function": {"name": "get_time", "parameters": {
-        "type": "object", "properties": {"zone": {"type": "string"}}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer"},
+                    "metric": {"type": "boolean"},
+                    "where": {"type": "object"},
+                },
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}},
+    },
 ]
-CALLS = [("get_weather", {"city": "Paris \"centre\"", "days": 3, "metric": True, "where": {"lat": 48.8}}),
-         ("get_time", {"zone": "CET"})]
+CALLS = [
+    ("get_weather", {"city": 'Paris "centre"', "days": 3, "metric": True, "where": {"lat": 48.8}}),
+    ("get_time", {"zone": "CET"}),
+]
 # Where the assistant's turn ends in each template.
-TURN_END = {"llama3_json": "<|eot_id|>", "pythonic": "<|eot_id|>", "mistral": "</s>", "qwen3_xml": "<|im_end|>\n",
-            "qwen3_coder": "<|im_end|>\n"}
+TURN_END = {
+    "llama3_json": "<|eot_id|>",
+    "pythonic": "<|eot_id|>",
+    "mistral": "</s>",
+    "qwen3_xml": "<|im_end|>\n",
+    "qwen3_coder": "<|im_end|>\n",
+}
 SHIPPED = sorted(name for name in tool_parser_names() if tool_chat_template_path(name) is not None)
 
 
@@ -51,9 +73,14 @@ def test_shipped_template_writes_calls_its_parser_reads(tokenizer, parser_name):
     template = tool_chat_template_path(parser_name).read_text()
     assert template_reads_tools(template)
     user = {"role": "user", "content": "Weather and time in Paris?"}
-    assistant = {"role": "assistant", "content": None, "tool_calls": [
-        {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
-        for i, (name, arguments) in enumerate(CALLS)]}
+    assistant = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+            for i, (name, arguments) in enumerate(CALLS)
+        ],
+    }
     prompt, _ = render_chat(tokenizer, _request(template, [user]))
     history, _ = render_chat(tokenizer, _request(template, [user, assistant], add_generation_prompt=False))
     # The tools are offered, with their schemas.
@@ -62,9 +89,9 @@ def test_shipped_template_writes_calls_its_parser_reads(tokenizer, parser_name):
     assert '"description": "The weather in a city."' in prompt
     # The earlier turn is the prompt's generation point followed by the calls, as the model would write them.
     assert history.startswith(prompt)
-    written = history[len(prompt):]
+    written = history[len(prompt) :]
     assert written.endswith(TURN_END[parser_name]), written
-    written = written[:-len(TURN_END[parser_name])]
+    written = written[: -len(TURN_END[parser_name])]
     schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
     extracted = get_tool_parser(parser_name, schemas).extract(written)
     assert extracted.content is None, written
@@ -77,8 +104,13 @@ def test_shipped_template_renders_a_tool_reply_and_a_system_turn(tokenizer, pars
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Time?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_9", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_9", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_9", "content": "12:00"},
     ]
     text, ids = render_chat(tokenizer, _request(template, messages))

@@ -30,18 +30,25 @@ from raylm.testing.tool_chat_template import TOOL_CHAT_TEMPLATE, install_tool_ch
 CASES = [
     ("Just text, no calls.", "Just text, no calls.", None),
     ("", "", None),
-    ("Let me check.<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
-     "Let me check.", [("get_weather", {"city": "Paris"})]),
-    ("<tool_call>\n{\"name\": \"a\", \"arguments\": {\"s\": \"}{ \\\"quoted\\\" ]\", \"n\": [1, {\"x\": null}]}}\n"
-     "</tool_call>\n<tool_call>\n{\"name\": \"b\", \"arguments\": {\"city\": \"東京 🌸\"}}\n</tool_call>",
-     None, [("a", {"s": "}{ \"quoted\" ]", "n": [1, {"x": None}]}), ("b", {"city": "東京 🌸"})]),
+    (
+        'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        "Let me check.",
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (
+        '<tool_call>\n{"name": "a", "arguments": {"s": "}{ \\"quoted\\" ]", "n": [1, {"x": null}]}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "b", "arguments": {"city": "東京 🌸"}}\n</tool_call>',
+        None,
+        [("a", {"s": '}{ "quoted" ]', "n": [1, {"x": None}]}), ("b", {"city": "東京 🌸"})],
+    ),
     # The model stopped right after the last call, before its closing tag.
-    ("<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call>"
-     "<tool_call>{\"name\": \"b\", \"arguments\": {\"k\": 1}}",
-     None, [("a", {}), ("b", {"k": 1})]),
-    ("<tool_call>{\"name\": \"no_args\"}</tool_call>", None, [("no_args", {})]),
-    ("<tool_call>{\"arguments\": {\"k\": true}, \"name\": \"args_first\"}</tool_call>",
-     None, [("args_first", {"k": True})]),
+    (
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {"k": 1}}',
+        None,
+        [("a", {}), ("b", {"k": 1})],
+    ),
+    ('<tool_call>{"name": "no_args"}</tool_call>', None, [("no_args", {})]),
+    ('<tool_call>{"arguments": {"k": true}, "name": "args_first"}</tool_call>', None, [("args_first", {"k": True})]),
     # Look-alikes of the tag stay content.
     ("a <tool> b <tool_ c <tool_call", "a <tool> b <tool_ c <tool_call", None),
     # A malformed call makes the whole output content.
@@ -134,10 +141,16 @@ def test_parser_registry():
 
 # ---- The plan ------------------------------------------------------------------
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
-           "required": ["city"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time"}}]
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time"}},
+]
 AUTO = ToolCallConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
 
 
@@ -145,14 +158,21 @@ def _request(**fields) -> ChatCompletionRequest:
     return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields)
 
 
-@pytest.mark.parametrize("fields,config,param,message", [
-    ({"tools": TOOLS}, ToolCallConfig(), "tool_choice", "--enable-auto-tool-choice"),
-    ({"tools": TOOLS, "tool_choice": "auto"}, ToolCallConfig(tool_call_parser="hermes"), "tool_choice", "auto"),
-    ({"tool_choice": "required"}, AUTO, "tool_choice", "`tools` must be set"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, AUTO, "tool_choice",
-     "'nope'"),
-    ({"tools": TOOLS + TOOLS[:1]}, AUTO, "tools", "unique"),
-])
+@pytest.mark.parametrize(
+    "fields,config,param,message",
+    [
+        ({"tools": TOOLS}, ToolCallConfig(), "tool_choice", "--enable-auto-tool-choice"),
+        ({"tools": TOOLS, "tool_choice": "auto"}, ToolCallConfig(tool_call_parser="hermes"), "tool_choice", "auto"),
+        ({"tool_choice": "required"}, AUTO, "tool_choice", "`tools` must be set"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            AUTO,
+            "tool_choice",
+            "'nope'",
+        ),
+        ({"tools": TOOLS + TOOLS[:1]}, AUTO, "tools", "unique"),
+    ],
+)
 def test_plan_refuses(fields, config, param, message):
     with pytest.raises(OpenAIError, match=message) as info:
         plan_tools(_request(**fields), config)
@@ -163,21 +183,25 @@ def test_plan_modes():
     assert plan_tools(_request(), ToolCallConfig()).mode == "plain"
     assert plan_tools(_request(tools=TOOLS, tool_choice="none"), ToolCallConfig()).mode == "none"
     assert plan_tools(_request(tools=TOOLS), AUTO).mode == "auto"
-    named = plan_tools(_request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}),
-                       ToolCallConfig())
+    named = plan_tools(
+        _request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}), ToolCallConfig()
+    )
     assert (named.mode, named.function_name) == ("named", "get_time")
 
 
 def test_named_choice_constrains_to_the_parameters():
-    plan = plan_tools(_request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}),
-                      ToolCallConfig())
+    plan = plan_tools(
+        _request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}), ToolCallConfig()
+    )
     params = plan.apply(SamplingParams())
     assert params.structured_outputs.json == WEATHER
     message, finish = plan.message('{"city": "Tokyo"}', "stop")
     assert finish == "stop" and message.content is None  # forced by name: "stop", as OpenAI and vLLM
     [call] = message.tool_calls
-    assert call.id.startswith("call_") and (call.function.name, call.function.arguments) == \
-        ("get_weather", '{"city": "Tokyo"}')
+    assert call.id.startswith("call_") and (call.function.name, call.function.arguments) == (
+        "get_weather",
+        '{"city": "Tokyo"}',
+    )
     # Cut short: the reason stays.
     assert plan.message('{"ci', "length")[1] == "length"
 
@@ -187,14 +211,21 @@ def test_required_schema_accepts_exactly_valid_calls():
     schema = plan.apply(SamplingParams()).structured_outputs.json
     valid = [{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]
     jsonschema.validate(valid, schema)
-    for invalid in ([], [{"name": "nope", "parameters": {}}], [{"name": "get_weather", "parameters": {"city": "Rome"}}],
-                    [{"name": "get_weather"}], [{"name": "get_time", "parameters": {}, "extra": 1}]):
+    for invalid in (
+        [],
+        [{"name": "nope", "parameters": {}}],
+        [{"name": "get_weather", "parameters": {"city": "Rome"}}],
+        [{"name": "get_weather"}],
+        [{"name": "get_time", "parameters": {}, "extra": 1}],
+    ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(invalid, schema)
     message, finish = plan.message(json.dumps(valid), "stop")
     assert finish == "tool_calls"
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == \
-        [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {}),
+    ]
     # Cut short: the complete calls before the cut; none at all leaves the text as content.
     message, finish = plan.message('[{"name": "get_time", "parameters": {}}, {"name": "get_we', "length")
     assert [c.function.name for c in message.tool_calls] == ["get_time"] and finish == "length"
@@ -211,8 +242,9 @@ def test_required_stream_sends_each_call_when_complete():
     stream = plan.stream()
     assert stream.step('[{"name": "get_weather", "parameters": {"ci', False) is None
     first = stream.step('ty": "Paris"}}, {"name": "get_time", ', False)
-    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in first.tool_calls] == \
-        [(0, "get_weather", {"city": "Paris"})]
+    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in first.tool_calls] == [
+        (0, "get_weather", {"city": "Paris"})
+    ]
     second = stream.step('"parameters": {}}]', True)
     assert [(c.index, c.type, c.function.name) for c in second.tool_calls] == [(1, "function", "get_time")]
     assert stream.finish_reason("stop") == "tool_calls"
@@ -235,6 +267,7 @@ def test_tool_choice_with_another_structured_output_is_a_400():
 
 # ---- Rendering -------------------------------------------------------------------
 
+
 def test_template_reads_tools():
     assert template_reads_tools(TOOL_CHAT_TEMPLATE)
     assert not template_reads_tools(CHAT_TEMPLATE)
@@ -243,10 +276,22 @@ def test_template_reads_tools():
 def test_tool_messages_are_checked():
     bad = [
         [{"role": "tool", "content": "21 C"}],
-        [{"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "not json"}}]}],
-        [{"role": "user", "content": "x", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
+        [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "not json"}}
+                ],
+            }
+        ],
+        [
+            {
+                "role": "user",
+                "content": "x",
+                "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+            }
+        ],
     ]
     for messages in bad:
         request = ChatCompletionRequest(messages=messages)
@@ -265,21 +310,40 @@ def test_render_chat_with_tools_matches_the_template(tool_tokenizer):
     conversation (arguments as objects, as tool templates expect them)."""
     messages = [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
     ]
     request = ChatCompletionRequest(messages=messages, tools=TOOLS)
     text, ids = render_chat(tool_tokenizer, request)
     expected_conversation = [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_call_id": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_call_id": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
         {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "call_1"},
     ]
-    expected = tool_tokenizer.apply_chat_template(expected_conversation, tools=TOOLS, tokenize=False,
-                                                  add_generation_prompt=True)
+    expected = tool_tokenizer.apply_chat_template(
+        expected_conversation, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
     assert text == expected
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text

@@ -47,6 +47,14 @@ def get_reasoning_parser(name: str) -> ReasoningParser:
 
 
 __all__ = [
-    "END_TAG", "START_TAG", "DeepSeekR1ReasoningParser", "Qwen3ReasoningParser", "ReasoningDelta",
-    "ReasoningParser", "ReasoningSplit", "ReasoningStream", "get_reasoning_parser", "reasoning_parser_names",
+    "END_TAG",
+    "START_TAG",
+    "DeepSeekR1ReasoningParser",
+    "Qwen3ReasoningParser",
+    "ReasoningDelta",
+    "ReasoningParser",
+    "ReasoningSplit",
+    "ReasoningStream",
+    "get_reasoning_parser",
+    "reasoning_parser_names",
 ]

@@ -77,7 +77,7 @@ class ReasoningStream:
                 # (Everything received so far is here: the lead-in is measured the same however it came.)
                 if len(text) - len(body) <= _MAX_LEAD_IN:
                     if body.startswith(START_TAG):
-                        self._pending = body[len(START_TAG):]
+                        self._pending = body[len(START_TAG) :]
                         self._state, self.saw_reasoning = "reasoning", True
                         continue
                     if not final and (not body or START_TAG.startswith(body)):
@@ -91,12 +91,12 @@ class ReasoningStream:
             end = text.find(END_TAG)
             if end >= 0:
                 out.reasoning += text[:end]
-                self._pending = text[end + len(END_TAG):]
+                self._pending = text[end + len(END_TAG) :]
                 self._state = "content"
                 continue
             held = 0 if final else _partial_suffix(text, END_TAG)
-            out.reasoning += text[:len(text) - held]
-            self._pending = text[len(text) - held:]
+            out.reasoning += text[: len(text) - held]
+            self._pending = text[len(text) - held :]
             return
 
 
@@ -118,7 +118,7 @@ class ReasoningParser:
             opened, closed = prompt.rfind(START_TAG), prompt.rfind(END_TAG)
             if opened > closed:
                 return "open"
-            if closed >= 0 and prompt[closed + len(END_TAG):].strip(_BLANKS) == "":
+            if closed >= 0 and prompt[closed + len(END_TAG) :].strip(_BLANKS) == "":
                 return "closed"
         return "none"
 

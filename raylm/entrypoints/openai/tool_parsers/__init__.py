@@ -23,8 +23,14 @@ from raylm.entrypoints.openai.tool_parsers.qwen3_xml import Qwen3CoderToolParser
 
 _PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser
-    for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, Qwen3XmlToolParser,
-                   Qwen3CoderToolParser, PythonicToolParser)
+    for parser in (
+        HermesToolParser,
+        Llama3JsonToolParser,
+        MistralToolParser,
+        Qwen3XmlToolParser,
+        Qwen3CoderToolParser,
+        PythonicToolParser,
+    )
 }
 _TEMPLATES = pathlib.Path(__file__).parent / "templates"
 
@@ -50,7 +56,16 @@ def tool_chat_template_path(name: str) -> pathlib.Path | None:
 
 
 __all__ = [
-    "ExtractedToolCalls", "HermesToolParser", "JsonObjectScanner", "ParsedToolCall", "StreamDelta",
-    "StreamingToolParser", "ToolCallDelta", "ToolParser", "get_tool_parser", "tool_call_id", "tool_chat_template_path",
+    "ExtractedToolCalls",
+    "HermesToolParser",
+    "JsonObjectScanner",
+    "ParsedToolCall",
+    "StreamDelta",
+    "StreamingToolParser",
+    "ToolCallDelta",
+    "ToolParser",
+    "get_tool_parser",
+    "tool_call_id",
+    "tool_chat_template_path",
     "tool_parser_names",
 ]

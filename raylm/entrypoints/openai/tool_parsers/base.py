@@ -42,8 +42,9 @@ class StreamDelta:
     content: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
-    def add_call_piece(self, index: int, *, id: str | None = None, name: str | None = None,
-                       arguments: str = "") -> None:
+    def add_call_piece(
+        self, index: int, *, id: str | None = None, name: str | None = None, arguments: str = ""
+    ) -> None:
         """Pieces of one call within one chunk are merged: clients key them by index."""
         for piece in self.tool_calls:
             if piece.index == index:

@@ -36,8 +36,9 @@ START_TAG = "<tool_call>"
 END_TAG = "</tool_call>"
 
 # A closed call, or the last one left open at the end of the output.
-_CALL = re.compile(re.escape(START_TAG) + r"(.*?)" + re.escape(END_TAG) + "|" + re.escape(START_TAG) + r"(.*)\Z",
-                   re.DOTALL)
+_CALL = re.compile(
+    re.escape(START_TAG) + r"(.*?)" + re.escape(END_TAG) + "|" + re.escape(START_TAG) + r"(.*)\Z", re.DOTALL
+)
 _JSON_STRING = r'"(?:[^"\\]|\\.)*"'
 # While streaming: the call's name, once its string is complete ...
 _NAME_PREFIX = re.compile(r'\s*\{\s*"name"\s*:\s*(' + _JSON_STRING + r")")
@@ -71,7 +72,7 @@ def _arguments_text(body: str, arguments: dict) -> str:
         except ValueError:
             value = None
         if value == arguments:
-            return body[key.end():end]
+            return body[key.end() : end]
     return json.dumps(arguments, ensure_ascii=False)
 
 
@@ -168,26 +169,26 @@ class HermesStreamingParser(StreamingToolParser):
                 if start < 0:
                     held = 0 if final else _partial_tag_length(text, 0, START_TAG)
                     if not self._seen_call:
-                        out.content += text[:len(text) - held]
-                    self._pending = text[len(text) - held:]
+                        out.content += text[: len(text) - held]
+                    self._pending = text[len(text) - held :]
                     return
                 if not self._seen_call:
                     out.content += text[:start]
                 self._seen_call = True
                 self._call = _OpenCall(self._num_calls)
-                self._pending = text[start + len(START_TAG):]
+                self._pending = text[start + len(START_TAG) :]
                 continue
             end = text.find(END_TAG)
             if end < 0 and not final:
                 # Never past what could be the start of its closing tag.
                 held = _partial_tag_length(text, 0, END_TAG)
-                self._take(out, text[:len(text) - held])
-                self._pending = text[len(text) - held:]
+                self._take(out, text[: len(text) - held])
+                self._pending = text[len(text) - held :]
                 return
             closed = end >= 0
             # The call's end: the whole of it is parsed (what is new of it was never streamed).
             self._call.body.append(text if not closed else text[:end])
-            self._pending = text[end + len(END_TAG):] if closed else ""
+            self._pending = text[end + len(END_TAG) :] if closed else ""
             self._close_call(out, closed)
             if not closed and not self._verbatim:
                 return
@@ -205,7 +206,7 @@ class HermesStreamingParser(StreamingToolParser):
             self._find_arguments(out, call)
             if call.scanner is None:
                 return
-            piece, call.head = call.head[call.arguments_start:], ""
+            piece, call.head = call.head[call.arguments_start :], ""
         if call.scanner.done:
             return
         self.chars_examined += len(piece)
@@ -261,6 +262,6 @@ class HermesStreamingParser(StreamingToolParser):
             out.add_call_piece(call.index, id=tool_call_id(), name=parsed.name, arguments=parsed.arguments)
             return
         sent = "".join(call.sent)
-        rest = parsed.arguments[len(sent):]
+        rest = parsed.arguments[len(sent) :]
         if rest and parsed.arguments.startswith(sent):
             out.add_call_piece(call.index, arguments=rest)

@@ -60,7 +60,7 @@ class TagFinder:
         if found >= 0:
             self._carry = ""
             return found + len(self.tag) - len(carry)
-        self._carry = window[max(0, len(window) - (len(self.tag) - 1)):]
+        self._carry = window[max(0, len(window) - (len(self.tag) - 1)) :]
         return None
 
 
@@ -73,7 +73,7 @@ def arguments_text(body: str, key: str, arguments: dict) -> str:
         except ValueError:
             continue
         if value == arguments:
-            return body[match.end():end]
+            return body[match.end() : end]
     return json.dumps(arguments, ensure_ascii=False)
 
 

@@ -59,12 +59,12 @@ class MistralStream(CallStream):
             end = self._tag.feed(self.buffer)
             if end is None:
                 held = 0 if final else partial_suffix(self.buffer, TOOL_CALLS)
-                out.content += self.buffer[:len(self.buffer) - held]
-                self.buffer = self.buffer[len(self.buffer) - held:]
+                out.content += self.buffer[: len(self.buffer) - held]
+                self.buffer = self.buffer[len(self.buffer) - held :]
                 self._tag = TagFinder(TOOL_CALLS)  # the held text is searched again
                 return False
-            out.content += self.buffer[:end - len(TOOL_CALLS)]
-            self.buffer = self.buffer[end - len(TOOL_CALLS):]
+            out.content += self.buffer[: end - len(TOOL_CALLS)]
+            self.buffer = self.buffer[end - len(TOOL_CALLS) :]
             self.take(len(TOOL_CALLS))
             self._state = "after_tag"
             return True

@@ -99,8 +99,7 @@ def _literal(node: ast.expr):
             return -value if isinstance(node.op, ast.USub) else value
     if isinstance(node, (ast.List, ast.Tuple)):
         return [_literal(item) for item in node.elts]
-    if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) and isinstance(k.value, str)
-                                          for k in node.keys):
+    if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in node.keys):
         return {k.value: _literal(v) for k, v in zip(node.keys, node.values)}
     raise ValueError(f"not a literal: {ast.dump(node)[:80]}")
 
@@ -146,7 +145,7 @@ class PythonicStream(CallStream):
             return True
         body = self.buffer.lstrip(_BLANKS)
         if body.startswith(PYTHON_END):
-            body = body[len(PYTHON_END):].lstrip(_BLANKS)
+            body = body[len(PYTHON_END) :].lstrip(_BLANKS)
         elif PYTHON_END.startswith(body) and body and not final:
             return False
         self.buffer = body

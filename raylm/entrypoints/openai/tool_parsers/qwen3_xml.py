@@ -78,7 +78,7 @@ def parse_function_block(block: str, tools: dict[str, dict]) -> ParsedToolCall |
     arguments: dict[str, Any] = {}
     position = 0
     for parameter in _PARAMETER.finditer(inner):
-        if inner[position:parameter.start()].strip(_BLANKS):
+        if inner[position : parameter.start()].strip(_BLANKS):
             return None  # text between parameters
         key = parameter.group(1).strip()
         arguments[key] = _convert(_strip_one_newline(parameter.group(2)), properties.get(key))
@@ -101,8 +101,8 @@ class Qwen3XmlStream(CallStream):
             start = self.buffer.find(START)
             if start < 0:
                 held = 0 if final else partial_suffix(self.buffer, START)
-                out.content += self.buffer[:len(self.buffer) - held]
-                self.buffer = self.buffer[len(self.buffer) - held:]
+                out.content += self.buffer[: len(self.buffer) - held]
+                self.buffer = self.buffer[len(self.buffer) - held :]
                 return False
             out.content += self.buffer[:start]
             self.buffer = self.buffer[start:]
@@ -125,7 +125,7 @@ class Qwen3XmlStream(CallStream):
         if end is None and not final:
             return False
         block = "".join(self._block)
-        call = parse_function_block(block[:-len(END)] if end is not None else block, self._tools)
+        call = parse_function_block(block[: -len(END)] if end is not None else block, self._tools)
         if call is None:
             self.to_content(out)
             return True
