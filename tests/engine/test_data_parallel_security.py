@@ -304,6 +304,12 @@ class _IdleCore:
     def take_migration_reports(self, message=None) -> list:
         return []  # nothing migrates in or out of an idle core
 
+    def record_kv_events(self) -> None:
+        pass
+
+    def take_kv_events(self) -> None:
+        return None  # an idle core's prefix cache does not change
+
 
 def test_a_replica_drops_an_input_frame_that_does_not_decode(tmp_path, caplog):
     """A replica's core loop (no Ray needed): a stray frame is logged and
