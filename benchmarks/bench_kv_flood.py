@@ -32,10 +32,12 @@ against what the server's own threads spent (CPU seconds).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import multiprocessing as mp
 import os
 import pathlib
+import select
 import socket
 import statistics
 import struct
@@ -58,6 +60,7 @@ from raylm.kv_transfer.sealed_frames import TransferKey, new_key
 # The ~111M bf16 model's geometry per layer (as bench_kv_stage_cpu): 128 KiB a block.
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 8, 16, 4, 64
 _STAGE_BLOCKS = 32  # 4 MiB: 4 frames
+_DESTINATION = "127.0.0.1"  # the destination's address (loopback's: it fetches from the default)
 _IDLE_CONNECTIONS = 200
 
 
@@ -87,21 +90,28 @@ def _part(data: bytes, more: bool) -> bytes:
     return bytes([0x02 | (0x01 if more else 0)]) + struct.pack(">Q", len(data)) + data
 
 
-def _attacker(host: str, port, seconds: float, rate: float, counts) -> None:
+_IP_BIND_ADDRESS_NO_PORT = 24  # <linux/in.h>
+
+
+def _attacker(host: str, port, seconds: float, rate: float, counts, source: str = "") -> None:
     """`port`: an int, or a shared value (multiprocessing.Value) another
-    process points at whatever port the server listens on, or listened on last."""
+    process points at whatever port the server listens on, or listened on
+    last. `source`: the address it connects from ("": the kernel's choice)."""
     stop = time.monotonic() + seconds
 
     def target() -> tuple[str, int]:
         return host, (port.value if hasattr(port, "value") else port)
 
-    tally = {"multipart_parts": 0, "multipart_dropped": 0, "idle_closed": 0, "junk": 0}
+    def connect() -> socket.socket:
+        return socket.create_connection(target(), timeout=1, source_address=(source, 0) if source else None)
+
+    tally = {"multipart_parts": 0, "multipart_dropped": 0, "idle_closed": 0, "junk": 0, "junk_unanswered": 0}
 
     def endless_multipart() -> None:
         parts = b"".join(_part(bytes(1024), more=True) for _ in range(64))
         while time.monotonic() < stop:
             try:
-                with socket.create_connection(target(), timeout=1) as conn:
+                with connect() as conn:
                     conn.sendall(_greeting(b"NULL"))
                     conn.recv(64)
                     conn.sendall(_READY)
@@ -129,7 +139,7 @@ def _attacker(host: str, port, seconds: float, rate: float, counts) -> None:
                     tally["idle_closed"] += 1
             while len(held) < _IDLE_CONNECTIONS and time.monotonic() < stop:
                 try:
-                    held.append(socket.create_connection(target(), timeout=1))
+                    held.append(connect())
                 except OSError:
                     tally["idle_closed"] += 1
                     break
@@ -145,16 +155,31 @@ def _attacker(host: str, port, seconds: float, rate: float, counts) -> None:
             + _command(b"HELLO", b"\x08raylm-kv\x24" + os.urandom(36))
             + _part(b"m-0.rank0", more=False),
         ]
+        # Each connection costs the attacker the same whatever answers: a
+        # non-blocking connect (on loopback the handshake is done by the
+        # time it returns), a look whether it connected, the junk if so, a
+        # close. A SYN that gets no answer (a filtered port) is given up at
+        # once, as one that is refused (a closed port).
         started = time.monotonic()
         while (now := time.monotonic()) < stop:
             if tally["junk"] > rate * (now - started):
                 time.sleep(0.0005)
                 continue
-            try:
-                with socket.create_connection(target(), timeout=1) as conn:
-                    conn.sendall(kinds[tally["junk"] % len(kinds)])
-            except OSError:
-                pass
+            with socket.socket() as conn:
+                conn.setblocking(False)
+                if source:  # the port chosen at connect, by the whole 4-tuple: as cheap as no bind
+                    conn.setsockopt(socket.IPPROTO_IP, _IP_BIND_ADDRESS_NO_PORT, 1)
+                    conn.bind((source, 0))
+                conn.connect_ex(target())
+                poll = select.poll()
+                poll.register(conn, select.POLLOUT)
+                if poll.poll(0) and conn.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+                    try:
+                        conn.send(kinds[tally["junk"] % len(kinds)])
+                    except OSError:
+                        pass
+                elif not poll.poll(0):
+                    tally["junk_unanswered"] += 1
             tally["junk"] += 1
 
     threads = [threading.Thread(target=fn, daemon=True) for fn in (endless_multipart, idle, junk)]
@@ -222,10 +247,13 @@ def _percentiles(values: list[float]) -> str:
     return f"p50 {1000 * statistics.median(ordered):7.2f} / p99 {1000 * p99:7.2f} ms (n={len(ordered)})"
 
 
-def run(mode: str, seconds: float, rate: float, source, key: bytes, requests, replies, context) -> dict:
+def run(
+    mode: str, seconds: float, rate: float, source, key: bytes, requests, replies, context, attacker_address: str = ""
+) -> dict:
     budget = kv_background.process_copy_budget()
     endpoint = kv_network.KVNetworkEndpoint()
-    _, address = endpoint.serve(source, "warm-up.rank0", list(range(_STAGE_BLOCKS)), "127.0.0.1", TransferKey(key))
+    serve = functools.partial(endpoint.serve, peer=_DESTINATION)  # the one address the server admits
+    _, address = serve(source, "warm-up.rank0", list(range(_STAGE_BLOCKS)), "127.0.0.1", TransferKey(key))
     requests.put(("warm-up.rank0", address))
     replies.get(timeout=120)
     server = endpoint._server
@@ -249,9 +277,12 @@ def run(mode: str, seconds: float, rate: float, source, key: bytes, requests, re
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
+    # The server listens only while it holds an offer (on a fresh port each
+    # time): one nobody fetches keeps it on one port for the run.
+    _, address = serve(source, "anchor.rank0", [0], "127.0.0.1", TransferKey(key))
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
     target = int(port) if mode == "flood" else _closed_port()
-    attacker = context.Process(target=_attacker, args=(host, target, seconds, rate, counts))
+    attacker = context.Process(target=_attacker, args=(host, target, seconds, rate, counts, attacker_address))
     attacker.start()
     time.sleep(0.5)  # the flood going
     fetches = {"paced": [], "final": []}
@@ -262,7 +293,7 @@ def run(mode: str, seconds: float, rate: float, source, key: bytes, requests, re
     while time.monotonic() < deadline:
         kind = "paced" if i % 2 == 0 else "final"
         name = f"m-{i}.rank0"
-        endpoint.serve(
+        _, address = serve(
             source,
             name,
             list(range(_STAGE_BLOCKS)),
@@ -280,6 +311,7 @@ def run(mode: str, seconds: float, rate: float, source, key: bytes, requests, re
         i += 1
     attacker.join(seconds + 60)
     attacker.close()
+    endpoint.withdraw("anchor")
     # The last strangers' handshakes time out (a tree before 2 s: the step queues' 10 s).
     time.sleep(getattr(kv_network, "_HANDSHAKE_TIMEOUT_MS", 10_000) / 1000 + 1.0)
     sampling.set()
@@ -336,6 +368,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--rate", type=float, default=2000.0, help="junk connections a second")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--attacker-address",
+        default="",
+        help=f"where the attacker connects from (default: {_DESTINATION}, the destination's, which the server "
+        "admits; another, e.g. 127.0.0.2: a stranger whose SYNs the kernel drops)",
+    )
     args = parser.parse_args()
     key = new_key()
     source = _caches(_STAGE_BLOCKS, fill=True)
@@ -347,7 +385,9 @@ def main() -> None:
     try:
         for _ in range(args.repeats):
             for mode in ("control", "flood"):
-                results.append(run(mode, args.seconds, args.rate, source, key, requests, replies, context))
+                results.append(
+                    run(mode, args.seconds, args.rate, source, key, requests, replies, context, args.attacker_address)
+                )
                 _report(results[-1])
     finally:
         requests.put(None)

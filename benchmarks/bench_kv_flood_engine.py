@@ -16,7 +16,12 @@ times every token's arrival at the front end. Three modes, alternating:
 `control` aims at a closed port; `flood` at the port the server listened on
 at the warm-up (an attacker who found it once); `chase` at the port it
 listens on now, found within 5 ms by reading /proc (a local attacker who
-follows it: the flood meets every stage of the migration). Reported per
+follows it: the flood meets every stage of the migration). The
+destination core is on this host, at 127.0.0.1, the one address its
+source's server admits (raylm.kv_transfer.peer_filter): an attacker there
+is refused at the handshake; with `--attacker-address 127.0.0.2` it stands
+for any other stranger (across nodes, anyone not on the destination's
+host), whose SYNs the kernel drops. Reported per
 run: the victims' inter-token gaps (p50/p99), the migration's outcome, and
 the junk the attacker sent.
 """
@@ -60,21 +65,26 @@ def _decode_all(llm: LLM, requests: dict[str, list[int]], params: SamplingParams
     return arrivals
 
 
-def _gaps(arrivals: dict[str, list[float]]) -> list[float]:
+def _gaps(arrivals: dict[str, list[float]], window: tuple[float, float] | None = None) -> list[float]:
+    """Inter-token gaps, from the second token (no prefill); `window`: only
+    those that ended inside it."""
     gaps = []
     for times in arrivals.values():
-        gaps += [b - a for a, b in zip(times[1:], times[2:])]  # from the second token: no prefill
+        gaps += [b - a for a, b in zip(times[1:], times[2:]) if window is None or window[0] <= b <= window[1]]
     return gaps
 
 
 class _PortWatch:
     """Points a shared value at the port core `index`'s K/V server listens on
     (it listens only while it offers, on a fresh port each time), looking
-    every _WATCH_S: the attacker that follows it, a local one reading /proc."""
+    every _WATCH_S: the attacker that follows it, a local one reading /proc.
+    `follow=False`: it looks as often, and leaves the value alone (the
+    control's and the flood's attacker spend the same on looking)."""
 
-    def __init__(self, pid: int, port, stop_after_s: float):
-        self.pid, self.port, self.stop_at = pid, port, time.monotonic() + stop_after_s
+    def __init__(self, pid: int, port, stop_after_s: float, follow: bool = True):
+        self.pid, self.port, self.stop_at, self.follow = pid, port, time.monotonic() + stop_after_s, follow
         self.seen: set[int] = set()
+        self.listening: list[float] = []  # when it saw the server listen (CLOCK_MONOTONIC: every process's)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -82,15 +92,27 @@ class _PortWatch:
         while time.monotonic() < self.stop_at:
             ports = listening_tcp_ports({self.pid})
             if ports:
-                self.port.value = sorted(ports)[0][1]
-                self.seen.add(self.port.value)
+                self.listening.append(time.monotonic())
+                self.seen.add(sorted(ports)[0][1])
+                if self.follow:
+                    self.port.value = sorted(ports)[0][1]
             time.sleep(_WATCH_S)
+
+
+def _watching_attacker(pid: int, follow: bool, port, seconds: float, rate: float, counts, source: str) -> None:
+    """The attacker's process: it reads /proc for the server's port itself
+    (in the engine's process the reading would take the front end's CPU
+    and GIL from the victims), in every mode alike."""
+    watch = _PortWatch(pid, port, seconds, follow)
+    _attacker("127.0.0.1", port, seconds, rate, counts, source)
+    counts["ports_followed"] = len(watch.seen) if follow else 0
+    counts["listening"] = (min(watch.listening), max(watch.listening)) if watch.listening else None
 
 
 _WATCH_S = 0.005
 
 
-def run(llm: LLM, mode: str, seconds: float, rate: float, params: SamplingParams) -> dict:
+def run(llm: LLM, mode: str, seconds: float, rate: float, params: SamplingParams, source: str = "") -> dict:
     """`mode`: control (the attacker aims at a closed port), flood (at the
     port the server listened on last, as an attacker that found it once
     would), chase (at the port it listens on now, found within _WATCH_S)."""
@@ -98,8 +120,11 @@ def run(llm: LLM, mode: str, seconds: float, rate: float, params: SamplingParams
     counts = mp.Manager().dict()
     index = 0
     port = mp.Value("i", _closed_port() if mode == "control" else _last_port[0])
-    watch = _PortWatch(sup.launcher._processes[index].pid, port, seconds + 5) if mode == "chase" else None
-    attacker = mp.Process(target=_attacker, args=("127.0.0.1", port, seconds, rate, counts), daemon=True)
+    attacker = mp.Process(
+        target=_watching_attacker,
+        args=(sup.launcher._processes[index].pid, mode == "chase", port, seconds, rate, counts, source),
+        daemon=True,
+    )
     requests = {
         f"{mode}-{i}-{time.monotonic_ns()}": [(7 * i + j) % 200 + 3 for j in range(8 + 3 * i)]
         for i in range(NUM_STREAMS)
@@ -120,11 +145,11 @@ def run(llm: LLM, mode: str, seconds: float, rate: float, params: SamplingParams
     elapsed = time.monotonic() - started
     attacker.join(seconds + 30)
     after = dict(sup.migration_counts)
-    if watch is not None:
-        counts["ports_followed"] = len(watch.seen)
     return {
         "mode": mode,
         "gaps": _gaps(arrivals),
+        # While the server listened (the only time a flood can reach it).
+        "listening_gaps": _gaps(arrivals, counts.get("listening")) if counts.get("listening") else [],
         "elapsed": elapsed,
         "moved": moved.get("started"),
         "migrated": after["migrated"] - before["migrated"],
@@ -138,6 +163,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="how long the attacker runs each time")
     parser.add_argument("--rate", type=float, default=2000.0, help="junk connections a second")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each mode (alternating)")
+    parser.add_argument(
+        "--attacker-address",
+        default="",
+        help="the address the attacker connects from (default: 127.0.0.1, the destination's, which the "
+        "server admits; another one, e.g. 127.0.0.2: a stranger the kernel drops)",
+    )
     parser.add_argument("--max-tokens", type=int, default=400, help="tokens per victim stream")
     args = parser.parse_args()
     os.environ["RAYLM_MIGRATION_NETWORK"] = "1"
@@ -171,16 +202,21 @@ def main() -> None:
         results = []
         for repeat in range(args.repeats):
             for mode in MODES:
-                r = run(llm, mode, args.seconds, args.rate, params)
+                r = run(llm, mode, args.seconds, args.rate, params, args.attacker_address)
                 results.append(r)
                 print(
-                    f"{mode:7s} #{repeat}: inter-token {_percentiles(r['gaps'])}; {r['elapsed']:.1f} s; "
+                    f"{mode:7s} #{repeat}: inter-token {_percentiles(r['gaps'])}; "
+                    f"while the K/V server listened {_percentiles(r['listening_gaps'])}; {r['elapsed']:.1f} s; "
                     f"migration started {r['moved']}, migrated {r['migrated']}, abandoned {r['abandoned']}; "
                     f"attacker {r['counts']}"
                 )
         for mode in MODES:
             gaps = [g for r in results if r["mode"] == mode for g in r["gaps"]]
-            print(f"{mode:7s} all runs: inter-token {_percentiles(gaps)}")
+            listening = [g for r in results if r["mode"] == mode for g in r["listening_gaps"]]
+            print(
+                f"{mode:7s} all runs: inter-token {_percentiles(gaps)}; "
+                f"while the K/V server listened {_percentiles(listening)}"
+            )
 
 
 if __name__ == "__main__":

@@ -304,7 +304,7 @@ class Migrations(Mapping[str, Migration]):
             return None
         if self._kv_key is None:
             self._kv_key = sealed_frames.new_key()
-        return KVNetwork(source.node_ip, self._kv_key)
+        return KVNetwork(source.node_ip, self._kv_key, peer=destination.node_ip)
 
     def _stage_path(self, migration: Migration) -> str:
         return self._stage_folder.stage_path(migration.migration_id, migration.stage)

@@ -108,11 +108,15 @@ class KVNetwork(msgspec.Struct):
     """How a migration's K/V crosses nodes (raylm.kv_transfer.network): the
     source's ranks offer their blocks on `host` (its node's address); both
     sides hold the supervisor's pre-shared transfer `key`
-    (raylm.kv_transfer.sealed_frames). None in a migration message: the two
-    cores share a node, and the K/V goes through files."""
+    (raylm.kv_transfer.sealed_frames); `peer`, the destination's node's
+    address, is the only one the source's server lets connect
+    (raylm.kv_transfer.peer_filter), and the one the destination connects
+    from. None in a migration message: the two cores share a node, and the
+    K/V goes through files."""
 
     host: str
     key: bytes
+    peer: str = ""
 
 
 class MigrateExport(msgspec.Struct, tag="migrate_export"):

@@ -41,7 +41,7 @@ import threading
 
 import torch
 
-from raylm.kv_transfer import files
+from raylm.kv_transfer import files, peer_filter
 from raylm.kv_transfer.background import CopyBudget
 from raylm.kv_transfer.fetch import _JoinedStage, fetch
 from raylm.kv_transfer.frames import FETCH_TIMEOUT_S
@@ -65,8 +65,10 @@ class KVNetworkEndpoint:
         host: str,
         key: TransferKey,
         run_in_background=None,
+        peer: str = "",
     ) -> tuple[int, str]:
         """Pack the blocks and offer them as `name`; (bytes, address to fetch them from).
+        `peer`: the destination's address, the only one admitted for it ("": any).
         `run_in_background(fn, *args) -> Future`: pack on another thread (a
         fetch meanwhile waits for it); None: pack now."""
         server = self._server_for(host, key)
@@ -80,7 +82,7 @@ class KVNetworkEndpoint:
         except BaseException:
             server.buffers.give_back(buffer)
             raise
-        return size, server.offer(name, packed, buffer)
+        return size, server.offer(name, packed, buffer, peer)
 
     def fetch_into(
         self,
@@ -92,15 +94,17 @@ class KVNetworkEndpoint:
         timeout_s: float = FETCH_TIMEOUT_S,
         cancelled: threading.Event | None = None,
         pause=None,
+        local: str = "",
     ) -> int:
         """Fetch the offer `name` into `block_ids`; `pause`: called between
-        frames and between layers of the unpacking (a paced copy beside the steps)."""
+        frames and between layers of the unpacking (a paced copy beside the
+        steps); `local`: this node's address, the one the source admits."""
         what = f"the K/V blocks {name!r} from {address}"
         if not kv_caches:
             raise files.KVTransferError("this rank holds no KV cache")
         join = _JoinedStage(what, files.packed_size(kv_caches, len(block_ids)))
         try:
-            fetch(address, name, key, timeout_s, cancelled, pause, into=join.into)
+            fetch(peer_filter.connect_address(local, address), name, key, timeout_s, cancelled, pause, into=join.into)
             return files.unpack_blocks(kv_caches, block_ids, join.joined(), what, pause)
         finally:
             join.release()

@@ -11,6 +11,7 @@ an import is run there under its stage's name, which `copies_done` and
 from __future__ import annotations
 
 import abc
+import functools
 
 import torch
 
@@ -91,12 +92,13 @@ class NetworkRank(RankTransport):
         # `background`: packed by a thread beside the steps (a fetch waits for it).
         pack = self._paced_export if background else None
         num_bytes, address = self.endpoint.serve(
-            kv_caches, self._name(route), block_ids, route["host"], TransferKey(route["key"]), pack
+            kv_caches, self._name(route), block_ids, route["host"], TransferKey(route["key"]), pack, route["peer"]
         )
         return [num_bytes, address]
 
     def import_(self, kv_caches, route, block_ids, background):
-        fetch = KVNetworkEndpoint().fetch_into
+        # From this node's address: the only one the source's server admits.
+        fetch = functools.partial(KVNetworkEndpoint().fetch_into, local=route["peer"])
         args = (
             kv_caches,
             self._name(route),

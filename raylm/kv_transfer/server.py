@@ -9,12 +9,16 @@ time, which each offer names): between transfers a stranger's connection
 is refused by the kernel, at no cost to the rank, where a server that
 listened for the rank's life paid the accept, the handshake's refusal and
 its counting for every one (a flood of 2k junk connections a second took
-~19% of a core from the rank's steps, here)."""
+~19% of a core from the rank's steps, here). While it listens, only the
+addresses its offers are for can connect (raylm.kv_transfer.peer_filter:
+the kernel drops anyone else's SYN), so that a stranger who follows the
+port costs the rank no more than one who knocks on a closed one."""
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -23,7 +27,7 @@ import torch
 import zmq
 
 from raylm.distributed.tcp_auth import terminate_context
-from raylm.kv_transfer import frames
+from raylm.kv_transfer import frames, peer_filter
 from raylm.kv_transfer.admission import Refusals, SealedAdmission
 from raylm.kv_transfer.background import (
     CopyBudget,
@@ -102,6 +106,10 @@ class KVBlockServer:
         # The endpoint it listens on ("" while it does not), bound and
         # unbound by the server's thread only (a ZMQ socket is one thread's).
         self.address = ""
+        # The addresses its listening socket admits (None: any), and that
+        # socket's fd (libzmq's, valid while `address` is, under the lock).
+        self.admitted: set[str] | None = None
+        self._listen_fd = -1
         self._listen_wanted = False
         self._listening = threading.Event()
         self._idle_since = time.monotonic()
@@ -112,6 +120,8 @@ class KVBlockServer:
         # name -> (packed blocks, or the Future of a packing still running;
         # when offered; the pool's buffer they are packed into, or None)
         self._offers: dict[bytes, tuple[torch.Tensor | Future, float, torch.Tensor | None]] = {}
+        # name -> the address of the destination an offer is for ("": anyone's)
+        self._offer_peers: dict[bytes, str] = {}
         self.buffers = StageBuffers()
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -124,17 +134,26 @@ class KVBlockServer:
         self._sent_frames = SentFrames(self._wakeup, self._budget)
         self._start()
 
-    def offer(self, name: str, packed: torch.Tensor | Future, buffer: torch.Tensor | None = None) -> str:
+    def offer(
+        self, name: str, packed: torch.Tensor | Future, buffer: torch.Tensor | None = None, peer: str = ""
+    ) -> str:
         """Offer `packed` as `name`; the address to fetch it from (the server
         listens from now until it has held no offer for _IDLE_UNBIND_S).
         `buffer`: the one `packed` is (being) packed into, from `self.buffers`:
-        handed back once sent, or once the offer is dropped."""
+        handed back once sent, or once the offer is dropped. `peer`: the
+        address its destination connects from, admitted from now on ("":
+        anyone's, the handshake's check alone)."""
         now = time.monotonic()
         with self._lock:
             stale = [n for n, (_, at, _) in self._offers.items() if now - at > _OFFER_TTL_S]
             dropped = [self._offers.pop(n) for n in stale]
+            for n in stale:
+                self._offer_peers.pop(n, None)
             self._offers[name.encode()] = (packed, now, buffer)
+            self._offer_peers[name.encode()] = peer
             address = self.address
+            if address:
+                self._admit(peer)
             if not address:
                 self._listen_wanted = True
                 self._listening.clear()
@@ -153,7 +172,10 @@ class KVBlockServer:
         """Drop the offers whose name starts with `prefix`; how many."""
         key = prefix.encode()
         with self._lock:
-            dropped = [self._offers.pop(n) for n in [n for n in self._offers if n.startswith(key)]]
+            names = [n for n in self._offers if n.startswith(key)]
+            dropped = [self._offers.pop(n) for n in names]
+            for n in names:
+                self._offer_peers.pop(n, None)
         for packed_or_future, _, buffer in dropped:
             self._give_back_when_packed(packed_or_future, buffer)
         return len(dropped)
@@ -254,8 +276,7 @@ class KVBlockServer:
         now = time.monotonic()
         with self._lock:
             if self._listen_wanted:
-                port = self._sock.bind_to_random_port(f"tcp://{self.host}")
-                self.address = f"tcp://{self.host}:{port}"
+                self._bind()
                 self.refusals.what = f"the K/V server at {self.address}"
                 self._listen_wanted = False
                 self._listening.set()
@@ -271,9 +292,43 @@ class KVBlockServer:
                 return math.inf  # woken when a final stage has left, or an asking connection closed
             if now - self._idle_since < _IDLE_UNBIND_S:
                 return self._idle_since + _IDLE_UNBIND_S - now
-            self._sock.unbind(self.address)
-            self.address = ""
+            self._sock.unbind(self.address)  # libzmq closes the listening fd
+            self.address, self.admitted, self._listen_fd = "", None, -1
             return math.inf
+
+    def _bind(self) -> None:
+        """Listen on a fresh port (under the lock, on the server's thread),
+        admitting only the offers' destinations where the kernel can say so."""
+        peers = set(self._offer_peers.values())
+        if "" in peers or not peer_filter.can_filter(self.host, peers):
+            port = self._sock.bind_to_random_port(f"tcp://{self.host}")
+            self.admitted, self._listen_fd = None, -1
+        else:
+            fd, port = peer_filter.listen(self.host, peers)
+            try:
+                self._sock.setsockopt(zmq.USE_FD, fd)  # libzmq listens on it (and closes it at unbind)
+                try:
+                    self._sock.bind(f"tcp://{self.host}:{port}")
+                finally:
+                    self._sock.setsockopt(zmq.USE_FD, -1)
+            except BaseException:
+                os.close(fd)
+                raise
+            self.admitted, self._listen_fd = peers, fd
+        self.address = f"tcp://{self.host}:{port}"
+
+    def _admit(self, peer: str) -> None:
+        """An offer for `peer` while listening (under the lock): admit its
+        address too, before the offer's address is handed out (a dropped
+        SYN is sent again only after a second)."""
+        if self.admitted is None or peer in self.admitted:
+            return
+        wanted = self.admitted | {peer}
+        if peer and peer_filter.can_filter(self.host, wanted) and peer_filter.attach(self._listen_fd, wanted):
+            self.admitted = wanted
+        else:
+            peer_filter.detach(self._listen_fd)
+            self.admitted = None
 
     def _answer(self, sends: list[StageSend]) -> None:
         """A request that opens with the key, and was not taken before, is
@@ -298,6 +353,7 @@ class KVBlockServer:
         self.requests_received += 1
         with self._lock:
             entry = self._offers.pop(name, None)
+            self._offer_peers.pop(name, None)
         if entry is None:
             self._sock.send_multipart([identity, _STATUS_MISSING, seal.seal(_STATUS_SEAL_INDEX, _STATUS_MISSING, b"")])
             return
@@ -349,4 +405,5 @@ class KVBlockServer:
         self._budget.forget(self._io_threads)
         with self._lock:
             self._offers.clear()
+            self._offer_peers.clear()
         self.buffers = StageBuffers()  # the kept buffers' memory goes with the server

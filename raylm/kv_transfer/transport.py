@@ -155,18 +155,26 @@ class FileTransport(KVTransport):
 
 class NetworkTransport(KVTransport):
     """Over the network (either core on another node): each source rank packs
-    its blocks and offers them on `host`, its core's node's address; the
+    its blocks and offers them on `host`, its core's node's address, to
+    `peer`, the destination's (raylm.kv_transfer.peer_filter); the
     destination's same rank fetches them; both sealed with `key`, the
     supervisor's pre-shared transfer key (raylm.kv_transfer.network)."""
 
     kind = "network"
     description = "over the network"
 
-    def __init__(self, host: str, key: bytes):
-        self.host, self.key = host, key
+    def __init__(self, host: str, key: bytes, peer: str = ""):
+        self.host, self.key, self.peer = host, key, peer
 
     def route(self, stage: str, sources: list[str] | None = None) -> dict:
-        return {"kind": self.kind, "name": stage_name(stage), "host": self.host, "key": self.key, "sources": sources}
+        return {
+            "kind": self.kind,
+            "name": stage_name(stage),
+            "host": self.host,
+            "key": self.key,
+            "peer": self.peer,
+            "sources": sources,
+        }
 
     def offered(self, addresses: list[str | None]) -> list[str] | None:
         return list(addresses)
@@ -191,7 +199,7 @@ def transport_for(network) -> KVTransport:
     the cores share the supervisor's node)."""
     if network is None:
         return FileTransport()
-    return NetworkTransport(network.host, network.key)
+    return NetworkTransport(network.host, network.key, network.peer)
 
 
 class StageFolder:

@@ -242,10 +242,17 @@ class ScheduleRunner:
             sock.close()
             ctx.term()
         ports = listening_tcp_ports(descendants())
+        # Every other one from another loopback address: a K/V server admits
+        # only its offers' destinations' (raylm.kv_transfer.peer_filter), so
+        # its kernel drops those SYNs unanswered; the rest meet the handshake.
+        elsewhere = f"127.0.{rng.randrange(1, 255)}.{rng.randrange(2, 255)}"
         for address in ports:
             for kind in range(STRANGER_CONNECTIONS):
-                _junk_connection(address, kind, rng)
-        return f"{STRANGER_FRAMES} junk frames, {STRANGER_CONNECTIONS} junk connections to each of {sorted(ports)}"
+                _junk_connection(address, kind, rng, source=elsewhere if kind % 2 else "")
+        return (
+            f"{STRANGER_FRAMES} junk frames, {STRANGER_CONNECTIONS} junk connections to each of {sorted(ports)} "
+            f"(half from {elsewhere})"
+        )
 
 
 def _thaw(pid: int) -> None:
@@ -268,13 +275,17 @@ def listening_tcp_ports(pids: set[int]) -> set[tuple[str, int]]:
     return found
 
 
-def _junk_connection(address: tuple[str, int], kind: int, rng: random.Random) -> None:
-    """One stranger's connection: random bytes, a ZMTP NULL greeting and a
-    message, or a greeting cut short; closed at once (a refused or reset
-    connection is what a stranger expects)."""
+def _junk_connection(address: tuple[str, int], kind: int, rng: random.Random, source: str = "") -> None:
+    """One stranger's connection (from `source`, "": the kernel's choice):
+    random bytes, a ZMTP NULL greeting and a message, or a greeting cut
+    short; closed at once (a refused or reset connection is what a stranger
+    expects, and a SYN left unanswered is given up after 0.3 s)."""
     host, port = address
+    target = ("127.0.0.1" if host in ("0.0.0.0", "::") else host, port)
     try:
-        with socket.create_connection(("127.0.0.1" if host in ("0.0.0.0", "::") else host, port), timeout=1.0) as s:
+        with socket.create_connection(
+            target, timeout=0.3 if source else 1.0, source_address=(source, 0) if source else None
+        ) as s:
             if kind % 3 == 0:
                 s.sendall(rng.randbytes(rng.randrange(1, 512)))
             elif kind % 3 == 1:
