@@ -215,6 +215,12 @@ class EngineArgs:
         "loaded), or vllm (vLLM's 4 x waiting + running, for comparison)",
         choices=("kv_aware", "load", "vllm"),
     )
+    prefix_pull: bool = _parallel(
+        True,
+        "when the replica routing chose holds less of a prompt's cached prefix than another one, copy the "
+        "other's K/V blocks of it over (shared memory on one node, the sealed network across nodes) instead of "
+        "computing them again",
+    )
     data_parallel_rebalance: bool = _parallel(
         False, "move running requests live (KV cache and all) from a replica much busier than the least busy one"
     )

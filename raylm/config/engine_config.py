@@ -160,6 +160,9 @@ class ParallelConfig:
     routing_policy: str = "kv_aware"
     # Live migration from a much busier replica to the least busy (raylm.engine.migration).
     data_parallel_rebalance: bool = False
+    # A new request's cached prefix pulled from the replica that holds it to
+    # the one routing chose, instead of computed again (raylm.engine.prefix_pull).
+    prefix_pull: bool = True
 
     @property
     def world_size(self) -> int:

@@ -28,6 +28,9 @@ from raylm.engine.protocol import (
     MigrateExport,
     MigrateImport,
     Ping,
+    PullEnd,
+    PullExport,
+    PullImport,
     RecoveryStats,
     SchedulerStats,
     Shutdown,
@@ -190,6 +193,10 @@ class EngineCoreProc:
                 reports = self.core.take_migration_reports(message)
                 if reports:
                     self._send(EngineCoreOutputs(migrations=reports, stats=self._stats()))
+            elif isinstance(message, (PullExport, PullImport, PullEnd)):
+                pulls = self.core.handle_pull(message)
+                if pulls:
+                    self._send(EngineCoreOutputs(pulls=pulls, stats=self._stats()))
             elif isinstance(message, Shutdown):
                 return handled, False
         return handled, True

@@ -35,8 +35,9 @@ from raylm.core.outputs import EngineCoreOutput
 from raylm.core.scheduler import Scheduler
 from raylm.core.structured_output import StructuredOutputManager
 from raylm.engine.core_migration import MigrationEndpoint
+from raylm.engine.core_pull import PullEndpoint
 from raylm.engine.errors import EngineDeadError
-from raylm.engine.protocol import EngineCoreRequest, KVCacheEvents, MigrationReport, RecoveryKind
+from raylm.engine.protocol import EngineCoreRequest, KVCacheEvents, MigrationReport, PullReport, RecoveryKind
 from raylm.engine.restart_budget import BlameLedger, RestartBudget
 from raylm.executor.abstract import Executor
 from raylm.executor.errors import ExecutorFailedError, WorkerDiedError, WorkerHungError
@@ -102,6 +103,7 @@ class EngineCore:
         # Live migration of requests to and from other cores; reports of
         # migrations that a recovery ended, for the next message out.
         self.migrations = MigrationEndpoint(self)
+        self.pulls = PullEndpoint(self)
         self.migration_reports: list[MigrationReport] = []
         try:
             self._initialize_kv_cache()
@@ -198,6 +200,11 @@ class EngineCore:
             if report is not None:
                 reports.append(report)
         return reports + self.migrations.poll()
+
+    def handle_pull(self, message) -> list[PullReport]:
+        """Apply one prefix pull message (raylm.engine.core_pull); its report, if any."""
+        report = self.pulls.handle(message)
+        return [] if report is None else [report]
 
     # ---- one step ------------------------------------------------------------------
 

@@ -31,6 +31,9 @@ class LedgerEntry:
     channel: int  # the core serving it; -1 while it waits for one
     token_ids: list[int] = field(default_factory=list)  # generated so far, across cores
     pinned: bool = False  # sent to a data_parallel_rank by its client: never moved by rebalancing
+    # Held by the supervisor until its prefix is pulled to its core
+    # (raylm.engine.prefix_pull): the core does not have it yet, so it cannot migrate.
+    held: bool = False
 
     def continuation(self) -> EngineCoreRequest:
         """The request to send again: it continues after the tokens so far.

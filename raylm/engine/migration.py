@@ -23,7 +23,7 @@ destination that dies leaves it at the source, or, once it owned it, to the
 usual recovery too.
 
 The K/V takes one of two ways, chosen once per migration from its pair of
-cores (`_kv_network`) and sent in each of its messages: when both run on the
+cores (`kv_network`) and sent in each of its messages: when both run on the
 supervisor's node, files in its private folder in /dev/shm; otherwise
 (either core on another node) over the network, each source rank offering
 its blocks on a socket of its own and the destination's rank fetching them
@@ -183,6 +183,11 @@ class Migrations(Mapping[str, Migration]):
         self._stage_folder.close()
 
     @property
+    def stage_folder(self) -> StageFolder:
+        """Where this supervisor's transfers name their stages (prefix pulls' too)."""
+        return self._stage_folder
+
+    @property
     def transfer_dir(self) -> str | None:
         """The folder of this supervisor's stages, once the first was named."""
         return self._stage_folder.path
@@ -195,7 +200,7 @@ class Migrations(Mapping[str, Migration]):
         already moving, no destination, a context-parallel engine, a
         source that cannot move K/V)."""
         entry = self._ledger.get(request_id)
-        if entry is None or request_id in self.by_request or entry.channel < 0:
+        if entry is None or request_id in self.by_request or entry.channel < 0 or entry.held:
             return False
         if self._config.parallel_config.context_parallel_size > 1:
             return False  # a CP group's KV is sharded over its ranks: not movable yet (issue 26)
@@ -205,7 +210,7 @@ class Migrations(Mapping[str, Migration]):
         target = self._migration_destination(source, destination)
         if target is None:
             return False
-        network = self._kv_network(source, target)
+        network = self.kv_network(source, target)
         migration = Migration(
             f"{os.getpid()}-{next(self._migration_ids)}",
             request_id,
@@ -299,7 +304,9 @@ class Migrations(Mapping[str, Migration]):
             and self._launcher.is_local(destination.index)
         )
 
-    def _kv_network(self, source: CoreChannel, destination: CoreChannel) -> KVNetwork | None:
+    def kv_network(self, source: CoreChannel, destination: CoreChannel) -> KVNetwork | None:
+        """How K/V goes from `source` to `destination` (a migration's, a prefix
+        pull's): None through files, else the sealed network's host, key and peer."""
         if self._shares_node(source, destination) and not self._network_always:
             return None
         if self._kv_key is None:

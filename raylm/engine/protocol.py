@@ -166,7 +166,68 @@ class MigrateEnd(msgspec.Struct, tag="migrate_end"):
     commit: bool
 
 
-ClientMessage = EngineCoreRequest | AbortRequests | Ping | Shutdown | MigrateExport | MigrateImport | MigrateEnd
+class PullExport(msgspec.Struct, tag="pull_export"):
+    """To a core that holds a prompt's prefix in its cache (a prefix pull,
+    raylm.engine.prefix_pull): export the cached blocks of `block_hashes`
+    (the prompt's leading blocks, in order), as many as it still holds from
+    the first, to the stage `path_prefix` (across nodes: offered to
+    `network.peer`), unpaced (a request waits for them)."""
+
+    pull_id: str
+    block_hashes: list[bytes]
+    path_prefix: str
+    network: KVNetwork | None = None
+
+
+class PullImport(msgspec.Struct, tag="pull_import"):
+    """To a pull's destination, with the request itself: read the pulled
+    blocks into free blocks, keep them in the prefix cache only under the
+    hashes this core computes from the request's prompt (and only if those
+    are `block_hashes`), then add the request, which finds them as its
+    cached prefix. Whatever fails, the request is added (it recomputes)."""
+
+    pull_id: str
+    request: EngineCoreRequest
+    block_hashes: list[bytes]
+    path_prefix: str
+    network: KVNetwork | None = None
+    sources: list[str] | None = None
+
+
+class PullEnd(msgspec.Struct, tag="pull_end"):
+    """To a pull's holder: the pull ended; drop what it still holds of its
+    stage (files, an offer nobody fetched)."""
+
+    pull_id: str
+    path_prefix: str
+    network: KVNetwork | None = None
+
+
+ClientMessage = (
+    EngineCoreRequest
+    | AbortRequests
+    | Ping
+    | Shutdown
+    | MigrateExport
+    | MigrateImport
+    | MigrateEnd
+    | PullExport
+    | PullImport
+    | PullEnd
+)
+
+
+class PullReport(msgspec.Struct):
+    """A core's answer to PullExport (the blocks it exported) or PullImport
+    (the blocks it took in; its request was added either way)."""
+
+    pull_id: str
+    ok: bool
+    num_blocks: int = 0
+    num_bytes: int = 0
+    error: str | None = None
+    # Export across nodes: where each rank offers the blocks.
+    sources: list[str] | None = None
 
 
 class MigrationReport(msgspec.Struct):
@@ -258,6 +319,8 @@ class EngineCoreOutputs(msgspec.Struct):
     rebuilding: bool = False
     # Answers to migration messages (MigrateExport, MigrateImport).
     migrations: list[MigrationReport] = msgspec.field(default_factory=list)
+    # Answers to prefix pull messages (PullExport, PullImport).
+    pulls: list[PullReport] = msgspec.field(default_factory=list)
     # Migrations that ended, from the supervisor to its front end (metrics).
     migrated: list[MigrationStats] = msgspec.field(default_factory=list)
     # A data-parallel core's prefix cache changes since its last message.

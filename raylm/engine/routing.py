@@ -32,7 +32,9 @@ time (one move at a time, a pause after it, a request moved at most once
 per cooldown).
 
 `Router` is the supervisor's part that sends each request, new or sent again
-after a failure, to a core and records it in the ledger (ledger.py). The
+after a failure, to a core and records it in the ledger (ledger.py); a new
+request whose chosen core holds less of its prompt's prefix than another
+core waits for that prefix to be pulled there first (prefix_pull.py). The
 choice among the serving cores is its `RoutingPolicy`'s alone: a new policy
 is another `choose` behind the same interface, and nothing else changes.
 """
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 from raylm.engine.core_channel import CoreChannel
 from raylm.engine.ledger import Ledger
 from raylm.engine.prefix_index import PrefixIndex, prompt_block_hashes
+from raylm.engine.prefix_pull import Pulls
 from raylm.engine.protocol import EngineCoreRequest
 
 REBALANCE_MIN_GAP = 4
@@ -131,6 +134,7 @@ class KVAwareRouting(RoutingPolicy):
         self.index = index
         self.block_size = block_size
         self.last_matched: dict[int, int] = {}  # the last choice's cached blocks per core (metrics, tests)
+        self.last_hashes: tuple[str, list[bytes]] = ("", [])  # (request id, its prompt's block hashes)
 
     def choose(self, request: EngineCoreRequest, loads: list[CoreLoad]) -> CoreLoad | None:
         if not loads:
@@ -139,6 +143,7 @@ class KVAwareRouting(RoutingPolicy):
         hashes = prompt_block_hashes(request.prompt_token_ids, self.block_size, request.cache_salt, max_blocks)
         matched = self.index.matched_blocks(hashes, [load.index for load in loads]) if hashes else {}
         self.last_matched = matched
+        self.last_hashes = (request.request_id, hashes)
 
         def cost(load: CoreLoad) -> tuple[float, int]:
             cached_tokens = matched.get(load.index, 0) * self.block_size
@@ -182,6 +187,9 @@ class Router:
         self.ledger = ledger
         self.policy = policy
         self._encode = encode
+        # Where a new request's cached prefix is pulled to the core chosen
+        # for it from another that holds more of it (raylm.engine.prefix_pull).
+        self.pulls: Pulls | None = None
 
     def choose(self, request: EngineCoreRequest, rank: int | None) -> CoreChannel | None:
         """The core for `request`; ValueError for a rank that does not serve."""
@@ -204,7 +212,14 @@ class Router:
         if channel is None:
             self.ledger.wait(request.request_id)
             return
+        if self.pulls is not None and self.pulls.start(request, frame, channel, self._hashes_of(request)):
+            return  # sent once its prefix is there (or the pull gave up)
         self.dispatch(channel, request.request_id, frame)
+
+    def _hashes_of(self, request: EngineCoreRequest) -> list[bytes] | None:
+        """Its prompt's block hashes, where the policy just computed them."""
+        request_id, hashes = getattr(self.policy, "last_hashes", ("", None))
+        return hashes if request_id == request.request_id else None
 
     def dispatch(self, channel: CoreChannel, request_id: str, frame: bytes) -> None:
         self.ledger.assign(request_id, channel)

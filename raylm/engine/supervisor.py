@@ -54,6 +54,7 @@ from raylm.engine.errors import EngineDeadError
 from raylm.engine.ledger import Ledger, LedgerEntry
 from raylm.engine.migration import Migrations
 from raylm.engine.prefix_index import PrefixIndex
+from raylm.engine.prefix_pull import Pulls
 from raylm.engine.protocol import (
     AbortRequests,
     EngineCoreOutputs,
@@ -138,6 +139,19 @@ class EngineCoreSupervisor:
             self._remove_channel,
         )
         self.migrations = Migrations(config, self.ledger, self.router, self.launcher, encode)
+        parallel = config.parallel_config
+        self.pulls = Pulls(
+            self.ledger,
+            self.prefix_index,
+            config.cache_config.block_size,
+            self.migrations.stage_folder,
+            self.migrations.kv_network,
+            encode,
+            enabled=parallel.prefix_pull
+            and parallel.context_parallel_size == 1
+            and config.cache_config.enable_prefix_caching,
+        )
+        self.router.pulls = self.pulls
         self.scaling = Scaling(
             self.ledger,
             self.launcher,
@@ -214,6 +228,7 @@ class EngineCoreSupervisor:
             self.channels[index].send(self._encoder.encode(AbortRequests(ids)))
         for request_id in request_ids:
             self.migrations.request_gone(request_id)
+            self.pulls.request_gone(request_id)
 
     def ping(self) -> int:
         """Every serving core is asked; the pong goes up once all answered."""
@@ -284,6 +299,7 @@ class EngineCoreSupervisor:
             self.prefix_index.drop_core(index)
             self._forget_pings_to(index)
             self.migrations.on_channel_removed(channel, why)
+            self.pulls.on_channel_removed(channel)
         return channel
 
     def _forget_pings_to(self, index: int) -> None:
@@ -310,6 +326,7 @@ class EngineCoreSupervisor:
         for index, cause in self.launcher.deaths():
             self.recovery.on_death(index, cause)
         self.router.send_waiting()
+        self.pulls.expire()
         for channel in self.channels.values():
             channel.flush()
         self.recovery.kill_hung_cores()
@@ -369,6 +386,9 @@ class EngineCoreSupervisor:
         for report in outputs.migrations:
             self.migrations.on_report(channel, report)
         outputs.migrations = []
+        for pull in outputs.pulls:
+            self.pulls.on_report(channel, pull)
+        outputs.pulls = []
         outputs.migrated = self.take_migration_events()
         if outputs.pong is not None:
             waiting = self._pings.get(outputs.pong)

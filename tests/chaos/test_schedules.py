@@ -35,7 +35,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from raylm.config import AutoscaleConfig
 from raylm.engine.autoscaler import AutoscalePolicy
 from raylm.testing.chaos.content_model import FIRST_SAMPLED, POISON_TOKEN
-from raylm.testing.chaos.sim import World
+from raylm.testing.chaos.sim import PULL_OUTCOMES, World
 
 SCHEDULES = int(os.environ.get("RAYLM_CHAOS_SCHEDULES", "500"))
 SEED = int(os.environ.get("RAYLM_CHAOS_SEED", "20261207"))
@@ -320,3 +320,7 @@ def test_chaos_schedules(quiet_engine_logs):
         f"(RAYLM_CHAOS_SEED / RAYLM_CHAOS_SCHEDULES to change)"
     )
     seed(SEED)(ChaosSchedule.TestCase)().runTest()
+    print(f"prefix pulls over these schedules: {dict(PULL_OUTCOMES)}")
+    # The schedules' shared prompts meet a core without their prefix: pulls
+    # run, and end every way, in the tier (a tier without one tests none).
+    assert PULL_OUTCOMES["started"] and PULL_OUTCOMES["ok"], dict(PULL_OUTCOMES)

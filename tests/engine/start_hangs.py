@@ -33,10 +33,31 @@ def hang_in_on_rank_1(method: str, worker) -> None:
         setattr(worker, method, lambda *args, **kwargs: _hang())
 
 
+# The deadline of the start-up calls that follow a finished `_init_executor`
+# (sizing and creating the KV cache) in an executor that hangs in one of them.
+# It is the deadline under test (Executor.start_timeout_s, handed to every
+# start-up call), only shorter than the engine_start_timeout that starting the
+# ranks and loading the model need on a busy machine: the hung call waits it
+# out in seconds, not the whole start-up budget.
+HUNG_AFTER_START_S = 3.0
+
+
 class HangOnRank1Executor(MultiprocExecutor):
     """Rank 1 hangs in the start-up call named by `hang_in`."""
 
     hang_in = "load_model"
+    hangs = True
+    started = False  # _init_executor is done: the ranks are up and the model loaded
+
+    def _init_executor(self) -> None:
+        super()._init_executor()
+        self.started = True
+
+    @property
+    def start_timeout_s(self) -> float:
+        if self.hangs and self.started:
+            return HUNG_AFTER_START_S
+        return super().start_timeout_s
 
     def collective_rpc(self, method, *args, **kwargs):
         if method == self.hang_in:
@@ -89,11 +110,11 @@ class HangInFirstRebuildOnRank1Executor(HangOnRank1Executor):
 
     def __init__(self, config):
         type(self).instances += 1
-        self._hangs = type(self).instances == 2
+        self.hangs = type(self).instances == 2
         super().__init__(config)
         type(self).all_worker_pids = type(self).all_worker_pids + self.worker_pids
 
     def collective_rpc(self, method, *args, **kwargs):
-        if not self._hangs:
+        if not self.hangs:
             return MultiprocExecutor.collective_rpc(self, method, *args, **kwargs)
         return super().collective_rpc(method, *args, **kwargs)

@@ -30,6 +30,7 @@ from raylm.testing.chaos.schedule import descendants
 from tests.conftest import our_live_ray_state
 from tests.engine.conftest import FakeCore, FakeLauncher
 from tests.engine.start_hangs import (
+    HUNG_AFTER_START_S,
     HangingUniExecutor,
     HangInSizingOnRank1Executor,
     HangOnRank1Executor,
@@ -37,7 +38,8 @@ from tests.engine.start_hangs import (
 )
 
 # Long enough for a normal start-up call of the tiny model on a busy 2-core
-# machine; the hung call waits this long once.
+# machine. A call hung before the model is loaded waits this long once; one
+# hung after (sizing the KV cache) waits HUNG_AFTER_START_S (start_hangs.py).
 START_TIMEOUT_S = 20.0
 
 
@@ -116,10 +118,17 @@ def test_mp_worker_hung_while_the_kv_cache_is_sized_is_named_and_nothing_is_left
 @pytest.mark.timeout(300)
 def test_ray_worker_hung_while_the_kv_cache_is_sized_is_named_and_nothing_is_left(model, ray_session):
     class HangInSizingOnRank1RayExecutor(RayDistributedExecutor):
+        sizing = False
+
+        @property
+        def start_timeout_s(self) -> float:
+            return HUNG_AFTER_START_S if self.sizing else super().start_timeout_s
+
         def determine_available_memory(self) -> list[int]:
             self.collective_rpc(
                 functools.partial(hang_in_on_rank_1, "determine_available_memory"), timeout=self.start_timeout_s
             )
+            self.sizing = True  # the hung call's deadline: HUNG_AFTER_START_S
             return super().determine_available_memory()
 
     segments = _shm()

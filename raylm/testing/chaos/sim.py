@@ -16,6 +16,7 @@ tier (tests/chaos/test_real_engine.py) replays schedules against those.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import time
@@ -38,6 +39,7 @@ from raylm.engine import (
     engine_core,
     ledger,
     migration,
+    prefix_pull,
     scaling,
     supervisor,
 )
@@ -52,6 +54,7 @@ _CLOCKED_MODULES = (
     supervisor,
     ledger,
     migration,
+    prefix_pull,
     core_recovery,
     core_channel,
     scaling,
@@ -102,6 +105,11 @@ class SimClock:
             engine_core._free_released_memory = free_released_memory
 
         return undo
+
+
+# Prefix pulls' outcomes over the schedules run in this process (the tests
+# report them: a tier in which no pull happens would test none).
+PULL_OUTCOMES: collections.Counter[str] = collections.Counter()
 
 
 def chaos_config(**overrides) -> EngineConfig:
@@ -566,6 +574,8 @@ class World:
             f"replicas not settled: {states}, restarting {sorted(sup.restarting)}"
         )
         assert not sup.ledger and not sup.migrations and not sup.migrations.by_request, "the supervisor kept requests"
+        assert not len(sup.pulls), f"prefix pulls never ended: {sorted(sup.pulls._pulls)}"
+        PULL_OUTCOMES.update(sup.pulls.counts)
         folder = sup.migrations.transfer_dir
         if folder is not None:
             assert os.listdir(folder) == [], f"transfer files left behind: {os.listdir(folder)}"

@@ -1,0 +1,301 @@
+"""Prefix pulls, the supervisor's side: when routing sends a request to a
+core that holds fewer of its prompt's leading blocks than another core
+does, the holder's blocks are copied to the chosen core before the request
+starts there, and only the rest of the prompt is computed (the cores' side:
+raylm.engine.core_pull).
+
+One pull, in order:
+1. `start`: the request is the chosen core's in the ledger from now on (a
+   recovery of that core sends it elsewhere, as any of its requests), but
+   is held here; the holder is sent `PullExport` with the prompt's block
+   hashes (as many as it holds, from the first).
+2. The holder's report: its blocks are staged (files in the supervisor's
+   /dev/shm folder on one node, an offer on its sealed K/V server across
+   nodes). The destination is sent `PullImport` carrying the request: it
+   reads them, keeps them under its own hashes, and adds the request.
+3. The destination's report (the request was added whatever it says) ends
+   the pull: the holder drops what is left of the stage (`PullEnd`).
+
+Never a stall, never a failed request: the request is sent as a plain add
+(it computes its whole prompt) when the holder refuses or holds none of the
+blocks any more (`missing`), when the holder has not exported within
+_EXPORT_TIMEOUT_S, or when the holder leaves; a destination that leaves
+takes the request with it into recovery. A pull is a transfer that names
+both cores: removing either's channel ends it (`on_channel_removed`, from
+the supervisor's `_remove_channel`), the interleavings' second rule.
+
+Bounded: at most MAX_PULLS_PER_HOLDER pulls export from one holder at once
+(more requests recompute), and a request whose prefix is already being
+pulled to the same core follows that pull instead of pulling it again
+(its add is sent right after the pull's import, and finds the blocks).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from raylm.engine.core_channel import CoreChannel
+from raylm.engine.ledger import Ledger
+from raylm.engine.prefix_index import PrefixIndex, prompt_block_hashes
+from raylm.engine.protocol import EngineCoreRequest, KVNetwork, PullEnd, PullExport, PullImport, PullReport
+from raylm.kv_transfer.transport import StageFolder, transport_for
+
+logger = logging.getLogger(__name__)
+
+# How long a holder may take to export before the request goes without its
+# prefix: the export is an unpaced copy of a few MiB (milliseconds); a
+# holder that takes longer is busy or stuck, and recomputing is sooner.
+_EXPORT_TIMEOUT_S = 1.0
+
+# Pulls one holder exports at once; beyond them requests recompute.
+MAX_PULLS_PER_HOLDER = 4
+
+# A prompt is hashed for pulls up to this many blocks (as for routing).
+MAX_PULL_BLOCKS = 1024
+
+OUTCOMES = ("ok", "missing", "refused", "failed", "timeout", "holder_gone", "destination_gone", "aborted")
+
+
+@dataclass
+class Pull:
+    pull_id: str
+    request: EngineCoreRequest
+    frame: bytes  # the request's add, encoded: sent instead when the pull falls back
+    holder: CoreChannel
+    destination: CoreChannel
+    block_hashes: list[bytes]
+    stage: str
+    network: KVNetwork | None
+    started: float
+    importing: bool = False  # PullImport sent: the destination has the request
+    # Requests whose prefix this pull brings to the same core: sent after it.
+    followers: list[tuple[str, bytes]] = field(default_factory=list)
+
+
+class Pulls:
+    def __init__(
+        self,
+        ledger: Ledger,
+        index: PrefixIndex,
+        block_size: int,
+        stage_folder: StageFolder,
+        kv_network,
+        encode,
+        enabled: bool = True,
+    ):
+        """`kv_network(source, destination)`: how K/V travels between two
+        cores (None: files, on the supervisor's node), as for a migration."""
+        self._ledger = ledger
+        self._index = index
+        self._block_size = block_size
+        self._stage_folder = stage_folder
+        self._kv_network = kv_network
+        self._encode = encode
+        self.enabled = enabled
+        self._pulls: dict[str, Pull] = {}
+        self._by_request: dict[str, str] = {}
+        # Pulls ended before their holder reported (by pull id): it may write
+        # their stage still; swept when it reports, or leaves.
+        self._unacknowledged: dict[str, Pull] = {}
+        self._ids = itertools.count()
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.bytes_pulled = 0
+        self.seconds: list[float] = []  # each successful pull's, start to import (metrics take them)
+
+    def __len__(self) -> int:
+        return len(self._pulls)
+
+    # ---- starting one ------------------------------------------------------------
+
+    def start(
+        self, request: EngineCoreRequest, frame: bytes, destination: CoreChannel, hashes: list[bytes] | None = None
+    ) -> bool:
+        """Pull `request`'s cached prefix to `destination` (already chosen)
+        when another core holds more of it; False: send it as usual.
+        `hashes`: its prompt's block hashes, if routing computed them."""
+        if not self.enabled or len(self._ledger.channels) < 2 or request.sampling_params.prompt_logprobs is not None:
+            return False
+        max_blocks = min(MAX_PULL_BLOCKS, (len(request.prompt_token_ids) - 1) // self._block_size)
+        if max_blocks <= 0:
+            return False
+        if hashes is None:
+            hashes = prompt_block_hashes(request.prompt_token_ids, self._block_size, request.cache_salt, max_blocks)
+        cores = [c for c in self._ledger.channels.values() if c.rebuilding_since is None]
+        matched = self._index.matched_blocks(hashes, [c.index for c in cores])
+        here = matched.get(destination.index, 0)
+        holders = [c for c in cores if c is not destination and matched.get(c.index, 0) > here]
+        if not holders:
+            return False
+        following = self._pull_to_follow(destination, hashes)
+        if following is not None and following.importing:
+            return False  # sent now, it lands behind the pull's import: the blocks are there
+        if following is not None:
+            self._hold(request.request_id, destination)
+            following.followers.append((request.request_id, frame))
+            self._by_request[request.request_id] = following.pull_id
+            return True
+        busy = collections.Counter(p.holder.index for p in self._pulls.values() if not p.importing)
+        holders = [c for c in holders if busy[c.index] < MAX_PULLS_PER_HOLDER]
+        if not holders:
+            return False
+        holder = max(holders, key=lambda c: (matched[c.index], -len(c.in_flight), -c.index))
+        pull_id = f"pull{next(self._ids)}"
+        pull = Pull(
+            pull_id,
+            request,
+            frame,
+            holder,
+            destination,
+            hashes[: matched[holder.index]],
+            self._stage_folder.stage_path(pull_id, 0),
+            self._kv_network(holder, destination),
+            time.monotonic(),
+        )
+        self._pulls[pull_id] = pull
+        self._by_request[request.request_id] = pull_id
+        self._hold(request.request_id, destination)
+        self.counts["started"] += 1
+        self._send(holder, PullExport(pull_id, pull.block_hashes, pull.stage, pull.network))
+        return True
+
+    def _hold(self, request_id: str, destination: CoreChannel) -> None:
+        """The request is `destination`'s from now on (a recovery of that core
+        sends it elsewhere, as its others), held here until it is sent."""
+        self._ledger.assign(request_id, destination)
+        self._ledger[request_id].held = True
+
+    def _release(self, request_id: str, frame: bytes, destination: CoreChannel) -> None:
+        """Send a held request to its core (still its, and still serving)."""
+        entry = self._ledger.get(request_id)
+        if entry is None or not entry.held:
+            return  # aborted, or recovered elsewhere meanwhile
+        entry.held = False
+        if frame and entry.channel == destination.index and self._ledger.serves(destination):
+            destination.send(frame)
+
+    def _pull_to_follow(self, destination: CoreChannel, hashes: list[bytes]) -> Pull | None:
+        """A pull under way to `destination` that brings at least as much of
+        this prompt's prefix as any holder has (the same leading blocks)."""
+        for pull in self._pulls.values():
+            n = len(pull.block_hashes)
+            if pull.destination is destination and hashes[:n] == pull.block_hashes:
+                return pull
+        return None
+
+    # ---- reports ---------------------------------------------------------------------
+
+    def on_report(self, channel: CoreChannel, report: PullReport) -> None:
+        pull = self._pulls.get(report.pull_id)
+        if pull is None:  # ended already (fell back, or a core left)
+            ended = self._unacknowledged.get(report.pull_id)
+            if ended is not None and channel is ended.holder:
+                # Its stage was written after the end: the holder drops it at
+                # PullEnd (sent), and the supervisor's folder is swept now.
+                del self._unacknowledged[report.pull_id]
+                transport_for(ended.network).end_at_supervisor(self._stage_folder, ended.pull_id)
+            return
+        if channel is pull.holder and not pull.importing:
+            if not report.ok:
+                outcome = "missing" if (report.error or "").startswith("missing") else "refused"
+                self._fall_back(pull, outcome)
+                return
+            pull.importing = True
+            n = report.num_blocks
+            self._ledger[pull.request.request_id].held = False  # on its way, in PullImport
+            self._send(
+                pull.destination,
+                PullImport(pull.pull_id, pull.request, pull.block_hashes[:n], pull.stage, pull.network, report.sources),
+            )
+            self._send_followers(pull)
+            return
+        if channel is pull.destination and pull.importing:
+            if report.ok:
+                self.counts["ok"] += 1
+                self.bytes_pulled += report.num_bytes
+                self.seconds.append(time.monotonic() - pull.started)
+            else:
+                self.counts["failed"] += 1
+            self._end(pull)
+
+    def expire(self, now: float | None = None) -> None:
+        """Housekeeping: a holder that has not exported in time is not waited for."""
+        now = time.monotonic() if now is None else now
+        for pull in [p for p in self._pulls.values() if not p.importing and now - p.started > _EXPORT_TIMEOUT_S]:
+            self._fall_back(pull, "timeout")
+
+    # ---- hooks for the rest of the supervisor -------------------------------------------
+
+    def on_channel_removed(self, channel: CoreChannel) -> None:
+        """Core `channel` left: its pulls end. A holder's: the request goes
+        without its prefix (unless the destination has it already). A
+        destination's: the request is recovered with the core's others."""
+        for pull in [p for p in self._pulls.values() if channel in (p.holder, p.destination)]:
+            if channel is pull.destination:
+                self.counts["destination_gone"] += 1
+                self._end(pull)
+            elif not pull.importing:
+                self._fall_back(pull, "holder_gone")
+        for pull_id in [i for i, p in self._unacknowledged.items() if p.holder is channel]:
+            # It will never drop the stage it may have written after the end (its
+            # pulls ended just above among them).
+            ended = self._unacknowledged.pop(pull_id)
+            transport_for(ended.network).end_at_supervisor(self._stage_folder, pull_id)
+
+    def request_gone(self, request_id: str) -> None:
+        """The client aborted `request_id` before its pull ended: it is not sent."""
+        pull_id = self._by_request.pop(request_id, None)
+        pull = self._pulls.get(pull_id) if pull_id is not None else None
+        if pull is None:
+            return
+        if pull.request.request_id != request_id:  # a follower
+            pull.followers = [(rid, frame) for rid, frame in pull.followers if rid != request_id]
+            return
+        if not pull.importing:
+            self.counts["aborted"] += 1
+            pull.frame = b""  # nothing to send for it; its followers still go
+            self._fall_back(pull, None)
+
+    # ---- ending one ------------------------------------------------------------------
+
+    def _fall_back(self, pull: Pull, outcome: str | None) -> None:
+        """The request (and its followers) go to the destination without the prefix."""
+        if outcome is not None:
+            self.counts[outcome] += 1
+            logger.info(
+                "prefix pull %s of request %s: %s; it computes its prompt",
+                pull.pull_id,
+                pull.request.request_id[:64],
+                outcome,
+            )
+        self._release(pull.request.request_id, pull.frame, pull.destination)
+        self._send_followers(pull)
+        self._end(pull)
+
+    def _send_followers(self, pull: Pull) -> None:
+        for request_id, frame in pull.followers:
+            self._by_request.pop(request_id, None)
+            self._release(request_id, frame, pull.destination)
+        pull.followers = []
+
+    def _end(self, pull: Pull) -> None:
+        self._pulls.pop(pull.pull_id, None)
+        self._send_followers(pull)  # (none left but where the destination left)
+        # Requests still held (the destination left: they are recovered with
+        # its others) are held no more.
+        for request_id in [pull.request.request_id] + [rid for rid, _ in pull.followers]:
+            self._by_request.pop(request_id, None)
+            entry = self._ledger.get(request_id)
+            if entry is not None:
+                entry.held = False
+        if not pull.importing:  # the holder may still write the stage: swept when it reports or leaves
+            self._unacknowledged[pull.pull_id] = pull
+        self._send(pull.holder, PullEnd(pull.pull_id, pull.stage, pull.network))
+        transport_for(pull.network).end_at_supervisor(self._stage_folder, pull.pull_id)
+
+    def _send(self, channel: CoreChannel, message) -> None:
+        if self._ledger.serves(channel):
+            channel.send(self._encode(message))
