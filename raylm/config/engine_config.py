@@ -135,7 +135,8 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     # Context parallelism: each sequence's KV cache sharded across this many
-    # ranks (DESIGN.md's pp x cp x tp layout; raylm.model.layers.attention).
+    # ranks (the pp x cp x tp layout of docs/architecture.md, "Collectives";
+    # raylm.model.layers.attention).
     context_parallel_size: int = 1
     distributed_executor_backend: str | type | None = None
     ray_address: str | None = None
@@ -151,8 +152,9 @@ class ParallelConfig:
     # data-parallel replica hands its executor the bundles after its own.
     placement_group: object | None = None
     placement_group_bundles: list[int] | None = None
-    # Data parallelism: replicas of the whole engine core (DESIGN.md, "Data
-    # parallel on Ray"), placed packed onto few nodes or spread one per node.
+    # Data parallelism: replicas of the whole engine core (docs/architecture.md,
+    # "Data parallel and the supervisor"), placed packed onto few nodes or
+    # spread one per node.
     data_parallel_size: int = 1
     data_parallel_backend: str = "ray"
     data_parallel_placement: str = "pack"
@@ -169,7 +171,7 @@ class ParallelConfig:
 @dataclass
 class FaultToleranceConfig:
     """How failures are detected and how often the engine may recover from them
-    (DESIGN.md, "Failure model")."""
+    (docs/architecture.md, "The failure model")."""
 
     # Executor rebuilds allowed within `restart_window_s`; one more is fatal.
     max_restarts: int = 3
@@ -276,8 +278,8 @@ MAX_SCHEDULER_STEPS = 64
 DECODE_BURST_BUDGET_S = {"llm": 0.05, "api_server": 0.01}
 # num_scheduler_steps when not given, by usage context. Serving keeps single
 # steps: at 64 streams of the ~7M model on 2 cores, bursts gave 7-15% less
-# output throughput and 11-12% longer median TTFT (benchmarks/README.md,
-# "Decode bursts"), where the server's front end shares the cores.
+# output throughput and 11-12% longer median TTFT (benchmarks/history/llamacpp.md,
+# "Serving, bursts on against off"), where the server's front end shares the cores.
 DEFAULT_SCHEDULER_STEPS = {"llm": 8, "api_server": 1}
 
 
