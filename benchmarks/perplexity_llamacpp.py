@@ -31,7 +31,7 @@ import subprocess
 import tempfile
 
 from raylm import LLM, SamplingParams
-from raylm.config.engine_config import DEFAULT_MODEL_DIR
+from raylm.config import DEFAULT_MODEL_DIR
 from raylm.testing.gguf_writer import write_gguf
 from raylm.testing.held_out import HELD_OUT, q4_k_m
 

@@ -1,8 +1,9 @@
 """The cpu_bind setting ("auto", "all", or one CPU group per rank: "0-3|4-7",
 vLLM's syntax) and the kernel's cpulist format it is written in.
 
-At the root with config.py, which validates the setting, so that the config
-layer needs nothing from the worker layer that applies it (cpu_placement).
+At the root, beside the config (EngineConfig validates the setting), so that
+the config layer needs nothing from the worker layer that applies it
+(cpu_placement).
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """The engine's settings: what a user sets (engine_args: EngineArgs, each
-setting with its flag) and what the engine runs with (engine_config:
-EngineConfig, validated and resolved against the model and the device)."""
+setting with its flag), what the engine runs with (engine_config: EngineConfig,
+each part checking its own settings), how the one becomes the other (resolve:
+against the model and who runs the engine) and the device and dtype (device)."""
 
+from raylm.config.device import DEVICE_ENV, detect_device, resolve_dtype
 from raylm.config.engine_args import EngineArgs, create_engine_config
 from raylm.config.engine_config import (
-    DEFAULT_MODEL_DIR,
-    DEVICE_ENV,
     MAX_DATA_PARALLEL_SIZE,
-    USAGE_CONTEXTS,
     AutoscaleConfig,
     CacheConfig,
     EngineConfig,
@@ -15,9 +14,11 @@ from raylm.config.engine_config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+)
+from raylm.config.resolve import (
+    DEFAULT_MODEL_DIR,
+    USAGE_CONTEXTS,
     default_max_num_batched_tokens,
-    detect_device,
-    resolve_dtype,
     resolve_engine_config,
 )
 

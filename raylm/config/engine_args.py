@@ -5,9 +5,9 @@ metadata the flag (named after the field, vLLM's spelling, plus vLLM's short
 form where it has one), the help text, the value parser and the help section.
 `add_cli_args` makes the `raylm` flags from that, `from_cli_args` reads them
 back, `raylm.LLM(**settings)` and `create_engine_config(**settings)` take the
-same names as keywords, and `resolve_engine_config` (engine_config.py)
-validates a whole EngineArgs and resolves it into the EngineConfig that every
-process gets. A new setting is one new field here and its use there.
+same names as keywords, and `resolve_engine_config` (resolve.py) resolves
+a whole EngineArgs into the EngineConfig (engine_config.py, whose parts check
+the settings) that every process gets. A new setting is one new field here and its use there.
 
 It lives beside EngineConfig rather than in raylm/engine/ (where vLLM's
 `EngineArgs` lives, and where `raylm.engine.arg_utils` re-exports it) because
@@ -26,7 +26,8 @@ from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Any
 
-from raylm.config.engine_config import EngineConfig, resolve_engine_config
+from raylm.config.engine_config import EngineConfig
+from raylm.config.resolve import resolve_engine_config
 
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")

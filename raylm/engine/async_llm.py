@@ -1,5 +1,6 @@
 """AsyncLLM: the online front end. It tokenizes (off the event loop), sends
-requests to the engine core in its own process, and streams RequestOutputs back.
+requests to the engine core in its own process, and streams RequestOutputs back
+(each request a RequestStream, request_stream.py).
 
 One background task pulls EngineCoreOutputs, detokenizes them (OutputProcessor)
 and dispatches each request's outputs to its own asyncio queue. The cores are
@@ -15,21 +16,16 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from raylm.config import EngineConfig, create_engine_config
 from raylm.engine.autoscaler import Autoscaler
-from raylm.engine.errors import (
-    EngineDeadError,
-    EngineRecoveryTimeoutError,
-    EngineUnhealthyError,
-    RequestFailedError,
-)
-from raylm.engine.input_processor import InputProcessor, ProcessedPrompt
+from raylm.engine.errors import EngineDeadError, EngineRecoveryTimeoutError, EngineUnhealthyError
+from raylm.engine.input_processor import InputProcessor, ProcessedPrompt, params_worth_a_thread, prompt_worth_a_thread
 from raylm.engine.llm_engine import check_data_parallel_rank
 from raylm.engine.output_processor import OutputProcessor
 from raylm.engine.protocol import EngineCoreOutputs, RecoveryStats, SchedulerStats
+from raylm.engine.request_stream import RequestState, RequestStream
 from raylm.engine.restart_budget import BlameLedger, RestartBudget
 from raylm.engine.stat_logger import StatLoggerBase
 from raylm.engine.supervisor import AsyncEngineCoreSupervisor
@@ -39,88 +35,6 @@ from raylm.outputs import RequestOutput
 from raylm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-# Text prompts up to this many characters are tokenized on the event loop
-# (well under a millisecond); longer ones in a thread.
-_MAX_INLINE_PROMPT_CHARS = 4096
-
-
-def _worth_a_thread(prompt: Any) -> bool:
-    """Whether tokenizing `prompt` takes long enough to move off the event loop."""
-    if isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
-            return False
-        prompt = prompt.get("prompt")
-    return isinstance(prompt, str) and len(prompt) > _MAX_INLINE_PROMPT_CHARS
-
-
-# bad_words up to this many characters in all are tokenized on the event loop
-# (two encodes of a few words); token sequences up to this many ids are
-# checked and copied there. Up to the caps (MAX_BAD_WORDS words, 64 K
-# characters) it takes tens of milliseconds: in a thread.
-_MAX_INLINE_BAD_WORDS_CHARS = 256
-_MAX_INLINE_BAD_WORD_TOKENS = 1024
-
-
-def _params_worth_a_thread(params: SamplingParams) -> bool:
-    """Whether finishing `params` (InputProcessor.finish_params: bad_words
-    tokenized, every id checked, the params copied) takes long enough to move
-    off the event loop."""
-    if params.bad_words_token_ids is not None:  # tokenized already (a server does it in a thread)
-        return sum(len(seq) for seq in params.bad_words_token_ids) > _MAX_INLINE_BAD_WORD_TOKENS
-    return sum(len(word) for word in params.bad_words or ()) > _MAX_INLINE_BAD_WORDS_CHARS
-
-
-class RequestStream:
-    """The outputs of one submitted request, as an async iterator. Closing it
-    before the last output (`close`, `aclose`) aborts the request in the core,
-    freeing its KV blocks; closing after the end does nothing."""
-
-    def __init__(self, engine: AsyncLLM, request_id: str, queue: asyncio.Queue):
-        self.engine = engine
-        self.request_id = request_id
-        self._queue = queue
-        self.finished = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        failed = [c.error for c in item.outputs if c.finish_reason == "error"]
-        if failed:
-            # The engine blamed this request for a failing step and dropped it
-            # (the others carried on): an error, not a result.
-            self.close()  # its other completions, if any
-            raise RequestFailedError(f"the engine failed this request: {failed[0]}")
-        self.finished = item.finished
-        return item
-
-    def close(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self.engine.abort(self.request_id)
-
-    async def aclose(self) -> None:
-        self.close()
-
-
-@dataclass
-class _RequestState:
-    queue: asyncio.Queue
-    deltas: bool
-    num_prompt_tokens: int
-    arrival: float = field(default_factory=time.monotonic)
-    first_token: float | None = None
-    last_token: float | None = None
-    prefill_seconds: float | None = None  # as the core measured it
-    counted_finished: set[int] = field(default_factory=set)
 
 
 class AsyncLLM:
@@ -139,7 +53,7 @@ class AsyncLLM:
         self.input_processor = InputProcessor(config.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers = list(stat_loggers or [])
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
         self._pings: dict[int, asyncio.Future] = {}
         self._output_task: asyncio.Task | None = None
         self._autoscale_task: asyncio.Task | None = None  # --autoscale (raylm.engine.autoscaler)
@@ -240,7 +154,7 @@ class AsyncLLM:
         Token ids, short texts and a few bad words are done here: the hop to a
         thread and back costs more than their work, and at a burst of requests
         it queues each behind the others' hops."""
-        if _worth_a_thread(prompt) or _params_worth_a_thread(params):
+        if prompt_worth_a_thread(prompt) or params_worth_a_thread(params):
             return await asyncio.get_running_loop().run_in_executor(None, self.input_processor.process, prompt, params)
         return self.input_processor.process(prompt, params)
 
@@ -281,7 +195,7 @@ class AsyncLLM:
         self._ensure_output_handler()
         check_data_parallel_rank(self.config, data_parallel_rank)
         state = self._add_request(request_id, processed, params, stream, data_parallel_rank)
-        return RequestStream(self, request_id, state.queue)
+        return RequestStream(request_id, state.queue, self.abort)
 
     async def generate(
         self,
@@ -307,11 +221,11 @@ class AsyncLLM:
         params: SamplingParams,
         stream: bool,
         data_parallel_rank: int | None = None,
-    ) -> _RequestState:
+    ) -> RequestState:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         children = self.input_processor.core_requests(request_id, processed, params)
-        state = _RequestState(asyncio.Queue(), stream, len(processed.prompt_token_ids))
+        state = RequestState(asyncio.Queue(), stream, len(processed.prompt_token_ids))
         self.output_processor.add_request(
             request_id, processed.prompt, processed.prompt_token_ids, params, [c.request_id for c in children]
         )
@@ -434,7 +348,7 @@ class AsyncLLM:
                 )
             )
 
-    def _record_finished(self, state: _RequestState, reason: str, num_tokens: int, now: float | None = None) -> None:
+    def _record_finished(self, state: RequestState, reason: str, num_tokens: int, now: float | None = None) -> None:
         now = now or time.monotonic()
         e2e = now - state.arrival
         decode = now - state.first_token if state.first_token is not None else 0.0

@@ -6,7 +6,9 @@ engine core, and reported as a ValueError naming the field, so one bad request
 never disturbs the others. It is the only check: `process` validates a
 request once, `core_requests` turns what it returned into the
 EngineCoreRequests the supervisor and the core carry unchanged (LLMEngine,
-AsyncLLM and the OpenAI server all come in this way).
+AsyncLLM and the OpenAI server all come in this way). `prompt_worth_a_thread`
+and `params_worth_a_thread` say when that work is long enough for a caller on
+an event loop to move it to a thread.
 """
 
 from __future__ import annotations
@@ -26,6 +28,38 @@ class ProcessedPrompt:
     prompt_token_ids: list[int]
     # vLLM's prompt field: prefix-cache blocks are shared only within one salt.
     cache_salt: str | None = None
+
+
+# What `InputProcessor.process` costs, for a caller on an event loop (AsyncLLM)
+# that moves the long ones to a thread.
+#
+# Text prompts up to this many characters are tokenized on the event loop
+# (well under a millisecond); longer ones in a thread.
+_MAX_INLINE_PROMPT_CHARS = 4096
+# bad_words up to this many characters in all are tokenized on the event loop
+# (two encodes of a few words); token sequences up to this many ids are
+# checked and copied there. Up to the caps (MAX_BAD_WORDS words, 64 K
+# characters) it takes tens of milliseconds: in a thread.
+_MAX_INLINE_BAD_WORDS_CHARS = 256
+_MAX_INLINE_BAD_WORD_TOKENS = 1024
+
+
+def prompt_worth_a_thread(prompt: Any) -> bool:
+    """Whether tokenizing `prompt` takes long enough to move off the event loop."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return False
+        prompt = prompt.get("prompt")
+    return isinstance(prompt, str) and len(prompt) > _MAX_INLINE_PROMPT_CHARS
+
+
+def params_worth_a_thread(params: SamplingParams) -> bool:
+    """Whether finishing `params` (InputProcessor.finish_params: bad_words
+    tokenized, every id checked, the params copied) takes long enough to move
+    off the event loop."""
+    if params.bad_words_token_ids is not None:  # tokenized already (a server does it in a thread)
+        return sum(len(seq) for seq in params.bad_words_token_ids) > _MAX_INLINE_BAD_WORD_TOKENS
+    return sum(len(word) for word in params.bad_words or ()) > _MAX_INLINE_BAD_WORDS_CHARS
 
 
 class InputProcessor:

@@ -10,8 +10,9 @@ import pytest
 
 from raylm.config import create_engine_config
 from raylm.core.outputs import EngineCoreOutput
-from raylm.engine.async_llm import RequestStream, _worth_a_thread
+from raylm.engine.input_processor import prompt_worth_a_thread
 from raylm.engine.protocol import EngineCoreOutputs
+from raylm.engine.request_stream import RequestStream
 from raylm.sampling_params import SamplingParams
 from tests.engine.conftest import FakeCore
 
@@ -64,11 +65,11 @@ def test_bad_input_fails_add_request_and_submits_nothing(make_engine):
 
 
 def test_only_long_text_prompts_are_tokenized_in_a_thread():
-    assert not _worth_a_thread({"prompt_token_ids": list(range(100_000))})
-    assert not _worth_a_thread("a short prompt")
-    assert not _worth_a_thread({"prompt": "a short prompt"})
-    assert _worth_a_thread("word " * 2000)
-    assert _worth_a_thread({"prompt": "word " * 2000})
+    assert not prompt_worth_a_thread({"prompt_token_ids": list(range(100_000))})
+    assert not prompt_worth_a_thread("a short prompt")
+    assert not prompt_worth_a_thread({"prompt": "a short prompt"})
+    assert prompt_worth_a_thread("word " * 2000)
+    assert prompt_worth_a_thread({"prompt": "word " * 2000})
 
 
 def test_online_engines_default_to_small_steps_on_cpu(tiny_model_dir):

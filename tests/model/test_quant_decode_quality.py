@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from raylm.config.engine_config import DEFAULT_MODEL_DIR
+from raylm.config import DEFAULT_MODEL_DIR
 from raylm.model.layers import quant_kernels
 from raylm.model.layers.cpu_kernels import get_cpu_kernels
 from raylm.testing.gguf_writer import write_gguf

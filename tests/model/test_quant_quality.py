@@ -12,7 +12,7 @@ import math
 import pytest
 
 from raylm import LLM, SamplingParams
-from raylm.config.engine_config import DEFAULT_MODEL_DIR
+from raylm.config import DEFAULT_MODEL_DIR
 from raylm.testing.gguf_writer import write_gguf
 from raylm.testing.held_out import HELD_OUT, q4_k_m
 
