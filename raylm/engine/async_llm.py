@@ -292,6 +292,8 @@ class AsyncLLM:
             self._record_recovery(recovery)
         for migration in outputs.migrated:
             self._record(lambda s, m=migration: s.record_migration(m))
+        for pull in outputs.pulled:
+            self._record(lambda s, p=pull: s.record_pull(p))
         if outputs.pong is not None:
             future = self._pings.pop(outputs.pong, None)
             if future is not None and not future.done():

@@ -41,7 +41,15 @@ from dataclasses import dataclass, field
 from raylm.engine.core_channel import CoreChannel
 from raylm.engine.ledger import Ledger
 from raylm.engine.prefix_index import PrefixIndex, prompt_block_hashes
-from raylm.engine.protocol import EngineCoreRequest, KVNetwork, PullEnd, PullExport, PullImport, PullReport
+from raylm.engine.protocol import (
+    EngineCoreRequest,
+    KVNetwork,
+    PullEnd,
+    PullExport,
+    PullImport,
+    PullReport,
+    PullStats,
+)
 from raylm.kv_transfer.transport import StageFolder, transport_for
 
 logger = logging.getLogger(__name__)
@@ -104,7 +112,7 @@ class Pulls:
         self._ids = itertools.count()
         self.counts: collections.Counter[str] = collections.Counter()
         self.bytes_pulled = 0
-        self.seconds: list[float] = []  # each successful pull's, start to import (metrics take them)
+        self._events: list[PullStats] = []  # pulls ended, for the front end's metrics
 
     def __len__(self) -> int:
         return len(self._pulls)
@@ -214,11 +222,10 @@ class Pulls:
             return
         if channel is pull.destination and pull.importing:
             if report.ok:
-                self.counts["ok"] += 1
                 self.bytes_pulled += report.num_bytes
-                self.seconds.append(time.monotonic() - pull.started)
+                self._count("ok", report.num_bytes, time.monotonic() - pull.started)
             else:
-                self.counts["failed"] += 1
+                self._count("failed")
             self._end(pull)
 
     def expire(self, now: float | None = None) -> None:
@@ -235,7 +242,7 @@ class Pulls:
         destination's: the request is recovered with the core's others."""
         for pull in [p for p in self._pulls.values() if channel in (p.holder, p.destination)]:
             if channel is pull.destination:
-                self.counts["destination_gone"] += 1
+                self._count("destination_gone")
                 self._end(pull)
             elif not pull.importing:
                 self._fall_back(pull, "holder_gone")
@@ -255,7 +262,7 @@ class Pulls:
             pull.followers = [(rid, frame) for rid, frame in pull.followers if rid != request_id]
             return
         if not pull.importing:
-            self.counts["aborted"] += 1
+            self._count("aborted")
             pull.frame = b""  # nothing to send for it; its followers still go
             self._fall_back(pull, None)
 
@@ -264,7 +271,7 @@ class Pulls:
     def _fall_back(self, pull: Pull, outcome: str | None) -> None:
         """The request (and its followers) go to the destination without the prefix."""
         if outcome is not None:
-            self.counts[outcome] += 1
+            self._count(outcome)
             logger.info(
                 "prefix pull %s of request %s: %s; it computes its prompt",
                 pull.pull_id,
@@ -295,6 +302,17 @@ class Pulls:
             self._unacknowledged[pull.pull_id] = pull
         self._send(pull.holder, PullEnd(pull.pull_id, pull.stage, pull.network))
         transport_for(pull.network).end_at_supervisor(self._stage_folder, pull.pull_id)
+
+    def _count(self, outcome: str, num_bytes: int = 0, seconds: float | None = None) -> None:
+        self.counts[outcome] += 1
+        self._events.append(PullStats(outcome, num_bytes, seconds))
+
+    def has_events(self) -> bool:
+        return bool(self._events)
+
+    def take_events(self) -> list[PullStats]:
+        events, self._events = self._events, []
+        return events
 
     def _send(self, channel: CoreChannel, message) -> None:
         if self._ledger.serves(channel):

@@ -248,6 +248,17 @@ class MigrationReport(msgspec.Struct):
     sources: list[str] | None = None
 
 
+class PullStats(msgspec.Struct):
+    """One prefix pull as the supervisor saw it end, for metrics: its
+    `outcome` (raylm.engine.prefix_pull.OUTCOMES), the bytes it moved, and,
+    for one that brought its blocks, its seconds from start to the
+    destination's import."""
+
+    outcome: str
+    num_bytes: int = 0
+    seconds: float | None = None
+
+
 class MigrationStats(msgspec.Struct):
     """One live migration as the supervisor saw it end, for metrics:
     `downtime_s` is the pause the client saw (the source's last token to the
@@ -323,5 +334,7 @@ class EngineCoreOutputs(msgspec.Struct):
     pulls: list[PullReport] = msgspec.field(default_factory=list)
     # Migrations that ended, from the supervisor to its front end (metrics).
     migrated: list[MigrationStats] = msgspec.field(default_factory=list)
+    # Prefix pulls that ended, from the supervisor to its front end (metrics).
+    pulled: list[PullStats] = msgspec.field(default_factory=list)
     # A data-parallel core's prefix cache changes since its last message.
     kv_events: KVCacheEvents | None = None

@@ -5,7 +5,7 @@ takes serving down."""
 
 from __future__ import annotations
 
-from raylm.engine.protocol import MigrationStats, SchedulerStats
+from raylm.engine.protocol import MigrationStats, PullStats, SchedulerStats
 
 
 class StatLoggerBase:
@@ -54,6 +54,10 @@ class StatLoggerBase:
     def record_migration(self, migration: MigrationStats) -> None:
         """A live migration of a running request ended (moved, or abandoned
         with the request still at its source)."""
+
+    def record_pull(self, pull: PullStats) -> None:
+        """A prefix pull ended (raylm.engine.prefix_pull): its blocks came, or
+        its request computed its prompt instead (the outcome says why)."""
 
     def record_target_replicas(self, num_replicas: int) -> None:
         """The number of data-parallel replicas asked for (by hand or by the autoscaler)."""

@@ -390,6 +390,7 @@ class EngineCoreSupervisor:
             self.pulls.on_report(channel, pull)
         outputs.pulls = []
         outputs.migrated = self.take_migration_events()
+        outputs.pulled = self.pulls.take_events()
         if outputs.pong is not None:
             waiting = self._pings.get(outputs.pong)
             if waiting is not None:
@@ -437,13 +438,19 @@ class EngineCoreSupervisor:
     def _pending(self) -> EngineCoreOutputs | None:
         """What the supervisor itself has to pass up: its recoveries, culprits
         failed, pings answered for dead cores, migrations ended."""
-        if not self.recovery.has_reports() and not self._pongs and not self.migrations.has_events():
+        if (
+            not self.recovery.has_reports()
+            and not self._pongs
+            and not self.migrations.has_events()
+            and not self.pulls.has_events()
+        ):
             return None
         return EngineCoreOutputs(
             outputs=self.recovery.take_culprit_outputs(),
             recoveries=self.recovery.take_recoveries(),
             pong=self._pongs.pop() if self._pongs else None,
             migrated=self.take_migration_events(),
+            pulled=self.pulls.take_events(),
         )
 
     def stats(self) -> dict:

@@ -21,8 +21,6 @@ from raylm.engine.prefix_index import prompt_block_hashes
 from raylm.engine.protocol import KVCacheEvents
 from raylm.testing.hf_oracle import hf_greedy
 
-pytestmark = pytest.mark.slow
-
 BLOCK = 16
 PREFIX = [(13 * j) % 250 + 3 for j in range(96)]  # 6 blocks
 FIRST, SECOND = PREFIX + [7, 8], PREFIX + [9, 10, 11]
@@ -48,6 +46,7 @@ def _run(llm: LLM, outputs: dict, rid: str, prompt: list[int], rank: int) -> Non
             outputs[out.request_id] = list(out.outputs[0].token_ids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "arch,network", [("llama", False), ("qwen3", False), ("qwen2", True)], ids=["llama", "qwen3", "qwen2-network"]
 )
@@ -72,6 +71,7 @@ def test_a_prefix_is_pulled_to_the_chosen_core(tiny_model_dir, monkeypatch, arch
     assert [outputs["first"], outputs["second"]] == [r.token_ids for r in hf_greedy(model, [FIRST, SECOND], 6)]
 
 
+@pytest.mark.slow
 def test_blocks_gone_from_the_holder_mean_the_request_computes_its_prompt(tiny_model_dir):
     """The index says core 1 holds a prefix it does not (evicted between the
     lookup and the export, as far as the pull can tell): the holder answers
@@ -88,6 +88,7 @@ def test_blocks_gone_from_the_holder_mean_the_request_computes_its_prompt(tiny_m
     assert outputs["other"] == hf_greedy(model, [other], 6)[0].token_ids
 
 
+@pytest.mark.slow
 def test_a_holder_that_dies_before_it_exports_leaves_the_request_to_compute(tiny_model_dir, monkeypatch):
     """The holder is stopped (SIGSTOP) before it can export, then killed:
     the pull falls back when its channel is removed (not at a timeout: that
@@ -108,3 +109,17 @@ def test_a_holder_that_dies_before_it_exports_leaves_the_request_to_compute(tiny
                 outputs[out.request_id] = list(out.outputs[0].token_ids)
         assert sup.pulls.counts["holder_gone"] == 1 and sup.pulls.counts["ok"] == 0, dict(sup.pulls.counts)
     assert [outputs["first"], outputs["second"]] == [r.token_ids for r in hf_greedy(model, [FIRST, SECOND], 6)]
+
+
+@pytest.mark.parametrize("outcome", ["ok", "timeout"])
+def test_pull_metrics(outcome):
+    """A pull's end, as the supervisor passes it up, in the server's metrics."""
+    from raylm.engine.protocol import PullStats
+    from raylm.entrypoints.openai.metrics import PrometheusStatLogger
+
+    logger = PrometheusStatLogger("m")
+    logger.record_pull(PullStats(outcome, 4096, 0.02 if outcome == "ok" else None))
+    text = logger.render().decode()
+    assert f'raylm:kv_pulls_total{{engine="0",model_name="m",outcome="{outcome}"}} 1.0' in text
+    assert 'raylm:kv_pull_bytes_total{engine="0",model_name="m"} 4096.0' in text
+    assert f'raylm:kv_pull_seconds_count{{engine="0",model_name="m"}} {1.0 if outcome == "ok" else 0.0}' in text

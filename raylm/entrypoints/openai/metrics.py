@@ -4,7 +4,8 @@ scheduler's gauges, prefix-cache and preemption counters, token counters,
 finished requests by reason, and the latency histograms (TTFT, inter-token,
 end-to-end, queue, prefill, decode, inference). What vLLM has no name for is
 raylm's own (`raylm:*`): recoveries from failures (by kind), live migrations
-of running requests (by reason) and the replicas asked for, and the server's
+of running requests (by reason), prefix pulls between replicas (by outcome)
+and the replicas asked for, and the server's
 admission (sequences admitted, requests refused by reason).
 
 Every metric carries vLLM's labels `model_name` and `engine` ("0": the front
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from raylm.engine.protocol import MigrationStats, SchedulerStats
+from raylm.engine.prefix_pull import OUTCOMES as PULL_OUTCOMES
+from raylm.engine.protocol import MigrationStats, PullStats, SchedulerStats
 from raylm.engine.stat_logger import StatLoggerBase
 
 _LATENCY_BUCKETS = (
@@ -189,6 +191,25 @@ class PrometheusStatLogger(StatLoggerBase):
             _MIGRATION_BUCKETS,
         )
         self.migration_bytes = counter("raylm:migration_bytes", "KV cache bytes moved by live migrations")
+        # Prefix pulls (raylm.engine.prefix_pull), by outcome: `ok` brought the
+        # blocks (the destination's prefix-cache hits count them, as vLLM's
+        # counter would: they were not recomputed); the others, why the
+        # request computed its prompt instead.
+        self.pulls = Counter(
+            "raylm:kv_pulls",
+            "Prefix pulls between replicas, by outcome (ok, missing, refused, failed, timeout, holder_gone, "
+            "destination_gone, aborted)",
+            [*labels, "outcome"],
+            registry=r,
+        )
+        self.pull_bytes = counter("raylm:kv_pull_bytes", "KV cache bytes moved by prefix pulls")
+        self.pull_seconds = histogram(
+            "raylm:kv_pull_seconds",
+            "A prefix pull's time, from routing to the destination's import",
+            _MIGRATION_BUCKETS,
+        )
+        for outcome in PULL_OUTCOMES:  # exported from the start, as 0
+            self.pulls.labels(outcome=outcome, **labels)
         self.target_replicas = gauge("raylm:dp_target_replicas", "Data-parallel replicas asked for")
         self.autoscale_decisions = Counter(
             "raylm:autoscale_decisions",
@@ -273,6 +294,12 @@ class PrometheusStatLogger(StatLoggerBase):
         self.migrations.labels(**labels).inc()
         if migration.downtime_s is not None:  # None: it ended before the destination's first token
             self.migration_downtime.observe(migration.downtime_s)
+
+    def record_pull(self, pull: PullStats) -> None:
+        self.pulls.labels(outcome=pull.outcome, **self._labels).inc()
+        self.pull_bytes.inc(pull.num_bytes)
+        if pull.seconds is not None:
+            self.pull_seconds.observe(pull.seconds)
 
     def record_target_replicas(self, num_replicas: int) -> None:
         self.target_replicas.set(num_replicas)
