@@ -192,7 +192,9 @@ class CoreEngineActorManager:
         connect_ray(config.parallel_config, num_cpus_hint=replica_num_cpus_hint(config))
         self._ray = ray
         self.replicas: dict[int, ReplicaHandle] = {}
-        self._stopping: set[int] = set()
+        # Replicas being stopped (by index): out of `replicas`, not yet
+        # released; `shutdown` releases them too, should it come first.
+        self._stopping: dict[int, ReplicaHandle] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._monitor = threading.Thread(target=self._monitor_loop, name="raylm-dp-replica-monitor", daemon=True)
@@ -319,18 +321,20 @@ class CoreEngineActorManager:
         kill the actor and remove its placement group."""
         with self._lock:
             handle = self.replicas.pop(index, None)
-            self._stopping.add(index)
-        try:
             if handle is None:
                 return
+            self._stopping[index] = handle
+        try:
             try:
                 self._ray.wait([handle.run_ref], timeout=wait_s)
             except Exception:
                 pass
-            self._release(handle)
         finally:
             with self._lock:
-                self._stopping.discard(index)
+                # Released here unless a shutdown took it meanwhile (and released it).
+                mine = self._stopping.pop(index, None) is handle
+            if mine:
+                self._release(handle)
 
     def _release(self, handle: ReplicaHandle) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -349,8 +353,11 @@ class CoreEngineActorManager:
             return
         self._closed = True
         with self._lock:
-            handles = list(self.replicas.values())
+            # Those a background stop still waits for too: that stop may end
+            # after the engine (and the test that checks nothing is left).
+            handles = list(self.replicas.values()) + list(self._stopping.values())
             self.replicas.clear()
+            self._stopping.clear()
         if handles:
             try:
                 self._ray.wait([h.run_ref for h in handles], num_returns=len(handles), timeout=grace_s)
