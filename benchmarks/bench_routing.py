@@ -2,7 +2,7 @@
 multi-turn trace whose sessions share system prompts (issue 49's trace, cut
 to the embedded default model's 512 positions).
 
-    python benchmarks/bench_routing.py [--sessions 16] [--turns 4] [--group 4] [--rounds 2]
+    python benchmarks/bench_routing.py [--sessions 16] [--turns 4] [--group 4] [--rounds 2] [--policies ...]
 
 An offline engine of two local replicas (`-dp 2 --data-parallel-backend mp`,
 the embedded model) per routing policy. Sessions in groups of `--group`
@@ -29,6 +29,9 @@ import time
 from raylm import LLM, SamplingParams
 
 POLICIES = ("kv_aware", "load", "vllm")
+# Each policy with prefix pulls (the default) and without ("-nopull"):
+# without, a turn sent away from its cache's replica computes its whole prompt.
+VARIANTS = tuple(f"{p}{suffix}" for p in POLICIES for suffix in ("", "-nopull"))
 
 
 def _trace(args, seed: int) -> dict[str, dict]:
@@ -47,7 +50,8 @@ def run(policy: str, args, seed: int) -> dict:
         data_parallel_size=2,
         data_parallel_backend="mp",
         num_threads=1,
-        routing_policy=policy,
+        routing_policy=policy.removesuffix("-nopull"),
+        prefix_pull=not policy.endswith("-nopull"),
         kv_cache_memory_bytes=64 << 20,
     ) as llm:
         engine, sup = llm.llm_engine, llm.llm_engine.engine_core
@@ -97,6 +101,7 @@ def run(policy: str, args, seed: int) -> dict:
         "ttft_p99": sorted(ttft)[int(0.99 * (len(ttft) - 1))],
         "throughput": tokens / elapsed,
         "requests": len(ttft),
+        "pulls": dict(sup.pulls.counts),
     }
 
 
@@ -110,25 +115,27 @@ def main() -> None:
     parser.add_argument("--output", type=int, default=32, help="answer tokens per turn")
     parser.add_argument("--think-ms", type=float, default=300.0, help="mean pause between a session's turns")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--policies", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
     args = parser.parse_args()
-    results = {p: [] for p in POLICIES}
+    chosen = args.policies.split(",")
+    results = {p: [] for p in chosen}
     for round_ in range(args.rounds):
-        for policy in POLICIES:
+        for policy in chosen:
             r = run(policy, args, seed=round_)
             results[policy].append(r)
             print(
                 f"round {round_} {policy:8s}: prompt tokens computed {r['computed']} of {r['queried']} "
                 f"(hit rate {100 * r['hit_rate']:.1f}%), TTFT p50 {1e3 * r['ttft_p50']:.0f} ms / p99 "
-                f"{1e3 * r['ttft_p99']:.0f} ms, {r['throughput']:.0f} output tok/s",
+                f"{1e3 * r['ttft_p99']:.0f} ms, {r['throughput']:.0f} output tok/s; pulls {r['pulls']}",
                 flush=True,
             )
-    base = statistics.median(r["computed"] for r in results["load"])
-    for policy in POLICIES:
+    base = statistics.median(r["computed"] for r in results.get("load-nopull") or results[chosen[0]])
+    for policy in chosen:
         rs = results[policy]
         computed = statistics.median(r["computed"] for r in rs)
         print(
-            f"{policy:8s} median of {len(rs)}: computed {computed:.0f} ({base / max(computed, 1):.2f}x fewer "
-            f"than load), TTFT p50 {1e3 * statistics.median(r['ttft_p50'] for r in rs):.0f} ms, "
+            f"{policy:15s} median of {len(rs)}: computed {computed:.0f} ({base / max(computed, 1):.2f}x fewer "
+            f"than the first baseline), TTFT p50 {1e3 * statistics.median(r['ttft_p50'] for r in rs):.0f} ms, "
             f"p99 {1e3 * statistics.median(r['ttft_p99'] for r in rs):.0f} ms, "
             f"{statistics.median(r['throughput'] for r in rs):.0f} output tok/s"
         )
