@@ -15,6 +15,7 @@ size (the soak: more of both)."""
 
 from __future__ import annotations
 
+import collections
 import os
 
 import pytest
@@ -49,16 +50,27 @@ def requests(bos_token_id):
     return {f"s{i}": (p, GREEDY) for i, p in enumerate(prompts)}
 
 
+@pytest.fixture(scope="module")
+def late_requests(requests):
+    """Sent by the schedule's `late` operations: each extends the prompt of
+    one of the longest early requests (a full block or two of it cached on
+    the core that served it), so that one routed to the other core has its
+    prefix pulled there, whatever the schedule does meanwhile."""
+    longest = [requests[f"s{i}"][0] for i in (5, 6, 7)]
+    return {f"late{k}": (prompt + [7 + k, 9 + k, 11], GREEDY) for k, prompt in enumerate(longest)}
+
+
 def _llm(**kwargs) -> LLM:
     return LLM(None, dtype="float32", num_threads=1, kv_cache_memory_bytes=16 << 20, num_scheduler_steps=1, **kwargs)
 
 
 @pytest.fixture(scope="module")
-def reference(requests):
+def reference(requests, late_requests):
     """An undisturbed run of the same requests."""
+    every = {**requests, **late_requests}
     with _llm() as llm:
-        outputs = llm.generate([{"prompt_token_ids": p} for p, _ in requests.values()], GREEDY)
-    return {rid: list(out.outputs[0].token_ids) for rid, out in zip(requests, outputs)}
+        outputs = llm.generate([{"prompt_token_ids": p} for p, _ in every.values()], GREEDY)
+    return {rid: list(out.outputs[0].token_ids) for rid, out in zip(every, outputs)}
 
 
 def _transfer_folders() -> set[str]:
@@ -66,10 +78,10 @@ def _transfer_folders() -> set[str]:
 
 
 @pytest.mark.timeout(600)
-def test_seeded_schedules_against_real_cores(requests, reference, monkeypatch, bos_token_id):
+def test_seeded_schedules_against_real_cores(requests, late_requests, reference, monkeypatch, bos_token_id):
     for name, value in bos_straggler_env(ms=20).items():
         monkeypatch.setenv(name, value)
-    failed = []
+    failed, pulls = [], collections.Counter()
     for seed in SEEDS:
         schedule = make_schedule(seed)
         for replay in range(REPLAYS):
@@ -77,8 +89,9 @@ def test_seeded_schedules_against_real_cores(requests, reference, monkeypatch, b
             monkeypatch.setenv("RAYLM_MIGRATION_NETWORK", "1" if transport == "network" else "0")
             before, folders, fds = descendants(), _transfer_folders(), len(os.listdir("/proc/self/fd"))
             with _llm(data_parallel_size=2, data_parallel_backend="mp") as llm:
-                result = ScheduleRunner(llm, schedule).run(requests)
+                result = ScheduleRunner(llm, schedule).run(requests, late=late_requests)
                 broken = result.failures(reference)
+                pulls.update(llm.llm_engine.engine_core.pulls.counts)
                 if llm.llm_engine.engine_core.dead_error is not None:
                     broken.append(f"the engine died: {llm.llm_engine.engine_core.dead_error}")
             # This replay's `before`, bound as a default argument.
@@ -98,5 +111,5 @@ def test_seeded_schedules_against_real_cores(requests, reference, monkeypatch, b
             if broken:
                 failed.append((seed, replay, broken))
     runs = len(SEEDS) * REPLAYS
-    print(f"chaos real-engine tier: {len(failed)} of {runs} replays failed")
+    print(f"chaos real-engine tier: {len(failed)} of {runs} replays failed; prefix pulls {dict(pulls)}")
     assert not failed, failed

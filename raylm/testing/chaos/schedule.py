@@ -12,7 +12,9 @@ replays exactly and shrinks.
 Operations: kill -9 of a core process, SIGSTOP then SIGCONT of one (shorter
 than the step deadline), a scale to 1..3 replicas (started beside the loop,
 as the server's /scale does), a migration, a replica restart, a client
-abort, and a stranger sending junk to every socket the engine listens on:
+abort, a late request (one whose prompt extends an early one's: routed to
+a core without its prefix, it is pulled there), and a stranger sending junk
+to every socket the engine listens on:
 the supervisor's output socket, and each TCP port its processes listen on
 (a rank's K/V server, with RAYLM_MIGRATION_NETWORK=1 the path every
 migration takes; raylm.kv_transfer.admission refuses strangers). A harness
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 import psutil
 import zmq
 
-OPERATIONS = ("kill", "freeze", "scale", "migrate", "restart", "abort", "stranger")
+OPERATIONS = ("kill", "freeze", "scale", "migrate", "restart", "abort", "stranger", "late")
 # A frozen core is thawed after this long: well short of the step deadline.
 FREEZE_S = 0.3
 STRANGER_FRAMES = 32
@@ -114,17 +116,27 @@ class ScheduleRunner:
         self.extra = dict(extra or {})
         self.steps = 0  # the front end's steps the run took
         self.replay = Replay()
+        self._late_requests: list = []
         self._scale_up = None
         self._scale_thread: threading.Thread | None = None
         self._scale_error: list[BaseException] = []
 
-    def run(self, requests: dict, max_steps: int = 20000) -> Replay:
+    def run(self, requests: dict, max_steps: int = 20000, late: dict | None = None) -> Replay:
+        """`late`: requests (as `requests`) sent one by one by the schedule's
+        `late` operations, the rest once the schedule has run: prompts that
+        extend an early one's meet its blocks in another core's cache (a
+        prefix pull, raylm.engine.prefix_pull) while the schedule strikes."""
+        self._late_requests = list((late or {}).items())
         for rid, (prompt, params) in requests.items():
             self.engine.add_request(rid, {"prompt_token_ids": prompt}, params)
         step = 0
-        while self.engine.has_unfinished_requests() or self.schedule or self._scale_up is not None:
+        while (
+            self.engine.has_unfinished_requests() or self.schedule or self._scale_up is not None or self._late_requests
+        ):
             while self.schedule and self.schedule[0].at_step <= step:
                 self._apply(self.schedule.pop(0))
+            while not self.schedule and self._late_requests:
+                self._late(0)
             self._end_scale_if_started()
             if self.engine.has_unfinished_requests():
                 for out in self.engine.step():
@@ -205,6 +217,15 @@ class ScheduleRunner:
             return
         self.sup.end_scale(self._scale_up, started=not self._scale_error)
         self._scale_up = None
+
+    def _late(self, arg: int) -> str:
+        if not self._late_requests:
+            return "no late request left"
+        rid, (prompt, params) = self._late_requests.pop(0)
+        self.engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        entry = self.sup.ledger.get(rid)
+        pulling = entry is not None and entry.held
+        return f"sent {rid} to core {entry.channel if entry else '?'}" + (" (its prefix pulled)" if pulling else "")
 
     def _in_flight(self, arg: int) -> str | None:
         ids = sorted(self.sup.ledger)
