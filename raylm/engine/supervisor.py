@@ -21,6 +21,9 @@ the parts it talks to (none reads another's attributes):
   requests a death exposed and fails the culprit alone;
 - migrations (migration.py): live migration of a running request with its
   KV cache between cores, and rebalancing;
+- the K/V routes (kv_routes.py): which way K/V goes between two cores
+  (files on this node, the sealed network across nodes), shared by
+  migrations and prefix pulls, and which cores cannot move it;
 - scaling (scaling.py): new cores warmed before they get traffic, drained
   ones removed, replica restarts.
 
@@ -51,6 +54,7 @@ from raylm.distributed.tcp_auth import terminate_context
 from raylm.engine.core_channel import CoreChannel, CoreLauncher, DropLog
 from raylm.engine.core_recovery import BackgroundThreads, Recovery
 from raylm.engine.errors import EngineDeadError
+from raylm.engine.kv_routes import KVRoutes
 from raylm.engine.ledger import Ledger, LedgerEntry
 from raylm.engine.migration import Migrations
 from raylm.engine.prefix_index import PrefixIndex
@@ -138,14 +142,16 @@ class EngineCoreSupervisor:
             restarts,
             self._remove_channel,
         )
-        self.migrations = Migrations(config, self.ledger, self.router, self.launcher, encode)
+        # Which way K/V goes between two cores, for migrations and prefix pulls alike.
+        self.kv_routes = KVRoutes(self.launcher)
+        self.migrations = Migrations(config, self.ledger, self.router, self.kv_routes, encode)
         parallel = config.parallel_config
         self.pulls = Pulls(
             self.ledger,
             self.prefix_index,
             config.cache_config.block_size,
-            self.migrations.stage_folder,
-            self.migrations.kv_network,
+            self.kv_routes.stage_folder,
+            self.kv_routes.kv_network,
             encode,
             enabled=parallel.prefix_pull
             and parallel.context_parallel_size == 1
@@ -298,6 +304,7 @@ class EngineCoreSupervisor:
         if channel is not None:
             self.prefix_index.drop_core(index)
             self._forget_pings_to(index)
+            self.kv_routes.on_channel_removed(channel)
             self.migrations.on_channel_removed(channel, why)
             self.pulls.on_channel_removed(channel)
         return channel
@@ -454,7 +461,7 @@ class EngineCoreSupervisor:
         if self.dead_error is None:
             self.dead_error = EngineDeadError("the engine was shut down")
         self._finalizer()
-        self.migrations.close()
+        self.kv_routes.close()
 
 
 class AsyncEngineCoreSupervisor(EngineCoreSupervisor):
