@@ -23,23 +23,12 @@ destination that dies leaves it at the source, or, once it owned it, to the
 usual recovery too.
 
 The K/V takes one of two ways, chosen once per migration from its pair of
-cores (`kv_network`) and sent in each of its messages: when both run on the
-supervisor's node, files in its private folder in /dev/shm; otherwise
-(either core on another node) over the network, each source rank offering
-its blocks on a socket of its own and the destination's rank fetching them
-(raylm.kv_transfer.network), sealed with a key this supervisor makes and sends
-both sides inside their migration messages (raylm.kv_transfer.sealed_frames).
-Both are a KVTransport (raylm.kv_transfer.transport): past the choice the
-supervisor names each stage in its folder (StageFolder) and has the
-migration's transport end what it made, whichever way it is.
-
-Neither way serves a replica whose ranks span nodes: every rank writes or
-reads its own stage file in this node's /dev/shm folder (a rank elsewhere
-does not have it), or offers its blocks on its core's node's address (a rank
-elsewhere cannot bind it). Its transfers fail the same way every time, so a
-core whose transfers keep failing is marked unable to move K/V, once, with a
-warning that says why: no migration from or to it is tried again (a drain
-waits for its requests to finish) until another start of it serves.
+cores and sent in each of its messages: files in the supervisor's /dev/shm
+folder, or the sealed network (kv_routes.py: which way, and which cores
+cannot move K/V at all). Both are a KVTransport
+(raylm.kv_transfer.transport): past the choice the supervisor names each
+stage in its folder (StageFolder) and has the migration's transport end what
+it made, whichever way it is.
 """
 
 from __future__ import annotations
@@ -52,7 +41,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from raylm.config import EngineConfig
-from raylm.engine.core_channel import CoreChannel, CoreLauncher
+from raylm.engine.core_channel import CoreChannel
+from raylm.engine.kv_routes import KVRoutes
 from raylm.engine.ledger import Ledger
 from raylm.engine.protocol import (
     KVNetwork,
@@ -63,8 +53,7 @@ from raylm.engine.protocol import (
     MigrationStats,
 )
 from raylm.engine.routing import Router, load_of, plan_rebalance
-from raylm.kv_transfer import sealed_frames
-from raylm.kv_transfer.transport import KVTransport, StageFolder, transport_for
+from raylm.kv_transfer.transport import KVTransport, transport_for
 
 logger = logging.getLogger("raylm.engine.supervisor")
 
@@ -79,16 +68,6 @@ _RETRY_AFTER_S = 0.25
 # was moved stays where it went (hysteresis: requests do not bounce).
 _REBALANCE_INTERVAL_S = 0.5
 _MOVED_COOLDOWN_S = 30.0
-# A core whose K/V transfers failed this many times in a row, none moving
-# between, is taken to be unable to move K/V at all (see above). A refusal
-# for room, a preemption or a request that ended says nothing of the kind.
-_MAX_TRANSFER_FAILURES = 3
-# How a core reports a transfer that failed (core_migration.py's words).
-_TRANSFER_FAILED = ("exporting its K/V failed", "importing its K/V failed")
-# Failures that cannot pass, marked at the first: a rank that cannot bind
-# its core's node's address runs on another node (EADDRNOTAVAIL); an engine
-# of another TP/PP layout cannot take the source's ranks' blocks.
-_PERMANENT_FAILURES = ("Cannot assign requested address", "same TP/PP layout")
 
 
 @dataclass
@@ -120,20 +99,9 @@ class Migration:
     destination_channel: CoreChannel | None = field(default=None, repr=False)
 
 
-@dataclass
-class _Transfers:
-    """How the K/V transfers of one start of a core have gone."""
-
-    channel: CoreChannel
-    failures: int = 0  # in a row
-    # Why it cannot move K/V (its last failure); no migration from or to it then.
-    unable: str | None = None
-
-
 class Migrations(Mapping[str, Migration]):
     """The supervisor's part for live migration: the migrations in progress
-    (it reads as a mapping of them, by migration id), what each core's
-    transfers did, rebalancing, and the events and counts they report. It
+    (it reads as a mapping of them, by migration id), rebalancing, and the events and counts they report. It
     moves requests only through the ledger, and sends through the channels
     the ledger holds."""
 
@@ -142,13 +110,13 @@ class Migrations(Mapping[str, Migration]):
         config: EngineConfig,
         ledger: Ledger,
         router: Router,
-        launcher: CoreLauncher,
+        routes: KVRoutes,
         encode: Callable[[object], bytes],
     ):
         self._config = config
         self._ledger = ledger
         self._router = router  # a request whose migration cannot be undone is sent again
-        self._launcher = launcher
+        self._routes = routes  # which way K/V goes, and which cores cannot move it
         self._encode = encode
         self._migrations: dict[str, Migration] = {}  # by migration id
         self.by_request: dict[str, str] = {}  # request id -> migration id
@@ -161,13 +129,6 @@ class Migrations(Mapping[str, Migration]):
         self._next_rebalance = 0.0
         self._moved_at: dict[str, float] = {}  # request id -> when rebalancing moved it
         self._migration_ids = itertools.count()
-        self._stage_folder = StageFolder()  # where stages are named (and, through files, written)
-        self._kv_key: bytes | None = None  # made by the first migration across nodes
-        # RAYLM_MIGRATION_NETWORK=1: every migration takes the sealed network
-        # path, cores of one node too (the chaos harness's real tier and the
-        # benchmarks reach that path, and its listening sockets, on one host).
-        self._network_always = os.environ.get("RAYLM_MIGRATION_NETWORK", "").strip().lower() in ("1", "true", "yes")
-        self._transfers: dict[int, _Transfers] = {}  # by core index, for the start of it that serves
 
     def __getitem__(self, migration_id: str) -> Migration:
         return self._migrations[migration_id]
@@ -177,20 +138,6 @@ class Migrations(Mapping[str, Migration]):
 
     def __len__(self) -> int:
         return len(self._migrations)
-
-    def close(self) -> None:
-        """At shutdown: no transfer file outlives the engine."""
-        self._stage_folder.close()
-
-    @property
-    def stage_folder(self) -> StageFolder:
-        """Where this supervisor's transfers name their stages (prefix pulls' too)."""
-        return self._stage_folder
-
-    @property
-    def transfer_dir(self) -> str | None:
-        """The folder of this supervisor's stages, once the first was named."""
-        return self._stage_folder.path
 
     # ---- starting one ------------------------------------------------------------
 
@@ -205,12 +152,12 @@ class Migrations(Mapping[str, Migration]):
         if self._config.parallel_config.context_parallel_size > 1:
             return False  # a CP group's KV is sharded over its ranks: not movable yet (issue 26)
         source = self._ledger.channels.get(entry.channel)
-        if source is None or self._cannot_move_kv(source):
+        if source is None or self._routes.cannot_move_kv(source):
             return False
         target = self._migration_destination(source, destination)
         if target is None:
             return False
-        network = self.kv_network(source, target)
+        network = self._routes.kv_network(source, target)
         migration = Migration(
             f"{os.getpid()}-{next(self._migration_ids)}",
             request_id,
@@ -247,7 +194,7 @@ class Migrations(Mapping[str, Migration]):
         (those of a core that cannot move K/V finish where they run);
         `reason_of(index)` says why that replica drains."""
         now = time.monotonic()
-        for channel in [c for c in self._ledger.channels.values() if c.draining and not self._cannot_move_kv(c)]:
+        for channel in [c for c in self._ledger.channels.values() if c.draining and not self._routes.cannot_move_kv(c)]:
             reason = reason_of(channel.index)
             for request_id in sorted(channel.in_flight):
                 if request_id not in self.by_request and self._retry_at.get(request_id, 0.0) <= now:
@@ -264,7 +211,9 @@ class Migrations(Mapping[str, Migration]):
             return
         self._next_rebalance = now + _REBALANCE_INTERVAL_S
         loads = [
-            load_of(c) for c in self._ledger.serving() if c.rebuilding_since is None and not self._cannot_move_kv(c)
+            load_of(c)
+            for c in self._ledger.serving()
+            if c.rebuilding_since is None and not self._routes.cannot_move_kv(c)
         ]
         plan = plan_rebalance(loads)
         if plan is None:
@@ -289,32 +238,15 @@ class Migrations(Mapping[str, Migration]):
             for c in self._ledger.serving()
             if c.index != source.index
             and c.rebuilding_since is None
-            and not self._cannot_move_kv(c)
+            and not self._routes.cannot_move_kv(c)
             and (index is None or c.index == index)
         ]
         if not candidates:
             return None
         return min(candidates, key=lambda c: (len(c.in_flight), c.stats.kv_cache_usage if c.stats else 0.0))
 
-    def _shares_node(self, source: CoreChannel, destination: CoreChannel) -> bool:
-        """Both cores on this supervisor's node: the K/V can go through its /dev/shm folder."""
-        return (
-            source.node_ip == destination.node_ip
-            and self._launcher.is_local(source.index)
-            and self._launcher.is_local(destination.index)
-        )
-
-    def kv_network(self, source: CoreChannel, destination: CoreChannel) -> KVNetwork | None:
-        """How K/V goes from `source` to `destination` (a migration's, a prefix
-        pull's): None through files, else the sealed network's host, key and peer."""
-        if self._shares_node(source, destination) and not self._network_always:
-            return None
-        if self._kv_key is None:
-            self._kv_key = sealed_frames.new_key()
-        return KVNetwork(source.node_ip, self._kv_key, peer=destination.node_ip)
-
     def _stage_path(self, migration: Migration) -> str:
-        return self._stage_folder.stage_path(migration.migration_id, migration.stage)
+        return self._routes.stage_folder.stage_path(migration.migration_id, migration.stage)
 
     def _export_stage(self, migration: Migration, final: bool) -> None:
         migration.stage_started = time.monotonic()
@@ -338,7 +270,7 @@ class Migrations(Mapping[str, Migration]):
             self._on_imported(migration, report)
 
     def _on_exported(self, migration: Migration, report: MigrationReport) -> None:
-        self._count_transfer(migration.source_channel, report)
+        self._routes.count_transfer(migration.source_channel, report)
         if not report.ok:
             self._end_migration(migration, ok=False, why=report.error or "the source refused")
             return
@@ -370,7 +302,7 @@ class Migrations(Mapping[str, Migration]):
         migration.stage += 1
 
     def _on_imported(self, migration: Migration, report: MigrationReport) -> None:
-        self._count_transfer(migration.destination_channel, report)
+        self._routes.count_transfer(migration.destination_channel, report)
         if not report.ok:
             if migration.handed_over:
                 self._take_back(migration)
@@ -425,7 +357,7 @@ class Migrations(Mapping[str, Migration]):
             )
         # What the supervisor made for it (its stage files; the source
         # removes those it wrote too, when it hears the end).
-        migration.transport.end_at_supervisor(self._stage_folder, migration.migration_id)
+        migration.transport.end_at_supervisor(self._routes.stage_folder, migration.migration_id)
         seconds = time.monotonic() - migration.started
         if ok:
             logger.info(
@@ -452,39 +384,6 @@ class Migrations(Mapping[str, Migration]):
                 MigrationStats(migration.reason, ok=False, seconds=seconds, num_bytes=migration.num_bytes)
             )
             self.migration_counts["abandoned"] += 1
-
-    # ---- cores that cannot move K/V ---------------------------------------------------------
-
-    def _count_transfer(self, channel: CoreChannel, report: MigrationReport) -> None:
-        """A stage `channel` exported or imported, or refused to: past
-        _MAX_TRANSFER_FAILURES failed transfers in a row (or one that cannot
-        pass), the core is marked unable to move K/V, and says so once."""
-        record = self._transfers.get(channel.index)
-        if record is None or record.channel is not channel:  # a new start of the core: its own record
-            record = self._transfers[channel.index] = _Transfers(channel)
-        if report.ok:
-            record.failures = 0
-            return
-        error = report.error or ""
-        if not error.startswith(_TRANSFER_FAILED):
-            return
-        record.failures += 1
-        permanent = any(sign in error for sign in _PERMANENT_FAILURES)
-        if record.unable is None and (permanent or record.failures >= _MAX_TRANSFER_FAILURES):
-            record.unable = error
-            logger.warning(
-                "engine core %d cannot move K/V (%s; %d transfer(s) in a row failed): no migration from or to it "
-                "is tried again, its requests finish where they run. A replica whose ranks span nodes fails so: "
-                "its ranks move their blocks through this node's shared memory, or offer them on the address "
-                "of its core's node",
-                channel.index,
-                error[:300],
-                record.failures,
-            )
-
-    def _cannot_move_kv(self, channel: CoreChannel) -> bool:
-        record = self._transfers.get(channel.index)
-        return record is not None and record.channel is channel and record.unable is not None
 
     # ---- hooks for the rest of the supervisor -----------------------------------------------
 
@@ -539,9 +438,6 @@ class Migrations(Mapping[str, Migration]):
         leaves.
         What it owned in the ledger is recovered as usual; a paused copy at a
         live source whose destination owned the request is dropped."""
-        record = self._transfers.get(channel.index)
-        if record is not None and record.channel is channel:
-            del self._transfers[channel.index]
         for migration in [m for m in self._migrations.values() if channel in (m.source_channel, m.destination_channel)]:
             if migration.handed_over and channel is migration.source_channel:
                 continue  # the destination owns the request and resumes it (or gives it back: _take_back)

@@ -21,12 +21,17 @@ the parts it talks to (none reads another's attributes):
   requests a death exposed and fails the culprit alone;
 - migrations (migration.py): live migration of a running request with its
   KV cache between cores, and rebalancing;
+- the K/V routes (kv_routes.py): which way K/V goes between two cores
+  (files on this node, the sealed network across nodes), shared by
+  migrations and prefix pulls, and which cores cannot move it;
 - scaling (scaling.py): new cores warmed before they get traffic, drained
   ones removed, replica restarts.
 
 The supervisor itself reads the cores' messages and hands each part its
-share, runs housekeeping between reads, answers pings, and keeps the one
-rule that spans the parts: a core leaves only through `_remove_channel`.
+share (what it makes of them beyond that: attributing outputs, summing
+stats, matching pongs to pings, is core_messages.py), runs housekeeping
+between reads, and keeps the one rule that spans the parts: a core leaves
+only through `_remove_channel`.
 
 DP=1 and DP=N are the same code: one core is N=1. `AsyncEngineCoreSupervisor`
 (AsyncLLM) and `SyncEngineCoreSupervisor` (LLMEngine with data parallelism)
@@ -47,10 +52,12 @@ import zmq.asyncio
 
 from raylm.config import EngineConfig
 from raylm.core import quarantine
-from raylm.distributed.tcp_auth import terminate_context
 from raylm.engine.core_channel import CoreChannel, CoreLauncher, DropLog
+from raylm.engine.core_messages import Pings, aggregate_stats, drop_foreign_outputs
 from raylm.engine.core_recovery import BackgroundThreads, Recovery
 from raylm.engine.errors import EngineDeadError
+from raylm.engine.kv_routes import KVRoutes
+from raylm.engine.launchers import make_launcher, shutdown_cores
 from raylm.engine.ledger import Ledger, LedgerEntry
 from raylm.engine.migration import Migrations
 from raylm.engine.prefix_index import PrefixIndex
@@ -62,7 +69,6 @@ from raylm.engine.protocol import (
     MigrationStats,
     Ping,
     SchedulerStats,
-    Shutdown,
 )
 from raylm.engine.restart_budget import BlameLedger, RestartBudget
 from raylm.engine.routing import Router, routing_policy
@@ -83,19 +89,6 @@ _POLL_MS = 100
 _RESTART_POLL_S = 0.05
 
 
-def make_launcher(config: EngineConfig) -> CoreLauncher:
-    """Ray replicas for data parallelism on Ray, else local core processes."""
-    pc = config.parallel_config
-    scalable = pc.data_parallel_size > 1 or config.autoscale is not None
-    if scalable and pc.data_parallel_backend == "ray":
-        from raylm.engine.ray_launcher import RayReplicaLauncher
-
-        return RayReplicaLauncher(config)
-    from raylm.engine.process_launcher import ProcessCoreLauncher
-
-    return ProcessCoreLauncher(config)
-
-
 class EngineCoreSupervisor:
     asyncio_mode = False
 
@@ -105,9 +98,7 @@ class EngineCoreSupervisor:
         """`background` runs the starts and stops that may block (by default
         in threads; the chaos harness runs them at points of its schedule)."""
         self.config = config
-        self._pings: dict[int, set[int]] = {}
-        self._pongs: list[int] = []  # pings answered for cores that died
-        self._nonce = 0
+        self.pings = Pings()
         self.dead_error: EngineDeadError | None = None
         self._closed = threading.Event()
         self._encoder = msgspec.msgpack.Encoder()
@@ -138,14 +129,16 @@ class EngineCoreSupervisor:
             restarts,
             self._remove_channel,
         )
-        self.migrations = Migrations(config, self.ledger, self.router, self.launcher, encode)
+        # Which way K/V goes between two cores, for migrations and prefix pulls alike.
+        self.kv_routes = KVRoutes(self.launcher)
+        self.migrations = Migrations(config, self.ledger, self.router, self.kv_routes, encode)
         parallel = config.parallel_config
         self.pulls = Pulls(
             self.ledger,
             self.prefix_index,
             config.cache_config.block_size,
-            self.migrations.stage_folder,
-            self.migrations.kv_network,
+            self.kv_routes.stage_folder,
+            self.kv_routes.kv_network,
             encode,
             enabled=parallel.prefix_pull
             and parallel.context_parallel_size == 1
@@ -166,7 +159,7 @@ class EngineCoreSupervisor:
         output = self.launcher.bind_output(self._ctx)
         self._output = zmq.asyncio.Socket.from_socket(output) if self.asyncio_mode else output
         self._finalizer = weakref.finalize(
-            self, _shutdown, self.launcher, self.ledger.channels, self._output, self._ctx, self._closed
+            self, shutdown_cores, self.launcher, self.ledger.channels, self._output, self._ctx, self._closed
         )
         try:
             self.scaling.start_cores(list(range(config.parallel_config.data_parallel_size)))
@@ -232,11 +225,10 @@ class EngineCoreSupervisor:
 
     def ping(self) -> int:
         """Every serving core is asked; the pong goes up once all answered."""
-        self._nonce += 1
-        self._pings[self._nonce] = set(self.channels)
+        nonce = self.pings.new(self.channels)
         for channel in self.channels.values():
-            channel.send(self._encoder.encode(Ping(self._nonce)))
-        return self._nonce
+            channel.send(self._encoder.encode(Ping(nonce)))
+        return nonce
 
     def is_alive(self) -> bool:
         return self.dead_error is None
@@ -297,20 +289,11 @@ class EngineCoreSupervisor:
         channel = self.ledger.remove(index)
         if channel is not None:
             self.prefix_index.drop_core(index)
-            self._forget_pings_to(index)
+            self.pings.forget_core(index)
+            self.kv_routes.on_channel_removed(channel)
             self.migrations.on_channel_removed(channel, why)
             self.pulls.on_channel_removed(channel)
         return channel
-
-    def _forget_pings_to(self, index: int) -> None:
-        """A core that left will not answer: a ping only it had left to
-        answer is answered here (the supervisor serves on; requests wait if
-        need be)."""
-        for nonce, waiting in list(self._pings.items()):
-            waiting.discard(index)
-            if not waiting:
-                del self._pings[nonce]
-                self._pongs.append(nonce)
 
     # ---- failures ------------------------------------------------------------------
 
@@ -361,7 +344,7 @@ class EngineCoreSupervisor:
         if outputs.kv_events is not None:
             self.prefix_index.apply(channel.index, outputs.kv_events)
             outputs.kv_events = None
-        self._drop_foreign_outputs(channel, outputs)
+        drop_foreign_outputs(self.ledger, channel, outputs, self.foreign)
         if outputs.error is not None:
             # That core gave up (its own recoveries failed): replace it.
             cause = outputs.error.strip().splitlines()[-1]
@@ -392,44 +375,13 @@ class EngineCoreSupervisor:
         outputs.migrated = self.take_migration_events()
         outputs.pulled = self.pulls.take_events()
         if outputs.pong is not None:
-            waiting = self._pings.get(outputs.pong)
-            if waiting is not None:
-                waiting.discard(channel.index)
-            if waiting:  # others still to answer
+            if not self.pings.answered(outputs.pong, channel.index):
                 outputs.pong = None
-            else:
-                self._pings.pop(outputs.pong, None)
         outputs.recoveries = outputs.recoveries + self.recovery.take_recoveries()
         return outputs
 
-    def _drop_foreign_outputs(self, channel: CoreChannel, outputs: EngineCoreOutputs) -> None:
-        """Keep only the outputs of requests routed to `channel`: a core may
-        not speak for another's. Outputs of a request it was told to abort
-        are expected (they cross the abort) and dropped quietly."""
-        kept = []
-        for out in outputs.outputs:
-            entry = self.ledger.get(out.request_id)
-            if entry is not None and entry.channel == channel.index:
-                kept.append(out)
-            elif out.request_id not in channel.aborted:
-                self.foreign.dropped(f"core {channel.index} sent request {out.request_id[:64]!r}")
-        outputs.outputs = kept
-
     def aggregate_stats(self) -> SchedulerStats:
-        stats = [c.stats for c in self.channels.values() if c.stats is not None]
-        n = max(1, len(stats))
-        return SchedulerStats(
-            num_running=sum(s.num_running for s in stats),
-            num_waiting=sum(s.num_waiting for s in stats),
-            kv_cache_usage=sum(s.kv_cache_usage for s in stats) / n,
-            prefix_cache_hit_rate=sum(s.prefix_cache_hit_rate for s in stats) / n,
-            prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
-            prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
-            num_preemptions=sum(s.num_preemptions for s in stats),
-            kv_capacity_tokens=sum(s.kv_capacity_tokens for s in stats),
-            kv_capacity_tokens_per_rank=max((s.kv_capacity_tokens_per_rank for s in stats), default=0),
-            unhealthy=next((s.unhealthy for s in stats if s.unhealthy), None),
-        )
+        return aggregate_stats(self.channels)
 
     def _housekeeping_and_pending(self) -> EngineCoreOutputs | None:
         self._housekeeping()
@@ -440,7 +392,7 @@ class EngineCoreSupervisor:
         failed, pings answered for dead cores, migrations ended."""
         if (
             not self.recovery.has_reports()
-            and not self._pongs
+            and not self.pings.has_pongs()
             and not self.migrations.has_events()
             and not self.pulls.has_events()
         ):
@@ -448,7 +400,7 @@ class EngineCoreSupervisor:
         return EngineCoreOutputs(
             outputs=self.recovery.take_culprit_outputs(),
             recoveries=self.recovery.take_recoveries(),
-            pong=self._pongs.pop() if self._pongs else None,
+            pong=self.pings.take_pong(),
             migrated=self.take_migration_events(),
             pulled=self.pulls.take_events(),
         )
@@ -461,7 +413,7 @@ class EngineCoreSupervisor:
         if self.dead_error is None:
             self.dead_error = EngineDeadError("the engine was shut down")
         self._finalizer()
-        self.migrations.close()
+        self.kv_routes.close()
 
 
 class AsyncEngineCoreSupervisor(EngineCoreSupervisor):
@@ -528,21 +480,3 @@ class SyncEngineCoreSupervisor(EngineCoreSupervisor):
                 outputs = self._receive(self._output.recv(copy=False))
                 if outputs is not None:
                     return outputs
-
-
-def _shutdown(launcher: CoreLauncher, channels: dict, output, ctx, closed: threading.Event) -> None:
-    closed.set()  # replacements waiting out their backoff give up
-    shutdown = msgspec.msgpack.encode(Shutdown())
-    for channel in channels.values():
-        try:
-            channel.send(shutdown)  # never blocks: what a dead core cannot take is dropped below
-        except zmq.ZMQError:
-            pass
-    launcher.shutdown()
-    for channel in channels.values():
-        launcher.close_channel(channel)
-    channels.clear()
-    output.close(linger=0)
-    for sock in list(ctx._sockets):  # any socket still open (pyzmq's own list, as Context.destroy uses it)
-        sock.close(linger=0)
-    terminate_context(ctx)  # bounded: a stranger's pending handshake must not hang shutdown

@@ -10,7 +10,8 @@ removes the groups: what it shows cannot drift from what the run asks for.
 On CUDA it also starts one empty worker actor per bundle, with the options
 the executor gives a rank's actor, to learn which GPU Ray gives it and its
 device index there; nothing else starts. A request that does not fit is
-answered with what is missing.
+answered with what is missing. The plan's records and how they print are
+plan_report.py.
 """
 
 from __future__ import annotations
@@ -21,14 +22,20 @@ import json
 import logging
 import math
 import sys
-from dataclasses import asdict, dataclass, field
 from typing import TextIO
 
 from raylm.config import EngineConfig
-from raylm.distributed.parallel_state import cp_group_ranks, pp_group_ranks, rank_coordinates, tp_group_ranks
 from raylm.engine.arg_utils import EngineArgs, HelpFormatter
+from raylm.entrypoints.plan_report import (
+    Plan,
+    describe_resources,
+    format_plan,
+    format_ranks,
+    rank_placement,
+    replica_placement,
+)
 from raylm.executor import ray_placement
-from raylm.executor.ray_cluster import NodeState, cluster_nodes, connect_ray, disconnect_ray, gcs_address
+from raylm.executor.ray_cluster import cluster_nodes, connect_ray, disconnect_ray, gcs_address
 from raylm.executor.ray_worker import RayWorkerWrapper
 
 logger = logging.getLogger(__name__)
@@ -41,52 +48,6 @@ _INFEASIBLE_WAIT_S = 2.0
 _PROBE_TIMEOUT_S = 120.0
 
 
-@dataclass
-class RankPlacement:
-    rank: int
-    tp_rank: int
-    pp_rank: int
-    node_id: str
-    node_ip: str
-    device: str  # "cpu", or "cuda:N" (N: the index among the devices the node shows)
-    local_rank: int
-    gpu_ids: list[str] = field(default_factory=list)
-    cp_rank: int = 0
-
-
-@dataclass
-class GroupPlacement:
-    ranks: list[int]
-    node_ids: list[str]
-    spans_nodes: bool
-
-
-@dataclass
-class ReplicaPlacement:
-    replica: int
-    node_id: str | None
-    node_ip: str | None
-    ranks: list[RankPlacement]
-    tp_groups: list[GroupPlacement]
-    pp_groups: list[GroupPlacement]
-    cp_groups: list[GroupPlacement] = field(default_factory=list)
-
-
-@dataclass
-class Plan:
-    fits: bool
-    ray_address: str | None
-    driver_node_id: str
-    nodes: list[NodeState]
-    request: dict
-    replicas: list[ReplicaPlacement] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
 # ---- what does not fit, and why -------------------------------------------------------
 
 
@@ -94,10 +55,6 @@ def _fits_count(bundle: dict, resources: dict) -> int:
     """How many copies of `bundle` fit in `resources`."""
     counts = [math.floor(resources.get(k, 0.0) / v + 1e-9) for k, v in bundle.items() if v > 0]
     return min(counts) if counts else 0
-
-
-def _describe(resources: dict) -> str:
-    return "{" + ", ".join(f"{k}: {v:g}" for k, v in resources.items()) + "}"
 
 
 def engine_shortfall(
@@ -109,7 +66,7 @@ def engine_shortfall(
     counts = {node_id: _fits_count(bundle, res) for node_id, _, res in nodes}
     ips = {node_id: ip for node_id, ip, _ in nodes}
     pin_nodes = [n for n in counts if pinned_ip is None or ips[n] == pinned_ip]
-    b = _describe(bundle)
+    b = describe_resources(bundle)
     missing = []
     if pinned_ip is not None and not any(counts[n] >= 1 for n in pin_nodes):
         missing.append(
@@ -123,7 +80,7 @@ def engine_shortfall(
             total = {k: v * world for k, v in bundle.items()}
             which = "one node (the driver's)" if pinned_ip is not None else "one node"
             missing.append(
-                f"STRICT_PACK needs {which} with room for all {world} bundles {_describe(total)}; "
+                f"STRICT_PACK needs {which} with room for all {world} bundles {describe_resources(total)}; "
                 f"the roomiest has room for {room}: missing {world - room} x {b} there"
             )
     elif strategy == "STRICT_SPREAD":
@@ -218,21 +175,21 @@ def _plan_engine(config: EngineConfig, plan_base: dict) -> Plan:
         if indices is not None:
             local_rank = indices[i] if indices[i] is not None else -1
             device = f"cuda:{indices[i] if indices[i] is not None else '?'}"
-        ranks.append(_rank_placement(rank, pc, node_id, ip, device, local_rank, [str(g) for g in gpu_ids]))
-    replica = _replica(0, None, None, ranks, pc)
+        ranks.append(rank_placement(rank, pc, node_id, ip, device, local_rank, [str(g) for g in gpu_ids]))
+    replica = replica_placement(0, None, None, ranks, pc)
     plan.replicas = [replica]
     plan.fits = not plan.missing
     for group in replica.tp_groups:
         if group.spans_nodes:
             plan.warnings.append(
                 f"the TP group of PP stage {group.ranks[0] // (tp * cp)} (ranks "
-                f"{_ranks(group.ranks)}) spans {len(set(group.node_ids))} nodes: tensor "
+                f"{format_ranks(group.ranks)}) spans {len(set(group.node_ids))} nodes: tensor "
                 "parallelism across nodes is slow"
             )
     for group in replica.cp_groups:
         if group.spans_nodes:
             plan.warnings.append(
-                f"the CP group of ranks {_ranks(group.ranks)} spans {len(set(group.node_ids))} "
+                f"the CP group of ranks {format_ranks(group.ranks)} spans {len(set(group.node_ids))} "
                 "nodes: context parallelism merges attention every layer, slow across nodes"
             )
     return plan
@@ -291,8 +248,9 @@ def _plan_replicas(config: EngineConfig, plan_base: dict) -> Plan:
     if unplaced:
         now = [i for i, t in enumerate(targets) if t is None]
         plan.missing.append(
-            f"replica(s) {_ranks(unplaced)} not placed: each needs one node with {_describe({'CPU': need})} "
-            f"free (bundles {[_describe(b) for b in bundles]}, STRICT_PACK); "
+            f"replica(s) {format_ranks(unplaced)} not placed: each needs one node with "
+            f"{describe_resources({'CPU': need})} "
+            f"free (bundles {[describe_resources(b) for b in bundles]}, STRICT_PACK); "
             + (
                 f"the cluster's nodes can hold {size - len(never)} of {size} replicas in total"
                 if never
@@ -307,7 +265,7 @@ def _plan_replicas(config: EngineConfig, plan_base: dict) -> Plan:
         # The replica's executor is its own driver, on this node: ranks in
         # bundle order (Ray executor) or local processes (uni, mp).
         ranks = [
-            _rank_placement(
+            rank_placement(
                 r,
                 pc,
                 placed[index][rank_bundles[r]] if rank_bundles else node,
@@ -317,7 +275,7 @@ def _plan_replicas(config: EngineConfig, plan_base: dict) -> Plan:
             )
             for r in range(pc.world_size)
         ]
-        plan.replicas.append(_replica(index, node, ip_of.get(node, "?"), ranks, pc))
+        plan.replicas.append(replica_placement(index, node, ip_of.get(node, "?"), ranks, pc))
     if config.device == "cuda":
         plan.warnings.append(
             "data-parallel replicas reserve CPU bundles only (ray_placement.replica_bundles): "
@@ -325,40 +283,6 @@ def _plan_replicas(config: EngineConfig, plan_base: dict) -> Plan:
         )
     plan.fits = not plan.missing
     return plan
-
-
-# ---- shared --------------------------------------------------------------------------
-
-
-def _rank_placement(
-    rank: int, pc, node_id: str, ip: str, device: str, local_rank: int, gpu_ids: list[str] | None = None
-) -> RankPlacement:
-    tp_rank, pp_rank, cp_rank = rank_coordinates(rank, pc.tensor_parallel_size, pc.context_parallel_size)
-    return RankPlacement(rank, tp_rank, pp_rank, node_id, ip, device, local_rank, gpu_ids or [], cp_rank)
-
-
-def _replica(index, node_id, node_ip, ranks: list[RankPlacement], pc) -> ReplicaPlacement:
-    tp, pp, cp = pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.context_parallel_size
-
-    def group(members: list[int]) -> GroupPlacement:
-        node_ids = [ranks[r].node_id for r in members]
-        return GroupPlacement(members, node_ids, len(set(node_ids)) > 1)
-
-    return ReplicaPlacement(
-        index,
-        node_id,
-        node_ip,
-        ranks,
-        [group(g) for g in tp_group_ranks(tp, pp, cp)],
-        [group(g) for g in pp_group_ranks(tp, pp, cp)],
-        [group(g) for g in cp_group_ranks(tp, pp, cp)],
-    )
-
-
-def _ranks(ranks: list[int]) -> str:
-    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"{ranks[0]}-{ranks[-1]}"
-    return ",".join(map(str, ranks))
 
 
 def make_plan(config: EngineConfig) -> Plan:
@@ -394,79 +318,6 @@ def make_plan(config: EngineConfig) -> Plan:
     finally:
         if not was_connected:
             disconnect_ray()
-
-
-# ---- output ---------------------------------------------------------------------------
-
-
-def format_plan(plan: Plan) -> str:
-    short = {n.node_id: n.node_id[:12] for n in plan.nodes}
-    req = plan.request
-    lines = [f"Ray cluster {plan.ray_address or '?'}: {len(plan.nodes)} node(s)"]
-    for n in plan.nodes:
-        res = ", ".join(f"{k} {n.available.get(k, 0):g}/{n.total[k]:g}" for k in sorted(n.total))
-        driver = "  <- driver" if n.is_driver else ""
-        lines.append(f"  {short[n.node_id]}  {n.ip:<15} {res or '-'} (free/total){driver}")
-    layout = f"TP={req['tensor_parallel_size']} x PP={req['pipeline_parallel_size']}"
-    if req.get("context_parallel_size", 1) > 1:
-        layout += f" x CP={req['context_parallel_size']}"
-    if req["data_parallel_size"] > 1:
-        lines.append(
-            f"Request: {req['data_parallel_size']} data-parallel replicas ({req['data_parallel_placement']}) "
-            f"of {layout}, executor {req['executor_backend']}, device {req['device']}; each replica: "
-            f"{' + '.join(_describe(b) for b in req['replica_bundles'])} on one node"
-        )
-    else:
-        lines.append(
-            f"Request: {layout} = {req['bundles']} Ray workers, {_describe(req['bundle'])} each, "
-            f"strategy {req['placement_strategy']}, device {req['device']}"
-        )
-    if any(replica.ranks for replica in plan.replicas):
-        lines.append("")
-        dp = req["data_parallel_size"] > 1
-        with_cp = req.get("context_parallel_size", 1) > 1
-        header = (
-            (["replica"] if dp else [])
-            + ["rank", "tp", "pp"]
-            + (["cp"] if with_cp else [])
-            + ["node", "ip", "device", "gpu"]
-        )
-        rows = []
-        for replica in plan.replicas:
-            for r in replica.ranks:
-                rows.append(
-                    ([str(replica.replica)] if dp else [])
-                    + [str(r.rank), str(r.tp_rank), str(r.pp_rank)]
-                    + ([str(r.cp_rank)] if with_cp else [])
-                    + [short.get(r.node_id, r.node_id[:12]), r.node_ip, r.device, ",".join(r.gpu_ids) or "-"]
-                )
-        widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-        lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
-        lines.extend("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
-        if not dp:
-            lines.append("")
-        # (A replica's groups never leave its node.)
-        for replica in [] if dp else plan.replicas:
-            for kind, groups in (("TP", replica.tp_groups), ("PP", replica.pp_groups), ("CP", replica.cp_groups)):
-                if not groups or len(groups[0].ranks) < 2:
-                    continue
-                parts = []
-                for g in groups:
-                    where = (
-                        f"across {len(set(g.node_ids))} nodes"
-                        if g.spans_nodes
-                        else f"on {short.get(g.node_ids[0], g.node_ids[0][:12])}"
-                    )
-                    parts.append(f"ranks {_ranks(g.ranks)} {where}")
-                lines.append(f"{kind} groups: " + "; ".join(parts))
-    for warning in plan.warnings:
-        lines.append(f"warning: {warning}")
-    if plan.fits:
-        lines.append("Fits. (Placement groups reserved for the plan are removed.)")
-    else:
-        lines.append("Does not fit:")
-        lines.extend(f"  - {m}" for m in plan.missing)
-    return "\n".join(lines)
 
 
 # ---- command line ---------------------------------------------------------------------

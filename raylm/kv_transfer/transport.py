@@ -7,7 +7,7 @@ supervisor's private folder in /dev/shm, raylm.kv_transfer.files) and
 its blocks on a socket of its own and the destination's rank fetches them,
 sealed with the supervisor's transfer key, raylm.kv_transfer.network). The
 supervisor picks the kind once per migration, from the pair of cores
-(Migrations.kv_network: both on its node, or not), keeps that
+(KVRoutes.kv_network: both on its node, or not), keeps that
 migration's transport (`transport_for`) and puts the choice in every
 message of the migration (its `network`); each core gets the same
 transport from the message (`transport_for`). Past that choice neither side asks which kind it has:

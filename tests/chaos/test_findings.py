@@ -79,7 +79,7 @@ def test_a_refused_hand_over_does_not_go_to_the_replacement_of_a_dead_source(wor
     world.read()  # the death: the destination owns the request now
     assert world.run_background()  # the source's replacement starts...
     world.read()  # ...and serves
-    for path in glob.glob(os.path.join(world.sup.migrations.transfer_dir, "*")):
+    for path in glob.glob(os.path.join(world.sup.kv_routes.transfer_dir, "*")):
         os.unlink(path)  # the final stage cannot be read: the destination refuses it
     world.drain()
     world.check()
@@ -146,7 +146,7 @@ def test_a_stage_file_its_source_removed_first_does_not_end_the_engine(world, mo
     assert world.sup.migrate("r0", 1 - _serving_core(world, "r0"))
     migration = next(iter(world.sup.migrations.values()))
     _run_until(world, lambda: migration.stage > 0)  # a stage file is written
-    assert glob.glob(os.path.join(world.sup.migrations.transfer_dir, f"{migration.migration_id}-*"))
+    assert glob.glob(os.path.join(world.sup.kv_routes.transfer_dir, f"{migration.migration_id}-*"))
     monkeypatch.setattr(transport_module.glob, "glob", listing_then_source_removes)
     world.abort("r0")  # ends the migration: the supervisor lists and removes its files
     monkeypatch.undo()

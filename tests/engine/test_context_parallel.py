@@ -234,7 +234,7 @@ def test_cp2_on_mp_equals_hf_past_one_ranks_cache(model, reference):
 
 def test_plan_shows_the_cp_groups(tiny_model_dir):
     """`raylm plan`'s table: a cp column and the CP groups, each (pp, tp) slot's."""
-    from raylm.entrypoints.plan import Plan, _rank_placement, _replica, format_plan
+    from raylm.entrypoints.plan_report import Plan, format_plan, rank_placement, replica_placement
     from raylm.executor.ray_cluster import NodeState
 
     pc = create_engine_config(tiny_model_dir("llama"), tensor_parallel_size=2, context_parallel_size=2).parallel_config
@@ -242,8 +242,8 @@ def test_plan_shows_the_cp_groups(tiny_model_dir):
         NodeState("a" * 16, "10.0.0.1", {"CPU": 2}, {"CPU": 2}, True),
         NodeState("b" * 16, "10.0.0.2", {"CPU": 2}, {"CPU": 2}),
     ]
-    ranks = [_rank_placement(r, pc, nodes[r // 2].node_id, nodes[r // 2].ip, "cpu", r % 2) for r in range(4)]
-    replica = _replica(0, None, None, ranks, pc)
+    ranks = [rank_placement(r, pc, nodes[r // 2].node_id, nodes[r // 2].ip, "cpu", r % 2) for r in range(4)]
+    replica = replica_placement(0, None, None, ranks, pc)
     assert [r.cp_rank for r in ranks] == [0, 0, 1, 1] and [r.tp_rank for r in ranks] == [0, 1, 0, 1]
     request = {
         "tensor_parallel_size": 2,

@@ -100,7 +100,7 @@ def _read_one(supervisor) -> None:
 def _kv_in_use(supervisor) -> dict[int, float]:
     """Each core's KV usage, fresh (a ping makes every core report its stats)."""
     supervisor.ping()
-    wait_until(lambda: not supervisor._pings, 30, step=lambda: _read_one(supervisor), message="pongs")
+    wait_until(lambda: not supervisor.pings, 30, step=lambda: _read_one(supervisor), message="pongs")
     return {i: c.stats.kv_cache_usage for i, c in supervisor.channels.items()}
 
 
@@ -126,7 +126,7 @@ def test_a_ping_in_flight_when_a_core_leaves_is_still_answered(llm):
     supervisor = llm.llm_engine.engine_core
     supervisor.ping()
     supervisor.scale(1)  # core 1 is idle: it leaves at the supervisor's next housekeeping
-    wait_until(lambda: not supervisor._pings, 30, step=lambda: _read_one(supervisor), message="pongs")
+    wait_until(lambda: not supervisor.pings, 30, step=lambda: _read_one(supervisor), message="pongs")
     assert list(supervisor.channels) == [0]
 
 

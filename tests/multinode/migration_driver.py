@@ -21,7 +21,7 @@ def _kv_in_use(supervisor) -> dict[int, float]:
     """Each core's KV usage, fresh (a ping makes every core report its stats)."""
     supervisor.ping()
     deadline = time.monotonic() + 60
-    while supervisor._pings and time.monotonic() < deadline:
+    while supervisor.pings and time.monotonic() < deadline:
         supervisor._housekeeping()
         if supervisor._output.poll(100):
             supervisor._receive(supervisor._output.recv(copy=False))

@@ -261,7 +261,7 @@ class World(SimHost):
         assert not sup.ledger and not sup.migrations and not sup.migrations.by_request, "the supervisor kept requests"
         assert not len(sup.pulls), f"prefix pulls never ended: {sorted(sup.pulls._pulls)}"
         PULL_OUTCOMES.update(sup.pulls.counts)
-        folder = sup.migrations.transfer_dir
+        folder = sup.kv_routes.transfer_dir
         if folder is not None:
             assert os.listdir(folder) == [], f"transfer files left behind: {os.listdir(folder)}"
         hashes = self._expected_blocks()
