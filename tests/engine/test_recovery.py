@@ -21,18 +21,20 @@ import pytest
 from raylm import LLM, SamplingParams
 from raylm.engine.errors import EngineDeadError
 from raylm.engine.protocol import RecoveryKind
-from raylm.executor.multiproc_executor import MultiprocExecutor
-from raylm.executor.uniproc_executor import UniProcExecutor
 from raylm.testing.hf_oracle import hf_greedy
 from tests.conftest import executor_of, our_live_ray_state, process_gone, wait_until
-from tests.executor.worker_callables import install_poison, point_rank_at_model_folder
+from tests.engine.faulty_executors import (
+    POISON,
+    CorruptCopyOnRank1Executor,
+    PoisonedMultiprocExecutor,
+    PoisonedUniProcExecutor,
+)
 
 NUM_REQUESTS = 16
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # Varied lengths: some prompts span several KV blocks, some are one token.
 PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(1 + 5 * i)] for i in range(NUM_REQUESTS)]
-POISON = 700  # a token id the poisoned test workers refuse to run (see install_poison)
 
 
 @pytest.fixture(scope="module")
@@ -199,21 +201,6 @@ def test_idle_heartbeat_replaces_a_hung_worker_before_the_next_request(model, re
     assert_gone(new_traces)
 
 
-class PoisonedUniProcExecutor(UniProcExecutor):
-    """A worker that raises on any step holding the POISON token: every
-    executor the engine builds is poisoned again, like a real bug would be."""
-
-    def _init_executor(self) -> None:
-        super()._init_executor()
-        self.collective_rpc(install_poison, args=(POISON,))
-
-
-class PoisonedMultiprocExecutor(MultiprocExecutor):
-    def _init_executor(self) -> None:
-        super()._init_executor()
-        self.collective_rpc(install_poison, args=(POISON,))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "executor_class, tp", [(PoisonedUniProcExecutor, 1), (PoisonedMultiprocExecutor, 2)], ids=["uni", "mp-tp2"]
@@ -263,18 +250,6 @@ def test_failures_past_the_budget_end_the_engine_cleanly(model):
         llm.shutdown()
     for trace in traces:
         assert_gone(trace)
-
-
-class CorruptCopyOnRank1Executor(MultiprocExecutor):
-    """Rank 1 loads the weights from `corrupt_dir`, as a node whose local copy
-    of the checkpoint is damaged would."""
-
-    corrupt_dir = ""
-
-    def collective_rpc(self, method, *args, **kwargs):
-        if method == "load_model":
-            super().collective_rpc(point_rank_at_model_folder, args=(1, self.corrupt_dir))
-        return super().collective_rpc(method, *args, **kwargs)
 
 
 @pytest.mark.slow
