@@ -42,6 +42,14 @@ ACTIONS_AND_KINDS = [
 ]
 
 
+def _step_deadline(action: str) -> float:
+    """The step deadline: a hang is waited out three times (batched twice,
+    then alone), so it is short there, yet far above a step of the tiny model
+    on a busy machine; the other faults keep the deadline they were tested
+    with (a death is noticed before it, whatever the machine's speed)."""
+    return 3 if action == "hang" else 5
+
+
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
     return tiny_model_dir("llama", num_key_value_heads=2)
@@ -148,7 +156,7 @@ def test_fault_specs_parse_and_typos_are_refused():
 def test_mp_tp2_poison_is_failed_alone_and_the_rest_complete(monkeypatch, model, reference, action, kind):
     monkeypatch.setenv(ENV_VAR, f"{action}:token={POISON}")
     poison_at = 5
-    llm = _llm(model, "mp", tp=2, execute_model_timeout=5)
+    llm = _llm(model, "mp", tp=2, execute_model_timeout=_step_deadline(action))
     try:
         _generate_past_the_poison(llm, poison_at, reference, kind)
         traces = _executor_traces(executor_of(llm))
@@ -164,7 +172,7 @@ def test_mp_tp2_poison_is_failed_alone_and_the_rest_complete(monkeypatch, model,
 def test_ray_tp2_poison_is_failed_alone(monkeypatch, ray_session, model, reference, action, kind):
     monkeypatch.setenv(ENV_VAR, f"{action}:token={POISON}")
     poison_at = NUM_GOOD  # last: every good request runs alone before it
-    llm = _llm(model, "ray", tp=2, execute_model_timeout=5)
+    llm = _llm(model, "ray", tp=2, execute_model_timeout=_step_deadline(action))
     try:
         _generate_past_the_poison(llm, poison_at, reference, kind)
         traces = _executor_traces(executor_of(llm))
@@ -241,7 +249,11 @@ def test_uni_core_process_poison_is_failed_alone_online(monkeypatch, model, refe
     monkeypatch.setenv(ENV_VAR, f"{action}:token={POISON}")
     poison_at = 3
     config = create_engine_config(
-        model=model, dtype="float32", num_threads=1, kv_cache_memory_bytes=16 << 20, execute_model_timeout=4
+        model=model,
+        dtype="float32",
+        num_threads=1,
+        kv_cache_memory_bytes=16 << 20,
+        execute_model_timeout=3 if action == "hang" else 4,
     )
     engine = AsyncLLM(config)
 
@@ -304,7 +316,7 @@ def test_dp2_poison_is_failed_alone(monkeypatch, ray_session, model, reference, 
         data_parallel_size=2,
         num_threads=1,
         kv_cache_memory_bytes=16 << 20,
-        execute_model_timeout=4 if action == "hang" else 300,
+        execute_model_timeout=3 if action == "hang" else 300,
     )
     try:
         outputs = llm.generate(_prompts(poison_at), GREEDY, use_tqdm=False)
