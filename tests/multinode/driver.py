@@ -25,6 +25,30 @@ def _wait_for_nodes(count: int, timeout: float) -> None:
         time.sleep(0.2)
 
 
+def replica_per_host(spec: dict, **settings):
+    """The LLM the two-host drivers run: joined to the harness's cluster,
+    two data-parallel replicas spread one per host, the tiny model in
+    float32 (`settings`: the driver's own, added or overriding)."""
+    from raylm import LLM
+    from raylm.config import ParallelConfig
+    from raylm.executor import ray_cluster
+
+    ray_cluster.connect_ray(ParallelConfig(ray_address=spec["address"]), num_cpus_hint=0)
+    _wait_for_nodes(2, timeout=60)
+    return LLM(
+        spec["model"],
+        **{
+            "dtype": "float32",
+            "data_parallel_size": 2,
+            "data_parallel_placement": "spread",
+            "ray_address": spec["address"],
+            "num_threads": 1,
+            "kv_cache_memory_bytes": 16 << 20,
+            **settings,
+        },
+    )
+
+
 def _kill_host(netns: str) -> None:
     """Every process of that namespace host dies at once: its raylet, its
     object store, its workers (a machine lost)."""

@@ -15,29 +15,17 @@ from __future__ import annotations
 import json
 import sys
 
-from tests.multinode.driver import _wait_for_nodes
+from tests.multinode.driver import replica_per_host
 from tests.multinode.migration_driver import _kv_in_use
 
 
 def main(spec: dict) -> dict:
     import ray
 
-    from raylm import LLM, SamplingParams
-    from raylm.config import ParallelConfig
-    from raylm.executor import ray_cluster
+    from raylm import SamplingParams
 
-    ray_cluster.connect_ray(ParallelConfig(ray_address=spec["address"]), num_cpus_hint=0)
-    _wait_for_nodes(2, timeout=60)
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
-    with LLM(
-        spec["model"],
-        dtype="float32",
-        data_parallel_size=2,
-        data_parallel_placement="spread",
-        ray_address=spec["address"],
-        num_threads=1,
-        kv_cache_memory_bytes=16 << 20,
-    ) as llm:
+    with replica_per_host(spec) as llm:
         engine, supervisor = llm.llm_engine, llm.llm_engine.engine_core
         node_ips = {i: c.node_ip for i, c in supervisor.channels.items()}
         head = next(i for i, ip in node_ips.items() if ip == ray.util.get_node_ip_address())
