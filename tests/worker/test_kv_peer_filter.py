@@ -90,9 +90,7 @@ def test_a_stranger_at_another_address_gets_no_connection_and_the_destination_it
     # A second destination's offer while the server listens: admitted before its address is handed out.
     _, again = endpoint.serve(source, "m-1.rank0", [5, 1], "127.0.0.1", key, peer="127.0.0.3")
     assert again == address and server.admitted == {"127.0.0.2", "127.0.0.3"}
-    started = time.monotonic()
     got = _fetch(address, "m-1.rank0", key, local="127.0.0.3")
-    assert time.monotonic() - started < 0.9, "the SYN was dropped once (TCP sends it again after 1 s)"
     for src, dst in zip(source, got):
         assert torch.equal(dst[:, [0, 1]], src[:, [5, 1]])
 
