@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 
 from raylm.engine.core_channel import CoreChannel
+from raylm.engine.kv_routes import KVRoutes
 from raylm.engine.ledger import Ledger
 from raylm.engine.prefix_index import PrefixIndex, prompt_block_hashes
 from raylm.engine.protocol import (
@@ -50,7 +51,7 @@ from raylm.engine.protocol import (
     PullReport,
     PullStats,
 )
-from raylm.kv_transfer.transport import StageFolder, transport_for
+from raylm.kv_transfer.transport import transport_for
 
 logger = logging.getLogger(__name__)
 
@@ -90,18 +91,17 @@ class Pulls:
         ledger: Ledger,
         index: PrefixIndex,
         block_size: int,
-        stage_folder: StageFolder,
-        kv_network,
+        kv_routes: KVRoutes,
         encode,
         enabled: bool = True,
     ):
-        """`kv_network(source, destination)`: how K/V travels between two
-        cores (None: files, on the supervisor's node), as for a migration."""
+        """`kv_routes`: which way K/V travels between two cores and where its
+        stages are named, the same as for a migration."""
         self._ledger = ledger
         self._index = index
         self._block_size = block_size
-        self._stage_folder = stage_folder
-        self._kv_network = kv_network
+        self._kv_routes = kv_routes
+        self._stage_folder = kv_routes.stage_folder
         self._encode = encode
         self.enabled = enabled
         self._pulls: dict[str, Pull] = {}
@@ -160,7 +160,7 @@ class Pulls:
             destination,
             hashes[: matched[holder.index]],
             self._stage_folder.stage_path(pull_id, 0),
-            self._kv_network(holder, destination),
+            self._kv_routes.kv_network(holder, destination),
             time.monotonic(),
         )
         self._pulls[pull_id] = pull

@@ -137,8 +137,7 @@ class EngineCoreSupervisor:
             self.ledger,
             self.prefix_index,
             config.cache_config.block_size,
-            self.kv_routes.stage_folder,
-            self.kv_routes.kv_network,
+            self.kv_routes,
             encode,
             enabled=parallel.prefix_pull
             and parallel.context_parallel_size == 1

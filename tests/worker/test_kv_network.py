@@ -48,15 +48,6 @@ def _caches(
     return [torch.randn(shape, generator=gen).to(dtype) for _ in range(LAYERS)]
 
 
-@pytest.fixture
-def endpoint():
-    ep = kv_network.KVNetworkEndpoint()
-    yield ep
-    ep.close()
-    left = [t.name for t in threading.enumerate() if t.name in ("raylm-kv-server", "raylm-kv-sent")]
-    assert not left, f"the server's threads live on: {left}"
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_blocks_arrive_bit_for_bit_in_the_reserved_blocks(endpoint, dtype):
     key = _key()

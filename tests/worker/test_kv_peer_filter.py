@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import socket
 import sys
-import threading
 import time
 
 import pytest
@@ -30,15 +29,6 @@ def _caches(seed: int | None) -> list[torch.Tensor]:
         return [torch.zeros(SHAPE) for _ in range(2)]
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(SHAPE, generator=gen) for _ in range(2)]
-
-
-@pytest.fixture
-def endpoint():
-    ep = kv_network.KVNetworkEndpoint()
-    yield ep
-    ep.close()
-    left = [t.name for t in threading.enumerate() if t.name in ("raylm-kv-server", "raylm-kv-sent")]
-    assert not left, f"the server's threads live on: {left}"
 
 
 def _connects(address: str, source: str, timeout_s: float = 0.5) -> bool:
