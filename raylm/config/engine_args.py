@@ -256,6 +256,17 @@ class EngineArgs:
         parser=parse_bytes,
         metavar="BYTES",
     )
+    kv_offloading_size: float | None = _cache(
+        None,
+        "GiB of host shared memory for the node's tier of evicted KV blocks: a block the prefix cache evicts "
+        "is kept there, and a later prompt with its prefix loads it back instead of computing it (every "
+        "replica on the node reads the node's tier; data-parallel replicas share the size out); default: off",
+        parser=float,
+        metavar="GiB",
+    )
+    kv_offloading_backend: str = _cache(
+        "native", "where evicted KV blocks go with --kv-offloading-size: native (raylm's own tier)", choices=("native",)
+    )
     block_size: int = _cache(16, "tokens per KV cache block", metavar="N")
     enable_prefix_caching: bool = _cache(True, "reuse the KV cache of shared prompt prefixes")
     gpu_memory_utilization: float | None = _cache(

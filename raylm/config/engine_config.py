@@ -66,10 +66,22 @@ class CacheConfig:
     # Context parallelism: the blocks are spread over this many ranks (block
     # id g on CP rank g % num_kv_shards); set from context_parallel_size.
     num_kv_shards: int = 1
+    # The node-local tier of evicted blocks (raylm.core.host_tier), in GiB
+    # for the whole node (its data-parallel replicas share it out); None: off.
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
+    # Where the cores' tier files go: the supervisor's private folder in
+    # /dev/shm, set when it starts (None: each core makes its own).
+    kv_offloading_folder: str | None = None
 
     def __post_init__(self):
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        size = self.kv_offloading_size
+        if size is not None and (not isinstance(size, (int, float)) or isinstance(size, bool) or not 0 < size < 2**20):
+            raise ValueError(f"kv_offloading_size must be a number of GiB > 0, got {size!r}")
+        if self.kv_offloading_backend != "native":
+            raise ValueError(f"kv_offloading_backend must be 'native', got {self.kv_offloading_backend!r}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         utilization = self.gpu_memory_utilization

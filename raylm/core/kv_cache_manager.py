@@ -33,6 +33,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from raylm.core.host_tier import HostTierDirectory, TierCopies
 from raylm.core.request import Request
 
 
@@ -70,7 +71,9 @@ class KVEventRecorder:
     dropped (evicted for another use), and whether it was emptied (a fresh
     pool: at the core's start, after its executor was rebuilt, at a reset).
     The supervisor's prefix index (raylm/engine/prefix_index.py) follows
-    each core by these, and routes by what they hold.
+    each core by these, and routes by what they hold. The same for the
+    core's tier of evicted blocks (raylm.core.host_tier): the hashes it
+    began to hold, with their slots, and those it dropped.
 
     Only a block's latest change is kept, so what is pending is bounded by
     the blocks changed since the last take, whatever the traffic."""
@@ -78,6 +81,7 @@ class KVEventRecorder:
     def __init__(self):
         self.cleared = True  # a new pool holds nothing: the index starts over
         self._changes: dict[bytes, bool] = {}  # block hash -> held (True) or dropped
+        self._tier_changes: dict[bytes, int | None] = {}  # block hash -> its tier slot, or None: dropped
 
     def stored(self, block_hash: bytes) -> None:
         self._changes[block_hash] = True
@@ -85,17 +89,31 @@ class KVEventRecorder:
     def removed(self, block_hash: bytes) -> None:
         self._changes[block_hash] = False
 
+    def offloaded(self, block_hash: bytes, slot: int) -> None:
+        self._tier_changes[block_hash] = slot
+
+    def unoffloaded(self, block_hash: bytes) -> None:
+        self._tier_changes[block_hash] = None
+
     def clear(self) -> None:
         self.cleared = True
         self._changes.clear()
+        self._tier_changes.clear()
 
-    def take(self) -> tuple[bool, list[bytes], list[bytes]] | None:
-        """(emptied first, hashes now held, hashes dropped) since the last take; None: nothing."""
-        if not self.cleared and not self._changes:
+    def take(self) -> tuple[bool, list[bytes], list[bytes], list[tuple[bytes, int]], list[bytes]] | None:
+        """(emptied first, hashes now held, hashes dropped, (hash, slot) now
+        in the tier, hashes dropped from the tier) since the last take; None: nothing."""
+        if not self.cleared and not self._changes and not self._tier_changes:
             return None
-        changes, cleared = self._changes, self.cleared
-        self._changes, self.cleared = {}, False
-        return (cleared, [h for h, held in changes.items() if held], [h for h, held in changes.items() if not held])
+        changes, tier, cleared = self._changes, self._tier_changes, self.cleared
+        self._changes, self._tier_changes, self.cleared = {}, {}, False
+        return (
+            cleared,
+            [h for h, held in changes.items() if held],
+            [h for h, held in changes.items() if not held],
+            [(h, slot) for h, slot in tier.items() if slot is not None],
+            [h for h, slot in tier.items() if slot is None],
+        )
 
 
 class BlockPool:
@@ -116,6 +134,8 @@ class BlockPool:
             OrderedDict((b.block_id, b) for b in self.blocks[shard::num_shards]) for shard in range(num_shards)
         ]
         self.cached: dict[bytes, KVCacheBlock] = {}
+        # Where evicted blocks go instead of being lost (--kv-offloading-size), if anywhere.
+        self.tier: HostTierDirectory | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -139,6 +159,8 @@ class BlockPool:
                     del self.cached[block.block_hash]
                     if self.events is not None:
                         self.events.removed(block.block_hash)
+                    if self.tier is not None:
+                        self.tier.offload(block.block_id, block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
@@ -197,7 +219,26 @@ class KVCacheManager:
         # Number of a request's leading blocks already registered in the cache.
         self.num_registered: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up
-        self.prefix_hits = 0  # tokens found
+        self.prefix_hits = 0  # tokens found (in the cache, or in the tier of evicted blocks)
+        self.tier_hits = 0  # of which found in the tier
+        # A new request's prefix the tier holds, after what the cache holds:
+        # found by get_computed_blocks, loaded by the allocate_slots after it.
+        self._tier_prefix: dict[str, list[bytes]] = {}
+
+    def attach_tier(self, num_slots: int) -> None:
+        """Keep evicted blocks in a tier of `num_slots` slots (its ranks' files are open)."""
+        self.pool.tier = HostTierDirectory(num_slots, self.pool.events)
+
+    @property
+    def tier(self) -> HostTierDirectory | None:
+        return self.pool.tier
+
+    def take_tier_copies(self) -> TierCopies | None:
+        """The tier's copies queued since the last take, for the ranks to run before the next forward."""
+        if self.pool.tier is None:
+            return None
+        copies = self.pool.tier.take_copies()
+        return copies or None
 
     @property
     def usage(self) -> float:
@@ -232,7 +273,12 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        tier_hits: list[bytes] = []
+        if self.pool.tier is not None:
+            rest = request.block_hashes[len(hits) : max_blocks]
+            tier_hits = rest[: len(self.pool.tier.lookup(rest))]
+        self._tier_prefix[request.request_id] = tier_hits
+        return hits, (len(hits) + len(tier_hits)) * self.block_size
 
     def record_prefix_lookup(self, num_tokens: int, num_cached: int) -> None:
         """Count a lookup once its request is admitted (a lookup that found no
@@ -245,9 +291,13 @@ class KVCacheManager:
     ) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens; returns the new block ids,
         or None (and changes nothing) when the pool cannot hold them."""
+        # The tier's part of a new request's prefix (get_computed_blocks found
+        # it): new blocks, filled from the tier before this step's forward.
+        from_tier = self._tier_prefix.pop(request.request_id, []) if computed_blocks is not None else []
         computed_blocks = computed_blocks or []
         blocks = self.req_blocks.setdefault(request.request_id, [])
-        num_tokens_after = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        cached_tokens = (len(computed_blocks) + len(from_tier)) * self.block_size
+        num_tokens_after = request.num_computed_tokens + cached_tokens + num_new_tokens
         num_needed = -(-num_tokens_after // self.block_size) - len(blocks) - len(computed_blocks)
         # Cached blocks about to be reused are counted as free until touched.
         reusable = sum(1 for b in computed_blocks if b.ref_cnt == 0)
@@ -257,7 +307,13 @@ class KVCacheManager:
             return None
         self.pool.touch(computed_blocks)
         blocks.extend(computed_blocks)
+        tier = self.pool.tier
+        if from_tier:
+            tier.pin(from_tier)  # the evictions this allocation makes must not take their slots
         new_blocks = self.pool.allocate(max(num_needed, 0), first_index=len(blocks))
+        for block_hash, block in zip(from_tier, new_blocks):
+            tier.load(block_hash, block.block_id)
+        self.tier_hits += len(from_tier) * self.block_size
         blocks.extend(new_blocks)
         if self.enable_prefix_caching:
             self._register_full_blocks(request, blocks, num_tokens_after)
@@ -311,6 +367,7 @@ class KVCacheManager:
 
     def free_by_id(self, request_id: str) -> None:
         self.num_registered.pop(request_id, None)
+        self._tier_prefix.pop(request_id, None)
         self.pool.free(list(reversed(self.req_blocks.pop(request_id, []))))
 
     def get_block_ids(self, request_id: str) -> list[int]:

@@ -198,6 +198,7 @@ class RequestQueues:
         return verdict, outputs
 
     def stats(self) -> dict:
+        tier = self.kv_cache_manager.tier
         return {
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
@@ -205,6 +206,9 @@ class RequestQueues:
             "prefix_cache_hit_rate": self.kv_cache_manager.prefix_cache_hit_rate,
             "prefix_cache_queries": self.kv_cache_manager.prefix_queries,
             "prefix_cache_hits": self.kv_cache_manager.prefix_hits,
+            "prefix_cache_tier_hits": self.kv_cache_manager.tier_hits,
+            "kv_tier_blocks": len(tier) if tier is not None else 0,
+            "kv_tier_capacity_blocks": tier.num_slots if tier is not None else 0,
             "num_preemptions": self.num_preemptions,
             # What the KV cache holds: in all, and on each rank (a CP group's ranks share it out).
             "kv_capacity_tokens": self.kv_cache_manager.num_blocks * self.kv_cache_manager.block_size,

@@ -107,6 +107,7 @@ class Scheduler(RequestQueues):
 
         # Then waiting requests, unless we just had to preempt (no room anyway).
         compiling: list[Request] = []
+        promoted: set[str] = set()
         while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if isolated is not None and (request is not isolated or num_scheduled):
@@ -126,6 +127,8 @@ class Scheduler(RequestQueues):
             num_new = min(num_new, budget)
             block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
             if block_ids is None:
+                if self._make_room_for(request, isolated is not None, promoted, num_scheduled, new_block_ids):
+                    continue
                 break
             self.waiting.popleft()
             if self.kv_cache_manager.enable_prefix_caching and not imported:
@@ -207,6 +210,40 @@ class Scheduler(RequestQueues):
         return (max_tokens is not None and pending >= max_tokens) or (
             request.num_tokens + request.num_output_placeholders >= self.max_model_len
         )
+
+    def _make_room_for(
+        self, head: Request, alone: bool, promoted: set[str], num_scheduled: dict, new_block_ids: dict
+    ) -> bool:
+        """`head` cannot get its blocks while others hold blocks that nothing
+        would ever free (deadlocks of a small cache, found by the chaos
+        harness). A waiting request that holds its K/V already (a migration
+        brought it) goes first, each once per schedule. Where `head` must run
+        alone (quarantine), nobody else runs until it ends: such a waiting
+        request gives its blocks up, and then the running ones are preempted,
+        newest first; each computes its K/V again when its turn comes.
+        True: something changed, try again."""
+        kv = self.kv_cache_manager
+        holders = [r for r in self.waiting if r is not head and r.request_id in kv.req_blocks]
+        if alone:
+            if holders:
+                kv.free(holders[0])
+                holders[0].num_computed_tokens = 0
+                self.num_preemptions += 1
+                return True
+            others = [r for r in self.running if r is not head]
+            if not others:
+                return False
+            self.running.remove(others[-1])
+            self._preempt(others[-1], num_scheduled, new_block_ids)
+            # It is ahead of `head` now; the next schedule puts `head` first again.
+            return True
+        for request in holders:
+            if request.request_id not in promoted:
+                promoted.add(request.request_id)
+                self.waiting.remove(request)
+                self.waiting.appendleft(request)
+                return True
+        return False
 
     def _preempt(self, request: Request, num_scheduled: dict, new_block_ids: dict) -> None:
         """Free a request's blocks and put it back in front of the queue; it will

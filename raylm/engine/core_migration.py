@@ -209,6 +209,7 @@ class MigrationEndpoint:
             return self._refused(message, f"no room for {message.num_blocks} more KV blocks")
         background = OVERLAP_PRECOPY and not message.final
         try:
+            self.core.host_tier.flush()  # what that allocation evicted goes to the tier before it is overwritten
             num_bytes = self._read(message, block_ids, background)
         except Exception as e:
             self._abandon(migration_id)

@@ -34,6 +34,7 @@ from raylm.engine.protocol import (
     RecoveryStats,
     SchedulerStats,
     Shutdown,
+    TierLoad,
 )
 from raylm.startup_heap import freeze_startup_heap
 
@@ -197,6 +198,8 @@ class EngineCoreProc:
                 pulls = self.core.handle_pull(message)
                 if pulls:
                     self._send(EngineCoreOutputs(pulls=pulls, stats=self._stats()))
+            elif isinstance(message, TierLoad):
+                self.core.host_tier.load_for(message)  # adds the request, whatever the tiers held
             elif isinstance(message, Shutdown):
                 return handled, False
         return handled, True

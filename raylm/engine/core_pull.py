@@ -115,6 +115,7 @@ class PullEndpoint:
         if block_ids is None:
             return _refused(message.pull_id, f"no room for {n} KV blocks")
         try:
+            self.core.host_tier.flush()  # what that allocation evicted goes to the tier before it is overwritten
             num_bytes = transport_for(message.network).import_(
                 self.core.executor.collective_rpc,
                 message.path_prefix,

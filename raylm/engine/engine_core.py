@@ -36,6 +36,7 @@ from raylm.core.scheduler import Scheduler
 from raylm.core.structured_output import StructuredOutputManager
 from raylm.engine.core_migration import MigrationEndpoint
 from raylm.engine.core_pull import PullEndpoint
+from raylm.engine.core_tier import CoreHostTier
 from raylm.engine.errors import EngineDeadError
 from raylm.engine.protocol import EngineCoreRequest, KVCacheEvents, MigrationReport, PullReport, RecoveryKind
 from raylm.engine.restart_budget import BlameLedger, RestartBudget
@@ -112,6 +113,8 @@ class EngineCore:
             self.scheduler = Scheduler(
                 config.scheduler_config, config.cache_config, mc.max_model_len, grammars, self._burst_planner()
             )
+            self.host_tier = CoreHostTier(self)  # evicted blocks kept in shared memory (--kv-offloading-size)
+            self.host_tier.open()
         except BaseException:
             self.executor.shutdown()
             raise
@@ -169,15 +172,25 @@ class EngineCore:
         """From now on, keep what changes in the prefix cache for
         `take_kv_events` (a data-parallel core's supervisor routes by it;
         nobody takes them from a core in the user's process)."""
-        self.scheduler.kv_cache_manager.pool.events = KVEventRecorder()
+        kv = self.scheduler.kv_cache_manager
+        kv.pool.events = KVEventRecorder()
+        if kv.tier is not None:  # its tier's changes too (it was opened before)
+            kv.tier.events = kv.pool.events
 
     def take_kv_events(self) -> KVCacheEvents | None:
         events = self.scheduler.kv_cache_manager.pool.events
         taken = events.take() if events is not None else None
         if taken is None:
             return None
-        cleared, stored, removed = taken
-        return KVCacheEvents(cleared=cleared, stored=stored, removed=removed)
+        cleared, stored, removed, offloaded, unoffloaded = taken
+        return KVCacheEvents(
+            cleared=cleared,
+            stored=stored,
+            removed=removed,
+            offloaded=offloaded,
+            unoffloaded=unoffloaded,
+            tier_prefix=self.host_tier.prefix,
+        )
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """The request, as the front end built and checked it: the scheduler's
@@ -231,6 +244,7 @@ class EngineCore:
             return self.scheduler.take_outputs_outside_step()
         started = time.perf_counter()
         try:
+            self.host_tier.flush()
             forward = self.executor.execute_model(scheduler_output, non_block=True)
             # Structured outputs: the bitmask is computed while the forward runs.
             grammar_output = self.scheduler.get_grammar_output(scheduler_output)
@@ -268,6 +282,7 @@ class EngineCore:
             else:
                 future = None
                 try:
+                    self.host_tier.flush()
                     self.executor.execute_model(scheduler_output, non_block=True)
                     if not self.scheduler.needs_tokens_in_flight(scheduler_output):
                         future = self._sample(scheduler_output)
@@ -356,6 +371,7 @@ class EngineCore:
         if forgive:
             self.blame.forgive(1)
         num_requeued = self.scheduler.reset_after_executor_loss(self.config.cache_config.num_blocks)
+        self.host_tier.open(at_start=False)
         self.migration_reports.extend(self.migrations.on_executor_lost())
         event = RecoveryEvent(
             kind, cause, noticed, time.monotonic() - noticed, num_requeued, verdict.charged, verdict.culprits
@@ -457,6 +473,7 @@ class EngineCore:
         if self.scheduler.structured_output_manager is not None:
             self.scheduler.structured_output_manager.shutdown()
         self.executor.shutdown()
+        self.host_tier.close()
 
 
 def _release_failure(error: BaseException) -> None:

@@ -17,9 +17,15 @@ That is a hint for routing, checked at the core, which looks its cache up
 by hashes it computes itself (the first rule of faults and operations that
 interleave): a stale entry costs a recompute, never a wrong block.
 
+The index follows the cores' tiers of evicted blocks too (raylm.core.
+host_tier: which slot of which core's tier holds a hash, and where each
+core's tier files are), so that a request routed to a core of this node
+can load its prefix from any core's tier (raylm.engine.tier_loads).
+
 Memory: one entry per distinct hash held by any core, bounded by the
-cores' blocks (sum of `num_blocks`); about 200 bytes an entry (the
-32-byte digest, a small set, the dicts' slots), so ~20 MiB for 100k blocks.
+cores' blocks (sum of `num_blocks`) and their tiers' slots; about 200
+bytes an entry (the 32-byte digest, a small set or dict, the dicts' slots),
+so ~20 MiB for 100k blocks.
 """
 
 from __future__ import annotations
@@ -52,6 +58,9 @@ class PrefixIndex:
     def __init__(self):
         self._holders: dict[bytes, set[int]] = {}
         self._by_core: dict[int, set[bytes]] = {}
+        self._tier: dict[bytes, dict[int, int]] = {}  # hash -> {core: its tier slot}
+        self._tier_by_core: dict[int, set[bytes]] = {}
+        self.tier_prefix: dict[int, str] = {}  # core -> its tier files' prefix
 
     def apply(self, core: int, events: KVCacheEvents) -> None:
         """A core's message's changes, in their order: emptied, then dropped
@@ -70,6 +79,22 @@ class PrefixIndex:
             if block_hash not in held:
                 held.add(block_hash)
                 self._holders.setdefault(block_hash, set()).add(core)
+        if events.tier_prefix is not None:
+            self.tier_prefix[core] = events.tier_prefix
+        in_tier = self._tier_by_core.setdefault(core, set())
+        for block_hash in events.unoffloaded:
+            self._drop_tier_entry(core, block_hash, in_tier)
+        for block_hash, slot in events.offloaded:
+            in_tier.add(block_hash)
+            self._tier.setdefault(block_hash, {})[core] = slot
+
+    def _drop_tier_entry(self, core: int, block_hash: bytes, in_tier: set[bytes]) -> None:
+        in_tier.discard(block_hash)
+        slots = self._tier.get(block_hash)
+        if slots is not None:
+            slots.pop(core, None)
+            if not slots:
+                del self._tier[block_hash]
 
     def drop_core(self, core: int) -> None:
         """Core `core` left, or its cache was emptied: it holds nothing."""
@@ -78,6 +103,22 @@ class PrefixIndex:
             holders.discard(core)
             if not holders:
                 del self._holders[block_hash]
+        in_tier = self._tier_by_core.pop(core, set())
+        for block_hash in list(in_tier):
+            self._drop_tier_entry(core, block_hash, in_tier)
+        self.tier_prefix.pop(core, None)
+
+    def tier_run(self, hashes: Sequence[bytes], cores) -> list[tuple[int, int]]:
+        """(core, slot) of the leading `hashes` that some of `cores`' tiers
+        hold (any of them; stops at the first none holds)."""
+        run = []
+        for block_hash in hashes:
+            slots = self._tier.get(block_hash, {})
+            core = next((c for c in cores if c in slots), None)
+            if core is None:
+                break
+            run.append((core, slots[core]))
+        return run
 
     def matched_blocks(self, hashes: Sequence[bytes], cores: Sequence[int]) -> dict[int, int]:
         """For each of `cores`, how many of the leading `hashes` it holds
@@ -102,3 +143,7 @@ class PrefixIndex:
 
     def holds(self, core: int) -> set[bytes]:
         return set(self._by_core.get(core, ()))
+
+    def tier_entries(self, core: int) -> dict[bytes, int]:
+        """What `core`'s tier of evicted blocks holds: hash -> slot."""
+        return {h: self._tier[h][core] for h in self._tier_by_core.get(core, ())}

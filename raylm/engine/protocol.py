@@ -37,6 +37,9 @@ class SchedulerStats(msgspec.Struct):
     # Totals since the core started (the front end turns them into counters).
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found
+    prefix_cache_tier_hits: int = 0  # of which loaded back from the tier of evicted blocks
+    kv_tier_blocks: int = 0  # blocks the tier of evicted blocks holds
+    kv_tier_capacity_blocks: int = 0  # and can hold
     num_preemptions: int = 0
     kv_capacity_tokens: int = 0  # tokens the KV cache holds, in all
     kv_capacity_tokens_per_rank: int = 0  # of which each rank holds (a CP group shares a sequence out)
@@ -203,6 +206,20 @@ class PullEnd(msgspec.Struct, tag="pull_end"):
     network: KVNetwork | None = None
 
 
+class TierLoad(msgspec.Struct, tag="tier_load"):
+    """To the core routing chose, with the request itself: its prompt's
+    blocks `first_block`, `first_block` + 1, ... are in the tiers of evicted
+    blocks of this node's cores: `blocks` (the tier files' prefix, the slot,
+    the hash the supervisor computed). Read them into free blocks, kept only
+    under the hashes this core computes and only as far as each slot still
+    held its block through the copy (raylm.engine.tier_loads), then add the
+    request, which finds them cached. Whatever fails, the request is added."""
+
+    request: EngineCoreRequest
+    first_block: int
+    blocks: list[tuple[str, int, bytes]]
+
+
 ClientMessage = (
     EngineCoreRequest
     | AbortRequests
@@ -214,6 +231,7 @@ ClientMessage = (
     | PullExport
     | PullImport
     | PullEnd
+    | TierLoad
 )
 
 
@@ -304,6 +322,12 @@ class KVCacheEvents(msgspec.Struct):
     cleared: bool = False
     stored: list[bytes] = msgspec.field(default_factory=list)
     removed: list[bytes] = msgspec.field(default_factory=list)
+    # The core's tier of evicted blocks (raylm.core.host_tier): (hash, slot)
+    # now there, hashes no longer there; and where its files are
+    # (`<tier_prefix>.rank<i>`), sent with every change.
+    offloaded: list[tuple[bytes, int]] = msgspec.field(default_factory=list)
+    unoffloaded: list[bytes] = msgspec.field(default_factory=list)
+    tier_prefix: str | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct):

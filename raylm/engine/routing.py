@@ -49,6 +49,7 @@ from raylm.engine.ledger import Ledger
 from raylm.engine.prefix_index import PrefixIndex, prompt_block_hashes
 from raylm.engine.prefix_pull import Pulls
 from raylm.engine.protocol import EngineCoreRequest
+from raylm.engine.tier_loads import TierLoads
 
 REBALANCE_MIN_GAP = 4
 REBALANCE_MIN_RATIO = 1.5
@@ -190,6 +191,9 @@ class Router:
         # Where a new request's cached prefix is pulled to the core chosen
         # for it from another that holds more of it (raylm.engine.prefix_pull).
         self.pulls: Pulls | None = None
+        # Where it is loaded from the node's tiers of evicted blocks instead
+        # (raylm.engine.tier_loads), when they hold more of it.
+        self.tier_loads: TierLoads | None = None
 
     def choose(self, request: EngineCoreRequest, rank: int | None) -> CoreChannel | None:
         """The core for `request`; ValueError for a rank that does not serve."""
@@ -212,7 +216,13 @@ class Router:
         if channel is None:
             self.ledger.wait(request.request_id)
             return
-        if self.pulls is not None and self.pulls.start(request, frame, channel, self._hashes_of(request)):
+        hashes = self._hashes_of(request)
+        if self.tier_loads is not None:
+            load = self.tier_loads.plan(request, channel, self.ledger.serving(), hashes)
+            if load is not None:  # its prefix is in the node's tiers: loaded by the core as it adds it
+                self.dispatch(channel, request.request_id, load)
+                return
+        if self.pulls is not None and self.pulls.start(request, frame, channel, hashes):
             return  # sent once its prefix is there (or the pull gave up)
         self.dispatch(channel, request.request_id, frame)
 

@@ -73,6 +73,7 @@ from raylm.engine.protocol import (
 from raylm.engine.restart_budget import BlameLedger, RestartBudget
 from raylm.engine.routing import Router, routing_policy
 from raylm.engine.scaling import ReplicaRestarts, ScaleUp, Scaling
+from raylm.engine.tier_loads import TierLoads
 
 __all__ = [
     "AsyncEngineCoreSupervisor",
@@ -144,6 +145,10 @@ class EngineCoreSupervisor:
             and config.cache_config.enable_prefix_caching,
         )
         self.router.pulls = self.pulls
+        self.tier_loads = TierLoads(
+            self.prefix_index, config.cache_config.block_size, self.launcher, self._tier_folder(config), encode
+        )
+        self.router.tier_loads = self.tier_loads
         self.scaling = Scaling(
             self.ledger,
             self.launcher,
@@ -203,6 +208,15 @@ class EngineCoreSupervisor:
 
     def recovery_status(self) -> dict | None:
         return self.recovery.recovery_status()
+
+    def _tier_folder(self, config: EngineConfig) -> str | None:
+        """With --kv-offloading-size, this node's cores keep their tier files
+        in the stage folder (the cores get it with their config)."""
+        if not config.cache_config.kv_offloading_size:
+            return None
+        folder = self.kv_routes.stage_folder.make()
+        config.cache_config.kv_offloading_folder = folder
+        return folder
 
     # ---- requests --------------------------------------------------------------
 
@@ -287,6 +301,7 @@ class EngineCoreSupervisor:
         may go there."""
         channel = self.ledger.remove(index)
         if channel is not None:
+            self.tier_loads.on_channel_removed(index)
             self.prefix_index.drop_core(index)
             self.pings.forget_core(index)
             self.kv_routes.on_channel_removed(channel)

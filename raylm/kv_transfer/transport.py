@@ -212,11 +212,15 @@ class StageFolder:
         self.path: str | None = None
         self._cleanup = None
 
-    def stage_path(self, migration_id: str, stage: int) -> str:
+    def make(self) -> str:
+        """The folder, made now if not yet."""
         if self.path is None:
             self.path = tempfile.mkdtemp(prefix="raylm-migration-", dir=_shm_root())
             self._cleanup = weakref.finalize(self, shutil.rmtree, self.path, True)
-        return os.path.join(self.path, f"{migration_id}-{stage}")
+        return self.path
+
+    def stage_path(self, migration_id: str, stage: int) -> str:
+        return os.path.join(self.make(), f"{migration_id}-{stage}")
 
     def remove(self, migration_id: str) -> None:
         """The files of a migration's stages. The source removes those it
@@ -228,9 +232,16 @@ class StageFolder:
                 os.unlink(path)
 
     def close(self) -> None:
-        """At shutdown: no transfer file outlives the engine."""
+        """At shutdown: no transfer file outlives the engine. Again while the
+        folder is still there: a core that was starting as the engine shut
+        down may have made a file in it between the removal's listing and
+        its rmdir."""
         if self._cleanup is not None:
             self._cleanup()
+            for _ in range(3):
+                if self.path is None or not os.path.exists(self.path):
+                    break
+                shutil.rmtree(self.path, ignore_errors=True)
 
 
 def _shm_root() -> str:

@@ -17,6 +17,7 @@ import torch
 
 from raylm.config import EngineConfig
 from raylm.distributed import parallel_state
+from raylm.kv_transfer.host_tier import RankHostTier, slots_for_budget
 from raylm.kv_transfer.rank import RankTransfers
 from raylm.messages import GrammarOutput, KVCacheConfig, ModelRunnerOutput, SchedulerOutput
 from raylm.model.layers.cpu_kernels import get_cpu_kernels
@@ -53,6 +54,7 @@ class Worker:
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
         self.kv = RankTransfers(rank)  # K/V transfers between engines, and their copies beside the steps
+        self.kv_tier = RankHostTier(rank)  # the node's tier of evicted K/V blocks: this rank's file
         # Free GPU memory before this rank allocated anything (see determine_available_memory).
         self._cuda_free_at_start: int | None = None
         self.cpu_placement: cpu_placement.RankPlacement | None = None
@@ -271,6 +273,23 @@ class Worker:
         """Drop what this rank still offers of the transfers named `prefix...` (nobody fetched it)."""
         return self.kv.withdraw(route, prefix)
 
+    # ---- the tier of evicted K/V blocks (raylm.kv_transfer.host_tier) ---------------------------------
+
+    def kv_tier_slots(self, budget_bytes: int) -> int:
+        """How many blocks of this rank's K/V fit in `budget_bytes` of tier."""
+        return slots_for_budget(self.model_runner.kv_caches, budget_bytes)
+
+    def kv_tier_open(self, prefix: str, num_slots: int) -> None:
+        self.kv_tier.open(self.model_runner.kv_caches, prefix, num_slots)
+
+    def kv_tier_copy(self, stores: list, loads: list) -> None:
+        """Evicted blocks into their slots, then slots into the blocks of tier hits."""
+        self.kv_tier.copy(self.model_runner.kv_caches, stores, loads)
+
+    def kv_tier_read(self, prefix: str, slots: list[int], hashes: list[bytes], block_ids: list[int]) -> int:
+        """Another core's slots into `block_ids`: how many, from the first, held their blocks."""
+        return self.kv_tier.read_other(self.model_runner.kv_caches, prefix, slots, hashes, block_ids)
+
     @property
     def kv_network(self):
         """This rank's endpoint for transfers between nodes, once an export started it."""
@@ -278,6 +297,7 @@ class Worker:
 
     def shutdown(self) -> None:
         self.kv.close()
+        self.kv_tier.close()
         runner, self.model_runner = self.model_runner, None
         if runner is not None and self.device is not None and self.device.type == "cuda":
             # Hand the device memory back now, even where something still holds

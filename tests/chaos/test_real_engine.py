@@ -1,7 +1,8 @@
 """The chaos harness's real-engine tier: seeded schedules (raylm.testing.chaos.
 schedule) of kills, freezes, scales, migrations, restarts, aborts and junk
 on every socket the engine listens on, against two engine-core processes
-serving greedy float32 streams of the embedded model. Each seed is replayed
+serving greedy float32 streams of the embedded model (every other replay
+short of KV blocks, with a tier of evicted blocks). Each seed is replayed
 several times (the cores run beside the schedule: each replay meets them in
 another state), every other replay with its migrations on the sealed network
 path (RAYLM_MIGRATION_NETWORK=1: the K/V servers listen, and meet the
@@ -61,7 +62,15 @@ def late_requests(requests):
 
 
 def _llm(**kwargs) -> LLM:
-    return LLM(None, dtype="float32", num_threads=1, kv_cache_memory_bytes=16 << 20, num_scheduler_steps=1, **kwargs)
+    kwargs.setdefault("kv_cache_memory_bytes", 16 << 20)
+    return LLM(None, dtype="float32", num_threads=1, num_scheduler_steps=1, **kwargs)
+
+
+# Every other replay runs its cores short of KV blocks (40 of 64 KiB: one
+# 512-token sequence fits, the streams together do not) with a tier of
+# evicted blocks: preemptions, evictions into the tier and loads back from
+# it (the late requests' prefixes, from any core's tier) meet the schedule.
+TIERED = {"kv_cache_memory_bytes": 40 << 16, "kv_offloading_size": 0.01}
 
 
 @pytest.fixture(scope="module")
@@ -81,17 +90,19 @@ def _transfer_folders() -> set[str]:
 def test_seeded_schedules_against_real_cores(requests, late_requests, reference, monkeypatch, bos_token_id):
     for name, value in bos_straggler_env(ms=20).items():
         monkeypatch.setenv(name, value)
-    failed, pulls = [], collections.Counter()
+    failed, pulls, tier = [], collections.Counter(), collections.Counter()
     for seed in SEEDS:
         schedule = make_schedule(seed)
         for replay in range(REPLAYS):
             transport = "network" if replay % 2 else "files"
             monkeypatch.setenv("RAYLM_MIGRATION_NETWORK", "1" if transport == "network" else "0")
             before, folders, fds = descendants(), _transfer_folders(), len(os.listdir("/proc/self/fd"))
-            with _llm(data_parallel_size=2, data_parallel_backend="mp") as llm:
+            tiered = TIERED if replay % 2 else {}
+            with _llm(data_parallel_size=2, data_parallel_backend="mp", **tiered) as llm:
                 result = ScheduleRunner(llm, schedule).run(requests, late=late_requests)
                 broken = result.failures(reference)
                 pulls.update(llm.llm_engine.engine_core.pulls.counts)
+                tier.update(llm.llm_engine.engine_core.tier_loads.counts)
                 if llm.llm_engine.engine_core.dead_error is not None:
                     broken.append(f"the engine died: {llm.llm_engine.engine_core.dead_error}")
             # This replay's `before`, bound as a default argument.
@@ -105,11 +116,14 @@ def test_seeded_schedules_against_real_cores(requests, late_requests, reference,
             if len(os.listdir("/proc/self/fd")) > fds + 4:
                 broken.append(f"descriptors: {fds} before, {len(os.listdir('/proc/self/fd'))} after")
             print(
-                f"seed {seed}, replay {replay} ({transport}): {'ok' if not broken else 'FAILED'}; "
-                + "; ".join(result.done)
+                f"seed {seed}, replay {replay} ({transport}{', tier' if tiered else ''}): "
+                f"{'ok' if not broken else 'FAILED'}; " + "; ".join(result.done)
             )
             if broken:
                 failed.append((seed, replay, broken))
     runs = len(SEEDS) * REPLAYS
-    print(f"chaos real-engine tier: {len(failed)} of {runs} replays failed; prefix pulls {dict(pulls)}")
+    print(
+        f"chaos real-engine tier: {len(failed)} of {runs} replays failed; prefix pulls {dict(pulls)}; "
+        f"tier loads {dict(tier)}"
+    )
     assert not failed, failed

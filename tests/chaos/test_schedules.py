@@ -30,12 +30,12 @@ import os
 import pytest
 from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from raylm.config import AutoscaleConfig
 from raylm.engine.autoscaler import AutoscalePolicy
 from raylm.testing.chaos.content_model import FIRST_SAMPLED, POISON_TOKEN
-from raylm.testing.chaos.sim import PULL_OUTCOMES, World
+from raylm.testing.chaos.sim import PULL_OUTCOMES, TIER_LOADS, World, chaos_config
 
 SCHEDULES = int(os.environ.get("RAYLM_CHAOS_SCHEDULES", "500"))
 SEED = int(os.environ.get("RAYLM_CHAOS_SEED", "20261207"))
@@ -49,6 +49,7 @@ PROMPTS = [
     [500, 501, 502],
     [600 + j for j in range(13)],
     [700 + j for j in range(6)],
+    [900 + j for j in range(32)],  # eight blocks (and 30 more at most: within max_model_len): evicts the others
 ]
 POISON_PROMPT = [800, POISON_TOKEN, 801, 802]
 MAX_REQUESTS = 10
@@ -56,10 +57,17 @@ MAX_REQUESTS = 10
 MAX_FAULTS = 2
 
 
+# A tiered schedule's cores: a tier of 16 evicted blocks each (one "byte" a
+# block in the content model), and fewer blocks of cache, so that blocks are
+# evicted to it and loaded back (their own and each other's) between faults.
+TIER = {"kv_offloading_size": 32 / 2**30}
+TIERED_BLOCKS = 16
+
+
 class ChaosSchedule(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.world = World()
+        self.world: World | None = None
         self.faults = 0
         self.frozen_once = False
         self.num_requests = 0
@@ -73,7 +81,14 @@ class ChaosSchedule(RuleBasedStateMachine):
             )
         )
 
+    @initialize(tiered=st.booleans())
+    def start(self, tiered):
+        """Half the schedules run with a tier of evicted blocks (--kv-offloading-size)."""
+        self.world = World(chaos_config(**TIER), num_blocks=TIERED_BLOCKS) if tiered else World()
+
     def teardown(self) -> None:
+        if self.world is None:
+            return
         try:
             self.world.drain()
             self.world.check()
@@ -90,6 +105,26 @@ class ChaosSchedule(RuleBasedStateMachine):
     def submit(self, prompt, max_tokens):
         self.world.submit(f"r{self.num_requests}", prompt, max_tokens)
         self.num_requests += 1
+
+    @precondition(lambda self: self.num_requests + 3 <= MAX_REQUESTS)
+    @rule(prompt=st.sampled_from(PROMPTS[:3]), first=st.integers(0, 3), then=st.integers(0, 3))
+    def evict_and_revisit(self, prompt, first, then):
+        """A prompt served by core `first`, then the long prompt sent there
+        too, which evicts the first one's blocks (into the core's tier, where
+        it has one), then the first prompt again on core `then`: loaded from
+        the tier, whichever core's it is, if nothing struck meanwhile. Rounds
+        pass between the three (faults armed before may strike in them)."""
+        for request_prompt, rank, max_tokens in ((prompt, first, 2), (PROMPTS[-1], first, 30), (prompt, then, 4)):
+            rid = f"r{self.num_requests}"
+            try:
+                self.world.submit(rid, request_prompt, max_tokens, rank=rank)
+            except ValueError:
+                return  # that core does not serve
+            self.num_requests += 1
+            for _ in range(30):
+                if self.world.outcomes[rid].finished:
+                    break
+                self._round()
 
     @precondition(lambda self: not self.poisoned and self.num_requests < MAX_REQUESTS)
     @rule()
@@ -324,3 +359,7 @@ def test_chaos_schedules(quiet_engine_logs):
     # The schedules' shared prompts meet a core without their prefix: pulls
     # run, and end every way, in the tier (a tier without one tests none).
     assert PULL_OUTCOMES["started"] and PULL_OUTCOMES["ok"], dict(PULL_OUTCOMES)
+    print(f"tiers of evicted blocks over these schedules: {dict(TIER_LOADS)}")
+    # Blocks went to the tiers and came back, by a core's own lookup and by
+    # a load the supervisor sent (from any core's tier).
+    assert TIER_LOADS["stored"] and TIER_LOADS["own_hits"] and TIER_LOADS["loads"], dict(TIER_LOADS)

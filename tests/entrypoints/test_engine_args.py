@@ -60,6 +60,9 @@ NON_DEFAULT = {
     "ray_step_transport": (["--ray-step-transport", "cgraph"], "cgraph"),
     "kv_cache_memory_bytes": (["--kv-cache-memory-bytes", "4MiB"], 4 << 20),
     "block_size": (["--block-size", "32"], 32),
+    "kv_offloading_size": (["--kv-offloading-size", "1.5"], 1.5),
+    # One backend (vLLM's flag, accepted as vLLM users write it): its sample is the default.
+    "kv_offloading_backend": (["--kv-offloading-backend", "native"], "native"),
     "enable_prefix_caching": (["--no-enable-prefix-caching"], False),
     "gpu_memory_utilization": (["--gpu-memory-utilization", "0.5"], 0.5),
     "enforce_eager": (["--enforce-eager"], True),
@@ -124,7 +127,7 @@ def test_every_flag_reaches_engine_args():
     defaults = EngineArgs()
     for name, (tokens, expected) in NON_DEFAULT.items():
         assert getattr(given, name) == expected, (tokens, getattr(given, name))
-        if name != "data_parallel_backend":
+        if name not in ("data_parallel_backend", "kv_offloading_backend"):
             assert expected != getattr(defaults, name), f"{name}: the sample value is the default"
 
 

@@ -104,6 +104,15 @@ class PrometheusStatLogger(StatLoggerBase):
         )
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        # The tier of evicted blocks (--kv-offloading-size): its hits are in vllm:prefix_cache_hits too.
+        self.prefix_tier_hits = counter(
+            "raylm:prefix_cache_tier_hits",
+            "Prompt tokens loaded back from the node's tier of evicted KV blocks (also in vllm:prefix_cache_hits)",
+        )
+        self.kv_tier_blocks = gauge("raylm:kv_offload_blocks", "KV blocks held in the node's tier of evicted blocks")
+        self.kv_tier_capacity = gauge(
+            "raylm:kv_offload_capacity_blocks", "KV blocks the node's tier of evicted blocks can hold"
+        )
         self.num_preemptions = counter("vllm:num_preemptions", "Preemptions (requests sent back to the queue)")
         self.request_success = Counter(
             "vllm:request_success", "Finished completions by finish reason", [*labels, "finished_reason"], registry=r
@@ -142,6 +151,7 @@ class PrometheusStatLogger(StatLoggerBase):
         self._totals = {
             "prefix_cache_queries": self.prefix_queries,
             "prefix_cache_hits": self.prefix_hits,
+            "prefix_cache_tier_hits": self.prefix_tier_hits,
             "num_preemptions": self.num_preemptions,
         }
         self._last_totals: dict[tuple[int, int], dict[str, int]] = {}
@@ -233,6 +243,8 @@ class PrometheusStatLogger(StatLoggerBase):
         self.kv_cache_usage.set(stats.kv_cache_usage)
         self.kv_capacity.set(stats.kv_capacity_tokens)
         self.kv_capacity_per_rank.set(stats.kv_capacity_tokens_per_rank)
+        self.kv_tier_blocks.set(stats.kv_tier_blocks)
+        self.kv_tier_capacity.set(stats.kv_tier_capacity_blocks)
 
     def record_core_stats(self, cores: list[SchedulerStats]) -> None:
         """Advance the counters by each core's own increase since its last

@@ -291,6 +291,54 @@ class ContentModelExecutor(Executor):
             self.kv[block_id] = [tuple(slot) for slot in block]
         return len(block_ids)
 
+    # ---- the tier of evicted blocks (the real rank: raylm.kv_transfer.host_tier) -------------
+    # One file of slots per core ({slot: [hash hex, its block's slots]}), in
+    # the supervisor's folder as the real ranks' are. A dead worker leaves
+    # its file (the real one cannot unlink it either): its core's rebuild,
+    # or its supervisor, removes it.
+
+    def _rpc_kv_tier_slots(self, budget_bytes: int) -> int:
+        return budget_bytes  # a block is one "byte" here (get_kv_cache_bytes_per_block)
+
+    def _rpc_kv_tier_open(self, prefix: str, num_slots: int) -> None:
+        self._tier_path = f"{prefix}.rank0"
+        with open(self._tier_path, "x") as f:
+            json.dump({}, f)
+
+    def _rpc_kv_tier_copy(self, stores: list, loads: list) -> None:
+        with open(self._tier_path) as f:
+            tier = json.load(f)
+        for block_id, slot, block_hash in stores:
+            tier[str(slot)] = [block_hash.hex(), self.kv[block_id]]
+        with open(self._tier_path, "w") as f:
+            json.dump(tier, f)
+        for slot, block_id, block_hash in loads:
+            held = tier.get(str(slot))
+            if held is None or held[0] != block_hash.hex():
+                raise RuntimeError("a K/V tier slot this core reads does not hold the block it wrote there")
+            self.kv[block_id] = [tuple(x) for x in held[1]]
+
+    def _rpc_kv_tier_read(self, prefix: str, slots: list, hashes: list, block_ids: list) -> int:
+        try:
+            with open(f"{prefix}.rank0") as f:
+                tier = json.load(f)
+        except OSError:
+            return 0
+        for n, (slot, block_hash, block_id) in enumerate(zip(slots, hashes, block_ids)):
+            held = tier.get(str(slot))
+            if held is None or held[0] != block_hash.hex():
+                return n
+            self.kv[block_id] = [tuple(x) for x in held[1]]
+        return len(slots)
+
+    def tier_slots(self) -> dict[int, tuple[bytes, list]]:
+        """slot -> (the hash written with it, the block's slots), for the harness's checks."""
+        path = getattr(self, "_tier_path", None)
+        if path is None or not os.path.exists(path):
+            return {}
+        with open(path) as f:
+            return {int(s): (bytes.fromhex(h), [tuple(x) for x in b]) for s, (h, b) in json.load(f).items()}
+
 
 def _write_slots(path: str, blocks: list | None) -> None:
     with open(path, "w") as f:

@@ -32,6 +32,9 @@ from raylm.testing.chaos.sim_host import ChaosSupervisor, Frame, SimCoreProc, Si
 # Prefix pulls' outcomes over the schedules run in this process (the tests
 # report them: a tier in which no pull happens would test none).
 PULL_OUTCOMES: collections.Counter[str] = collections.Counter()
+# The same for the tiers of evicted blocks: blocks stored, tokens the cores
+# found there themselves, loads the supervisor sent.
+TIER_LOADS: collections.Counter[str] = collections.Counter()
 
 
 def chaos_config(**overrides) -> EngineConfig:
@@ -94,11 +97,15 @@ class World(SimHost):
 
     # ---- the front end's side ----------------------------------------------------------
 
-    def submit(self, request_id: str, prompt: list[int], max_tokens: int, poisoned: bool = False) -> None:
+    def submit(
+        self, request_id: str, prompt: list[int], max_tokens: int, poisoned: bool = False, rank: int | None = None
+    ) -> None:
+        """`rank`: the core it must go to (ValueError, and nothing sent, if that one does not serve)."""
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         params.all_stop_token_ids = set()
+        request = EngineCoreRequest(request_id, list(prompt), params, None, self.clock.now)
+        self.sup.add_request(request, data_parallel_rank=rank)
         self.outcomes[request_id] = Outcome(list(prompt), max_tokens, poisoned=poisoned)
-        self.sup.add_request(EngineCoreRequest(request_id, list(prompt), params, None, self.clock.now))
 
     def abort(self, request_id: str) -> None:
         outcome = self.outcomes[request_id]
@@ -263,7 +270,11 @@ class World(SimHost):
         PULL_OUTCOMES.update(sup.pulls.counts)
         folder = sup.kv_routes.transfer_dir
         if folder is not None:
-            assert os.listdir(folder) == [], f"transfer files left behind: {os.listdir(folder)}"
+            # The serving cores' tiers of evicted blocks live there; nothing else may.
+            prefixes = [self.cores[i].core.host_tier.prefix for i in sup.channels]
+            tiers = {os.path.basename(p) for p in prefixes if p is not None}
+            left = [f for f in os.listdir(folder) if f.rsplit(".", 1)[0] not in tiers]
+            assert left == [], f"transfer files left behind: {left}"
         hashes = self._expected_blocks()
         for index, proc in self.cores.items():
             self._check_core(index, proc, hashes)
@@ -279,6 +290,28 @@ class World(SimHost):
         assert sup.prefix_index.num_blocks() == len(set().union(*(sup.prefix_index.holds(i) for i in sup.channels))), (
             "the prefix index names cores that do not serve"
         )
+        for index in sup.channels:
+            self._check_tier(index, self.cores[index], hashes)
+        TIER_LOADS["loads"] += sup.tier_loads.counts["loads"]
+        for proc in self.cores.values():
+            kv = proc.core.scheduler.kv_cache_manager
+            if kv.tier is not None:
+                TIER_LOADS["stored"] += kv.tier.stored_blocks
+                TIER_LOADS["own_hits"] += kv.tier.loaded_blocks
+
+    def _check_tier(self, index: int, proc: SimCoreProc, hashes: dict[bytes, list]) -> None:
+        """Every slot a core's tier of evicted blocks names holds the block its
+        hash names, and the supervisor's index knows the tier as it is."""
+        tier = proc.core.scheduler.kv_cache_manager.tier
+        entries = tier.entries() if tier is not None else {}
+        slots = proc.core.executor.tier_slots()
+        for block_hash, slot in entries.items():
+            written = slots.get(slot)
+            assert written is not None and written[0] == block_hash, f"core {index}: tier slot {slot} never written"
+            assert written[1] == hashes.get(block_hash), (
+                f"core {index}: tier slot {slot} holds {written[1]}, its hash names {hashes.get(block_hash)}"
+            )
+        assert self.sup.prefix_index.tier_entries(index) == entries, f"the prefix index has core {index}'s tier wrong"
 
     def _check_core(self, index: int, proc: SimCoreProc, hashes: dict[bytes, list]) -> None:
         core = proc.core

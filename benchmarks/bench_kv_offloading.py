@@ -1,0 +1,113 @@
+"""The tier of evicted K/V blocks (`--kv-offloading-size`, issue 49 item
+4): time to first token of a prompt whose prefix the prefix cache evicted,
+loaded back from the tier, against computing it again (no tier), and
+against a prefix still in the cache.
+
+    python benchmarks/bench_kv_offloading.py [--prefix-tokens 480] [--rounds 5] [--threads 2]
+
+The embedded model (512 positions), float32, a KV cache of 48 blocks (one
+prompt of 512 tokens and a bit: every new prompt evicts the last one's
+blocks). Each round, per engine: a fresh prefix of `--prefix-tokens`
+tokens is computed (max_tokens=1), two other prompts of the same length
+evict it, and a prompt with that prefix and a short new suffix is timed
+(`evicted`); then the same prompt again, its prefix now in the cache
+(`cached`). Engines: one core (`--kv-offloading-size 0.25` against none),
+and two local replicas (`-dp 2 --data-parallel-backend mp`) where the prefix
+was computed and evicted on replica 1 and the timed prompt is pinned to
+replica 0: loaded from replica 1's tier. Reported: TTFT p50 and spread
+(min-max) per case, and the tier's against recomputing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from raylm import LLM, SamplingParams
+
+ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+BLOCK_BYTES = 16 * 4 * 2 * 4 * 32 * 4  # the embedded model: 16 tokens x 4 layers x K/V x 4 heads x 32 x float32
+
+
+def _ttft(llm: LLM, rid: str, prompt: list[int], rank: int | None) -> float:
+    engine = llm.llm_engine
+    started = time.monotonic()
+    engine.add_request(rid, {"prompt_token_ids": prompt}, ONE_TOKEN, data_parallel_rank=rank)
+    first = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if first is None and out.outputs[0].token_ids:
+                first = time.monotonic()
+    return (first or time.monotonic()) - started
+
+
+def run(tier: bool, replicas: int, prefix_tokens: int, rounds: int, threads: int) -> dict:
+    settings = dict(dtype="float32", num_threads=threads, kv_cache_memory_bytes=48 * BLOCK_BYTES)
+    if tier:
+        settings["kv_offloading_size"] = 0.25
+    if replicas > 1:
+        settings.update(data_parallel_size=replicas, data_parallel_backend="mp")
+    holder, timed = (1, 0) if replicas > 1 else (None, None)
+    rng = random.Random(0)
+    cases: dict[str, list[float]] = {"evicted": [], "cached": []}
+    with LLM(None, **settings) as llm:
+        for r in range(rounds + 1):  # the first round warms up
+            prefix = [rng.randrange(10, 30000) for _ in range(prefix_tokens)]
+            _ttft(llm, f"p{r}", prefix + [7], holder)
+            for k in range(2):
+                _ttft(llm, f"x{r}.{k}", [rng.randrange(10, 30000) for _ in range(prefix_tokens + 1)], holder)
+            prompt = prefix + [rng.randrange(10, 30000) for _ in range(8)]
+            evicted = _ttft(llm, f"e{r}", prompt, timed)
+            cached = _ttft(llm, f"c{r}", prompt[:-1] + [11], timed)
+            if r:
+                cases["evicted"].append(evicted)
+                cases["cached"].append(cached)
+        sup = llm.llm_engine.engine_core
+        loads = dict(getattr(sup, "tier_loads", None).counts) if replicas > 1 else {}
+    return {
+        "tier": tier,
+        "replicas": replicas,
+        **{f"{case}_ttft_ms": [round(1000 * t, 2) for t in times] for case, times in cases.items()},
+        "tier_loads": loads,
+    }
+
+
+def _p50(xs):
+    return statistics.median(xs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prefix-tokens", type=int, default=480)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", help="write the raw results here")
+    args = parser.parse_args()
+    results = []
+    for replicas in (1, 2):
+        for tier in (False, True):
+            result = run(tier, replicas, args.prefix_tokens, args.rounds, args.threads)
+            results.append(result)
+            ev, ca = result["evicted_ttft_ms"], result["cached_ttft_ms"]
+            print(
+                f"replicas {replicas}, tier {'on ' if tier else 'off'}: evicted prefix TTFT p50 {_p50(ev):.1f} ms "
+                f"({min(ev):.1f}-{max(ev):.1f}); cached {_p50(ca):.1f} ms ({min(ca):.1f}-{max(ca):.1f})"
+                + (f"; supervisor tier loads {result['tier_loads']}" if result["tier_loads"] else "")
+            )
+    for replicas in (1, 2):
+        off, on = (r for r in results if r["replicas"] == replicas)
+        ratio = _p50(on["evicted_ttft_ms"]) / _p50(off["evicted_ttft_ms"])
+        print(f"replicas {replicas}: an evicted prefix from the tier takes {100 * ratio:.0f}% of recomputing it")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({"when": time.strftime("%Y-%m-%d"), "results": results}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
