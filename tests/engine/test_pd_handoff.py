@@ -106,6 +106,28 @@ def test_what_ends_with_its_first_token_or_wants_prompt_logprobs_stays_on_the_pr
     assert counts.get("ok", 0) == before.get("ok", 0), counts
 
 
+def test_seeded_sampling_and_logprobs_go_on_exactly_across_the_hand_off(pd_llm):
+    """The same requests pinned to the prefill replica (never handed off)
+    and handed off: the same tokens and logprobs (the seeded generator's
+    draws continue at the decode replica)."""
+    engine = pd_llm.llm_engine
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    before = _counts(pd_llm).get("ok", 0)
+    prompts = PROMPTS[:4]
+    for pinned in (0, None):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{pinned}-{i}", {"prompt_token_ids": prompt}, params, data_parallel_rank=pinned)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({out.request_id: out.outputs[0] for out in engine.step()})
+    assert _counts(pd_llm).get("ok", 0) - before == len(prompts)  # the unpinned ones moved
+    for i in range(len(prompts)):
+        stayed, moved = done[f"0-{i}"], done[f"None-{i}"]
+        assert moved.token_ids == stayed.token_ids
+        for a, b in zip(stayed.logprobs, moved.logprobs):
+            assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+
+
 def test_a_decode_replica_killed_mid_stream_costs_no_request(pd_llm, reference):  # noqa: F811
     supervisor = pd_llm.llm_engine.engine_core
     victim = supervisor.launcher._processes[1]
