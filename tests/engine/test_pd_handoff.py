@@ -156,3 +156,33 @@ def test_a_decode_replica_killed_mid_stream_costs_no_request(pd_llm, reference):
         message=lambda: f"both replicas to serve: {supervisor.replica_states()}",
     )
     assert supervisor.launcher._processes[1].pid != victim.pid
+
+
+def test_a_prefill_replica_killed_mid_hand_off_costs_no_request(pd_llm, reference):  # noqa: F811
+    """Killed as its first hand-offs start: those handed over go on at the
+    decode replica, the others are recovered there (it prefills while no
+    prefill replica serves) or on the replacement."""
+    supervisor = pd_llm.llm_engine.engine_core
+    victim = supervisor.launcher._processes[0]
+    before = _counts(pd_llm)
+
+    def strike(sup) -> bool:
+        if not any(m.reason == "pd_handoff" for m in sup.migrations.values()):
+            return False
+        os.kill(victim.pid, signal.SIGKILL)
+        return True
+
+    assert _run(pd_llm, PROMPTS, GREEDY, strike) == reference
+    counts = _counts(pd_llm)
+    gone = counts.get("source_gone", 0) - before.get("source_gone", 0)
+    moved = counts.get("ok", 0) - before.get("ok", 0)
+    assert gone + moved > 0, counts
+    wait_until(
+        lambda: (
+            [(s["role"], s["state"]) for s in supervisor.replica_states()]
+            == [("prefill", "serving"), ("decode", "serving")]
+        ),
+        120,
+        step=pd_llm.llm_engine.step,
+        message=lambda: f"both replicas to serve: {supervisor.replica_states()}",
+    )
