@@ -307,7 +307,11 @@ class Migrations(Mapping[str, Migration]):
         migration.stage += 1
 
     def _on_imported(self, migration: Migration, report: MigrationReport) -> None:
-        self._routes.count_transfer(migration.destination_channel, report)
+        # An import from a source that has left fails for the source's death,
+        # not for this core's K/V path: it does not count towards marking the
+        # destination unable (a P/D prefill replica's death fails several at once).
+        if report.ok or self._ledger.serves(migration.source_channel):
+            self._routes.count_transfer(migration.destination_channel, report)
         if not report.ok:
             if migration.handed_over:
                 self._take_back(migration)

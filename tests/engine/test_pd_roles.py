@@ -191,3 +191,26 @@ def test_a_decode_replica_killed_mid_hand_off_costs_no_request(world):
     world.kill(1)
     counts = _finish(world)
     assert counts["destination_gone"] >= 1, counts
+
+
+def test_imports_failing_because_their_prefill_replica_died_leave_the_decode_replica_able(world):
+    """Hand-offs handed over, then their source dies: the destination's reads
+    of the final stages fail (over the network they would wait for the dead
+    source). Those failures are the source's, not the decode replica's K/V
+    path: it stays a destination (kv_routes marks a core unable after three)."""
+    _submit_all(world)
+    for _ in range(10):
+        world.turn(0)
+        world.read()
+        handoffs = list(world.sup.migrations.values())
+        if handoffs and all(m.handed_over for m in handoffs):
+            break
+    assert len(handoffs) == len(PROMPTS) and all(m.handed_over for m in handoffs)
+    world.kill(0)
+    world.read()  # replica 0 leaves; the hand-offs handed over go on at replica 1
+    world.cores[1].core.transfer_faults.extend(["final"] * len(PROMPTS))
+    world.turn(1)
+    world.read()
+    assert not world.sup.kv_routes.cannot_move_kv(world.sup.channels[1])
+    counts = _finish(world)
+    assert counts["source_gone"] == len(PROMPTS), counts
