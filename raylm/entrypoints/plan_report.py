@@ -118,8 +118,11 @@ def format_plan(plan: Plan) -> str:
             f"{' + '.join(describe_resources(b) for b in req['replica_bundles'])} on one node"
         )
         if req.get("prefill_replicas"):
-            p = req["prefill_replicas"]
-            lines.append(f"Roles: replicas 0-{p - 1} prefill, {p}-{req['data_parallel_size'] - 1} decode")
+            p, n = req["prefill_replicas"], req["data_parallel_size"]
+            lines.append(
+                f"Roles (--prefill-replicas {p}): replica(s) {format_ranks(list(range(p)))} prefill, "
+                f"{format_ranks(list(range(p, n)))} decode (added ones decode)"
+            )
     else:
         lines.append(
             f"Request: {layout} = {req['bundles']} Ray workers, {describe_resources(req['bundle'])} each, "

@@ -105,7 +105,7 @@ def test_plan_shows_each_replicas_role(tiny_model_dir):
         "prefill_replicas": 1,
     }
     text = format_plan(Plan(True, None, node.node_id, [node], request, replicas))
-    assert "Roles: replicas 0-0 prefill, 1-2 decode" in text
+    assert "Roles (--prefill-replicas 1): replica(s) 0 prefill, 1,2 decode" in text
     rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"])]
     assert [row[:2] for row in rows] == [["0", "prefill"], ["1", "decode"], ["2", "decode"]], text
 
