@@ -16,6 +16,7 @@ import signal
 import pytest
 
 from raylm import LLM, SamplingParams
+from raylm.testing.hf_oracle import hf_greedy
 from tests.conftest import straggling, wait_until
 from tests.engine.test_data_parallel import (  # noqa: F401 (module fixtures)
     GREEDY,
@@ -186,3 +187,26 @@ def test_a_prefill_replica_killed_mid_hand_off_costs_no_request(pd_llm, referenc
         step=pd_llm.llm_engine.step,
         message=lambda: f"both replicas to serve: {supervisor.replica_states()}",
     )
+
+
+def test_hand_offs_over_the_sealed_network_path(tiny_model_dir, monkeypatch):
+    """The way K/V crosses nodes (each prefill rank's K/V server, sealed
+    frames; RAYLM_MIGRATION_NETWORK=1 takes it on one node), on another
+    architecture: outputs equal Hugging Face's, every request moved."""
+    monkeypatch.setenv("RAYLM_MIGRATION_NETWORK", "1")
+    qwen2 = tiny_model_dir("qwen2")
+    prompts = PROMPTS[:4]
+    before = _children()
+    with LLM(
+        qwen2,
+        dtype="float32",
+        data_parallel_size=2,
+        data_parallel_backend="mp",
+        prefill_replicas=1,
+        num_threads=1,
+        kv_cache_memory_bytes=16 << 20,
+    ) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        assert _counts(llm) == {"ok": len(prompts)}
+    assert [o.outputs[0].token_ids for o in outs] == [r.token_ids for r in hf_greedy(qwen2, prompts, MAX_TOKENS)]
+    wait_until(lambda: not (_children() - before), 30, message=lambda: f"processes left: {_children() - before}")
