@@ -40,6 +40,9 @@ hand-off per start of a prefill core that holds it: a fallback stays where it
 is to its end; one that moved, or whose destination left, tries again if it
 comes back to a prefill replica (a recovery, a drain).
 
+A drain (scale-in, restart) or a migration without a destination prefers
+the decode replicas too (`migration_candidates`).
+
 The prefill replica may send a token or a decode burst more before the
 final export reaches it (the supervisor reads behind the cores); those are
 the ledger's and the client's like any, and the final stage carries them.
@@ -108,6 +111,7 @@ class Handoffs:
         self.counts: collections.Counter[str] = collections.Counter()
         self._events: list[HandoffStats] = []
         migrations.on_end = self._migration_ended
+        migrations.prefer = self.migration_candidates
 
     @property
     def enabled(self) -> bool:
@@ -129,6 +133,14 @@ class Handoffs:
         if serving:
             self._count("prefill_on_decode")
         return serving
+
+    def migration_candidates(self, candidates: list[CoreChannel]) -> list[CoreChannel]:
+        """Where a drain (scale-in, restart) or a migration with no destination
+        sends a running request: a decode replica if one can take it (from a
+        prefill replica it would be handed there anyway), else any."""
+        if not self.enabled:
+            return candidates
+        return [c for c in candidates if self.role_of(c.index) == "decode"] or candidates
 
     def _decode_destination(self, request: EngineCoreRequest) -> CoreChannel | None:
         """The decode replica with the lowest routing cost that can take K/V now."""

@@ -131,6 +131,8 @@ class Migrations(Mapping[str, Migration]):
         self._migration_ids = itertools.count()
         # Told of every migration that ends (ok, why): P/D hand-offs count their outcomes (handoff.py).
         self.on_end: Callable[[Migration, bool, str], None] | None = None
+        # Narrows the candidates of a migration with no destination given (P/D: decode replicas first).
+        self.prefer: Callable[[list[CoreChannel]], list[CoreChannel]] | None = None
 
     def __getitem__(self, migration_id: str) -> Migration:
         return self._migrations[migration_id]
@@ -248,6 +250,8 @@ class Migrations(Mapping[str, Migration]):
         ]
         if not candidates:
             return None
+        if index is None and self.prefer is not None:
+            candidates = self.prefer(candidates)
         return min(candidates, key=lambda c: (len(c.in_flight), c.stats.kv_cache_usage if c.stats else 0.0))
 
     def _stage_path(self, migration: Migration) -> str:

@@ -214,3 +214,23 @@ def test_imports_failing_because_their_prefill_replica_died_leave_the_decode_rep
     assert not world.sup.kv_routes.cannot_move_kv(world.sup.channels[1])
     counts = _finish(world)
     assert counts["source_gone"] == len(PROMPTS), counts
+
+
+def test_a_decode_replica_restarting_drains_to_the_other_decode_replica():
+    """Replicas 1 and 2 decode: the requests of 1, restarted, move to 2,
+    not to the prefill replica (which would only hand them back)."""
+    world = World(chaos_config(data_parallel_size=3, prefill_replicas=1, data_parallel_rebalance=False))
+    try:
+        _submit_all(world, max_tokens=30)
+        _until_first_tokens(world)
+        for _ in range(6):  # the hand-offs end
+            for index in list(world.cores):
+                world.turn(index)
+            world.read()
+        on_1 = set(world.sup.channels[1].in_flight)
+        assert on_1 and not world.sup.migrations
+        assert world.sup.begin_restart(1) == len(on_1)
+        assert {m.destination for m in world.sup.migrations.values()} == {2}
+        _finish(world)
+    finally:
+        world.close()
