@@ -14,6 +14,7 @@ from raylm.config.engine_config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    replica_role,
 )
 from raylm.config.resolve import (
     DEFAULT_MODEL_DIR,
@@ -37,6 +38,7 @@ __all__ = [
     "SchedulerConfig",
     "create_engine_config",
     "default_max_num_batched_tokens",
+    "replica_role",
     "detect_device",
     "resolve_dtype",
     "resolve_engine_config",

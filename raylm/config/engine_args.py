@@ -222,6 +222,13 @@ class EngineArgs:
         "other's K/V blocks of it over (shared memory on one node, the sealed network across nodes) instead of "
         "computing them again",
     )
+    prefill_replicas: int = _parallel(
+        0,
+        "prefill/decode disaggregation: the first P of the -dp replicas prefill new requests and hand each, "
+        "with its first token sent, to the least loaded of the others, which decode (1 <= P < N; 0: every "
+        "replica does both)",
+        metavar="P",
+    )
     data_parallel_rebalance: bool = _parallel(
         False, "move running requests live (KV cache and all) from a replica much busier than the least busy one"
     )

@@ -119,6 +119,16 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
+def replica_role(index: int, prefill_replicas: int) -> str:
+    """A data-parallel replica's role under P/D: "prefill" for the first
+    `prefill_replicas` indices, "decode" for the others, "both" without P/D.
+    By index, so that a restarted or replaced replica keeps its role, a
+    scale-out adds decode replicas and a scale-in removes them first."""
+    if not prefill_replicas:
+        return "both"
+    return "prefill" if index < prefill_replicas else "decode"
+
+
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
@@ -155,6 +165,10 @@ class ParallelConfig:
     # A new request's cached prefix pulled from the replica that holds it to
     # the one routing chose, instead of computed again (raylm.engine.prefix_pull).
     prefix_pull: bool = True
+    # Prefill/decode disaggregation (raylm.engine.handoff): replicas 0..P-1
+    # prefill new requests and hand each to a decode replica (P..N-1) after
+    # its first token. 0: every replica does both.
+    prefill_replicas: int = 0
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
@@ -172,6 +186,33 @@ class ParallelConfig:
                 f"data_parallel_placement must be 'pack' or 'spread', got {self.data_parallel_placement!r}"
             )
         self._check_context_parallel()
+        self._check_prefill_replicas()
+
+    def _check_prefill_replicas(self) -> None:
+        """P/D needs a replica of each role, and live migration to move requests between them."""
+        p, n = self.prefill_replicas, self.data_parallel_size
+        if p == 0:
+            return
+        if not isinstance(p, int) or isinstance(p, bool) or p < 0:
+            raise ValueError(f"prefill_replicas must be an integer >= 0, got {p!r}")
+        if n < 2:
+            raise ValueError(f"prefill_replicas needs data_parallel_size >= 2 (a replica of each role), got -dp {n}")
+        if p >= n:
+            raise ValueError(
+                f"prefill_replicas must be from 1 to data_parallel_size - 1 ({n - 1}): at least one decode replica, "
+                f"got {p}"
+            )
+        if self.context_parallel_size > 1:
+            raise ValueError(
+                "prefill_replicas cannot be combined with context_parallel_size > 1 (a CP cache does not move)"
+            )
+        if self.data_parallel_rebalance:
+            # Rebalancing knows no roles: it would move decodes onto prefill replicas.
+            raise ValueError("prefill_replicas cannot be combined with data_parallel_rebalance yet")
+
+    def role_of(self, index: int) -> str:
+        """Replica `index`'s role (see replica_role)."""
+        return replica_role(index, self.prefill_replicas)
 
     def _check_context_parallel(self) -> None:
         """What context parallelism cannot be combined with yet, refused here

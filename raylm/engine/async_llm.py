@@ -294,6 +294,8 @@ class AsyncLLM:
             self._record(lambda s, m=migration: s.record_migration(m))
         for pull in outputs.pulled:
             self._record(lambda s, p=pull: s.record_pull(p))
+        for handoff in outputs.handed_off:
+            self._record(lambda s, h=handoff: s.record_handoff(h))
         if outputs.pong is not None:
             future = self._pings.pop(outputs.pong, None)
             if future is not None and not future.done():

@@ -129,6 +129,10 @@ class Migrations(Mapping[str, Migration]):
         self._next_rebalance = 0.0
         self._moved_at: dict[str, float] = {}  # request id -> when rebalancing moved it
         self._migration_ids = itertools.count()
+        # Told of every migration that ends (ok, why): P/D hand-offs count their outcomes (handoff.py).
+        self.on_end: Callable[[Migration, bool, str], None] | None = None
+        # Narrows the candidates of a migration with no destination given (P/D: decode replicas first).
+        self.prefer: Callable[[list[CoreChannel]], list[CoreChannel]] | None = None
 
     def __getitem__(self, migration_id: str) -> Migration:
         return self._migrations[migration_id]
@@ -141,11 +145,14 @@ class Migrations(Mapping[str, Migration]):
 
     # ---- starting one ------------------------------------------------------------
 
-    def migrate(self, request_id: str, destination: int | None = None, reason: str = "manual") -> bool:
+    def migrate(
+        self, request_id: str, destination: int | None = None, reason: str = "manual", final_only: bool = False
+    ) -> bool:
         """Start moving `request_id` to core `destination` (None: the least
         loaded other serving core). False when it cannot move (unknown,
         already moving, no destination, a context-parallel engine, a
-        source that cannot move K/V)."""
+        source that cannot move K/V). `final_only`: no pre-copy, the first
+        stage is the final one (a P/D hand-off: the prompt's blocks, once)."""
         entry = self._ledger.get(request_id)
         if entry is None or request_id in self.by_request or entry.channel < 0 or entry.held:
             return False
@@ -179,7 +186,7 @@ class Migrations(Mapping[str, Migration]):
             reason,
             migration.transport.description,
         )
-        self._export_stage(migration, final=False)
+        self._export_stage(migration, final=final_only)
         return True
 
     def migrate_away(self, index: int, reason: str) -> int:
@@ -243,6 +250,8 @@ class Migrations(Mapping[str, Migration]):
         ]
         if not candidates:
             return None
+        if index is None and self.prefer is not None:
+            candidates = self.prefer(candidates)
         return min(candidates, key=lambda c: (len(c.in_flight), c.stats.kv_cache_usage if c.stats else 0.0))
 
     def _stage_path(self, migration: Migration) -> str:
@@ -302,7 +311,11 @@ class Migrations(Mapping[str, Migration]):
         migration.stage += 1
 
     def _on_imported(self, migration: Migration, report: MigrationReport) -> None:
-        self._routes.count_transfer(migration.destination_channel, report)
+        # An import from a source that has left fails for the source's death,
+        # not for this core's K/V path: it does not count towards marking the
+        # destination unable (a P/D prefill replica's death fails several at once).
+        if report.ok or self._ledger.serves(migration.source_channel):
+            self._routes.count_transfer(migration.destination_channel, report)
         if not report.ok:
             if migration.handed_over:
                 self._take_back(migration)
@@ -358,6 +371,8 @@ class Migrations(Mapping[str, Migration]):
         # What the supervisor made for it (its stage files; the source
         # removes those it wrote too, when it hears the end).
         migration.transport.end_at_supervisor(self._routes.stage_folder, migration.migration_id)
+        if self.on_end is not None:
+            self.on_end(migration, ok, why)
         seconds = time.monotonic() - migration.started
         if ok:
             logger.info(

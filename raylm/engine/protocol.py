@@ -277,6 +277,15 @@ class PullStats(msgspec.Struct):
     seconds: float | None = None
 
 
+class HandoffStats(msgspec.Struct):
+    """One P/D hand-off's outcome, for metrics (raylm.engine.handoff.OUTCOMES):
+    `seconds`, for one that moved, from its start (the prefill replica's
+    first token seen) to the decode replica's import."""
+
+    outcome: str
+    seconds: float | None = None
+
+
 class MigrationStats(msgspec.Struct):
     """One live migration as the supervisor saw it end, for metrics:
     `downtime_s` is the pause the client saw (the source's last token to the
@@ -360,5 +369,7 @@ class EngineCoreOutputs(msgspec.Struct):
     migrated: list[MigrationStats] = msgspec.field(default_factory=list)
     # Prefix pulls that ended, from the supervisor to its front end (metrics).
     pulled: list[PullStats] = msgspec.field(default_factory=list)
+    # P/D hand-offs that ended, or requests that stayed where they were (metrics).
+    handed_off: list[HandoffStats] = msgspec.field(default_factory=list)
     # A data-parallel core's prefix cache changes since its last message.
     kv_events: KVCacheEvents | None = None

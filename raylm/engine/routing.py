@@ -42,6 +42,7 @@ is another `choose` behind the same interface, and nothing else changes.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from raylm.engine.core_channel import CoreChannel
@@ -194,6 +195,9 @@ class Router:
         # Where it is loaded from the node's tiers of evicted blocks instead
         # (raylm.engine.tier_loads), when they hold more of it.
         self.tier_loads: TierLoads | None = None
+        # Which of the serving cores take new and resent requests (P/D: the
+        # prefill replicas, raylm.engine.handoff); None: all of them.
+        self.candidates: Callable[[list[CoreChannel]], list[CoreChannel]] | None = None
 
     def choose(self, request: EngineCoreRequest, rank: int | None) -> CoreChannel | None:
         """The core for `request`; ValueError for a rank that does not serve."""
@@ -206,7 +210,10 @@ class Router:
                     f"(serving: {sorted(c.index for c in self.ledger.serving())})"
                 )
             return channel
-        best = self.policy.choose(request, [load_of(c) for c in self.ledger.serving()])
+        serving = self.ledger.serving()
+        if self.candidates is not None:
+            serving = self.candidates(serving)
+        best = self.policy.choose(request, [load_of(c) for c in serving])
         return None if best is None else channels[best.index]
 
     def add(self, request: EngineCoreRequest, frame: bytes, rank: int | None) -> None:

@@ -5,7 +5,7 @@ takes serving down."""
 
 from __future__ import annotations
 
-from raylm.engine.protocol import MigrationStats, PullStats, SchedulerStats
+from raylm.engine.protocol import HandoffStats, MigrationStats, PullStats, SchedulerStats
 
 
 class StatLoggerBase:
@@ -58,6 +58,10 @@ class StatLoggerBase:
     def record_pull(self, pull: PullStats) -> None:
         """A prefix pull ended (raylm.engine.prefix_pull): its blocks came, or
         its request computed its prompt instead (the outcome says why)."""
+
+    def record_handoff(self, handoff: HandoffStats) -> None:
+        """A P/D hand-off ended (raylm.engine.handoff): the request moved to a
+        decode replica, or stayed where it was (the outcome says why)."""
 
     def record_target_replicas(self, num_replicas: int) -> None:
         """The number of data-parallel replicas asked for (by hand or by the autoscaler)."""

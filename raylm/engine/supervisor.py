@@ -25,7 +25,9 @@ the parts it talks to (none reads another's attributes):
   (files on this node, the sealed network across nodes), shared by
   migrations and prefix pulls, and which cores cannot move it;
 - scaling (scaling.py): new cores warmed before they get traffic, drained
-  ones removed, replica restarts.
+  ones removed, replica restarts;
+- hand-offs (handoff.py): with prefill/decode roles, new requests go to
+  prefill replicas and move to a decode one after their first token.
 
 The supervisor itself reads the cores' messages and hands each part its
 share (what it makes of them beyond that: attributing outputs, summing
@@ -56,6 +58,7 @@ from raylm.engine.core_channel import CoreChannel, CoreLauncher, DropLog
 from raylm.engine.core_messages import Pings, aggregate_stats, drop_foreign_outputs
 from raylm.engine.core_recovery import BackgroundThreads, Recovery
 from raylm.engine.errors import EngineDeadError
+from raylm.engine.handoff import Handoffs
 from raylm.engine.kv_routes import KVRoutes
 from raylm.engine.launchers import make_launcher, shutdown_cores
 from raylm.engine.ledger import Ledger, LedgerEntry
@@ -149,6 +152,8 @@ class EngineCoreSupervisor:
             self.prefix_index, config.cache_config.block_size, self.launcher, self._tier_folder(config), encode
         )
         self.router.tier_loads = self.tier_loads
+        self.handoffs = Handoffs(config, self.ledger, self.migrations, self.kv_routes, policy)
+        self.router.candidates = self.handoffs.route_candidates
         self.scaling = Scaling(
             self.ledger,
             self.launcher,
@@ -235,6 +240,7 @@ class EngineCoreSupervisor:
         for request_id in request_ids:
             self.migrations.request_gone(request_id)
             self.pulls.request_gone(request_id)
+            self.handoffs.request_gone(request_id)
 
     def ping(self) -> int:
         """Every serving core is asked; the pong goes up once all answered."""
@@ -284,8 +290,11 @@ class EngineCoreSupervisor:
         return self.scaling.begin_restart(index)
 
     def replica_states(self) -> list[dict]:
-        """For /health and logs: each core's node, load and state (see Scaling.replica_states)."""
-        return self.scaling.replica_states()
+        """For /health and logs: each core's node, load, state (see Scaling.replica_states) and role."""
+        states = self.scaling.replica_states()
+        for state in states:
+            state["role"] = self.handoffs.role_of(state["replica"])
+        return states
 
     # ---- cores leaving ----------------------------------------------------------------
 
@@ -379,6 +388,7 @@ class EngineCoreSupervisor:
             if out.finished:
                 self.ledger.finished(out.request_id, channel)
                 self.migrations.request_gone(out.request_id)
+        self.handoffs.on_outputs(channel, outputs.outputs)
         # After the outputs: a final export follows the source's last tokens.
         for report in outputs.migrations:
             self.migrations.on_report(channel, report)
@@ -388,6 +398,7 @@ class EngineCoreSupervisor:
         outputs.pulls = []
         outputs.migrated = self.take_migration_events()
         outputs.pulled = self.pulls.take_events()
+        outputs.handed_off = self.handoffs.take_events()
         if outputs.pong is not None:
             if not self.pings.answered(outputs.pong, channel.index):
                 outputs.pong = None
@@ -409,6 +420,7 @@ class EngineCoreSupervisor:
             and not self.pings.has_pongs()
             and not self.migrations.has_events()
             and not self.pulls.has_events()
+            and not self.handoffs.has_events()
         ):
             return None
         return EngineCoreOutputs(
@@ -417,6 +429,7 @@ class EngineCoreSupervisor:
             pong=self.pings.take_pong(),
             migrated=self.take_migration_events(),
             pulled=self.pulls.take_events(),
+            handed_off=self.handoffs.take_events(),
         )
 
     def stats(self) -> dict:

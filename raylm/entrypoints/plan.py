@@ -313,6 +313,7 @@ def make_plan(config: EngineConfig) -> Plan:
         base.update(
             executor_backend=backend or ("uni" if pc.world_size == 1 else "mp"),
             data_parallel_placement=pc.data_parallel_placement,
+            prefill_replicas=pc.prefill_replicas,
         )
         return _plan_replicas(config, base)
     finally:

@@ -42,6 +42,8 @@ class ReplicaPlacement:
     tp_groups: list[GroupPlacement]
     pp_groups: list[GroupPlacement]
     cp_groups: list[GroupPlacement] = field(default_factory=list)
+    # Its P/D role (raylm.config.replica_role): prefill, decode, or both.
+    role: str = "both"
 
 
 @dataclass
@@ -81,6 +83,7 @@ def replica_placement(index, node_id, node_ip, ranks: list[RankPlacement], pc) -
         [group(g) for g in tp_group_ranks(tp, pp, cp)],
         [group(g) for g in pp_group_ranks(tp, pp, cp)],
         [group(g) for g in cp_group_ranks(tp, pp, cp)],
+        pc.role_of(index),
     )
 
 
@@ -114,6 +117,12 @@ def format_plan(plan: Plan) -> str:
             f"of {layout}, executor {req['executor_backend']}, device {req['device']}; each replica: "
             f"{' + '.join(describe_resources(b) for b in req['replica_bundles'])} on one node"
         )
+        if req.get("prefill_replicas"):
+            p, n = req["prefill_replicas"], req["data_parallel_size"]
+            lines.append(
+                f"Roles (--prefill-replicas {p}): replica(s) {format_ranks(list(range(p)))} prefill, "
+                f"{format_ranks(list(range(p, n)))} decode (added ones decode)"
+            )
     else:
         lines.append(
             f"Request: {layout} = {req['bundles']} Ray workers, {describe_resources(req['bundle'])} each, "
@@ -123,8 +132,10 @@ def format_plan(plan: Plan) -> str:
         lines.append("")
         dp = req["data_parallel_size"] > 1
         with_cp = req.get("context_parallel_size", 1) > 1
+        with_roles = dp and bool(req.get("prefill_replicas"))
         header = (
             (["replica"] if dp else [])
+            + (["role"] if with_roles else [])
             + ["rank", "tp", "pp"]
             + (["cp"] if with_cp else [])
             + ["node", "ip", "device", "gpu"]
@@ -134,6 +145,7 @@ def format_plan(plan: Plan) -> str:
             for r in replica.ranks:
                 rows.append(
                     ([str(replica.replica)] if dp else [])
+                    + ([replica.role] if with_roles else [])
                     + [str(r.rank), str(r.tp_rank), str(r.pp_rank)]
                     + ([str(r.cp_rank)] if with_cp else [])
                     + [short.get(r.node_id, r.node_id[:12]), r.node_ip, r.device, ",".join(r.gpu_ids) or "-"]

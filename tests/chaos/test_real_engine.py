@@ -11,6 +11,10 @@ stream equal to an undisturbed run of the same requests, and leave no
 process, transfer file or descriptor behind. The failure rate over the
 replays is printed.
 
+The P/D variant replays its own seeds (RAYLM_CHAOS_REAL_PD_SEEDS) on
+`--prefill-replicas 1` (raylm.engine.handoff): every request is handed from
+core 0 to core 1 after its first token while the schedule strikes.
+
 RAYLM_CHAOS_REAL_SEEDS (comma-separated) and RAYLM_CHAOS_REAL_REPLAYS set the
 size (the soak: more of both)."""
 
@@ -28,6 +32,7 @@ from tests.conftest import bos_straggler_env, wait_until
 pytestmark = pytest.mark.slow
 
 SEEDS = [int(s) for s in os.environ.get("RAYLM_CHAOS_REAL_SEEDS", "1,2,3").split(",")]
+PD_SEEDS = [int(s) for s in os.environ.get("RAYLM_CHAOS_REAL_PD_SEEDS", "4").split(",")]
 REPLAYS = int(os.environ.get("RAYLM_CHAOS_REAL_REPLAYS", "2"))
 MAX_TOKENS = 40
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -82,27 +87,31 @@ def reference(requests, late_requests):
     return {rid: list(out.outputs[0].token_ids) for rid, out in zip(every, outputs)}
 
 
-def _transfer_folders() -> set[str]:
-    return {p for p in os.listdir("/dev/shm") if p.startswith("raylm-migration-")}
-
-
 @pytest.mark.timeout(600)
-def test_seeded_schedules_against_real_cores(requests, late_requests, reference, monkeypatch, bos_token_id):
+@pytest.mark.parametrize("prefill_replicas", [0, 1], ids=["colocated", "pd"])
+def test_seeded_schedules_against_real_cores(
+    requests, late_requests, reference, monkeypatch, bos_token_id, prefill_replicas
+):
     for name, value in bos_straggler_env(ms=20).items():
         monkeypatch.setenv(name, value)
-    failed, pulls, tier = [], collections.Counter(), collections.Counter()
-    for seed in SEEDS:
+    failed, pulls, tier, handoffs = [], collections.Counter(), collections.Counter(), collections.Counter()
+    seeds = PD_SEEDS if prefill_replicas else SEEDS
+    for seed in seeds:
         schedule = make_schedule(seed)
         for replay in range(REPLAYS):
             transport = "network" if replay % 2 else "files"
             monkeypatch.setenv("RAYLM_MIGRATION_NETWORK", "1" if transport == "network" else "0")
-            before, folders, fds = descendants(), _transfer_folders(), len(os.listdir("/proc/self/fd"))
+            before, fds = descendants(), len(os.listdir("/proc/self/fd"))
             tiered = TIERED if replay % 2 else {}
-            with _llm(data_parallel_size=2, data_parallel_backend="mp", **tiered) as llm:
+            engine = dict(data_parallel_size=2, data_parallel_backend="mp", prefill_replicas=prefill_replicas)
+            with _llm(**engine, **tiered) as llm:
                 result = ScheduleRunner(llm, schedule).run(requests, late=late_requests)
                 broken = result.failures(reference)
                 pulls.update(llm.llm_engine.engine_core.pulls.counts)
                 tier.update(llm.llm_engine.engine_core.tier_loads.counts)
+                handoffs.update(llm.llm_engine.engine_core.handoffs.counts)
+                # This engine's own (others' tests on the machine make theirs meanwhile).
+                folder = llm.llm_engine.engine_core.kv_routes.transfer_dir
                 if llm.llm_engine.engine_core.dead_error is not None:
                     broken.append(f"the engine died: {llm.llm_engine.engine_core.dead_error}")
             # This replay's `before`, bound as a default argument.
@@ -111,8 +120,8 @@ def test_seeded_schedules_against_real_cores(requests, late_requests, reference,
                 30,
                 message=lambda before=before: f"processes left: {descendants() - before}",
             )
-            if _transfer_folders() - folders:
-                broken.append(f"transfer folders left: {_transfer_folders() - folders}")
+            if folder is not None and os.path.exists(folder):
+                broken.append(f"transfer folder left: {folder}: {os.listdir(folder)}")
             if len(os.listdir("/proc/self/fd")) > fds + 4:
                 broken.append(f"descriptors: {fds} before, {len(os.listdir('/proc/self/fd'))} after")
             print(
@@ -121,9 +130,11 @@ def test_seeded_schedules_against_real_cores(requests, late_requests, reference,
             )
             if broken:
                 failed.append((seed, replay, broken))
-    runs = len(SEEDS) * REPLAYS
+    runs = len(seeds) * REPLAYS
     print(
         f"chaos real-engine tier: {len(failed)} of {runs} replays failed; prefix pulls {dict(pulls)}; "
-        f"tier loads {dict(tier)}"
+        f"tier loads {dict(tier)}; P/D hand-offs {dict(handoffs)}"
     )
     assert not failed, failed
+    if prefill_replicas:
+        assert handoffs["ok"], dict(handoffs)

@@ -13,6 +13,13 @@ long, and a fault at random meets it about never (finding 3 of issue 48 hid
 there through 13,000 schedules). The autoscaler's decisions are its policy
 (raylm.engine.autoscaler) read at a step, on short delays.
 
+The P/D variant (`PDChaosSchedule`) runs the same schedules on an engine
+with prefill/decode roles (`--prefill-replicas 1`, raylm.engine.handoff),
+which a schedule may also change or turn off at any step (`roles`): every
+request is handed to a decode replica after its first token, so hand-offs
+meet kills, scales, restarts, migrations, pulls and transfer faults, and
+fall back (no decode replica, a refused or failed transfer, a core gone).
+
 A failing schedule is shrunk by Hypothesis and printed as the steps to
 replay; RAYLM_CHAOS_SEED reruns the same search, RAYLM_CHAOS_SCHEDULES sets
 how many schedules it tries (the soak: 2000 and more).
@@ -35,7 +42,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from raylm.config import AutoscaleConfig
 from raylm.engine.autoscaler import AutoscalePolicy
 from raylm.testing.chaos.content_model import FIRST_SAMPLED, POISON_TOKEN
-from raylm.testing.chaos.sim import PULL_OUTCOMES, TIER_LOADS, World, chaos_config
+from raylm.testing.chaos.sim import HANDOFF_OUTCOMES, PULL_OUTCOMES, TIER_LOADS, World, chaos_config
 
 SCHEDULES = int(os.environ.get("RAYLM_CHAOS_SCHEDULES", "500"))
 SEED = int(os.environ.get("RAYLM_CHAOS_SEED", "20261207"))
@@ -65,6 +72,9 @@ TIERED_BLOCKS = 16
 
 
 class ChaosSchedule(RuleBasedStateMachine):
+    # The engine's settings over chaos_config's (the P/D variant's roles).
+    config_overrides: dict = {}
+
     def __init__(self):
         super().__init__()
         self.world: World | None = None
@@ -84,7 +94,10 @@ class ChaosSchedule(RuleBasedStateMachine):
     @initialize(tiered=st.booleans())
     def start(self, tiered):
         """Half the schedules run with a tier of evicted blocks (--kv-offloading-size)."""
-        self.world = World(chaos_config(**TIER), num_blocks=TIERED_BLOCKS) if tiered else World()
+        if tiered:
+            self.world = World(chaos_config(**self.config_overrides, **TIER), num_blocks=TIERED_BLOCKS)
+        else:
+            self.world = World(chaos_config(**self.config_overrides))
 
     def teardown(self) -> None:
         if self.world is None:
@@ -327,14 +340,57 @@ class ChaosSchedule(RuleBasedStateMachine):
         self.world.prefixes_hold()
 
 
-ChaosSchedule.TestCase.settings = settings(
-    max_examples=SCHEDULES,
-    stateful_step_count=STEPS,
-    deadline=None,
-    database=None,
-    suppress_health_check=list(HealthCheck),
-    print_blob=True,
-)
+class PDChaosSchedule(ChaosSchedule):
+    """The same schedules with P/D roles: replica 0 prefills, the others
+    decode (rebalancing off, as the config requires with roles)."""
+
+    config_overrides = {"prefill_replicas": 1, "data_parallel_rebalance": False}
+
+    @rule(prefill=st.integers(0, 2))
+    def roles(self, prefill):
+        """The roles change (0: off; 2 of 2 replicas: no decode replica until
+        a scale-out), whatever hand-offs are under way."""
+        self.world.set_roles(prefill)
+
+    @precondition(lambda self: self.num_requests > 0)
+    @rule(strike=st.sampled_from(["kill source", "kill destination", "abort"]), which=st.integers(0, 3))
+    def strike_at_handoff(self, strike, which):
+        """Rounds until a hand-off is under way (a step or two long), then
+        strikes there: its prefill or decode replica killed (-9), or its
+        request aborted by the client."""
+        for _ in range(12):
+            handoffs = sorted(
+                (m for m in self.world.sup.migrations.values() if m.reason == "pd_handoff"),
+                key=lambda m: m.migration_id,
+            )
+            if handoffs:
+                break
+            self._round()
+        else:
+            return
+        handoff = handoffs[which % len(handoffs)]
+        if strike == "abort":
+            self.world.abort(handoff.request_id)
+            return
+        index = handoff.source if strike == "kill source" else handoff.destination
+        if self._may_strike(index):
+            self.world.kill(index)
+
+
+def _settings(max_examples: int) -> settings:
+    return settings(
+        max_examples=max_examples,
+        stateful_step_count=STEPS,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=True,
+    )
+
+
+ChaosSchedule.TestCase.settings = _settings(SCHEDULES)
+# Half as many: the variant shares the harness and most of its operations.
+PDChaosSchedule.TestCase.settings = _settings(max(1, SCHEDULES // 2))
 
 
 @pytest.fixture
@@ -363,3 +419,13 @@ def test_chaos_schedules(quiet_engine_logs):
     # Blocks went to the tiers and came back, by a core's own lookup and by
     # a load the supervisor sent (from any core's tier).
     assert TIER_LOADS["stored"] and TIER_LOADS["own_hits"] and TIER_LOADS["loads"], dict(TIER_LOADS)
+
+
+@pytest.mark.timeout(600)
+def test_chaos_schedules_with_prefill_decode_roles(quiet_engine_logs):
+    print(f"chaos fast tier, P/D roles: seed {SEED}, {max(1, SCHEDULES // 2)} schedules of up to {STEPS} steps")
+    HANDOFF_OUTCOMES.clear()
+    seed(SEED)(PDChaosSchedule.TestCase)().runTest()
+    print(f"P/D hand-offs over these schedules: {dict(HANDOFF_OUTCOMES)}")
+    # Hand-offs run in the tier, and fall back in it (a tier without both tests neither).
+    assert HANDOFF_OUTCOMES["ok"] and HANDOFF_OUTCOMES["no_decode"], dict(HANDOFF_OUTCOMES)

@@ -49,6 +49,7 @@ NON_DEFAULT = {
     "data_parallel_placement": (["--data-parallel-placement", "spread"], "spread"),
     "routing_policy": (["--routing-policy", "vllm"], "vllm"),
     "prefix_pull": (["--no-prefix-pull"], False),
+    "prefill_replicas": (["--prefill-replicas", "1"], 1),
     "data_parallel_rebalance": (["--data-parallel-rebalance"], True),
     "autoscale": (["--autoscale", "1:3"], "1:3"),
     "autoscale_target_ongoing_requests": (["--autoscale-target-ongoing-requests", "4"], 4.0),

@@ -74,6 +74,16 @@ class ReplicaCollector:
             for state in states:
                 family.add_metric([self.model_name, str(state["replica"]), state["state"]], float(state[key]))
             yield family
+        # A label of its own rather than one more on the gauges above (their
+        # series stay what dashboards know): 1 per replica, labelled with its role.
+        roles = GaugeMetricFamily(
+            "raylm:dp_replica_role",
+            "Each replica's P/D role (prefill, decode, or both without --prefill-replicas), as a label; always 1",
+            labels=["model_name", "replica", "role"],
+        )
+        for state in states:
+            roles.add_metric([self.model_name, str(state["replica"]), state.get("role", "both")], 1.0)
+        yield roles
 
 
 def _cluster_cpus() -> int | None:

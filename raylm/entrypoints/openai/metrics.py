@@ -4,8 +4,8 @@ scheduler's gauges, prefix-cache and preemption counters, token counters,
 finished requests by reason, and the latency histograms (TTFT, inter-token,
 end-to-end, queue, prefill, decode, inference). What vLLM has no name for is
 raylm's own (`raylm:*`): recoveries from failures (by kind), live migrations
-of running requests (by reason), prefix pulls between replicas (by outcome)
-and the replicas asked for, and the server's
+of running requests (by reason), prefix pulls between replicas (by outcome),
+prefill/decode hand-offs (by outcome) and the replicas asked for, and the server's
 admission (sequences admitted, requests refused by reason).
 
 Every metric carries vLLM's labels `model_name` and `engine` ("0": the front
@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from raylm.engine.handoff import OUTCOMES as HANDOFF_OUTCOMES
 from raylm.engine.prefix_pull import OUTCOMES as PULL_OUTCOMES
-from raylm.engine.protocol import MigrationStats, PullStats, SchedulerStats
+from raylm.engine.protocol import HandoffStats, MigrationStats, PullStats, SchedulerStats
 from raylm.engine.stat_logger import StatLoggerBase
 
 _LATENCY_BUCKETS = (
@@ -185,7 +186,8 @@ class PrometheusStatLogger(StatLoggerBase):
         reason_labels = [*labels, "reason"]
         self.migrations = Counter(
             "raylm:request_migrations",
-            "Running requests moved live to another replica, by reason (scale_in, rebalance, restart, manual)",
+            "Running requests moved live to another replica, by reason (scale_in, rebalance, restart, manual, "
+            "pd_handoff)",
             reason_labels,
             registry=r,
         )
@@ -220,6 +222,22 @@ class PrometheusStatLogger(StatLoggerBase):
         )
         for outcome in PULL_OUTCOMES:  # exported from the start, as 0
             self.pulls.labels(outcome=outcome, **labels)
+        # P/D hand-offs (raylm.engine.handoff), by outcome: `ok` moved the
+        # request to a decode replica; the others, why it stayed (or, for
+        # prefill_on_decode, that a decode replica prefilled it).
+        self.handoffs = Counter(
+            "raylm:pd_handoffs",
+            "Prefill/decode hand-offs, by outcome (" + ", ".join(HANDOFF_OUTCOMES) + ")",
+            [*labels, "outcome"],
+            registry=r,
+        )
+        self.handoff_seconds = histogram(
+            "raylm:pd_handoff_seconds",
+            "A P/D hand-off's time, from the prefill replica's first token to the decode replica's import",
+            _MIGRATION_BUCKETS,
+        )
+        for outcome in HANDOFF_OUTCOMES:  # exported from the start, as 0
+            self.handoffs.labels(outcome=outcome, **labels)
         self.target_replicas = gauge("raylm:dp_target_replicas", "Data-parallel replicas asked for")
         self.autoscale_decisions = Counter(
             "raylm:autoscale_decisions",
@@ -227,7 +245,7 @@ class PrometheusStatLogger(StatLoggerBase):
             [*labels, "direction"],
             registry=r,
         )
-        for reason in ("scale_in", "rebalance", "restart", "manual"):  # exported from the start, as 0
+        for reason in ("scale_in", "rebalance", "restart", "manual", "pd_handoff"):  # exported from the start, as 0
             self.migrations.labels(reason=reason, **labels)
             self.migrations_abandoned.labels(reason=reason, **labels)
         self._labels = labels
@@ -312,6 +330,11 @@ class PrometheusStatLogger(StatLoggerBase):
         self.pull_bytes.inc(pull.num_bytes)
         if pull.seconds is not None:
             self.pull_seconds.observe(pull.seconds)
+
+    def record_handoff(self, handoff: HandoffStats) -> None:
+        self.handoffs.labels(outcome=handoff.outcome, **self._labels).inc()
+        if handoff.seconds is not None:
+            self.handoff_seconds.observe(handoff.seconds)
 
     def record_target_replicas(self, num_replicas: int) -> None:
         self.target_replicas.set(num_replicas)

@@ -35,6 +35,8 @@ PULL_OUTCOMES: collections.Counter[str] = collections.Counter()
 # The same for the tiers of evicted blocks: blocks stored, tokens the cores
 # found there themselves, loads the supervisor sent.
 TIER_LOADS: collections.Counter[str] = collections.Counter()
+# The same for P/D hand-offs (raylm.engine.handoff).
+HANDOFF_OUTCOMES: collections.Counter[str] = collections.Counter()
 
 
 def chaos_config(**overrides) -> EngineConfig:
@@ -163,6 +165,12 @@ class World(SimHost):
             return False
         return proc.core.executor.progress(which)
 
+    def set_roles(self, prefill_replicas: int) -> None:
+        """P/D roles from now on (0: none): the first `prefill_replicas`
+        replicas prefill and hand each request to a decode one at its first
+        token (raylm.engine.handoff), whatever is under way."""
+        self.sup.handoffs.prefill_replicas = prefill_replicas
+
     def begin_scale(self, size: int) -> None:
         scale_up = self.sup.begin_scale(size)
         if scale_up is not None:
@@ -268,6 +276,7 @@ class World(SimHost):
         assert not sup.ledger and not sup.migrations and not sup.migrations.by_request, "the supervisor kept requests"
         assert not len(sup.pulls), f"prefix pulls never ended: {sorted(sup.pulls._pulls)}"
         PULL_OUTCOMES.update(sup.pulls.counts)
+        HANDOFF_OUTCOMES.update(sup.handoffs.counts)
         folder = sup.kv_routes.transfer_dir
         if folder is not None:
             # The serving cores' tiers of evicted blocks live there; nothing else may.

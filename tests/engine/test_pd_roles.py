@@ -1,0 +1,236 @@
+"""Prefill/decode roles (raylm.engine.handoff) without processes: the setting
+and its bounds, the roles where an operator reads them (`/health`'s replica
+states, `/metrics`, `raylm plan`), and the hand-off and its fallbacks on the
+chaos harness's simulated engine (the real supervisor and engine cores on
+the content model, tests/chaos), each stream equal to an undisturbed run.
+The end-to-end test on real models is test_pd_handoff.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from raylm.config import ParallelConfig, create_engine_config, replica_role
+from raylm.engine.arg_utils import EngineArgs
+from raylm.engine.handoff import OUTCOMES
+from raylm.engine.protocol import HandoffStats
+from raylm.entrypoints.cli import build_parser
+from raylm.testing.chaos.sim import World, chaos_config
+
+# ---- the setting --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"data_parallel_size": 1, "prefill_replicas": 1}, "prefill_replicas needs data_parallel_size >= 2"),
+        ({"data_parallel_size": 2, "prefill_replicas": 2}, "prefill_replicas must be from 1 to data_parallel_size - 1"),
+        ({"data_parallel_size": 3, "prefill_replicas": -1}, "prefill_replicas must be an integer >= 0"),
+        ({"data_parallel_size": 3, "prefill_replicas": 1.5}, "prefill_replicas must be an integer >= 0"),
+        (
+            {"data_parallel_size": 2, "prefill_replicas": 1, "context_parallel_size": 2},
+            "prefill_replicas cannot be combined with context_parallel_size",
+        ),
+        (
+            {"data_parallel_size": 2, "prefill_replicas": 1, "data_parallel_rebalance": True},
+            "prefill_replicas cannot be combined with data_parallel_rebalance",
+        ),
+    ],
+)
+def test_prefill_replicas_is_bounded_and_the_error_names_it(settings, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(**settings)
+
+
+def test_the_flag_reaches_the_config_and_roles_go_by_index(tiny_model_dir):
+    model = tiny_model_dir("llama")
+    args = build_parser().parse_args(["generate", "x", "--model", model, "-dp", "3", "--prefill-replicas", "1"])
+    pc = EngineArgs.from_cli_args(args).create_engine_config().parallel_config
+    assert pc.prefill_replicas == 1
+    assert [pc.role_of(i) for i in range(4)] == ["prefill", "decode", "decode", "decode"]
+    assert replica_role(0, 0) == "both"
+    # LLM(...) takes the same keyword, checked the same way.
+    with pytest.raises(ValueError, match="prefill_replicas"):
+        create_engine_config(model, data_parallel_size=2, prefill_replicas=3)
+
+
+# ---- where roles show ------------------------------------------------------------------------
+
+
+def test_metrics_export_every_outcome_and_each_replica_role():
+    from fastapi import FastAPI
+
+    from raylm.entrypoints.openai.data_parallel_routes import install_data_parallel_routes
+    from raylm.entrypoints.openai.metrics import PrometheusStatLogger
+
+    class Engine:
+        def replica_states(self):
+            return [
+                {"replica": i, "state": "serving", "num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
+                | {"num_routed": 0, "role": role}
+                for i, role in enumerate(("prefill", "decode"))
+            ]
+
+    stat_logger = PrometheusStatLogger("m")
+    install_data_parallel_routes(FastAPI(), Engine(), None, stat_logger, "m")
+    stat_logger.record_handoff(HandoffStats("ok", 0.02))
+    stat_logger.record_handoff(HandoffStats("no_room"))
+    text = stat_logger.render().decode()
+    for outcome in OUTCOMES:
+        value = 1.0 if outcome in ("ok", "no_room") else 0.0
+        assert f'raylm:pd_handoffs_total{{engine="0",model_name="m",outcome="{outcome}"}} {value}' in text
+    assert 'raylm:pd_handoff_seconds_count{engine="0",model_name="m"} 1.0' in text
+    assert 'raylm:dp_replica_role{model_name="m",replica="0",role="prefill"} 1.0' in text
+    assert 'raylm:dp_replica_role{model_name="m",replica="1",role="decode"} 1.0' in text
+
+
+def test_plan_shows_each_replicas_role(tiny_model_dir):
+    from raylm.entrypoints.plan_report import Plan, format_plan, rank_placement, replica_placement
+    from raylm.executor.ray_cluster import NodeState
+
+    pc = create_engine_config(tiny_model_dir("llama"), data_parallel_size=3, prefill_replicas=1).parallel_config
+    node = NodeState("a" * 16, "10.0.0.1", {"CPU": 4}, {"CPU": 4}, True)
+    replicas = [
+        replica_placement(i, node.node_id, node.ip, [rank_placement(0, pc, node.node_id, node.ip, "cpu", 0)], pc)
+        for i in range(3)
+    ]
+    assert [r.role for r in replicas] == ["prefill", "decode", "decode"]
+    request = {
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "data_parallel_size": 3,
+        "data_parallel_placement": "pack",
+        "executor_backend": "uni",
+        "device": "cpu",
+        "replica_bundles": [{"CPU": 1}],
+        "prefill_replicas": 1,
+    }
+    text = format_plan(Plan(True, None, node.node_id, [node], request, replicas))
+    assert "Roles (--prefill-replicas 1): replica(s) 0 prefill, 1,2 decode" in text
+    rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"])]
+    assert [row[:2] for row in rows] == [["0", "prefill"], ["1", "decode"], ["2", "decode"]], text
+
+
+# ---- the hand-off and its fallbacks, on the simulated engine ----------------------------------
+
+
+@pytest.fixture
+def world():
+    world = World(chaos_config(prefill_replicas=1, data_parallel_rebalance=False))
+    yield world
+    world.close()
+
+
+PROMPTS = [[500 + i, 501, 502, 503, 504, 505, 506] for i in range(4)]
+
+
+def _submit_all(world: World, max_tokens: int = 12) -> None:
+    for i, prompt in enumerate(PROMPTS):
+        world.submit(f"r{i}", prompt, max_tokens)
+
+
+def _until_first_tokens(world: World) -> None:
+    """Rounds until every request has its first token (and its hand-off started)."""
+    for _ in range(20):
+        if all(o.tokens for o in world.outcomes.values()):
+            return
+        for index in list(world.cores):
+            world.turn(index)
+        world.read()
+    raise AssertionError("no first token")
+
+
+def _finish(world: World) -> dict[str, int]:
+    for _ in range(10):  # rounds with the faults armed (drain clears them)
+        for index in list(world.cores):
+            world.turn(index)
+        world.read()
+    world.drain()
+    world.check()  # every stream equals an undisturbed run; nothing left anywhere
+    return dict(world.sup.handoffs.counts)
+
+
+def test_requests_prefill_on_the_prefill_replica_and_decode_on_the_other(world):
+    _submit_all(world)
+    world.submit("one", [600, 601, 602], 1)  # its first token is its last
+    _until_first_tokens(world)
+    assert {e.channel for e in world.sup.ledger.values()} == {0}  # routed to the prefill replica
+    assert all(m.reason == "pd_handoff" and m.stage == 0 for m in world.sup.migrations.values())
+    counts = _finish(world)
+    assert counts == {"ok": len(PROMPTS), "finished_on_prefill": 1}, counts
+    assert world.cores[1].core.scheduler.kv_cache_manager.pool.cached  # the decode replica held their K/V
+
+
+def test_a_failed_transfer_leaves_the_request_on_the_prefill_replica(world):
+    world.cores[1].core.transfer_faults.append("final")  # its next import fails
+    _submit_all(world)
+    counts = _finish(world)
+    assert counts["failed"] == 1 and counts["ok"] == len(PROMPTS) - 1, counts
+
+
+def test_with_no_decode_replica_the_prefill_replica_decodes(world):
+    world.kill(1)
+    world.read()  # the death is seen: replica 1 is being replaced
+    _submit_all(world)
+    _until_first_tokens(world)
+    counts = _finish(world)
+    assert counts["no_decode"] == len(PROMPTS), counts
+
+
+def test_with_no_prefill_replica_the_decode_replica_prefills(world):
+    world.kill(0)
+    world.read()
+    _submit_all(world)
+    counts = _finish(world)
+    assert counts["prefill_on_decode"] == len(PROMPTS), counts
+
+
+def test_a_decode_replica_killed_mid_hand_off_costs_no_request(world):
+    _submit_all(world)
+    _until_first_tokens(world)
+    # The hand-offs' final stages are on their way: the destination dies.
+    world.kill(1)
+    counts = _finish(world)
+    assert counts["destination_gone"] >= 1, counts
+
+
+def test_imports_failing_because_their_prefill_replica_died_leave_the_decode_replica_able(world):
+    """Hand-offs handed over, then their source dies: the destination's reads
+    of the final stages fail (over the network they would wait for the dead
+    source). Those failures are the source's, not the decode replica's K/V
+    path: it stays a destination (kv_routes marks a core unable after three)."""
+    _submit_all(world)
+    for _ in range(10):
+        world.turn(0)
+        world.read()
+        handoffs = list(world.sup.migrations.values())
+        if handoffs and all(m.handed_over for m in handoffs):
+            break
+    assert len(handoffs) == len(PROMPTS) and all(m.handed_over for m in handoffs)
+    world.kill(0)
+    world.read()  # replica 0 leaves; the hand-offs handed over go on at replica 1
+    world.cores[1].core.transfer_faults.extend(["final"] * len(PROMPTS))
+    world.turn(1)
+    world.read()
+    assert not world.sup.kv_routes.cannot_move_kv(world.sup.channels[1])
+    counts = _finish(world)
+    assert counts["source_gone"] == len(PROMPTS), counts
+
+
+def test_a_decode_replica_restarting_drains_to_the_other_decode_replica():
+    """Replicas 1 and 2 decode: the requests of 1, restarted, move to 2,
+    not to the prefill replica (which would only hand them back)."""
+    world = World(chaos_config(data_parallel_size=3, prefill_replicas=1, data_parallel_rebalance=False))
+    try:
+        _submit_all(world, max_tokens=30)
+        _until_first_tokens(world)
+        for _ in range(6):  # the hand-offs end
+            for index in list(world.cores):
+                world.turn(index)
+            world.read()
+        on_1 = set(world.sup.channels[1].in_flight)
+        assert on_1 and not world.sup.migrations
+        assert world.sup.begin_restart(1) == len(on_1)
+        assert {m.destination for m in world.sup.migrations.values()} == {2}
+        _finish(world)
+    finally:
+        world.close()
