@@ -33,6 +33,7 @@ from raylm.core.decode_burst import BurstPlanner
 from raylm.core.kv_cache_manager import KVEventRecorder
 from raylm.core.outputs import EngineCoreOutput
 from raylm.core.scheduler import Scheduler
+from raylm.core.spec_decode import make_speculator
 from raylm.core.structured_output import StructuredOutputManager
 from raylm.engine.core_migration import MigrationEndpoint
 from raylm.engine.core_pull import PullEndpoint
@@ -110,7 +111,12 @@ class EngineCore:
             mc = config.model_config
             grammars = StructuredOutputManager(mc.tokenizer, mc.vocab_size)
             self.scheduler = Scheduler(
-                config.scheduler_config, config.cache_config, mc.max_model_len, grammars, self._burst_planner()
+                config.scheduler_config,
+                config.cache_config,
+                mc.max_model_len,
+                grammars,
+                self._burst_planner(),
+                make_speculator(config),
             )
         except BaseException:
             self.executor.shutdown()
