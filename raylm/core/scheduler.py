@@ -178,18 +178,14 @@ class Scheduler(RequestQueues):
         return self._make_output(num_scheduled, new_block_ids, steps, drafts)
 
     def _draft(self, request: Request, num_new: int, budget: int) -> list[int]:
-        """A speculative draft for a request about to decode its last token
-        (only then: a prefill chunk, or a token in flight, has none)."""
-        if (
-            self.speculator is None
-            or num_new != 1
-            or request.num_output_placeholders
-            or request.num_computed_tokens != request.num_tokens - 1
-        ):
+        """A speculative draft for a request about to decode one token: only
+        after its last committed token (a token in flight has none)."""
+        if self.speculator is None or num_new != 1:
             return []
+        after_last = not request.num_output_placeholders and request.num_computed_tokens == request.num_tokens - 1
         som = self.structured_output_manager
         constrained = som is not None and som.is_constrained(request.request_id)
-        return self.speculator.draft(request, constrained, self.max_model_len, budget)
+        return self.speculator.draft(request, constrained, self.max_model_len, budget, after_last)
 
     def _burst_length(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]]) -> int:
         """How many decode steps this step's requests take at once (a decode

@@ -132,11 +132,16 @@ class Speculator:
         if self._step_reason is None and num_running > MAX_SPECULATIVE_BATCH:
             self._step_reason = "large_batch"
 
-    def draft(self, request: Request, constrained: bool, max_model_len: int, budget: int) -> list[int]:
-        """The draft of a request about to decode one token (maybe empty)."""
+    def draft(
+        self, request: Request, constrained: bool, max_model_len: int, budget: int, after_last: bool = True
+    ) -> list[int]:
+        """The draft of a request about to decode one token (maybe empty);
+        `after_last`: the token is its last committed one (not one in flight)."""
         reason = self._step_reason or request_step_aside_reason(request, constrained)
         if reason is not None:
             self._reasons.add(reason)
+            return []
+        if not after_last:
             return []
         params = request.sampling_params
         # Every draft token accepted commits 1 + len(draft) tokens: no more than

@@ -54,14 +54,8 @@ def _use_proposer(monkeypatch, proposer) -> None:
 
 def _run(model, prompts, params, speculative_config=None, **engine_args):
     """(token ids, finish reason, stop reason, text) per prompt, and the engine's stats."""
-    with LLM(
-        model,
-        dtype="float32",
-        kv_cache_memory_bytes=32 << 20,
-        distributed_executor_backend="uni",
-        speculative_config=speculative_config,
-        **engine_args,
-    ) as llm:
+    engine_args = {"dtype": "float32", "distributed_executor_backend": "uni", **engine_args}
+    with LLM(model, kv_cache_memory_bytes=32 << 20, speculative_config=speculative_config, **engine_args) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         stats = llm.llm_engine.stats()
     return [
@@ -224,3 +218,41 @@ def test_unserved_features_and_large_batches_step_aside(tiny_model_dir, monkeypa
     assert spec == plain
     assert stats["spec_decode_num_drafts"] == 0
     assert stats["spec_decode_steps_aside_by_reason"]["large_batch"] == stats["spec_decode_num_steps_aside"] > 0
+
+
+@pytest.mark.parametrize(
+    "engine_args,reason",
+    [
+        pytest.param({"async_scheduling": True}, "async_scheduling", id="async-scheduling"),
+        pytest.param({"dtype": "bfloat16"}, "cpu_kernels", id="bf16-cpu-kernels"),
+    ],
+)
+def test_an_engine_that_cannot_speculate_decodes_plainly(engine_args, reason, tiny_model_dir):
+    model = tiny_model_dir("llama")
+    prompt = _prompts(512)["repeating"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain, _ = _run(model, [prompt], greedy, **engine_args)
+    spec, stats = _run(model, [prompt], greedy, NGRAM, **engine_args)
+    assert spec == plain
+    assert stats["spec_decode_num_drafts"] == 0
+    assert set(stats["spec_decode_steps_aside_by_reason"]) == {reason}
+
+
+def test_two_tensor_parallel_workers_verify_alike(tiny_model_dir, monkeypatch):
+    """The drafts travel to both ranks in the step's message (mp), each verifies
+    them; a seeded random row commits the same tokens as without speculation."""
+    model = tiny_model_dir("llama")
+    prompts = _prompts(512)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True),
+    ]
+    tp = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    chosen = [prompts["repeating"], prompts["right"]]
+    plain, _ = _run(model, chosen, params, **tp)
+    proposer = ScriptedProposer(512)
+    proposer.add(prompts["right"], "right", plain[1][0])
+    _use_proposer(monkeypatch, proposer)
+    spec, stats = _run(model, chosen, params, NGRAM, **tp)
+    assert spec == plain
+    assert stats["spec_decode_num_accepted_tokens"] > 0
