@@ -10,8 +10,9 @@ Two prompt sets:
   output so far.
 
 Both engines live side by side in this process; every round runs each set
-through each engine, one request at a time, the engines' order alternating
-from round to round so a noisy machine shifts them alike. Printed: tok/s per
+through both engines, one request (or --batch requests) at a time, the two
+engines taking turns request by request, the first alternating, so that a
+noisy machine shifts them alike. Printed: tok/s per
 engine and set (median over rounds), the ratio with speculation / without
 (median, min-max over rounds), the acceptance (accepted / draft tokens, and
 per draft position), the steps where speculation stepped aside, and whether
@@ -112,15 +113,22 @@ def main() -> None:
         same = {s: True for s in sets}
         acceptance = {}
         for r in range(args.rounds):
-            order = list(engines) if r % 2 == 0 else list(reversed(engines))
             for s, prompts in sets.items():
-                tokens = {}
-                for name in order:
-                    before = _spec_totals(engines[name])
-                    rate, tokens[name] = _run_set(engines[name], prompts, args.tokens, args.batch)
-                    rates[(name, s)].append(rate)
-                    if name == "ngram":
-                        acceptance.setdefault(s, []).append(_delta(before, _spec_totals(engines[name])))
+                seconds = dict.fromkeys(engines, 0.0)
+                tokens = {name: [] for name in engines}
+                before = _spec_totals(engines["ngram"])
+                # The engines take turns batch by batch, the first alternating:
+                # a burst of load from elsewhere falls on both alike.
+                for i in range(0, len(prompts), args.batch):
+                    order = list(engines) if (r + i) % 2 == 0 else list(reversed(engines))
+                    for name in order:
+                        batch = prompts[i : i + args.batch]
+                        rate, out = _run_set(engines[name], batch, args.tokens, args.batch)
+                        seconds[name] += len(batch) * args.tokens / rate
+                        tokens[name].extend(out)
+                for name in engines:
+                    rates[(name, s)].append(len(prompts) * args.tokens / seconds[name])
+                acceptance.setdefault(s, []).append(_delta(before, _spec_totals(engines["ngram"])))
                 same[s] &= tokens["plain"] == tokens["ngram"]
         _report(args, sets, rates, same, acceptance)
     finally:

@@ -166,6 +166,8 @@ def test_stops_and_max_tokens_cut_inside_an_accepted_run(tiny_model_dir, monkeyp
     assert len(plain[0][0]) == 13 and plain[0][1] == "length"
     assert plain[1][0] == full[: at + 1] and plain[1][1:3] == ("stop", stop_token)
     assert plain[3][1:3] == ("stop", stop_string)
+    # Both stops came inside a run of accepted drafts, not at its end.
+    assert all((len(plain[i][0]) - 1) % (K + 1) != 0 for i in (1, 3))
     assert stats["spec_decode_steps_aside_by_reason"].get("min_tokens", 0) > 0
 
 
