@@ -6,8 +6,11 @@ Two prompt sets:
 - self-quoting: a passage the model generated (greedy, from "Story i:"),
   then the passage's first words again, so that its continuation quotes the
   passage, whose n-grams the drafts find;
-- miss: short prompts, where drafts can only come from the model's own
-  output so far.
+- short: short prompts, greedy, where drafts can only come from the model's
+  own output so far (this small model's greedy text repeats itself, so
+  lookup still finds much);
+- sampled: the same short prompts, seeded sampling at temperature 0.8, where
+  drafts mostly miss (few n-grams recur, and those that do rarely match).
 
 Both engines live side by side in this process; every round runs each set
 through both engines, one request (or --batch requests) at a time, the two
@@ -50,18 +53,25 @@ def _prompt_sets(llm: LLM, num_prompts: int, passage_tokens: int, quote_tokens: 
     passages = [s + list(o.outputs[0].token_ids) for s, o in zip(starts, outs)]
     return {
         "self-quoting": [p + p[:quote_tokens] for p in passages],
-        "miss": [tokenizer(f"Chapter {i}. The").input_ids for i in range(num_prompts)],
+        "short": [tokenizer(f"Chapter {i}. The").input_ids for i in range(num_prompts)],
+        "sampled": [tokenizer(f"Chapter {i}. The").input_ids for i in range(num_prompts)],
     }
 
 
-def _run_set(llm: LLM, prompts: list[list[int]], tokens: int, batch: int = 1) -> tuple[float, list[list[int]]]:
+def _params(prompt_set: str, tokens: int, index: int) -> SamplingParams:
+    if prompt_set == "sampled":
+        return SamplingParams(temperature=0.8, seed=index, max_tokens=tokens, ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+
+
+def _run_set(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], batch: int = 1) -> tuple[float, list]:
     """Output tokens/s of the prompts, `batch` at a time, and their tokens."""
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     outputs, start = [], time.perf_counter()
     for i in range(0, len(prompts), batch):
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[i : i + batch]], params, use_tqdm=False)
+        chunk = [{"prompt_token_ids": p} for p in prompts[i : i + batch]]
+        outs = llm.generate(chunk, params[i : i + batch], use_tqdm=False)
         outputs.extend(list(out.outputs[0].token_ids) for out in outs)
-    return len(prompts) * tokens / (time.perf_counter() - start), outputs
+    return sum(p.max_tokens for p in params) / (time.perf_counter() - start), outputs
 
 
 def _spec_totals(llm: LLM) -> dict:
@@ -108,7 +118,7 @@ def main() -> None:
         if args.batch > 1:  # each set fills the batch (its prompts repeated: same drafts, other requests)
             sets = {s: (prompts * args.batch)[: max(args.batch, len(prompts))] for s, prompts in sets.items()}
         for llm in engines.values():  # warm-up
-            _run_set(llm, sets["miss"][:1], 16)
+            _run_set(llm, sets["short"][:1], [SamplingParams(temperature=0.0, max_tokens=16)])
         rates = {(name, s): [] for name in engines for s in sets}
         same = {s: True for s in sets}
         acceptance = {}
@@ -123,7 +133,8 @@ def main() -> None:
                     order = list(engines) if (r + i) % 2 == 0 else list(reversed(engines))
                     for name in order:
                         batch = prompts[i : i + args.batch]
-                        rate, out = _run_set(engines[name], batch, args.tokens, args.batch)
+                        params = [_params(s, args.tokens, i + j) for j in range(len(batch))]
+                        rate, out = _run_set(engines[name], batch, params, args.batch)
                         seconds[name] += len(batch) * args.tokens / rate
                         tokens[name].extend(out)
                 for name in engines:

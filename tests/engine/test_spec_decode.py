@@ -258,3 +258,13 @@ def test_two_tensor_parallel_workers_verify_alike(tiny_model_dir, monkeypatch):
     spec, stats = _run(model, chosen, params, NGRAM, **tp)
     assert spec == plain
     assert stats["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_raylm_bench_reports_acceptance(tiny_model_dir):
+    from raylm.entrypoints.bench import bench_latency, format_latency
+
+    with LLM(tiny_model_dir("llama"), dtype="float32", kv_cache_memory_bytes=32 << 20, speculative_config=NGRAM) as llm:
+        result = bench_latency(llm, input_len=8, output_len=16, batch_size=1, num_iters_warmup=0, num_iters=1)
+    spec = result["spec_decode"]
+    assert spec["num_draft_tokens"] >= spec["num_accepted_tokens"] and len(spec["num_accepted_tokens_per_pos"]) == K
+    assert "Speculative decoding: acceptance" in format_latency(result)
