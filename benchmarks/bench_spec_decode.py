@@ -34,8 +34,8 @@ import raylm.core.spec_decode as spec_decode
 from raylm import LLM, SamplingParams
 
 
-def _engines(k: int, lookup_max: int, lookup_min: int) -> dict[str, LLM]:
-    settings = dict(kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False)
+def _engines(k: int, lookup_max: int, lookup_min: int, threads: int | None) -> dict[str, LLM]:
+    settings = dict(kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False, num_threads=threads)
     spec = {
         "method": "ngram",
         "num_speculative_tokens": k,
@@ -64,14 +64,17 @@ def _params(prompt_set: str, tokens: int, index: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
 
 
-def _run_set(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], batch: int = 1) -> tuple[float, list]:
-    """Output tokens/s of the prompts, `batch` at a time, and their tokens."""
-    outputs, start = [], time.perf_counter()
+def _run_set(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], batch: int = 1) -> tuple:
+    """(wall seconds, CPU seconds of this process, tokens) of the prompts,
+    `batch` at a time. The engine runs in this process (uni executor), so
+    its CPU time is less exposed than the wall clock to other work on a
+    shared machine (not immune: caches and memory bandwidth are shared too)."""
+    outputs, start, cpu_start = [], time.perf_counter(), time.process_time()
     for i in range(0, len(prompts), batch):
         chunk = [{"prompt_token_ids": p} for p in prompts[i : i + batch]]
         outs = llm.generate(chunk, params[i : i + batch], use_tqdm=False)
         outputs.extend(list(out.outputs[0].token_ids) for out in outs)
-    return sum(p.max_tokens for p in params) / (time.perf_counter() - start), outputs
+    return time.perf_counter() - start, time.process_time() - cpu_start, outputs
 
 
 def _spec_totals(llm: LLM) -> dict:
@@ -102,6 +105,7 @@ def main() -> None:
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     p.add_argument("--lookup-max", type=int, default=4)
     p.add_argument("--lookup-min", type=int, default=2)
+    p.add_argument("--threads", type=int, help="torch threads of each engine (default: planned)")
     p.add_argument("--batch", type=int, default=1, help="requests at once (the prompts of a set, repeated to fill it)")
     p.add_argument(
         "--max-speculative-batch",
@@ -112,19 +116,19 @@ def main() -> None:
     if args.max_speculative_batch is not None:
         spec_decode.MAX_SPECULATIVE_BATCH = args.max_speculative_batch
 
-    engines = _engines(args.num_speculative_tokens, args.lookup_max, args.lookup_min)
+    engines = _engines(args.num_speculative_tokens, args.lookup_max, args.lookup_min, args.threads)
     try:
         sets = _prompt_sets(engines["plain"], args.prompts, args.passage, args.quote)
         if args.batch > 1:  # each set fills the batch (its prompts repeated: same drafts, other requests)
             sets = {s: (prompts * args.batch)[: max(args.batch, len(prompts))] for s, prompts in sets.items()}
         for llm in engines.values():  # warm-up
             _run_set(llm, sets["short"][:1], [SamplingParams(temperature=0.0, max_tokens=16)])
-        rates = {(name, s): [] for name in engines for s in sets}
+        rates = {(clock, name, s): [] for clock in ("wall", "cpu") for name in engines for s in sets}
         same = {s: True for s in sets}
         acceptance = {}
         for r in range(args.rounds):
             for s, prompts in sets.items():
-                seconds = dict.fromkeys(engines, 0.0)
+                seconds = {(clock, name): 0.0 for clock in ("wall", "cpu") for name in engines}
                 tokens = {name: [] for name in engines}
                 before = _spec_totals(engines["ngram"])
                 # The engines take turns batch by batch, the first alternating:
@@ -134,11 +138,12 @@ def main() -> None:
                     for name in order:
                         batch = prompts[i : i + args.batch]
                         params = [_params(s, args.tokens, i + j) for j in range(len(batch))]
-                        rate, out = _run_set(engines[name], batch, params, args.batch)
-                        seconds[name] += len(batch) * args.tokens / rate
+                        wall, cpu, out = _run_set(engines[name], batch, params, args.batch)
+                        seconds[("wall", name)] += wall
+                        seconds[("cpu", name)] += cpu
                         tokens[name].extend(out)
-                for name in engines:
-                    rates[(name, s)].append(len(prompts) * args.tokens / seconds[name])
+                for (clock, name), total in seconds.items():
+                    rates[(clock, name, s)].append(len(prompts) * args.tokens / total)
                 acceptance.setdefault(s, []).append(_delta(before, _spec_totals(engines["ngram"])))
                 same[s] &= tokens["plain"] == tokens["ngram"]
         _report(args, sets, rates, same, acceptance)
@@ -154,8 +159,9 @@ def _report(args, sets, rates, same, acceptance) -> None:
         f"{args.rounds} rounds; ngram k={args.num_speculative_tokens} lookup {args.lookup_min}..{args.lookup_max}"
     )
     for s in sets:
-        plain, spec = rates[("plain", s)], rates[("ngram", s)]
+        plain, spec = rates[("wall", "plain", s)], rates[("wall", "ngram", s)]
         ratios = [b / a for a, b in zip(plain, spec)]
+        cpu_ratios = [b / a for a, b in zip(rates[("cpu", "plain", s)], rates[("cpu", "ngram", s)])]
         runs = acceptance[s]
         drafted = sum(a["spec_decode_num_draft_tokens"] for a in runs)
         accepted = sum(a["spec_decode_num_accepted_tokens"] for a in runs)
@@ -164,7 +170,8 @@ def _report(args, sets, rates, same, acceptance) -> None:
         aside = sum(a["spec_decode_num_steps_aside"] for a in runs)
         print(
             f"{s:>13}: without {statistics.median(plain):7.1f} tok/s, with ngram {statistics.median(spec):7.1f} "
-            f"tok/s; ratio median {statistics.median(ratios):.2f}x (min {min(ratios):.2f}, max {max(ratios):.2f}); "
+            f"tok/s; ratio median {statistics.median(ratios):.2f}x (min {min(ratios):.2f}, max {max(ratios):.2f}), "
+            f"by CPU time {statistics.median(cpu_ratios):.2f}x ({min(cpu_ratios):.2f}-{max(cpu_ratios):.2f}); "
             f"acceptance {accepted / max(drafted, 1):.2f} ({accepted}/{drafted} draft tokens, {drafts} drafts), "
             f"per position {[round(n / max(drafts, 1), 2) for n in per_pos]}; steps aside {aside}; "
             f"same tokens: {same[s]}"

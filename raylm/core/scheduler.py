@@ -359,7 +359,7 @@ class Scheduler(RequestQueues):
         """Count the verified draft and roll the request back over its
         rejected positions: their K/V is recomputed (overwritten) when their
         tokens are, from the last committed one, which has none yet."""
-        self.speculator.record_verified(len(draft), len(committed))
+        self.speculator.record_verified(request, len(draft), len(committed))
         if not request.is_finished:
             request.num_computed_tokens = request.num_tokens - 1
 

@@ -19,8 +19,9 @@ of committed tokens (KVCacheManager._register_full_blocks).
 
 Speculation steps aside (the request decodes one token, as without it) where
 it is not built yet or would cost: see `engine_step_aside_reason` (the whole
-engine), `request_step_aside_reason` (one request) and MAX_SPECULATIVE_BATCH
-(a large batch). Each step in which some decoding request stepped aside is
+engine), `request_step_aside_reason` (one request), MAX_SPECULATIVE_BATCH
+(a large batch) and LOW_ACCEPTANCE (a request whose drafts are mostly
+rejected). Each step in which some decoding request stepped aside is
 counted, by reason.
 
 Proposers plug in through `DraftProposer`: the request's tokens in, a draft
@@ -46,10 +47,24 @@ logger = logging.getLogger(__name__)
 # slot, 0.86x with 4, 0.77x with 8). Provisional: not yet measured on this
 # machine's batch sizes (benchmarks/bench_spec_decode.py measures batch 1).
 MAX_SPECULATIVE_BATCH = 4
+# A request whose drafts were mostly rejected stops drafting for a while: a
+# verification step that commits one token costs more than a decode step
+# (1 + k rows, and no decode burst beside it). Judged over each
+# ACCEPTANCE_WINDOW draft tokens: below LOW_ACCEPTANCE accepted, no drafts
+# for the next LOW_ACCEPTANCE_PAUSE output tokens, then a fresh window; each
+# low window in a row doubles the pause (text where lookup keeps missing
+# stops paying for it), a good one resets it.
+# Provisional: at k = 4 a step commits 1 + 4a tokens for acceptance a, and a
+# verification step costs about 1.5x a decode step on the embedded model
+# (benchmarks/bench_spec_decode.py), so below a ~ 0.15-0.25 drafting loses.
+ACCEPTANCE_WINDOW = 8
+LOW_ACCEPTANCE = 0.25
+LOW_ACCEPTANCE_PAUSE = 32
 
 # Why speculation steps aside: the batch, a request's features, the engine's layout.
 STEP_ASIDE_REASONS = (
     "large_batch",
+    "low_acceptance",
     "logprobs",
     "penalties",
     "min_tokens",
@@ -141,6 +156,9 @@ class Speculator:
         if reason is not None:
             self._reasons.add(reason)
             return []
+        if request.num_output_tokens < request.spec_paused_until:
+            self._reasons.add("low_acceptance")
+            return []
         if not after_last:
             return []
         params = request.sampling_params
@@ -160,16 +178,30 @@ class Speculator:
         for reason in self._reasons:
             self.stats.steps_aside_by_reason[reason] = self.stats.steps_aside_by_reason.get(reason, 0) + 1
 
-    def record_verified(self, num_draft_tokens: int, num_committed: int) -> None:
+    def record_verified(self, request: Request, num_draft_tokens: int, num_committed: int) -> None:
         """A draft of `num_draft_tokens` was verified and `num_committed`
         tokens came back (sample-and-match: the accepted ones plus one)."""
         stats = self.stats
         accepted = max(0, min(num_committed - 1, num_draft_tokens))
+        _judge_acceptance(request, num_draft_tokens, accepted)
         stats.num_drafts += 1
         stats.num_draft_tokens += num_draft_tokens
         stats.num_accepted_tokens += accepted
         for position in range(accepted):
             stats.accepted_per_position[position] += 1
+
+
+def _judge_acceptance(request: Request, num_draft_tokens: int, accepted: int) -> None:
+    request.spec_drafted += num_draft_tokens
+    request.spec_accepted += accepted
+    if request.spec_drafted < ACCEPTANCE_WINDOW:
+        return
+    if request.spec_accepted < LOW_ACCEPTANCE * request.spec_drafted:
+        request.spec_paused_until = request.num_output_tokens + (LOW_ACCEPTANCE_PAUSE << request.spec_low_windows)
+        request.spec_low_windows = min(request.spec_low_windows + 1, 8)
+    else:
+        request.spec_low_windows = 0
+    request.spec_drafted = request.spec_accepted = 0
 
 
 def make_speculator(config: EngineConfig) -> Speculator | None:

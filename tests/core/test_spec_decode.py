@@ -165,3 +165,28 @@ def test_drafts_leave_room_for_max_tokens_and_steps_aside_are_counted():
     stats = scheduler.stats()
     assert stats["spec_decode_num_steps_aside"] == 1
     assert stats["spec_decode_steps_aside_by_reason"] == {"logprobs": 1}
+
+
+def test_mostly_rejected_drafts_pause_drafting_then_it_resumes():
+    from raylm.core import spec_decode
+
+    config = SpeculativeConfig.from_setting({"num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    speculator = Speculator(config, None)
+    request = Request("r", [1, 2, 3, 1, 2], SamplingParams(temperature=0.0, max_tokens=200), eos_token_id=None)
+    request.num_computed_tokens = request.num_tokens - 1
+
+    def draft():
+        speculator.begin_step(1)
+        out = speculator.draft(request, False, 256, 64)
+        speculator.end_step()
+        return out
+
+    assert draft() == [3, 1, 2]
+    speculator.record_verified(request, 4, 1)  # nothing accepted ...
+    assert draft()
+    speculator.record_verified(request, 4, 2)  # ... 1 of 8 draft tokens: under LOW_ACCEPTANCE
+    assert draft() == []
+    assert speculator.stats.steps_aside_by_reason == {"low_acceptance": 1}
+    for _ in range(spec_decode.LOW_ACCEPTANCE_PAUSE):
+        request.append_output_token(1)
+    assert draft()  # a fresh window

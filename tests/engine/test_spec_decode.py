@@ -107,7 +107,8 @@ def test_drafts_accepted_by_ngram_lookup_alone(tiny_model_dir):
     assert stats["spec_decode_num_draft_tokens"] >= stats["spec_decode_num_accepted_tokens"]
 
 
-def test_always_rejected_drafts_commit_one_token_each(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("back_off", [False, True], ids=["drafting-on", "backing-off"])
+def test_always_rejected_drafts_commit_one_token_each(back_off, tiny_model_dir, monkeypatch):
     model = tiny_model_dir("llama")
     prompt = _prompts(512)["wrong"]
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -115,11 +116,18 @@ def test_always_rejected_drafts_commit_one_token_each(tiny_model_dir, monkeypatc
     proposer = ScriptedProposer(512)
     proposer.add(prompt, "wrong", plain[0][0])
     _use_proposer(monkeypatch, proposer)
+    if not back_off:
+        monkeypatch.setattr(spec_decode, "LOW_ACCEPTANCE", 0.0)
     spec, stats = _run(model, [prompt], greedy, NGRAM)
     assert spec == plain
-    # Every step drafted but the first (a prefill) and the last (max_tokens leaves no room).
-    assert stats["spec_decode_num_drafts"] == MAX_TOKENS - 2
     assert stats["spec_decode_num_accepted_tokens"] == 0
+    if back_off:
+        # One window of drafts, all rejected: no more drafts for the rest of it.
+        assert stats["spec_decode_num_draft_tokens"] == spec_decode.ACCEPTANCE_WINDOW
+        assert stats["spec_decode_steps_aside_by_reason"]["low_acceptance"] > 0
+    else:
+        # Every step drafted but the first (a prefill) and the last (max_tokens leaves no room).
+        assert stats["spec_decode_num_drafts"] == MAX_TOKENS - 2
 
 
 def test_seeded_random_sampling_is_the_same_with_speculation(tiny_model_dir, monkeypatch):
@@ -181,6 +189,7 @@ def test_prefix_cache_after_rejected_drafts_holds_committed_kv(tiny_model_dir, m
     proposer = ScriptedProposer(512)
     proposer.add(prompt, "wrong", first)
     _use_proposer(monkeypatch, proposer)
+    monkeypatch.setattr(spec_decode, "LOW_ACCEPTANCE", 0.0)  # rejected drafts at every step
     follow_up = prompt + first + [7, 8]
     short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     with LLM(
