@@ -1,4 +1,5 @@
-"""Speculative decoding (n-gram prompt lookup) against decoding without it:
+"""Speculative decoding (n-gram prompt lookup, or suffix decoding with
+--method suffix) against decoding without it:
 batch-1 decode tokens/s on the embedded default model (float32), engine
 defaults otherwise (decode bursts on, as offline).
 
@@ -34,15 +35,15 @@ import raylm.core.spec_decode as spec_decode
 from raylm import LLM, SamplingParams
 
 
-def _engines(k: int, lookup_max: int, lookup_min: int, threads: int | None) -> dict[str, LLM]:
+def _engines(method: str, k: int, lookup_max: int, lookup_min: int, threads: int | None) -> dict[str, LLM]:
     settings = dict(kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False, num_threads=threads)
     spec = {
-        "method": "ngram",
+        "method": method,
         "num_speculative_tokens": k,
         "prompt_lookup_max": lookup_max,
         "prompt_lookup_min": lookup_min,
     }
-    return {"plain": LLM(**settings), "ngram": LLM(speculative_config=spec, **settings)}
+    return {"plain": LLM(**settings), "spec": LLM(speculative_config=spec, **settings)}
 
 
 def _prompt_sets(llm: LLM, num_prompts: int, passage_tokens: int, quote_tokens: int) -> dict[str, list[list[int]]]:
@@ -102,6 +103,12 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128, help="output tokens per request")
     p.add_argument("--passage", type=int, default=200, help="tokens of a self-quoting prompt's passage")
     p.add_argument("--quote", type=int, default=16, help="first tokens of the passage repeated at its end")
+    p.add_argument(
+        "--method",
+        choices=("ngram", "suffix"),
+        default="ngram",
+        help="suffix drafts from earlier outputs: from the second round on, every prompt was seen before",
+    )
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     p.add_argument("--lookup-max", type=int, default=4)
     p.add_argument("--lookup-min", type=int, default=2)
@@ -116,7 +123,7 @@ def main() -> None:
     if args.max_speculative_batch is not None:
         spec_decode.MAX_SPECULATIVE_BATCH = args.max_speculative_batch
 
-    engines = _engines(args.num_speculative_tokens, args.lookup_max, args.lookup_min, args.threads)
+    engines = _engines(args.method, args.num_speculative_tokens, args.lookup_max, args.lookup_min, args.threads)
     try:
         sets = _prompt_sets(engines["plain"], args.prompts, args.passage, args.quote)
         if args.batch > 1:  # each set fills the batch (its prompts repeated: same drafts, other requests)
@@ -130,7 +137,7 @@ def main() -> None:
             for s, prompts in sets.items():
                 seconds = {(clock, name): 0.0 for clock in ("wall", "cpu") for name in engines}
                 tokens = {name: [] for name in engines}
-                before = _spec_totals(engines["ngram"])
+                before = _spec_totals(engines["spec"])
                 # The engines take turns batch by batch, the first alternating:
                 # a burst of load from elsewhere falls on both alike.
                 for i in range(0, len(prompts), args.batch):
@@ -144,8 +151,8 @@ def main() -> None:
                         tokens[name].extend(out)
                 for (clock, name), total in seconds.items():
                     rates[(clock, name, s)].append(len(prompts) * args.tokens / total)
-                acceptance.setdefault(s, []).append(_delta(before, _spec_totals(engines["ngram"])))
-                same[s] &= tokens["plain"] == tokens["ngram"]
+                acceptance.setdefault(s, []).append(_delta(before, _spec_totals(engines["spec"])))
+                same[s] &= tokens["plain"] == tokens["spec"]
         _report(args, sets, rates, same, acceptance)
     finally:
         for llm in engines.values():
@@ -156,12 +163,13 @@ def _report(args, sets, rates, same, acceptance) -> None:
     print(
         f"batch-{args.batch} decode, embedded default model (float32), {len(next(iter(sets.values())))} prompts x "
         f"{args.tokens} tokens per set (prefill included), "
-        f"{args.rounds} rounds; ngram k={args.num_speculative_tokens} lookup {args.lookup_min}..{args.lookup_max}"
+        f"{args.rounds} rounds; {args.method} k={args.num_speculative_tokens} "
+        f"lookup {args.lookup_min}..{args.lookup_max}"
     )
     for s in sets:
-        plain, spec = rates[("wall", "plain", s)], rates[("wall", "ngram", s)]
+        plain, spec = rates[("wall", "plain", s)], rates[("wall", "spec", s)]
         ratios = [b / a for a, b in zip(plain, spec)]
-        cpu_ratios = [b / a for a, b in zip(rates[("cpu", "plain", s)], rates[("cpu", "ngram", s)])]
+        cpu_ratios = [b / a for a, b in zip(rates[("cpu", "plain", s)], rates[("cpu", "spec", s)])]
         runs = acceptance[s]
         drafted = sum(a["spec_decode_num_draft_tokens"] for a in runs)
         accepted = sum(a["spec_decode_num_accepted_tokens"] for a in runs)
@@ -169,8 +177,9 @@ def _report(args, sets, rates, same, acceptance) -> None:
         per_pos = [sum(col) for col in zip(*(a["spec_decode_num_accepted_tokens_per_pos"] for a in runs))]
         aside = sum(a["spec_decode_num_steps_aside"] for a in runs)
         print(
-            f"{s:>13}: without {statistics.median(plain):7.1f} tok/s, with ngram {statistics.median(spec):7.1f} "
-            f"tok/s; ratio median {statistics.median(ratios):.2f}x (min {min(ratios):.2f}, max {max(ratios):.2f}), "
+            f"{s:>13}: without {statistics.median(plain):7.1f} tok/s, with {args.method} "
+            f"{statistics.median(spec):7.1f} tok/s; ratio median {statistics.median(ratios):.2f}x "
+            f"(min {min(ratios):.2f}, max {max(ratios):.2f}), "
             f"by CPU time {statistics.median(cpu_ratios):.2f}x ({min(cpu_ratios):.2f}-{max(cpu_ratios):.2f}); "
             f"acceptance {accepted / max(drafted, 1):.2f} ({accepted}/{drafted} draft tokens, {drafts} drafts), "
             f"per position {[round(n / max(drafts, 1), 2) for n in per_pos]}; steps aside {aside}; "

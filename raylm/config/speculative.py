@@ -6,8 +6,10 @@ request, the target model verifies them in one forward of the k + 1
 positions, and every committed token is the one decoding without
 speculation would have sampled (raylm.core.spec_decode). Methods: `ngram`
 (prompt lookup: the tokens that followed the last earlier occurrence of the
-request's last n tokens). `suffix` and `draft_model` are vLLM's names for
-methods not built yet: refused by name rather than run as something else.
+request's last n tokens, n from prompt_lookup_max down to prompt_lookup_min)
+and `suffix` (the most frequent continuation in earlier outputs of requests
+with the same cache_salt, else prompt lookup). `draft_model` is vLLM's name
+for a method not built yet: refused by name rather than run as something else.
 """
 
 from __future__ import annotations
@@ -16,10 +18,7 @@ import json
 from dataclasses import dataclass, fields
 
 METHODS = ("ngram", "suffix", "draft_model")
-NOT_YET = {
-    "suffix": "suffix decoding (a suffix tree of earlier outputs) is not built yet; use ngram",
-    "draft_model": "a draft model beside the target is not built yet; use ngram",
-}
+NOT_YET = {"draft_model": "a draft model beside the target is not built yet; use ngram or suffix"}
 # The longest draft: the verification forward computes 1 + k positions of the
 # request; past a few tokens the chance that every one is accepted is small
 # and each rejected position is computed in vain.

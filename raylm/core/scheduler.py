@@ -355,6 +355,11 @@ class Scheduler(RequestQueues):
             outputs.append(out)
         return outputs
 
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        super()._finish(request, status)
+        if self.speculator is not None:
+            self.speculator.proposer.request_finished(request)  # suffix decoding learns its output
+
     def _after_verification(self, request: Request, draft: list[int], committed: list[int]) -> None:
         """Count the verified draft and roll the request back over its
         rejected positions: their K/V is recomputed (overwritten) when their

@@ -24,8 +24,10 @@ engine), `request_step_aside_reason` (one request), MAX_SPECULATIVE_BATCH
 rejected). Each step in which some decoding request stepped aside is
 counted, by reason.
 
-Proposers plug in through `DraftProposer`: the request's tokens in, a draft
-out. Only n-gram prompt lookup is built (raylm.core.spec_propose).
+Proposers plug in through `DraftProposer` (raylm.core.spec_propose): a
+request in, a draft out, and each finished request shown to it. Built:
+n-gram prompt lookup (`ngram`) and suffix decoding from earlier outputs of
+the same cache_salt (`suffix`, raylm.core.spec_suffix).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ import torch
 
 from raylm.config import EngineConfig, SpeculativeConfig
 from raylm.core.request import Request
-from raylm.core.spec_propose import DraftProposer, make_proposer
+from raylm.core.spec_propose import DraftProposer, NgramProposer
+from raylm.core.spec_suffix import SuffixProposer
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +172,7 @@ class Speculator:
             room = min(room, params.max_tokens - request.num_output_tokens - 1)
         if room <= 0:
             return []
-        return self.proposer.propose(request.all_token_ids, room)
+        return self.proposer.propose(request, room)
 
     def end_step(self) -> None:
         if not self._reasons:
@@ -202,6 +205,15 @@ def _judge_acceptance(request: Request, num_draft_tokens: int, accepted: int) ->
     else:
         request.spec_low_windows = 0
     request.spec_drafted = request.spec_accepted = 0
+
+
+def make_proposer(config: SpeculativeConfig) -> DraftProposer:
+    if config.method == "suffix":
+        return SuffixProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    # SpeculativeConfig refuses the methods not built yet.
+    raise ValueError(f"speculative_config.method {config.method!r} has no proposer")
 
 
 def make_speculator(config: EngineConfig) -> Speculator | None:

@@ -16,7 +16,8 @@ from raylm.core.kv_cache_manager import hash_block, root_hash
 from raylm.core.request import Request, RequestStatus
 from raylm.core.scheduler import Scheduler
 from raylm.core.spec_decode import Speculator
-from raylm.core.spec_propose import NgramProposer
+from raylm.core.spec_propose import prompt_lookup
+from raylm.core.spec_suffix import SuffixProposer
 from raylm.messages import ModelRunnerOutput
 from raylm.sampling_params import SamplingParams
 
@@ -38,7 +39,6 @@ BLOCK = 4
         ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 0}, "prompt_lookup_max"),
         ({"method": "ngram", "num_speculative_tokens": 3, "model": "some/draft"}, "model"),
         ({"method": "eagle", "num_speculative_tokens": 3}, "method"),
-        ({"method": "suffix", "num_speculative_tokens": 3}, "not built yet"),
         ({"method": "draft_model", "num_speculative_tokens": 3, "model": "x"}, "not built yet"),
         ("{not json", "speculative_config"),
         ([1, 2], "speculative_config"),
@@ -47,6 +47,10 @@ BLOCK = 4
 def test_bad_settings_are_refused_by_name(setting, field):
     with pytest.raises(ValueError, match=field):
         SpeculativeConfig.from_setting(setting)
+
+
+def test_suffix_is_a_method():
+    assert SpeculativeConfig.from_setting({"method": "suffix", "num_speculative_tokens": 3}).method == "suffix"
 
 
 def test_lookup_bounds_follow_each_other():
@@ -81,7 +85,7 @@ def test_the_flag_takes_json_and_the_engine_config_carries_it():
     ],
 )
 def test_ngram_lookup(tokens, max_tokens, draft):
-    assert NgramProposer(2, 3).propose(tokens, max_tokens) == draft
+    assert prompt_lookup(tokens, max_tokens, 2, 3) == draft
 
 
 def _scheduler(k: int = 4) -> Scheduler:
@@ -190,3 +194,45 @@ def test_mostly_rejected_drafts_pause_drafting_then_it_resumes():
     for _ in range(spec_decode.LOW_ACCEPTANCE_PAUSE):
         request.append_output_token(1)
     assert draft()  # a fresh window
+
+
+def _finished(rid: str, prompt: list[int], output: list[int], salt: str | None = None) -> Request:
+    request = Request(rid, prompt, SamplingParams(temperature=0.0), eos_token_id=None, cache_salt=salt)
+    for token in output:
+        request.append_output_token(token)
+    request.status = RequestStatus.FINISHED_LENGTH
+    return request
+
+
+def test_suffix_drafts_follow_earlier_outputs_of_the_same_salt_only():
+    proposer = SuffixProposer(2, 4)
+    proposer.request_finished(_finished("a", [1, 2], [30, 31, 32, 33, 34, 35], salt="tenant-a"))
+    asking = Request("b", [9, 30, 31], SamplingParams(temperature=0.0), eos_token_id=None, cache_salt="tenant-a")
+    assert proposer.propose(asking, 3) == [32, 33, 34]
+    other = Request("c", [9, 30, 31], SamplingParams(temperature=0.0), eos_token_id=None, cache_salt="tenant-b")
+    assert proposer.propose(other, 3) == []  # nothing learnt under its salt, nothing in its own tokens
+    unsalted = Request("d", [9, 30, 31], SamplingParams(temperature=0.0), eos_token_id=None)
+    assert proposer.propose(unsalted, 3) == []
+
+
+def test_suffix_drafts_take_the_most_frequent_continuation_and_fall_back_to_lookup():
+    proposer = SuffixProposer(2, 4)
+    proposer.request_finished(_finished("a", [5], [7, 8, 40, 41]))
+    proposer.request_finished(_finished("b", [5], [7, 8, 50, 51]))
+    proposer.request_finished(_finished("c", [6], [7, 8, 50, 52]))
+    asking = Request("x", [3, 7, 8], SamplingParams(temperature=0.0), eos_token_id=None)
+    assert proposer.propose(asking, 2) == [50, 51]  # 50 twice after "7 8"; then a tie, to the smaller id
+    own = Request("y", [60, 61, 62, 63, 60, 61], SamplingParams(temperature=0.0), eos_token_id=None)
+    assert proposer.propose(own, 2) == [62, 63]  # no earlier output knows "60 61": prompt lookup
+
+
+def test_suffix_table_is_bounded_and_learns_nothing_from_errors():
+    proposer = SuffixProposer(2, 4, max_contexts=50)
+    for i in range(20):
+        proposer.request_finished(_finished(f"r{i}", [i], [100 + i + j for j in range(10)]))
+    assert len(proposer) == 50
+    failed = _finished("bad", [1], [2, 3, 4, 5])
+    failed.status = RequestStatus.FINISHED_ERROR
+    empty = SuffixProposer(2, 4)
+    empty.request_finished(failed)
+    assert len(empty) == 0

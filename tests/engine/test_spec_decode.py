@@ -35,7 +35,11 @@ class ScriptedProposer:
     def add(self, prompt: list[int], mode: str, continuation: list[int] | None = None) -> None:
         self.scripts.append((list(prompt), mode, list(continuation or [])))
 
-    def propose(self, token_ids, max_tokens: int) -> list[int]:
+    def request_finished(self, request) -> None:
+        pass
+
+    def propose(self, request, max_tokens: int) -> list[int]:
+        token_ids = request.all_token_ids
         for prompt, mode, continuation in self.scripts:
             if list(token_ids[: len(prompt)]) == prompt:
                 done = len(token_ids) - len(prompt)
@@ -45,7 +49,7 @@ class ScriptedProposer:
                 if mode == "wrong":
                     return [(t + 1) % self.vocab_size for t in draft]
                 break
-        return self.ngram.propose(token_ids, max_tokens)
+        return self.ngram.propose(request, max_tokens)
 
 
 def _use_proposer(monkeypatch, proposer) -> None:
@@ -93,6 +97,27 @@ def test_greedy_equals_hf_and_plain_decoding(arch, tiny_model_dir, monkeypatch):
     assert stats["spec_decode_num_accepted_tokens"] > 0
     # The right drafts are all accepted: at least (MAX_TOKENS - 1) // (K + 1) runs of K + 1.
     assert stats["spec_decode_num_accepted_tokens_per_pos"][K - 1] >= (MAX_TOKENS - 1) // (K + 1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_suffix_drafts_from_earlier_outputs_equal_hf(arch, tiny_model_dir):
+    """Method suffix: the same prompts a second time draft from the first
+    time's outputs (accepted), and every output is Hugging Face's."""
+    model = tiny_model_dir(arch)
+    all_prompts = _prompts(ArchConfig.from_model_dir(model).vocab_size)
+    prompts = [all_prompts["random"], all_prompts["right"]]
+    hf = [g.token_ids for g in hf_greedy(model, prompts, MAX_TOKENS)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    suffix = {**NGRAM, "method": "suffix"}
+    with LLM(model, dtype="float32", kv_cache_memory_bytes=32 << 20, speculative_config=suffix) as llm:
+        first = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+        accepted_before = llm.llm_engine.stats()["spec_decode_num_accepted_tokens"]
+        again = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+        accepted = llm.llm_engine.stats()["spec_decode_num_accepted_tokens"] - accepted_before
+    assert [o.outputs[0].token_ids for o in first] == hf
+    assert [o.outputs[0].token_ids for o in again] == hf
+    # Nearly every token of the second pass was drafted and accepted.
+    assert accepted >= len(prompts) * (MAX_TOKENS - 1) * K // (K + 1) - len(prompts) * K
 
 
 def test_drafts_accepted_by_ngram_lookup_alone(tiny_model_dir):
