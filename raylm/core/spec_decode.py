@@ -47,8 +47,11 @@ logger = logging.getLogger(__name__)
 # step of many requests computes (1 + k) x as many rows, and once a batch is
 # large the step is bound by compute rather than by the per-step overhead
 # that accepted drafts amortise (llama.cpp's lookup decoding: 1.10x with one
-# slot, 0.86x with 4, 0.77x with 8). Provisional: not yet measured on this
-# machine's batch sizes (benchmarks/bench_spec_decode.py measures batch 1).
+# slot, 0.86x with 4, 0.77x with 8); here a verification step also runs each
+# request's rows as a prefill chunk (attention per sequence). Provisional,
+# from a few noisy rounds on a shared 2-core EPYC (benchmarks/bench_spec_decode.py
+# --batch N --max-speculative-batch 64, ngram k=4): at 4 streams 1.38x on
+# self-quoting prompts and 1.06x on short greedy ones; at 8, 1.30x and 0.36x.
 MAX_SPECULATIVE_BATCH = 4
 # A request whose drafts were mostly rejected stops drafting for a while: a
 # verification step that commits one token costs more than a decode step
@@ -58,8 +61,9 @@ MAX_SPECULATIVE_BATCH = 4
 # low window in a row doubles the pause (text where lookup keeps missing
 # stops paying for it), a good one resets it.
 # Provisional: at k = 4 a step commits 1 + 4a tokens for acceptance a, and a
-# verification step costs about 1.5x a decode step on the embedded model
-# (benchmarks/bench_spec_decode.py), so below a ~ 0.15-0.25 drafting loses.
+# verification step cost about 1.5x a decode step of a burst on the embedded
+# model (a profile of bench_spec_decode.py's self-quoting set: 7.5 ms against
+# 5.2 ms), so below a ~ 0.15-0.25 drafting loses.
 ACCEPTANCE_WINDOW = 8
 LOW_ACCEPTANCE = 0.25
 LOW_ACCEPTANCE_PAUSE = 32
