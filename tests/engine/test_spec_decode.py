@@ -302,3 +302,44 @@ def test_raylm_bench_reports_acceptance(tiny_model_dir):
     spec = result["spec_decode"]
     assert spec["num_draft_tokens"] >= spec["num_accepted_tokens"] and len(spec["num_accepted_tokens_per_pos"]) == K
     assert "Speculative decoding: acceptance" in format_latency(result)
+
+
+def test_recovery_mid_decode_gives_the_same_outputs(tiny_model_dir):
+    """A step that raises mid-decode (a poison request joins): the executor is
+    rebuilt, the others recompute and go on speculating; greedy and seeded
+    outputs are those of decoding without speculation or failure (a resumed
+    seeded request's generator is advanced one draw per committed token)."""
+    from tests.engine.faulty_executors import POISON, PoisonedUniProcExecutor
+
+    model = tiny_model_dir("llama")
+    prompts = [_prompts(512)["repeating"], _prompts(512)["right"]]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True),
+    ]
+    plain, _ = _run(model, prompts, params)
+    with LLM(
+        model,
+        dtype="float32",
+        kv_cache_memory_bytes=32 << 20,
+        num_threads=1,
+        distributed_executor_backend=PoisonedUniProcExecutor,
+        max_restarts=1,
+        speculative_config=NGRAM,
+    ) as llm:
+        engine = llm.llm_engine
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, p)
+        core = engine.engine_core.engine_core
+        results, struck = {}, False
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                results[output.request_id] = output
+            drafted = core.scheduler.stats()["spec_decode_num_drafts"]
+            if not struck and drafted and all(r.num_output_tokens >= 6 for r in core.scheduler.requests.values()):
+                engine.add_request("poison", {"prompt_token_ids": [5, POISON, 7]}, params[0])
+                struck = True
+        assert struck and core.recoveries
+        assert results["poison"].outputs[0].finish_reason == "error"
+        spec = [results[f"r{i}"].outputs[0] for i in range(len(prompts))]
+    assert [(o.token_ids, o.finish_reason) for o in spec] == [o[:2] for o in plain]
