@@ -44,15 +44,16 @@ from raylm.core.spec_suffix import SuffixProposer
 logger = logging.getLogger(__name__)
 
 # Speculation steps aside while more requests than this run: a verification
-# step of many requests computes (1 + k) x as many rows, and once a batch is
+# step of many requests computes (1 + k) x as many rows, once a batch is
 # large the step is bound by compute rather than by the per-step overhead
-# that accepted drafts amortise (llama.cpp's lookup decoding: 1.10x with one
-# slot, 0.86x with 4, 0.77x with 8); here a verification step also runs each
-# request's rows as a prefill chunk (attention per sequence). Provisional,
-# from a few noisy rounds on a shared 2-core EPYC (benchmarks/bench_spec_decode.py
-# --batch N --max-speculative-batch 64, ngram k=4): at 4 streams 1.38x on
-# self-quoting prompts and 1.06x on short greedy ones; at 8, 1.30x and 0.36x.
-MAX_SPECULATIVE_BATCH = 4
+# that accepted drafts amortise, and one request's draft takes the decode
+# burst from all the others (llama.cpp's lookup decoding: 1.10x with one
+# slot, 0.86x with 4, 0.77x with 8). Provisional, from a few noisy rounds on a
+# shared 2-core EPYC (benchmarks/bench_spec_decode.py --batch N
+# --max-speculative-batch 64, ngram k=4, with/without, median of 3 rounds):
+# 2 streams 1.39x self-quoting, 0.97x short greedy, 1.01x sampled; 4 streams
+# 1.25x, 0.83x, 0.84x; 8 streams 0.97x, 0.61x, 1.13x (spread up to 0.1-2x).
+MAX_SPECULATIVE_BATCH = 2
 # A request whose drafts were mostly rejected stops drafting for a while: a
 # verification step that commits one token costs more than a decode step
 # (1 + k rows, and no decode burst beside it). Judged over each

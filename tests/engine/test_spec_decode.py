@@ -23,6 +23,13 @@ K = 4
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
+@pytest.fixture(autouse=True)
+def _speculate_at_any_batch_size(monkeypatch):
+    """These tests check what speculation computes, several requests at once:
+    the batch-size rule is off here (one test turns it back on)."""
+    monkeypatch.setattr(spec_decode, "MAX_SPECULATIVE_BATCH", 64)
+
+
 class ScriptedProposer:
     """Drafts by prompt: the known continuation ("right"), the known
     continuation with every token changed ("wrong"), or n-gram lookup."""
