@@ -49,6 +49,11 @@ class SchedulerOutput:
     # row, each step's sampled tokens the next one's input; every request
     # then has one token scheduled and KV slots for this many.
     num_decode_steps: int = 1
+    # Speculative decoding (raylm.core.spec_decode): req_id -> the draft
+    # tokens scheduled after its last committed token (they are the last of
+    # its num_scheduled_tokens); the workers verify them and return the
+    # committed tokens, one or more.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -78,7 +83,8 @@ PositionLogprobsLists = tuple[list[int], list[float], int]
 class ModelRunnerOutput:
     req_ids: list[str]
     # One list per request in req_ids; empty when the request only ran a
-    # partial prefill chunk and nothing was sampled.
+    # partial prefill chunk and nothing was sampled; several tokens for a
+    # decode burst or a verified speculative draft.
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, PositionLogprobsLists] = field(default_factory=dict)
     # req_id -> logprobs of the prompt positions computed this step.

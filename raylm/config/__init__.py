@@ -22,6 +22,7 @@ from raylm.config.resolve import (
     default_max_num_batched_tokens,
     resolve_engine_config,
 )
+from raylm.config.speculative import SpeculativeConfig
 
 __all__ = [
     "DEFAULT_MODEL_DIR",
@@ -36,6 +37,7 @@ __all__ = [
     "ModelConfig",
     "ParallelConfig",
     "SchedulerConfig",
+    "SpeculativeConfig",
     "create_engine_config",
     "default_max_num_batched_tokens",
     "replica_role",

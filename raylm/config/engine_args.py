@@ -110,6 +110,7 @@ _cache = partial(_setting, section="KV cache and scheduling")
 _device = partial(_setting, section="device")
 _faults = partial(_setting, section="failures and recovery")
 _autoscale = partial(_setting, section="autoscaling (Ray Serve's names)")
+_speculative = partial(_setting, section="speculative decoding")
 
 
 @dataclass
@@ -355,6 +356,16 @@ class EngineArgs:
         30.0,
         "how long the workers may take to answer that call before they are taken for hung: the engine recovers",
         metavar="SECONDS",
+    )
+    # A dict from a program (LLM(speculative_config={...})), JSON text from the flag.
+    speculative_config: dict | str | None = _speculative(
+        None,
+        'speculative decoding, vLLM\'s keys as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        "\"prompt_lookup_max\": 4}' (methods: ngram, the request's own tokens; suffix, earlier outputs of the "
+        "same cache_salt): drafts verified in one forward, the output the same as without; it steps aside "
+        "(decodes normally) where it cannot serve a request or the batch is large; default: off",
+        parser=str,
+        metavar="JSON",
     )
 
     # ---- command line

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from raylm.config.speculative import SpeculativeConfig
 from raylm.cpu_bind import parse_cpu_bind
 from raylm.model.arch_config import ArchConfig
 
@@ -350,6 +351,8 @@ class EngineConfig:
     cpu_bind: str = "auto"
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     autoscale: AutoscaleConfig | None = None
+    # Speculative decoding (raylm.core.spec_decode); None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
         """The rules between the parts, each part having checked its own."""

@@ -27,6 +27,7 @@ from raylm.config.engine_config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from raylm.config.speculative import SpeculativeConfig
 from raylm.model.generation_config import load_generation_defaults
 from raylm.model.gguf import is_gguf_path, materialize_tokenizer, open_gguf
 from raylm.model.hub import resolve_gguf_model, resolve_model_path
@@ -103,6 +104,7 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
             fault_injection=os.environ.get("RAYLM_FAULT_INJECTION") or None,
         ),
         autoscale=autoscale,
+        speculative_config=SpeculativeConfig.from_setting(args.speculative_config),
     )
     _warn_of_settings_without_effect(args, device)
     return config

@@ -61,6 +61,19 @@ class BurstPlanner:
     """Decides each step's burst length from the requests and the pace of the
     last decode steps (observe)."""
 
+    @classmethod
+    def for_engine(cls, config) -> BurstPlanner:
+        """Decode bursts run where a step's sampled tokens are at hand for the
+        next step's input: one pipeline stage, no context parallelism (whose
+        ranks split a step's rows), and steps scheduled one at a time."""
+        pc, sc = config.parallel_config, config.scheduler_config
+        runs = pc.pipeline_parallel_size == 1 and pc.context_parallel_size == 1 and not sc.async_scheduling
+        return cls(
+            sc.num_scheduler_steps if runs else 1,
+            sc.decode_burst_budget_s,
+            workers_sample_alike=pc.tensor_parallel_size == 1,
+        )
+
     def __init__(self, max_steps: int, budget_s: float, workers_sample_alike: bool):
         # 1: bursts off (the config says so, or the layout cannot run them).
         self.max_steps = max_steps

@@ -323,8 +323,12 @@ class KVCacheManager:
         # A block is registered once every token in it will have been computed
         # by the end of this step; attention writes a step's K/V before any
         # query of that step reads it, so a request scheduled later can share it.
+        # Only committed tokens count: positions past request.num_tokens hold a
+        # speculative draft this step (raylm.core.spec_decode), and a rejected
+        # draft token's K/V stays in its slot until a later step overwrites it.
         self._update_block_hashes(request)
-        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        num_committed = min(num_tokens, request.num_tokens)
+        num_full = min(num_committed // self.block_size, len(request.block_hashes))
         start = self.num_registered.get(request.request_id, 0)
         for i in range(start, num_full):
             if blocks[i].block_hash is None:

@@ -71,6 +71,14 @@ class Request:
         self.unsent_token_ids: list[int] = []
         # Async scheduling: tokens being sampled by steps still in flight.
         self.num_output_placeholders = 0
+        # Speculative decoding (raylm.core.spec_decode): draft tokens verified
+        # and accepted since its acceptance was last judged, and the output
+        # length before which it drafts no more (its drafts were mostly
+        # rejected), and how many windows in a row were so.
+        self.spec_drafted = 0
+        self.spec_accepted = 0
+        self.spec_paused_until = 0
+        self.spec_low_windows = 0
         # This core's clock (time.monotonic), for the queue and prefill metrics:
         # when it received the request, first scheduled it, and produced its first token.
         self.received_time = time.monotonic()

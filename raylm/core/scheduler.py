@@ -34,6 +34,7 @@ from raylm.core.decode_burst import BurstPlanner
 from raylm.core.outputs import EngineCoreOutput
 from raylm.core.request import Request, RequestStatus
 from raylm.core.request_queues import RequestQueues
+from raylm.core.spec_decode import Speculator
 from raylm.core.structured_output import GrammarError, StructuredOutputManager
 from raylm.messages import CachedRequestData, GrammarOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
@@ -51,6 +52,7 @@ class Scheduler(RequestQueues):
         max_model_len: int,
         structured_output_manager: StructuredOutputManager | None = None,
         burst_planner: BurstPlanner | None = None,
+        speculator: Speculator | None = None,
     ):
         super().__init__(cache_config, structured_output_manager)
         self.config = scheduler_config
@@ -63,6 +65,8 @@ class Scheduler(RequestQueues):
         self._outputs_outside_step: list[EngineCoreOutput] = []
         # Decode bursts (raylm.core.decode_burst); None: one step at a time.
         self.burst_planner = burst_planner
+        # Speculative decoding (raylm.core.spec_decode); None: off.
+        self.speculator = speculator
 
     # ---- one step --------------------------------------------------------------
 
@@ -70,9 +74,12 @@ class Scheduler(RequestQueues):
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_block_ids: dict[str, list[int]] = {}
+        drafts: dict[str, list[int]] = {}
         preempted_now = False
         self._fail_broken_grammars()
         isolated = self._isolated_request()
+        if self.speculator is not None:
+            self.speculator.begin_step(len(self.running))
 
         # Running requests first, oldest first; the newest is the preemption victim.
         i = 0
@@ -89,10 +96,14 @@ class Scheduler(RequestQueues):
             if num_new <= 0:
                 i += 1
                 continue
+            draft = self._draft(request, num_new, budget)
             while True:
-                block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+                block_ids = self.kv_cache_manager.allocate_slots(request, num_new + len(draft))
                 if block_ids is not None:
                     break
+                if draft:  # no room for the draft's positions: decode one token, as without one
+                    draft = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim, num_scheduled, new_block_ids)
                 preempted_now = True
@@ -100,10 +111,14 @@ class Scheduler(RequestQueues):
                     break
             if block_ids is None:
                 break
-            num_scheduled[request.request_id] = num_new
+            if draft:
+                drafts[request.request_id] = draft
+            num_scheduled[request.request_id] = num_new + len(draft)
             new_block_ids[request.request_id] = block_ids
-            budget -= num_new
+            budget -= num_new + len(draft)
             i += 1
+        if self.speculator is not None:
+            self.speculator.end_step()
 
         # Then waiting requests, unless we just had to preempt (no room anyway).
         compiling: list[Request] = []
@@ -153,6 +168,7 @@ class Scheduler(RequestQueues):
         # every running request is in the step.
         if (
             not self.waiting
+            and not drafts
             and not preempted_now
             and isolated is None
             and not self.unscheduled
@@ -160,7 +176,19 @@ class Scheduler(RequestQueues):
             and len(num_scheduled) == len(self.running)
         ):
             steps = self._burst_length(num_scheduled, new_block_ids)
-        return self._make_output(num_scheduled, new_block_ids, steps)
+        for rid in [rid for rid in drafts if rid not in num_scheduled]:  # preempted after drafting
+            del drafts[rid]
+        return self._make_output(num_scheduled, new_block_ids, steps, drafts)
+
+    def _draft(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """A speculative draft for a request about to decode one token: only
+        after its last committed token (a token in flight has none)."""
+        if self.speculator is None or num_new != 1:
+            return []
+        after_last = not request.num_output_placeholders and request.num_computed_tokens == request.num_tokens - 1
+        som = self.structured_output_manager
+        constrained = som is not None and som.is_constrained(request.request_id)
+        return self.speculator.draft(request, constrained, self.max_model_len, budget, after_last)
 
     def _burst_length(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]]) -> int:
         """How many decode steps this step's requests take at once (a decode
@@ -264,7 +292,11 @@ class Scheduler(RequestQueues):
         logger.debug("preempted %s (KV cache full)", request.request_id)
 
     def _make_output(
-        self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]], num_decode_steps: int = 1
+        self,
+        num_scheduled: dict[str, int],
+        new_block_ids: dict[str, list[int]],
+        num_decode_steps: int = 1,
+        spec_token_ids: dict[str, list[int]] | None = None,
     ) -> SchedulerOutput:
         new_reqs, cached_reqs = [], []
         for rid, n in num_scheduled.items():
@@ -304,6 +336,7 @@ class Scheduler(RequestQueues):
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self.finished_req_ids,
             num_decode_steps=num_decode_steps,
+            spec_token_ids=spec_token_ids or {},
         )
         self.finished_req_ids = set()
         return output
@@ -323,6 +356,8 @@ class Scheduler(RequestQueues):
                 request.num_output_placeholders -= 1
             # Async scheduling and bursts: the workers keep the tokens they sampled.
             workers_hold_tokens = self.async_scheduling or scheduler_output.num_decode_steps > 1
+            # A verified draft's tokens are taken one by one, like steps': a
+            # stop token or max_tokens cuts the run where it would have stopped.
             for token_id in token_ids:
                 request.append_output_token(token_id)
                 if workers_hold_tokens:
@@ -331,6 +366,9 @@ class Scheduler(RequestQueues):
                 error = self._advance_grammar(request)
                 if request.is_finished or self._check_stop(request):
                     break
+            draft = scheduler_output.spec_token_ids.get(rid)
+            if draft is not None:
+                self._after_verification(request, draft, token_ids)
             if not new_tokens and not prompt_lps:
                 continue
             logprobs = runner_output.logprobs.get(rid)
@@ -353,6 +391,25 @@ class Scheduler(RequestQueues):
                 out.error = error
             outputs.append(out)
         return outputs
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        super()._finish(request, status)
+        if self.speculator is not None:
+            self.speculator.proposer.request_finished(request)  # suffix decoding learns its output
+
+    def _after_verification(self, request: Request, draft: list[int], committed: list[int]) -> None:
+        """Count the verified draft and roll the request back over its
+        rejected positions: their K/V is recomputed (overwritten) when their
+        tokens are, from the last committed one, which has none yet."""
+        self.speculator.record_verified(request, len(draft), len(committed))
+        if not request.is_finished:
+            request.num_computed_tokens = request.num_tokens - 1
+
+    def stats(self) -> dict:
+        stats = super().stats()
+        if self.speculator is not None:
+            stats.update(self.speculator.stats.as_dict())
+        return stats
 
     def take_outputs_outside_step(self) -> list[EngineCoreOutput]:
         """Outputs of requests ended outside a step, for a step that ran none."""

@@ -47,7 +47,29 @@ def aggregate_stats(channels: Mapping[int, CoreChannel]) -> SchedulerStats:
         kv_capacity_tokens=sum(s.kv_capacity_tokens for s in stats),
         kv_capacity_tokens_per_rank=max((s.kv_capacity_tokens_per_rank for s in stats), default=0),
         unhealthy=next((s.unhealthy for s in stats if s.unhealthy), None),
+        **_spec_decode_totals(stats),
     )
+
+
+def _spec_decode_totals(stats: list[SchedulerStats]) -> dict:
+    """The cores' speculative decoding totals, summed (per position and by reason too)."""
+    per_pos: list[int] = []
+    by_reason: dict[str, int] = {}
+    for s in stats:
+        for position, count in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+            if position == len(per_pos):
+                per_pos.append(0)
+            per_pos[position] += count
+        for reason, count in s.spec_decode_steps_aside_by_reason.items():
+            by_reason[reason] = by_reason.get(reason, 0) + count
+    return {
+        "spec_decode_num_drafts": sum(s.spec_decode_num_drafts for s in stats),
+        "spec_decode_num_draft_tokens": sum(s.spec_decode_num_draft_tokens for s in stats),
+        "spec_decode_num_accepted_tokens": sum(s.spec_decode_num_accepted_tokens for s in stats),
+        "spec_decode_num_accepted_tokens_per_pos": per_pos,
+        "spec_decode_num_steps_aside": sum(s.spec_decode_num_steps_aside for s in stats),
+        "spec_decode_steps_aside_by_reason": by_reason,
+    }
 
 
 class Pings:

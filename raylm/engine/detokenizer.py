@@ -83,8 +83,11 @@ class IncrementalDetokenizer:
 
         self.token_ids: list[int] = []
         self.output_text = ""
-        # The stop string that ended the text, once one has.
+        # The stop string that ended the text, once one has, and how many of
+        # the tokens of that update came after the one that completed it
+        # (several tokens arrive at once from a burst or a speculative run).
         self.matched_stop: str | None = None
+        self.num_tokens_past_stop = 0
 
         # Context ids followed by generated ids; only the tail from _prefix_offset is decoded.
         self._window_ids = _clean_context(self._backend, prompt_token_ids, skip_special_tokens)
@@ -111,12 +114,13 @@ class IncrementalDetokenizer:
         if self.matched_stop is not None:
             logger.debug("tokens arrived after stop string %r; ignored", self.matched_stop)
             return None
-        for token_id in new_token_ids:
+        for i, token_id in enumerate(new_token_ids):
             self._window_ids.append(token_id)
             new_text = self._decode_window(final=False, num_new_tokens=1)
             if new_text:
                 stop = self._append_text(new_text)
                 if stop is not None:
+                    self.num_tokens_past_stop = len(new_token_ids) - i - 1
                     return stop
         return None
 

@@ -33,6 +33,7 @@ from raylm.core.decode_burst import BurstPlanner
 from raylm.core.kv_cache_manager import KVEventRecorder
 from raylm.core.outputs import EngineCoreOutput
 from raylm.core.scheduler import Scheduler
+from raylm.core.spec_decode import make_speculator
 from raylm.core.structured_output import StructuredOutputManager
 from raylm.engine.core_migration import MigrationEndpoint
 from raylm.engine.core_pull import PullEndpoint
@@ -111,7 +112,12 @@ class EngineCore:
             mc = config.model_config
             grammars = StructuredOutputManager(mc.tokenizer, mc.vocab_size)
             self.scheduler = Scheduler(
-                config.scheduler_config, config.cache_config, mc.max_model_len, grammars, self._burst_planner()
+                config.scheduler_config,
+                config.cache_config,
+                mc.max_model_len,
+                grammars,
+                BurstPlanner.for_engine(config),
+                make_speculator(config),
             )
             self.host_tier = CoreHostTier(self)  # evicted blocks kept in shared memory (--kv-offloading-size)
             self.host_tier.open()
@@ -127,18 +133,6 @@ class EngineCore:
         if self.config.scheduler_config.async_scheduling:
             self.batch_queue_size = max(self.batch_queue_size, 2)
         return executor
-
-    def _burst_planner(self) -> BurstPlanner:
-        """Decode bursts run where a step's sampled tokens are at hand for the
-        next step's input: one pipeline stage, no context parallelism (whose
-        ranks split a step's rows), and steps scheduled one at a time."""
-        pc, sc = self.config.parallel_config, self.config.scheduler_config
-        runs = pc.pipeline_parallel_size == 1 and pc.context_parallel_size == 1 and not sc.async_scheduling
-        return BurstPlanner(
-            sc.num_scheduler_steps if runs else 1,
-            sc.decode_burst_budget_s,
-            workers_sample_alike=pc.tensor_parallel_size == 1,
-        )
 
     def _initialize_kv_cache(self) -> None:
         cc = self.config.cache_config

@@ -151,6 +151,15 @@ class OutputProcessor:
             if parent.params.detokenize:
                 stop_str = child.detokenizer.update(out.new_token_ids)
             if stop_str is not None:
+                # The output ends with the token that completed the stop string,
+                # as it would one token per step.
+                past = child.detokenizer.num_tokens_past_stop
+                if past:
+                    del child.token_ids[-past:]
+                    if child.logprobs is not None:
+                        for entry in out.new_logprobs[-past:]:
+                            child.cumulative_logprob -= entry[1][0]
+                        del child.logprobs[len(child.token_ids) :]
                 child.finish_reason, child.stop_reason = "stop", stop_str
                 if not out.finished:
                     to_abort.append(out.request_id)

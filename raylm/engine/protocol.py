@@ -43,6 +43,13 @@ class SchedulerStats(msgspec.Struct):
     num_preemptions: int = 0
     kv_capacity_tokens: int = 0  # tokens the KV cache holds, in all
     kv_capacity_tokens_per_rank: int = 0  # of which each rank holds (a CP group shares a sequence out)
+    # Speculative decoding (raylm.core.spec_decode), totals since the core started.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+    spec_decode_num_steps_aside: int = 0  # steps in which a decoding request decoded without a draft
+    spec_decode_steps_aside_by_reason: dict[str, int] = msgspec.field(default_factory=dict)
     # Set once failed requests caused more recoveries than the engine forgives
     # (EngineCore.unhealthy_reason): /health turns 503 for a supervisor to act.
     unhealthy: str | None = None

@@ -148,9 +148,7 @@ class EngineCoreSupervisor:
             and config.cache_config.enable_prefix_caching,
         )
         self.router.pulls = self.pulls
-        self.tier_loads = TierLoads(
-            self.prefix_index, config.cache_config.block_size, self.launcher, self._tier_folder(config), encode
-        )
+        self.tier_loads = TierLoads.for_engine(config, self.prefix_index, self.launcher, self.kv_routes, encode)
         self.router.tier_loads = self.tier_loads
         self.handoffs = Handoffs(config, self.ledger, self.migrations, self.kv_routes, policy)
         self.router.candidates = self.handoffs.route_candidates
@@ -213,15 +211,6 @@ class EngineCoreSupervisor:
 
     def recovery_status(self) -> dict | None:
         return self.recovery.recovery_status()
-
-    def _tier_folder(self, config: EngineConfig) -> str | None:
-        """With --kv-offloading-size, this node's cores keep their tier files
-        in the stage folder (the cores get it with their config)."""
-        if not config.cache_config.kv_offloading_size:
-            return None
-        folder = self.kv_routes.stage_folder.make()
-        config.cache_config.kv_offloading_folder = folder
-        return folder
 
     # ---- requests --------------------------------------------------------------
 

@@ -39,6 +39,17 @@ class TierLoads:
         self._encode = encode
         self.counts: collections.Counter[str] = collections.Counter()  # loads sent, blocks named
 
+    @classmethod
+    def for_engine(cls, config, index: PrefixIndex, launcher: CoreLauncher, kv_routes, encode) -> TierLoads:
+        """With --kv-offloading-size, this node's cores keep their tier files
+        in the supervisor's stage folder (made now; the cores get it with
+        their config); without, no tiers."""
+        folder = None
+        if config.cache_config.kv_offloading_size:
+            folder = kv_routes.stage_folder.make()
+            config.cache_config.kv_offloading_folder = folder
+        return cls(index, config.cache_config.block_size, launcher, folder, encode)
+
     def plan(
         self, request: EngineCoreRequest, destination: CoreChannel, cores: list[CoreChannel], hashes: list | None
     ) -> bytes | None:

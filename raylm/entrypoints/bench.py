@@ -166,6 +166,27 @@ def _describe_engine(llm: Any) -> dict:
     }
 
 
+def _spec_decode_stats(llm: Any) -> dict:
+    """The engine's speculative decoding totals (warm-up included), when it speculates."""
+    if llm.llm_engine.config.speculative_config is None:
+        return {}
+    totals = {k: v for k, v in llm.llm_engine.stats().items() if k.startswith("spec_decode_")}
+    return {"spec_decode": {k.removeprefix("spec_decode_"): v for k, v in totals.items()}}
+
+
+def _format_spec_decode(result: dict) -> list[str]:
+    spec = result.get("spec_decode")
+    if not spec:
+        return []
+    drafts, drafted, accepted = spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"]
+    per_position = [round(n / drafts, 2) if drafts else 0.0 for n in spec["num_accepted_tokens_per_pos"]]
+    return [
+        f"Speculative decoding: acceptance {accepted / drafted if drafted else 0.0:.2f} ({accepted} of {drafted} "
+        f"draft tokens, {drafts} drafts), per position {per_position}; steps aside {spec['num_steps_aside']} "
+        f"{spec['steps_aside_by_reason'] or ''}".rstrip()
+    ]
+
+
 def bench_latency(
     llm: Any,
     input_len: int = 32,
@@ -211,6 +232,7 @@ def bench_latency(
         "avg_time_per_output_token": (max(avg_latency - avg_ttft, 0.0) / (output_len - 1) if output_len > 1 else None),
         "detokenize": detokenize,
         "peak_rss_bytes": peak_rss_bytes(),
+        **_spec_decode_stats(llm),
     }
     return result
 
@@ -241,6 +263,7 @@ def bench_throughput(
         "peak_kv_cache_blocks": run.peak_kv_cache_blocks,
         "detokenize": detokenize,
         "peak_rss_bytes": peak_rss_bytes(),
+        **_spec_decode_stats(llm),
     }
 
 
@@ -253,6 +276,7 @@ def format_latency(result: dict) -> str:
     )
     if result["avg_time_per_output_token"] is not None:
         lines.append(f"Avg time per output token: {result['avg_time_per_output_token'] * 1000:.2f} ms")
+    lines += _format_spec_decode(result)
     lines.append(f"Peak RSS (driver process): {result['peak_rss_bytes'] / 2**20:.1f} MiB")
     return "\n".join(lines)
 
@@ -269,5 +293,6 @@ def format_throughput(result: dict) -> str:
         lines.append(
             f"KV cache blocks in use at peak: {result['peak_kv_cache_blocks']} of {result['num_kv_cache_blocks']}"
         )
+    lines += _format_spec_decode(result)
     lines.append(f"Peak RSS (driver process): {result['peak_rss_bytes'] / 2**20:.1f} MiB")
     return "\n".join(lines)

@@ -26,6 +26,7 @@ from raylm.worker.input_batch import CachedRequestState, PreparedBatch, padded_b
 from raylm.worker.prompt_logprobs import prompt_logprobs_in_chunks
 from raylm.worker.sampler import Sampler, advance_generator, apply_grammar_bitmask
 from raylm.worker.sampling_metadata import SamplingMetadata, SamplingRow, build_sampling_metadata, same_every_step
+from raylm.worker.spec_verify import verify_draft
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,9 @@ class ModelRunner:
         # The last step's sampling metadata and the requests it was built for,
         # when it can serve the next step of the same requests (see _sampling_metadata).
         self._reusable_metadata: tuple[list[str], SamplingMetadata] | None = None
+        # One-row metadata of requests whose speculative drafts are verified,
+        # kept while it stays the same from step to step.
+        self._draft_metadata: dict[str, SamplingMetadata] = {}
         # Between execute_model and sample_tokens.
         self._pending: tuple[SchedulerOutput, PreparedBatch, torch.Tensor | None] | None = None
 
@@ -119,7 +123,9 @@ class ModelRunner:
         fresh_blocks: list[int] = []
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
+            self._draft_metadata.pop(rid, None)
         for new in so.scheduled_new_reqs:
+            self._draft_metadata.pop(new.req_id, None)
             old = self.requests.get(new.req_id)
             generator = old.generator if old is not None else None
             params = new.sampling_params
@@ -148,6 +154,10 @@ class ModelRunner:
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
             fresh_blocks.extend(cached.new_block_ids)
+        for rid, draft in so.spec_token_ids.items():
+            # Input of this step only: sample_tokens takes them off again (the
+            # committed tokens come back from the scheduler, like any step's).
+            self.requests[rid].token_ids.extend(draft)
         self._zero_blocks(fresh_blocks)
 
     def _zero_blocks(self, block_ids: list[int]) -> None:
@@ -261,6 +271,8 @@ class ModelRunner:
 
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, tuple] = {}
+        if so.spec_token_ids:
+            sampled.update(self._verify_drafts(so.spec_token_ids, batch, hidden))
         if batch.sample_req_ids:
             # A decode step samples every row in order: no gather needed.
             sample_hidden = hidden
@@ -301,6 +313,40 @@ class ModelRunner:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _verify_drafts(
+        self, drafts: dict[str, list[int]], batch: PreparedBatch, hidden: torch.Tensor
+    ) -> dict[str, list[int]]:
+        """The committed tokens of the step's requests with a speculative draft
+        (raylm.worker.spec_verify), whose rows are its last 1 + len(draft);
+        the batch keeps the other requests' rows to sample as usual."""
+        plain_ids, plain_rows, rows, spans = [], [], [], []
+        for rid, row in zip(batch.sample_req_ids, batch.sample_indices):
+            draft = drafts.get(rid)
+            if draft is None:
+                plain_ids.append(rid)
+                plain_rows.append(row)
+                continue
+            spans.append((rid, len(rows), draft))
+            rows.extend(range(row - len(draft), row + 1))
+        batch.sample_req_ids, batch.sample_indices = plain_ids, plain_rows
+        logits = self.model.compute_logits(hidden[rows]).float()
+        committed = {}
+        for rid, first, draft in spans:
+            state = self.requests[rid]
+            del state.token_ids[len(state.token_ids) - len(draft) :]
+            rows_of = logits[first : first + len(draft) + 1]
+            committed[rid] = verify_draft(rows_of, draft, self._draft_sampling_metadata(state), self.sampler)
+        return committed
+
+    def _draft_sampling_metadata(self, state: CachedRequestState) -> SamplingMetadata:
+        metadata = self._draft_metadata.get(state.req_id)
+        if metadata is None:
+            row = SamplingRow(state.sampling_params, state.prompt_token_ids, state.output_token_ids, state.generator)
+            metadata = build_sampling_metadata([row], self.vocab_size, self.device)
+            if same_every_step(state.sampling_params):
+                self._draft_metadata[state.req_id] = metadata
+        return metadata
 
     def _finish_burst(
         self,

@@ -81,6 +81,10 @@ NON_DEFAULT = {
     "engine_start_timeout": (["--engine-start-timeout", "40"], 40.0),
     "health_check_interval": (["--health-check-interval", "2"], 2.0),
     "health_check_timeout": (["--health-check-timeout", "7"], 7.0),
+    "speculative_config": (
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+        '{"method": "ngram", "num_speculative_tokens": 3}',
+    ),
 }
 
 

@@ -1,6 +1,7 @@
 """Prometheus metrics of the server, under vLLM's names and types (`vllm:*`),
 so dashboards and autoscalers built for vLLM read raylm unchanged: the
-scheduler's gauges, prefix-cache and preemption counters, token counters,
+scheduler's gauges, prefix-cache, preemption and speculative decoding
+counters, token counters,
 finished requests by reason, and the latency histograms (TTFT, inter-token,
 end-to-end, queue, prefill, decode, inference). What vLLM has no name for is
 raylm's own (`raylm:*`): recoveries from failures (by kind), live migrations
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from raylm.core.spec_decode import STEP_ASIDE_REASONS
 from raylm.engine.handoff import OUTCOMES as HANDOFF_OUTCOMES
 from raylm.engine.prefix_pull import OUTCOMES as PULL_OUTCOMES
 from raylm.engine.protocol import HandoffStats, MigrationStats, PullStats, SchedulerStats
@@ -115,6 +117,22 @@ class PrometheusStatLogger(StatLoggerBase):
             "raylm:kv_offload_capacity_blocks", "KV blocks the node's tier of evicted blocks can hold"
         )
         self.num_preemptions = counter("vllm:num_preemptions", "Preemptions (requests sent back to the queue)")
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Speculative drafts verified")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Speculative draft tokens verified")
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted")
+        self.spec_accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative draft tokens accepted, by position in the draft (0: the first)",
+            [*labels, "position"],
+            registry=r,
+        )
+        self.spec_steps_aside = Counter(
+            "raylm:spec_decode_steps_aside",
+            "Steps in which speculative decoding stepped aside for a decoding request (it decoded one "
+            "token), by reason",
+            [*labels, "reason"],
+            registry=r,
+        )
         self.request_success = Counter(
             "vllm:request_success", "Finished completions by finish reason", [*labels, "finished_reason"], registry=r
         )
@@ -154,8 +172,11 @@ class PrometheusStatLogger(StatLoggerBase):
             "prefix_cache_hits": self.prefix_hits,
             "prefix_cache_tier_hits": self.prefix_tier_hits,
             "num_preemptions": self.num_preemptions,
+            "spec_decode_num_drafts": self.spec_drafts,
+            "spec_decode_num_draft_tokens": self.spec_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.spec_accepted,
         }
-        self._last_totals: dict[tuple[int, int], dict[str, int]] = {}
+        self._last_totals: dict[tuple[int, int], dict[str | tuple[str, str], int]] = {}
         # `kind`: what failed ("engine_core", or the core's own: "worker", "hang", ...).
         kind_labels = [*labels, "kind"]
         self.recoveries = Counter(
@@ -238,6 +259,10 @@ class PrometheusStatLogger(StatLoggerBase):
         )
         for outcome in HANDOFF_OUTCOMES:  # exported from the start, as 0
             self.handoffs.labels(outcome=outcome, **labels)
+        # Exported from the start, as 0: the first position, and every reason to step aside.
+        self.spec_accepted_per_pos.labels(position="0", **labels)
+        for reason in STEP_ASIDE_REASONS:
+            self.spec_steps_aside.labels(reason=reason, **labels)
         self.target_replicas = gauge("raylm:dp_target_replicas", "Data-parallel replicas asked for")
         self.autoscale_decisions = Counter(
             "raylm:autoscale_decisions",
@@ -274,11 +299,23 @@ class PrometheusStatLogger(StatLoggerBase):
         for stats in cores:
             key = (stats.engine_index, stats.core_start)
             now = {name: getattr(stats, name) for name in self._totals}
+            # Labelled totals: acceptance by draft position, steps aside by reason.
+            for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+                now[("position", str(position))] = count
+            for reason, count in stats.spec_decode_steps_aside_by_reason.items():
+                now[("reason", reason)] = count
             last = self._last_totals.get(key, {})
-            for name, counter in self._totals.items():
-                counter.inc(_increase(last.get(name, 0), now[name]))
+            for name, total in now.items():
+                self._counter_of(name).inc(_increase(last.get(name, 0), total))
             seen[key] = now
         self._last_totals = seen
+
+    def _counter_of(self, name: str | tuple[str, str]):
+        if isinstance(name, str):
+            return self._totals[name]
+        label, value = name
+        family = self.spec_accepted_per_pos if label == "position" else self.spec_steps_aside
+        return family.labels(**{label: value}, **self._labels)
 
     def record_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

@@ -111,3 +111,36 @@ def test_async_llm_counts_a_restarted_replica_from_its_new_start(make_engine):  
         assert _exported(logger) == _expected(10)
 
     asyncio.run(run())
+
+
+def test_speculative_decoding_counters_follow_each_core():
+    """vllm:spec_decode_* (per draft position too) and raylm:spec_decode_steps_aside,
+    from two cores' running totals, one of which restarts."""
+    logger = PrometheusStatLogger("m")
+
+    def core(replica, start, drafts, accepted_per_pos, aside):
+        return SchedulerStats(
+            engine_index=replica,
+            core_start=start,
+            spec_decode_num_drafts=drafts,
+            spec_decode_num_draft_tokens=4 * drafts,
+            spec_decode_num_accepted_tokens=sum(accepted_per_pos),
+            spec_decode_num_accepted_tokens_per_pos=accepted_per_pos,
+            spec_decode_num_steps_aside=aside,
+            spec_decode_steps_aside_by_reason={"large_batch": aside} if aside else {},
+        )
+
+    logger.record_core_stats([core(0, 1, 5, [4, 2], 0), core(1, 1, 2, [1, 0], 3)])
+    logger.record_core_stats([core(0, 2, 1, [1, 1], 0), core(1, 1, 3, [2, 1], 5)])  # core 0 restarted
+    labels = {"model_name": "m", "engine": "0"}
+
+    def value(name, **extra):
+        return logger.registry.get_sample_value(name, {**labels, **extra})
+
+    assert value("vllm:spec_decode_num_drafts_total") == 5 + 3 + 1
+    assert value("vllm:spec_decode_num_draft_tokens_total") == 4 * 9
+    assert value("vllm:spec_decode_num_accepted_tokens_total") == 6 + 3 + 2
+    assert value("vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") == 4 + 2 + 1
+    assert value("vllm:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 2 + 1 + 1
+    assert value("raylm:spec_decode_steps_aside_total", reason="large_batch") == 5
+    assert value("raylm:spec_decode_steps_aside_total", reason="logprobs") == 0
