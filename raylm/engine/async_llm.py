@@ -87,6 +87,12 @@ class AsyncLLM:
             return None
         return self.engine_core.replica_states()
 
+    def routing_decisions(self) -> dict[str, int] | None:
+        """New requests routed so far, by reason (routing.ROUTING_REASONS); None without data parallelism."""
+        if self.replica_states() is None:
+            return None
+        return dict(self.engine_core.router.decisions)
+
     async def scale(self, data_parallel_size: int) -> None:
         """Change the number of data-parallel replicas without failing a request."""
         # One change at a time, whoever calls: two scale-ups that both saw the

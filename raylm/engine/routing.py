@@ -41,6 +41,7 @@ is another `choose` behind the same interface, and nothing else changes.
 
 from __future__ import annotations
 
+import collections
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -155,6 +156,10 @@ class KVAwareRouting(RoutingPolicy):
 
 
 ROUTING_POLICIES = ("kv_aware", "load", "vllm")
+# Why a new request went where it went (raylm:routing_decisions_total):
+# pinned by its client (data_parallel_rank), to a core holding some of its
+# prompt's prefix, by load alone, or queued (no core serving).
+ROUTING_REASONS = ("pinned", "prefix", "load", "queued")
 
 
 def routing_policy(name: str, index: PrefixIndex, block_size: int) -> RoutingPolicy:
@@ -195,6 +200,7 @@ class Router:
         # Where it is loaded from the node's tiers of evicted blocks instead
         # (raylm.engine.tier_loads), when they hold more of it.
         self.tier_loads: TierLoads | None = None
+        self.decisions: collections.Counter[str] = collections.Counter()  # new requests, by ROUTING_REASONS
         # Which of the serving cores take new and resent requests (P/D: the
         # prefill replicas, raylm.engine.handoff); None: all of them.
         self.candidates: Callable[[list[CoreChannel]], list[CoreChannel]] | None = None
@@ -220,6 +226,7 @@ class Router:
         """A new request (`frame`: it, encoded), into the ledger and to its core."""
         channel = self.choose(request, rank)
         self.ledger.add(request, pinned=rank is not None)
+        self.decisions[self._reason(request, channel, rank)] += 1
         if channel is None:
             self.ledger.wait(request.request_id)
             return
@@ -232,6 +239,15 @@ class Router:
         if self.pulls is not None and self.pulls.start(request, frame, channel, hashes):
             return  # sent once its prefix is there (or the pull gave up)
         self.dispatch(channel, request.request_id, frame)
+
+    def _reason(self, request: EngineCoreRequest, channel: CoreChannel | None, rank: int | None) -> str:
+        if rank is not None:
+            return "pinned"
+        if channel is None:
+            return "queued"
+        request_id, _ = getattr(self.policy, "last_hashes", ("", None))
+        matched = getattr(self.policy, "last_matched", {}) if request_id == request.request_id else {}
+        return "prefix" if matched.get(channel.index, 0) > 0 else "load"
 
     def _hashes_of(self, request: EngineCoreRequest) -> list[bytes] | None:
         """Its prompt's block hashes, where the policy just computed them."""

@@ -284,6 +284,7 @@ class Scaling:
                     "num_waiting": 0,
                     "kv_cache_usage": 0.0,
                     "num_routed": 0,
+                    "prefix_cache_hit_rate": 0.0,
                 }
                 if index in waiting:
                     entry.update(state="waiting_for_restart_budget", restart_in_s=round(waiting[index], 1))
@@ -300,6 +301,7 @@ class Scaling:
                     "num_waiting": stats.num_waiting if stats else 0,
                     "kv_cache_usage": stats.kv_cache_usage if stats else 0.0,
                     "num_routed": channel.num_routed,
+                    "prefix_cache_hit_rate": stats.prefix_cache_hit_rate if stats else 0.0,
                 }
             )
         return states

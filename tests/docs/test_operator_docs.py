@@ -52,9 +52,13 @@ class _DataParallelEngine:
                 "num_waiting": 0,
                 "kv_cache_usage": 0.5,
                 "num_routed": 3,
+                "prefix_cache_hit_rate": 0.25,
             }
             for i, state in enumerate(("serving", "draining", "restarting"))
         ]
+
+    def routing_decisions(self) -> dict[str, int]:
+        return {"prefix": 2, "load": 1}
 
 
 def _exported() -> dict[str, tuple[str, set[str]]]:

@@ -150,4 +150,11 @@ def test_a_shared_prefix_goes_to_the_core_that_holds_it(tiny_model_dir, policy):
         if policy == "kv_aware":
             assert sup.router.policy.last_matched[1] == len(prefix) // BLOCK
             assert sup.channels[1].stats.prefix_cache_hits - hits_before == len(prefix) // BLOCK * BLOCK
+        # Why each went where it went (raylm:routing_decisions_total): the
+        # first pinned; the second to the holder for its prefix, or by load.
+        assert dict(sup.router.decisions) == {"pinned": 1, ("prefix" if policy == "kv_aware" else "load"): 1}
+        # Per replica: the second's core found its prefix (cached there, or
+        # pulled there under load), the first's computed everything.
+        rates = {s["replica"]: s["prefix_cache_hit_rate"] for s in sup.replica_states()}
+        assert rates[core] > 0 and rates[1 - core] == 0
     assert [outputs["first"], outputs["second"]] == [r.token_ids for r in hf_greedy(model, [first, second], 6)]

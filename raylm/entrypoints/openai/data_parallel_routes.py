@@ -24,10 +24,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel
 
 from raylm.config import MAX_DATA_PARALLEL_SIZE
+from raylm.engine.routing import ROUTING_REASONS
 from raylm.entrypoints.openai.serving_common import error_response
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,12 @@ class ReplicaCollector:
         ("num_waiting", "raylm:dp_replica_num_requests_waiting", "Requests waiting on the replica"),
         ("kv_cache_usage", "raylm:dp_replica_kv_cache_usage_perc", "KV cache usage of the replica (0-1)"),
         ("num_routed", "raylm:dp_replica_requests_routed", "Requests the router sent to the replica"),
+        (
+            "prefix_cache_hit_rate",
+            "raylm:dp_replica_prefix_cache_hit_rate",
+            "Prompt tokens found cached (or in the tier of evicted blocks) over those looked up, on the replica "
+            "since its core started (0-1)",
+        ),
     )
 
     def __init__(self, engine: Any, model_name: str):
@@ -72,7 +79,18 @@ class ReplicaCollector:
         for key, name, doc in self._GAUGES:
             family = GaugeMetricFamily(name, doc, labels=["model_name", "replica", "state"])
             for state in states:
-                family.add_metric([self.model_name, str(state["replica"]), state["state"]], float(state[key]))
+                family.add_metric([self.model_name, str(state["replica"]), state["state"]], float(state.get(key, 0)))
+            yield family
+        decisions = getattr(self.engine, "routing_decisions", lambda: None)()
+        if decisions is not None:
+            family = CounterMetricFamily(
+                "raylm:routing_decisions",
+                "New requests routed, by reason: pinned (data_parallel_rank), prefix (to a replica holding some "
+                "of the prompt's prefix), load (by load alone), queued (no replica serving)",
+                labels=["model_name", "reason"],
+            )
+            for reason in ROUTING_REASONS:
+                family.add_metric([self.model_name, reason], float(decisions.get(reason, 0)))
             yield family
         # A label of its own rather than one more on the gauges above (their
         # series stay what dashboards know): 1 per replica, labelled with its role.
