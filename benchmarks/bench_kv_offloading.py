@@ -11,7 +11,9 @@ blocks). Each round, per engine: a fresh prefix of `--prefix-tokens`
 tokens is computed (max_tokens=1), two other prompts of the same length
 evict it, and a prompt with that prefix and a short new suffix is timed
 (`evicted`); then the same prompt again, its prefix now in the cache
-(`cached`). Engines: one core (`--kv-offloading-size 0.25` against none),
+(`cached`). The two engines of a comparison run at once, the rounds
+alternating between them. Engines: one core (`--kv-offloading-size 0.25`
+against none),
 and two local replicas (`-dp 2 --data-parallel-backend mp`) where the prefix
 was computed and evicted on replica 1 and the timed prompt is pinned to
 replica 0: loaded from replica 1's tier. Reported: TTFT p50 and spread
@@ -48,35 +50,55 @@ def _ttft(llm: LLM, rid: str, prompt: list[int], rank: int | None) -> float:
     return (first or time.monotonic()) - started
 
 
-def run(tier: bool, replicas: int, prefix_tokens: int, rounds: int, threads: int) -> dict:
+def _engine(tier: bool, replicas: int, threads: int) -> LLM:
     settings = dict(dtype="float32", num_threads=threads, kv_cache_memory_bytes=48 * BLOCK_BYTES)
     if tier:
         settings["kv_offloading_size"] = 0.25
     if replicas > 1:
         settings.update(data_parallel_size=replicas, data_parallel_backend="mp")
+    return LLM(None, **settings)
+
+
+def _round(llm: LLM, rng: random.Random, r: int, prefix_tokens: int, replicas: int) -> tuple[float, float]:
+    """(TTFT of the prompt whose prefix was evicted, TTFT of it again, cached)."""
     holder, timed = (1, 0) if replicas > 1 else (None, None)
+    prefix = [rng.randrange(10, 4000) for _ in range(prefix_tokens)]
+    _ttft(llm, f"p{r}", prefix + [7], holder)
+    for k in range(2):  # two prompts as long: the prefix's blocks are evicted
+        _ttft(llm, f"x{r}.{k}", [rng.randrange(10, 4000) for _ in range(prefix_tokens + 1)], holder)
+    prompt = prefix + [rng.randrange(10, 4000) for _ in range(8)]
+    evicted = _ttft(llm, f"e{r}", prompt, timed)
+    cached = _ttft(llm, f"c{r}", prompt[:-1] + [11], timed)
+    return evicted, cached
+
+
+def run(replicas: int, prefix_tokens: int, rounds: int, threads: int) -> list[dict]:
+    """Both engines (no tier, tier) up at once, the rounds alternating between
+    them (which goes first alternates too): load from elsewhere on the
+    machine meets both alike."""
+    engines = {tier: _engine(tier, replicas, threads) for tier in (False, True)}
+    cases = {tier: {"evicted": [], "cached": []} for tier in engines}
     rng = random.Random(0)
-    cases: dict[str, list[float]] = {"evicted": [], "cached": []}
-    with LLM(None, **settings) as llm:
+    try:
         for r in range(rounds + 1):  # the first round warms up
-            prefix = [rng.randrange(10, 30000) for _ in range(prefix_tokens)]
-            _ttft(llm, f"p{r}", prefix + [7], holder)
-            for k in range(2):
-                _ttft(llm, f"x{r}.{k}", [rng.randrange(10, 30000) for _ in range(prefix_tokens + 1)], holder)
-            prompt = prefix + [rng.randrange(10, 30000) for _ in range(8)]
-            evicted = _ttft(llm, f"e{r}", prompt, timed)
-            cached = _ttft(llm, f"c{r}", prompt[:-1] + [11], timed)
-            if r:
-                cases["evicted"].append(evicted)
-                cases["cached"].append(cached)
-        sup = llm.llm_engine.engine_core
-        loads = dict(getattr(sup, "tier_loads", None).counts) if replicas > 1 else {}
-    return {
-        "tier": tier,
-        "replicas": replicas,
-        **{f"{case}_ttft_ms": [round(1000 * t, 2) for t in times] for case, times in cases.items()},
-        "tier_loads": loads,
-    }
+            for tier in (False, True) if r % 2 else (True, False):
+                evicted, cached = _round(engines[tier], rng, r, prefix_tokens, replicas)
+                if r:
+                    cases[tier]["evicted"].append(evicted)
+                    cases[tier]["cached"].append(cached)
+        loads = dict(engines[True].llm_engine.engine_core.tier_loads.counts) if replicas > 1 else {}
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+    return [
+        {
+            "tier": tier,
+            "replicas": replicas,
+            **{f"{case}_ttft_ms": [round(1000 * t, 2) for t in times] for case, times in cases[tier].items()},
+            "tier_loads": loads if tier else {},
+        }
+        for tier in (False, True)
+    ]
 
 
 def _p50(xs):
@@ -92,13 +114,13 @@ def main() -> None:
     args = parser.parse_args()
     results = []
     for replicas in (1, 2):
-        for tier in (False, True):
-            result = run(tier, replicas, args.prefix_tokens, args.rounds, args.threads)
+        for result in run(replicas, args.prefix_tokens, args.rounds, args.threads):
             results.append(result)
             ev, ca = result["evicted_ttft_ms"], result["cached_ttft_ms"]
             print(
-                f"replicas {replicas}, tier {'on ' if tier else 'off'}: evicted prefix TTFT p50 {_p50(ev):.1f} ms "
-                f"({min(ev):.1f}-{max(ev):.1f}); cached {_p50(ca):.1f} ms ({min(ca):.1f}-{max(ca):.1f})"
+                f"replicas {replicas}, tier {'on ' if result['tier'] else 'off'}: evicted prefix TTFT p50 "
+                f"{_p50(ev):.1f} ms ({min(ev):.1f}-{max(ev):.1f}); cached {_p50(ca):.1f} ms "
+                f"({min(ca):.1f}-{max(ca):.1f})"
                 + (f"; supervisor tier loads {result['tier_loads']}" if result["tier_loads"] else "")
             )
     for replicas in (1, 2):
