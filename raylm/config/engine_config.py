@@ -72,8 +72,10 @@ class CacheConfig:
     kv_offloading_size: float | None = None
     kv_offloading_backend: str = "native"
     # Where the cores' tier files go: the supervisor's private folder in
-    # /dev/shm, set when it starts (None: each core makes its own).
+    # /dev/shm on its host, set when it starts (None: each core makes its
+    # own, as a core on another host does).
     kv_offloading_folder: str | None = None
+    kv_offloading_host: str | None = None
 
     def __post_init__(self):
         if self.block_size < 1:

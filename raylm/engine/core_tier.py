@@ -23,6 +23,7 @@ import glob
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import uuid
 import weakref
@@ -114,11 +115,12 @@ class CoreHostTier:
         logger.info("K/V tier of evicted blocks: %d blocks (%s.rank*)", num_slots, self.prefix)
 
     def _folder(self) -> str | None:
-        """The supervisor's folder (None if it is gone: the engine is being
-        shut down as this core starts); a private one for a core of its own."""
-        folder = self.core.config.cache_config.kv_offloading_folder
-        if folder is not None:
-            return folder if os.path.isdir(folder) else None
+        """The supervisor's folder on its host (None if it is gone: the engine
+        is being shut down as this core starts); a private one for a core of
+        its own or on another host (its tier serves that core alone)."""
+        cc = self.core.config.cache_config
+        if cc.kv_offloading_folder is not None and cc.kv_offloading_host == socket.gethostname():
+            return cc.kv_offloading_folder if os.path.isdir(cc.kv_offloading_folder) else None
         if self._own_folder is None:
             root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
             self._own_folder = tempfile.mkdtemp(prefix="raylm-kvtier-", dir=root)

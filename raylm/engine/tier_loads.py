@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import glob
 import os
+import socket
 
 from raylm.engine.core_channel import CoreChannel, CoreLauncher
 from raylm.engine.prefix_index import PrefixIndex, prompt_block_hashes
@@ -42,12 +43,14 @@ class TierLoads:
     @classmethod
     def for_engine(cls, config, index: PrefixIndex, launcher: CoreLauncher, kv_routes, encode) -> TierLoads:
         """With --kv-offloading-size, this node's cores keep their tier files
-        in the supervisor's stage folder (made now; the cores get it with
-        their config); without, no tiers."""
+        in the supervisor's stage folder (made now; the cores get it, and
+        this host's name, with their config; a core on another host keeps
+        its own); without, no tiers."""
         folder = None
         if config.cache_config.kv_offloading_size:
             folder = kv_routes.stage_folder.make()
             config.cache_config.kv_offloading_folder = folder
+            config.cache_config.kv_offloading_host = socket.gethostname()
         return cls(index, config.cache_config.block_size, launcher, folder, encode)
 
     def plan(

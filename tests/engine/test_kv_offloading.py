@@ -119,15 +119,10 @@ def _run(llm: LLM, outputs: dict, rid: str, prompt: list[int], rank: int) -> Non
             outputs[out.request_id] = list(out.outputs[0].token_ids)
 
 
-@pytest.mark.slow
-def test_a_replica_loads_a_prefix_from_another_replicas_tier(tiny_model_dir):
-    """Core 1 computes A, then B and C evict all of A's blocks into its tier;
-    A sent to core 0 is loaded from core 1's tier (no pull: nobody's cache
-    holds it) and computes only its last token."""
-    model = tiny_model_dir("llama")
+def _replica_loads_from_another_replicas_tier(model: str, backend: str) -> None:
     c = [(19 * j) % 230 + 7 for j in range(400)]
     outputs: dict[str, list[int]] = {}
-    with _engine(model, data_parallel_size=2, data_parallel_backend="mp") as llm:
+    with _engine(model, data_parallel_size=2, data_parallel_backend=backend) as llm:
         sup = llm.llm_engine.engine_core
         for rid, prompt in (("a1", A), ("b", B), ("c", c)):
             _run(llm, outputs, rid, prompt, rank=1)
@@ -142,3 +137,19 @@ def test_a_replica_loads_a_prefix_from_another_replicas_tier(tiny_model_dir):
         assert len(glob.glob(os.path.join(folder, "kvtier-*"))) == 2  # one core, one rank each
     assert not os.path.exists(folder)
     assert [outputs[r] for r in ("a1", "b", "c", "a0")] == [t.token_ids for t in hf_greedy(model, [A, B, c, A], 6)]
+
+
+@pytest.mark.slow
+def test_a_replica_loads_a_prefix_from_another_replicas_tier(tiny_model_dir):
+    """Core 1 computes A, then B and C evict all of A's blocks into its tier;
+    A sent to core 0 is loaded from core 1's tier (no pull: nobody's cache
+    holds it) and computes only its last token."""
+    _replica_loads_from_another_replicas_tier(tiny_model_dir("llama"), "mp")
+
+
+def test_ray_replicas_load_from_each_others_tier(tiny_model_dir, ray_session):
+    """The same with replicas as Ray actors (on this node: the supervisor's folder is theirs)."""
+    from tests.conftest import our_live_ray_state
+
+    _replica_loads_from_another_replicas_tier(tiny_model_dir("llama"), "ray")
+    assert our_live_ray_state() == ([], [])
