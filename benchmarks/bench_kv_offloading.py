@@ -32,22 +32,11 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from raylm import LLM, SamplingParams
+from bench_prefix_pull import _ttft  # one request's time to first token, pinned or routed
 
-ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+from raylm import LLM
+
 BLOCK_BYTES = 16 * 4 * 2 * 4 * 32 * 4  # the embedded model: 16 tokens x 4 layers x K/V x 4 heads x 32 x float32
-
-
-def _ttft(llm: LLM, rid: str, prompt: list[int], rank: int | None) -> float:
-    engine = llm.llm_engine
-    started = time.monotonic()
-    engine.add_request(rid, {"prompt_token_ids": prompt}, ONE_TOKEN, data_parallel_rank=rank)
-    first = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if first is None and out.outputs[0].token_ids:
-                first = time.monotonic()
-    return (first or time.monotonic()) - started
 
 
 def _engine(tier: bool, replicas: int, threads: int) -> LLM:

@@ -51,6 +51,21 @@ def prompt_block_hashes(
     return hashes
 
 
+def reusable_prefix_hashes(request, block_size: int, max_blocks: int, hashes: list[bytes] | None = None) -> list[bytes]:
+    """The hashes of the prompt's leading blocks another core's K/V could
+    stand in for (at most `max_blocks`; never the block of its last token,
+    which is always computed); `hashes`: already computed by routing. Empty
+    for a request that computes every prompt position (prompt logprobs)."""
+    if request.sampling_params.prompt_logprobs is not None:
+        return []
+    max_blocks = min(max_blocks, (len(request.prompt_token_ids) - 1) // block_size)
+    if max_blocks <= 0:
+        return []
+    if hashes is None:
+        hashes = prompt_block_hashes(request.prompt_token_ids, block_size, request.cache_salt, max_blocks)
+    return hashes[:max_blocks]
+
+
 class PrefixIndex:
     """Block hash -> the cores whose prefix cache holds it, per core the
     hashes it holds (to drop a core at once)."""

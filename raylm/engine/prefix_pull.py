@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from raylm.engine.core_channel import CoreChannel
 from raylm.engine.kv_routes import KVRoutes
 from raylm.engine.ledger import Ledger
-from raylm.engine.prefix_index import PrefixIndex, prompt_block_hashes
+from raylm.engine.prefix_index import PrefixIndex, reusable_prefix_hashes
 from raylm.engine.protocol import (
     EngineCoreRequest,
     KVNetwork,
@@ -125,13 +125,11 @@ class Pulls:
         """Pull `request`'s cached prefix to `destination` (already chosen)
         when another core holds more of it; False: send it as usual.
         `hashes`: its prompt's block hashes, if routing computed them."""
-        if not self.enabled or len(self._ledger.channels) < 2 or request.sampling_params.prompt_logprobs is not None:
+        if not self.enabled or len(self._ledger.channels) < 2:
             return False
-        max_blocks = min(MAX_PULL_BLOCKS, (len(request.prompt_token_ids) - 1) // self._block_size)
-        if max_blocks <= 0:
+        hashes = reusable_prefix_hashes(request, self._block_size, MAX_PULL_BLOCKS, hashes)
+        if not hashes:
             return False
-        if hashes is None:
-            hashes = prompt_block_hashes(request.prompt_token_ids, self._block_size, request.cache_salt, max_blocks)
         cores = [c for c in self._ledger.channels.values() if c.rebuilding_since is None]
         matched = self._index.matched_blocks(hashes, [c.index for c in cores])
         here = matched.get(destination.index, 0)

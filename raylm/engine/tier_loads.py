@@ -25,7 +25,7 @@ import os
 import socket
 
 from raylm.engine.core_channel import CoreChannel, CoreLauncher
-from raylm.engine.prefix_index import PrefixIndex, prompt_block_hashes
+from raylm.engine.prefix_index import PrefixIndex, reusable_prefix_hashes
 from raylm.engine.prefix_pull import MAX_PULL_BLOCKS
 from raylm.engine.protocol import EngineCoreRequest, TierLoad
 
@@ -59,18 +59,14 @@ class TierLoads:
         """The TierLoad frame to send instead of the plain request, or None."""
         if self._folder is None or not self._launcher.is_local(destination.index):
             return None
-        if request.sampling_params.prompt_logprobs is not None:
+        hashes = reusable_prefix_hashes(request, self._block_size, MAX_PULL_BLOCKS, hashes)
+        if not hashes:
             return None
-        max_blocks = min(MAX_PULL_BLOCKS, (len(request.prompt_token_ids) - 1) // self._block_size)
-        if max_blocks <= 0:
-            return None
-        if hashes is None:
-            hashes = prompt_block_hashes(request.prompt_token_ids, self._block_size, request.cache_salt, max_blocks)
         matched = self._index.matched_blocks(hashes, [c.index for c in cores])
         here = matched.get(destination.index, 0)
         elsewhere = max((n for i, n in matched.items() if i != destination.index), default=0)
         local = [c.index for c in cores if self._is_ours(c.index)]
-        run = self._index.tier_run(hashes[here:max_blocks], local)
+        run = self._index.tier_run(hashes[here:], local)
         if not run or here + len(run) < elsewhere:
             return None  # nothing in the tiers, or a pull brings more
         blocks = [

@@ -16,6 +16,7 @@ import pytest
 from raylm import LLM, SamplingParams
 from raylm.engine.core_tier import tier_share_bytes
 from raylm.testing.hf_oracle import hf_greedy
+from tests.engine.pinned import run_pinned
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 # 25 blocks of 16 each: two of them do not fit in a 41-block cache together.
@@ -112,11 +113,7 @@ def test_a_tier_larger_than_the_node_is_refused_by_name(tiny_model_dir):
 
 
 def _run(llm: LLM, outputs: dict, rid: str, prompt: list[int], rank: int) -> None:
-    engine = llm.llm_engine
-    engine.add_request(rid, {"prompt_token_ids": prompt}, GREEDY, data_parallel_rank=rank)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs[out.request_id] = list(out.outputs[0].token_ids)
+    run_pinned(llm, outputs, rid, prompt, rank, GREEDY)
 
 
 def _replica_loads_from_another_replicas_tier(model: str, backend: str) -> None:

@@ -147,16 +147,22 @@ def test_a_decode_replica_killed_mid_stream_costs_no_request(pd_llm, reference):
     assert _run(pd_llm, PROMPTS, GREEDY, strike) == reference
     assert killed and supervisor.restart_budget.num_restarts == restarts + 1
     # The replacement serves as a decode replica again.
+    _wait_until_both_serve(pd_llm)
+    assert supervisor.launcher._processes[1].pid != victim.pid
+
+
+def _wait_until_both_serve(llm) -> None:
+    """The killed replica's replacement serves, in its role, beside the other."""
+    supervisor = llm.llm_engine.engine_core
     wait_until(
         lambda: (
             [(s["role"], s["state"]) for s in supervisor.replica_states()]
             == [("prefill", "serving"), ("decode", "serving")]
         ),
         120,
-        step=pd_llm.llm_engine.step,
+        step=llm.llm_engine.step,
         message=lambda: f"both replicas to serve: {supervisor.replica_states()}",
     )
-    assert supervisor.launcher._processes[1].pid != victim.pid
 
 
 def test_a_prefill_replica_killed_mid_hand_off_costs_no_request(pd_llm, reference):  # noqa: F811
@@ -178,15 +184,7 @@ def test_a_prefill_replica_killed_mid_hand_off_costs_no_request(pd_llm, referenc
     gone = counts.get("source_gone", 0) - before.get("source_gone", 0)
     moved = counts.get("ok", 0) - before.get("ok", 0)
     assert gone + moved > 0, counts
-    wait_until(
-        lambda: (
-            [(s["role"], s["state"]) for s in supervisor.replica_states()]
-            == [("prefill", "serving"), ("decode", "serving")]
-        ),
-        120,
-        step=pd_llm.llm_engine.step,
-        message=lambda: f"both replicas to serve: {supervisor.replica_states()}",
-    )
+    _wait_until_both_serve(pd_llm)
 
 
 def test_hand_offs_over_the_sealed_network_path(tiny_model_dir, monkeypatch):

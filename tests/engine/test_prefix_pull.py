@@ -20,6 +20,7 @@ from raylm.engine import prefix_pull
 from raylm.engine.prefix_index import prompt_block_hashes
 from raylm.engine.protocol import KVCacheEvents
 from raylm.testing.hf_oracle import hf_greedy
+from tests.engine.pinned import run_pinned
 
 BLOCK = 16
 PREFIX = [(13 * j) % 250 + 3 for j in range(96)]  # 6 blocks
@@ -39,11 +40,7 @@ def _engine(model: str) -> LLM:
 
 
 def _run(llm: LLM, outputs: dict, rid: str, prompt: list[int], rank: int) -> None:
-    engine = llm.llm_engine
-    engine.add_request(rid, {"prompt_token_ids": prompt}, GREEDY, data_parallel_rank=rank)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs[out.request_id] = list(out.outputs[0].token_ids)
+    run_pinned(llm, outputs, rid, prompt, rank, GREEDY)
 
 
 @pytest.mark.slow
