@@ -33,8 +33,10 @@ pulled to the same core follows that pull instead of pulling it again
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -227,10 +229,32 @@ class Pulls:
             self._end(pull)
 
     def expire(self, now: float | None = None) -> None:
-        """Housekeeping: a holder that has not exported in time is not waited for."""
+        """Housekeeping: a holder that has not exported in time is not waited
+        for; stage files of pulls that ended are swept."""
         now = time.monotonic() if now is None else now
         for pull in [p for p in self._pulls.values() if not p.importing and now - p.started > _EXPORT_TIMEOUT_S]:
             self._fall_back(pull, "timeout")
+        self._sweep_ended_stages()
+
+    def _sweep_ended_stages(self) -> None:
+        """A holder that left before it exported (drained, restarted) may
+        still write its stage after the sweep its leaving made: its process
+        runs until it is stopped (found by the chaos harness). Such a file
+        belongs to no pull under way and nobody reads it: removed at the next
+        housekeeping. Files of pulls whose holder serves and will hear
+        PullEnd are its to drop."""
+        folder = self._stage_folder.path
+        if folder is None or not self.counts["started"]:
+            return
+        try:
+            names = os.listdir(folder)
+        except FileNotFoundError:
+            return
+        for name in names:
+            pull_id = name.split("-", 1)[0]
+            if pull_id.startswith("pull") and pull_id not in self._pulls and pull_id not in self._unacknowledged:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(folder, name))
 
     # ---- hooks for the rest of the supervisor -------------------------------------------
 

@@ -167,3 +167,25 @@ def test_a_replica_that_dies_while_it_drains_for_a_restart_does_not_stay_restart
     world.drain()
     world.check()  # both replicas serve, no restart left open
     assert "died while draining" in world.sup.restart_failures[0]
+
+
+def test_a_pull_stage_its_holder_wrote_after_leaving_is_removed():
+    """Found by the fast tier's evict_and_revisit (issue 49's tier work): a
+    pull's holder drained for a restart leaves the ledger (its pull ends,
+    `holder_gone`, and the supervisor sweeps the stage), but its process
+    handles the PullExport it was already sent and writes the stage after
+    that sweep. Swept at the next housekeeping now; left to the engine's
+    end before."""
+    from tests.chaos.test_schedules import PROMPTS, ChaosSchedule
+
+    schedule = ChaosSchedule()
+    schedule.start(tiered=False)
+    schedule.submit(PROMPTS[0], 5)
+    schedule.evict_and_revisit(PROMPTS[0], 0, 0)
+    schedule.next_start_fails()
+    schedule.restart(0)
+    schedule.submit(PROMPTS[0], 5)  # pulled from core 0, which leaves before it exports
+    schedule.read(1)
+    schedule.evict_and_revisit(PROMPTS[0], 1, 0)
+    assert schedule.world.sup.pulls.counts["holder_gone"] == 1
+    schedule.teardown()  # drains, and checks that no transfer file is left
