@@ -50,7 +50,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, stat_loggers: list[StatLoggerBase] | None = None):
         self.config = config
         self.tokenizer = load_tokenizer(config.model_config.tokenizer, config.model_config.chat_template)
-        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        self.input_processor = InputProcessor(config.model_config, self.tokenizer, config.lora_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers = list(stat_loggers or [])
         self._requests: dict[str, RequestState] = {}

@@ -131,7 +131,9 @@ class Pulls:
         if max_blocks <= 0:
             return False
         if hashes is None:
-            hashes = prompt_block_hashes(request.prompt_token_ids, self._block_size, request.cache_salt, max_blocks)
+            hashes = prompt_block_hashes(
+                request.prompt_token_ids, self._block_size, request.cache_salt, max_blocks, request.lora_digest
+            )
         cores = [c for c in self._ledger.channels.values() if c.rebuilding_since is None]
         matched = self._index.matched_blocks(hashes, [c.index for c in cores])
         here = matched.get(destination.index, 0)

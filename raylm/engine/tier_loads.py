@@ -62,7 +62,9 @@ class TierLoads:
         if max_blocks <= 0:
             return None
         if hashes is None:
-            hashes = prompt_block_hashes(request.prompt_token_ids, self._block_size, request.cache_salt, max_blocks)
+            hashes = prompt_block_hashes(
+                request.prompt_token_ids, self._block_size, request.cache_salt, max_blocks, request.lora_digest
+            )
         matched = self._index.matched_blocks(hashes, [c.index for c in cores])
         here = matched.get(destination.index, 0)
         elsewhere = max((n for i, n in matched.items() if i != destination.index), default=0)
