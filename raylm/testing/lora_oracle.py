@@ -5,6 +5,7 @@ only; raylm reads adapters with its own loader, raylm.lora.peft_loader)."""
 from __future__ import annotations
 
 import pathlib
+import warnings
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -33,7 +34,9 @@ def make_tiny_adapter(
     """A random adapter (A and B both nonzero, so it changes the outputs),
     written by PEFT's save_pretrained; returns its folder."""
     peft_config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules), **config)
-    model = get_peft_model(_fresh_base(model_dir), peft_config)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        model = get_peft_model(_fresh_base(model_dir), peft_config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -50,5 +53,8 @@ def peft_greedy(
     """Greedy tokens of the base model with the adapter (None: without), through PeftModel."""
     model = _fresh_base(model_dir)
     if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
+        with warnings.catch_warnings():
+            # PEFT asks transformers a deprecated question; not ours to fix.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
     return greedy_of(model, prompts, max_new_tokens)

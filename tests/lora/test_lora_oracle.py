@@ -1,0 +1,129 @@
+"""Greedy outputs with LoRA adapters equal Hugging Face + PEFT's (PeftModel)
+for every architecture, in one batch that mixes three adapters and the base
+model as when each runs alone; float32, tiny random models and adapters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raylm import LLM, SamplingParams
+from raylm.testing.lora_oracle import peft_greedy
+from tests.conftest import ARCHS, executor_of, oracle_prompts
+from tests.lora.conftest import lora_requests
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+LENGTHS = (1, 7, 33)
+
+
+def _vocab(llm: LLM) -> int:
+    return llm.llm_engine.config.model_config.vocab_size
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _expected(model: str, adapters: dict[str, str], prompts: list[list[int]]) -> dict[str | None, list[list[int]]]:
+    """PEFT's greedy tokens of every prompt, per adapter name (None: the base model)."""
+    runs = {name: path for name, path in adapters.items()} | {None: None}
+    return {
+        name: [g.token_ids for g in peft_greedy(model, path, prompts, GREEDY.max_tokens)] for name, path in runs.items()
+    }
+
+
+def _mixed(llm: LLM, prompts: list[list[int]], requests: dict) -> dict[str | None, list[list[int]]]:
+    """One generate() with every prompt under every adapter and the base
+    model, interleaved so that each step mixes them all."""
+    names = [*requests, None]
+    order = [(name, p) for p in range(len(prompts)) for name in names]
+    outputs = llm.generate(
+        [{"prompt_token_ids": prompts[p]} for _, p in order],
+        GREEDY,
+        use_tqdm=False,
+        lora_request=[None if name is None else requests[name] for name, _ in order],
+    )
+    got: dict[str | None, list[list[int]]] = {name: [] for name in names}
+    for (name, _), tokens in zip(order, _tokens(outputs)):
+        got[name].append(tokens)
+    return got
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_batch_mixing_three_adapters_and_the_base_model_equals_peft(arch, tiny_model_dir, tiny_adapters):
+    model, adapters = tiny_model_dir(arch), tiny_adapters(arch)
+    requests = lora_requests(adapters)
+    with LLM(
+        model, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=8, kv_cache_memory_bytes=16 << 20
+    ) as llm:
+        prompts = oracle_prompts(_vocab(llm), LENGTHS)
+        expected = _expected(model, adapters, prompts)
+        assert all(expected[name] != expected[None] for name in adapters), "an adapter that changes nothing"
+        assert _mixed(llm, prompts, requests) == expected
+        # Each alone (one adapter per generate) gives the same.
+        for name, request in requests.items():
+            alone = llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=request
+            )
+            assert _tokens(alone) == expected[name], name
+
+
+def test_more_adapters_than_slots_wait_their_turn_and_stay_correct(tiny_model_dir, tiny_adapters):
+    """max_loras=1: the scheduler runs one adapter at a time beside the base
+    model; max_cpu_loras=2 keeps two loaded on the host, evicting the least
+    recently used."""
+    model, adapters = tiny_model_dir("llama"), tiny_adapters("llama")
+    requests = lora_requests(adapters)
+    with LLM(
+        model,
+        dtype="float32",
+        enable_lora=True,
+        max_loras=1,
+        max_cpu_loras=2,
+        max_lora_rank=8,
+        kv_cache_memory_bytes=16 << 20,
+    ) as llm:
+        prompts = oracle_prompts(_vocab(llm), LENGTHS)
+        assert _mixed(llm, prompts, requests) == _expected(model, adapters, prompts)
+        manager = executor_of(llm).driver_worker.worker.model_runner.lora
+        assert len(manager._host) == 2 and len(manager._slots) == 1
+        assert manager.num_loads == 3
+
+
+def test_tensor_parallel_shards_the_adapters_as_their_layers(tiny_model_dir, tiny_adapters):
+    model, adapters = tiny_model_dir("qwen2"), tiny_adapters("qwen2")
+    requests = lora_requests(adapters)
+    with LLM(
+        model,
+        dtype="float32",
+        enable_lora=True,
+        max_loras=3,
+        max_lora_rank=8,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+        kv_cache_memory_bytes=16 << 20,
+    ) as llm:
+        prompts = oracle_prompts(_vocab(llm), (7, 20))
+        assert _mixed(llm, prompts, requests) == _expected(model, adapters, prompts)
+
+
+def test_bf16_steps_with_an_adapter_run_around_the_fused_decode_path(tiny_model_dir, tiny_adapters):
+    """The fused C++ decode path applies no LoRA delta: a step with an adapter
+    row runs the modules, a step without keeps the fused path; base rows are
+    the same whether an adapter's rows share their steps or not."""
+    model, adapters = tiny_model_dir("llama"), tiny_adapters("llama")
+    requests = lora_requests(adapters)
+    with LLM(
+        model, dtype="bfloat16", enable_lora=True, max_loras=3, max_lora_rank=8, kv_cache_memory_bytes=16 << 20
+    ) as llm:
+        prompts = oracle_prompts(_vocab(llm), (5, 18))
+        base_alone = _tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False))
+        adapter_alone = _tokens(
+            llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=requests["all"]
+            )
+        )
+        mixed = _mixed(llm, prompts, {"all": requests["all"]})
+        assert mixed[None] == base_alone and mixed["all"] == adapter_alone
+        assert adapter_alone != base_alone
+        assert next(executor_of(llm).driver_worker.worker.model_runner.model.parameters()).dtype == torch.bfloat16
