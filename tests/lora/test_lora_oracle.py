@@ -4,10 +4,14 @@ model as when each runs alone; float32, tiny random models and adapters."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
 from raylm import LLM, SamplingParams
+from raylm.config import create_engine_config
+from raylm.engine.async_llm import AsyncLLM
 from raylm.testing.lora_oracle import peft_greedy
 from tests.conftest import ARCHS, executor_of, oracle_prompts
 from tests.lora.conftest import lora_requests
@@ -127,3 +131,39 @@ def test_bf16_steps_with_an_adapter_run_around_the_fused_decode_path(tiny_model_
         assert mixed[None] == base_alone and mixed["all"] == adapter_alone
         assert adapter_alone != base_alone
         assert next(executor_of(llm).driver_worker.worker.model_runner.model.parameters()).dtype == torch.bfloat16
+
+
+def test_async_llm_serves_adapters_from_a_core_process(tiny_model_dir, tiny_adapters):
+    """The adapter crosses the socket to a spawned core with the request."""
+    model, adapters = tiny_model_dir("qwen3"), tiny_adapters("qwen3")
+    requests = lora_requests(adapters)
+    config = create_engine_config(
+        model,
+        dtype="float32",
+        num_threads=1,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        kv_cache_memory_bytes=16 << 20,
+    )
+    prompt = oracle_prompts(config.model_config.vocab_size, (9,))[0]
+    expected = {
+        name: peft_greedy(model, adapters[name], [prompt], GREEDY.max_tokens)[0].token_ids for name in ("all", "mlp")
+    }
+    engine = AsyncLLM(config)
+
+    async def one(name: str) -> list[int]:
+        tokens: list[int] = []  # streamed: each output carries the new tokens
+        stream = engine.generate({"prompt_token_ids": prompt}, GREEDY, f"r-{name}", lora_request=requests[name])
+        async for out in stream:
+            tokens.extend(out.outputs[0].token_ids)
+        return tokens
+
+    async def run() -> dict[str, list[int]]:
+        got = await asyncio.gather(one("all"), one("mlp"))
+        return dict(zip(("all", "mlp"), got))
+
+    try:
+        assert asyncio.run(run()) == expected
+    finally:
+        engine.shutdown()
