@@ -11,7 +11,9 @@ import torch
 
 from raylm import LLM, SamplingParams
 from raylm.config import create_engine_config
+from raylm.core import spec_decode
 from raylm.engine.async_llm import AsyncLLM
+from raylm.model.arch_config import ArchConfig
 from raylm.testing.lora_oracle import peft_greedy
 from tests.conftest import ARCHS, executor_of, oracle_prompts
 from tests.lora.conftest import lora_requests
@@ -111,14 +113,22 @@ def test_tensor_parallel_shards_the_adapters_as_their_layers(tiny_model_dir, tin
         assert _mixed(llm, prompts, requests) == _expected(model, adapters, prompts)
 
 
-def test_bf16_steps_with_an_adapter_run_around_the_fused_decode_path(tiny_model_dir, tiny_adapters):
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_bf16_steps_with_an_adapter_run_around_the_fused_decode_path(tiny_model_dir, tiny_adapters, quantization):
     """The fused C++ decode path applies no LoRA delta: a step with an adapter
     row runs the modules, a step without keeps the fused path; base rows are
-    the same whether an adapter's rows share their steps or not."""
+    the same whether an adapter's rows share their steps or not. The same on
+    int8 weights (the delta is added to the quantized matmul's output)."""
     model, adapters = tiny_model_dir("llama"), tiny_adapters("llama")
     requests = lora_requests(adapters)
     with LLM(
-        model, dtype="bfloat16", enable_lora=True, max_loras=3, max_lora_rank=8, kv_cache_memory_bytes=16 << 20
+        model,
+        dtype="bfloat16",
+        quantization=quantization,
+        enable_lora=True,
+        max_loras=3,
+        max_lora_rank=8,
+        kv_cache_memory_bytes=16 << 20,
     ) as llm:
         prompts = oracle_prompts(_vocab(llm), (5, 18))
         base_alone = _tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False))
@@ -167,3 +177,57 @@ def test_async_llm_serves_adapters_from_a_core_process(tiny_model_dir, tiny_adap
         assert asyncio.run(run()) == expected
     finally:
         engine.shutdown()
+
+
+class _ScriptedDrafts:
+    """Drafts the known continuation of a prompt ("right") or it with every
+    token changed (wrong), so that the test knows what must be accepted."""
+
+    def __init__(self, vocab_size: int, scripts: list[tuple[list[int], list[int], bool]]):
+        self.vocab_size, self.scripts = vocab_size, scripts
+
+    def request_finished(self, request) -> None:
+        pass
+
+    def propose(self, request, max_tokens: int) -> list[int]:
+        ids = request.all_token_ids
+        for prompt, continuation, right in self.scripts:
+            if list(ids[: len(prompt)]) == prompt:
+                draft = continuation[len(ids) - len(prompt) :][:max_tokens]
+                return draft if right else [(t + 1) % self.vocab_size for t in draft]
+        return []
+
+
+def test_speculative_drafts_are_verified_with_the_adapter(tiny_model_dir, tiny_adapters, monkeypatch):
+    """A draft's positions run with their request's adapter (the row mask
+    covers every scheduled token): PEFT's continuation drafted is accepted,
+    a wrong one rejected, and the output is PEFT's."""
+    model, adapters = tiny_model_dir("llama"), tiny_adapters("llama")
+    requests = lora_requests(adapters)
+    prompts = oracle_prompts(ArchConfig.from_model_dir(model).vocab_size, (6, 9), seed=5)
+    expected = [
+        peft_greedy(model, adapters[name], [p], GREEDY.max_tokens)[0].token_ids
+        for name, p in zip(("all", "mlp"), prompts)
+    ]
+    vocab = ArchConfig.from_model_dir(model).vocab_size
+    drafts = _ScriptedDrafts(vocab, [(prompts[0], expected[0], True), (prompts[1], expected[1], False)])
+    monkeypatch.setattr(spec_decode, "make_proposer", lambda config: drafts)
+    with LLM(
+        model,
+        dtype="float32",
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        kv_cache_memory_bytes=16 << 20,
+    ) as llm:
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            GREEDY,
+            use_tqdm=False,
+            lora_request=[requests["all"], requests["mlp"]],
+        )
+        stats = llm.llm_engine.stats()
+    assert _tokens(outputs) == expected
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"]
