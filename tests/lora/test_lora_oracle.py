@@ -96,7 +96,10 @@ def test_more_adapters_than_slots_wait_their_turn_and_stay_correct(tiny_model_di
         assert manager.num_loads == 3
 
 
-def test_tensor_parallel_shards_the_adapters_as_their_layers(tiny_model_dir, tiny_adapters):
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_model_parallel_ranks_hold_their_share_of_the_adapters(tiny_model_dir, tiny_adapters, parallel):
+    """TP: each rank's slots are cut as its layers are (qwen2: q/k/v biases
+    beside the adapters). PP: each stage holds its own layers' slots."""
     model, adapters = tiny_model_dir("qwen2"), tiny_adapters("qwen2")
     requests = lora_requests(adapters)
     with LLM(
@@ -105,12 +108,24 @@ def test_tensor_parallel_shards_the_adapters_as_their_layers(tiny_model_dir, tin
         enable_lora=True,
         max_loras=3,
         max_lora_rank=8,
-        tensor_parallel_size=2,
         distributed_executor_backend="mp",
         kv_cache_memory_bytes=16 << 20,
+        **parallel,
     ) as llm:
         prompts = oracle_prompts(_vocab(llm), (7, 20))
         assert _mixed(llm, prompts, requests) == _expected(model, adapters, prompts)
+
+
+def test_chat_takes_a_lora_request_as_generate_does(tiny_model_dir, tiny_adapters):
+    model, adapters = tiny_model_dir("llama"), tiny_adapters("llama")
+    request = lora_requests(adapters)["attn"]
+    messages = [{"role": "user", "content": "Hello there"}]
+    with LLM(model, dtype="float32", enable_lora=True, max_lora_rank=8, kv_cache_memory_bytes=16 << 20) as llm:
+        chat = llm.chat(messages, GREEDY, use_tqdm=False, lora_request=request)[0]
+        ids = list(chat.prompt_token_ids)
+    assert (
+        list(chat.outputs[0].token_ids) == peft_greedy(model, adapters["attn"], [ids], GREEDY.max_tokens)[0].token_ids
+    )
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
