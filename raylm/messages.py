@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from raylm.lora.request import LoRARequest
 from raylm.sampling_params import SamplingParams
 
 
@@ -22,6 +23,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # Its LoRA adapter (raylm.lora), None for the base model.
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

@@ -37,6 +37,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # and the ranks' side of each transfer kind (files in shared memory, the
     # sealed network), the copies beside the steps and their CPU budget.
     ("kv_transfer", ("raylm.kv_transfer",)),
+    # LoRA adapters (issue 53): the PEFT-format loader, the front end's
+    # registry of checked adapters, the workers' slots on the model's linear
+    # layers. Above config (it reads LoRAConfig) and model (it fills the
+    # layers' `lora` hook); its request handle is a plain value (below).
+    ("lora", ("raylm.lora",)),
     # The resolved settings: read by every layer above; built from what model/
     # reads in a model folder (architecture, generation defaults, hub).
     ("config", ("raylm.config",)),
@@ -68,6 +73,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "raylm.startup_heap",
             "raylm.log_text",
             "raylm.thread_accounting",
+            # `LoRARequest`, carried by the request on every layer's message.
+            "raylm.lora.request",
         ),
     ),
 ]

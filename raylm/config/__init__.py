@@ -16,6 +16,7 @@ from raylm.config.engine_config import (
     SchedulerConfig,
     replica_role,
 )
+from raylm.config.lora import LoRAConfig
 from raylm.config.resolve import (
     DEFAULT_MODEL_DIR,
     USAGE_CONTEXTS,
@@ -34,6 +35,7 @@ __all__ = [
     "EngineArgs",
     "EngineConfig",
     "FaultToleranceConfig",
+    "LoRAConfig",
     "ModelConfig",
     "ParallelConfig",
     "SchedulerConfig",

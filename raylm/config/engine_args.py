@@ -111,6 +111,7 @@ _device = partial(_setting, section="device")
 _faults = partial(_setting, section="failures and recovery")
 _autoscale = partial(_setting, section="autoscaling (Ray Serve's names)")
 _speculative = partial(_setting, section="speculative decoding")
+_lora = partial(_setting, section="LoRA adapters")
 
 
 @dataclass
@@ -366,6 +367,16 @@ class EngineArgs:
         "(decodes normally) where it cannot serve a request or the batch is large; default: off",
         parser=str,
         metavar="JSON",
+    )
+    enable_lora: bool = _lora(
+        False, "serve LoRA adapters (PEFT format) beside the base model: a request names one (lora_request=)"
+    )
+    max_loras: int = _lora(1, "adapters in one step (each a slot of weights in every worker)", metavar="N")
+    max_lora_rank: int = _lora(16, "the largest adapter rank accepted (sizes every slot)", metavar="R")
+    max_cpu_loras: int | None = _lora(
+        None,
+        "adapters kept loaded in host memory, least recently used leaving first; default: max_loras",
+        metavar="N",
     )
 
     # ---- command line

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from raylm.config.lora import LoRAConfig
 from raylm.config.speculative import SpeculativeConfig
 from raylm.cpu_bind import parse_cpu_bind
 from raylm.model.arch_config import ArchConfig
@@ -355,6 +356,8 @@ class EngineConfig:
     autoscale: AutoscaleConfig | None = None
     # Speculative decoding (raylm.core.spec_decode); None: off.
     speculative_config: SpeculativeConfig | None = None
+    # LoRA adapters (raylm.lora); None: off (enable_lora=False).
+    lora_config: LoRAConfig | None = None
 
     def __post_init__(self):
         """The rules between the parts, each part having checked its own."""
@@ -370,6 +373,10 @@ class EngineConfig:
         autoscale = self.autoscale
         if autoscale is not None and not autoscale.min_replicas <= pc.data_parallel_size <= autoscale.max_replicas:
             raise ValueError(f"data_parallel_size {pc.data_parallel_size} is outside autoscale {autoscale.setting}")
+        if self.lora_config is not None and pc.context_parallel_size > 1:
+            # A CP rank computes a share of a chunk's rows; the adapters' row
+            # mask is laid out for whole steps.
+            raise ValueError("enable_lora cannot be combined yet with context_parallel_size > 1")
         self.cpu_bind = self._checked_cpu_bind()
 
     def _checked_cpu_bind(self) -> str:

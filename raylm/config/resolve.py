@@ -27,6 +27,7 @@ from raylm.config.engine_config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from raylm.config.lora import LoRAConfig
 from raylm.config.speculative import SpeculativeConfig
 from raylm.model.generation_config import load_generation_defaults
 from raylm.model.gguf import is_gguf_path, materialize_tokenizer, open_gguf
@@ -105,9 +106,19 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
         ),
         autoscale=autoscale,
         speculative_config=SpeculativeConfig.from_setting(args.speculative_config),
+        lora_config=_resolve_lora(args),
     )
     _warn_of_settings_without_effect(args, device)
     return config
+
+
+def _resolve_lora(args: Any) -> LoRAConfig | None:
+    """The LoRA settings with enable_lora; without it, settings of it are refused by name."""
+    if args.enable_lora:
+        return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
+    if args.max_cpu_loras is not None or args.max_loras != 1 or args.max_lora_rank != 16:
+        raise ValueError("max_loras, max_lora_rank and max_cpu_loras need enable_lora=True")
+    return None
 
 
 def _resolve_autoscale(args: Any) -> AutoscaleConfig | None:

@@ -48,13 +48,18 @@ class KVCacheBlock:
 # every salt, the empty one included.
 _UNSALTED_ROOT = hashlib.sha256(b"raylm prefix cache: no salt").digest()
 _SALTED_ROOT_PREFIX = b"raylm prefix cache: salt\0"
+_ADAPTER_ROOT_PREFIX = b"raylm prefix cache: lora\0"
 
 
-def root_hash(cache_salt: str | None) -> bytes:
-    """What a request's first block hash is chained to."""
-    if cache_salt is None:
-        return _UNSALTED_ROOT
-    return hashlib.sha256(_SALTED_ROOT_PREFIX + cache_salt.encode()).digest()
+def root_hash(cache_salt: str | None, lora_digest: str | None = None) -> bytes:
+    """What a request's first block hash is chained to: its salt's root, and
+    with a LoRA adapter, that root hashed with the adapter's content digest
+    (the same tokens under two adapters, or under one name reloaded with
+    other weights, have other K/V)."""
+    root = _UNSALTED_ROOT if cache_salt is None else hashlib.sha256(_SALTED_ROOT_PREFIX + cache_salt.encode()).digest()
+    if lora_digest is None:
+        return root
+    return hashlib.sha256(_ADAPTER_ROOT_PREFIX + root + lora_digest.encode()).digest()
 
 
 def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
@@ -255,7 +260,7 @@ class KVCacheManager:
         bs = self.block_size
         while (len(hashes) + 1) * bs <= request.num_tokens:
             start = len(hashes) * bs
-            parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+            parent = hashes[-1] if hashes else root_hash(request.cache_salt, request.lora_digest)
             hashes.append(hash_block(parent, request.all_token_ids[start : start + bs]))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from raylm.lora.request import LoRARequest
 from raylm.sampling_params import SamplingParams
 
 
@@ -39,6 +40,7 @@ class Request:
         num_recoveries: int = 0,
         quarantined: bool = False,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ):
         """`output_token_ids`: tokens this request already generated elsewhere
         (a core that died, say); it continues after them, recomputing their
@@ -46,7 +48,9 @@ class Request:
         `num_recoveries`, `quarantined`: its record of failures so far, kept
         across cores (see raylm.core.quarantine).
         `cache_salt`: mixed into the hash of its first block, so the request
-        shares prefix-cache blocks only with requests of the same salt."""
+        shares prefix-cache blocks only with requests of the same salt.
+        `lora_request`: its adapter (content digest stamped at intake), which
+        enters the first block's hash too."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -64,6 +68,7 @@ class Request:
         self.num_recoveries = num_recoveries
         self.quarantined = quarantined
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
         # Hashes of this request's full blocks (sha256 digests, chained),
         # extended as tokens arrive.
         self.block_hashes: list[bytes] = []
@@ -84,6 +89,10 @@ class Request:
         self.received_time = time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+
+    @property
+    def lora_digest(self) -> str | None:
+        return None if self.lora_request is None else self.lora_request.content_digest
 
     @property
     def num_prompt_tokens(self) -> int:

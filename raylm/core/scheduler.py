@@ -31,6 +31,7 @@ import time
 
 from raylm.config import CacheConfig, SchedulerConfig
 from raylm.core.decode_burst import BurstPlanner
+from raylm.core.lora_admission import AdapterAdmission
 from raylm.core.outputs import EngineCoreOutput
 from raylm.core.request import Request, RequestStatus
 from raylm.core.request_queues import RequestQueues
@@ -53,6 +54,7 @@ class Scheduler(RequestQueues):
         structured_output_manager: StructuredOutputManager | None = None,
         burst_planner: BurstPlanner | None = None,
         speculator: Speculator | None = None,
+        max_loras: int | None = None,
     ):
         super().__init__(cache_config, structured_output_manager)
         self.config = scheduler_config
@@ -67,6 +69,7 @@ class Scheduler(RequestQueues):
         self.burst_planner = burst_planner
         # Speculative decoding (raylm.core.spec_decode); None: off.
         self.speculator = speculator
+        self.adapters = AdapterAdmission(max_loras)  # LoRA adapters among the running requests
 
     # ---- one step --------------------------------------------------------------
 
@@ -123,6 +126,7 @@ class Scheduler(RequestQueues):
         # Then waiting requests, unless we just had to preempt (no room anyway).
         compiling: list[Request] = []
         promoted: set[str] = set()
+        self.adapters.begin(self.running)
         while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if isolated is not None and (request is not isolated or num_scheduled):
@@ -131,6 +135,9 @@ class Scheduler(RequestQueues):
                 request.request_id
             ):
                 compiling.append(self.waiting.popleft())  # the ones behind it go first
+                continue
+            if not self.adapters.admits(request):  # its adapter waits for a slot; the ones behind it go first
+                compiling.append(self.waiting.popleft())
                 continue
             imported = request.num_computed_tokens > 0  # its K/V came with a migration
             computed_blocks, num_cached = [], request.num_computed_tokens
@@ -155,6 +162,7 @@ class Scheduler(RequestQueues):
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
+            self.adapters.admit(request)
             num_scheduled[request.request_id] = num_new
             new_block_ids[request.request_id] = block_ids
             budget -= num_new
@@ -311,6 +319,7 @@ class Scheduler(RequestQueues):
                         sampling_params=request.sampling_params,
                         block_ids=self.kv_cache_manager.get_block_ids(rid),
                         num_computed_tokens=request.num_computed_tokens,
+                        lora_request=request.lora_request,
                     )
                 )
             else:

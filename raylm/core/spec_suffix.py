@@ -37,7 +37,9 @@ class SuffixProposer:
         self.max_n = max_n
         self.max_context = max(MAX_CONTEXT, min_n)
         self.max_contexts = max_contexts
-        # (cache_salt, *context) -> {next token: times seen}, least recently extended first.
+        # ((cache_salt, adapter digest), *context) -> {next token: times
+        # seen}, least recently extended first. Per adapter too: an
+        # adapter's outputs are another model's, and its own tenant's.
         self._table: OrderedDict[tuple, dict[int, int]] = OrderedDict()
 
     def __len__(self) -> int:
@@ -45,7 +47,7 @@ class SuffixProposer:
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:
         tokens = request.all_token_ids
-        draft = self._follow_earlier_outputs(tokens, request.cache_salt, max_tokens)
+        draft = self._follow_earlier_outputs(tokens, _table_key(request), max_tokens)
         return draft or prompt_lookup(tokens, max_tokens, self.min_n, self.max_n)
 
     def request_finished(self, request: Request) -> None:
@@ -53,7 +55,7 @@ class SuffixProposer:
         token after each of its contexts."""
         if request.status == RequestStatus.FINISHED_ERROR or not request.output_token_ids:
             return
-        tokens, salt = request.all_token_ids, request.cache_salt
+        tokens, salt = request.all_token_ids, _table_key(request)
         for i in range(max(request.num_prompt_tokens, self.min_n), len(tokens)):
             for n in range(self.min_n, min(self.max_context, i) + 1):
                 key = (salt, *tokens[i - n : i])
@@ -84,3 +86,8 @@ class SuffixProposer:
                 # Ties go to the smallest id: the same table always drafts the same.
                 return max(counts, key=lambda t: (counts[t], -t))
         return None
+
+
+def _table_key(request: Request) -> tuple[str | None, str | None]:
+    """Whose earlier outputs a request may follow: its salt's, under its adapter."""
+    return request.cache_salt, request.lora_digest

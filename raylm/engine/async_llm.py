@@ -31,6 +31,7 @@ from raylm.engine.stat_logger import StatLoggerBase
 from raylm.engine.supervisor import AsyncEngineCoreSupervisor
 from raylm.engine.tokenizer import load_tokenizer
 from raylm.log_text import loggable, traceback_frames
+from raylm.lora.request import LoRARequest
 from raylm.outputs import RequestOutput
 from raylm.sampling_params import SamplingParams
 
@@ -50,7 +51,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, stat_loggers: list[StatLoggerBase] | None = None):
         self.config = config
         self.tokenizer = load_tokenizer(config.model_config.tokenizer, config.model_config.chat_template)
-        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        self.input_processor = InputProcessor(config.model_config, self.tokenizer, config.lora_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers = list(stat_loggers or [])
         self._requests: dict[str, RequestState] = {}
@@ -154,15 +155,19 @@ class AsyncLLM:
 
     # ---- requests ------------------------------------------------------------
 
-    async def process_prompt(self, prompt: Any, params: SamplingParams) -> tuple[ProcessedPrompt, SamplingParams]:
-        """Validate and tokenize; a long text prompt, or many bad_words, in a
-        thread (one hop for both), so that they never stall the other streams.
+    async def process_prompt(
+        self, prompt: Any, params: SamplingParams, lora_request: LoRARequest | None = None
+    ) -> tuple[ProcessedPrompt, SamplingParams]:
+        """Validate and tokenize; a long text prompt, many bad_words, or a
+        LoRA adapter (its files read and checked, once) in a thread (one hop
+        for all), so that they never stall the other streams.
         Token ids, short texts and a few bad words are done here: the hop to a
         thread and back costs more than their work, and at a burst of requests
         it queues each behind the others' hops."""
-        if prompt_worth_a_thread(prompt) or params_worth_a_thread(params):
-            return await asyncio.get_running_loop().run_in_executor(None, self.input_processor.process, prompt, params)
-        return self.input_processor.process(prompt, params)
+        process = self.input_processor.process
+        if prompt_worth_a_thread(prompt) or params_worth_a_thread(params) or lora_request is not None:
+            return await asyncio.get_running_loop().run_in_executor(None, process, prompt, params, lora_request)
+        return process(prompt, params)
 
     async def add_request(
         self,
@@ -171,18 +176,20 @@ class AsyncLLM:
         request_id: str,
         stream: bool = True,
         data_parallel_rank: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate the request and hand it to the engine core now; its outputs
         come from the returned stream, which the caller must close (or read to
         the end). ValueError for bad input. `data_parallel_rank` pins the
-        request to one data-parallel replica.
+        request to one data-parallel replica; `lora_request` names its LoRA
+        adapter (enable_lora).
 
         A server submits each request as soon as its handler has it, not when
         its response starts streaming: at a burst, the handlers of the other
         arrivals run first, and the core would wait for all of them."""
         self._check_alive()
         check_data_parallel_rank(self.config, data_parallel_rank)
-        processed, params = await self.process_prompt(prompt, sampling_params)
+        processed, params = await self.process_prompt(prompt, sampling_params, lora_request)
         return self.add_validated_request(request_id, processed, params, stream, data_parallel_rank)
 
     def add_validated_request(
@@ -210,10 +217,11 @@ class AsyncLLM:
         request_id: str,
         stream: bool = True,
         data_parallel_rank: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes (add_request, then
         read); closing or cancelling the generator aborts the request."""
-        outputs = await self.add_request(prompt, sampling_params, request_id, stream, data_parallel_rank)
+        outputs = await self.add_request(prompt, sampling_params, request_id, stream, data_parallel_rank, lora_request)
         try:
             async for output in outputs:
                 yield output

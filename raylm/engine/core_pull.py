@@ -108,7 +108,9 @@ class PullEndpoint:
             return _refused(message.pull_id, "the request computes every prompt position (prompt logprobs)")
         n = len(message.block_hashes)
         usable = (len(request.prompt_token_ids) - 1) // kv.block_size  # its last token is always computed
-        own = prompt_block_hashes(request.prompt_token_ids, kv.block_size, request.cache_salt, min(n, usable))
+        own = prompt_block_hashes(
+            request.prompt_token_ids, kv.block_size, request.cache_salt, min(n, usable), request.lora_digest
+        )
         if n == 0 or own != message.block_hashes:
             return _refused(message.pull_id, "the pulled blocks are not this request's prompt's leading blocks")
         block_ids = kv.allocate_for_import(message.pull_id, n)

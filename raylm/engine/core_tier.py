@@ -154,7 +154,9 @@ class CoreHostTier:
             return
         usable = (len(request.prompt_token_ids) - 1) // kv.block_size  # its last token is always computed
         last = min(usable, message.first_block + len(message.blocks))
-        own = prompt_block_hashes(request.prompt_token_ids, kv.block_size, request.cache_salt, last)
+        own = prompt_block_hashes(
+            request.prompt_token_ids, kv.block_size, request.cache_salt, last, request.lora_digest
+        )
         wanted = []  # (tier prefix, slot, this core's hash) of blocks not cached here
         for position, (prefix, slot, block_hash) in enumerate(message.blocks, message.first_block):
             if position >= last or own[position] != block_hash:

@@ -118,6 +118,7 @@ class EngineCore:
                 grammars,
                 BurstPlanner.for_engine(config),
                 make_speculator(config),
+                None if config.lora_config is None else config.lora_config.max_loras,
             )
             self.host_tier = CoreHostTier(self)  # evicted blocks kept in shared memory (--kv-offloading-size)
             self.host_tier.open()

@@ -16,9 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from raylm.config import ModelConfig
+from raylm.config import LoRAConfig, ModelConfig
 from raylm.core.structured_output import validate_structured_outputs
 from raylm.engine.protocol import EngineCoreRequest
+from raylm.lora.registry import AdapterRegistry
+from raylm.lora.request import LoRARequest
 from raylm.sampling_params import SamplingParams, check_prompt_logprobs_size
 
 
@@ -28,6 +30,8 @@ class ProcessedPrompt:
     prompt_token_ids: list[int]
     # vLLM's prompt field: prefix-cache blocks are shared only within one salt.
     cache_salt: str | None = None
+    # Its LoRA adapter, checked and stamped with its content digest (raylm.lora.registry).
+    lora_request: LoRARequest | None = None
 
 
 # What `InputProcessor.process` costs, for a caller on an event loop (AsyncLLM)
@@ -63,9 +67,11 @@ def params_worth_a_thread(params: SamplingParams) -> bool:
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any):
+    def __init__(self, model_config: ModelConfig, tokenizer: Any, lora_config: LoRAConfig | None = None):
         self.model_config = model_config
         self.tokenizer = tokenizer
+        # Adapters checked so far; None: LoRA is off (enable_lora=False).
+        self.adapters = None if lora_config is None else AdapterRegistry(model_config.arch, lora_config)
         eos = tokenizer.eos_token_id
         if eos is None:
             arch_eos = model_config.arch.eos_token_id
@@ -77,10 +83,24 @@ class InputProcessor:
         listed = [*(arch_eos if isinstance(arch_eos, list) else [arch_eos]), *model_config.generation_eos_token_ids]
         self.extra_eos_ids = {t for t in listed if t is not None} - {eos}
 
-    def process(self, prompt: Any, params: SamplingParams) -> tuple[ProcessedPrompt, SamplingParams]:
-        """Validate one request: its prompt, tokenized and checked, and its
-        params finished (a clone; `params` itself is left as it was)."""
-        return self.process_prompt(prompt, params), self.finish_params(params)
+    def process(
+        self, prompt: Any, params: SamplingParams, lora_request: LoRARequest | None = None
+    ) -> tuple[ProcessedPrompt, SamplingParams]:
+        """Validate one request: its prompt, tokenized and checked, its
+        adapter checked, and its params finished (a clone; `params` itself is
+        left as it was)."""
+        processed = self.process_prompt(prompt, params)
+        processed.lora_request = self.check_lora_request(lora_request)
+        return processed, self.finish_params(params)
+
+    def check_lora_request(self, lora_request: LoRARequest | None) -> LoRARequest | None:
+        """The request's adapter, loaded once and checked against the base
+        model, stamped with its content digest; refused without enable_lora."""
+        if lora_request is None:
+            return None
+        if self.adapters is None:
+            raise ValueError("lora_request: this engine serves no LoRA adapters; start it with enable_lora=True")
+        return self.adapters.resolve(lora_request)
 
     def core_requests(
         self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams
@@ -101,7 +121,12 @@ class InputProcessor:
 
     def _core_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> EngineCoreRequest:
         return EngineCoreRequest(
-            request_id, prompt.prompt_token_ids, params, self.eos_token_id, cache_salt=prompt.cache_salt
+            request_id,
+            prompt.prompt_token_ids,
+            params,
+            self.eos_token_id,
+            cache_salt=prompt.cache_salt,
+            lora_request=prompt.lora_request,
         )
 
     def process_prompt(self, prompt: Any, params: SamplingParams | None = None) -> ProcessedPrompt:

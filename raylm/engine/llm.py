@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from raylm.engine.arg_utils import EngineArgs
 from raylm.engine.llm_engine import LLMEngine
 from raylm.engine.tokenizer import encode_rendered_chat
+from raylm.lora.request import LoRARequest
 from raylm.outputs import RequestOutput
 from raylm.sampling_params import SamplingParams
 
@@ -57,7 +58,10 @@ class LLM:
         prompts: str | dict | Sequence[str | dict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: the LoRA adapter to run with (enable_lora), one for
+        every prompt or a list of one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -69,10 +73,11 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
+        loras = _per_prompt_loras(lora_request, len(prompts))
         engine = self.llm_engine
         # Validate everything before adding anything: a bad prompt raises and
         # leaves the engine exactly as it was.
-        validated = [engine.validate(p, sp) for p, sp in zip(prompts, params_list)]
+        validated = [engine.validate(p, sp, lr) for p, sp, lr in zip(prompts, params_list, loras)]
         request_ids = []
         for processed, params in validated:
             rid = engine.next_request_id()
@@ -113,6 +118,7 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
@@ -123,7 +129,7 @@ class LLM:
             text = self.apply_chat_template(conversation, chat_template, add_generation_prompt)
             ids = encode_rendered_chat(self.get_tokenizer(), text)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(
         self, conversation: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True
@@ -143,3 +149,14 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _per_prompt_loras(lora_request, num_prompts: int) -> list[LoRARequest | None]:
+    """One adapter (or None) for each prompt, from one or a list of one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if isinstance(lora_request, (list, tuple)):
+        if len(lora_request) != num_prompts:
+            raise ValueError(f"lora_request has {len(lora_request)} entries for {num_prompts} prompts")
+        return list(lora_request)
+    raise ValueError(f"lora_request must be a LoRARequest or a list of them, got {type(lora_request).__name__}")

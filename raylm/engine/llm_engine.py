@@ -18,6 +18,7 @@ from raylm.engine.output_processor import OutputProcessor
 from raylm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
 from raylm.engine.supervisor import SyncEngineCoreSupervisor
 from raylm.engine.tokenizer import load_tokenizer
+from raylm.lora.request import LoRARequest
 from raylm.outputs import RequestOutput
 from raylm.sampling_params import SamplingParams
 
@@ -66,7 +67,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.tokenizer = load_tokenizer(config.model_config.tokenizer, config.model_config.chat_template)
-        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        self.input_processor = InputProcessor(config.model_config, self.tokenizer, config.lora_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         # The core in this process, or data-parallel replicas (each a core of
         # its own) under the supervisor AsyncLLM uses.
@@ -85,14 +86,19 @@ class LLMEngine:
     def next_request_id(self) -> str:
         return str(next(self._ids))
 
-    def validate(self, prompt: Any, params: SamplingParams):
+    def validate(self, prompt: Any, params: SamplingParams, lora_request: LoRARequest | None = None):
         """Check one request without adding it: (processed prompt, finished params)."""
-        return self.input_processor.process(prompt, params)
+        return self.input_processor.process(prompt, params, lora_request)
 
     def add_request(
-        self, request_id: str, prompt: Any, params: SamplingParams, data_parallel_rank: int | None = None
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        data_parallel_rank: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        processed, params = self.validate(prompt, params)
+        processed, params = self.validate(prompt, params, lora_request)
         self.add_validated_request(request_id, processed, params, data_parallel_rank)
 
     def add_validated_request(

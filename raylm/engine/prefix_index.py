@@ -37,14 +37,19 @@ from raylm.engine.protocol import KVCacheEvents
 
 
 def prompt_block_hashes(
-    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None, max_blocks: int | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+    max_blocks: int | None = None,
+    lora_digest: str | None = None,
 ) -> list[bytes]:
     """The chained hashes of the prompt's full blocks (at most `max_blocks`),
-    as a core computes them for its prefix cache."""
+    as a core computes them for its prefix cache (salt and adapter digest at
+    the root: raylm.core.kv_cache_manager.root_hash)."""
     num_full = len(token_ids) // block_size
     if max_blocks is not None:
         num_full = min(num_full, max_blocks)
-    hashes, parent = [], root_hash(cache_salt)
+    hashes, parent = [], root_hash(cache_salt, lora_digest)
     for i in range(num_full):
         parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
         hashes.append(parent)
@@ -62,7 +67,9 @@ def reusable_prefix_hashes(request, block_size: int, max_blocks: int, hashes: li
     if max_blocks <= 0:
         return []
     if hashes is None:
-        hashes = prompt_block_hashes(request.prompt_token_ids, block_size, request.cache_salt, max_blocks)
+        hashes = prompt_block_hashes(
+            request.prompt_token_ids, block_size, request.cache_salt, max_blocks, request.lora_digest
+        )
     return hashes[:max_blocks]
 
 

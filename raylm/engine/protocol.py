@@ -15,6 +15,7 @@ import msgspec
 
 from raylm.core.outputs import EngineCoreOutput
 from raylm.core.request import Request
+from raylm.lora.request import LoRARequest
 from raylm.sampling_params import SamplingParams
 
 
@@ -81,6 +82,12 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     quarantined: bool = False
     # Mixed into its prefix-cache block hashes (raylm.core.kv_cache_manager).
     cache_salt: str | None = None
+    # Its LoRA adapter, its content digest stamped at intake; None: the base model.
+    lora_request: LoRARequest | None = None
+
+    @property
+    def lora_digest(self) -> str | None:
+        return None if self.lora_request is None else self.lora_request.content_digest
 
     def continuation(self, output_token_ids: list[int]) -> EngineCoreRequest:
         """The same request, to continue after `output_token_ids` (its
@@ -99,6 +106,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
             num_recoveries=self.num_recoveries,
             quarantined=self.quarantined,
             cache_salt=self.cache_salt,
+            lora_request=self.lora_request,
         )
 
 

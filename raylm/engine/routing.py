@@ -143,7 +143,9 @@ class KVAwareRouting(RoutingPolicy):
         if not loads:
             return None
         max_blocks = min(MAX_ROUTING_BLOCKS, (len(request.prompt_token_ids) - 1) // self.block_size)
-        hashes = prompt_block_hashes(request.prompt_token_ids, self.block_size, request.cache_salt, max_blocks)
+        hashes = prompt_block_hashes(
+            request.prompt_token_ids, self.block_size, request.cache_salt, max_blocks, request.lora_digest
+        )
         matched = self.index.matched_blocks(hashes, [load.index for load in loads]) if hashes else {}
         self.last_matched = matched
         self.last_hashes = (request.request_id, hashes)

@@ -49,6 +49,10 @@ class AttentionMetadata:
     # Under context parallelism, this rank's share of the step
     # (raylm.model.layers.attention_merge.ContextParallelMetadata); None otherwise.
     context_parallel: object | None = None
+    # LoRA adapters (raylm.lora.layers): [num_tokens, max_loras] bool, True
+    # where a row runs with the adapter of that slot; None when no row of
+    # the step has an adapter (the fused decode path runs only then).
+    lora_mask: torch.Tensor | None = None
 
 
 _CURRENT: AttentionMetadata | None = None

@@ -195,6 +195,8 @@ class FusedDecode:
             # Under CP a rank holds a shard of each context: its partial
             # attention must be merged over the ranks, which the fused loop does not.
             or meta.context_parallel is not None
+            # The fused layers apply no LoRA delta: such steps run the modules.
+            or meta.lora_mask is not None
             or hidden.dtype != torch.bfloat16
             or not hidden.is_cpu
             or positions.dtype != torch.int64

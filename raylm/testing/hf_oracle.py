@@ -66,7 +66,11 @@ def hf_greedy(
     A hand-written loop over the KV cache instead of `generate()`, which would apply the
     folder's generation_config (EOS handling, penalties) and change what "greedy" means.
     """
-    model = load_hf_model(model_path, dtype)
+    return greedy_of(load_hf_model(model_path, dtype), prompts, max_new_tokens)
+
+
+def greedy_of(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int) -> list[HFGeneration]:
+    """hf_greedy's loop on a model already loaded (a PeftModel, say)."""
     results: list[HFGeneration] = []
     for prompt in prompts:
         if not prompt:

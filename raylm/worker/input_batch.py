@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from raylm.lora.request import LoRARequest
 from raylm.model.forward_context import AttentionMetadata, PrefillSeq
 from raylm.sampling_params import SamplingParams
 from raylm.worker.cp_input import CPRows, build_cp_step
@@ -27,6 +28,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None = None
+    lora_request: LoRARequest | None = None
 
     @property
     def output_token_ids(self) -> list[int]:

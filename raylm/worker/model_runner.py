@@ -15,6 +15,7 @@ import torch
 
 from raylm.config import EngineConfig
 from raylm.distributed.parallel_state import get_cp_group, get_pp_group
+from raylm.lora.manager import LoRAManager
 from raylm.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from raylm.model.forward_context import set_forward_context
 from raylm.model.layers.attention import Attention
@@ -69,6 +70,8 @@ class ModelRunner:
         self._draft_metadata: dict[str, SamplingMetadata] = {}
         # Between execute_model and sample_tokens.
         self._pending: tuple[SchedulerOutput, PreparedBatch, torch.Tensor | None] | None = None
+        # LoRA adapters' slots on the model's layers (enable_lora), set at load_model.
+        self.lora: LoRAManager | None = None
 
     # ---- set-up ------------------------------------------------------------------
 
@@ -84,6 +87,8 @@ class ModelRunner:
         budget = prefill_budget(self.config.scheduler_config.max_num_batched_tokens, mc.max_model_len, self.block_size)
         for layer in self.attention_layers():
             layer.prefill_budget = budget
+        if self.config.lora_config is not None:
+            self.lora = LoRAManager(self.model, self.config.lora_config, mc.arch, self.device)
 
     def attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -144,6 +149,7 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 generator=generator,
+                lora_request=new.lora_request,
             )
             # Blocks from the prefix cache (whole) or imported by a migration
             # (the last one maybe partly) hold K/V already; the rest are fresh.
@@ -207,6 +213,7 @@ class ModelRunner:
             cp_rank=cp.rank_in_group,
             cp_size=cp.world_size,
         )
+        self._attach_lora(batch)
         with set_forward_context(batch.attn_metadata):
             hidden = self.model(batch.input_ids, batch.positions, intermediate)
         self._count_rows(so, batch)
@@ -217,6 +224,12 @@ class ModelRunner:
             hidden = self._gather_sampled_rows(batch, hidden, cp)
         self._pending = (so, batch, hidden)
         return None
+
+    def _attach_lora(self, batch: PreparedBatch) -> None:
+        """The step's LoRA row mask (its adapters brought into slots), if any row has an adapter."""
+        if self.lora is not None:
+            loras = [self.requests[rid].lora_request for rid in batch.req_ids]
+            batch.attn_metadata.lora_mask = self.lora.mask_for(loras, batch.num_tokens)
 
     def _count_rows(self, so: SchedulerOutput, batch: PreparedBatch) -> None:
         counts = self.row_counts
@@ -385,8 +398,8 @@ class ModelRunner:
         """Each row's tokens of `steps` greedy decode steps after one that
         sampled `tokens`, run by the model in one call; None where it cannot."""
         greedy = getattr(self.model, "greedy_decode_steps", None)
-        if greedy is None:
-            return None
+        if greedy is None or any(state.lora_request is not None for state in states):
+            return None  # (the fused steps apply no LoRA delta: step by step, through the modules)
         size = self.block_size
         positions = [state.num_computed_tokens + 1 for state in states]  # of `tokens`
         num_blocks = (max(positions) + steps - 1) // size + 1
@@ -418,6 +431,7 @@ class ModelRunner:
                 state.token_ids.append(token)
                 state.num_computed_tokens += 1
             batch = prepare_batch(self.requests, so.num_scheduled_tokens, self.block_size, self.device)
+            self._attach_lora(batch)
             with set_forward_context(batch.attn_metadata):
                 hidden = self.model(batch.input_ids, batch.positions, None)
             self._count_rows(so, batch)

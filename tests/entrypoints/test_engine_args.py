@@ -85,6 +85,10 @@ NON_DEFAULT = {
         ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
         '{"method": "ngram", "num_speculative_tokens": 3}',
     ),
+    "enable_lora": (["--enable-lora"], True),
+    "max_loras": (["--max-loras", "4"], 4),
+    "max_lora_rank": (["--max-lora-rank", "32"], 32),
+    "max_cpu_loras": (["--max-cpu-loras", "8"], 8),
 }
 
 

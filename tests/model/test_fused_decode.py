@@ -101,15 +101,25 @@ def test_fused_decode_on_pipeline_stages(tmp_path, monkeypatch):
     assert _generate(model, prompts, [10, 14]) == modules
 
 
-@pytest.mark.parametrize("context_parallel", [None, object()])
-def test_fused_decode_declines_a_context_parallel_step(context_parallel, monkeypatch):
+@pytest.mark.parametrize(
+    "context_parallel, lora_mask",
+    [(None, None), (object(), None), (None, torch.ones(2, 1, dtype=torch.bool))],
+    ids=["plain", "cp", "lora"],
+)
+def test_fused_decode_declines_a_context_parallel_step(context_parallel, lora_mask, monkeypatch):
     """Under CP a rank holds a shard of each context, whose partial attention
     the fused loop cannot merge over the ranks: such a step runs module by
-    module. (The same step without CP goes on to the fused path's params.)"""
+    module. So does a step with LoRA adapter rows (the fused loop adds no
+    adapter delta). (The same step without either goes on to the fused
+    path's params.)"""
     from types import SimpleNamespace
 
     meta = SimpleNamespace(
-        prefills=None, num_decode_tokens=2, decode_context_lens=torch.tensor([3, 4]), context_parallel=context_parallel
+        prefills=None,
+        num_decode_tokens=2,
+        decode_context_lens=torch.tensor([3, 4]),
+        context_parallel=context_parallel,
+        lora_mask=lora_mask,
     )
     monkeypatch.setattr(llama_decode, "get_attention_metadata", lambda: meta)
     monkeypatch.setattr(llama_decode, "get_tp_group", lambda: SimpleNamespace(world_size=1))
@@ -119,7 +129,7 @@ def test_fused_decode_declines_a_context_parallel_step(context_parallel, monkeyp
     monkeypatch.setattr(fused, "_current_params", lambda: reached.append(True))
     hidden = torch.zeros(2, 8, dtype=torch.bfloat16)
     assert fused(hidden, None, torch.tensor([2, 3])) is None
-    assert reached == ([] if context_parallel is not None else [True])
+    assert reached == ([] if context_parallel is not None or lora_mask is not None else [True])
 
 
 def test_fused_decode_refuses_a_kv_slot_outside_the_cache(tmp_path, monkeypatch):

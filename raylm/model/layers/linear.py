@@ -62,6 +62,8 @@ class LinearBase(nn.Module):
         super().__init__()
         tp = get_tp_group()
         self.tp_rank, self.tp_size, self.tp_dim = tp.rank_in_group, tp.world_size, tp_dim
+        # This rank's sizes (the weight may be packed or quantized away later).
+        self.input_size_per_partition, self.output_size_per_partition = input_size, output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -75,6 +77,10 @@ class LinearBase(nn.Module):
         # as they are; finish_loading() turns them into quant_matmul.
         self._quantized_rows: dict[int, Any] = {}
         self.quant_matmul: QuantizedMatmul | None = None
+        # LoRA adapters' slots (raylm.lora.layers), set with enable_lora:
+        # lora(x, y) adds the step's per-row adapter deltas to y. Called
+        # before a row-parallel all-reduce, so each rank adds its share.
+        self.lora = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: WeightSource, shard_id: Any = None) -> None:
         raise TypeError(f"{type(self).__name__} has no weight loader")
@@ -107,8 +113,10 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_matmul is not None:
-            return self.quant_matmul(x, bias)
-        return cpu_gemm.linear(x, self.weight, bias, self.packed_weight)
+            y = self.quant_matmul(x, bias)
+        else:
+            y = cpu_gemm.linear(x, self.weight, bias, self.packed_weight)
+        return y if self.lora is None else self.lora(x, y)
 
 
 class ColumnParallelLinear(LinearBase):
