@@ -250,21 +250,15 @@ class Scheduler(RequestQueues):
     def _make_room_for(
         self, head: Request, alone: bool, promoted: set[str], num_scheduled: dict, new_block_ids: dict
     ) -> bool:
-        """`head` cannot get its blocks while others hold blocks that nothing
-        would ever free (deadlocks of a small cache, found by the chaos
-        harness). A waiting request that holds its K/V already (a migration
-        brought it) goes first, each once per schedule. Where `head` must run
-        alone (quarantine), nobody else runs until it ends: such a waiting
-        request gives its blocks up, and then the running ones are preempted,
-        newest first; each computes its K/V again when its turn comes.
-        True: something changed, try again."""
-        kv = self.kv_cache_manager
-        holders = [r for r in self.waiting if r is not head and r.request_id in kv.req_blocks]
+        """`head` cannot get its blocks while others hold blocks nothing would
+        free (small-cache deadlocks the chaos harness found). A waiting holder
+        of migrated K/V goes first (each once a schedule); when none fits and
+        nothing runs, or `head` must run alone (quarantine), holders give their
+        blocks up, then running requests are preempted. True: try again."""
+        holders = [r for r in self.waiting if r is not head and r.request_id in self.kv_cache_manager.req_blocks]
         if alone:
             if holders:
-                kv.free(holders[0])
-                holders[0].num_computed_tokens = 0
-                self.num_preemptions += 1
+                self._give_up_blocks(holders[0])
                 return True
             others = [r for r in self.running if r is not head]
             if not others:
@@ -279,7 +273,17 @@ class Scheduler(RequestQueues):
                 self.waiting.remove(request)
                 self.waiting.appendleft(request)
                 return True
+        if holders and not self.running:
+            # E.g. two hand-offs that filled a decode replica, each a block short.
+            self._give_up_blocks(holders[-1])
+            return True
         return False
+
+    def _give_up_blocks(self, request: Request) -> None:
+        """A waiting request's K/V blocks are freed: it computes them again in its turn."""
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        self.num_preemptions += 1
 
     def _preempt(self, request: Request, num_scheduled: dict, new_block_ids: dict) -> None:
         """Free a request's blocks and put it back in front of the queue; it will

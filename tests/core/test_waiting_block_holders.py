@@ -84,3 +84,25 @@ def test_running_requests_give_way_to_a_quarantined_one_that_does_not_fit():
         rids = list(out.num_scheduled_tokens)
         scheduler.update_from_output(out, ModelRunnerOutput(req_ids=rids, sampled_token_ids=[[7] for _ in rids]))
     assert ["suspect"] in scheduled and running.num_preemptions == 1
+
+
+def test_two_imports_each_a_block_short_of_a_full_cache_both_finish():
+    """Found by the P/D chaos variant: two hand-offs filled a 16-block
+    decode replica, 8 blocks each, and each needs a 9th. Each tried first in
+    turn, neither fits, nothing runs: the newest gives its blocks up."""
+    scheduler = _scheduler()
+    kv = scheduler.kv_cache_manager
+    for name in ("a", "b"):
+        assert kv.allocate_for_import(name, 8) is not None
+        assert kv.adopt_import(name, name, 32) is None
+        scheduler.add_imported(Request(name, list(range(100, 133)), SamplingParams(max_tokens=2), None), 32)
+    for _ in range(40):
+        if not scheduler.has_unfinished_requests():
+            break
+        out = scheduler.schedule()
+        rids = list(out.num_scheduled_tokens)
+        sampled = [
+            [7] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens else [] for r in rids
+        ]
+        scheduler.update_from_output(out, ModelRunnerOutput(req_ids=rids, sampled_token_ids=sampled))
+    assert not scheduler.has_unfinished_requests()
