@@ -37,6 +37,20 @@ def _queue_behind_an_import(quarantined: bool) -> tuple[Scheduler, Request, Requ
     return scheduler, head, imported
 
 
+def _run_to_end(scheduler: Scheduler, max_steps: int = 40) -> None:
+    """Steps until every request ended (or `max_steps`): a token for each
+    request whose step reached its last token (the others were prefill chunks)."""
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return
+        out = scheduler.schedule()
+        rids = list(out.num_scheduled_tokens)
+        sampled = [
+            [7] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens else [] for r in rids
+        ]
+        scheduler.update_from_output(out, ModelRunnerOutput(req_ids=rids, sampled_token_ids=sampled))
+
+
 def test_an_import_behind_a_head_that_does_not_fit_goes_first():
     scheduler, head, imported = _queue_behind_an_import(quarantined=False)
     out = scheduler.schedule()
@@ -53,16 +67,7 @@ def test_an_import_gives_its_blocks_up_to_a_head_that_runs_alone():
 @pytest.mark.parametrize("quarantined", [False, True])
 def test_both_finish(quarantined):
     scheduler, _, _ = _queue_behind_an_import(quarantined)
-    for _ in range(40):
-        if not scheduler.has_unfinished_requests():
-            break
-        so = scheduler.schedule()
-        rids = list(so.num_scheduled_tokens)
-        # A token for each request whose step reached its last token (the others were prefill chunks).
-        sampled = [
-            [7] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens else [] for r in rids
-        ]
-        scheduler.update_from_output(so, ModelRunnerOutput(req_ids=rids, sampled_token_ids=sampled))
+    _run_to_end(scheduler)
     assert not scheduler.has_unfinished_requests()
 
 
@@ -96,13 +101,5 @@ def test_two_imports_each_a_block_short_of_a_full_cache_both_finish():
         assert kv.allocate_for_import(name, 8) is not None
         assert kv.adopt_import(name, name, 32) is None
         scheduler.add_imported(Request(name, list(range(100, 133)), SamplingParams(max_tokens=2), None), 32)
-    for _ in range(40):
-        if not scheduler.has_unfinished_requests():
-            break
-        out = scheduler.schedule()
-        rids = list(out.num_scheduled_tokens)
-        sampled = [
-            [7] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens else [] for r in rids
-        ]
-        scheduler.update_from_output(out, ModelRunnerOutput(req_ids=rids, sampled_token_ids=sampled))
+    _run_to_end(scheduler)
     assert not scheduler.has_unfinished_requests()

@@ -30,6 +30,17 @@ from tests.engine.test_start_deadlines import _children
 pytestmark = pytest.mark.slow
 
 
+# One prefill and one decode replica, as local processes.
+PD_ENGINE = dict(
+    dtype="float32",
+    data_parallel_size=2,
+    data_parallel_backend="mp",
+    prefill_replicas=1,
+    num_threads=1,
+    kv_cache_memory_bytes=16 << 20,
+)
+
+
 @pytest.fixture(scope="module")
 def pd_llm(model):  # noqa: F811 (the fixture imported above)
     before = _children()
@@ -37,16 +48,7 @@ def pd_llm(model):  # noqa: F811 (the fixture imported above)
         # Each step holding a prompt's first token (every prompt here) takes
         # 20 ms: the kill below lands while the decode replica still runs them.
         straggling(monkeypatch)
-        llm = LLM(
-            model,
-            dtype="float32",
-            data_parallel_size=2,
-            data_parallel_backend="mp",
-            prefill_replicas=1,
-            num_threads=1,
-            kv_cache_memory_bytes=16 << 20,
-            num_scheduler_steps=1,
-        )
+        llm = LLM(model, **PD_ENGINE, num_scheduler_steps=1)
     with llm:
         yield llm
         folder = llm.llm_engine.engine_core.kv_routes.transfer_dir
@@ -195,15 +197,7 @@ def test_hand_offs_over_the_sealed_network_path(tiny_model_dir, monkeypatch):
     qwen2 = tiny_model_dir("qwen2")
     prompts = PROMPTS[:4]
     before = _children()
-    with LLM(
-        qwen2,
-        dtype="float32",
-        data_parallel_size=2,
-        data_parallel_backend="mp",
-        prefill_replicas=1,
-        num_threads=1,
-        kv_cache_memory_bytes=16 << 20,
-    ) as llm:
+    with LLM(qwen2, **PD_ENGINE) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
         assert _counts(llm) == {"ok": len(prompts)}
     assert [o.outputs[0].token_ids for o in outs] == [r.token_ids for r in hf_greedy(qwen2, prompts, MAX_TOKENS)]
