@@ -3,9 +3,11 @@ multi-turn trace whose sessions share system prompts (issue 49's trace, cut
 to the embedded default model's 512 positions).
 
     python benchmarks/bench_routing.py [--sessions 16] [--turns 4] [--group 4] [--rounds 2] [--policies ...]
+    python benchmarks/bench_routing.py --model 111m-8k --system 2048 --user 64 --output 32 --turns 8 --hot 16
 
 An offline engine of two local replicas (`-dp 2 --data-parallel-backend mp`,
-the embedded model) per routing policy. Sessions in groups of `--group`
+the embedded model, or `--model`: a folder, or `111m-8k` for compare_vllm.py's
+~111M bf16 preset with an 8k context, written once to /tmp) per routing policy. Sessions in groups of `--group`
 share a system prompt of `--system` tokens; each turn's prompt is the
 session's last prompt, the answer it got and `--user` new tokens, so a
 turn's prefix is in the cache of the replica that served the last one.
@@ -13,7 +15,9 @@ Sessions start at random moments over the first second, and each sends its
 next turn a random think time (exponential, mean `--think-ms`) after its
 last answer ended, as users do: open arrivals, not a closed loop in which
 a finishing turn frees exactly the replica its session's next turn then
-finds least loaded. Reported per policy: the prompt tokens computed
+finds least loaded. `--hot N`: besides the sessions, N single-turn requests
+that share one hot prefix of `--system` tokens arrive at random moments over
+the run (a document many users ask about). Reported per policy: the prompt tokens computed
 (looked up minus found in the replicas' prefix caches: a count, free of
 the machine's noise), the prefix hit rate, time to first token (p50, p99),
 and output throughput. Policies alternate round by round.
@@ -22,9 +26,13 @@ and output throughput. Policies alternate round by round.
 from __future__ import annotations
 
 import argparse
+import pathlib
 import random
 import statistics
+import sys
 import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from raylm import LLM, SamplingParams
 
@@ -34,10 +42,26 @@ POLICIES = ("kv_aware", "load", "vllm")
 VARIANTS = tuple(f"{p}{suffix}" for p in POLICIES for suffix in ("", "-nopull"))
 
 
+def _model(name: str | None) -> str | None:
+    """The model folder: None (the embedded default), a folder, or `111m-8k`."""
+    if name != "111m-8k":
+        return name
+    folder = pathlib.Path("/tmp/raylm-bench-111m-8k")
+    if not (folder / "model.safetensors").exists():
+        from compare_vllm import make_model
+
+        make_model("large", str(folder), max_position_embeddings=8192)
+    return str(folder)
+
+
 def _trace(args, seed: int) -> dict[str, dict]:
     rng = random.Random(seed)
     systems = [[rng.randrange(5, 1000) for _ in range(args.system)] for _ in range(-(-args.sessions // args.group))]
-    return {f"s{i}": {"prompt": list(systems[i // args.group]), "turn": 0} for i in range(args.sessions)}
+    sessions = {f"s{i}": {"prompt": list(systems[i // args.group]), "turn": 0} for i in range(args.sessions)}
+    hot = [rng.randrange(5, 1000) for _ in range(args.system)]
+    for i in range(args.hot):  # single-turn: their one turn adds `--user` tokens to the hot prefix
+        sessions[f"h{i}"] = {"prompt": list(hot), "turn": args.turns - 1}
+    return sessions
 
 
 def run(policy: str, args, seed: int) -> dict:
@@ -46,13 +70,13 @@ def run(policy: str, args, seed: int) -> dict:
     sessions = _trace(args, seed)
     ttft, tokens = [], 0
     with LLM(
-        None,
+        _model(args.model),
         data_parallel_size=2,
         data_parallel_backend="mp",
-        num_threads=1,
+        num_threads=args.threads,
         routing_policy=policy.removesuffix("-nopull"),
         prefix_pull=not policy.endswith("-nopull"),
-        kv_cache_memory_bytes=64 << 20,
+        kv_cache_memory_bytes=args.kv_cache_mib << 20,
     ) as llm:
         engine, sup = llm.llm_engine, llm.llm_engine.engine_core
         sent: dict[str, float] = {}
@@ -66,7 +90,9 @@ def run(policy: str, args, seed: int) -> dict:
             sent[rid] = time.monotonic()
 
         started = time.monotonic()
-        due = {sid: started + rng.random() for sid in sessions}  # when each session sends its next turn
+        # When each session sends its next turn: sessions start over the first
+        # second, hot requests over the run's expected length.
+        due = {sid: started + rng.random() * (args.hot_spread if sid[0] == "h" else 1.0) for sid in sessions}
         while engine.has_unfinished_requests() or due:
             now = time.monotonic()
             for sid in [s for s, at in due.items() if at <= now]:
@@ -101,6 +127,7 @@ def run(policy: str, args, seed: int) -> dict:
         "ttft_p99": sorted(ttft)[int(0.99 * (len(ttft) - 1))],
         "throughput": tokens / elapsed,
         "requests": len(ttft),
+        "computed_per_request": computed / max(1, len(ttft)),
         "pulls": dict(sup.pulls.counts),
     }
 
@@ -114,6 +141,11 @@ def main() -> None:
     parser.add_argument("--user", type=int, default=24, help="new user tokens per turn")
     parser.add_argument("--output", type=int, default=32, help="answer tokens per turn")
     parser.add_argument("--think-ms", type=float, default=300.0, help="mean pause between a session's turns")
+    parser.add_argument("--hot", type=int, default=0, help="single-turn requests sharing one hot prefix")
+    parser.add_argument("--hot-spread", type=float, default=10.0, help="seconds over which hot requests arrive")
+    parser.add_argument("--model", default=None, help="a model folder, or 111m-8k (default: the embedded model)")
+    parser.add_argument("--threads", type=int, default=1, help="threads per replica")
+    parser.add_argument("--kv-cache-mib", type=int, default=64, help="KV cache per replica")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--policies", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
     args = parser.parse_args()
@@ -125,6 +157,7 @@ def main() -> None:
             results[policy].append(r)
             print(
                 f"round {round_} {policy:8s}: prompt tokens computed {r['computed']} of {r['queried']} "
+                f"({r['computed_per_request']:.0f} a request) "
                 f"(hit rate {100 * r['hit_rate']:.1f}%), TTFT p50 {1e3 * r['ttft_p50']:.0f} ms / p99 "
                 f"{1e3 * r['ttft_p99']:.0f} ms, {r['throughput']:.0f} output tok/s; pulls {r['pulls']}",
                 flush=True,

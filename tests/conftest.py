@@ -23,6 +23,11 @@ TESTS = Path(__file__).parent
 # CUDA and the TP=2 ones ask for two GPUs); tests/gpu/ opts back in. Set in the
 # environment so that processes the tests start inherit it too.
 os.environ["RAYLM_DEVICE"] = "cpu"
+# Prefix pulls are tried whatever they are expected to cost: the tiny models
+# here compute a prompt faster than any copy, so the estimate
+# (raylm.engine.pull_estimate) would replace the pulls the tests exercise by
+# recomputes. tests/engine/test_pull_estimate.py turns it back on.
+os.environ["RAYLM_PULL_ESTIMATES"] = "0"
 
 
 def pytest_collection_modifyitems(items):

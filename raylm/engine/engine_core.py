@@ -32,6 +32,7 @@ from raylm.config import EngineConfig
 from raylm.core.decode_burst import BurstPlanner
 from raylm.core.kv_cache_manager import KVEventRecorder
 from raylm.core.outputs import EngineCoreOutput
+from raylm.core.prefill_pace import PrefillPace
 from raylm.core.scheduler import Scheduler
 from raylm.core.spec_decode import make_speculator
 from raylm.core.structured_output import StructuredOutputManager
@@ -122,6 +123,7 @@ class EngineCore:
             )
             self.host_tier = CoreHostTier(self)  # evicted blocks kept in shared memory (--kv-offloading-size)
             self.host_tier.open()
+            self.prefill_pace = PrefillPace()  # for the supervisor's choice between a pull and a recompute
         except BaseException:
             self.executor.shutdown()
             raise
@@ -250,8 +252,10 @@ class EngineCore:
                 raise
         except Exception as e:
             raise _StepFailed(e, scheduler_output) from e
+        elapsed = time.perf_counter() - started
+        self.prefill_pace.observe(scheduler_output.total_num_scheduled_tokens, elapsed)
         if self.scheduler.burst_planner is not None:
-            self.scheduler.burst_planner.observe(scheduler_output, time.perf_counter() - started)
+            self.scheduler.burst_planner.observe(scheduler_output, elapsed)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
@@ -462,7 +466,7 @@ class EngineCore:
         return self.blame.unhealthy_reason
 
     def stats(self) -> dict:
-        return self.scheduler.stats()
+        return {**self.scheduler.stats(), "prefill_seconds_per_token": self.prefill_pace.seconds_per_token}
 
     def shutdown(self) -> None:
         if self.scheduler.structured_output_manager is not None:

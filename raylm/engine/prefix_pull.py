@@ -18,8 +18,10 @@ One pull, in order:
 
 Never a stall, never a failed request: the request is sent as a plain add
 (it computes its whole prompt) when the holder refuses or holds none of the
-blocks any more (`missing`), when the holder has not exported within
-_EXPORT_TIMEOUT_S, or when the holder leaves; a destination that leaves
+blocks any more (`missing`), when the holder has not exported by the time
+the destination would have computed the prefix itself (`timeout`;
+raylm.engine.pull_estimate), or when the holder leaves; a pull expected to
+take longer than that recompute is not started (`too_slow`); a destination that leaves
 takes the request with it into recovery. A pull is a transfer that names
 both cores: removing either's channel ends it (`on_channel_removed`, from
 the supervisor's `_remove_channel`), the interleavings' second rule.
@@ -53,14 +55,10 @@ from raylm.engine.protocol import (
     PullReport,
     PullStats,
 )
+from raylm.engine.pull_estimate import PullEstimate
 from raylm.kv_transfer.transport import transport_for
 
 logger = logging.getLogger(__name__)
-
-# How long a holder may take to export before the request goes without its
-# prefix: the export is an unpaced copy of a few MiB (milliseconds); a
-# holder that takes longer is busy or stuck, and recomputing is sooner.
-_EXPORT_TIMEOUT_S = 1.0
 
 # Pulls one holder exports at once; beyond them requests recompute.
 MAX_PULLS_PER_HOLDER = 4
@@ -68,7 +66,17 @@ MAX_PULLS_PER_HOLDER = 4
 # A prompt is hashed for pulls up to this many blocks (as for routing).
 MAX_PULL_BLOCKS = 1024
 
-OUTCOMES = ("ok", "missing", "refused", "failed", "timeout", "holder_gone", "destination_gone", "aborted")
+OUTCOMES = (
+    "ok",
+    "missing",
+    "refused",
+    "failed",
+    "timeout",
+    "too_slow",
+    "holder_gone",
+    "destination_gone",
+    "aborted",
+)
 
 
 @dataclass
@@ -82,6 +90,7 @@ class Pull:
     stage: str
     network: KVNetwork | None
     started: float
+    deadline: float  # the holder's export is not waited for after this (time.monotonic)
     importing: bool = False  # PullImport sent: the destination has the request
     # Requests whose prefix this pull brings to the same core: sent after it.
     followers: list[tuple[str, bytes]] = field(default_factory=list)
@@ -114,6 +123,7 @@ class Pulls:
         self._ids = itertools.count()
         self.counts: collections.Counter[str] = collections.Counter()
         self.bytes_pulled = 0
+        self.estimate = PullEstimate()
         self._events: list[PullStats] = []  # pulls ended, for the front end's metrics
 
     def __len__(self) -> int:
@@ -151,7 +161,12 @@ class Pulls:
         if not holders:
             return False
         holder = max(holders, key=lambda c: (matched[c.index], -len(c.in_flight), -c.index))
+        num_tokens = matched[holder.index] * self._block_size
+        if not self.estimate.worth_starting(matched[holder.index], num_tokens, destination.stats):
+            self._count("too_slow")
+            return False
         pull_id = f"pull{next(self._ids)}"
+        started = time.monotonic()
         pull = Pull(
             pull_id,
             request,
@@ -161,7 +176,8 @@ class Pulls:
             hashes[: matched[holder.index]],
             self._stage_folder.stage_path(pull_id, 0),
             self._kv_routes.kv_network(holder, destination),
-            time.monotonic(),
+            started,
+            self.estimate.export_deadline(started, num_tokens, destination.stats),
         )
         self._pulls[pull_id] = pull
         self._by_request[request.request_id] = pull_id
@@ -222,17 +238,19 @@ class Pulls:
             return
         if channel is pull.destination and pull.importing:
             if report.ok:
+                seconds = time.monotonic() - pull.started
                 self.bytes_pulled += report.num_bytes
-                self._count("ok", report.num_bytes, time.monotonic() - pull.started)
+                self.estimate.observe(report.num_blocks, report.num_bytes, seconds)
+                self._count("ok", report.num_bytes, seconds)
             else:
                 self._count("failed")
             self._end(pull)
 
     def expire(self, now: float | None = None) -> None:
-        """Housekeeping: a holder that has not exported in time is not waited
-        for; stage files of pulls that ended are swept."""
+        """Housekeeping: a holder that has not exported by its pull's deadline
+        is not waited for; stage files of pulls that ended are swept."""
         now = time.monotonic() if now is None else now
-        for pull in [p for p in self._pulls.values() if not p.importing and now - p.started > _EXPORT_TIMEOUT_S]:
+        for pull in [p for p in self._pulls.values() if not p.importing and now > p.deadline]:
             self._fall_back(pull, "timeout")
         self._sweep_ended_stages()
 

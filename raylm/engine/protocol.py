@@ -44,6 +44,8 @@ class SchedulerStats(msgspec.Struct):
     num_preemptions: int = 0
     kv_capacity_tokens: int = 0  # tokens the KV cache holds, in all
     kv_capacity_tokens_per_rank: int = 0  # of which each rank holds (a CP group shares a sequence out)
+    # Seconds a prompt token takes here (raylm.core.prefill_pace; 0: not measured yet).
+    prefill_seconds_per_token: float = 0.0
     # Speculative decoding (raylm.core.spec_decode), totals since the core started.
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0

@@ -16,7 +16,7 @@ import signal
 import pytest
 
 from raylm import LLM, SamplingParams
-from raylm.engine import prefix_pull
+from raylm.engine import pull_estimate
 from raylm.engine.prefix_index import prompt_block_hashes
 from raylm.engine.protocol import KVCacheEvents
 from raylm.testing.hf_oracle import hf_greedy
@@ -90,7 +90,7 @@ def test_a_holder_that_dies_before_it_exports_leaves_the_request_to_compute(tiny
     """The holder is stopped (SIGSTOP) before it can export, then killed:
     the pull falls back when its channel is removed (not at a timeout: that
     is set far off), and the request computes its prompt on core 0."""
-    monkeypatch.setattr(prefix_pull, "_EXPORT_TIMEOUT_S", 600.0)
+    monkeypatch.setattr(pull_estimate, "EXPORT_TIMEOUT_S", 600.0)
     model = tiny_model_dir("llama")
     outputs: dict[str, list[int]] = {}
     with _engine(model) as llm:

@@ -230,8 +230,7 @@ class PrometheusStatLogger(StatLoggerBase):
         # request computed its prompt instead.
         self.pulls = Counter(
             "raylm:kv_pulls",
-            "Prefix pulls between replicas, by outcome (ok, missing, refused, failed, timeout, holder_gone, "
-            "destination_gone, aborted)",
+            "Prefix pulls between replicas, by outcome (" + ", ".join(PULL_OUTCOMES) + ")",
             [*labels, "outcome"],
             registry=r,
         )
