@@ -11,7 +11,7 @@ the embedded model, or `--model`: a folder, or `111m-8k` for compare_vllm.py's
 share a system prompt of `--system` tokens; each turn's prompt is the
 session's last prompt, the answer it got and `--user` new tokens, so a
 turn's prefix is in the cache of the replica that served the last one.
-Sessions start at random moments over the first second, and each sends its
+Sessions start at random moments over the first `--start-spread` seconds, and each sends its
 next turn a random think time (exponential, mean `--think-ms`) after its
 last answer ended, as users do: open arrivals, not a closed loop in which
 a finishing turn frees exactly the replica its session's next turn then
@@ -91,8 +91,10 @@ def run(policy: str, args, seed: int) -> dict:
 
         started = time.monotonic()
         # When each session sends its next turn: sessions start over the first
-        # second, hot requests over the run's expected length.
-        due = {sid: started + rng.random() * (args.hot_spread if sid[0] == "h" else 1.0) for sid in sessions}
+        # `--start-spread` seconds, hot requests over `--hot-spread`.
+        due = {
+            sid: started + rng.random() * (args.hot_spread if sid[0] == "h" else args.start_spread) for sid in sessions
+        }
         while engine.has_unfinished_requests() or due:
             now = time.monotonic()
             for sid in [s for s, at in due.items() if at <= now]:
@@ -141,6 +143,7 @@ def main() -> None:
     parser.add_argument("--user", type=int, default=24, help="new user tokens per turn")
     parser.add_argument("--output", type=int, default=32, help="answer tokens per turn")
     parser.add_argument("--think-ms", type=float, default=300.0, help="mean pause between a session's turns")
+    parser.add_argument("--start-spread", type=float, default=1.0, help="seconds over which sessions start")
     parser.add_argument("--hot", type=int, default=0, help="single-turn requests sharing one hot prefix")
     parser.add_argument("--hot-spread", type=float, default=10.0, help="seconds over which hot requests arrive")
     parser.add_argument("--model", default=None, help="a model folder, or 111m-8k (default: the embedded model)")

@@ -58,6 +58,7 @@ class PullEndpoint:
         # Pinned while the ranks copy them: an eviction would hand them to
         # another request's writes. Unpaced, the copy is over on return.
         self._kv.pool.touch(blocks)
+        self._copy_cpu()  # what earlier unpaced copies spent is not this pull's
         try:
             num_bytes, sources = transport_for(message.network).export(
                 self.core.executor.collective_rpc, message.path_prefix, [b.block_id for b in blocks], False
@@ -66,7 +67,23 @@ class PullEndpoint:
             return _refused(message.pull_id, f"exporting the prefix failed: {type(e).__name__}: {e}")
         finally:
             self._kv.pool.free(list(reversed(blocks)))
-        return PullReport(message.pull_id, ok=True, num_blocks=len(blocks), num_bytes=num_bytes, sources=sources)
+        return PullReport(
+            message.pull_id,
+            ok=True,
+            num_blocks=len(blocks),
+            num_bytes=num_bytes,
+            sources=sources,
+            cpu_seconds=self._copy_cpu(),
+        )
+
+    def _copy_cpu(self) -> float:
+        """The ranks' CPU seconds on unpaced copies since the last call (a
+        pull's own, reported apart from the background copies, which are
+        paced by their budget); 0 when the ranks cannot say."""
+        try:
+            return float(sum(self.core.executor.collective_rpc("kv_take_copy_cpu")))
+        except Exception:
+            return 0.0
 
     def _cached_prefix(self, block_hashes: list[bytes]) -> list[KVCacheBlock]:
         if not self._kv.enable_prefix_caching or self._kv.num_shards > 1:
@@ -118,6 +135,7 @@ class PullEndpoint:
             return _refused(message.pull_id, f"no room for {n} KV blocks")
         try:
             self.core.host_tier.flush()  # what that allocation evicted goes to the tier before it is overwritten
+            self._copy_cpu()
             num_bytes = transport_for(message.network).import_(
                 self.core.executor.collective_rpc,
                 message.path_prefix,
@@ -135,7 +153,7 @@ class PullEndpoint:
         # Unused until the request takes them: cached and free, the prefix's
         # tail first to go (as a finished request leaves its blocks).
         kv.pool.free(list(reversed(blocks)))
-        return PullReport(message.pull_id, ok=True, num_blocks=n, num_bytes=num_bytes)
+        return PullReport(message.pull_id, ok=True, num_blocks=n, num_bytes=num_bytes, cpu_seconds=self._copy_cpu())
 
 
 def _refused(pull_id: str, reason: str) -> PullReport:

@@ -92,6 +92,7 @@ class Pull:
     started: float
     deadline: float  # the holder's export is not waited for after this (time.monotonic)
     importing: bool = False  # PullImport sent: the destination has the request
+    cpu_seconds: float = 0.0  # the holder's ranks' CPU on its export
     # Requests whose prefix this pull brings to the same core: sent after it.
     followers: list[tuple[str, bytes]] = field(default_factory=list)
 
@@ -123,6 +124,7 @@ class Pulls:
         self._ids = itertools.count()
         self.counts: collections.Counter[str] = collections.Counter()
         self.bytes_pulled = 0
+        self.cpu_seconds = 0.0  # the ranks' CPU on pulls' copies, both ends
         self.estimate = PullEstimate()
         self._events: list[PullStats] = []  # pulls ended, for the front end's metrics
 
@@ -228,6 +230,7 @@ class Pulls:
                 self._fall_back(pull, outcome)
                 return
             pull.importing = True
+            pull.cpu_seconds = report.cpu_seconds
             n = report.num_blocks
             self._ledger[pull.request.request_id].held = False  # on its way, in PullImport
             self._send(
@@ -241,9 +244,9 @@ class Pulls:
                 seconds = time.monotonic() - pull.started
                 self.bytes_pulled += report.num_bytes
                 self.estimate.observe(report.num_blocks, report.num_bytes, seconds)
-                self._count("ok", report.num_bytes, seconds)
+                self._count("ok", report.num_bytes, seconds, pull.cpu_seconds + report.cpu_seconds)
             else:
-                self._count("failed")
+                self._count("failed", cpu_seconds=pull.cpu_seconds + report.cpu_seconds)
             self._end(pull)
 
     def expire(self, now: float | None = None) -> None:
@@ -343,9 +346,10 @@ class Pulls:
         self._send(pull.holder, PullEnd(pull.pull_id, pull.stage, pull.network))
         transport_for(pull.network).end_at_supervisor(self._stage_folder, pull.pull_id)
 
-    def _count(self, outcome: str, num_bytes: int = 0, seconds: float | None = None) -> None:
+    def _count(self, outcome: str, num_bytes: int = 0, seconds: float | None = None, cpu_seconds: float = 0.0) -> None:
         self.counts[outcome] += 1
-        self._events.append(PullStats(outcome, num_bytes, seconds))
+        self.cpu_seconds += cpu_seconds
+        self._events.append(PullStats(outcome, num_bytes, seconds, cpu_seconds))
 
     def has_events(self) -> bool:
         return bool(self._events)

@@ -263,6 +263,9 @@ class PullReport(msgspec.Struct):
     error: str | None = None
     # Export across nodes: where each rank offers the blocks.
     sources: list[str] | None = None
+    # The ranks' CPU seconds on the copy (the holder's export, or the
+    # destination's read; a network send by the holder's server thread is not in it).
+    cpu_seconds: float = 0.0
 
 
 class MigrationReport(msgspec.Struct):
@@ -292,6 +295,7 @@ class PullStats(msgspec.Struct):
     outcome: str
     num_bytes: int = 0
     seconds: float | None = None
+    cpu_seconds: float = 0.0  # the ranks' CPU on its copies, at both ends
 
 
 class HandoffStats(msgspec.Struct):

@@ -11,6 +11,7 @@ import gc
 import logging
 import os
 import threading
+import time
 
 import psutil
 import torch
@@ -54,6 +55,9 @@ class Worker:
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
         self.kv = RankTransfers(rank)  # K/V transfers between engines, and their copies beside the steps
+        # CPU seconds of unpaced copies (on a request's path: a prefix pull, a
+        # migration's final stage), taken by the core after each pull's copy.
+        self.kv_copy_cpu_s = 0.0
         self.kv_tier = RankHostTier(rank)  # the node's tier of evicted K/V blocks: this rank's file
         # Free GPU memory before this rank allocated anything (see determine_available_memory).
         self._cuda_free_at_start: int | None = None
@@ -253,12 +257,31 @@ class Worker:
     def kv_export(self, route: dict, block_ids: list[int], background: bool = False) -> list:
         """This rank's K/V of `block_ids` for a stage; [bytes, where to fetch them or None]
         (`background`: gathered by a thread beside the steps; the size is returned at once)."""
-        return self.kv.export(self.model_runner.kv_caches, route, block_ids, background)
+        return self._counting_cpu(background, self.kv.export, self.model_runner.kv_caches, route, block_ids, background)
 
     def kv_import(self, route: dict, block_ids: list[int], background: bool = False) -> int | None:
         """The same source rank's K/V of a stage into `block_ids` of this rank's cache
         (`background`: by a thread beside the steps; its outcome is `kv_copies_done`'s)."""
-        return self.kv.import_(self.model_runner.kv_caches, route, block_ids, background)
+        return self._counting_cpu(
+            background, self.kv.import_, self.model_runner.kv_caches, route, block_ids, background
+        )
+
+    def _counting_cpu(self, background: bool, copy, *args):
+        """`copy(*args)`; when not `background`, its CPU time (this thread's) is
+        added to `kv_copy_cpu_s`. Background copies are paced by their own
+        budget (raylm.kv_transfer.background) and not counted here."""
+        if background:
+            return copy(*args)
+        started = time.thread_time()
+        try:
+            return copy(*args)
+        finally:
+            self.kv_copy_cpu_s += time.thread_time() - started
+
+    def kv_take_copy_cpu(self) -> float:
+        """The CPU seconds of unpaced copies since the last call."""
+        spent, self.kv_copy_cpu_s = self.kv_copy_cpu_s, 0.0
+        return spent
 
     def kv_copies_done(self, names: list[str]) -> dict:
         """The background imports of `names` that have ended: name -> [ok, bytes or error]."""

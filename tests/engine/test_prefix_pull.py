@@ -59,6 +59,7 @@ def test_a_prefix_is_pulled_to_the_chosen_core(tiny_model_dir, monkeypatch, arch
         _run(llm, outputs, "second", SECOND, rank=0)
         assert sup.pulls.counts["ok"] == 1, dict(sup.pulls.counts)
         assert sup.pulls.bytes_pulled > 0
+        assert sup.pulls.cpu_seconds > 0  # the ranks' copies, counted apart
         # Core 0 computed none of the prefix: its blocks were found cached there.
         assert sup.channels[0].stats.prefix_cache_hits - hits_before == len(PREFIX) // BLOCK * BLOCK
         # The index saw core 0 store them (its own hashes): both hold the prefix now.
@@ -115,8 +116,9 @@ def test_pull_metrics(outcome):
     from raylm.entrypoints.openai.metrics import PrometheusStatLogger
 
     logger = PrometheusStatLogger("m")
-    logger.record_pull(PullStats(outcome, 4096, 0.02 if outcome == "ok" else None))
+    logger.record_pull(PullStats(outcome, 4096, 0.02 if outcome == "ok" else None, 0.25))
     text = logger.render().decode()
     assert f'raylm:kv_pulls_total{{engine="0",model_name="m",outcome="{outcome}"}} 1.0' in text
     assert 'raylm:kv_pull_bytes_total{engine="0",model_name="m"} 4096.0' in text
+    assert 'raylm:kv_pull_cpu_seconds_total{engine="0",model_name="m"} 0.25' in text
     assert f'raylm:kv_pull_seconds_count{{engine="0",model_name="m"}} {1.0 if outcome == "ok" else 0.0}' in text

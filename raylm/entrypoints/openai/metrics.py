@@ -235,6 +235,10 @@ class PrometheusStatLogger(StatLoggerBase):
             registry=r,
         )
         self.pull_bytes = counter("raylm:kv_pull_bytes", "KV cache bytes moved by prefix pulls")
+        # Unpaced, on the request's path: not charged to the background copies' CPU share.
+        self.pull_cpu = counter(
+            "raylm:kv_pull_cpu_seconds", "CPU seconds the ranks spent copying prefix pulls (both ends)"
+        )
         self.pull_seconds = histogram(
             "raylm:kv_pull_seconds",
             "A prefix pull's time, from routing to the destination's import",
@@ -364,6 +368,7 @@ class PrometheusStatLogger(StatLoggerBase):
     def record_pull(self, pull: PullStats) -> None:
         self.pulls.labels(outcome=pull.outcome, **self._labels).inc()
         self.pull_bytes.inc(pull.num_bytes)
+        self.pull_cpu.inc(pull.cpu_seconds)
         if pull.seconds is not None:
             self.pull_seconds.observe(pull.seconds)
 

@@ -226,6 +226,9 @@ class ContentModelExecutor(Executor):
     def _rpc_kv_import(self, route: dict, block_ids: list[int], background: bool = False):
         return self._rpc_import_kv(route["path_prefix"], block_ids, background)
 
+    def _rpc_kv_take_copy_cpu(self) -> float:
+        return 0.0  # the content model's copies are not timed
+
     def _rpc_export_kv(self, path_prefix: str, block_ids: list[int], background: bool = False) -> int:
         path = f"{path_prefix}.rank0"
         if not background:
