@@ -77,6 +77,9 @@ class CacheConfig:
     # own, as a core on another host does).
     kv_offloading_folder: str | None = None
     kv_offloading_host: str | None = None
+    # How many cores share the node's tier out: set with the folder (a Ray
+    # replica's own config says data_parallel_size 1); None: this core alone.
+    kv_offloading_replicas: int | None = None
 
     def __post_init__(self):
         if self.block_size < 1:

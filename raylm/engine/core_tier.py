@@ -11,14 +11,18 @@ supervisor), a private folder of this core's otherwise.
 Sizes: `kv_offloading_size` is the node's tier; each core takes an equal
 share of it, for as many replicas as the engine may run at once
 (data_parallel_size, or autoscale's max), and each rank an equal share of
-its core's (a slot holds a block of that rank's layers and heads). A size
-larger than the node's free memory is refused at the core's start. The
+its core's (a slot holds a block of that rank's layers and heads). A core
+started beyond that number (a manual scale-out) takes only what the node's
+tier has left (`tier_room`), so the node's files never exceed the size. A
+size larger than the node's free memory is refused at the core's start. The
 files are made anew when the executor is rebuilt (its ranks are new); a
 core that dies leaves its files to its supervisor's folder, removed with it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
 import logging
 import os
@@ -34,12 +38,43 @@ logger = logging.getLogger(__name__)
 
 _GIB = 2**30
 
+# In the folder of a node's tier files: held while a core counts them and makes its own.
+TIER_LOCK = ".kvtier-lock"
+
+
+def planned_replicas(config) -> int:
+    """How many replicas the engine may run at once (data_parallel_size, or autoscale's max)."""
+    autoscale = config.autoscale
+    return max(config.parallel_config.data_parallel_size, autoscale.max_replicas if autoscale is not None else 1)
+
 
 def tier_share_bytes(config) -> int:
-    """This core's share of the node's tier."""
-    pc, autoscale = config.parallel_config, config.autoscale
-    replicas = max(pc.data_parallel_size, autoscale.max_replicas if autoscale is not None else 1)
-    return int(config.cache_config.kv_offloading_size * _GIB) // replicas
+    """This core's share of the node's tier: the supervisor says among how
+    many cores (a Ray replica's own config counts one replica)."""
+    cc = config.cache_config
+    return int(cc.kv_offloading_size * _GIB) // (cc.kv_offloading_replicas or planned_replicas(config))
+
+
+def tier_room(folder: str, size_bytes: int) -> int:
+    """What is left of a node's tier of `size_bytes` beside the tier files
+    other cores made in `folder` (their nominal sizes)."""
+    used = 0
+    for path in glob.glob(os.path.join(glob.escape(folder), "kvtier-*.rank*")):
+        with contextlib.suppress(FileNotFoundError):
+            used += os.stat(path).st_size
+    return max(0, size_bytes - used)
+
+
+@contextlib.contextmanager
+def _tier_lock(folder: str):
+    """One core at a time counts the folder's files and makes its own: two
+    replicas started together must not both take what is left."""
+    fd = os.open(os.path.join(folder, TIER_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def check_fits_node(size_gib: float) -> None:
@@ -94,25 +129,34 @@ class CoreHostTier:
                 raise
             logger.warning("no K/V tier of evicted blocks after the rebuild: %s", e)
             return
-        per_rank = tier_share_bytes(config) // config.parallel_config.world_size
-        rpc = self.core.executor.collective_rpc
-        num_slots = min(rpc("kv_tier_slots", args=(per_rank,)))
-        if num_slots < 1:
-            logger.warning("kv_offloading_size leaves this core's ranks no room for one block: no tier")
-            return
         folder = self._folder()
         if folder is None:
             logger.warning("no K/V tier of evicted blocks: its supervisor's folder is gone (shutting down)")
             return
+        with _tier_lock(folder):
+            num_slots = self._open_files(folder)
+        if num_slots:
+            self.core.scheduler.kv_cache_manager.attach_tier(num_slots)
+
+    def _open_files(self, folder: str) -> int:
+        """Make the ranks' files of this core's share (at most what the
+        node's tier has left); their slots, 0 for none."""
+        config = self.core.config
+        share = min(tier_share_bytes(config), tier_room(folder, int(config.cache_config.kv_offloading_size * _GIB)))
+        rpc = self.core.executor.collective_rpc
+        num_slots = min(rpc("kv_tier_slots", args=(share // config.parallel_config.world_size,)))
+        if num_slots < 1:
+            logger.warning("kv_offloading_size leaves this core's ranks no room for one block: no tier")
+            return 0
         self.prefix = os.path.join(folder, f"kvtier-{uuid.uuid4().hex[:12]}")
         try:
             rpc("kv_tier_open", args=(self.prefix, num_slots))
         except Exception as e:  # a rank on another node than its core (no such folder there), or failing
             logger.warning("no K/V tier of evicted blocks: a rank could not make its file (%s)", e)
             self._remove_files()
-            return
-        self.core.scheduler.kv_cache_manager.attach_tier(num_slots)
+            return 0
         logger.info("K/V tier of evicted blocks: %d blocks (%s.rank*)", num_slots, self.prefix)
+        return num_slots
 
     def _folder(self) -> str | None:
         """The supervisor's folder on its host (None if it is gone: the engine

@@ -25,6 +25,7 @@ import os
 import socket
 
 from raylm.engine.core_channel import CoreChannel, CoreLauncher
+from raylm.engine.core_tier import planned_replicas
 from raylm.engine.prefix_index import PrefixIndex, reusable_prefix_hashes
 from raylm.engine.prefix_pull import MAX_PULL_BLOCKS
 from raylm.engine.protocol import EngineCoreRequest, TierLoad
@@ -51,6 +52,7 @@ class TierLoads:
             folder = kv_routes.stage_folder.make()
             config.cache_config.kv_offloading_folder = folder
             config.cache_config.kv_offloading_host = socket.gethostname()
+            config.cache_config.kv_offloading_replicas = planned_replicas(config)
         return cls(index, config.cache_config.block_size, launcher, folder, encode)
 
     def plan(

@@ -14,7 +14,7 @@ import os
 import pytest
 
 from raylm import LLM, SamplingParams
-from raylm.engine.core_tier import tier_share_bytes
+from raylm.engine.core_tier import tier_room, tier_share_bytes
 from raylm.testing.hf_oracle import hf_greedy
 from tests.engine.pinned import run_pinned
 
@@ -22,6 +22,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 # 25 blocks of 16 each: two of them do not fit in a 41-block cache together.
 A = [(13 * j) % 250 + 3 for j in range(400)]
 B = [(17 * j) % 240 + 5 for j in range(400)]
+
+
+TIER_GIB = 0.002
 
 
 def _cache_bytes(model: str, num_blocks: int = 41) -> int:
@@ -39,7 +42,7 @@ def _engine(model: str, **kwargs) -> LLM:
         num_threads=1,
         max_model_len=512,
         kv_cache_memory_bytes=kwargs.pop("kv_cache_memory_bytes", _cache_bytes(model)),
-        kv_offloading_size=kwargs.pop("kv_offloading_size", 0.002),
+        kv_offloading_size=kwargs.pop("kv_offloading_size", TIER_GIB),
         **kwargs,
     )
 
@@ -101,6 +104,14 @@ def test_tensor_parallel_ranks_each_keep_their_shard(tiny_model_dir):
     assert outputs == [r.token_ids for r in hf_greedy(model, [A, B, A], 6)]
 
 
+def test_a_core_takes_no_more_than_the_node_tier_has_left(tmp_path):
+    (tmp_path / "kvtier-aaa.rank0").write_bytes(b"x" * 600)
+    (tmp_path / "kvtier-aaa.rank1").write_bytes(b"x" * 300)
+    (tmp_path / "pull3-0.rank0").write_bytes(b"x" * 5000)  # a transfer's stage, not a tier
+    assert tier_room(str(tmp_path), 1000) == 100
+    assert tier_room(str(tmp_path), 800) == 0
+
+
 @pytest.mark.parametrize("size", [0, -1.0, float("nan"), "2"])
 def test_a_size_that_is_no_size_is_refused_by_name(tiny_model_dir, size):
     with pytest.raises(ValueError, match="kv_offloading_size"):
@@ -132,8 +143,15 @@ def _replica_loads_from_another_replicas_tier(model: str, backend: str) -> None:
         assert stats.prefix_cache_tier_hits == 24 * 16
         folder = sup.kv_routes.transfer_dir
         assert len(glob.glob(os.path.join(folder, "kvtier-*"))) == 2  # one core, one rank each
+        # A third replica, above the two the node's tier was shared out for,
+        # gets what is left of it (nothing here): the files stay within the size.
+        llm.scale(3)
+        files = glob.glob(os.path.join(folder, "kvtier-*"))
+        assert len(files) == 2 and sum(os.path.getsize(f) for f in files) <= int(TIER_GIB * 2**30)
+        _run(llm, outputs, "a2", A, rank=2)  # it serves, and reads the others' tiers
     assert not os.path.exists(folder)
-    assert [outputs[r] for r in ("a1", "b", "c", "a0")] == [t.token_ids for t in hf_greedy(model, [A, B, c, A], 6)]
+    expected = hf_greedy(model, [A, B, c, A], 6)
+    assert [outputs[r] for r in ("a1", "b", "c", "a0", "a2")] == [t.token_ids for t in expected + expected[:1]]
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from raylm.config import EngineConfig, create_engine_config
 from raylm.core.kv_cache_manager import hash_block, root_hash
+from raylm.engine.core_tier import TIER_LOCK
 from raylm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
 from raylm.sampling_params import SamplingParams
 from raylm.testing.chaos.content_model import reference_tokens
@@ -282,7 +283,7 @@ class World(SimHost):
             # The serving cores' tiers of evicted blocks live there; nothing else may.
             prefixes = [self.cores[i].core.host_tier.prefix for i in sup.channels]
             tiers = {os.path.basename(p) for p in prefixes if p is not None}
-            left = [f for f in os.listdir(folder) if f.rsplit(".", 1)[0] not in tiers]
+            left = [f for f in os.listdir(folder) if f.rsplit(".", 1)[0] not in tiers and f != TIER_LOCK]
             assert left == [], f"transfer files left behind: {left}"
         hashes = self._expected_blocks()
         for index, proc in self.cores.items():
