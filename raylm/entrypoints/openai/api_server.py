@@ -382,10 +382,11 @@ def startup_line(config: Any, names: list[str], args: argparse.Namespace) -> str
 
 
 def served_adapters_from(
-    args: argparse.Namespace, engine: AsyncLLM, names: list[str], stat_logger: PrometheusStatLogger
+    args: argparse.Namespace, engine: AsyncLLM, names: list[str], stat_logger: PrometheusStatLogger | None
 ) -> ServedAdapters:
     """--lora-modules, each checked against the base model now (a bad one
-    stops the start, naming it), and the run-time settings."""
+    stops the start, naming it), and the run-time settings (`raylm serve`'s,
+    or a Ray Serve replica's: raylm.ray_serve)."""
     runtime = getattr(args, "allow_runtime_lora_updating", False)
     adapters = ServedAdapters(
         engine,
@@ -393,7 +394,7 @@ def served_adapters_from(
         getattr(args, "max_served_loras", DEFAULT_MAX_SERVED_LORAS),
         args.lora_directory if runtime else None,
     )
-    if engine.input_processor.adapters is not None:
+    if engine.config.lora_config is not None and stat_logger is not None:
         engine.input_processor.adapters.on_load = stat_logger.record_lora_load
         stat_logger.max_loras = engine.config.lora_config.max_loras
     for module in getattr(args, "lora_modules", None) or ():
