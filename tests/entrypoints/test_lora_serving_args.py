@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from raylm.config import create_engine_config
 from raylm.engine.input_processor import InputProcessor
+from raylm.engine.protocol import SchedulerStats
 from raylm.entrypoints.cli import build_parser
 from raylm.entrypoints.openai.api_server import served_adapters_from
 from raylm.entrypoints.openai.cli_args import check_lora_serving_args
@@ -99,3 +100,19 @@ def test_a_bad_startup_adapter_stops_the_start_naming_it(tiny_model_dir, tmp_pat
     args = _serve_args("--enable-lora", "--lora-modules", f"good={good}", f"big={too_big}")
     with pytest.raises(ValueError, match=r"--lora-modules big=.*r 16 is over max_lora_rank \(8\)"):
         served_adapters_from(args, engine, ["m"], stat_logger)
+
+
+def test_lora_requests_info_keeps_the_present_series_only():
+    """vLLM's labels; clients choose which adapters run, so the gauge keeps
+    one series (the last report's), not one per set ever seen."""
+    stat_logger = PrometheusStatLogger("m")
+    stat_logger.record_scheduler_stats(SchedulerStats(lora_running=["a"]))
+    assert "vllm:lora_requests_info{" not in stat_logger.render().decode()  # LoRA off: nothing
+    stat_logger.max_loras = 2
+    for running, waiting in ((["a"], []), (["a", "b"], ["c"]), (["b"], ["c", "d"])):
+        stat_logger.record_scheduler_stats(SchedulerStats(lora_running=running, lora_waiting=waiting))
+    lines = stat_logger.render().decode().splitlines()
+    series = [line for line in lines if line.startswith("vllm:lora_requests_info{")]
+    assert len(series) == 1
+    assert 'running_lora_adapters="b"' in series[0] and 'waiting_lora_adapters="c,d"' in series[0]
+    assert 'max_lora="2"' in series[0]

@@ -269,6 +269,7 @@ class PrometheusStatLogger(StatLoggerBase):
         # check an adapter's files (raylm.lora.registry: at start, at a
         # run-time load, at the first request for files not seen before).
         self.max_loras: int | None = None
+        self._lora_info_labels: tuple[str, str, str] | None = None
         self.lora_info = Gauge(
             "vllm:lora_requests_info",
             "Running stats on LoRA requests",
@@ -306,11 +307,14 @@ class PrometheusStatLogger(StatLoggerBase):
         self.kv_tier_blocks.set(stats.kv_tier_blocks)
         self.kv_tier_capacity.set(stats.kv_tier_capacity_blocks)
         if self.max_loras is not None:
-            self.lora_info.labels(
-                running_lora_adapters=",".join(stats.lora_running),
-                max_lora=str(self.max_loras),
-                waiting_lora_adapters=",".join(stats.lora_waiting),
-            ).set_to_current_time()
+            labels = (",".join(stats.lora_running), str(self.max_loras), ",".join(stats.lora_waiting))
+            # One series, the present's: the sets of adapters clients make run
+            # are theirs to choose, and a series kept for each would grow
+            # /metrics without bound (vLLM keeps them, each at its last time).
+            if self._lora_info_labels not in (None, labels):
+                self.lora_info.remove(*self._lora_info_labels)
+            self._lora_info_labels = labels
+            self.lora_info.labels(*labels).set_to_current_time()
 
     def record_lora_load(self, seconds: float) -> None:
         self.lora_load_time.observe(seconds)

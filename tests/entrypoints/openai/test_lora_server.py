@@ -134,6 +134,8 @@ def test_a_request_naming_the_adapter_equals_peft_whole_and_streamed(http, expec
 def test_chat_with_the_adapter_equals_peft(http, llama_dir, lora_dir, tokenizer):
     messages = [{"role": "user", "content": "Say something"}]
     prompt = http.post("/tokenize", json={"model": MODEL_NAME, "messages": messages}).json()["tokens"]
+    # An adapter's name tokenizes as its base does (vLLM's /tokenize takes it too).
+    assert http.post("/tokenize", json={"model": "all", "messages": messages}).json()["tokens"] == prompt
     want = tokenizer.decode(
         peft_greedy(llama_dir, f"{lora_dir}/all", [prompt], MAX_TOKENS)[0].token_ids, skip_special_tokens=True
     )
