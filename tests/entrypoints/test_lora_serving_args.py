@@ -6,6 +6,7 @@ run-time loads confined to --lora-directory (symlinks followed)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 from types import SimpleNamespace
 
@@ -19,7 +20,8 @@ from raylm.entrypoints.cli import build_parser
 from raylm.entrypoints.openai.api_server import served_adapters_from
 from raylm.entrypoints.openai.cli_args import check_lora_serving_args
 from raylm.entrypoints.openai.metrics import PrometheusStatLogger
-from raylm.entrypoints.openai.serving_lora import LoRAModule, confined_path, parse_lora_module
+from raylm.entrypoints.openai.serving_common import OpenAIError
+from raylm.entrypoints.openai.serving_lora import LoRAModule, ServedAdapters, confined_path, parse_lora_module
 from raylm.testing.lora_oracle import make_tiny_adapter
 
 
@@ -116,3 +118,29 @@ def test_lora_requests_info_keeps_the_present_series_only():
     assert len(series) == 1
     assert 'running_lora_adapters="b"' in series[0] and 'waiting_lora_adapters="c,d"' in series[0]
     assert 'max_lora="2"' in series[0]
+
+
+def test_an_unload_waits_for_a_request_still_on_its_way_to_the_engine(tmp_path):
+    """A handler that looked the adapter up holds it until it returns (by
+    then its request is in the engine, which the unload waits for too)."""
+    engine = SimpleNamespace(
+        input_processor=SimpleNamespace(check_lora_request=lambda request: request),
+        num_requests_with_adapter=lambda lora_int_id: 0,
+    )
+
+    async def go() -> None:
+        adapters = ServedAdapters(engine, ["m"], lora_directory=str(tmp_path))
+        adapters.add("a", str(tmp_path))
+        with adapters.holding("a"):
+            assert adapters.resolve("a")[1] is not None
+            unload = asyncio.ensure_future(adapters.unload("a"))
+            for _ in range(5):
+                await asyncio.sleep(0.02)
+            assert not unload.done(), "the unload answered while a request held the adapter"
+            with pytest.raises(OpenAIError, match="does not exist"):
+                adapters.resolve("a")  # the name left at once
+        await asyncio.wait_for(unload, 10)
+        with adapters.holding("m"), adapters.holding(None):
+            pass  # the base model's names hold nothing
+
+    asyncio.run(go())

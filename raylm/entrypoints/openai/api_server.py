@@ -228,12 +228,14 @@ def build_app(
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         request._structured_outputs_defaults = structured_outputs_defaults
-        return await completions.create(request, raw_request)
+        with adapters.holding(request.model):
+            return await completions.create(request, raw_request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         request._structured_outputs_defaults = structured_outputs_defaults
-        return await chat.create(request, raw_request)
+        with adapters.holding(request.model):
+            return await chat.create(request, raw_request)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:

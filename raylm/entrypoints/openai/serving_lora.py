@@ -14,7 +14,8 @@ then paths are confined to --lora-directory (resolved: a symlink may not
 lead out), the catalogue holds at most `max_adapters` adapters, and a bad
 adapter is refused with a 400 naming the problem, the catalogue unchanged.
 Unloading waits: the name leaves at once (new requests for it get 404),
-and the answer comes once the engine holds no request that runs with it.
+and the answer comes once no request that runs with it is left, in the
+engine or on its way there (`holding`).
 The routes are behind the API key; a server bound to a non-loopback
 address refuses to start with them on and no key (cli_args.run_serve).
 """
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -120,6 +123,9 @@ class ServedAdapters:
         self._by_name: dict[str, LoRARequest] = {}
         self._next_id = 1
         self._lock = asyncio.Lock()  # one load or unload at a time
+        # Adapter id -> requests between their name's lookup and the engine
+        # (`holding`): an unload waits for them as for the engine's.
+        self._held: collections.Counter[int] = collections.Counter()
 
     @property
     def runtime_updating(self) -> bool:
@@ -161,6 +167,24 @@ class ServedAdapters:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, "model", "NotFoundError")
         return model, adapter
 
+    @contextlib.contextmanager
+    def holding(self, model: str | None):
+        """Around a request's handler: if `model` names an adapter, the
+        request counts as using it until the handler returns (by then it is
+        in the engine, or refused), so that an unload never answers while a
+        request that looked the name up is still on its way there."""
+        adapter = self._by_name.get(model) if isinstance(model, str) else None
+        if adapter is None:
+            yield
+            return
+        self._held[adapter.lora_int_id] += 1
+        try:
+            yield
+        finally:
+            self._held[adapter.lora_int_id] -= 1
+            if not self._held[adapter.lora_int_id]:
+                del self._held[adapter.lora_int_id]
+
     def cards(self, root: str, max_model_len: int) -> list[ModelCard]:
         """/v1/models: the base model's names, then each adapter with its base as parent."""
         base = [ModelCard(id=name, root=root, max_model_len=max_model_len) for name in self.base_names]
@@ -194,7 +218,7 @@ class ServedAdapters:
             adapter = self._by_name.pop(name, None)
         if adapter is None:
             raise OpenAIError(f"The lora adapter '{name}' cannot be found.", 404, "lora_name", "NotFoundError")
-        while self.engine.num_requests_with_adapter(adapter.lora_int_id):
+        while self._held[adapter.lora_int_id] or self.engine.num_requests_with_adapter(adapter.lora_int_id):
             await asyncio.sleep(_UNLOAD_POLL_S)
 
 
