@@ -211,7 +211,8 @@ class ServedAdapters:
                 raise OpenAIError(" ".join(str(e).split()), 400, _param_of(e)) from e
 
     async def unload(self, name: str) -> None:
-        """The name leaves now; the answer waits for the engine's requests with it to finish."""
+        """The name leaves now; the answer waits until no request runs with
+        the adapter, in the engine or on its way there (`holding`)."""
         if not self.runtime_updating:
             raise OpenAIError(_OFF, 404)
         async with self._lock:
