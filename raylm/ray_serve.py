@@ -118,8 +118,31 @@ def split_settings(settings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
             )
     if isinstance(server["served_model_name"], str):
         server["served_model_name"] = [server["served_model_name"]]
+    server["lora_modules"] = _lora_modules(server["lora_modules"])
+    if server["lora_modules"] and not engine.get("enable_lora"):
+        raise ValueError("lora_modules: needs enable_lora")
     _check_server_settings(server)
     return EngineArgs(**engine).to_kwargs(), server
+
+
+def _lora_modules(value: Any) -> list | None:
+    """lora_modules as `raylm serve --lora-modules` reads them: each a
+    "name=path" string, vLLM's JSON object (or a dict of it), or one parsed."""
+    from raylm.entrypoints.openai.serving_lora import LoRAModule, parse_lora_module
+
+    if value is None:
+        return None
+    if isinstance(value, (str, dict, LoRAModule)):
+        value = [value]
+    modules = []
+    for item in value:
+        if isinstance(item, dict):
+            item = json.dumps(item)
+        try:
+            modules.append(item if isinstance(item, LoRAModule) else parse_lora_module(str(item)))
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"lora_modules: {e}") from None
+    return modules
 
 
 def _check_server_settings(server: dict[str, Any]) -> None:
@@ -128,6 +151,14 @@ def _check_server_settings(server: dict[str, Any]) -> None:
     from raylm.entrypoints.openai.reasoning_parsers import reasoning_parser_names
     from raylm.entrypoints.openai.structured_outputs import StructuredOutputDefaults
 
+    if server["allow_runtime_lora_updating"]:
+        # Serve sends a load to one replica: the others would not serve the name.
+        raise ValueError(
+            "allow_runtime_lora_updating: not under Ray Serve (a load would reach one replica); "
+            "name the adapters with lora_modules"
+        )
+    if server["max_served_loras"] < 1 or len(server["lora_modules"] or ()) > server["max_served_loras"]:
+        raise ValueError("max_served_loras: at least 1, and at least as many as lora_modules")
     parser = server["reasoning_parser"]
     if parser is not None and parser not in reasoning_parser_names():
         raise ValueError(f"reasoning_parser: one of {reasoning_parser_names()}, got {parser!r}")
@@ -325,7 +356,7 @@ def build_replica_app(engine, names: list[str], server: dict[str, Any], stat_log
     """The OpenAI app of `raylm serve` (api_server.build_app) around a
     replica's engine, with the server settings `server`, as reachable from
     the network (SERVE_PROXY_HOST)."""
-    from raylm.entrypoints.openai.api_server import CorsSettings, build_app
+    from raylm.entrypoints.openai.api_server import CorsSettings, build_app, served_adapters_from
     from raylm.entrypoints.openai.limits import ServerLimits
     from raylm.entrypoints.openai.structured_outputs import StructuredOutputDefaults
 
@@ -347,6 +378,8 @@ def build_replica_app(engine, names: list[str], server: dict[str, Any], stat_log
         structured_outputs_defaults=StructuredOutputDefaults.from_json(server["structured_outputs_config"]),
         reasoning_parser=server["reasoning_parser"],
         host=SERVE_PROXY_HOST,
+        # --lora-modules, checked in each replica as at `raylm serve`'s start.
+        adapters=served_adapters_from(argparse.Namespace(**server), engine, names, stat_logger),
     )
 
 

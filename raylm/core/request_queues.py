@@ -210,9 +210,16 @@ class RequestQueues:
             "kv_tier_blocks": len(tier) if tier is not None else 0,
             "kv_tier_capacity_blocks": tier.num_slots if tier is not None else 0,
             "num_preemptions": self.num_preemptions,
+            "lora_running": _adapter_names(self.running),
+            "lora_waiting": _adapter_names(self.waiting),
             # What the KV cache holds: in all, and on each rank (a CP group's ranks share it out).
             "kv_capacity_tokens": self.kv_cache_manager.num_blocks * self.kv_cache_manager.block_size,
             "kv_capacity_tokens_per_rank": self.kv_cache_manager.num_blocks
             // self.kv_cache_manager.num_shards
             * self.kv_cache_manager.block_size,
         }
+
+
+def _adapter_names(requests) -> list[str]:
+    """The names of the LoRA adapters `requests` run with, sorted."""
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})

@@ -420,6 +420,7 @@ class Scheduler(RequestQueues):
 
     def stats(self) -> dict:
         stats = super().stats()
+        stats["lora_slots"] = list(self.adapters.resident)
         if self.speculator is not None:
             stats.update(self.speculator.stats.as_dict())
         return stats

@@ -129,6 +129,10 @@ class AsyncLLM:
     def num_unfinished_requests(self) -> int:
         return len(self._requests)
 
+    def num_requests_with_adapter(self, lora_int_id: int) -> int:
+        """Requests in flight that run with the LoRA adapter of this id."""
+        return sum(1 for state in self._requests.values() if state.lora_int_id == lora_int_id)
+
     def _check_alive(self) -> None:
         if self.dead_error is not None:
             raise self.dead_error
@@ -239,7 +243,10 @@ class AsyncLLM:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         children = self.input_processor.core_requests(request_id, processed, params)
-        state = RequestState(asyncio.Queue(), stream, len(processed.prompt_token_ids))
+        lora = processed.lora_request
+        state = RequestState(
+            asyncio.Queue(), stream, len(processed.prompt_token_ids), lora_int_id=lora.lora_int_id if lora else None
+        )
         self.output_processor.add_request(
             request_id, processed.prompt, processed.prompt_token_ids, params, [c.request_id for c in children]
         )

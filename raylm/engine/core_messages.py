@@ -47,6 +47,9 @@ def aggregate_stats(channels: Mapping[int, CoreChannel]) -> SchedulerStats:
         kv_capacity_tokens=sum(s.kv_capacity_tokens for s in stats),
         kv_capacity_tokens_per_rank=max((s.kv_capacity_tokens_per_rank for s in stats), default=0),
         unhealthy=next((s.unhealthy for s in stats if s.unhealthy), None),
+        lora_running=sorted({name for s in stats for name in s.lora_running}),
+        lora_waiting=sorted({name for s in stats for name in s.lora_waiting}),
+        lora_slots=sorted({digest for s in stats for digest in s.lora_slots}),
         **_spec_decode_totals(stats),
     )
 

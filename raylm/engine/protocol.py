@@ -53,6 +53,12 @@ class SchedulerStats(msgspec.Struct):
     spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
     spec_decode_num_steps_aside: int = 0  # steps in which a decoding request decoded without a draft
     spec_decode_steps_aside_by_reason: dict[str, int] = msgspec.field(default_factory=dict)
+    # LoRA adapters (raylm.lora): the names of those the running and the
+    # waiting requests run with (vllm:lora_requests_info), and the content
+    # digests of those the core's adapter slots hold (routing by adapter).
+    lora_running: list[str] = msgspec.field(default_factory=list)
+    lora_waiting: list[str] = msgspec.field(default_factory=list)
+    lora_slots: list[str] = msgspec.field(default_factory=list)
     # Set once failed requests caused more recoveries than the engine forgives
     # (EngineCore.unhealthy_reason): /health turns 503 for a supervisor to act.
     unhealthy: str | None = None

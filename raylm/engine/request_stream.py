@@ -68,3 +68,6 @@ class RequestState:
     prefill_seconds: float | None = None  # as the core measured it
     # The completions (by index) whose finish the stat loggers have counted.
     counted_finished: set[int] = field(default_factory=set)
+    # Its LoRA adapter's id (LoRARequest.lora_int_id), if any: a server's
+    # unload waits for the requests that run with it.
+    lora_int_id: int | None = None

@@ -22,6 +22,11 @@ emptier cache.
   prefix is chosen unless it is busier than the idlest by 8 requests or
   more. A multi-turn session follows its cache this way: the next turn's
   prompt extends the last one's, whose blocks the index saw stored.
+  A request with a LoRA adapter earns `ADAPTER_CREDIT` more on a core that
+  holds its adapter (in its slots, as the core last reported, or run by a
+  request it has in flight): it goes there unless that core is busier than
+  the idlest by that many requests, which then reads the adapter itself
+  (every replica reads it from the same path).
 
 Rebalancing (`plan_rebalance`) moves running requests, by live migration,
 from the busiest core to the least busy when their scores differ by at least
@@ -65,18 +70,37 @@ class CoreLoad:
     in_flight: int
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    # Content digests of the LoRA adapters it holds (filled only when the
+    # request being routed has one: `adapters_on`).
+    adapters: frozenset[str] = frozenset()
 
     @property
     def score(self) -> float:
         return self.in_flight + 2 * self.num_waiting + self.kv_cache_usage
 
 
-def load_of(channel: CoreChannel) -> CoreLoad:
+def load_of(channel: CoreChannel, adapters: frozenset[str] = frozenset()) -> CoreLoad:
     """What routing knows of `channel`: its requests in flight and its last report."""
     stats = channel.stats
     return CoreLoad(
-        channel.index, len(channel.in_flight), stats.num_waiting if stats else 0, stats.kv_cache_usage if stats else 0.0
+        channel.index,
+        len(channel.in_flight),
+        stats.num_waiting if stats else 0,
+        stats.kv_cache_usage if stats else 0.0,
+        adapters,
     )
+
+
+def adapters_on(channel: CoreChannel, ledger: Ledger) -> frozenset[str]:
+    """The LoRA adapters `channel`'s core holds: those its slots held at its
+    last report, and those of the requests sent to it since (exact and
+    immediate: a burst for a new adapter follows the first of its requests)."""
+    held = set(channel.stats.lora_slots) if channel.stats else set()
+    for request_id in channel.in_flight:
+        entry = ledger.get(request_id)
+        if entry is not None and entry.request.lora_request is not None:
+            held.add(entry.request.lora_digest)
+    return frozenset(held)
 
 
 def least_loaded(loads: list[CoreLoad]) -> CoreLoad | None:
@@ -122,6 +146,11 @@ class VllmRouting(RoutingPolicy):
 # roughly a queued request's wait.
 PREFIX_TOKENS_PER_REQUEST = 256
 MAX_PREFIX_CREDIT = 8.0
+# A core holding a request's LoRA adapter counts as this many requests less
+# loaded for it: another core would read the adapter's files and fill a
+# slot (a step's worth of work or more), and take a slot another adapter
+# may hold.
+ADAPTER_CREDIT = 4.0
 # A prompt is hashed for routing up to this many blocks (the supervisor's
 # CPU per request stays bounded; longer matches earn no more credit anyway).
 MAX_ROUTING_BLOCKS = 1024
@@ -150,9 +179,13 @@ class KVAwareRouting(RoutingPolicy):
         self.last_matched = matched
         self.last_hashes = (request.request_id, hashes)
 
+        digest = request.lora_digest
+
         def cost(load: CoreLoad) -> tuple[float, int]:
             cached_tokens = matched.get(load.index, 0) * self.block_size
-            return load.score - min(cached_tokens / PREFIX_TOKENS_PER_REQUEST, MAX_PREFIX_CREDIT), load.index
+            prefix_credit = min(cached_tokens / PREFIX_TOKENS_PER_REQUEST, MAX_PREFIX_CREDIT)
+            adapter_credit = ADAPTER_CREDIT if digest is not None and digest in load.adapters else 0.0
+            return load.score - prefix_credit - adapter_credit, load.index
 
         return min(loads, key=cost)
 
@@ -160,8 +193,9 @@ class KVAwareRouting(RoutingPolicy):
 ROUTING_POLICIES = ("kv_aware", "load", "vllm")
 # Why a new request went where it went (raylm:routing_decisions_total):
 # pinned by its client (data_parallel_rank), to a core holding some of its
-# prompt's prefix, by load alone, or queued (no core serving).
-ROUTING_REASONS = ("pinned", "prefix", "load", "queued")
+# prompt's prefix, to one holding its LoRA adapter, by load alone, or
+# queued (no core serving).
+ROUTING_REASONS = ("pinned", "prefix", "adapter", "load", "queued")
 
 
 def routing_policy(name: str, index: PrefixIndex, block_size: int) -> RoutingPolicy:
@@ -206,6 +240,7 @@ class Router:
         # Which of the serving cores take new and resent requests (P/D: the
         # prefill replicas, raylm.engine.handoff); None: all of them.
         self.candidates: Callable[[list[CoreChannel]], list[CoreChannel]] | None = None
+        self._adapter_held = False  # the last choice's core held its request's LoRA adapter
 
     def choose(self, request: EngineCoreRequest, rank: int | None) -> CoreChannel | None:
         """The core for `request`; ValueError for a rank that does not serve."""
@@ -221,7 +256,12 @@ class Router:
         serving = self.ledger.serving()
         if self.candidates is not None:
             serving = self.candidates(serving)
-        best = self.policy.choose(request, [load_of(c) for c in serving])
+        if request.lora_request is None:
+            loads = [load_of(c) for c in serving]
+        else:
+            loads = [load_of(c, adapters_on(c, self.ledger)) for c in serving]
+        best = self.policy.choose(request, loads)
+        self._adapter_held = best is not None and request.lora_digest in best.adapters
         return None if best is None else channels[best.index]
 
     def add(self, request: EngineCoreRequest, frame: bytes, rank: int | None) -> None:
@@ -249,7 +289,9 @@ class Router:
             return "queued"
         request_id, _ = getattr(self.policy, "last_hashes", ("", None))
         matched = getattr(self.policy, "last_matched", {}) if request_id == request.request_id else {}
-        return "prefix" if matched.get(channel.index, 0) > 0 else "load"
+        if matched.get(channel.index, 0) > 0:
+            return "prefix"
+        return "adapter" if self._adapter_held else "load"
 
     def _hashes_of(self, request: EngineCoreRequest) -> list[bytes] | None:
         """Its prompt's block hashes, where the policy just computed them."""

@@ -9,7 +9,9 @@ digest: their K/V is never shared with the old weights')."""
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from raylm.config import LoRAConfig
 from raylm.lora.peft_loader import files_key, load_adapter
@@ -24,6 +26,9 @@ class AdapterRegistry:
     def __init__(self, arch: ArchConfig, lora_config: LoRAConfig):
         self.arch, self.lora_config = arch, lora_config
         self._digests: OrderedDict[tuple, str] = OrderedDict()
+        # Told the seconds each adapter's files took to read and check (a
+        # server's load-time histogram); called in the thread that read them.
+        self.on_load: Callable[[float], None] | None = None
 
     def resolve(self, lora_request: LoRARequest) -> LoRARequest:
         """`lora_request` with its content digest; ValueError if its adapter is refused."""
@@ -32,7 +37,10 @@ class AdapterRegistry:
         key = files_key(lora_request.lora_path)
         digest = self._digests.get(key)
         if digest is None:
+            start = time.perf_counter()
             digest = load_adapter(lora_request.lora_path, self.arch, self.lora_config).digest
+            if self.on_load is not None:
+                self.on_load(time.perf_counter() - start)
             self._digests[key] = digest
             while len(self._digests) > MAX_REMEMBERED:
                 self._digests.popitem(last=False)

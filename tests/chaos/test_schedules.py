@@ -4,7 +4,8 @@ content model (raylm.testing.chaos), and checks the invariants after every
 step and every schedule: each stream's tokens are an undisturbed run's
 (the content model's oracle), only the poison request fails, the engine
 answers, nothing is left behind, and every prefix-cache block holds the
-tokens its hash names.
+tokens its hash names (some requests run with LoRA adapters: their K/V is
+the adapter's, never shared with another's).
 
 Besides faults and operations at random steps, a schedule may run to a
 migration's hand-over and strike there (`strike_at_hand_over`): the moment
@@ -42,7 +43,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from raylm.config import AutoscaleConfig
 from raylm.engine.autoscaler import AutoscalePolicy
 from raylm.testing.chaos.content_model import FIRST_SAMPLED, POISON_TOKEN
-from raylm.testing.chaos.sim import HANDOFF_OUTCOMES, PULL_OUTCOMES, TIER_LOADS, World, chaos_config
+from raylm.testing.chaos.sim import (
+    HANDOFF_OUTCOMES,
+    PULL_OUTCOMES,
+    ROUTING_DECISIONS,
+    TIER_LOADS,
+    World,
+    chaos_config,
+)
 
 SCHEDULES = int(os.environ.get("RAYLM_CHAOS_SCHEDULES", "500"))
 SEED = int(os.environ.get("RAYLM_CHAOS_SEED", "20261207"))
@@ -59,6 +67,12 @@ PROMPTS = [
     [900 + j for j in range(32)],  # eight blocks (and 30 more at most: within max_model_len): evicts the others
 ]
 POISON_PROMPT = [800, POISON_TOKEN, 801, 802]
+# The LoRA adapters a request may run with (None: the base model): the same
+# prompt under two adapters must never share K/V, and a request keeps its
+# adapter through migrations, recoveries, pulls and hand-offs. Three
+# adapters over max_loras=2: one waits for a slot now and then.
+ADAPTERS = (None, None, "a", "b", "c")
+LORA = {"enable_lora": True, "max_loras": 2}
 MAX_REQUESTS = 10
 # Faults the schedule may strike (each exposing requests no fault exposed before).
 MAX_FAULTS = 2
@@ -95,9 +109,9 @@ class ChaosSchedule(RuleBasedStateMachine):
     def start(self, tiered):
         """Half the schedules run with a tier of evicted blocks (--kv-offloading-size)."""
         if tiered:
-            self.world = World(chaos_config(**self.config_overrides, **TIER), num_blocks=TIERED_BLOCKS)
+            self.world = World(chaos_config(**self.config_overrides, **TIER, **LORA), num_blocks=TIERED_BLOCKS)
         else:
-            self.world = World(chaos_config(**self.config_overrides))
+            self.world = World(chaos_config(**self.config_overrides, **LORA))
 
     def teardown(self) -> None:
         if self.world is None:
@@ -114,9 +128,9 @@ class ChaosSchedule(RuleBasedStateMachine):
     # ---- requests ----------------------------------------------------------------------
 
     @precondition(lambda self: self.num_requests < MAX_REQUESTS)
-    @rule(prompt=st.sampled_from(PROMPTS), max_tokens=st.integers(2, 30))
-    def submit(self, prompt, max_tokens):
-        self.world.submit(f"r{self.num_requests}", prompt, max_tokens)
+    @rule(prompt=st.sampled_from(PROMPTS), max_tokens=st.integers(2, 30), adapter=st.sampled_from(ADAPTERS))
+    def submit(self, prompt, max_tokens, adapter=None):
+        self.world.submit(f"r{self.num_requests}", prompt, max_tokens, adapter=adapter)
         self.num_requests += 1
 
     @precondition(lambda self: self.num_requests + 3 <= MAX_REQUESTS)
@@ -419,6 +433,9 @@ def test_chaos_schedules(quiet_engine_logs):
     # Blocks went to the tiers and came back, by a core's own lookup and by
     # a load the supervisor sent (from any core's tier).
     assert TIER_LOADS["stored"] and TIER_LOADS["own_hits"] and TIER_LOADS["loads"], dict(TIER_LOADS)
+    print(f"routing decisions over these schedules: {dict(ROUTING_DECISIONS)}")
+    # Requests with LoRA adapters follow them to the core holding them (routing.ADAPTER_CREDIT).
+    assert ROUTING_DECISIONS["adapter"], dict(ROUTING_DECISIONS)
 
 
 @pytest.mark.timeout(600)

@@ -68,6 +68,7 @@ def _exported() -> dict[str, tuple[str, set[str]]]:
     for a data-parallel engine."""
     from fastapi import FastAPI
 
+    from raylm.engine.protocol import SchedulerStats
     from raylm.entrypoints.openai.data_parallel_routes import install_data_parallel_routes
     from raylm.entrypoints.openai.metrics import PrometheusStatLogger
 
@@ -76,6 +77,8 @@ def _exported() -> dict[str, tuple[str, set[str]]]:
     # The label sets these counters make only when first used.
     stat_logger.record_finished("stop", 1.0, 3, 2, 0.5, 0.6)
     stat_logger.record_autoscale("up", "test")
+    stat_logger.max_loras = 2  # --enable-lora: vllm:lora_requests_info is reported
+    stat_logger.record_scheduler_stats(SchedulerStats(lora_running=["a"], lora_waiting=["b"]))
     families = {}
     for family in stat_logger.registry.collect():
         labels = {label for sample in family.samples for label in sample.labels}

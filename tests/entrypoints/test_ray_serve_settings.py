@@ -82,6 +82,7 @@ def _engine() -> SimpleNamespace:
         model_config=SimpleNamespace(max_model_len=64, model="/m"),
         scheduler_config=SimpleNamespace(max_num_seqs=1),
         parallel_config=SimpleNamespace(data_parallel_size=1),
+        lora_config=None,
     )
     return SimpleNamespace(config=config, replica_states=lambda: None)
 

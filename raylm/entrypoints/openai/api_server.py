@@ -44,10 +44,11 @@ from raylm.entrypoints.openai.limits import (
     running_capacity,
 )
 from raylm.entrypoints.openai.metrics import PrometheusStatLogger
-from raylm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from raylm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelList
 from raylm.entrypoints.openai.serving_chat import OpenAIServingChat
 from raylm.entrypoints.openai.serving_common import ClientDisconnected, OpenAIError, error_response
 from raylm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from raylm.entrypoints.openai.serving_lora import DEFAULT_MAX_SERVED_LORAS, ServedAdapters, install_lora_routes
 from raylm.entrypoints.openai.serving_tokenize import install_tokenize_routes
 from raylm.entrypoints.openai.serving_tools import ToolCallConfig
 from raylm.entrypoints.openai.structured_outputs import StructuredOutputDefaults
@@ -172,11 +173,14 @@ def build_app(
     structured_outputs_defaults: StructuredOutputDefaults | None = None,
     reasoning_parser: str | None = None,
     host: str | None = None,
+    adapters: ServedAdapters | None = None,
 ) -> FastAPI:
     """The app; `app.state.admission` is its AdmissionControl (closed at shutdown).
     `trust_request_chat_template`: render chat templates sent with requests.
     `host`: the address it is served on; without `api_key`, the admin routes
-    (/scale, /replicas/{i}/restart) are refused unless it is a loopback one."""
+    (/scale, /replicas/{i}/restart) are refused unless it is a loopback one.
+    `adapters`: the LoRA adapters served by name (default: none, and the
+    run-time routes off)."""
     limits = limits or ServerLimits()
     cors = cors or CorsSettings()
     app = FastAPI(title="raylm", version=raylm.__version__)
@@ -187,9 +191,11 @@ def build_app(
         on_refused=stat_logger.record_refused if stat_logger is not None else None,
     )
     app.state.admission = admission
-    completions = OpenAIServingCompletion(engine, served_model_names, admission)
+    adapters = adapters or ServedAdapters(engine, served_model_names)
+    app.state.adapters = adapters
+    completions = OpenAIServingCompletion(engine, served_model_names, admission, adapters)
     chat = OpenAIServingChat(
-        engine, served_model_names, admission, tool_config, trust_request_chat_template, reasoning_parser
+        engine, served_model_names, admission, tool_config, trust_request_chat_template, reasoning_parser, adapters
     )
     _install_error_handlers(app)
 
@@ -222,18 +228,21 @@ def build_app(
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         request._structured_outputs_defaults = structured_outputs_defaults
-        return await completions.create(request, raw_request)
+        with adapters.holding(request.model):
+            return await completions.create(request, raw_request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         request._structured_outputs_defaults = structured_outputs_defaults
-        return await chat.create(request, raw_request)
+        with adapters.holding(request.model):
+            return await chat.create(request, raw_request)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
         max_len = engine.config.model_config.max_model_len
-        root = engine.config.model_config.model
-        return ModelList(data=[ModelCard(id=name, root=root, max_model_len=max_len) for name in served_model_names])
+        return ModelList(data=adapters.cards(engine.config.model_config.model, max_len))
+
+    install_lora_routes(app, adapters)
 
     @app.get("/health")
     async def health() -> Response:
@@ -374,6 +383,30 @@ def startup_line(config: Any, names: list[str], args: argparse.Namespace) -> str
     )
 
 
+def served_adapters_from(
+    args: argparse.Namespace, engine: AsyncLLM, names: list[str], stat_logger: PrometheusStatLogger | None
+) -> ServedAdapters:
+    """--lora-modules, each checked against the base model now (a bad one
+    stops the start, naming it), and the run-time settings (`raylm serve`'s,
+    or a Ray Serve replica's: raylm.ray_serve)."""
+    runtime = getattr(args, "allow_runtime_lora_updating", False)
+    adapters = ServedAdapters(
+        engine,
+        names,
+        getattr(args, "max_served_loras", DEFAULT_MAX_SERVED_LORAS),
+        args.lora_directory if runtime else None,
+    )
+    if engine.config.lora_config is not None and stat_logger is not None:
+        engine.input_processor.adapters.on_load = stat_logger.record_lora_load
+        stat_logger.max_loras = engine.config.lora_config.max_loras
+    for module in getattr(args, "lora_modules", None) or ():
+        try:
+            adapters.add(module.name, module.path, module.base_model_name)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {module.name}={module.path}: {e}") from e
+    return adapters
+
+
 def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
     """Load the model in the engine-core process, then serve until a signal."""
     names = served_model_names_from(args)
@@ -383,6 +416,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
     )
     engine = AsyncLLM.from_engine_args(stat_loggers=[stat_logger], **engine_kwargs)
     try:
+        adapters = served_adapters_from(args, engine, names, stat_logger)
         cors = CorsSettings(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
         app = build_app(
             engine,
@@ -398,6 +432,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
             ),
             reasoning_parser=getattr(args, "reasoning_parser", None),
             host=args.host,
+            adapters=adapters,
         )
         config = uvicorn.Config(
             app,

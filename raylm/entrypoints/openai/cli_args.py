@@ -152,6 +152,7 @@ def add_serve_subcommand(subparsers: argparse._SubParsersAction) -> argparse.Arg
         help="largest request body (e.g. 16MiB); a larger one gets HTTP 413",
     )
     add_tool_calling_args(serve)
+    add_lora_serving_args(serve)
     from raylm.entrypoints.openai.reasoning_parsers import reasoning_parser_names
 
     reasoning = serve.add_argument_group("reasoning models")
@@ -202,6 +203,69 @@ def add_tool_calling_args(serve: argparse.ArgumentParser) -> None:
     )
 
 
+def add_lora_serving_args(serve: argparse.ArgumentParser) -> None:
+    from raylm.entrypoints.openai.serving_lora import (
+        DEFAULT_MAX_SERVED_LORAS,
+        RUNTIME_UPDATING_ENV_VAR,
+        parse_lora_module,
+    )
+
+    lora = serve.add_argument_group("LoRA adapters served by name (with --enable-lora)")
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="adapters a request's model field names: name=path, or vLLM's JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; each is checked at start',
+    )
+    lora.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key; "
+        f"{RUNTIME_UPDATING_ENV_VAR}=true does too); needs --lora-directory, and --api-key on a "
+        "non-loopback --host",
+    )
+    lora.add_argument(
+        "--lora-directory",
+        default=None,
+        metavar="DIR",
+        help="the folder run-time loads read adapters from (a lora_path outside it, symlinks followed, is refused)",
+    )
+    lora.add_argument(
+        "--max-served-loras",
+        type=int,
+        default=DEFAULT_MAX_SERVED_LORAS,
+        metavar="N",
+        help="adapters served by name at most (--lora-modules and run-time loads together)",
+    )
+
+
+def check_lora_serving_args(args: argparse.Namespace) -> None:
+    """Refuse, before the model loads, LoRA serving flags that cannot work
+    or would open the run-time routes to anyone."""
+    from raylm.entrypoints.openai.data_parallel_routes import is_loopback_host
+    from raylm.entrypoints.openai.serving_lora import runtime_updating_from_env
+
+    args.allow_runtime_lora_updating = args.allow_runtime_lora_updating or runtime_updating_from_env()
+    if (args.lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
+        raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+    if args.max_served_loras < 1:
+        raise ValueError(f"--max-served-loras must be >= 1, got {args.max_served_loras}")
+    if args.lora_modules and len(args.lora_modules) > args.max_served_loras:
+        raise ValueError(f"--lora-modules: {len(args.lora_modules)} adapters, over --max-served-loras")
+    if not args.allow_runtime_lora_updating:
+        return
+    if not args.lora_directory or not os.path.isdir(args.lora_directory):
+        raise ValueError("--allow-runtime-lora-updating needs --lora-directory, an existing folder")
+    if not args.api_key and not is_loopback_host(args.host):
+        raise ValueError(
+            f"--allow-runtime-lora-updating on a non-loopback --host ({args.host}) needs --api-key "
+            "(or RAYLM_API_KEY): anyone who reaches the server could load adapters"
+        )
+
+
 def run_serve(args: argparse.Namespace, out: TextIO) -> None:
     from raylm.entrypoints.openai.api_server import run_server
     from raylm.entrypoints.openai.serving_tools import ToolCallConfig
@@ -227,6 +291,7 @@ def run_serve(args: argparse.Namespace, out: TextIO) -> None:
     ToolCallConfig.from_args(args)  # refuses a flag combination before the model loads
     StructuredOutputDefaults.from_json(args.structured_outputs_config)
     args.api_key = resolve_api_key(args.api_key)
+    check_lora_serving_args(args)
     run_server(args, EngineArgs.from_cli_args(args).to_kwargs())
 
 

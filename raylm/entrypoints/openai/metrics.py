@@ -266,6 +266,24 @@ class PrometheusStatLogger(StatLoggerBase):
         self.spec_accepted_per_pos.labels(position="0", **labels)
         for reason in STEP_ASIDE_REASONS:
             self.spec_steps_aside.labels(reason=reason, **labels)
+        # LoRA adapters: vLLM's info gauge (its labels, set to the time of the
+        # last report, as vLLM does; exported once a stat_logger knows
+        # max_loras, i.e. with --enable-lora), and the time to read and
+        # check an adapter's files (raylm.lora.registry: at start, at a
+        # run-time load, at the first request for files not seen before).
+        self.max_loras: int | None = None
+        self._lora_info_labels: tuple[str, str, str] | None = None
+        self.lora_info = Gauge(
+            "vllm:lora_requests_info",
+            "Running stats on LoRA requests",
+            ["running_lora_adapters", "max_lora", "waiting_lora_adapters"],
+            registry=r,
+        )
+        self.lora_load_time = histogram(
+            "raylm:lora_adapter_load_seconds",
+            "Time to read and check a LoRA adapter's files against the base model",
+            _MIGRATION_BUCKETS,
+        )
         self.target_replicas = gauge("raylm:dp_target_replicas", "Data-parallel replicas asked for")
         self.autoscale_decisions = Counter(
             "raylm:autoscale_decisions",
@@ -291,6 +309,18 @@ class PrometheusStatLogger(StatLoggerBase):
         self.kv_capacity_per_rank.set(stats.kv_capacity_tokens_per_rank)
         self.kv_tier_blocks.set(stats.kv_tier_blocks)
         self.kv_tier_capacity.set(stats.kv_tier_capacity_blocks)
+        if self.max_loras is not None:
+            labels = (",".join(stats.lora_running), str(self.max_loras), ",".join(stats.lora_waiting))
+            # One series, the present's: the sets of adapters clients make run
+            # are theirs to choose, and a series kept for each would grow
+            # /metrics without bound (vLLM keeps them, each at its last time).
+            if self._lora_info_labels not in (None, labels):
+                self.lora_info.remove(*self._lora_info_labels)
+            self._lora_info_labels = labels
+            self.lora_info.labels(*labels).set_to_current_time()
+
+    def record_lora_load(self, seconds: float) -> None:
+        self.lora_load_time.observe(seconds)
 
     def record_core_stats(self, cores: list[SchedulerStats]) -> None:
         """Advance the counters by each core's own increase since its last

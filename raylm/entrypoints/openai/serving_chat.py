@@ -43,10 +43,10 @@ from raylm.entrypoints.openai.serving_common import (
     OpenAIError,
     bad_request_from,
     cancel_on_disconnect,
-    check_model,
     check_not_ended_early,
     check_request_fields,
     fit_max_tokens,
+    model_and_adapter,
     sampling_params_from,
     sse,
     stream_error_event,
@@ -217,9 +217,12 @@ class OpenAIServingChat:
         tool_config: ToolCallConfig | None = None,
         trust_request_chat_template: bool = False,
         reasoning_parser: str | None = None,
+        adapters=None,
     ):
-        """`reasoning_parser`: --reasoning-parser's name, or None (the thinking stays in the content)."""
+        """`reasoning_parser`: --reasoning-parser's name, or None (the thinking stays in the content).
+        `adapters`: the LoRA adapters served by name (serving_lora.ServedAdapters), if any."""
         self.engine = engine
+        self.adapters = adapters
         self.served_model_names = served_model_names
         self.admission = admission or AdmissionControl.for_engine(engine)
         self.tool_config = tool_config or ToolCallConfig()
@@ -249,18 +252,20 @@ class OpenAIServingChat:
         split = self.reasoning_parser.split(text, in_reasoning)
         return (split.reasoning if request.include_reasoning else None), split.content
 
-    def _render(self, request: ChatCompletionRequest, params: SamplingParams) -> tuple[ProcessedPrompt, SamplingParams]:
+    def _render(
+        self, request: ChatCompletionRequest, params: SamplingParams, lora_request=None
+    ) -> tuple[ProcessedPrompt, SamplingParams]:
         """Runs in a worker thread: templating and tokenizing can take a while.
         The request's validation (InputProcessor.process), once: `params`
         brings truncate_prompt_tokens, which applies to the rendered
         conversation, and comes back finished."""
         text, ids = render_chat(self.engine.tokenizer, request)
         return self.engine.input_processor.process(
-            {"prompt": text, "prompt_token_ids": ids, "cache_salt": request.cache_salt}, params
+            {"prompt": text, "prompt_token_ids": ids, "cache_salt": request.cache_salt}, params, lora_request
         )
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
-        model = check_model(request.model, self.served_model_names)
+        model, lora_request = model_and_adapter(request.model, self.served_model_names, self.adapters)
         check_request_fields(request)
         check_request_chat_template(request.chat_template, self.trust_request_chat_template)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
@@ -284,7 +289,7 @@ class OpenAIServingChat:
         try:
             await tokenize_bad_words(self.engine, params)
             try:
-                processed, params = await run_render(request, self._render, request, params)
+                processed, params = await run_render(request, self._render, request, params, lora_request)
             except ValueError as e:
                 raise bad_request_from(e, set(), "messages") from e
             param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"

@@ -18,6 +18,7 @@ from raylm.engine.async_llm import AsyncLLM
 from raylm.engine.errors import EngineDeadError
 from raylm.engine.input_processor import ProcessedPrompt
 from raylm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields
+from raylm.lora.request import LoRARequest
 from raylm.sampling_params import SamplingParams, StructuredOutputsParams
 
 _OPTIONAL_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -150,14 +151,20 @@ async def tokenize_bad_words(engine: AsyncLLM, params: SamplingParams) -> None:
 
 
 async def prepare_prompt(
-    engine: AsyncLLM, prompt: Any, params: SamplingParams, requested_max_tokens: int | None, prompt_param: str
+    engine: AsyncLLM,
+    prompt: Any,
+    params: SamplingParams,
+    requested_max_tokens: int | None,
+    prompt_param: str,
+    lora_request: LoRARequest | None = None,
 ) -> tuple[ProcessedPrompt, SamplingParams]:
     """Validate and tokenize (off the loop when long), then fit max_tokens to
     the context: an explicit value that does not fit is the client's
     mistake, a missing one fills it. What it returns goes to the engine as
-    is (`submit_all`): the request is not checked again."""
+    is (`submit_all`): the request is not checked again. `lora_request`:
+    the adapter its `model` named (serving_lora.py)."""
     try:
-        processed, params = await engine.process_prompt(prompt, params)
+        processed, params = await engine.process_prompt(prompt, params, lora_request)
     except (ValueError, TypeError) as e:
         raise bad_request_from(e, {"prompt_token_ids", "prompt_logprobs"}, prompt_param) from e
     return fit_max_tokens(engine, processed, params, requested_max_tokens, prompt_param)
@@ -236,6 +243,17 @@ def check_model(model: str | None, served_model_names: list[str]) -> str:
             "NotFoundError",
         )
     return model
+
+
+def model_and_adapter(
+    model: str | None, served_model_names: list[str], adapters=None
+) -> tuple[str, LoRARequest | None]:
+    """(the model name answered with, the LoRA adapter it names): through
+    the server's catalogue of adapters (serving_lora.ServedAdapters) when
+    it has one, else the base model's names alone."""
+    if adapters is not None:
+        return adapters.resolve(model)
+    return check_model(model, served_model_names), None
 
 
 def sse(payload: BaseModel | dict) -> str:

@@ -31,10 +31,10 @@ from raylm.entrypoints.openai.serving_common import (
     SSE_DONE,
     OpenAIError,
     cancel_on_disconnect,
-    check_model,
     check_not_ended_early,
     check_request_fields,
     merge_streams,
+    model_and_adapter,
     prepare_prompt,
     sampling_params_from,
     sse,
@@ -105,13 +105,21 @@ def _check_prompt_logprobs(prepared: list[tuple[ProcessedPrompt, Any]], prompt_l
 
 
 class OpenAIServingCompletion:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], admission: AdmissionControl | None = None):
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        served_model_names: list[str],
+        admission: AdmissionControl | None = None,
+        adapters=None,
+    ):
+        """`adapters`: the LoRA adapters served by name (serving_lora.ServedAdapters), if any."""
         self.engine = engine
         self.served_model_names = served_model_names
+        self.adapters = adapters
         self.admission = admission or AdmissionControl.for_engine(engine)
 
     async def create(self, request: CompletionRequest, raw_request: Request) -> Response:
-        model = check_model(request.model, self.served_model_names)
+        model, lora_request = model_and_adapter(request.model, self.served_model_names, self.adapters)
         check_request_fields(request)
         if request.echo and request.stream and request.logprobs is not None and request.n > 1:
             # Keeps echo bookkeeping to one choice per prompt; rare in practice.
@@ -146,7 +154,7 @@ class OpenAIServingCompletion:
             await tokenize_bad_words(self.engine, base_params)  # once, for every prompt's clone
             prepared = []
             for prompt in prompts:
-                prepared.append(await self._prepare(prompt, base_params.clone(), request.max_tokens))
+                prepared.append(await self._prepare(prompt, base_params.clone(), request.max_tokens, lora_request))
             _check_prompt_logprobs(prepared, prompt_logprobs)
             request_id = random_id("cmpl")
             streams = await submit_all(
@@ -172,9 +180,9 @@ class OpenAIServingCompletion:
             for stream in streams or ():
                 stream.close()
 
-    async def _prepare(self, prompt: Any, params, max_tokens: int | None) -> tuple[ProcessedPrompt, Any]:
+    async def _prepare(self, prompt: Any, params, max_tokens: int | None, lora_request) -> tuple[ProcessedPrompt, Any]:
         try:
-            return await prepare_prompt(self.engine, prompt, params, max_tokens, "prompt")
+            return await prepare_prompt(self.engine, prompt, params, max_tokens, "prompt", lora_request)
         except OpenAIError as e:
             if e.param != "prompt_logprobs":
                 raise

@@ -31,7 +31,7 @@ from raylm.engine.async_llm import AsyncLLM
 from raylm.entrypoints.openai.limits import AdmissionControl, check_request_chat_template, run_admitted
 from raylm.entrypoints.openai.protocol import ChatMessage
 from raylm.entrypoints.openai.serving_chat import render_chat, run_render
-from raylm.entrypoints.openai.serving_common import OpenAIError, check_model
+from raylm.entrypoints.openai.serving_common import OpenAIError, model_and_adapter
 
 _STRICT = ConfigDict(allow_inf_nan=False, extra="forbid")
 
@@ -132,6 +132,7 @@ class OpenAIServingTokenization:
         self.served_model_names = served_model_names
         self.trust_request_chat_template = trust_request_chat_template
         self.admission = admission or AdmissionControl.for_engine(engine)
+        self.adapters = None  # the LoRA adapters served by name (serving_lora.ServedAdapters), if any
 
     def _max_model_len(self) -> int:
         return self.engine.config.model_config.max_model_len
@@ -141,7 +142,7 @@ class OpenAIServingTokenization:
         body = _loads(body)
         kind = TokenizeChatRequest if isinstance(body, dict) and "messages" in body else TokenizeCompletionRequest
         request = _parse(kind, body)
-        check_model(request.model, self.served_model_names)
+        model_and_adapter(request.model, self.served_model_names, self.adapters)
         if isinstance(request, TokenizeChatRequest):
             check_request_chat_template(request.chat_template, self.trust_request_chat_template)
         return request
@@ -167,7 +168,7 @@ class OpenAIServingTokenization:
     def _detokenize_answer(self, body: bytes) -> Response:
         """In a thread, from the body on: a list of ids may be up to the body limit."""
         request = _parse(DetokenizeRequest, _loads(body))
-        check_model(request.model, self.served_model_names)
+        model_and_adapter(request.model, self.served_model_names, self.adapters)
         max_model_len = self._max_model_len()
         if len(request.tokens) > max_model_len:
             raise OpenAIError(
@@ -207,9 +208,11 @@ def install_tokenize_routes(
     admission: AdmissionControl | None = None,
 ) -> None:
     """`admission`: the generation requests' (app.state.admission, where the
-    app has one); else one of their own."""
+    app has one); else one of their own. A model name may be a LoRA
+    adapter's the app serves (app.state.adapters): its tokenizer is the base's."""
     admission = admission or getattr(app.state, "admission", None)
     serving = OpenAIServingTokenization(engine, served_model_names, trust_request_chat_template, admission)
+    serving.adapters = getattr(app.state, "adapters", None)
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(raw_request: Request) -> Response:

@@ -44,6 +44,19 @@ FIRST_SAMPLED = 16
 _UNWRITTEN = (-1, -1)
 
 
+# A LoRA adapter's part in the K/V: a slot a request with adapter `k`
+# computed holds (token + k * ADAPTER_STRIDE, position), so a request that
+# reads a block another adapter (or the base model, k = 0) computed samples
+# another token than its reference, as a real model would.
+ADAPTER_STRIDE = 1 << 20
+
+
+def adapter_key(lora_request) -> int:
+    """The content model's number for a request's adapter (0: none), from
+    its content digest: what the prefix cache keys its blocks by."""
+    return 0 if lora_request is None else int(lora_request.content_digest[:6], 16) + 1
+
+
 def next_token(slots: list[tuple[int, int]], vocab_size: int) -> int:
     """The token sampled after a context whose K/V slots hold `slots`
     ((token, position) each, in position order)."""
@@ -52,12 +65,18 @@ def next_token(slots: list[tuple[int, int]], vocab_size: int) -> int:
     return FIRST_SAMPLED + int.from_bytes(digest, "little") % (vocab_size - FIRST_SAMPLED)
 
 
-def reference_tokens(prompt: list[int], num_tokens: int, vocab_size: int) -> list[int]:
-    """What an undisturbed run samples after `prompt`: every slot right."""
+def reference_tokens(prompt: list[int], num_tokens: int, vocab_size: int, adapter: int = 0) -> list[int]:
+    """What an undisturbed run samples after `prompt` (with the adapter
+    numbered `adapter`, adapter_key): every slot right."""
     tokens = list(prompt)
     for _ in range(num_tokens):
-        tokens.append(next_token([(t, p) for p, t in enumerate(tokens)], vocab_size))
+        tokens.append(next_token(reference_slots(tokens, adapter), vocab_size))
     return tokens[len(prompt) :]
+
+
+def reference_slots(tokens: list[int], adapter: int = 0, start: int = 0) -> list[tuple[int, int]]:
+    """The slots of `tokens[start:]` as a run with the adapter computes them."""
+    return [(tokens[p] + adapter * ADAPTER_STRIDE, p) for p in range(start, len(tokens))]
 
 
 @dataclass
@@ -65,6 +84,7 @@ class _RequestState:
     token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
+    adapter: int = 0  # adapter_key of its LoRA adapter
 
 
 @dataclass
@@ -189,7 +209,10 @@ class ContentModelExecutor(Executor):
             self.requests.pop(rid, None)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = _RequestState(
-                list(new.prompt_token_ids) + list(new.output_token_ids), list(new.block_ids), new.num_computed_tokens
+                list(new.prompt_token_ids) + list(new.output_token_ids),
+                list(new.block_ids),
+                new.num_computed_tokens,
+                adapter_key(new.lora_request),
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -204,7 +227,8 @@ class ContentModelExecutor(Executor):
             state = self.requests[rid]
             end = state.num_computed_tokens + n
             for pos in range(state.num_computed_tokens, end):
-                self.kv[state.block_ids[pos // bs]][pos % bs] = (state.token_ids[pos], pos)
+                slot = (state.token_ids[pos] + state.adapter * ADAPTER_STRIDE, pos)
+                self.kv[state.block_ids[pos // bs]][pos % bs] = slot
             req_ids.append(rid)
             if end < len(state.token_ids):  # a prefill chunk that samples nothing
                 sampled.append([])

@@ -19,6 +19,7 @@ tier (tests/chaos/test_real_engine.py) replays schedules against those.
 from __future__ import annotations
 
 import collections
+import hashlib
 import os
 from dataclasses import dataclass, field
 
@@ -26,8 +27,9 @@ from raylm.config import EngineConfig, create_engine_config
 from raylm.core.kv_cache_manager import hash_block, root_hash
 from raylm.engine.core_tier import TIER_LOCK
 from raylm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
+from raylm.lora.request import LoRARequest
 from raylm.sampling_params import SamplingParams
-from raylm.testing.chaos.content_model import reference_tokens
+from raylm.testing.chaos.content_model import adapter_key, reference_slots, reference_tokens
 from raylm.testing.chaos.sim_host import ChaosSupervisor, Frame, SimCoreProc, SimHost
 
 # Prefix pulls' outcomes over the schedules run in this process (the tests
@@ -38,6 +40,9 @@ PULL_OUTCOMES: collections.Counter[str] = collections.Counter()
 TIER_LOADS: collections.Counter[str] = collections.Counter()
 # The same for P/D hand-offs (raylm.engine.handoff).
 HANDOFF_OUTCOMES: collections.Counter[str] = collections.Counter()
+# The same for the router's reasons (raylm.engine.routing.ROUTING_REASONS):
+# "adapter", a request sent to the core holding its LoRA adapter.
+ROUTING_DECISIONS: collections.Counter[str] = collections.Counter()
 
 
 def chaos_config(**overrides) -> EngineConfig:
@@ -71,6 +76,11 @@ class Outcome:
     error: str | None = None
     aborted: bool = False
     poisoned: bool = False
+    lora_request: LoRARequest | None = None
+
+    @property
+    def adapter(self) -> int:
+        return adapter_key(self.lora_request)
 
 
 class World(SimHost):
@@ -101,14 +111,23 @@ class World(SimHost):
     # ---- the front end's side ----------------------------------------------------------
 
     def submit(
-        self, request_id: str, prompt: list[int], max_tokens: int, poisoned: bool = False, rank: int | None = None
+        self,
+        request_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        poisoned: bool = False,
+        rank: int | None = None,
+        adapter: str | None = None,
     ) -> None:
-        """`rank`: the core it must go to (ValueError, and nothing sent, if that one does not serve)."""
+        """`rank`: the core it must go to (ValueError, and nothing sent, if
+        that one does not serve). `adapter`: the name of the LoRA adapter it
+        runs with (its K/V and tokens are the adapter's: content_model.py)."""
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         params.all_stop_token_ids = set()
-        request = EngineCoreRequest(request_id, list(prompt), params, None, self.clock.now)
+        lora = None if adapter is None else sim_adapter(adapter)
+        request = EngineCoreRequest(request_id, list(prompt), params, None, self.clock.now, lora_request=lora)
         self.sup.add_request(request, data_parallel_rank=rank)
-        self.outcomes[request_id] = Outcome(list(prompt), max_tokens, poisoned=poisoned)
+        self.outcomes[request_id] = Outcome(list(prompt), max_tokens, poisoned=poisoned, lora_request=lora)
 
     def abort(self, request_id: str) -> None:
         outcome = self.outcomes[request_id]
@@ -251,7 +270,7 @@ class World(SimHost):
         """The invariants of a drained schedule (AssertionError naming the first broken)."""
         vocab = self.config.model_config.vocab_size
         for rid, outcome in self.outcomes.items():
-            expected = reference_tokens(outcome.prompt, outcome.max_tokens, vocab)
+            expected = reference_tokens(outcome.prompt, outcome.max_tokens, vocab, outcome.adapter)
             assert outcome.finished, f"{rid} never ended"
             if outcome.poisoned and not outcome.aborted:
                 assert outcome.error is not None, f"poison request {rid} ended without an error: {outcome}"
@@ -278,6 +297,7 @@ class World(SimHost):
         assert not len(sup.pulls), f"prefix pulls never ended: {sorted(sup.pulls._pulls)}"
         PULL_OUTCOMES.update(sup.pulls.counts)
         HANDOFF_OUTCOMES.update(sup.handoffs.counts)
+        ROUTING_DECISIONS.update(sup.router.decisions)
         folder = sup.kv_routes.transfer_dir
         if folder is not None:
             # The serving cores' tiers of evicted blocks live there; nothing else may.
@@ -349,11 +369,11 @@ class World(SimHost):
         vocab, bs = self.config.model_config.vocab_size, self.config.cache_config.block_size
         table = {}
         for outcome in self.outcomes.values():
-            tokens = outcome.prompt + reference_tokens(outcome.prompt, outcome.max_tokens, vocab)
-            parent = root_hash(None)
+            tokens = outcome.prompt + reference_tokens(outcome.prompt, outcome.max_tokens, vocab, outcome.adapter)
+            parent = root_hash(None, outcome.lora_request and outcome.lora_request.content_digest)
             for start in range(0, len(tokens) - bs + 1, bs):
                 parent = hash_block(parent, tokens[start : start + bs])
-                table[parent] = [(tokens[p], p) for p in range(start, start + bs)]
+                table[parent] = reference_slots(tokens[: start + bs], outcome.adapter, start)
         return table
 
     def prefixes_hold(self) -> None:
@@ -362,10 +382,17 @@ class World(SimHost):
         for rid, outcome in self.outcomes.items():
             if outcome.poisoned or not outcome.tokens:
                 continue
-            expected = reference_tokens(outcome.prompt, len(outcome.tokens), vocab)
+            expected = reference_tokens(outcome.prompt, len(outcome.tokens), vocab, outcome.adapter)
             assert outcome.tokens == expected, (
                 f"request {rid} continued over K/V not its own at token {_first_difference(outcome.tokens, expected)}"
             )
+
+
+def sim_adapter(name: str) -> LoRARequest:
+    """A LoRA adapter of the fast tier: no files (the content model runs it),
+    its digest made from its name, as the engine stamps one at intake."""
+    digest = hashlib.sha256(f"chaos adapter {name}".encode()).hexdigest()
+    return LoRARequest(name, 1 + int(digest[:4], 16), "/chaos-adapters/" + name, content_digest=digest)
 
 
 def _first_difference(a: list, b: list) -> int:
