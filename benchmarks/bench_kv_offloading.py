@@ -33,19 +33,28 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench_prefix_pull import _ttft  # one request's time to first token, pinned or routed
+from compare_vllm import bench_model
 
 from raylm import LLM
 
-BLOCK_BYTES = 16 * 4 * 2 * 4 * 32 * 4  # the embedded model: 16 tokens x 4 layers x K/V x 4 heads x 32 x float32
+
+def _block_bytes(model: str | None) -> int:
+    """One 16-token block of K/V: the embedded model in float32, another in its own dtype."""
+    folder = model or str(pathlib.Path(__file__).resolve().parents[1] / "raylm" / "data" / "default_model")
+    c = json.loads((pathlib.Path(folder) / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    size = 4 if model is None or c.get("torch_dtype", c.get("dtype")) == "float32" else 2
+    return 16 * c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * size
 
 
-def _engine(tier: bool, replicas: int, threads: int) -> LLM:
-    settings = dict(dtype="float32", num_threads=threads, kv_cache_memory_bytes=48 * BLOCK_BYTES)
+def _engine(tier: bool, replicas: int, threads: int, model: str | None) -> LLM:
+    dtype = "float32" if model is None else "auto"
+    settings = dict(dtype=dtype, num_threads=threads, kv_cache_memory_bytes=48 * _block_bytes(model))
     if tier:
         settings["kv_offloading_size"] = 0.25
     if replicas > 1:
         settings.update(data_parallel_size=replicas, data_parallel_backend="mp")
-    return LLM(None, **settings)
+    return LLM(model, **settings)
 
 
 def _round(llm: LLM, rng: random.Random, r: int, prefix_tokens: int, replicas: int) -> tuple[float, float]:
@@ -61,11 +70,11 @@ def _round(llm: LLM, rng: random.Random, r: int, prefix_tokens: int, replicas: i
     return evicted, cached
 
 
-def run(replicas: int, prefix_tokens: int, rounds: int, threads: int) -> list[dict]:
+def run(replicas: int, prefix_tokens: int, rounds: int, threads: int, model: str | None = None) -> list[dict]:
     """Both engines (no tier, tier) up at once, the rounds alternating between
     them (which goes first alternates too): load from elsewhere on the
     machine meets both alike."""
-    engines = {tier: _engine(tier, replicas, threads) for tier in (False, True)}
+    engines = {tier: _engine(tier, replicas, threads, model) for tier in (False, True)}
     cases = {tier: {"evicted": [], "cached": []} for tier in engines}
     rng = random.Random(0)
     try:
@@ -100,10 +109,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="write the raw results here")
+    parser.add_argument("--model", default=None, help="a model folder, or 111m-8k (default: the embedded model)")
     args = parser.parse_args()
     results = []
     for replicas in (1, 2):
-        for result in run(replicas, args.prefix_tokens, args.rounds, args.threads):
+        for result in run(replicas, args.prefix_tokens, args.rounds, args.threads, bench_model(args.model)):
             results.append(result)
             ev, ca = result["evicted_ttft_ms"], result["cached_ttft_ms"]
             print(

@@ -24,6 +24,9 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from compare_vllm import bench_model
 
 from raylm import LLM, SamplingParams
 
@@ -42,10 +45,10 @@ def _ttft(llm: LLM, rid: str, prompt: list[int], rank: int) -> float:
     return (first or time.monotonic()) - started
 
 
-def run(prefix_pull: bool, prefix_tokens: int, rounds: int, threads: int) -> dict:
+def run(prefix_pull: bool, prefix_tokens: int, rounds: int, threads: int, model: str | None = None) -> dict:
     with LLM(
-        None,
-        dtype="float32",
+        model,
+        dtype="float32" if model is None else "auto",
         data_parallel_size=2,
         data_parallel_backend="mp",
         num_threads=threads,
@@ -62,7 +65,7 @@ def run(prefix_pull: bool, prefix_tokens: int, rounds: int, threads: int) -> dic
 
         sup.pulls.take_events = taking
         for r in range(rounds + 1):  # the first round warms both replicas up
-            prefix = [(31 * r + 7 * j) % 30000 + 100 for j in range(prefix_tokens)]
+            prefix = [(31 * r + 7 * j) % 3000 + 100 for j in range(prefix_tokens)]  # within every model's vocabulary
             _ttft(llm, f"hold-{r}", prefix + [5, 6], rank=1)
             seconds = _ttft(llm, f"ask-{r}", prefix + [9, 10, 11], rank=0)
             if r:
@@ -79,12 +82,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="threads per replica")
     parser.add_argument("--network", action="store_true", help="the sealed network path")
+    parser.add_argument("--model", default=None, help="a model folder, or 111m-8k (default: the embedded model)")
     args = parser.parse_args()
     if args.network:
         os.environ["RAYLM_MIGRATION_NETWORK"] = "1"
     results = {}
     for mode in ("recompute", "pull", "recompute", "pull"):  # alternating: the machine is shared
-        r = run(mode == "pull", args.prefix_tokens, args.rounds, args.threads)
+        r = run(mode == "pull", args.prefix_tokens, args.rounds, args.threads, bench_model(args.model))
         results.setdefault(mode, {"ttfts": [], "counts": {}, "bytes": 0, "pull_s": []})
         results[mode]["ttfts"] += r["ttfts"]
         results[mode]["pull_s"] += r["pull_s"]

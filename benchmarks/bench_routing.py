@@ -34,24 +34,14 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+from compare_vllm import bench_model
+
 from raylm import LLM, SamplingParams
 
 POLICIES = ("kv_aware", "load", "vllm")
 # Each policy with prefix pulls (the default) and without ("-nopull"):
 # without, a turn sent away from its cache's replica computes its whole prompt.
 VARIANTS = tuple(f"{p}{suffix}" for p in POLICIES for suffix in ("", "-nopull"))
-
-
-def _model(name: str | None) -> str | None:
-    """The model folder: None (the embedded default), a folder, or `111m-8k`."""
-    if name != "111m-8k":
-        return name
-    folder = pathlib.Path("/tmp/raylm-bench-111m-8k")
-    if not (folder / "model.safetensors").exists():
-        from compare_vllm import make_model
-
-        make_model("large", str(folder), max_position_embeddings=8192)
-    return str(folder)
 
 
 def _trace(args, seed: int) -> dict[str, dict]:
@@ -70,7 +60,7 @@ def run(policy: str, args, seed: int) -> dict:
     sessions = _trace(args, seed)
     ttft, tokens = [], 0
     with LLM(
-        _model(args.model),
+        bench_model(args.model),
         data_parallel_size=2,
         data_parallel_backend="mp",
         num_threads=args.threads,

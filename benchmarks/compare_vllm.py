@@ -118,6 +118,18 @@ if __name__ == "__main__":
 """
 
 
+def bench_model(name: str | None) -> str | None:
+    """A benchmark's `--model`: None (the embedded default), a folder, or
+    `111m-8k`: the large preset with an 8k context (issue 49's and 50's
+    long-prompt figures), written once to /tmp."""
+    if name != "111m-8k":
+        return name
+    folder = pathlib.Path("/tmp/raylm-bench-111m-8k")
+    if not (folder / "model.safetensors").exists():
+        make_model("large", str(folder), max_position_embeddings=8192)
+    return str(folder)
+
+
 def make_model(preset: str, path: str, **overrides) -> pathlib.Path:
     """Writes the preset's bf16 Llama folder (deterministic weights, tiny
     tokenizer); `overrides` change its config (e.g. max_position_embeddings)."""
