@@ -6,7 +6,14 @@ from __future__ import annotations
 import multiprocessing
 
 # What such a child imports anyway: the server imports it once for them all.
-PRELOAD = ["torch", "pytest", "raylm.distributed.parallel_state", "raylm.distributed.shm_broadcast", "raylm.messages"]
+PRELOAD = [
+    "torch",
+    "pytest",
+    "raylm.distributed.parallel_state",
+    "raylm.distributed.shm_broadcast",
+    "raylm.messages",
+    "raylm.model.loader",
+]
 
 
 def preloaded_spawn_context():
