@@ -43,6 +43,30 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.multinode)
         if folder[:1] == ("gpu",):
             item.add_marker(pytest.mark.gpu)
+    _clusters_last(items)
+
+
+# Modules that shut the session's shared Ray down for a cluster of their own
+# (simulated nodes, a private head): run after every other module, so that
+# the shared Ray, once started, serves them all instead of being started
+# again after each of these (a Ray start is 10-40 s on two busy cores).
+OWN_RAY_CLUSTER_MODULES = {
+    "engine/test_data_parallel_placement.py",
+    "executor/test_gpu_placement.py",
+    "executor/test_plan.py",
+    "executor/test_ray_connect.py",
+    "executor/test_ray_node_loss.py",
+    "executor/test_ray_placement.py",
+}
+
+
+def _clusters_last(items) -> None:
+    """Moves the items of OWN_RAY_CLUSTER_MODULES to the end, in their order."""
+
+    def own(item) -> bool:
+        return item.path.relative_to(TESTS).as_posix() in OWN_RAY_CLUSTER_MODULES
+
+    items[:] = [i for i in items if not own(i)] + [i for i in items if own(i)]
 
 
 @pytest.fixture(scope="session", autouse=True)
