@@ -102,12 +102,18 @@ def oracle_prompts(vocab_size: int, lengths=(1, 2, 7, 16, 33, 64, 130, 300), see
 def ray_session():
     """One local Ray per test session (started on first use; a module that
     needs its own cluster shuts it down and the next user starts it again)."""
+    yield start_shared_ray()
+
+
+def start_shared_ray():
+    """The session's shared Ray (`ray_session`), started if it is not running;
+    for a module-scoped fixture, which cannot use the per-test `ray_session`."""
     import ray
 
     if not ray.is_initialized():
         # address="local": a private instance even if a cluster runs on this machine.
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield ray
+    return ray
 
 
 def our_live_ray_state():
