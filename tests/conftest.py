@@ -48,6 +48,30 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.multinode)
         if folder[:1] == ("gpu",):
             item.add_marker(pytest.mark.gpu)
+    _clusters_last(items)
+
+
+# Modules that shut the session's shared Ray down for a cluster of their own
+# (simulated nodes, a private head): run after every other module, so that
+# the shared Ray, once started, serves them all instead of being started
+# again after each of these (a Ray start is 10-40 s on two busy cores).
+OWN_RAY_CLUSTER_MODULES = {
+    "engine/test_data_parallel_placement.py",
+    "executor/test_gpu_placement.py",
+    "executor/test_plan.py",
+    "executor/test_ray_connect.py",
+    "executor/test_ray_node_loss.py",
+    "executor/test_ray_placement.py",
+}
+
+
+def _clusters_last(items) -> None:
+    """Moves the items of OWN_RAY_CLUSTER_MODULES to the end, in their order."""
+
+    def own(item) -> bool:
+        return item.path.relative_to(TESTS).as_posix() in OWN_RAY_CLUSTER_MODULES
+
+    items[:] = [i for i in items if not own(i)] + [i for i in items if own(i)]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -83,12 +107,18 @@ def oracle_prompts(vocab_size: int, lengths=(1, 2, 7, 16, 33, 64, 130, 300), see
 def ray_session():
     """One local Ray per test session (started on first use; a module that
     needs its own cluster shuts it down and the next user starts it again)."""
+    yield start_shared_ray()
+
+
+def start_shared_ray():
+    """The session's shared Ray (`ray_session`), started if it is not running;
+    for a module-scoped fixture, which cannot use the per-test `ray_session`."""
     import ray
 
     if not ray.is_initialized():
         # address="local": a private instance even if a cluster runs on this machine.
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield ray
+    return ray
 
 
 def our_live_ray_state():

@@ -18,6 +18,7 @@ from raylm.distributed.shm_broadcast import SEGMENT_PREFIX, MessageQueue
 from raylm.distributed.shm_ring import unlink_segment
 from raylm.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from raylm.sampling_params import SamplingParams
+from tests.child_processes import preloaded_spawn_context
 
 CHUNK = 4096
 
@@ -120,7 +121,7 @@ def _child_reader(handle, rank, conn):
 @pytest.mark.slow
 def test_reader_in_another_process():
     writer = MessageQueue(2, chunk_bytes=CHUNK)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = preloaded_spawn_context()
     pipes, procs = [], []
     try:
         for rank in range(2):
@@ -267,7 +268,7 @@ def _child_reader_reporting(handle, conn):
 def test_reader_killed_mid_overflow_the_writer_raises_within_its_timeout():
     writer = MessageQueue(1, chunk_bytes=CHUNK, max_chunks=2)
     name = writer.shm_name
-    ctx = multiprocessing.get_context("spawn")
+    ctx = preloaded_spawn_context()
     parent_end, child_end = ctx.Pipe(duplex=False)
     reader = ctx.Process(target=_child_reader_reporting, args=(writer.export_handle(), child_end), daemon=True)
     reader.start()
@@ -304,7 +305,7 @@ def _child_writer_dying_mid_overflow(conn):
 
 
 def test_writer_killed_mid_overflow_the_reader_raises_within_its_timeout():
-    ctx = multiprocessing.get_context("spawn")
+    ctx = preloaded_spawn_context()
     parent_end, child_end = ctx.Pipe(duplex=False)
     writer = ctx.Process(target=_child_writer_dying_mid_overflow, args=(child_end,), daemon=True)
     writer.start()

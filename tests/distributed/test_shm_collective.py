@@ -16,10 +16,10 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from raylm.distributed import parallel_state
 from raylm.distributed.shm_collective import DISABLE_ENV, SEGMENT_PREFIX
+from tests.child_processes import preloaded_spawn_context
 
 pytestmark = pytest.mark.slow  # process groups of 2 and 4 ranks on two cores
 
@@ -83,7 +83,7 @@ def _spawn(target, world: int, out_dir: str, args: tuple = (), on_started=None, 
     """Run `target(rank, world, out_dir, *args)` in `world` spawned gloo ranks (rank
     r with the extra environment rank_env[r]); the list of their return values,
     or exit codes for ranks that returned none. Every process is gone after."""
-    context = mp.get_context("spawn")
+    context = preloaded_spawn_context()
     port = _free_port()
     rank_env = rank_env or {}
     procs = [

@@ -23,7 +23,7 @@ import pytest
 
 from raylm import LLM, SamplingParams
 from raylm.ray_serve import MIN_SERVE_RAY_VERSION, build_openai_app
-from tests.conftest import wait_until
+from tests.conftest import start_shared_ray, wait_until
 from tests.entrypoints.openai.server_utils import free_port
 
 pytestmark = [
@@ -41,24 +41,31 @@ MESSAGES = [{"role": "user", "content": "Speak, friend."}]
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
 
-@pytest.fixture
-def serve_url(ray_session):
-    """Serve's HTTP proxy on a free port of the session's Ray; shut down after
-    the test (its controller and proxy actors go)."""
+@pytest.fixture(scope="module")
+def serve_port():
+    """Serve's HTTP proxy on a free port of the session's Ray, started once for
+    the module's tests (each deletes its application and checks nothing of it
+    is left); shut down after them (its controller and proxy actors go)."""
     from ray import serve
 
+    start_shared_ray()
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield port
     finally:
         serve.shutdown()
-        # Gone before the next test starts Serve again (it would join this one).
+        # Gone before anything later starts Serve again (it would join this one).
         wait_until(
             lambda: not _live_actors("ServeController") and not _live_actors("ProxyActor"),
             60,
             message="Serve's controller and proxy to be gone",
         )
+
+
+@pytest.fixture
+def serve_url(ray_session, serve_port):
+    return f"http://127.0.0.1:{serve_port}"
 
 
 def _live_actors(class_part: str) -> list[dict]:

@@ -9,10 +9,10 @@ import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from raylm.distributed import parallel_state
 from raylm.model.loader import load_model
+from tests.child_processes import preloaded_spawn_context
 
 WORLD_SIZE = 2
 JOIN_TIMEOUT_S = 120
@@ -61,7 +61,7 @@ def _worker(rank: int, port: int, cases: list[tuple[str, int, int]], out_dir: st
 
 
 def _run_two_ranks(cases: list[tuple[str, int, int]], out_dir: str) -> list[list[torch.Tensor | None]]:
-    context = mp.get_context("spawn")
+    context = preloaded_spawn_context()
     port = _free_port()
     procs = [
         context.Process(target=_worker, args=(rank, port, cases, out_dir), daemon=True) for rank in range(WORLD_SIZE)
