@@ -205,7 +205,7 @@ class Router:
         self.decisions: collections.Counter[str] = collections.Counter()  # new requests, by ROUTING_REASONS
         # Which of the serving cores take new and resent requests (P/D: the
         # prefill replicas, raylm.engine.handoff); None: all of them.
-        self.candidates: Callable[[list[CoreChannel]], list[CoreChannel]] | None = None
+        self.candidates: Callable[[EngineCoreRequest, list[CoreChannel]], list[CoreChannel]] | None = None
 
     def choose(self, request: EngineCoreRequest, rank: int | None) -> CoreChannel | None:
         """The core for `request`; ValueError for a rank that does not serve."""
@@ -220,7 +220,7 @@ class Router:
             return channel
         serving = self.ledger.serving()
         if self.candidates is not None:
-            serving = self.candidates(serving)
+            serving = self.candidates(request, serving)
         best = self.policy.choose(request, [load_of(c) for c in serving])
         return None if best is None else channels[best.index]
 

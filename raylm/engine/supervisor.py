@@ -283,6 +283,7 @@ class EngineCoreSupervisor:
         states = self.scaling.replica_states()
         for state in states:
             state["role"] = self.handoffs.role_of(state["replica"])
+            state["pd_handoffs_queued"] = self.handoffs.queued_on(state["replica"])
         return states
 
     # ---- cores leaving ----------------------------------------------------------------
@@ -320,6 +321,7 @@ class EngineCoreSupervisor:
         self.scaling.take_stopped()
         for index, cause in self.launcher.deaths():
             self.recovery.on_death(index, cause)
+        self.handoffs.retry_queued()
         self.router.send_waiting()
         self.pulls.expire()
         for channel in self.channels.values():

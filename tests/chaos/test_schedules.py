@@ -16,9 +16,14 @@ there through 13,000 schedules). The autoscaler's decisions are its policy
 The P/D variant (`PDChaosSchedule`) runs the same schedules on an engine
 with prefill/decode roles (`--prefill-replicas 1`, raylm.engine.handoff),
 which a schedule may also change or turn off at any step (`roles`): every
-request is handed to a decode replica after its first token, so hand-offs
-meet kills, scales, restarts, migrations, pulls and transfer faults, and
-fall back (no decode replica, a refused or failed transfer, a core gone).
+request with a prompt of 8 tokens or more is handed to a decode replica
+after its first token (shorter ones are served by a decode replica alone),
+so hand-offs meet kills, scales, restarts, migrations, pulls and transfer
+faults, and fall back (no decode replica, a refused or failed transfer, a
+core gone); one that finds no decode room waits in the prefill replica's
+queue (of one, so that new requests are held back while it is full; a
+long request pinned to a decode replica, `crowd_decode`, leaves it no room).
+The threshold and the queue's bound change at any step too (`conditional`).
 
 A failing schedule is shrunk by Hypothesis and printed as the steps to
 replay; RAYLM_CHAOS_SEED reruns the same search, RAYLM_CHAOS_SCHEDULES sets
@@ -59,6 +64,8 @@ PROMPTS = [
     [900 + j for j in range(32)],  # eight blocks (and 30 more at most: within max_model_len): evicts the others
 ]
 POISON_PROMPT = [800, POISON_TOKEN, 801, 802]
+# Thirteen blocks of a decode replica's sixteen, at once (the P/D variant's `crowd_decode`).
+CROWD_PROMPT = [1000 + j for j in range(48)]
 MAX_REQUESTS = 10
 # Faults the schedule may strike (each exposing requests no fault exposed before).
 MAX_FAULTS = 2
@@ -344,13 +351,45 @@ class PDChaosSchedule(ChaosSchedule):
     """The same schedules with P/D roles: replica 0 prefills, the others
     decode (rebalancing off, as the config requires with roles)."""
 
-    config_overrides = {"prefill_replicas": 1, "data_parallel_rebalance": False}
+    # Prompts under 8 tokens stay on a decode replica; a queue of one
+    # finished prefill waiting for decode room (a tiered schedule's 16 blocks
+    # run short), so that a full queue holds new requests back.
+    config_overrides = {
+        "prefill_replicas": 1,
+        "data_parallel_rebalance": False,
+        "pd_min_prompt_tokens": 8,
+        "pd_handoff_queue": 1,
+    }
 
     @rule(prefill=st.integers(0, 2))
     def roles(self, prefill):
         """The roles change (0: off; 2 of 2 replicas: no decode replica until
         a scale-out), whatever hand-offs are under way."""
         self.world.set_roles(prefill)
+
+    @precondition(lambda self: self.num_requests + 2 <= MAX_REQUESTS)
+    @rule(index=st.integers(1, 3))
+    def crowd_decode(self, index):
+        """A 48-token prompt pinned to decode replica `index` (if it serves),
+        then, a few rounds later, a prompt to hand off: in a tiered
+        schedule's 16 blocks, the first leaves no room for the second's, which
+        queues for decode room (holding admission back while the queue is full)."""
+        try:
+            self.world.submit(f"r{self.num_requests}", CROWD_PROMPT, 14, rank=index)
+        except ValueError:
+            return
+        self.num_requests += 1
+        for _ in range(3):
+            self._round()
+        self.submit(PROMPTS[4], 20)
+
+    @rule(threshold=st.sampled_from([0, 8, 14]), queue=st.integers(0, 2))
+    def conditional(self, threshold, queue):
+        """The short-prompt threshold and the queue's bound change (queue 0:
+        none; a hand-off finding no room decodes where it is), whatever is
+        queued or held back."""
+        self.world.sup.handoffs.min_prompt_tokens = threshold
+        self.world.sup.handoffs.queue_size = queue
 
     @precondition(lambda self: self.num_requests > 0)
     @rule(strike=st.sampled_from(["kill source", "kill destination", "abort"]), which=st.integers(0, 3))
@@ -427,5 +466,7 @@ def test_chaos_schedules_with_prefill_decode_roles(quiet_engine_logs):
     HANDOFF_OUTCOMES.clear()
     seed(SEED)(PDChaosSchedule.TestCase)().runTest()
     print(f"P/D hand-offs over these schedules: {dict(HANDOFF_OUTCOMES)}")
-    # Hand-offs run in the tier, and fall back in it (a tier without both tests neither).
-    assert HANDOFF_OUTCOMES["ok"] and HANDOFF_OUTCOMES["no_decode"], dict(HANDOFF_OUTCOMES)
+    # Hand-offs run in the tier, fall back, stay short, wait for room and
+    # hold admission back in it (a tier without one of them tests it not).
+    for outcome in ("ok", "no_decode", "short_prompt", "queued"):
+        assert HANDOFF_OUTCOMES[outcome], (outcome, dict(HANDOFF_OUTCOMES))

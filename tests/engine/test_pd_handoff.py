@@ -36,6 +36,7 @@ PD_ENGINE = dict(
     data_parallel_size=2,
     data_parallel_backend="mp",
     prefill_replicas=1,
+    pd_min_prompt_tokens=0,  # every prompt handed off (one test sets a threshold)
     num_threads=1,
     kv_cache_memory_bytes=16 << 20,
 )
@@ -129,6 +130,55 @@ def test_seeded_sampling_and_logprobs_go_on_exactly_across_the_hand_off(pd_llm):
         assert moved.token_ids == stayed.token_ids
         for a, b in zip(stayed.logprobs, moved.logprobs):
             assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+
+
+def test_short_prompts_stay_on_a_decode_replica_the_others_are_handed_off(pd_llm, reference):  # noqa: F811
+    """Conditional disaggregation (`--pd-min-prompt-tokens`, set here while
+    serving): the six prompts under 20 tokens are prefilled and decoded on
+    the decode replica alone, the others handed off; all equal to HF."""
+    supervisor = pd_llm.llm_engine.engine_core
+    short = sum(1 for p in PROMPTS if len(p) < 20)
+    assert 0 < short < len(PROMPTS)
+    before, routed = _counts(pd_llm), supervisor.replica_states()[1]["num_routed"]
+    supervisor.handoffs.min_prompt_tokens = 20
+    try:
+        assert _run(pd_llm, PROMPTS, GREEDY) == reference
+    finally:
+        supervisor.handoffs.min_prompt_tokens = 0
+    counts = _counts(pd_llm)
+    assert counts.get("short_prompt", 0) - before.get("short_prompt", 0) == short, counts
+    assert counts.get("ok", 0) > before.get("ok", 0), counts
+    assert supervisor.replica_states()[1]["num_routed"] - routed == short
+
+
+def test_a_client_abort_mid_hand_off_frees_both_replicas_blocks(pd_llm, reference):  # noqa: F811
+    """Requests aborted while their hand-off is under way: the others equal
+    HF's, and both replicas' caches are all free again (their stats, fresh
+    with a ping's answer, say so)."""
+    engine, supervisor = pd_llm.llm_engine, pd_llm.llm_engine.engine_core
+    before = _counts(pd_llm)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
+    done, aborted = {}, set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out.outputs[0].token_ids
+        moving = {m.request_id for m in supervisor.migrations.values() if m.reason == "pd_handoff"} - aborted
+        if moving and len(aborted) < 3:
+            engine.abort_request(sorted(moving)[0])
+            aborted.add(sorted(moving)[0])
+    assert aborted, _counts(pd_llm)
+    kept = [i for i in range(len(PROMPTS)) if str(i) not in aborted]
+    assert [done[str(i)] for i in kept] == [reference[i] for i in kept]
+    counts = _counts(pd_llm)
+    assert counts.get("ended", 0) + counts.get("ok", 0) > before.get("ended", 0) + before.get("ok", 0), counts
+    supervisor.ping()
+    wait_until(
+        lambda: all(c.stats is not None and c.stats.kv_cache_usage == 0.0 for c in supervisor.channels.values()),
+        30,
+        step=engine.step,
+        message=lambda: f"blocks still held: {[c.stats for c in supervisor.channels.values()]}",
+    )
 
 
 def test_a_decode_replica_killed_mid_stream_costs_no_request(pd_llm, reference):  # noqa: F811

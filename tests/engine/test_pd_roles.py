@@ -113,9 +113,13 @@ def test_plan_shows_each_replicas_role(tiny_model_dir):
 # ---- the hand-off and its fallbacks, on the simulated engine ----------------------------------
 
 
+# Every prompt handed off (the threshold is tested on its own below).
+PD = dict(prefill_replicas=1, data_parallel_rebalance=False, pd_min_prompt_tokens=0)
+
+
 @pytest.fixture
 def world():
-    world = World(chaos_config(prefill_replicas=1, data_parallel_rebalance=False))
+    world = World(chaos_config(**PD))
     yield world
     world.close()
 
@@ -219,7 +223,7 @@ def test_imports_failing_because_their_prefill_replica_died_leave_the_decode_rep
 def test_a_decode_replica_restarting_drains_to_the_other_decode_replica():
     """Replicas 1 and 2 decode: the requests of 1, restarted, move to 2,
     not to the prefill replica (which would only hand them back)."""
-    world = World(chaos_config(data_parallel_size=3, prefill_replicas=1, data_parallel_rebalance=False))
+    world = World(chaos_config(**PD, data_parallel_size=3))
     try:
         _submit_all(world, max_tokens=30)
         _until_first_tokens(world)
@@ -234,3 +238,97 @@ def test_a_decode_replica_restarting_drains_to_the_other_decode_replica():
         _finish(world)
     finally:
         world.close()
+
+
+# ---- conditional disaggregation: short prompts stay on one replica ---------------------------
+
+
+def test_the_threshold_defaults_to_at_most_a_quarter_of_the_context(tiny_model_dir):
+    from raylm.engine.handoff import PD_MIN_PROMPT_TOKENS, min_prompt_tokens
+
+    # The embedded default model (512 positions): 128, so its longer prompts still hand off.
+    assert min_prompt_tokens(create_engine_config(None, data_parallel_size=2, prefill_replicas=1)) == 128
+    assert min_prompt_tokens(chaos_config(**PD | {"pd_min_prompt_tokens": None})) == 64 // 4
+    long_context = create_engine_config(tiny_model_dir("llama"), data_parallel_size=2, prefill_replicas=1)
+    assert min_prompt_tokens(long_context) == min(PD_MIN_PROMPT_TOKENS, long_context.model_config.max_model_len // 4)
+    args = build_parser().parse_args(
+        ["generate", "x", "-dp", "2", "--prefill-replicas", "1", "--pd-min-prompt-tokens", "5"]
+    )
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    assert min_prompt_tokens(config) == 5 and config.parallel_config.pd_handoff_queue == 8
+    for name, value in (("pd_min_prompt_tokens", -1), ("pd_handoff_queue", -1), ("pd_handoff_queue", True)):
+        with pytest.raises(ValueError, match=f"{name} must be an integer >= 0"):
+            ParallelConfig(data_parallel_size=2, prefill_replicas=1, **{name: value})
+
+
+def test_a_short_prompt_is_prefilled_and_decoded_on_a_decode_replica():
+    world = World(chaos_config(**PD | {"pd_min_prompt_tokens": 8}))
+    try:
+        world.submit("short", [500, 501, 502], 12)
+        world.submit("long", [600 + j for j in range(13)], 12)
+        assert world.sup.ledger["short"].channel == 1 and world.sup.ledger["long"].channel == 0
+        _until_first_tokens(world)
+        assert [m.request_id for m in world.sup.migrations.values()] == ["long"]  # the short one never moves
+        counts = _finish(world)
+        assert counts == {"short_prompt": 1, "ok": 1}, counts
+    finally:
+        world.close()
+
+
+# ---- finished prefills waiting for decode room --------------------------------------------
+
+
+def _fill_decode_replica(world: World) -> None:
+    """A long request pinned to decode replica 1, holding 13 to 16 of its 16
+    blocks (block_size 4) to its end: a hand-off's 4 do not fit."""
+    world.submit("filler", [900 + j for j in range(48)], 14, rank=1)
+    for _ in range(4):
+        world.turn(1)
+        world.read()
+    kv = world.cores[1].core.scheduler.kv_cache_manager
+    assert kv.pool.num_free_blocks < 4, kv.pool.num_free_blocks
+
+
+def test_a_hand_off_finding_no_room_waits_in_the_queue_and_moves_once_there_is():
+    world = World(chaos_config(**PD | {"pd_handoff_queue": 1}), num_blocks=16)
+    try:
+        _fill_decode_replica(world)
+        world.submit("a", [600 + j for j in range(13)], 20)
+        _until_first_tokens(world)
+        for _ in range(3):  # the hand-off's final stage is refused: no room
+            world.turn(0)
+            world.turn(1)
+            world.read()
+        assert "a" in world.sup.handoffs.queue and world.sup.handoffs.counts["queued"] == 1
+        assert world.sup.replica_states()[0]["pd_handoffs_queued"] == 1
+        # The queue (of one) is full: prefill replica 0 takes no new prompt,
+        # which waits in the ledger (counted held) until the queue drains.
+        world.submit("b", [700 + j for j in range(6)], 8)
+        assert world.sup.ledger["b"].channel == -1 and world.sup.handoffs.counts["held"] == 1
+        counts = _finish(world)  # the filler ends, "a" moves (or decodes where it is), "b" is admitted
+        assert counts["queued"] >= 1 and counts["held"] == 1, counts
+        # Once the filler ended, "a" moved on a retry; then "b" was admitted and moved too.
+        assert counts["ok"] == 2 and "no_room" not in counts, counts
+    finally:
+        world.close()
+
+
+def test_a_client_abort_mid_hand_off_frees_both_ends_blocks(world):
+    """Aborted while its final stage is on its way (the source paused it, the
+    destination took its blocks): every block of both replicas is free
+    again, and the prefix cache holds only what its hash names."""
+    world.submit("a", [600 + j for j in range(13)], 20)
+    for _ in range(10):
+        world.turn(0)
+        world.read()
+        handoffs = list(world.sup.migrations.values())
+        if handoffs and handoffs[0].handed_over:
+            break
+    assert handoffs and handoffs[0].handed_over
+    world.turn(1)  # the destination imports (its blocks taken)
+    world.abort("a")
+    counts = _finish(world)  # check(): each core's free blocks are all its blocks
+    assert set(counts) <= {"ok", "ended"}, counts
+    for index in (0, 1):
+        kv = world.cores[index].core.scheduler.kv_cache_manager
+        assert kv.pool.num_free_blocks == kv.num_blocks
