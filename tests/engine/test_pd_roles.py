@@ -2,8 +2,12 @@
 and its bounds, the roles where an operator reads them (`/health`'s replica
 states, `/metrics`, `raylm plan`), and the hand-off and its fallbacks on the
 chaos harness's simulated engine (the real supervisor and engine cores on
-the content model, tests/chaos), each stream equal to an undisturbed run.
-The end-to-end test on real models is test_pd_handoff.py."""
+the content model, tests/chaos), each stream equal to an undisturbed run:
+short prompts kept on one replica (`--pd-min-prompt-tokens`), hand-offs
+queued for decode room and the admission a full queue holds back
+(`--pd-handoff-queue`), aborts mid-hand-off, and the two pools autoscaled
+apart (raylm.engine.role_autoscaler). The end-to-end tests on real models
+are test_pd_handoff.py (and, on Ray, test_data_parallel.py)."""
 
 from __future__ import annotations
 
@@ -402,5 +406,30 @@ def test_a_prefill_pool_scaled_out_and_in_on_the_simulated_engine():
         counts = _finish(world)  # every stream equal to an undisturbed run, nothing left
         assert counts["ok"] >= len(PROMPTS), counts
         assert [s["role"] for s in world.sup.replica_states()] == ["prefill", "decode"]
+    finally:
+        world.close()
+
+
+def test_aborting_a_queued_hand_off_and_a_held_request_leaves_nothing():
+    """A finished prefill waiting for decode room and a request held back
+    by the full queue, both aborted by their clients: the queue is empty, the
+    prefill replica admits again, every block of both replicas is free."""
+    world = World(chaos_config(**PD | {"pd_handoff_queue": 1}), num_blocks=16)
+    try:
+        _fill_decode_replica(world)
+        world.submit("a", [600 + j for j in range(13)], 20)
+        _until_first_tokens(world)
+        for _ in range(3):
+            world.turn(0)
+            world.turn(1)
+            world.read()
+        world.submit("b", [700 + j for j in range(6)], 8)
+        assert "a" in world.sup.handoffs.queue and world.sup.ledger["b"].channel == -1
+        world.abort("a")
+        world.abort("b")
+        assert not world.sup.handoffs.queue and world.sup.handoffs.queued_on(0) == 0
+        world.submit("c", [710 + j for j in range(6)], 4)
+        assert world.sup.ledger["c"].channel == 0  # admitted at once
+        _finish(world)  # check(): nothing kept, every block free
     finally:
         world.close()
