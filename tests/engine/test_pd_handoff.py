@@ -6,7 +6,10 @@ stage over the shared-memory files; greedy outputs equal Hugging Face's.
 What ends with its first token, or asks for prompt logprobs, stays on the
 prefill replica; a decode replica killed mid-stream costs no request. The
 hand-offs are asserted by their counts, never by a time; nothing (process,
-transfer folder) is left after the engine."""
+transfer folder) is left after the engine. Short prompts stay on the
+decode replica (`--pd-min-prompt-tokens`); an abort mid-hand-off frees both
+replicas' blocks; and an async engine of its own scales the two pools apart
+(`AsyncLLM.scale_roles`, as the per-role autoscaler does)."""
 
 from __future__ import annotations
 
@@ -251,4 +254,46 @@ def test_hand_offs_over_the_sealed_network_path(tiny_model_dir, monkeypatch):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
         assert _counts(llm) == {"ok": len(prompts)}
     assert [o.outputs[0].token_ids for o in outs] == [r.token_ids for r in hf_greedy(qwen2, prompts, MAX_TOKENS)]
+    wait_until(lambda: not (_children() - before), 30, message=lambda: f"processes left: {_children() - before}")
+
+
+def test_the_pools_scaled_apart_through_the_async_engine(model, reference):  # noqa: F811
+    """AsyncLLM.scale_roles, as the per-role autoscaler calls it
+    (raylm.engine.role_autoscaler): 1+1 -> 2+1 (a replica started, then
+    replica 1 turned prefill) -> 1+1 (replica 1 turned decode, then replica
+    2 drained away); requests between equal HF's, and no process is left."""
+    import asyncio
+
+    from raylm.config import create_engine_config
+    from raylm.engine.async_llm import AsyncLLM
+
+    async def generate(engine, prompts) -> list[list[int]]:
+        async def one(i, prompt):
+            tokens = []  # (the async engine streams each output's new tokens)
+            async for out in engine.generate({"prompt_token_ids": prompt}, GREEDY, f"{id(prompts)}-{i}"):
+                tokens.extend(out.outputs[0].token_ids)
+            return tokens
+
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+    async def run(engine) -> list[tuple]:
+        seen = []
+        await engine.scale_roles(3, 2)
+        states = engine.replica_states()
+        seen.append([(s["role"], s["state"]) for s in states])
+        assert await generate(engine, PROMPTS[:6]) == reference[:6]
+        await engine.scale_roles(2, 1)
+        seen.append([s["role"] for s in engine.replica_states()])
+        assert await generate(engine, PROMPTS[6:10]) == reference[6:10]
+        return seen
+
+    before = _children()
+    engine = AsyncLLM(create_engine_config(model, **PD_ENGINE))
+    try:
+        seen = asyncio.run(run(engine))
+        counts = dict(engine.engine_core.handoffs.counts)
+    finally:
+        engine.shutdown()
+    assert seen == [[("prefill", "serving"), ("prefill", "serving"), ("decode", "serving")], ["prefill", "decode"]]
+    assert counts.get("ok", 0) > 0, counts
     wait_until(lambda: not (_children() - before), 30, message=lambda: f"processes left: {_children() - before}")
