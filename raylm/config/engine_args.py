@@ -231,6 +231,20 @@ class EngineArgs:
         "replica does both)",
         metavar="P",
     )
+    pd_min_prompt_tokens: int | None = _parallel(
+        None,
+        "with --prefill-replicas: a prompt shorter than N tokens is prefilled and decoded on one decode "
+        "replica, never handed off (conditional disaggregation); default: 256, at most a quarter of "
+        "--max-model-len; 0: every prompt is handed off",
+        metavar="N",
+    )
+    pd_handoff_queue: int = _parallel(
+        8,
+        "with --prefill-replicas: finished prefills that found no decode room wait (decoding where they are) "
+        "in a queue of at most N per prefill replica, handed off as room appears; a prefill replica whose "
+        "queue is full takes no new prompt until it drains (0: no queue, they decode where they are)",
+        metavar="N",
+    )
     data_parallel_rebalance: bool = _parallel(
         False, "move running requests live (KV cache and all) from a replica much busier than the least busy one"
     )

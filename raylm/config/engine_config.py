@@ -176,6 +176,13 @@ class ParallelConfig:
     # prefill new requests and hand each to a decode replica (P..N-1) after
     # its first token. 0: every replica does both.
     prefill_replicas: int = 0
+    # Conditional disaggregation (raylm.engine.handoff): a prompt shorter than
+    # this many tokens is prefilled and decoded on one decode replica, never
+    # handed off. None: PD_MIN_PROMPT_TOKENS, at most a quarter of the context.
+    pd_min_prompt_tokens: int | None = None
+    # Finished prefills waiting for decode room (raylm.engine.handoff): at
+    # most this many per prefill replica; a full one takes no new prompt.
+    pd_handoff_queue: int = 8
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
@@ -198,6 +205,12 @@ class ParallelConfig:
     def _check_prefill_replicas(self) -> None:
         """P/D needs a replica of each role, and live migration to move requests between them."""
         p, n = self.prefill_replicas, self.data_parallel_size
+        threshold = self.pd_min_prompt_tokens
+        if threshold is not None and (not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0):
+            raise ValueError(f"pd_min_prompt_tokens must be an integer >= 0, got {threshold!r}")
+        queue = self.pd_handoff_queue
+        if not isinstance(queue, int) or isinstance(queue, bool) or queue < 0:
+            raise ValueError(f"pd_handoff_queue must be an integer >= 0, got {queue!r}")
         if p == 0:
             return
         if not isinstance(p, int) or isinstance(p, bool) or p < 0:

@@ -27,6 +27,7 @@ from raylm.engine.output_processor import OutputProcessor
 from raylm.engine.protocol import EngineCoreOutputs, RecoveryStats, SchedulerStats
 from raylm.engine.request_stream import RequestState, RequestStream
 from raylm.engine.restart_budget import BlameLedger, RestartBudget
+from raylm.engine.role_autoscaler import RoleAutoscalePolicy, scale_steps
 from raylm.engine.stat_logger import StatLoggerBase
 from raylm.engine.supervisor import AsyncEngineCoreSupervisor
 from raylm.engine.tokenizer import load_tokenizer
@@ -104,6 +105,21 @@ class AsyncLLM:
             await self.engine_core.scale_async(data_parallel_size)
         self._record(lambda s: s.record_target_replicas(data_parallel_size))
 
+    async def scale_roles(self, data_parallel_size: int, prefill_replicas: int) -> None:
+        """P/D: `data_parallel_size` replicas, the first `prefill_replicas` of
+        them prefilling (raylm.engine.role_autoscaler: the role change and the
+        scale in the order that keeps a decode replica serving)."""
+        if self._scale_lock is None:
+            self._scale_lock = asyncio.Lock()
+        async with self._scale_lock:
+            supervisor = self.engine_core
+            for step in scale_steps(supervisor.handoffs.prefill_replicas, prefill_replicas):
+                if step == "roles":
+                    supervisor.set_prefill_replicas(prefill_replicas)
+                else:
+                    await supervisor.scale_async(data_parallel_size)
+        self._record(lambda s: s.record_target_replicas(data_parallel_size))
+
     async def restart_replica(self, index: int) -> None:
         """Restart data-parallel replica `index` without losing a request: its
         requests migrate to the others, it starts anew and serves again."""
@@ -154,6 +170,10 @@ class AsyncLLM:
                 self,
                 self.config.autoscale,
                 on_decision=lambda d: self._record(lambda s: s.record_autoscale(d.direction, d.reason)),
+                # With P/D roles the prefill and decode pools scale apart.
+                policy=RoleAutoscalePolicy(self.config.autoscale)
+                if self.config.parallel_config.prefill_replicas
+                else None,
             )
             self._autoscale_task = asyncio.get_running_loop().create_task(autoscaler.run(), name="raylm-autoscaler")
 

@@ -130,9 +130,12 @@ class AutoscalePolicy:
 class Autoscaler:
     """The policy, applied every _INTERVAL_S to an engine (AsyncLLM) from its event loop."""
 
-    def __init__(self, engine, config: AutoscaleConfig, on_decision=None):
+    def __init__(self, engine, config: AutoscaleConfig, on_decision=None, policy=None):
+        """`policy`: AutoscalePolicy(config) unless given (P/D roles pass
+        role_autoscaler.RoleAutoscalePolicy, whose decisions name the prefill
+        pool too: applied by the engine's `scale_roles`)."""
         self.engine = engine
-        self.policy = AutoscalePolicy(config)
+        self.policy = policy if policy is not None else AutoscalePolicy(config)
         self.on_decision = on_decision
         self.decisions: list[Decision] = []
 
@@ -169,7 +172,11 @@ class Autoscaler:
         """Whether the engine scaled. On failure nothing changed, and the
         policy asks again once the load still calls for it for the delay."""
         try:
-            await self.engine.scale(decision.num_replicas)
+            prefill = getattr(decision, "prefill_replicas", None)
+            if prefill is not None:
+                await self.engine.scale_roles(decision.num_replicas, prefill)
+            else:
+                await self.engine.scale(decision.num_replicas)
         except Exception as e:
             # ValueError: refused now (a change under way); RuntimeError: could
             # not be placed, or a new replica did not start in time

@@ -53,6 +53,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from dataclasses import dataclass
 
 from raylm.config import EngineConfig, replica_role
 from raylm.core.outputs import EngineCoreOutput
@@ -72,6 +73,9 @@ REASON = "pd_handoff"
 # rest say why the request stayed, or where it went instead (module docstring).
 OUTCOMES = (
     "ok",
+    "short_prompt",
+    "queued",
+    "held",
     "finished_on_prefill",
     "kept_on_prefill",
     "no_decode",
@@ -90,6 +94,32 @@ _ENDED = "the request ended"
 _NO_ROOM = "no room for"
 _TRANSFER_FAILED = "K/V failed"
 
+# Conditional disaggregation's default threshold, in prompt tokens (capped at
+# a quarter of the context, so that a short-context model still hands off).
+PD_MIN_PROMPT_TOKENS = 256
+# A queued hand-off is tried again after 50 ms, 100 ms, 200 ms, then decodes
+# where it is (`no_room`): the queue always drains, so the admission it holds
+# back never waits for long.
+QUEUE_RETRIES = 3
+QUEUE_FIRST_WAIT_S = 0.05
+
+
+def min_prompt_tokens(config: EngineConfig) -> int:
+    """The prompt length from which a request is handed off (`--pd-min-prompt-tokens`)."""
+    threshold = config.parallel_config.pd_min_prompt_tokens
+    if threshold is not None:
+        return threshold
+    return min(PD_MIN_PROMPT_TOKENS, config.model_config.max_model_len // 4)
+
+
+@dataclass
+class Queued:
+    """A finished prefill waiting for decode room (decoding where it is meanwhile)."""
+
+    source: CoreChannel
+    tries: int  # the hand-offs it tried that found no room
+    due: float  # when it tries again
+
 
 class Handoffs:
     """The supervisor's part for P/D: which role each replica has, where a
@@ -101,6 +131,8 @@ class Handoffs:
     ):
         # Settable while serving (the chaos harness turns roles on mid-schedule).
         self.prefill_replicas = config.parallel_config.prefill_replicas
+        self.min_prompt_tokens = min_prompt_tokens(config)
+        self.queue_size = config.parallel_config.pd_handoff_queue
         self._ledger = ledger
         self._migrations = migrations
         self._routes = routes  # which cores cannot move K/V
@@ -108,6 +140,10 @@ class Handoffs:
         # Request id -> the start of the prefill core that tried to hand it
         # off: one try per core that holds it (see the module docstring).
         self._tried: dict[str, CoreChannel] = {}
+        # Finished prefills waiting for decode room, oldest first.
+        self.queue: dict[str, Queued] = {}
+        # New requests held back while every prefill replica's queue is full.
+        self._held: set[str] = set()
         self.counts: collections.Counter[str] = collections.Counter()
         self._events: list[HandoffStats] = []
         migrations.on_end = self._migration_ended
@@ -122,17 +158,41 @@ class Handoffs:
 
     # ---- routing -----------------------------------------------------------------------
 
-    def route_candidates(self, serving: list[CoreChannel]) -> list[CoreChannel]:
-        """The cores a request may be routed to among `serving`: the prefill
-        replicas, or, with none serving, the decode ones (which then prefill too)."""
+    def route_candidates(self, request: EngineCoreRequest, serving: list[CoreChannel]) -> list[CoreChannel]:
+        """The cores `request` may be routed to among `serving`: a decode
+        replica for a short prompt; else the prefill replicas whose queue of
+        finished prefills has room (none: it waits in the ledger, admission
+        held back until one drains); with no prefill replica serving, the
+        decode ones (which then prefill too)."""
         if not self.enabled:
             return serving
+        decode = [c for c in serving if self.role_of(c.index) == "decode"]
+        if decode and len(request.prompt_token_ids) < self.min_prompt_tokens:
+            self._count("short_prompt")  # (a continuation's prompt holds its tokens so far)
+            return decode
         prefill = [c for c in serving if self.role_of(c.index) == "prefill"]
+        admitting = [c for c in prefill if self._admits(c)]
+        if admitting:
+            self._held.discard(request.request_id)
+            return admitting
         if prefill:
-            return prefill
+            if request.request_id not in self._held:
+                self._held.add(request.request_id)
+                self._count("held")
+            return []
         if serving:
             self._count("prefill_on_decode")
         return serving
+
+    def _admits(self, channel: CoreChannel) -> bool:
+        """Whether prefill replica `channel` takes new prompts: its queue is not full."""
+        if self.queue_size == 0:
+            return True
+        return sum(1 for q in self.queue.values() if q.source is channel) < self.queue_size
+
+    def queued_on(self, index: int) -> int:
+        """How many finished prefills on replica `index` wait for decode room."""
+        return sum(1 for q in self.queue.values() if q.source.index == index)
 
     def migration_candidates(self, candidates: list[CoreChannel]) -> list[CoreChannel]:
         """Where a drain (scale-in, restart) or a migration with no destination
@@ -163,6 +223,7 @@ class Handoffs:
         prefill = self.role_of(channel.index) == "prefill"
         for out in outputs:
             if out.finished:
+                self.queue.pop(out.request_id, None)
                 tried = self._tried.pop(out.request_id, None)
                 if prefill and tried is not channel:  # (a try's end is counted when its migration ends)
                     self._count("finished_on_prefill")
@@ -170,37 +231,85 @@ class Handoffs:
                 self._hand_off(channel, out.request_id)
         if len(self._tried) > 2 * len(self._ledger) + 1024:  # requests that left another way (failed culprits)
             self._tried = {rid: c for rid, c in self._tried.items() if rid in self._ledger}
+            self._held &= set(self._ledger)
+
+    def _movable(self, source: CoreChannel, request_id: str) -> bool:
+        entry = self._ledger.get(request_id)
+        return not (
+            entry is None or entry.channel != source.index or entry.held or request_id in self._migrations.by_request
+        )
 
     def _hand_off(self, source: CoreChannel, request_id: str) -> None:
-        entry = self._ledger.get(request_id)
-        if entry is None or entry.channel != source.index or entry.held or request_id in self._migrations.by_request:
+        if not self._movable(source, request_id):
             return  # not movable now (another migration under way): its next token tries again
         self._tried[request_id] = source
+        entry = self._ledger[request_id]
         if entry.pinned or entry.request.sampling_params.prompt_logprobs is not None:
             self._count("kept_on_prefill")
             return
-        destination = self._decode_destination(entry.request)
+        self._start(source, request_id)
+
+    def _start(self, source: CoreChannel, request_id: str) -> None:
+        destination = self._decode_destination(self._ledger[request_id].request)
         if destination is None:
+            self.queue.pop(request_id, None)
             self._count("no_decode")
             return
         if not self._migrations.migrate(request_id, destination.index, REASON, final_only=True):
+            self.queue.pop(request_id, None)
             self._count("refused")  # (the source cannot move K/V: it has failed transfers)
+
+    def retry_queued(self) -> None:
+        """Housekeeping: the queued hand-offs whose wait is over try again;
+        one whose source left or stopped prefilling leaves the queue (a
+        recovery or a drain moves it)."""
+        now = time.monotonic()
+        for request_id, queued in list(self.queue.items()):
+            source, entry = queued.source, self._ledger.get(request_id)
+            if (
+                entry is None
+                or entry.channel != source.index
+                or not self._ledger.serves(source)
+                or self.role_of(source.index) != "prefill"
+            ):
+                del self.queue[request_id]
+            elif queued.due <= now and self._movable(source, request_id):
+                self._start(source, request_id)  # (it stays queued until the try ends)
 
     def _migration_ended(self, migration: Migration, ok: bool, why: str) -> None:
         """Every migration's end (Migrations.on_end): a hand-off's outcome."""
         if migration.reason != REASON:
             return
+        request_id = migration.request_id
         if ok:
             # It decodes elsewhere now: should it come back to a prefill
             # replica (a recovery, a drain), it is handed off again.
-            self._tried.pop(migration.request_id, None)
+            self.queue.pop(request_id, None)
+            self._tried.pop(request_id, None)
             self._count("ok", time.monotonic() - migration.started)
             return
         outcome = self._failure(migration, why)
+        if outcome == "no_room" and self._enqueue(migration):
+            outcome = "queued"
+        else:
+            self.queue.pop(request_id, None)
         if outcome == "destination_gone":  # (recovered, or resumed here): it may try again
-            self._tried.pop(migration.request_id, None)
+            self._tried.pop(request_id, None)
         self._count(outcome)
-        logger.info("P/D hand-off of request %s: %s (%s)", migration.request_id[:64], outcome, why)
+        logger.info("P/D hand-off of request %s: %s (%s)", request_id[:64], outcome, why)
+
+    def _enqueue(self, migration: Migration) -> bool:
+        """A hand-off that found no room waits (decoding where it is) to try
+        again, if its prefill replica's queue has room and it has tries left."""
+        source, queued = migration.source_channel, self.queue.get(migration.request_id)
+        tries = 1 if queued is None else queued.tries + 1
+        if tries > QUEUE_RETRIES or not self._ledger.serves(source):
+            return False
+        if queued is None and not self._admits(source):
+            return False
+        due = time.monotonic() + QUEUE_FIRST_WAIT_S * 2 ** (tries - 1)
+        self.queue[migration.request_id] = Queued(source, tries, due)
+        return True
 
     def _failure(self, migration: Migration, why: str) -> str:
         # A core that left has left the ledger before its migrations end.
@@ -221,6 +330,8 @@ class Handoffs:
     def request_gone(self, request_id: str) -> None:
         """The client aborted it (its hand-off, if any, ends as a migration does)."""
         self._tried.pop(request_id, None)
+        self.queue.pop(request_id, None)
+        self._held.discard(request_id)
 
     def _count(self, outcome: str, seconds: float | None = None) -> None:
         self.counts[outcome] += 1

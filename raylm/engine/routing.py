@@ -239,7 +239,7 @@ class Router:
         self.decisions: collections.Counter[str] = collections.Counter()  # new requests, by ROUTING_REASONS
         # Which of the serving cores take new and resent requests (P/D: the
         # prefill replicas, raylm.engine.handoff); None: all of them.
-        self.candidates: Callable[[list[CoreChannel]], list[CoreChannel]] | None = None
+        self.candidates: Callable[[EngineCoreRequest, list[CoreChannel]], list[CoreChannel]] | None = None
         self._adapter_held = False  # the last choice's core held its request's LoRA adapter
 
     def choose(self, request: EngineCoreRequest, rank: int | None) -> CoreChannel | None:
@@ -255,7 +255,7 @@ class Router:
             return channel
         serving = self.ledger.serving()
         if self.candidates is not None:
-            serving = self.candidates(serving)
+            serving = self.candidates(request, serving)
         if request.lora_request is None:
             loads = [load_of(c) for c in serving]
         else:

@@ -272,6 +272,18 @@ class EngineCoreSupervisor:
         finally:
             self.end_scale(scale_up, started)
 
+    def set_prefill_replicas(self, prefill_replicas: int) -> None:
+        """P/D: the first `prefill_replicas` replicas prefill from now on
+        (role_autoscaler: a pool scaled); ValueError unless a decode replica
+        is left. A replica turned to prefill hands its requests off, one
+        turned to decode keeps what it holds."""
+        replicas = len(self.replica_states())
+        if not self.handoffs.enabled or not 1 <= prefill_replicas < replicas:
+            raise ValueError(
+                f"prefill_replicas must be from 1 to {replicas - 1} with P/D roles, got {prefill_replicas}"
+            )
+        self.handoffs.prefill_replicas = prefill_replicas
+
     def begin_restart(self, index: int) -> int:
         """Drain replica `index` by migration; it is started again once empty.
         Returns how many requests began to move. ValueError if it does not
@@ -283,6 +295,7 @@ class EngineCoreSupervisor:
         states = self.scaling.replica_states()
         for state in states:
             state["role"] = self.handoffs.role_of(state["replica"])
+            state["pd_handoffs_queued"] = self.handoffs.queued_on(state["replica"])
         return states
 
     # ---- cores leaving ----------------------------------------------------------------
@@ -320,6 +333,7 @@ class EngineCoreSupervisor:
         self.scaling.take_stopped()
         for index, cause in self.launcher.deaths():
             self.recovery.on_death(index, cause)
+        self.handoffs.retry_queued()
         self.router.send_waiting()
         self.pulls.expire()
         for channel in self.channels.values():

@@ -13,7 +13,8 @@ replays is printed.
 
 The P/D variant replays its own seeds (RAYLM_CHAOS_REAL_PD_SEEDS) on
 `--prefill-replicas 1` (raylm.engine.handoff): every request is handed from
-core 0 to core 1 after its first token while the schedule strikes.
+core 0 to core 1 after its first token while the schedule strikes, but
+the two shortest prompts, which core 1 serves alone (`--pd-min-prompt-tokens 12`).
 
 RAYLM_CHAOS_REAL_SEEDS (comma-separated) and RAYLM_CHAOS_REAL_REPLAYS set the
 size (the soak: more of both)."""
@@ -104,6 +105,8 @@ def test_seeded_schedules_against_real_cores(
             before, fds = descendants(), len(os.listdir("/proc/self/fd"))
             tiered = TIERED if replay % 2 else {}
             engine = dict(data_parallel_size=2, data_parallel_backend="mp", prefill_replicas=prefill_replicas)
+            if prefill_replicas:  # the two shortest prompts stay on a decode replica, the others are handed off
+                engine["pd_min_prompt_tokens"] = 12
             with _llm(**engine, **tiered) as llm:
                 result = ScheduleRunner(llm, schedule).run(requests, late=late_requests)
                 broken = result.failures(reference)
@@ -137,4 +140,4 @@ def test_seeded_schedules_against_real_cores(
     )
     assert not failed, failed
     if prefill_replicas:
-        assert handoffs["ok"], dict(handoffs)
+        assert handoffs["ok"] and handoffs["short_prompt"], dict(handoffs)

@@ -17,9 +17,15 @@ there through 13,000 schedules). The autoscaler's decisions are its policy
 The P/D variant (`PDChaosSchedule`) runs the same schedules on an engine
 with prefill/decode roles (`--prefill-replicas 1`, raylm.engine.handoff),
 which a schedule may also change or turn off at any step (`roles`): every
-request is handed to a decode replica after its first token, so hand-offs
-meet kills, scales, restarts, migrations, pulls and transfer faults, and
-fall back (no decode replica, a refused or failed transfer, a core gone).
+request with a prompt of 8 tokens or more is handed to a decode replica
+after its first token (shorter ones are served by a decode replica alone),
+so hand-offs meet kills, scales, restarts, migrations, pulls and transfer
+faults, and fall back (no decode replica, a refused or failed transfer, a
+core gone); one that finds no decode room waits in the prefill replica's
+queue (of one, so that new requests are held back while it is full; a
+long request pinned to a decode replica, `crowd_decode`, leaves it no room).
+The threshold and the queue's bound change at any step too (`conditional`),
+and the per-role autoscaler scales the two pools apart (`autoscale_roles`).
 
 A failing schedule is shrunk by Hypothesis and printed as the steps to
 replay; RAYLM_CHAOS_SEED reruns the same search, RAYLM_CHAOS_SCHEDULES sets
@@ -42,10 +48,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from raylm.config import AutoscaleConfig
 from raylm.engine.autoscaler import AutoscalePolicy
+from raylm.engine.role_autoscaler import RoleAutoscalePolicy
 from raylm.testing.chaos.content_model import FIRST_SAMPLED, POISON_TOKEN
 from raylm.testing.chaos.sim import (
     HANDOFF_OUTCOMES,
     PULL_OUTCOMES,
+    ROLE_SCALES,
     ROUTING_DECISIONS,
     TIER_LOADS,
     World,
@@ -73,6 +81,8 @@ POISON_PROMPT = [800, POISON_TOKEN, 801, 802]
 # adapters over max_loras=2: one waits for a slot now and then.
 ADAPTERS = (None, None, "a", "b", "c")
 LORA = {"enable_lora": True, "max_loras": 2}
+# Thirteen blocks of a decode replica's sixteen, at once (the P/D variant's `crowd_decode`).
+CROWD_PROMPT = [1000 + j for j in range(48)]
 MAX_REQUESTS = 10
 # Faults the schedule may strike (each exposing requests no fault exposed before).
 MAX_FAULTS = 2
@@ -358,13 +368,68 @@ class PDChaosSchedule(ChaosSchedule):
     """The same schedules with P/D roles: replica 0 prefills, the others
     decode (rebalancing off, as the config requires with roles)."""
 
-    config_overrides = {"prefill_replicas": 1, "data_parallel_rebalance": False}
+    # Prompts under 8 tokens stay on a decode replica; a queue of one
+    # finished prefill waiting for decode room (a tiered schedule's 16 blocks
+    # run short), so that a full queue holds new requests back.
+    def __init__(self):
+        super().__init__()
+        # No delay out, a short one in: its decisions come often, meeting hand-offs.
+        self.role_autoscaler = RoleAutoscalePolicy(
+            AutoscaleConfig(
+                min_replicas=1, max_replicas=3, target_ongoing_requests=1.5, upscale_delay_s=0, downscale_delay_s=0.3
+            )
+        )
+
+    config_overrides = {
+        "prefill_replicas": 1,
+        "data_parallel_rebalance": False,
+        "pd_min_prompt_tokens": 8,
+        "pd_handoff_queue": 1,
+    }
 
     @rule(prefill=st.integers(0, 2))
     def roles(self, prefill):
         """The roles change (0: off; 2 of 2 replicas: no decode replica until
         a scale-out), whatever hand-offs are under way."""
         self.world.set_roles(prefill)
+
+    @precondition(lambda self: self.num_requests + 2 <= MAX_REQUESTS)
+    @rule(index=st.integers(1, 3))
+    def crowd_decode(self, index):
+        """A 48-token prompt pinned to decode replica `index` (if it serves),
+        then, a few rounds later, a prompt to hand off: in a tiered
+        schedule's 16 blocks, the first leaves no room for the second's, which
+        queues for decode room (holding admission back while the queue is full)."""
+        try:
+            self.world.submit(f"r{self.num_requests}", CROWD_PROMPT, 14, rank=index)
+        except ValueError:
+            return
+        self.num_requests += 1
+        for _ in range(3):
+            self._round()
+        self.submit(PROMPTS[4], 20)
+
+    @rule()
+    def autoscale_roles(self):
+        """The per-role autoscaler's look (raylm.engine.role_autoscaler): the
+        prefill and decode pools scale apart, a decision applied as the
+        engine applies it (the boundary between the roles moves, before a
+        scale-in or once a scale-out's cores serve; refused while another
+        change is under way)."""
+        decision = self.role_autoscaler.decide(self.world.sup.replica_states(), self.world.clock.now)
+        if decision is not None:
+            try:
+                self.world.apply_roles(decision.num_replicas, decision.prefill_replicas)
+            except ValueError:
+                pass
+
+    @rule(threshold=st.sampled_from([0, 8, 14]), queue=st.integers(0, 2))
+    def conditional(self, threshold, queue):
+        """The short-prompt threshold and the queue's bound change (queue 0:
+        none; a hand-off finding no room decodes where it is), whatever is
+        queued or held back."""
+        self.world.sup.handoffs.min_prompt_tokens = threshold
+        self.world.sup.handoffs.queue_size = queue
 
     @precondition(lambda self: self.num_requests > 0)
     @rule(strike=st.sampled_from(["kill source", "kill destination", "abort"]), which=st.integers(0, 3))
@@ -442,7 +507,12 @@ def test_chaos_schedules(quiet_engine_logs):
 def test_chaos_schedules_with_prefill_decode_roles(quiet_engine_logs):
     print(f"chaos fast tier, P/D roles: seed {SEED}, {max(1, SCHEDULES // 2)} schedules of up to {STEPS} steps")
     HANDOFF_OUTCOMES.clear()
+    ROLE_SCALES.clear()
     seed(SEED)(PDChaosSchedule.TestCase)().runTest()
-    print(f"P/D hand-offs over these schedules: {dict(HANDOFF_OUTCOMES)}")
-    # Hand-offs run in the tier, and fall back in it (a tier without both tests neither).
-    assert HANDOFF_OUTCOMES["ok"] and HANDOFF_OUTCOMES["no_decode"], dict(HANDOFF_OUTCOMES)
+    print(f"P/D hand-offs over these schedules: {dict(HANDOFF_OUTCOMES)}; per-role scales: {dict(ROLE_SCALES)}")
+    # Hand-offs run in the tier, fall back and stay short in it (a tier
+    # without one of them tests it not). How many queue for room, hold
+    # admission back or meet a per-role scale varies with the schedules
+    # Hypothesis draws (printed above; tests/engine/test_pd_roles.py runs each).
+    for outcome in ("ok", "no_decode", "short_prompt"):
+        assert HANDOFF_OUTCOMES[outcome], (outcome, dict(HANDOFF_OUTCOMES))

@@ -80,6 +80,29 @@ def test_replicas_match_hf_and_share_the_load(ray_session, model, reference, tp)
     _assert_nothing_left()
 
 
+def test_prefill_decode_roles_on_ray_replicas_hand_off_equal_to_hf(ray_session, model, reference):
+    """`--prefill-replicas 1` with the replicas as Ray actors (raylm.engine.
+    handoff): every prompt is routed to replica 0, handed to replica 1 after
+    its first token; greedy outputs equal HF's; the hand-offs' files and
+    every actor and placement group are gone after."""
+    with _dp_llm(model, prefill_replicas=1, pd_min_prompt_tokens=0) as llm:
+        supervisor = _client(llm)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == reference
+        counts = dict(supervisor.handoffs.counts)
+        assert counts.get("ok", 0) > 0, counts
+        assert not {"failed", "refused", "source_gone", "destination_gone", "prefill_on_decode"} & set(counts), counts
+        states = supervisor.replica_states()
+        assert [(s["role"], s["state"], s["num_routed"]) for s in states] == [
+            ("prefill", "serving", len(PROMPTS)),
+            ("decode", "serving", 0),
+        ]
+        assert supervisor.migration_counts["migrated"] >= counts["ok"]
+        folder = supervisor.kv_routes.transfer_dir
+    assert folder is None or not os.path.exists(folder)
+    _assert_nothing_left()
+
+
 def test_data_parallel_rank_pins_a_replica(ray_session, model, reference):
     with _dp_llm(model) as llm:
         engine = llm.llm_engine

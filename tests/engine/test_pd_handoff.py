@@ -6,7 +6,10 @@ stage over the shared-memory files; greedy outputs equal Hugging Face's.
 What ends with its first token, or asks for prompt logprobs, stays on the
 prefill replica; a decode replica killed mid-stream costs no request. The
 hand-offs are asserted by their counts, never by a time; nothing (process,
-transfer folder) is left after the engine."""
+transfer folder) is left after the engine. Short prompts stay on the
+decode replica (`--pd-min-prompt-tokens`); an abort mid-hand-off frees both
+replicas' blocks; and an async engine of its own scales the two pools apart
+(`AsyncLLM.scale_roles`, as the per-role autoscaler does)."""
 
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ PD_ENGINE = dict(
     data_parallel_size=2,
     data_parallel_backend="mp",
     prefill_replicas=1,
+    pd_min_prompt_tokens=0,  # every prompt handed off (one test sets a threshold)
     num_threads=1,
     kv_cache_memory_bytes=16 << 20,
 )
@@ -131,6 +135,55 @@ def test_seeded_sampling_and_logprobs_go_on_exactly_across_the_hand_off(pd_llm):
             assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
 
 
+def test_short_prompts_stay_on_a_decode_replica_the_others_are_handed_off(pd_llm, reference):  # noqa: F811
+    """Conditional disaggregation (`--pd-min-prompt-tokens`, set here while
+    serving): the six prompts under 20 tokens are prefilled and decoded on
+    the decode replica alone, the others handed off; all equal to HF."""
+    supervisor = pd_llm.llm_engine.engine_core
+    short = sum(1 for p in PROMPTS if len(p) < 20)
+    assert 0 < short < len(PROMPTS)
+    before, routed = _counts(pd_llm), supervisor.replica_states()[1]["num_routed"]
+    supervisor.handoffs.min_prompt_tokens = 20
+    try:
+        assert _run(pd_llm, PROMPTS, GREEDY) == reference
+    finally:
+        supervisor.handoffs.min_prompt_tokens = 0
+    counts = _counts(pd_llm)
+    assert counts.get("short_prompt", 0) - before.get("short_prompt", 0) == short, counts
+    assert counts.get("ok", 0) > before.get("ok", 0), counts
+    assert supervisor.replica_states()[1]["num_routed"] - routed == short
+
+
+def test_a_client_abort_mid_hand_off_frees_both_replicas_blocks(pd_llm, reference):  # noqa: F811
+    """Requests aborted while their hand-off is under way: the others equal
+    HF's, and both replicas' caches are all free again (their stats, fresh
+    with a ping's answer, say so)."""
+    engine, supervisor = pd_llm.llm_engine, pd_llm.llm_engine.engine_core
+    before = _counts(pd_llm)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
+    done, aborted = {}, set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out.outputs[0].token_ids
+        moving = {m.request_id for m in supervisor.migrations.values() if m.reason == "pd_handoff"} - aborted
+        if moving and len(aborted) < 3:
+            engine.abort_request(sorted(moving)[0])
+            aborted.add(sorted(moving)[0])
+    assert aborted, _counts(pd_llm)
+    kept = [i for i in range(len(PROMPTS)) if str(i) not in aborted]
+    assert [done[str(i)] for i in kept] == [reference[i] for i in kept]
+    counts = _counts(pd_llm)
+    assert counts.get("ended", 0) + counts.get("ok", 0) > before.get("ended", 0) + before.get("ok", 0), counts
+    supervisor.ping()
+    wait_until(
+        lambda: all(c.stats is not None and c.stats.kv_cache_usage == 0.0 for c in supervisor.channels.values()),
+        30,
+        step=engine.step,
+        message=lambda: f"blocks still held: {[c.stats for c in supervisor.channels.values()]}",
+    )
+
+
 def test_a_decode_replica_killed_mid_stream_costs_no_request(pd_llm, reference):  # noqa: F811
     supervisor = pd_llm.llm_engine.engine_core
     victim = supervisor.launcher._processes[1]
@@ -201,4 +254,46 @@ def test_hand_offs_over_the_sealed_network_path(tiny_model_dir, monkeypatch):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
         assert _counts(llm) == {"ok": len(prompts)}
     assert [o.outputs[0].token_ids for o in outs] == [r.token_ids for r in hf_greedy(qwen2, prompts, MAX_TOKENS)]
+    wait_until(lambda: not (_children() - before), 30, message=lambda: f"processes left: {_children() - before}")
+
+
+def test_the_pools_scaled_apart_through_the_async_engine(model, reference):  # noqa: F811
+    """AsyncLLM.scale_roles, as the per-role autoscaler calls it
+    (raylm.engine.role_autoscaler): 1+1 -> 2+1 (a replica started, then
+    replica 1 turned prefill) -> 1+1 (replica 1 turned decode, then replica
+    2 drained away); requests between equal HF's, and no process is left."""
+    import asyncio
+
+    from raylm.config import create_engine_config
+    from raylm.engine.async_llm import AsyncLLM
+
+    async def generate(engine, prompts) -> list[list[int]]:
+        async def one(i, prompt):
+            tokens = []  # (the async engine streams each output's new tokens)
+            async for out in engine.generate({"prompt_token_ids": prompt}, GREEDY, f"{id(prompts)}-{i}"):
+                tokens.extend(out.outputs[0].token_ids)
+            return tokens
+
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+    async def run(engine) -> list[tuple]:
+        seen = []
+        await engine.scale_roles(3, 2)
+        states = engine.replica_states()
+        seen.append([(s["role"], s["state"]) for s in states])
+        assert await generate(engine, PROMPTS[:6]) == reference[:6]
+        await engine.scale_roles(2, 1)
+        seen.append([s["role"] for s in engine.replica_states()])
+        assert await generate(engine, PROMPTS[6:10]) == reference[6:10]
+        return seen
+
+    before = _children()
+    engine = AsyncLLM(create_engine_config(model, **PD_ENGINE))
+    try:
+        seen = asyncio.run(run(engine))
+        counts = dict(engine.engine_core.handoffs.counts)
+    finally:
+        engine.shutdown()
+    assert seen == [[("prefill", "serving"), ("prefill", "serving"), ("decode", "serving")], ["prefill", "decode"]]
+    assert counts.get("ok", 0) > 0, counts
     wait_until(lambda: not (_children() - before), 30, message=lambda: f"processes left: {_children() - before}")

@@ -2,8 +2,12 @@
 and its bounds, the roles where an operator reads them (`/health`'s replica
 states, `/metrics`, `raylm plan`), and the hand-off and its fallbacks on the
 chaos harness's simulated engine (the real supervisor and engine cores on
-the content model, tests/chaos), each stream equal to an undisturbed run.
-The end-to-end test on real models is test_pd_handoff.py."""
+the content model, tests/chaos), each stream equal to an undisturbed run:
+short prompts kept on one replica (`--pd-min-prompt-tokens`), hand-offs
+queued for decode room and the admission a full queue holds back
+(`--pd-handoff-queue`), aborts mid-hand-off, and the two pools autoscaled
+apart (raylm.engine.role_autoscaler). The end-to-end tests on real models
+are test_pd_handoff.py (and, on Ray, test_data_parallel.py)."""
 
 from __future__ import annotations
 
@@ -113,9 +117,13 @@ def test_plan_shows_each_replicas_role(tiny_model_dir):
 # ---- the hand-off and its fallbacks, on the simulated engine ----------------------------------
 
 
+# Every prompt handed off (the threshold is tested on its own below).
+PD = dict(prefill_replicas=1, data_parallel_rebalance=False, pd_min_prompt_tokens=0)
+
+
 @pytest.fixture
 def world():
-    world = World(chaos_config(prefill_replicas=1, data_parallel_rebalance=False))
+    world = World(chaos_config(**PD))
     yield world
     world.close()
 
@@ -219,7 +227,7 @@ def test_imports_failing_because_their_prefill_replica_died_leave_the_decode_rep
 def test_a_decode_replica_restarting_drains_to_the_other_decode_replica():
     """Replicas 1 and 2 decode: the requests of 1, restarted, move to 2,
     not to the prefill replica (which would only hand them back)."""
-    world = World(chaos_config(data_parallel_size=3, prefill_replicas=1, data_parallel_rebalance=False))
+    world = World(chaos_config(**PD, data_parallel_size=3))
     try:
         _submit_all(world, max_tokens=30)
         _until_first_tokens(world)
@@ -232,5 +240,196 @@ def test_a_decode_replica_restarting_drains_to_the_other_decode_replica():
         assert world.sup.begin_restart(1) == len(on_1)
         assert {m.destination for m in world.sup.migrations.values()} == {2}
         _finish(world)
+    finally:
+        world.close()
+
+
+# ---- conditional disaggregation: short prompts stay on one replica ---------------------------
+
+
+def test_the_threshold_defaults_to_at_most_a_quarter_of_the_context(tiny_model_dir):
+    from raylm.engine.handoff import PD_MIN_PROMPT_TOKENS, min_prompt_tokens
+
+    # The embedded default model (512 positions): 128, so its longer prompts still hand off.
+    assert min_prompt_tokens(create_engine_config(None, data_parallel_size=2, prefill_replicas=1)) == 128
+    assert min_prompt_tokens(chaos_config(**PD | {"pd_min_prompt_tokens": None})) == 64 // 4
+    long_context = create_engine_config(tiny_model_dir("llama"), data_parallel_size=2, prefill_replicas=1)
+    assert min_prompt_tokens(long_context) == min(PD_MIN_PROMPT_TOKENS, long_context.model_config.max_model_len // 4)
+    args = build_parser().parse_args(
+        ["generate", "x", "-dp", "2", "--prefill-replicas", "1", "--pd-min-prompt-tokens", "5"]
+    )
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    assert min_prompt_tokens(config) == 5 and config.parallel_config.pd_handoff_queue == 8
+    for name, value in (("pd_min_prompt_tokens", -1), ("pd_handoff_queue", -1), ("pd_handoff_queue", True)):
+        with pytest.raises(ValueError, match=f"{name} must be an integer >= 0"):
+            ParallelConfig(data_parallel_size=2, prefill_replicas=1, **{name: value})
+
+
+def test_a_short_prompt_is_prefilled_and_decoded_on_a_decode_replica():
+    world = World(chaos_config(**PD | {"pd_min_prompt_tokens": 8}))
+    try:
+        world.submit("short", [500, 501, 502], 12)
+        world.submit("long", [600 + j for j in range(13)], 12)
+        assert world.sup.ledger["short"].channel == 1 and world.sup.ledger["long"].channel == 0
+        _until_first_tokens(world)
+        assert [m.request_id for m in world.sup.migrations.values()] == ["long"]  # the short one never moves
+        counts = _finish(world)
+        assert counts == {"short_prompt": 1, "ok": 1}, counts
+    finally:
+        world.close()
+
+
+# ---- finished prefills waiting for decode room --------------------------------------------
+
+
+def _fill_decode_replica(world: World) -> None:
+    """A long request pinned to decode replica 1, holding 13 to 16 of its 16
+    blocks (block_size 4) to its end: a hand-off's 4 do not fit."""
+    world.submit("filler", [900 + j for j in range(48)], 14, rank=1)
+    for _ in range(4):
+        world.turn(1)
+        world.read()
+    kv = world.cores[1].core.scheduler.kv_cache_manager
+    assert kv.pool.num_free_blocks < 4, kv.pool.num_free_blocks
+
+
+def test_a_hand_off_finding_no_room_waits_in_the_queue_and_moves_once_there_is():
+    world = World(chaos_config(**PD | {"pd_handoff_queue": 1}), num_blocks=16)
+    try:
+        _fill_decode_replica(world)
+        world.submit("a", [600 + j for j in range(13)], 20)
+        _until_first_tokens(world)
+        for _ in range(3):  # the hand-off's final stage is refused: no room
+            world.turn(0)
+            world.turn(1)
+            world.read()
+        assert "a" in world.sup.handoffs.queue and world.sup.handoffs.counts["queued"] == 1
+        assert world.sup.replica_states()[0]["pd_handoffs_queued"] == 1
+        # The queue (of one) is full: prefill replica 0 takes no new prompt,
+        # which waits in the ledger (counted held) until the queue drains.
+        world.submit("b", [700 + j for j in range(6)], 8)
+        assert world.sup.ledger["b"].channel == -1 and world.sup.handoffs.counts["held"] == 1
+        counts = _finish(world)  # the filler ends, "a" moves (or decodes where it is), "b" is admitted
+        assert counts["queued"] >= 1 and counts["held"] == 1, counts
+        # Once the filler ended, "a" moved on a retry; then "b" was admitted and moved too.
+        assert counts["ok"] == 2 and "no_room" not in counts, counts
+    finally:
+        world.close()
+
+
+def test_a_client_abort_mid_hand_off_frees_both_ends_blocks(world):
+    """Aborted while its final stage is on its way (the source paused it, the
+    destination took its blocks): every block of both replicas is free
+    again, and the prefix cache holds only what its hash names."""
+    world.submit("a", [600 + j for j in range(13)], 20)
+    for _ in range(10):
+        world.turn(0)
+        world.read()
+        handoffs = list(world.sup.migrations.values())
+        if handoffs and handoffs[0].handed_over:
+            break
+    assert handoffs and handoffs[0].handed_over
+    world.turn(1)  # the destination imports (its blocks taken)
+    world.abort("a")
+    counts = _finish(world)  # check(): each core's free blocks are all its blocks
+    assert set(counts) <= {"ok", "ended"}, counts
+    for index in (0, 1):
+        kv = world.cores[index].core.scheduler.kv_cache_manager
+        assert kv.pool.num_free_blocks == kv.num_blocks
+
+
+# ---- the prefill and decode pools scale independently (--autoscale) ---------------------
+
+
+def _states(prefill: list[dict], decode: list[dict]) -> list[dict]:
+    base = {"state": "serving", "in_flight": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
+    roles = [("prefill", s) for s in prefill] + [("decode", s) for s in decode]
+    return [base | {"replica": i, "role": role} | s for i, (role, s) in enumerate(roles)]
+
+
+def test_each_pool_scales_with_its_own_load():
+    from raylm.config import AutoscaleConfig
+    from raylm.engine.role_autoscaler import RoleAutoscalePolicy, scale_steps
+
+    config = AutoscaleConfig(2, 5, target_ongoing_requests=2, upscale_delay_s=1, downscale_delay_s=5)
+
+    def decide(states, seconds):
+        policy = RoleAutoscalePolicy(config)
+        assert policy.decide(states, 0.0) is None  # (each direction waits for its delay)
+        return policy.decide(states, seconds)
+
+    # Prompts queue on the prefill replica, the decode replica idles: the prefill pool grows alone.
+    grown = decide(_states([{"in_flight": 3, "num_waiting": 2}], [{"in_flight": 1}]), 1.0)
+    assert (grown.num_replicas, grown.prefill_replicas, grown.direction) == (3, 2, "up"), grown
+    # Streams pile up on the decode replica: the decode pool grows alone.
+    grown = decide(_states([{"in_flight": 1}], [{"in_flight": 7}]), 1.0)
+    assert (grown.num_replicas, grown.prefill_replicas) == (5, 1), grown
+    # Two idle prefill replicas, two busy decode ones: the prefill pool shrinks, the decode pool stays.
+    shrunk = decide(_states([{}, {}], [{"in_flight": 2}, {"in_flight": 2}]), 5.0)
+    assert (shrunk.num_replicas, shrunk.prefill_replicas, shrunk.direction) == (3, 1, "down"), shrunk
+    # At MAX the decode pool gives way; never below one replica of each role.
+    capped = decide(_states([{"in_flight": 9, "num_waiting": 1}], [{"in_flight": 9, "num_waiting": 1}] * 3), 1.0)
+    assert (capped.num_replicas, capped.prefill_replicas) == (5, 2), capped
+    assert decide(_states([{}], [{}]), 5.0) is None  # MIN 2: nothing to shed
+    # A larger prefill pool is set after the scale, a smaller one before it.
+    assert scale_steps(1, 2) == ("scale", "roles") and scale_steps(2, 1) == ("roles", "scale")
+
+
+def test_a_prefill_pool_scaled_out_and_in_on_the_simulated_engine():
+    """The decisions applied as AsyncLLM.scale_roles does, on the real
+    supervisor: 1+1 -> 2+1 (a replica added, the boundary moved: replica 1
+    turns prefill and hands off what it decoded) -> 1+1 (replica 1 turns
+    decode, then the highest leaves), with requests running throughout."""
+    world = World(chaos_config(**PD))
+    try:
+        _submit_all(world, max_tokens=30)
+        _until_first_tokens(world)
+        world.apply_roles(3, 2)
+        assert world.sup.handoffs.prefill_replicas == 1  # not before the new replica serves
+        assert world.finish_scale()
+        world.read()
+        assert [(s["role"], s["state"]) for s in world.sup.replica_states()] == [
+            ("prefill", "serving"),
+            ("prefill", "serving"),
+            ("decode", "serving"),
+        ]
+        for i, prompt in enumerate(PROMPTS):
+            world.submit(f"second{i}", [p + 50 for p in prompt], 12)
+        routed = {world.sup.ledger[f"second{i}"].channel for i in range(len(PROMPTS))}
+        assert routed <= {0, 1}, routed  # the prefill pool (by load: replica 0 may still be busier)
+        for _ in range(4):
+            for index in list(world.cores):
+                world.turn(index)
+            world.read()
+        world.apply_roles(2, 1)  # the prefill pool shrinks: replica 1 decodes again, replica 2 drains
+        assert world.sup.handoffs.prefill_replicas == 1
+        counts = _finish(world)  # every stream equal to an undisturbed run, nothing left
+        assert counts["ok"] >= len(PROMPTS), counts
+        assert [s["role"] for s in world.sup.replica_states()] == ["prefill", "decode"]
+    finally:
+        world.close()
+
+
+def test_aborting_a_queued_hand_off_and_a_held_request_leaves_nothing():
+    """A finished prefill waiting for decode room and a request held back
+    by the full queue, both aborted by their clients: the queue is empty, the
+    prefill replica admits again, every block of both replicas is free."""
+    world = World(chaos_config(**PD | {"pd_handoff_queue": 1}), num_blocks=16)
+    try:
+        _fill_decode_replica(world)
+        world.submit("a", [600 + j for j in range(13)], 20)
+        _until_first_tokens(world)
+        for _ in range(3):
+            world.turn(0)
+            world.turn(1)
+            world.read()
+        world.submit("b", [700 + j for j in range(6)], 8)
+        assert "a" in world.sup.handoffs.queue and world.sup.ledger["b"].channel == -1
+        world.abort("a")
+        world.abort("b")
+        assert not world.sup.handoffs.queue and world.sup.handoffs.queued_on(0) == 0
+        world.submit("c", [710 + j for j in range(6)], 4)
+        assert world.sup.ledger["c"].channel == 0  # admitted at once
+        _finish(world)  # check(): nothing kept, every block free
     finally:
         world.close()

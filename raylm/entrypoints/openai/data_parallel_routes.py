@@ -63,6 +63,12 @@ class ReplicaCollector:
         ("kv_cache_usage", "raylm:dp_replica_kv_cache_usage_perc", "KV cache usage of the replica (0-1)"),
         ("num_routed", "raylm:dp_replica_requests_routed", "Requests the router sent to the replica"),
         (
+            "pd_handoffs_queued",
+            "raylm:dp_replica_pd_handoffs_queued",
+            "P/D: finished prefills on the (prefill) replica waiting for decode room (--pd-handoff-queue); a full "
+            "queue takes the replica out of admission",
+        ),
+        (
             "prefix_cache_hit_rate",
             "raylm:dp_replica_prefix_cache_hit_rate",
             "Prompt tokens found cached (or in the tier of evicted blocks) over those looked up, on the replica "

@@ -27,6 +27,7 @@ from raylm.config import EngineConfig, create_engine_config
 from raylm.core.kv_cache_manager import hash_block, root_hash
 from raylm.engine.core_tier import TIER_LOCK
 from raylm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
+from raylm.engine.role_autoscaler import scale_steps
 from raylm.lora.request import LoRARequest
 from raylm.sampling_params import SamplingParams
 from raylm.testing.chaos.content_model import adapter_key, reference_slots, reference_tokens
@@ -43,6 +44,8 @@ HANDOFF_OUTCOMES: collections.Counter[str] = collections.Counter()
 # The same for the router's reasons (raylm.engine.routing.ROUTING_REASONS):
 # "adapter", a request sent to the core holding its LoRA adapter.
 ROUTING_DECISIONS: collections.Counter[str] = collections.Counter()
+# Per-role autoscaling decisions applied (`World.apply_roles`), by which pool grew or shrank.
+ROLE_SCALES: collections.Counter[str] = collections.Counter()
 
 
 def chaos_config(**overrides) -> EngineConfig:
@@ -91,6 +94,7 @@ class World(SimHost):
         super().__init__(config or chaos_config(), num_blocks)
         self.outcomes: dict[str, Outcome] = {}
         self.scale_ups: list = []  # supervisor.ScaleUp, started by `finish_scale`
+        self.roles_after: dict[int, int] = {}  # id of a scale-up -> the prefill pool to set once it served
         self.log: list[str] = []  # what the schedule did, for a failure's report
         self._undo_clock = self.clock.install()
         try:
@@ -191,6 +195,26 @@ class World(SimHost):
         token (raylm.engine.handoff), whatever is under way."""
         self.sup.handoffs.prefill_replicas = prefill_replicas
 
+    def apply_roles(self, size: int, prefill_replicas: int) -> None:
+        """A per-role autoscaling decision (raylm.engine.role_autoscaler), in
+        its order: a smaller prefill pool now, then the scale; a larger one
+        once the scale-up's cores serve (`finish_scale`), as
+        AsyncLLM.scale_roles does. ValueError if refused."""
+        current = self.sup.handoffs.prefill_replicas
+        ROLE_SCALES[
+            "prefill " + ("up" if prefill_replicas > current else "down" if prefill_replicas < current else "kept")
+        ] += 1
+        if scale_steps(current, prefill_replicas)[0] == "roles":
+            self.sup.set_prefill_replicas(prefill_replicas)
+            self.begin_scale(size)
+            return
+        scale_up = self.sup.begin_scale(size)
+        if scale_up is None:
+            self.sup.set_prefill_replicas(prefill_replicas)
+            return
+        self.scale_ups.append(scale_up)
+        self.roles_after[id(scale_up)] = prefill_replicas
+
     def begin_scale(self, size: int) -> None:
         scale_up = self.sup.begin_scale(size)
         if scale_up is not None:
@@ -209,6 +233,12 @@ class World(SimHost):
             pass  # a start the schedule made fail: the scale-up changes nothing
         finally:
             self.sup.end_scale(scale_up, started)
+        prefill_replicas = self.roles_after.pop(id(scale_up), None)
+        if started and prefill_replicas is not None:
+            try:
+                self.sup.set_prefill_replicas(prefill_replicas)
+            except ValueError:
+                pass  # the replicas changed meanwhile (a failure, another scale): left as they are
         return True
 
     # ---- the end of a schedule --------------------------------------------------------
