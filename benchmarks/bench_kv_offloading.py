@@ -47,9 +47,11 @@ def _block_bytes(model: str | None) -> int:
     return 16 * c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * size
 
 
-def _engine(tier: bool, replicas: int, threads: int, model: str | None) -> LLM:
+def _engine(tier: bool, replicas: int, threads: int, model: str | None, prefix_tokens: int) -> LLM:
     dtype = "float32" if model is None else "auto"
-    settings = dict(dtype=dtype, num_threads=threads, kv_cache_memory_bytes=48 * _block_bytes(model))
+    # Room for one prompt and a half: the two prompts after it evict it (48 blocks at 480 tokens).
+    blocks = max(48, prefix_tokens // 16 * 8 // 5)
+    settings = dict(dtype=dtype, num_threads=threads, kv_cache_memory_bytes=blocks * _block_bytes(model))
     if tier:
         settings["kv_offloading_size"] = 0.25
     if replicas > 1:
@@ -74,7 +76,7 @@ def run(replicas: int, prefix_tokens: int, rounds: int, threads: int, model: str
     """Both engines (no tier, tier) up at once, the rounds alternating between
     them (which goes first alternates too): load from elsewhere on the
     machine meets both alike."""
-    engines = {tier: _engine(tier, replicas, threads, model) for tier in (False, True)}
+    engines = {tier: _engine(tier, replicas, threads, model, prefix_tokens) for tier in (False, True)}
     cases = {tier: {"evicted": [], "cached": []} for tier in engines}
     rng = random.Random(0)
     try:
