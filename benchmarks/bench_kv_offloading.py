@@ -52,6 +52,8 @@ def _engine(tier: bool, replicas: int, threads: int, model: str | None, prefix_t
     # Room for one prompt and a half: the two prompts after it evict it (48 blocks at 480 tokens).
     blocks = max(48, prefix_tokens // 16 * 8 // 5)
     settings = dict(dtype=dtype, num_threads=threads, kv_cache_memory_bytes=blocks * _block_bytes(model))
+    if model is not None:  # a long-context model: its whole context would not fit that cache
+        settings["max_model_len"] = prefix_tokens + 64
     if tier:
         settings["kv_offloading_size"] = 0.25
     if replicas > 1:
