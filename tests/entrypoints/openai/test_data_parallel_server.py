@@ -1,7 +1,8 @@
 """`raylm serve -dp 2`: replicas as Ray actors behind the server's router.
 Greedy text equals offline generation, the load is shared, /health and
-/metrics show each replica, POST /scale changes the replica count while
-streams run and none fails, and SIGTERM leaves no process behind."""
+/metrics show each replica (and every series the Grafana board queries),
+POST /scale changes the replica count while streams run and none fails, and
+SIGTERM leaves no process behind."""
 
 from __future__ import annotations
 
@@ -116,3 +117,30 @@ def test_scale_needs_the_api_key_and_a_valid_size(dp_server):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     response = httpx.post(dp_server.url("/scale"), json={"data_parallel_size": 0}, headers=headers)
     assert response.status_code == 400 and response.json()["error"]["param"] == "data_parallel_size"
+
+
+# Board metrics a `raylm serve -dp 2` without these features never shows:
+# LoRA's (only with --enable-lora) and those whose label sets are made at
+# their first event (a finished request's reason, an autoscaling decision),
+# which tests/docs checks against the registry.
+_BOARD_ONLY_WITH = {
+    "vllm:lora_requests_info",
+    "raylm:autoscale_decisions_total",
+}
+
+
+def test_the_grafana_board_names_metrics_a_live_server_serves(dp_server):
+    """Issue 52: the board's metric names against a live /metrics (tests/docs
+    checks them against the registry in process; this scrape is what
+    Prometheus would see, series suffixes and all)."""
+    import json
+
+    from tests.docs.test_operator_docs import _METRIC_NAME, DASHBOARD, _queries
+
+    asyncio.run(_stream_all(dp_server.base_url, PROMPTS[:2]))  # a request's histograms and counters
+    text = httpx.get(dp_server.url("/metrics"), timeout=30).text
+    live = {line.split("{", 1)[0].split(" ", 1)[0] for line in text.splitlines() if line and line[0] != "#"}
+    board = {name for query in _queries(json.loads(DASHBOARD.read_text())) for name in _METRIC_NAME.findall(query)}
+    assert len(board) > 40
+    missing = board - live - _BOARD_ONLY_WITH
+    assert not missing, f"the board queries series the live server does not serve: {sorted(missing)}"
