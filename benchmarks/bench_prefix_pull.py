@@ -3,6 +3,7 @@ computed again (issue 49's pull): time to first token of a request sent to
 the replica without the prefix, with prefix pulls on (the default) and off.
 
     python benchmarks/bench_prefix_pull.py [--prefix-tokens 480] [--rounds 5] [--network]
+    python benchmarks/bench_prefix_pull.py --doomed   # the holder killed mid-pull: time to the fallback
 
 Two local replicas (`-dp 2 --data-parallel-backend mp`) of the embedded
 model (512 positions). Each round: a request with a fresh prefix of
@@ -76,6 +77,46 @@ def run(prefix_pull: bool, prefix_tokens: int, rounds: int, threads: int, model:
     return {"ttfts": ttfts, "counts": dict(sup.pulls.counts), "bytes": sup.pulls.bytes_pulled, "pull_s": pull_seconds}
 
 
+def doomed(prefix_tokens: int, rounds: int, threads: int, model: str | None) -> list[tuple[float, str]]:
+    """`--doomed`: the holder is stopped (SIGSTOP) as the pull starts, then
+    killed; per round, the seconds from the kill to the pull's fallback (the
+    request sent to compute its prompt) and its outcome: `holder_gone` once
+    the death is seen, or `timeout` when the export deadline (the
+    destination's estimated recompute time, raylm.engine.pull_estimate)
+    comes first."""
+    import signal
+
+    seconds = []
+    with LLM(
+        model,
+        dtype="float32" if model is None else "auto",
+        data_parallel_size=2,
+        data_parallel_backend="mp",
+        num_threads=threads,
+    ) as llm:
+        engine, sup = llm.llm_engine, llm.llm_engine.engine_core
+        for r in range(rounds):
+            while len(sup.channels) < 2:  # the killed holder's replacement
+                engine.step()
+                time.sleep(0.01)
+            prefix = [(29 * r + 5 * j) % 3000 + 100 for j in range(prefix_tokens)]
+            _ttft(llm, f"hold-{r}", prefix + [5, 6], rank=1)
+            holder = sup.launcher._processes[1].pid
+            os.kill(holder, signal.SIGSTOP)
+            before = dict(sup.pulls.counts)
+            engine.add_request(f"ask-{r}", {"prompt_token_ids": prefix + [9, 10]}, ONE_TOKEN, data_parallel_rank=0)
+            assert len(sup.pulls) == 1, "no pull started"
+            killed = time.monotonic()
+            os.kill(holder, signal.SIGKILL)
+            while len(sup.pulls):
+                engine.step()
+            ended = [k for k, v in sup.pulls.counts.items() if k != "started" and v > before.get(k, 0)]
+            seconds.append((time.monotonic() - killed, ",".join(ended)))
+            while engine.has_unfinished_requests():
+                engine.step()
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prefix-tokens", type=int, default=480)
@@ -83,7 +124,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="threads per replica")
     parser.add_argument("--network", action="store_true", help="the sealed network path")
     parser.add_argument("--model", default=None, help="a model folder, or 111m-8k (default: the embedded model)")
+    parser.add_argument("--doomed", action="store_true", help="time a doomed pull's fallback instead")
     args = parser.parse_args()
+    if args.doomed:
+        ends = doomed(args.prefix_tokens, args.rounds, args.threads, bench_model(args.model))
+        times = [t for t, _ in ends]
+        print(f"outcomes: {[outcome for _, outcome in ends]}")
+        print(
+            f"kill of the holder mid-pull to the request's fallback: p50 {1000 * statistics.median(times):.1f} ms "
+            f"(min {1000 * min(times):.1f}, max {1000 * max(times):.1f}, n={len(times)})"
+        )
+        return
     if args.network:
         os.environ["RAYLM_MIGRATION_NETWORK"] = "1"
     results = {}
