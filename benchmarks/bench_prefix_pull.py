@@ -3,7 +3,7 @@ computed again (issue 49's pull): time to first token of a request sent to
 the replica without the prefix, with prefix pulls on (the default) and off.
 
     python benchmarks/bench_prefix_pull.py [--prefix-tokens 480] [--rounds 5] [--network]
-    python benchmarks/bench_prefix_pull.py --doomed   # the holder killed mid-pull: time to the fallback
+    python benchmarks/bench_prefix_pull.py --doomed --rounds 3   # the holder killed mid-pull (3: the restart budget)
 
 Two local replicas (`-dp 2 --data-parallel-backend mp`) of the embedded
 model (512 positions). Each round: a request with a fresh prefix of
@@ -86,7 +86,7 @@ def doomed(prefix_tokens: int, rounds: int, threads: int, model: str | None) -> 
     comes first."""
     import signal
 
-    seconds = []
+    seconds, holder = [], None
     with LLM(
         model,
         dtype="float32" if model is None else "auto",
@@ -96,8 +96,8 @@ def doomed(prefix_tokens: int, rounds: int, threads: int, model: str | None) -> 
     ) as llm:
         engine, sup = llm.llm_engine, llm.llm_engine.engine_core
         for r in range(rounds):
-            while len(sup.channels) < 2:  # the killed holder's replacement
-                engine.step()
+            while len(sup.channels) < 2 or getattr(sup.launcher._processes.get(1), "pid", holder) == holder:
+                engine.step()  # the killed holder's replacement, serving
                 time.sleep(0.01)
             prefix = [(29 * r + 5 * j) % 3000 + 100 for j in range(prefix_tokens)]
             _ttft(llm, f"hold-{r}", prefix + [5, 6], rank=1)

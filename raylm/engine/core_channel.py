@@ -142,6 +142,12 @@ class CoreLauncher(ABC):
     def deaths(self) -> list[tuple[int, str]]:
         """(index, cause) of each core found dead since the last call."""
 
+    def dying(self) -> list[int]:
+        """Cores seen dead but not yet reported by `deaths` (a launcher that
+        waits for a dead core's last words first): what depends on nothing
+        they could still say (a prefix pull from one) need not wait."""
+        return []
+
     def is_local(self, index: int) -> bool:
         """Whether core `index` runs on this machine (its workers can read
         this machine's shared memory: live migration needs it)."""

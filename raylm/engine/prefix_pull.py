@@ -249,6 +249,10 @@ class Pulls:
                 self._count("failed", cpu_seconds=pull.cpu_seconds + report.cpu_seconds)
             self._end(pull)
 
+    def next_deadline(self) -> float | None:
+        """The soonest export deadline of the pulls waiting for their holder."""
+        return min((p.deadline for p in self._pulls.values() if not p.importing), default=None)
+
     def expire(self, now: float | None = None) -> None:
         """Housekeeping: a holder that has not exported by its pull's deadline
         is not waited for; stage files of pulls that ended are swept."""
@@ -294,6 +298,14 @@ class Pulls:
             # pulls ended just above among them).
             ended = self._unacknowledged.pop(pull_id)
             transport_for(ended.network).end_at_supervisor(self._stage_folder, pull_id)
+
+    def holders_lost(self, indices: list[int]) -> None:
+        """Cores `indices` are dead, their removal still to come (their last
+        words are awaited): pulls they were to export fall back now."""
+        if not indices:
+            return
+        for pull in [p for p in self._pulls.values() if p.holder.index in indices and not p.importing]:
+            self._fall_back(pull, "holder_gone")
 
     def request_gone(self, request_id: str) -> None:
         """The client aborted `request_id` before its pull ended: it is not sent."""

@@ -35,7 +35,7 @@ _READY_POLL_S = 0.5
 _LAST_WORDS_S = 0.2
 _SHUTDOWN_TIMEOUT_S = 30.0
 # How often the cores' liveness is looked at.
-_DEATH_POLL_S = 0.1
+_DEATH_POLL_S = 0.05
 
 
 class ProcessCoreLauncher(CoreLauncher):
@@ -171,6 +171,10 @@ class ProcessCoreLauncher(CoreLauncher):
                     del self._processes[index], self._seen_dead[index]
                     found.append((index, f"engine core process exited with code {process.exitcode}"))
         return found
+
+    def dying(self) -> list[int]:
+        with self._lock:
+            return list(self._seen_dead)
 
     def is_local(self, index: int) -> bool:
         return True

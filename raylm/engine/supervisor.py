@@ -90,6 +90,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
+_PULL_WAIT_POLL_MS = 25
 _RESTART_POLL_S = 0.05
 
 
@@ -335,6 +336,7 @@ class EngineCoreSupervisor:
             self.recovery.on_death(index, cause)
         self.handoffs.retry_queued()
         self.router.send_waiting()
+        self.pulls.holders_lost(self.launcher.dying())
         self.pulls.expire()
         for channel in self.channels.values():
             channel.flush()
@@ -410,6 +412,17 @@ class EngineCoreSupervisor:
 
     def aggregate_stats(self) -> SchedulerStats:
         return aggregate_stats(self.channels)
+
+    def _poll_ms(self) -> int:
+        """How long a read waits for output before housekeeping runs again:
+        _POLL_MS, or _PULL_WAIT_POLL_MS while a pull waits for its holder's
+        export (a holder's death, or the pull's deadline, then sends the
+        request to compute its prompt within tens of ms), or less when that
+        deadline comes sooner."""
+        deadline = self.pulls.next_deadline()
+        if deadline is None:
+            return _POLL_MS
+        return max(1, min(_PULL_WAIT_POLL_MS, int((deadline - time.monotonic()) * 1000) + 1))
 
     def _housekeeping_and_pending(self) -> EngineCoreOutputs | None:
         self._housekeeping()
@@ -487,7 +500,7 @@ class AsyncEngineCoreSupervisor(EngineCoreSupervisor):
             pending = self._housekeeping_and_pending()
             if pending is not None:
                 return pending
-            if await self._output.poll(_POLL_MS):
+            if await self._output.poll(self._poll_ms()):
                 outputs = self._receive(await self._output.recv(copy=False))
                 if outputs is not None:
                     return outputs
@@ -506,7 +519,7 @@ class SyncEngineCoreSupervisor(EngineCoreSupervisor):
             # a stray frame), but do not wait for more.
             if not self.ledger and not self._output.poll(0):
                 return EngineCoreOutputs()
-            if self._output.poll(_POLL_MS):
+            if self._output.poll(self._poll_ms()):
                 outputs = self._receive(self._output.recv(copy=False))
                 if outputs is not None:
                     return outputs
