@@ -33,6 +33,7 @@ the same cache_salt (`suffix`, raylm.core.spec_suffix).
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -53,7 +54,10 @@ logger = logging.getLogger(__name__)
 # --max-speculative-batch 64, ngram k=4, with/without, median of 3 rounds):
 # 2 streams 1.39x self-quoting, 0.97x short greedy, 1.01x sampled; 4 streams
 # 1.25x, 0.83x, 0.84x; 8 streams 0.97x, 0.61x, 1.13x (spread up to 0.1-2x).
-MAX_SPECULATIVE_BATCH = 2
+# RAYLM_SPECULATIVE_MAX_BATCH sets it (read by each core process at its
+# import: a machine that measures otherwise, or a test that wants every step
+# to speculate).
+MAX_SPECULATIVE_BATCH = int(os.environ.get("RAYLM_SPECULATIVE_MAX_BATCH", "2"))
 # A request whose drafts were mostly rejected stops drafting for a while: a
 # verification step that commits one token costs more than a decode step
 # (1 + k rows, and no decode burst beside it). Judged over each

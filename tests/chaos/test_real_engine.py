@@ -4,7 +4,8 @@ on every socket the engine listens on, against two engine-core processes
 serving greedy float32 streams of the embedded model (every other replay
 short of KV blocks, with a tier of evicted blocks). Each seed is replayed
 several times (the cores run beside the schedule: each replay meets them in
-another state), every other replay with its migrations on the sealed network
+another state; in the colocated variant every other replay speculates with
+n-gram drafts), every other replay with its migrations on the sealed network
 path (RAYLM_MIGRATION_NETWORK=1: the K/V servers listen, and meet the
 stranger) instead of shared-memory files; every replay must end with each
 stream equal to an undisturbed run of the same requests, and leave no
@@ -77,6 +78,10 @@ def _llm(**kwargs) -> LLM:
 # evicted blocks: preemptions, evictions into the tier and loads back from
 # it (the late requests' prefixes, from any core's tier) meet the schedule.
 TIERED = {"kv_cache_memory_bytes": 40 << 16, "kv_offloading_size": 0.01}
+# The other replays of the colocated variant speculate (n-gram drafts,
+# raylm.core.spec_decode): drafts verified and rolled back meet the schedule's
+# kills, migrations and pulls, and the streams must still equal the plain run.
+SPECULATIVE = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}}
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +101,7 @@ def test_seeded_schedules_against_real_cores(
     for name, value in bos_straggler_env(ms=20).items():
         monkeypatch.setenv(name, value)
     failed, pulls, tier, handoffs = [], collections.Counter(), collections.Counter(), collections.Counter()
+    drafts = 0
     seeds = PD_SEEDS if prefill_replicas else SEEDS
     for seed in seeds:
         schedule = make_schedule(seed)
@@ -105,6 +111,11 @@ def test_seeded_schedules_against_real_cores(
             before, fds = descendants(), len(os.listdir("/proc/self/fd"))
             tiered = TIERED if replay % 2 else {}
             engine = dict(data_parallel_size=2, data_parallel_backend="mp", prefill_replicas=prefill_replicas)
+            speculative = not prefill_replicas and not replay % 2
+            if speculative:
+                engine.update(SPECULATIVE)
+            # Every step speculates, however many streams run (the cores read it at their start).
+            monkeypatch.setenv("RAYLM_SPECULATIVE_MAX_BATCH", "64" if speculative else "2")
             if prefill_replicas:  # the two shortest prompts stay on a decode replica, the others are handed off
                 engine["pd_min_prompt_tokens"] = 12
             with _llm(**engine, **tiered) as llm:
@@ -113,6 +124,7 @@ def test_seeded_schedules_against_real_cores(
                 pulls.update(llm.llm_engine.engine_core.pulls.counts)
                 tier.update(llm.llm_engine.engine_core.tier_loads.counts)
                 handoffs.update(llm.llm_engine.engine_core.handoffs.counts)
+                drafts += llm.llm_engine.engine_core.aggregate_stats().spec_decode_num_drafts
                 # This engine's own (others' tests on the machine make theirs meanwhile).
                 folder = llm.llm_engine.engine_core.kv_routes.transfer_dir
                 if llm.llm_engine.engine_core.dead_error is not None:
@@ -136,8 +148,10 @@ def test_seeded_schedules_against_real_cores(
     runs = len(seeds) * REPLAYS
     print(
         f"chaos real-engine tier: {len(failed)} of {runs} replays failed; prefix pulls {dict(pulls)}; "
-        f"tier loads {dict(tier)}; P/D hand-offs {dict(handoffs)}"
+        f"tier loads {dict(tier)}; P/D hand-offs {dict(handoffs)}; speculative drafts {drafts}"
     )
     assert not failed, failed
     if prefill_replicas:
         assert handoffs["ok"] and handoffs["short_prompt"], dict(handoffs)
+    else:
+        assert drafts, "no replay speculated"
