@@ -1,5 +1,5 @@
 """Adapter slots of one linear layer, and the step's LoRA delta for the
-whole batch in one gathered call.
+whole batch, segmented by adapter.
 
 A layer holds `max_loras` slots; a slot holds one adapter's A and B for each
 part of the layer (q, k, v of qkv_proj; gate and up of gate_up_proj; the one
@@ -9,15 +9,14 @@ scaling folded into B. Stacked over slots and parts:
     A: [S * P * R, in]      B: [S * P * R, out]
 
 so that for the step's rows x [T, in] and its mask [T, S] (row t runs with
-slot s):
+slot s), each slot s that some row uses adds
 
-    delta = where(mask, x A^T, 0) B
+    delta[rows of s] = x[rows of s] A_s^T B_s
 
-is two matmuls whatever the mix of adapters: each row's rank-R product with
-its own slot's A, the other slots' columns zeroed (torch.where, not a
-product: a row never reads another adapter's numbers), then B. The cost is
-S times a single adapter's LoRA FLOPs, small beside the layer's own for
-small ranks and slot counts; no per-row weights are gathered.
+two matmuls per adapter in the step, over its own rows only (segmented by
+adapter): a row never reads another adapter's numbers, and the cost is one
+adapter's LoRA FLOPs a row, however many slots the layer has. A step whose
+rows all run one adapter (batch-1 decode) is two plain matmuls.
 
 Under tensor parallelism a slot is sharded as its base layer: a
 column-parallel layer keeps A whole and its rows of B (through the layer's
@@ -98,7 +97,19 @@ class LoRALinearSlots:
         mask = None if meta is None else meta.lora_mask
         if mask is None:
             return y
-        rows = x.shape[0]
-        xa = (x @ self.a.t()).view(rows, self.num_slots, -1)
-        xa = torch.where(mask[:, :, None], xa, torch.zeros((), dtype=xa.dtype))
-        return y + xa.view(rows, -1) @ self.b
+        used = mask.any(0).nonzero().flatten().tolist()
+        if not used:
+            return y  # every row runs the base model
+        # One product per adapter the step uses, over its own rows only: the
+        # cost is one adapter's LoRA FLOPs a row, however many slots the layer
+        # has or adapters the batch mixes (a row never meets another
+        # adapter's numbers).
+        a = self.a.view(self.num_slots, -1, self.a.shape[1])
+        b = self.b.view(self.num_slots, -1, self.b.shape[1])
+        if len(used) == 1 and bool(mask[:, used[0]].all()):
+            return y + (x @ a[used[0]].t()) @ b[used[0]]
+        delta = torch.zeros_like(y)
+        for slot in used:
+            rows = mask[:, slot].nonzero().flatten()
+            delta.index_add_(0, rows, (x.index_select(0, rows) @ a[slot].t()) @ b[slot])
+        return y + delta
