@@ -4,7 +4,11 @@ tokens / 128 output tokens (greedy, ignore_eos, one offline
 adapters, against the base model alone; and batch-1 decode (one request,
 128/128) of the base model against one adapter.
 
-    python benchmarks/bench_lora.py --rounds 3 [--model 111m-8k] [--max-loras 32] [--json out.json]
+    python benchmarks/bench_lora.py --rounds 3 --threads 1 [--model 111m-8k] [--max-loras 32] [--json out.json]
+
+(--threads 1 on a shared 2-vCPU machine: with two threads per engine the
+per-round rates swung 10x there, OpenMP teams waiting on preempted threads;
+benchmarks/results/lora.json was made so.)
 
 Adapters: random rank-16 weights in PEFT's format on every projection (q,
 k, v, o, gate, up, down), written once by PEFT
