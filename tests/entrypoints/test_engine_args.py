@@ -50,6 +50,8 @@ NON_DEFAULT = {
     "routing_policy": (["--routing-policy", "vllm"], "vllm"),
     "prefix_pull": (["--no-prefix-pull"], False),
     "prefill_replicas": (["--prefill-replicas", "1"], 1),
+    "pd_min_prompt_tokens": (["--pd-min-prompt-tokens", "64"], 64),
+    "pd_handoff_queue": (["--pd-handoff-queue", "3"], 3),
     "data_parallel_rebalance": (["--data-parallel-rebalance"], True),
     "autoscale": (["--autoscale", "1:3"], "1:3"),
     "autoscale_target_ongoing_requests": (["--autoscale-target-ongoing-requests", "4"], 4.0),
