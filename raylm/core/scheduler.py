@@ -137,6 +137,8 @@ class Scheduler(RequestQueues):
                 compiling.append(self.waiting.popleft())  # the ones behind it go first
                 continue
             if not self.adapters.admits(request):  # its adapter waits for a slot; the ones behind it go first
+                if request is isolated and self._free_an_adapter(request, num_scheduled, new_block_ids):
+                    break  # the preempted request is ahead of it now; the next schedule puts it first again
                 compiling.append(self.waiting.popleft())
                 continue
             imported = request.num_computed_tokens > 0  # its K/V came with a migration
@@ -278,6 +280,19 @@ class Scheduler(RequestQueues):
             self._give_up_blocks(holders[-1])
             return True
         return False
+
+    def _free_an_adapter(self, head: Request, num_scheduled: dict, new_block_ids: dict) -> bool:
+        """`head` must run alone (quarantine) and its adapter is one too many:
+        the running requests, which isolation keeps from running, would hold
+        their adapters forever (found by the chaos harness: a P/D replica
+        left alone after a scale-in). The newest gives its adapter up
+        (preempted, recomputed later). True: one was preempted."""
+        others = [r for r in self.running if r is not head]
+        if not others:
+            return False
+        self.running.remove(others[-1])
+        self._preempt(others[-1], num_scheduled, new_block_ids)
+        return True
 
     def _give_up_blocks(self, request: Request) -> None:
         """A waiting request's K/V blocks are freed: it computes them again in its turn."""

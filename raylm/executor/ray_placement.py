@@ -52,7 +52,9 @@ FORWARDED_ENV_VARS = (
     "RAYLM_MIGRATION_SYNC_PRECOPY",
     "RAYLM_MQ_UNAUTHENTICATED_TCP",
     "RAYLM_PP_LAYER_PARTITION",
+    "RAYLM_PULL_ESTIMATES",
     "RAYLM_QUANT_KERNEL",
+    "RAYLM_SPECULATIVE_MAX_BATCH",
     # Other libraries' settings (none holds a secret: HF_TOKEN is not here).
     "HF_HOME",
     "HF_HUB_OFFLINE",

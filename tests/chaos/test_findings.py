@@ -189,3 +189,24 @@ def test_a_pull_stage_its_holder_wrote_after_leaving_is_removed():
     schedule.evict_and_revisit(PROMPTS[0], 1, 0)
     assert schedule.world.sup.pulls.counts["holder_gone"] == 1
     schedule.teardown()  # drains, and checks that no transfer file is left
+
+
+def test_a_quarantined_request_whose_adapter_is_one_too_many_runs():
+    """Found by the P/D variant once LoRA joined the fast tier: a scale-in
+    leaves one (prefill) replica; a worker death charges the request that
+    arrives from the other, which must then run alone; its adapter is a
+    third over max_loras=2, the two running requests hold the other two,
+    and isolation keeps them from running: nothing ever ran. The running
+    requests now give their adapters up (preempted) for it."""
+    from tests.chaos.test_schedules import PDChaosSchedule
+
+    prompt = [23, 40, 41, 42, 43, 44, 45, 46, 47, 100, 101]
+    schedule = PDChaosSchedule()
+    schedule.start(tiered=False)
+    schedule.submit(prompt, 15, adapter="c")
+    schedule.rounds(3)
+    schedule.scale(1)
+    schedule.worker_fault(1, "died")
+    schedule.submit(prompt, 14, adapter="a")
+    schedule.submit(prompt, 14, adapter="b")
+    schedule.teardown()  # drains: every request ends, equal to its reference
