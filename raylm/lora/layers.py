@@ -42,6 +42,15 @@ LAYER_PARTS: dict[str, tuple[tuple[str, object], ...]] = {
 }
 
 
+def lora_segments(mask: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+    """The step's adapters from its row mask [rows, slots]: (slot, the rows
+    that run with it; None when every row does), once a step for every layer."""
+    used = mask.any(0).nonzero().flatten().tolist()
+    if len(used) == 1 and bool(mask[:, used[0]].all()):
+        return [(used[0], None)]
+    return [(slot, mask[:, slot].nonzero().flatten()) for slot in used]
+
+
 class LoRALinearSlots:
     """The slots of one linear layer (installed as `layer.lora`)."""
 
@@ -94,11 +103,10 @@ class LoRALinearSlots:
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         meta = get_attention_metadata()
-        mask = None if meta is None else meta.lora_mask
-        if mask is None:
+        if meta is None or meta.lora_mask is None:
             return y
-        used = mask.any(0).nonzero().flatten().tolist()
-        if not used:
+        segments = meta.lora_segments if meta.lora_segments is not None else lora_segments(meta.lora_mask)
+        if not segments:
             return y  # every row runs the base model
         # One product per adapter the step uses, over its own rows only: the
         # cost is one adapter's LoRA FLOPs a row, however many slots the layer
@@ -106,10 +114,10 @@ class LoRALinearSlots:
         # adapter's numbers).
         a = self.a.view(self.num_slots, -1, self.a.shape[1])
         b = self.b.view(self.num_slots, -1, self.b.shape[1])
-        if len(used) == 1 and bool(mask[:, used[0]].all()):
-            return y + (x @ a[used[0]].t()) @ b[used[0]]
+        if segments[0][1] is None:  # every row runs one adapter
+            slot = segments[0][0]
+            return y + (x @ a[slot].t()) @ b[slot]
         delta = torch.zeros_like(y)
-        for slot in used:
-            rows = mask[:, slot].nonzero().flatten()
+        for slot, rows in segments:
             delta.index_add_(0, rows, (x.index_select(0, rows) @ a[slot].t()) @ b[slot])
         return y + delta

@@ -53,6 +53,9 @@ class AttentionMetadata:
     # where a row runs with the adapter of that slot; None when no row of
     # the step has an adapter (the fused decode path runs only then).
     lora_mask: torch.Tensor | None = None
+    # The same, per adapter the step uses: (slot, its rows; None: every row),
+    # found once a step for all layers (raylm.lora.layers.lora_segments).
+    lora_segments: list | None = None
 
 
 _CURRENT: AttentionMetadata | None = None

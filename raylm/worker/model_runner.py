@@ -15,6 +15,7 @@ import torch
 
 from raylm.config import EngineConfig
 from raylm.distributed.parallel_state import get_cp_group, get_pp_group
+from raylm.lora.layers import lora_segments
 from raylm.lora.manager import LoRAManager
 from raylm.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from raylm.model.forward_context import set_forward_context
@@ -229,7 +230,9 @@ class ModelRunner:
         """The step's LoRA row mask (its adapters brought into slots), if any row has an adapter."""
         if self.lora is not None:
             loras = [self.requests[rid].lora_request for rid in batch.req_ids]
-            batch.attn_metadata.lora_mask = self.lora.mask_for(loras, batch.num_tokens)
+            mask = self.lora.mask_for(loras, batch.num_tokens)
+            batch.attn_metadata.lora_mask = mask
+            batch.attn_metadata.lora_segments = None if mask is None else lora_segments(mask)
 
     def _count_rows(self, so: SchedulerOutput, batch: PreparedBatch) -> None:
         counts = self.row_counts
