@@ -137,7 +137,10 @@ class Scheduler(RequestQueues):
                 compiling.append(self.waiting.popleft())  # the ones behind it go first
                 continue
             if not self.adapters.admits(request):  # its adapter waits for a slot; the ones behind it go first
-                if request is isolated and self._free_an_adapter(request, num_scheduled, new_block_ids):
+                # It must run alone (quarantine), and the running requests, which isolation keeps
+                # from running, would hold their adapters forever (found by the chaos harness: a
+                # P/D replica left alone after a scale-in): the newest gives its adapter up.
+                if request is isolated and self._preempt_newest_but(request, num_scheduled, new_block_ids):
                     break  # the preempted request is ahead of it now; the next schedule puts it first again
                 compiling.append(self.waiting.popleft())
                 continue
@@ -262,13 +265,8 @@ class Scheduler(RequestQueues):
             if holders:
                 self._give_up_blocks(holders[0])
                 return True
-            others = [r for r in self.running if r is not head]
-            if not others:
-                return False
-            self.running.remove(others[-1])
-            self._preempt(others[-1], num_scheduled, new_block_ids)
-            # It is ahead of `head` now; the next schedule puts `head` first again.
-            return True
+            # The preempted request is ahead of `head` now; the next schedule puts `head` first again.
+            return self._preempt_newest_but(head, num_scheduled, new_block_ids)
         for request in holders:
             if request.request_id not in promoted:
                 promoted.add(request.request_id)
@@ -281,12 +279,9 @@ class Scheduler(RequestQueues):
             return True
         return False
 
-    def _free_an_adapter(self, head: Request, num_scheduled: dict, new_block_ids: dict) -> bool:
-        """`head` must run alone (quarantine) and its adapter is one too many:
-        the running requests, which isolation keeps from running, would hold
-        their adapters forever (found by the chaos harness: a P/D replica
-        left alone after a scale-in). The newest gives its adapter up
-        (preempted, recomputed later). True: one was preempted."""
+    def _preempt_newest_but(self, head: Request, num_scheduled: dict, new_block_ids: dict) -> bool:
+        """The newest running request other than `head` gives its blocks and
+        adapter up (preempted, recomputed later). True: one was preempted."""
         others = [r for r in self.running if r is not head]
         if not others:
             return False
