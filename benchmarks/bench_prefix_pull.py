@@ -46,15 +46,21 @@ def _ttft(llm: LLM, rid: str, prompt: list[int], rank: int) -> float:
     return (first or time.monotonic()) - started
 
 
-def run(prefix_pull: bool, prefix_tokens: int, rounds: int, threads: int, model: str | None = None) -> dict:
-    with LLM(
+def _two_replicas(model: str | None, threads: int, **settings) -> LLM:
+    """Two local replicas (`-dp 2 --data-parallel-backend mp`): the embedded
+    model in float32, another in its own dtype."""
+    return LLM(
         model,
         dtype="float32" if model is None else "auto",
         data_parallel_size=2,
         data_parallel_backend="mp",
         num_threads=threads,
-        prefix_pull=prefix_pull,
-    ) as llm:
+        **settings,
+    )
+
+
+def run(prefix_pull: bool, prefix_tokens: int, rounds: int, threads: int, model: str | None = None) -> dict:
+    with _two_replicas(model, threads, prefix_pull=prefix_pull) as llm:
         sup = llm.llm_engine.engine_core
         ttfts, ended = [], []
         take = sup.pulls.take_events
@@ -87,13 +93,7 @@ def doomed(prefix_tokens: int, rounds: int, threads: int, model: str | None) -> 
     import signal
 
     seconds, holder = [], None
-    with LLM(
-        model,
-        dtype="float32" if model is None else "auto",
-        data_parallel_size=2,
-        data_parallel_backend="mp",
-        num_threads=threads,
-    ) as llm:
+    with _two_replicas(model, threads) as llm:
         engine, sup = llm.llm_engine, llm.llm_engine.engine_core
         for r in range(rounds):
             while len(sup.channels) < 2 or getattr(sup.launcher._processes.get(1), "pid", holder) == holder:
