@@ -103,9 +103,7 @@ class LoRALinearSlots:
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         meta = get_attention_metadata()
-        if meta is None or meta.lora_mask is None:
-            return y
-        segments = meta.lora_segments if meta.lora_segments is not None else lora_segments(meta.lora_mask)
+        segments = None if meta is None else meta.lora_segments  # set with lora_mask, once a step
         if not segments:
             return y  # every row runs the base model
         # One product per adapter the step uses, over its own rows only: the
