@@ -41,7 +41,7 @@ class RequestQueues:
         # Requests the workers still hold state for and must be told to drop.
         self.finished_req_ids: set[str] = set()
         # Requests whose next step must be sent in full (new, or resumed after preemption).
-        self._needs_full_send: set[str] = set()
+        self.needs_full_send: set[str] = set()
         self.num_preemptions = 0
         # Requests quarantined after failures (raylm.core.quarantine): each runs
         # alone, in queue order, until it finishes or fails alone.
@@ -61,7 +61,7 @@ class RequestQueues:
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.waiting.append(request)
-        self._needs_full_send.add(request.request_id)
+        self.needs_full_send.add(request.request_id)
         if request.quarantined:
             self.quarantined.add(request.request_id)
         if self.structured_output_manager is not None:
@@ -88,7 +88,7 @@ class RequestQueues:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
-        self._needs_full_send.discard(request.request_id)
+        self.needs_full_send.discard(request.request_id)
         self.quarantined.discard(request.request_id)
         if self.structured_output_manager is not None:
             self.structured_output_manager.remove_request(request.request_id)
@@ -178,7 +178,7 @@ class RequestQueues:
             events=self.kv_cache_manager.pool.events,
         )
         # New workers know no request: each is sent in full, and none is finished there.
-        self._needs_full_send = set(self.requests)
+        self.needs_full_send = set(self.requests)
         self.finished_req_ids = set()
         return len(running)
 

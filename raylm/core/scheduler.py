@@ -21,7 +21,8 @@ it ends with "stop" once its grammar is terminated (see StructuredOutputManager)
 The requests' places (queues, pauses, quarantine) and the moves between them
 that are not a step's decision (added, aborted, migrated, reset after the
 workers are lost) are raylm.core.request_queues.RequestQueues, which
-Scheduler extends with the step.
+Scheduler extends with the step. When the KV cache is full, the step decides
+who gives blocks up and raylm.core.preemption makes those moves.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import logging
 import time
 
 from raylm.config import CacheConfig, SchedulerConfig
+from raylm.core import preemption
 from raylm.core.decode_burst import BurstPlanner
 from raylm.core.lora_admission import AdapterAdmission
 from raylm.core.outputs import EngineCoreOutput
@@ -108,7 +110,7 @@ class Scheduler(RequestQueues):
                     draft = []
                     continue
                 victim = self.running.pop()
-                self._preempt(victim, num_scheduled, new_block_ids)
+                preemption.preempt(self, victim, num_scheduled, new_block_ids)
                 preempted_now = True
                 if victim is request:
                     break
@@ -140,7 +142,7 @@ class Scheduler(RequestQueues):
                 # It must run alone (quarantine), and the running requests, which isolation keeps
                 # from running, would hold their adapters forever (found by the chaos harness: a
                 # P/D replica left alone after a scale-in): the newest gives its adapter up.
-                if request is isolated and self._preempt_newest_but(request, num_scheduled, new_block_ids):
+                if request is isolated and preemption.preempt_newest_but(self, request, num_scheduled, new_block_ids):
                     break  # the preempted request is ahead of it now; the next schedule puts it first again
                 compiling.append(self.waiting.popleft())
                 continue
@@ -154,7 +156,8 @@ class Scheduler(RequestQueues):
             num_new = min(num_new, budget)
             block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
             if block_ids is None:
-                if self._make_room_for(request, isolated is not None, promoted, num_scheduled, new_block_ids):
+                alone = isolated is not None
+                if preemption.make_room_for(self, request, alone, promoted, num_scheduled, new_block_ids):
                     continue
                 break
             self.waiting.popleft()
@@ -252,67 +255,6 @@ class Scheduler(RequestQueues):
             request.num_tokens + request.num_output_placeholders >= self.max_model_len
         )
 
-    def _make_room_for(
-        self, head: Request, alone: bool, promoted: set[str], num_scheduled: dict, new_block_ids: dict
-    ) -> bool:
-        """`head` cannot get its blocks while others hold blocks nothing would
-        free (small-cache deadlocks the chaos harness found). A waiting holder
-        of migrated K/V goes first (each once a schedule); when none fits and
-        nothing runs, or `head` must run alone (quarantine), holders give their
-        blocks up, then running requests are preempted. True: try again."""
-        holders = [r for r in self.waiting if r is not head and r.request_id in self.kv_cache_manager.req_blocks]
-        if alone:
-            if holders:
-                self._give_up_blocks(holders[0])
-                return True
-            # The preempted request is ahead of `head` now; the next schedule puts `head` first again.
-            return self._preempt_newest_but(head, num_scheduled, new_block_ids)
-        for request in holders:
-            if request.request_id not in promoted:
-                promoted.add(request.request_id)
-                self.waiting.remove(request)
-                self.waiting.appendleft(request)
-                return True
-        if holders and not self.running:
-            # E.g. two hand-offs that filled a decode replica, each a block short.
-            self._give_up_blocks(holders[-1])
-            return True
-        return False
-
-    def _preempt_newest_but(self, head: Request, num_scheduled: dict, new_block_ids: dict) -> bool:
-        """The newest running request other than `head` gives its blocks and
-        adapter up (preempted, recomputed later). True: one was preempted."""
-        others = [r for r in self.running if r is not head]
-        if not others:
-            return False
-        self.running.remove(others[-1])
-        self._preempt(others[-1], num_scheduled, new_block_ids)
-        return True
-
-    def _give_up_blocks(self, request: Request) -> None:
-        """A waiting request's K/V blocks are freed: it computes them again in its turn."""
-        self.kv_cache_manager.free(request)
-        request.num_computed_tokens = 0
-        self.num_preemptions += 1
-
-    def _preempt(self, request: Request, num_scheduled: dict, new_block_ids: dict) -> None:
-        """Free a request's blocks and put it back in front of the queue; it will
-        be recomputed from its prompt and the tokens it already generated."""
-        self.kv_cache_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        # Tokens of its steps in flight are dropped on arrival and recomputed.
-        request.num_output_placeholders = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        if request.request_id in num_scheduled:
-            # Scheduled earlier in this same step: undo it.
-            num_scheduled.pop(request.request_id)
-            new_block_ids.pop(request.request_id)
-        self.waiting.appendleft(request)
-        self._needs_full_send.add(request.request_id)
-        logger.debug("preempted %s (KV cache full)", request.request_id)
-
     def _make_output(
         self,
         num_scheduled: dict[str, int],
@@ -323,8 +265,8 @@ class Scheduler(RequestQueues):
         new_reqs, cached_reqs = [], []
         for rid, n in num_scheduled.items():
             request = self.requests[rid]
-            if rid in self._needs_full_send:
-                self._needs_full_send.discard(rid)
+            if rid in self.needs_full_send:
+                self.needs_full_send.discard(rid)
                 new_reqs.append(
                     NewRequestData(
                         req_id=rid,
