@@ -2,7 +2,8 @@
 each; harness.py): one data-parallel replica per host, requests moved
 mid-decode both ways. Their K/V crosses the hosts' link as sealed frames over TCP
 (raylm.kv_transfer.network), not shared memory, and every output equals
-Hugging Face's greedy run (float32): nothing recomputed, no block left."""
+Hugging Face's greedy run (float32): nothing recomputed, no block left.
+The same move made as a prefill/decode hand-off (issue 50) crosses the hosts too."""
 
 from __future__ import annotations
 
@@ -38,3 +39,30 @@ def test_requests_migrated_between_hosts_mid_decode_equal_hugging_face(hosts, ti
     assert result["recomputed"] == [] and result["replica_restarts"] == 0 and result["preemptions"] == 0
     assert result["kv_in_use"] == {"0": 0.0, "1": 0.0}
     assert result["token_ids"] == [r.token_ids for r in hf_greedy(model, PROMPTS, MAX_TOKENS)]
+
+
+def test_prefill_on_one_host_decode_on_the_other_equals_hugging_face(hosts, tiny_model_dir, monkeypatch):
+    """P/D across hosts (issue 50): replica 0 prefills, replica 1 decodes, one
+    per host; every request's prompt K/V is handed to the other host over the
+    network after its first token, none is recomputed, and the outputs equal
+    Hugging Face's. In this module: a hand-off is a migration's final stage,
+    and the module's cluster is shared."""
+    straggling(monkeypatch)  # each step 20 ms more: the requests are still decoding when their hand-offs end
+    model = tiny_model_dir("llama", num_key_value_heads=2)
+    prompts = PROMPTS[:3]
+    result = hosts.run_driver(
+        {"model": model, "address": hosts.address, "prompts": prompts, "max_tokens": 24},
+        timeout=240,
+        module="tests.multinode.pd_driver",
+    )
+    ips = result["node_ips"]
+    assert sorted(ips.values()) == [HEAD_IP, WORKER_IP]
+    assert result["roles"] == {"0": "prefill", "1": "decode"}
+    # Every request moved once, prefill -> decode, over the network from the prefill replica's host.
+    assert result["moves"] == [{"source": 0, "destination": 1, "reason": "pd_handoff", "host": ips["0"]}] * len(
+        prompts
+    ), result["moves"]
+    assert result["handoffs"] == {"ok": len(prompts)}, result["handoffs"]
+    assert result["recomputed"] == []
+    assert result["kv_in_use"] == {"0": 0.0, "1": 0.0}
+    assert result["token_ids"] == [r.token_ids for r in hf_greedy(model, prompts, 24)]
