@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 import raylm.core.spec_decode as spec_decode
-from raylm import SamplingParams
+from raylm import LLM, SamplingParams
 from raylm.config.resolve import resolve_engine_config
 from raylm.engine.arg_utils import EngineArgs
 from raylm.testing.hf_oracle import hf_greedy
@@ -78,6 +78,32 @@ def test_draft_follows_decode_bursts_and_prefill_chunks(tiny_model_dir):
     assert stats["spec_decode_steps_aside_by_reason"].get("large_batch", 0) > 0
     assert stats["spec_decode_num_drafts"] > 0
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
+
+
+@pytest.mark.usefixtures("_speculate_at_any_batch_size")
+def test_prefix_cache_blocks_hold_the_drafts_kv_too(tiny_model_dir):
+    """A later request reusing a finished one's cached blocks reads the draft's
+    K/V of them from the same block ids: the target as its own draft still
+    has every draft accepted, and the output is an uncached engine's."""
+    model = tiny_model_dir("llama")
+    prompt = _prompts(512)["wrong"]
+    first = hf_greedy(model, [prompt], MAX_TOKENS + 16)[0].token_ids
+    follow_up = prompt + first + [7, 8]
+    with LLM(
+        model,
+        dtype="float32",
+        kv_cache_memory_bytes=32 << 20,
+        distributed_executor_backend="uni",
+        speculative_config=_draft(model),
+    ) as llm:
+        llm.generate([{"prompt_token_ids": prompt}], _greedy(MAX_TOKENS + 16), use_tqdm=False)
+        cached = llm.generate([{"prompt_token_ids": follow_up}], _greedy(), use_tqdm=False)[0]
+        stats = llm.llm_engine.stats()
+    # (Not every full block: those an accepted run filled in the request's last
+    # step are not registered, as with any method: registration is at allocation.)
+    assert stats["prefix_cache_hits"] >= 32
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
+    assert cached.outputs[0].token_ids == hf_greedy(model, [follow_up], MAX_TOKENS)[0].token_ids
 
 
 @pytest.mark.usefixtures("_speculate_at_any_batch_size")
