@@ -55,7 +55,8 @@ class SchedulerOutput:
     # Speculative decoding (raylm.core.spec_decode): req_id -> the draft
     # tokens scheduled after its last committed token (they are the last of
     # its num_scheduled_tokens); the workers verify them and return the
-    # committed tokens, one or more.
+    # committed tokens, one or more. With a draft model the core sends
+    # MODEL_DRAFT_TOKEN in each place and the workers write the tokens.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
@@ -80,6 +81,12 @@ class GrammarOutput:
 # (token ids, logprobs, rank of the first id) for one position: column 0 is the
 # sampled (or prompt) token, then the top-k.
 PositionLogprobsLists = tuple[list[int], list[float], int]
+
+
+# A draft position whose token the workers' draft model writes
+# (raylm.worker.draft_model): the core knows only how long the draft may be.
+# Not a token id, so an embedding lookup of one left unwritten fails.
+MODEL_DRAFT_TOKEN = -1
 
 
 @dataclass

@@ -377,7 +377,8 @@ class EngineArgs:
         None,
         'speculative decoding, vLLM\'s keys as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
         "\"prompt_lookup_max\": 4}' (methods: ngram, the request's own tokens; suffix, earlier outputs of the "
-        "same cache_salt): drafts verified in one forward, the output the same as without; it steps aside "
+        'same cache_salt; draft_model with "model", a smaller model of the same tokenizer): drafts '
+        "verified in one forward, the output the same as without; it steps aside "
         "(decodes normally) where it cannot serve a request or the batch is large; default: off",
         parser=str,
         metavar="JSON",

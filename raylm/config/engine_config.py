@@ -406,3 +406,20 @@ class EngineConfig:
         if isinstance(groups, list) and len(groups) > world_size:
             raise ValueError(f"cpu_bind has {len(groups)} CPU groups for {world_size} rank(s); give one group per rank")
         return cpu_bind.strip()
+
+
+def engine_step_aside_reason(config: EngineConfig) -> str | None:
+    """Why this engine never speculates (every decode steps aside), or None."""
+    pc, sc, mc = config.parallel_config, config.scheduler_config, config.model_config
+    if pc.pipeline_parallel_size > 1:
+        return "pipeline_parallel"  # non-last stages would need the drafts' rows too
+    if pc.context_parallel_size > 1:
+        return "context_parallel"  # a verification chunk would be split over the CP ranks
+    if sc.async_scheduling:
+        return "async_scheduling"  # the next step is scheduled before the drafts are verified
+    if config.device == "cpu" and (mc.dtype != torch.float32 or mc.quantization is not None):
+        # bfloat16 or quantized weights decode on the C++ path (model/llama_decode.py),
+        # whose kernels a multi-row verification forward does not run: its tokens
+        # could differ in the last bits from decoding's.
+        return "cpu_kernels"
+    return None

@@ -28,7 +28,7 @@ from raylm.config.engine_config import (
     SchedulerConfig,
 )
 from raylm.config.lora import LoRAConfig
-from raylm.config.speculative import SpeculativeConfig
+from raylm.config.speculative import SpeculativeConfig, check_draft_model
 from raylm.model.generation_config import load_generation_defaults
 from raylm.model.gguf import is_gguf_path, materialize_tokenizer, open_gguf
 from raylm.model.hub import resolve_gguf_model, resolve_model_path
@@ -105,11 +105,22 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
             fault_injection=os.environ.get("RAYLM_FAULT_INJECTION") or None,
         ),
         autoscale=autoscale,
-        speculative_config=SpeculativeConfig.from_setting(args.speculative_config),
+        speculative_config=_resolve_speculative(args, model_config),
         lora_config=_resolve_lora(args),
     )
     _warn_of_settings_without_effect(args, device)
     return config
+
+
+def _resolve_speculative(args: Any, model_config: ModelConfig) -> SpeculativeConfig | None:
+    """The speculative settings; a draft model checked against the target and found (a local folder)."""
+    spec = SpeculativeConfig.from_setting(args.speculative_config)
+    if spec is not None and spec.method == "draft_model":
+        lora = _resolve_lora(args)
+        spec.model = check_draft_model(
+            spec, model_config.arch, model_config.tokenizer, model_config.max_model_len, lora
+        )
+    return spec
 
 
 def _resolve_lora(args: Any) -> LoRAConfig | None:

@@ -8,17 +8,24 @@ speculation would have sampled (raylm.core.spec_decode). Methods: `ngram`
 (prompt lookup: the tokens that followed the last earlier occurrence of the
 request's last n tokens, n from prompt_lookup_max down to prompt_lookup_min)
 and `suffix` (the most frequent continuation in earlier outputs of requests
-with the same cache_salt, else prompt lookup). `draft_model` is vLLM's name
-for a method not built yet: refused by name rather than run as something else.
+with the same cache_salt, else prompt lookup) from the core; `draft_model`
+(a smaller model of the same tokenizer, `model`, drafting greedily in the
+workers beside the target: raylm.worker.draft_model). A draft model is
+checked against the target when the engine's settings are resolved
+(`check_draft_model`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, fields
 
+from raylm.model.arch_config import ArchConfig
+from raylm.model.hub import resolve_model_path
+from raylm.model.loader import load_arch_config
+
 METHODS = ("ngram", "suffix", "draft_model")
-NOT_YET = {"draft_model": "a draft model beside the target is not built yet; use ngram or suffix"}
 # The longest draft: the verification forward computes 1 + k positions of the
 # request; past a few tokens the chance that every one is accepted is small
 # and each rejected position is computed in vain.
@@ -68,8 +75,6 @@ class SpeculativeConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if self.method in NOT_YET:
-            raise ValueError(f"speculative_config.method {self.method!r}: {NOT_YET[self.method]}")
         k = self.num_speculative_tokens
         if k is None:
             raise ValueError("speculative_config.num_speculative_tokens is required (the draft length)")
@@ -78,6 +83,13 @@ class SpeculativeConfig:
                 f"speculative_config.num_speculative_tokens must be an integer from 1 to {MAX_SPECULATIVE_TOKENS}, "
                 f"got {k!r}"
             )
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError("speculative_config.model (the draft's folder or Hub id) is required by draft_model")
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config.{name} is for ngram and suffix, not draft_model")
+            return
         if self.model is not None:
             raise ValueError(f"speculative_config.model is for method draft_model, not {self.method!r}")
         self._resolve_lookup_bounds()
@@ -97,3 +109,42 @@ class SpeculativeConfig:
         if low > high:
             raise ValueError(f"speculative_config.prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
         self.prompt_lookup_min, self.prompt_lookup_max = low, high
+
+
+def check_draft_model(spec: SpeculativeConfig, target: ArchConfig, tokenizer: str, max_model_len: int, lora) -> str:
+    """The draft model's local folder (a Hub id found once, so that every
+    worker gets a path), after checking that it can draft for the target:
+    the same vocabulary (token ids mean the same text, and the drafts are the
+    target's token ids), a context at least as long as the target's (it reads
+    every position the target does), and no LoRA (the target's output under an
+    adapter is not what a plain draft predicts, and the draft has no adapter
+    slots). Each refusal names its setting."""
+    if lora is not None:
+        raise ValueError("speculative_config.method 'draft_model' is not served with enable_lora (use ngram or suffix)")
+    path = resolve_model_path(spec.model, what="speculative_config.model")
+    draft = load_arch_config(path)
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative_config.model {spec.model!r}: vocabulary size {draft.vocab_size} differs from the "
+            f"target's {target.vocab_size}; a draft model must share the target's tokenizer"
+        )
+    if draft.max_position_embeddings < max_model_len:
+        raise ValueError(
+            f"speculative_config.model {spec.model!r}: max_position_embeddings {draft.max_position_embeddings} "
+            f"is shorter than the target's max_model_len {max_model_len}"
+        )
+    if os.path.isdir(path) and _tokenizer_vocab(path) not in (None, _tokenizer_vocab(tokenizer)):
+        raise ValueError(
+            f"speculative_config.model {spec.model!r}: its tokenizer differs from the target's "
+            "(the same vocabulary size, other tokens)"
+        )
+    return path
+
+
+def _tokenizer_vocab(folder: str) -> dict[str, int] | None:
+    """Token text -> id of the tokenizer in `folder`; None where it has none."""
+    from transformers import AutoTokenizer
+
+    if not any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    return AutoTokenizer.from_pretrained(folder).get_vocab()

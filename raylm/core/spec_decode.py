@@ -26,8 +26,10 @@ counted, by reason.
 
 Proposers plug in through `DraftProposer` (raylm.core.spec_propose): a
 request in, a draft out, and each finished request shown to it. Built:
-n-gram prompt lookup (`ngram`) and suffix decoding from earlier outputs of
-the same cache_salt (`suffix`, raylm.core.spec_suffix).
+n-gram prompt lookup (`ngram`), suffix decoding from earlier outputs of
+the same cache_salt (`suffix`, raylm.core.spec_suffix), and a draft model
+(`draft_model`), whose draft the core only sizes: the workers write its
+tokens (raylm.worker.draft_model).
 """
 
 from __future__ import annotations
@@ -35,11 +37,10 @@ from __future__ import annotations
 import logging
 import os
 
-import torch
-
 from raylm.config import EngineConfig, SpeculativeConfig
+from raylm.config.engine_config import engine_step_aside_reason
 from raylm.core.request import Request
-from raylm.core.spec_propose import DraftProposer, NgramProposer
+from raylm.core.spec_propose import DraftModelProposer, DraftProposer, NgramProposer
 from raylm.core.spec_suffix import SuffixProposer
 
 logger = logging.getLogger(__name__)
@@ -86,23 +87,6 @@ STEP_ASIDE_REASONS = (
     "async_scheduling",
     "cpu_kernels",
 )
-
-
-def engine_step_aside_reason(config: EngineConfig) -> str | None:
-    """Why this engine never speculates (every decode steps aside), or None."""
-    pc, sc, mc = config.parallel_config, config.scheduler_config, config.model_config
-    if pc.pipeline_parallel_size > 1:
-        return "pipeline_parallel"  # non-last stages would need the drafts' rows too
-    if pc.context_parallel_size > 1:
-        return "context_parallel"  # a verification chunk would be split over the CP ranks
-    if sc.async_scheduling:
-        return "async_scheduling"  # the next step is scheduled before the drafts are verified
-    if config.device == "cpu" and (mc.dtype != torch.float32 or mc.quantization is not None):
-        # bfloat16 or quantized weights decode on the C++ path (model/llama_decode.py),
-        # whose kernels a multi-row verification forward does not run: its tokens
-        # could differ in the last bits from decoding's.
-        return "cpu_kernels"
-    return None
 
 
 def request_step_aside_reason(request: Request, constrained: bool) -> str | None:
@@ -221,7 +205,8 @@ def make_proposer(config: SpeculativeConfig) -> DraftProposer:
         return SuffixProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    # SpeculativeConfig refuses the methods not built yet.
+    if config.method == "draft_model":
+        return DraftModelProposer()
     raise ValueError(f"speculative_config.method {config.method!r} has no proposer")
 
 

@@ -6,7 +6,7 @@ the same earlier outputs give the same draft): verification by
 sample-and-match is exact for any draft. Every proposer has the two methods
 of DraftProposer: `propose`, and `request_finished` for one that learns from
 earlier outputs (suffix decoding, raylm.core.spec_suffix). A draft model
-would plug in beside them the same way.
+runs in the workers: its proposer here only sizes the draft.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from raylm.core.request import Request
+from raylm.messages import MODEL_DRAFT_TOKEN
 
 # Token ids packed as C ints (4 bytes): a vocabulary is far below 2**31.
 _ITEM = array("i").itemsize
@@ -48,6 +49,20 @@ class NgramProposer:
 
     def request_finished(self, request: Request) -> None:
         """Lookup reads only the request's own tokens."""
+
+
+class DraftModelProposer:
+    """A draft model's draft (method draft_model): `max_tokens` places the
+    workers fill, each with the draft model's greedy next token after the
+    ones before it (raylm.worker.draft_model), just before the target
+    verifies them. Deciding there rather than here needs no extra round trip
+    and no K/V slots beyond the ones the scheduler gives the draft anyway."""
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        return [MODEL_DRAFT_TOKEN] * max_tokens
+
+    def request_finished(self, request: Request) -> None:
+        """The draft model keeps nothing of a request beyond its K/V blocks."""
 
 
 def prompt_lookup(token_ids: Sequence[int], max_tokens: int, min_n: int, max_n: int) -> list[int]:

@@ -75,6 +75,13 @@ def load_arch_config(model: str) -> ArchConfig:
     return ArchConfig.from_model_dir(model)
 
 
+def pack_weights(model: nn.Module) -> None:
+    """Lay out the weights for the CPU kernels that want their own layout, once loaded."""
+    for module in model.modules():
+        if hasattr(module, "pack_weights"):
+            module.pack_weights()
+
+
 def load_model(
     model: str | os.PathLike, dtype: torch.dtype, device: torch.device | str, quantization: str | None = None
 ) -> nn.Module:

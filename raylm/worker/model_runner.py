@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from raylm.config import EngineConfig
+from raylm.config.engine_config import engine_step_aside_reason
 from raylm.distributed.parallel_state import get_cp_group, get_pp_group
 from raylm.lora.layers import lora_segments
 from raylm.lora.manager import LoRAManager
@@ -22,8 +23,9 @@ from raylm.model.forward_context import set_forward_context
 from raylm.model.layers.attention import Attention
 from raylm.model.layers.cp_prefill import num_rows_on_rank
 from raylm.model.layers.gpu_attention import prefill_budget
-from raylm.model.loader import load_model
+from raylm.model.loader import load_model, pack_weights
 from raylm.worker.cp_input import gather_rows
+from raylm.worker.draft_model import DraftModel
 from raylm.worker.input_batch import CachedRequestState, PreparedBatch, padded_block_table, prepare_batch
 from raylm.worker.prompt_logprobs import prompt_logprobs_in_chunks
 from raylm.worker.sampler import Sampler, advance_generator, apply_grammar_bitmask
@@ -73,6 +75,10 @@ class ModelRunner:
         self._pending: tuple[SchedulerOutput, PreparedBatch, torch.Tensor | None] | None = None
         # LoRA adapters' slots on the model's layers (enable_lora), set at load_model.
         self.lora: LoRAManager | None = None
+        # Speculative decoding's draft model (method draft_model), set at load_model;
+        # the step's drafts it wrote, for sample_tokens.
+        self.draft_model: DraftModel | None = None
+        self._model_drafts: dict[str, list[int]] = {}
 
     # ---- set-up ------------------------------------------------------------------
 
@@ -80,9 +86,7 @@ class ModelRunner:
         mc = self.config.model_config
         self.model = load_model(mc.model, mc.dtype, self.device, quantization=mc.quantization)
         self.model.eval()
-        for module in self.model.modules():
-            if hasattr(module, "pack_weights"):
-                module.pack_weights()
+        pack_weights(self.model)
         # The KV-cache sizing profiles one SDPA prefill call of this size
         # (memory_profiling.largest_prefill_attention); no step's may be larger.
         budget = prefill_budget(self.config.scheduler_config.max_num_batched_tokens, mc.max_model_len, self.block_size)
@@ -90,6 +94,10 @@ class ModelRunner:
             layer.prefill_budget = budget
         if self.config.lora_config is not None:
             self.lora = LoRAManager(self.model, self.config.lora_config, mc.arch, self.device)
+        spec = self.config.speculative_config
+        # An engine that never speculates (engine_step_aside_reason) needs no draft forwards.
+        if spec is not None and spec.method == "draft_model" and engine_step_aside_reason(self.config) is None:
+            self.draft_model = DraftModel(self.config, self.device, budget)
 
     def attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -100,7 +108,8 @@ class ModelRunner:
             return 0
         a = layers[0]
         dtype_size = torch.empty((), dtype=self.config.model_config.dtype).element_size()
-        return 2 * self.block_size * a.num_kv_heads * a.head_dim * dtype_size * len(layers)
+        draft = 0 if self.draft_model is None else self.draft_model.kv_cache_bytes_per_block()
+        return 2 * self.block_size * a.num_kv_heads * a.head_dim * dtype_size * len(layers) + draft
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         dtype = self.config.model_config.dtype
@@ -114,6 +123,8 @@ class ModelRunner:
             )
             layer.kv_cache = cache
             self.kv_caches.append(cache)
+        if self.draft_model is not None:
+            self.draft_model.initialize_kv_cache(num_blocks)
 
     def release_device_memory(self) -> None:
         """Drop the KV caches and the weights (at shutdown): the runner is not used again."""
@@ -122,6 +133,9 @@ class ModelRunner:
         self.kv_caches = []
         self._kv_cache_layers = []
         self.model = None
+        if self.draft_model is not None:
+            self.draft_model.release()
+            self.draft_model = None
 
     # ---- one step -----------------------------------------------------------------
 
@@ -130,6 +144,8 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
             self._draft_metadata.pop(rid, None)
+            if self.draft_model is not None:
+                self.draft_model.forget(rid)
         for new in so.scheduled_new_reqs:
             self._draft_metadata.pop(new.req_id, None)
             old = self.requests.get(new.req_id)
@@ -161,11 +177,18 @@ class ModelRunner:
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
             fresh_blocks.extend(cached.new_block_ids)
-        for rid, draft in so.spec_token_ids.items():
+        self._zero_blocks(fresh_blocks)
+        drafts = so.spec_token_ids
+        if self.draft_model is not None and so.total_num_scheduled_tokens:
+            # The draft model's forwards over the step's tokens, and its drafts
+            # in the places the core sized (raylm.worker.draft_model).
+            lengths = {rid: len(draft) for rid, draft in drafts.items()}
+            drafts = self.draft_model.step(self.requests, so.num_scheduled_tokens, lengths)
+        self._model_drafts = drafts
+        for rid, draft in drafts.items():
             # Input of this step only: sample_tokens takes them off again (the
             # committed tokens come back from the scheduler, like any step's).
             self.requests[rid].token_ids.extend(draft)
-        self._zero_blocks(fresh_blocks)
 
     def _zero_blocks(self, block_ids: list[int]) -> None:
         # A padded decode path reads whole blocks, masked past each context's
@@ -176,6 +199,8 @@ class ModelRunner:
         if not block_ids:
             return
         caches = [layer.kv_cache for layer in self._kv_cache_layers if layer.reads_unwritten_slots()]
+        if self.draft_model is not None:
+            caches += self.draft_model.caches_read_unwritten()
         if not caches:
             return
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
@@ -287,8 +312,8 @@ class ModelRunner:
 
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, tuple] = {}
-        if so.spec_token_ids:
-            sampled.update(self._verify_drafts(so.spec_token_ids, batch, hidden))
+        if self._model_drafts:
+            sampled.update(self._verify_drafts(self._model_drafts, batch, hidden))
         if batch.sample_req_ids:
             # A decode step samples every row in order: no gather needed.
             sample_hidden = hidden
@@ -392,6 +417,8 @@ class ModelRunner:
             self.row_counts.scheduled += remaining * len(states)
         else:
             sampled = self._burst_step_by_step(so, states, metadata, tokens, remaining)
+        if self.draft_model is not None:
+            self.draft_model.catch_up_burst(states, so.num_decode_steps)
         by_request = dict(zip(batch.sample_req_ids, sampled))
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=[by_request[rid] for rid in batch.req_ids])
 

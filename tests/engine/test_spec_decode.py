@@ -311,14 +311,17 @@ def test_raylm_bench_reports_acceptance(tiny_model_dir):
     assert "Speculative decoding: acceptance" in format_latency(result)
 
 
-def test_recovery_mid_decode_gives_the_same_outputs(tiny_model_dir):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_recovery_mid_decode_gives_the_same_outputs(method, tiny_model_dir):
     """A step that raises mid-decode (a poison request joins): the executor is
     rebuilt, the others recompute and go on speculating; greedy and seeded
     outputs are those of decoding without speculation or failure (a resumed
-    seeded request's generator is advanced one draw per committed token)."""
+    seeded request's generator is advanced one draw per committed token).
+    A draft model's K/V is rebuilt with the target's (the recompute)."""
     from tests.engine.faulty_executors import POISON, PoisonedUniProcExecutor
 
     model = tiny_model_dir("llama")
+    speculative_config = NGRAM if method == "ngram" else {"method": method, "model": model, "num_speculative_tokens": K}
     prompts = [_prompts(512)["repeating"], _prompts(512)["right"]]
     params = [
         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
@@ -332,7 +335,7 @@ def test_recovery_mid_decode_gives_the_same_outputs(tiny_model_dir):
         num_threads=1,
         distributed_executor_backend=PoisonedUniProcExecutor,
         max_restarts=1,
-        speculative_config=NGRAM,
+        speculative_config=speculative_config,
     ) as llm:
         engine = llm.llm_engine
         for i, (prompt, p) in enumerate(zip(prompts, params)):
