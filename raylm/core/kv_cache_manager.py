@@ -324,6 +324,17 @@ class KVCacheManager:
             self._register_full_blocks(request, blocks, num_tokens_after)
         return [b.block_id for b in computed_blocks + new_blocks]
 
+    def register_verified(self, request: Request) -> None:
+        """After a verified speculative draft: register the blocks its accepted
+        tokens filled. The verification step wrote their K/V (the same tokens
+        as committed), but `allocate_slots` registered only the tokens
+        committed before it, and a request that ends in this step allocates no
+        more: without this, a finished request's last blocks never reach the
+        prefix cache. The last committed token's K/V is not written yet."""
+        blocks = self.req_blocks.get(request.request_id)
+        if self.enable_prefix_caching and blocks:
+            self._register_full_blocks(request, blocks, request.num_tokens - 1)
+
     def _register_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         # A block is registered once every token in it will have been computed
         # by the end of this step; attention writes a step's K/V before any

@@ -323,15 +323,17 @@ class Scheduler(RequestQueues):
             workers_hold_tokens = self.async_scheduling or scheduler_output.num_decode_steps > 1
             # A verified draft's tokens are taken one by one, like steps': a
             # stop token or max_tokens cuts the run where it would have stopped.
+            draft = scheduler_output.spec_token_ids.get(rid)
             for token_id in token_ids:
                 request.append_output_token(token_id)
+                if draft is not None:  # before the request can end and free its blocks
+                    self.kv_cache_manager.register_verified(request)
                 if workers_hold_tokens:
                     request.unsent_token_ids.clear()
                 new_tokens.append(token_id)
                 error = self._advance_grammar(request)
                 if request.is_finished or self._check_stop(request):
                     break
-            draft = scheduler_output.spec_token_ids.get(rid)
             if draft is not None:
                 self._after_verification(request, draft, token_ids)
             if not new_tokens and not prompt_lps:

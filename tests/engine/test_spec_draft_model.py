@@ -99,9 +99,9 @@ def test_prefix_cache_blocks_hold_the_drafts_kv_too(tiny_model_dir):
         llm.generate([{"prompt_token_ids": prompt}], _greedy(MAX_TOKENS + 16), use_tqdm=False)
         cached = llm.generate([{"prompt_token_ids": follow_up}], _greedy(), use_tqdm=False)[0]
         stats = llm.llm_engine.stats()
-    # (Not every full block: those an accepted run filled in the request's last
-    # step are not registered, as with any method: registration is at allocation.)
-    assert stats["prefix_cache_hits"] >= 32
+    # Every full block of the first request's prompt and output, those its
+    # last accepted run filled included (KVCacheManager.register_verified).
+    assert stats["prefix_cache_hits"] == (len(prompt) + len(first) - 1) // 16 * 16
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
     assert cached.outputs[0].token_ids == hf_greedy(model, [follow_up], MAX_TOKENS)[0].token_ids
 
