@@ -190,6 +190,11 @@ class Handoffs:
             return True
         return sum(1 for q in self.queue.values() if q.source is channel) < self.queue_size
 
+    @property
+    def num_held(self) -> int:
+        """New requests held back in the ledger while every prefill replica's queue is full."""
+        return len(self._held)
+
     def queued_on(self, index: int) -> int:
         """How many finished prefills on replica `index` wait for decode room."""
         return sum(1 for q in self.queue.values() if q.source.index == index)

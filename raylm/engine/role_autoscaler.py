@@ -4,7 +4,9 @@ the prefill and decode pools scale independently (issue 50).
 Each pool has its own `AutoscalePolicy` (autoscaler.py: the same rule, its
 own hysteresis and delays), fed only its own replicas' states: the prefill
 pool's in-flight requests are prompts being computed (and finished prefills
-waiting for decode room), the decode pool's are streams. Each pool keeps at
+waiting for decode room), plus the new requests held in the ledger because
+every prefill replica's hand-off queue is full (`pd_held`: work waiting for
+the prefill pool that no replica counts yet); the decode pool's are streams. Each pool keeps at
 least one replica; together they stay within MIN..MAX (at MAX, the larger
 growth is cut first, and no pool shrinks to feed the other).
 
@@ -56,6 +58,7 @@ class RoleAutoscalePolicy:
         decode = [r for r in replicas if r.get("role") == "decode"]
         if not prefill or not decode:
             return None
+        prefill = _with_held(prefill)
         p_decision = self.prefill.decide(prefill, now)
         d_decision = self.decode.decide(decode, now)
         if p_decision is None and d_decision is None:
@@ -73,6 +76,21 @@ class RoleAutoscalePolicy:
         up = p + d > len(replicas) or (p + d == len(replicas) and p > len(prefill))
         reason = f"{'up' if up else 'down'}: {len(prefill)}+{len(decode)} -> {p}+{d} (prefill+decode); {why}"
         return RoleDecision(p + d, reason, prefill_replicas=p)
+
+
+def _with_held(prefill: list[dict]) -> list[dict]:
+    """The prefill replicas' states with the requests held back for them
+    (`pd_held`, the pool's count, on each) spread over them as waiting
+    requests: copies, the states given stay as they were."""
+    held = max(r.get("pd_held", 0) for r in prefill)
+    if not held:
+        return prefill
+    n = len(prefill)
+    shares = [held // n + (1 if i < held % n else 0) for i in range(n)]
+    return [
+        {**r, "in_flight": r.get("in_flight", 0) + share, "num_waiting": r.get("num_waiting", 0) + share}
+        for r, share in zip(prefill, shares)
+    ]
 
 
 def _within(p: int, d: int, p0: int, d0: int, low: int, high: int) -> tuple[int, int]:

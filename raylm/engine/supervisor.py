@@ -297,6 +297,7 @@ class EngineCoreSupervisor:
         for state in states:
             state["role"] = self.handoffs.role_of(state["replica"])
             state["pd_handoffs_queued"] = self.handoffs.queued_on(state["replica"])
+            state["pd_held"] = self.handoffs.num_held if state["role"] == "prefill" else 0
         return states
 
     # ---- cores leaving ----------------------------------------------------------------

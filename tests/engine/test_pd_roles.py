@@ -361,6 +361,13 @@ def test_each_pool_scales_with_its_own_load():
     # Prompts queue on the prefill replica, the decode replica idles: the prefill pool grows alone.
     grown = decide(_states([{"in_flight": 3, "num_waiting": 2}], [{"in_flight": 1}]), 1.0)
     assert (grown.num_replicas, grown.prefill_replicas, grown.direction) == (3, 2, "up"), grown
+    # New requests held back (every prefill replica's hand-off queue full) are the prefill pool's
+    # load though no replica counts them: it grows; without them it would not.
+    held = _states([{"in_flight": 1, "pd_held": 2}], [{"in_flight": 1}])
+    grown = decide(held, 1.0)
+    assert (grown.num_replicas, grown.prefill_replicas, grown.direction) == (3, 2, "up"), grown
+    assert held[0]["in_flight"] == 1, "the states given are not changed"
+    assert decide(_states([{"in_flight": 1}], [{"in_flight": 1}]), 1.0) is None
     # Streams pile up on the decode replica: the decode pool grows alone.
     grown = decide(_states([{"in_flight": 1}], [{"in_flight": 7}]), 1.0)
     assert (grown.num_replicas, grown.prefill_replicas) == (5, 1), grown
