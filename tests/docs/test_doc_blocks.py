@@ -3,11 +3,15 @@
 well formed, and every link between the pages lands on a file and a heading.
 The markers: docs/README.md, "Code blocks the tests run"."""
 
+import contextlib
+import io
 import re
+import shlex
 from pathlib import Path
 
 import pytest
 
+from raylm.entrypoints.cli import build_parser
 from raylm.testing import doc_blocks
 from raylm.testing.doc_blocks import (
     DocBlock,
@@ -182,3 +186,50 @@ def test_fast_blocks_run_as_written(capsys):
     assert len(results) >= 5
     problems = [p for r in results if (p := r.problem())]
     assert not problems, "\n\n".join(problems)
+
+
+def raylm_commands(code: str) -> list[list[str]]:
+    """The `raylm ...` commands of a shell block, each as its argv (comments,
+    line continuations, `&&`, `;` and pipes taken apart)."""
+    commands = []
+    for line in code.replace("\\\n", " ").splitlines():
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|")
+        lexer.whitespace_split = True
+        current: list[str] = []
+        for word in lexer:
+            if set(word) <= set(";&|"):
+                commands.append(current)
+                current = []
+            else:
+                current.append(word)
+        commands.append(current)
+    # `...` on a page stands for more flags, not a word the CLI is given.
+    return [[w for w in c[1:] if w != "..."] for c in commands if c[:1] == ["raylm"]]
+
+
+def test_every_raylm_command_on_the_pages_parses():
+    """Marked or not, each `raylm` command in a shell block names flags and
+    values that the CLI takes (a renamed or misspelt flag fails here)."""
+    parser = build_parser()
+    wrong, seen = [], 0
+    for page in doc_pages(ROOT):
+        for b in extract(page):
+            if b.lang not in ("bash", "sh", "console"):
+                continue
+            for argv in raylm_commands(b.code):
+                seen += 1
+                err = io.StringIO()
+                try:
+                    with contextlib.redirect_stderr(err):
+                        parser.parse_args(argv)
+                except SystemExit:
+                    wrong.append(f"{b.where}: raylm {shlex.join(argv)}: {err.getvalue().strip()[-200:]}")
+    assert not wrong, "\n".join(wrong)
+    assert seen >= 20, seen
+
+
+def test_every_python_block_compiles():
+    blocks = [b for page in doc_pages(ROOT) for b in extract(page) if b.lang == "python"]
+    for b in blocks:
+        compile(b.code, b.where, "exec")
+    assert len(blocks) >= 3
