@@ -1,4 +1,4 @@
-"""Decode bursts against single steps (README, "CPU decode"): batch-1 decode speed
+"""Decode bursts against single steps (docs/cpu.md, "The decode path"): batch-1 decode speed
 and the tokens, with each --num-scheduler-steps value in turn.
 
 Each run is its own process (one LLM): one greedy request of --tokens tokens after

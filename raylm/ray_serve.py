@@ -20,7 +20,7 @@ Ray actors in the replica's own placement group: Serve reserves it
 raylm's Ray executor places its ranks on those bundles instead of making a
 group of its own. A replica that dies takes its in-flight requests with it
 (Serve restarts it); `raylm serve -dp N` instead keeps them and moves them to
-another replica (README, "Ray Serve": which to choose).
+another replica (docs/parallel.md, "Which to choose").
 """
 
 from __future__ import annotations

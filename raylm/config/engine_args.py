@@ -315,7 +315,7 @@ class EngineArgs:
         "most decode steps scheduled at once: while every running request decodes and none waits, the "
         "workers run up to N steps in a row, each step's tokens the next one's input, as many as take about 50 ms "
         "offline (10 ms serving); default 8 offline (LLM, generate, bench latency/throughput), 1 serving; 1 "
-        "schedules every step (see README, decode bursts)",
+        "schedules every step (see docs/cpu.md, decode bursts)",
         metavar="N",
     )
 

@@ -6,7 +6,7 @@ heartbeats is dropped; what is refused is counted and logged apart
 (`Refusals`).
 
 Here is kept the third rule of faults and operations that interleave
-(README, "Faults and operations that interleave"): *the K/V server admits a
+(docs/failures.md, "Faults and operations that interleave"): *the K/V server admits a
 peer only by an authenticated offer*, a fresh token sealed with the transfer
 key, checked during the connection's handshake (`SealedAdmission._admits`);
 a connection without one is closed before libzmq takes a message from it.
