@@ -326,6 +326,17 @@ class EngineArgs:
         "loop on small machines)",
         metavar="N",
     )
+    prefill_num_threads: int | None = _device(
+        None,
+        "with --prefill-replicas: torch threads per worker of the prefill replicas (their ranks' layout stays "
+        "the decode replicas'); default: --num-threads",
+        metavar="N",
+    )
+    decode_num_threads: int | None = _device(
+        None,
+        "with --prefill-replicas: torch threads per worker of the decode replicas; default: --num-threads",
+        metavar="N",
+    )
     cpu_bind: str | None = _device(
         None,
         "CPU cores of each rank on a node: 'auto' (default; pins when a node runs several ranks), 'all' "

@@ -9,6 +9,7 @@ folder, the device and who runs the engine, is resolve.py's."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -367,6 +368,10 @@ class EngineConfig:
     # (raylm.worker.cpu_placement), which cpu_bind ("auto", "all", "0-3|4-7")
     # can override with one CPU group per rank of a node.
     num_threads: int | None = None
+    # P/D (parallel_config.prefill_replicas): each role's own threads per
+    # worker, in place of num_threads on that role's replicas (None: num_threads).
+    prefill_num_threads: int | None = None
+    decode_num_threads: int | None = None
     cpu_bind: str = "auto"
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     autoscale: AutoscaleConfig | None = None
@@ -394,6 +399,34 @@ class EngineConfig:
             # mask is laid out for whole steps.
             raise ValueError("enable_lora cannot be combined yet with context_parallel_size > 1")
         self.cpu_bind = self._checked_cpu_bind()
+        self._check_role_threads()
+
+    def _check_role_threads(self) -> None:
+        """Per-role threads: positive, and only where there are roles."""
+        for name in ("prefill_num_threads", "decode_num_threads"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not _is_positive_int(value):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            if not self.parallel_config.prefill_replicas:
+                raise ValueError(f"{name} needs prefill_replicas (prefill/decode roles)")
+
+    def threads_of_role(self, role: str) -> int | None:
+        """Torch threads per worker on a replica of `role` ("prefill",
+        "decode" or "both"; see replica_role)."""
+        own = {"prefill": self.prefill_num_threads, "decode": self.decode_num_threads}.get(role)
+        return own if own is not None else self.num_threads
+
+    def for_role(self, role: str) -> EngineConfig:
+        """This config as one replica of `role` runs it: its role's threads
+        as num_threads (the executor and the CPU plan read only that). The
+        TP/PP layout is the same for every role: the K/V transport moves a
+        request between equal layouts only."""
+        threads = self.threads_of_role(role)
+        if threads == self.num_threads:
+            return self
+        return dataclasses.replace(self, num_threads=threads)
 
     def _checked_cpu_bind(self) -> str:
         num_threads, cpu_bind = self.num_threads, self.cpu_bind

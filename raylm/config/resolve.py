@@ -93,6 +93,8 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
         parallel_config=parallel_config,
         device=device,
         num_threads=args.num_threads,
+        prefill_num_threads=args.prefill_num_threads,
+        decode_num_threads=args.decode_num_threads,
         # Unset: vLLM's VLLM_CPU_OMP_THREADS_BIND (what its users already set), then "auto".
         cpu_bind=args.cpu_bind if args.cpu_bind is not None else os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "auto",
         fault_tolerance=FaultToleranceConfig(

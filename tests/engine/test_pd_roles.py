@@ -57,6 +57,32 @@ def test_the_flag_reaches_the_config_and_roles_go_by_index(tiny_model_dir):
         create_engine_config(model, data_parallel_size=2, prefill_replicas=3)
 
 
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"prefill_num_threads": 2}, "prefill_num_threads needs prefill_replicas"),
+        ({"data_parallel_size": 2, "decode_num_threads": 2}, "decode_num_threads needs prefill_replicas"),
+        ({"data_parallel_size": 2, "prefill_replicas": 1, "decode_num_threads": 0}, "decode_num_threads must be"),
+        ({"data_parallel_size": 2, "prefill_replicas": 1, "prefill_num_threads": 1.5}, "prefill_num_threads must"),
+    ],
+)
+def test_per_role_threads_are_checked_and_the_error_names_them(tiny_model_dir, settings, message):
+    with pytest.raises(ValueError, match=message):
+        create_engine_config(tiny_model_dir("llama"), **settings)
+
+
+def test_each_role_starts_with_its_own_threads_and_the_same_layout(tiny_model_dir):
+    args = build_parser().parse_args(
+        ["generate", "x", "--model", tiny_model_dir("llama"), "-dp", "3", "--prefill-replicas", "1"]
+        + ["--num-threads", "3", "--prefill-num-threads", "2"]
+    )
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    prefill, decode = config.for_role("prefill"), config.for_role("decode")
+    assert (prefill.num_threads, decode.num_threads, config.for_role("both").num_threads) == (2, 3, 3)
+    # Only the threads differ: the K/V transport moves requests between equal layouts.
+    assert prefill.parallel_config is config.parallel_config and decode is config
+
+
 # ---- where roles show ------------------------------------------------------------------------
 
 

@@ -76,6 +76,8 @@ NON_DEFAULT = {
     "num_scheduler_steps": (["--num-scheduler-steps", "3"], 3),
     "device": (["--device", "cpu"], "cpu"),
     "num_threads": (["--num-threads", "1"], 1),
+    "prefill_num_threads": (["--prefill-num-threads", "2"], 2),
+    "decode_num_threads": (["--decode-num-threads", "3"], 3),
     "cpu_bind": (["--cpu-bind", "all"], "all"),
     "max_restarts": (["--max-restarts", "5"], 5),
     "restart_window": (["--restart-window", "100"], 100.0),
