@@ -162,7 +162,8 @@ def _role(model_id="m", threads=None, deployment=None, **engine):
     return config
 
 
-def test_the_two_configs_become_the_roles_of_one_engine():
+def test_the_two_configs_become_the_roles_of_one_engine(tiny_model_dir):
+    from raylm.config import create_engine_config
     from raylm.ray_serve_pd import pd_settings
 
     settings, ingress = pd_settings(
@@ -194,6 +195,12 @@ def test_the_two_configs_become_the_roles_of_one_engine():
     )
     assert (settings["data_parallel_size"], settings["prefill_replicas"], settings["autoscale"]) == (3, 1, "2:6")
     assert settings["autoscale_target_ongoing_requests"] == 4
+    # What the Serve replica's engine resolves them to (the model aside).
+    engine = split_settings({**settings, "model": tiny_model_dir("llama")})[0]
+    engine.pop("usage_context", None)
+    config = create_engine_config(**engine)
+    assert (config.autoscale.setting, config.autoscale.target_ongoing_requests) == ("2:6", 4.0)
+    assert (config.parallel_config.data_parallel_size, config.parallel_config.prefill_replicas) == (3, 1)
 
 
 @pytest.mark.parametrize(
