@@ -40,7 +40,9 @@ class RoleAutoscalePolicy:
 
     def __init__(self, config: AutoscaleConfig):
         self.config = config
-        per_role = dataclasses.replace(config, min_replicas=1, max_replicas=max(1, config.max_replicas - 1))
+        # A pool may ask for MAX - 1 (the other keeps one); at least 2, which
+        # AutoscaleConfig needs (with MAX 2, `_within` holds the pools at 1 + 1).
+        per_role = dataclasses.replace(config, min_replicas=1, max_replicas=max(2, config.max_replicas - 1))
         self.prefill = AutoscalePolicy(per_role)
         self.decode = AutoscalePolicy(per_role)
 

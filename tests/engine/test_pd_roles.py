@@ -399,6 +399,9 @@ def test_each_pool_scales_with_its_own_load():
     assert decide(_states([{}], [{}]), 5.0) is None  # MIN 2: nothing to shed
     # A larger prefill pool is set after the scale, a smaller one before it.
     assert scale_steps(1, 2) == ("scale", "roles") and scale_steps(2, 1) == ("roles", "scale")
+    # --autoscale 2:2 (what two Serve configs of max_replicas 1 add up to): both pools held at one.
+    config = AutoscaleConfig(2, 2, upscale_delay_s=1)
+    assert decide(_states([{"in_flight": 9, "num_waiting": 1}], [{"in_flight": 9}]), 1.0) is None
 
 
 def test_a_prefill_pool_scaled_out_and_in_on_the_simulated_engine():
