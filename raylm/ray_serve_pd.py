@@ -57,6 +57,8 @@ SET_BY_THE_APP = (
     "decode_num_threads",
     "data_parallel_backend",
     "autoscale",
+    "autoscale_prefill",
+    "autoscale_decode",
     *(name for name in AUTOSCALING_KEYS.values() if name),
 )
 # The one engine setting each role may have its own of: the threads per worker.
@@ -157,9 +159,9 @@ def _model(prefill: dict, decode: dict) -> dict[str, Any]:
 def _replicas(prefill: dict, decode: dict) -> dict[str, Any]:
     """Each role's replicas (num_replicas, or autoscaling_config's start) as
     -dp P+D --prefill-replicas P; with autoscaling, raylm's per-role
-    autoscaler within the sum of the roles' bounds (it keeps each pool at
-    one replica at least and scales each on its own load, with one target
-    and one pair of delays for both)."""
+    autoscaler, each pool within its config's bounds (--autoscale-prefill,
+    --autoscale-decode) and both within their sum (--autoscale), each scaled
+    on its own load with one target and one pair of delays for both."""
     counts, bounds, tuning = {}, {}, {}
     for role, config in (("prefill", prefill), ("decode", decode)):
         deployment = dict(config.get("deployment_config") or {})
@@ -210,5 +212,7 @@ def _replicas(prefill: dict, decode: dict) -> dict[str, Any]:
         low = bounds["prefill"][0] + bounds["decode"][0]
         high = bounds["prefill"][1] + bounds["decode"][1]
         settings["autoscale"] = f"{low}:{high}"
+        for role in ("prefill", "decode"):
+            settings[f"autoscale_{role}"] = "{}:{}".format(*bounds[role])
         settings.update(tuning["prefill"])
     return settings

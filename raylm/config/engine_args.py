@@ -369,6 +369,16 @@ class EngineArgs:
     autoscale_downscale_delay: float = _autoscale(
         600.0, "how long the load must call for fewer replicas before some leave", metavar="SECONDS"
     )
+    autoscale_prefill: str | None = _autoscale(
+        None,
+        "with --autoscale and --prefill-replicas: the prefill pool's own bounds (default: 1 to MAX - 1)",
+        metavar="MIN:MAX",
+    )
+    autoscale_decode: str | None = _autoscale(
+        None,
+        "with --autoscale and --prefill-replicas: the decode pool's own bounds (default: 1 to MAX - 1)",
+        metavar="MIN:MAX",
+    )
     engine_start_timeout: float = _faults(
         600.0,
         "an engine core (or a worker's start-up call) not ready by then is taken for hung: killed, and "

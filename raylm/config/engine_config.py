@@ -324,15 +324,24 @@ class AutoscaleConfig:
     target_ongoing_requests: float = 2.0
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 600.0
+    # With P/D roles: each pool's own (MIN, MAX) within the total's; None:
+    # 1 to MAX - 1 (raylm.engine.role_autoscaler).
+    prefill_range: tuple[int, int] | None = None
+    decode_range: tuple[int, int] | None = None
 
     @classmethod
-    def from_setting(cls, autoscale: str, target_ongoing_requests, upscale_delay, downscale_delay) -> AutoscaleConfig:
+    def from_setting(
+        cls, autoscale: str, target_ongoing_requests, upscale_delay, downscale_delay, prefill=None, decode=None
+    ) -> AutoscaleConfig:
         """--autoscale MIN:MAX and its settings (EngineArgs' autoscale_*)."""
-        try:
-            low, high = (int(part) for part in str(autoscale).split(":"))
-        except ValueError:
-            raise ValueError(f"autoscale must be MIN:MAX (two integers), got {autoscale!r}") from None
-        return cls(low, high, target_ongoing_requests, upscale_delay, downscale_delay)
+        ranges = [_min_max(name, text) for name, text in (("autoscale_prefill", prefill), ("autoscale_decode", decode))]
+        low, high = _min_max("autoscale", autoscale)
+        return cls(low, high, target_ongoing_requests, upscale_delay, downscale_delay, *ranges)
+
+    def role_range(self, role: str) -> tuple[int, int]:
+        """The (MIN, MAX) of the `role` pool ("prefill" or "decode")."""
+        given = self.prefill_range if role == "prefill" else self.decode_range
+        return given or (1, max(1, self.max_replicas - 1))
 
     @property
     def setting(self) -> str:
@@ -355,6 +364,42 @@ class AutoscaleConfig:
         self.target_ongoing_requests = float(self.target_ongoing_requests)
         self.upscale_delay_s = float(self.upscale_delay_s)
         self.downscale_delay_s = float(self.downscale_delay_s)
+        for role in ("prefill", "decode"):
+            given = getattr(self, f"{role}_range")
+            if given is not None and not 1 <= given[0] <= given[1] < self.max_replicas:
+                raise ValueError(
+                    f"autoscale_{role}: need 1 <= MIN <= MAX < autoscale's MAX ({self.max_replicas}), got {given}"
+                )
+        (p_low, p_high), (d_low, d_high) = self.role_range("prefill"), self.role_range("decode")
+        if p_low + d_low > self.max_replicas or p_high + d_high < self.min_replicas:
+            raise ValueError(
+                f"autoscale_prefill and autoscale_decode ({p_low}:{p_high}, {d_low}:{d_high}) do not fit "
+                f"within autoscale {self.setting}"
+            )
+
+    def check_roles(self, data_parallel_size: int, prefill_replicas: int) -> None:
+        """ValueError unless the starting pools are within their bounds
+        (and pool bounds come with P/D roles)."""
+        if not prefill_replicas:
+            for role in ("prefill", "decode"):
+                if getattr(self, f"{role}_range") is not None:
+                    raise ValueError(f"autoscale_{role} needs prefill_replicas (prefill/decode roles)")
+            return
+        for role, count in (("prefill", prefill_replicas), ("decode", data_parallel_size - prefill_replicas)):
+            low, high = self.role_range(role)
+            if not low <= count <= high:
+                raise ValueError(f"autoscale_{role}: the {role} pool starts with {count}, outside {low}:{high}")
+
+
+def _min_max(name: str, text: str | None) -> tuple[int, int] | None:
+    """ "MIN:MAX" -> (MIN, MAX); None for None; ValueError naming `name`."""
+    if text is None:
+        return None
+    try:
+        low, high = (int(part) for part in str(text).split(":"))
+    except ValueError:
+        raise ValueError(f"{name} must be MIN:MAX (two integers), got {text!r}") from None
+    return low, high
 
 
 @dataclass
@@ -394,6 +439,8 @@ class EngineConfig:
         autoscale = self.autoscale
         if autoscale is not None and not autoscale.min_replicas <= pc.data_parallel_size <= autoscale.max_replicas:
             raise ValueError(f"data_parallel_size {pc.data_parallel_size} is outside autoscale {autoscale.setting}")
+        if autoscale is not None:
+            autoscale.check_roles(pc.data_parallel_size, pc.prefill_replicas)
         if self.lora_config is not None and pc.context_parallel_size > 1:
             # A CP rank computes a share of a chunk's rows; the adapters' row
             # mask is laid out for whole steps.

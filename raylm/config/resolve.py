@@ -126,12 +126,17 @@ def _resolve_lora(args: Any) -> LoRAConfig | None:
 def _resolve_autoscale(args: Any) -> AutoscaleConfig | None:
     """--autoscale MIN:MAX and its settings; None without it."""
     if args.autoscale is None:
+        for name in ("autoscale_prefill", "autoscale_decode"):
+            if getattr(args, name) is not None:
+                raise ValueError(f"{name} needs autoscale (MIN:MAX for both pools)")
         return None
     return AutoscaleConfig.from_setting(
         args.autoscale,
         args.autoscale_target_ongoing_requests,
         args.autoscale_upscale_delay,
         args.autoscale_downscale_delay,
+        prefill=args.autoscale_prefill,
+        decode=args.autoscale_decode,
     )
 
 

@@ -77,6 +77,8 @@ NON_DEFAULT = {
     "device": (["--device", "cpu"], "cpu"),
     "num_threads": (["--num-threads", "1"], 1),
     "prefill_num_threads": (["--prefill-num-threads", "2"], 2),
+    "autoscale_prefill": (["--autoscale-prefill", "1:2"], "1:2"),
+    "autoscale_decode": (["--autoscale-decode", "2:3"], "2:3"),
     "decode_num_threads": (["--decode-num-threads", "3"], 3),
     "cpu_bind": (["--cpu-bind", "all"], "all"),
     "max_restarts": (["--max-restarts", "5"], 5),

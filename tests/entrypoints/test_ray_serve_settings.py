@@ -195,11 +195,13 @@ def test_the_two_configs_become_the_roles_of_one_engine(tiny_model_dir):
     )
     assert (settings["data_parallel_size"], settings["prefill_replicas"], settings["autoscale"]) == (3, 1, "2:6")
     assert settings["autoscale_target_ongoing_requests"] == 4
+    assert (settings["autoscale_prefill"], settings["autoscale_decode"]) == ("1:3", "1:3")
     # What the Serve replica's engine resolves them to (the model aside).
     engine = split_settings({**settings, "model": tiny_model_dir("llama")})[0]
     engine.pop("usage_context", None)
     config = create_engine_config(**engine)
     assert (config.autoscale.setting, config.autoscale.target_ongoing_requests) == ("2:6", 4.0)
+    assert config.autoscale.role_range("prefill") == config.autoscale.role_range("decode") == (1, 3)
     assert (config.parallel_config.data_parallel_size, config.parallel_config.prefill_replicas) == (3, 1)
 
 
