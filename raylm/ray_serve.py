@@ -64,6 +64,7 @@ DEPLOYMENT_OPTIONS = (
 # (5) would serialise an LLM's requests behind each other.
 DEFAULT_MAX_ONGOING_REQUESTS = 256
 DEFAULT_DEPLOYMENT_NAME = "raylm"
+DEFAULT_PD_DEPLOYMENT_NAME = "raylm-pd"
 # The oldest Ray whose Serve runs raylm's replicas as tested (README,
 # "Supported versions"; raylm's Ray floor is the same). On 2.40 a TP=2
 # replica's rank actors were never scheduled on the bundles Serve reserved.
@@ -454,6 +455,31 @@ def build_openai_app(engine_args: dict[str, Any] | None = None, deployment_confi
     engine, options = plan_replica(engine)
     options.update(deployment_config or {})
     options.setdefault("name", DEFAULT_DEPLOYMENT_NAME)
+    return serve.deployment(RaylmServer).options(**options).bind(engine, server)
+
+
+def build_pd_openai_app(pd_serving_args: dict[str, Any]):
+    """Ray Serve LLM's P/D application shape: `prefill_config` and
+    `decode_config` (each an LLM config: model_loading_config, engine_kwargs
+    of `raylm serve`'s settings, deployment_config with num_replicas or
+    autoscaling_config) and `ingress_deployment_config`. One Serve replica
+    runs one raylm engine whose prefill and decode roles are the two
+    configs' replicas, on Ray actors of their own (raylm/ray_serve_pd.py
+    says why one deployment, and what is refused)."""
+    from raylm.ray_serve_pd import pd_settings
+
+    check_serve_ray_version()
+    settings, ingress = pd_settings(pd_serving_args)
+    engine, server = split_settings(settings)
+    engine["device"] = _device(engine)
+    # The replica runs the supervisor (the ledger, HTTP, detokenizing); each
+    # role's replicas reserve their own CPUs (or GPUs) in groups of their own.
+    options: dict[str, Any] = {
+        "max_ongoing_requests": DEFAULT_MAX_ONGOING_REQUESTS,
+        "ray_actor_options": {"num_cpus": 1},
+    }
+    options.update(ingress)
+    options.setdefault("name", DEFAULT_PD_DEPLOYMENT_NAME)
     return serve.deployment(RaylmServer).options(**options).bind(engine, server)
 
 

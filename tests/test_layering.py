@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Test support (tiny models, the Hugging Face oracle): may use anything;
     # the engine never imports it.
     ("testing", ("raylm.testing",)),
-    ("entrypoints", ("raylm.entrypoints", "raylm.ray_serve")),
+    ("entrypoints", ("raylm.entrypoints", "raylm.ray_serve", "raylm.ray_serve_pd")),
     # `from raylm import LLM, SamplingParams`: the offline facade that the CLI
     # and the server import too.
     ("facade", ("raylm",)),

@@ -326,6 +326,17 @@ class EngineArgs:
         "loop on small machines)",
         metavar="N",
     )
+    prefill_num_threads: int | None = _device(
+        None,
+        "with --prefill-replicas: torch threads per worker of the prefill replicas (their ranks' layout stays "
+        "the decode replicas'); default: --num-threads",
+        metavar="N",
+    )
+    decode_num_threads: int | None = _device(
+        None,
+        "with --prefill-replicas: torch threads per worker of the decode replicas; default: --num-threads",
+        metavar="N",
+    )
     cpu_bind: str | None = _device(
         None,
         "CPU cores of each rank on a node: 'auto' (default; pins when a node runs several ranks), 'all' "
@@ -357,6 +368,16 @@ class EngineArgs:
     )
     autoscale_downscale_delay: float = _autoscale(
         600.0, "how long the load must call for fewer replicas before some leave", metavar="SECONDS"
+    )
+    autoscale_prefill: str | None = _autoscale(
+        None,
+        "with --autoscale and --prefill-replicas: the prefill pool's own bounds (default: 1 to MAX - 1)",
+        metavar="MIN:MAX",
+    )
+    autoscale_decode: str | None = _autoscale(
+        None,
+        "with --autoscale and --prefill-replicas: the decode pool's own bounds (default: 1 to MAX - 1)",
+        metavar="MIN:MAX",
     )
     engine_start_timeout: float = _faults(
         600.0,

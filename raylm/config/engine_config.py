@@ -9,6 +9,7 @@ folder, the device and who runs the engine, is resolve.py's."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -323,15 +324,24 @@ class AutoscaleConfig:
     target_ongoing_requests: float = 2.0
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 600.0
+    # With P/D roles: each pool's own (MIN, MAX) within the total's; None:
+    # 1 to MAX - 1 (raylm.engine.role_autoscaler).
+    prefill_range: tuple[int, int] | None = None
+    decode_range: tuple[int, int] | None = None
 
     @classmethod
-    def from_setting(cls, autoscale: str, target_ongoing_requests, upscale_delay, downscale_delay) -> AutoscaleConfig:
+    def from_setting(
+        cls, autoscale: str, target_ongoing_requests, upscale_delay, downscale_delay, prefill=None, decode=None
+    ) -> AutoscaleConfig:
         """--autoscale MIN:MAX and its settings (EngineArgs' autoscale_*)."""
-        try:
-            low, high = (int(part) for part in str(autoscale).split(":"))
-        except ValueError:
-            raise ValueError(f"autoscale must be MIN:MAX (two integers), got {autoscale!r}") from None
-        return cls(low, high, target_ongoing_requests, upscale_delay, downscale_delay)
+        ranges = [_min_max(name, text) for name, text in (("autoscale_prefill", prefill), ("autoscale_decode", decode))]
+        low, high = _min_max("autoscale", autoscale)
+        return cls(low, high, target_ongoing_requests, upscale_delay, downscale_delay, *ranges)
+
+    def role_range(self, role: str) -> tuple[int, int]:
+        """The (MIN, MAX) of the `role` pool ("prefill" or "decode")."""
+        given = self.prefill_range if role == "prefill" else self.decode_range
+        return given or (1, max(1, self.max_replicas - 1))
 
     @property
     def setting(self) -> str:
@@ -354,6 +364,42 @@ class AutoscaleConfig:
         self.target_ongoing_requests = float(self.target_ongoing_requests)
         self.upscale_delay_s = float(self.upscale_delay_s)
         self.downscale_delay_s = float(self.downscale_delay_s)
+        for role in ("prefill", "decode"):
+            given = getattr(self, f"{role}_range")
+            if given is not None and not 1 <= given[0] <= given[1] < self.max_replicas:
+                raise ValueError(
+                    f"autoscale_{role}: need 1 <= MIN <= MAX < autoscale's MAX ({self.max_replicas}), got {given}"
+                )
+        (p_low, p_high), (d_low, d_high) = self.role_range("prefill"), self.role_range("decode")
+        if p_low + d_low > self.max_replicas or p_high + d_high < self.min_replicas:
+            raise ValueError(
+                f"autoscale_prefill and autoscale_decode ({p_low}:{p_high}, {d_low}:{d_high}) do not fit "
+                f"within autoscale {self.setting}"
+            )
+
+    def check_roles(self, data_parallel_size: int, prefill_replicas: int) -> None:
+        """ValueError unless the starting pools are within their bounds
+        (and pool bounds come with P/D roles)."""
+        if not prefill_replicas:
+            for role in ("prefill", "decode"):
+                if getattr(self, f"{role}_range") is not None:
+                    raise ValueError(f"autoscale_{role} needs prefill_replicas (prefill/decode roles)")
+            return
+        for role, count in (("prefill", prefill_replicas), ("decode", data_parallel_size - prefill_replicas)):
+            low, high = self.role_range(role)
+            if not low <= count <= high:
+                raise ValueError(f"autoscale_{role}: the {role} pool starts with {count}, outside {low}:{high}")
+
+
+def _min_max(name: str, text: str | None) -> tuple[int, int] | None:
+    """ "MIN:MAX" -> (MIN, MAX); None for None; ValueError naming `name`."""
+    if text is None:
+        return None
+    try:
+        low, high = (int(part) for part in str(text).split(":"))
+    except ValueError:
+        raise ValueError(f"{name} must be MIN:MAX (two integers), got {text!r}") from None
+    return low, high
 
 
 @dataclass
@@ -367,6 +413,10 @@ class EngineConfig:
     # (raylm.worker.cpu_placement), which cpu_bind ("auto", "all", "0-3|4-7")
     # can override with one CPU group per rank of a node.
     num_threads: int | None = None
+    # P/D (parallel_config.prefill_replicas): each role's own threads per
+    # worker, in place of num_threads on that role's replicas (None: num_threads).
+    prefill_num_threads: int | None = None
+    decode_num_threads: int | None = None
     cpu_bind: str = "auto"
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     autoscale: AutoscaleConfig | None = None
@@ -389,11 +439,41 @@ class EngineConfig:
         autoscale = self.autoscale
         if autoscale is not None and not autoscale.min_replicas <= pc.data_parallel_size <= autoscale.max_replicas:
             raise ValueError(f"data_parallel_size {pc.data_parallel_size} is outside autoscale {autoscale.setting}")
+        if autoscale is not None:
+            autoscale.check_roles(pc.data_parallel_size, pc.prefill_replicas)
         if self.lora_config is not None and pc.context_parallel_size > 1:
             # A CP rank computes a share of a chunk's rows; the adapters' row
             # mask is laid out for whole steps.
             raise ValueError("enable_lora cannot be combined yet with context_parallel_size > 1")
         self.cpu_bind = self._checked_cpu_bind()
+        self._check_role_threads()
+
+    def _check_role_threads(self) -> None:
+        """Per-role threads: positive, and only where there are roles."""
+        for name in ("prefill_num_threads", "decode_num_threads"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not _is_positive_int(value):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            if not self.parallel_config.prefill_replicas:
+                raise ValueError(f"{name} needs prefill_replicas (prefill/decode roles)")
+
+    def threads_of_role(self, role: str) -> int | None:
+        """Torch threads per worker on a replica of `role` ("prefill",
+        "decode" or "both"; see replica_role)."""
+        own = {"prefill": self.prefill_num_threads, "decode": self.decode_num_threads}.get(role)
+        return own if own is not None else self.num_threads
+
+    def for_role(self, role: str) -> EngineConfig:
+        """This config as one replica of `role` runs it: its role's threads
+        as num_threads (the executor and the CPU plan read only that). The
+        TP/PP layout is the same for every role: the K/V transport moves a
+        request between equal layouts only."""
+        threads = self.threads_of_role(role)
+        if threads == self.num_threads:
+            return self
+        return dataclasses.replace(self, num_threads=threads)
 
     def _checked_cpu_bind(self) -> str:
         num_threads, cpu_bind = self.num_threads, self.cpu_bind

@@ -93,6 +93,8 @@ def resolve_engine_config(args: Any, usage_context: str = "llm") -> EngineConfig
         parallel_config=parallel_config,
         device=device,
         num_threads=args.num_threads,
+        prefill_num_threads=args.prefill_num_threads,
+        decode_num_threads=args.decode_num_threads,
         # Unset: vLLM's VLLM_CPU_OMP_THREADS_BIND (what its users already set), then "auto".
         cpu_bind=args.cpu_bind if args.cpu_bind is not None else os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "auto",
         fault_tolerance=FaultToleranceConfig(
@@ -135,12 +137,17 @@ def _resolve_lora(args: Any) -> LoRAConfig | None:
 def _resolve_autoscale(args: Any) -> AutoscaleConfig | None:
     """--autoscale MIN:MAX and its settings; None without it."""
     if args.autoscale is None:
+        for name in ("autoscale_prefill", "autoscale_decode"):
+            if getattr(args, name) is not None:
+                raise ValueError(f"{name} needs autoscale (MIN:MAX for both pools)")
         return None
     return AutoscaleConfig.from_setting(
         args.autoscale,
         args.autoscale_target_ongoing_requests,
         args.autoscale_upscale_delay,
         args.autoscale_downscale_delay,
+        prefill=args.autoscale_prefill,
+        decode=args.autoscale_decode,
     )
 
 

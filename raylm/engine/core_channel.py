@@ -14,10 +14,12 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
 
+from raylm.config import EngineConfig
 from raylm.engine.protocol import EngineCoreOutputs, RecoveryKind, SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -105,6 +107,16 @@ class CoreLauncher(ABC):
     recovery_kind: RecoveryKind
     # Whether the number of cores may change at run time.
     can_scale: bool = False
+    # P/D: core `index`'s role now (the supervisor's Handoffs.role_of, which
+    # follows a role autoscaler's changes); None: the config's own roles.
+    role_of: Callable[[int], str] | None = None
+
+    def core_config(self, config: EngineConfig, index: int) -> EngineConfig:
+        """The config core `index` starts with: its role's threads per
+        worker (EngineConfig.for_role). A core keeps what it started with
+        when its role changes later; its next start takes the new role's."""
+        role = self.role_of(index) if self.role_of is not None else config.parallel_config.role_of(index)
+        return config.for_role(role)
 
     @abstractmethod
     def bind_output(self, ctx: zmq.Context) -> zmq.Socket:

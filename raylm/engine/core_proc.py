@@ -230,6 +230,7 @@ class EngineCoreProc:
     def _stats(self) -> SchedulerStats:
         return SchedulerStats(
             **self.core.stats(),
+            worker_threads=self.core.worker_threads,
             unhealthy=self.core.unhealthy_reason,
             engine_index=self.engine_index,
             core_start=self.core_start,

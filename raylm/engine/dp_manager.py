@@ -211,23 +211,27 @@ class CoreEngineActorManager:
                 existing[handle.node_id] = existing.get(handle.node_id, 0) + 1
         return replica_target_nodes(self.config, num_replicas, existing)
 
-    def start_replica(self, index: int, channel: ReplicaChannel, target_node: str | None = None) -> ReplicaHandle:
-        """Place, build and start replica `index`; blocks until it serves.
-        On failure nothing of it is left and the error says why."""
+    def start_replica(
+        self, index: int, channel: ReplicaChannel, target_node: str | None = None, config: EngineConfig | None = None
+    ) -> ReplicaHandle:
+        """Place, build and start replica `index` (with `config`, its role's
+        threads: CoreLauncher.core_config; default the engine's); blocks
+        until it serves. On failure nothing of it is left and the error says why."""
         ray = self._ray
         from ray.util.placement_group import remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        bundles, engine_cpus, rank_bundles = replica_bundles(self.config)
-        pg = place_replica(index, bundles, self.config.parallel_config.data_parallel_placement, target_node)
-        replica_config = copy.deepcopy(self.config)
+        config = config or self.config
+        bundles, engine_cpus, rank_bundles = replica_bundles(config)
+        pg = place_replica(index, bundles, config.parallel_config.data_parallel_placement, target_node)
+        replica_config = copy.deepcopy(config)
         rpc = replica_config.parallel_config
         rpc.data_parallel_size = 1
         rpc.placement_group = pg
         rpc.placement_group_bundles = rank_bundles
         # The executor sizes its ranks' bundles from num_threads: it must ask
         # for exactly what the replica reserved for them.
-        replica_config.num_threads = self.config.num_threads or 1
+        replica_config.num_threads = config.num_threads or 1
         actor = None
         # A replica stuck starting is given up (killed) at the engine's start deadline.
         start_timeout = self.config.fault_tolerance.engine_start_timeout_s

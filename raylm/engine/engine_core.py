@@ -156,6 +156,7 @@ class EngineCore:
             )
         cc.num_blocks = int(num_blocks)
         self.executor.initialize_from_config(KVCacheConfig(num_blocks=cc.num_blocks, block_size=cc.block_size))
+        self.worker_threads = max(self.executor.collective_rpc("torch_threads"))  # (each new executor's)
         logger.info(
             "KV cache: %d blocks x %d tokens (per rank: %d blocks, %d tokens, %.1f MiB)",
             cc.num_blocks,

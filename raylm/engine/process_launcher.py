@@ -95,7 +95,7 @@ class ProcessCoreLauncher(CoreLauncher):
             target=run_engine_core,
             name=f"RaylmEngineCore-{channel.index}",
             args=(
-                self.config,
+                self.core_config(self.config, channel.index),
                 channel.address,
                 self.output_address,
                 ready_send,

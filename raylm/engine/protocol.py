@@ -46,6 +46,9 @@ class SchedulerStats(msgspec.Struct):
     kv_capacity_tokens_per_rank: int = 0  # of which each rank holds (a CP group shares a sequence out)
     # Seconds a prompt token takes here (raylm.core.prefill_pace; 0: not measured yet).
     prefill_seconds_per_token: float = 0.0
+    # Torch threads per rank, as the ranks read them once the executor was
+    # built (the most of any rank; 0: unknown): a P/D role's own count shows here.
+    worker_threads: int = 0
     # Speculative decoding (raylm.core.spec_decode), totals since the core started.
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0

@@ -149,7 +149,9 @@ class RayReplicaLauncher(CoreLauncher):
             self.curve.keys.public,
             self._running_alone(channel.index).key.decode(),
         )
-        handle = self.manager.start_replica(channel.index, replica, target)
+        handle = self.manager.start_replica(
+            channel.index, replica, target, config=self.core_config(self.manager.config, channel.index)
+        )
         channel.node_ip = handle.node_ip
         self._node_ips[channel.index] = handle.node_ip
 

@@ -42,9 +42,19 @@ class RoleAutoscalePolicy:
 
     def __init__(self, config: AutoscaleConfig):
         self.config = config
-        per_role = dataclasses.replace(config, min_replicas=1, max_replicas=max(1, config.max_replicas - 1))
-        self.prefill = AutoscalePolicy(per_role)
-        self.decode = AutoscalePolicy(per_role)
+        # Each pool within its own bounds (config.role_range: 1 to MAX - 1
+        # unless --autoscale-prefill/--autoscale-decode say). A policy's MAX is
+        # at least 2, which AutoscaleConfig needs: `_within` holds a pool to
+        # its real bounds.
+        self.ranges = {role: config.role_range(role) for role in ("prefill", "decode")}
+        self.prefill, self.decode = (
+            AutoscalePolicy(
+                dataclasses.replace(
+                    config, min_replicas=low, max_replicas=max(2, high), prefill_range=None, decode_range=None
+                )
+            )
+            for low, high in self.ranges.values()
+        )
 
     def decide(self, replicas: list[dict], now: float) -> RoleDecision | None:
         """A new (total, prefill) once either pool's load asked for a change
@@ -65,7 +75,9 @@ class RoleAutoscalePolicy:
             return None
         p = p_decision.num_replicas if p_decision else len(prefill)
         d = d_decision.num_replicas if d_decision else len(decode)
-        p, d = _within(p, d, len(prefill), len(decode), max(self.config.min_replicas, 2), self.config.max_replicas)
+        p, d = _within(
+            p, d, len(prefill), len(decode), max(self.config.min_replicas, 2), self.config.max_replicas, self.ranges
+        )
         if (p, d) == (len(prefill), len(decode)):
             return None
         why = "; ".join(
@@ -93,17 +105,24 @@ def _with_held(prefill: list[dict]) -> list[dict]:
     ]
 
 
-def _within(p: int, d: int, p0: int, d0: int, low: int, high: int) -> tuple[int, int]:
-    """The pools' asks (p, d; now p0, d0) within LOW..HIGH replicas in all:
-    past HIGH, the larger growth is cut first (the decode pool's on a tie),
-    never a pool below what it has and asked to keep; below LOW, decode
-    replicas are added."""
+def _within(p: int, d: int, p0: int, d0: int, low: int, high: int, ranges: dict) -> tuple[int, int]:
+    """The pools' asks (p, d; now p0, d0) within each pool's own range and
+    LOW..HIGH replicas in all: past HIGH, the larger growth is cut first (the
+    decode pool's on a tie), never a pool below what it has and asked to
+    keep; below LOW, decode replicas are added (then prefill ones, past the
+    decode pool's MAX)."""
+    (p_low, p_high), (d_low, d_high) = ranges["prefill"], ranges["decode"]
+    p, d = min(max(p, p_low), p_high), min(max(d, d_low), d_high)
     while p + d > high:  # (ends: with no growth left the sum is at most p0 + d0 <= high)
-        if d - d0 >= p - p0 and d > d0:
+        if d - d0 >= p - p0 and d > max(d0, d_low):
             d -= 1
-        else:
+        elif p > p_low:
             p -= 1
-    return p, d + max(0, low - p - d)
+        else:
+            d -= 1
+    short = max(0, low - p - d)
+    added = min(short, d_high - d)
+    return p + min(short - added, p_high - p), d + added
 
 
 def scale_steps(current_prefill: int, prefill_replicas: int) -> tuple[str, ...]:

@@ -302,6 +302,8 @@ class Scaling:
                     "kv_cache_usage": stats.kv_cache_usage if stats else 0.0,
                     "num_routed": channel.num_routed,
                     "prefix_cache_hit_rate": stats.prefix_cache_hit_rate if stats else 0.0,
+                    # Torch threads per worker (0 until the core's first message).
+                    "threads": stats.worker_threads if stats else 0,
                 }
             )
         return states

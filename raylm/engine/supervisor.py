@@ -153,6 +153,8 @@ class EngineCoreSupervisor:
         self.router.tier_loads = self.tier_loads
         self.handoffs = Handoffs(config, self.ledger, self.migrations, self.kv_routes, policy)
         self.router.candidates = self.handoffs.route_candidates
+        # A core starts with its role's threads per worker, the role as it is then.
+        self.launcher.role_of = self.handoffs.role_of
         self.scaling = Scaling(
             self.ledger,
             self.launcher,

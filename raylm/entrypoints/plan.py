@@ -216,8 +216,11 @@ def _plan_replicas(config: EngineConfig, plan_base: dict) -> Plan:
     pc = config.parallel_config
     size = pc.data_parallel_size
     mode = pc.data_parallel_placement
+    # Each replica as it starts: its P/D role's threads size its bundles.
+    configs = [config.for_role(pc.role_of(i)) for i in range(size)]
+    bundles_of = [ray_placement.replica_bundles(c)[0] for c in configs]
     bundles, _, rank_bundles = ray_placement.replica_bundles(config)
-    need = sum(b.get("CPU", 0) for b in bundles)
+    need = max(sum(b.get("CPU", 0) for b in each) for each in bundles_of)
     connect_ray(pc, num_cpus_hint=ray_placement.replica_num_cpus_hint(config))  # as the run's manager does
     groups = []
     nodes = None
@@ -225,6 +228,11 @@ def _plan_replicas(config: EngineConfig, plan_base: dict) -> Plan:
         driver_node = ray.get_runtime_context().get_node_id()
         nodes = cluster_nodes(driver_node)
         request = dict(plan_base, replica_bundles=bundles, replica_cpus=need)
+        if config.prefill_num_threads is not None or config.decode_num_threads is not None:
+            request["role_threads"] = {role: config.threads_of_role(role) for role in ("prefill", "decode")}
+            request["role_bundles"] = {
+                role: ray_placement.replica_bundles(config.for_role(role))[0] for role in ("prefill", "decode")
+            }
         plan = Plan(False, gcs_address(), driver_node, nodes, request)
         capacity = sorted(
             ((n.node_id, n.total.get("CPU", 0.0)) for n in nodes), key=lambda item: (item[0] != driver_node, item[0])
@@ -232,8 +240,8 @@ def _plan_replicas(config: EngineConfig, plan_base: dict) -> Plan:
         never = [i for i, t in enumerate(ray_placement.choose_nodes(size, need, mode, capacity)) if t is None]
         # As CoreEngineActorManager places new replicas (none runs yet).
         targets = ray_placement.replica_target_nodes(config, size, {})
-        for target in targets:
-            groups.append(ray_placement.replica_placement_group(bundles, mode, target))
+        for index, target in enumerate(targets):
+            groups.append(ray_placement.replica_placement_group(bundles_of[index], mode, target))
         timeout = min(pc.ray_placement_timeout, _INFEASIBLE_WAIT_S) if never else pc.ray_placement_timeout
         ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=timeout)
         placed = {}
@@ -275,7 +283,9 @@ def _plan_replicas(config: EngineConfig, plan_base: dict) -> Plan:
             )
             for r in range(pc.world_size)
         ]
-        plan.replicas.append(replica_placement(index, node, ip_of.get(node, "?"), ranks, pc))
+        plan.replicas.append(
+            replica_placement(index, node, ip_of.get(node, "?"), ranks, pc, configs[index].num_threads)
+        )
     if config.device == "cuda":
         plan.warnings.append(
             "data-parallel replicas reserve CPU bundles only (ray_placement.replica_bundles): "

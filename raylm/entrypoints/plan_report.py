@@ -44,6 +44,9 @@ class ReplicaPlacement:
     cp_groups: list[GroupPlacement] = field(default_factory=list)
     # Its P/D role (raylm.config.replica_role): prefill, decode, or both.
     role: str = "both"
+    # Torch threads per worker it starts with (its role's, EngineConfig.for_role);
+    # None: planned by each worker from the cores it finds.
+    threads: int | None = None
 
 
 @dataclass
@@ -68,7 +71,9 @@ def rank_placement(
     return RankPlacement(rank, tp_rank, pp_rank, node_id, ip, device, local_rank, gpu_ids or [], cp_rank)
 
 
-def replica_placement(index, node_id, node_ip, ranks: list[RankPlacement], pc) -> ReplicaPlacement:
+def replica_placement(
+    index, node_id, node_ip, ranks: list[RankPlacement], pc, threads: int | None = None
+) -> ReplicaPlacement:
     tp, pp, cp = pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.context_parallel_size
 
     def group(members: list[int]) -> GroupPlacement:
@@ -84,6 +89,7 @@ def replica_placement(index, node_id, node_ip, ranks: list[RankPlacement], pc) -
         [group(g) for g in pp_group_ranks(tp, pp, cp)],
         [group(g) for g in cp_group_ranks(tp, pp, cp)],
         pc.role_of(index),
+        threads,
     )
 
 
@@ -112,10 +118,14 @@ def format_plan(plan: Plan) -> str:
     if req.get("context_parallel_size", 1) > 1:
         layout += f" x CP={req['context_parallel_size']}"
     if req["data_parallel_size"] > 1:
+        per_role = req.get("role_bundles") or {"": req["replica_bundles"]}
+        each = "; ".join(
+            f"each {role + ' ' if role else ''}replica: {' + '.join(describe_resources(b) for b in bundles)}"
+            for role, bundles in per_role.items()
+        )
         lines.append(
             f"Request: {req['data_parallel_size']} data-parallel replicas ({req['data_parallel_placement']}) "
-            f"of {layout}, executor {req['executor_backend']}, device {req['device']}; each replica: "
-            f"{' + '.join(describe_resources(b) for b in req['replica_bundles'])} on one node"
+            f"of {layout}, executor {req['executor_backend']}, device {req['device']}; {each} on one node"
         )
         if req.get("prefill_replicas"):
             p, n = req["prefill_replicas"], req["data_parallel_size"]
@@ -123,6 +133,12 @@ def format_plan(plan: Plan) -> str:
                 f"Roles (--prefill-replicas {p}): replica(s) {format_ranks(list(range(p)))} prefill, "
                 f"{format_ranks(list(range(p, n)))} decode (added ones decode)"
             )
+            threads = req.get("role_threads") or {}
+            if threads:
+                lines.append(
+                    "Threads per worker: "
+                    + ", ".join(f"{role} {threads[role] or 'planned'}" for role in ("prefill", "decode"))
+                )
     else:
         lines.append(
             f"Request: {layout} = {req['bundles']} Ray workers, {describe_resources(req['bundle'])} each, "
@@ -133,9 +149,11 @@ def format_plan(plan: Plan) -> str:
         dp = req["data_parallel_size"] > 1
         with_cp = req.get("context_parallel_size", 1) > 1
         with_roles = dp and bool(req.get("prefill_replicas"))
+        with_threads = with_roles and bool(req.get("role_threads"))
         header = (
             (["replica"] if dp else [])
             + (["role"] if with_roles else [])
+            + (["threads"] if with_threads else [])
             + ["rank", "tp", "pp"]
             + (["cp"] if with_cp else [])
             + ["node", "ip", "device", "gpu"]
@@ -146,6 +164,7 @@ def format_plan(plan: Plan) -> str:
                 rows.append(
                     ([str(replica.replica)] if dp else [])
                     + ([replica.role] if with_roles else [])
+                    + ([str(replica.threads or "planned")] if with_threads else [])
                     + [str(r.rank), str(r.tp_rank), str(r.pp_rank)]
                     + ([str(r.cp_rank)] if with_cp else [])
                     + [short.get(r.node_id, r.node_id[:12]), r.node_ip, r.device, ",".join(r.gpu_ids) or "-"]

@@ -317,9 +317,13 @@ def engine_actor_bundles(
 
 
 def replica_num_cpus_hint(config: EngineConfig) -> int:
-    """CPU tokens a local Ray started for the replicas should have."""
-    per_replica = sum(b.get("CPU", 0) for b in replica_bundles(config)[0])
-    return config.parallel_config.data_parallel_size * int(per_replica + 1)
+    """CPU tokens a local Ray started for the replicas should have (each
+    replica with its P/D role's threads, EngineConfig.for_role)."""
+    pc = config.parallel_config
+    return sum(
+        int(sum(b.get("CPU", 0) for b in replica_bundles(config.for_role(pc.role_of(i)))[0]) + 1)
+        for i in range(pc.data_parallel_size)
+    )
 
 
 def choose_nodes(
@@ -362,8 +366,9 @@ def replica_target_nodes(config: EngineConfig, num_replicas: int, existing: dict
     import ray
     from ray._private.state import available_resources_per_node, total_resources_per_node
 
-    bundles, _, _ = replica_bundles(config)
-    need = sum(b.get("CPU", 0) for b in bundles)
+    # With P/D roles of their own threads, room for the larger role's replica.
+    roles = ("prefill", "decode") if config.parallel_config.prefill_replicas else ("both",)
+    need = max(sum(b.get("CPU", 0) for b in replica_bundles(config.for_role(role))[0]) for role in roles)
     driver = ray.get_runtime_context().get_node_id()
     mode = config.parallel_config.data_parallel_placement
     per_node = total_resources_per_node() if mode == "spread" else available_resources_per_node()

@@ -251,6 +251,13 @@ class Worker:
     def check_health(self) -> int:
         return os.getpid()
 
+    def torch_threads(self) -> int:
+        """The torch threads this rank's forward passes run with (read in
+        the thread that runs them): what /health shows per replica."""
+        import torch
+
+        return torch.get_num_threads()
+
     # ---- K/V transfers (raylm.kv_transfer): the ranks' side of the one transport interface ----------
     # Each call's `route` names its transfer kind (raylm.kv_transfer.transport); `kv` dispatches to it.
 

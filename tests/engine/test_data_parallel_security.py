@@ -287,6 +287,7 @@ class _IdleCore:
 
     recoveries: list = []
     unhealthy_reason = None
+    worker_threads = 0
     migrations = SimpleNamespace(copying=False)  # no K/V being imported beside the steps
 
     def has_unfinished_requests(self) -> bool:

@@ -7,7 +7,8 @@ What ends with its first token, or asks for prompt logprobs, stays on the
 prefill replica; a decode replica killed mid-stream costs no request. The
 hand-offs are asserted by their counts, never by a time; nothing (process,
 transfer folder) is left after the engine. Short prompts stay on the
-decode replica (`--pd-min-prompt-tokens`); an abort mid-hand-off frees both
+decode replica (`--pd-min-prompt-tokens`); each role runs with its own
+threads per worker (`--prefill-num-threads`); an abort mid-hand-off frees both
 replicas' blocks; and an async engine of its own scales the two pools apart
 (`AsyncLLM.scale_roles`, as the per-role autoscaler does)."""
 
@@ -33,7 +34,9 @@ from tests.engine.test_start_deadlines import _children
 pytestmark = pytest.mark.slow
 
 
-# One prefill and one decode replica, as local processes.
+# One prefill and one decode replica, as local processes, each role with
+# its own torch threads per worker (--prefill-num-threads; the decode
+# replica takes --num-threads).
 PD_ENGINE = dict(
     dtype="float32",
     data_parallel_size=2,
@@ -41,6 +44,7 @@ PD_ENGINE = dict(
     prefill_replicas=1,
     pd_min_prompt_tokens=0,  # every prompt handed off (one test sets a threshold)
     num_threads=1,
+    prefill_num_threads=2,
     kv_cache_memory_bytes=16 << 20,
 )
 
@@ -93,6 +97,8 @@ def test_requests_prefill_on_one_replica_and_decode_on_the_other_equal_to_hf(pd_
     assert not {"failed", "source_gone", "destination_gone", "prefill_on_decode"} & set(counts), counts
     states = supervisor.replica_states()
     assert [(s["role"], s["state"]) for s in states] == [("prefill", "serving"), ("decode", "serving")]
+    # Each role's workers run with its own thread count (torch.get_num_threads, read by the ranks).
+    assert [s["threads"] for s in states] == [2, 1]
     # Routing sent every request to the prefill replica; the moves went through migration.
     assert states[1]["num_routed"] == 0 and states[0]["num_routed"] >= len(PROMPTS)
     assert supervisor.migration_counts["migrated"] >= moved
@@ -279,11 +285,13 @@ def test_the_pools_scaled_apart_through_the_async_engine(model, reference):  # n
     async def run(engine) -> list[tuple]:
         seen = []
         await engine.scale_roles(3, 2)
+        await engine.check_health()  # (each core's answer brings its threads: 0 until then)
         states = engine.replica_states()
-        seen.append([(s["role"], s["state"]) for s in states])
+        seen.append([(s["role"], s["state"], s["threads"]) for s in states])
         assert await generate(engine, PROMPTS[:6]) == reference[:6]
         await engine.scale_roles(2, 1)
-        seen.append([s["role"] for s in engine.replica_states()])
+        await engine.check_health()
+        seen.append([(s["role"], s["threads"]) for s in engine.replica_states()])
         assert await generate(engine, PROMPTS[6:10]) == reference[6:10]
         return seen
 
@@ -294,6 +302,11 @@ def test_the_pools_scaled_apart_through_the_async_engine(model, reference):  # n
         counts = dict(engine.engine_core.handoffs.counts)
     finally:
         engine.shutdown()
-    assert seen == [[("prefill", "serving"), ("prefill", "serving"), ("decode", "serving")], ["prefill", "decode"]]
+    # A replica keeps the threads it started with when its role changes
+    # (replica 1, started as a decode one); a replica starts with its role's.
+    assert seen == [
+        [("prefill", "serving", 2), ("prefill", "serving", 1), ("decode", "serving", 1)],
+        [("prefill", 2), ("decode", 1)],
+    ]
     assert counts.get("ok", 0) > 0, counts
     wait_until(lambda: not (_children() - before), 30, message=lambda: f"processes left: {_children() - before}")

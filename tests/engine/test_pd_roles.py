@@ -57,6 +57,32 @@ def test_the_flag_reaches_the_config_and_roles_go_by_index(tiny_model_dir):
         create_engine_config(model, data_parallel_size=2, prefill_replicas=3)
 
 
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"prefill_num_threads": 2}, "prefill_num_threads needs prefill_replicas"),
+        ({"data_parallel_size": 2, "decode_num_threads": 2}, "decode_num_threads needs prefill_replicas"),
+        ({"data_parallel_size": 2, "prefill_replicas": 1, "decode_num_threads": 0}, "decode_num_threads must be"),
+        ({"data_parallel_size": 2, "prefill_replicas": 1, "prefill_num_threads": 1.5}, "prefill_num_threads must"),
+    ],
+)
+def test_per_role_threads_are_checked_and_the_error_names_them(tiny_model_dir, settings, message):
+    with pytest.raises(ValueError, match=message):
+        create_engine_config(tiny_model_dir("llama"), **settings)
+
+
+def test_each_role_starts_with_its_own_threads_and_the_same_layout(tiny_model_dir):
+    args = build_parser().parse_args(
+        ["generate", "x", "--model", tiny_model_dir("llama"), "-dp", "3", "--prefill-replicas", "1"]
+        + ["--num-threads", "3", "--prefill-num-threads", "2"]
+    )
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    prefill, decode = config.for_role("prefill"), config.for_role("decode")
+    assert (prefill.num_threads, decode.num_threads, config.for_role("both").num_threads) == (2, 3, 3)
+    # Only the threads differ: the K/V transport moves requests between equal layouts.
+    assert prefill.parallel_config is config.parallel_config and decode is config
+
+
 # ---- where roles show ------------------------------------------------------------------------
 
 
@@ -380,6 +406,44 @@ def test_each_pool_scales_with_its_own_load():
     assert decide(_states([{}], [{}]), 5.0) is None  # MIN 2: nothing to shed
     # A larger prefill pool is set after the scale, a smaller one before it.
     assert scale_steps(1, 2) == ("scale", "roles") and scale_steps(2, 1) == ("roles", "scale")
+    # --autoscale 2:2 (what two Serve configs of max_replicas 1 add up to): both pools held at one.
+    config = AutoscaleConfig(2, 2, upscale_delay_s=1)
+    assert decide(_states([{"in_flight": 9, "num_waiting": 1}], [{"in_flight": 9}]), 1.0) is None
+
+
+def test_each_pool_stays_within_its_own_bounds():
+    from raylm.config import AutoscaleConfig
+    from raylm.engine.role_autoscaler import RoleAutoscalePolicy
+
+    def decide(config, states):
+        policy = RoleAutoscalePolicy(config)
+        assert policy.decide(states, 0.0) is None
+        return policy.decide(states, 5.0)
+
+    tuning = dict(target_ongoing_requests=2, upscale_delay_s=1, downscale_delay_s=5)
+    # Prompts pile up: the prefill pool grows to its own MAX (2), not to what its load asks.
+    config = AutoscaleConfig(2, 6, **tuning, prefill_range=(1, 2), decode_range=(1, 4))
+    grown = decide(config, _states([{"in_flight": 20, "num_waiting": 5}], [{"in_flight": 1}]))
+    assert (grown.num_replicas, grown.prefill_replicas) == (3, 2), grown
+    # Idle decode replicas shrink to the decode pool's MIN (2), not to one.
+    config = AutoscaleConfig(2, 6, **tuning, decode_range=(2, 4))
+    shrunk = decide(config, _states([{"in_flight": 1}], [{}, {}, {}]))
+    assert (shrunk.num_replicas, shrunk.prefill_replicas) == (3, 1), shrunk
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"autoscale_prefill": "1:2"}, "autoscale_prefill needs autoscale"),
+        ({"autoscale": "2:4", "autoscale_decode": "1:2"}, "autoscale_decode needs prefill_replicas"),
+        ({"autoscale": "2:4", "prefill_replicas": 1, "autoscale_prefill": "2:3"}, "prefill pool starts with 1"),
+        ({"autoscale": "2:4", "prefill_replicas": 1, "autoscale_prefill": "1:4"}, "autoscale_prefill: need 1 <="),
+        ({"autoscale": "2:4", "prefill_replicas": 1, "autoscale_decode": "x"}, "autoscale_decode must be MIN:MAX"),
+    ],
+)
+def test_pool_bounds_are_checked_and_the_error_names_them(tiny_model_dir, settings, message):
+    with pytest.raises(ValueError, match=message):
+        create_engine_config(tiny_model_dir("llama"), data_parallel_size=2, **settings)
 
 
 def test_a_prefill_pool_scaled_out_and_in_on_the_simulated_engine():

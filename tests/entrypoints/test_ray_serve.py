@@ -10,7 +10,10 @@ local Ray: Serve's proxy on a free port, queried with the `openai` client.
   replaced by one that serves;
 - Serve's autoscaling adds a replica (an engine) under concurrent streams
   and removes it when idle, every stream complete;
-- deleting an application leaves no replica, rank actor or placement group.
+- deleting an application leaves no replica, rank actor or placement group;
+- build_pd_openai_app: one Serve replica whose engine runs the prefill and
+  the decode config's replicas as its two roles (each with its own threads),
+  the offline engine's greedy text, a hand-off counted, nothing left after.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import openai
 import pytest
 
 from raylm import LLM, SamplingParams
-from raylm.ray_serve import MIN_SERVE_RAY_VERSION, build_openai_app
+from raylm.ray_serve import MIN_SERVE_RAY_VERSION, build_openai_app, build_pd_openai_app
 from tests.conftest import start_shared_ray, wait_until
 from tests.entrypoints.openai.server_utils import free_port
 
@@ -87,12 +90,15 @@ def _delete_and_check_gone(name: str) -> None:
     serve.delete(name)
     wait_until(
         lambda: (
-            not _live_actors("ServeReplica") and not _live_actors("RayWorkerWrapper") and not _live_placement_groups()
+            not _live_actors("ServeReplica")
+            and not _live_actors("RayWorkerWrapper")
+            and not _live_actors("EngineCoreActor")
+            and not _live_placement_groups()
         ),
         60,
         message=lambda: (
-            f"replicas {len(_live_actors('ServeReplica'))}, ranks "
-            f"{len(_live_actors('RayWorkerWrapper'))}, groups {_live_placement_groups()}"
+            f"replicas {len(_live_actors('ServeReplica'))}, ranks {len(_live_actors('RayWorkerWrapper'))}, "
+            f"engine cores {len(_live_actors('EngineCoreActor'))}, groups {_live_placement_groups()}"
         ),
     )
 
@@ -151,6 +157,43 @@ def test_default_model_app_serves_completions_chat_and_streams(serve_url):
         assert handle.num_unfinished_requests.remote().result() == 0
     finally:
         _delete_and_check_gone("raylm-default-app")
+
+
+def _handoffs_ok(metrics_text: str) -> float:
+    match = re.search(r'^raylm:pd_handoffs_total\{[^}]*outcome="ok"[^}]*\} (\S+)$', metrics_text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_pd_app_serves_with_a_prefill_and_a_decode_role(serve_url):
+    """Ray Serve LLM's shape, one raylm engine under it: the prefill config's
+    replica prefills (with its own 2 threads per worker), the decode
+    config's decodes, the request handed off between them; the same text as
+    the offline engine's."""
+    from ray import serve
+
+    engine = dict(ENGINE, pd_min_prompt_tokens=0)  # (a short prompt is handed off too)
+    app = build_pd_openai_app(
+        {
+            "prefill_config": {"engine_kwargs": dict(engine, num_threads=2)},
+            "decode_config": {"engine_kwargs": engine},
+            "ingress_deployment_config": {"name": "raylm-pd-test"},
+        }
+    )
+    serve.run(app, name="raylm-pd-app", route_prefix="/")
+    try:
+        client = openai.OpenAI(base_url=f"{serve_url}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+        health = httpx.get(f"{serve_url}/health")
+        assert health.status_code == 200
+        replicas = [(r["role"], r["state"], r["threads"]) for r in health.json()["replicas"]]
+        assert replicas == [("prefill", "serving", 2), ("decode", "serving", 1)]
+        assert _handoffs_ok(httpx.get(f"{serve_url}/metrics").text) >= 1
+        with LLM(**ENGINE) as llm:
+            expected = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].text
+        assert completion.choices[0].text == expected
+    finally:
+        _delete_and_check_gone("raylm-pd-app")
 
 
 def test_tp2_replica_places_its_ranks_in_its_own_placement_group(serve_url, tiny_model_dir):

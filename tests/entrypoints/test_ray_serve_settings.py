@@ -148,3 +148,106 @@ def test_a_replica_is_built_with_every_server_setting_raylm_serve_passes(monkeyp
 def test_a_bad_server_setting_is_refused_at_build_naming_it(settings, field):
     with pytest.raises(ValueError, match=field):
         split_settings(settings)
+
+
+# ---- build_pd_openai_app: Ray Serve LLM's P/D shape onto one raylm engine ----------------------
+
+
+def _role(model_id="m", threads=None, deployment=None, **engine):
+    config = {"model_loading_config": {"model_id": model_id}, "engine_kwargs": dict(engine)}
+    if threads is not None:
+        config["engine_kwargs"]["num_threads"] = threads
+    if deployment is not None:
+        config["deployment_config"] = deployment
+    return config
+
+
+def test_the_two_configs_become_the_roles_of_one_engine(tiny_model_dir):
+    from raylm.config import create_engine_config
+    from raylm.ray_serve_pd import pd_settings
+
+    settings, ingress = pd_settings(
+        {
+            "prefill_config": _role(threads=2, deployment={"num_replicas": 2}, tensor_parallel_size=2),
+            "decode_config": _role(threads=1, tensor_parallel_size=2),
+            "ingress_deployment_config": {"max_ongoing_requests": 64},
+        }
+    )
+    assert settings == {
+        "tensor_parallel_size": 2,
+        "model": "m",
+        "served_model_name": ["m"],
+        "prefill_num_threads": 2,
+        "decode_num_threads": 1,
+        "data_parallel_size": 3,
+        "prefill_replicas": 2,
+    }
+    assert ingress == {"max_ongoing_requests": 64}
+    # The settings are `raylm serve`'s (checked as they are for one replica).
+    assert split_settings(settings)[0]["prefill_replicas"] == 2
+    # Autoscaled: both pools by raylm's per-role autoscaler, within the sum of their bounds.
+    scaling = {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 4}
+    settings, _ = pd_settings(
+        {
+            "prefill_config": _role(deployment={"autoscaling_config": scaling}),
+            "decode_config": _role(deployment={"autoscaling_config": dict(scaling, initial_replicas=2)}),
+        }
+    )
+    assert (settings["data_parallel_size"], settings["prefill_replicas"], settings["autoscale"]) == (3, 1, "2:6")
+    assert settings["autoscale_target_ongoing_requests"] == 4
+    assert (settings["autoscale_prefill"], settings["autoscale_decode"]) == ("1:3", "1:3")
+    # What the Serve replica's engine resolves them to (the model aside).
+    engine = split_settings({**settings, "model": tiny_model_dir("llama")})[0]
+    engine.pop("usage_context", None)
+    config = create_engine_config(**engine)
+    assert (config.autoscale.setting, config.autoscale.target_ongoing_requests) == ("2:6", 4.0)
+    assert config.autoscale.role_range("prefill") == config.autoscale.role_range("decode") == (1, 3)
+    assert (config.parallel_config.data_parallel_size, config.parallel_config.prefill_replicas) == (3, 1)
+
+
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        ({"prefill_config": _role(), "decode_config": _role("other")}, "decode_config.model_loading_config"),
+        (
+            {"prefill_config": _role(tensor_parallel_size=2), "decode_config": _role()},
+            "engine_kwargs.tensor_parallel_size: differs",
+        ),
+        (
+            {"prefill_config": _role(pipeline_parallel_size=2), "decode_config": _role(pipeline_parallel_size=1)},
+            "engine_kwargs.pipeline_parallel_size: differs",
+        ),
+        ({"prefill_config": _role(), "decode_config": _role(), "proxy_cls_config": {}}, "proxy_cls_config"),
+        ({"prefill_config": _role() | {"accelerator_type": "A10G"}, "decode_config": _role()}, "accelerator_type"),
+        ({"decode_config": _role()}, "prefill_config"),
+        (
+            {"prefill_config": _role(data_parallel_size=2), "decode_config": _role(data_parallel_size=2)},
+            "prefill_config.engine_kwargs.data_parallel_size",
+        ),
+        (
+            {"prefill_config": _role(deployment={"num_replicas": 0}), "decode_config": _role()},
+            "prefill_config.deployment_config.num_replicas",
+        ),
+        (
+            {"prefill_config": _role(deployment={"autoscaling_config": {"max_replicas": 2}}), "decode_config": _role()},
+            "decode_config.deployment_config: autoscaling_config in both",
+        ),
+        (
+            {
+                "prefill_config": _role(deployment={"autoscaling_config": {"max_replicas": 2, "upscale_delay_s": 1}}),
+                "decode_config": _role(deployment={"autoscaling_config": {"max_replicas": 2}}),
+            },
+            "upscale_delay_s",
+        ),
+        (
+            {"prefill_config": _role(), "decode_config": _role(), "ingress_deployment_config": {"num_replicas": 2}},
+            "ingress_deployment_config.num_replicas",
+        ),
+        ({"prefill_config": _role(port=8001), "decode_config": _role(port=8001)}, "port"),
+    ],
+)
+def test_what_does_not_map_onto_one_engine_is_refused_by_name(args, field):
+    from raylm.ray_serve import build_pd_openai_app
+
+    with pytest.raises(ValueError, match=field):
+        build_pd_openai_app(args)

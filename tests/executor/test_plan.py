@@ -125,6 +125,21 @@ def test_replicas_are_planned_where_they_start(cluster, tiny_model_dir, capsys):
 
 
 @pytest.mark.ray
+def test_each_p_d_role_is_planned_with_its_own_threads(cluster, tiny_model_dir, capsys):
+    model = tiny_model_dir("llama")
+    flags = ("-dp", "2", "--prefill-replicas", "1", "--prefill-num-threads", "2", "--model", model)
+    code, out, err = _plan(capsys, *flags, "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    # (--num-threads 1, as _plan passes it, is the decode replicas'.)
+    assert [(r["role"], r["threads"]) for r in plan["replicas"]] == [("prefill", 2), ("decode", 1)]
+    assert plan["request"]["role_bundles"] == {"prefill": [{"CPU": 2.0}], "decode": [{"CPU": 1.0}]}
+    assert our_live_ray_state() == ([], [])
+    code, out, _ = _plan(capsys, *flags)
+    assert code == 0 and "Threads per worker: prefill 2, decode 1" in out, out
+
+
+@pytest.mark.ray
 def test_a_request_that_does_not_fit_says_what_is_missing(cluster, tiny_model_dir, capsys):
     from ray.util import placement_group_table
 

@@ -244,6 +244,9 @@ class ContentModelExecutor(Executor):
     # their own (`_rpc_export_kv`, `_rpc_import_kv`), which the chaos tests
     # replace to make a transfer fail.
 
+    def _rpc_torch_threads(self) -> int:
+        return 0  # no forward pass runs here: unknown, as the stats say
+
     def _rpc_kv_export(self, route: dict, block_ids: list[int], background: bool = False) -> list:
         return [self._rpc_export_kv(route["path_prefix"], block_ids, background), None]
 
