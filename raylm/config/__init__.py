@@ -3,11 +3,10 @@ setting with its flag), what the engine runs with (engine_config: EngineConfig,
 each part checking its own settings), how the one becomes the other (resolve:
 against the model and who runs the engine) and the device and dtype (device)."""
 
+from raylm.config.autoscale import MAX_DATA_PARALLEL_SIZE, AutoscaleConfig
 from raylm.config.device import DEVICE_ENV, detect_device, resolve_dtype
 from raylm.config.engine_args import EngineArgs, create_engine_config
 from raylm.config.engine_config import (
-    MAX_DATA_PARALLEL_SIZE,
-    AutoscaleConfig,
     CacheConfig,
     EngineConfig,
     FaultToleranceConfig,
