@@ -97,7 +97,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests.mu
 from compare_vllm import MODEL_PRESETS, make_model, random_prompts
 
 from raylm import LLM, SamplingParams
-from raylm.core.request import Request
+from raylm.engine.protocol import EngineCoreRequest
 
 logger = logging.getLogger("bench_migration")
 _WARM_TOKENS = 8
@@ -268,7 +268,7 @@ def _migration(
     """`clocks`: core -> a bystander request decoding there (its token gaps
     time the core's steps); the request starts on core `source`."""
     supervisor = llm.llm_engine.engine_core
-    supervisor.add_request(Request(rid, prompt, params, None), data_parallel_rank=source)
+    supervisor.add_request(EngineCoreRequest(rid, prompt, params, None), data_parallel_rank=source)
     arrivals = list(_decode_until(supervisor, rid, _WARM_TOKENS))
     # The baseline of the bystanders' steps, with the request decoding at its source.
     baseline_from, _ = _bystander_window(supervisor, clocks)
@@ -367,7 +367,7 @@ def _control(
     bounds: the first is the source's window of the same batch after the
     migration (see _against_the_same_batch)."""
     supervisor = llm.llm_engine.engine_core
-    supervisor.add_request(Request(rid, prompt, params, None), data_parallel_rank=source)
+    supervisor.add_request(EngineCoreRequest(rid, prompt, params, None), data_parallel_rank=source)
     _decode_until(supervisor, rid, _WARM_TOKENS)
     baseline_from, started = _bystander_window(supervisor, clocks)
     while time.perf_counter() - started < window_s:
@@ -444,13 +444,13 @@ def _against_the_same_batch(moved: dict, control: dict) -> None:
 def _recompute(llm: LLM, prompt: list[int], params: SamplingParams, rid: str, core: int) -> float:
     """The request decodes on `core` (the migrations' destination), then is sent there again."""
     supervisor = llm.llm_engine.engine_core
-    supervisor.add_request(Request(rid, prompt, params, None), data_parallel_rank=core)
+    supervisor.add_request(EngineCoreRequest(rid, prompt, params, None), data_parallel_rank=core)
     _decode_until(supervisor, rid, _WARM_TOKENS)
     tokens = list(supervisor.ledger[rid].token_ids)
     supervisor.abort_requests([rid])
     started = time.perf_counter()
     supervisor.add_request(
-        Request(rid + "-again", prompt, params, None, output_token_ids=tokens), data_parallel_rank=core
+        EngineCoreRequest(rid + "-again", prompt, params, None, output_token_ids=tokens), data_parallel_rank=core
     )
     _decode_until(supervisor, rid + "-again", len(tokens) + 1)
     seconds = time.perf_counter() - started
@@ -477,7 +477,7 @@ def _fresh_bystanders(llm: LLM, vocab: int, spec: dict, tag: str) -> dict[int, s
     for core in range(2 if spec["bystanders"] else 0):
         for i, prompt in enumerate(random_prompts(spec["bystanders"], 16, vocab, seed=core)):
             rid = f"bystander-{tag}-{core}-{i}"
-            supervisor.add_request(Request(rid, prompt, params, None), data_parallel_rank=core)
+            supervisor.add_request(EngineCoreRequest(rid, prompt, params, None), data_parallel_rank=core)
             clocks.setdefault(core, rid)
             started.append(rid)
     for rid in started:
