@@ -27,7 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from compare_vllm import MODEL_PRESETS, make_model, random_prompts
 
 from raylm import LLM, SamplingParams
-from raylm.core.request import Request
+from raylm.engine.protocol import EngineCoreRequest
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -57,14 +57,15 @@ def run(folder: str, rebalance: bool, args) -> dict:
         for i in range(16):
             rid = f"first-{i}"
             sent[rid] = time.perf_counter()
-            supervisor.add_request(Request(rid, prompts[i], long_params if i % 2 == 0 else short_params, None))
+            params = long_params if i % 2 == 0 else short_params
+            supervisor.add_request(EngineCoreRequest(rid, prompts[i], params, None))
         next_late, late = time.perf_counter() + 1.0, 0
         while supervisor.ledger or late < args.late:
             now = time.perf_counter()
             if late < args.late and now >= next_late:
                 rid = f"late-{late}"
                 sent[rid] = now
-                supervisor.add_request(Request(rid, prompts[16 + late], late_params, None))
+                supervisor.add_request(EngineCoreRequest(rid, prompts[16 + late], late_params, None))
                 late, next_late = late + 1, now + 0.2
             if not supervisor.ledger:
                 time.sleep(0.01)
