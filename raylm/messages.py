@@ -69,13 +69,26 @@ class GrammarOutput:
     """Which tokens the constrained requests of a step may sample (structured
     outputs); rows of requests not listed are unconstrained."""
 
-    # The constrained requests that sample this step, one bitmask row each.
+    # The constrained requests that sample this step, their rows in this order.
     req_ids: list[str] = field(default_factory=list)
     # The rows, packed: int32 little-endian, `num_words` = ceil(vocab_size / 32)
     # per row; bit j of word w allows token 32 * w + j (xgrammar's layout).
     # Plain bytes, so every transport carries them as they are.
     bitmask: bytes = b""
     num_words: int = 0
+    # Rows of each request in req_ids: 1 + the length of its speculative draft
+    # (row j: the tokens allowed after the draft's first j tokens, for the
+    # draft's verification row j). Empty: one row each (no drafts).
+    num_rows: list[int] = field(default_factory=list)
+
+    def row_spans(self) -> dict[str, tuple[int, int]]:
+        """req_id -> (its first row, its number of rows)."""
+        counts = self.num_rows or [1] * len(self.req_ids)
+        spans, first = {}, 0
+        for rid, count in zip(self.req_ids, counts):
+            spans[rid] = (first, count)
+            first += count
+        return spans
 
 
 # (token ids, logprobs, rank of the first id) for one position: column 0 is the

@@ -16,7 +16,8 @@ own sampler output. Placeholders are never sent as token ids.
 
 Structured outputs: a constrained request waits in the queue until its grammar
 is compiled (others pass it), its matcher accepts each token as it arrives, and
-it ends with "stop" once its grammar is terminated (see StructuredOutputManager).
+it ends with "stop" once its grammar is terminated (see StructuredOutputManager);
+a speculative draft of it is cut to what its grammar allows (fit_draft).
 
 The requests' places (queues, pauses, quarantine) and the moves between them
 that are not a step's decision (added, aborted, migrated, reset after the
@@ -204,7 +205,12 @@ class Scheduler(RequestQueues):
         after_last = not request.num_output_placeholders and request.num_computed_tokens == request.num_tokens - 1
         som = self.structured_output_manager
         constrained = som is not None and som.is_constrained(request.request_id)
-        return self.speculator.draft(request, constrained, self.max_model_len, budget, after_last)
+        draft = self.speculator.draft(request, constrained, self.max_model_len, budget, after_last)
+        if draft and constrained:
+            # Grammar-checked: cut at its first token the grammar forbids, which
+            # could never be committed (its verification row masks it out).
+            draft = som.fit_draft(request, draft)
+        return draft
 
     def _burst_length(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]]) -> int:
         """How many decode steps this step's requests take at once (a decode

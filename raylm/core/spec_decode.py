@@ -17,6 +17,16 @@ over the rejected positions: their K/V slots hold draft tokens' K/V and are
 simply written again by a later step. The prefix cache registers only blocks
 of committed tokens (KVCacheManager._register_full_blocks).
 
+Structured outputs: a constrained request's draft is grammar-checked, cut
+before its first token the grammar forbids (StructuredOutputManager.fit_draft),
+and its bitmask has 1 + k rows, row j the tokens allowed after the draft's
+first j tokens (the matcher advanced over them, then rolled back); the
+workers mask verification row j with it before sampling, so each committed
+token is sampled under the mask decoding one at a time would apply. The
+matcher then advances over the committed tokens only. A draft model's tokens
+are written in the workers, after the rows are built: with it, constrained
+requests step aside.
+
 Speculation steps aside (the request decodes one token, as without it) where
 it is not built yet or would cost: see `engine_step_aside_reason` (the whole
 engine), `request_step_aside_reason` (one request), MAX_SPECULATIVE_BATCH
@@ -89,8 +99,9 @@ STEP_ASIDE_REASONS = (
 )
 
 
-def request_step_aside_reason(request: Request, constrained: bool) -> str | None:
-    """Why this request decodes without a draft this step, or None."""
+def request_step_aside_reason(request: Request, constrained: bool, drafts_in_core: bool = True) -> str | None:
+    """Why this request decodes without a draft this step, or None.
+    `drafts_in_core`: the core knows the draft's tokens (not a draft model's)."""
     params = request.sampling_params
     if params.logprobs is not None:
         return "logprobs"  # one entry per token, from the sampler of each step
@@ -98,8 +109,12 @@ def request_step_aside_reason(request: Request, constrained: bool) -> str | None
         return "penalties"  # sampling reads the output so far, which grows inside a run
     if request.num_output_tokens < params.min_tokens:
         return "min_tokens"  # stop tokens are masked until then: the mask would change inside a run
-    if constrained:
-        return "structured_output"  # the grammar matcher would have to roll back rejected tokens
+    if constrained and not drafts_in_core:
+        # A draft model's tokens are written in the workers, after the core
+        # built the step's grammar rows: the core can neither cut the draft at
+        # a token its grammar forbids nor fill each row's mask after the
+        # draft's tokens before it (see StructuredOutputManager.fit_draft).
+        return "structured_output"
     return None
 
 
@@ -132,6 +147,8 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, engine_reason: str | None, proposer: DraftProposer | None = None):
         self.num_speculative_tokens = config.num_speculative_tokens
         self.proposer = proposer or make_proposer(config)
+        # Whether the core knows the draft's tokens: a draft model's are written in the workers.
+        self.drafts_in_core = not isinstance(self.proposer, DraftModelProposer)
         self.engine_reason = engine_reason
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
         self._step_reason: str | None = None  # why the whole step steps aside
@@ -147,8 +164,10 @@ class Speculator:
         self, request: Request, constrained: bool, max_model_len: int, budget: int, after_last: bool = True
     ) -> list[int]:
         """The draft of a request about to decode one token (maybe empty);
-        `after_last`: the token is its last committed one (not one in flight)."""
-        reason = self._step_reason or request_step_aside_reason(request, constrained)
+        `after_last`: the token is its last committed one (not one in flight).
+        A constrained request's draft is then cut to what its grammar allows
+        (StructuredOutputManager.fit_draft, by the scheduler)."""
+        reason = self._step_reason or request_step_aside_reason(request, constrained, self.drafts_in_core)
         if reason is not None:
             self._reasons.add(reason)
             return []

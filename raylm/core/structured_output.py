@@ -3,7 +3,7 @@ JSON object, regex, choice, EBNF), with xgrammar.
 
 The StructuredOutputManager sits beside the scheduler in the engine core. It
 compiles each constrained request's grammar on a small pool of background
-threads (the step loop never waits for a compiler, nor sees its errors: a
+threads (raylm.core.grammar_pool; the step loop never waits for a compiler, nor sees its errors: a
 grammar that fails there fails its request, and one that takes longer than
 its deadline fails it as too complex; a slow grammar never holds up the
 others), keeps one GrammarMatcher per request, advanced over
@@ -29,7 +29,6 @@ import functools
 import json
 import logging
 import os
-import queue
 import re
 import threading
 import time
@@ -38,6 +37,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
+from raylm.core.grammar_pool import CompilePool
 from raylm.core.json_grammar import BOUNDED_JSON_WHITESPACE, json_grammar_ebnf
 from raylm.core.request import Request, RequestStatus
 from raylm.messages import GrammarOutput, SchedulerOutput
@@ -55,9 +55,6 @@ _COMPILE_WORKERS = max(2, min(4, os.cpu_count() or 1))
 # How long a grammar may take to compile, from when a worker starts on it
 # (not from when it was queued: waiting behind others is not its fault).
 GRAMMAR_COMPILE_TIMEOUT_S = 30.0
-# Workers stuck on abandoned compilations that get a replacement (see
-# _CompilePool); past this many, the pool does with the workers it has.
-_MAX_ABANDONED = 4
 
 
 @dataclass(frozen=True)
@@ -175,71 +172,6 @@ class GrammarError(Exception):
     """A request's grammar could not be compiled, or refused a token."""
 
 
-class _CompilePool:
-    """A few daemon threads that run compilations.
-
-    A thread cannot be killed, and xgrammar's compiler cannot be interrupted,
-    so a compilation past its deadline is abandoned: its request fails at
-    once, the compilation runs on to its end on its thread and its result is
-    discarded, and a new worker takes that thread's place (up to
-    _MAX_ABANDONED at a time), so the other grammars keep their workers. The
-    thread then exits. Daemon threads, unlike ThreadPoolExecutor's, which the
-    interpreter joins at exit: an abandoned compilation never holds up the
-    engine's shutdown."""
-
-    def __init__(self, num_workers: int):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._abandoned: set[Future] = set()  # still running
-        self._num_started = 0
-        for _ in range(num_workers):
-            self._start_worker()
-
-    def submit(self, fn: Callable, *args) -> Future:
-        future: Future = Future()
-        self._jobs.put((future, fn, args))
-        return future
-
-    def abandon(self, future: Future) -> None:
-        """Give up on a running job: its worker is replaced, and leaves once it is done."""
-        with self._lock:
-            if future.done() or future in self._abandoned or len(self._abandoned) >= _MAX_ABANDONED:
-                return
-            self._abandoned.add(future)
-        self._start_worker()
-
-    def shutdown(self) -> None:
-        """Cancel what is queued and let the idle workers go; running jobs end on their own."""
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job[0].cancel()
-        # A stop sign per worker ever started: those that left never read theirs.
-        for _ in range(self._num_started):
-            self._jobs.put(None)
-
-    def _start_worker(self) -> None:
-        self._num_started += 1
-        threading.Thread(target=self._work, name=f"raylm-grammar-{self._num_started}", daemon=True).start()
-
-    def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            future, fn, args = job
-            if not future.set_running_or_notify_cancel():
-                continue  # its request went away while it was queued
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:
-                future.set_exception(e)
-            with self._lock:
-                if future in self._abandoned:
-                    self._abandoned.discard(future)
-                    return  # its replacement works on
-
-
 @dataclass
 class _RequestGrammar:
     spec: GrammarSpec
@@ -267,6 +199,51 @@ def _pass_until_start(grammar: _RequestGrammar, tokens: list[int]) -> None:
             grammar.started_output = True
 
 
+def _tokens_before_start(grammar: _RequestGrammar, output: list[int], draft: list[int]) -> int:
+    """How many of a draft's first tokens leave a grammar that has not
+    started (a reasoning model's thinking) still not started."""
+    gate = grammar.starts_after
+    tokens = list(output)
+    for i, token_id in enumerate(draft):
+        tokens.append(token_id)
+        if len(tokens) >= len(gate) and tokens[-len(gate) :] == gate:
+            return i
+    return len(draft)
+
+
+def _walk_draft(matcher, draft: list[int], bitmask=None, first: int = 0) -> int:
+    """How many of the draft's first tokens the grammar allows, short of its
+    end: the matcher advanced over them, then rolled back. With a bitmask,
+    row first + j gets the tokens allowed after the first j."""
+    if bitmask is not None:
+        matcher.fill_next_token_bitmask(bitmask, first)
+    accepted = allowed = 0
+    for token_id in draft:
+        if not matcher.accept_token(token_id):
+            break
+        accepted += 1
+        if matcher.is_terminated():
+            break
+        allowed = accepted
+        if bitmask is not None:
+            matcher.fill_next_token_bitmask(bitmask, first + accepted)
+    if accepted:
+        matcher.rollback(accepted)
+    return allowed
+
+
+def _fill_draft_rows(rid: str, matcher, draft: list[int], bitmask, first: int) -> None:
+    """Bitmask rows first .. first + len(draft): row first + j holds the
+    tokens allowed after the draft's first j tokens."""
+    filled = _walk_draft(matcher, draft, bitmask, first)
+    if filled < len(draft):
+        # Never expected (fit_draft cut the draft). Row `filled` forbids the
+        # draft's token there, or that token ends the grammar and the request
+        # with it: no token sampled after it is kept, any allowed tokens do.
+        logger.error("request %s: a draft token past its grammar (rows after it copied)", rid)
+        bitmask[first + filled + 1 : first + len(draft) + 1] = bitmask[first + filled]
+
+
 class StructuredOutputManager:
     """Grammars, matchers and bitmasks of the constrained requests. Used by
     the scheduler (requests in and out, tokens accepted) and the engine core
@@ -288,7 +265,7 @@ class StructuredOutputManager:
         self._grammars: dict[str, _RequestGrammar] = {}
         # Requests whose compilation has not been looked at since it ended.
         self._unchecked: set[str] = set()
-        self._pool = _CompilePool(_COMPILE_WORKERS)
+        self._pool = CompilePool(_COMPILE_WORKERS)
         # Built by the first compilation; xgrammar's compiler is thread-safe.
         self._compiler = None
         self._compiler_lock = threading.Lock()
@@ -389,6 +366,9 @@ class StructuredOutputManager:
                 compiled = compiler.compile_grammar(spec.text)
         except Exception as e:
             raise GrammarError(f"structured_outputs.{spec.field}: {_xgrammar_message(e)}") from None
+        # Speculative drafts advance it and roll it back (fit_draft): rollback
+        # is unbounded in xgrammar >= 0.2 (max_rollback_tokens is deprecated,
+        # always -1), so there is no room to size for num_speculative_tokens.
         matcher = xgr.GrammarMatcher(compiled)
         # A request resumed with tokens generated elsewhere continues after them.
         for i, token_id in enumerate(prior_tokens):
@@ -420,17 +400,19 @@ class StructuredOutputManager:
 
     def _sampling_rows(self, so: SchedulerOutput, requests: dict[str, Request]) -> Iterator[tuple[Request, int]]:
         """(request, end) for each live constrained request of the step, in
-        batch order; `end` is how many of its tokens the step's forward covers.
+        batch order; `end` is how many of its tokens the step's forward covers,
+        a speculative draft's not counted (they are not the request's tokens).
         A step samples a request's token at position `end` when `end` reaches
-        its known tokens; past them, the step needs tokens still in flight
-        (async scheduling), before them it computes a prefill chunk only."""
+        its known tokens (and, with a draft, one after each draft token);
+        past them, the step needs tokens still in flight (async scheduling),
+        before them it computes a prefill chunk only."""
         starts = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
         starts.update((r.req_id, r.num_computed_tokens) for r in so.scheduled_cached_reqs)
         for rid, num_tokens in so.num_scheduled_tokens.items():
             request = requests.get(rid)
             # Finished or preempted since it was scheduled: its token is dropped.
             if rid in self._grammars and request is not None and request.status == RequestStatus.RUNNING:
-                yield request, starts[rid] + num_tokens
+                yield request, starts[rid] + num_tokens - len(so.spec_token_ids.get(rid, ()))
 
     def needs_tokens_in_flight(self, so: SchedulerOutput, requests: dict[str, Request]) -> bool:
         """Whether a constrained request of this step samples after a token
@@ -442,23 +424,46 @@ class StructuredOutputManager:
         step (None when there are none). xgrammar is imported only once a
         constrained request is here: the import takes a fraction of a second,
         which would otherwise land on the first request a server answers."""
-        rows: list[tuple[str, Any]] = []
+        rows: list[tuple[str, Any, list[int]]] = []
         for request, end in self._sampling_rows(so, requests):
             grammar = self._grammars[request.request_id]
             if end == request.num_tokens:
                 if grammar.started_output:  # else free: the output has not reached the grammar's start
-                    rows.append((request.request_id, grammar))
+                    rows.append((request.request_id, grammar, so.spec_token_ids.get(request.request_id, [])))
             elif end > request.num_tokens:
                 # Never expected: the engine waits for these tokens first.
                 logger.error("request %s sampled unconstrained: its last token is unknown", request.request_id)
         if not rows:
             return None
-        bitmask = _xgrammar().allocate_token_bitmask(len(rows), self.vocab_size)
-        for i, (_, grammar) in enumerate(rows):
-            grammar.ready.result().fill_next_token_bitmask(bitmask, i)
+        num_rows = [len(draft) + 1 for _, _, draft in rows]
+        bitmask = _xgrammar().allocate_token_bitmask(sum(num_rows), self.vocab_size)
+        first = 0
+        for (rid, grammar, draft), count in zip(rows, num_rows):
+            _fill_draft_rows(rid, grammar.ready.result(), draft, bitmask, first)
+            first += count
         return GrammarOutput(
-            req_ids=[rid for rid, _ in rows], bitmask=bitmask.numpy().tobytes(), num_words=bitmask.shape[1]
+            req_ids=[rid for rid, _, _ in rows],
+            bitmask=bitmask.numpy().tobytes(),
+            num_words=bitmask.shape[1],
+            num_rows=num_rows if len(num_rows) < sum(num_rows) else [],
         )
+
+    # ---- speculative drafts --------------------------------------------------
+
+    def fit_draft(self, request: Request, draft: list[int]) -> list[int]:
+        """A constrained request's speculative draft, cut before its first
+        token the grammar forbids (its row's mask would reject it, so no
+        token after it could be committed) or that ends the grammar (the
+        request stops there, and past its end a matcher has no mask); before
+        the grammar's start, cut before the token that starts it (the rows
+        after it would need the grammar). The matcher is advanced over the
+        draft and rolled back: it stays at the committed tokens."""
+        grammar = self._grammars[request.request_id]
+        if not grammar.ready.done() or grammar.num_accepted != request.num_output_tokens:
+            return []  # never expected: a step's tokens are all accepted before the next is scheduled
+        if not grammar.started_output:
+            return draft[: _tokens_before_start(grammar, request.output_token_ids, draft)]
+        return draft[: _walk_draft(grammar.ready.result(), draft)]
 
     def shutdown(self) -> None:
         self._pool.shutdown()

@@ -28,7 +28,7 @@ from raylm.worker.cp_input import gather_rows
 from raylm.worker.draft_model import DraftModel
 from raylm.worker.input_batch import CachedRequestState, PreparedBatch, padded_block_table, prepare_batch
 from raylm.worker.prompt_logprobs import prompt_logprobs_in_chunks
-from raylm.worker.sampler import Sampler, advance_generator, apply_grammar_bitmask
+from raylm.worker.sampler import Sampler, advance_generator, apply_draft_grammar_bitmask, apply_grammar_bitmask
 from raylm.worker.sampling_metadata import SamplingMetadata, SamplingRow, build_sampling_metadata, same_every_step
 from raylm.worker.spec_verify import verify_draft
 
@@ -313,7 +313,7 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, tuple] = {}
         if self._model_drafts:
-            sampled.update(self._verify_drafts(self._model_drafts, batch, hidden))
+            sampled.update(self._verify_drafts(self._model_drafts, batch, hidden, grammar_output))
         if batch.sample_req_ids:
             # A decode step samples every row in order: no gather needed.
             sample_hidden = hidden
@@ -356,11 +356,18 @@ class ModelRunner:
         )
 
     def _verify_drafts(
-        self, drafts: dict[str, list[int]], batch: PreparedBatch, hidden: torch.Tensor
+        self,
+        drafts: dict[str, list[int]],
+        batch: PreparedBatch,
+        hidden: torch.Tensor,
+        grammar_output: GrammarOutput | None,
     ) -> dict[str, list[int]]:
         """The committed tokens of the step's requests with a speculative draft
         (raylm.worker.spec_verify), whose rows are its last 1 + len(draft);
-        the batch keeps the other requests' rows to sample as usual."""
+        the batch keeps the other requests' rows to sample as usual. A
+        constrained request's row j is masked first with its grammar row j
+        (the tokens allowed after the draft's first j tokens): each committed
+        token is sampled under the mask decoding would have applied there."""
         plain_ids, plain_rows, rows, spans = [], [], [], []
         for rid, row in zip(batch.sample_req_ids, batch.sample_indices):
             draft = drafts.get(rid)
@@ -372,6 +379,9 @@ class ModelRunner:
             rows.extend(range(row - len(draft), row + 1))
         batch.sample_req_ids, batch.sample_indices = plain_ids, plain_rows
         logits = self.model.compute_logits(hidden[rows]).float()
+        apply_draft_grammar_bitmask(
+            logits, [(rid, first, len(draft) + 1) for rid, first, draft in spans], grammar_output
+        )
         committed = {}
         for rid, first, draft in spans:
             state = self.requests[rid]

@@ -104,16 +104,41 @@ def apply_grammar_bitmask(
     logits: torch.Tensor, sample_req_ids: list[str], grammar_output: GrammarOutput | None
 ) -> None:
     """Forbid, in place, every token the grammar of a constrained row does not
-    allow. `sample_req_ids` names the rows of `logits`; the engine lists the
-    constrained ones in `grammar_output` (see GrammarOutput for the layout)."""
+    allow. `sample_req_ids` names the rows of `logits`, one each; the engine
+    lists the constrained ones in `grammar_output` (see GrammarOutput for the layout)."""
     if grammar_output is None or not grammar_output.req_ids:
         return
-    row_of = {rid: i for i, rid in enumerate(sample_req_ids)}
-    pairs = [(row_of[rid], k) for k, rid in enumerate(grammar_output.req_ids) if rid in row_of]
+    spans = grammar_output.row_spans()
+    _forbid(logits, [(row, spans[rid][0]) for row, rid in enumerate(sample_req_ids) if rid in spans], grammar_output)
+
+
+def apply_draft_grammar_bitmask(
+    logits: torch.Tensor, drafts: list[tuple[str, int, int]], grammar_output: GrammarOutput | None
+) -> None:
+    """The same for the verification rows of speculative drafts: `drafts`
+    holds (req_id, its first row of `logits`, its rows: 1 + its draft's
+    length); a constrained request's row j gets its grammar row j, the
+    tokens allowed after the draft's first j tokens."""
+    if grammar_output is None or not grammar_output.req_ids:
+        return
+    spans = grammar_output.row_spans()
+    pairs = []
+    for rid, first, count in drafts:
+        span = spans.get(rid)
+        if span is None:
+            continue
+        if span[1] != count:
+            raise RuntimeError(f"request {rid}: {span[1]} grammar rows for a draft verified in {count}")
+        pairs.extend((first + j, span[0] + j) for j in range(count))
+    _forbid(logits, pairs, grammar_output)
+
+
+def _forbid(logits: torch.Tensor, pairs: list[tuple[int, int]], grammar_output: GrammarOutput) -> None:
+    """Masks row r of `logits` with bitmask row k, for each (r, k) in `pairs`."""
     if not pairs:
         return
     words = torch.frombuffer(bytearray(grammar_output.bitmask), dtype=torch.int32)
-    words = words.view(len(grammar_output.req_ids), grammar_output.num_words)[[k for _, k in pairs]]
+    words = words.view(-1, grammar_output.num_words)[[k for _, k in pairs]]
     shifts = torch.arange(32, dtype=torch.int32)
     # Bit j of word w is token 32 * w + j; the arithmetic shift of a negative
     # word still leaves the wanted bit lowest.

@@ -297,3 +297,117 @@ def test_a_queued_grammar_has_no_deadline_yet(model, tokenizer):
     finally:
         release.set()
         manager.shutdown()
+
+
+class _FixedDraft:
+    """A proposer whose draft the test sets."""
+
+    def __init__(self):
+        self.draft: list[int] = []
+
+    def propose(self, request, max_tokens: int) -> list[int]:
+        return self.draft[:max_tokens]
+
+    def request_finished(self, request) -> None:
+        pass
+
+
+def test_a_constrained_draft_is_cut_at_its_first_forbidden_token_and_masked_per_position(model, tokenizer):
+    """Speculative decoding: a draft is cut before the first token its grammar
+    forbids (and before the grammar's end); its bitmask has a row per
+    verified position, row j the mask after the draft's first j tokens; the
+    matcher, advanced over the draft and rolled back, then takes the
+    committed tokens."""
+    from raylm.config import SpeculativeConfig
+    from raylm.core.spec_decode import Speculator
+    from raylm.worker.sampler import apply_draft_grammar_bitmask
+
+    manager = StructuredOutputManager(model, len(tokenizer))
+    proposer = _FixedDraft()
+    speculator = Speculator(SpeculativeConfig.from_setting({"num_speculative_tokens": 4}), None, proposer)
+    scheduler = Scheduler(
+        SchedulerConfig(num_scheduler_steps=1),
+        CacheConfig(num_blocks=64),
+        max_model_len=256,
+        structured_output_manager=manager,
+        speculator=speculator,
+    )
+    a, b, c, d, e, upper = tokenizer.convert_tokens_to_ids(["a", "b", "c", "d", "e", "Z"])
+    eos = tokenizer.eos_token_id
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    compiled = xgr.GrammarCompiler(info, max_threads=1).compile_regex("[a-z]{1,6}")
+    try:
+        request = _request("c", tokenizer, StructuredOutputsParams(regex="[a-z]{1,6}"), temperature=0.0)
+        scheduler.add_request(request)
+        _wait_compiled(manager, "c")
+        so = scheduler.schedule()  # the prompt: no draft
+        scheduler.update_from_output(so, ModelRunnerOutput(["c"], [[a]]))
+
+        proposer.draft = [b, c, upper, d]
+        so = scheduler.schedule()
+        assert so.spec_token_ids == {"c": [b, c]} and so.num_scheduled_tokens == {"c": 3}
+        grammar_output = scheduler.get_grammar_output(so)
+        assert grammar_output.req_ids == ["c"] and grammar_output.num_rows == [3]
+        rows = torch.frombuffer(bytearray(grammar_output.bitmask), dtype=torch.int32).view(3, -1)
+        reference = xgr.GrammarMatcher(compiled)
+        for j, token_id in enumerate([a, b, c]):
+            assert reference.accept_token(token_id)
+            assert torch.equal(rows[j : j + 1], _reference_mask(reference, len(tokenizer))), j
+        # The workers mask verification row j with grammar row j.
+        logits = torch.randn(3, len(tokenizer), generator=torch.Generator().manual_seed(0))
+        expected = logits.clone()
+        xgr.apply_token_bitmask_inplace(expected, rows.clone(), vocab_size=len(tokenizer))
+        apply_draft_grammar_bitmask(logits, [("c", 0, 3)], grammar_output)
+        assert torch.equal(logits, expected)
+
+        # Row 1 rejects the draft's c: d committed instead; the matcher takes a, b, d.
+        scheduler.update_from_output(so, ModelRunnerOutput(["c"], [[b, d]]))
+        assert request.output_token_ids == [a, b, d] and not request.is_finished
+        reference = xgr.GrammarMatcher(compiled)
+        assert all(reference.accept_token(t) for t in [a, b, d])
+        matcher = manager._grammars["c"].ready.result()
+        assert torch.equal(_reference_mask(matcher, len(tokenizer)), _reference_mask(reference, len(tokenizer)))
+
+        # A draft through the grammar's end stops before it.
+        proposer.draft = [e, eos, a]
+        so = scheduler.schedule()
+        assert so.spec_token_ids == {"c": [e]}
+        assert scheduler.get_grammar_output(so).num_rows == [2]
+        stats = scheduler.stats()
+        assert stats["spec_decode_num_drafts"] == 1 and stats["spec_decode_num_accepted_tokens"] == 1
+        assert "structured_output" not in stats["spec_decode_steps_aside_by_reason"]
+    finally:
+        manager.shutdown()
+
+
+def test_a_draft_model_steps_aside_for_constrained_requests():
+    """Its tokens are written in the workers, after the grammar rows are built."""
+    from raylm.config import SpeculativeConfig
+    from raylm.core.spec_decode import Speculator
+
+    config = SpeculativeConfig.from_setting({"method": "draft_model", "model": "x", "num_speculative_tokens": 2})
+    speculator = Speculator(config, None)
+    speculator.begin_step(1)
+    request = Request("r", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8), None)
+    assert speculator.draft(request, True, 256, 64) == []
+    assert len(speculator.draft(request, False, 256, 64)) == 2
+    speculator.end_step()
+    assert speculator.stats.steps_aside_by_reason == {"structured_output": 1}
+
+
+def test_a_draft_before_the_grammars_start_stops_before_the_token_that_starts_it(model, tokenizer):
+    """A reasoning model's thinking is free: its draft is kept up to the
+    token that ends the thinking (the rows after it would need the grammar)."""
+    q, x, y, a = tokenizer.convert_tokens_to_ids(["q", "x", "y", "a"])
+    manager = StructuredOutputManager(model, len(tokenizer))
+    try:
+        so = StructuredOutputsParams(regex="[a-z]{1,6}", starts_after_token_ids=[x, y])
+        request = _request("r", tokenizer, so, output_token_ids=[q, x])
+        manager.add_request(request)
+        _wait_compiled(manager, "r")
+        assert manager.fit_draft(request, [y, a]) == []
+        assert manager.fit_draft(request, [q, x, y, a]) == [q, x]
+        assert manager.fit_draft(request, [q, q, a]) == [q, q, a]
+        assert not manager._grammars["r"].started_output and manager._grammars["r"].num_accepted == 2
+    finally:
+        manager.shutdown()

@@ -93,7 +93,9 @@ model_runner_outputs = st.builds(
     st.dictionaries(names, position_logprobs, max_size=3),
     st.dictionaries(names, st.lists(position_logprobs, max_size=3), max_size=2),
 )
-grammar_outputs = st.builds(GrammarOutput, st.lists(names, max_size=4), st.binary(max_size=64), ids)
+grammar_outputs = st.builds(
+    GrammarOutput, st.lists(names, max_size=4), st.binary(max_size=64), ids, st.lists(ids, max_size=4)
+)
 kv_cache_configs = st.builds(KVCacheConfig, ids, ids)
 remote_errors = st.builds(RemoteError, names, st.text(), st.text(), ids, names)
 callable_refs = st.builds(CallableRef, ids, names)
