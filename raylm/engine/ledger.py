@@ -34,6 +34,11 @@ class LedgerEntry:
     # Held by the supervisor until its prefix is pulled to its core
     # (raylm.engine.prefix_pull): the core does not have it yet, so it cannot migrate.
     held: bool = False
+    # Prompt tokens its core still has to compute, as routing estimated when
+    # it sent it there (Router: its prompt less the prefix cached or pulled
+    # there); 0 once its first token there came back. Summed per core, the
+    # kv_aware policy's count of a core's pending prompt work (routing.load_of).
+    prefill_tokens: int = 0
 
     def continuation(self) -> EngineCoreRequest:
         """The request to send again: it continues after the tokens so far.

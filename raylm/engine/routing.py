@@ -15,18 +15,18 @@ emptier cache.
 - `load`: the lowest score.
 - `vllm`: vLLM's data-parallel balancer, `4 * waiting + running`, for
   comparison (it ignores the caches).
-- `kv_aware` (the default): the lowest score less a credit for the prompt's
-  leading blocks the core's prefix cache holds (the supervisor's exact index,
-  prefix_index.py): `cost = score - min(cached_tokens /
-  PREFIX_TOKENS_PER_REQUEST, MAX_PREFIX_CREDIT)`, so a core holding a 2k-token
-  prefix is chosen unless it is busier than the idlest by 8 requests or
-  more. A multi-turn session follows its cache this way: the next turn's
-  prompt extends the last one's, whose blocks the index saw stored.
-  A request with a LoRA adapter earns `ADAPTER_CREDIT` more on a core that
-  holds its adapter (in its slots, as the core last reported, or run by a
-  request it has in flight): it goes there unless that core is busier than
-  the idlest by that many requests, which then reads the adapter itself
-  (every replica reads it from the same path).
+- `kv_aware` (the default): the lowest cost counted in prompt tokens, the
+  work the core would do before this request's first token: the prompt
+  tokens of its queue not computed yet, an estimate for its running
+  decodes, a KV-usage term, and the prompt tokens this request would
+  compute there (its length less the prefix the core holds; less, at a
+  fraction of their cost, those a pull could bring from another core),
+  less a credit where the core holds the request's LoRA adapter
+  (`kv_aware_cost`; its weights, in tokens, are named below). So the holder
+  of a long prefix wins unless its queue holds more work than recomputing
+  that prefix elsewhere, and a multi-turn session follows its cache: the
+  next turn's prompt extends the last one's, whose blocks the index saw
+  stored (the supervisor's exact index, prefix_index.py).
 
 Rebalancing (`plan_rebalance`) moves running requests, by live migration,
 from the busiest core to the least busy when their scores differ by at least
@@ -73,21 +73,49 @@ class CoreLoad:
     # Content digests of the LoRA adapters it holds (filled only when the
     # request being routed has one: `adapters_on`).
     adapters: frozenset[str] = frozenset()
+    # Of its requests in flight, those whose first token has not come back
+    # (`prefilling`), and the prompt tokens they still have to compute
+    # there (`prefill_tokens`), from the ledger (`load_of`).
+    prefilling: int = 0
+    prefill_tokens: int = 0
 
     @property
     def score(self) -> float:
         return self.in_flight + 2 * self.num_waiting + self.kv_cache_usage
 
+    @property
+    def decoding(self) -> int:
+        return max(self.in_flight - self.prefilling, 0)
 
-def load_of(channel: CoreChannel, adapters: frozenset[str] = frozenset()) -> CoreLoad:
-    """What routing knows of `channel`: its requests in flight and its last report."""
+
+def load_of(channel: CoreChannel, adapters: frozenset[str] = frozenset(), ledger: Ledger | None = None) -> CoreLoad:
+    """What routing knows of `channel`: its requests in flight and its last
+    report; with `ledger`, the prompt tokens its requests have yet to compute.
+
+    Those are counted from what routing estimated when it sent each request
+    (`LedgerEntry.prefill_tokens`: its prompt's length, exact, less the
+    prefix its core held or was pulled, as the index said then) until its
+    first token comes back. Estimated, not exact: a prefix evicted before
+    the core schedules the request is computed but not counted, a prompt
+    half computed by chunked prefill counts whole, and a preempted request's
+    recompute is not seen. No core message is needed for it, and it moves the
+    moment a request is routed, unlike the cores' periodic stats."""
     stats = channel.stats
+    prefilling = prefill_tokens = 0
+    if ledger is not None:
+        for request_id in channel.in_flight:
+            entry = ledger.get(request_id)
+            if entry is not None and entry.prefill_tokens > 0:
+                prefilling += 1
+                prefill_tokens += entry.prefill_tokens
     return CoreLoad(
         channel.index,
         len(channel.in_flight),
         stats.num_waiting if stats else 0,
         stats.kv_cache_usage if stats else 0.0,
         adapters,
+        prefilling,
+        prefill_tokens,
     )
 
 
@@ -117,6 +145,12 @@ class RoutingPolicy(ABC):
     def choose(self, request: EngineCoreRequest, loads: list[CoreLoad]) -> CoreLoad | None:
         """The core for `request` (None: no core serves)."""
 
+    def tokens_to_compute(self, request: EngineCoreRequest, core: int) -> int:
+        """The prompt tokens `request` is expected to compute on `core` (the
+        ledger's count of each core's pending prompt work): all of them,
+        unless the policy knows the core's cache."""
+        return len(request.prompt_token_ids)
+
 
 class LoadRouting(RoutingPolicy):
     name = "load"
@@ -139,34 +173,65 @@ class VllmRouting(RoutingPolicy):
         return min(loads, key=cost, default=None)
 
 
-# kv_aware's weights: every PREFIX_TOKENS_PER_REQUEST tokens of the prompt a
-# core holds cached count as one request less of load there, up to
-# MAX_PREFIX_CREDIT requests (a long shared prefix must not pile every
-# request onto one core). On a CPU a request's prefill of 256 tokens is
-# roughly a queued request's wait.
-PREFIX_TOKENS_PER_REQUEST = 256
-MAX_PREFIX_CREDIT = 8.0
-# A core holding a request's LoRA adapter counts as this many requests less
+# kv_aware's weights, all in prompt tokens (the one unit its cost counts in:
+# a core's time to a request's first token is, on a CPU, mostly the prompt
+# tokens it computes before and for it).
+# A decoding request on the core: it adds a token to each of the core's
+# steps (batched, so cheap alone) and holds a batch slot; counted as this
+# many prompt tokens of work (an estimate, not measured per model).
+DECODE_REQUEST_TOKENS = 64
+# A full KV cache (usage 1.0) counts as this much more work: a request sent
+# there evicts other prefixes, recomputed later, or waits for room. A
+# tie-breaker among cores with little queued.
+KV_USAGE_TOKENS = 256
+# A prompt token a pull brings from another core (prefix_pull.py) costs this
+# fraction of computing it: the copy itself is ~a tenth of the recompute on
+# one node, but it waits for the holder's step to end and may time out into
+# a recompute (pull_estimate.py), so it is weighted more than its copy.
+PULL_TOKEN_WEIGHT = 0.25
+# A core holding the request's LoRA adapter counts as this many tokens less
 # loaded for it: another core would read the adapter's files and fill a
 # slot (a step's worth of work or more), and take a slot another adapter
 # may hold.
-ADAPTER_CREDIT = 4.0
+ADAPTER_CREDIT_TOKENS = 1024
 # A prompt is hashed for routing up to this many blocks (the supervisor's
-# CPU per request stays bounded; longer matches earn no more credit anyway).
+# CPU per request stays bounded).
 MAX_ROUTING_BLOCKS = 1024
 
 
+def kv_aware_cost(load: CoreLoad, prompt_tokens: int, cached_tokens: int, pulled_tokens: int, adapter: bool) -> float:
+    """The work, in prompt tokens, that `load`'s core does before a request's
+    first token if sent there: the prompt tokens its queue has yet to
+    compute, its decodes and KV usage (weighted above), and the request's
+    own `prompt_tokens`, less the `cached_tokens` the core holds and less
+    the `pulled_tokens` a pull brings (which cost PULL_TOKEN_WEIGHT each);
+    less ADAPTER_CREDIT_TOKENS where it holds the request's adapter."""
+    queued = load.prefill_tokens + DECODE_REQUEST_TOKENS * load.decoding + KV_USAGE_TOKENS * load.kv_cache_usage
+    own = prompt_tokens - cached_tokens - (1 - PULL_TOKEN_WEIGHT) * pulled_tokens
+    return queued + own - (ADAPTER_CREDIT_TOKENS if adapter else 0)
+
+
 class KVAwareRouting(RoutingPolicy):
-    """The lowest load score less the credit of the prompt's cached prefix
-    on each core (exact, from the supervisor's prefix index)."""
+    """The lowest `kv_aware_cost`: each core's pending work plus what the
+    request would compute there, given the prompt's leading blocks each core
+    holds (exact, from the supervisor's prefix index); `pulls`: whether
+    prefix pulls bring the longest cached prefix to the core chosen."""
 
     name = "kv_aware"
 
-    def __init__(self, index: PrefixIndex, block_size: int):
+    def __init__(self, index: PrefixIndex, block_size: int, pulls: bool = False):
         self.index = index
         self.block_size = block_size
+        self.pulls = pulls
         self.last_matched: dict[int, int] = {}  # the last choice's cached blocks per core (metrics, tests)
         self.last_hashes: tuple[str, list[bytes]] = ("", [])  # (request id, its prompt's block hashes)
+
+    def _reused_tokens(self, core: int) -> tuple[int, int]:
+        """(cached on `core`, pulled there from the best holder) for the last
+        request chosen for, in tokens."""
+        here = self.last_matched.get(core, 0)
+        best = max(self.last_matched.values(), default=0) if self.pulls else here
+        return here * self.block_size, max(best - here, 0) * self.block_size
 
     def choose(self, request: EngineCoreRequest, loads: list[CoreLoad]) -> CoreLoad | None:
         if not loads:
@@ -178,16 +243,21 @@ class KVAwareRouting(RoutingPolicy):
         matched = self.index.matched_blocks(hashes, [load.index for load in loads]) if hashes else {}
         self.last_matched = matched
         self.last_hashes = (request.request_id, hashes)
-
         digest = request.lora_digest
+        prompt_tokens = len(request.prompt_token_ids)
 
         def cost(load: CoreLoad) -> tuple[float, int]:
-            cached_tokens = matched.get(load.index, 0) * self.block_size
-            prefix_credit = min(cached_tokens / PREFIX_TOKENS_PER_REQUEST, MAX_PREFIX_CREDIT)
-            adapter_credit = ADAPTER_CREDIT if digest is not None and digest in load.adapters else 0.0
-            return load.score - prefix_credit - adapter_credit, load.index
+            cached, pulled = self._reused_tokens(load.index)
+            adapter = digest is not None and digest in load.adapters
+            return kv_aware_cost(load, prompt_tokens, cached, pulled, adapter), load.index
 
         return min(loads, key=cost)
+
+    def tokens_to_compute(self, request: EngineCoreRequest, core: int) -> int:
+        if self.last_hashes[0] != request.request_id:
+            return len(request.prompt_token_ids)
+        cached, pulled = self._reused_tokens(core)
+        return len(request.prompt_token_ids) - cached - pulled
 
 
 ROUTING_POLICIES = ("kv_aware", "load", "vllm")
@@ -198,9 +268,10 @@ ROUTING_POLICIES = ("kv_aware", "load", "vllm")
 ROUTING_REASONS = ("pinned", "prefix", "adapter", "load", "queued")
 
 
-def routing_policy(name: str, index: PrefixIndex, block_size: int) -> RoutingPolicy:
+def routing_policy(name: str, index: PrefixIndex, block_size: int, pulls: bool = False) -> RoutingPolicy:
+    """`pulls`: whether prefix pulls are on (kv_aware counts what they bring)."""
     if name == "kv_aware":
-        return KVAwareRouting(index, block_size)
+        return KVAwareRouting(index, block_size, pulls)
     if name == "load":
         return LoadRouting()
     if name == "vllm":
@@ -257,9 +328,9 @@ class Router:
         if self.candidates is not None:
             serving = self.candidates(request, serving)
         if request.lora_request is None:
-            loads = [load_of(c) for c in serving]
+            loads = [load_of(c, ledger=self.ledger) for c in serving]
         else:
-            loads = [load_of(c, adapters_on(c, self.ledger)) for c in serving]
+            loads = [load_of(c, adapters_on(c, self.ledger), self.ledger) for c in serving]
         best = self.policy.choose(request, loads)
         self._adapter_held = best is not None and request.lora_digest in best.adapters
         return None if best is None else channels[best.index]
@@ -267,11 +338,12 @@ class Router:
     def add(self, request: EngineCoreRequest, frame: bytes, rank: int | None) -> None:
         """A new request (`frame`: it, encoded), into the ledger and to its core."""
         channel = self.choose(request, rank)
-        self.ledger.add(request, pinned=rank is not None)
+        entry = self.ledger.add(request, pinned=rank is not None)
         self.decisions[self._reason(request, channel, rank)] += 1
         if channel is None:
             self.ledger.wait(request.request_id)
             return
+        entry.prefill_tokens = self.policy.tokens_to_compute(request, channel.index)
         hashes = self._hashes_of(request)
         if self.tier_loads is not None:
             load = self.tier_loads.plan(request, channel, self.ledger.serving(), hashes)
@@ -312,6 +384,7 @@ class Router:
         if channel is None:
             self.ledger.wait(request_id)
             return
+        entry.prefill_tokens = self.policy.tokens_to_compute(request, channel.index)
         self.dispatch(channel, request_id, self._encode(request))
 
     def send_waiting(self) -> None:

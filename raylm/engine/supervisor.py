@@ -118,8 +118,12 @@ class EngineCoreSupervisor:
         # What each core's prefix cache holds (its block events), which the
         # kv_aware policy routes by.
         self.prefix_index = PrefixIndex()
+        parallel = config.parallel_config
+        pulls_on = (
+            parallel.prefix_pull and parallel.context_parallel_size == 1 and config.cache_config.enable_prefix_caching
+        )
         policy = routing_policy(
-            config.parallel_config.routing_policy, self.prefix_index, config.cache_config.block_size
+            parallel.routing_policy, self.prefix_index, config.cache_config.block_size, pulls=pulls_on
         )
         self.router = Router(self.ledger, policy, encode)
         restarts = ReplicaRestarts()
@@ -137,16 +141,8 @@ class EngineCoreSupervisor:
         # Which way K/V goes between two cores, for migrations and prefix pulls alike.
         self.kv_routes = KVRoutes(self.launcher)
         self.migrations = Migrations(config, self.ledger, self.router, self.kv_routes, encode)
-        parallel = config.parallel_config
         self.pulls = Pulls(
-            self.ledger,
-            self.prefix_index,
-            config.cache_config.block_size,
-            self.kv_routes,
-            encode,
-            enabled=parallel.prefix_pull
-            and parallel.context_parallel_size == 1
-            and config.cache_config.enable_prefix_caching,
+            self.ledger, self.prefix_index, config.cache_config.block_size, self.kv_routes, encode, enabled=pulls_on
         )
         self.router.pulls = self.pulls
         self.tier_loads = TierLoads.for_engine(config, self.prefix_index, self.launcher, self.kv_routes, encode)
@@ -392,6 +388,7 @@ class EngineCoreSupervisor:
             entry = self.ledger[out.request_id]
             entry.token_ids.extend(out.new_token_ids)
             if out.new_token_ids:
+                entry.prefill_tokens = 0  # its prompt is computed: no more pending work there
                 self.migrations.saw_tokens(out.request_id)
             if out.finished:
                 self.ledger.finished(out.request_id, channel)

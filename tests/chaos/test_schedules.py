@@ -499,7 +499,7 @@ def test_chaos_schedules(quiet_engine_logs):
     # a load the supervisor sent (from any core's tier).
     assert TIER_LOADS["stored"] and TIER_LOADS["own_hits"] and TIER_LOADS["loads"], dict(TIER_LOADS)
     print(f"routing decisions over these schedules: {dict(ROUTING_DECISIONS)}")
-    # Requests with LoRA adapters follow them to the core holding them (routing.ADAPTER_CREDIT).
+    # Requests with LoRA adapters follow them to the core holding them (routing.ADAPTER_CREDIT_TOKENS).
     assert ROUTING_DECISIONS["adapter"], dict(ROUTING_DECISIONS)
 
 

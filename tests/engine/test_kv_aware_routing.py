@@ -10,18 +10,23 @@ from __future__ import annotations
 import random
 
 import pytest
+import zmq
 
 from raylm import LLM, SamplingParams
 from raylm.core.kv_cache_manager import BlockPool, KVEventRecorder
+from raylm.engine.core_channel import CoreChannel
+from raylm.engine.ledger import Ledger
 from raylm.engine.prefix_index import PrefixIndex, prompt_block_hashes
 from raylm.engine.protocol import EngineCoreRequest, KVCacheEvents
 from raylm.engine.routing import (
-    MAX_PREFIX_CREDIT,
-    PREFIX_TOKENS_PER_REQUEST,
+    DECODE_REQUEST_TOKENS,
+    PULL_TOKEN_WEIGHT,
     CoreLoad,
     KVAwareRouting,
     LoadRouting,
+    Router,
     VllmRouting,
+    load_of,
     routing_policy,
 )
 from raylm.testing.hf_oracle import hf_greedy
@@ -81,23 +86,89 @@ def _request(tokens: list[int], salt: str | None = None) -> EngineCoreRequest:
     return EngineCoreRequest("r", tokens, SamplingParams(max_tokens=1), None, cache_salt=salt)
 
 
-def test_kv_aware_takes_the_holder_unless_it_is_much_busier():
+def _queued(index: int, prompt_tokens: int, decoding: int = 0) -> CoreLoad:
+    """A core with one request waiting to compute `prompt_tokens` and `decoding` more."""
+    return CoreLoad(index, 1 + decoding, prefilling=1, prefill_tokens=prompt_tokens)
+
+
+def test_kv_aware_takes_the_holder_unless_its_queue_exceeds_the_recompute():
+    """The cost is in prompt tokens: a holder of a 2048-token prefix wins
+    unless its pending prompt tokens exceed the idle core's by more than the
+    2048 it would recompute (with pulls: more than the pull's cost)."""
     prompt = list(range(2048 + 5))
     index = PrefixIndex()
     index.apply(1, KVCacheEvents(cleared=True, stored=prompt_block_hashes(prompt, BLOCK)))
     policy = KVAwareRouting(index, BLOCK)
-    credit = min(2048 / PREFIX_TOKENS_PER_REQUEST, MAX_PREFIX_CREDIT)
-    assert credit == MAX_PREFIX_CREDIT
-    busy = [CoreLoad(0, 0), CoreLoad(1, int(credit) - 1)]
-    assert policy.choose(_request(prompt), busy).index == 1
+    assert policy.choose(_request(prompt), [CoreLoad(0, 0), _queued(1, 2047)]).index == 1
     assert policy.last_matched == {0: 0, 1: 128}
-    assert policy.choose(_request(prompt), [CoreLoad(0, 0), CoreLoad(1, int(credit) + 1)]).index == 0
+    assert policy.tokens_to_compute(_request(prompt), 1) == 5
+    assert policy.tokens_to_compute(_request(prompt), 0) == 2048 + 5
+    assert policy.choose(_request(prompt), [CoreLoad(0, 0), _queued(1, 2049)]).index == 0
+    # Queues on both: only the difference counts.
+    assert policy.choose(_request(prompt), [_queued(0, 3000), _queued(1, 5000)]).index == 1
     # Another tenant's salt: the same tokens are not its cache.
-    assert policy.choose(_request(prompt, "tenant-b"), busy).index == 0
-    # Short prompts (the embedded model's 512 positions) earn credit too.
+    assert policy.choose(_request(prompt, "tenant-b"), [CoreLoad(0, 0), _queued(1, 10)]).index == 0
+    # Short prompts (the embedded model's 512 positions) count too.
     short = list(range(64 + 1))
     index.apply(1, KVCacheEvents(stored=prompt_block_hashes(short, BLOCK)))
     assert policy.choose(_request(short), [CoreLoad(0, 0), CoreLoad(1, 0)]).index == 1
+
+    # With pulls, the other core would pull the prefix (at PULL_TOKEN_WEIGHT
+    # of its recompute): the holder wins by that much less.
+    pulling = KVAwareRouting(index, BLOCK, pulls=True)
+    pull_cost = int(PULL_TOKEN_WEIGHT * 2048)
+    assert pulling.choose(_request(prompt), [CoreLoad(0, 0), _queued(1, pull_cost - 1)]).index == 1
+    assert pulling.choose(_request(prompt), [CoreLoad(0, 0), _queued(1, pull_cost + 1)]).index == 0
+    # The ledger counts, at the core that pulls, only what is left to compute.
+    assert pulling.tokens_to_compute(_request(prompt), 0) == 5
+
+
+def test_a_long_queue_of_prompt_tokens_sends_new_sessions_elsewhere():
+    """Counted in requests, one long queued prompt weighs less than three
+    decodes; counted in tokens, the core with 4000 prompt tokens queued is
+    the busier, and new sessions (no prefix held anywhere) go to the other."""
+    policy = KVAwareRouting(PrefixIndex(), BLOCK, pulls=True)
+    long_queue, decodes = _queued(0, 4000), CoreLoad(1, 3)
+    assert long_queue.score < decodes.score  # load would take core 0
+    assert LoadRouting().choose(_request([1] * 300), [long_queue, decodes]).index == 0
+    for i in range(3):
+        session = [100 + i] * 300
+        assert policy.choose(_request(session), [long_queue, decodes]).index == 1
+    # Decodes alone: DECODE_REQUEST_TOKENS each, so fewer decodes win.
+    assert policy.choose(_request([1] * 300), [CoreLoad(0, 3), CoreLoad(1, 2)]).index == 1
+    assert DECODE_REQUEST_TOKENS * 3 < 4000
+
+
+def test_the_ledger_counts_each_cores_pending_prompt_tokens():
+    """The router records, for each request it sends, the prompt tokens it
+    is expected to compute there (its prompt less the prefix held there);
+    load_of sums them per core until the first token comes back."""
+    held = list(range(256 + 7))
+    index = PrefixIndex()
+    index.apply(0, KVCacheEvents(cleared=True, stored=prompt_block_hashes(held, BLOCK)))
+    ledger = Ledger()
+    ctx = zmq.Context()
+    try:
+        for i in range(2):
+            socket = ctx.socket(zmq.PUSH)  # nothing connected: sent frames wait in `unsent`
+            socket.setsockopt(zmq.LINGER, 0)
+            ledger.adopt(CoreChannel(i, socket, f"inproc://core{i}"))
+        router = Router(ledger, KVAwareRouting(index, BLOCK), encode=bytes)
+        router.add(EngineCoreRequest("a", held, SamplingParams(max_tokens=4), None), b"a", None)
+        assert ledger["a"].channel == 0 and ledger["a"].prefill_tokens == 7
+        # A long prompt nobody holds goes to the idle core 1 (a 7-token
+        # queue on core 0 is less than 400 new tokens, but core 0 would
+        # compute all 400 too): counted whole there.
+        router.add(EngineCoreRequest("b", [3] * 400, SamplingParams(max_tokens=4), None), b"b", None)
+        assert ledger["b"].channel == 1 and ledger["b"].prefill_tokens == 400
+        loads = {c.index: load_of(c, ledger=ledger) for c in ledger.channels.values()}
+        assert (loads[0].prefilling, loads[0].prefill_tokens, loads[1].prefill_tokens) == (1, 7, 400)
+        ledger["a"].prefill_tokens = 0  # its first token came back (the supervisor's reader)
+        assert load_of(ledger.channels[0], ledger=ledger).decoding == 1
+        for channel in ledger.channels.values():
+            channel.input.close()
+    finally:
+        ctx.term()
 
 
 def test_load_and_vllm_policies():

@@ -1,7 +1,7 @@
 """Routing across data-parallel replicas by LoRA adapter (issue 53, item 6):
 kv_aware's one cost function credits a core that holds the request's
-adapter (ADAPTER_CREDIT), so a request goes there unless that core is much
-busier; a core holds an adapter when its slots did at its last report or a
+adapter (ADAPTER_CREDIT_TOKENS), so a request goes there unless that core
+has that much more prompt work pending; a core holds an adapter when its slots did at its last report or a
 request it has in flight runs with it. On a real two-core engine (mp), a
 request follows its adapter to the core that ran it, another adapter goes
 by load, every replica reads an adapter it never saw, and every output
@@ -15,7 +15,7 @@ from raylm import LLM, SamplingParams
 from raylm.engine.ledger import Ledger
 from raylm.engine.prefix_index import PrefixIndex
 from raylm.engine.protocol import EngineCoreRequest, SchedulerStats
-from raylm.engine.routing import ADAPTER_CREDIT, CoreLoad, KVAwareRouting, adapters_on
+from raylm.engine.routing import ADAPTER_CREDIT_TOKENS, CoreLoad, KVAwareRouting, adapters_on
 from raylm.lora.request import LoRARequest
 from raylm.model.arch_config import ArchConfig
 from raylm.testing.lora_oracle import peft_greedy
@@ -34,9 +34,14 @@ def _request(request_id: str, digest: str | None) -> EngineCoreRequest:
 def test_the_adapters_holder_wins_unless_much_busier():
     policy = KVAwareRouting(PrefixIndex(), BLOCK)
     request = _request("r", "d1")
-    holder_busier = [CoreLoad(0, 0), CoreLoad(1, int(ADAPTER_CREDIT) - 1, adapters=frozenset({"d1"}))]
+
+    # The credit is in prompt tokens: the holder's queued prompt tokens against it.
+    def holder(pending: int) -> CoreLoad:
+        return CoreLoad(1, 1, prefilling=1, prefill_tokens=pending, adapters=frozenset({"d1"}))
+
+    holder_busier = [CoreLoad(0, 0), holder(ADAPTER_CREDIT_TOKENS - 1)]
     assert policy.choose(request, holder_busier).index == 1
-    much_busier = [CoreLoad(0, 0), CoreLoad(1, int(ADAPTER_CREDIT) + 1, adapters=frozenset({"d1"}))]
+    much_busier = [CoreLoad(0, 0), holder(ADAPTER_CREDIT_TOKENS + 1)]
     assert policy.choose(request, much_busier).index == 0
     # Another adapter held there earns nothing; nor does a request without one.
     other = [CoreLoad(0, 1), CoreLoad(1, 0, adapters=frozenset({"d2"}))]
