@@ -29,9 +29,10 @@ import os
 
 from raylm.engine.protocol import SchedulerStats
 
-# How long a holder may take to export when nothing is measured: the export
-# is an unpaced copy of a few MiB (milliseconds); a holder that takes longer
-# is busy or stuck, and recomputing is sooner.
+# How long a holder may take to export when the destination's pace is not
+# measured yet: the export is an unpaced copy of a few MiB (milliseconds); a
+# holder that takes longer is busy or stuck. Once measured, the wait is the
+# recompute's estimated time instead (`export_deadline`).
 EXPORT_TIMEOUT_S = 1.0
 
 # Weight of the newest pull in the moving average of seconds per byte.
@@ -81,5 +82,10 @@ class PullEstimate:
 
     def export_deadline(self, started: float, num_tokens: int, destination: SchedulerStats | None) -> float:
         """When a pull started at `started` stops waiting for its holder's export."""
+        # Measured: as long as the recompute, however long (capped at the fixed
+        # timeout, a loaded holder's 2k-token prefill step outlasted it and the
+        # pulls the routing trace needed timed out: each shared prefix was
+        # computed on both replicas). Waiting that long and then computing
+        # costs at most twice the recompute; not waiting costs it always.
         recompute = self.recompute_seconds(destination, num_tokens) if self.enabled else None
-        return started + (EXPORT_TIMEOUT_S if recompute is None else min(recompute, EXPORT_TIMEOUT_S))
+        return started + (EXPORT_TIMEOUT_S if recompute is None else recompute)
