@@ -109,7 +109,9 @@ class ModelRunnerOutput:
     # partial prefill chunk and nothing was sampled; several tokens for a
     # decode burst or a verified speculative draft.
     sampled_token_ids: list[list[int]]
-    logprobs: dict[str, PositionLogprobsLists] = field(default_factory=dict)
+    # req_id -> one entry per token of sampled_token_ids (a verified draft
+    # commits several), for the requests that asked for logprobs.
+    logprobs: dict[str, list[PositionLogprobsLists]] = field(default_factory=dict)
     # req_id -> logprobs of the prompt positions computed this step.
     prompt_logprobs: dict[str, list[PositionLogprobsLists]] = field(default_factory=dict)
 

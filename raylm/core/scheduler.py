@@ -344,11 +344,12 @@ class Scheduler(RequestQueues):
                 self._after_verification(request, draft, token_ids)
             if not new_tokens and not prompt_lps:
                 continue
-            logprobs = runner_output.logprobs.get(rid)
+            # One entry per sampled token: those of tokens cut off by a stop go too.
+            logprobs = runner_output.logprobs.get(rid, [])[: len(new_tokens)]
             out = EngineCoreOutput(
                 request_id=rid,
                 new_token_ids=new_tokens,
-                new_logprobs=[logprobs] if logprobs is not None and new_tokens else [],
+                new_logprobs=logprobs,
                 new_prompt_logprobs=prompt_lps,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
             )

@@ -10,7 +10,9 @@ exactly as decoding without speculation would (greedy: argmax; otherwise the
 same sampler and the request's own generator, one draw per committed token),
 commit it, and go on only while it equals the draft's token there. So the
 committed tokens are those decoding one at a time would give, a seeded
-request's text included, for any deterministic drafter. The scheduler then
+request's text included, for any deterministic drafter; a request's
+logprobs are taken from the sampling of each committed row, one entry per
+committed token, as a plain step takes them. The scheduler then
 takes the committed tokens one by one (stop tokens, max_tokens, min_tokens
 cut inside the run as between steps) and rolls `num_computed_tokens` back
 over the rejected positions: their K/V slots hold draft tokens' K/V and are
@@ -88,7 +90,6 @@ LOW_ACCEPTANCE_PAUSE = 32
 STEP_ASIDE_REASONS = (
     "large_batch",
     "low_acceptance",
-    "logprobs",
     "penalties",
     "min_tokens",
     "structured_output",
@@ -103,8 +104,6 @@ def request_step_aside_reason(request: Request, constrained: bool, drafts_in_cor
     """Why this request decodes without a draft this step, or None.
     `drafts_in_core`: the core knows the draft's tokens (not a draft model's)."""
     params = request.sampling_params
-    if params.logprobs is not None:
-        return "logprobs"  # one entry per token, from the sampler of each step
     if params.uses_penalties or params.bad_words_token_ids:
         return "penalties"  # sampling reads the output so far, which grows inside a run
     if request.num_output_tokens < params.min_tokens:

@@ -311,9 +311,9 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
         sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, tuple] = {}
+        logprobs: dict[str, list[tuple]] = {}  # one entry per sampled token
         if self._model_drafts:
-            sampled.update(self._verify_drafts(self._model_drafts, batch, hidden, grammar_output))
+            self._verify_drafts(self._model_drafts, batch, hidden, grammar_output, sampled, logprobs)
         if batch.sample_req_ids:
             # A decode step samples every row in order: no gather needed.
             sample_hidden = hidden
@@ -340,7 +340,7 @@ class ModelRunner:
                 num_lps = state.sampling_params.logprobs
                 if lp_lists is not None and num_lps is not None:
                     ids, lps, rank = lp_lists[i]
-                    logprobs[rid] = (ids[: num_lps + 1], lps[: num_lps + 1], rank)
+                    logprobs[rid] = [(ids[: num_lps + 1], lps[: num_lps + 1], rank)]
 
         prompt_logprobs = {}
         for rid, (rows, targets) in batch.prompt_logprob_rows.items():
@@ -361,13 +361,17 @@ class ModelRunner:
         batch: PreparedBatch,
         hidden: torch.Tensor,
         grammar_output: GrammarOutput | None,
-    ) -> dict[str, list[int]]:
-        """The committed tokens of the step's requests with a speculative draft
-        (raylm.worker.spec_verify), whose rows are its last 1 + len(draft);
-        the batch keeps the other requests' rows to sample as usual. A
-        constrained request's row j is masked first with its grammar row j
-        (the tokens allowed after the draft's first j tokens): each committed
-        token is sampled under the mask decoding would have applied there."""
+        sampled: dict[str, list[int]],
+        logprobs: dict[str, list[tuple]],
+    ) -> None:
+        """Fills in `sampled` the committed tokens of the step's requests with
+        a speculative draft (raylm.worker.spec_verify), whose rows are its
+        last 1 + len(draft), and in `logprobs` one entry per committed token
+        where asked; the batch keeps the other requests' rows to sample as
+        usual. A constrained request's row j is masked first with its grammar
+        row j (the tokens allowed after the draft's first j tokens): each
+        committed token is sampled, and its logprobs taken, under the mask
+        decoding would have applied there."""
         plain_ids, plain_rows, rows, spans = [], [], [], []
         for rid, row in zip(batch.sample_req_ids, batch.sample_indices):
             draft = drafts.get(rid)
@@ -382,13 +386,14 @@ class ModelRunner:
         apply_draft_grammar_bitmask(
             logits, [(rid, first, len(draft) + 1) for rid, first, draft in spans], grammar_output
         )
-        committed = {}
         for rid, first, draft in spans:
             state = self.requests[rid]
             del state.token_ids[len(state.token_ids) - len(draft) :]
             rows_of = logits[first : first + len(draft) + 1]
-            committed[rid] = verify_draft(rows_of, draft, self._draft_sampling_metadata(state), self.sampler)
-        return committed
+            metadata = self._draft_sampling_metadata(state)
+            sampled[rid], lp_rows = verify_draft(rows_of, draft, metadata, self.sampler)
+            if lp_rows:  # (its own one-row metadata: the request's top-N exactly)
+                logprobs[rid] = [e for r in lp_rows for e in _logprob_lists(r.token_ids, r.logprobs, r.ranks)]
 
     def _draft_sampling_metadata(self, state: CachedRequestState) -> SamplingMetadata:
         metadata = self._draft_metadata.get(state.req_id)

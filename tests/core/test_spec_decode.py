@@ -151,15 +151,21 @@ def test_a_rejected_draft_is_rolled_back_and_never_registered():
 
 
 def test_a_stop_token_inside_an_accepted_run_ends_the_request_there():
+    """And the logprobs go with the tokens kept: one entry each."""
     scheduler = _scheduler()
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[14])
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[14], logprobs=0)
     request = Request("r", [10, 11, 12, 13, 14, 10, 11], params, eos_token_id=None)
     scheduler.add_request(request)
     so = scheduler.schedule()
-    scheduler.update_from_output(so, ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[[12]]))
+    first = ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[[12]], logprobs={"r": [([12], [-0.5], 1)]})
+    assert scheduler.update_from_output(so, first)[0].new_logprobs == [([12], [-0.5], 1)]
     so = scheduler.schedule()
-    outputs = scheduler.update_from_output(so, ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[[13, 14, 10]]))
+    assert so.spec_token_ids == {"r": [13, 14, 10, 11]}  # logprobs speculate too
+    entries = [([13], [-0.1], 1), ([14], [-0.2], 1), ([10], [-0.3], 2)]
+    run = ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[[13, 14, 10]], logprobs={"r": entries})
+    outputs = scheduler.update_from_output(so, run)
     assert outputs[0].new_token_ids == [13, 14]
+    assert outputs[0].new_logprobs == entries[:2]
     assert request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason == 14
 
 
@@ -167,15 +173,15 @@ def test_drafts_leave_room_for_max_tokens_and_steps_aside_are_counted():
     scheduler = _scheduler()
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     scheduler.add_request(Request("r", [10, 11, 12, 13, 14, 10, 11], params, eos_token_id=None))
-    logprobs = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=0)
-    scheduler.add_request(Request("lp", [10, 11, 12, 13, 14, 10, 11], logprobs, eos_token_id=None))
+    penalised = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, presence_penalty=0.5)
+    scheduler.add_request(Request("pp", [10, 11, 12, 13, 14, 10, 11], penalised, eos_token_id=None))
     so = scheduler.schedule()
-    scheduler.update_from_output(so, ModelRunnerOutput(req_ids=["r", "lp"], sampled_token_ids=[[12], [12]]))
+    scheduler.update_from_output(so, ModelRunnerOutput(req_ids=["r", "pp"], sampled_token_ids=[[12], [12]]))
     so = scheduler.schedule()
     assert so.spec_token_ids == {"r": [13]}  # 2 tokens left: a draft of 1, committing 2 at most
     stats = scheduler.stats()
     assert stats["spec_decode_num_steps_aside"] == 1
-    assert stats["spec_decode_steps_aside_by_reason"] == {"logprobs": 1}
+    assert stats["spec_decode_steps_aside_by_reason"] == {"penalties": 1}
 
 
 def test_mostly_rejected_drafts_pause_drafting_then_it_resumes():

@@ -143,4 +143,4 @@ def test_speculative_decoding_counters_follow_each_core():
     assert value("vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") == 4 + 2 + 1
     assert value("vllm:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 2 + 1 + 1
     assert value("raylm:spec_decode_steps_aside_total", reason="large_batch") == 5
-    assert value("raylm:spec_decode_steps_aside_total", reason="logprobs") == 0
+    assert value("raylm:spec_decode_steps_aside_total", reason="penalties") == 0
