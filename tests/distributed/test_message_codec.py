@@ -90,7 +90,7 @@ model_runner_outputs = st.builds(
     ModelRunnerOutput,
     st.lists(names, max_size=5),
     st.lists(token_lists, max_size=5),
-    st.dictionaries(names, position_logprobs, max_size=3),
+    st.dictionaries(names, st.lists(position_logprobs, min_size=1, max_size=3), max_size=3),
     st.dictionaries(names, st.lists(position_logprobs, max_size=3), max_size=2),
 )
 grammar_outputs = st.builds(
