@@ -5,6 +5,7 @@ arriving at random (Poisson) beside them.
     python benchmarks/bench_pd.py [--rounds 2] [--streams 16] [--load 0.65]
     python benchmarks/bench_pd.py --model 111m-8k --long-prompt 2048 --duration 60
     python benchmarks/bench_pd.py --kill-prefill-every 5      # P/D with its prefill replica SIGKILLed every 5 s
+    python benchmarks/bench_pd.py --long-prompt 64 --variants pd,pd-local   # does handing off 64 tokens pay?
 
 Two local replicas (`-dp 2 --data-parallel-backend mp`, `--threads` each):
 - `colocated`: both replicas serve everything (chunked prefill, as `-dp 2` does);
@@ -47,7 +48,10 @@ from compare_vllm import bench_model
 
 from raylm import LLM, SamplingParams
 
-VARIANTS = ("colocated", "pd")
+# `pd-local`: P/D with the long prompts under --pd-min-prompt-tokens (they
+# stay on the decode replica that gets them, as short prompts do): whether
+# handing prompts of that length off pays, the threshold's question.
+VARIANTS = ("colocated", "pd", "pd-local")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -57,6 +61,8 @@ def _percentile(values: list[float], q: float) -> float:
 
 def _engine(args, variant: str) -> LLM:
     settings = {"prefill_replicas": 1} if variant.startswith("pd") else {}
+    if variant == "pd-local":
+        settings["pd_min_prompt_tokens"] = args.long_prompt + 1
     return LLM(
         bench_model(args.model),
         data_parallel_size=2,
@@ -205,6 +211,7 @@ def main() -> None:
         default=None,
         help="also run P/D with its prefill replica SIGKILLed every S s",
     )
+    parser.add_argument("--variants", default="colocated,pd", help=f"of {', '.join(VARIANTS)}")
     parser.add_argument("--json", default=None, help="write the results to this file")
     args = parser.parse_args()
     prefill_s = calibrate(args)
@@ -213,7 +220,7 @@ def main() -> None:
         f"{args.load / prefill_s:.2f}/s",
         flush=True,
     )
-    variants = list(VARIANTS) + (["pd-kill"] if args.kill_prefill_every else [])
+    variants = args.variants.split(",") + (["pd-kill"] if args.kill_prefill_every else [])
     results = {v: [] for v in variants}
     for round_ in range(args.rounds):
         for variant in variants:
@@ -227,11 +234,13 @@ def main() -> None:
             for k in ("itl_p50_ms", "itl_p99_ms", "throughput", "goodput", "ttft_p50_ms", "ttft_p99_ms")
         }
         print(f"{variant:10s} median of {len(rs)}: " + ", ".join(f"{k} {v:.1f}" for k, v in summary[variant].items()))
-    col, pd = summary["colocated"], summary["pd"]
-    print(
-        f"P/D against colocated: ITL p99 {col['itl_p99_ms'] / pd['itl_p99_ms']:.2f}x lower, throughput "
-        f"{pd['throughput'] / col['throughput']:.2f}x, TTFT p50 {pd['ttft_p50_ms'] / col['ttft_p50_ms']:.2f}x"
-    )
+    for base in ("colocated", "pd-local"):
+        if base in summary and "pd" in summary:
+            col, pd = summary[base], summary["pd"]
+            print(
+                f"P/D against {base}: ITL p99 {col['itl_p99_ms'] / pd['itl_p99_ms']:.2f}x lower, throughput "
+                f"{pd['throughput'] / col['throughput']:.2f}x, TTFT p50 {pd['ttft_p50_ms'] / col['ttft_p50_ms']:.2f}x"
+            )
     if args.json:
         pathlib.Path(args.json).write_text(
             json.dumps({"args": vars(args), "prefill_s": prefill_s, "runs": results, "summary": summary}, indent=1)
