@@ -84,6 +84,8 @@ class SpeculativeConfig:
                 f"got {k!r}"
             )
         if self.method == "draft_model":
+            if isinstance(self.model, os.PathLike):  # a pathlib.Path from Python, as LLM(model=...) takes
+                self.model = os.fspath(self.model)
             if not isinstance(self.model, str) or not self.model:
                 raise ValueError("speculative_config.model (the draft's folder or Hub id) is required by draft_model")
             for name in ("prompt_lookup_min", "prompt_lookup_max"):

@@ -4,8 +4,8 @@ on every socket the engine listens on, against two engine-core processes
 serving greedy float32 streams of the embedded model (every other replay
 short of KV blocks, with a tier of evicted blocks). Each seed is replayed
 several times (the cores run beside the schedule: each replay meets them in
-another state; in the colocated variant every other replay speculates with
-n-gram drafts), every other replay with its migrations on the sealed network
+another state; in the colocated variant every other replay speculates, with
+n-gram drafts, or with a draft model on even seeds), every other replay with its migrations on the sealed network
 path (RAYLM_MIGRATION_NETWORK=1: the K/V servers listen, and meet the
 stranger) instead of shared-memory files; every replay must end with each
 stream equal to an undisturbed run of the same requests, and leave no
@@ -28,6 +28,7 @@ import os
 import pytest
 
 from raylm import LLM, SamplingParams
+from raylm.config import DEFAULT_MODEL_DIR
 from raylm.testing.chaos.schedule import ScheduleRunner, descendants, make_schedule
 from tests.conftest import bos_straggler_env, wait_until
 
@@ -82,6 +83,10 @@ TIERED = {"kv_cache_memory_bytes": 40 << 16, "kv_offloading_size": 0.01}
 # raylm.core.spec_decode): drafts verified and rolled back meet the schedule's
 # kills, migrations and pulls, and the streams must still equal the plain run.
 SPECULATIVE = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}}
+# Even seeds speculate with a draft model instead (the embedded model drafting
+# for itself: every draft accepted), so that the draft's own K/V cache, kept
+# beside the target's blocks, meets the same faults.
+DRAFT_MODEL = {"speculative_config": {"method": "draft_model", "model": DEFAULT_MODEL_DIR, "num_speculative_tokens": 3}}
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +118,7 @@ def test_seeded_schedules_against_real_cores(
             engine = dict(data_parallel_size=2, data_parallel_backend="mp", prefill_replicas=prefill_replicas)
             speculative = not prefill_replicas and not replay % 2
             if speculative:
-                engine.update(SPECULATIVE)
+                engine.update(DRAFT_MODEL if seed % 2 == 0 else SPECULATIVE)
             # Every step speculates, however many streams run (the cores read it at their start).
             monkeypatch.setenv("RAYLM_SPECULATIVE_MAX_BATCH", "64" if speculative else "2")
             if prefill_replicas:  # the two shortest prompts stay on a decode replica, the others are handed off

@@ -6,6 +6,7 @@ rolled back, no block of them registered in the prefix cache, the counts)."""
 from __future__ import annotations
 
 import argparse
+import pathlib
 
 import pytest
 
@@ -54,6 +55,11 @@ BLOCK = 4
 def test_bad_settings_are_refused_by_name(setting, field):
     with pytest.raises(ValueError, match=field):
         SpeculativeConfig.from_setting(setting)
+
+
+def test_a_draft_folder_may_be_a_path():
+    setting = {"method": "draft_model", "num_speculative_tokens": 3, "model": pathlib.Path("/some/draft")}
+    assert SpeculativeConfig.from_setting(setting).model == "/some/draft"
 
 
 def test_suffix_is_a_method():
