@@ -32,7 +32,8 @@ FLAGS = ("cleanup",)  # the block leaves daemons on purpose (`ray start`): end t
 LANGS = {"bash": ["bash", "-e"], "python": [sys.executable]}
 DEFAULT_TIMEOUT_S = {"fast": 120.0, "slow": 600.0}
 PAGE_PORT = "8000"  # the port the pages write; serve and client blocks get a free one instead
-TOKEN_VAR = "RAYLM_DOC_BLOCK_RUN"
+# Not a RAYLM_ setting: raylm never reads it (tests/executor/test_worker_env.py lists those).
+TOKEN_VAR = "DOC_BLOCK_RUN_TOKEN"
 # How long a block's processes may take to end by themselves after it (a local
 # Ray stops a few seconds after its driver) before they count as left behind.
 LEFTOVER_GRACE_S = 10.0
