@@ -140,6 +140,10 @@ class RoutingPolicy(ABC):
     """Chooses the core for a new request among the serving ones."""
 
     name: str
+    # Whether its choice reads each core's pending prompt tokens (CoreLoad's
+    # prefilling / prefill_tokens), which the router then counts from the
+    # ledger for every serving core: only for the policies that use them.
+    counts_pending_prompt_tokens = False
 
     @abstractmethod
     def choose(self, request: EngineCoreRequest, loads: list[CoreLoad]) -> CoreLoad | None:
@@ -218,19 +222,21 @@ class KVAwareRouting(RoutingPolicy):
     prefix pulls bring the longest cached prefix to the core chosen."""
 
     name = "kv_aware"
+    counts_pending_prompt_tokens = True
 
     def __init__(self, index: PrefixIndex, block_size: int, pulls: bool = False):
         self.index = index
         self.block_size = block_size
         self.pulls = pulls
         self.last_matched: dict[int, int] = {}  # the last choice's cached blocks per core (metrics, tests)
+        self._most_matched = 0  # of those, the longest (what a pull brings to any core)
         self.last_hashes: tuple[str, list[bytes]] = ("", [])  # (request id, its prompt's block hashes)
 
     def _reused_tokens(self, core: int) -> tuple[int, int]:
         """(cached on `core`, pulled there from the best holder) for the last
         request chosen for, in tokens."""
         here = self.last_matched.get(core, 0)
-        best = max(self.last_matched.values(), default=0) if self.pulls else here
+        best = self._most_matched if self.pulls else here
         return here * self.block_size, max(best - here, 0) * self.block_size
 
     def choose(self, request: EngineCoreRequest, loads: list[CoreLoad]) -> CoreLoad | None:
@@ -242,6 +248,7 @@ class KVAwareRouting(RoutingPolicy):
         )
         matched = self.index.matched_blocks(hashes, [load.index for load in loads]) if hashes else {}
         self.last_matched = matched
+        self._most_matched = max(matched.values(), default=0)
         self.last_hashes = (request.request_id, hashes)
         digest = request.lora_digest
         prompt_tokens = len(request.prompt_token_ids)
@@ -327,10 +334,11 @@ class Router:
         serving = self.ledger.serving()
         if self.candidates is not None:
             serving = self.candidates(request, serving)
+        ledger = self.ledger if self.policy.counts_pending_prompt_tokens else None
         if request.lora_request is None:
-            loads = [load_of(c, ledger=self.ledger) for c in serving]
+            loads = [load_of(c, ledger=ledger) for c in serving]
         else:
-            loads = [load_of(c, adapters_on(c, self.ledger), self.ledger) for c in serving]
+            loads = [load_of(c, adapters_on(c, self.ledger), ledger) for c in serving]
         best = self.policy.choose(request, loads)
         self._adapter_held = best is not None and request.lora_digest in best.adapters
         return None if best is None else channels[best.index]
